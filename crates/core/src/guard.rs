@@ -1,0 +1,276 @@
+//! The guard: the one entry point that the HTTP API, the CLI and embedding applications use.
+//!
+//! It owns the store, the clock, the limits and the in-process waiters. It bounds what callers
+//! ask for (lease, retention, wait, outcome size), turns a claim that may wait into a loop of
+//! atomic store claims woken by completions, and notifies waiters after every finishing call.
+//! It knows nothing of HTTP.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::clock::Clock;
+use crate::domain::{Fence, InvalidInput, Scope, TenantId, check_bounds};
+use crate::notify::Notifier;
+use crate::protocol::{ClaimRequest, Mutation};
+use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
+use crate::store::{ListFilter, Page, Store, StoreError};
+
+/// Bounds on what callers may ask for, and defaults when they ask for nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Lease when a claim names none.
+    #[serde(with = "humantime_serde")]
+    pub default_lease: Duration,
+    /// Shortest lease a claim or extend may ask for.
+    #[serde(with = "humantime_serde")]
+    pub min_lease: Duration,
+    /// Longest lease a claim or extend may ask for.
+    #[serde(with = "humantime_serde")]
+    pub max_lease: Duration,
+    /// Retention when a claim names none.
+    #[serde(with = "humantime_serde")]
+    pub default_retention: Duration,
+    /// Shortest retention a claim may ask for.
+    #[serde(with = "humantime_serde")]
+    pub min_retention: Duration,
+    /// Longest retention a claim may ask for.
+    #[serde(with = "humantime_serde")]
+    pub max_retention: Duration,
+    /// Longest a claim may wait for an in-flight key.
+    #[serde(with = "humantime_serde")]
+    pub max_wait: Duration,
+    /// While waiting, re-claim at least this often (covers lease expiry and changes made by
+    /// other processes).
+    #[serde(with = "humantime_serde")]
+    pub wait_poll: Duration,
+    /// Largest stored outcome, in bytes.
+    pub max_outcome_bytes: usize,
+    /// Largest checkpoint data, in bytes.
+    pub max_checkpoint_bytes: usize,
+    /// Most checkpoints kept per key (oldest dropped first).
+    pub max_checkpoints: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            default_lease: Duration::from_secs(30),
+            min_lease: Duration::from_millis(100),
+            max_lease: Duration::from_secs(3_600),
+            default_retention: Duration::from_secs(24 * 3_600),
+            min_retention: Duration::from_secs(1),
+            max_retention: Duration::from_secs(30 * 24 * 3_600),
+            max_wait: Duration::from_secs(30),
+            wait_poll: Duration::from_millis(500),
+            max_outcome_bytes: 1024 * 1024,
+            max_checkpoint_bytes: 16 * 1024,
+            max_checkpoints: 64,
+        }
+    }
+}
+
+impl Limits {
+    /// Checks that the limits make sense together.
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        let order = |field, lo: Duration, mid: Duration, hi: Duration| {
+            if lo <= mid && mid <= hi && !lo.is_zero() {
+                Ok(())
+            } else {
+                Err(InvalidInput::new(field, "must lie between its (non-zero) minimum and its maximum"))
+            }
+        };
+        order("limits.default_lease", self.min_lease, self.default_lease, self.max_lease)?;
+        order("limits.default_retention", self.min_retention, self.default_retention, self.max_retention)?;
+        if self.wait_poll.is_zero() {
+            return Err(InvalidInput::new("limits.wait_poll", "must be more than zero"));
+        }
+        if self.max_outcome_bytes == 0 || self.max_checkpoint_bytes == 0 || self.max_checkpoints == 0 {
+            return Err(InvalidInput::new("limits", "byte and count limits must be more than zero"));
+        }
+        Ok(())
+    }
+
+    /// The lease to use for `asked` (or the default), within bounds.
+    pub fn lease(&self, asked: Option<Duration>) -> Result<Duration, InvalidInput> {
+        check_bounds("lease", asked.unwrap_or(self.default_lease), self.min_lease, self.max_lease)
+    }
+
+    /// The retention to use for `asked` (or the default), within bounds.
+    pub fn retention(&self, asked: Option<Duration>) -> Result<Duration, InvalidInput> {
+        check_bounds("retention", asked.unwrap_or(self.default_retention), self.min_retention, self.max_retention)
+    }
+
+    /// The wait to use for `asked` (none by default), within bounds.
+    pub fn wait(&self, asked: Option<Duration>) -> Result<Duration, InvalidInput> {
+        check_bounds("wait", asked.unwrap_or(Duration::ZERO), Duration::ZERO, self.max_wait)
+    }
+}
+
+/// Why the guard refused or could not do a call.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    /// The call asked for something outside the limits; nothing changed. Not retryable as is.
+    #[error(transparent)]
+    Invalid(#[from] InvalidInput),
+    /// An outcome or checkpoint was larger than allowed; nothing changed. Not retryable as is.
+    #[error("{what} is {size} bytes; at most {limit} are allowed")]
+    TooLarge {
+        /// What was too large.
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The store could not answer; no decision was made. Retrying later is safe.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The guard. Cheap to clone; clones share everything.
+#[derive(Clone)]
+pub struct Guard {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    limits: Arc<Limits>,
+    notifier: Arc<Notifier>,
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard").field("store", &self.store.kind()).field("limits", &self.limits).finish()
+    }
+}
+
+impl Guard {
+    /// A guard over `store`, with time from `clock`.
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, limits: Limits) -> Self {
+        Self { store, clock, limits: Arc::new(limits), notifier: Arc::new(Notifier::default()) }
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Claims a key. With a non-zero `wait`, a claim that finds the key in flight waits (at most
+    /// `wait`) and claims again when the holder finishes or its lease passes, so the caller gets
+    /// the replay (or the key, as a recovery) without polling. Every answer comes from one
+    /// atomic store claim.
+    #[tracing::instrument(name = "guard.claim", skip_all, fields(tenant = %req.scope.tenant, namespace = %req.scope.namespace, fingerprint = %req.fingerprint, outcome))]
+    pub async fn claim(&self, req: &ClaimRequest, wait: Duration) -> Result<ClaimOutcome, GuardError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let mut changes = (!wait.is_zero()).then(|| self.notifier.subscribe(&req.scope));
+            let outcome = self.store.claim(req, self.clock.now()).await?;
+            let retry_after = match (&outcome, changes.as_mut()) {
+                (ClaimOutcome::InFlight(in_flight), Some(_)) if Instant::now() < deadline => in_flight.retry_after,
+                _ => {
+                    tracing::Span::current().record("outcome", outcome.name());
+                    return Ok(outcome);
+                }
+            };
+            // Wake on a change, when the holder's lease should have passed, at the poll interval,
+            // or at the deadline, whichever comes first; then claim again.
+            let nap = retry_after.min(self.limits.wait_poll).max(Duration::from_millis(1));
+            let until = deadline.min(Instant::now() + nap);
+            if let Some(changes) = changes.as_mut() {
+                let _ = tokio::time::timeout_at(until, changes.changed()).await;
+            }
+        }
+    }
+
+    /// Applies a fenced call, after checking its size limits, and wakes the key's waiters when
+    /// it finished the attempt.
+    #[tracing::instrument(name = "guard.mutate", skip_all, fields(tenant = %scope.tenant, namespace = %scope.namespace, fence = %fence, op = mutation.name(), outcome))]
+    pub async fn mutate(&self, scope: &Scope, fence: Fence, mutation: Mutation) -> Result<FencedOutcome, GuardError> {
+        match &mutation {
+            Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => {
+                self.check_size("outcome", o.body.len(), self.limits.max_outcome_bytes)?;
+            }
+            Mutation::Checkpoint { data, .. } => {
+                self.check_size("checkpoint data", data.len(), self.limits.max_checkpoint_bytes)?;
+            }
+            Mutation::Extend(lease) => {
+                self.limits.lease(Some(*lease))?;
+            }
+            Mutation::ReportUnknown(detail) => {
+                self.check_size("detail", detail.len(), self.limits.max_checkpoint_bytes)?;
+            }
+        }
+        let finishes = matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+        let outcome = self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?;
+        let applied = matches!(outcome, FencedOutcome::Applied(_));
+        tracing::Span::current().record("outcome", if applied { "applied" } else { "stale" });
+        if applied && finishes {
+            self.notifier.notify(scope);
+        }
+        Ok(outcome)
+    }
+
+    fn check_size(&self, what: &'static str, size: usize, limit: usize) -> Result<(), GuardError> {
+        if size > limit { Err(GuardError::TooLarge { what, size, limit }) } else { Ok(()) }
+    }
+
+    /// The live record of a key.
+    pub async fn get(&self, scope: &Scope) -> Result<Option<Record>, GuardError> {
+        Ok(self.store.get(scope, self.clock.now()).await?)
+    }
+
+    /// Lists a tenant's live records.
+    pub async fn list(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, GuardError> {
+        Ok(self.store.list(tenant, filter, self.clock.now()).await?)
+    }
+
+    /// Deletes a key's record (an operator's action), and wakes its waiters.
+    pub async fn purge(&self, scope: &Scope) -> Result<bool, GuardError> {
+        let existed = self.store.purge(scope).await?;
+        self.notifier.notify(scope);
+        Ok(existed)
+    }
+
+    /// Deletes expired records until none is left or `max_batches` batches of `batch` ran.
+    pub async fn sweep(&self, batch: usize, max_batches: usize) -> Result<usize, GuardError> {
+        let mut total = 0;
+        for _ in 0..max_batches {
+            let n = self.store.sweep(self.clock.now(), batch).await?;
+            total += n;
+            if n < batch {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Counts a tenant's in-progress records and the stuck ones among them, reading at most
+    /// `max_pages` pages.
+    pub async fn count_in_progress(&self, tenant: &TenantId, max_pages: usize) -> Result<(usize, usize), GuardError> {
+        let now = self.clock.now();
+        let mut filter = ListFilter { state: Some(RecordState::InProgress), limit: crate::store::MAX_PAGE, ..Default::default() };
+        let (mut in_progress, mut stuck) = (0, 0);
+        for _ in 0..max_pages {
+            let page = self.store.list(tenant, &filter, now).await?;
+            in_progress += page.records.len();
+            stuck += page.records.iter().filter(|r| r.is_stuck(now)).count();
+            match page.next {
+                Some(next) => filter.after = Some(next),
+                None => break,
+            }
+        }
+        Ok((in_progress, stuck))
+    }
+}

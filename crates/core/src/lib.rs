@@ -1,0 +1,33 @@
+//! Onceguard's core: workflow idempotency keys for AI agents and RAG pipelines.
+//!
+//! - [`domain`]: the parsed newtypes (key, namespace, tenant, fingerprint, fence, time).
+//! - [`record`]: what a store keeps for a key, and the answers of the protocol.
+//! - [`protocol`]: the state machine, as pure functions every store runs atomically.
+//! - [`store`]: the `Store` trait and its contract; [`memory`] is the in-memory store.
+//! - [`guard`]: the entry point callers use: limits, bounded waits, wake-ups.
+//! - [`auth`]: tenants and hashed API keys.
+//!
+//! This crate has no HTTP or database dependency: the server and the stores build on it.
+
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod clock;
+pub mod domain;
+pub mod guard;
+pub mod memory;
+pub mod notify;
+pub mod protocol;
+pub mod record;
+pub mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use domain::{CheckpointName, Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
+pub use guard::{Guard, GuardError, Limits};
+pub use memory::MemoryStore;
+pub use protocol::{ClaimRequest, Mutation};
+pub use record::{
+    Acquired, Checkpoint, ClaimOutcome, Denial, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState,
+    Recovery, RecoveryReason, Replay, StaleReason,
+};
+pub use store::{ListFilter, Page, Store, StoreError};

@@ -1,0 +1,177 @@
+//! The in-memory store: for tests and single-process library use. Nothing survives the process.
+//!
+//! One mutex guards all state, so every operation is atomic; fences come from one counter that
+//! is never reset.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+
+use crate::auth::{ApiKey, ApiKeyId, Tenant};
+use crate::domain::{Fence, Scope, TenantId, Timestamp};
+use crate::protocol::{self, ClaimRequest, Mutation};
+use crate::record::{ClaimOutcome, FencedOutcome, Record};
+use crate::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
+
+/// The in-memory store.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    records: BTreeMap<Scope, Record>,
+    last_fence: u64,
+    tenants: BTreeMap<TenantId, Tenant>,
+    api_keys: BTreeMap<String, ApiKey>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave a half-written record: every write is a
+        // single map insert. So a poisoned lock is safe to keep using.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whether `record` passes `filter` at `now` (shared by stores that filter in process).
+pub fn matches_filter(record: &Record, filter: &ListFilter, now: Timestamp) -> bool {
+    record.is_live(now)
+        && filter.namespace_prefix.as_ref().is_none_or(|p| record.scope.namespace.is_within(p))
+        && filter.state.is_none_or(|s| record.state == s)
+        && (!filter.stuck || record.is_stuck(now))
+        && filter.run.as_ref().is_none_or(|r| record.run.as_ref() == Some(r))
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        let mut state = self.lock();
+        let state = &mut *state;
+        let existing = state.records.get(&req.scope).cloned();
+        let (outcome, write) = protocol::claim(existing, req, now, || {
+            state.last_fence += 1;
+            Fence(state.last_fence)
+        });
+        if let Some(record) = write {
+            state.records.insert(record.scope.clone(), record);
+        }
+        Ok(outcome)
+    }
+
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        let mut state = self.lock();
+        let existing = state.records.get(scope).cloned();
+        let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
+        if let Some(record) = write {
+            state.records.insert(record.scope.clone(), record);
+        }
+        Ok(outcome)
+    }
+
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        Ok(self.lock().records.get(scope).filter(|r| r.is_live(now)).cloned())
+    }
+
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let state = self.lock();
+        let mut records: Vec<Record> = state
+            .records
+            .values()
+            .filter(|r| &r.scope.tenant == tenant)
+            .filter(|r| {
+                filter.after.as_ref().is_none_or(|(ns, key)| (&r.scope.namespace, &r.scope.key) > (ns, key))
+            })
+            .filter(|r| matches_filter(r, filter, now))
+            .take(limit + 1)
+            .cloned()
+            .collect();
+        let next = if records.len() > limit {
+            records.truncate(limit);
+            records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
+        } else {
+            None
+        };
+        Ok(Page { records, next })
+    }
+
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        Ok(self.lock().records.remove(scope).is_some())
+    }
+
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let mut state = self.lock();
+        let expired: Vec<Scope> =
+            state.records.values().filter(|r| !r.is_live(now)).take(batch).map(|r| r.scope.clone()).collect();
+        for scope in &expired {
+            state.records.remove(scope);
+        }
+        Ok(expired.len())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        if state.tenants.contains_key(&tenant.id) {
+            return Ok(false);
+        }
+        state.tenants.insert(tenant.id.clone(), tenant.clone());
+        Ok(true)
+    }
+
+    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
+        Ok(self.lock().tenants.get(id).cloned())
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        Ok(self.lock().tenants.values().cloned().collect())
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        self.lock().api_keys.insert(key.id.as_str().to_owned(), key.clone());
+        Ok(())
+    }
+
+    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        Ok(self.lock().api_keys.get(id.as_str()).cloned())
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
+        let mut keys: Vec<ApiKey> = self.lock().api_keys.values().filter(|k| &k.tenant == tenant).cloned().collect();
+        keys.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| a.id.as_str().cmp(b.id.as_str())));
+        Ok(keys)
+    }
+
+    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        match state.api_keys.get_mut(id.as_str()) {
+            Some(key) if &key.tenant == tenant => {
+                key.revoked_at.get_or_insert(now);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+}

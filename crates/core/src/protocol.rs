@@ -1,0 +1,308 @@
+//! The state machine of a key, as pure functions.
+//!
+//! A store runs [`claim`] or [`apply`] inside one atomic section (a transaction holding the
+//! write lock, a mutex, a Lua script) on the record it read for the key, then writes back the
+//! record they return, if any. Because the decision and the write happen in that one section,
+//! a claim is never check-then-set: of N concurrent claims of an absent key exactly one is
+//! `acquired`.
+//!
+//! Invariants these functions keep, whatever the input:
+//!
+//! - **Fencing**: a fenced call changes a record only when its fence is the record's current
+//!   fence and the record is in progress; every other call answers `stale` and returns no write.
+//!   (Repeating a completion that already took effect, identically, answers as it did the first
+//!   time, so a client may retry a completion whose answer it lost.)
+//! - **Fences only grow**: a new holder gets a fence from the store's counter, which never
+//!   repeats and never decreases; it is drawn only when a claim acquires.
+//! - **Retention is checked when read**: a record whose `expires_at` has passed is treated as
+//!   absent even before the sweep deletes it.
+//! - **Mismatch changes nothing**: a claim whose fingerprint differs from a live record's
+//!   answers `mismatch` with no write (also while the key is in flight).
+
+use std::time::Duration;
+
+use crate::domain::{CheckpointName, Fence, Fingerprint, RunId, Scope, Timestamp};
+use crate::record::{
+    Acquired, Checkpoint, ClaimOutcome, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState, Recovery,
+    RecoveryReason, Replay, StaleReason,
+};
+
+/// A validated claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The key to claim.
+    pub scope: Scope,
+    /// What the request means.
+    pub fingerprint: Fingerprint,
+    /// How long the claimant may hold the key without extending.
+    pub lease: Duration,
+    /// How long the outcome replays once stored.
+    pub retention: Duration,
+    /// The run the key belongs to.
+    pub run: Option<RunId>,
+}
+
+/// A validated fenced call on a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mutation {
+    /// Store a successful outcome.
+    Complete(Outcome),
+    /// Store a permanent failure (it replays), or release the key for a retry.
+    Fail {
+        /// `true`: release the key, the next claim proceeds; `false`: store and replay.
+        retryable: bool,
+        /// What went wrong (stored when permanent).
+        outcome: Outcome,
+    },
+    /// Push the lease out to now + this duration.
+    Extend(Duration),
+    /// Save a recovery point.
+    Checkpoint {
+        /// What step it marks.
+        name: CheckpointName,
+        /// Small JSON text.
+        data: String,
+    },
+    /// The holder does not know whether the effect happened: end its lease now, so that the
+    /// next claim is a recovery.
+    ReportUnknown(String),
+}
+
+impl Mutation {
+    /// The operation's name, for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Complete(_) => "complete",
+            Self::Fail { .. } => "fail",
+            Self::Extend(_) => "extend",
+            Self::Checkpoint { .. } => "checkpoint",
+            Self::ReportUnknown(_) => "report_unknown",
+        }
+    }
+}
+
+/// Decides a claim on the record currently stored for the key (`None` if there is none).
+///
+/// Returns the answer and the record to write, if any. `next_fence` is called once, and only
+/// when the claim acquires.
+pub fn claim(
+    existing: Option<Record>,
+    req: &ClaimRequest,
+    now: Timestamp,
+    next_fence: impl FnOnce() -> Fence,
+) -> (ClaimOutcome, Option<Record>) {
+    let Some(record) = existing.filter(|r| r.is_live(now)) else {
+        return acquire(None, req, now, next_fence());
+    };
+    if record.state != RecordState::Released && record.fingerprint != req.fingerprint {
+        return (ClaimOutcome::Mismatch, None);
+    }
+    match record.state {
+        RecordState::Completed => {
+            let replay = match (record.outcome, record.completed_at) {
+                (Some(outcome), Some(completed_at)) => {
+                    Replay { outcome, fence: record.fence, attempt: record.attempt, completed_at }
+                }
+                // A completed record always carries both; a record that does not is treated as
+                // released rather than replaying nothing.
+                _ => return acquire(None, req, now, next_fence()),
+            };
+            (ClaimOutcome::Replay(replay), None)
+        }
+        RecordState::Released => acquire(Some(record), req, now, next_fence()),
+        RecordState::InProgress if record.is_stuck(now) => acquire(Some(record), req, now, next_fence()),
+        RecordState::InProgress => {
+            let lease = record.lease_expires_at.unwrap_or(now);
+            (ClaimOutcome::InFlight(InFlight { retry_after: now.until(lease), attempt: record.attempt }), None)
+        }
+    }
+}
+
+/// Makes the claimant the holder. `previous` is a live released record (a fresh start that
+/// keeps counting attempts) or a stuck in-progress one (a recovery).
+fn acquire(previous: Option<Record>, req: &ClaimRequest, now: Timestamp, fence: Fence) -> (ClaimOutcome, Option<Record>) {
+    let lease_expires_at = now.plus(req.lease);
+    let mut record = Record {
+        scope: req.scope.clone(),
+        state: RecordState::InProgress,
+        fingerprint: req.fingerprint.clone(),
+        fence,
+        attempt: 1,
+        run: req.run.clone(),
+        lease_expires_at: Some(lease_expires_at),
+        unknown: None,
+        retention: req.retention,
+        outcome: None,
+        completed_at: None,
+        checkpoints: Vec::new(),
+        created_at: now,
+        updated_at: now,
+        expires_at: lease_expires_at.plus(req.retention),
+    };
+    let mut recovery = None;
+    if let Some(prev) = previous {
+        record.attempt = prev.attempt.saturating_add(1);
+        record.run = prev.run.clone().or(record.run);
+        if prev.state == RecordState::InProgress {
+            recovery = Some(Recovery {
+                previous_fence: prev.fence,
+                previous_attempt: prev.attempt,
+                reason: match prev.unknown {
+                    Some(detail) => RecoveryReason::ReportedUnknown { detail },
+                    None => RecoveryReason::LeaseExpired,
+                },
+                last_checkpoint: prev.checkpoints.last().cloned(),
+            });
+            record.created_at = prev.created_at;
+            record.checkpoints = prev.checkpoints;
+        }
+    }
+    let acquired = Acquired { fence, attempt: record.attempt, lease_expires_at, recovery };
+    (ClaimOutcome::Acquired(acquired), Some(record))
+}
+
+/// Applies a fenced call to the record currently stored for the key.
+///
+/// Returns the answer and the record to write, if any. `max_checkpoints` bounds the kept
+/// checkpoints: the oldest are dropped first, so the last one (the one a recovery needs) is
+/// always kept.
+pub fn apply(
+    existing: Option<Record>,
+    fence: Fence,
+    mutation: Mutation,
+    now: Timestamp,
+    max_checkpoints: usize,
+) -> (FencedOutcome, Option<Record>) {
+    let Some(mut record) = existing.filter(|r| r.is_live(now)) else {
+        return (FencedOutcome::Stale(StaleReason::NoRecord), None);
+    };
+    if record.fence != fence {
+        return (FencedOutcome::Stale(StaleReason::Superseded), None);
+    }
+    match record.state {
+        RecordState::InProgress => {}
+        RecordState::Completed | RecordState::Released => {
+            return if is_repeat(&record, &mutation) {
+                (FencedOutcome::Applied(Box::new(record)), None)
+            } else {
+                (FencedOutcome::Stale(StaleReason::Finished), None)
+            };
+        }
+    }
+    let reported_unknown = record.unknown.is_some();
+    match mutation {
+        Mutation::Complete(outcome) => finish(&mut record, outcome, now),
+        Mutation::Fail { retryable: false, mut outcome } => {
+            outcome.kind = OutcomeKind::Failure;
+            finish(&mut record, outcome, now);
+        }
+        Mutation::Fail { retryable: true, .. } => {
+            record.state = RecordState::Released;
+            record.lease_expires_at = None;
+            record.unknown = None;
+            record.checkpoints.clear();
+            record.expires_at = now.plus(record.retention);
+        }
+        // Once the holder reported the outcome unknown it no longer holds a lease: it may
+        // still finish (it may have learnt what happened), but not carry on working.
+        Mutation::Extend(_) | Mutation::Checkpoint { .. } | Mutation::ReportUnknown(_) if reported_unknown => {
+            return (FencedOutcome::Stale(StaleReason::Finished), None);
+        }
+        Mutation::Extend(lease) => {
+            let until = now.plus(lease);
+            record.lease_expires_at = Some(until);
+            record.expires_at = until.plus(record.retention);
+        }
+        Mutation::Checkpoint { name, data } => {
+            record.checkpoints.push(Checkpoint { name, data, fence, at: now });
+            let excess = record.checkpoints.len().saturating_sub(max_checkpoints.max(1));
+            record.checkpoints.drain(..excess);
+        }
+        Mutation::ReportUnknown(detail) => {
+            record.unknown = Some(detail);
+            record.lease_expires_at = Some(now);
+            record.expires_at = now.plus(record.retention);
+        }
+    }
+    record.updated_at = now;
+    (FencedOutcome::Applied(Box::new(record.clone())), Some(record))
+}
+
+fn finish(record: &mut Record, outcome: Outcome, now: Timestamp) {
+    record.state = RecordState::Completed;
+    record.outcome = Some(outcome);
+    record.completed_at = Some(now);
+    record.lease_expires_at = None;
+    record.unknown = None;
+    record.expires_at = now.plus(record.retention);
+}
+
+/// Whether `mutation` repeats, identically, the call that finished `record` with the same fence.
+fn is_repeat(record: &Record, mutation: &Mutation) -> bool {
+    match (record.state, mutation) {
+        (RecordState::Completed, Mutation::Complete(o)) => {
+            o.kind == OutcomeKind::Success && record.outcome.as_ref() == Some(o)
+        }
+        (RecordState::Completed, Mutation::Fail { retryable: false, outcome }) => record
+            .outcome
+            .as_ref()
+            .is_some_and(|stored| stored.kind == OutcomeKind::Failure && stored.content_type == outcome.content_type && stored.body == outcome.body && stored.cost == outcome.cost),
+        (RecordState::Released, Mutation::Fail { retryable: true, .. }) => true,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Key, Namespace, TenantId};
+
+    fn req(fp: &str) -> ClaimRequest {
+        ClaimRequest {
+            scope: Scope::new(TenantId::parse("t").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap()),
+            fingerprint: Fingerprint::sha256(fp.as_bytes()),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(100),
+            run: None,
+        }
+    }
+
+    fn ok(body: &str) -> Outcome {
+        Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: body.into(), cost: None }
+    }
+
+    #[test]
+    fn fence_is_drawn_only_when_acquiring() {
+        let now = Timestamp(1_000);
+        let (out, rec) = claim(None, &req("a"), now, || Fence(7));
+        assert!(matches!(out, ClaimOutcome::Acquired(Acquired { fence: Fence(7), attempt: 1, .. })));
+        let (out, write) = claim(rec, &req("a"), now, || panic!("no fence for an in-flight key"));
+        assert!(matches!(out, ClaimOutcome::InFlight(InFlight { retry_after, .. }) if retry_after == Duration::from_secs(10)));
+        assert!(write.is_none());
+    }
+
+    #[test]
+    fn completing_twice_identically_is_idempotent_and_differently_is_stale() {
+        let now = Timestamp(1_000);
+        let (_, rec) = claim(None, &req("a"), now, || Fence(1));
+        let (out, rec) = apply(rec, Fence(1), Mutation::Complete(ok("1")), now, 8);
+        assert!(matches!(out, FencedOutcome::Applied(_)));
+        let (again, write) = apply(rec.clone(), Fence(1), Mutation::Complete(ok("1")), now, 8);
+        assert!(matches!(again, FencedOutcome::Applied(_)) && write.is_none());
+        let (other, write) = apply(rec, Fence(1), Mutation::Complete(ok("2")), now, 8);
+        assert_eq!(other, FencedOutcome::Stale(StaleReason::Finished));
+        assert!(write.is_none());
+    }
+
+    #[test]
+    fn checkpoints_keep_the_newest() {
+        let now = Timestamp(1_000);
+        let (_, mut rec) = claim(None, &req("a"), now, || Fence(1));
+        for i in 0..5 {
+            let m = Mutation::Checkpoint { name: CheckpointName::parse(&format!("s{i}")).unwrap(), data: "{}".into() };
+            rec = apply(rec, Fence(1), m, now, 3).1;
+        }
+        let names: Vec<_> = rec.unwrap().checkpoints.iter().map(|c| c.name.to_string()).collect();
+        assert_eq!(names, ["s2", "s3", "s4"]);
+    }
+}

@@ -1,0 +1,304 @@
+//! What a store keeps for a key, and the answers of the protocol.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::{CheckpointName, Fence, Fingerprint, RunId, Scope, Timestamp};
+
+/// The state of a stored record. A key with no live record is *absent*.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordState {
+    /// A claimant holds (or held, if its lease passed) the key; no outcome yet.
+    InProgress,
+    /// An outcome (success or permanent failure) is stored and replays.
+    Completed,
+    /// The last attempt failed retryably: the next claim proceeds as if the key were absent.
+    Released,
+}
+
+impl RecordState {
+    /// The state's name as used in the API and in stores.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Completed => "completed",
+            Self::Released => "released",
+        }
+    }
+
+    /// Parses a state name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "in_progress" => Some(Self::InProgress),
+            "completed" => Some(Self::Completed),
+            "released" => Some(Self::Released),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a stored outcome is a success or a permanent failure (both replay).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeKind {
+    /// The effect happened.
+    Success,
+    /// The effect failed permanently; retrying would not help.
+    Failure,
+}
+
+/// A stored outcome: replayed byte for byte to every later claim of the key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// Success or permanent failure.
+    pub kind: OutcomeKind,
+    /// The media type of `body` (`application/json` for JSON results).
+    pub content_type: String,
+    /// The bytes, exactly as given at completion.
+    #[serde(with = "base64_bytes")]
+    pub body: Vec<u8>,
+    /// Cost units the effect consumed (tokens, money units), as reported; counted as saved by
+    /// every replay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<u64>,
+}
+
+/// A named recovery point saved by an attempt, with small data (JSON text).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// What step this marks, e.g. `charged-card`.
+    pub name: CheckpointName,
+    /// JSON text, as given.
+    pub data: String,
+    /// The fence of the attempt that saved it.
+    pub fence: Fence,
+    /// When it was saved.
+    pub at: Timestamp,
+}
+
+/// Everything a store keeps for one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// Tenant, namespace and key.
+    pub scope: Scope,
+    /// In progress, completed or released.
+    pub state: RecordState,
+    /// What the request that claimed the key meant.
+    pub fingerprint: Fingerprint,
+    /// The fence of the current (or last) holder.
+    pub fence: Fence,
+    /// How many times the key was acquired (1 for the first attempt).
+    pub attempt: u32,
+    /// The run the key belongs to, if the claim named one.
+    pub run: Option<RunId>,
+    /// Until when the holder's lease runs (in progress only).
+    pub lease_expires_at: Option<Timestamp>,
+    /// Set when the holder reported that it does not know whether the effect happened; the next
+    /// claim is a recovery at once.
+    pub unknown: Option<String>,
+    /// How long the record is kept once it is finished (and after a lease passes).
+    #[serde(with = "duration_ms")]
+    pub retention: Duration,
+    /// The stored outcome (completed only).
+    pub outcome: Option<Outcome>,
+    /// When the outcome was stored.
+    pub completed_at: Option<Timestamp>,
+    /// Recovery points, oldest first (at most the configured number; older ones are dropped).
+    pub checkpoints: Vec<Checkpoint>,
+    /// When the key was first claimed (in this record's life).
+    pub created_at: Timestamp,
+    /// When the record last changed.
+    pub updated_at: Timestamp,
+    /// When the record stops existing: a claim or read at or after this time sees the key as
+    /// absent, and the sweep deletes it.
+    pub expires_at: Timestamp,
+}
+
+impl Record {
+    /// Whether the record still exists at `now` (retention is checked when read).
+    pub fn is_live(&self, now: Timestamp) -> bool {
+        self.expires_at > now
+    }
+
+    /// Whether the record is in progress but nobody holds a live lease: the lease passed or the
+    /// holder reported the outcome unknown. The next claim will be a recovery.
+    pub fn is_stuck(&self, now: Timestamp) -> bool {
+        self.state == RecordState::InProgress
+            && (self.unknown.is_some() || self.lease_expires_at.is_none_or(|t| t <= now))
+    }
+
+    /// The last checkpoint saved, if any.
+    pub fn last_checkpoint(&self) -> Option<&Checkpoint> {
+        self.checkpoints.last()
+    }
+}
+
+/// Why a claim is a recovery: an earlier attempt may have done part of the work.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum RecoveryReason {
+    /// The previous holder's lease passed without an outcome.
+    LeaseExpired,
+    /// The previous holder reported that it does not know whether the effect happened.
+    ReportedUnknown {
+        /// What the holder said.
+        detail: String,
+    },
+}
+
+/// Handed to the claimant that takes over a key after an incomplete attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recovery {
+    /// The fence of the attempt that did not finish.
+    pub previous_fence: Fence,
+    /// Its attempt number.
+    pub previous_attempt: u32,
+    /// Why it is considered unfinished.
+    pub reason: RecoveryReason,
+    /// The last checkpoint it (or an earlier attempt) saved.
+    pub last_checkpoint: Option<Checkpoint>,
+}
+
+/// The claimant holds the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquired {
+    /// The fence to carry on every later call, and to hand downstream.
+    pub fence: Fence,
+    /// The attempt number (1 for the first).
+    pub attempt: u32,
+    /// Until when the lease runs; extend before then.
+    pub lease_expires_at: Timestamp,
+    /// Present when an earlier attempt may have done part of the work.
+    pub recovery: Option<Recovery>,
+}
+
+/// The key completed: its stored outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    /// The outcome, byte for byte.
+    pub outcome: Outcome,
+    /// The fence of the attempt that completed it.
+    pub fence: Fence,
+    /// Which attempt completed it.
+    pub attempt: u32,
+    /// When it completed.
+    pub completed_at: Timestamp,
+}
+
+/// Someone holds a live lease on the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InFlight {
+    /// When to try again: the time left on the holder's lease.
+    pub retry_after: Duration,
+    /// The holder's attempt number.
+    pub attempt: u32,
+}
+
+/// Why a claim was refused without looking at the key's state (switches, budgets, quotas).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum Denial {
+    /// A kill switch is engaged on the tenant, a namespace prefix or the run.
+    SwitchEngaged {
+        /// What the switch covers.
+        target: String,
+        /// Why it was engaged.
+        why: String,
+    },
+    /// A run's budget is spent.
+    BudgetExhausted {
+        /// Which limit (`effects`, `cost`, `deadline`).
+        limit: String,
+    },
+    /// A tenant quota is spent.
+    QuotaExceeded {
+        /// Which quota (`in_flight`, `rate`).
+        quota: String,
+        /// When to try again.
+        #[serde(with = "duration_ms")]
+        retry_after: Duration,
+    },
+}
+
+/// The one answer of a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// You hold the key.
+    Acquired(Acquired),
+    /// It completed: here is the stored outcome.
+    Replay(Replay),
+    /// Someone else holds a live lease.
+    InFlight(InFlight),
+    /// The key was used with a different fingerprint; nothing changed.
+    Mismatch,
+    /// Refused by a switch, a budget or a quota; nothing changed.
+    Denied(Denial),
+}
+
+impl ClaimOutcome {
+    /// The answer's name, as used in the API and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Acquired(_) => "acquired",
+            Self::Replay(_) => "replay",
+            Self::InFlight(_) => "in_flight",
+            Self::Mismatch => "mismatch",
+            Self::Denied(_) => "denied",
+        }
+    }
+}
+
+/// Why a fenced call changed nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StaleReason {
+    /// There is no live record for the key (never claimed, expired, or purged).
+    NoRecord,
+    /// Another claim took the key over: the fence is not the current holder's.
+    Superseded,
+    /// The attempt with this fence already finished (completed, failed or released) differently.
+    Finished,
+}
+
+/// The answer of a fenced call (complete, fail, extend, checkpoint, report-unknown).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FencedOutcome {
+    /// The call took effect (or had already taken effect identically); the record as it now is.
+    Applied(Box<Record>),
+    /// The fence is not the current holder's: nothing changed.
+    Stale(StaleReason),
+}
+
+mod base64_bytes {
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        STANDARD.decode(s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Serializes a `Duration` as whole milliseconds.
+pub mod duration_ms {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes `d` as milliseconds.
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    /// Reads milliseconds.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}

@@ -1,0 +1,552 @@
+//! The store conformance suite: the behaviour every store must have, case by case.
+//!
+//! Each case takes a fresh store and drives it through a [`Guard`] on a [`ManualClock`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::{
+    CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits, ListFilter,
+    ManualClock, Mutation, Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope,
+    StaleReason, Store, TenantId,
+};
+
+const LEASE: Duration = Duration::from_secs(10);
+const RETENTION: Duration = Duration::from_secs(3_600);
+
+struct Case {
+    guard: Guard,
+    clock: Arc<ManualClock>,
+}
+
+fn case_with(store: Arc<dyn Store>, limits: Limits) -> Case {
+    let clock = Arc::new(ManualClock::default());
+    Case { guard: Guard::new(store, clock.clone(), limits), clock }
+}
+
+fn case(store: Arc<dyn Store>) -> Case {
+    case_with(store, Limits::default())
+}
+
+fn scope_in(tenant: &str, namespace: &str, key: &str) -> Scope {
+    Scope::new(TenantId::parse(tenant).unwrap(), Namespace::parse(namespace).unwrap(), Key::parse(key).unwrap())
+}
+
+fn scope(key: &str) -> Scope {
+    scope_in("acme", "prod/payments-agent", key)
+}
+
+fn request(scope: &Scope, meaning: &str) -> ClaimRequest {
+    ClaimRequest {
+        scope: scope.clone(),
+        fingerprint: Fingerprint::sha256(meaning.as_bytes()),
+        lease: LEASE,
+        retention: RETENTION,
+        run: None,
+    }
+}
+
+fn success(body: impl Into<Vec<u8>>) -> Outcome {
+    Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: body.into(), cost: Some(42) }
+}
+
+fn checkpoint(name: &str, data: &str) -> Mutation {
+    Mutation::Checkpoint { name: CheckpointName::parse(name).unwrap(), data: data.into() }
+}
+
+impl Case {
+    async fn claim(&self, req: &ClaimRequest) -> ClaimOutcome {
+        self.guard.claim(req, Duration::ZERO).await.expect("the store answers")
+    }
+
+    async fn acquire(&self, req: &ClaimRequest) -> Fence {
+        match self.claim(req).await {
+            ClaimOutcome::Acquired(a) => a.fence,
+            other => panic!("expected acquired, got {other:?}"),
+        }
+    }
+
+    async fn mutate(&self, scope: &Scope, fence: Fence, m: Mutation) -> FencedOutcome {
+        self.guard.mutate(scope, fence, m).await.expect("the store answers")
+    }
+
+    async fn applied(&self, scope: &Scope, fence: Fence, m: Mutation) -> Record {
+        match self.mutate(scope, fence, m).await {
+            FencedOutcome::Applied(r) => *r,
+            other => panic!("expected applied, got {other:?}"),
+        }
+    }
+
+    async fn get(&self, scope: &Scope) -> Option<Record> {
+        self.guard.get(scope).await.expect("the store answers")
+    }
+}
+
+/// A claim of an absent key acquires it: fence, attempt 1, lease, no recovery; the record is
+/// in progress.
+pub async fn absent_key_is_acquired(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("order-1");
+    let now = c.guard.clock().now();
+    let ClaimOutcome::Acquired(a) = c.claim(&request(&s, "charge 5")).await else { panic!("not acquired") };
+    assert!(a.fence.0 > 0);
+    assert_eq!(a.attempt, 1);
+    assert_eq!(a.lease_expires_at, now.plus(LEASE));
+    assert!(a.recovery.is_none());
+    let r = c.get(&s).await.expect("a record");
+    assert_eq!((r.state, r.fence, r.attempt), (RecordState::InProgress, a.fence, 1));
+    assert_eq!(r.fingerprint, Fingerprint::sha256(b"charge 5"));
+}
+
+/// A second claim while the lease is live answers in flight, with the time left on the lease.
+pub async fn held_key_answers_in_flight(store: Arc<dyn Store>) {
+    let c = case(store);
+    let req = request(&scope("k"), "same");
+    c.acquire(&req).await;
+    c.clock.advance(Duration::from_secs(4));
+    match c.claim(&req).await {
+        ClaimOutcome::InFlight(f) => {
+            assert_eq!(f.retry_after, Duration::from_secs(6));
+            assert_eq!(f.attempt, 1);
+        }
+        other => panic!("expected in_flight, got {other:?}"),
+    }
+}
+
+/// After completion every claim replays the stored outcome, byte for byte (any bytes), with
+/// when it completed and which fence completed it.
+pub async fn completed_key_replays_byte_for_byte(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("bin");
+    let req = request(&s, "m");
+    let fence = c.acquire(&req).await;
+    let body: Vec<u8> = (0..=255u8).chain([0, 0, 255]).collect();
+    let outcome = Outcome { content_type: "application/octet-stream".into(), ..success(body.clone()) };
+    let done = c.applied(&s, fence, Mutation::Complete(outcome.clone())).await;
+    assert_eq!(done.state, RecordState::Completed);
+    c.clock.advance(Duration::from_secs(60));
+    for _ in 0..3 {
+        match c.claim(&req).await {
+            ClaimOutcome::Replay(r) => {
+                assert_eq!(r.outcome, outcome);
+                assert_eq!(r.outcome.body, body);
+                assert_eq!(r.fence, fence);
+                assert_eq!(r.attempt, 1);
+                assert_eq!(Some(r.completed_at), done.completed_at);
+            }
+            other => panic!("expected replay, got {other:?}"),
+        }
+    }
+}
+
+/// A claim with another fingerprint answers mismatch, in flight or completed, and the record
+/// does not change.
+pub async fn other_fingerprint_is_a_mismatch_and_changes_nothing(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let fence = c.acquire(&request(&s, "a")).await;
+    let before = c.get(&s).await;
+    assert_eq!(c.claim(&request(&s, "b")).await, ClaimOutcome::Mismatch);
+    assert_eq!(c.get(&s).await, before);
+    c.applied(&s, fence, Mutation::Complete(success("ok"))).await;
+    let before = c.get(&s).await;
+    assert_eq!(c.claim(&request(&s, "b")).await, ClaimOutcome::Mismatch);
+    assert_eq!(c.get(&s).await, before);
+    assert!(matches!(c.claim(&request(&s, "a")).await, ClaimOutcome::Replay(_)));
+}
+
+/// Once another claim took the key over, every call with the old fence answers stale and
+/// changes nothing; a made-up fence is stale too.
+pub async fn stale_fences_change_nothing(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = request(&s, "a");
+    let old = c.acquire(&req).await;
+    c.clock.advance(LEASE + Duration::from_millis(1));
+    let new = c.acquire(&req).await;
+    assert!(new > old);
+    let before = c.get(&s).await;
+    let calls = [
+        Mutation::Complete(success("zombie")),
+        Mutation::Fail { retryable: false, outcome: success("zombie") },
+        Mutation::Fail { retryable: true, outcome: success("zombie") },
+        Mutation::Extend(LEASE),
+        checkpoint("zombie", "{}"),
+        Mutation::ReportUnknown("zombie".into()),
+    ];
+    for call in calls {
+        assert_eq!(c.mutate(&s, old, call.clone()).await, FencedOutcome::Stale(StaleReason::Superseded));
+        assert_eq!(c.mutate(&s, Fence(new.0 + 1000), call).await, FencedOutcome::Stale(StaleReason::Superseded));
+    }
+    assert_eq!(c.get(&s).await, before);
+    assert_eq!(
+        c.mutate(&scope("never-claimed"), new, Mutation::Complete(success("x"))).await,
+        FencedOutcome::Stale(StaleReason::NoRecord)
+    );
+    c.applied(&s, new, Mutation::Complete(success("real"))).await;
+    match c.claim(&req).await {
+        ClaimOutcome::Replay(r) => assert_eq!(r.outcome.body, b"real"),
+        other => panic!("expected replay, got {other:?}"),
+    }
+}
+
+/// When the lease passes without an outcome, the next claim acquires with fence+ and is told it
+/// is a recovery, with the previous attempt and its last checkpoint.
+pub async fn lease_expiry_gives_a_recovery_with_the_last_checkpoint(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = request(&s, "a");
+    let first = c.acquire(&req).await;
+    c.applied(&s, first, checkpoint("reserved-stock", r#"{"sku":"A1"}"#)).await;
+    c.applied(&s, first, checkpoint("charged-card", r#"{"charge":"ch_1"}"#)).await;
+    c.clock.advance(LEASE - Duration::from_millis(1));
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::InFlight(_)));
+    assert!(c.get(&s).await.is_some_and(|r| !r.is_stuck(c.guard.clock().now())));
+    c.clock.advance(Duration::from_millis(1));
+    assert!(c.get(&s).await.is_some_and(|r| r.is_stuck(c.guard.clock().now())));
+    let ClaimOutcome::Acquired(a) = c.claim(&req).await else { panic!("not acquired") };
+    assert!(a.fence > first);
+    assert_eq!(a.attempt, 2);
+    let recovery = a.recovery.expect("a recovery");
+    assert_eq!(recovery.previous_fence, first);
+    assert_eq!(recovery.previous_attempt, 1);
+    assert_eq!(recovery.reason, RecoveryReason::LeaseExpired);
+    let cp = recovery.last_checkpoint.expect("the last checkpoint");
+    assert_eq!((cp.name.as_str(), cp.data.as_str(), cp.fence), ("charged-card", r#"{"charge":"ch_1"}"#, first));
+    // The new holder's claim is in flight for others again.
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::InFlight(_)));
+}
+
+/// A holder that reports the outcome unknown ends its lease at once: the next claim is a
+/// recovery saying why. The reporter may still finish (it may have learnt what happened) until
+/// someone takes over, but may no longer extend or checkpoint.
+pub async fn reported_unknown_gives_a_recovery_at_once(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = request(&s, "a");
+    let first = c.acquire(&req).await;
+    c.applied(&s, first, checkpoint("sent", "1")).await;
+    c.applied(&s, first, Mutation::ReportUnknown("upstream timed out".into())).await;
+    assert_eq!(c.mutate(&s, first, Mutation::Extend(LEASE)).await, FencedOutcome::Stale(StaleReason::Finished));
+    assert_eq!(c.mutate(&s, first, checkpoint("x", "1")).await, FencedOutcome::Stale(StaleReason::Finished));
+    assert!(c.get(&s).await.is_some_and(|r| r.is_stuck(c.guard.clock().now())));
+    let ClaimOutcome::Acquired(a) = c.claim(&req).await else { panic!("not acquired") };
+    let recovery = a.recovery.expect("a recovery");
+    assert_eq!(recovery.reason, RecoveryReason::ReportedUnknown { detail: "upstream timed out".into() });
+    assert_eq!(recovery.last_checkpoint.map(|cp| cp.name.to_string()), Some("sent".into()));
+    assert_eq!(c.mutate(&s, first, Mutation::Complete(success("late"))).await, FencedOutcome::Stale(StaleReason::Superseded));
+
+    // Before a takeover, the reporter may still complete.
+    let s2 = scope("k2");
+    let req2 = request(&s2, "a");
+    let f = c.acquire(&req2).await;
+    c.applied(&s2, f, Mutation::ReportUnknown("?".into())).await;
+    c.applied(&s2, f, Mutation::Complete(success("learnt"))).await;
+    assert!(matches!(c.claim(&req2).await, ClaimOutcome::Replay(_)));
+}
+
+/// A retryable failure releases the key: the next claim (with any fingerprint) acquires as a
+/// fresh attempt, no recovery; the old fence is stale.
+pub async fn retryable_failure_releases_the_key(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let first = c.acquire(&request(&s, "a")).await;
+    c.applied(&s, first, checkpoint("half", "1")).await;
+    let released = c.applied(&s, first, Mutation::Fail { retryable: true, outcome: success("503") }).await;
+    assert_eq!(released.state, RecordState::Released);
+    let ClaimOutcome::Acquired(a) = c.claim(&request(&s, "b")).await else { panic!("not acquired") };
+    assert!(a.fence > first);
+    assert_eq!(a.attempt, 2);
+    assert!(a.recovery.is_none());
+    assert_eq!(c.mutate(&s, first, Mutation::Complete(success("x"))).await, FencedOutcome::Stale(StaleReason::Superseded));
+}
+
+/// A permanent failure is stored and replays like a success, marked as a failure.
+pub async fn permanent_failure_replays(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = request(&s, "a");
+    let fence = c.acquire(&req).await;
+    let failure = Outcome { kind: OutcomeKind::Failure, ..success(r#"{"error":"card declined"}"#) };
+    let done = c.applied(&s, fence, Mutation::Fail { retryable: false, outcome: failure.clone() }).await;
+    assert_eq!(done.state, RecordState::Completed);
+    match c.claim(&req).await {
+        ClaimOutcome::Replay(r) => assert_eq!(r.outcome, failure),
+        other => panic!("expected replay, got {other:?}"),
+    }
+}
+
+/// Extending pushes the lease out from now: a claim after the first lease but before the new
+/// one is still in flight; after it, a recovery.
+pub async fn extend_pushes_the_lease_out(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = request(&s, "a");
+    let fence = c.acquire(&req).await;
+    c.clock.advance(Duration::from_secs(8));
+    let extended = c.applied(&s, fence, Mutation::Extend(Duration::from_secs(30))).await;
+    assert_eq!(extended.lease_expires_at, Some(c.guard.clock().now().plus(Duration::from_secs(30))));
+    c.clock.advance(Duration::from_secs(20));
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::InFlight(_)));
+    c.clock.advance(Duration::from_secs(10));
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Acquired(a) if a.recovery.is_some()));
+}
+
+/// A completed record replays for its retention, measured from completion, and is absent after
+/// it (before any sweep): the key is new again, with any fingerprint.
+pub async fn retention_expiry_makes_the_key_new(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = ClaimRequest { retention: Duration::from_secs(100), ..request(&s, "a") };
+    let fence = c.acquire(&req).await;
+    c.clock.advance(Duration::from_secs(5));
+    c.applied(&s, fence, Mutation::Complete(success("ok"))).await;
+    c.clock.advance(Duration::from_secs(99));
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)));
+    c.clock.advance(Duration::from_secs(1));
+    assert!(c.get(&s).await.is_none());
+    let ClaimOutcome::Acquired(a) = c.claim(&request(&s, "other meaning")).await else { panic!("not acquired") };
+    assert_eq!(a.attempt, 1);
+    assert!(a.recovery.is_none());
+}
+
+/// A key's fence keeps growing across retention expiry, the sweep and a purge.
+pub async fn fences_grow_across_expiry_sweep_and_purge(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = ClaimRequest { retention: Duration::from_secs(1), ..request(&s, "a") };
+    let mut last = Fence(0);
+    for round in 0..3 {
+        let fence = c.acquire(&req).await;
+        assert!(fence > last, "round {round}: {fence} must exceed {last}");
+        last = fence;
+        c.applied(&s, fence, Mutation::Complete(success("ok"))).await;
+        c.clock.advance(Duration::from_secs(2));
+        assert!(c.guard.sweep(100, 10).await.unwrap() >= 1);
+        assert!(c.get(&s).await.is_none());
+    }
+    let fence = c.acquire(&req).await;
+    assert!(fence > last);
+    assert!(c.guard.purge(&s).await.unwrap());
+    assert!(c.acquire(&req).await > fence);
+}
+
+/// The sweep deletes expired records only, at most a batch at a time.
+pub async fn sweep_deletes_only_expired_records_in_batches(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let short = Duration::from_secs(10);
+    for i in 0..7 {
+        let s = scope(&format!("old-{i}"));
+        let f = c.acquire(&ClaimRequest { retention: short, ..request(&s, "a") }).await;
+        c.applied(&s, f, Mutation::Complete(success("ok"))).await;
+    }
+    let keep = scope("young");
+    c.acquire(&request(&keep, "a")).await;
+    c.clock.advance(Duration::from_secs(11));
+    let now = c.guard.clock().now();
+    assert_eq!(store.sweep(now, 3).await.unwrap(), 3);
+    assert_eq!(store.sweep(now, 3).await.unwrap(), 3);
+    assert_eq!(store.sweep(now, 3).await.unwrap(), 1);
+    assert_eq!(store.sweep(now, 3).await.unwrap(), 0);
+    assert!(c.get(&keep).await.is_some());
+}
+
+/// The same namespace and key in two tenants are two keys: claims, reads, listings and purges
+/// of one never see or touch the other.
+pub async fn tenants_are_isolated(store: Arc<dyn Store>) {
+    let c = case(store);
+    let a = scope_in("tenant-a", "prod/agent", "k");
+    let b = scope_in("tenant-b", "prod/agent", "k");
+    let fa = c.acquire(&request(&a, "x")).await;
+    let fb = c.acquire(&request(&b, "y")).await;
+    assert_eq!(c.mutate(&b, fa, Mutation::Complete(success("a"))).await, FencedOutcome::Stale(StaleReason::Superseded));
+    c.applied(&a, fa, Mutation::Complete(success("a"))).await;
+    assert_eq!(c.get(&b).await.map(|r| r.state), Some(RecordState::InProgress));
+    let listed = c.guard.list(&b.tenant, &ListFilter { limit: 100, ..Default::default() }).await.unwrap();
+    assert_eq!(listed.records.len(), 1);
+    assert_eq!(listed.records[0].scope, b);
+    assert!(c.guard.purge(&a).await.unwrap());
+    assert!(c.get(&b).await.is_some());
+    c.applied(&b, fb, Mutation::Complete(success("b"))).await;
+    assert!(matches!(c.claim(&request(&b, "y")).await, ClaimOutcome::Replay(r) if r.outcome.body == b"b"));
+}
+
+/// The same key in two namespaces of one tenant are two keys.
+pub async fn namespaces_are_isolated(store: Arc<dyn Store>) {
+    let c = case(store);
+    let prod = scope_in("acme", "prod/agent", "k");
+    let staging = scope_in("acme", "staging/agent", "k");
+    let f = c.acquire(&request(&prod, "x")).await;
+    c.applied(&prod, f, Mutation::Complete(success("prod"))).await;
+    assert!(matches!(c.claim(&request(&staging, "other")).await, ClaimOutcome::Acquired(_)));
+}
+
+/// N concurrent claims of one absent key: exactly one acquires; the rest are in flight.
+pub async fn concurrent_claims_acquire_exactly_once(store: Arc<dyn Store>) {
+    let c = case(store);
+    for round in 0..4 {
+        let req = request(&scope(&format!("race-{round}")), "a");
+        let claims = (0..64).map(|_| {
+            let guard = c.guard.clone();
+            let req = req.clone();
+            tokio::spawn(async move { guard.claim(&req, Duration::ZERO).await.unwrap() })
+        });
+        let outcomes = futures::future::join_all(claims).await;
+        let acquired = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::Acquired(_)))).count();
+        let in_flight = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::InFlight(_)))).count();
+        assert_eq!((acquired, in_flight), (1, 63), "round {round}");
+    }
+}
+
+/// A claim that waits on an in-flight key receives the replay as soon as the holder completes,
+/// without polling by the client.
+pub async fn waiting_claim_receives_the_replay(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let req = request(&s, "a");
+    let fence = c.acquire(&req).await;
+    let waiters: Vec<_> = (0..4)
+        .map(|_| {
+            let (guard, req) = (c.guard.clone(), req.clone());
+            tokio::spawn(async move { guard.claim(&req, Duration::from_secs(20)).await.unwrap() })
+        })
+        .collect();
+    tokio::task::yield_now().await;
+    c.applied(&s, fence, Mutation::Complete(success("done"))).await;
+    for waiter in waiters {
+        match waiter.await.unwrap() {
+            ClaimOutcome::Replay(r) => assert_eq!(r.outcome.body, b"done"),
+            other => panic!("expected replay, got {other:?}"),
+        }
+    }
+}
+
+/// A waiting claim gives up at its bound and answers in flight.
+pub async fn waiting_claim_is_bounded(store: Arc<dyn Store>) {
+    let c = case(store);
+    let req = request(&scope("k"), "a");
+    c.acquire(&req).await;
+    let outcome = c.guard.claim(&req, Duration::from_millis(150)).await.unwrap();
+    assert!(matches!(outcome, ClaimOutcome::InFlight(_)), "{outcome:?}");
+}
+
+/// A waiting claim takes the key over (as a recovery) once the holder's lease passes.
+pub async fn waiting_claim_recovers_when_the_lease_passes(store: Arc<dyn Store>) {
+    let limits = Limits { wait_poll: Duration::from_millis(10), ..Limits::default() };
+    let c = case_with(store, limits);
+    let req = request(&scope("k"), "a");
+    let first = c.acquire(&req).await;
+    let waiter = {
+        let (guard, req) = (c.guard.clone(), req.clone());
+        tokio::spawn(async move { guard.claim(&req, Duration::from_secs(20)).await.unwrap() })
+    };
+    tokio::task::yield_now().await;
+    c.clock.advance(LEASE);
+    match waiter.await.unwrap() {
+        ClaimOutcome::Acquired(a) => assert_eq!(a.recovery.map(|r| r.previous_fence), Some(first)),
+        other => panic!("expected a recovery, got {other:?}"),
+    }
+}
+
+/// Repeating a completion that took effect answers as before and changes nothing; a different
+/// completion with the same fence is stale.
+pub async fn repeated_completion_is_idempotent(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("k");
+    let fence = c.acquire(&request(&s, "a")).await;
+    let first = c.applied(&s, fence, Mutation::Complete(success("one"))).await;
+    c.clock.advance(Duration::from_secs(1));
+    let again = c.applied(&s, fence, Mutation::Complete(success("one"))).await;
+    assert_eq!(again.completed_at, first.completed_at);
+    assert_eq!(c.mutate(&s, fence, Mutation::Complete(success("two"))).await, FencedOutcome::Stale(StaleReason::Finished));
+    assert_eq!(c.get(&s).await.and_then(|r| r.outcome).map(|o| o.body), Some(b"one".to_vec()));
+}
+
+/// Listing filters by state, stuck leases, run and namespace prefix, and pages in
+/// (namespace, key) order.
+pub async fn listing_filters_and_pages(store: Arc<dyn Store>) {
+    let c = case(store);
+    let run = RunId::parse("run-7").unwrap();
+    let mut fences = Vec::new();
+    for i in 0..5 {
+        let s = scope_in("acme", "prod/agent", &format!("k{i}"));
+        let req = ClaimRequest { run: (i % 2 == 0).then(|| run.clone()), ..request(&s, "a") };
+        fences.push((s, c.acquire(&req).await));
+    }
+    let other_ns = scope_in("acme", "production", "k9");
+    c.acquire(&request(&other_ns, "a")).await;
+    let (s0, f0) = &fences[0];
+    c.applied(s0, *f0, Mutation::Complete(success("ok"))).await;
+    let (s1, f1) = &fences[1];
+    c.applied(s1, *f1, Mutation::ReportUnknown("?".into())).await;
+    let tenant = TenantId::parse("acme").unwrap();
+    let list = |filter: ListFilter| {
+        let guard = c.guard.clone();
+        let tenant = tenant.clone();
+        async move {
+            let page = guard.list(&tenant, &ListFilter { limit: 100, ..filter }).await.unwrap();
+            page.records.into_iter().map(|r| r.scope.key.to_string()).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(list(ListFilter::default()).await, ["k0", "k1", "k2", "k3", "k4", "k9"]);
+    assert_eq!(list(ListFilter { state: Some(RecordState::Completed), ..Default::default() }).await, ["k0"]);
+    assert_eq!(list(ListFilter { stuck: true, ..Default::default() }).await, ["k1"]);
+    assert_eq!(list(ListFilter { run: Some(run.clone()), ..Default::default() }).await, ["k0", "k2", "k4"]);
+    let prod = Namespace::parse("prod").unwrap();
+    assert_eq!(list(ListFilter { namespace_prefix: Some(prod), ..Default::default() }).await.len(), 5);
+    c.clock.advance(LEASE);
+    assert_eq!(list(ListFilter { stuck: true, ..Default::default() }).await, ["k1", "k2", "k3", "k4", "k9"]);
+
+    let mut seen = Vec::new();
+    let mut filter = ListFilter { limit: 2, ..Default::default() };
+    loop {
+        let page = c.guard.list(&tenant, &filter).await.unwrap();
+        assert!(page.records.len() <= 2);
+        seen.extend(page.records.iter().map(|r| r.scope.key.to_string()));
+        match page.next {
+            Some(next) => filter.after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["k0", "k1", "k2", "k3", "k4", "k9"]);
+}
+
+/// At most the configured number of checkpoints is kept, the newest ones.
+pub async fn checkpoints_are_bounded_keeping_the_newest(store: Arc<dyn Store>) {
+    let c = case_with(store, Limits { max_checkpoints: 3, ..Limits::default() });
+    let s = scope("k");
+    let fence = c.acquire(&request(&s, "a")).await;
+    for i in 0..5 {
+        c.applied(&s, fence, checkpoint(&format!("step-{i}"), &i.to_string())).await;
+    }
+    let names: Vec<String> = c.get(&s).await.unwrap().checkpoints.iter().map(|cp| cp.name.to_string()).collect();
+    assert_eq!(names, ["step-2", "step-3", "step-4"]);
+}
+
+/// Tenants are created once; API keys are stored (digest only), found by id, listed per tenant
+/// and revoked only within their tenant.
+pub async fn tenants_and_api_keys(store: Arc<dyn Store>) {
+    let now = onceguard_core::Timestamp(1_000);
+    let acme = TenantId::parse("acme").unwrap();
+    let other = TenantId::parse("other").unwrap();
+    assert!(store.create_tenant(&Tenant { id: acme.clone(), created_at: now }).await.unwrap());
+    assert!(!store.create_tenant(&Tenant { id: acme.clone(), created_at: now }).await.unwrap());
+    assert!(store.create_tenant(&Tenant { id: other.clone(), created_at: now }).await.unwrap());
+    let ids: Vec<_> = store.list_tenants().await.unwrap().into_iter().map(|t| t.id.to_string()).collect();
+    assert_eq!(ids, ["acme", "other"]);
+    assert_eq!(store.get_tenant(&acme).await.unwrap().map(|t| t.created_at), Some(now));
+
+    let new = ApiKey::generate(acme.clone(), Role::Admin, "ci", now);
+    store.create_api_key(&new.key).await.unwrap();
+    let found = store.get_api_key(&new.key.id).await.unwrap().expect("stored");
+    assert_eq!(found, new.key);
+    let (_, secret) = onceguard_core::auth::parse_token(&new.token).unwrap();
+    assert!(found.verify(secret));
+    assert_eq!(store.list_api_keys(&acme).await.unwrap().len(), 1);
+    assert!(store.list_api_keys(&other).await.unwrap().is_empty());
+    assert!(!store.revoke_api_key(&other, &new.key.id, now).await.unwrap());
+    assert!(store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
+    assert!(store.revoke_api_key(&acme, &new.key.id, now).await.unwrap());
+    assert!(!store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
+}

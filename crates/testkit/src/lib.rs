@@ -1,0 +1,115 @@
+//! Onceguard's test kit: the store conformance suite and the property-test model.
+//!
+//! Any store runs the whole suite with one line in its tests:
+//!
+//! ```text
+//! onceguard_testkit::conformance_tests!(|| async { onceguard_testkit::TestStore::new(MyStore::new()) });
+//! onceguard_testkit::property_tests!(|| async { onceguard_testkit::TestStore::new(MyStore::new()) });
+//! ```
+//!
+//! The factory is called once per test and must give a fresh, empty store (its own file,
+//! schema or key prefix), so that tests run in parallel. Time-dependent cases move a
+//! [`onceguard_core::ManualClock`]; nothing sleeps to make time pass.
+
+#![forbid(unsafe_code)]
+
+use std::any::Any;
+use std::sync::Arc;
+
+use onceguard_core::Store;
+
+pub mod conformance;
+pub mod model;
+
+/// A fresh store for one test, and whatever must live as long as it (a temporary directory, a
+/// schema to drop).
+pub struct TestStore {
+    /// The store under test.
+    pub store: Arc<dyn Store>,
+    _keep: Box<dyn Any + Send + Sync>,
+}
+
+impl TestStore {
+    /// A store that needs nothing kept alive.
+    pub fn new(store: impl Store) -> Self {
+        Self { store: Arc::new(store), _keep: Box::new(()) }
+    }
+
+    /// A store with something that must outlive it (dropped after the store).
+    pub fn with(store: impl Store, keep: impl Any + Send + Sync) -> Self {
+        Self { store: Arc::new(store), _keep: Box::new(keep) }
+    }
+}
+
+/// Generates one `#[tokio::test]` per conformance case, each on a fresh store from `$make`
+/// (an `async` closure returning a [`TestStore`]).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@cases $make;
+            absent_key_is_acquired,
+            held_key_answers_in_flight,
+            completed_key_replays_byte_for_byte,
+            other_fingerprint_is_a_mismatch_and_changes_nothing,
+            stale_fences_change_nothing,
+            lease_expiry_gives_a_recovery_with_the_last_checkpoint,
+            reported_unknown_gives_a_recovery_at_once,
+            retryable_failure_releases_the_key,
+            permanent_failure_replays,
+            extend_pushes_the_lease_out,
+            retention_expiry_makes_the_key_new,
+            fences_grow_across_expiry_sweep_and_purge,
+            sweep_deletes_only_expired_records_in_batches,
+            tenants_are_isolated,
+            namespaces_are_isolated,
+            concurrent_claims_acquire_exactly_once,
+            waiting_claim_receives_the_replay,
+            waiting_claim_is_bounded,
+            waiting_claim_recovers_when_the_lease_passes,
+            repeated_completion_is_idempotent,
+            listing_filters_and_pages,
+            checkpoints_are_bounded_keeping_the_newest,
+            tenants_and_api_keys
+        );
+    };
+    (@cases $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let make = $make;
+                let test_store: $crate::TestStore = make().await;
+                $crate::conformance::$case(test_store.store.clone()).await;
+                drop(test_store);
+            }
+        )*
+    };
+}
+
+/// Generates the property test: random operations from several simulated workers, run against
+/// a fresh store from `$make` and against [`model::Model`], which must agree on every answer.
+#[macro_export]
+macro_rules! property_tests {
+    ($make:expr) => {
+        $crate::property_tests!($make, 64);
+    };
+    ($make:expr, $cases:expr) => {
+        #[test]
+        fn store_agrees_with_the_model() {
+            let runtime = ::tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+            let config = $crate::model::proptest_config($cases);
+            let mut runner = ::proptest::test_runner::TestRunner::new(config);
+            let result = runner.run(&$crate::model::ops_strategy(), |ops| {
+                let make = $make;
+                runtime.block_on(async {
+                    let test_store: $crate::TestStore = make().await;
+                    let result = $crate::model::check(test_store.store.clone(), &ops).await;
+                    drop(test_store);
+                    result
+                })
+            });
+            if let Err(e) = result {
+                panic!("the store disagrees with the model: {e}");
+            }
+        }
+    };
+}
