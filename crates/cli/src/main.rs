@@ -1,1 +1,280 @@
-fn main(){}
+//! The `onceguard` command: parses flags and wires; everything else is a library call.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::store::MAX_PAGE;
+use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId};
+use onceguard_server::{Config, Overrides, api};
+use tracing_subscriber::EnvFilter;
+
+/// Onceguard: workflow idempotency keys for AI agents and RAG pipelines.
+#[derive(Debug, Parser)]
+#[command(name = "onceguard", version, about)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Args)]
+struct Global {
+    /// A TOML configuration file (layered over defaults, under ONCEGUARD_* variables and flags).
+    #[arg(long, global = true, env = "ONCEGUARD_CONFIG")]
+    config: Option<PathBuf>,
+    /// The store: sqlite://PATH (default sqlite://onceguard-data/onceguard.db) or memory://.
+    #[arg(long, global = true)]
+    store: Option<String>,
+    /// Log format: `text` or `json` (default: text on a terminal, json otherwise).
+    #[arg(long, global = true)]
+    log_format: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the HTTP API.
+    Serve {
+        /// Address to listen on (default 127.0.0.1:8080).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
+    /// Tenants.
+    #[command(subcommand)]
+    Tenants(TenantCommand),
+    /// API keys.
+    #[command(subcommand, name = "api-keys")]
+    ApiKeys(ApiKeyCommand),
+    /// Inspect, list and purge idempotency keys.
+    #[command(subcommand)]
+    Keys(KeyCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum TenantCommand {
+    /// Create a tenant.
+    Create {
+        /// 1 to 64 of a-z, 0-9, '-' and '_'.
+        id: String,
+    },
+    /// List tenants.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+enum ApiKeyCommand {
+    /// Create an API key and print its token (shown once).
+    Create {
+        /// The tenant it acts for.
+        #[arg(long)]
+        tenant: String,
+        /// `agent` or `admin`.
+        #[arg(long, default_value = "agent")]
+        role: String,
+        /// A note for people.
+        #[arg(long, default_value = "")]
+        label: String,
+    },
+    /// List a tenant's API keys (never their secrets).
+    List {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Revoke an API key.
+    Revoke {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The key's id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum KeyCommand {
+    /// Show one key's record, with its stored outcome.
+    Get {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The namespace.
+        namespace: String,
+        /// The key.
+        key: String,
+    },
+    /// List a tenant's records.
+    List {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Only this namespace and below.
+        #[arg(long)]
+        namespace_prefix: Option<String>,
+        /// in_progress, completed or released.
+        #[arg(long)]
+        state: Option<String>,
+        /// Only keys whose lease passed without an outcome.
+        #[arg(long)]
+        stuck: bool,
+        /// Only keys of this run.
+        #[arg(long)]
+        run: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Delete one key's record whatever its state: its next claim runs again.
+    Purge {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The namespace.
+        namespace: String,
+        /// The key.
+        key: String,
+    },
+}
+
+fn init_logs(format: Option<&str>) -> Result<()> {
+    use std::io::IsTerminal;
+    let filter = EnvFilter::try_from_env("ONCEGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info,tower_http=warn"));
+    let json = match format {
+        Some("json") => true,
+        Some("text") => false,
+        Some(other) => bail!("--log-format: '{other}' is not text or json"),
+        None => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json { builder.json().flatten_event(true).init() } else { builder.init() }
+    Ok(())
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+async fn serve(config: Config) -> Result<()> {
+    let guard = onceguard_server::open_guard(&config).context("opening the store")?;
+    if let Some(file) = onceguard_server::bootstrap(&guard, &config).await.context("bootstrapping")? {
+        tracing::info!(
+            tenant = %config.auth.operator_tenant,
+            file = %file.display(),
+            "first start: created an admin API key; use it as `Authorization: Bearer $(cat {})`",
+            file.display()
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("listening on {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, store = guard.store().kind(), "onceguard is serving; API at http://{addr}/v1, OpenAPI at http://{addr}/openapi.json");
+    onceguard_server::run(&config, guard, listener, shutdown_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn operator(config: &Config, command: Command) -> Result<()> {
+    let guard: Guard = onceguard_server::open_guard(config).context("opening the store")?;
+    let store = guard.store();
+    let now = guard.clock().now();
+    match command {
+        Command::Serve { .. } => unreachable!("handled by main"),
+        Command::Tenants(TenantCommand::Create { id }) => {
+            let id = TenantId::parse(&id)?;
+            if !store.create_tenant(&Tenant { id: id.clone(), created_at: now }).await? {
+                bail!("tenant '{id}' exists");
+            }
+            println!("created tenant {id}");
+        }
+        Command::Tenants(TenantCommand::List) => {
+            for t in store.list_tenants().await? {
+                println!("{}\t{}", t.id, t.created_at.to_rfc3339());
+            }
+        }
+        Command::ApiKeys(ApiKeyCommand::Create { tenant, role, label }) => {
+            let tenant = TenantId::parse(&tenant)?;
+            if store.get_tenant(&tenant).await?.is_none() {
+                bail!("no tenant '{tenant}'; create it with `onceguard tenants create {tenant}`");
+            }
+            let new = ApiKey::generate(tenant, Role::parse(&role)?, &label, now);
+            store.create_api_key(&new.key).await?;
+            print_json(&api::api_key_view(&new.key, Some(new.token)))?;
+        }
+        Command::ApiKeys(ApiKeyCommand::List { tenant }) => {
+            let keys = store.list_api_keys(&TenantId::parse(&tenant)?).await?;
+            print_json(&keys.iter().map(|k| api::api_key_view(k, None)).collect::<Vec<_>>())?;
+        }
+        Command::ApiKeys(ApiKeyCommand::Revoke { tenant, id }) => {
+            if !store.revoke_api_key(&TenantId::parse(&tenant)?, &ApiKeyId::parse(&id)?, now).await? {
+                bail!("no API key {id} in tenant {tenant}");
+            }
+            println!("revoked {id}");
+        }
+        Command::Keys(KeyCommand::Get { tenant, namespace, key }) => {
+            let scope = Scope::new(TenantId::parse(&tenant)?, Namespace::parse(&namespace)?, Key::parse(&key)?);
+            match guard.get(&scope).await? {
+                Some(record) => print_json(&api::record_view(&record, now, true))?,
+                None => bail!("no live record for {scope}"),
+            }
+        }
+        Command::Keys(KeyCommand::List { tenant, namespace_prefix, state, stuck, run, limit }) => {
+            let filter = ListFilter {
+                namespace_prefix: namespace_prefix.as_deref().map(Namespace::parse).transpose()?,
+                state: state
+                    .as_deref()
+                    .map(|s| RecordState::parse(s).context("--state must be in_progress, completed or released"))
+                    .transpose()?,
+                stuck,
+                run: run.as_deref().map(RunId::parse).transpose()?,
+                after: None,
+                limit: limit.clamp(1, MAX_PAGE),
+            };
+            let page = guard.list(&TenantId::parse(&tenant)?, &filter).await?;
+            print_json(&page.records.iter().map(|r| api::record_view(r, now, false)).collect::<Vec<_>>())?;
+        }
+        Command::Keys(KeyCommand::Purge { tenant, namespace, key }) => {
+            let scope = Scope::new(TenantId::parse(&tenant)?, Namespace::parse(&namespace)?, Key::parse(&key)?);
+            let existed = guard.purge(&scope).await?;
+            println!("{}", if existed { "purged" } else { "there was no record" });
+        }
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logs(cli.global.log_format.as_deref())?;
+    let listen = match &cli.command {
+        Command::Serve { listen } => *listen,
+        _ => None,
+    };
+    let overrides = Overrides { listen, store: cli.global.store.clone() };
+    let config = Config::load(cli.global.config.as_deref(), &overrides)?;
+    match cli.command {
+        Command::Serve { .. } => serve(config).await,
+        command => operator(&config, command).await,
+    }
+}

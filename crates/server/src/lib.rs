@@ -1,1 +1,254 @@
-//! placeholder
+//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`.
+//!
+//! [`run`] serves a [`Config`] on a listener until a shutdown signal, owning the background
+//! sweep; [`router`] builds the axum app alone (for tests and embedding).
+
+#![forbid(unsafe_code)]
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::{Clock, Guard, StoreError, SystemClock, TenantId};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use utoipa::OpenApi;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod problem;
+pub mod store_url;
+
+pub use config::{Config, ConfigError, Overrides};
+pub use store_url::StoreUrl;
+
+use problem::ApiError;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The guard (store, clock, limits, waiters).
+    pub guard: Guard,
+    /// The tenant whose admins manage tenants.
+    pub operator_tenant: TenantId,
+    /// The tenant of requests without an API key, when anonymous access is allowed.
+    pub anonymous_tenant: Option<TenantId>,
+}
+
+impl AppState {
+    /// The state for `guard` under `config`.
+    pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
+        Ok(Self {
+            guard,
+            operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,
+            anonymous_tenant: config.auth.allow_anonymous.then(|| TenantId::parse(&config.auth.anonymous_tenant)).transpose()?,
+        })
+    }
+}
+
+/// The OpenAPI document, generated from the handlers and types.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Onceguard", description = "Workflow idempotency keys for AI agents and RAG pipelines: atomic claims with leases and fences, stored outcomes that replay byte for byte, fingerprints that catch a reused key."),
+    paths(
+        api::claim, api::complete, api::fail, api::extend, api::checkpoint, api::report_unknown,
+        api::get_record, api::purge_record, api::list_records,
+        api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
+        api::healthz, api::readyz,
+    ),
+    components(schemas(problem::Problem)),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "claims", description = "Claim a key, then complete, fail, extend, checkpoint or report unknown with its fence"),
+        (name = "records", description = "Read, list and purge records"),
+        (name = "admin", description = "Tenants and API keys"),
+        (name = "health", description = "Liveness and readiness"),
+    )
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("og_<id>_<secret>").build()),
+        );
+    }
+}
+
+async fn openapi_json() -> impl IntoResponse {
+    axum::Json(ApiDoc::openapi())
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such endpoint; see /openapi.json".into())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// The axum app for `state`, with the body limit and request timeout of `config`.
+pub fn router(state: AppState, config: &Config) -> Router {
+    let timeout = config.http.request_timeout;
+    Router::new()
+        .route("/v1/claims", post(api::claim))
+        .route("/v1/claims/complete", post(api::complete))
+        .route("/v1/claims/fail", post(api::fail))
+        .route("/v1/claims/extend", post(api::extend))
+        .route("/v1/claims/checkpoint", post(api::checkpoint))
+        .route("/v1/claims/report-unknown", post(api::report_unknown))
+        .route("/v1/record", get(api::get_record).delete(api::purge_record))
+        .route("/v1/records", get(api::list_records))
+        .route("/v1/tenants", get(api::list_tenants).post(api::create_tenant))
+        .route("/v1/api-keys", get(api::list_api_keys).post(api::create_api_key))
+        .route("/v1/api-keys/{id}", delete(api::revoke_api_key))
+        .route("/healthz", get(api::healthz))
+        .route("/readyz", get(api::readyz))
+        .route("/openapi.json", get(openapi_json))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+        .layer(axum::extract::DefaultBodyLimit::max(config.http.max_body_bytes))
+        .layer(middleware::from_fn(move |req: Request, next: Next| request_timeout(req, next, timeout)))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_| {
+            ApiError::Internal("the request failed unexpectedly; nothing is known to have changed".into()).into_response()
+        }))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+}
+
+async fn request_timeout(req: Request, next: Next, timeout: Duration) -> Response {
+    match tokio::time::timeout(timeout, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::StoreUnavailable(
+            "the request timed out; a claim may have taken effect, so retry the same request".into(),
+        )
+        .into_response(),
+    }
+}
+
+/// Makes the operator tenant and, if no API key exists in it yet and `key_file` is set, an
+/// admin key written to `key_file` (mode 0600). Answers the file written, if any.
+pub async fn bootstrap(guard: &Guard, config: &Config) -> Result<Option<std::path::PathBuf>, StartError> {
+    let store = guard.store();
+    let tenant = TenantId::parse(&config.auth.operator_tenant)?;
+    let now = guard.clock().now();
+    if store.create_tenant(&Tenant { id: tenant.clone(), created_at: now }).await? {
+        tracing::info!(tenant = %tenant, "created the operator tenant");
+    }
+    if config.auth.allow_anonymous {
+        let anonymous = TenantId::parse(&config.auth.anonymous_tenant)?;
+        store.create_tenant(&Tenant { id: anonymous, created_at: now }).await?;
+    }
+    let file = &config.auth.bootstrap_key_file;
+    if file.as_os_str().is_empty() || !store.list_api_keys(&tenant).await?.is_empty() {
+        return Ok(None);
+    }
+    let new = ApiKey::generate(tenant, Role::Admin, "bootstrap", now);
+    write_secret(file, &new.token)?;
+    store.create_api_key(&new.key).await?;
+    Ok(Some(file.clone()))
+}
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The store could not be opened or did not answer.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A configured value is not valid.
+    #[error(transparent)]
+    Invalid(#[from] onceguard_core::InvalidInput),
+    /// A file or socket.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options.open(path)?;
+    writeln!(file, "{secret}")?;
+    file.sync_all()
+}
+
+/// Opens the store of `config` and builds the guard on the wall clock.
+pub fn open_guard(config: &Config) -> Result<Guard, StartError> {
+    let store = StoreUrl::parse(&config.store)?.open()?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    Ok(Guard::new(store, clock, config.limits.clone()))
+}
+
+/// Serves `guard` on `listener` until `shutdown` resolves, then lets requests in flight finish
+/// (at most `http.shutdown_grace`) and stops the sweep. Nothing acknowledged is lost: every
+/// answer was sent after its write was durable.
+pub async fn run(
+    config: &Config,
+    guard: Guard,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let state = AppState::new(guard.clone(), config)?;
+    let app = router(state, config);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));
+    let grace = config.http.shutdown_grace;
+    let mut grace_rx = stop_rx;
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: finishing requests in flight");
+        let _ = stop_tx.send(true);
+    };
+    let serve = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let served = tokio::select! {
+        served = serve => served,
+        _ = async {
+            let _ = grace_rx.wait_for(|stop| *stop).await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("requests still in flight after the shutdown grace; stopping anyway");
+            Ok(())
+        }
+    };
+    sweeper.abort();
+    let _ = sweeper.await;
+    served?;
+    Ok(())
+}
+
+async fn sweep_loop(guard: Guard, config: config::SweepConfig, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(config.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match guard.sweep(config.batch, config.max_batches).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(deleted = n, "swept expired records"),
+            Err(e) => tracing::warn!(error = %e, "sweep failed; will retry"),
+        }
+    }
+}

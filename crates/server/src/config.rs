@@ -1,0 +1,225 @@
+//! One typed configuration, in layers: defaults → TOML file → `ONCEGUARD_*` environment →
+//! command-line flags, then one [`Config::validate`].
+//!
+//! Environment variables name a field by its path, with `__` between levels:
+//! `ONCEGUARD_LISTEN`, `ONCEGUARD_STORE`, `ONCEGUARD_LIMITS__MAX_WAIT=10s`,
+//! `ONCEGUARD_AUTH__ALLOW_ANONYMOUS=true`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use onceguard_core::{InvalidInput, Limits, TenantId};
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration of `onceguard serve`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where to listen, e.g. `127.0.0.1:8080`.
+    pub listen: SocketAddr,
+    /// The store: `sqlite://PATH` (the default, a file under `onceguard-data/`) or `memory://`.
+    pub store: String,
+    /// Authentication.
+    pub auth: AuthConfig,
+    /// Bounds on what callers may ask for.
+    pub limits: Limits,
+    /// HTTP limits.
+    pub http: HttpConfig,
+    /// The background sweep of expired records.
+    pub sweep: SweepConfig,
+}
+
+/// Authentication settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// The tenant created on first start; its admins also manage other tenants.
+    pub operator_tenant: String,
+    /// Where the first start writes the operator tenant's admin API key (mode 0600). Empty: do
+    /// not create one.
+    pub bootstrap_key_file: PathBuf,
+    /// Serve requests without an API key as agents of `anonymous_tenant`. Off by default; only
+    /// for a trusted network.
+    pub allow_anonymous: bool,
+    /// The tenant anonymous requests act for.
+    pub anonymous_tenant: String,
+}
+
+/// HTTP limits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Largest request body, in bytes (413 beyond it).
+    pub max_body_bytes: usize,
+    /// Longest a request may take before it is answered 503 (a waiting claim's wait is bounded
+    /// by `limits.max_wait`, which must be shorter).
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// Longest graceful shutdown waits for requests in flight.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+/// The background sweep of expired records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SweepConfig {
+    /// How often it runs.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Records deleted per batch.
+    pub batch: usize,
+    /// Batches per run, at most.
+    pub max_batches: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            store: "sqlite://onceguard-data/onceguard.db".into(),
+            auth: AuthConfig::default(),
+            limits: Limits::default(),
+            http: HttpConfig::default(),
+            sweep: SweepConfig::default(),
+        }
+    }
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            operator_tenant: "default".into(),
+            bootstrap_key_file: PathBuf::from("onceguard-data/admin.key"),
+            allow_anonymous: false,
+            anonymous_tenant: "default".into(),
+        }
+    }
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 4 * 1024 * 1024,
+            request_timeout: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Default for SweepConfig {
+    fn default() -> Self {
+        Self { interval: Duration::from_secs(30), batch: 500, max_batches: 20 }
+    }
+}
+
+/// A configuration that could not be loaded or does not make sense.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A file, variable or flag could not be read into the configuration.
+    #[error("configuration: {0}")]
+    Load(#[from] Box<figment::Error>),
+    /// A value is out of range or inconsistent with another.
+    #[error("configuration: {0}")]
+    Invalid(#[from] InvalidInput),
+}
+
+/// What the command line says, applied over file and environment (only fields that are set).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Overrides {
+    /// `--listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
+    /// `--store`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
+}
+
+/// The top-level fields, which `ONCEGUARD_*` variables may set.
+const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep"];
+
+impl Config {
+    /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then
+    /// `overrides`, and validates the result.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(file) = file {
+            if !file.exists() {
+                return Err(ConfigError::Invalid(InvalidInput::new(
+                    "config",
+                    format!("the file {} does not exist", file.display()),
+                )));
+            }
+            figment = figment.merge(Toml::file(file));
+        }
+        let config: Config = figment
+            .merge(Env::prefixed("ONCEGUARD_").split("__").filter(|key| {
+                // Only variables that name a section of this file: clients read other
+                // ONCEGUARD_* variables (ONCEGUARD_URL, ONCEGUARD_API_KEY) from the same
+                // environment. Unknown fields inside a section are still refused.
+                let top = key.as_str().split("__").next().unwrap_or_default();
+                SECTIONS.iter().any(|s| top.eq_ignore_ascii_case(s))
+            }))
+            .merge(Serialized::defaults(overrides))
+            .extract()
+            .map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every value and their consistency.
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        self.limits.validate()?;
+        crate::store_url::StoreUrl::parse(&self.store)?;
+        TenantId::parse(&self.auth.operator_tenant)
+            .map_err(|_| InvalidInput::new("auth.operator_tenant", "is not a valid tenant id"))?;
+        TenantId::parse(&self.auth.anonymous_tenant)
+            .map_err(|_| InvalidInput::new("auth.anonymous_tenant", "is not a valid tenant id"))?;
+        if self.http.max_body_bytes < 1024 {
+            return Err(InvalidInput::new("http.max_body_bytes", "must be at least 1024"));
+        }
+        if self.http.request_timeout <= self.limits.max_wait {
+            return Err(InvalidInput::new("http.request_timeout", "must be longer than limits.max_wait"));
+        }
+        if self.sweep.interval.is_zero() || self.sweep.batch == 0 || self.sweep.max_batches == 0 {
+            return Err(InvalidInput::new("sweep", "interval, batch and max_batches must be more than zero"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_apply_in_order_and_validate() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("onceguard.toml", "listen = \"127.0.0.1:9000\"\n[limits]\nmax_wait = \"5s\"\n")?;
+            jail.set_env("ONCEGUARD_LIMITS__MAX_WAIT", "7s");
+            jail.set_env("ONCEGUARD_STORE", "memory://");
+            let overrides = Overrides { listen: Some("127.0.0.1:9100".parse().unwrap()), store: None };
+            let config = Config::load(Some(Path::new("onceguard.toml")), &overrides).expect("valid");
+            assert_eq!(config.listen.port(), 9100);
+            assert_eq!(config.limits.max_wait, Duration::from_secs(7));
+            assert_eq!(config.store, "memory://");
+
+            jail.set_env("ONCEGUARD_LIMITS__MAX_WAIT", "10m");
+            assert!(matches!(Config::load(None, &Overrides::default()), Err(ConfigError::Invalid(_))));
+            jail.set_env("ONCEGUARD_LIMITS__MAX_WAIT", "5s");
+            jail.set_env("ONCEGUARD_API_KEY", "a client's variable, not the server's");
+            assert!(Config::load(None, &Overrides::default()).is_ok());
+            jail.set_env("ONCEGUARD_LIMITS__NO_SUCH_FIELD", "1");
+            assert!(matches!(Config::load(None, &Overrides::default()), Err(ConfigError::Load(_))));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_missing_file_is_an_error() {
+        assert!(Config::load(Some(Path::new("/nonexistent/onceguard.toml")), &Overrides::default()).is_err());
+    }
+}

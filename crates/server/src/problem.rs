@@ -1,0 +1,232 @@
+//! Errors as `application/problem+json` (RFC 9457), mapped from their causes in one place.
+//!
+//! Every problem has a stable `type` (`https://onceguard.dev/problems/<kind>`), the HTTP
+//! `status`, a `title` per kind, a `detail` for this occurrence, and `retryable`: whether
+//! sending the same request again later may succeed.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use onceguard_core::{Denial, GuardError, InvalidInput, StaleReason, StoreError};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+/// The prefix of every problem type.
+pub const TYPE_PREFIX: &str = "https://onceguard.dev/problems/";
+
+/// An error answer of the API.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The request is malformed or a value is out of range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The body is larger than allowed.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The body is not JSON (`Content-Type`).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    /// No valid API key.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The API key's role may not do this.
+    #[error("{0}")]
+    Forbidden(String),
+    /// No such resource (in the caller's tenant).
+    #[error("{0}")]
+    NotFound(String),
+    /// No such method on this path.
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    /// A resource that must be new exists already.
+    #[error("{0}")]
+    Conflict(String),
+    /// Someone holds a live lease on the key.
+    #[error("the key is in flight; retry after {retry_after:?}")]
+    InFlight {
+        /// The time left on the holder's lease.
+        retry_after: Duration,
+        /// The holder's attempt.
+        attempt: u32,
+    },
+    /// The key was used with a different request.
+    #[error("the key was used with a different request")]
+    Mismatch,
+    /// The fence is not the current holder's.
+    #[error("the fence is not the current holder's")]
+    Stale(StaleReason),
+    /// A switch, budget or quota refused the claim.
+    #[error("denied: {0:?}")]
+    Denied(Denial),
+    /// The store could not answer.
+    #[error("{0}")]
+    StoreUnavailable(String),
+    /// A bug.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// The body of a problem, as documented in the OpenAPI document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// A stable URI per kind of problem.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// A short summary of the kind.
+    pub title: &'static str,
+    /// The HTTP status.
+    pub status: u16,
+    /// What happened this time.
+    pub detail: String,
+    /// Whether the same request may succeed if sent again later.
+    pub retryable: bool,
+    /// For claim answers: `in_flight`, `mismatch`, `denied`; for fenced calls: `stale`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<&'static str>,
+    /// For `in_flight` and quotas: milliseconds until a retry may succeed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+    /// For `in_flight`: the holder's attempt; for `stale`: why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Value>)]
+    pub reason: Option<serde_json::Value>,
+}
+
+impl ApiError {
+    /// `(status, kind, title, retryable)` of each variant: the one table of the API's errors.
+    fn parts(&self) -> (StatusCode, &'static str, &'static str, bool) {
+        use StatusCode as S;
+        match self {
+            Self::Invalid(_) => (S::BAD_REQUEST, "invalid-request", "The request is not valid", false),
+            Self::TooLarge(_) => (S::PAYLOAD_TOO_LARGE, "payload-too-large", "The request body is too large", false),
+            Self::UnsupportedMediaType(_) => {
+                (S::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type", "The body must be JSON", false)
+            }
+            Self::Unauthenticated(_) => (S::UNAUTHORIZED, "unauthenticated", "A valid API key is required", false),
+            Self::Forbidden(_) => (S::FORBIDDEN, "forbidden", "The API key's role may not do this", false),
+            Self::NotFound(_) => (S::NOT_FOUND, "not-found", "Not found", false),
+            Self::MethodNotAllowed => (S::METHOD_NOT_ALLOWED, "method-not-allowed", "Method not allowed", false),
+            Self::Conflict(_) => (S::CONFLICT, "conflict", "It exists already", false),
+            Self::InFlight { .. } => (S::CONFLICT, "in-flight", "The key is in flight", true),
+            Self::Mismatch => {
+                (S::UNPROCESSABLE_ENTITY, "fingerprint-mismatch", "The key was used with a different request", false)
+            }
+            Self::Stale(_) => (S::CONFLICT, "stale-fence", "The fence is not the current holder's", false),
+            Self::Denied(Denial::SwitchEngaged { .. }) => (S::LOCKED, "switch-engaged", "A kill switch is engaged", true),
+            Self::Denied(Denial::BudgetExhausted { .. }) => {
+                (S::TOO_MANY_REQUESTS, "budget-exhausted", "The run's budget is spent", false)
+            }
+            Self::Denied(Denial::QuotaExceeded { .. }) => {
+                (S::TOO_MANY_REQUESTS, "quota-exceeded", "The tenant's quota is spent", true)
+            }
+            Self::StoreUnavailable(_) => {
+                (S::SERVICE_UNAVAILABLE, "store-unavailable", "The store cannot answer; nothing was decided", true)
+            }
+            Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal", "Internal error", false),
+        }
+    }
+
+    /// The problem body.
+    pub fn problem(&self) -> Problem {
+        let (status, kind, title, retryable) = self.parts();
+        let mut problem = Problem {
+            kind: format!("{TYPE_PREFIX}{kind}"),
+            title,
+            status: status.as_u16(),
+            detail: self.to_string(),
+            retryable,
+            outcome: None,
+            retry_after_ms: None,
+            reason: None,
+        };
+        match self {
+            Self::InFlight { retry_after, attempt } => {
+                problem.outcome = Some("in_flight");
+                problem.retry_after_ms = Some(millis(*retry_after));
+                problem.reason = Some(serde_json::json!({ "attempt": attempt }));
+            }
+            Self::Mismatch => problem.outcome = Some("mismatch"),
+            Self::Stale(reason) => {
+                problem.outcome = Some("stale");
+                problem.reason = serde_json::to_value(reason).ok();
+            }
+            Self::Denied(denial) => {
+                problem.outcome = Some("denied");
+                if let Denial::QuotaExceeded { retry_after, .. } = denial {
+                    problem.retry_after_ms = Some(millis(*retry_after));
+                }
+                problem.reason = serde_json::to_value(denial).ok();
+            }
+            _ => {}
+        }
+        problem
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let Self::Internal(detail) | Self::StoreUnavailable(detail) = &self {
+            tracing::error!(detail, "request failed");
+        }
+        let problem = self.problem();
+        let status = StatusCode::from_u16(problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let retry_after = problem.retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
+        let mut response = (status, Json(problem)).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Some(secs) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+impl From<InvalidInput> for ApiError {
+    fn from(e: InvalidInput) -> Self {
+        Self::Invalid(e.to_string())
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(m) => Self::StoreUnavailable(format!("{m}; retrying later is safe")),
+            StoreError::Corrupt(m) => Self::Internal(format!("store data is corrupt: {m}")),
+        }
+    }
+}
+
+impl From<GuardError> for ApiError {
+    fn from(e: GuardError) -> Self {
+        match e {
+            GuardError::Invalid(e) => e.into(),
+            GuardError::TooLarge { .. } => Self::TooLarge(e.to_string()),
+            GuardError::Store(e) => e.into(),
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => Self::TooLarge(rejection.body_text()),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+                Self::UnsupportedMediaType("send the body as JSON with 'Content-Type: application/json'".into())
+            }
+            _ => Self::Invalid(rejection.body_text()),
+        }
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        Self::Invalid(rejection.body_text())
+    }
+}
