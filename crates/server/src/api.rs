@@ -42,6 +42,11 @@ fn scope_of(caller: &Caller, namespace: &str, key: &str) -> ApiResult<Scope> {
     Ok(Scope::new(caller.tenant.clone(), Namespace::parse(namespace)?, Key::parse(key)?))
 }
 
+/// Deserializes a field that is present as `Some`, even when it is `null`.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(d).map(Some)
+}
+
 fn raw_json(text: &str) -> Option<Box<RawValue>> {
     RawValue::from_string(text.to_owned()).ok()
 }
@@ -63,6 +68,7 @@ pub struct ClaimBody {
     /// What the request means (e.g. the tool call's arguments). Its fingerprint is the SHA-256
     /// of its canonical JSON (RFC 8785). Give this or `fingerprint`.
     #[schema(value_type = Option<Value>)]
+    #[serde(default, deserialize_with = "present")]
     pub request: Option<serde_json::Value>,
     /// A fingerprint you computed, `algorithm:hex`. Give this or `request`.
     pub fingerprint: Option<String>,

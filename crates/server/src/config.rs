@@ -160,7 +160,7 @@ impl Config {
                 // Only variables that name a section of this file: clients read other
                 // ONCEGUARD_* variables (ONCEGUARD_URL, ONCEGUARD_API_KEY) from the same
                 // environment. Unknown fields inside a section are still refused.
-                let top = key.as_str().split("__").next().unwrap_or_default();
+                let top = key.as_str().split("__").next().and_then(|k| k.split('.').next()).unwrap_or_default();
                 SECTIONS.iter().any(|s| top.eq_ignore_ascii_case(s))
             }))
             .merge(Serialized::defaults(overrides))

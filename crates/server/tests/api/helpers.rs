@@ -1,0 +1,135 @@
+//! The one harness of the API tests: `spawn_app` starts a server on `127.0.0.1:0` over a fresh
+//! store with a manual clock, and hands back a client with API keys of each role.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::{Guard, ManualClock, MemoryStore, Store, TenantId, Timestamp};
+use onceguard_server::{AppState, Config};
+use onceguard_store_sqlite::SqliteStore;
+use reqwest::{Response, StatusCode};
+use serde_json::Value;
+
+/// Which store a test runs on.
+#[derive(Debug, Clone, Copy)]
+pub enum Backing {
+    Memory,
+    Sqlite,
+}
+
+pub struct TestApp {
+    pub base: String,
+    pub client: reqwest::Client,
+    pub clock: Arc<ManualClock>,
+    /// Admin of tenant `acme` (also the operator tenant).
+    pub admin: String,
+    /// Agent of tenant `acme`.
+    pub agent: String,
+    /// Agent of tenant `globex`.
+    pub other_agent: String,
+    _dir: tempfile::TempDir,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+pub async fn spawn_app(backing: Backing) -> TestApp {
+    spawn_app_with(backing, |_| {}).await
+}
+
+pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config)) -> TestApp {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = match backing {
+        Backing::Memory => Arc::new(MemoryStore::new()),
+        Backing::Sqlite => Arc::new(SqliteStore::open(dir.path().join("og.db")).unwrap()),
+    };
+    let clock = Arc::new(ManualClock::new(Timestamp::now()));
+    let mut config = Config { store: "memory://".into(), ..Config::default() };
+    config.auth.operator_tenant = "acme".into();
+    configure(&mut config);
+    config.validate().unwrap();
+    let guard = Guard::new(store.clone(), clock.clone(), config.limits.clone());
+
+    let now = Timestamp::now();
+    let token = |tenant: &str, role| {
+        let new = ApiKey::generate(TenantId::parse(tenant).unwrap(), role, "test", now);
+        (new.key, new.token)
+    };
+    let (admin_key, admin) = token("acme", Role::Admin);
+    let (agent_key, agent) = token("acme", Role::Agent);
+    let (other_key, other_agent) = token("globex", Role::Agent);
+    for tenant in ["acme", "globex"] {
+        store.create_tenant(&Tenant { id: TenantId::parse(tenant).unwrap(), created_at: now }).await.unwrap();
+    }
+    for key in [admin_key, agent_key, other_key] {
+        store.create_api_key(&key).await.unwrap();
+    }
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = onceguard_server::router(AppState::new(guard.clone(), &config).unwrap(), &config);
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    TestApp {
+        base: format!("http://{addr}"),
+        client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap(),
+        clock,
+        admin,
+        agent,
+        other_agent,
+        _dir: dir,
+        _server: server,
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub async fn post(&self, token: &str, path: &str, body: &Value) -> Response {
+        self.client.post(self.url(path)).bearer_auth(token).json(body).send().await.unwrap()
+    }
+
+    pub async fn get(&self, token: &str, path: &str) -> Response {
+        self.client.get(self.url(path)).bearer_auth(token).send().await.unwrap()
+    }
+
+    pub async fn claim(&self, token: &str, body: Value) -> (StatusCode, Value) {
+        let response = self.post(token, "/v1/claims", &body).await;
+        let status = response.status();
+        (status, response.json().await.unwrap())
+    }
+
+    /// Claims `key` in `demo` meaning `request`; answers the status and body.
+    pub async fn claim_key(&self, key: &str, request: Value) -> (StatusCode, Value) {
+        self.claim(&self.agent, serde_json::json!({"namespace": "demo", "key": key, "request": request})).await
+    }
+
+    pub async fn fenced(&self, op: &str, body: Value) -> (StatusCode, Value) {
+        let response = self.post(&self.agent, &format!("/v1/claims/{op}"), &body).await;
+        let status = response.status();
+        (status, response.json().await.unwrap())
+    }
+
+    pub async fn record(&self, token: &str, namespace: &str, key: &str) -> Response {
+        self.client
+            .get(self.url("/v1/record"))
+            .query(&[("namespace", namespace), ("key", key)])
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
+/// Asserts a problem+json answer of `status` and `kind`; answers its body.
+pub async fn assert_problem(response: Response, status: StatusCode, kind: &str) -> Value {
+    assert_eq!(response.status(), status);
+    assert_eq!(response.headers()["content-type"], "application/problem+json");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], format!("https://onceguard.dev/problems/{kind}"), "{body}");
+    assert_eq!(body["status"], status.as_u16());
+    assert!(body["detail"].as_str().is_some_and(|d| !d.is_empty()));
+    body
+}

@@ -1,0 +1,7 @@
+//! The API tests: one binary, one harness (`helpers::spawn_app`).
+
+mod admin;
+mod bad_input;
+mod claims;
+mod concurrency;
+mod helpers;
