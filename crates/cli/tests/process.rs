@@ -1,0 +1,176 @@
+//! The `onceguard` binary as a process: first start, kill -9 under load, graceful shutdown.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+/// Starts `onceguard serve` in `dir` on a free port; answers once it listens.
+fn start(dir: &Path) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_onceguard"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .current_dir(dir)
+        .env_remove("ONCEGUARD_STORE")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("onceguard starts");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Ok(event) = serde_json::from_str::<Value>(&line) {
+                if let Some(addr) = event["addr"].as_str() {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr.to_owned());
+                    }
+                }
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(30)).expect("onceguard says where it listens");
+    Server { child, base: format!("http://{addr}") }
+}
+
+fn admin_key(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("onceguard-data/admin.key")).expect("the first start wrote an admin key").trim().to_owned()
+}
+
+async fn claim(client: &reqwest::Client, base: &str, token: &str, key: &str) -> reqwest::Result<(u16, Value)> {
+    let body = json!({"namespace": "crash", "key": key, "request": {"key": key}});
+    let response = client.post(format!("{base}/v1/claims")).bearer_auth(token).json(&body).send().await?;
+    let status = response.status().as_u16();
+    Ok((status, response.json().await?))
+}
+
+/// Runs claim+complete pairs from 16 tasks until the server stops answering; answers the
+/// acknowledged completions.
+async fn load(base: String, token: String) -> Vec<(String, Value)> {
+    let acknowledged = Arc::new(Mutex::new(Vec::new()));
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
+    let tasks = (0..16).map(|task| {
+        let (client, base, token, acknowledged) = (client.clone(), base.clone(), token.clone(), acknowledged.clone());
+        tokio::spawn(async move {
+            for i in 0..100_000 {
+                let key = format!("k-{task}-{i}");
+                let Ok((201, acquired)) = claim(&client, &base, &token, &key).await else { break };
+                let result = json!({"task": task, "i": i, "payload": "x".repeat(i % 50)});
+                let body = json!({"namespace": "crash", "key": key, "fence": acquired["fence"], "result": result});
+                match client.post(format!("{base}/v1/claims/complete")).bearer_auth(&token).json(&body).send().await {
+                    Ok(r) if r.status().is_success() => acknowledged.lock().await.push((key, result)),
+                    _ => break,
+                }
+            }
+        })
+    });
+    futures_join(tasks).await;
+    Arc::try_unwrap(acknowledged).unwrap().into_inner()
+}
+
+async fn futures_join(tasks: impl Iterator<Item = tokio::task::JoinHandle<()>>) {
+    for task in tasks.collect::<Vec<_>>() {
+        let _ = task.await;
+    }
+}
+
+/// Every acknowledged completion replays, byte for byte, after a restart.
+async fn assert_all_replay(base: &str, token: &str, acknowledged: &[(String, Value)]) {
+    let client = reqwest::Client::new();
+    for (key, result) in acknowledged {
+        let (status, replay) = claim(&client, base, token, key).await.unwrap();
+        assert_eq!(status, 200, "acknowledged completion of {key} lost: {replay}");
+        assert_eq!(&replay["result"], result);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_under_load_loses_no_acknowledged_completion() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let token = admin_key(dir.path());
+    let load = tokio::spawn(load(server.base.clone(), token.clone()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.child.kill().unwrap(); // SIGKILL
+    server.child.wait().unwrap();
+    let acknowledged = load.await.unwrap();
+    assert!(acknowledged.len() >= 50, "the load ran ({} acknowledged)", acknowledged.len());
+
+    let mut restarted = start(dir.path());
+    assert_eq!(admin_key(dir.path()), token, "the second start keeps the first admin key");
+    assert_all_replay(&restarted.base, &token, &acknowledged).await;
+    println!("kill -9: {} acknowledged completions, all replayed after restart", acknowledged.len());
+    restarted.child.kill().unwrap();
+    restarted.child.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_requests_in_flight_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let token = admin_key(dir.path());
+    let client = reqwest::Client::new();
+    // A claim that waits on a held key is in flight when the signal comes; it must be answered.
+    let (status, held) = claim(&client, &server.base, &token, "held").await.unwrap();
+    assert_eq!(status, 201);
+    let waiting = {
+        let (client, base, token) = (client.clone(), server.base.clone(), token.clone());
+        tokio::spawn(async move {
+            let body = json!({"namespace": "crash", "key": "held", "request": {"key": "held"}, "wait": "2s"});
+            client.post(format!("{base}/v1/claims")).bearer_auth(token).json(&body).send().await.map(|r| r.status().as_u16())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert_eq!(waiting.await.unwrap().expect("the request in flight is answered"), 409);
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "exits cleanly: {exit:?}");
+
+    let restarted = start(dir.path());
+    let body = json!({"namespace": "crash", "key": "held", "fence": held["fence"], "result": "done"});
+    let r = client.post(format!("{}/v1/claims/complete", restarted.base)).bearer_auth(&token).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the held key survived the restart");
+    let mut restarted = restarted;
+    restarted.child.kill().unwrap();
+    restarted.child.wait().unwrap();
+}
+
+#[test]
+fn operator_commands_work_on_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_onceguard")).args(args).current_dir(dir.path()).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    assert!(run(&["tenants", "create", "acme"]).0);
+    let (ok, _, err) = run(&["tenants", "create", "acme"]);
+    assert!(!ok && err.contains("exists"), "{err}");
+    let (ok, out, _) = run(&["api-keys", "create", "--tenant", "acme", "--role", "agent", "--label", "ci"]);
+    assert!(ok);
+    let created: Value = serde_json::from_str(&out).unwrap();
+    assert!(created["token"].as_str().unwrap().starts_with("og_"));
+    let (ok, out, _) = run(&["api-keys", "list", "--tenant", "acme"]);
+    assert!(ok && out.contains(created["id"].as_str().unwrap()) && !out.contains("token"));
+    let (ok, _, err) = run(&["api-keys", "create", "--tenant", "nobody"]);
+    assert!(!ok && err.contains("no tenant"), "{err}");
+    let (ok, out, _) = run(&["keys", "list", "--tenant", "acme"]);
+    assert!(ok && out.trim() == "[]");
+    let (ok, _, err) = run(&["keys", "get", "--tenant", "acme", "demo", "nope"]);
+    assert!(!ok && err.contains("no live record"), "{err}");
+    let (ok, out, _) = run(&["keys", "purge", "--tenant", "acme", "demo", "nope"]);
+    assert!(ok && out.contains("no record"));
+    let (ok, _, err) = run(&["keys", "list", "--tenant", "acme", "--state", "done"]);
+    assert!(!ok && err.contains("--state"), "{err}");
+    let (ok, _, err) = run(&["--store", "postgres://nowhere", "tenants", "list"]);
+    assert!(!ok && err.contains("store"), "{err}");
+}
