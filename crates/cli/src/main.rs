@@ -150,7 +150,11 @@ fn init_logs(format: Option<&str>) -> Result<()> {
         None => !std::io::stderr().is_terminal(),
     };
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if json { builder.json().flatten_event(true).init() } else { builder.init() }
+    if json {
+        builder.json().flatten_event(true).init()
+    } else {
+        builder.init()
+    }
     Ok(())
 }
 
@@ -187,7 +191,9 @@ async fn serve(config: Config) -> Result<()> {
             file.display()
         );
     }
-    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("listening on {}", config.listen))?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.listen))?;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, store = guard.store().kind(), "onceguard is serving; API at http://{addr}/v1, OpenAPI at http://{addr}/openapi.json");
     onceguard_server::run(&config, guard, listener, shutdown_signal()).await?;

@@ -43,7 +43,10 @@ fn start(dir: &Path) -> Server {
 }
 
 fn admin_key(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("onceguard-data/admin.key")).expect("the first start wrote an admin key").trim().to_owned()
+    std::fs::read_to_string(dir.join("onceguard-data/admin.key"))
+        .expect("the first start wrote an admin key")
+        .trim()
+        .to_owned()
 }
 
 async fn claim(client: &reqwest::Client, base: &str, token: &str, key: &str) -> reqwest::Result<(u16, Value)> {
@@ -126,7 +129,13 @@ async fn sigterm_finishes_requests_in_flight_and_exits_cleanly() {
         let (client, base, token) = (client.clone(), server.base.clone(), token.clone());
         tokio::spawn(async move {
             let body = json!({"namespace": "crash", "key": "held", "request": {"key": "held"}, "wait": "2s"});
-            client.post(format!("{base}/v1/claims")).bearer_auth(token).json(&body).send().await.map(|r| r.status().as_u16())
+            client
+                .post(format!("{base}/v1/claims"))
+                .bearer_auth(token)
+                .json(&body)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -138,7 +147,13 @@ async fn sigterm_finishes_requests_in_flight_and_exits_cleanly() {
 
     let restarted = start(dir.path());
     let body = json!({"namespace": "crash", "key": "held", "fence": held["fence"], "result": "done"});
-    let r = client.post(format!("{}/v1/claims/complete", restarted.base)).bearer_auth(&token).json(&body).send().await.unwrap();
+    let r = client
+        .post(format!("{}/v1/claims/complete", restarted.base))
+        .bearer_auth(&token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200, "the held key survived the restart");
     let mut restarted = restarted;
     restarted.child.kill().unwrap();
@@ -150,7 +165,11 @@ fn operator_commands_work_on_the_store() {
     let dir = tempfile::tempdir().unwrap();
     let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_onceguard")).args(args).current_dir(dir.path()).output().unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     assert!(run(&["tenants", "create", "acme"]).0);
     let (ok, _, err) = run(&["tenants", "create", "acme"]);

@@ -157,18 +157,13 @@ impl Namespace {
                 && seg != ".."
                 && seg.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
         };
-        if s.split('/').all(segment_ok) {
-            Ok(Self(s.to_owned()))
-        } else {
-            Err(InvalidInput::new("namespace", rule))
-        }
+        if s.split('/').all(segment_ok) { Ok(Self(s.to_owned())) } else { Err(InvalidInput::new("namespace", rule)) }
     }
 
     /// Whether this namespace is `prefix` or lies below it (`prod` covers `prod/payments`, not
     /// `production`).
     pub fn is_within(&self, prefix: &Namespace) -> bool {
-        self.0 == prefix.0
-            || (self.0.starts_with(&prefix.0) && self.0.as_bytes().get(prefix.0.len()) == Some(&b'/'))
+        self.0 == prefix.0 || (self.0.starts_with(&prefix.0) && self.0.as_bytes().get(prefix.0.len()) == Some(&b'/'))
     }
 }
 string_newtype!(Namespace);
@@ -226,11 +221,7 @@ impl Fingerprint {
         let hex_ok = (16..=128).contains(&hex.len())
             && hex.len() % 2 == 0
             && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if alg_ok && hex_ok {
-            Ok(Self(s.to_owned()))
-        } else {
-            Err(InvalidInput::new("fingerprint", rule))
-        }
+        if alg_ok && hex_ok { Ok(Self(s.to_owned())) } else { Err(InvalidInput::new("fingerprint", rule)) }
     }
 
     /// `sha256:` of the given bytes.
@@ -390,7 +381,8 @@ mod tests {
         assert_eq!(parse_duration("lease", "500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("lease", "24h").unwrap(), Duration::from_secs(86_400));
         assert!(parse_duration("lease", "forever").is_err());
-        let err = check_bounds("lease", Duration::from_secs(10_000_000), Duration::from_secs(1), Duration::from_secs(3600));
+        let err =
+            check_bounds("lease", Duration::from_secs(10_000_000), Duration::from_secs(1), Duration::from_secs(3600));
         assert_eq!(err.unwrap_err().field, "lease");
     }
 

@@ -260,7 +260,8 @@ impl Guard {
     /// `max_pages` pages.
     pub async fn count_in_progress(&self, tenant: &TenantId, max_pages: usize) -> Result<(usize, usize), GuardError> {
         let now = self.clock.now();
-        let mut filter = ListFilter { state: Some(RecordState::InProgress), limit: crate::store::MAX_PAGE, ..Default::default() };
+        let mut filter =
+            ListFilter { state: Some(RecordState::InProgress), limit: crate::store::MAX_PAGE, ..Default::default() };
         let (mut in_progress, mut stuck) = (0, 0);
         for _ in 0..max_pages {
             let page = self.store.list(tenant, &filter, now).await?;

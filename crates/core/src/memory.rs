@@ -98,9 +98,7 @@ impl Store for MemoryStore {
             .records
             .values()
             .filter(|r| &r.scope.tenant == tenant)
-            .filter(|r| {
-                filter.after.as_ref().is_none_or(|(ns, key)| (&r.scope.namespace, &r.scope.key) > (ns, key))
-            })
+            .filter(|r| filter.after.as_ref().is_none_or(|(ns, key)| (&r.scope.namespace, &r.scope.key) > (ns, key)))
             .filter(|r| matches_filter(r, filter, now))
             .take(limit + 1)
             .cloned()

@@ -120,7 +120,12 @@ pub fn claim(
 
 /// Makes the claimant the holder. `previous` is a live released record (a fresh start that
 /// keeps counting attempts) or a stuck in-progress one (a recovery).
-fn acquire(previous: Option<Record>, req: &ClaimRequest, now: Timestamp, fence: Fence) -> (ClaimOutcome, Option<Record>) {
+fn acquire(
+    previous: Option<Record>,
+    req: &ClaimRequest,
+    now: Timestamp,
+    fence: Fence,
+) -> (ClaimOutcome, Option<Record>) {
     let lease_expires_at = now.plus(req.lease);
     let mut record = Record {
         scope: req.scope.clone(),
@@ -243,10 +248,14 @@ fn is_repeat(record: &Record, mutation: &Mutation) -> bool {
         (RecordState::Completed, Mutation::Complete(o)) => {
             o.kind == OutcomeKind::Success && record.outcome.as_ref() == Some(o)
         }
-        (RecordState::Completed, Mutation::Fail { retryable: false, outcome }) => record
-            .outcome
-            .as_ref()
-            .is_some_and(|stored| stored.kind == OutcomeKind::Failure && stored.content_type == outcome.content_type && stored.body == outcome.body && stored.cost == outcome.cost),
+        (RecordState::Completed, Mutation::Fail { retryable: false, outcome }) => {
+            record.outcome.as_ref().is_some_and(|stored| {
+                stored.kind == OutcomeKind::Failure
+                    && stored.content_type == outcome.content_type
+                    && stored.body == outcome.body
+                    && stored.cost == outcome.cost
+            })
+        }
         (RecordState::Released, Mutation::Fail { retryable: true, .. }) => true,
         _ => false,
     }
@@ -277,7 +286,9 @@ mod tests {
         let (out, rec) = claim(None, &req("a"), now, || Fence(7));
         assert!(matches!(out, ClaimOutcome::Acquired(Acquired { fence: Fence(7), attempt: 1, .. })));
         let (out, write) = claim(rec, &req("a"), now, || panic!("no fence for an in-flight key"));
-        assert!(matches!(out, ClaimOutcome::InFlight(InFlight { retry_after, .. }) if retry_after == Duration::from_secs(10)));
+        assert!(
+            matches!(out, ClaimOutcome::InFlight(InFlight { retry_after, .. }) if retry_after == Duration::from_secs(10))
+        );
         assert!(write.is_none());
     }
 

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
+use axum::Json;
 use axum::extract::{FromRequest, Path, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
@@ -202,7 +202,11 @@ fn stored_view(o: &Outcome) -> StoredResultView {
         (status = 401, description = "No valid API key", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "The store cannot answer; nothing was decided", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn claim(State(state): State<AppState>, caller: Caller, ApiJson(body): ApiJson<ClaimBody>) -> ApiResult<Response> {
+pub async fn claim(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<ClaimBody>,
+) -> ApiResult<Response> {
     let limits = state.guard.limits();
     let fingerprint = match (&body.request, &body.fingerprint) {
         (Some(request), None) => Fingerprint::of_json(request),
@@ -323,7 +327,14 @@ pub fn record_view(r: &Record, now: Timestamp, with_result: bool) -> RecordView 
     }
 }
 
-async fn fenced(state: &AppState, caller: &Caller, namespace: &str, key: &str, fence: u64, m: Mutation) -> ApiResult<Json<RecordView>> {
+async fn fenced(
+    state: &AppState,
+    caller: &Caller,
+    namespace: &str,
+    key: &str,
+    fence: u64,
+    m: Mutation,
+) -> ApiResult<Json<RecordView>> {
     let scope = scope_of(caller, namespace, key)?;
     match state.guard.mutate(&scope, Fence(fence), m).await? {
         FencedOutcome::Applied(record) => Ok(Json(record_view(&record, state.guard.clock().now(), false))),
@@ -353,7 +364,10 @@ fn outcome_of(
             ("application/json".to_owned(), text.into_bytes())
         }
     };
-    if content_type.is_empty() || content_type.len() > 255 || !content_type.bytes().all(|b| (0x21..=0x7e).contains(&b) || b == b' ') {
+    if content_type.is_empty()
+        || content_type.len() > 255
+        || !content_type.bytes().all(|b| (0x21..=0x7e).contains(&b) || b == b' ')
+    {
         return Err(ApiError::Invalid("content_type must be 1 to 255 bytes of printable ASCII".into()));
     }
     Ok(Outcome { kind, content_type, body, cost })
@@ -389,7 +403,11 @@ pub struct CompleteBody {
         (status = 409, description = "Stale fence: nothing changed", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "The outcome is larger than allowed", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn complete(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<CompleteBody>) -> ApiResult<Json<RecordView>> {
+pub async fn complete(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<CompleteBody>,
+) -> ApiResult<Json<RecordView>> {
     let outcome = outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, b.cost)?;
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Complete(outcome)).await
 }
@@ -421,7 +439,11 @@ pub struct FailBody {
         (status = 200, description = "Released or stored", body = RecordView),
         (status = 409, description = "Stale fence: nothing changed", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn fail(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<FailBody>) -> ApiResult<Json<RecordView>> {
+pub async fn fail(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<FailBody>,
+) -> ApiResult<Json<RecordView>> {
     let outcome = outcome_of(OutcomeKind::Failure, b.error, None, None, b.cost)?;
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Fail { retryable: b.retryable, outcome }).await
 }
@@ -447,7 +469,11 @@ pub struct ExtendBody {
         (status = 200, description = "Extended", body = RecordView),
         (status = 409, description = "Stale fence: nothing changed", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn extend(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<ExtendBody>) -> ApiResult<Json<RecordView>> {
+pub async fn extend(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<ExtendBody>,
+) -> ApiResult<Json<RecordView>> {
     let lease = state.guard.limits().lease(parse_duration_field("lease", b.lease.as_deref())?)?;
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Extend(lease)).await
 }
@@ -476,7 +502,11 @@ pub struct CheckpointBody {
         (status = 200, description = "Saved", body = RecordView),
         (status = 409, description = "Stale fence: nothing changed", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn checkpoint(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<CheckpointBody>) -> ApiResult<Json<RecordView>> {
+pub async fn checkpoint(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<CheckpointBody>,
+) -> ApiResult<Json<RecordView>> {
     let name = CheckpointName::parse(&b.name)?;
     let data = b.data.map_or_else(|| "null".to_owned(), |d| d.get().to_owned());
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Checkpoint { name, data }).await
@@ -504,7 +534,11 @@ pub struct ReportUnknownBody {
         (status = 200, description = "Recorded", body = RecordView),
         (status = 409, description = "Stale fence: nothing changed", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn report_unknown(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<ReportUnknownBody>) -> ApiResult<Json<RecordView>> {
+pub async fn report_unknown(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<ReportUnknownBody>,
+) -> ApiResult<Json<RecordView>> {
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::ReportUnknown(b.detail)).await
 }
 
@@ -529,9 +563,14 @@ pub struct RecordQuery {
         (status = 200, description = "The record", body = RecordView),
         (status = 404, description = "No live record for this key", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn get_record(State(state): State<AppState>, caller: Caller, ApiQuery(q): ApiQuery<RecordQuery>) -> ApiResult<Json<RecordView>> {
+pub async fn get_record(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<RecordQuery>,
+) -> ApiResult<Json<RecordView>> {
     let scope = scope_of(&caller, &q.namespace, &q.key)?;
-    let record = state.guard.get(&scope).await?.ok_or_else(|| ApiError::NotFound("no live record for this key".into()))?;
+    let record =
+        state.guard.get(&scope).await?.ok_or_else(|| ApiError::NotFound("no live record for this key".into()))?;
     Ok(Json(record_view(&record, state.guard.clock().now(), true)))
 }
 
@@ -550,7 +589,11 @@ pub struct PurgedView {
         (status = 200, description = "Purged (or there was nothing)", body = PurgedView),
         (status = 403, description = "Not an admin", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn purge_record(State(state): State<AppState>, caller: Caller, ApiQuery(q): ApiQuery<RecordQuery>) -> ApiResult<Json<PurgedView>> {
+pub async fn purge_record(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<RecordQuery>,
+) -> ApiResult<Json<PurgedView>> {
     caller.require_admin()?;
     let scope = scope_of(&caller, &q.namespace, &q.key)?;
     let purged = state.guard.purge(&scope).await?;
@@ -589,7 +632,11 @@ pub struct RecordPage {
 #[utoipa::path(get, path = "/v1/records", tag = "records", params(ListQuery),
     security(("bearer" = [])),
     responses((status = 200, description = "A page", body = RecordPage)))]
-pub async fn list_records(State(state): State<AppState>, caller: Caller, ApiQuery(q): ApiQuery<ListQuery>) -> ApiResult<Json<RecordPage>> {
+pub async fn list_records(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> ApiResult<Json<RecordPage>> {
     let limit = q.limit.unwrap_or(100);
     if !(1..=onceguard_core::store::MAX_PAGE).contains(&limit) {
         return Err(ApiError::Invalid("limit must be 1 to 1000".into()));
@@ -599,7 +646,10 @@ pub async fn list_records(State(state): State<AppState>, caller: Caller, ApiQuer
         state: q
             .state
             .as_deref()
-            .map(|s| RecordState::parse(s).ok_or_else(|| ApiError::Invalid("state must be in_progress, completed or released".into())))
+            .map(|s| {
+                RecordState::parse(s)
+                    .ok_or_else(|| ApiError::Invalid("state must be in_progress, completed or released".into()))
+            })
             .transpose()?,
         stuck: q.stuck.unwrap_or(false),
         run: q.run.as_deref().map(RunId::parse).transpose()?,
@@ -660,13 +710,22 @@ fn require_operator(state: &AppState, caller: &Caller) -> ApiResult<()> {
 pub async fn list_tenants(State(state): State<AppState>, caller: Caller) -> ApiResult<Json<Vec<TenantView>>> {
     require_operator(&state, &caller)?;
     let tenants = state.guard.store().list_tenants().await?;
-    Ok(Json(tenants.into_iter().map(|t| TenantView { id: t.id.to_string(), created_at: t.created_at.to_rfc3339() }).collect()))
+    Ok(Json(
+        tenants
+            .into_iter()
+            .map(|t| TenantView { id: t.id.to_string(), created_at: t.created_at.to_rfc3339() })
+            .collect(),
+    ))
 }
 
 /// Create a tenant (operator tenant's admins).
 #[utoipa::path(post, path = "/v1/tenants", tag = "admin", request_body = TenantBody, security(("bearer" = [])),
     responses((status = 201, description = "Created", body = TenantView), (status = 409, description = "It exists", body = Problem, content_type = "application/problem+json")))]
-pub async fn create_tenant(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<TenantBody>) -> ApiResult<Response> {
+pub async fn create_tenant(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<TenantBody>,
+) -> ApiResult<Response> {
     require_operator(&state, &caller)?;
     let tenant = Tenant { id: TenantId::parse(&b.id)?, created_at: state.guard.clock().now() };
     if !state.guard.store().create_tenant(&tenant).await? {
@@ -726,7 +785,11 @@ pub fn api_key_view(k: &ApiKey, token: Option<String>) -> ApiKeyView {
 /// Create an API key (admin). The token is in this answer only.
 #[utoipa::path(post, path = "/v1/api-keys", tag = "admin", request_body = ApiKeyBody, security(("bearer" = [])),
     responses((status = 201, description = "Created; keep the token", body = ApiKeyView), (status = 403, description = "Not an admin", body = Problem, content_type = "application/problem+json")))]
-pub async fn create_api_key(State(state): State<AppState>, caller: Caller, ApiJson(b): ApiJson<ApiKeyBody>) -> ApiResult<Response> {
+pub async fn create_api_key(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(b): ApiJson<ApiKeyBody>,
+) -> ApiResult<Response> {
     caller.require_admin()?;
     let tenant = match b.tenant.as_deref() {
         None => caller.tenant.clone(),
@@ -763,7 +826,11 @@ pub async fn list_api_keys(State(state): State<AppState>, caller: Caller) -> Api
 #[utoipa::path(delete, path = "/v1/api-keys/{id}", tag = "admin", security(("bearer" = [])),
     params(("id" = String, Path, description = "The key's id")),
     responses((status = 204, description = "Revoked"), (status = 404, description = "No such key in your tenant", body = Problem, content_type = "application/problem+json")))]
-pub async fn revoke_api_key(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<StatusCode> {
+pub async fn revoke_api_key(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     caller.require_admin()?;
     let id = ApiKeyId::parse(&id)?;
     if !state.guard.store().revoke_api_key(&caller.tenant, &id, state.guard.clock().now()).await? {

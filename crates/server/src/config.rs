@@ -196,6 +196,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
     fn layers_apply_in_order_and_validate() {
         figment::Jail::expect_with(|jail| {
             jail.create_file("onceguard.toml", "listen = \"127.0.0.1:9000\"\n[limits]\nmax_wait = \"5s\"\n")?;

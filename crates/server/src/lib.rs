@@ -50,7 +50,11 @@ impl AppState {
         Ok(Self {
             guard,
             operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,
-            anonymous_tenant: config.auth.allow_anonymous.then(|| TenantId::parse(&config.auth.anonymous_tenant)).transpose()?,
+            anonymous_tenant: config
+                .auth
+                .allow_anonymous
+                .then(|| TenantId::parse(&config.auth.anonymous_tenant))
+                .transpose()?,
         })
     }
 }
@@ -83,7 +87,9 @@ impl utoipa::Modify for BearerAuth {
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "bearer",
-            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("og_<id>_<secret>").build()),
+            SecurityScheme::Http(
+                HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("og_<id>_<secret>").build(),
+            ),
         );
     }
 }
@@ -124,7 +130,8 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(config.http.max_body_bytes))
         .layer(middleware::from_fn(move |req: Request, next: Next| request_timeout(req, next, timeout)))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_| {
-            ApiError::Internal("the request failed unexpectedly; nothing is known to have changed".into()).into_response()
+            ApiError::Internal("the request failed unexpectedly; nothing is known to have changed".into())
+                .into_response()
         }))
         .layer(tower_http::trace::TraceLayer::new_for_http())
 }

@@ -115,7 +115,9 @@ impl ApiError {
                 (S::UNPROCESSABLE_ENTITY, "fingerprint-mismatch", "The key was used with a different request", false)
             }
             Self::Stale(_) => (S::CONFLICT, "stale-fence", "The fence is not the current holder's", false),
-            Self::Denied(Denial::SwitchEngaged { .. }) => (S::LOCKED, "switch-engaged", "A kill switch is engaged", true),
+            Self::Denied(Denial::SwitchEngaged { .. }) => {
+                (S::LOCKED, "switch-engaged", "A kill switch is engaged", true)
+            }
             Self::Denied(Denial::BudgetExhausted { .. }) => {
                 (S::TOO_MANY_REQUESTS, "budget-exhausted", "The run's budget is spent", false)
             }

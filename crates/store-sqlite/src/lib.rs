@@ -245,8 +245,7 @@ fn load(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError> 
         "SELECT {RECORD_COLUMNS} FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3"
     ))
     .and_then(|mut st| {
-        st.query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], row_parts)
-            .optional()
+        st.query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], row_parts).optional()
     })
     .map_err(unavailable)?
     .map(decode)
@@ -311,7 +310,9 @@ fn api_key_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKeyRow> {
     Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?, row.get(5)?, row.get(6)?))
 }
 
-fn decode_api_key((id, tenant, role, label, secret_sha256, created_at, revoked_at): ApiKeyRow) -> Result<ApiKey, StoreError> {
+fn decode_api_key(
+    (id, tenant, role, label, secret_sha256, created_at, revoked_at): ApiKeyRow,
+) -> Result<ApiKey, StoreError> {
     let ts = |v: i64| u64::try_from(v).map(Timestamp).map_err(corrupt);
     Ok(ApiKey {
         id: ApiKeyId::parse(&id).map_err(corrupt)?,
@@ -459,8 +460,12 @@ impl Store for SqliteStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.read(|conn| conn.query_row("SELECT value FROM meta WHERE name = 'fence'", [], |r| r.get::<_, i64>(0)).map(drop).map_err(unavailable))
-            .await
+        self.read(|conn| {
+            conn.query_row("SELECT value FROM meta WHERE name = 'fence'", [], |r| r.get::<_, i64>(0))
+                .map(drop)
+                .map_err(unavailable)
+        })
+        .await
     }
 
     async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {

@@ -4,7 +4,8 @@ fn fresh() -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = on
     || {
         Box::pin(async {
             let dir = tempfile::tempdir().expect("a temporary directory");
-            let store = onceguard_store_sqlite::SqliteStore::open(dir.path().join("onceguard.db")).expect("the store opens");
+            let store =
+                onceguard_store_sqlite::SqliteStore::open(dir.path().join("onceguard.db")).expect("the store opens");
             onceguard_testkit::TestStore::with(store, dir)
         })
     }

@@ -235,7 +235,10 @@ pub async fn reported_unknown_gives_a_recovery_at_once(store: Arc<dyn Store>) {
     let recovery = a.recovery.expect("a recovery");
     assert_eq!(recovery.reason, RecoveryReason::ReportedUnknown { detail: "upstream timed out".into() });
     assert_eq!(recovery.last_checkpoint.map(|cp| cp.name.to_string()), Some("sent".into()));
-    assert_eq!(c.mutate(&s, first, Mutation::Complete(success("late"))).await, FencedOutcome::Stale(StaleReason::Superseded));
+    assert_eq!(
+        c.mutate(&s, first, Mutation::Complete(success("late"))).await,
+        FencedOutcome::Stale(StaleReason::Superseded)
+    );
 
     // Before a takeover, the reporter may still complete.
     let s2 = scope("k2");
@@ -259,7 +262,10 @@ pub async fn retryable_failure_releases_the_key(store: Arc<dyn Store>) {
     assert!(a.fence > first);
     assert_eq!(a.attempt, 2);
     assert!(a.recovery.is_none());
-    assert_eq!(c.mutate(&s, first, Mutation::Complete(success("x"))).await, FencedOutcome::Stale(StaleReason::Superseded));
+    assert_eq!(
+        c.mutate(&s, first, Mutation::Complete(success("x"))).await,
+        FencedOutcome::Stale(StaleReason::Superseded)
+    );
 }
 
 /// A permanent failure is stored and replays like a success, marked as a failure.
@@ -459,7 +465,10 @@ pub async fn repeated_completion_is_idempotent(store: Arc<dyn Store>) {
     c.clock.advance(Duration::from_secs(1));
     let again = c.applied(&s, fence, Mutation::Complete(success("one"))).await;
     assert_eq!(again.completed_at, first.completed_at);
-    assert_eq!(c.mutate(&s, fence, Mutation::Complete(success("two"))).await, FencedOutcome::Stale(StaleReason::Finished));
+    assert_eq!(
+        c.mutate(&s, fence, Mutation::Complete(success("two"))).await,
+        FencedOutcome::Stale(StaleReason::Finished)
+    );
     assert_eq!(c.get(&s).await.and_then(|r| r.outcome).map(|o| o.body), Some(b"one".to_vec()));
 }
 

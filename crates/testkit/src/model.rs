@@ -247,7 +247,8 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
     let start = clock_now(&clock);
     let mut model = Model::default();
     let mut fences = [[0u64; KEYS]; WORKERS];
-    let outcome = |kind, body: Vec<u8>| Outcome { kind, content_type: "application/octet-stream".into(), body, cost: None };
+    let outcome =
+        |kind, body: Vec<u8>| Outcome { kind, content_type: "application/octet-stream".into(), body, cost: None };
     for (i, op) in ops.iter().enumerate() {
         let now = clock_now(&clock);
         let model_now = now.0 - start.0;
@@ -294,7 +295,11 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
                     },
                     _ => Mutation::ReportUnknown("unknown".into()),
                 };
-                let got = match store.mutate(&scope(key), Fence(fence), mutation, now, MAX_CHECKPOINTS).await.map_err(fail)? {
+                let got = match store
+                    .mutate(&scope(key), Fence(fence), mutation, now, MAX_CHECKPOINTS)
+                    .await
+                    .map_err(fail)?
+                {
                     FencedOutcome::Applied(_) => Answer::Applied,
                     FencedOutcome::Stale(_) => Answer::Stale,
                 };
@@ -309,7 +314,12 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
         let stored = store.get(&scope(key), now).await.map_err(fail)?;
         let modelled = model.live(key, now.0 - start.0);
         prop_assert_eq!(stored.as_ref().map(|r| r.fence.0), modelled.map(|r| r.fence), "final fence of key {}", key);
-        prop_assert_eq!(stored.as_ref().map(|r| r.attempt), modelled.map(|r| r.attempt), "final attempt of key {}", key);
+        prop_assert_eq!(
+            stored.as_ref().map(|r| r.attempt),
+            modelled.map(|r| r.attempt),
+            "final attempt of key {}",
+            key
+        );
         if let (Some(stored), Some(Rec { st: St::Done { at, .. }, .. })) = (&stored, modelled) {
             prop_assert_eq!(stored.completed_at.map(|t| t.0 - start.0), Some(*at));
         }

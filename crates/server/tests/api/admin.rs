@@ -52,7 +52,8 @@ async fn admins_manage_keys_and_revoked_keys_stop_working() {
     assert!(listed.as_array().unwrap().iter().all(|k| k.get("token").is_none()), "secrets are never listed");
     assert!(!listed.to_string().contains(token.rsplit_once('_').unwrap().1));
 
-    let revoked = app.client.delete(app.url(&format!("/v1/api-keys/{id}"))).bearer_auth(&app.admin).send().await.unwrap();
+    let revoked =
+        app.client.delete(app.url(&format!("/v1/api-keys/{id}"))).bearer_auth(&app.admin).send().await.unwrap();
     assert_eq!(revoked.status(), StatusCode::NO_CONTENT);
     let response = app.post(&token, "/v1/claims", &json!({"namespace": "demo", "key": "k2", "request": 1})).await;
     assert_problem(response, StatusCode::UNAUTHORIZED, "unauthenticated").await;
@@ -60,7 +61,12 @@ async fn admins_manage_keys_and_revoked_keys_stop_working() {
     // The operator tenant's admin creates a tenant and a key in it.
     let t = app.post(&app.admin, "/v1/tenants", &json!({"id": "initech"})).await;
     assert_eq!(t.status(), StatusCode::CREATED);
-    assert_problem(app.post(&app.admin, "/v1/tenants", &json!({"id": "initech"})).await, StatusCode::CONFLICT, "conflict").await;
+    assert_problem(
+        app.post(&app.admin, "/v1/tenants", &json!({"id": "initech"})).await,
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
     let k = app.post(&app.admin, "/v1/api-keys", &json!({"role": "admin", "tenant": "initech"})).await;
     assert_eq!(k.status(), StatusCode::CREATED);
     let initech_admin = k.json::<serde_json::Value>().await.unwrap()["token"].as_str().unwrap().to_owned();
@@ -68,7 +74,8 @@ async fn admins_manage_keys_and_revoked_keys_stop_working() {
     assert_problem(app.get(&initech_admin, "/v1/tenants").await, StatusCode::FORBIDDEN, "forbidden").await;
     let other = app.post(&initech_admin, "/v1/api-keys", &json!({"role": "admin", "tenant": "acme"})).await;
     assert_problem(other, StatusCode::FORBIDDEN, "forbidden").await;
-    let revoke_other = app.client.delete(app.url(&format!("/v1/api-keys/{id}"))).bearer_auth(&initech_admin).send().await.unwrap();
+    let revoke_other =
+        app.client.delete(app.url(&format!("/v1/api-keys/{id}"))).bearer_auth(&initech_admin).send().await.unwrap();
     assert_problem(revoke_other, StatusCode::NOT_FOUND, "not-found").await;
 }
 
@@ -78,17 +85,25 @@ async fn tenants_never_see_or_touch_each_other() {
     let (_, a) = app.claim_key("shared-name", json!(1)).await;
     let fence = a["fence"].clone();
     // Tenant globex: the same namespace and key are its own, new key.
-    let (status, b) = app.claim(&app.other_agent, json!({"namespace": "demo", "key": "shared-name", "request": 2})).await;
+    let (status, b) =
+        app.claim(&app.other_agent, json!({"namespace": "demo", "key": "shared-name", "request": 2})).await;
     assert_eq!(status, StatusCode::CREATED, "{b}");
     // It cannot read, complete or list acme's record; the answers are those of an absent key.
-    let completed = app.post(&app.other_agent, "/v1/claims/complete", &json!({"namespace": "demo", "key": "acme-only", "fence": fence, "result": 1})).await;
+    let completed = app
+        .post(
+            &app.other_agent,
+            "/v1/claims/complete",
+            &json!({"namespace": "demo", "key": "acme-only", "fence": fence, "result": 1}),
+        )
+        .await;
     let stale = assert_problem(completed, StatusCode::CONFLICT, "stale-fence").await;
     assert_eq!(stale["reason"], "no_record");
     app.claim_key("acme-only", json!(1)).await;
     let read = app.record(&app.other_agent, "demo", "acme-only").await;
     assert_problem(read, StatusCode::NOT_FOUND, "not-found").await;
     let listed: serde_json::Value = app.get(&app.other_agent, "/v1/records").await.json().await.unwrap();
-    let keys: Vec<_> = listed["records"].as_array().unwrap().iter().map(|r| r["key"].as_str().unwrap().to_owned()).collect();
+    let keys: Vec<_> =
+        listed["records"].as_array().unwrap().iter().map(|r| r["key"].as_str().unwrap().to_owned()).collect();
     assert_eq!(keys, ["shared-name"]);
     let acme: serde_json::Value = app.record(&app.agent, "demo", "shared-name").await.json().await.unwrap();
     assert_eq!(acme["fence"], fence, "acme's record is untouched");
@@ -101,7 +116,13 @@ async fn anonymous_access_only_when_configured() {
         c.auth.anonymous_tenant = "acme".into();
     })
     .await;
-    let response = app.client.post(app.url("/v1/claims")).json(&json!({"namespace": "demo", "key": "k", "request": 1})).send().await.unwrap();
+    let response = app
+        .client
+        .post(app.url("/v1/claims"))
+        .json(&json!({"namespace": "demo", "key": "k", "request": 1}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), StatusCode::CREATED);
     let admin_call = app.client.get(app.url("/v1/api-keys")).send().await.unwrap();
     assert_problem(admin_call, StatusCode::FORBIDDEN, "forbidden").await;

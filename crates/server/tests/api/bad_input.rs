@@ -41,11 +41,22 @@ async fn invalid_claims_are_refused_and_write_nothing() {
 async fn malformed_bodies_and_media_types() {
     let app = spawn_app(Backing::Memory).await;
     let send = |body: &'static str, content_type: &'static str| {
-        app.client.post(app.url("/v1/claims")).bearer_auth(&app.agent).header("content-type", content_type).body(body).send()
+        app.client
+            .post(app.url("/v1/claims"))
+            .bearer_auth(&app.agent)
+            .header("content-type", content_type)
+            .body(body)
+            .send()
     };
-    assert_problem(send("{not json", "application/json").await.unwrap(), StatusCode::BAD_REQUEST, "invalid-request").await;
+    assert_problem(send("{not json", "application/json").await.unwrap(), StatusCode::BAD_REQUEST, "invalid-request")
+        .await;
     assert_problem(send("", "application/json").await.unwrap(), StatusCode::BAD_REQUEST, "invalid-request").await;
-    assert_problem(send("{}", "text/plain").await.unwrap(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type").await;
+    assert_problem(
+        send("{}", "text/plain").await.unwrap(),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported-media-type",
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -61,11 +72,18 @@ async fn oversized_bodies_and_outcomes_are_refused_without_a_partial_write() {
 
     let (_, a) = app.claim_key("k", json!(1)).await;
     let big = "y".repeat(2000);
-    let response = app.post(&app.agent, "/v1/claims/complete", &json!({"namespace": "demo", "key": "k", "fence": a["fence"], "result": big})).await;
+    let response = app
+        .post(
+            &app.agent,
+            "/v1/claims/complete",
+            &json!({"namespace": "demo", "key": "k", "fence": a["fence"], "result": big}),
+        )
+        .await;
     assert_problem(response, StatusCode::PAYLOAD_TOO_LARGE, "payload-too-large").await;
     let record: serde_json::Value = app.record(&app.agent, "demo", "k").await.json().await.unwrap();
     assert_eq!(record["state"], "in_progress", "the refused outcome was not stored");
-    let (status, _) = app.fenced("complete", json!({"namespace": "demo", "key": "k", "fence": a["fence"], "result": "small"})).await;
+    let (status, _) =
+        app.fenced("complete", json!({"namespace": "demo", "key": "k", "fence": a["fence"], "result": "small"})).await;
     assert_eq!(status, StatusCode::OK);
 }
 
@@ -77,7 +95,10 @@ async fn invalid_fenced_calls() {
     let cases = [
         ("complete", json!({"namespace": "demo", "key": "k", "fence": fence, "result": 1, "result_base64": "AA=="})),
         ("complete", json!({"namespace": "demo", "key": "k", "fence": fence, "result_base64": "***"})),
-        ("complete", json!({"namespace": "demo", "key": "k", "fence": fence, "result": 1, "content_type": "text/html"})),
+        (
+            "complete",
+            json!({"namespace": "demo", "key": "k", "fence": fence, "result": 1, "content_type": "text/html"}),
+        ),
         ("complete", json!({"namespace": "demo", "key": "k", "fence": -1, "result": 1})),
         ("complete", json!({"namespace": "demo", "key": "k", "result": 1})),
         ("extend", json!({"namespace": "demo", "key": "k", "fence": fence, "lease": "99999h"})),
@@ -89,7 +110,10 @@ async fn invalid_fenced_calls() {
         assert_problem(response, StatusCode::BAD_REQUEST, "invalid-request").await;
     }
     let record: serde_json::Value = app.record(&app.agent, "demo", "k").await.json().await.unwrap();
-    assert_eq!((record["state"].as_str(), record["checkpoints"].as_array().map(Vec::len)), (Some("in_progress"), Some(0)));
+    assert_eq!(
+        (record["state"].as_str(), record["checkpoints"].as_array().map(Vec::len)),
+        (Some("in_progress"), Some(0))
+    );
 }
 
 #[tokio::test]
@@ -98,8 +122,11 @@ async fn unknown_routes_methods_and_queries() {
     assert_problem(app.get(&app.agent, "/v2/claims").await, StatusCode::NOT_FOUND, "not-found").await;
     assert_problem(app.get(&app.agent, "/v1/claims").await, StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed").await;
     assert_problem(app.get(&app.agent, "/v1/records?limit=0").await, StatusCode::BAD_REQUEST, "invalid-request").await;
-    assert_problem(app.get(&app.agent, "/v1/records?state=done").await, StatusCode::BAD_REQUEST, "invalid-request").await;
-    assert_problem(app.get(&app.agent, "/v1/records?cursor=garbage").await, StatusCode::BAD_REQUEST, "invalid-request").await;
+    assert_problem(app.get(&app.agent, "/v1/records?state=done").await, StatusCode::BAD_REQUEST, "invalid-request")
+        .await;
+    assert_problem(app.get(&app.agent, "/v1/records?cursor=garbage").await, StatusCode::BAD_REQUEST, "invalid-request")
+        .await;
     assert_problem(app.get(&app.agent, "/v1/records?bogus=1").await, StatusCode::BAD_REQUEST, "invalid-request").await;
-    assert_problem(app.get(&app.agent, "/v1/record?namespace=demo").await, StatusCode::BAD_REQUEST, "invalid-request").await;
+    assert_problem(app.get(&app.agent, "/v1/record?namespace=demo").await, StatusCode::BAD_REQUEST, "invalid-request")
+        .await;
 }

@@ -18,30 +18,54 @@ async fn claim_complete_replay_mismatch() {
         let fence = acquired["fence"].as_u64().unwrap();
 
         // The same meaning, spelt differently, is the same request: in flight.
-        let response = app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "order-1", "request": {"to": "acct_9", "amount": 5.0}})).await;
+        let response = app
+            .post(
+                &app.agent,
+                "/v1/claims",
+                &json!({"namespace": "demo", "key": "order-1", "request": {"to": "acct_9", "amount": 5.0}}),
+            )
+            .await;
         let problem = assert_problem(response, StatusCode::CONFLICT, "in-flight").await;
         assert_eq!(problem["outcome"], "in_flight");
 
         // The result is stored exactly as sent, whitespace and key order included.
         let raw = r#"{"charge":  "ch_1", "amount":5, "z":[1, 2.50]}"#;
         let body = format!(r#"{{"namespace":"demo","key":"order-1","fence":{fence},"result":{raw},"cost":1200}}"#);
-        let response = app.client.post(app.url("/v1/claims/complete")).bearer_auth(&app.agent)
-            .header("content-type", "application/json").body(body).send().await.unwrap();
+        let response = app
+            .client
+            .post(app.url("/v1/claims/complete"))
+            .bearer_auth(&app.agent)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         let done: serde_json::Value = response.json().await.unwrap();
         assert_eq!(done["state"], "completed");
 
         for _ in 0..3 {
-            let response = app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "order-1", "request": {"amount": 5, "to": "acct_9"}})).await;
+            let response = app
+                .post(
+                    &app.agent,
+                    "/v1/claims",
+                    &json!({"namespace": "demo", "key": "order-1", "request": {"amount": 5, "to": "acct_9"}}),
+                )
+                .await;
             assert_eq!(response.status(), StatusCode::OK);
             assert_eq!(response.headers()["idempotent-replayed"], "true");
             let text = response.text().await.unwrap();
             assert!(text.contains(&format!(r#""result":{raw}"#)), "{text}");
             let replay: serde_json::Value = serde_json::from_str(&text).unwrap();
-            assert_eq!((replay["outcome"].as_str(), replay["fence"].as_u64(), replay["cost"].as_u64()), (Some("replay"), Some(fence), Some(1200)));
+            assert_eq!(
+                (replay["outcome"].as_str(), replay["fence"].as_u64(), replay["cost"].as_u64()),
+                (Some("replay"), Some(fence), Some(1200))
+            );
         }
 
-        let response = app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "order-1", "request": {"amount": 6}})).await;
+        let response = app
+            .post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "order-1", "request": {"amount": 6}}))
+            .await;
         let problem = assert_problem(response, StatusCode::UNPROCESSABLE_ENTITY, "fingerprint-mismatch").await;
         assert_eq!(problem["outcome"], "mismatch");
     }
@@ -69,7 +93,12 @@ async fn stale_fence_is_refused_and_recovery_gets_the_checkpoint() {
     let claim = json!({"namespace": "demo", "key": "k", "request": {"a": 1}, "lease": "5s"});
     let (_, first) = app.claim(&app.agent, claim.clone()).await;
     let old = first["fence"].clone();
-    let (status, saved) = app.fenced("checkpoint", json!({"namespace": "demo", "key": "k", "fence": old, "name": "charged-card", "data": {"charge": "ch_1"}})).await;
+    let (status, saved) = app
+        .fenced(
+            "checkpoint",
+            json!({"namespace": "demo", "key": "k", "fence": old, "name": "charged-card", "data": {"charge": "ch_1"}}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(saved["checkpoints"][0]["name"], "charged-card");
 
@@ -81,11 +110,19 @@ async fn stale_fence_is_refused_and_recovery_gets_the_checkpoint() {
     assert_eq!(second["recovery"]["previous_fence"], old);
     assert_eq!(second["recovery"]["last_checkpoint"]["data"], json!({"charge": "ch_1"}));
 
-    let response = app.post(&app.agent, "/v1/claims/complete", &json!({"namespace": "demo", "key": "k", "fence": old, "result": "zombie"})).await;
+    let response = app
+        .post(
+            &app.agent,
+            "/v1/claims/complete",
+            &json!({"namespace": "demo", "key": "k", "fence": old, "result": "zombie"}),
+        )
+        .await;
     let problem = assert_problem(response, StatusCode::CONFLICT, "stale-fence").await;
     assert_eq!((problem["outcome"].as_str(), problem["reason"].as_str()), (Some("stale"), Some("superseded")));
 
-    let (status, _) = app.fenced("complete", json!({"namespace": "demo", "key": "k", "fence": second["fence"], "result": "real"})).await;
+    let (status, _) = app
+        .fenced("complete", json!({"namespace": "demo", "key": "k", "fence": second["fence"], "result": "real"}))
+        .await;
     assert_eq!(status, StatusCode::OK);
     let (_, replay) = app.claim(&app.agent, claim).await;
     assert_eq!(replay["result"], "real");
@@ -95,11 +132,13 @@ async fn stale_fence_is_refused_and_recovery_gets_the_checkpoint() {
 async fn extend_fail_and_report_unknown() {
     let app = spawn_app(Backing::Memory).await;
     let (_, a) = app.claim_key("ext", json!(1)).await;
-    let (status, extended) = app.fenced("extend", json!({"namespace": "demo", "key": "ext", "fence": a["fence"], "lease": "2m"})).await;
+    let (status, extended) =
+        app.fenced("extend", json!({"namespace": "demo", "key": "ext", "fence": a["fence"], "lease": "2m"})).await;
     assert_eq!(status, StatusCode::OK);
     assert!(extended["lease_expires_at"].is_string());
 
-    let (status, released) = app.fenced("fail", json!({"namespace": "demo", "key": "ext", "fence": a["fence"], "retryable": true})).await;
+    let (status, released) =
+        app.fenced("fail", json!({"namespace": "demo", "key": "ext", "fence": a["fence"], "retryable": true})).await;
     assert_eq!((status, released["state"].as_str()), (StatusCode::OK, Some("released")));
     let (status, again) = app.claim_key("ext", json!(1)).await;
     assert_eq!((status, again["attempt"].as_u64()), (StatusCode::CREATED, Some(2)));
@@ -111,7 +150,12 @@ async fn extend_fail_and_report_unknown() {
     assert_eq!(replay["result"], json!({"code": "card_declined"}));
 
     let (_, u) = app.claim_key("unk", json!(1)).await;
-    let (status, _) = app.fenced("report-unknown", json!({"namespace": "demo", "key": "unk", "fence": u["fence"], "detail": "socket reset after send"})).await;
+    let (status, _) = app
+        .fenced(
+            "report-unknown",
+            json!({"namespace": "demo", "key": "unk", "fence": u["fence"], "detail": "socket reset after send"}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK);
     let (status, recovered) = app.claim_key("unk", json!(1)).await;
     assert_eq!(status, StatusCode::CREATED);
@@ -132,7 +176,9 @@ async fn a_waiting_claim_receives_the_replay() {
         })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let (status, _) = app.fenced("complete", json!({"namespace": "demo", "key": "slow", "fence": a["fence"], "result": [0.1, 0.2]})).await;
+    let (status, _) = app
+        .fenced("complete", json!({"namespace": "demo", "key": "slow", "fence": a["fence"], "result": [0.1, 0.2]}))
+        .await;
     assert_eq!(status, StatusCode::OK);
     let (status, replay) = waiter.await.unwrap();
     assert_eq!(status, StatusCode::OK);
@@ -161,13 +207,16 @@ async fn records_are_listed_and_read() {
     let mut seen = Vec::new();
     let mut url = app.url("/v1/records?namespace_prefix=prod&limit=2&run=run-1");
     loop {
-        let page: serde_json::Value = app.client.get(&url).bearer_auth(&app.agent).send().await.unwrap().json().await.unwrap();
+        let page: serde_json::Value =
+            app.client.get(&url).bearer_auth(&app.agent).send().await.unwrap().json().await.unwrap();
         for r in page["records"].as_array().unwrap() {
             seen.push(r["key"].as_str().unwrap().to_owned());
             assert_eq!(r["state"], "in_progress");
         }
         match page["next"].as_str() {
-            Some(cursor) => url = app.url(&format!("/v1/records?namespace_prefix=prod&limit=2&run=run-1&cursor={cursor}")),
+            Some(cursor) => {
+                url = app.url(&format!("/v1/records?namespace_prefix=prod&limit=2&run=run-1&cursor={cursor}"))
+            }
             None => break,
         }
     }
@@ -200,8 +249,19 @@ async fn health_and_openapi() {
     assert_eq!(app.client.get(app.url("/readyz")).send().await.unwrap().status(), StatusCode::OK);
     let doc: serde_json::Value = app.client.get(app.url("/openapi.json")).send().await.unwrap().json().await.unwrap();
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
-    for path in ["/v1/claims", "/v1/claims/complete", "/v1/claims/fail", "/v1/claims/extend", "/v1/claims/checkpoint",
-                 "/v1/claims/report-unknown", "/v1/record", "/v1/records", "/v1/tenants", "/v1/api-keys", "/v1/api-keys/{id}"] {
+    for path in [
+        "/v1/claims",
+        "/v1/claims/complete",
+        "/v1/claims/fail",
+        "/v1/claims/extend",
+        "/v1/claims/checkpoint",
+        "/v1/claims/report-unknown",
+        "/v1/record",
+        "/v1/records",
+        "/v1/tenants",
+        "/v1/api-keys",
+        "/v1/api-keys/{id}",
+    ] {
         assert!(doc["paths"].get(path).is_some(), "{path} is not documented");
     }
     assert!(doc["components"]["schemas"].get("Problem").is_some());

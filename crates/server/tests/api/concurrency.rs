@@ -30,9 +30,19 @@ async fn sixty_four_tasks_on_the_same_hundred_keys() {
                             acquired += 1;
                             let a: serde_json::Value = response.json().await.unwrap();
                             let result = format!(r#"{{"by":{task},"key":"{key}","n":[{i}, {task}]}}"#);
-                            let complete = format!(r#"{{"namespace":"load","key":"{key}","fence":{},"result":{result}}}"#, a["fence"]);
-                            let done = app.client.post(app.url("/v1/claims/complete")).bearer_auth(&app.agent)
-                                .header("content-type", "application/json").body(complete).send().await.unwrap();
+                            let complete = format!(
+                                r#"{{"namespace":"load","key":"{key}","fence":{},"result":{result}}}"#,
+                                a["fence"]
+                            );
+                            let done = app
+                                .client
+                                .post(app.url("/v1/claims/complete"))
+                                .bearer_auth(&app.agent)
+                                .header("content-type", "application/json")
+                                .body(complete)
+                                .send()
+                                .await
+                                .unwrap();
                             assert_eq!(done.status(), StatusCode::OK);
                             stored.lock().await.insert(key, result);
                         }
