@@ -194,6 +194,24 @@ impl Guard {
         }
     }
 
+    /// A task that wakes this process's waiters for keys finished through other processes (see
+    /// [`Store::changes`]); `None` if the store has no such feed. The caller owns the task and
+    /// stops it at shutdown.
+    pub fn forward_changes(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        let mut changes = self.store.changes()?;
+        let notifier = self.notifier.clone();
+        Some(async move {
+            loop {
+                match changes.recv().await {
+                    Ok(scope) => notifier.notify(&scope),
+                    // Missed some: the waiters' polling covers them.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        })
+    }
+
     /// Applies a fenced call, after checking its size limits, and wakes the key's waiters when
     /// it finished the attempt.
     #[tracing::instrument(name = "guard.mutate", skip_all, fields(tenant = %scope.tenant, namespace = %scope.namespace, fence = %fence, op = mutation.name(), outcome))]

@@ -133,6 +133,22 @@ impl Record {
     pub fn last_checkpoint(&self) -> Option<&Checkpoint> {
         self.checkpoints.last()
     }
+
+    /// How stores keep a record: a JSON document of everything but the outcome's bytes, and
+    /// those bytes apart (binary-safe, not base64-inflated).
+    pub fn into_doc(mut self) -> Result<(String, Option<Vec<u8>>), serde_json::Error> {
+        let body = self.outcome.as_mut().map(|o| std::mem::take(&mut o.body));
+        Ok((serde_json::to_string(&self)?, body))
+    }
+
+    /// The record from what [`Record::into_doc`] made.
+    pub fn from_doc(doc: &str, body: Option<Vec<u8>>) -> Result<Self, serde_json::Error> {
+        let mut record: Record = serde_json::from_str(doc)?;
+        if let (Some(outcome), Some(body)) = (record.outcome.as_mut(), body) {
+            outcome.body = body;
+        }
+        Ok(record)
+    }
 }
 
 /// Why a claim is a recovery: an earlier attempt may have done part of the work.

@@ -101,6 +101,13 @@ pub trait Store: Send + Sync + 'static {
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Keys finished (completed, failed, reported unknown) or purged through *other* processes
+    /// sharing this store, so that this process can wake its waiters at once. `None` when the
+    /// store offers no such feed; waiters then rely on polling, which they always do as well.
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
+        None
+    }
+
     /// Creates a tenant; answers `false` if it already existed (and changes nothing).
     async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError>;
 

@@ -259,16 +259,14 @@ fn row_parts(row: &rusqlite::Row<'_>) -> rusqlite::Result<RowParts> {
 }
 
 fn decode((doc, body): RowParts) -> Result<Record, StoreError> {
-    let mut record: Record = serde_json::from_str(&doc).map_err(corrupt)?;
-    if let (Some(outcome), Some(body)) = (record.outcome.as_mut(), body) {
-        outcome.body = body;
-    }
-    Ok(record)
+    Record::from_doc(&doc, body).map_err(corrupt)
 }
 
-fn save(conn: &Connection, mut record: Record) -> Result<(), StoreError> {
-    let body = record.outcome.as_mut().map(|o| std::mem::take(&mut o.body));
-    let doc = serde_json::to_string(&record).map_err(corrupt)?;
+fn save(conn: &Connection, record: Record) -> Result<(), StoreError> {
+    let scope = record.scope.clone();
+    let (state, run, lease_expires_at, expires_at) =
+        (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
+    let (doc, body) = record.into_doc().map_err(corrupt)?;
     conn.prepare_cached(
         "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
@@ -278,13 +276,13 @@ fn save(conn: &Connection, mut record: Record) -> Result<(), StoreError> {
     )
     .and_then(|mut st| {
         st.execute(params![
-            record.scope.tenant.as_str(),
-            record.scope.namespace.as_str(),
-            record.scope.key.as_str(),
-            record.state.as_str(),
-            record.run.as_ref().map(|r| r.as_str()),
-            record.lease_expires_at.map(to_i64),
-            to_i64(record.expires_at),
+            scope.tenant.as_str(),
+            scope.namespace.as_str(),
+            scope.key.as_str(),
+            state.as_str(),
+            run.as_ref().map(|r| r.as_str()),
+            lease_expires_at.map(to_i64),
+            to_i64(expires_at),
             doc,
             body,
         ])

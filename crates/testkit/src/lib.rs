@@ -18,8 +18,11 @@ use std::sync::Arc;
 
 use onceguard_core::Store;
 
+pub use proptest;
+
 pub mod conformance;
 pub mod model;
+pub mod services;
 
 /// A fresh store for one test, and whatever must live as long as it (a temporary directory, a
 /// schema to drop).
@@ -41,8 +44,27 @@ impl TestStore {
     }
 }
 
+/// What a store factory may return: a store, or `None` when the store's server is not running
+/// and the suite is skipped (see [`services::available`]).
+pub trait IntoTestStore {
+    /// The store, if the suite runs.
+    fn into_test_store(self) -> Option<TestStore>;
+}
+
+impl IntoTestStore for TestStore {
+    fn into_test_store(self) -> Option<TestStore> {
+        Some(self)
+    }
+}
+
+impl IntoTestStore for Option<TestStore> {
+    fn into_test_store(self) -> Option<TestStore> {
+        self
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance case, each on a fresh store from `$make`
-/// (an `async` closure returning a [`TestStore`]).
+/// (an `async` closure returning a [`TestStore`], or `Option<TestStore>` to skip).
 #[macro_export]
 macro_rules! conformance_tests {
     ($make:expr) => {
@@ -77,8 +99,11 @@ macro_rules! conformance_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let make = $make;
-                let test_store: $crate::TestStore = make().await;
-                $crate::conformance::$case(test_store.store.clone()).await;
+                let Some(test_store) = $crate::IntoTestStore::into_test_store(make().await) else { return };
+                let case = $crate::conformance::$case(test_store.store.clone());
+                if ::tokio::time::timeout(std::time::Duration::from_secs(120), case).await.is_err() {
+                    panic!("the case did not finish within 120 s");
+                }
                 drop(test_store);
             }
         )*
@@ -96,12 +121,17 @@ macro_rules! property_tests {
         #[test]
         fn store_agrees_with_the_model() {
             let runtime = ::tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+            let probe = $make;
+            if runtime.block_on(async { $crate::IntoTestStore::into_test_store(probe().await) }).is_none() {
+                return;
+            }
             let config = $crate::model::proptest_config($cases);
-            let mut runner = ::proptest::test_runner::TestRunner::new(config);
+            let mut runner = $crate::proptest::test_runner::TestRunner::new(config);
             let result = runner.run(&$crate::model::ops_strategy(), |ops| {
                 let make = $make;
                 runtime.block_on(async {
-                    let test_store: $crate::TestStore = make().await;
+                    let test_store =
+                        $crate::IntoTestStore::into_test_store(make().await).expect("the store was available");
                     let result = $crate::model::check(test_store.store.clone(), &ops).await;
                     drop(test_store);
                     result

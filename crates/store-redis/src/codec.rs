@@ -1,0 +1,227 @@
+//! Reading the scripts' answers and stored records back into the core's types. Anything that
+//! does not parse is [`StoreError::Corrupt`]: the store never guesses.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use onceguard_core::store::StoreError;
+use onceguard_core::{
+    Acquired, Checkpoint, CheckpointName, ClaimOutcome, Fence, FencedOutcome, Fingerprint, InFlight, Key, Namespace,
+    Outcome, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, RunId, Scope, StaleReason, TenantId,
+    Timestamp,
+};
+use redis::Value;
+
+pub(crate) fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(format!("redis: {what}"))
+}
+
+/// A reply that should be a flat list of strings.
+pub(crate) fn strings(value: Value) -> Result<Vec<Vec<u8>>, StoreError> {
+    let Value::Array(items) = value else { return Err(corrupt(format!("expected a list, got {value:?}"))) };
+    items.into_iter().map(string).collect()
+}
+
+fn string(value: Value) -> Result<Vec<u8>, StoreError> {
+    match value {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.into_bytes()),
+        Value::Int(i) => Ok(i.to_string().into_bytes()),
+        other => Err(corrupt(format!("expected a string, got {other:?}"))),
+    }
+}
+
+fn text(bytes: &[u8]) -> Result<&str, StoreError> {
+    std::str::from_utf8(bytes).map_err(|_| corrupt("a stored text is not UTF-8"))
+}
+
+fn number<T: std::str::FromStr>(bytes: &[u8], what: &str) -> Result<T, StoreError> {
+    text(bytes)?.parse().map_err(|_| corrupt(format!("{what} is not a number: {:?}", String::from_utf8_lossy(bytes))))
+}
+
+fn kind(bytes: &[u8]) -> Result<OutcomeKind, StoreError> {
+    match bytes {
+        b"success" => Ok(OutcomeKind::Success),
+        b"failure" => Ok(OutcomeKind::Failure),
+        other => Err(corrupt(format!("unknown outcome kind {:?}", String::from_utf8_lossy(other)))),
+    }
+}
+
+fn cost(bytes: &[u8]) -> Result<Option<u64>, StoreError> {
+    if bytes.is_empty() { Ok(None) } else { number(bytes, "cost").map(Some) }
+}
+
+/// The fields of a stored record, by name.
+#[derive(Debug, Default)]
+pub(crate) struct Fields(HashMap<String, Vec<u8>>);
+
+impl Fields {
+    /// Pairs up `[field, value, field, value, ...]` (as `HGETALL` answers).
+    pub(crate) fn from_flat(items: Vec<Vec<u8>>) -> Result<Self, StoreError> {
+        if !items.len().is_multiple_of(2) {
+            return Err(corrupt("a record has a field without a value"));
+        }
+        let mut map = HashMap::with_capacity(items.len() / 2);
+        let mut items = items.into_iter();
+        while let (Some(field), Some(value)) = (items.next(), items.next()) {
+            map.insert(String::from_utf8(field).map_err(|_| corrupt("a field name is not UTF-8"))?, value);
+        }
+        Ok(Self(map))
+    }
+
+    /// Whether the record exists (has any field).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn get(&self, field: &str) -> Option<&[u8]> {
+        self.0.get(field).map(Vec::as_slice)
+    }
+
+    fn need(&self, field: &str) -> Result<&[u8], StoreError> {
+        self.get(field).ok_or_else(|| corrupt(format!("a record lacks its field {field:?}")))
+    }
+
+    fn text(&self, field: &str) -> Result<&str, StoreError> {
+        text(self.need(field)?)
+    }
+
+    fn time(&self, field: &str) -> Result<Timestamp, StoreError> {
+        number(self.need(field)?, field).map(Timestamp)
+    }
+
+    fn opt_time(&self, field: &str) -> Result<Option<Timestamp>, StoreError> {
+        self.get(field).map(|v| number(v, field).map(Timestamp)).transpose()
+    }
+
+    /// The record these fields describe.
+    pub(crate) fn record(&self) -> Result<Record, StoreError> {
+        let scope = Scope::new(
+            TenantId::parse(self.text("t")?).map_err(corrupt)?,
+            Namespace::parse(self.text("n")?).map_err(corrupt)?,
+            Key::parse(self.text("k")?).map_err(corrupt)?,
+        );
+        let state = RecordState::parse(self.text("st")?).ok_or_else(|| corrupt("unknown record state"))?;
+        let outcome = match self.get("ok") {
+            Some(k) => Some(Outcome {
+                kind: kind(k)?,
+                content_type: self.text("oc")?.to_owned(),
+                body: self.need("ob")?.to_vec(),
+                cost: self.get("ocost").map(cost).transpose()?.flatten(),
+            }),
+            None => None,
+        };
+        let first: u64 = self.get("c0").map(|v| number(v, "c0")).transpose()?.unwrap_or(0);
+        let next: u64 = self.get("cn").map(|v| number(v, "cn")).transpose()?.unwrap_or(0);
+        let checkpoints =
+            (first..next).map(|i| checkpoint(self.need(&format!("c.{i}"))?)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Record {
+            scope,
+            state,
+            fingerprint: Fingerprint::parse(self.text("fp")?).map_err(corrupt)?,
+            fence: Fence(number(self.need("fe")?, "fence")?),
+            attempt: number(self.need("at")?, "attempt")?,
+            run: self.get("run").map(|r| text(r).and_then(|r| RunId::parse(r).map_err(corrupt))).transpose()?,
+            lease_expires_at: self.opt_time("le")?,
+            unknown: self.get("un").map(|u| text(u).map(str::to_owned)).transpose()?,
+            retention: Duration::from_millis(number(self.need("re")?, "retention")?),
+            outcome,
+            completed_at: self.opt_time("co")?,
+            checkpoints,
+            created_at: self.time("ca")?,
+            updated_at: self.time("up")?,
+            expires_at: self.time("ex")?,
+        })
+    }
+}
+
+/// A checkpoint as stored: `fence \n at \n name \n data`.
+fn checkpoint(bytes: &[u8]) -> Result<Checkpoint, StoreError> {
+    let mut parts = text(bytes)?.splitn(4, '\n');
+    let mut next = || parts.next().ok_or_else(|| corrupt("a checkpoint lacks a part"));
+    let fence = Fence(number(next()?.as_bytes(), "checkpoint fence")?);
+    let at = Timestamp(number(next()?.as_bytes(), "checkpoint time")?);
+    let name = CheckpointName::parse(next()?).map_err(corrupt)?;
+    let data = next()?.to_owned();
+    Ok(Checkpoint { name, data, fence, at })
+}
+
+/// What the claim script answered.
+pub(crate) enum Claimed {
+    /// The claim's outcome.
+    Outcome(ClaimOutcome),
+    /// It would acquire, and needs a fence greater than this slot mark.
+    NeedFence(Fence),
+}
+
+/// The claim script's answer.
+pub(crate) fn claim_answer(answer: Vec<Vec<u8>>) -> Result<Claimed, StoreError> {
+    let field = |i: usize| answer.get(i).map(Vec::as_slice).ok_or_else(|| corrupt("a claim answer is too short"));
+    if field(0)? == b"need_fence" {
+        return Ok(Claimed::NeedFence(Fence(number(field(1)?, "fence mark")?)));
+    }
+    claim_outcome(&field).map(Claimed::Outcome)
+}
+
+fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> Result<ClaimOutcome, StoreError> {
+    match field(0)? {
+        b"mismatch" => Ok(ClaimOutcome::Mismatch),
+        b"in_flight" => Ok(ClaimOutcome::InFlight(InFlight {
+            retry_after: Duration::from_millis(number(field(1)?, "retry_after")?),
+            attempt: number(field(2)?, "attempt")?,
+        })),
+        b"replay" => Ok(ClaimOutcome::Replay(Replay {
+            fence: Fence(number(field(1)?, "fence")?),
+            attempt: number(field(2)?, "attempt")?,
+            completed_at: Timestamp(number(field(3)?, "completed_at")?),
+            outcome: Outcome {
+                kind: kind(field(4)?)?,
+                content_type: text(field(5)?)?.to_owned(),
+                body: field(6)?.to_vec(),
+                cost: cost(field(7)?)?,
+            },
+        })),
+        b"acquired" => {
+            let recovery = match field(4)? {
+                b"" => None,
+                why => Some(Recovery {
+                    previous_fence: Fence(number(field(5)?, "previous fence")?),
+                    previous_attempt: number(field(6)?, "previous attempt")?,
+                    reason: match why {
+                        b"unknown" => RecoveryReason::ReportedUnknown { detail: text(field(7)?)?.to_owned() },
+                        _ => RecoveryReason::LeaseExpired,
+                    },
+                    last_checkpoint: match field(8)? {
+                        b"" => None,
+                        cp => Some(checkpoint(cp)?),
+                    },
+                }),
+            };
+            Ok(ClaimOutcome::Acquired(Acquired {
+                fence: Fence(number(field(1)?, "fence")?),
+                attempt: number(field(2)?, "attempt")?,
+                lease_expires_at: Timestamp(number(field(3)?, "lease_expires_at")?),
+                recovery,
+            }))
+        }
+        other => Err(corrupt(format!("unknown claim answer {:?}", String::from_utf8_lossy(other)))),
+    }
+}
+
+/// The mutate script's answer.
+pub(crate) fn fenced_outcome(mut answer: Vec<Vec<u8>>) -> Result<FencedOutcome, StoreError> {
+    if answer.is_empty() {
+        return Err(corrupt("an empty answer to a fenced call"));
+    }
+    let head = answer.remove(0);
+    match head.as_slice() {
+        b"applied" => Ok(FencedOutcome::Applied(Box::new(Fields::from_flat(answer)?.record()?))),
+        b"stale" => Ok(FencedOutcome::Stale(match answer.first().map(Vec::as_slice) {
+            Some(b"no_record") => StaleReason::NoRecord,
+            Some(b"superseded") => StaleReason::Superseded,
+            Some(b"finished") => StaleReason::Finished,
+            other => return Err(corrupt(format!("unknown stale reason {other:?}"))),
+        })),
+        other => Err(corrupt(format!("unknown answer {:?}", String::from_utf8_lossy(other)))),
+    }
+}

@@ -1,0 +1,1011 @@
+//! The Redis store: the fast store, on one Redis server or on a Redis Cluster.
+//!
+//! # How it keeps the contract
+//!
+//! - **Atomicity**: a claim and every fenced call (complete, fail, extend, checkpoint,
+//!   report-unknown) is one Lua script ([`scripts`]), and so is a purge and the deletion of one
+//!   expired record. Redis runs a script with no other command in between, so the read of the
+//!   record, the decision and the write are one step: a claim is never check-then-set. The
+//!   claim and fenced-call scripts are translations of `protocol::claim` and `protocol::apply`,
+//!   held to them by the same conformance suite and property test as every store. They are sent
+//!   by digest (`EVALSHA`), and in full (`EVAL`) only when the server does not know them yet.
+//! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
+//!   record, its slot's fence mark and its slot's two indexes carry the same hash tag, taken
+//!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
+//!   64 slots, 256 apart, so that one tenant's traffic reaches every master.
+//! - **Fences** come from one counter (`P fence`), as in every store: unique across keys,
+//!   handed out 1, 2, 3, … as claims acquire, never deleted and never expiring, so a key's fence
+//!   keeps growing after its record expired, was swept or was purged. Each slot also keeps its
+//!   *fence mark*, the highest fence acquired on it (never deleted either; at most 16,384 of
+//!   them, however many keys there are). On one server the claim script draws from the counter
+//!   itself. On a Cluster the counter lives on a slot of its own, so a claim that would acquire
+//!   takes three steps: the claim script answers that it needs a fence (changing nothing), a
+//!   second script draws one from the counter (raised first to at least the slot's mark), and
+//!   the claim script runs again with it: it decides afresh, and acquires only with a fence
+//!   above the slot's mark (else it asks for another). So a key's fences only grow even when
+//!   claims on one slot interleave, or after a failover set the counter back. A fence drawn by
+//!   a claim that then finds the key taken is never used: on a Cluster, racing claims leave
+//!   gaps in the sequence (the sequence is dense when claims do not race).
+//! - **Retention** is checked when read: every script and every read treats a record whose
+//!   `expires_at` is not after `now` as absent. `now` always comes from the caller; the server's
+//!   clock is never read. So that Redis reclaims memory by itself, each write also sets the
+//!   record's TTL to `expires_at - now` plus [`RedisOptions::expiry_margin`] (relative to the
+//!   caller's `now`, so the caller's and the server's clocks need not agree); until then an
+//!   expired record is still there for [`Store::sweep`], which deletes it in bounded batches and
+//!   answers how many it deleted. (The index entries of a record that Redis reclaimed first are
+//!   skipped by listings, and removed by the sweep without being counted.)
+//! - **Isolation**: every key name is derived from the tenant, namespace and key, and listing
+//!   reads only the tenant's own slots and index entries.
+//! - **Timeouts**: every operation answers [`StoreError::Unavailable`] (retry safe) when Redis
+//!   does not answer within [`RedisOptions::timeout`]; `ping` gives up after at most a second.
+//!   A claim that timed out may still have acquired: the key is then in flight until its lease
+//!   passes, as with any store whose answer was lost.
+//!
+//! # Keys
+//!
+//! Under the prefix `P` (default `onceguard:`), for a slot with tag `T`:
+//!
+//! | key | type | holds |
+//! | --- | --- | --- |
+//! | `P r:{T}:<digest>` | hash | one record (fields in [`scripts`]); the digest is of tenant, namespace and key |
+//! | `P fence` | string | the fence counter |
+//! | `P f:{T}` | string | the slot's fence mark |
+//! | `P x:{T}` | sorted set | the slot's records by `expires_at` (for the sweep) |
+//! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
+//! | `P slots` | set | the slots that ever held a record (for the sweep) |
+//! | `P a:{auth}:tenants`, `:keys`, `:revoked` | hashes | tenants, API keys (JSON), revocations |
+//! | `P changes` | channel | finished and purged keys |
+//!
+//! # Costs
+//!
+//! - fenced call, get, purge, and a claim that does not acquire: one round trip, O(size of the
+//!   record). A claim that acquires: one round trip on one server, three on a Cluster. The first
+//!   claim a process makes on a slot also adds the slot to `P slots` (once per process: if that
+//!   set is deleted by hand, the sweep misses those slots until the processes restart, and
+//!   Redis still reclaims their records by TTL).
+//! - list: reads the tenant's 64 listing indexes in (namespace, key) order a chunk at a time,
+//!   merging them, and reads the records it meets to filter them: a page costs a few rounds of
+//!   64 pipelined index reads plus one read per record examined. Cheap when the filter keeps
+//!   most records; proportional to the records skipped when it keeps few (a `state`, `stuck` or
+//!   `run` filter over a tenant with many records).
+//! - sweep: one read of `P slots`, one expiry-index read per used slot (up to 16,384,
+//!   pipelined, 512 at a time) and one script per deleted record.
+//!
+//! # Waits across instances
+//!
+//! Every finishing call (complete, fail, report-unknown) that changed a record, and every purge,
+//! publishes the key on the channel `P changes`, from inside its script. Each store subscribes
+//! to that channel (on a Cluster, at one node: every node hears every message) and hands the
+//! keys finished through *other* store instances to [`Store::changes`], so that a server can
+//! wake its waiters at once. Pub/sub delivers at most once: a message published while the
+//! subscription is reconnecting is lost, and waiters fall back to polling.
+//!
+//! # Durability
+//!
+//! An answer is sent once Redis applied the script in memory; what it survives depends on how
+//! Redis is configured, not on this crate:
+//!
+//! - `appendonly yes` with `appendfsync always`: Redis writes and fsyncs the append-only file
+//!   before it answers, so an acknowledged claim or completion (and the fence it drew) survives
+//!   a crash of Redis or of the machine. The slowest setting, and the one to use where a
+//!   repeated effect or a repeated fence is costly.
+//! - `appendonly yes` with `appendfsync everysec` (the usual AOF setting): an acknowledged write
+//!   survives a crash of the Redis process, but a crash of the machine or a power loss may lose
+//!   about the last second of writes: completions may be forgotten (the key is claimable again,
+//!   and its effect may be repeated) and the fence counter may go back by that second's claims
+//!   (on one server a fence may then be handed out twice; on a Cluster the slot marks that
+//!   survived still keep each key's fences growing).
+//! - No persistence (or RDB snapshots only): a restart loses everything since the last snapshot
+//!   (everything, without one): records, tenants, API keys, the fence counter and the marks.
+//!   Fine as a cache of replays; not for fencing across restarts.
+//! - Replication is asynchronous: a failover to a replica (Sentinel, or Cluster) may lose the
+//!   last writes the old primary acknowledged, with the same consequences. (`WAIT` is not used.)
+//!
+//! # Limits
+//!
+//! Times and durations are handled as doubles in Lua, exact below 2^53 ms; the store refuses
+//! (as [`StoreError::Corrupt`]) times and durations from 2^51 ms (year 71,000) up. TLS
+//! (`rediss://`) is not built in.
+
+#![forbid(unsafe_code)]
+
+mod changes;
+mod codec;
+pub mod layout;
+pub mod scripts;
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::try_join_all;
+use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
+use onceguard_core::memory::matches_filter;
+use onceguard_core::protocol::{ClaimRequest, Mutation};
+use onceguard_core::store::{DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, Store, StoreError};
+use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, Scope, TenantId, Timestamp};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use tokio::sync::{broadcast, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::codec::{Claimed, Fields, corrupt, strings};
+use crate::layout::{Keys, Placement, SHARDS, SLOTS, member, tenant_slots};
+use crate::scripts::SCRIPTS;
+
+/// Where the store's Redis is. Its `Debug` hides passwords.
+#[derive(Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// One server: `redis://[user:password@]host:port[/db]`.
+    Single(String),
+    /// A Redis Cluster, found through these seed nodes (`redis://host:port` each).
+    Cluster(Vec<String>),
+}
+
+impl RedisTarget {
+    /// Parses a store URL: `redis://host:port[/db]` for one server, or
+    /// `redis+cluster://host1:port1,host2:port2` for a cluster (any of its nodes will do as
+    /// seeds; a password may be given as `redis+cluster://:password@host1:port1,...`).
+    /// Answers `None` for any other URL.
+    pub fn parse(url: &str) -> Option<Self> {
+        if url.starts_with("redis://") {
+            return Some(Self::Single(url.to_owned()));
+        }
+        let rest = url.strip_prefix("redis+cluster://")?;
+        let (auth, hosts) = match rest.rsplit_once('@') {
+            Some((auth, hosts)) => (format!("{auth}@"), hosts),
+            None => (String::new(), rest),
+        };
+        let hosts = hosts.trim_end_matches('/');
+        let nodes: Vec<String> =
+            hosts.split(',').filter(|h| !h.is_empty()).map(|h| format!("redis://{auth}{h}")).collect();
+        (!nodes.is_empty()).then_some(Self::Cluster(nodes))
+    }
+
+    /// The servers to subscribe to for changes (any node of a cluster sees every message).
+    fn subscribe_urls(&self) -> Vec<String> {
+        match self {
+            Self::Single(url) => vec![url.clone()],
+            Self::Cluster(nodes) => nodes.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for RedisTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Single(url) => f.debug_tuple("Single").field(&redact(url)).finish(),
+            Self::Cluster(nodes) => {
+                f.debug_tuple("Cluster").field(&nodes.iter().map(|n| redact(n)).collect::<Vec<_>>()).finish()
+            }
+        }
+    }
+}
+
+/// `url` with any password replaced by `***`.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => match url[scheme + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+            None => url.to_owned(),
+        },
+        _ => url.to_owned(),
+    }
+}
+
+/// How the store uses Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisOptions {
+    /// Prepended to every key and to the channel name, so that several deployments (or tests)
+    /// share one Redis. It must not contain `{` or `}`.
+    pub prefix: String,
+    /// How long an operation may take before it answers [`StoreError::Unavailable`].
+    pub timeout: Duration,
+    /// How long after its `expires_at` Redis itself deletes a record that the sweep did not.
+    pub expiry_margin: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        Self { prefix: "onceguard:".into(), timeout: DEFAULT_STORE_TIMEOUT, expiry_margin: Duration::from_secs(600) }
+    }
+}
+
+/// How many fences a claim on a Cluster draws before it gives up (each further one is drawn
+/// only because another claim on the same slot acquired in between with a greater fence).
+const MAX_DRAWS: usize = 16;
+
+/// The longest `ping` waits.
+const PING_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Keys finished elsewhere that may wait to be read before older ones are dropped.
+const CHANGES_CAPACITY: usize = 1_024;
+
+/// Times and durations are handled as doubles in Lua: each must stay below this (ms), so that
+/// their sums stay exact.
+const MAX_MS: u64 = 1 << 51;
+
+/// A connection to one server or to a cluster; cheap to clone (multiplexed).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Which slots this process already added to the used-slot set.
+struct SlotSet(Box<[AtomicU64]>);
+
+impl SlotSet {
+    fn new() -> Self {
+        Self((0..usize::from(SLOTS) / 64).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn contains(&self, slot: u16) -> bool {
+        self.0[usize::from(slot / 64)].load(Ordering::Relaxed) & (1 << (slot % 64)) != 0
+    }
+
+    fn insert(&self, slot: u16) {
+        self.0[usize::from(slot / 64)].fetch_or(1 << (slot % 64), Ordering::Relaxed);
+    }
+}
+
+/// The Redis store. Dropping it closes its connections and stops its change subscription.
+pub struct RedisStore {
+    conn: Conn,
+    keys: Keys,
+    options: RedisOptions,
+    cluster: bool,
+    registered: SlotSet,
+    /// Tells this instance's own messages from others'.
+    origin: String,
+    changes: broadcast::Sender<Scope>,
+    listener: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore").field("cluster", &self.cluster).field("options", &self.options).finish()
+    }
+}
+
+impl Drop for RedisStore {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
+fn unavailable(what: &'static str) -> impl Fn(RedisError) -> StoreError {
+    move |e| StoreError::Unavailable(format!("redis {what}: {e}"))
+}
+
+/// Awaits `op`, at most `limit`.
+async fn within<T>(
+    limit: Duration,
+    what: &'static str,
+    op: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, op).await {
+        Ok(result) => result.map_err(unavailable(what)),
+        Err(_) => Err(StoreError::Unavailable(format!("redis {what}: no answer within {limit:?}"))),
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn check_range(values: &[u64]) -> Result<(), StoreError> {
+    match values.iter().find(|&&v| v >= MAX_MS) {
+        Some(v) => Err(StoreError::Corrupt(format!(
+            "redis: the time or duration {v} ms is beyond what this store handles exactly ({MAX_MS} ms)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A listing bound for `ZRANGEBYLEX`: `[` (inclusive) or `(` (exclusive) and the member.
+fn lex(inclusive: bool, member: &[u8]) -> Vec<u8> {
+    let mut bound = Vec::with_capacity(member.len() + 1);
+    bound.push(if inclusive { b'[' } else { b'(' });
+    bound.extend_from_slice(member);
+    bound
+}
+
+/// One of a tenant's slots, while a listing merges them.
+struct Shard {
+    slot: u16,
+    /// Where the next read starts.
+    from: Vec<u8>,
+    /// The last member read: everything up to it was examined.
+    seen: Option<Vec<u8>>,
+    /// Nothing more to read.
+    done: bool,
+    /// Matching records read but not yet merged, in order.
+    found: VecDeque<(Vec<u8>, Record)>,
+}
+
+impl RedisStore {
+    /// Connects to one Redis server (`redis://host:port/db`), with keys under `prefix`.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
+        let options = RedisOptions { prefix: prefix.to_owned(), ..RedisOptions::default() };
+        Self::connect_with(&RedisTarget::Single(url.to_owned()), options).await
+    }
+
+    /// Connects to a Redis Cluster through seed nodes (`host:port` or `redis://host:port`),
+    /// with keys under `prefix`.
+    pub async fn connect_cluster(nodes: &[impl AsRef<str>], prefix: &str) -> Result<Self, StoreError> {
+        let nodes = nodes
+            .iter()
+            .map(|n| {
+                let n = n.as_ref();
+                if n.contains("://") { n.to_owned() } else { format!("redis://{n}") }
+            })
+            .collect();
+        let options = RedisOptions { prefix: prefix.to_owned(), ..RedisOptions::default() };
+        Self::connect_with(&RedisTarget::Cluster(nodes), options).await
+    }
+
+    /// Connects to `target` with `options`. Fails with [`StoreError::Unavailable`] if Redis
+    /// does not answer within `options.timeout`.
+    pub async fn connect_with(target: &RedisTarget, options: RedisOptions) -> Result<Self, StoreError> {
+        let keys = Keys::new(&options.prefix).map_err(StoreError::Unavailable)?;
+        let timeout = options.timeout;
+        let (conn, cluster) = match target {
+            RedisTarget::Single(url) => {
+                let client = redis::Client::open(url.as_str()).map_err(unavailable("connect"))?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(1);
+                let connect = ConnectionManager::new_with_config(client, config);
+                (Conn::Single(within(timeout, "connect", connect).await?), false)
+            }
+            RedisTarget::Cluster(nodes) => {
+                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .retries(2)
+                    .build()
+                    .map_err(unavailable("connect to the cluster"))?;
+                (Conn::Cluster(within(timeout, "connect to the cluster", client.get_async_connection()).await?), true)
+            }
+        };
+        let origin = format!("{:016x}", rand::random::<u64>());
+        let (changes, _) = broadcast::channel(CHANGES_CAPACITY);
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let listener = tokio::spawn(changes::listen(
+            target.subscribe_urls(),
+            keys.changes(),
+            origin.clone(),
+            changes.clone(),
+            timeout,
+            ready_tx,
+        ));
+        let store = Self { conn, keys, options, cluster, registered: SlotSet::new(), origin, changes, listener };
+        match ready_rx.await {
+            Ok(Ok(())) => Ok(store),
+            Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis subscribe: {e}"))),
+            Err(_) => Err(StoreError::Unavailable("redis subscribe: the subscriber stopped".into())),
+        }
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        self.keys.prefix()
+    }
+
+    /// Whether the store talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster
+    }
+
+    /// Runs `op` within the store's timeout.
+    async fn bounded<T>(&self, what: &str, op: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        self.bounded_by(self.options.timeout, what, op).await
+    }
+
+    async fn bounded_by<T>(
+        &self,
+        limit: Duration,
+        what: &str,
+        op: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(limit, op)
+            .await
+            .unwrap_or_else(|_| Err(StoreError::Unavailable(format!("redis {what}: no answer within {limit:?}"))))
+    }
+
+    /// The message announcing that `scope` finished or was purged.
+    fn message(&self, scope: &Scope) -> String {
+        changes::message(&self.origin, scope)
+    }
+
+    /// Adds `slot` to the used-slot set before its first record is written.
+    async fn register_slot(&self, conn: &mut Conn, slot: u16) -> Result<(), StoreError> {
+        if !self.registered.contains(slot) {
+            redis::cmd("SADD")
+                .arg(self.keys.used_slots())
+                .arg(slot)
+                .query_async::<i64>(conn)
+                .await
+                .map_err(unavailable("register slot"))?;
+            self.registered.insert(slot);
+        }
+        Ok(())
+    }
+
+    /// Runs the claim script with the fence from `source` (see [`scripts`]).
+    async fn run_claim(
+        &self,
+        conn: &mut Conn,
+        req: &ClaimRequest,
+        now: Timestamp,
+        placement: &Placement,
+        source: &str,
+    ) -> Result<Claimed, StoreError> {
+        let mut invocation = SCRIPTS.claim.prepare_invoke();
+        invocation
+            .key(self.keys.record(placement))
+            .key(self.keys.fence_mark(placement.slot))
+            .key(self.keys.expiry(placement.slot))
+            .key(self.keys.listing(placement.slot));
+        if !self.cluster {
+            invocation.key(self.keys.fence_counter());
+        }
+        invocation
+            .arg(now.0)
+            .arg(req.fingerprint.as_str())
+            .arg(ms(req.lease))
+            .arg(ms(req.retention))
+            .arg(req.run.as_ref().map_or("", |r| r.as_str()))
+            .arg(req.scope.tenant.as_str())
+            .arg(req.scope.namespace.as_str())
+            .arg(req.scope.key.as_str())
+            .arg(placement.member.as_slice())
+            .arg(ms(self.options.expiry_margin))
+            .arg(source);
+        let answer: Value = invocation.invoke_async(conn).await.map_err(unavailable("claim"))?;
+        codec::claim_answer(strings(answer)?)
+    }
+
+    async fn read_record(&self, conn: &mut Conn, placement: &Placement) -> Result<Option<Record>, StoreError> {
+        let flat: Value = redis::cmd("HGETALL")
+            .arg(self.keys.record(placement))
+            .query_async(conn)
+            .await
+            .map_err(unavailable("read"))?;
+        let fields = Fields::from_flat(strings(flat)?)?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let record = fields.record()?;
+        if member(&record.scope) != placement.member {
+            return Err(corrupt(format!("the record at {} is of another key", self.keys.record(placement))));
+        }
+        Ok(Some(record))
+    }
+
+    /// Reads up to `chunk` listing entries from each shard that needs more, and the records
+    /// they name, keeping those that pass the filter.
+    async fn refill(
+        &self,
+        tenant: &TenantId,
+        shards: &mut [Shard],
+        until: &[u8],
+        chunk: usize,
+        filter: &ListFilter,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let wanted: Vec<usize> = (0..shards.len()).filter(|&i| !shards[i].done && shards[i].found.is_empty()).collect();
+        let reads = wanted.iter().map(|&i| {
+            let mut conn = self.conn.clone();
+            let cmd = redis::cmd("ZRANGEBYLEX")
+                .arg(self.keys.listing(shards[i].slot))
+                .arg(&shards[i].from)
+                .arg(until)
+                .arg("LIMIT")
+                .arg(0)
+                .arg(chunk)
+                .clone();
+            async move { cmd.query_async::<Vec<Vec<u8>>>(&mut conn).await.map_err(unavailable("list")) }
+        });
+        let batches = try_join_all(reads).await?;
+        let mut named = Vec::new();
+        for (&i, members) in wanted.iter().zip(batches) {
+            let shard = &mut shards[i];
+            shard.done = members.len() < chunk;
+            if let Some(last) = members.last() {
+                shard.from = lex(false, last);
+                shard.seen = Some(last.clone());
+            }
+            named.extend(members.into_iter().map(|m| (i, m)));
+        }
+        let fetches = named.into_iter().map(|(i, m)| {
+            let mut conn = self.conn.clone();
+            let placement = Placement::of_member(tenant, m);
+            async move { self.read_record(&mut conn, &placement).await.map(|r| (i, placement.member, r)) }
+        });
+        for (i, m, record) in try_join_all(fetches).await? {
+            if let Some(record) = record.filter(|r| matches_filter(r, filter, now)) {
+                shards[i].found.push_back((m, record));
+            }
+        }
+        Ok(())
+    }
+
+    async fn sweep_slots(&self, slots: &[u16], now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let mut deleted = 0;
+        let mut pending = slots.to_vec();
+        while !pending.is_empty() && deleted < batch {
+            let want = batch - deleted;
+            let reads = pending.iter().map(|&slot| {
+                let mut conn = self.conn.clone();
+                let cmd = redis::cmd("ZRANGEBYSCORE")
+                    .arg(self.keys.expiry(slot))
+                    .arg("-inf")
+                    .arg(now.0)
+                    .arg("LIMIT")
+                    .arg(0)
+                    .arg(want)
+                    .clone();
+                async move {
+                    let found = cmd.query_async::<Vec<Vec<u8>>>(&mut conn).await.map_err(unavailable("sweep"))?;
+                    Ok::<_, StoreError>((slot, found))
+                }
+            });
+            let found = try_join_all(reads).await?;
+            pending = found.iter().filter(|(_, members)| members.len() >= want).map(|(slot, _)| *slot).collect();
+            let candidates: Vec<(u16, Vec<u8>)> =
+                found.into_iter().flat_map(|(slot, members)| members.into_iter().map(move |m| (slot, m))).collect();
+            let mut rest = candidates.as_slice();
+            while !rest.is_empty() && deleted < batch {
+                let (group, tail) = rest.split_at((batch - deleted).min(rest.len()));
+                rest = tail;
+                let deletions = group.iter().map(|(slot, m)| {
+                    let mut conn = self.conn.clone();
+                    let placement = Placement { slot: *slot, member: m.clone(), digest: digest_of(m) };
+                    let mut invocation = SCRIPTS.sweep_one.prepare_invoke();
+                    invocation
+                        .key(self.keys.record(&placement))
+                        .key(self.keys.expiry(*slot))
+                        .key(self.keys.listing(*slot))
+                        .arg(now.0)
+                        .arg(m.as_slice());
+                    async move { invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("sweep")) }
+                });
+                deleted += try_join_all(deletions).await?.into_iter().filter(|&n| n > 0).count();
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+/// The record key digest of a listing member (as [`Placement::of_member`] computes it).
+fn digest_of(member: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(&Sha256::digest(member)[..16])
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    fn kind(&self) -> &'static str {
+        if self.cluster { "redis-cluster" } else { "redis" }
+    }
+
+    #[tracing::instrument(name = "redis.claim", skip_all)]
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        check_range(&[now.0, ms(req.lease), ms(req.retention)])?;
+        let placement = Placement::of(&req.scope);
+        self.bounded("claim", async {
+            let mut conn = self.conn.clone();
+            self.register_slot(&mut conn, placement.slot).await?;
+            if !self.cluster {
+                return match self.run_claim(&mut conn, req, now, &placement, "draw").await? {
+                    Claimed::Outcome(outcome) => Ok(outcome),
+                    Claimed::NeedFence(_) => Err(corrupt("the claim script asked for a fence it draws itself")),
+                };
+            }
+            // The fence counter is on another slot: ask, draw, acquire (see the crate docs).
+            let mut source = "peek".to_owned();
+            for _ in 0..MAX_DRAWS {
+                match self.run_claim(&mut conn, req, now, &placement, &source).await? {
+                    Claimed::Outcome(outcome) => return Ok(outcome),
+                    Claimed::NeedFence(mark) => {
+                        let mut invocation = SCRIPTS.draw_fence.prepare_invoke();
+                        invocation.key(self.keys.fence_counter()).arg(mark.0);
+                        let fence: u64 =
+                            invocation.invoke_async(&mut conn).await.map_err(unavailable("draw a fence"))?;
+                        check_range(&[fence])?;
+                        source = fence.to_string();
+                    }
+                }
+            }
+            Err(StoreError::Unavailable(format!(
+                "redis claim: other claims on the same slot kept overtaking this one ({MAX_DRAWS} fences drawn)"
+            )))
+        })
+        .await
+    }
+
+    #[tracing::instrument(name = "redis.mutate", skip_all, fields(op = mutation.name()))]
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        check_range(&[now.0])?;
+        let placement = Placement::of(scope);
+        let mut invocation = SCRIPTS.mutate.prepare_invoke();
+        invocation
+            .key(self.keys.record(&placement))
+            .key(self.keys.expiry(placement.slot))
+            .arg(now.0)
+            .arg(fence.0)
+            .arg(match &mutation {
+                Mutation::Complete(_) => "complete",
+                Mutation::Fail { retryable: false, .. } => "fail",
+                Mutation::Fail { retryable: true, .. } => "release",
+                Mutation::Extend(_) => "extend",
+                Mutation::Checkpoint { .. } => "checkpoint",
+                Mutation::ReportUnknown(_) => "unknown",
+            })
+            .arg(max_checkpoints)
+            .arg(placement.member.as_slice())
+            .arg(ms(self.options.expiry_margin))
+            .arg(self.keys.changes())
+            .arg(self.message(scope));
+        match &mutation {
+            Mutation::Complete(outcome) | Mutation::Fail { retryable: false, outcome } => {
+                let kind = match outcome.kind {
+                    OutcomeKind::Success => "success",
+                    OutcomeKind::Failure => "failure",
+                };
+                invocation
+                    .arg(kind)
+                    .arg(outcome.content_type.as_str())
+                    .arg(outcome.body.as_slice())
+                    .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default());
+            }
+            Mutation::Fail { retryable: true, .. } => {}
+            Mutation::Extend(lease) => {
+                check_range(&[ms(*lease)])?;
+                invocation.arg(ms(*lease));
+            }
+            Mutation::Checkpoint { name, data } => {
+                invocation.arg(name.as_str()).arg(data.as_str());
+            }
+            Mutation::ReportUnknown(detail) => {
+                invocation.arg(detail.as_str());
+            }
+        }
+        self.bounded("fenced call", async {
+            let mut conn = self.conn.clone();
+            let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("fenced call"))?;
+            codec::fenced_outcome(strings(answer)?)
+        })
+        .await
+    }
+
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let placement = Placement::of(scope);
+        self.bounded("get", async {
+            let mut conn = self.conn.clone();
+            Ok(self.read_record(&mut conn, &placement).await?.filter(|r| r.is_live(now)))
+        })
+        .await
+    }
+
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        // The tenant's members lie in [tenant NUL, tenant \x01); with a namespace prefix `p`,
+        // in [tenant NUL p NUL, tenant NUL p '0'), which holds `p` and `p/...` (and a few
+        // neighbours such as `p-x`, which the filter drops).
+        let mut start = tenant.as_str().as_bytes().to_vec();
+        let mut end = start.clone();
+        start.push(0);
+        end.push(1);
+        if let Some(prefix) = &filter.namespace_prefix {
+            start.extend_from_slice(prefix.as_str().as_bytes());
+            end = start.clone();
+            start.push(0);
+            end.push(b'0');
+        }
+        let mut from = lex(true, &start);
+        if let Some((namespace, key)) = &filter.after {
+            let after = member(&Scope::new(tenant.clone(), namespace.clone(), key.clone()));
+            if after >= start {
+                from = lex(false, &after);
+            }
+        }
+        let until = lex(false, &end);
+        let chunk = (2 * (limit + 1) / usize::from(SHARDS)).max(16);
+        let mut shards: Vec<Shard> = tenant_slots(tenant)
+            .into_iter()
+            .map(|slot| Shard { slot, from: from.clone(), seen: None, done: false, found: VecDeque::new() })
+            .collect();
+        self.bounded("list", async {
+            let mut records = Vec::new();
+            while records.len() <= limit {
+                self.refill(tenant, &mut shards, &until, chunk, filter, now).await?;
+                // Every shard still being read has been examined up to its last member; the
+                // smallest of those is as far as the merge may go.
+                let frontier = shards.iter().filter(|s| !s.done).filter_map(|s| s.seen.clone()).min();
+                while records.len() <= limit {
+                    let next = shards
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, s)| s.found.front().map(|(m, _)| (i, m)))
+                        .min_by(|a, b| a.1.cmp(b.1))
+                        .map(|(i, m)| (i, frontier.as_ref().is_none_or(|f| m <= f)));
+                    match next {
+                        Some((i, true)) => records.extend(shards[i].found.pop_front().map(|(_, r)| r)),
+                        _ => break,
+                    }
+                }
+                if shards.iter().all(|s| s.done && s.found.is_empty()) {
+                    break;
+                }
+            }
+            let next = if records.len() > limit {
+                records.truncate(limit);
+                records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
+            } else {
+                None
+            };
+            Ok(Page { records, next })
+        })
+        .await
+    }
+
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        let placement = Placement::of(scope);
+        self.bounded("purge", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.purge.prepare_invoke();
+            invocation
+                .key(self.keys.record(&placement))
+                .key(self.keys.expiry(placement.slot))
+                .key(self.keys.listing(placement.slot))
+                .arg(placement.member.as_slice())
+                .arg(self.keys.changes())
+                .arg(self.message(scope));
+            let existed: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("purge"))?;
+            Ok(existed > 0)
+        })
+        .await
+    }
+
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        if batch == 0 {
+            return Ok(0);
+        }
+        self.bounded("sweep", async {
+            let mut conn = self.conn.clone();
+            let used: Vec<u16> = redis::cmd("SMEMBERS")
+                .arg(self.keys.used_slots())
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("sweep"))?;
+            let mut used: Vec<u16> = used.into_iter().filter(|&s| s < SLOTS).collect();
+            used.sort_unstable();
+            let mut deleted = 0;
+            for slots in used.chunks(512) {
+                deleted += self.sweep_slots(slots, now, batch - deleted).await?;
+                if deleted >= batch {
+                    break;
+                }
+            }
+            Ok(deleted)
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.bounded_by(self.options.timeout.min(PING_TIMEOUT), "ping", async {
+            let mut conn = self.conn.clone();
+            redis::cmd("PING").query_async::<String>(&mut conn).await.map(drop).map_err(unavailable("ping"))
+        })
+        .await
+    }
+
+    fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
+        Some(self.changes.subscribe())
+    }
+
+    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+        self.bounded("create tenant", async {
+            let mut conn = self.conn.clone();
+            let created: i64 = redis::cmd("HSETNX")
+                .arg(self.keys.tenants())
+                .arg(tenant.id.as_str())
+                .arg(tenant.created_at.0)
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("create tenant"))?;
+            Ok(created > 0)
+        })
+        .await
+    }
+
+    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
+        self.bounded("get tenant", async {
+            let mut conn = self.conn.clone();
+            let created_at: Option<u64> = redis::cmd("HGET")
+                .arg(self.keys.tenants())
+                .arg(id.as_str())
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("get tenant"))?;
+            Ok(created_at.map(|t| Tenant { id: id.clone(), created_at: Timestamp(t) }))
+        })
+        .await
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.bounded("list tenants", async {
+            let mut conn = self.conn.clone();
+            let all: HashMap<String, u64> = redis::cmd("HGETALL")
+                .arg(self.keys.tenants())
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("list tenants"))?;
+            let mut tenants = all
+                .into_iter()
+                .map(|(id, t)| Ok(Tenant { id: TenantId::parse(&id).map_err(corrupt)?, created_at: Timestamp(t) }))
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            tenants.sort_by(|a, b| a.id.cmp(&b.id));
+            Ok(tenants)
+        })
+        .await
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        let doc = serde_json::to_string(key).map_err(corrupt)?;
+        self.bounded("create API key", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.create_api_key.prepare_invoke();
+            invocation.key(self.keys.api_keys()).key(self.keys.revoked()).arg(key.id.as_str()).arg(doc);
+            invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("create API key"))
+        })
+        .await
+    }
+
+    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        self.bounded("get API key", async {
+            let mut conn = self.conn.clone();
+            let (doc, revoked): (Option<String>, Option<u64>) = redis::pipe()
+                .cmd("HGET")
+                .arg(self.keys.api_keys())
+                .arg(id.as_str())
+                .cmd("HGET")
+                .arg(self.keys.revoked())
+                .arg(id.as_str())
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("get API key"))?;
+            doc.map(|doc| api_key(&doc, revoked)).transpose()
+        })
+        .await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
+        self.bounded("list API keys", async {
+            let mut conn = self.conn.clone();
+            let (docs, revoked): (HashMap<String, String>, HashMap<String, u64>) = redis::pipe()
+                .cmd("HGETALL")
+                .arg(self.keys.api_keys())
+                .cmd("HGETALL")
+                .arg(self.keys.revoked())
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("list API keys"))?;
+            let mut keys = Vec::new();
+            for (id, doc) in docs {
+                let key = api_key(&doc, revoked.get(&id).copied())?;
+                if &key.tenant == tenant {
+                    keys.push(key);
+                }
+            }
+            keys.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| a.id.as_str().cmp(b.id.as_str())));
+            Ok(keys)
+        })
+        .await
+    }
+
+    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+        self.bounded("revoke API key", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.revoke_api_key.prepare_invoke();
+            invocation
+                .key(self.keys.api_keys())
+                .key(self.keys.revoked())
+                .arg(id.as_str())
+                .arg(tenant.as_str())
+                .arg(now.0);
+            let revoked: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("revoke API key"))?;
+            Ok(revoked > 0)
+        })
+        .await
+    }
+}
+
+fn api_key(doc: &str, revoked: Option<u64>) -> Result<ApiKey, StoreError> {
+    let mut key: ApiKey = serde_json::from_str(doc).map_err(corrupt)?;
+    key.revoked_at = key.revoked_at.or(revoked.map(Timestamp));
+    Ok(key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_urls_parse() {
+        assert_eq!(
+            RedisTarget::parse("redis://127.0.0.1:6379/2"),
+            Some(RedisTarget::Single("redis://127.0.0.1:6379/2".into()))
+        );
+        assert_eq!(
+            RedisTarget::parse("redis+cluster://h1:7000,h2:7001/"),
+            Some(RedisTarget::Cluster(vec!["redis://h1:7000".into(), "redis://h2:7001".into()]))
+        );
+        assert_eq!(
+            RedisTarget::parse("redis+cluster://:secret@h1:7000,h2:7001"),
+            Some(RedisTarget::Cluster(vec!["redis://:secret@h1:7000".into(), "redis://:secret@h2:7001".into()]))
+        );
+        assert_eq!(RedisTarget::parse("redis+cluster://"), None);
+        assert_eq!(RedisTarget::parse("sqlite://x.db"), None);
+    }
+
+    #[test]
+    fn passwords_are_not_printed() {
+        let target = RedisTarget::parse("redis+cluster://app:s3cret@h1:7000,h2:7001").unwrap();
+        let printed = format!("{target:?}");
+        assert!(!printed.contains("s3cret") && printed.contains("app:***@h1:7000"), "{printed}");
+        assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
+        assert_eq!(redact("redis://h:1/0"), "redis://h:1/0");
+    }
+
+    #[test]
+    fn the_slot_set_remembers_slots() {
+        let set = SlotSet::new();
+        assert!(!set.contains(16_383));
+        set.insert(16_383);
+        set.insert(0);
+        assert!(set.contains(16_383) && set.contains(0) && !set.contains(1));
+    }
+}

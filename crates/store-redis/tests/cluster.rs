@@ -1,0 +1,67 @@
+//! The Redis store on a Redis Cluster of three masters, started on loopback ports by this test
+//! binary and stopped when it exits: the conformance suite, the model, slots and the change
+//! feed. See `common` for the harness and the skipping rule.
+
+mod common;
+
+use onceguard_core::{Key, Namespace, Scope, TenantId};
+use onceguard_store_redis::RedisStore;
+use onceguard_store_redis::layout::{Keys, Placement, key_slot};
+
+onceguard_testkit::conformance_tests!(common::on_cluster());
+onceguard_testkit::property_tests!(common::on_cluster(), 64);
+
+/// The slot this crate computes for a record key and its fence counter is the one Redis
+/// computes, and every key a script touches shares it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_keys_land_on_the_slot_redis_computes() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let client = redis::cluster::ClusterClient::new(nodes.iter().map(|n| format!("redis://{n}"))).unwrap();
+    let mut conn = client.get_async_connection().await.unwrap();
+    let keys = Keys::new("og-test:").unwrap();
+    for i in 0..50 {
+        let scope = Scope::new(
+            TenantId::parse(&format!("tenant-{}", i % 5)).unwrap(),
+            Namespace::parse("prod/agent").unwrap(),
+            Key::parse(&format!("{{key}} {i}")).unwrap(),
+        );
+        let placement = Placement::of(&scope);
+        for key in [
+            keys.record(&placement),
+            keys.fence_mark(placement.slot),
+            keys.expiry(placement.slot),
+            keys.listing(placement.slot),
+        ] {
+            let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key).query_async(&mut conn).await.unwrap();
+            assert_eq!((slot, key_slot(key.as_bytes())), (placement.slot, placement.slot), "{key}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_made_through_one_instance_reaches_another() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let (prefix, other) = (common::prefix(), common::prefix());
+    // Each instance knows the cluster by a different seed.
+    let a = RedisStore::connect_cluster(&nodes[..1], &prefix).await.unwrap();
+    let b = RedisStore::connect_cluster(&nodes[2..], &prefix).await.unwrap();
+    let elsewhere = RedisStore::connect_cluster(&nodes, &other).await.unwrap();
+    assert!(a.is_cluster());
+    common::changes_reach_other_instances(&a, &b, &elsewhere).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_claims_keep_fences_unique_and_growing() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let store = std::sync::Arc::new(RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap());
+    common::racing_claims_keep_fences_unique_and_growing(store).await;
+}

@@ -1,0 +1,245 @@
+//! The Redis store on one server (the machine's, `ONCEGUARD_REDIS_URL` or
+//! `redis://127.0.0.1:6379`): the conformance suite, the model, and what is particular to Redis
+//! (expiry, the change feed across instances, timeouts). See `common` for the skipping rule.
+
+mod common;
+
+use std::time::Duration;
+
+use onceguard_core::{
+    ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, Scope, Store, StoreError, TenantId, Timestamp,
+};
+use onceguard_store_redis::layout::{Keys, Placement};
+use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
+
+onceguard_testkit::conformance_tests!(common::single());
+onceguard_testkit::property_tests!(common::single(), 64);
+
+fn scope(key: &str) -> Scope {
+    Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("prod/agent").unwrap(), Key::parse(key).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_made_through_one_instance_reaches_another() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix, other) = (common::redis_url(), common::prefix(), common::prefix());
+    let _cleanup = [
+        common::DeletePrefix { url: url.clone(), prefix: prefix.clone() },
+        common::DeletePrefix { url: url.clone(), prefix: other.clone() },
+    ];
+    let a = RedisStore::connect(&url, &prefix).await.unwrap();
+    let b = RedisStore::connect(&url, &prefix).await.unwrap();
+    let elsewhere = RedisStore::connect(&url, &other).await.unwrap();
+    common::changes_reach_other_instances(&a, &b, &elsewhere).await;
+}
+
+/// Records carry a Redis TTL of their retention plus the margin, measured from the caller's
+/// `now` (here far in the past); fence counters and indexes carry none, and outlive a purge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_expire_in_redis_and_fence_counters_never_do() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let options = RedisOptions { prefix: prefix.clone(), expiry_margin: Duration::from_secs(60), ..Default::default() };
+    let store = common::store_with(RedisTarget::Single(url.clone()), options).await;
+    let s = scope("ttl");
+    let fence = common::acquire(&store, &s, Timestamp(1_700_000_000_000)).await;
+    let (keys, placement) = (Keys::new(&prefix).unwrap(), Placement::of(&s));
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let pttl = |key: String| {
+        let mut conn = conn.clone();
+        async move { redis::cmd("PTTL").arg(key).query_async::<i64>(&mut conn).await.unwrap() }
+    };
+    // lease 10 s + retention 100 s + margin 60 s
+    let ttl = pttl(keys.record(&placement)).await;
+    assert!((160_000..=170_000).contains(&ttl), "the record's TTL is {ttl} ms");
+    for key in [
+        keys.fence_counter(),
+        keys.fence_mark(placement.slot),
+        keys.expiry(placement.slot),
+        keys.listing(placement.slot),
+    ] {
+        assert_eq!(pttl(key.clone()).await, -1, "{key} must not expire");
+    }
+    assert!(store.purge(&s).await.unwrap());
+    assert_eq!(pttl(keys.record(&placement)).await, -2, "the record is gone");
+    let counter: u64 = redis::cmd("GET").arg(keys.fence_counter()).query_async(&mut conn).await.unwrap();
+    let mark: u64 = redis::cmd("GET").arg(keys.fence_mark(placement.slot)).query_async(&mut conn).await.unwrap();
+    assert_eq!((counter, mark), (fence.0, fence.0));
+    assert!(common::acquire(&store, &s, Timestamp(1_700_000_000_000)).await > fence);
+}
+
+/// With nothing listening, connecting fails at once: unavailable, retry safe.
+#[tokio::test]
+async fn connecting_to_no_server_is_unavailable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let result = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), &common::prefix()).await;
+    assert!(matches!(result, Err(StoreError::Unavailable(_))), "{result:?}");
+}
+
+/// A server that accepts connections but never answers makes connecting time out.
+#[tokio::test]
+async fn a_server_that_never_answers_times_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let options = RedisOptions { prefix: common::prefix(), timeout: Duration::from_millis(300), ..Default::default() };
+    let target = RedisTarget::Single(format!("redis://127.0.0.1:{port}"));
+    let connect = RedisStore::connect_with(&target, options);
+    let result = tokio::time::timeout(Duration::from_secs(10), connect).await.expect("connect gave up by itself");
+    assert!(matches!(result, Err(StoreError::Unavailable(_))), "{result:?}");
+    holder.abort();
+}
+
+/// When the server stops answering (SIGSTOP), every operation answers unavailable after the
+/// timeout instead of hanging, and the store works again once the server does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_is_unavailable_then_recovers() {
+    if !common::binaries_available() {
+        return;
+    }
+    let dir = common::scratch_dir("og-redis-stopped-");
+    let server = common::Server::standalone(&dir);
+    let options = RedisOptions { prefix: common::prefix(), timeout: Duration::from_millis(500), ..Default::default() };
+    let store = common::store_with(RedisTarget::Single(server.url()), options).await;
+    let now = Timestamp(1_700_000_000_000);
+    store.ping().await.expect("the server answers");
+    common::acquire(&store, &scope("before"), now).await;
+
+    server.signal("STOP");
+    unavailable_without_hanging("ping", store.ping()).await;
+    unavailable_without_hanging("claim", store.claim(&common::request(&scope("during")), now)).await;
+    unavailable_without_hanging("get", store.get(&scope("before"), now)).await;
+
+    server.signal("CONT");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.claim(&common::request(&scope("after")), now).await {
+            Ok(ClaimOutcome::Acquired(_)) => break,
+            other => {
+                assert!(tokio::time::Instant::now() < deadline, "the store did not recover: {other:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    drop(store);
+    drop(server);
+}
+
+async fn unavailable_without_hanging<T: std::fmt::Debug>(
+    what: &str,
+    op: impl std::future::Future<Output = Result<T, StoreError>>,
+) {
+    let result = tokio::time::timeout(Duration::from_secs(10), op).await.unwrap_or_else(|_| panic!("{what} hung"));
+    assert!(matches!(result, Err(StoreError::Unavailable(_))), "{what}: {result:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_claims_keep_fences_unique_and_growing() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let store = std::sync::Arc::new(RedisStore::connect(&url, &prefix).await.unwrap());
+    common::racing_claims_keep_fences_unique_and_growing(store).await;
+}
+
+/// The claim script's fence check, as a Cluster uses it: a fence drawn beforehand is used only
+/// if it is above the slot's mark (the highest fence acquired on the slot, kept after the
+/// record is gone), so that a draw overtaken by a later one never makes a key's fence go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_below_the_slots_mark_is_refused() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let keys = Keys::new(&prefix).unwrap();
+    let conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let first = scope("first");
+    let slot = Placement::of(&first).slot;
+    let neighbour = (0..)
+        .map(|i| scope(&format!("neighbour-{i}")))
+        .find(|s| Placement::of(s).slot == slot)
+        .expect("another key on the slot");
+    let now = 1_700_000_000_000u64;
+    let claim = |scope: Scope, source: &'static str| {
+        let placement = Placement::of(&scope);
+        let mut invocation = onceguard_store_redis::scripts::SCRIPTS.claim.prepare_invoke();
+        invocation
+            .key(keys.record(&placement))
+            .key(keys.fence_mark(slot))
+            .key(keys.expiry(slot))
+            .key(keys.listing(slot))
+            .arg(now)
+            .arg(common::request(&scope).fingerprint.as_str())
+            .arg(10_000)
+            .arg(100_000)
+            .arg("")
+            .arg(scope.tenant.as_str())
+            .arg(scope.namespace.as_str())
+            .arg(scope.key.as_str())
+            .arg(placement.member.as_slice())
+            .arg(60_000)
+            .arg(source);
+        let mut conn = conn.clone();
+        async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
+    };
+    assert_eq!(claim(first.clone(), "peek").await, ["need_fence", "0"]);
+    assert_eq!(claim(first.clone(), "5").await[..2], ["acquired", "5"]);
+    // A draw made before 5 was, acquiring after it: refused, with the mark to draw above.
+    assert_eq!(claim(neighbour.clone(), "3").await, ["need_fence", "5"]);
+    assert_eq!(claim(neighbour.clone(), "6").await[..2], ["acquired", "6"]);
+    // The mark outlives the record.
+    let mut raw = conn.clone();
+    redis::cmd("DEL").arg(keys.record(&Placement::of(&first))).query_async::<()>(&mut raw).await.unwrap();
+    assert_eq!(claim(first.clone(), "6").await, ["need_fence", "6"]);
+    assert_eq!(claim(first, "7").await[..2], ["acquired", "7"]);
+}
+
+/// A recovery carries every kept checkpoint, however many the limit allows: the scripts write
+/// and delete fields in batches, below Lua's bound on a call's arguments. (The checkpoints are
+/// written straight into the record, in the layout `scripts` documents, to keep this quick.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
+    if !common::single_available() {
+        return;
+    }
+    const STEPS: usize = 5_000;
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    let s = scope("long-run");
+    let now = Timestamp(1_700_000_000_000);
+    let req = common::request(&s);
+    let first = common::acquire(&store, &s, now).await;
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut fields = redis::cmd("HSET");
+    fields.arg(Keys::new(&prefix).unwrap().record(&Placement::of(&s))).arg("c0").arg(0).arg("cn").arg(STEPS);
+    for i in 0..STEPS {
+        fields.arg(format!("c.{i}")).arg(format!("{}\n{}\nstep-{i}\n{i}", first.0, now.0));
+    }
+    fields.query_async::<()>(&mut conn).await.unwrap();
+
+    let later = now.plus(Duration::from_secs(11));
+    let ClaimOutcome::Acquired(second) = store.claim(&req, later).await.unwrap() else { panic!("not acquired") };
+    let last = second.recovery.and_then(|r| r.last_checkpoint).expect("a recovery with its last checkpoint");
+    assert_eq!((last.name.as_str(), last.fence), (format!("step-{}", STEPS - 1).as_str(), first));
+    assert_eq!(store.get(&s, later).await.unwrap().expect("the record").checkpoints.len(), STEPS);
+    let release = Mutation::Fail { retryable: true, outcome: common::outcome() };
+    let FencedOutcome::Applied(released) = store.mutate(&s, second.fence, release, later, STEPS).await.unwrap() else {
+        panic!("not applied")
+    };
+    assert!(released.checkpoints.is_empty());
+    assert!(store.get(&s, later).await.unwrap().expect("the record").checkpoints.is_empty());
+}

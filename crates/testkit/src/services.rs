@@ -1,0 +1,31 @@
+//! Whether the servers that store suites need are running, and what to do when they are not.
+//!
+//! In CI (`CI=true`) or with `ONCEGUARD_REQUIRE_SERVICES=1`, a missing server fails the suite
+//! loudly. Elsewhere (a developer's fresh machine) the suite is skipped, and a line on stderr
+//! says so and how to enable it; `scripts/test` repeats those lines at the end of the run.
+
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+/// Whether a missing server must fail the run.
+pub fn required() -> bool {
+    let set = |name: &str| std::env::var(name).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+    set("CI") || set("ONCEGUARD_REQUIRE_SERVICES")
+}
+
+/// Whether something listens at `addr` (`host:port`), within a second.
+pub fn listening(addr: &str) -> bool {
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
+    addrs.iter().any(|a| TcpStream::connect_timeout(a, Duration::from_secs(1)).is_ok())
+}
+
+/// Answers whether the suite `suite` can run against the server at `addr`. When it cannot:
+/// panics if servers are [`required`], else prints one `SKIPPED:` line with `how` to enable it.
+pub fn available(suite: &str, addr: &str, how: &str) -> bool {
+    if listening(addr) {
+        return true;
+    }
+    assert!(!required(), "{suite}: no server at {addr}, and CI=true / ONCEGUARD_REQUIRE_SERVICES=1 requires it. {how}");
+    eprintln!("SKIPPED: {suite} (no server at {addr}; {how})");
+    false
+}
