@@ -27,7 +27,8 @@ struct Global {
     /// A TOML configuration file (layered over defaults, under ONCEGUARD_* variables and flags).
     #[arg(long, global = true, env = "ONCEGUARD_CONFIG")]
     config: Option<PathBuf>,
-    /// The store: sqlite://PATH (default sqlite://onceguard-data/onceguard.db) or memory://.
+    /// The store: sqlite://PATH (default sqlite://onceguard-data/onceguard.db), memory://,
+    /// postgres://…, redis://… or redis+cluster://host:port,host:port.
     #[arg(long, global = true)]
     store: Option<String>,
     /// Log format: `text` or `json` (default: text on a terminal, json otherwise).
@@ -52,6 +53,8 @@ enum Command {
     /// Inspect, list and purge idempotency keys.
     #[command(subcommand)]
     Keys(KeyCommand),
+    /// Create or upgrade the store's schema (serve also does it on start), then exit.
+    Migrate,
 }
 
 #[derive(Debug, Subcommand)]
@@ -182,7 +185,7 @@ async fn shutdown_signal() {
 }
 
 async fn serve(config: Config) -> Result<()> {
-    let guard = onceguard_server::open_guard(&config).context("opening the store")?;
+    let guard = onceguard_server::open_guard(&config).await.context("opening the store")?;
     if let Some(file) = onceguard_server::bootstrap(&guard, &config).await.context("bootstrapping")? {
         tracing::info!(
             tenant = %config.auth.operator_tenant,
@@ -202,11 +205,12 @@ async fn serve(config: Config) -> Result<()> {
 }
 
 async fn operator(config: &Config, command: Command) -> Result<()> {
-    let guard: Guard = onceguard_server::open_guard(config).context("opening the store")?;
+    let guard: Guard = onceguard_server::open_guard(config).await.context("opening the store")?;
     let store = guard.store();
     let now = guard.clock().now();
     match command {
         Command::Serve { .. } => unreachable!("handled by main"),
+        Command::Migrate => println!("the {} store is migrated", store.kind()),
         Command::Tenants(TenantCommand::Create { id }) => {
             let id = TenantId::parse(&id)?;
             if !store.create_tenant(&Tenant { id: id.clone(), created_at: now }).await? {

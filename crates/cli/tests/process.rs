@@ -1,53 +1,14 @@
 //! The `onceguard` binary as a process: first start, kill -9 under load, graceful shutdown.
 
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{admin_key, start};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
-
-struct Server {
-    child: Child,
-    base: String,
-}
-
-/// Starts `onceguard serve` in `dir` on a free port; answers once it listens.
-fn start(dir: &Path) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_onceguard"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
-        .current_dir(dir)
-        .env_remove("ONCEGUARD_STORE")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("onceguard starts");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Ok(event) = serde_json::from_str::<Value>(&line) {
-                if let Some(addr) = event["addr"].as_str() {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr.to_owned());
-                    }
-                }
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(30)).expect("onceguard says where it listens");
-    Server { child, base: format!("http://{addr}") }
-}
-
-fn admin_key(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("onceguard-data/admin.key"))
-        .expect("the first start wrote an admin key")
-        .trim()
-        .to_owned()
-}
 
 async fn claim(client: &reqwest::Client, base: &str, token: &str, key: &str) -> reqwest::Result<(u16, Value)> {
     let body = json!({"namespace": "crash", "key": key, "request": {"key": key}});

@@ -201,8 +201,8 @@ fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
 }
 
 /// Opens the store of `config` and builds the guard on the wall clock.
-pub fn open_guard(config: &Config) -> Result<Guard, StartError> {
-    let store = StoreUrl::parse(&config.store)?.open()?;
+pub async fn open_guard(config: &Config) -> Result<Guard, StartError> {
+    let store = StoreUrl::parse(&config.store)?.open().await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     Ok(Guard::new(store, clock, config.limits.clone()))
 }
@@ -219,6 +219,7 @@ pub async fn run(
     let state = AppState::new(guard.clone(), config)?;
     let app = router(state, config);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let forwarder = guard.forward_changes().map(tokio::spawn);
     let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));
     let grace = config.http.shutdown_grace;
     let mut grace_rx = stop_rx;
@@ -240,6 +241,10 @@ pub async fn run(
     };
     sweeper.abort();
     let _ = sweeper.await;
+    if let Some(forwarder) = forwarder {
+        forwarder.abort();
+        let _ = forwarder.await;
+    }
     served?;
     Ok(())
 }

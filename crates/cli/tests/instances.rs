@@ -1,0 +1,163 @@
+//! Many instances, one store: three `onceguard serve` processes on one PostgreSQL, then on one
+//! Redis, take 2,000 keys × 8 concurrent duplicate claims spread over them.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Server, start_with};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, Semaphore};
+
+const KEYS: usize = 2_000;
+const DUPLICATES: usize = 8;
+
+fn postgres_url() -> String {
+    std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn redis_url() -> String {
+    std::env::var("ONCEGUARD_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Starts three instances on `store`; the first bootstraps the admin key.
+fn three_instances(dir: &std::path::Path, store: &str) -> (Vec<Server>, String) {
+    let key_file = dir.join("admin.key");
+    let env = [("ONCEGUARD_AUTH__BOOTSTRAP_KEY_FILE", key_file.to_str().unwrap())];
+    let first = start_with(dir, &["--store", store], &env);
+    let token = std::fs::read_to_string(&key_file).expect("the first instance wrote the admin key").trim().to_owned();
+    let mut servers = vec![first];
+    servers.extend((0..2).map(|_| start_with(dir, &["--store", store], &env)));
+    (servers, token)
+}
+
+/// Every key claimed 8 times at once across the instances (waiting up to 10 s for the
+/// holder): exactly one acquisition per key; afterwards every instance replays every key
+/// byte for byte.
+async fn duplicates_across_instances(servers: &[Server], token: &str) -> (usize, usize, usize) {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let limit = Arc::new(Semaphore::new(48));
+    let stored: Arc<Mutex<HashMap<usize, String>>> = Arc::default();
+    let mut tasks = Vec::with_capacity(KEYS * DUPLICATES);
+    for key in 0..KEYS {
+        for dup in 0..DUPLICATES {
+            let base = servers[(key + dup) % servers.len()].base.clone();
+            let (client, token, limit, stored) = (client.clone(), token.to_owned(), limit.clone(), stored.clone());
+            tasks.push(tokio::spawn(async move {
+                let _permit = limit.acquire_owned().await.unwrap();
+                let body =
+                    json!({"namespace": "many", "key": format!("key-{key}"), "request": {"key": key}, "wait": "10s"});
+                let response =
+                    client.post(format!("{base}/v1/claims")).bearer_auth(&token).json(&body).send().await.unwrap();
+                match response.status().as_u16() {
+                    201 => {
+                        let acquired: Value = response.json().await.unwrap();
+                        let result = format!(r#"{{"key":{key},"by":"{base}","dup":{dup}}}"#);
+                        let complete = format!(
+                            r#"{{"namespace":"many","key":"key-{key}","fence":{},"result":{result}}}"#,
+                            acquired["fence"]
+                        );
+                        let done = client
+                            .post(format!("{base}/v1/claims/complete"))
+                            .bearer_auth(&token)
+                            .header("content-type", "application/json")
+                            .body(complete)
+                            .send()
+                            .await
+                            .unwrap();
+                        assert_eq!(done.status(), 200);
+                        stored.lock().await.insert(key, result);
+                        "acquired"
+                    }
+                    200 => "replay",
+                    409 => "in_flight",
+                    other => panic!("unexpected {other}: {}", response.text().await.unwrap()),
+                }
+            }));
+        }
+    }
+    let (mut acquired, mut replayed, mut in_flight) = (0, 0, 0);
+    for task in tasks {
+        match task.await.unwrap() {
+            "acquired" => acquired += 1,
+            "replay" => replayed += 1,
+            _ => in_flight += 1,
+        }
+    }
+    let stored = stored.lock().await;
+    assert_eq!(stored.len(), KEYS);
+    for server in servers {
+        for key in (0..KEYS).step_by(7) {
+            let body = json!({"namespace": "many", "key": format!("key-{key}"), "request": {"key": key}});
+            let response =
+                client.post(format!("{}/v1/claims", server.base)).bearer_auth(token).json(&body).send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            let text = response.text().await.unwrap();
+            assert!(
+                text.contains(&format!(r#""result":{}"#, stored[&key])),
+                "{} replays key {key} differently: {text}",
+                server.base
+            );
+        }
+    }
+    (acquired, replayed, in_flight)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_on_one_postgres() {
+    let url = postgres_url();
+    if !onceguard_testkit::services::available(
+        "PostgreSQL many-instances test",
+        "127.0.0.1:5432",
+        "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
+    ) {
+        return;
+    }
+    let schema = format!("og_many_{:08x}", rand::random::<u32>());
+    let store = format!("{url}?schema={schema}");
+    let dir = tempfile::tempdir().unwrap();
+    let (servers, token) = three_instances(dir.path(), &store);
+    let started = std::time::Instant::now();
+    let (acquired, replayed, in_flight) = duplicates_across_instances(&servers, &token).await;
+    println!(
+        "postgres, 3 instances: {KEYS} keys x {DUPLICATES} duplicates in {:.1}s: {acquired} acquired, {replayed} replays, {in_flight} in flight",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(acquired, KEYS);
+    drop(servers);
+    let _ = std::process::Command::new("psql")
+        .args([&url, "-qc", &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")])
+        .output();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_on_one_redis() {
+    let url = redis_url();
+    if !onceguard_testkit::services::available(
+        "Redis many-instances test",
+        "127.0.0.1:6379",
+        "start redis-server or set ONCEGUARD_REDIS_URL",
+    ) {
+        return;
+    }
+    let prefix = format!("og-many-{:08x}:", rand::random::<u32>());
+    let store = format!("{url}?prefix={prefix}");
+    let dir = tempfile::tempdir().unwrap();
+    let (servers, token) = three_instances(dir.path(), &store);
+    let started = std::time::Instant::now();
+    let (acquired, replayed, in_flight) = duplicates_across_instances(&servers, &token).await;
+    println!(
+        "redis, 3 instances: {KEYS} keys x {DUPLICATES} duplicates in {:.1}s: {acquired} acquired, {replayed} replays, {in_flight} in flight",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(acquired, KEYS);
+    drop(servers);
+    let _ = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!("redis-cli -u {url} --scan --pattern '{prefix}*' | xargs -r redis-cli -u {url} unlink >/dev/null"),
+        ])
+        .output();
+}
