@@ -26,6 +26,13 @@ pub fn available(suite: &str, addr: &str, how: &str) -> bool {
         return true;
     }
     assert!(!required(), "{suite}: no server at {addr}, and CI=true / ONCEGUARD_REQUIRE_SERVICES=1 requires it. {how}");
-    eprintln!("SKIPPED: {suite} (no server at {addr}; {how})");
+    skipped(&format!("{suite} (no server at {addr}; {how})"));
     false
+}
+
+/// Prints one `SKIPPED:` line straight to the process's stderr (the test harness captures
+/// `eprintln!` of passing tests; this line must show).
+pub fn skipped(what: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "SKIPPED: {what}");
 }
