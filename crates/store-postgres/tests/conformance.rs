@@ -12,13 +12,6 @@ fn url() -> String {
     std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-fn server_addr(url: &str) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let host = rest.split(['/', '?']).next().unwrap_or_default();
-    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
-    if host.contains(':') { host.to_owned() } else { format!("{host}:5432") }
-}
-
 /// Drops the test's schema when the test ends.
 struct DropSchema(String);
 
@@ -47,7 +40,7 @@ fn fresh() -> impl Fn() -> Pin<Box<dyn Future<Output = Option<TestStore>> + Send
             let url = url();
             if !onceguard_testkit::services::available(
                 "PostgreSQL store suites",
-                &server_addr(&url),
+                &onceguard_testkit::services::addr_of_url(&url, 5432),
                 "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
             ) {
                 return None;

@@ -36,3 +36,22 @@ pub fn skipped(what: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr().lock(), "SKIPPED: {what}");
 }
+
+/// The `host:port` of a server URL such as `postgres://user@host:5432/db` or
+/// `redis://host:6379/0` (`default_port` when it names none).
+pub fn addr_of_url(url: &str, default_port: u16) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    if host.contains(':') { host.to_owned() } else { format!("{host}:{default_port}") }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn addresses_come_out_of_urls() {
+        assert_eq!(super::addr_of_url("postgres://u:p@db.local:6543/x?schema=a", 5432), "db.local:6543");
+        assert_eq!(super::addr_of_url("postgres://127.0.0.1/test", 5432), "127.0.0.1:5432");
+        assert_eq!(super::addr_of_url("redis://127.0.0.1:6379/0", 6379), "127.0.0.1:6379");
+    }
+}
