@@ -1,149 +1,428 @@
-//! Store benchmark: claim+complete pairs per second, in process, per store and concurrency,
-//! next to a naive SQLite baseline measured in the same run (one transaction per operation, on
-//! one connection, with the same durability: WAL and `synchronous=FULL`).
+//! Store benchmark: figures and ratios, printed; it asserts nothing about speed.
 //!
-//! `cargo run --release -p onceguard-bench -- --pairs 4000 --concurrency 1,16,64`
+//! One run prints, per store and concurrency:
+//!
+//! 1. claim+complete pairs per second through [`onceguard_core::Guard`], in process, for the
+//!    memory, SQLite, PostgreSQL and Redis stores (and a Redis Cluster, with `--redis-cluster`
+//!    or `--start-cluster`);
+//! 2. baselines measured in the same run at the same concurrency: a naive SQLite store and a
+//!    naive PostgreSQL store (per pair one `INSERT … ON CONFLICT DO NOTHING` and one `UPDATE`,
+//!    each committed on its own), and for Redis a raw one-key Lua claim (`EVALSHA`), against
+//!    which the store's claims per second are compared;
+//! 3. the cost of a claim with 10 k and with 1 M stored records (PostgreSQL, Redis, SQLite).
+//!
+//! Every PostgreSQL measurement runs in a fresh schema `og_bench_<random>` and every Redis one
+//! under a fresh key prefix `og-bench-<random>:`; all of them are dropped at the end (also on
+//! an error or Ctrl-C).
+//!
+//! `cargo run --release -p onceguard-bench -- --help`
 
 #![forbid(unsafe_code)]
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+mod bench_postgres;
+mod bench_redis;
+mod bench_sqlite;
+mod harness;
+mod local_cluster;
+mod scale;
 
-use anyhow::{Result, ensure};
-use clap::Parser;
-use onceguard_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Guard, Key, Limits, MemoryStore, Mutation, Namespace, Outcome,
-    OutcomeKind, Scope, Store, SystemClock, TenantId,
-};
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Parser, ValueEnum};
+use onceguard_core::MemoryStore;
+use onceguard_store_redis::RedisTarget;
 use onceguard_store_sqlite::SqliteStore;
-use rusqlite::{Connection, params};
 
-/// Claim+complete pairs per second, per store and concurrency, against a naive baseline.
+use crate::bench_postgres::Pg;
+use crate::bench_redis::Redis;
+use crate::harness::{Measured, acquire, fresh_claim, guard_on, heading, measure, pair, row, scope, warmup_for};
+use crate::local_cluster::LocalCluster;
+
+/// Onceguard's PostgreSQL target: its pairs/s at least this many times the naive store's, at
+/// [`PG_TARGET_CONCURRENCY`].
+const PG_TARGET: f64 = 1.5;
+/// The concurrency the PostgreSQL target is stated at.
+const PG_TARGET_CONCURRENCY: usize = 32;
+/// Onceguard's Redis target: its claims/s at least this share of the raw Lua claims/s.
+const REDIS_TARGET: f64 = 0.45;
+
+/// A store the benchmark can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StoreKind {
+    /// The in-memory store.
+    Memory,
+    /// SQLite, in a temporary directory.
+    Sqlite,
+    /// PostgreSQL at `--postgres-url`.
+    Postgres,
+    /// Redis at `--redis-url`.
+    Redis,
+}
+
+/// Claim+complete pairs per second per store and concurrency, next to baselines measured in the
+/// same run, and the cost of a claim with 10 k and with 1 M stored records.
 #[derive(Debug, Parser)]
 struct Args {
-    /// Pairs per measurement on SQLite (memory runs 20 times as many).
-    #[arg(long, default_value_t = 4_000)]
-    pairs: usize,
-    /// Concurrency levels (tasks issuing pairs at once).
-    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    /// Stores to measure (leave out those whose server is not running).
+    #[arg(long, value_delimiter = ',', default_value = "memory,sqlite,postgres,redis")]
+    stores: Vec<StoreKind>,
+    /// Concurrency levels (tasks issuing operations at once).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,32,64")]
     concurrency: Vec<usize>,
+    /// Pairs per measurement on SQLite and PostgreSQL and their baselines (memory runs 20 times
+    /// as many) [default: 4000, 1000 with --quick].
+    #[arg(long)]
+    pairs: Option<usize>,
+    /// Operations per Redis measurement (raw claims, claims, or pairs) [default: 20000, 5000 with
+    /// --quick].
+    #[arg(long)]
+    redis_ops: Option<usize>,
+    /// The PostgreSQL server (store options in the query, such as `pool_size`, are passed on).
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    postgres_url: String,
+    /// The Redis server.
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Also measure this Redis Cluster (`host:port,host:port,…`, any of its nodes).
+    #[arg(long, value_delimiter = ',')]
+    redis_cluster: Vec<String>,
+    /// Start a throwaway 3-node Redis Cluster on free loopback ports and measure it too
+    /// (needs `redis-server` and `redis-cli`; stopped at exit).
+    #[arg(long, conflicts_with = "redis_cluster")]
+    start_cluster: bool,
+    /// Stored records for the large size of the cost-per-claim comparison; 0 skips the
+    /// comparison [default: 1000000, 100000 with --quick].
+    #[arg(long)]
+    scale_keys: Option<usize>,
+    /// Stored records for the small size of the cost-per-claim comparison.
+    #[arg(long, default_value_t = 10_000)]
+    scale_base: usize,
+    /// Concurrency of the cost-per-claim throughput workloads.
+    #[arg(long, default_value_t = 32)]
+    scale_concurrency: usize,
+    /// A shorter run: fewer operations per measurement and 100 k stored records at most.
+    #[arg(long)]
+    quick: bool,
 }
 
-fn scope(i: usize) -> Scope {
-    Scope::new(
-        TenantId::parse("bench").expect("valid"),
-        Namespace::parse("bench/pairs").expect("valid"),
-        Key::parse(&format!("key-{i}")).expect("valid"),
-    )
+/// `what` against `baseline`, with the target when one is stated: `1.52x (target >= 1.5x: met)`.
+fn versus(value: f64, baseline: f64, target: Option<f64>) -> String {
+    let ratio = value / baseline;
+    match target {
+        Some(t) => format!("{ratio:.2}x (target >= {t}x: {})", if ratio >= t { "met" } else { "NOT met" }),
+        None => format!("{ratio:.2}x"),
+    }
 }
 
-/// Runs `pairs` claim+complete pairs through `guard` from `concurrency` tasks; answers pairs/s.
-/// Every key must be acquired exactly once and completed.
-async fn guarded_pairs(guard: &Guard, pairs: usize, concurrency: usize) -> Result<f64> {
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..concurrency)
-        .map(|t| {
+/// The targets checked during the run, for the summary.
+#[derive(Default)]
+struct Verdicts(Vec<String>);
+
+impl Verdicts {
+    fn add(&mut self, what: String, ratio: f64, target: f64) {
+        let verdict = if ratio >= target { "met" } else { "NOT met" };
+        self.0.push(format!("{what}: {ratio:.2}x, target >= {target}x: {verdict}"));
+    }
+}
+
+async fn memory(args: &Settings) -> Result<()> {
+    for &c in &args.concurrency {
+        let guard = guard_on(MemoryStore::new());
+        let pairs = args.pairs * 20;
+        let m = measure(pairs, c, warmup_for(pairs, c), move |i| {
             let guard = guard.clone();
-            tokio::spawn(async move {
-                let mut done = 0usize;
-                for i in (t..pairs).step_by(concurrency) {
-                    let req = ClaimRequest {
-                        scope: scope(i),
-                        fingerprint: Fingerprint::sha256(&i.to_le_bytes()),
-                        lease: Duration::from_secs(30),
-                        retention: Duration::from_secs(3600),
-                        run: None,
-                    };
-                    let ClaimOutcome::Acquired(a) = guard.claim(&req, Duration::ZERO).await? else {
-                        anyhow::bail!("key {i} was not acquired");
-                    };
-                    let outcome = Outcome {
-                        kind: OutcomeKind::Success,
-                        content_type: "application/json".into(),
-                        body: format!(r#"{{"i":{i}}}"#).into_bytes(),
-                        cost: None,
-                    };
-                    guard.mutate(&req.scope, a.fence, Mutation::Complete(outcome)).await?;
-                    done += 1;
-                }
-                Ok(done)
-            })
+            async move { pair(&guard, "bench/pairs", i).await }
         })
-        .collect();
-    let mut total = 0;
-    for task in tasks {
-        total += task.await??;
+        .await?;
+        row("memory onceguard claim+complete", c, m.rate(), "pairs/s", "");
     }
-    ensure!(total == pairs, "{total} of {pairs} pairs completed");
-    Ok(pairs as f64 / started.elapsed().as_secs_f64())
+    Ok(())
 }
 
-/// The naive baseline: per pair, one transaction to insert the claim (`INSERT … ON CONFLICT DO
-/// NOTHING`) and one to store the outcome (`UPDATE`), each committed on its own.
-async fn naive_sqlite_pairs(path: &std::path::Path, pairs: usize, concurrency: usize) -> Result<f64> {
-    let conn = Connection::open(path)?;
-    conn.busy_timeout(Duration::from_secs(30))?;
-    conn.pragma_update(None, "journal_mode", "WAL")?;
-    conn.pragma_update(None, "synchronous", "FULL")?;
-    conn.execute_batch(
-        "CREATE TABLE IF NOT EXISTS naive (key TEXT PRIMARY KEY, fence INTEGER, state TEXT, body BLOB) WITHOUT ROWID",
-    )?;
-    let conn = Arc::new(Mutex::new(conn));
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..concurrency)
-        .map(|t| {
-            let conn = conn.clone();
-            tokio::task::spawn_blocking(move || -> Result<usize> {
-                let mut done = 0;
-                for i in (t..pairs).step_by(concurrency) {
-                    let key = format!("key-{i}");
-                    {
-                        let conn = conn.lock().unwrap_or_else(|e| e.into_inner());
-                        let inserted = conn.execute(
-                            "INSERT INTO naive (key, fence, state) VALUES (?1, ?2, 'in_progress') ON CONFLICT DO NOTHING",
-                            params![key, i as i64],
-                        )?;
-                        ensure!(inserted == 1, "key {i} was not inserted");
-                    }
-                    {
-                        let conn = conn.lock().unwrap_or_else(|e| e.into_inner());
-                        conn.execute(
-                            "UPDATE naive SET state = 'completed', body = ?2 WHERE key = ?1 AND fence = ?3",
-                            params![key, format!(r#"{{"i":{i}}}"#).into_bytes(), i as i64],
-                        )?;
-                    }
-                    done += 1;
-                }
-                Ok(done)
-            })
+async fn sqlite(args: &Settings) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    for (n, &c) in args.concurrency.iter().enumerate() {
+        let naive = bench_sqlite::naive_pairs(&dir.path().join(format!("naive-{n}.db")), args.pairs, c).await?;
+        let guard = guard_on(SqliteStore::open(dir.path().join(format!("og-{n}.db")))?);
+        let og = measure(args.pairs, c, warmup_for(args.pairs, c), move |i| {
+            let guard = guard.clone();
+            async move { pair(&guard, "bench/pairs", i).await }
         })
-        .collect();
-    let mut total = 0;
-    for task in tasks {
-        total += task.await??;
+        .await?;
+        row("sqlite naive (txn per statement, 1 conn)", c, naive.rate(), "pairs/s", "1.00x");
+        row(
+            "sqlite onceguard claim+complete (group commit)",
+            c,
+            og.rate(),
+            "pairs/s",
+            &versus(og.rate(), naive.rate(), None),
+        );
     }
-    ensure!(total == pairs, "{total} of {pairs} pairs completed");
-    Ok(pairs as f64 / started.elapsed().as_secs_f64())
+    Ok(())
 }
 
-fn guard_on(store: impl Store) -> Guard {
-    Guard::new(Arc::new(store), Arc::new(SystemClock), Limits::default())
+async fn postgres(args: &Settings, pg: &mut Pg, verdicts: &mut Verdicts) -> Result<()> {
+    for &c in &args.concurrency {
+        let naive = pg.naive_pairs(args.pairs, c).await?;
+        let (guard, schema) = pg.store().await?;
+        let og = measure(args.pairs, c, warmup_for(args.pairs, c), move |i| {
+            let guard = guard.clone();
+            async move { pair(&guard, "bench/pairs", i).await }
+        })
+        .await;
+        pg.drop_schema(&schema).await?;
+        let og = og?;
+        let target = (c == PG_TARGET_CONCURRENCY).then_some(PG_TARGET);
+        row(&format!("postgres naive (autocommit per statement, pool {c})"), c, naive.rate(), "pairs/s", "1.00x");
+        row(
+            "postgres onceguard claim+complete (group commit)",
+            c,
+            og.rate(),
+            "pairs/s",
+            &versus(og.rate(), naive.rate(), target),
+        );
+        if let Some(t) = target {
+            verdicts.add(format!("postgres pairs/s vs naive at c={c}"), og.rate() / naive.rate(), t);
+        }
+    }
+    Ok(())
+}
+
+/// Guarded claims only (each acquires a fresh key) or claim+complete pairs, on a fresh store.
+async fn redis_guarded(redis: &mut Redis, ops: usize, c: usize, pairs: bool) -> Result<Measured> {
+    let (guard, prefix) = redis.store().await?;
+    let measured = measure(ops, c, warmup_for(ops, c), move |i| {
+        let guard = guard.clone();
+        async move {
+            if pairs {
+                pair(&guard, "bench/pairs", i).await
+            } else {
+                acquire(&guard, &fresh_claim(scope("bench/claims", &format!("key-{i}")), i)).await.map(drop)
+            }
+        }
+    })
+    .await;
+    redis.delete_prefix(&prefix).await?;
+    measured
+}
+
+async fn redis(args: &Settings, redis: &mut Redis, name: &str, verdicts: &mut Verdicts) -> Result<()> {
+    let ops = args.redis_ops;
+    for &c in &args.concurrency {
+        let shared = redis.raw_claims(ops, c, 1).await?;
+        let own = if c > 1 { Some(redis.raw_claims(ops, c, c).await?) } else { None };
+        let claims = redis_guarded(redis, ops, c, false).await?;
+        let pairs = redis_guarded(redis, ops / 2, c, true).await?;
+        let raw = own.as_ref().map_or(shared.rate(), |o| o.rate().max(shared.rate()));
+        let best = |m: &Measured| if (m.rate() - raw).abs() < f64::EPSILON { "1.00x (best raw)" } else { "" };
+        row(&format!("{name} raw lua claim (EVALSHA), 1 shared conn"), c, shared.rate(), "ops/s", best(&shared));
+        if let Some(own) = &own {
+            row(&format!("{name} raw lua claim (EVALSHA), {c} conns"), c, own.rate(), "ops/s", best(own));
+        }
+        row(
+            &format!("{name} onceguard claim (fresh key)"),
+            c,
+            claims.rate(),
+            "claims/s",
+            &versus(claims.rate(), raw, Some(REDIS_TARGET)),
+        );
+        row(&format!("{name} onceguard claim+complete"), c, pairs.rate(), "pairs/s", "");
+        row(
+            &format!("{name} onceguard claim+complete, 2 ops per pair"),
+            c,
+            2.0 * pairs.rate(),
+            "ops/s",
+            &versus(2.0 * pairs.rate(), raw, Some(REDIS_TARGET)),
+        );
+        verdicts.add(format!("{name} claims/s vs raw Lua claims/s at c={c}"), claims.rate() / raw, REDIS_TARGET);
+    }
+    Ok(())
+}
+
+/// The options after `--quick` and the defaults are applied.
+struct Settings {
+    stores: Vec<StoreKind>,
+    concurrency: Vec<usize>,
+    pairs: usize,
+    redis_ops: usize,
+    scale_keys: usize,
+    scale_base: usize,
+    workload: scale::Workload,
+}
+
+impl Settings {
+    fn from(args: &Args) -> Self {
+        let quick = args.quick;
+        Self {
+            stores: args.stores.clone(),
+            concurrency: args.concurrency.iter().copied().filter(|&c| c > 0).collect(),
+            pairs: args.pairs.unwrap_or(if quick { 1_000 } else { 4_000 }),
+            redis_ops: args.redis_ops.unwrap_or(if quick { 5_000 } else { 20_000 }),
+            scale_keys: args.scale_keys.unwrap_or(if quick { 100_000 } else { 1_000_000 }),
+            scale_base: args.scale_base,
+            workload: scale::Workload {
+                serial_pairs: if quick { 300 } else { 1_000 },
+                pairs: if quick { 1_000 } else { 4_000 },
+                replays: if quick { 2_000 } else { 8_000 },
+                concurrency: args.scale_concurrency.max(1),
+            },
+        }
+    }
+
+    fn has(&self, store: StoreKind) -> bool {
+        self.stores.contains(&store)
+    }
+}
+
+/// Everything the run measures, in order; servers are given (and cleaned) by the caller.
+async fn run(
+    settings: &Settings,
+    pg: &mut Option<Pg>,
+    single: &mut Option<Redis>,
+    cluster: &mut Option<Redis>,
+) -> Result<Vec<String>> {
+    let mut verdicts = Verdicts::default();
+    println!("\n## 1. claim+complete through onceguard_core::Guard, in process, per store and concurrency");
+    println!("pairs/s: claim of a fresh key (must acquire) + complete with a small JSON body (must apply).");
+    println!("claims/s: claim of a fresh key only (must acquire); one claim is one store operation.");
+    println!("ops/s (raw lua): one EVALSHA of `EXISTS k; HSET k fence i` on a fresh key (must answer 1), on");
+    println!(
+        "  connections set up as the Redis store sets up its one; the best of 1 shared and c own is the baseline."
+    );
+    println!("ops/s (2 ops per pair): onceguard pairs/s x 2 (claim and complete are one EVALSHA each).");
+    heading();
+    if settings.has(StoreKind::Memory) {
+        memory(settings).await?;
+    }
+    if settings.has(StoreKind::Sqlite) {
+        sqlite(settings).await?;
+    }
+    if let Some(pg) = pg.as_mut() {
+        postgres(settings, pg, &mut verdicts).await?;
+    }
+    if let Some(r) = single.as_mut() {
+        redis(settings, r, "redis", &mut verdicts).await?;
+    }
+    if let Some(r) = cluster.as_mut() {
+        redis(settings, r, "redis-cluster", &mut verdicts).await?;
+    }
+
+    if settings.scale_keys > 0 {
+        let (small, large, w) = (settings.scale_base, settings.scale_keys, settings.workload);
+        println!(
+            "\n## 2. cost per claim with {} and with {} stored (completed) records",
+            harness::grouped(small as f64),
+            harness::grouped(large as f64)
+        );
+        println!("Records are written straight into the store's tables / keys, then sample records are read back");
+        println!("through the store and must decode to exactly what was meant, and replay.");
+        println!("New keys of the workload are spread among the stored ones.");
+        if let Some(pg) = pg.as_mut() {
+            let (guard, schema) = pg.store().await?;
+            let compared = scale::compare(
+                "postgres",
+                scale::Target::Postgres { pg, schema: schema.clone(), guard },
+                small,
+                large,
+                w,
+            )
+            .await;
+            pg.drop_schema(&schema).await?;
+            compared?;
+        }
+        if let Some(r) = single.as_mut() {
+            let (guard, prefix) = r.store().await?;
+            let compared = scale::compare(
+                "redis",
+                scale::Target::Redis { redis: r, prefix: prefix.clone(), guard },
+                small,
+                large,
+                w,
+            )
+            .await;
+            r.delete_prefix(&prefix).await?;
+            compared?;
+        }
+        if settings.has(StoreKind::Sqlite) {
+            let dir = tempfile::tempdir()?;
+            let target = scale::Target::Sqlite(bench_sqlite::ScaleSqlite::create(dir.path().join("scale.db"))?);
+            scale::compare("sqlite", target, small, large, w).await?;
+        }
+    }
+    Ok(verdicts.0)
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    let dir = tempfile::tempdir()?;
-    println!("claim+complete pairs per second, in process ({} cores)", std::thread::available_parallelism()?.get());
-    println!("{:<34} {:>6} {:>14} {:>10}", "store", "conc", "pairs/s", "vs naive");
-    for (n, &c) in args.concurrency.iter().enumerate() {
-        let naive = naive_sqlite_pairs(&dir.path().join(format!("naive-{n}.db")), args.pairs, c).await?;
-        let sqlite =
-            guarded_pairs(&guard_on(SqliteStore::open(dir.path().join(format!("og-{n}.db")))?), args.pairs, c).await?;
-        let memory = guarded_pairs(&guard_on(MemoryStore::new()), args.pairs * 20, c).await?;
-        println!("{:<34} {:>6} {:>14.0} {:>10}", "sqlite naive (txn per operation)", c, naive, "1.00");
-        println!("{:<34} {:>6} {:>14.0} {:>9.2}x", "sqlite (onceguard, group commit)", c, sqlite, sqlite / naive);
-        println!("{:<34} {:>6} {:>14.0} {:>9.2}x", "memory (onceguard)", c, memory, memory / naive);
+    let settings = Settings::from(&args);
+    let started = Instant::now();
+    println!(
+        "onceguard store benchmark: {} cores, pairs {} per measurement (memory x20), redis ops {}, concurrency {:?}",
+        std::thread::available_parallelism()?.get(),
+        settings.pairs,
+        settings.redis_ops,
+        settings.concurrency
+    );
+
+    let local = if args.start_cluster {
+        let cluster = tokio::task::spawn_blocking(LocalCluster::start).await??;
+        println!("started a throwaway Redis Cluster at {}", cluster.nodes().join(","));
+        Some(cluster)
+    } else {
+        None
+    };
+    let cluster_nodes = local.as_ref().map_or_else(|| args.redis_cluster.clone(), LocalCluster::nodes);
+
+    let mut pg = if settings.has(StoreKind::Postgres) {
+        Some(
+            Pg::connect(&args.postgres_url)
+                .await
+                .context("PostgreSQL is not reachable (leave it out with --stores)")?,
+        )
+    } else {
+        None
+    };
+    let mut single = if settings.has(StoreKind::Redis) {
+        let target = RedisTarget::parse(&args.redis_url).ok_or_else(|| anyhow!("--redis-url must be redis://…"))?;
+        Some(Redis::connect(target).await.context("Redis is not reachable (leave it out with --stores)")?)
+    } else {
+        None
+    };
+    let mut cluster = if cluster_nodes.is_empty() {
+        None
+    } else {
+        let target = RedisTarget::parse(&format!("redis+cluster://{}", cluster_nodes.join(",")))
+            .ok_or_else(|| anyhow!("--redis-cluster must be host:port,host:port,…"))?;
+        let r = Redis::connect(target).await.context("the Redis Cluster is not reachable")?;
+        debug_assert!(r.is_cluster());
+        Some(r)
+    };
+
+    let outcome = tokio::select! {
+        outcome = run(&settings, &mut pg, &mut single, &mut cluster) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+    };
+
+    // Clean up whatever happened: schemas and prefixes of this run only.
+    let mut cleaned = Ok(());
+    if let Some(pg) = pg.as_mut() {
+        cleaned = cleaned.and(pg.cleanup().await.context("dropping the benchmark's schemas"));
     }
+    for r in [single.as_mut(), cluster.as_mut()].into_iter().flatten() {
+        cleaned = cleaned.and(r.cleanup().await.context("deleting the benchmark's keys"));
+    }
+    drop(local);
+
+    let verdicts = outcome?;
+    cleaned?;
+    if !verdicts.is_empty() {
+        println!("\n## targets");
+        for v in &verdicts {
+            println!("{v}");
+        }
+    }
+    println!("\nwhole run: {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId};
+use onceguard_server::config::ProxyOverrides;
 use onceguard_server::{Config, Overrides, api};
 use tracing_subscriber::EnvFilter;
 
@@ -43,6 +44,24 @@ enum Command {
         /// Address to listen on (default 127.0.0.1:8080).
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
+    },
+    /// Put the guard in front of an HTTP tool API: Idempotency-Key on POST and PATCH.
+    Proxy {
+        /// Address to listen on (default 127.0.0.1:8081).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// The upstream API, e.g. http://127.0.0.1:9000.
+        #[arg(long)]
+        upstream: Option<String>,
+        /// How long a key may be held without extending, e.g. 2s (default 30s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        lease: Option<std::time::Duration>,
+        /// How long a stored response replays, e.g. 24h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        retention: Option<std::time::Duration>,
+        /// Store 5xx responses too (by default they release the key).
+        #[arg(long)]
+        store_5xx: bool,
     },
     /// Tenants.
     #[command(subcommand)]
@@ -204,12 +223,29 @@ async fn serve(config: Config) -> Result<()> {
     Ok(())
 }
 
+async fn proxy(config: Config) -> Result<()> {
+    if config.proxy.upstream.is_empty() {
+        bail!("proxy: give the upstream with --upstream URL (or proxy.upstream in the configuration)");
+    }
+    let guard = onceguard_server::open_guard_with(&config, onceguard_proxy::limits(&config))
+        .await
+        .context("opening the store")?;
+    let listener = tokio::net::TcpListener::bind(config.proxy.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.proxy.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, upstream = %config.proxy.upstream, store = guard.store().kind(), "onceguard proxy is serving");
+    onceguard_proxy::run(&config, guard, listener, shutdown_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
 async fn operator(config: &Config, command: Command) -> Result<()> {
     let guard: Guard = onceguard_server::open_guard(config).await.context("opening the store")?;
     let store = guard.store();
     let now = guard.clock().now();
     match command {
-        Command::Serve { .. } => unreachable!("handled by main"),
+        Command::Serve { .. } | Command::Proxy { .. } => unreachable!("handled by main"),
         Command::Migrate => println!("the {} store is migrated", store.kind()),
         Command::Tenants(TenantCommand::Create { id }) => {
             let id = TenantId::parse(&id)?;
@@ -277,14 +313,24 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     init_logs(cli.global.log_format.as_deref())?;
-    let listen = match &cli.command {
-        Command::Serve { listen } => *listen,
-        _ => None,
-    };
-    let overrides = Overrides { listen, store: cli.global.store.clone() };
+    let mut overrides = Overrides { store: cli.global.store.clone(), ..Overrides::default() };
+    match &cli.command {
+        Command::Serve { listen } => overrides.listen = *listen,
+        Command::Proxy { listen, upstream, lease, retention, store_5xx } => {
+            overrides.proxy = ProxyOverrides {
+                listen: *listen,
+                upstream: upstream.clone(),
+                lease: *lease,
+                retention: *retention,
+                store_5xx: store_5xx.then_some(true),
+            };
+        }
+        _ => {}
+    }
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
     match cli.command {
         Command::Serve { .. } => serve(config).await,
+        Command::Proxy { .. } => proxy(config).await,
         command => operator(&config, command).await,
     }
 }

@@ -30,6 +30,56 @@ pub struct Config {
     pub http: HttpConfig,
     /// The background sweep of expired records.
     pub sweep: SweepConfig,
+    /// `onceguard proxy`: the guard in front of an HTTP tool API.
+    pub proxy: ProxyConfig,
+}
+
+/// Settings of `onceguard proxy`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// Where the proxy listens.
+    pub listen: SocketAddr,
+    /// The upstream HTTP API every request goes to (`http://host:port/base`).
+    pub upstream: String,
+    /// How long the proxy may hold a key without extending it (it extends while the upstream
+    /// works); after it passes, a request whose outcome is unknown runs again.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// How long a stored response replays.
+    #[serde(with = "humantime_serde")]
+    pub retention: Duration,
+    /// Store 5xx responses too (by default they release the key, so a retry runs again).
+    pub store_5xx: bool,
+    /// The header that identifies the caller; keys are scoped by its digest.
+    pub identity_header: String,
+    /// The tenant that holds the proxy's records.
+    pub tenant: String,
+    /// Largest request body forwarded, in bytes (413 beyond it).
+    pub max_request_bytes: usize,
+    /// Largest upstream response stored and replayed, in bytes.
+    pub max_response_bytes: usize,
+    /// Longest the upstream may take to answer (then 504, and the key stays in flight until
+    /// its lease passes).
+    #[serde(with = "humantime_serde")]
+    pub upstream_timeout: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            upstream: String::new(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3_600),
+            store_5xx: false,
+            identity_header: "authorization".into(),
+            tenant: "proxy".into(),
+            max_request_bytes: 8 * 1024 * 1024,
+            max_response_bytes: 8 * 1024 * 1024,
+            upstream_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 /// Authentication settings.
@@ -85,6 +135,7 @@ impl Default for Config {
             limits: Limits::default(),
             http: HttpConfig::default(),
             sweep: SweepConfig::default(),
+            proxy: ProxyConfig::default(),
         }
     }
 }
@@ -136,10 +187,43 @@ pub struct Overrides {
     /// `--store`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store: Option<String>,
+    /// `onceguard proxy` flags.
+    #[serde(skip_serializing_if = "ProxyOverrides::is_empty")]
+    pub proxy: ProxyOverrides,
+}
+
+/// `onceguard proxy` flags, applied over file and environment (only those set).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProxyOverrides {
+    /// `--listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
+    /// `--upstream`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// `--lease`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub lease: Option<Duration>,
+    /// `--retention`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub retention: Option<Duration>,
+    /// `--store-5xx`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_5xx: Option<bool>,
+}
+
+impl ProxyOverrides {
+    fn is_empty(&self) -> bool {
+        self.listen.is_none()
+            && self.upstream.is_none()
+            && self.lease.is_none()
+            && self.retention.is_none()
+            && self.store_5xx.is_none()
+    }
 }
 
 /// The top-level fields, which `ONCEGUARD_*` variables may set.
-const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep"];
+const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy"];
 
 impl Config {
     /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then
@@ -187,6 +271,26 @@ impl Config {
         if self.sweep.interval.is_zero() || self.sweep.batch == 0 || self.sweep.max_batches == 0 {
             return Err(InvalidInput::new("sweep", "interval, batch and max_batches must be more than zero"));
         }
+        let p = &self.proxy;
+        TenantId::parse(&p.tenant).map_err(|_| InvalidInput::new("proxy.tenant", "is not a valid tenant id"))?;
+        onceguard_core::domain::check_bounds(
+            "proxy.lease",
+            p.lease,
+            Duration::from_millis(100),
+            Duration::from_secs(3_600),
+        )?;
+        onceguard_core::domain::check_bounds(
+            "proxy.retention",
+            p.retention,
+            Duration::from_secs(1),
+            Duration::from_secs(365 * 86_400),
+        )?;
+        if p.upstream_timeout.is_zero() || p.max_request_bytes == 0 || p.max_response_bytes == 0 {
+            return Err(InvalidInput::new("proxy", "upstream_timeout and the byte limits must be more than zero"));
+        }
+        if axum::http::HeaderName::from_bytes(p.identity_header.as_bytes()).is_err() {
+            return Err(InvalidInput::new("proxy.identity_header", "is not a header name"));
+        }
         Ok(())
     }
 }
@@ -202,7 +306,7 @@ mod tests {
             jail.create_file("onceguard.toml", "listen = \"127.0.0.1:9000\"\n[limits]\nmax_wait = \"5s\"\n")?;
             jail.set_env("ONCEGUARD_LIMITS__MAX_WAIT", "7s");
             jail.set_env("ONCEGUARD_STORE", "memory://");
-            let overrides = Overrides { listen: Some("127.0.0.1:9100".parse().unwrap()), store: None };
+            let overrides = Overrides { listen: Some("127.0.0.1:9100".parse().unwrap()), ..Overrides::default() };
             let config = Config::load(Some(Path::new("onceguard.toml")), &overrides).expect("valid");
             assert_eq!(config.listen.port(), 9100);
             assert_eq!(config.limits.max_wait, Duration::from_secs(7));

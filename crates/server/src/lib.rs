@@ -202,9 +202,14 @@ fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
 
 /// Opens the store of `config` and builds the guard on the wall clock.
 pub async fn open_guard(config: &Config) -> Result<Guard, StartError> {
+    open_guard_with(config, config.limits.clone()).await
+}
+
+/// Opens the store of `config` and builds the guard with `limits`.
+pub async fn open_guard_with(config: &Config, limits: onceguard_core::Limits) -> Result<Guard, StartError> {
     let store = StoreUrl::parse(&config.store)?.open().await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    Ok(Guard::new(store, clock, config.limits.clone()))
+    Ok(Guard::new(store, clock, limits))
 }
 
 /// Serves `guard` on `listener` until `shutdown` resolves, then lets requests in flight finish
@@ -218,6 +223,18 @@ pub async fn run(
 ) -> Result<(), StartError> {
     let state = AppState::new(guard.clone(), config)?;
     let app = router(state, config);
+    serve_with_background(config, guard, listener, app, shutdown).await
+}
+
+/// Serves `app` with the guard's background tasks (the sweep of expired records, and the feed
+/// of keys finished by other instances), which it owns and stops at shutdown.
+pub async fn serve_with_background(
+    config: &Config,
+    guard: Guard,
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let forwarder = guard.forward_changes().map(tokio::spawn);
     let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));

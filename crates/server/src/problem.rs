@@ -64,6 +64,12 @@ pub enum ApiError {
     /// The store could not answer.
     #[error("{0}")]
     StoreUnavailable(String),
+    /// The proxy's upstream could not be reached or failed mid-way.
+    #[error("{0}")]
+    BadGateway(String),
+    /// The proxy's upstream did not answer in time.
+    #[error("{0}")]
+    GatewayTimeout(String),
     /// A bug.
     #[error("{0}")]
     Internal(String),
@@ -126,6 +132,12 @@ impl ApiError {
             }
             Self::StoreUnavailable(_) => {
                 (S::SERVICE_UNAVAILABLE, "store-unavailable", "The store cannot answer; nothing was decided", true)
+            }
+            Self::BadGateway(_) => {
+                (S::BAD_GATEWAY, "upstream-failed", "The upstream could not be reached or failed", true)
+            }
+            Self::GatewayTimeout(_) => {
+                (S::GATEWAY_TIMEOUT, "upstream-timeout", "The upstream did not answer in time", true)
             }
             Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal", "Internal error", false),
         }

@@ -1,0 +1,349 @@
+//! Redis and Redis Cluster: key prefixes of the benchmark's own, the raw Lua baseline, and bulk
+//! preloading of records in the store's own layout.
+//!
+//! Every measurement gets a fresh prefix `og-bench-<16 hex digits>:`; [`Redis::cleanup`]
+//! deletes the keys under every prefix this run used (`SCAN MATCH <prefix>*` on every master,
+//! then `UNLINK`), and nothing else.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use futures::{StreamExt, TryStreamExt};
+use onceguard_core::store::DEFAULT_STORE_TIMEOUT;
+use onceguard_core::{Guard, Timestamp};
+use onceguard_store_redis::layout::{Keys, Placement};
+use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::{AsyncConnectionConfig, Script};
+
+use crate::harness::{Measured, RETENTION, guard_on, measure, preloaded_record, random_tag, warmup_for};
+
+/// The raw baseline's claim: one key, set once, as a `SET NX` would; answers 1 when it
+/// claimed the key and 0 when the key existed.
+pub const RAW_CLAIM: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'fence', ARGV[1])
+return 1
+"#;
+
+/// Records per pipeline when preloading.
+const PRELOAD_CHUNK: usize = 2_000;
+
+/// Pipelines in flight at once when preloading.
+const PRELOAD_PIPELINES: usize = 4;
+
+/// A timeout long enough for bulk commands (loads, scans).
+const BULK_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One Redis server or cluster used by the benchmark, and the prefixes this run used on it.
+pub struct Redis {
+    target: RedisTarget,
+    /// `redis://host:port` of every master (one for a single server).
+    masters: Vec<String>,
+    prefixes: Vec<String>,
+}
+
+/// `redis://host:port` of every master of the cluster that `seeds` belong to, from
+/// `CLUSTER NODES` as the first seed that answers sees it.
+async fn cluster_masters(seeds: &[String]) -> Result<Vec<String>> {
+    let mut last = None;
+    for seed in seeds {
+        let answer: Result<String> = async {
+            let mut conn = bulk_connection(seed).await?;
+            Ok(redis::cmd("CLUSTER").arg("NODES").query_async(&mut conn).await?)
+        }
+        .await;
+        match answer {
+            Ok(nodes) => {
+                let masters: Vec<String> = nodes
+                    .lines()
+                    .filter_map(|line| {
+                        let fields: Vec<&str> = line.split_whitespace().collect();
+                        let flags = fields.get(2)?;
+                        let addr = fields.get(1)?.split('@').next()?;
+                        (flags.split(',').any(|f| f == "master") && !flags.contains("fail")).then(|| {
+                            let auth = seed.split_once("://").and_then(|(_, r)| r.rsplit_once('@')).map(|(a, _)| a);
+                            match auth {
+                                Some(auth) => format!("redis://{auth}@{addr}"),
+                                None => format!("redis://{addr}"),
+                            }
+                        })
+                    })
+                    .collect();
+                ensure!(!masters.is_empty(), "CLUSTER NODES at {seed} lists no master");
+                return Ok(masters);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no cluster seed given")))
+}
+
+/// A connection for bulk work (loads, scans) with a long response timeout.
+async fn bulk_connection(url: &str) -> Result<MultiplexedConnection> {
+    let client = redis::Client::open(url)?;
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        .set_response_timeout(Some(BULK_TIMEOUT));
+    Ok(client.get_multiplexed_async_connection_with_config(&config).await?)
+}
+
+/// A connection configured as the store configures its own (one multiplexed connection with
+/// the store's timeouts), for the raw baseline.
+async fn store_like_connection(url: &str) -> Result<ConnectionManager> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(DEFAULT_STORE_TIMEOUT))
+        .set_response_timeout(Some(DEFAULT_STORE_TIMEOUT))
+        .set_number_of_retries(1);
+    Ok(ConnectionManager::new_with_config(redis::Client::open(url)?, config).await?)
+}
+
+/// A cluster connection configured as the store configures its own.
+async fn store_like_cluster_connection(seeds: &[String]) -> Result<redis::cluster_async::ClusterConnection> {
+    let client = redis::cluster::ClusterClientBuilder::new(seeds.to_vec())
+        .connection_timeout(DEFAULT_STORE_TIMEOUT)
+        .response_timeout(DEFAULT_STORE_TIMEOUT)
+        .retries(2)
+        .build()?;
+    Ok(client.get_async_connection().await?)
+}
+
+/// Runs `ops` raw claims from `concurrency` tasks, spread over `conns` (task `t` uses
+/// connection `t mod conns`), each one `EVALSHA` of [`RAW_CLAIM`] on a fresh key under
+/// `prefix`, which must answer 1.
+async fn raw_claims<C>(conns: Vec<C>, prefix: &str, ops: usize, concurrency: usize) -> Result<Measured>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let script = Arc::new(Script::new(RAW_CLAIM));
+    let prefix = prefix.to_owned();
+    measure(ops, concurrency, warmup_for(ops, concurrency), move |i| {
+        let mut conn = conns[i % conns.len()].clone();
+        let (script, key) = (script.clone(), format!("{prefix}raw:{i}"));
+        async move {
+            let claimed: i64 = script.key(key).arg(i).invoke_async(&mut conn).await?;
+            ensure!(claimed == 1, "raw key {i} was not claimed");
+            Ok(())
+        }
+    })
+    .await
+}
+
+impl Redis {
+    /// The server or cluster at `target`; fails if it does not answer.
+    pub async fn connect(target: RedisTarget) -> Result<Self> {
+        let masters = match &target {
+            RedisTarget::Single(url) => {
+                let mut conn = bulk_connection(url).await.with_context(|| format!("connecting to Redis at {url}"))?;
+                redis::cmd("PING").query_async::<String>(&mut conn).await?;
+                vec![url.clone()]
+            }
+            RedisTarget::Cluster(seeds) => {
+                cluster_masters(seeds).await.with_context(|| format!("reading the cluster's nodes from {seeds:?}"))?
+            }
+        };
+        Ok(Self { target, masters, prefixes: Vec::new() })
+    }
+
+    /// Whether this is a cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.target, RedisTarget::Cluster(_))
+    }
+
+    /// A fresh key prefix, remembered so that [`Redis::cleanup`] deletes its keys.
+    fn new_prefix(&mut self) -> String {
+        let prefix = format!("og-bench-{}:", random_tag());
+        self.prefixes.push(prefix.clone());
+        prefix
+    }
+
+    /// An Onceguard Redis store (default options) under a fresh prefix, a guard over it, and
+    /// the prefix.
+    pub async fn store(&mut self) -> Result<(Guard, String)> {
+        let prefix = self.new_prefix();
+        let options = RedisOptions { prefix: prefix.clone(), ..RedisOptions::default() };
+        let store = RedisStore::connect_with(&self.target, options).await?;
+        Ok((guard_on(store), prefix))
+    }
+
+    /// The raw baseline on `connections` connections (each set up as the store sets up its
+    /// one), under a fresh prefix (deleted afterwards).
+    pub async fn raw_claims(&mut self, ops: usize, concurrency: usize, connections: usize) -> Result<Measured> {
+        let prefix = self.new_prefix();
+        let measured = match &self.target {
+            RedisTarget::Single(url) => {
+                let mut conns = Vec::with_capacity(connections);
+                for _ in 0..connections {
+                    conns.push(store_like_connection(url).await?);
+                }
+                raw_claims(conns, &prefix, ops, concurrency).await
+            }
+            RedisTarget::Cluster(seeds) => {
+                let mut conns = Vec::with_capacity(connections);
+                for _ in 0..connections {
+                    conns.push(store_like_cluster_connection(seeds).await?);
+                }
+                raw_claims(conns, &prefix, ops, concurrency).await
+            }
+        };
+        self.delete_prefix(&prefix).await?;
+        measured
+    }
+
+    /// Deletes every key under `prefix`, on every master: `SCAN MATCH` then `UNLINK`
+    /// (pipelined, one key per command, so that it also works across a cluster's slots).
+    pub async fn delete_prefix(&mut self, prefix: &str) -> Result<()> {
+        ensure!(self.prefixes.iter().any(|p| p == prefix), "prefix {prefix} was not used by this run");
+        ensure!(!prefix.contains(['*', '?', '[', ']', '\\']), "prefix {prefix} holds glob characters");
+        for master in &self.masters {
+            let mut conn = bulk_connection(master).await?;
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(format!("{prefix}*"))
+                    .arg("COUNT")
+                    .arg(10_000)
+                    .query_async(&mut conn)
+                    .await?;
+                if !keys.is_empty() {
+                    let mut pipe = redis::pipe();
+                    for key in &keys {
+                        pipe.cmd("UNLINK").arg(key).ignore();
+                    }
+                    pipe.query_async::<()>(&mut conn).await?;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        self.prefixes.retain(|p| p != prefix);
+        Ok(())
+    }
+
+    /// Deletes the keys of every prefix this run used and has not cleaned yet.
+    pub async fn cleanup(&mut self) -> Result<()> {
+        for prefix in self.prefixes.clone() {
+            self.delete_prefix(&prefix).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes preloaded records `from .. to` under `prefix` as the store's claim and complete
+    /// scripts would have left them (one hash per record with its TTL, the slots' expiry and
+    /// listing indexes, the used-slot set), with fences above the store's counter, which it
+    /// then raises past them (and the touched slots' fence marks with it). Pipelined,
+    /// [`PRELOAD_CHUNK`] records per pipeline, [`PRELOAD_PIPELINES`] pipelines in flight. One
+    /// server only.
+    pub async fn grow(&self, prefix: &str, from: usize, to: usize, now: Timestamp) -> Result<Duration> {
+        let RedisTarget::Single(url) = &self.target else { bail!("preloading is done on one server only") };
+        ensure!(self.prefixes.iter().any(|p| p == prefix), "prefix {prefix} was not used by this run");
+        let started = Instant::now();
+        let keys = Keys::new(prefix).map_err(anyhow::Error::msg)?;
+        let margin = u64::try_from(RedisOptions::default().expiry_margin.as_millis())?;
+        let conn = bulk_connection(url).await?;
+        let base: u64 = redis::cmd("GET")
+            .arg(keys.fence_counter())
+            .query_async::<Option<u64>>(&mut conn.clone())
+            .await?
+            .unwrap_or(0);
+        let chunks: Vec<(usize, usize)> =
+            (from..to).step_by(PRELOAD_CHUNK).map(|start| (start, (start + PRELOAD_CHUNK).min(to))).collect();
+        let slots: Vec<Vec<u16>> = futures::stream::iter(chunks)
+            .map(|(start, end)| {
+                let (mut conn, keys) = (conn.clone(), keys.clone());
+                async move {
+                    let mut pipe = redis::pipe();
+                    let mut indexes: BTreeMap<u16, Vec<(u64, Vec<u8>)>> = BTreeMap::new();
+                    for i in start..end {
+                        let fence = base + (i - from) as u64 + 1;
+                        let record = preloaded_record(i, onceguard_core::Fence(fence), now);
+                        let placement = Placement::of(&record.scope);
+                        let outcome = record.outcome.as_ref().expect("a preloaded record is completed");
+                        let key = keys.record(&placement);
+                        pipe.cmd("HSET")
+                            .arg(&key)
+                            .arg("t")
+                            .arg(record.scope.tenant.as_str())
+                            .arg("n")
+                            .arg(record.scope.namespace.as_str())
+                            .arg("k")
+                            .arg(record.scope.key.as_str())
+                            .arg("st")
+                            .arg(record.state.as_str())
+                            .arg("fp")
+                            .arg(record.fingerprint.as_str())
+                            .arg("fe")
+                            .arg(fence)
+                            .arg("at")
+                            .arg(record.attempt)
+                            .arg("re")
+                            .arg(u64::try_from(RETENTION.as_millis())?)
+                            .arg("ok")
+                            .arg("success")
+                            .arg("oc")
+                            .arg(outcome.content_type.as_str())
+                            .arg("ob")
+                            .arg(outcome.body.as_slice())
+                            .arg("co")
+                            .arg(now.0)
+                            .arg("ca")
+                            .arg(record.created_at.0)
+                            .arg("up")
+                            .arg(record.updated_at.0)
+                            .arg("ex")
+                            .arg(record.expires_at.0)
+                            .ignore();
+                        pipe.cmd("PEXPIRE").arg(&key).arg(record.expires_at.0 - now.0 + margin).ignore();
+                        indexes.entry(placement.slot).or_default().push((record.expires_at.0, placement.member));
+                    }
+                    for (slot, members) in &indexes {
+                        let (mut expiry, mut listing) = (redis::cmd("ZADD"), redis::cmd("ZADD"));
+                        expiry.arg(keys.expiry(*slot));
+                        listing.arg(keys.listing(*slot));
+                        for (ex, member) in members {
+                            expiry.arg(*ex).arg(member.as_slice());
+                            listing.arg(0).arg(member.as_slice());
+                        }
+                        pipe.add_command(expiry).ignore();
+                        pipe.add_command(listing).ignore();
+                    }
+                    pipe.query_async::<()>(&mut conn).await?;
+                    Ok::<_, anyhow::Error>(indexes.into_keys().collect())
+                }
+            })
+            .buffer_unordered(PRELOAD_PIPELINES)
+            .try_collect()
+            .await?;
+        let mut slots: Vec<u16> = slots.into_iter().flatten().collect();
+        slots.sort_unstable();
+        slots.dedup();
+        let top = base + (to - from) as u64;
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET").arg(keys.fence_counter()).arg(top).ignore();
+        for slot in &slots {
+            // The counter was at least every mark; the new top is above both.
+            pipe.cmd("SET").arg(keys.fence_mark(*slot)).arg(top).ignore();
+            pipe.cmd("SADD").arg(keys.used_slots()).arg(*slot).ignore();
+        }
+        pipe.query_async::<()>(&mut conn.clone()).await?;
+        Ok(started.elapsed())
+    }
+
+    /// `used_memory_human` of the server (one server only), for the record.
+    pub async fn used_memory(&self) -> Result<String> {
+        let RedisTarget::Single(url) = &self.target else { bail!("one server only") };
+        let mut conn = bulk_connection(url).await?;
+        let info: String = redis::cmd("INFO").arg("memory").query_async(&mut conn).await?;
+        Ok(info
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory_human:"))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_else(|| "?".into()))
+    }
+}

@@ -1,0 +1,281 @@
+//! Running a fixed number of operations from a number of tasks, timing each, and the workloads
+//! every store runs through the guard.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use onceguard_core::{
+    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits, Mutation, Namespace, Outcome,
+    OutcomeKind, Record, RecordState, Scope, Store, SystemClock, TenantId, Timestamp,
+};
+
+/// The tenant of every key the benchmark writes.
+pub const TENANT: &str = "bench";
+
+/// Lease asked for by every benchmark claim.
+pub const LEASE: Duration = Duration::from_secs(30);
+
+/// Retention asked for by every benchmark claim, and given to preloaded records.
+pub const RETENTION: Duration = Duration::from_secs(24 * 3_600);
+
+/// What one measurement produced: how many operations ran, how long they took together, and
+/// the time each took (sorted).
+#[derive(Debug, Clone)]
+pub struct Measured {
+    /// Operations timed.
+    pub ops: usize,
+    /// Wall time from the first to the last.
+    pub elapsed: Duration,
+    /// Each operation's time, sorted.
+    latencies: Vec<Duration>,
+}
+
+impl Measured {
+    /// Operations per second.
+    pub fn rate(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// The `p`-th percentile (0 to 100) of the operations' times.
+    pub fn percentile(&self, p: f64) -> Duration {
+        if self.latencies.is_empty() {
+            return Duration::ZERO;
+        }
+        let rank = ((p / 100.0) * (self.latencies.len() - 1) as f64).round() as usize;
+        self.latencies[rank.min(self.latencies.len() - 1)]
+    }
+}
+
+/// Runs operations `warmup .. warmup + ops` from `concurrency` tasks (task `t` runs every
+/// `concurrency`-th index), timing each, after an untimed warm-up of indexes `0 .. warmup`
+/// from as many tasks (it opens pooled connections and loads scripts). Every operation gets a
+/// distinct index; the first failure fails the measurement.
+pub async fn measure<F, Fut>(ops: usize, concurrency: usize, warmup: usize, op: F) -> Result<Measured>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<()>> + Send + 'static,
+{
+    ensure!(concurrency > 0, "concurrency must be at least 1");
+    let op = Arc::new(op);
+    if warmup > 0 {
+        run(0, warmup, concurrency, op.clone()).await?;
+    }
+    let started = Instant::now();
+    let mut latencies = run(warmup, ops, concurrency, op).await?;
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    Ok(Measured { ops, elapsed, latencies })
+}
+
+/// The untimed warm-up for a measurement of `ops` operations from `concurrency` tasks: a
+/// twentieth of the operations, and at least two per task.
+pub fn warmup_for(ops: usize, concurrency: usize) -> usize {
+    (ops / 20).max(2 * concurrency)
+}
+
+async fn run<F, Fut>(first: usize, ops: usize, concurrency: usize, op: Arc<F>) -> Result<Vec<Duration>>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<()>> + Send + 'static,
+{
+    let tasks: Vec<_> = (0..concurrency.min(ops.max(1)))
+        .map(|t| {
+            let op = op.clone();
+            tokio::spawn(async move {
+                let mut times = Vec::with_capacity(ops / concurrency + 1);
+                for i in (t..ops).step_by(concurrency) {
+                    let started = Instant::now();
+                    op(first + i).await?;
+                    times.push(started.elapsed());
+                }
+                Ok::<_, anyhow::Error>(times)
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(ops);
+    for task in tasks {
+        all.extend(task.await??);
+    }
+    ensure!(all.len() == ops, "{} of {ops} operations ran", all.len());
+    Ok(all)
+}
+
+/// A guard over `store` with the real clock and the default limits, as a server builds it.
+pub fn guard_on(store: impl Store) -> Guard {
+    Guard::new(Arc::new(store), Arc::new(SystemClock), Limits::default())
+}
+
+/// The scope of key `key` in `namespace` of the benchmark tenant.
+pub fn scope(namespace: &str, key: &str) -> Scope {
+    Scope::new(
+        TenantId::parse(TENANT).expect("a valid tenant"),
+        Namespace::parse(namespace).expect("a valid namespace"),
+        Key::parse(key).expect("a valid key"),
+    )
+}
+
+/// The claim of the fresh key `scope` for operation `i`, with a fingerprint of its own.
+pub fn fresh_claim(scope: Scope, i: usize) -> ClaimRequest {
+    ClaimRequest {
+        scope,
+        fingerprint: Fingerprint::sha256(&i.to_le_bytes()),
+        lease: LEASE,
+        retention: RETENTION,
+        run: None,
+    }
+}
+
+/// The outcome stored by a benchmark pair: a small JSON body.
+fn outcome(i: usize) -> Outcome {
+    Outcome {
+        kind: OutcomeKind::Success,
+        content_type: "application/json".into(),
+        body: format!(r#"{{"i":{i}}}"#).into_bytes(),
+        cost: None,
+    }
+}
+
+/// One claim that must acquire; answers the fence.
+pub async fn acquire(guard: &Guard, req: &ClaimRequest) -> Result<Fence> {
+    match guard.claim(req, Duration::ZERO).await? {
+        ClaimOutcome::Acquired(a) => Ok(a.fence),
+        other => bail!("key {} was not acquired: {}", req.scope.key, other.name()),
+    }
+}
+
+/// One claim+complete pair: the claim must acquire and the completion must apply.
+pub async fn claim_and_complete(guard: &Guard, req: &ClaimRequest, i: usize) -> Result<()> {
+    let fence = acquire(guard, req).await?;
+    match guard.mutate(&req.scope, fence, Mutation::Complete(outcome(i))).await? {
+        FencedOutcome::Applied(_) => Ok(()),
+        FencedOutcome::Stale(why) => bail!("the completion of key {} was stale: {why:?}", req.scope.key),
+    }
+}
+
+/// One claim+complete pair on the fresh key `key-<i>` in `namespace`.
+pub async fn pair(guard: &Guard, namespace: &str, i: usize) -> Result<()> {
+    claim_and_complete(guard, &fresh_claim(scope(namespace, &format!("key-{i}")), i), i).await
+}
+
+/// Namespace of the preloaded records (and of the workloads measured among them).
+pub const SCALE_NAMESPACE: &str = "bench/scale";
+
+/// The fingerprint of every preloaded record.
+pub fn preloaded_fingerprint() -> Fingerprint {
+    Fingerprint::sha256(b"onceguard-bench preloaded record")
+}
+
+/// The body of every preloaded record's outcome.
+pub const PRELOADED_BODY: &[u8] = br#"{"preloaded":true}"#;
+
+/// The scope of preloaded record `i`.
+pub fn preloaded_scope(i: usize) -> Scope {
+    scope(SCALE_NAMESPACE, &format!("pre-{i}"))
+}
+
+/// Preloaded record `i` as a claim followed by a completion at `now` would have left it:
+/// completed, attempt 1, with `fence`, live for [`RETENTION`].
+pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
+    Record {
+        scope: preloaded_scope(i),
+        state: RecordState::Completed,
+        fingerprint: preloaded_fingerprint(),
+        fence,
+        attempt: 1,
+        run: None,
+        lease_expires_at: None,
+        unknown: None,
+        retention: RETENTION,
+        outcome: Some(Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: PRELOADED_BODY.to_vec(),
+            cost: None,
+        }),
+        completed_at: Some(now),
+        checkpoints: Vec::new(),
+        created_at: now,
+        updated_at: now,
+        expires_at: now.plus(RETENTION),
+    }
+}
+
+/// One claim of preloaded record `i`, which must replay its stored outcome.
+pub async fn replay(guard: &Guard, i: usize) -> Result<()> {
+    let req = ClaimRequest {
+        scope: preloaded_scope(i),
+        fingerprint: preloaded_fingerprint(),
+        lease: LEASE,
+        retention: RETENTION,
+        run: None,
+    };
+    match guard.claim(&req, Duration::ZERO).await? {
+        ClaimOutcome::Replay(r) if r.outcome.body == PRELOADED_BODY => Ok(()),
+        other => bail!("preloaded key {i} did not replay its outcome: {}", other.name()),
+    }
+}
+
+/// A well-spread index in `0 .. n` for the `i`-th operation (splitmix64), so that replays
+/// visit the whole store rather than its most recent part.
+pub fn spread(i: usize, n: usize) -> usize {
+    let mut z = (i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z % n.max(1) as u64) as usize
+}
+
+/// A fresh random name part: 16 hex digits.
+pub fn random_tag() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// `x` with thousands separators and no decimals (`12,345`).
+pub fn grouped(x: f64) -> String {
+    let digits = format!("{:.0}", x.max(0.0));
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (n, c) in digits.chars().enumerate() {
+        if n > 0 && (digits.len() - n) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A duration in milliseconds with two decimals.
+pub fn millis(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+/// Prints one figure: what it is, at what concurrency, the rate and its unit, and how it
+/// compares to a baseline.
+pub fn row(what: &str, conc: usize, rate: f64, unit: &str, vs: &str) {
+    println!("{what:<52} {conc:>5} {:>12} {unit:<9} {vs}", grouped(rate));
+}
+
+/// The heading of a table of [`row`]s.
+pub fn heading() {
+    println!("{:<52} {:>5} {:>12} {:<9} {}", "measurement", "conc", "rate", "unit", "vs baseline");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_print_grouped() {
+        assert_eq!(grouped(0.4), "0");
+        assert_eq!(grouped(999.0), "999");
+        assert_eq!(grouped(1_000.0), "1,000");
+        assert_eq!(grouped(1_234_567.8), "1,234,568");
+    }
+
+    #[test]
+    fn spread_stays_in_range() {
+        assert!((0..10_000).all(|i| spread(i, 37) < 37));
+        assert_eq!(spread(5, 0), 0);
+    }
+}

@@ -1,0 +1,361 @@
+//! The idempotency layer: `Idempotency-Key` semantics around any tower service of
+//! `Request<axum::body::Body>`. The proxy is this layer around a service that forwards upstream.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
+use axum::response::IntoResponse;
+use onceguard_core::{
+    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Guard, Key, Mutation, Namespace, Outcome,
+    OutcomeKind, Scope, TenantId,
+};
+use onceguard_server::problem::ApiError;
+use sha2::{Digest, Sha256};
+use tower::{Layer, Service, ServiceExt};
+
+use crate::stored::{self, StoredResponse};
+
+/// How the inner service says that the upstream call failed in transport, as an extension of
+/// the response it returns (the proxy's forwarding service sets it; other services never do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportFailure {
+    /// The request never reached the upstream (connection refused): safe to run again.
+    NotSent,
+    /// The request may have reached the upstream (reset, broken response): the outcome is
+    /// unknown.
+    MaybeSent,
+    /// The upstream did not answer in time: the outcome is unknown.
+    TimedOut,
+}
+
+/// What the layer needs to know.
+#[derive(Debug, Clone)]
+pub struct IdempotencyOptions {
+    /// The tenant holding the records.
+    pub tenant: TenantId,
+    /// The header identifying the caller (keys are scoped by a digest of its value).
+    pub identity_header: HeaderName,
+    /// How long a key may be held without extending (the layer extends while the inner
+    /// service works).
+    pub lease: Duration,
+    /// How long a stored response replays.
+    pub retention: Duration,
+    /// Store 5xx responses too.
+    pub store_5xx: bool,
+    /// Largest request body, in bytes (413 beyond it).
+    pub max_request_bytes: usize,
+    /// Largest response stored, in bytes.
+    pub max_response_bytes: usize,
+}
+
+impl IdempotencyOptions {
+    /// Defaults: identity from `Authorization`, 30 s leases, 24 h retention, 8 MiB bodies.
+    pub fn new(tenant: TenantId) -> Self {
+        Self {
+            tenant,
+            identity_header: header::AUTHORIZATION,
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3_600),
+            store_5xx: false,
+            max_request_bytes: 8 * 1024 * 1024,
+            max_response_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// A tower layer that gives a service `Idempotency-Key` semantics: POST and PATCH need the
+/// header; the first request runs, its response is stored, every retry is answered from the
+/// store; other methods pass through.
+#[derive(Debug, Clone)]
+pub struct IdempotencyLayer {
+    guard: Guard,
+    options: Arc<IdempotencyOptions>,
+}
+
+impl IdempotencyLayer {
+    /// A layer storing in `guard`'s store.
+    pub fn new(guard: Guard, options: IdempotencyOptions) -> Self {
+        Self { guard, options: Arc::new(options) }
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService { inner, guard: self.guard.clone(), options: self.options.clone() }
+    }
+}
+
+/// The service [`IdempotencyLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    guard: Guard,
+    options: Arc<IdempotencyOptions>,
+}
+
+impl<S> Service<Request<Body>> for IdempotencyService<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Readiness is checked on the clone that serves each request.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let (guard, options) = (self.guard.clone(), self.options.clone());
+        if request.method() != Method::POST && request.method() != Method::PATCH {
+            return Box::pin(inner.oneshot(request));
+        }
+        Box::pin(async move {
+            Ok(match guarded(guard, options, inner, request).await {
+                Ok(response) => response,
+                Err(problem) => problem.into_response(),
+            })
+        })
+    }
+}
+
+/// Parses the `Idempotency-Key` header: exactly one, 1 to 255 bytes of printable ASCII; the
+/// quoted form (`"abc"`) and the bare form (`abc`) name the same key.
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Key, ApiError> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        let detail = if headers.contains_key("idempotency-key") {
+            "send one Idempotency-Key header, not several"
+        } else {
+            "POST and PATCH need an Idempotency-Key header"
+        };
+        return Err(ApiError::Invalid(detail.into()));
+    };
+    let text = value.to_str().map_err(|_| ApiError::Invalid("Idempotency-Key: must be printable ASCII".into()))?;
+    let bare = match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
+        Some(inner) => inner,
+        None => text,
+    };
+    Key::parse(bare).map_err(|e| ApiError::Invalid(format!("Idempotency-Key: {}", e.rule)))
+}
+
+/// The namespace of a caller: `proxy/` and the first 32 hex digits of the SHA-256 of its
+/// identity header (empty when absent).
+fn caller_namespace(headers: &HeaderMap, identity: &HeaderName) -> Namespace {
+    let value = headers.get(identity).map(HeaderValue::as_bytes).unwrap_or_default();
+    let digest = hex::encode(Sha256::digest(value));
+    Namespace::parse(&format!("proxy/{}", &digest[..32])).expect("a hex digest is a valid segment")
+}
+
+/// What the request means: method, path with query, and body bytes.
+fn fingerprint(method: &Method, path_and_query: &str, body: &[u8]) -> Fingerprint {
+    let mut hasher = Sha256::new();
+    hasher.update(method.as_str().as_bytes());
+    hasher.update(b" ");
+    hasher.update(path_and_query.as_bytes());
+    hasher.update(b"\n");
+    hasher.update(body);
+    Fingerprint::parse(&format!("sha256:{}", hex::encode(hasher.finalize()))).expect("a sha256 digest is valid")
+}
+
+async fn guarded<S>(
+    guard: Guard,
+    options: Arc<IdempotencyOptions>,
+    inner: S,
+    request: Request<Body>,
+) -> Result<Response<Body>, ApiError>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let key = idempotency_key(request.headers())?;
+    let namespace = caller_namespace(request.headers(), &options.identity_header);
+    let (parts, body) = request.into_parts();
+    let body = axum::body::to_bytes(body, options.max_request_bytes)
+        .await
+        .map_err(|_| ApiError::TooLarge(format!("the request body exceeds {} bytes", options.max_request_bytes)))?;
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let claim = ClaimRequest {
+        scope: Scope::new(options.tenant.clone(), namespace, key),
+        fingerprint: fingerprint(&parts.method, path, &body),
+        lease: options.lease,
+        retention: options.retention,
+        run: None,
+    };
+    match guard.claim(&claim, Duration::ZERO).await? {
+        ClaimOutcome::Replay(replay) => {
+            let stored = stored::decode(&replay.outcome.body)
+                .map_err(|e| ApiError::Internal(format!("a stored response could not be read: {e}")))?;
+            let mut response = stored.into_response();
+            response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(response)
+        }
+        ClaimOutcome::InFlight(f) => Err(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }),
+        ClaimOutcome::Mismatch => Err(ApiError::Mismatch),
+        ClaimOutcome::Denied(d) => Err(ApiError::Denied(d)),
+        ClaimOutcome::Acquired(acquired) => {
+            let request = Request::from_parts(parts, Body::from(body));
+            // The upstream call and the storing of its outcome run in a task of their own: a
+            // caller that disconnects never cancels them, and its retry gets the replay.
+            let task = tokio::spawn(execute(guard, options, inner, request, claim.scope, acquired.fence));
+            task.await.map_err(|e| ApiError::Internal(format!("the request task failed: {e}")))?
+        }
+    }
+}
+
+/// Runs the request while keeping the lease alive, then stores, releases or leaves the key as
+/// the outcome says.
+async fn execute<S>(
+    guard: Guard,
+    options: Arc<IdempotencyOptions>,
+    inner: S,
+    request: Request<Body>,
+    scope: Scope,
+    fence: Fence,
+) -> Result<Response<Body>, ApiError>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+{
+    let extender = tokio::spawn(keep_alive(guard.clone(), scope.clone(), fence, options.lease));
+    let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
+    let failure = response.extensions().get::<TransportFailure>().copied();
+    let (parts, body) = response.into_parts();
+    let outcome = match failure {
+        Some(failure) => Err(failure),
+        None => match axum::body::to_bytes(body, options.max_response_bytes).await {
+            Ok(bytes) => Ok((parts, bytes)),
+            Err(_) => Err(TransportFailure::MaybeSent),
+        },
+    };
+    extender.abort();
+    match outcome {
+        Err(TransportFailure::NotSent) => {
+            release(&guard, &scope, fence).await;
+            Err(ApiError::BadGateway("the upstream could not be reached; the request was not sent".into()))
+        }
+        // The upstream may have acted: the key stays in flight until its lease passes, so a
+        // retry inside the lease is told so (409) and one after it runs again.
+        Err(TransportFailure::MaybeSent) => Err(ApiError::BadGateway(
+            "the upstream failed after the request was sent; the key is held until its lease passes".into(),
+        )),
+        Err(TransportFailure::TimedOut) => Err(ApiError::GatewayTimeout(
+            "the upstream did not answer in time; the key is held until its lease passes".into(),
+        )),
+        Ok((parts, body)) => {
+            let status = parts.status;
+            let stored = StoredResponse::from_parts(status, &parts.headers, body);
+            if releases_key(status, options.store_5xx) {
+                release(&guard, &scope, fence).await;
+            } else {
+                complete(&guard, &scope, fence, &stored).await;
+            }
+            let mut response = Response::from_parts(parts, Body::from(stored.body.clone()));
+            response.headers_mut().remove(header::TRANSFER_ENCODING);
+            Ok(response)
+        }
+    }
+}
+
+/// Extends the lease every third of it, until aborted or the key is taken over.
+async fn keep_alive(guard: Guard, scope: Scope, fence: Fence, lease: Duration) {
+    loop {
+        tokio::time::sleep(lease / 3).await;
+        if let Ok(FencedOutcome::Stale(_)) = guard.mutate(&scope, fence, Mutation::Extend(lease)).await {
+            return;
+        }
+    }
+}
+
+/// 5xx (unless stored), 408 and 429 are not stored: the key is released and a retry runs again.
+fn releases_key(status: StatusCode, store_5xx: bool) -> bool {
+    status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || (status.is_server_error() && !store_5xx)
+}
+
+async fn release(guard: &Guard, scope: &Scope, fence: Fence) {
+    let outcome =
+        Outcome { kind: OutcomeKind::Failure, content_type: "text/plain".into(), body: Vec::new(), cost: None };
+    if let Err(e) = guard.mutate(scope, fence, Mutation::Fail { retryable: true, outcome }).await {
+        tracing::warn!(error = %e, "could not release a key; it is held until its lease passes");
+    }
+}
+
+/// Stores the response, retrying a store that does not answer for a few seconds: the effect
+/// happened, and a key left in flight would run again after its lease.
+async fn complete(guard: &Guard, scope: &Scope, fence: Fence, stored: &StoredResponse) {
+    let outcome = Outcome {
+        kind: OutcomeKind::Success,
+        content_type: stored::CONTENT_TYPE.into(),
+        body: stored.encode(),
+        cost: None,
+    };
+    for attempt in 0..5u32 {
+        match guard.mutate(scope, fence, Mutation::Complete(outcome.clone())).await {
+            Ok(FencedOutcome::Applied(_)) => return,
+            Ok(FencedOutcome::Stale(reason)) => {
+                tracing::warn!(?reason, "a response could not be stored: the key was taken over");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "storing a response failed; retrying");
+                tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
+            }
+        }
+    }
+    tracing::error!("a response was sent but could not be stored; its key runs again after its lease");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_bytes(value).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn keys_quoted_or_bare_name_the_same_key() {
+        let bare = idempotency_key(&headers(&[("Idempotency-Key", b"abc")])).unwrap();
+        let quoted = idempotency_key(&headers(&[("idempotency-key", b"\"abc\"")])).unwrap();
+        assert_eq!(bare, quoted);
+        assert_ne!(bare, idempotency_key(&headers(&[("idempotency-key", b"ABC")])).unwrap());
+    }
+
+    #[test]
+    fn bad_keys_are_refused() {
+        let long = vec![b'k'; 256];
+        for bad in [&[][..], b"\"\"", &long, "é".as_bytes(), b"a\tb"] {
+            assert!(idempotency_key(&headers(&[("idempotency-key", bad)])).is_err(), "{bad:?}");
+        }
+        assert!(idempotency_key(&headers(&[])).is_err());
+        assert!(idempotency_key(&headers(&[("idempotency-key", b"a"), ("Idempotency-Key", b"a")])).is_err());
+    }
+
+    #[test]
+    fn what_releases_a_key() {
+        for code in [408, 429, 500, 502, 503] {
+            assert!(releases_key(StatusCode::from_u16(code).unwrap(), false), "{code}");
+        }
+        for code in [200, 201, 302, 400, 404, 409, 422] {
+            assert!(!releases_key(StatusCode::from_u16(code).unwrap(), false), "{code}");
+        }
+        assert!(!releases_key(StatusCode::INTERNAL_SERVER_ERROR, true));
+        assert!(releases_key(StatusCode::TOO_MANY_REQUESTS, true));
+    }
+}

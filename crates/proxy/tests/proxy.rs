@@ -1,0 +1,458 @@
+//! The proxy against a real upstream HTTP server started by the test, which counts how often
+//! each request was executed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, post};
+use onceguard_core::{Guard, SystemClock};
+use onceguard_server::Config;
+use onceguard_store_sqlite::SqliteStore;
+use reqwest::Method;
+
+type Counts = Arc<Mutex<HashMap<String, usize>>>;
+
+fn count(counts: &Counts, what: &str) -> usize {
+    let mut counts = counts.lock().unwrap();
+    let n = counts.entry(what.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+#[derive(serde::Deserialize)]
+struct Delay {
+    delay_ms: Option<u64>,
+    mib: Option<usize>,
+}
+
+async fn charge(State(c): State<Counts>, Query(q): Query<Delay>, body: Bytes) -> Response {
+    let n = count(&c, "charge");
+    tokio::time::sleep(Duration::from_millis(q.delay_ms.unwrap_or(0))).await;
+    let mut headers = HeaderMap::new();
+    headers.insert("x-upstream", "yes".parse().unwrap());
+    headers.append("set-cookie", "a=1".parse().unwrap());
+    headers.append("set-cookie", "b=2".parse().unwrap());
+    let text = format!(r#"{{"charge":{n},"body_bytes":{}}}"#, body.len());
+    (StatusCode::CREATED, headers, text).into_response()
+}
+
+async fn status(State(c): State<Counts>, Path(code): Path<u16>) -> Response {
+    let n = count(&c, &format!("status-{code}"));
+    (StatusCode::from_u16(code).unwrap(), format!("status {code} #{n}")).into_response()
+}
+
+async fn echo(State(c): State<Counts>, headers: HeaderMap, body: Bytes) -> Response {
+    count(&c, "echo");
+    let mut out = HeaderMap::new();
+    for name in ["traceparent", "tracestate"] {
+        if let Some(v) = headers.get(name) {
+            out.insert(format!("x-seen-{name}").parse::<axum::http::HeaderName>().unwrap(), v.clone());
+        }
+    }
+    out.insert("content-type", "application/octet-stream".parse().unwrap());
+    (StatusCode::OK, out, body).into_response()
+}
+
+async fn large(State(c): State<Counts>, Query(q): Query<Delay>) -> Vec<u8> {
+    count(&c, "large");
+    pattern(q.mib.unwrap_or(1) * 1024 * 1024, 7)
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+async fn slow(State(c): State<Counts>) -> &'static str {
+    count(&c, "slow");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    "late"
+}
+
+async fn plain(State(c): State<Counts>, method: axum::http::Method) -> String {
+    let n = count(&c, &format!("plain-{method}"));
+    format!("{method} #{n}")
+}
+
+async fn redirect(State(c): State<Counts>) -> Response {
+    count(&c, "redirect");
+    (StatusCode::FOUND, [("location", "/elsewhere")]).into_response()
+}
+
+async fn elsewhere(State(c): State<Counts>) -> &'static str {
+    count(&c, "elsewhere");
+    "followed"
+}
+
+async fn start_upstream() -> (String, Counts) {
+    let counts = Counts::default();
+    let app = Router::new()
+        .route("/charge", post(charge))
+        .route("/status/{code}", any(status))
+        .route("/echo", post(echo))
+        .route("/large", post(large))
+        .route("/slow", post(slow))
+        .route("/plain", any(plain))
+        .route("/redirect", post(redirect))
+        .route("/elsewhere", any(elsewhere))
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(counts.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), counts)
+}
+
+/// An upstream that reads the request and drops the connection without answering.
+async fn start_resetting_upstream() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 4096];
+            let _ = socket.read(&mut buf).await;
+            drop(socket);
+        }
+    });
+    format!("http://{addr}")
+}
+
+struct Proxy {
+    base: String,
+    client: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+async fn start_proxy(upstream: &str, configure: impl FnOnce(&mut Config)) -> Proxy {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::default();
+    config.proxy.upstream = upstream.to_owned();
+    config.proxy.lease = Duration::from_secs(2);
+    config.proxy.upstream_timeout = Duration::from_secs(1);
+    configure(&mut config);
+    config.validate().unwrap();
+    let store = Arc::new(SqliteStore::open(dir.path().join("proxy.db")).unwrap());
+    let guard = Guard::new(store, Arc::new(SystemClock), onceguard_proxy::limits(&config));
+    let app = onceguard_proxy::app(&config, guard).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    Proxy { base: format!("http://{addr}"), client, _dir: dir }
+}
+
+impl Proxy {
+    fn request(&self, method: Method, path: &str, key: Option<&str>) -> reqwest::RequestBuilder {
+        let mut r = self.client.request(method, format!("{}{path}", self.base)).bearer_auth("caller-a");
+        if let Some(key) = key {
+            r = r.header("Idempotency-Key", key);
+        }
+        r
+    }
+
+    async fn post(&self, path: &str, key: &str, body: &'static str) -> reqwest::Response {
+        self.request(Method::POST, path, Some(key)).body(body).send().await.unwrap()
+    }
+}
+
+async fn problem(response: reqwest::Response, status: u16, kind: &str) -> serde_json::Value {
+    assert_eq!(response.status().as_u16(), status);
+    assert_eq!(response.headers()["content-type"], "application/problem+json");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["type"], format!("https://onceguard.dev/problems/{kind}"), "{body}");
+    body
+}
+
+fn executed(counts: &Counts, what: &str) -> usize {
+    counts.lock().unwrap().get(what).copied().unwrap_or(0)
+}
+
+#[tokio::test]
+async fn post_and_patch_need_a_valid_key_and_nothing_is_forwarded_without_one() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    for method in [Method::POST, Method::PATCH] {
+        let r = proxy.request(method, "/charge", None).body("{}").send().await.unwrap();
+        problem(r, 400, "invalid-request").await;
+    }
+    let long = "k".repeat(256);
+    for key in ["", "\"\"", long.as_str()] {
+        problem(proxy.post("/charge", key, "{}").await, 400, "invalid-request").await;
+    }
+    let non_ascii = reqwest::header::HeaderValue::from_bytes("clé".as_bytes()).unwrap();
+    let r = proxy.request(Method::POST, "/charge", None).header("idempotency-key", non_ascii).send().await.unwrap();
+    problem(r, 400, "invalid-request").await;
+    let r = proxy.request(Method::POST, "/charge", Some("a")).header("Idempotency-Key", "b").send().await.unwrap();
+    problem(r, 400, "invalid-request").await;
+    assert_eq!(executed(&counts, "charge"), 0, "nothing was forwarded");
+}
+
+#[tokio::test]
+async fn other_methods_pass_through_and_are_never_stored() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    for method in [Method::GET, Method::PUT, Method::DELETE, Method::OPTIONS, Method::HEAD] {
+        for _ in 0..2 {
+            let r = proxy.request(method.clone(), "/plain", Some("same-key")).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(r.headers().get("idempotent-replayed").is_none());
+        }
+        assert_eq!(executed(&counts, &format!("plain-{method}")), 2, "{method} ran each time");
+    }
+}
+
+#[tokio::test]
+async fn the_first_response_passes_and_retries_replay_it_byte_for_byte() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let first = proxy.post("/charge", "order-1", r#"{"amount":5}"#).await;
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first_cookies: Vec<_> = first.headers().get_all("set-cookie").iter().cloned().collect();
+    let first_body = first.bytes().await.unwrap();
+    // The quoted form names the same key.
+    for key in ["order-1", "\"order-1\""] {
+        let again = proxy.post("/charge", key, r#"{"amount":5}"#).await;
+        assert_eq!(again.status(), 201);
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(again.headers()["x-upstream"], "yes");
+        assert_eq!(again.headers().get_all("set-cookie").iter().cloned().collect::<Vec<_>>(), first_cookies);
+        assert_eq!(again.bytes().await.unwrap(), first_body);
+    }
+    assert_eq!(executed(&counts, "charge"), 1);
+    // Key values are case-sensitive.
+    assert_eq!(proxy.post("/charge", "ORDER-1", r#"{"amount":5}"#).await.status(), 201);
+    assert_eq!(executed(&counts, "charge"), 2);
+}
+
+#[tokio::test]
+async fn callers_never_share_a_key() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let a = proxy.post("/charge", "k", "{}").await.text().await.unwrap();
+    let b = proxy
+        .client
+        .post(format!("{}/charge", proxy.base))
+        .bearer_auth("caller-b")
+        .header("Idempotency-Key", "k")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert!(b.headers().get("idempotent-replayed").is_none());
+    let b = b.text().await.unwrap();
+    assert_ne!(a, b);
+    assert_eq!(executed(&counts, "charge"), 2);
+    assert_eq!(proxy.post("/charge", "k", "{}").await.text().await.unwrap(), a);
+}
+
+#[tokio::test]
+async fn another_request_under_the_same_key_is_422_also_in_flight_and_a_duplicate_is_409() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = Arc::new(start_proxy(&upstream, |_| {}).await);
+    let first = {
+        let proxy = proxy.clone();
+        tokio::spawn(async move { proxy.post("/charge?delay_ms=700", "k", "one").await.text().await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    problem(proxy.post("/charge?delay_ms=700", "k", "two").await, 422, "fingerprint-mismatch").await;
+    let dup = proxy.post("/charge?delay_ms=700", "k", "one").await;
+    assert!(dup.headers().contains_key("retry-after"));
+    problem(dup, 409, "in-flight").await;
+    let original = first.await.unwrap();
+    problem(proxy.post("/charge?other=1", "k", "one").await, 422, "fingerprint-mismatch").await;
+    assert_eq!(proxy.post("/charge?delay_ms=700", "k", "one").await.text().await.unwrap(), original);
+    assert_eq!(executed(&counts, "charge"), 1);
+}
+
+#[tokio::test]
+async fn four_xx_are_stored_five_xx_408_and_429_release_the_key() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    for code in [400u16, 404, 409, 422] {
+        let (path, key) = (format!("/status/{code}"), format!("k{code}"));
+        let first = proxy.request(Method::POST, &path, Some(&key)).send().await.unwrap();
+        assert_eq!(first.status().as_u16(), code);
+        let again = proxy.request(Method::POST, &path, Some(&key)).send().await.unwrap();
+        assert_eq!((again.status().as_u16(), again.headers()["idempotent-replayed"].to_str().unwrap()), (code, "true"));
+        assert_eq!(executed(&counts, &format!("status-{code}")), 1, "{code} is stored");
+    }
+    for code in [408u16, 429, 500, 503] {
+        let path = format!("/status/{code}");
+        for _ in 0..2 {
+            let r = proxy.request(Method::POST, &path, Some(&format!("k{code}"))).send().await.unwrap();
+            assert_eq!(r.status().as_u16(), code);
+            assert!(r.headers().get("idempotent-replayed").is_none());
+        }
+        assert_eq!(executed(&counts, &format!("status-{code}")), 2, "{code} is not stored");
+    }
+    let storing = start_proxy(&upstream, |c| c.proxy.store_5xx = true).await;
+    for _ in 0..2 {
+        storing.request(Method::POST, "/status/500", Some("s")).send().await.unwrap();
+    }
+    assert_eq!(executed(&counts, "status-500"), 3, "--store-5xx stores a 500");
+}
+
+#[tokio::test]
+async fn redirects_are_stored_never_followed() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    for _ in 0..2 {
+        let r = proxy.request(Method::POST, "/redirect", Some("r")).send().await.unwrap();
+        assert_eq!(r.status(), 302);
+        assert_eq!(r.headers()["location"], "/elsewhere");
+    }
+    assert_eq!((executed(&counts, "redirect"), executed(&counts, "elsewhere")), (1, 0));
+}
+
+#[tokio::test]
+async fn large_binary_bodies_are_forwarded_and_replayed_intact() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let body = pattern(8 * 1024 * 1024, 3);
+    for _ in 0..2 {
+        let r = proxy.request(Method::POST, "/echo", Some("bin")).body(body.clone()).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.bytes().await.unwrap() == body, "8 MiB request body echoed intact");
+    }
+    assert_eq!(executed(&counts, "echo"), 1);
+    let expected = pattern(8 * 1024 * 1024, 7);
+    for _ in 0..2 {
+        let r = proxy.request(Method::POST, "/large?mib=8", Some("big")).send().await.unwrap();
+        assert!(r.bytes().await.unwrap() == expected, "8 MiB response intact");
+    }
+    assert_eq!(executed(&counts, "large"), 1);
+    let too_big = pattern(8 * 1024 * 1024 + 1, 5);
+    let r = proxy.request(Method::POST, "/echo", Some("too-big")).body(too_big).send().await.unwrap();
+    problem(r, 413, "payload-too-large").await;
+}
+
+#[tokio::test]
+async fn an_upstream_timeout_holds_the_key_until_its_lease_passes() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    problem(proxy.post("/slow", "t", "").await, 504, "upstream-timeout").await;
+    problem(proxy.post("/slow", "t", "").await, 409, "in-flight").await;
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    problem(proxy.post("/slow", "t", "").await, 504, "upstream-timeout").await;
+    assert_eq!(executed(&counts, "slow"), 2, "after the lease the request ran again");
+}
+
+#[tokio::test]
+async fn a_reset_after_sending_holds_the_key_and_a_refused_connection_releases_it() {
+    let resetting = start_resetting_upstream().await;
+    let proxy = start_proxy(&resetting, |_| {}).await;
+    problem(proxy.post("/charge", "x", "{}").await, 502, "upstream-failed").await;
+    problem(proxy.post("/charge", "x", "{}").await, 409, "in-flight").await;
+
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let proxy = start_proxy(&closed, |_| {}).await;
+    for _ in 0..2 {
+        problem(proxy.post("/charge", "y", "{}").await, 502, "upstream-failed").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_parallel_duplicates_execute_once() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = Arc::new(start_proxy(&upstream, |_| {}).await);
+    let tasks: Vec<_> = (0..100)
+        .map(|_| {
+            let proxy = proxy.clone();
+            tokio::spawn(async move { proxy.post("/charge?delay_ms=300", "once", "{}").await.status().as_u16() })
+        })
+        .collect();
+    let mut statuses = HashMap::new();
+    for t in tasks {
+        *statuses.entry(t.await.unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(executed(&counts, "charge"), 1, "{statuses:?}");
+    assert_eq!(statuses.keys().filter(|s| ![201, 409].contains(*s)).count(), 0, "{statuses:?}");
+    let replay = proxy.post("/charge?delay_ms=300", "once", "{}").await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
+
+#[tokio::test]
+async fn a_caller_that_disconnects_does_not_cancel_the_upstream_call() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let impatient =
+        proxy.request(Method::POST, "/charge?delay_ms=600", Some("d")).timeout(Duration::from_millis(100)).send().await;
+    assert!(impatient.is_err(), "the caller gave up");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(executed(&counts, "charge"), 1);
+    let retry = proxy.request(Method::POST, "/charge?delay_ms=600", Some("d")).send().await.unwrap();
+    assert_eq!((retry.status().as_u16(), retry.headers()["idempotent-replayed"].to_str().unwrap()), (201, "true"));
+    assert_eq!(executed(&counts, "charge"), 1);
+}
+
+#[tokio::test]
+async fn trace_context_passes_through_to_the_upstream() {
+    let (upstream, _) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let r = proxy
+        .request(Method::POST, "/echo", Some("trace"))
+        .header("traceparent", traceparent)
+        .header("tracestate", "vendor=1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-seen-traceparent"], traceparent);
+    assert_eq!(r.headers()["x-seen-tracestate"], "vendor=1");
+}
+
+#[tokio::test]
+async fn the_store_unreachable_is_503_and_nothing_is_forwarded() {
+    if std::process::Command::new("redis-server").arg("--version").output().is_err() {
+        assert!(!onceguard_testkit::services::required(), "redis-server is required in CI");
+        onceguard_testkit::services::skipped("proxy store-down test (no redis-server binary; install redis-server)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut redis = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    while !onceguard_testkit::services::listening(&format!("127.0.0.1:{port}")) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (upstream, counts) = start_upstream().await;
+    let mut config = Config::default();
+    config.proxy.upstream = upstream;
+    let store = onceguard_store_redis::RedisStore::connect(&format!("redis://127.0.0.1:{port}"), "og-proxy-test:")
+        .await
+        .unwrap();
+    let guard = Guard::new(Arc::new(store), Arc::new(SystemClock), onceguard_proxy::limits(&config));
+    let app = onceguard_proxy::app(&config, guard).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    let post = || client.post(format!("{base}/charge")).header("Idempotency-Key", "k").body("{}").send();
+    assert_eq!(post().await.unwrap().status(), 201);
+    redis.kill().unwrap();
+    redis.wait().unwrap();
+    problem(post().await.unwrap(), 503, "store-unavailable").await;
+    let other = client.post(format!("{base}/charge")).header("Idempotency-Key", "k2").body("{}").send().await.unwrap();
+    problem(other, 503, "store-unavailable").await;
+    assert_eq!(executed(&counts, "charge"), 1, "nothing was forwarded while the store was down");
+}
