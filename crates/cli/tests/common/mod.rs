@@ -23,9 +23,17 @@ impl Drop for Server {
 /// Starts `onceguard serve` in `dir` on a free port with the extra `args` and environment;
 /// answers once it listens.
 pub fn start_with(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
+    let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    spawn(dir, &all, env)
+}
+
+/// Starts `onceguard` with `args` (a command that logs the address it listens on) in `dir`;
+/// answers once it listens.
+pub fn spawn(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
     let mut command = Command::new(env!("CARGO_BIN_EXE_onceguard"));
     command
-        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .args(["--log-format", "json"])
         .args(args)
         .current_dir(dir)
         .env_remove("ONCEGUARD_STORE")
