@@ -250,15 +250,51 @@ pub fn millis(d: Duration) -> String {
     format!("{:.2}", d.as_secs_f64() * 1e3)
 }
 
-/// Prints one figure: what it is, at what concurrency, the rate and its unit, and how it
-/// compares to a baseline.
-pub fn row(what: &str, conc: usize, rate: f64, unit: &str, vs: &str) {
-    println!("{what:<52} {conc:>5} {:>12} {unit:<9} {vs}", grouped(rate));
+/// The rates one figure had over the rounds of a measurement.
+#[derive(Debug, Default, Clone)]
+pub struct Rates(Vec<f64>);
+
+impl Rates {
+    /// Adds a round's rate.
+    pub fn push(&mut self, rate: f64) {
+        self.0.push(rate);
+    }
+
+    /// Every rate multiplied by `factor`.
+    pub fn scaled(&self, factor: f64) -> Self {
+        Self(self.0.iter().map(|r| r * factor).collect())
+    }
+
+    /// The median rate (of the two middle ones, their mean).
+    pub fn median(&self) -> f64 {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    /// Half the range of the rates, as a share of the median: `±4%` (empty for one round).
+    pub fn spread(&self) -> String {
+        if self.0.len() < 2 {
+            return String::new();
+        }
+        let (lo, hi) = self.0.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        format!("±{:.0}%", 50.0 * (hi - lo) / self.median())
+    }
+}
+
+/// Prints one figure: what it is, at what concurrency, its median rate over the rounds and
+/// their spread, its unit, and how it compares to a baseline.
+pub fn row(what: &str, conc: usize, rates: &Rates, unit: &str, vs: &str) {
+    println!("{what:<52} {conc:>5} {:>12} {:>5} {unit:<9} {vs}", grouped(rates.median()), rates.spread());
 }
 
 /// The heading of a table of [`row`]s.
 pub fn heading() {
-    println!("{:<52} {:>5} {:>12} {:<9} {}", "measurement", "conc", "rate", "unit", "vs baseline");
+    println!("{:<52} {:>5} {:>12} {:>5} {:<9} vs baseline", "measurement", "conc", "median", "±", "unit");
 }
 
 #[cfg(test)]
@@ -271,6 +307,16 @@ mod tests {
         assert_eq!(grouped(999.0), "999");
         assert_eq!(grouped(1_000.0), "1,000");
         assert_eq!(grouped(1_234_567.8), "1,234,568");
+    }
+
+    #[test]
+    fn rates_have_a_median_and_a_spread() {
+        let mut rates = Rates::default();
+        rates.push(90.0);
+        assert_eq!((rates.median(), rates.spread().as_str()), (90.0, ""));
+        rates.push(110.0);
+        rates.push(100.0);
+        assert_eq!((rates.median(), rates.spread().as_str()), (100.0, "±10%"));
     }
 
     #[test]

@@ -36,7 +36,7 @@ use onceguard_store_sqlite::SqliteStore;
 
 use crate::bench_postgres::Pg;
 use crate::bench_redis::Redis;
-use crate::harness::{Measured, acquire, fresh_claim, guard_on, heading, measure, pair, row, scope, warmup_for};
+use crate::harness::{Measured, Rates, acquire, fresh_claim, guard_on, heading, measure, pair, row, scope, warmup_for};
 use crate::local_cluster::LocalCluster;
 
 /// Onceguard's PostgreSQL target: its pairs/s at least this many times the naive store's, at
@@ -101,7 +101,11 @@ struct Args {
     /// Concurrency of the cost-per-claim throughput workloads.
     #[arg(long, default_value_t = 32)]
     scale_concurrency: usize,
-    /// A shorter run: fewer operations per measurement and 100 k stored records at most.
+    /// Rounds of each measurement in the per-store table (baseline and store alternate; the
+    /// median is printed) [default: 3, 1 with --quick].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// A shorter run: fewer operations per measurement, one round, and 100 k stored records.
     #[arg(long)]
     quick: bool,
 }
@@ -126,37 +130,42 @@ impl Verdicts {
     }
 }
 
+/// Claim+complete pairs on a fresh guard-wrapped store, from `c` tasks.
+async fn guarded_pairs(guard: onceguard_core::Guard, pairs: usize, c: usize) -> Result<Measured> {
+    measure(pairs, c, warmup_for(pairs, c), move |i| {
+        let guard = guard.clone();
+        async move { pair(&guard, "bench/pairs", i).await }
+    })
+    .await
+}
+
 async fn memory(args: &Settings) -> Result<()> {
     for &c in &args.concurrency {
-        let guard = guard_on(MemoryStore::new());
-        let pairs = args.pairs * 20;
-        let m = measure(pairs, c, warmup_for(pairs, c), move |i| {
-            let guard = guard.clone();
-            async move { pair(&guard, "bench/pairs", i).await }
-        })
-        .await?;
-        row("memory onceguard claim+complete", c, m.rate(), "pairs/s", "");
+        let mut og = Rates::default();
+        for _ in 0..args.rounds {
+            og.push(guarded_pairs(guard_on(MemoryStore::new()), args.pairs * 20, c).await?.rate());
+        }
+        row("memory onceguard claim+complete", c, &og, "pairs/s", "");
     }
     Ok(())
 }
 
 async fn sqlite(args: &Settings) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    for (n, &c) in args.concurrency.iter().enumerate() {
-        let naive = bench_sqlite::naive_pairs(&dir.path().join(format!("naive-{n}.db")), args.pairs, c).await?;
-        let guard = guard_on(SqliteStore::open(dir.path().join(format!("og-{n}.db")))?);
-        let og = measure(args.pairs, c, warmup_for(args.pairs, c), move |i| {
-            let guard = guard.clone();
-            async move { pair(&guard, "bench/pairs", i).await }
-        })
-        .await?;
-        row("sqlite naive (txn per statement, 1 conn)", c, naive.rate(), "pairs/s", "1.00x");
+    for &c in &args.concurrency {
+        let (mut naive, mut og) = (Rates::default(), Rates::default());
+        for round in 0..args.rounds {
+            let path = |what: &str| dir.path().join(format!("{what}-{c}-{round}.db"));
+            naive.push(bench_sqlite::naive_pairs(&path("naive"), args.pairs, c).await?.rate());
+            og.push(guarded_pairs(guard_on(SqliteStore::open(path("og"))?), args.pairs, c).await?.rate());
+        }
+        row("sqlite naive (txn per statement, 1 conn)", c, &naive, "pairs/s", "1.00x");
         row(
             "sqlite onceguard claim+complete (group commit)",
             c,
-            og.rate(),
+            &og,
             "pairs/s",
-            &versus(og.rate(), naive.rate(), None),
+            &versus(og.median(), naive.median(), None),
         );
     }
     Ok(())
@@ -164,26 +173,25 @@ async fn sqlite(args: &Settings) -> Result<()> {
 
 async fn postgres(args: &Settings, pg: &mut Pg, verdicts: &mut Verdicts) -> Result<()> {
     for &c in &args.concurrency {
-        let naive = pg.naive_pairs(args.pairs, c).await?;
-        let (guard, schema) = pg.store().await?;
-        let og = measure(args.pairs, c, warmup_for(args.pairs, c), move |i| {
-            let guard = guard.clone();
-            async move { pair(&guard, "bench/pairs", i).await }
-        })
-        .await;
-        pg.drop_schema(&schema).await?;
-        let og = og?;
+        let (mut naive, mut og) = (Rates::default(), Rates::default());
+        for _ in 0..args.rounds {
+            naive.push(pg.naive_pairs(args.pairs, c).await?.rate());
+            let (guard, schema) = pg.store().await?;
+            let measured = guarded_pairs(guard, args.pairs, c).await;
+            pg.drop_schema(&schema).await?;
+            og.push(measured?.rate());
+        }
         let target = (c == PG_TARGET_CONCURRENCY).then_some(PG_TARGET);
-        row(&format!("postgres naive (autocommit per statement, pool {c})"), c, naive.rate(), "pairs/s", "1.00x");
+        row(&format!("postgres naive (autocommit per statement, pool {c})"), c, &naive, "pairs/s", "1.00x");
         row(
             "postgres onceguard claim+complete (group commit)",
             c,
-            og.rate(),
+            &og,
             "pairs/s",
-            &versus(og.rate(), naive.rate(), target),
+            &versus(og.median(), naive.median(), target),
         );
         if let Some(t) = target {
-            verdicts.add(format!("postgres pairs/s vs naive at c={c}"), og.rate() / naive.rate(), t);
+            verdicts.add(format!("postgres pairs/s vs naive at c={c}"), og.median() / naive.median(), t);
         }
     }
     Ok(())
@@ -192,17 +200,15 @@ async fn postgres(args: &Settings, pg: &mut Pg, verdicts: &mut Verdicts) -> Resu
 /// Guarded claims only (each acquires a fresh key) or claim+complete pairs, on a fresh store.
 async fn redis_guarded(redis: &mut Redis, ops: usize, c: usize, pairs: bool) -> Result<Measured> {
     let (guard, prefix) = redis.store().await?;
-    let measured = measure(ops, c, warmup_for(ops, c), move |i| {
-        let guard = guard.clone();
-        async move {
-            if pairs {
-                pair(&guard, "bench/pairs", i).await
-            } else {
-                acquire(&guard, &fresh_claim(scope("bench/claims", &format!("key-{i}")), i)).await.map(drop)
-            }
-        }
-    })
-    .await;
+    let measured = if pairs {
+        guarded_pairs(guard, ops, c).await
+    } else {
+        measure(ops, c, warmup_for(ops, c), move |i| {
+            let guard = guard.clone();
+            async move { acquire(&guard, &fresh_claim(scope("bench/claims", &format!("key-{i}")), i)).await.map(drop) }
+        })
+        .await
+    };
     redis.delete_prefix(&prefix).await?;
     measured
 }
@@ -210,32 +216,29 @@ async fn redis_guarded(redis: &mut Redis, ops: usize, c: usize, pairs: bool) -> 
 async fn redis(args: &Settings, redis: &mut Redis, name: &str, verdicts: &mut Verdicts) -> Result<()> {
     let ops = args.redis_ops;
     for &c in &args.concurrency {
-        let shared = redis.raw_claims(ops, c, 1).await?;
-        let own = if c > 1 { Some(redis.raw_claims(ops, c, c).await?) } else { None };
-        let claims = redis_guarded(redis, ops, c, false).await?;
-        let pairs = redis_guarded(redis, ops / 2, c, true).await?;
-        let raw = own.as_ref().map_or(shared.rate(), |o| o.rate().max(shared.rate()));
-        let best = |m: &Measured| if (m.rate() - raw).abs() < f64::EPSILON { "1.00x (best raw)" } else { "" };
-        row(&format!("{name} raw lua claim (EVALSHA), 1 shared conn"), c, shared.rate(), "ops/s", best(&shared));
-        if let Some(own) = &own {
-            row(&format!("{name} raw lua claim (EVALSHA), {c} conns"), c, own.rate(), "ops/s", best(own));
+        let (mut shared, mut own, mut claims, mut pairs) =
+            (Rates::default(), Rates::default(), Rates::default(), Rates::default());
+        for _ in 0..args.rounds {
+            shared.push(redis.raw_claims(ops, c, 1).await?.rate());
+            if c > 1 {
+                own.push(redis.raw_claims(ops, c, c).await?.rate());
+            }
+            claims.push(redis_guarded(redis, ops, c, false).await?.rate());
+            pairs.push(redis_guarded(redis, ops / 2, c, true).await?.rate());
         }
-        row(
-            &format!("{name} onceguard claim (fresh key)"),
-            c,
-            claims.rate(),
-            "claims/s",
-            &versus(claims.rate(), raw, Some(REDIS_TARGET)),
-        );
-        row(&format!("{name} onceguard claim+complete"), c, pairs.rate(), "pairs/s", "");
-        row(
-            &format!("{name} onceguard claim+complete, 2 ops per pair"),
-            c,
-            2.0 * pairs.rate(),
-            "ops/s",
-            &versus(2.0 * pairs.rate(), raw, Some(REDIS_TARGET)),
-        );
-        verdicts.add(format!("{name} claims/s vs raw Lua claims/s at c={c}"), claims.rate() / raw, REDIS_TARGET);
+        let raw = if c > 1 { own.median().max(shared.median()) } else { shared.median() };
+        let best = |r: &Rates| if r.median() == raw { "1.00x (baseline: the better raw)" } else { "" };
+        row(&format!("{name} raw lua claim (EVALSHA), 1 shared conn"), c, &shared, "ops/s", best(&shared));
+        if c > 1 {
+            row(&format!("{name} raw lua claim (EVALSHA), {c} conns"), c, &own, "ops/s", best(&own));
+        }
+        let claims_vs = versus(claims.median(), raw, Some(REDIS_TARGET));
+        row(&format!("{name} onceguard claim (fresh key)"), c, &claims, "claims/s", &claims_vs);
+        row(&format!("{name} onceguard claim+complete"), c, &pairs, "pairs/s", "");
+        let ops_rates = pairs.scaled(2.0);
+        let ops_vs = versus(ops_rates.median(), raw, None);
+        row(&format!("{name} onceguard claim+complete, 2 ops per pair"), c, &ops_rates, "ops/s", &ops_vs);
+        verdicts.add(format!("{name} claims/s vs raw Lua claims/s at c={c}"), claims.median() / raw, REDIS_TARGET);
     }
     Ok(())
 }
@@ -246,6 +249,7 @@ struct Settings {
     concurrency: Vec<usize>,
     pairs: usize,
     redis_ops: usize,
+    rounds: usize,
     scale_keys: usize,
     scale_base: usize,
     workload: scale::Workload,
@@ -259,6 +263,7 @@ impl Settings {
             concurrency: args.concurrency.iter().copied().filter(|&c| c > 0).collect(),
             pairs: args.pairs.unwrap_or(if quick { 1_000 } else { 4_000 }),
             redis_ops: args.redis_ops.unwrap_or(if quick { 5_000 } else { 20_000 }),
+            rounds: args.rounds.unwrap_or(if quick { 1 } else { 3 }).max(1),
             scale_keys: args.scale_keys.unwrap_or(if quick { 100_000 } else { 1_000_000 }),
             scale_base: args.scale_base,
             workload: scale::Workload {
@@ -284,6 +289,10 @@ async fn run(
 ) -> Result<Vec<String>> {
     let mut verdicts = Verdicts::default();
     println!("\n## 1. claim+complete through onceguard_core::Guard, in process, per store and concurrency");
+    println!(
+        "Each figure is the median of {} rounds (± is half their range); baseline and store alternate.",
+        settings.rounds
+    );
     println!("pairs/s: claim of a fresh key (must acquire) + complete with a small JSON body (must apply).");
     println!("claims/s: claim of a fresh key only (must acquire); one claim is one store operation.");
     println!("ops/s (raw lua): one EVALSHA of `EXISTS k; HSET k fence i` on a fresh key (must answer 1), on");
@@ -353,6 +362,13 @@ async fn run(
     Ok(verdicts.0)
 }
 
+/// The 1, 5 and 15 minute load averages (`/proc/loadavg`), or `?`.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
@@ -365,6 +381,7 @@ async fn main() -> Result<()> {
         settings.redis_ops,
         settings.concurrency
     );
+    println!("load average at the start: {} (other work on the machine skews the figures)", load_average());
 
     let local = if args.start_cluster {
         let cluster = tokio::task::spawn_blocking(LocalCluster::start).await??;
@@ -423,6 +440,6 @@ async fn main() -> Result<()> {
             println!("{v}");
         }
     }
-    println!("\nwhole run: {:.0} s", started.elapsed().as_secs_f64());
+    println!("\nwhole run: {:.0} s; load average at the end: {}", started.elapsed().as_secs_f64(), load_average());
     Ok(())
 }
