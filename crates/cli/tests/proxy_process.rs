@@ -27,12 +27,30 @@ async fn kill_9_and_restart_replays_without_running_again() {
 
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite://{}", dir.path().join("proxy.db").display());
-    let args = ["--store", &store, "proxy", "--listen", "127.0.0.1:0", "--upstream", &upstream_url, "--lease", "2s", "--retention", "1h"];
+    let args = [
+        "--store",
+        &store,
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream_url,
+        "--lease",
+        "2s",
+        "--retention",
+        "1h",
+    ];
     let client = reqwest::Client::new();
     let post = |base: String| {
         let client = client.clone();
         async move {
-            client.post(format!("{base}/tickets")).header("Idempotency-Key", "ticket-42").body("open").send().await.unwrap()
+            client
+                .post(format!("{base}/tickets"))
+                .header("Idempotency-Key", "ticket-42")
+                .body("open")
+                .send()
+                .await
+                .unwrap()
         }
     };
 

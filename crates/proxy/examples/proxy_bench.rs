@@ -69,7 +69,9 @@ async fn main() {
     let concurrency: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(16);
     let store_kind = args.get(3).map_or("sqlite", String::as_str);
 
-    let upstream = serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) }))).await;
+    let upstream =
+        serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) })))
+            .await;
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn Store> = match store_kind {
         "memory" => Arc::new(MemoryStore::new()),
@@ -87,7 +89,10 @@ async fn main() {
     let first = run(&client, &format!("{proxy}/tickets"), requests, concurrency, 201).await;
     let replay = run(&client, &format!("{proxy}/tickets"), requests, concurrency, 201).await;
 
-    println!("proxy benchmark: {requests} POSTs per row, concurrency {concurrency}, store {store_kind}, {} cores", std::thread::available_parallelism().unwrap());
+    println!(
+        "proxy benchmark: {requests} POSTs per row, concurrency {concurrency}, store {store_kind}, {} cores",
+        std::thread::available_parallelism().unwrap()
+    );
     println!("{:<30} {:>10} {:>9} {:>10} {:>10} {:>14}", "path", "req/s", "vs direct", "p50", "p99", "added p50/p99");
     let row = |name: &str, r: &Run| {
         let added = |a: Duration, b: Duration| a.saturating_sub(b);
