@@ -60,10 +60,10 @@ fn raw_json(text: &str) -> Option<Box<RawValue>> {
 #[serde(deny_unknown_fields)]
 pub struct ClaimBody {
     /// A path inside your tenant, e.g. `prod/payments-agent`.
-    #[schema(example = "prod/payments-agent")]
+    #[schema(example = "prod/payments-agent", max_length = 255, pattern = r"^[A-Za-z0-9._-]{1,64}(/[A-Za-z0-9._-]{1,64})*$")]
     pub namespace: String,
     /// The idempotency key: 1 to 255 bytes of printable ASCII.
-    #[schema(example = "refund-order-1234")]
+    #[schema(example = "refund-order-1234", min_length = 1, max_length = 255, pattern = r"^[ -~]+$")]
     pub key: String,
     /// What the request means (e.g. the tool call's arguments). Its fingerprint is the SHA-256
     /// of its canonical JSON (RFC 8785). Give this or `fingerprint`.

@@ -70,7 +70,7 @@ impl AppState {
         api::healthz, api::readyz,
     ),
     components(schemas(problem::Problem)),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &CommonProblems),
     tags(
         (name = "claims", description = "Claim a key, then complete, fail, extend, checkpoint or report unknown with its fence"),
         (name = "records", description = "Read, list and purge records"),
@@ -91,6 +91,39 @@ impl utoipa::Modify for BearerAuth {
                 HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("og_<id>_<secret>").build(),
             ),
         );
+    }
+}
+
+/// Documents, on every `/v1` operation, the problems any of them may answer (bad input, no or
+/// a wrong key, a role that may not, a body too large or not JSON, the store down, a bug).
+struct CommonProblems;
+
+impl utoipa::Modify for CommonProblems {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        let common = [
+            ("400", "Invalid request"),
+            ("401", "No valid API key"),
+            ("403", "The API key's role may not do this"),
+            ("413", "The request body is too large"),
+            ("415", "The body is not JSON"),
+            ("500", "Internal error"),
+            ("503", "The store cannot answer; nothing was decided"),
+        ];
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            if !path.starts_with("/v1/") {
+                continue;
+            }
+            let operations = [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.patch];
+            for operation in operations.into_iter().flatten() {
+                for (code, description) in common {
+                    operation.responses.responses.entry(code.to_owned()).or_insert_with(|| {
+                        let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build();
+                        RefOr::T(ResponseBuilder::new().description(description).content("application/problem+json", content).build())
+                    });
+                }
+            }
+        }
     }
 }
 
