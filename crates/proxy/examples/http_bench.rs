@@ -1,0 +1,168 @@
+//! HTTP benchmark, one run, two comparisons:
+//!
+//! - the claim API (`POST /v1/claims` on the memory store; each key new, then each key again)
+//!   against a trivial axum handler on the same machine;
+//! - the proxy (first requests: claim, forward, store; replays: answered from the store)
+//!   against calling its upstream directly.
+//!
+//! `cargo run --release -p onceguard-proxy --example http_bench -- [requests] [concurrency] [store]`
+//! with `store` (the proxy's) one of `sqlite` (default) or `memory`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::post;
+use onceguard_core::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Guard, Key, MemoryStore, Mutation, Namespace, Outcome, OutcomeKind, Scope,
+    Store, SystemClock, TenantId,
+};
+use onceguard_server::{AppState, Config};
+use onceguard_store_sqlite::SqliteStore;
+
+async fn serve(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+struct Run {
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// `requests` POSTs from `concurrency` tasks; request `i` uses key `key-{i}` (as the
+/// `Idempotency-Key` header for the proxy, in the JSON body for the claim API).
+async fn run(client: &reqwest::Client, url: &str, requests: usize, concurrency: usize, expect: u16) -> Run {
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|t| {
+            let (client, url) = (client.clone(), url.to_owned());
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                for i in (t..requests).step_by(concurrency) {
+                    let sent = Instant::now();
+                    let r = client
+                        .post(&url)
+                        .header("Idempotency-Key", format!("key-{i}"))
+                        .header("Content-Type", "application/json")
+                        .body(format!(r#"{{"namespace":"bench","key":"key-{i}","request":{{"ticket":{i}}}}}"#))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status().as_u16(), expect, "{url}");
+                    r.bytes().await.unwrap();
+                    latencies.push(sent.elapsed());
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(requests);
+    for task in tasks {
+        latencies.extend(task.await.unwrap());
+    }
+    let rate = requests as f64 / started.elapsed().as_secs_f64();
+    latencies.sort();
+    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+    Run { rate, p50: at(0.50), p99: at(0.99) }
+}
+
+/// Claims and completes `key-0..requests` in namespace `bench` of the anonymous tenant, with
+/// the fingerprints the API computes for the benchmark's requests.
+async fn complete_all(guard: &Guard, requests: usize) {
+    for i in 0..requests {
+        let scope = Scope::new(
+            TenantId::parse("default").unwrap(),
+            Namespace::parse("bench").unwrap(),
+            Key::parse(&format!("key-{i}")).unwrap(),
+        );
+        let req = ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: Fingerprint::of_json(&serde_json::json!({ "ticket": i })),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(3600),
+            run: None,
+        };
+        let ClaimOutcome::Acquired(a) = guard.claim(&req, Duration::ZERO).await.unwrap() else { panic!("acquired") };
+        let outcome = Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: b"{}".to_vec(), cost: None };
+        guard.mutate(&scope, a.fence, Mutation::Complete(outcome)).await.unwrap();
+    }
+}
+
+fn header() {
+    println!("{:<40} {:>10} {:>9} {:>10} {:>10} {:>18}", "path", "req/s", "ratio", "p50", "p99", "added p50/p99");
+}
+
+fn row(name: &str, r: &Run, base: &Run) {
+    let added = |a: Duration, b: Duration| a.saturating_sub(b);
+    println!(
+        "{:<40} {:>10.0} {:>8.2}x {:>10.2?} {:>10.2?} {:>8.2?}/{:.2?}",
+        name,
+        r.rate,
+        r.rate / base.rate,
+        r.p50,
+        r.p99,
+        added(r.p50, base.p50),
+        added(r.p99, base.p99)
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let requests: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
+    let concurrency: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(16);
+    let store_kind = args.get(3).cloned().unwrap_or_else(|| "sqlite".into());
+
+    let trivial = serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) }))).await;
+
+    // The claim API on the memory store, for anonymous agents of one tenant (no store read to
+    // authenticate; with API keys each request also reads its key from the store).
+    // One instance starts empty (every claim acquires); the other holds every key completed
+    // (every claim replays).
+    let mut api_config = Config::default();
+    api_config.auth.allow_anonymous = true;
+    let api_on = |guard: Guard| onceguard_server::router(AppState::new(guard, &api_config).unwrap(), &api_config);
+    let fresh = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), api_config.limits.clone());
+    let api = serve(api_on(fresh)).await;
+    let completed = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), api_config.limits.clone());
+    complete_all(&completed, requests).await;
+    let api_replays = serve(api_on(completed)).await;
+
+    // The proxy in front of the trivial handler.
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = match store_kind.as_str() {
+        "memory" => Arc::new(MemoryStore::new()),
+        _ => Arc::new(SqliteStore::open(dir.path().join("proxy.db")).unwrap()),
+    };
+    let mut config = Config::default();
+    config.proxy.upstream = trivial.clone();
+    let guard = Guard::new(store, Arc::new(SystemClock), onceguard_proxy::limits(&config));
+    let proxy = serve(onceguard_proxy::app(&config, guard).unwrap()).await;
+
+    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build().unwrap();
+    let (upstream, claims_url, proxied) =
+        (format!("{trivial}/tickets"), format!("{api}/v1/claims"), format!("{proxy}/tickets"));
+    run(&client, &upstream, 500, concurrency, 201).await; // warm-up
+    let baseline = run(&client, &upstream, requests, concurrency, 201).await;
+    let claims = run(&client, &claims_url, requests, concurrency, 201).await;
+    let replays = run(&client, &format!("{api_replays}/v1/claims"), requests, concurrency, 200).await;
+    let first = run(&client, &proxied, requests, concurrency, 201).await;
+    let replay = run(&client, &proxied, requests, concurrency, 201).await;
+
+    let cores = std::thread::available_parallelism().unwrap();
+    println!("HTTP benchmark: {requests} POSTs per row, concurrency {concurrency}, {cores} cores, client in the same process");
+    println!("\nclaim API (memory store) against a trivial axum handler");
+    header();
+    row("trivial axum handler", &baseline, &baseline);
+    row("POST /v1/claims, new key (acquired)", &claims, &baseline);
+    row("POST /v1/claims, same key (replay)", &replays, &baseline);
+    println!("\nproxy (store {store_kind}) against its upstream called directly");
+    header();
+    row("direct to the upstream", &baseline, &baseline);
+    row("proxy, first request (new key)", &first, &baseline);
+    row("proxy, replay (same key)", &replay, &baseline);
+}
