@@ -94,7 +94,7 @@ impl Store for MemoryStore {
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let state = self.lock();
-        let mut records: Vec<Record> = state
+        let records: Vec<Record> = state
             .records
             .values()
             .filter(|r| &r.scope.tenant == tenant)
@@ -103,13 +103,7 @@ impl Store for MemoryStore {
             .take(limit + 1)
             .cloned()
             .collect();
-        let next = if records.len() > limit {
-            records.truncate(limit);
-            records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
-        } else {
-            None
-        };
-        Ok(Page { records, next })
+        Ok(Page::from_overfetch(records, limit))
     }
 
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {

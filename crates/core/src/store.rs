@@ -62,6 +62,20 @@ pub struct Page {
     pub next: Option<(Namespace, Key)>,
 }
 
+impl Page {
+    /// A page from up to `limit + 1` records in order: the extra one, if read, only says that
+    /// another page follows.
+    pub fn from_overfetch(mut records: Vec<Record>, limit: usize) -> Self {
+        let next = if records.len() > limit {
+            records.truncate(limit);
+            records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
+        } else {
+            None
+        };
+        Self { records, next }
+    }
+}
+
 /// The largest page a store returns.
 pub const MAX_PAGE: usize = 1_000;
 

@@ -650,14 +650,8 @@ impl Store for PgStore {
             )
             .await
             .map_err(unavailable)?;
-        let mut records: Vec<Record> = rows.iter().map(decode_row).collect::<Result<_, _>>().map_err(corrupt)?;
-        let next = if records.len() > limit {
-            records.truncate(limit);
-            records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
-        } else {
-            None
-        };
-        Ok(Page { records, next })
+        let records: Vec<Record> = rows.iter().map(decode_row).collect::<Result<_, _>>().map_err(corrupt)?;
+        Ok(Page::from_overfetch(records, limit))
     }
 
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {

@@ -780,13 +780,7 @@ impl Store for RedisStore {
                     break;
                 }
             }
-            let next = if records.len() > limit {
-                records.truncate(limit);
-                records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
-            } else {
-                None
-            };
-            Ok(Page { records, next })
+            Ok(Page::from_overfetch(records, limit))
         })
         .await
     }

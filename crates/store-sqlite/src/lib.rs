@@ -420,13 +420,7 @@ impl Store for SqliteStore {
             for row in rows {
                 records.push(decode(row.map_err(unavailable)?)?);
             }
-            let next = if records.len() > limit {
-                records.truncate(limit);
-                records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
-            } else {
-                None
-            };
-            Ok(Page { records, next })
+            Ok(Page::from_overfetch(records, limit))
         })
         .await
     }
