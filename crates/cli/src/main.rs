@@ -13,6 +13,8 @@ use onceguard_server::config::ProxyOverrides;
 use onceguard_server::{Config, Overrides, api};
 use tracing_subscriber::EnvFilter;
 
+mod bench;
+
 /// Onceguard: workflow idempotency keys for AI agents and RAG pipelines.
 #[derive(Debug, Parser)]
 #[command(name = "onceguard", version, about)]
@@ -74,6 +76,9 @@ enum Command {
     Keys(KeyCommand),
     /// Create or upgrade the store's schema (serve also does it on start), then exit.
     Migrate,
+    /// Agent traffic against the claim API: throughput, latency, a verified exactly-once count
+    /// and a baseline measured in the same run.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -245,7 +250,7 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
     let store = guard.store();
     let now = guard.clock().now();
     match command {
-        Command::Serve { .. } | Command::Proxy { .. } => unreachable!("handled by main"),
+        Command::Serve { .. } | Command::Proxy { .. } | Command::Bench(_) => unreachable!("handled by main"),
         Command::Migrate => println!("the {} store is migrated", store.kind()),
         Command::Tenants(TenantCommand::Create { id }) => {
             let id = TenantId::parse(&id)?;
@@ -331,6 +336,7 @@ async fn main() -> Result<()> {
     match cli.command {
         Command::Serve { .. } => serve(config).await,
         Command::Proxy { .. } => proxy(config).await,
+        Command::Bench(args) => bench::run(args, &config).await,
         command => operator(&config, command).await,
     }
 }
