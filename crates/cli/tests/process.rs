@@ -154,3 +154,17 @@ fn operator_commands_work_on_the_store() {
     let (ok, _, err) = run(&["--store", "postgres://nowhere", "tenants", "list"]);
     assert!(!ok && err.contains("store"), "{err}");
 }
+
+#[test]
+fn bench_verifies_exactly_once_on_a_short_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_onceguard"))
+        .args(["--store", "memory://", "bench", "--duration", "1s", "--concurrency", "4", "--no-baseline"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(" 0 more than once, 0 of "), "{stdout}");
+    assert!(stdout.contains("0 unexpected"), "{stdout}");
+}
