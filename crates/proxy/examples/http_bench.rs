@@ -87,7 +87,12 @@ async fn complete_all(guard: &Guard, requests: usize) {
             run: None,
         };
         let ClaimOutcome::Acquired(a) = guard.claim(&req, Duration::ZERO).await.unwrap() else { panic!("acquired") };
-        let outcome = Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: b"{}".to_vec(), cost: None };
+        let outcome = Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: b"{}".to_vec(),
+            cost: None,
+        };
         guard.mutate(&scope, a.fence, Mutation::Complete(outcome)).await.unwrap();
     }
 }
@@ -117,7 +122,9 @@ async fn main() {
     let concurrency: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(16);
     let store_kind = args.get(3).cloned().unwrap_or_else(|| "sqlite".into());
 
-    let trivial = serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) }))).await;
+    let trivial =
+        serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) })))
+            .await;
 
     // The claim API on the memory store, for anonymous agents of one tenant (no store read to
     // authenticate; with API keys each request also reads its key from the store).
@@ -154,7 +161,9 @@ async fn main() {
     let replay = run(&client, &proxied, requests, concurrency, 201).await;
 
     let cores = std::thread::available_parallelism().unwrap();
-    println!("HTTP benchmark: {requests} POSTs per row, concurrency {concurrency}, {cores} cores, client in the same process");
+    println!(
+        "HTTP benchmark: {requests} POSTs per row, concurrency {concurrency}, {cores} cores, client in the same process"
+    );
     println!("\nclaim API (memory store) against a trivial axum handler");
     header();
     row("trivial axum handler", &baseline, &baseline);

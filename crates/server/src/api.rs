@@ -60,7 +60,11 @@ fn raw_json(text: &str) -> Option<Box<RawValue>> {
 #[serde(deny_unknown_fields)]
 pub struct ClaimBody {
     /// A path inside your tenant, e.g. `prod/payments-agent`.
-    #[schema(example = "prod/payments-agent", max_length = 255, pattern = r"^[A-Za-z0-9._-]{1,64}(/[A-Za-z0-9._-]{1,64})*$")]
+    #[schema(
+        example = "prod/payments-agent",
+        max_length = 255,
+        pattern = r"^[A-Za-z0-9._-]{1,64}(/[A-Za-z0-9._-]{1,64})*$"
+    )]
     pub namespace: String,
     /// The idempotency key: 1 to 255 bytes of printable ASCII.
     #[schema(example = "refund-order-1234", min_length = 1, max_length = 255, pattern = r"^[ -~]+$")]

@@ -119,7 +119,12 @@ impl utoipa::Modify for CommonProblems {
                 for (code, description) in common {
                     operation.responses.responses.entry(code.to_owned()).or_insert_with(|| {
                         let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build();
-                        RefOr::T(ResponseBuilder::new().description(description).content("application/problem+json", content).build())
+                        RefOr::T(
+                            ResponseBuilder::new()
+                                .description(description)
+                                .content("application/problem+json", content)
+                                .build(),
+                        )
                     });
                 }
             }
