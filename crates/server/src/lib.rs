@@ -1,7 +1,8 @@
-//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`.
+//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`, and `/metrics`.
 //!
 //! [`run`] serves a [`Config`] on a listener until a shutdown signal, owning the background
-//! sweep; [`router`] builds the axum app alone (for tests and embedding).
+//! sweep; [`router`] builds the axum app alone (for tests and embedding). Metrics are declared
+//! in [`metrics`].
 
 #![forbid(unsafe_code)]
 
@@ -25,10 +26,14 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod live;
+pub mod metrics;
+pub mod observed_store;
 pub mod problem;
 pub mod store_url;
 
 pub use config::{Config, ConfigError, Overrides};
+pub use metrics::Metrics;
 pub use store_url::StoreUrl;
 
 use problem::ApiError;
@@ -36,8 +41,13 @@ use problem::ApiError;
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
-    /// The guard (store, clock, limits, waiters).
+    /// The guard (store, clock, limits, waiters); its store is measured (see
+    /// [`observed_store`]).
     pub guard: Guard,
+    /// The metrics and the dashboard's recent window.
+    pub metrics: Arc<Metrics>,
+    /// How keys in flight are counted for `/metrics` and the dashboard.
+    pub metrics_config: config::MetricsConfig,
     /// The tenant whose admins manage tenants.
     pub operator_tenant: TenantId,
     /// The tenant of requests without an API key, when anonymous access is allowed.
@@ -45,10 +55,15 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The state for `guard` under `config`.
+    /// The state for `guard` under `config`, with fresh metrics: the guard's store is wrapped so
+    /// that every store operation is measured and traced.
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
+        let metrics = Arc::new(Metrics::new());
+        let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
         Ok(Self {
-            guard,
+            guard: guard.with_store(store),
+            metrics,
+            metrics_config: config.metrics.clone(),
             operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,
             anonymous_tenant: config
                 .auth
@@ -68,6 +83,7 @@ impl AppState {
         api::get_record, api::purge_record, api::list_records,
         api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
         api::healthz, api::readyz,
+        api::metrics,
     ),
     components(schemas(problem::Problem)),
     modifiers(&BearerAuth),
@@ -76,6 +92,7 @@ impl AppState {
         (name = "records", description = "Read, list and purge records"),
         (name = "admin", description = "Tenants and API keys"),
         (name = "health", description = "Liveness and readiness"),
+        (name = "observability", description = "Prometheus metrics"),
     )
 )]
 pub struct ApiDoc;
@@ -109,6 +126,7 @@ async fn method_not_allowed() -> ApiError {
 /// The axum app for `state`, with the body limit and request timeout of `config`.
 pub fn router(state: AppState, config: &Config) -> Router {
     let timeout = config.http.request_timeout;
+    let metrics = state.metrics.clone();
     Router::new()
         .route("/v1/claims", post(api::claim))
         .route("/v1/claims/complete", post(api::complete))
@@ -124,6 +142,7 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(openapi_json))
+        .route("/metrics", get(api::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -133,7 +152,17 @@ pub fn router(state: AppState, config: &Config) -> Router {
             ApiError::Internal("the request failed unexpectedly; nothing is known to have changed".into())
                 .into_response()
         }))
+        .layer(middleware::from_fn(move |req: Request, next: Next| measure_request(req, next, metrics.clone())))
         .layer(tower_http::trace::TraceLayer::new_for_http())
+}
+
+async fn measure_request(req: Request, next: Next, metrics: Arc<Metrics>) -> Response {
+    let started = std::time::Instant::now();
+    let method = req.method().clone();
+    let route = req.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
+    let response = next.run(req).await;
+    metrics.observe_http(method.as_str(), route.as_deref(), response.status().as_u16(), started.elapsed());
+    response
 }
 
 async fn request_timeout(req: Request, next: Next, timeout: Duration) -> Response {
@@ -216,7 +245,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let state = AppState::new(guard.clone(), config)?;
+    let state = AppState::new(guard, config)?;
+    let guard = state.guard.clone();
     let app = router(state, config);
     let (stop_tx, stop_rx) = watch::channel(false);
     let forwarder = guard.forward_changes().map(tokio::spawn);

@@ -5,3 +5,4 @@ mod bad_input;
 mod claims;
 mod concurrency;
 mod helpers;
+mod observability;
