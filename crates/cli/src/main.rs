@@ -9,8 +9,8 @@ use clap::{Args, Parser, Subcommand};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId};
+use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
-use tracing_subscriber::EnvFilter;
 
 /// Onceguard: workflow idempotency keys for AI agents and RAG pipelines.
 #[derive(Debug, Parser)]
@@ -143,22 +143,19 @@ enum KeyCommand {
     },
 }
 
-fn init_logs(format: Option<&str>) -> Result<()> {
+/// Logs in the asked format (default: text on a terminal, JSON otherwise); traces when `serve`
+/// runs and the `OTEL_*` variables ask for them.
+fn init_telemetry(format: Option<&str>, serving: bool) -> Result<Telemetry> {
     use std::io::IsTerminal;
-    let filter = EnvFilter::try_from_env("ONCEGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info,tower_http=warn"));
-    let json = match format {
-        Some("json") => true,
-        Some("text") => false,
+    let format = match format {
+        Some("json") => LogFormat::Json,
+        Some("text") => LogFormat::Text,
         Some(other) => bail!("--log-format: '{other}' is not text or json"),
-        None => !std::io::stderr().is_terminal(),
+        None if std::io::stderr().is_terminal() => LogFormat::Text,
+        None => LogFormat::Json,
     };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if json {
-        builder.json().flatten_event(true).init()
-    } else {
-        builder.init()
-    }
-    Ok(())
+    let traces = if serving { TraceSettings::from_env()? } else { TraceSettings { export: false } };
+    Ok(telemetry::init(format, &traces)?)
 }
 
 fn print_json(value: &impl serde::Serialize) -> Result<()> {
@@ -184,7 +181,7 @@ async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
-async fn serve(config: Config) -> Result<()> {
+async fn serve(config: Config, tracing: bool) -> Result<()> {
     let guard = onceguard_server::open_guard(&config).await.context("opening the store")?;
     if let Some(file) = onceguard_server::bootstrap(&guard, &config).await.context("bootstrapping")? {
         tracing::info!(
@@ -198,7 +195,12 @@ async fn serve(config: Config) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", config.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, store = guard.store().kind(), "onceguard is serving; API at http://{addr}/v1, OpenAPI at http://{addr}/openapi.json");
+    tracing::info!(
+        %addr,
+        store = guard.store().kind(),
+        tracing,
+        "onceguard is serving; API at http://{addr}/v1, dashboard at http://{addr}/dashboard, metrics at http://{addr}/metrics"
+    );
     onceguard_server::run(&config, guard, listener, shutdown_signal()).await?;
     tracing::info!("stopped");
     Ok(())
@@ -276,15 +278,19 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    init_logs(cli.global.log_format.as_deref())?;
     let listen = match &cli.command {
         Command::Serve { listen } => *listen,
         _ => None,
     };
+    let serving = matches!(cli.command, Command::Serve { .. });
+    let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
     let overrides = Overrides { listen, store: cli.global.store.clone() };
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
-    match cli.command {
-        Command::Serve { .. } => serve(config).await,
+    let result = match cli.command {
+        Command::Serve { .. } => serve(config, telemetry.exporting()).await,
         command => operator(&config, command).await,
-    }
+    };
+    // Send the spans still queued; the exporter blocks, so not on the async workers.
+    let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    result
 }

@@ -2,7 +2,7 @@
 //!
 //! [`run`] serves a [`Config`] on a listener until a shutdown signal, owning the background
 //! sweep; [`router`] builds the axum app alone (for tests and embedding). Metrics are declared
-//! in [`metrics`].
+//! in [`metrics`], logs and traces set up in [`telemetry`].
 
 #![forbid(unsafe_code)]
 
@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod observed_store;
 pub mod problem;
 pub mod store_url;
+pub mod telemetry;
 
 pub use config::{Config, ConfigError, Overrides};
 pub use metrics::Metrics;
@@ -153,7 +154,14 @@ pub fn router(state: AppState, config: &Config) -> Router {
                 .into_response()
         }))
         .layer(middleware::from_fn(move |req: Request, next: Next| measure_request(req, next, metrics.clone())))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(|req: &Request| telemetry::request_span(req))
+                .on_request(())
+                .on_response(|res: &Response, latency: Duration, span: &tracing::Span| {
+                    telemetry::record_response(res, latency, span)
+                }),
+        )
 }
 
 async fn measure_request(req: Request, next: Next, metrics: Arc<Metrics>) -> Response {
