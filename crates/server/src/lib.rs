@@ -1,4 +1,5 @@
-//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`, and `/metrics`.
+//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`, `/metrics`, and the
+//! dashboard.
 //!
 //! [`run`] serves a [`Config`] on a listener until a shutdown signal, owning the background
 //! sweep; [`router`] builds the axum app alone (for tests and embedding). Metrics are declared
@@ -26,6 +27,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod dashboard;
 pub mod live;
 pub mod metrics;
 pub mod observed_store;
@@ -84,7 +86,7 @@ impl AppState {
         api::get_record, api::purge_record, api::list_records,
         api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
         api::healthz, api::readyz,
-        api::metrics,
+        api::metrics, dashboard::dashboard_data, dashboard::dashboard_record,
     ),
     components(schemas(problem::Problem)),
     modifiers(&BearerAuth),
@@ -93,7 +95,7 @@ impl AppState {
         (name = "records", description = "Read, list and purge records"),
         (name = "admin", description = "Tenants and API keys"),
         (name = "health", description = "Liveness and readiness"),
-        (name = "observability", description = "Prometheus metrics"),
+        (name = "observability", description = "Prometheus metrics and the dashboard's data"),
     )
 )]
 pub struct ApiDoc;
@@ -144,6 +146,10 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(openapi_json))
         .route("/metrics", get(api::metrics))
+        .route("/v1/dashboard", get(dashboard::dashboard_data))
+        .route("/v1/dashboard/record", get(dashboard::dashboard_record))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/{asset}", get(dashboard::asset))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)

@@ -1,12 +1,12 @@
-//! `/metrics` after traffic through the API.
+//! `/metrics` and the dashboard's JSON, after traffic through the API.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 
-use crate::helpers::{Backing, TestApp, spawn_app_with};
+use crate::helpers::{Backing, TestApp, assert_problem, spawn_app_with};
 
 /// The samples of an OpenMetrics text: `name{labels}` → value.
 fn samples(text: &str) -> HashMap<String, f64> {
@@ -145,4 +145,89 @@ async fn metrics_count_claims_replays_cost_recoveries_stale_calls_and_keys() {
             assert!(!text.contains(leaked), "'{leaked}' is in the metrics");
         }
     }
+}
+
+#[tokio::test]
+async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
+    let app = spawn_app_with(Backing::Sqlite, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    traffic(&app).await;
+    let response = app.get(&app.admin, "/v1/dashboard").await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let d: Value = response.json().await.unwrap();
+    let (_, m) = scrape(&app).await;
+    for outcome in ["acquired", "replay", "in_flight", "mismatch", "denied"] {
+        let metric = m.get(&format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}"}}"#)).copied();
+        assert_eq!(d["claims"][outcome].as_f64(), Some(metric.unwrap_or(0.0)), "{outcome}");
+    }
+    assert_eq!(d["tenant"], "acme");
+    assert_eq!(d["tenants"], json!(["acme", "globex"]));
+    assert_eq!(d["cost_saved"], 2400);
+    assert_eq!(d["recoveries"], json!({"lease_expired": 1, "reported_unknown": 1}));
+    assert_eq!(d["stale_calls"], 1);
+    assert_eq!(d["keys"]["in_flight"], 4);
+    assert_eq!(d["keys"]["stuck"], 1);
+    assert_eq!(d["store"]["kind"], "sqlite");
+    assert_eq!(d["store"]["up"], true);
+    assert_eq!(d["controls"]["available"], false);
+    assert_eq!(d["series"]["cost_saved"].as_array().unwrap().iter().filter_map(Value::as_u64).sum::<u64>(), 2400);
+    assert!(d["latency"]["count"].as_u64().unwrap() >= 18, "{}", d["latency"]);
+    let stuck = &d["stuck"][0];
+    assert_eq!((stuck["key"].as_str(), stuck["run"].as_str()), (Some("stuck"), Some("run-9")));
+    assert_eq!(stuck["last_checkpoint"]["name"], "step-1");
+    assert_eq!(stuck["stuck_for_seconds"], 1);
+    let kinds: Vec<&str> = d["recent"].as_array().unwrap().iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds, ["stale_completion", "recovery", "recovery", "mismatch"], "newest first");
+    assert!(!d.to_string().contains("private"), "checkpoint data is never shown");
+
+    // The inspector: fences, attempts, checkpoints (names only) and a timeline.
+    let r: Value = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=stuck").await.json().await.unwrap();
+    assert_eq!((r["state"].as_str(), r["stuck"].as_bool()), (Some("in_progress"), Some(true)));
+    assert_eq!(r["checkpoints"][0]["name"], "step-1");
+    assert!(r["timeline"].as_array().unwrap().len() >= 4, "{r}");
+    assert!(!r.to_string().contains("private"));
+    let done: Value = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=paid").await.json().await.unwrap();
+    assert_eq!(
+        done["stored"],
+        json!({"status": "success", "content_type": "application/json", "bytes": 11, "cost": 1200})
+    );
+    let missing = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=nothing").await;
+    assert_problem(missing, StatusCode::NOT_FOUND, "not-found").await;
+
+    // Admins only; another tenant only for the operator tenant's admins.
+    assert_problem(app.get(&app.agent, "/v1/dashboard").await, StatusCode::FORBIDDEN, "forbidden").await;
+    let other = app.get(&app.admin, "/v1/dashboard?tenant=globex").await;
+    let other: Value = other.json().await.unwrap();
+    assert_eq!((other["tenant"].as_str(), other["keys"]["in_flight"].as_u64()), (Some("globex"), Some(1)));
+    let created = app.post(&app.admin, "/v1/api-keys", &json!({"role": "admin", "tenant": "globex"})).await;
+    let globex_admin = created.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_owned();
+    let own: Value = app.get(&globex_admin, "/v1/dashboard").await.json().await.unwrap();
+    assert_eq!((own["tenant"].as_str(), own["tenants"].clone()), (Some("globex"), json!(["globex"])));
+    assert_problem(app.get(&globex_admin, "/v1/dashboard?tenant=acme").await, StatusCode::FORBIDDEN, "forbidden").await;
+    let peek = app.get(&globex_admin, "/v1/dashboard/record?tenant=acme&namespace=demo&key=paid").await;
+    assert_problem(peek, StatusCode::FORBIDDEN, "forbidden").await;
+    assert_problem(
+        app.client.get(app.url("/v1/dashboard")).send().await.unwrap(),
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_dashboard_page_is_served_with_a_strict_policy() {
+    let app = spawn_app_with(Backing::Memory, |_| {}).await;
+    let page = app.client.get(app.url("/dashboard")).send().await.unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    assert!(page.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    let csp = page.headers()["content-security-policy"].to_str().unwrap().to_owned();
+    assert!(csp.contains("default-src 'none'") && csp.contains("script-src 'self'"), "{csp}");
+    let html = page.text().await.unwrap();
+    assert!(html.contains("/dashboard/app.js") && html.contains("Key inspector"));
+    for (asset, kind) in [("app.js", "text/javascript"), ("style.css", "text/css")] {
+        let response = app.client.get(app.url(&format!("/dashboard/{asset}"))).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(response.headers()["content-type"].to_str().unwrap().starts_with(kind));
+    }
+    let missing = app.client.get(app.url("/dashboard/other.js")).send().await.unwrap();
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
 }
