@@ -8,7 +8,7 @@ const OUTCOMES = ["acquired", "replay", "in_flight", "mismatch", "denied"];
 const COLORS = { acquired: "#3b6fd8", replay: "#2e9d62", in_flight: "#d9a21b", mismatch: "#d2542c", denied: "#7a4bc4" };
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-const state = { key: sessionStorage.getItem(KEY_STORAGE) || "", tenant: "", timer: null, inspected: null };
+const state = { key: sessionStorage.getItem(KEY_STORAGE) || "", tenant: "", timer: null, updated: null };
 
 const $ = (id) => document.getElementById(id);
 const byTest = (id) => document.querySelector(`[data-testid="${id}"]`);
@@ -339,7 +339,6 @@ function renderRecord(r) {
 async function inspect(namespace, key) {
   $("inspect-namespace").value = namespace;
   $("inspect-key").value = key;
-  state.inspected = { namespace, key };
   const out = $("inspect-result");
   try {
     const record = await api("/v1/dashboard/record", { tenant: state.tenant, namespace, key });
@@ -368,10 +367,18 @@ async function refresh() {
     $("connect").hidden = true;
     $("session").hidden = false;
     document.body.dataset.loaded = "true";
-    status(`Live · updated ${new Date().toLocaleTimeString("en-GB")}`);
+    state.updated = new Date().toLocaleTimeString("en-GB");
+    $("main").classList.remove("stale");
+    status(`Live · updated ${state.updated}`);
   } catch (e) {
-    status(e.status === 401 || e.status === 403 ? `Refused: ${e.message}` : `Cannot read the dashboard: ${e.message}`, true);
-    if (e.status === 401 || e.status === 403) return;
+    if (e.status === 401 || e.status === 403) {
+      status(`Refused: ${e.message}`, true);
+      return;
+    }
+    // Keep the last figures, dimmed, and say since when (a store that does not answer also
+    // stops API keys from being checked: the server answers 503).
+    $("main").classList.add("stale");
+    status(`Not live: ${e.message}${state.updated ? ` · figures from ${state.updated}` : ""}`, true);
   }
   state.timer = setTimeout(refresh, REFRESH_MS);
 }

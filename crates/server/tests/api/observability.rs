@@ -103,7 +103,7 @@ async fn metrics_count_claims_replays_cost_recoveries_stale_calls_and_keys() {
         assert_eq!(value(&m, r#"onceguard_keys_in_flight{tenant="globex"}"#), 1.0);
         assert_eq!(value(&m, r#"onceguard_keys_stuck{tenant="globex"}"#), 0.0);
         let store = match backing {
-            Backing::Memory => "memory",
+            Backing::Memory | Backing::Breakable => "memory",
             Backing::Sqlite => "sqlite",
         };
         assert_eq!(value(&m, &format!(r#"onceguard_store_up{{store="{store}"}}"#)), 1.0);
@@ -211,6 +211,50 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
         "unauthenticated",
     )
     .await;
+}
+
+#[tokio::test]
+async fn a_store_that_does_not_answer_shows_in_the_metrics() {
+    use std::sync::atomic::Ordering;
+    let app = spawn_app_with(Backing::Breakable, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    assert_eq!(app.claim_key("before", json!(1)).await.0, StatusCode::CREATED);
+    let (_, m) = scrape(&app).await;
+    assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 1.0);
+
+    app.store_down.store(true, Ordering::SeqCst);
+    let response =
+        app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "during", "request": 1})).await;
+    assert_problem(response, StatusCode::SERVICE_UNAVAILABLE, "store-unavailable").await;
+    let (_, m) = scrape(&app).await;
+    assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 0.0, "the store is reported down");
+    assert!(
+        value(&m, r#"onceguard_store_operation_duration_seconds_count{store="memory",op="auth",result="unavailable"}"#)
+            >= 1.0
+    );
+    assert!(
+        value(&m, r#"onceguard_store_operation_duration_seconds_count{store="memory",op="ping",result="unavailable"}"#)
+            >= 1.0
+    );
+    assert_eq!(
+        value(&m, r#"onceguard_keys_in_flight{tenant="acme"}"#),
+        1.0,
+        "the last counts are kept while the store is down"
+    );
+    assert_eq!(
+        value(&m, r#"onceguard_http_request_duration_seconds_count{method="POST",route="/v1/claims",status="503"}"#),
+        1.0
+    );
+
+    app.store_down.store(false, Ordering::SeqCst);
+    assert_eq!(app.claim_key("after", json!(1)).await.0, StatusCode::CREATED);
+    let (_, m) = scrape(&app).await;
+    assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 1.0, "and up again once it answers");
+    assert_eq!(value(&m, r#"onceguard_keys_in_flight{tenant="acme"}"#), 2.0);
+    let d: Value = app.get(&app.admin, "/v1/dashboard").await.json().await.unwrap();
+    assert_eq!(d["store"]["up"], true);
+    let ops = d["store"]["ops"].as_array().unwrap();
+    let auth = ops.iter().find(|op| op["op"] == "auth").unwrap();
+    assert!(auth["errors"].as_u64().unwrap() >= 1, "the dashboard counts the failed store calls: {auth}");
 }
 
 #[tokio::test]
