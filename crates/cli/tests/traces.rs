@@ -1,6 +1,7 @@
 //! Traces over OTLP/HTTP: `onceguard serve` configured only by the standard `OTEL_*` variables
 //! exports its spans to a real OTLP receiver this test starts (protobuf decoded with the
-//! OpenTelemetry protocol's own messages), continuing the caller's `traceparent`.
+//! OpenTelemetry protocol's own messages), continuing the caller's `traceparent`. Neither the
+//! spans nor the logs (JSON, even at debug level) carry payloads, results or secrets.
 
 mod common;
 
@@ -74,8 +75,11 @@ async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
     let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
 
     let dir = tempfile::tempdir().unwrap();
-    let server =
-        start_with(dir.path(), &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100")]);
+    let server = start_with(
+        dir.path(),
+        &[],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100"), ("ONCEGUARD_LOG", "debug")],
+    );
     let token = admin_key(dir.path());
     let client = reqwest::Client::new();
 
@@ -86,7 +90,7 @@ async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
         .post(format!("{}/v1/claims", server.base))
         .bearer_auth(&token)
         .header("traceparent", format!("00-{trace}-{caller_span}-01"))
-        .json(&json!({"namespace": "prod/traced", "key": "k-1", "request": {"n": 1}}))
+        .json(&json!({"namespace": "prod/traced", "key": "k-1", "request": {"card": "4111-sEcReT-rEqUeSt"}}))
         .send()
         .await
         .unwrap()
@@ -151,9 +155,24 @@ async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
     assert_eq!(attr(&mutate.attributes, "outcome").as_deref(), Some("applied"));
     assert_eq!(attr(&mutate.attributes, "fence").as_deref(), Some(fence.as_str()));
 
-    // Spans carry no payloads, results or secrets.
+    // Spans carry no payloads, results or secrets; nor do the logs, which are JSON lines.
+    let secret = token.rsplit('_').next().unwrap().to_owned();
     let everything = format!("{:?}", received.lock().unwrap());
-    assert!(!everything.contains("sEcReT-rEsUlT") && !everything.contains(&token), "a payload or secret was exported");
+    for leaked in ["sEcReT-rEqUeSt", "sEcReT-rEsUlT", &secret] {
+        assert!(!everything.contains(leaked), "'{leaked}' was exported in a span");
+    }
+    let logs = server.logs.lock().unwrap().clone();
+    assert!(
+        logs.iter().any(|l| l.contains(r#""message":"answered""#) && l.contains(r#""outcome":"acquired""#)),
+        "at debug level each answer is logged with its request's fields: {logs:?}"
+    );
+    for line in &logs {
+        let event: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}"));
+        assert!(event["level"].is_string() && event["timestamp"].is_string(), "{line}");
+        for leaked in ["sEcReT-rEqUeSt", "sEcReT-rEsUlT", &secret] {
+            assert!(!line.contains(leaked), "'{leaked}' was logged: {line}");
+        }
+    }
 
     drop(server);
     collector.abort();

@@ -231,13 +231,15 @@ pub fn request_span<B>(request: &Request<B>) -> Span {
     span
 }
 
-/// Records the status of the answer on the request's span.
-pub fn record_response<B>(response: &Response<B>, _latency: Duration, span: &Span) {
+/// Records the status of the answer on the request's span, and logs it at debug level (an access
+/// log: the span's route, tenant, namespace, outcome and fence come with it; never the bodies).
+pub fn record_response<B>(response: &Response<B>, latency: Duration, span: &Span) {
     let status = response.status();
     span.record("http.response.status_code", status.as_u16());
     if status.is_server_error() {
         span.record("otel.status_code", "ERROR");
     }
+    tracing::debug!(parent: span, status = status.as_u16(), latency_ms = latency.as_secs_f64() * 1000.0, "answered");
 }
 
 #[cfg(test)]
