@@ -10,8 +10,8 @@ use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId};
 use onceguard_server::config::ProxyOverrides;
+use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
-use tracing_subscriber::EnvFilter;
 
 mod bench;
 
@@ -167,22 +167,19 @@ enum KeyCommand {
     },
 }
 
-fn init_logs(format: Option<&str>) -> Result<()> {
+/// Logs in the asked format (default: text on a terminal, JSON otherwise); traces when `serve`
+/// runs and the `OTEL_*` variables ask for them.
+fn init_telemetry(format: Option<&str>, serving: bool) -> Result<Telemetry> {
     use std::io::IsTerminal;
-    let filter = EnvFilter::try_from_env("ONCEGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info,tower_http=warn"));
-    let json = match format {
-        Some("json") => true,
-        Some("text") => false,
+    let format = match format {
+        Some("json") => LogFormat::Json,
+        Some("text") => LogFormat::Text,
         Some(other) => bail!("--log-format: '{other}' is not text or json"),
-        None => !std::io::stderr().is_terminal(),
+        None if std::io::stderr().is_terminal() => LogFormat::Text,
+        None => LogFormat::Json,
     };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if json {
-        builder.json().flatten_event(true).init()
-    } else {
-        builder.init()
-    }
-    Ok(())
+    let traces = if serving { TraceSettings::from_env()? } else { TraceSettings { export: false } };
+    Ok(telemetry::init(format, &traces)?)
 }
 
 fn print_json(value: &impl serde::Serialize) -> Result<()> {
@@ -208,7 +205,7 @@ async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
-async fn serve(config: Config) -> Result<()> {
+async fn serve(config: Config, tracing: bool) -> Result<()> {
     let guard = onceguard_server::open_guard(&config).await.context("opening the store")?;
     if let Some(file) = onceguard_server::bootstrap(&guard, &config).await.context("bootstrapping")? {
         tracing::info!(
@@ -222,7 +219,12 @@ async fn serve(config: Config) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", config.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, store = guard.store().kind(), "onceguard is serving; API at http://{addr}/v1, OpenAPI at http://{addr}/openapi.json");
+    tracing::info!(
+        %addr,
+        store = guard.store().kind(),
+        tracing,
+        "onceguard is serving; API at http://{addr}/v1, dashboard at http://{addr}/dashboard, metrics at http://{addr}/metrics"
+    );
     onceguard_server::run(&config, guard, listener, shutdown_signal()).await?;
     tracing::info!("stopped");
     Ok(())
@@ -317,7 +319,6 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    init_logs(cli.global.log_format.as_deref())?;
     let mut overrides = Overrides { store: cli.global.store.clone(), ..Overrides::default() };
     match &cli.command {
         Command::Serve { listen } => overrides.listen = *listen,
@@ -332,11 +333,16 @@ async fn main() -> Result<()> {
         }
         _ => {}
     }
+    let serving = matches!(cli.command, Command::Serve { .. } | Command::Proxy { .. });
+    let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
-    match cli.command {
-        Command::Serve { .. } => serve(config).await,
+    let result = match cli.command {
+        Command::Serve { .. } => serve(config, telemetry.exporting()).await,
         Command::Proxy { .. } => proxy(config).await,
         Command::Bench(args) => bench::run(args, &config).await,
         command => operator(&config, command).await,
-    }
+    };
+    // Send the spans still queued; the exporter blocks, so not on the async workers.
+    let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    result
 }

@@ -152,6 +152,12 @@ impl Guard {
         Self { store, clock, limits: Arc::new(limits), notifier: Arc::new(Notifier::default()) }
     }
 
+    /// The same guard (clock, limits, waiters) over another store: used to wrap the store, e.g.
+    /// to measure every store operation, without losing the waiters already subscribed.
+    pub fn with_store(&self, store: Arc<dyn Store>) -> Self {
+        Self { store, clock: self.clock.clone(), limits: self.limits.clone(), notifier: self.notifier.clone() }
+    }
+
     /// The limits in force.
     pub fn limits(&self) -> &Limits {
         &self.limits

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{FromRequest, Path, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
@@ -39,7 +39,18 @@ fn parse_duration_field(field: &'static str, value: Option<&str>) -> ApiResult<O
 }
 
 fn scope_of(caller: &Caller, namespace: &str, key: &str) -> ApiResult<Scope> {
-    Ok(Scope::new(caller.tenant.clone(), Namespace::parse(namespace)?, Key::parse(key)?))
+    let namespace = Namespace::parse(namespace)?;
+    tracing::Span::current().record("namespace", namespace.as_str());
+    Ok(Scope::new(caller.tenant.clone(), namespace, Key::parse(key)?))
+}
+
+/// Records the answer on the request's span (see `telemetry::request_span`).
+fn record_answer(outcome: &'static str, fence: Option<Fence>) {
+    let span = tracing::Span::current();
+    span.record("outcome", outcome);
+    if let Some(fence) = fence {
+        span.record("fence", fence.0);
+    }
 }
 
 /// Deserializes a field that is present as `Some`, even when it is `null`.
@@ -225,7 +236,15 @@ pub async fn claim(
         run: body.run.as_deref().map(RunId::parse).transpose()?,
     };
     let wait = limits.wait(parse_duration_field("wait", body.wait.as_deref())?)?;
-    match state.guard.claim(&req, wait).await? {
+    let outcome = state.guard.claim(&req, wait).await?;
+    state.metrics.observe_claim(&req.scope, &outcome);
+    let fence = match &outcome {
+        ClaimOutcome::Acquired(a) => Some(a.fence),
+        ClaimOutcome::Replay(r) => Some(r.fence),
+        _ => None,
+    };
+    record_answer(outcome.name(), fence);
+    match outcome {
         ClaimOutcome::Acquired(a) => {
             let recovery = a.recovery.map(|r| {
                 let (reason, detail) = match r.reason {
@@ -340,9 +359,17 @@ async fn fenced(
     m: Mutation,
 ) -> ApiResult<Json<RecordView>> {
     let scope = scope_of(caller, namespace, key)?;
+    let op = m.name();
     match state.guard.mutate(&scope, Fence(fence), m).await? {
-        FencedOutcome::Applied(record) => Ok(Json(record_view(&record, state.guard.clock().now(), false))),
-        FencedOutcome::Stale(reason) => Err(ApiError::Stale(reason)),
+        FencedOutcome::Applied(record) => {
+            record_answer("applied", Some(Fence(fence)));
+            Ok(Json(record_view(&record, state.guard.clock().now(), false)))
+        }
+        FencedOutcome::Stale(reason) => {
+            record_answer("stale", Some(Fence(fence)));
+            state.metrics.observe_stale(&scope, op, fence, reason);
+            Err(ApiError::Stale(reason))
+        }
     }
 }
 
@@ -700,7 +727,7 @@ pub struct TenantBody {
     pub id: String,
 }
 
-fn require_operator(state: &AppState, caller: &Caller) -> ApiResult<()> {
+pub(crate) fn require_operator(state: &AppState, caller: &Caller) -> ApiResult<()> {
     caller.require_admin()?;
     if caller.tenant != state.operator_tenant {
         return Err(ApiError::Forbidden("managing tenants needs an admin key of the operator tenant".into()));
@@ -845,7 +872,7 @@ pub async fn revoke_api_key(
 }
 
 // ----------------------------------------------------------------------------------------------
-// Health
+// Health and metrics
 // ----------------------------------------------------------------------------------------------
 
 /// A health answer.
@@ -870,4 +897,18 @@ pub async fn readyz(State(state): State<AppState>) -> ApiResult<Json<HealthView>
         Err(_) => return Err(ApiError::StoreUnavailable("the store did not answer within 2s".into())),
     }
     Ok(Json(HealthView { status: "ok" }))
+}
+
+/// Prometheus metrics (OpenMetrics text): counts since this instance started, and the keys in
+/// flight and stuck as of the last scan of the store.
+#[utoipa::path(get, path = "/metrics", tag = "observability",
+    responses((status = 200, description = "The metrics", content_type = "application/openmetrics-text", body = String)))]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    state.metrics.scan_keys(&state.guard, &state.metrics_config).await;
+    let mut response = state.metrics.encode().into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    response
 }

@@ -36,24 +36,31 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let Some(value) = parts.headers.get(header::AUTHORIZATION) else {
-            if let Some(tenant) = &state.anonymous_tenant {
-                return Ok(Caller { tenant: tenant.clone(), role: Role::Agent, key_id: None });
-            }
-            return Err(ApiError::Unauthenticated(WRONG_KEY.into()));
-        };
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim)
-            .ok_or_else(|| ApiError::Unauthenticated(WRONG_KEY.into()))?;
-        let (id, secret) = parse_token(token).ok_or_else(|| ApiError::Unauthenticated(WRONG_KEY.into()))?;
-        let key = state.guard.store().get_api_key(&id).await?;
-        // A missing key and a wrong secret answer the same, so that ids cannot be probed.
-        match key {
-            Some(key) if key.verify(secret) => Ok(Caller { tenant: key.tenant, role: key.role, key_id: Some(key.id) }),
-            _ => Err(ApiError::Unauthenticated(WRONG_KEY.into())),
+        let caller = authenticate(parts, state).await?;
+        tracing::Span::current().record("tenant", caller.tenant.as_str());
+        Ok(caller)
+    }
+}
+
+/// The caller of a request, from its bearer API key (or anonymous, when allowed).
+async fn authenticate(parts: &Parts, state: &AppState) -> Result<Caller, ApiError> {
+    let Some(value) = parts.headers.get(header::AUTHORIZATION) else {
+        if let Some(tenant) = &state.anonymous_tenant {
+            return Ok(Caller { tenant: tenant.clone(), role: Role::Agent, key_id: None });
         }
+        return Err(ApiError::Unauthenticated(WRONG_KEY.into()));
+    };
+    let token = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
+        .ok_or_else(|| ApiError::Unauthenticated(WRONG_KEY.into()))?;
+    let (id, secret) = parse_token(token).ok_or_else(|| ApiError::Unauthenticated(WRONG_KEY.into()))?;
+    let key = state.guard.store().get_api_key(&id).await?;
+    // A missing key and a wrong secret answer the same, so that ids cannot be probed.
+    match key {
+        Some(key) if key.verify(secret) => Ok(Caller { tenant: key.tenant, role: key.role, key_id: Some(key.id) }),
+        _ => Err(ApiError::Unauthenticated(WRONG_KEY.into())),
     }
 }

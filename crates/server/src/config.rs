@@ -30,6 +30,8 @@ pub struct Config {
     pub http: HttpConfig,
     /// The background sweep of expired records.
     pub sweep: SweepConfig,
+    /// `/metrics` and the dashboard.
+    pub metrics: MetricsConfig,
     /// `onceguard proxy`: the guard in front of an HTTP tool API.
     pub proxy: ProxyConfig,
 }
@@ -126,6 +128,28 @@ pub struct SweepConfig {
     pub max_batches: usize,
 }
 
+/// `/metrics` and the dashboard: how the keys in flight and stuck are counted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// A scrape or a dashboard read counts the keys in flight and stuck again (and checks the
+    /// store) when the last count is older than this; `0s`: every time.
+    #[serde(with = "humantime_serde")]
+    pub refresh_interval: Duration,
+    /// Pages of 1000 in-progress keys read per tenant when counting; beyond them the counts
+    /// are lower bounds (and a warning is logged).
+    pub scan_max_pages: usize,
+    /// Longest a count may take before the last one is kept and the store reported down.
+    #[serde(with = "humantime_serde")]
+    pub scan_timeout: Duration,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { refresh_interval: Duration::from_secs(15), scan_max_pages: 10, scan_timeout: Duration::from_secs(5) }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Self {
@@ -135,6 +159,7 @@ impl Default for Config {
             limits: Limits::default(),
             http: HttpConfig::default(),
             sweep: SweepConfig::default(),
+            metrics: MetricsConfig::default(),
             proxy: ProxyConfig::default(),
         }
     }
@@ -223,7 +248,7 @@ impl ProxyOverrides {
 }
 
 /// The top-level fields, which `ONCEGUARD_*` variables may set.
-const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy"];
+const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics"];
 
 impl Config {
     /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then
@@ -270,6 +295,9 @@ impl Config {
         }
         if self.sweep.interval.is_zero() || self.sweep.batch == 0 || self.sweep.max_batches == 0 {
             return Err(InvalidInput::new("sweep", "interval, batch and max_batches must be more than zero"));
+        }
+        if self.metrics.scan_max_pages == 0 || self.metrics.scan_timeout.is_zero() {
+            return Err(InvalidInput::new("metrics", "scan_max_pages and scan_timeout must be more than zero"));
         }
         let p = &self.proxy;
         TenantId::parse(&p.tenant).map_err(|_| InvalidInput::new("proxy.tenant", "is not a valid tenant id"))?;

@@ -1,7 +1,9 @@
-//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`.
+//! Onceguard's HTTP API: `/v1` over the guard in `onceguard-core`, `/metrics`, and the
+//! dashboard.
 //!
 //! [`run`] serves a [`Config`] on a listener until a shutdown signal, owning the background
-//! sweep; [`router`] builds the axum app alone (for tests and embedding).
+//! sweep; [`router`] builds the axum app alone (for tests and embedding). Metrics are declared
+//! in [`metrics`], logs and traces set up in [`telemetry`].
 
 #![forbid(unsafe_code)]
 
@@ -25,10 +27,16 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod dashboard;
+pub mod live;
+pub mod metrics;
+pub mod observed_store;
 pub mod problem;
 pub mod store_url;
+pub mod telemetry;
 
 pub use config::{Config, ConfigError, Overrides};
+pub use metrics::Metrics;
 pub use store_url::StoreUrl;
 
 use problem::ApiError;
@@ -36,8 +44,13 @@ use problem::ApiError;
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
-    /// The guard (store, clock, limits, waiters).
+    /// The guard (store, clock, limits, waiters); its store is measured (see
+    /// [`observed_store`]).
     pub guard: Guard,
+    /// The metrics and the dashboard's recent window.
+    pub metrics: Arc<Metrics>,
+    /// How keys in flight are counted for `/metrics` and the dashboard.
+    pub metrics_config: config::MetricsConfig,
     /// The tenant whose admins manage tenants.
     pub operator_tenant: TenantId,
     /// The tenant of requests without an API key, when anonymous access is allowed.
@@ -45,10 +58,15 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The state for `guard` under `config`.
+    /// The state for `guard` under `config`, with fresh metrics: the guard's store is wrapped so
+    /// that every store operation is measured and traced.
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
+        let metrics = Arc::new(Metrics::new());
+        let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
         Ok(Self {
-            guard,
+            guard: guard.with_store(store),
+            metrics,
+            metrics_config: config.metrics.clone(),
             operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,
             anonymous_tenant: config
                 .auth
@@ -68,6 +86,7 @@ impl AppState {
         api::get_record, api::purge_record, api::list_records,
         api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
         api::healthz, api::readyz,
+        api::metrics, dashboard::dashboard_data, dashboard::dashboard_record,
     ),
     components(schemas(problem::Problem)),
     modifiers(&BearerAuth, &CommonProblems),
@@ -76,6 +95,7 @@ impl AppState {
         (name = "records", description = "Read, list and purge records"),
         (name = "admin", description = "Tenants and API keys"),
         (name = "health", description = "Liveness and readiness"),
+        (name = "observability", description = "Prometheus metrics and the dashboard's data"),
     )
 )]
 pub struct ApiDoc;
@@ -147,6 +167,7 @@ async fn method_not_allowed() -> ApiError {
 /// The axum app for `state`, with the body limit and request timeout of `config`.
 pub fn router(state: AppState, config: &Config) -> Router {
     let timeout = config.http.request_timeout;
+    let metrics = state.metrics.clone();
     Router::new()
         .route("/v1/claims", post(api::claim))
         .route("/v1/claims/complete", post(api::complete))
@@ -162,6 +183,11 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(openapi_json))
+        .route("/metrics", get(api::metrics))
+        .route("/v1/dashboard", get(dashboard::dashboard_data))
+        .route("/v1/dashboard/record", get(dashboard::dashboard_record))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/{asset}", get(dashboard::asset))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -171,7 +197,24 @@ pub fn router(state: AppState, config: &Config) -> Router {
             ApiError::Internal("the request failed unexpectedly; nothing is known to have changed".into())
                 .into_response()
         }))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(middleware::from_fn(move |req: Request, next: Next| measure_request(req, next, metrics.clone())))
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(|req: &Request| telemetry::request_span(req))
+                .on_request(())
+                .on_response(|res: &Response, latency: Duration, span: &tracing::Span| {
+                    telemetry::record_response(res, latency, span)
+                }),
+        )
+}
+
+async fn measure_request(req: Request, next: Next, metrics: Arc<Metrics>) -> Response {
+    let started = std::time::Instant::now();
+    let method = req.method().clone();
+    let route = req.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
+    let response = next.run(req).await;
+    metrics.observe_http(method.as_str(), route.as_deref(), response.status().as_u16(), started.elapsed());
+    response
 }
 
 async fn request_timeout(req: Request, next: Next, timeout: Duration) -> Response {
@@ -259,7 +302,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let state = AppState::new(guard.clone(), config)?;
+    let state = AppState::new(guard, config)?;
+    let guard = state.guard.clone();
     let app = router(state, config);
     serve_with_background(config, guard, listener, app, shutdown).await
 }

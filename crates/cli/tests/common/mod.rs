@@ -3,6 +3,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -11,6 +12,9 @@ use serde_json::Value;
 pub struct Server {
     pub child: Child,
     pub base: String,
+    /// Every line it wrote to stderr (its logs), so far.
+    #[allow(dead_code)]
+    pub logs: Arc<Mutex<Vec<String>>>,
 }
 
 impl Drop for Server {
@@ -45,9 +49,12 @@ pub fn spawn(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
     let mut child = command.spawn().expect("onceguard starts");
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
+    let logs = Arc::new(Mutex::new(Vec::new()));
+    let kept = logs.clone();
     std::thread::spawn(move || {
         let mut tx = Some(tx);
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            kept.lock().unwrap().push(line.clone());
             if let Ok(event) = serde_json::from_str::<Value>(&line) {
                 if let Some(addr) = event["addr"].as_str() {
                     if let Some(tx) = tx.take() {
@@ -58,7 +65,7 @@ pub fn spawn(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         }
     });
     let addr = rx.recv_timeout(Duration::from_secs(60)).expect("onceguard says where it listens");
-    Server { child, base: format!("http://{addr}") }
+    Server { child, base: format!("http://{addr}"), logs }
 }
 
 /// Starts `onceguard serve` in `dir` with the default (SQLite) store.

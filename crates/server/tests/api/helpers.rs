@@ -2,10 +2,14 @@
 //! store with a manual clock, and hands back a client with API keys of each role.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use onceguard_core::auth::{ApiKey, Role, Tenant};
-use onceguard_core::{Guard, ManualClock, MemoryStore, Store, TenantId, Timestamp};
+use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::{
+    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, ListFilter, ManualClock, MemoryStore, Mutation, Page,
+    Record, Scope, Store, StoreError, TenantId, Timestamp,
+};
 use onceguard_server::{AppState, Config};
 use onceguard_store_sqlite::SqliteStore;
 use reqwest::{Response, StatusCode};
@@ -16,6 +20,8 @@ use serde_json::Value;
 pub enum Backing {
     Memory,
     Sqlite,
+    /// A memory store that the test can switch off ([`TestApp::store_down`]).
+    Breakable,
 }
 
 pub struct TestApp {
@@ -28,6 +34,8 @@ pub struct TestApp {
     pub agent: String,
     /// Agent of tenant `globex`.
     pub other_agent: String,
+    /// While true, a [`Backing::Breakable`] store answers every call `Unavailable`.
+    pub store_down: Arc<AtomicBool>,
     _dir: tempfile::TempDir,
     _server: tokio::task::JoinHandle<()>,
 }
@@ -38,9 +46,11 @@ pub async fn spawn_app(backing: Backing) -> TestApp {
 
 pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config)) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
+    let store_down = Arc::new(AtomicBool::new(false));
     let store: Arc<dyn Store> = match backing {
         Backing::Memory => Arc::new(MemoryStore::new()),
         Backing::Sqlite => Arc::new(SqliteStore::open(dir.path().join("og.db")).unwrap()),
+        Backing::Breakable => Arc::new(BreakableStore { inner: MemoryStore::new(), down: store_down.clone() }),
     };
     let clock = Arc::new(ManualClock::new(Timestamp::now()));
     let mut config = Config { store: "memory://".into(), ..Config::default() };
@@ -77,8 +87,81 @@ pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config
         admin,
         agent,
         other_agent,
+        store_down,
         _dir: dir,
         _server: server,
+    }
+}
+
+/// A memory store that answers `Unavailable` while `down` is set, as a store that went away.
+struct BreakableStore {
+    inner: MemoryStore,
+    down: Arc<AtomicBool>,
+}
+
+impl BreakableStore {
+    fn up(&self) -> Result<&MemoryStore, StoreError> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(StoreError::Unavailable("the test switched the store off".into()))
+        } else {
+            Ok(&self.inner)
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for BreakableStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        self.up()?.claim(req, now).await
+    }
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        self.up()?.mutate(scope, fence, mutation, now, max_checkpoints).await
+    }
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        self.up()?.get(scope, now).await
+    }
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        self.up()?.list(tenant, filter, now).await
+    }
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        self.up()?.purge(scope).await
+    }
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.up()?.sweep(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.up()?.ping().await
+    }
+    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+        self.up()?.create_tenant(tenant).await
+    }
+    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
+        self.up()?.get_tenant(id).await
+    }
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.up()?.list_tenants().await
+    }
+    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        self.up()?.create_api_key(key).await
+    }
+    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        self.up()?.get_api_key(id).await
+    }
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
+        self.up()?.list_api_keys(tenant).await
+    }
+    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+        self.up()?.revoke_api_key(tenant, id, now).await
     }
 }
 

@@ -6,3 +6,4 @@ mod claims;
 mod concurrency;
 mod helpers;
 mod isolation;
+mod observability;

@@ -1,0 +1,179 @@
+//! Traces over OTLP/HTTP: `onceguard serve` configured only by the standard `OTEL_*` variables
+//! exports its spans to a real OTLP receiver this test starts (protobuf decoded with the
+//! OpenTelemetry protocol's own messages), continuing the caller's `traceparent`. Neither the
+//! spans nor the logs (JSON, even at debug level) carry payloads, results or secrets.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::routing::post;
+use common::{admin_key, start_with};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message;
+use serde_json::json;
+
+/// The spans received, with their service name.
+type Received = Arc<Mutex<Vec<(String, Span)>>>;
+
+async fn receive(State(received): State<Received>, body: Bytes) -> Vec<u8> {
+    let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf export");
+    for resource_spans in request.resource_spans {
+        let service =
+            resource_spans.resource.as_ref().and_then(|r| attr(&r.attributes, "service.name")).unwrap_or_default();
+        for scope in resource_spans.scope_spans {
+            for span in scope.spans {
+                received.lock().unwrap().push((service.clone(), span));
+            }
+        }
+    }
+    ExportTraceServiceResponse::default().encode_to_vec()
+}
+
+/// An attribute's value as text (strings as they are, integers in decimal).
+fn attr(attributes: &[KeyValue], name: &str) -> Option<String> {
+    let value = attributes.iter().find(|kv| kv.key == name)?.value.as_ref()?.value.as_ref()?;
+    Some(match value {
+        Any::StringValue(s) => s.clone(),
+        Any::IntValue(i) => i.to_string(),
+        Any::BoolValue(b) => b.to_string(),
+        Any::DoubleValue(d) => d.to_string(),
+        other => format!("{other:?}"),
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Waits until a span named `name` in trace `trace` (hex) has arrived; answers it.
+async fn span(received: &Received, trace: &str, name: &str) -> (String, Span) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let found = received.lock().unwrap().iter().find(|(_, s)| s.name == name && hex(&s.trace_id) == trace).cloned();
+        if let Some(found) = found {
+            return found;
+        }
+        let names: Vec<String> = received.lock().unwrap().iter().map(|(_, s)| s.name.clone()).collect();
+        assert!(Instant::now() < deadline, "no span {name} in trace {trace}; received {names:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
+    let received: Received = Arc::default();
+    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", collector.local_addr().unwrap());
+    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
+    let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
+
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_with(
+        dir.path(),
+        &[],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100"), ("ONCEGUARD_LOG", "debug")],
+    );
+    let token = admin_key(dir.path());
+    let client = reqwest::Client::new();
+
+    // A caller's trace: its traceparent becomes the parent of the server's request span.
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    let claimed: serde_json::Value = client
+        .post(format!("{}/v1/claims", server.base))
+        .bearer_auth(&token)
+        .header("traceparent", format!("00-{trace}-{caller_span}-01"))
+        .json(&json!({"namespace": "prod/traced", "key": "k-1", "request": {"card": "4111-sEcReT-rEqUeSt"}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(claimed["outcome"], "acquired");
+    let fence = claimed["fence"].to_string();
+
+    let (service, request) = span(&received, trace, "POST /v1/claims").await;
+    assert_eq!(service, "onceguard");
+    assert_eq!(hex(&request.parent_span_id), caller_span, "the caller's span is the parent");
+    for (name, want) in [
+        ("tenant", "default"),
+        ("namespace", "prod/traced"),
+        ("outcome", "acquired"),
+        ("fence", fence.as_str()),
+        ("http.route", "/v1/claims"),
+        ("http.response.status_code", "201"),
+    ] {
+        assert_eq!(attr(&request.attributes, name).as_deref(), Some(want), "request span {name}");
+    }
+    let (_, store) = span(&received, trace, "store.claim").await;
+    for (name, want) in [
+        ("store", "sqlite"),
+        ("tenant", "default"),
+        ("namespace", "prod/traced"),
+        ("outcome", "acquired"),
+        ("fence", fence.as_str()),
+    ] {
+        assert_eq!(attr(&store.attributes, name).as_deref(), Some(want), "store span {name}");
+    }
+    let (_, guard) = span(&received, trace, "guard.claim").await;
+    assert_eq!(guard.parent_span_id, request.span_id, "guard.claim runs inside the request span");
+    assert_eq!(store.parent_span_id, guard.span_id, "the store operation runs inside guard.claim");
+    assert!(attr(&guard.attributes, "fingerprint").is_some_and(|f| f.starts_with("sha256:")));
+
+    // A completion in a trace of its own (no traceparent): a new root, with the fenced call's
+    // outcome and fence on the request and on the store operation.
+    client
+        .post(format!("{}/v1/claims/complete", server.base))
+        .bearer_auth(&token)
+        .json(&json!({"namespace": "prod/traced", "key": "k-1", "fence": claimed["fence"], "result": {"secret": "sEcReT-rEsUlT"}}))
+        .send()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let complete = loop {
+        let found = received.lock().unwrap().iter().find(|(_, s)| s.name == "POST /v1/claims/complete").cloned();
+        if let Some((_, span)) = found {
+            break span;
+        }
+        assert!(Instant::now() < deadline, "no span for the completion");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(complete.parent_span_id.is_empty(), "without a traceparent the request starts a trace");
+    assert_ne!(hex(&complete.trace_id), trace);
+    assert_eq!(attr(&complete.attributes, "outcome").as_deref(), Some("applied"));
+    assert_eq!(attr(&complete.attributes, "fence").as_deref(), Some(fence.as_str()));
+    let (_, mutate) = span(&received, &hex(&complete.trace_id), "store.mutate").await;
+    assert_eq!(attr(&mutate.attributes, "op").as_deref(), Some("complete"));
+    assert_eq!(attr(&mutate.attributes, "outcome").as_deref(), Some("applied"));
+    assert_eq!(attr(&mutate.attributes, "fence").as_deref(), Some(fence.as_str()));
+
+    // Spans carry no payloads, results or secrets; nor do the logs, which are JSON lines.
+    let secret = token.rsplit('_').next().unwrap().to_owned();
+    let everything = format!("{:?}", received.lock().unwrap());
+    for leaked in ["sEcReT-rEqUeSt", "sEcReT-rEsUlT", &secret] {
+        assert!(!everything.contains(leaked), "'{leaked}' was exported in a span");
+    }
+    let logs = server.logs.lock().unwrap().clone();
+    assert!(
+        logs.iter().any(|l| l.contains(r#""message":"answered""#) && l.contains(r#""outcome":"acquired""#)),
+        "at debug level each answer is logged with its request's fields: {logs:?}"
+    );
+    for line in &logs {
+        let event: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}"));
+        assert!(event["level"].is_string() && event["timestamp"].is_string(), "{line}");
+        for leaked in ["sEcReT-rEqUeSt", "sEcReT-rEsUlT", &secret] {
+            assert!(!line.contains(leaked), "'{leaked}' was logged: {line}");
+        }
+    }
+
+    drop(server);
+    collector.abort();
+}

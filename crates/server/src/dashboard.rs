@@ -1,0 +1,471 @@
+//! The dashboard page and the JSON it reads.
+//!
+//! The page (`/dashboard`) is static HTML, JavaScript and CSS built into the binary; it asks for
+//! an admin API key, keeps it in the tab's session storage, and reads `/v1/dashboard` and
+//! `/v1/dashboard/record` with it. Admins see their own tenant; the operator tenant's admins
+//! may pick any tenant. Figures come from this instance (counts since it started, the last 15
+//! minutes) and from the store (keys in flight and stuck, the key inspector). Stored results
+//! and checkpoint data are never shown: names, sizes, fences and times are.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use onceguard_core::{ListFilter, Namespace, Record, RecordState, TenantId, Timestamp};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::AppState;
+use crate::api::{ApiQuery, require_operator};
+use crate::auth::Caller;
+use crate::live::{Event, LatencyView, SeriesView, StoreOpView};
+use crate::problem::ApiError;
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Stuck keys listed on the dashboard, at most.
+pub const STUCK_SHOWN: usize = 20;
+
+const PAGE: &str = include_str!("../assets/dashboard/index.html");
+const SCRIPT: &str = include_str!("../assets/dashboard/app.js");
+const STYLE: &str = include_str!("../assets/dashboard/style.css");
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; \
+                   base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+fn static_response(content_type: &'static str, body: &'static str) -> Response {
+    let mut response = body.into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    response
+}
+
+/// The dashboard page.
+pub async fn page() -> Response {
+    static_response("text/html; charset=utf-8", PAGE)
+}
+
+/// The page's script and style sheet.
+pub async fn asset(Path(name): Path<String>) -> Response {
+    match name.as_str() {
+        "app.js" => static_response("text/javascript; charset=utf-8", SCRIPT),
+        "style.css" => static_response("text/css; charset=utf-8", STYLE),
+        _ => ApiError::NotFound("no such file".into()).into_response(),
+    }
+}
+
+/// Which tenant the dashboard shows.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct DashboardQuery {
+    /// The tenant (default: the API key's; another one needs an operator admin key).
+    pub tenant: Option<String>,
+}
+
+/// The tenant a dashboard call shows: the caller's, or another for the operator's admins.
+fn shown_tenant(state: &AppState, caller: &Caller, asked: Option<&str>) -> ApiResult<TenantId> {
+    caller.require_admin()?;
+    match asked {
+        None => Ok(caller.tenant.clone()),
+        Some(tenant) => {
+            let tenant = TenantId::parse(tenant)?;
+            if tenant != caller.tenant {
+                require_operator(state, caller)?;
+            }
+            Ok(tenant)
+        }
+    }
+}
+
+/// Claims by outcome.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ClaimCounts {
+    /// The claimant got the key.
+    pub acquired: u64,
+    /// The stored outcome was replayed: the effect did not happen again.
+    pub replay: u64,
+    /// Someone held a live lease.
+    pub in_flight: u64,
+    /// The key was used with another request.
+    pub mismatch: u64,
+    /// A switch, budget or quota refused it.
+    pub denied: u64,
+}
+
+/// Recoveries by reason.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecoveryCounts {
+    /// The previous holder's lease passed.
+    pub lease_expired: u64,
+    /// The previous holder reported the outcome unknown.
+    pub reported_unknown: u64,
+}
+
+/// The server instance that answered.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct InstanceView {
+    /// Its version.
+    pub version: &'static str,
+    /// When it started counting (RFC 3339).
+    pub started_at: String,
+}
+
+/// Keys in flight and stuck, from the store.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KeysView {
+    /// In progress (held or stuck).
+    pub in_flight: usize,
+    /// In progress with no live lease, not claimed again.
+    pub stuck: usize,
+    /// When they were counted (RFC 3339), if ever.
+    pub as_of: Option<String>,
+    /// Whether every key was counted (else the numbers are lower bounds).
+    pub complete: bool,
+}
+
+/// A key in progress whose lease passed.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StuckKeyView {
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// Its run.
+    pub run: Option<String>,
+    /// The fence of the attempt that did not finish.
+    pub fence: u64,
+    /// Its attempt number.
+    pub attempt: u32,
+    /// Since when nobody holds it: when its lease passed, or when it was reported unknown.
+    pub stuck_since: Option<String>,
+    /// For how long, in seconds.
+    pub stuck_for_seconds: u64,
+    /// Seconds since the key was first claimed.
+    pub age_seconds: u64,
+    /// Whether the holder reported the outcome unknown.
+    pub reported_unknown: bool,
+    /// The last checkpoint saved (name, fence, time; never its data).
+    pub last_checkpoint: Option<CheckpointSummary>,
+}
+
+/// A checkpoint, without its data.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CheckpointSummary {
+    /// The step it marks.
+    pub name: String,
+    /// The fence of the attempt that saved it.
+    pub fence: u64,
+    /// When (RFC 3339).
+    pub at: String,
+}
+
+/// The store.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StoreView {
+    /// `sqlite`, `postgres`, `redis` or `memory`.
+    pub kind: &'static str,
+    /// Whether it answered the last check.
+    pub up: bool,
+    /// When it was checked (RFC 3339), if ever.
+    pub checked_at: Option<String>,
+    /// Why it did not answer.
+    pub error: Option<String>,
+    /// Operations over the last 5 minutes (this instance): count, errors, p50 and p99.
+    #[schema(value_type = Vec<Object>)]
+    pub ops: Vec<StoreOpView>,
+}
+
+/// Switches and budgets.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ControlsView {
+    /// Whether this version has switches and budgets (it does not).
+    pub available: bool,
+    /// Engaged switches (none).
+    #[schema(value_type = Vec<Object>)]
+    pub switches: Vec<serde_json::Value>,
+    /// Runs with budgets (none).
+    #[schema(value_type = Vec<Object>)]
+    pub budgets: Vec<serde_json::Value>,
+    /// What to tell people.
+    pub note: &'static str,
+}
+
+/// Everything the dashboard shows for one tenant.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DashboardView {
+    /// The tenant shown.
+    pub tenant: String,
+    /// The tenants the caller may pick.
+    pub tenants: Vec<String>,
+    /// The server's time (RFC 3339).
+    pub now: String,
+    /// The instance that answered.
+    pub instance: InstanceView,
+    /// Claims since this instance started, by outcome.
+    pub claims: ClaimCounts,
+    /// Cost units saved by replays since this instance started.
+    pub cost_saved: u64,
+    /// Recoveries since this instance started, by reason.
+    pub recoveries: RecoveryCounts,
+    /// Stale fenced calls since this instance started.
+    pub stale_calls: u64,
+    /// Denied claims since this instance started (none in this version).
+    pub denied: u64,
+    /// Claim and fenced-call latency over the last 5 minutes (all tenants, this instance).
+    #[schema(value_type = Object)]
+    pub latency: LatencyView,
+    /// The last 15 minutes in 10-second slots.
+    #[schema(value_type = Object)]
+    pub series: SeriesView,
+    /// Keys in flight and stuck.
+    pub keys: KeysView,
+    /// Stuck keys (at most 20), longest stuck first.
+    pub stuck: Vec<StuckKeyView>,
+    /// Recent mismatches, stale completions and recoveries, newest first (at most 50).
+    #[schema(value_type = Vec<Object>)]
+    pub recent: Vec<Event>,
+    /// The store's health.
+    pub store: StoreView,
+    /// Switches and budgets.
+    pub controls: ControlsView,
+}
+
+fn checkpoint_summary(cp: &onceguard_core::Checkpoint) -> CheckpointSummary {
+    CheckpointSummary { name: cp.name.to_string(), fence: cp.fence.0, at: cp.at.to_rfc3339() }
+}
+
+fn seconds(d: std::time::Duration) -> u64 {
+    d.as_secs()
+}
+
+fn stuck_view(r: &Record, now: Timestamp) -> StuckKeyView {
+    StuckKeyView {
+        namespace: r.scope.namespace.to_string(),
+        key: r.scope.key.to_string(),
+        run: r.run.as_ref().map(ToString::to_string),
+        fence: r.fence.0,
+        attempt: r.attempt,
+        stuck_since: r.lease_expires_at.map(Timestamp::to_rfc3339),
+        stuck_for_seconds: r.lease_expires_at.map_or(0, |t| seconds(t.until(now))),
+        age_seconds: seconds(r.created_at.until(now)),
+        reported_unknown: r.unknown.is_some(),
+        last_checkpoint: r.last_checkpoint().map(checkpoint_summary),
+    }
+}
+
+/// The dashboard's figures for one tenant (admin).
+#[utoipa::path(get, path = "/v1/dashboard", tag = "observability", params(DashboardQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The figures", body = DashboardView),
+        (status = 403, description = "Not an admin, or another tenant without an operator admin key", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn dashboard_data(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<DashboardQuery>,
+) -> ApiResult<Json<DashboardView>> {
+    let tenant = shown_tenant(&state, &caller, q.tenant.as_deref())?;
+    let metrics = &state.metrics;
+    let scan = metrics.scan_keys(&state.guard, &state.metrics_config).await;
+    let now = state.guard.clock().now();
+    let tenants = if require_operator(&state, &caller).is_ok() {
+        state.guard.store().list_tenants().await?.into_iter().map(|t| t.id.to_string()).collect()
+    } else {
+        vec![caller.tenant.to_string()]
+    };
+    let filter = ListFilter {
+        state: Some(RecordState::InProgress),
+        stuck: true,
+        limit: onceguard_core::store::MAX_PAGE,
+        ..ListFilter::default()
+    };
+    let mut stuck: Vec<StuckKeyView> =
+        state.guard.list(&tenant, &filter).await?.records.iter().map(|r| stuck_view(r, now)).collect();
+    stuck.sort_by_key(|k| std::cmp::Reverse(k.stuck_for_seconds));
+    stuck.truncate(STUCK_SHOWN);
+    let totals = metrics.totals(&tenant);
+    let (in_flight, stuck_count) = scan.tenants.get(tenant.as_str()).copied().unwrap_or((0, 0));
+    let [acquired, replay, in_flight_claims, mismatch, denied] = totals.claims;
+    Ok(Json(DashboardView {
+        tenant: tenant.to_string(),
+        tenants,
+        now: now.to_rfc3339(),
+        instance: InstanceView { version: env!("CARGO_PKG_VERSION"), started_at: metrics.started_at().to_rfc3339() },
+        claims: ClaimCounts { acquired, replay, in_flight: in_flight_claims, mismatch, denied },
+        cost_saved: totals.cost_saved,
+        recoveries: RecoveryCounts { lease_expired: totals.recoveries[0], reported_unknown: totals.recoveries[1] },
+        stale_calls: totals.stale_calls,
+        denied: totals.denials.iter().sum(),
+        latency: metrics.live().claim_latency(),
+        series: metrics.live().series(tenant.as_str()),
+        keys: KeysView {
+            in_flight,
+            stuck: stuck_count,
+            as_of: scan.at.map(Timestamp::to_rfc3339),
+            complete: scan.complete,
+        },
+        stuck,
+        recent: metrics.live().events(tenant.as_str()),
+        store: StoreView {
+            kind: state.guard.store().kind(),
+            up: scan.store_up,
+            checked_at: scan.at.map(Timestamp::to_rfc3339),
+            error: scan.store_error,
+            ops: metrics.live().store_ops(),
+        },
+        controls: ControlsView {
+            available: false,
+            switches: Vec::new(),
+            budgets: Vec::new(),
+            note: "Switches and budgets are not available in this version.",
+        },
+    }))
+}
+
+/// One key, for the inspector.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct InspectQuery {
+    /// The tenant (default: the API key's; another one needs an operator admin key).
+    pub tenant: Option<String>,
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+}
+
+/// A stored outcome, without its bytes.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StoredSummary {
+    /// `success` or `failure`.
+    pub status: &'static str,
+    /// Its media type.
+    pub content_type: String,
+    /// Its size in bytes.
+    pub bytes: usize,
+    /// Cost units reported at completion.
+    pub cost: Option<u64>,
+}
+
+/// A moment in a key's life, from the record's timestamps.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TimelineEntry {
+    /// When (RFC 3339).
+    pub at: String,
+    /// What happened (or will: the lease's end, the record's expiry).
+    pub what: String,
+}
+
+/// A key as the inspector shows it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct InspectView {
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// `in_progress`, `completed` or `released`.
+    pub state: &'static str,
+    /// In progress with no live lease.
+    pub stuck: bool,
+    /// The request fingerprint.
+    pub fingerprint: String,
+    /// The current (or last) holder's fence.
+    pub fence: u64,
+    /// How many times the key was acquired.
+    pub attempt: u32,
+    /// The run.
+    pub run: Option<String>,
+    /// Until when the lease runs.
+    pub lease_expires_at: Option<String>,
+    /// Whether the holder reported the outcome unknown.
+    pub reported_unknown: bool,
+    /// Checkpoints, oldest first (never their data).
+    pub checkpoints: Vec<CheckpointSummary>,
+    /// The stored outcome, without its bytes.
+    pub stored: Option<StoredSummary>,
+    /// The record's life, oldest first. The store keeps the record as it is now, not every
+    /// attempt's history: this is what its timestamps tell.
+    pub timeline: Vec<TimelineEntry>,
+}
+
+fn timeline(r: &Record, now: Timestamp) -> Vec<TimelineEntry> {
+    let mut entries: Vec<(Timestamp, String)> = vec![(r.created_at, "first claimed (this record)".into())];
+    for cp in &r.checkpoints {
+        entries.push((cp.at, format!("checkpoint '{}' saved by fence {}", cp.name, cp.fence)));
+    }
+    match r.state {
+        RecordState::InProgress => {
+            if let Some(until) = r.lease_expires_at {
+                let what = match (&r.unknown, until <= now) {
+                    (Some(_), _) => format!("outcome reported unknown by fence {}: the next claim recovers", r.fence),
+                    (None, true) => format!("lease of fence {} passed: the next claim recovers", r.fence),
+                    (None, false) => format!("lease of fence {} (attempt {}) ends", r.fence, r.attempt),
+                };
+                entries.push((until, what));
+            }
+        }
+        RecordState::Completed => {
+            if let (Some(at), Some(outcome)) = (r.completed_at, &r.outcome) {
+                let status = match outcome.kind {
+                    onceguard_core::OutcomeKind::Success => "completed",
+                    onceguard_core::OutcomeKind::Failure => "failed permanently",
+                };
+                entries
+                    .push((at, format!("{status} by fence {} (attempt {}); replays from now on", r.fence, r.attempt)));
+            }
+        }
+        RecordState::Released => {
+            entries.push((r.updated_at, format!("released by a retryable failure of fence {}", r.fence)));
+        }
+    }
+    entries.push((r.expires_at, "the record expires (retention)".into()));
+    entries.sort_by_key(|(at, _)| *at);
+    entries.into_iter().map(|(at, what)| TimelineEntry { at: at.to_rfc3339(), what }).collect()
+}
+
+/// One key for the dashboard's inspector (admin): state, fences, attempts, checkpoints and
+/// timeline; never the stored result or checkpoint data.
+#[utoipa::path(get, path = "/v1/dashboard/record", tag = "observability", params(InspectQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The key", body = InspectView),
+        (status = 404, description = "No live record for this key", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn dashboard_record(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<InspectQuery>,
+) -> ApiResult<Json<InspectView>> {
+    let tenant = shown_tenant(&state, &caller, q.tenant.as_deref())?;
+    let scope =
+        onceguard_core::Scope::new(tenant, Namespace::parse(&q.namespace)?, onceguard_core::Key::parse(&q.key)?);
+    let r = state.guard.get(&scope).await?.ok_or_else(|| ApiError::NotFound("no live record for this key".into()))?;
+    let now = state.guard.clock().now();
+    Ok(Json(InspectView {
+        namespace: r.scope.namespace.to_string(),
+        key: r.scope.key.to_string(),
+        state: r.state.as_str(),
+        stuck: r.is_stuck(now),
+        fingerprint: r.fingerprint.to_string(),
+        fence: r.fence.0,
+        attempt: r.attempt,
+        run: r.run.as_ref().map(ToString::to_string),
+        lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
+        reported_unknown: r.unknown.is_some(),
+        checkpoints: r.checkpoints.iter().map(checkpoint_summary).collect(),
+        stored: r.outcome.as_ref().map(|o| StoredSummary {
+            status: match o.kind {
+                onceguard_core::OutcomeKind::Success => "success",
+                onceguard_core::OutcomeKind::Failure => "failure",
+            },
+            content_type: o.content_type.clone(),
+            bytes: o.body.len(),
+            cost: o.cost,
+        }),
+        timeline: timeline(&r, now),
+    }))
+}

@@ -1,0 +1,365 @@
+//! The recent window the dashboard draws: this instance's last 15 minutes in 10-second slots
+//! (claims by outcome and cost saved per tenant, claim latency, store operations), and the last
+//! notable events of each tenant (mismatches, stale completions, recoveries).
+//!
+//! Bounded: at most [`SLOTS`] slots, [`EVENTS_PER_TENANT`] events per tenant, one latency
+//! histogram per slot and store operation. Prometheus keeps the long history; this is what a
+//! page can show without one.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use onceguard_core::{Scope, Timestamp};
+use serde::Serialize;
+
+use crate::metrics::LATENCY_BUCKETS;
+
+/// Seconds per slot.
+pub const SLOT_SECS: u64 = 10;
+/// Slots kept (15 minutes).
+pub const SLOTS: usize = 90;
+/// Slots over which latency percentiles are computed (5 minutes).
+pub const LATENCY_SLOTS: usize = 30;
+/// Events kept per tenant.
+pub const EVENTS_PER_TENANT: usize = 50;
+
+/// Counts per latency bucket (the last one is beyond the largest bound).
+#[derive(Debug, Clone, Default)]
+struct Buckets([u64; LATENCY_BUCKETS.len() + 1]);
+
+impl Buckets {
+    fn observe(&mut self, took: Duration) {
+        let secs = took.as_secs_f64();
+        let i = LATENCY_BUCKETS.iter().position(|bound| secs <= *bound).unwrap_or(LATENCY_BUCKETS.len());
+        self.0[i] += 1;
+    }
+
+    fn add(&mut self, other: &Buckets) {
+        for (a, b) in self.0.iter_mut().zip(other.0.iter()) {
+            *a += b;
+        }
+    }
+
+    fn count(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// The `q` quantile in milliseconds, interpolated inside its bucket as Prometheus's
+    /// `histogram_quantile` does; `None` without observations.
+    fn quantile_ms(&self, q: f64) -> Option<f64> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        let rank = q * count as f64;
+        let mut below = 0u64;
+        for (i, n) in self.0.iter().enumerate() {
+            if (below + n) as f64 >= rank && *n > 0 {
+                let Some(upper) = LATENCY_BUCKETS.get(i) else {
+                    return Some(LATENCY_BUCKETS[LATENCY_BUCKETS.len() - 1] * 1000.0);
+                };
+                let lower = if i == 0 { 0.0 } else { LATENCY_BUCKETS[i - 1] };
+                let within = (rank - below as f64) / *n as f64;
+                return Some((lower + (upper - lower) * within) * 1000.0);
+            }
+            below += n;
+        }
+        None
+    }
+}
+
+#[derive(Debug, Default)]
+struct TenantSlot {
+    claims: [u64; 5],
+    cost_saved: u64,
+}
+
+#[derive(Debug, Default)]
+struct OpSlot {
+    latency: Buckets,
+    errors: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    index: u64,
+    tenants: HashMap<String, TenantSlot>,
+    claim_latency: Buckets,
+    store: HashMap<&'static str, OpSlot>,
+}
+
+/// A notable event of a tenant, for the dashboard's list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Event {
+    /// When (RFC 3339).
+    pub at: String,
+    /// `mismatch`, `stale_completion` or `recovery`.
+    pub kind: &'static str,
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// The fence concerned: the stale caller's, or the recovering claim's.
+    pub fence: Option<u64>,
+    /// For stale completions: `complete` or `fail`.
+    pub op: Option<&'static str>,
+    /// Why: the stale reason, the recovery reason.
+    pub reason: &'static str,
+}
+
+impl Event {
+    /// An event about `scope`, now.
+    pub fn new(kind: &'static str, scope: &Scope, fence: Option<u64>, reason: &'static str) -> Self {
+        Self {
+            at: Timestamp::now().to_rfc3339(),
+            kind,
+            namespace: scope.namespace.to_string(),
+            key: scope.key.to_string(),
+            fence,
+            op: None,
+            reason,
+        }
+    }
+
+    /// With the fenced call's operation.
+    pub fn with_op(mut self, op: &'static str) -> Self {
+        self.op = Some(op);
+        self
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    slots: VecDeque<Slot>,
+    events: HashMap<String, VecDeque<Event>>,
+}
+
+impl Inner {
+    fn slot(&mut self) -> &mut Slot {
+        let index = now_secs() / SLOT_SECS;
+        if self.slots.back().is_none_or(|s| s.index < index) {
+            self.slots.push_back(Slot { index, ..Slot::default() });
+            while self.slots.len() > SLOTS {
+                self.slots.pop_front();
+            }
+        }
+        self.slots.back_mut().expect("a slot was just pushed")
+    }
+
+    /// The slots of the last `n` slot periods, oldest first, `None` where nothing happened.
+    fn last(&self, n: usize) -> (u64, Vec<Option<&Slot>>) {
+        let end = now_secs() / SLOT_SECS;
+        let start = end + 1 - n as u64;
+        let slots = (start..=end).map(|i| self.slots.iter().find(|s| s.index == i)).collect();
+        (start, slots)
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The recent window (see the module documentation).
+#[derive(Debug, Default)]
+pub struct Live {
+    inner: Mutex<Inner>,
+}
+
+/// A tenant's recent series, one value per slot, oldest first.
+#[derive(Debug, Clone, Serialize)]
+pub struct SeriesView {
+    /// Seconds per slot.
+    pub slot_seconds: u64,
+    /// When the first slot starts (RFC 3339).
+    pub start: String,
+    /// Claims per slot by outcome.
+    pub claims: HashMap<&'static str, Vec<u64>>,
+    /// Cost units saved by replays per slot.
+    pub cost_saved: Vec<u64>,
+    /// Claim latency (all tenants) per slot: 50th percentile in ms, `null` without requests.
+    pub p50_ms: Vec<Option<f64>>,
+    /// Claim latency (all tenants) per slot: 99th percentile in ms.
+    pub p99_ms: Vec<Option<f64>>,
+}
+
+/// Latency percentiles over the last [`LATENCY_SLOTS`] slots.
+#[derive(Debug, Clone, Serialize)]
+pub struct LatencyView {
+    /// The window, in seconds.
+    pub window_seconds: u64,
+    /// How many observations.
+    pub count: u64,
+    /// 50th percentile in ms (estimated from buckets), `null` without observations.
+    pub p50_ms: Option<f64>,
+    /// 99th percentile in ms.
+    pub p99_ms: Option<f64>,
+}
+
+/// One store operation over the latency window.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreOpView {
+    /// The operation.
+    pub op: &'static str,
+    /// Latency and count.
+    #[serde(flatten)]
+    pub latency: LatencyView,
+    /// How many failed.
+    pub errors: u64,
+}
+
+fn latency_view(buckets: &Buckets) -> LatencyView {
+    LatencyView {
+        window_seconds: LATENCY_SLOTS as u64 * SLOT_SECS,
+        count: buckets.count(),
+        p50_ms: buckets.quantile_ms(0.5),
+        p99_ms: buckets.quantile_ms(0.99),
+    }
+}
+
+impl Live {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A claim answered with the outcome at `outcome` (index into `metrics::OUTCOMES`).
+    pub fn record_claim(&self, tenant: &str, outcome: usize, cost_saved: u64) {
+        let mut inner = self.lock();
+        let slot = inner.slot();
+        let entry = match slot.tenants.get_mut(tenant) {
+            Some(entry) => entry,
+            None => slot.tenants.entry(tenant.to_owned()).or_default(),
+        };
+        entry.claims[outcome.min(4)] += 1;
+        entry.cost_saved += cost_saved;
+    }
+
+    /// A claim or fenced call's latency.
+    pub fn record_claim_latency(&self, took: Duration) {
+        self.lock().slot().claim_latency.observe(took);
+    }
+
+    /// A store operation.
+    pub fn record_store_op(&self, op: &'static str, took: Duration, ok: bool) {
+        let mut inner = self.lock();
+        let entry = inner.slot().store.entry(op).or_default();
+        entry.latency.observe(took);
+        entry.errors += u64::from(!ok);
+    }
+
+    /// A notable event of `tenant`; the oldest is dropped beyond [`EVENTS_PER_TENANT`].
+    pub fn push_event(&self, tenant: &str, event: Event) {
+        let mut inner = self.lock();
+        let events = inner.events.entry(tenant.to_owned()).or_default();
+        events.push_front(event);
+        events.truncate(EVENTS_PER_TENANT);
+    }
+
+    /// `tenant`'s events, newest first.
+    pub fn events(&self, tenant: &str) -> Vec<Event> {
+        self.lock().events.get(tenant).map(|e| e.iter().cloned().collect()).unwrap_or_default()
+    }
+
+    /// `tenant`'s series over the last [`SLOTS`] slots.
+    pub fn series(&self, tenant: &str) -> SeriesView {
+        let inner = self.lock();
+        let (start, slots) = inner.last(SLOTS);
+        let mut claims: HashMap<&'static str, Vec<u64>> = HashMap::new();
+        for (i, outcome) in crate::metrics::OUTCOMES.iter().enumerate() {
+            claims.insert(
+                outcome,
+                slots.iter().map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.claims[i])).collect(),
+            );
+        }
+        SeriesView {
+            slot_seconds: SLOT_SECS,
+            start: Timestamp(start * SLOT_SECS * 1000).to_rfc3339(),
+            claims,
+            cost_saved: slots
+                .iter()
+                .map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.cost_saved))
+                .collect(),
+            p50_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.quantile_ms(0.5))).collect(),
+            p99_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.quantile_ms(0.99))).collect(),
+        }
+    }
+
+    /// Claim and fenced-call latency (all tenants) over the last [`LATENCY_SLOTS`] slots.
+    pub fn claim_latency(&self) -> LatencyView {
+        let inner = self.lock();
+        let mut total = Buckets::default();
+        for slot in inner.last(LATENCY_SLOTS).1.into_iter().flatten() {
+            total.add(&slot.claim_latency);
+        }
+        latency_view(&total)
+    }
+
+    /// Store operations over the last [`LATENCY_SLOTS`] slots, by operation.
+    pub fn store_ops(&self) -> Vec<StoreOpView> {
+        let inner = self.lock();
+        let mut by_op: Vec<(&'static str, Buckets, u64)> = Vec::new();
+        for slot in inner.last(LATENCY_SLOTS).1.into_iter().flatten() {
+            for (op, s) in &slot.store {
+                match by_op.iter_mut().find(|(o, ..)| o == op) {
+                    Some((_, buckets, errors)) => {
+                        buckets.add(&s.latency);
+                        *errors += s.errors;
+                    }
+                    None => by_op.push((op, s.latency.clone(), s.errors)),
+                }
+            }
+        }
+        by_op.sort_by_key(|(op, ..)| crate::metrics::STORE_OPS.iter().position(|o| o == op));
+        by_op.into_iter().map(|(op, b, errors)| StoreOpView { op, latency: latency_view(&b), errors }).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_inside_buckets() {
+        let mut b = Buckets::default();
+        assert_eq!(b.quantile_ms(0.5), None);
+        for _ in 0..100 {
+            b.observe(Duration::from_micros(1_500)); // in (1ms, 2.5ms]
+        }
+        let p50 = b.quantile_ms(0.5).unwrap();
+        assert!((1.0..=2.5).contains(&p50), "{p50}");
+        b.observe(Duration::from_secs(120)); // beyond the largest bound
+        assert_eq!(b.quantile_ms(1.0), Some(60_000.0));
+    }
+
+    #[test]
+    fn events_are_bounded_newest_first() {
+        let live = Live::default();
+        let scope = Scope::new(
+            onceguard_core::TenantId::parse("t").unwrap(),
+            onceguard_core::Namespace::parse("ns").unwrap(),
+            onceguard_core::Key::parse("k").unwrap(),
+        );
+        for i in 0..(EVENTS_PER_TENANT as u64 + 10) {
+            live.push_event("t", Event::new("mismatch", &scope, Some(i), "x"));
+        }
+        let events = live.events("t");
+        assert_eq!(events.len(), EVENTS_PER_TENANT);
+        assert_eq!(events[0].fence, Some(EVENTS_PER_TENANT as u64 + 9));
+        assert!(live.events("other").is_empty());
+    }
+
+    #[test]
+    fn series_and_latency_count_what_was_recorded() {
+        let live = Live::default();
+        live.record_claim("t", 0, 0);
+        live.record_claim("t", 1, 250);
+        live.record_claim("u", 1, 7);
+        live.record_claim_latency(Duration::from_millis(3));
+        let series = live.series("t");
+        assert_eq!(series.claims["acquired"].iter().sum::<u64>(), 1);
+        assert_eq!(series.claims["replay"].iter().sum::<u64>(), 1);
+        assert_eq!(series.cost_saved.iter().sum::<u64>(), 250);
+        assert_eq!(series.cost_saved.len(), SLOTS);
+        assert_eq!(live.claim_latency().count, 1);
+    }
+}

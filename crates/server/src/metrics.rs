@@ -1,0 +1,461 @@
+//! Every metric the server exports, named and described in one place, and the functions that
+//! observe them.
+//!
+//! Handlers and the store wrapper call the `observe_*` methods of [`Metrics`]; each feeds the
+//! Prometheus families served at `/metrics` and the recent window ([`Live`]) the dashboard
+//! draws. Labels are bounded: tenants (created by operators), outcomes, reasons, operations,
+//! routes and status codes; never keys, namespaces, fingerprints or run ids.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use onceguard_core::{ClaimOutcome, Guard, Scope, StaleReason, StoreError, TenantId, Timestamp};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::config::MetricsConfig;
+use crate::live::{Event, Live};
+
+/// The claim outcomes, in the order the dashboard shows them.
+pub const OUTCOMES: [&str; 5] = ["acquired", "replay", "in_flight", "mismatch", "denied"];
+
+/// Why a claim was a recovery.
+pub const RECOVERY_REASONS: [&str; 2] = ["lease_expired", "reported_unknown"];
+
+/// Why a claim was denied (switches, budgets and quotas; none exist in this version).
+pub const DENIAL_REASONS: [&str; 3] = ["switch_engaged", "budget_exhausted", "quota_exceeded"];
+
+/// The store operations measured.
+pub const STORE_OPS: [&str; 8] = ["claim", "mutate", "get", "list", "purge", "sweep", "ping", "auth"];
+
+/// Upper bounds (seconds) of the latency buckets, for requests and store operations.
+pub const LATENCY_BUCKETS: [f64; 16] =
+    [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// `tenant`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabels {
+    /// The tenant id.
+    pub tenant: String,
+}
+
+/// `tenant`, `outcome`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClaimLabels {
+    /// The tenant id.
+    pub tenant: String,
+    /// One of [`OUTCOMES`].
+    pub outcome: &'static str,
+}
+
+/// `tenant`, `reason`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// The tenant id.
+    pub tenant: String,
+    /// Why.
+    pub reason: &'static str,
+}
+
+/// `tenant`, `op`, `reason`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StaleLabels {
+    /// The tenant id.
+    pub tenant: String,
+    /// `complete`, `fail`, `extend`, `checkpoint` or `report_unknown`.
+    pub op: &'static str,
+    /// `superseded`, `no_record` or `finished`.
+    pub reason: &'static str,
+}
+
+/// `store`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabels {
+    /// The store kind (`sqlite`, `postgres`, `redis`, `memory`).
+    pub store: &'static str,
+}
+
+/// `store`, `op`, `result`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreOpLabels {
+    /// The store kind.
+    pub store: &'static str,
+    /// One of [`STORE_OPS`] (tenant and API key reads are `auth`).
+    pub op: &'static str,
+    /// `ok`, `unavailable` or `corrupt`.
+    pub result: &'static str,
+}
+
+/// `method`, `route`, `status`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpLabels {
+    /// The HTTP method (`other` for unusual ones).
+    pub method: &'static str,
+    /// The route template, e.g. `/v1/claims` (`unmatched` when no route matched).
+    pub route: String,
+    /// The status code.
+    pub status: u16,
+}
+
+/// `version`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// The server's version.
+    pub version: &'static str,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+/// What the last scan of the store found (keys in flight and stuck, store health).
+#[derive(Debug, Clone, Default)]
+pub struct KeyScan {
+    /// When it ran (`None`: never yet).
+    pub at: Option<Timestamp>,
+    /// In-progress and stuck keys per tenant.
+    pub tenants: BTreeMap<String, (usize, usize)>,
+    /// Whether every tenant was read to the end (else the counts are lower bounds).
+    pub complete: bool,
+    /// Whether the store answered.
+    pub store_up: bool,
+    /// Why it did not, if it did not.
+    pub store_error: Option<String>,
+}
+
+type LatencyFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// The server's metrics: the Prometheus registry, its families and the dashboard's window.
+pub struct Metrics {
+    registry: Registry,
+    claims: Family<ClaimLabels, Counter>,
+    replay_cost_saved: Family<TenantLabels, Counter>,
+    recoveries: Family<ReasonLabels, Counter>,
+    stale_calls: Family<StaleLabels, Counter>,
+    denials: Family<ReasonLabels, Counter>,
+    keys_in_flight: Family<TenantLabels, Gauge>,
+    keys_stuck: Family<TenantLabels, Gauge>,
+    store_up: Family<StoreLabels, Gauge>,
+    store_latency: LatencyFamily<StoreOpLabels>,
+    http_latency: LatencyFamily<HttpLabels>,
+    live: Live,
+    scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
+    started_at: Timestamp,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric, described.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("onceguard");
+        let claims = Family::<ClaimLabels, Counter>::default();
+        registry.register(
+            "claims",
+            "Claims answered, by tenant and outcome: acquired, replay (an effect that did not happen twice), \
+             in_flight, mismatch (a key reused for another request; nothing changed) or denied",
+            claims.clone(),
+        );
+        let replay_cost_saved = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "replay_cost_saved",
+            "Cost units (tokens, money units; as reported at completion) of the stored outcomes that replays \
+             returned instead of running the effect again, by tenant",
+            replay_cost_saved.clone(),
+        );
+        let recoveries = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "recoveries",
+            "Claims that took a key over after an unfinished attempt, by tenant and reason: lease_expired (a lease \
+             expiry: the holder neither finished nor extended) or reported_unknown",
+            recoveries.clone(),
+        );
+        let stale_calls = Family::<StaleLabels, Counter>::default();
+        registry.register(
+            "stale_calls",
+            "Fenced calls refused because their fence is not the current holder's (nothing changed), by tenant, \
+             operation and reason: superseded, no_record or finished",
+            stale_calls.clone(),
+        );
+        let denials = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "denials",
+            "Claims refused by a switch, budget or quota, by tenant and reason (switch_engaged, budget_exhausted, \
+             quota_exceeded). This version has no switches, budgets or quotas, so it stays at zero",
+            denials.clone(),
+        );
+        let keys_in_flight = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "keys_in_flight",
+            "Keys in progress (held, or stuck), by tenant, as of the last scan of the store",
+            keys_in_flight.clone(),
+        );
+        let keys_stuck = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "keys_stuck",
+            "Keys in progress whose lease passed (or whose outcome was reported unknown) and that nobody has \
+             claimed again, by tenant, as of the last scan of the store",
+            keys_stuck.clone(),
+        );
+        let store_up = Family::<StoreLabels, Gauge>::default();
+        registry.register("store_up", "1 if the store answered the last check, else 0", store_up.clone());
+        let store_latency: LatencyFamily<StoreOpLabels> = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "store_operation_duration_seconds",
+            "Time the store took per operation, by store, operation and result (ok, unavailable, corrupt)",
+            store_latency.clone(),
+        );
+        let http_latency: LatencyFamily<HttpLabels> = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "http_request_duration_seconds",
+            "Time to answer HTTP requests, by method, route template and status",
+            http_latency.clone(),
+        );
+        let build = Family::<BuildLabels, Gauge>::default();
+        build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
+        registry.register("build_info", "The running server's version (always 1)", build);
+        Self {
+            registry,
+            claims,
+            replay_cost_saved,
+            recoveries,
+            stale_calls,
+            denials,
+            keys_in_flight,
+            keys_stuck,
+            store_up,
+            store_latency,
+            http_latency,
+            live: Live::default(),
+            scan: tokio::sync::Mutex::new((None, KeyScan::default())),
+            started_at: Timestamp::now(),
+        }
+    }
+
+    /// When this instance started counting.
+    pub fn started_at(&self) -> Timestamp {
+        self.started_at
+    }
+
+    /// The recent window the dashboard draws.
+    pub fn live(&self) -> &Live {
+        &self.live
+    }
+
+    /// The metrics in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    /// A claim's answer.
+    pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome) {
+        let tenant = scope.tenant.to_string();
+        let name = outcome.name();
+        self.claims.get_or_create(&ClaimLabels { tenant: tenant.clone(), outcome: name }).inc();
+        let mut cost_saved = 0;
+        match outcome {
+            ClaimOutcome::Replay(replay) => {
+                cost_saved = replay.outcome.cost.unwrap_or(0);
+                self.replay_cost_saved.get_or_create(&TenantLabels { tenant: tenant.clone() }).inc_by(cost_saved);
+            }
+            ClaimOutcome::Acquired(acquired) => {
+                if let Some(recovery) = &acquired.recovery {
+                    let reason = match recovery.reason {
+                        onceguard_core::RecoveryReason::LeaseExpired => "lease_expired",
+                        onceguard_core::RecoveryReason::ReportedUnknown { .. } => "reported_unknown",
+                    };
+                    self.recoveries.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
+                    self.live.push_event(&tenant, Event::new("recovery", scope, Some(acquired.fence.0), reason));
+                }
+            }
+            ClaimOutcome::Mismatch => {
+                self.live.push_event(&tenant, Event::new("mismatch", scope, None, "fingerprint differs"));
+            }
+            ClaimOutcome::Denied(denial) => {
+                let reason = match denial {
+                    onceguard_core::Denial::SwitchEngaged { .. } => "switch_engaged",
+                    onceguard_core::Denial::BudgetExhausted { .. } => "budget_exhausted",
+                    onceguard_core::Denial::QuotaExceeded { .. } => "quota_exceeded",
+                };
+                self.denials.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
+            }
+            ClaimOutcome::InFlight(_) => {}
+        }
+        let index = OUTCOMES.iter().position(|o| *o == name).unwrap_or(0);
+        self.live.record_claim(&tenant, index, cost_saved);
+    }
+
+    /// A fenced call refused as stale.
+    pub fn observe_stale(&self, scope: &Scope, op: &'static str, fence: u64, reason: StaleReason) {
+        let tenant = scope.tenant.to_string();
+        let reason = stale_reason(reason);
+        self.stale_calls.get_or_create(&StaleLabels { tenant: tenant.clone(), op, reason }).inc();
+        if matches!(op, "complete" | "fail") {
+            self.live.push_event(&tenant, Event::new("stale_completion", scope, Some(fence), reason).with_op(op));
+        }
+    }
+
+    /// One store operation.
+    pub fn observe_store(&self, store: &'static str, op: &'static str, took: Duration, error: Option<&StoreError>) {
+        let result = match error {
+            None => "ok",
+            Some(StoreError::Unavailable(_)) => "unavailable",
+            Some(StoreError::Corrupt(_)) => "corrupt",
+        };
+        self.store_latency.get_or_create(&StoreOpLabels { store, op, result }).observe(took.as_secs_f64());
+        self.live.record_store_op(op, took, error.is_none());
+    }
+
+    /// One HTTP request.
+    pub fn observe_http(&self, method: &str, route: Option<&str>, status: u16, took: Duration) {
+        let method = match method {
+            "GET" => "GET",
+            "POST" => "POST",
+            "PUT" => "PUT",
+            "PATCH" => "PATCH",
+            "DELETE" => "DELETE",
+            "HEAD" => "HEAD",
+            "OPTIONS" => "OPTIONS",
+            _ => "other",
+        };
+        let route = route.unwrap_or("unmatched");
+        if route.starts_with("/v1/claims") {
+            self.live.record_claim_latency(took);
+        }
+        let labels = HttpLabels { method, route: route.to_owned(), status };
+        self.http_latency.get_or_create(&labels).observe(took.as_secs_f64());
+    }
+
+    /// Counts since this instance started, for the dashboard: claims by outcome (in the order
+    /// of [`OUTCOMES`]), cost saved, recoveries by reason, stale calls, denials.
+    pub fn totals(&self, tenant: &TenantId) -> Totals {
+        let t = tenant.to_string();
+        let claims =
+            OUTCOMES.map(|outcome| self.claims.get(&ClaimLabels { tenant: t.clone(), outcome }).map_or(0, |c| c.get()));
+        let recoveries = RECOVERY_REASONS
+            .map(|reason| self.recoveries.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get()));
+        let denials = DENIAL_REASONS
+            .map(|reason| self.denials.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get()));
+        let mut stale_calls = 0;
+        for op in ["complete", "fail", "extend", "checkpoint", "report_unknown"] {
+            for reason in ["superseded", "no_record", "finished"] {
+                stale_calls +=
+                    self.stale_calls.get(&StaleLabels { tenant: t.clone(), op, reason }).map_or(0, |c| c.get());
+            }
+        }
+        let cost_saved = self.replay_cost_saved.get(&TenantLabels { tenant: t }).map_or(0, |c| c.get());
+        Totals { claims, cost_saved, recoveries, stale_calls, denials }
+    }
+
+    /// Counts the keys in flight and stuck of every tenant (at most `scan_max_pages` pages of
+    /// each) and checks the store, unless the last scan is younger than `refresh_interval`;
+    /// answers the latest scan. One scan runs at a time; others wait for it.
+    pub async fn scan_keys(&self, guard: &Guard, config: &MetricsConfig) -> KeyScan {
+        let mut scan = self.scan.lock().await;
+        if scan.0.is_some_and(|at| at.elapsed() < config.refresh_interval) {
+            return scan.1.clone();
+        }
+        let store = guard.store().kind();
+        let mut result = KeyScan { at: Some(guard.clock().now()), complete: true, ..KeyScan::default() };
+        let work = async {
+            guard.store().ping().await?;
+            let mut counts = BTreeMap::new();
+            let mut complete = true;
+            for tenant in guard.store().list_tenants().await? {
+                let (in_flight, stuck) = guard.count_in_progress(&tenant.id, config.scan_max_pages).await?;
+                complete &= in_flight < config.scan_max_pages * onceguard_core::store::MAX_PAGE;
+                counts.insert(tenant.id.to_string(), (in_flight, stuck));
+            }
+            Ok::<_, onceguard_core::GuardError>((counts, complete))
+        };
+        match tokio::time::timeout(config.scan_timeout, work).await {
+            Ok(Ok((counts, complete))) => {
+                for (tenant, (in_flight, stuck)) in &counts {
+                    self.initialize(tenant);
+                    let labels = TenantLabels { tenant: tenant.clone() };
+                    self.keys_in_flight.get_or_create(&labels).set(i64::try_from(*in_flight).unwrap_or(i64::MAX));
+                    self.keys_stuck.get_or_create(&labels).set(i64::try_from(*stuck).unwrap_or(i64::MAX));
+                }
+                if !complete {
+                    tracing::warn!(
+                        max_pages = config.scan_max_pages,
+                        "a tenant has more keys in flight than a scan reads; the gauges are lower bounds"
+                    );
+                }
+                result.tenants = counts;
+                result.complete = complete;
+                result.store_up = true;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "the key scan failed; keeping the last counts");
+                result.tenants = scan.1.tenants.clone();
+                result.store_error = Some(e.to_string());
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?config.scan_timeout, "the key scan timed out; keeping the last counts");
+                result.tenants = scan.1.tenants.clone();
+                result.store_error = Some(format!("the store did not answer within {:?}", config.scan_timeout));
+            }
+        }
+        self.store_up.get_or_create(&StoreLabels { store }).set(i64::from(result.store_up));
+        *scan = (Some(Instant::now()), result.clone());
+        result
+    }
+
+    /// Creates the tenant's counters at zero, so that they are exported (and `rate()` and
+    /// `increase()` work) before the first event of each kind.
+    fn initialize(&self, tenant: &str) {
+        let t = || tenant.to_owned();
+        for outcome in OUTCOMES {
+            let _ = self.claims.get_or_create(&ClaimLabels { tenant: t(), outcome });
+        }
+        for reason in RECOVERY_REASONS {
+            let _ = self.recoveries.get_or_create(&ReasonLabels { tenant: t(), reason });
+        }
+        for reason in DENIAL_REASONS {
+            let _ = self.denials.get_or_create(&ReasonLabels { tenant: t(), reason });
+        }
+        let _ = self.replay_cost_saved.get_or_create(&TenantLabels { tenant: t() });
+    }
+}
+
+/// Counts since this instance started, for one tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Totals {
+    /// Claims by outcome, in the order of [`OUTCOMES`].
+    pub claims: [u64; 5],
+    /// Cost units saved by replays.
+    pub cost_saved: u64,
+    /// Recoveries by reason, in the order of [`RECOVERY_REASONS`].
+    pub recoveries: [u64; 2],
+    /// Stale fenced calls.
+    pub stale_calls: u64,
+    /// Denials by reason, in the order of [`DENIAL_REASONS`].
+    pub denials: [u64; 3],
+}
+
+/// The name of a stale reason, as in the API and the metrics.
+pub fn stale_reason(reason: StaleReason) -> &'static str {
+    match reason {
+        StaleReason::NoRecord => "no_record",
+        StaleReason::Superseded => "superseded",
+        StaleReason::Finished => "finished",
+    }
+}

@@ -1,0 +1,151 @@
+//! A store wrapper that measures and traces every operation of the store it wraps, whatever its
+//! kind: one span per operation (`store.claim`, `store.mutate`, …) with the tenant, namespace,
+//! outcome and fence, and its latency in `onceguard_store_operation_duration_seconds`.
+//!
+//! It adds no behaviour: each call goes to the wrapped store unchanged.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
+use onceguard_core::{
+    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, Scope, Store, StoreError,
+    TenantId, Timestamp,
+};
+use tracing::Span;
+
+use crate::metrics::Metrics;
+
+/// The wrapper (see the module documentation).
+pub struct ObservedStore {
+    inner: Arc<dyn Store>,
+    kind: &'static str,
+    metrics: Arc<Metrics>,
+}
+
+impl ObservedStore {
+    /// Wraps `inner`, reporting to `metrics`.
+    pub fn new(inner: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
+        Self { kind: inner.kind(), inner, metrics }
+    }
+
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let start = Instant::now();
+        let result = call.await;
+        self.metrics.observe_store(self.kind, op, start.elapsed(), result.as_ref().err());
+        if let Err(e) = &result {
+            Span::current().record("error", tracing::field::display(e));
+        }
+        result
+    }
+}
+
+#[async_trait]
+impl Store for ObservedStore {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    #[tracing::instrument(name = "store.claim", skip_all, fields(store = self.kind, tenant = %req.scope.tenant, namespace = %req.scope.namespace, outcome, fence, error))]
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        let outcome = self.timed("claim", self.inner.claim(req, now)).await?;
+        let span = Span::current();
+        span.record("outcome", outcome.name());
+        match &outcome {
+            ClaimOutcome::Acquired(a) => span.record("fence", a.fence.0),
+            ClaimOutcome::Replay(r) => span.record("fence", r.fence.0),
+            _ => &span,
+        };
+        Ok(outcome)
+    }
+
+    #[tracing::instrument(name = "store.mutate", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, op = mutation.name(), fence = fence.0, outcome, error))]
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        let outcome = self.timed("mutate", self.inner.mutate(scope, fence, mutation, now, max_checkpoints)).await?;
+        let name = match &outcome {
+            FencedOutcome::Applied(_) => "applied",
+            FencedOutcome::Stale(_) => "stale",
+        };
+        Span::current().record("outcome", name);
+        Ok(outcome)
+    }
+
+    #[tracing::instrument(name = "store.get", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, fence, error))]
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let record = self.timed("get", self.inner.get(scope, now)).await?;
+        let span = Span::current();
+        match &record {
+            Some(r) => span.record("outcome", r.state.as_str()).record("fence", r.fence.0),
+            None => span.record("outcome", "absent"),
+        };
+        Ok(record)
+    }
+
+    #[tracing::instrument(name = "store.list", skip_all, fields(store = self.kind, tenant = %tenant, error))]
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        self.timed("list", self.inner.list(tenant, filter, now)).await
+    }
+
+    #[tracing::instrument(name = "store.purge", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, error))]
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        let existed = self.timed("purge", self.inner.purge(scope)).await?;
+        Span::current().record("outcome", if existed { "purged" } else { "absent" });
+        Ok(existed)
+    }
+
+    #[tracing::instrument(name = "store.sweep", skip_all, fields(store = self.kind, error))]
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.timed("sweep", self.inner.sweep(now, batch)).await
+    }
+
+    #[tracing::instrument(name = "store.ping", skip_all, fields(store = self.kind, error))]
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.timed("ping", self.inner.ping()).await
+    }
+
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
+        self.inner.changes()
+    }
+
+    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+        self.timed("auth", self.inner.create_tenant(tenant)).await
+    }
+
+    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
+        self.timed("auth", self.inner.get_tenant(id)).await
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.timed("auth", self.inner.list_tenants()).await
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        self.timed("auth", self.inner.create_api_key(key)).await
+    }
+
+    #[tracing::instrument(name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
+    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        self.timed("auth", self.inner.get_api_key(id)).await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
+        self.timed("auth", self.inner.list_api_keys(tenant)).await
+    }
+
+    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+        self.timed("auth", self.inner.revoke_api_key(tenant, id, now)).await
+    }
+}

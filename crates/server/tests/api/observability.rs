@@ -1,0 +1,277 @@
+//! `/metrics` and the dashboard's JSON, after traffic through the API.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::{Backing, TestApp, assert_problem, spawn_app_with};
+
+/// The samples of an OpenMetrics text: `name{labels}` → value.
+fn samples(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+async fn scrape(app: &TestApp) -> (String, HashMap<String, f64>) {
+    let response = app.client.get(app.url("/metrics")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("application/openmetrics-text"));
+    let text = response.text().await.unwrap();
+    assert!(text.ends_with("# EOF\n"), "an OpenMetrics exposition ends with # EOF");
+    let parsed = samples(&text);
+    (text, parsed)
+}
+
+fn value(samples: &HashMap<String, f64>, name: &str) -> f64 {
+    *samples.get(name).unwrap_or_else(|| panic!("no sample {name}"))
+}
+
+/// Traffic of tenant `acme` in namespace `demo`: 2 completions (cost 1200 and none), 3
+/// replays, 1 mismatch, 1 in-flight answer, a lease expiry recovered and its zombie's stale
+/// completion, an outcome reported unknown and recovered, one key left stuck, one held.
+async fn traffic(app: &TestApp) {
+    let (_, a) = app.claim_key("paid", json!({"n": 1})).await;
+    let body = json!({"namespace": "demo", "key": "paid", "fence": a["fence"], "result": {"ok": true}, "cost": 1200});
+    assert_eq!(app.fenced("complete", body).await.0, StatusCode::OK);
+    let (_, b) = app.claim_key("free", json!({"n": 2})).await;
+    let body = json!({"namespace": "demo", "key": "free", "fence": b["fence"], "result": null});
+    assert_eq!(app.fenced("complete", body).await.0, StatusCode::OK);
+    for _ in 0..2 {
+        assert_eq!(app.claim_key("paid", json!({"n": 1})).await.0, StatusCode::OK);
+    }
+    assert_eq!(app.claim_key("free", json!({"n": 2})).await.0, StatusCode::OK);
+    assert_eq!(app.claim_key("paid", json!({"n": 999})).await.0, StatusCode::UNPROCESSABLE_ENTITY);
+
+    let (_, held) =
+        app.claim(&app.agent, json!({"namespace": "demo", "key": "held", "request": 1, "lease": "1h"})).await;
+    assert_eq!(held["outcome"], "acquired");
+    assert_eq!(app.claim_key("held", json!(1)).await.0, StatusCode::CONFLICT);
+
+    let (_, zombie) =
+        app.claim(&app.agent, json!({"namespace": "demo", "key": "zombie", "request": 1, "lease": "1s"})).await;
+    let (_, stuck) = app
+        .claim(&app.agent, json!({"namespace": "demo", "key": "stuck", "request": 1, "lease": "1s", "run": "run-9"}))
+        .await;
+    let cp = json!({"namespace": "demo", "key": "stuck", "fence": stuck["fence"], "name": "step-1", "data": {"private": "x"}});
+    assert_eq!(app.fenced("checkpoint", cp).await.0, StatusCode::OK);
+    let (_, unknown) = app.claim_key("unknown", json!(1)).await;
+    let report = json!({"namespace": "demo", "key": "unknown", "fence": unknown["fence"], "detail": "timed out"});
+    assert_eq!(app.fenced("report-unknown", report).await.0, StatusCode::OK);
+    let (_, recovered) = app.claim_key("unknown", json!(1)).await;
+    assert_eq!(recovered["recovery"]["reason"], "reported_unknown");
+
+    app.clock.advance(Duration::from_secs(2));
+    let (_, taken) =
+        app.claim(&app.agent, json!({"namespace": "demo", "key": "zombie", "request": 1, "lease": "1h"})).await;
+    assert_eq!(taken["recovery"]["reason"], "lease_expired");
+    let late = json!({"namespace": "demo", "key": "zombie", "fence": zombie["fence"], "result": 1});
+    assert_eq!(app.fenced("complete", late).await.0, StatusCode::CONFLICT);
+
+    // Another tenant's traffic is counted apart.
+    app.claim(&app.other_agent, json!({"namespace": "demo", "key": "g", "request": 1, "lease": "1h"})).await;
+}
+
+#[tokio::test]
+async fn metrics_count_claims_replays_cost_recoveries_stale_calls_and_keys() {
+    for backing in [Backing::Memory, Backing::Sqlite] {
+        let app = spawn_app_with(backing, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+        traffic(&app).await;
+        let (text, m) = scrape(&app).await;
+
+        let acme =
+            |outcome: &str| value(&m, &format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}"}}"#));
+        // paid, free, held, zombie, stuck, unknown; unknown and zombie again (recoveries).
+        assert_eq!(acme("acquired"), 8.0, "{text}");
+        assert_eq!(acme("replay"), 3.0);
+        assert_eq!(acme("mismatch"), 1.0);
+        assert_eq!(acme("in_flight"), 1.0);
+        assert_eq!(value(&m, r#"onceguard_claims_total{tenant="globex",outcome="acquired"}"#), 1.0);
+        assert_eq!(value(&m, r#"onceguard_replay_cost_saved_total{tenant="acme"}"#), 2400.0, "2 replays × 1200");
+        assert_eq!(value(&m, r#"onceguard_recoveries_total{tenant="acme",reason="lease_expired"}"#), 1.0);
+        assert_eq!(value(&m, r#"onceguard_recoveries_total{tenant="acme",reason="reported_unknown"}"#), 1.0);
+        assert_eq!(value(&m, r#"onceguard_stale_calls_total{tenant="acme",op="complete",reason="superseded"}"#), 1.0);
+        // held, zombie (taken over), stuck, unknown (recovered) are in flight; stuck is stuck.
+        assert_eq!(value(&m, r#"onceguard_keys_in_flight{tenant="acme"}"#), 4.0);
+        assert_eq!(value(&m, r#"onceguard_keys_stuck{tenant="acme"}"#), 1.0);
+        assert_eq!(value(&m, r#"onceguard_keys_in_flight{tenant="globex"}"#), 1.0);
+        assert_eq!(value(&m, r#"onceguard_keys_stuck{tenant="globex"}"#), 0.0);
+        let store = match backing {
+            Backing::Memory | Backing::Breakable => "memory",
+            Backing::Sqlite => "sqlite",
+        };
+        assert_eq!(value(&m, &format!(r#"onceguard_store_up{{store="{store}"}}"#)), 1.0);
+        assert!(
+            value(
+                &m,
+                &format!(
+                    r#"onceguard_store_operation_duration_seconds_count{{store="{store}",op="claim",result="ok"}}"#
+                )
+            ) >= 14.0
+        );
+        assert_eq!(
+            value(
+                &m,
+                r#"onceguard_http_request_duration_seconds_count{method="POST",route="/v1/claims",status="422"}"#
+            ),
+            1.0
+        );
+        assert!(text.contains(r#"onceguard_http_request_duration_seconds_bucket{le="0.005",method="POST",route="/v1/claims",status="201"}"#));
+        assert_eq!(value(&m, r#"onceguard_build_info{version="0.1.0"}"#), 1.0);
+
+        // Every metric is described; denials are declared (no switches or budgets exist yet).
+        for name in [
+            "claims",
+            "replay_cost_saved",
+            "recoveries",
+            "stale_calls",
+            "denials",
+            "keys_in_flight",
+            "keys_stuck",
+            "store_up",
+            "store_operation_duration_seconds",
+            "http_request_duration_seconds",
+        ] {
+            assert!(text.contains(&format!("# HELP onceguard_{name} ")), "no description of {name}");
+        }
+        // Bounded labels: never keys, namespaces, runs, fingerprints or payloads.
+        for leaked in ["paid", "zombie", "demo", "run-9", "sha256", "private", "timed out"] {
+            assert!(!text.contains(leaked), "'{leaked}' is in the metrics");
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
+    let app = spawn_app_with(Backing::Sqlite, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    traffic(&app).await;
+    let response = app.get(&app.admin, "/v1/dashboard").await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let d: Value = response.json().await.unwrap();
+    let (_, m) = scrape(&app).await;
+    for outcome in ["acquired", "replay", "in_flight", "mismatch", "denied"] {
+        let metric = m.get(&format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}"}}"#)).copied();
+        assert_eq!(d["claims"][outcome].as_f64(), Some(metric.unwrap_or(0.0)), "{outcome}");
+    }
+    assert_eq!(d["tenant"], "acme");
+    assert_eq!(d["tenants"], json!(["acme", "globex"]));
+    assert_eq!(d["cost_saved"], 2400);
+    assert_eq!(d["recoveries"], json!({"lease_expired": 1, "reported_unknown": 1}));
+    assert_eq!(d["stale_calls"], 1);
+    assert_eq!(d["keys"]["in_flight"], 4);
+    assert_eq!(d["keys"]["stuck"], 1);
+    assert_eq!(d["store"]["kind"], "sqlite");
+    assert_eq!(d["store"]["up"], true);
+    assert_eq!(d["controls"]["available"], false);
+    assert_eq!(d["series"]["cost_saved"].as_array().unwrap().iter().filter_map(Value::as_u64).sum::<u64>(), 2400);
+    assert!(d["latency"]["count"].as_u64().unwrap() >= 18, "{}", d["latency"]);
+    let stuck = &d["stuck"][0];
+    assert_eq!((stuck["key"].as_str(), stuck["run"].as_str()), (Some("stuck"), Some("run-9")));
+    assert_eq!(stuck["last_checkpoint"]["name"], "step-1");
+    assert_eq!(stuck["stuck_for_seconds"], 1);
+    let kinds: Vec<&str> = d["recent"].as_array().unwrap().iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds, ["stale_completion", "recovery", "recovery", "mismatch"], "newest first");
+    assert!(!d.to_string().contains("private"), "checkpoint data is never shown");
+
+    // The inspector: fences, attempts, checkpoints (names only) and a timeline.
+    let r: Value = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=stuck").await.json().await.unwrap();
+    assert_eq!((r["state"].as_str(), r["stuck"].as_bool()), (Some("in_progress"), Some(true)));
+    assert_eq!(r["checkpoints"][0]["name"], "step-1");
+    assert!(r["timeline"].as_array().unwrap().len() >= 4, "{r}");
+    assert!(!r.to_string().contains("private"));
+    let done: Value = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=paid").await.json().await.unwrap();
+    assert_eq!(
+        done["stored"],
+        json!({"status": "success", "content_type": "application/json", "bytes": 11, "cost": 1200})
+    );
+    let missing = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=nothing").await;
+    assert_problem(missing, StatusCode::NOT_FOUND, "not-found").await;
+
+    // Admins only; another tenant only for the operator tenant's admins.
+    assert_problem(app.get(&app.agent, "/v1/dashboard").await, StatusCode::FORBIDDEN, "forbidden").await;
+    let other = app.get(&app.admin, "/v1/dashboard?tenant=globex").await;
+    let other: Value = other.json().await.unwrap();
+    assert_eq!((other["tenant"].as_str(), other["keys"]["in_flight"].as_u64()), (Some("globex"), Some(1)));
+    let created = app.post(&app.admin, "/v1/api-keys", &json!({"role": "admin", "tenant": "globex"})).await;
+    let globex_admin = created.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_owned();
+    let own: Value = app.get(&globex_admin, "/v1/dashboard").await.json().await.unwrap();
+    assert_eq!((own["tenant"].as_str(), own["tenants"].clone()), (Some("globex"), json!(["globex"])));
+    assert_problem(app.get(&globex_admin, "/v1/dashboard?tenant=acme").await, StatusCode::FORBIDDEN, "forbidden").await;
+    let peek = app.get(&globex_admin, "/v1/dashboard/record?tenant=acme&namespace=demo&key=paid").await;
+    assert_problem(peek, StatusCode::FORBIDDEN, "forbidden").await;
+    assert_problem(
+        app.client.get(app.url("/v1/dashboard")).send().await.unwrap(),
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_store_that_does_not_answer_shows_in_the_metrics() {
+    use std::sync::atomic::Ordering;
+    let app = spawn_app_with(Backing::Breakable, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    assert_eq!(app.claim_key("before", json!(1)).await.0, StatusCode::CREATED);
+    let (_, m) = scrape(&app).await;
+    assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 1.0);
+
+    app.store_down.store(true, Ordering::SeqCst);
+    let response =
+        app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "during", "request": 1})).await;
+    assert_problem(response, StatusCode::SERVICE_UNAVAILABLE, "store-unavailable").await;
+    let (_, m) = scrape(&app).await;
+    assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 0.0, "the store is reported down");
+    assert!(
+        value(&m, r#"onceguard_store_operation_duration_seconds_count{store="memory",op="auth",result="unavailable"}"#)
+            >= 1.0
+    );
+    assert!(
+        value(&m, r#"onceguard_store_operation_duration_seconds_count{store="memory",op="ping",result="unavailable"}"#)
+            >= 1.0
+    );
+    assert_eq!(
+        value(&m, r#"onceguard_keys_in_flight{tenant="acme"}"#),
+        1.0,
+        "the last counts are kept while the store is down"
+    );
+    assert_eq!(
+        value(&m, r#"onceguard_http_request_duration_seconds_count{method="POST",route="/v1/claims",status="503"}"#),
+        1.0
+    );
+
+    app.store_down.store(false, Ordering::SeqCst);
+    assert_eq!(app.claim_key("after", json!(1)).await.0, StatusCode::CREATED);
+    let (_, m) = scrape(&app).await;
+    assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 1.0, "and up again once it answers");
+    assert_eq!(value(&m, r#"onceguard_keys_in_flight{tenant="acme"}"#), 2.0);
+    let d: Value = app.get(&app.admin, "/v1/dashboard").await.json().await.unwrap();
+    assert_eq!(d["store"]["up"], true);
+    let ops = d["store"]["ops"].as_array().unwrap();
+    let auth = ops.iter().find(|op| op["op"] == "auth").unwrap();
+    assert!(auth["errors"].as_u64().unwrap() >= 1, "the dashboard counts the failed store calls: {auth}");
+}
+
+#[tokio::test]
+async fn the_dashboard_page_is_served_with_a_strict_policy() {
+    let app = spawn_app_with(Backing::Memory, |_| {}).await;
+    let page = app.client.get(app.url("/dashboard")).send().await.unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    assert!(page.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    let csp = page.headers()["content-security-policy"].to_str().unwrap().to_owned();
+    assert!(csp.contains("default-src 'none'") && csp.contains("script-src 'self'"), "{csp}");
+    let html = page.text().await.unwrap();
+    assert!(html.contains("/dashboard/app.js") && html.contains("Key inspector"));
+    for (asset, kind) in [("app.js", "text/javascript"), ("style.css", "text/css")] {
+        let response = app.client.get(app.url(&format!("/dashboard/{asset}"))).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(response.headers()["content-type"].to_str().unwrap().starts_with(kind));
+    }
+    let missing = app.client.get(app.url("/dashboard/other.js")).send().await.unwrap();
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+}
