@@ -135,9 +135,11 @@ async fn a_slow_network_to_the_store_stays_exactly_once() {
             replays += 1;
         }
     }
-    let executions = executions.lock().unwrap();
-    assert_eq!(executions.len(), 100);
-    assert!(executions.values().all(|&n| n == 1), "every key executed once: {executions:?}");
+    {
+        let executions = executions.lock().unwrap();
+        assert_eq!(executions.len(), 100);
+        assert!(executions.values().all(|&n| n == 1), "every key executed once: {executions:?}");
+    }
     assert_eq!(replays, 500);
     drop(guards);
     drop_schema(&schema).await;
