@@ -148,8 +148,9 @@ impl Pg {
     /// above the store's fence sequence (which it then moves past them), by `INSERT … SELECT`
     /// over `generate_series`: each row's document is the one `Record::into_doc` makes for
     /// record 0, with the key and the fence replaced (the caller checks sample rows through
-    /// the store). Then `VACUUM (ANALYZE)` and `CHECKPOINT`, so that the measurement does not
-    /// pay for the load (autovacuum would do the same soon after a load this size).
+    /// the store). Then `VACUUM (ANALYZE)` and `CHECKPOINT`, so that the measurement neither
+    /// pays for the load nor runs without statistics (autovacuum, where it is on, would do the
+    /// same soon after a load this size).
     pub async fn grow(&self, schema: &str, from: usize, to: usize, now: Timestamp) -> Result<(Duration, Duration)> {
         ensure!(self.schemas.iter().any(|s| s == schema), "schema {schema} was not created by this run");
         let started = Instant::now();
@@ -179,12 +180,13 @@ impl Pg {
             .step_by(PRELOAD_CHUNK)
             .map(|start| Ok((i64::try_from(start)?, i64::try_from((start + PRELOAD_CHUNK).min(to))?)))
             .collect::<Result<_>>()?;
-        let mut streams = Vec::new();
+        // A `JoinSet` stops the loads if this is dropped (interrupted).
+        let mut streams = tokio::task::JoinSet::new();
         for stream in 0..PRELOAD_STREAMS {
             let (client, driver) = connect(&self.config).await?;
             let mine: Vec<(i64, i64)> = chunks.iter().copied().skip(stream).step_by(PRELOAD_STREAMS).collect();
             let (insert, doc, body, fence_mark) = (insert.clone(), doc.clone(), body.clone(), fence_mark.clone());
-            streams.push(tokio::spawn(async move {
+            streams.spawn(async move {
                 let loaded: Result<()> = async {
                     for (start, end) in mine {
                         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
@@ -207,10 +209,10 @@ impl Pg {
                 drop(client);
                 driver.abort();
                 loaded
-            }));
+            });
         }
-        for stream in streams {
-            stream.await??;
+        while let Some(stream) = streams.join_next().await {
+            stream??;
         }
         let loaded = started.elapsed();
         let top = base + i64::try_from(to - from)?;

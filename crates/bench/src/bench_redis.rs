@@ -314,7 +314,7 @@ impl Redis {
                         pipe.add_command(listing).ignore();
                     }
                     pipe.query_async::<()>(&mut conn).await?;
-                    Ok::<_, anyhow::Error>(indexes.into_keys().collect())
+                    Ok::<Vec<u16>, anyhow::Error>(indexes.into_keys().collect())
                 }
             })
             .buffer_unordered(PRELOAD_PIPELINES)
@@ -335,15 +335,13 @@ impl Redis {
         Ok(started.elapsed())
     }
 
-    /// `used_memory_human` of the server (one server only), for the record.
-    pub async fn used_memory(&self) -> Result<String> {
+    /// `used_memory` of the server, in bytes (one server only).
+    pub async fn used_memory(&self) -> Result<u64> {
         let RedisTarget::Single(url) = &self.target else { bail!("one server only") };
         let mut conn = bulk_connection(url).await?;
         let info: String = redis::cmd("INFO").arg("memory").query_async(&mut conn).await?;
-        Ok(info
-            .lines()
-            .find_map(|l| l.strip_prefix("used_memory_human:"))
-            .map(|v| v.trim().to_owned())
-            .unwrap_or_else(|| "?".into()))
+        let used =
+            info.lines().find_map(|l| l.strip_prefix("used_memory:")).context("INFO memory has no used_memory")?;
+        Ok(used.trim().parse()?)
     }
 }

@@ -80,23 +80,24 @@ where
     F: Fn(usize) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<()>> + Send + 'static,
 {
-    let tasks: Vec<_> = (0..concurrency.min(ops.max(1)))
-        .map(|t| {
-            let op = op.clone();
-            tokio::spawn(async move {
-                let mut times = Vec::with_capacity(ops / concurrency + 1);
-                for i in (t..ops).step_by(concurrency) {
-                    let started = Instant::now();
-                    op(first + i).await?;
-                    times.push(started.elapsed());
-                }
-                Ok::<_, anyhow::Error>(times)
-            })
-        })
-        .collect();
+    // A `JoinSet` aborts its tasks when dropped, so an interrupted measurement leaves none
+    // running behind it.
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..concurrency.min(ops.max(1)) {
+        let op = op.clone();
+        tasks.spawn(async move {
+            let mut times = Vec::with_capacity(ops / concurrency + 1);
+            for i in (t..ops).step_by(concurrency) {
+                let started = Instant::now();
+                op(first + i).await?;
+                times.push(started.elapsed());
+            }
+            Ok::<_, anyhow::Error>(times)
+        });
+    }
     let mut all = Vec::with_capacity(ops);
-    for task in tasks {
-        all.extend(task.await??);
+    while let Some(task) = tasks.join_next().await {
+        all.extend(task??);
     }
     ensure!(all.len() == ops, "{} of {ops} operations ran", all.len());
     Ok(all)
@@ -289,12 +290,12 @@ impl Rates {
 /// Prints one figure: what it is, at what concurrency, its median rate over the rounds and
 /// their spread, its unit, and how it compares to a baseline.
 pub fn row(what: &str, conc: usize, rates: &Rates, unit: &str, vs: &str) {
-    println!("{what:<52} {conc:>5} {:>12} {:>5} {unit:<9} {vs}", grouped(rates.median()), rates.spread());
+    println!("{what:<56} {conc:>5} {:>12} {:>5} {unit:<9} {vs}", grouped(rates.median()), rates.spread());
 }
 
 /// The heading of a table of [`row`]s.
 pub fn heading() {
-    println!("{:<52} {:>5} {:>12} {:>5} {:<9} vs baseline", "measurement", "conc", "median", "±", "unit");
+    println!("{:<56} {:>5} {:>12} {:>5} {:<9} vs baseline", "measurement", "conc", "median", "±", "unit");
 }
 
 #[cfg(test)]

@@ -11,6 +11,9 @@
 //!    which the store's claims per second are compared;
 //! 3. the cost of a claim with 10 k and with 1 M stored records (PostgreSQL, Redis, SQLite).
 //!
+//! Each figure of the per-store table is the median of `--rounds` rounds, baseline and store
+//! taking turns, so that other work on the machine falls on both alike.
+//!
 //! Every PostgreSQL measurement runs in a fresh schema `og_bench_<random>` and every Redis one
 //! under a fresh key prefix `og-bench-<random>:`; all of them are dropped at the end (also on
 //! an error or Ctrl-C).
@@ -64,18 +67,19 @@ enum StoreKind {
 /// same run, and the cost of a claim with 10 k and with 1 M stored records.
 #[derive(Debug, Parser)]
 struct Args {
-    /// Stores to measure (leave out those whose server is not running).
+    /// Stores to measure (leave out those whose server is not running); a Redis Cluster is
+    /// measured when `--redis-cluster` or `--start-cluster` is given.
     #[arg(long, value_delimiter = ',', default_value = "memory,sqlite,postgres,redis")]
     stores: Vec<StoreKind>,
     /// Concurrency levels (tasks issuing operations at once).
     #[arg(long, value_delimiter = ',', default_value = "1,16,32,64")]
     concurrency: Vec<usize>,
     /// Pairs per measurement on SQLite and PostgreSQL and their baselines (memory runs 20 times
-    /// as many) [default: 4000, 1000 with --quick].
+    /// as many) [default: 2000, 1000 with --quick].
     #[arg(long)]
     pairs: Option<usize>,
-    /// Operations per Redis measurement (raw claims, claims, or pairs) [default: 20000, 5000 with
-    /// --quick].
+    /// Operations per Redis measurement: raw claims, or claims (pair measurements run half as
+    /// many pairs) [default: 20000, 5000 with --quick].
     #[arg(long)]
     redis_ops: Option<usize>,
     /// The PostgreSQL server (store options in the query, such as `pool_size`, are passed on).
@@ -110,7 +114,7 @@ struct Args {
     quick: bool,
 }
 
-/// `what` against `baseline`, with the target when one is stated: `1.52x (target >= 1.5x: met)`.
+/// `value` against `baseline`, with the target when one is stated: `1.52x (target >= 1.5x: met)`.
 fn versus(value: f64, baseline: f64, target: Option<f64>) -> String {
     let ratio = value / baseline;
     match target {
@@ -124,6 +128,7 @@ fn versus(value: f64, baseline: f64, target: Option<f64>) -> String {
 struct Verdicts(Vec<String>);
 
 impl Verdicts {
+    /// Records `what` at `ratio` against `target`.
     fn add(&mut self, what: String, ratio: f64, target: f64) {
         let verdict = if ratio >= target { "met" } else { "NOT met" };
         self.0.push(format!("{what}: {ratio:.2}x, target >= {target}x: {verdict}"));
@@ -139,6 +144,7 @@ async fn guarded_pairs(guard: onceguard_core::Guard, pairs: usize, c: usize) -> 
     .await
 }
 
+/// Memory store: pairs per second (no baseline: nothing else runs in process alike).
 async fn memory(args: &Settings) -> Result<()> {
     for &c in &args.concurrency {
         let mut og = Rates::default();
@@ -150,6 +156,7 @@ async fn memory(args: &Settings) -> Result<()> {
     Ok(())
 }
 
+/// SQLite: the naive baseline and the store, in turns, on fresh files in a temporary directory.
 async fn sqlite(args: &Settings) -> Result<()> {
     let dir = tempfile::tempdir()?;
     for &c in &args.concurrency {
@@ -171,6 +178,8 @@ async fn sqlite(args: &Settings) -> Result<()> {
     Ok(())
 }
 
+/// PostgreSQL: the naive baseline and the store (its default pool and writers), in turns, each
+/// in a fresh schema; checks the target at [`PG_TARGET_CONCURRENCY`].
 async fn postgres(args: &Settings, pg: &mut Pg, verdicts: &mut Verdicts) -> Result<()> {
     for &c in &args.concurrency {
         let (mut naive, mut og) = (Rates::default(), Rates::default());
@@ -213,6 +222,9 @@ async fn redis_guarded(redis: &mut Redis, ops: usize, c: usize, pairs: bool) -> 
     measured
 }
 
+/// Redis (or a cluster): the raw Lua claim on one shared connection and on one connection per
+/// task, the store's claims, and its pairs, in turns, each under a fresh prefix; checks the target
+/// at every concurrency.
 async fn redis(args: &Settings, redis: &mut Redis, name: &str, verdicts: &mut Verdicts) -> Result<()> {
     let ops = args.redis_ops;
     for &c in &args.concurrency {
@@ -245,29 +257,38 @@ async fn redis(args: &Settings, redis: &mut Redis, name: &str, verdicts: &mut Ve
 
 /// The options after `--quick` and the defaults are applied.
 struct Settings {
+    /// Stores to measure.
     stores: Vec<StoreKind>,
+    /// Concurrency levels.
     concurrency: Vec<usize>,
+    /// Pairs per SQLite and PostgreSQL measurement.
     pairs: usize,
+    /// Operations per Redis measurement.
     redis_ops: usize,
+    /// Rounds of each measurement.
     rounds: usize,
+    /// Records of the large store of the cost-per-claim comparison (0: no comparison).
     scale_keys: usize,
+    /// Records of the small store.
     scale_base: usize,
+    /// The comparison's workload.
     workload: scale::Workload,
 }
 
 impl Settings {
+    /// The settings for `args`.
     fn from(args: &Args) -> Self {
         let quick = args.quick;
         Self {
             stores: args.stores.clone(),
             concurrency: args.concurrency.iter().copied().filter(|&c| c > 0).collect(),
-            pairs: args.pairs.unwrap_or(if quick { 1_000 } else { 4_000 }),
+            pairs: args.pairs.unwrap_or(if quick { 1_000 } else { 2_000 }),
             redis_ops: args.redis_ops.unwrap_or(if quick { 5_000 } else { 20_000 }),
             rounds: args.rounds.unwrap_or(if quick { 1 } else { 3 }).max(1),
             scale_keys: args.scale_keys.unwrap_or(if quick { 100_000 } else { 1_000_000 }),
             scale_base: args.scale_base,
             workload: scale::Workload {
-                serial_pairs: if quick { 300 } else { 1_000 },
+                serial_pairs: if quick { 300 } else { 500 },
                 pairs: if quick { 1_000 } else { 4_000 },
                 replays: if quick { 2_000 } else { 8_000 },
                 concurrency: args.scale_concurrency.max(1),
@@ -275,6 +296,7 @@ impl Settings {
         }
     }
 
+    /// Whether `store` is to be measured.
     fn has(&self, store: StoreKind) -> bool {
         self.stores.contains(&store)
     }
@@ -324,39 +346,42 @@ async fn run(
             harness::grouped(small as f64),
             harness::grouped(large as f64)
         );
-        println!("Records are written straight into the store's tables / keys, then sample records are read back");
-        println!("through the store and must decode to exactly what was meant, and replay.");
-        println!("New keys of the workload are spread among the stored ones.");
+        println!("Two stores of each kind on the same server, one preloaded with each number of records, written");
+        println!("straight into the store's tables / keys; sample records must read back through the store exactly");
+        println!("as meant, and replay. Then the same workload runs on one and the other in turn, each round; new");
+        println!("keys of the workload are spread among the stored ones; all operations go through the guard.");
+        let sizes = (small, large);
         if let Some(pg) = pg.as_mut() {
-            let (guard, schema) = pg.store().await?;
-            let compared = scale::compare(
-                "postgres",
-                scale::Target::Postgres { pg, schema: schema.clone(), guard },
-                small,
-                large,
-                w,
-            )
-            .await;
-            pg.drop_schema(&schema).await?;
+            let (small_guard, small_schema) = pg.store().await?;
+            let (large_guard, large_schema) = pg.store().await?;
+            let compared = {
+                let pg = &*pg;
+                let small_target = scale::Target::Postgres { pg, schema: small_schema.clone(), guard: small_guard };
+                let large_target = scale::Target::Postgres { pg, schema: large_schema.clone(), guard: large_guard };
+                scale::compare("postgres", small_target, large_target, sizes, w, settings.rounds).await
+            };
+            pg.drop_schema(&small_schema).await?;
+            pg.drop_schema(&large_schema).await?;
             compared?;
         }
         if let Some(r) = single.as_mut() {
-            let (guard, prefix) = r.store().await?;
-            let compared = scale::compare(
-                "redis",
-                scale::Target::Redis { redis: r, prefix: prefix.clone(), guard },
-                small,
-                large,
-                w,
-            )
-            .await;
-            r.delete_prefix(&prefix).await?;
+            let (small_guard, small_prefix) = r.store().await?;
+            let (large_guard, large_prefix) = r.store().await?;
+            let compared = {
+                let redis = &*r;
+                let small_target = scale::Target::Redis { redis, prefix: small_prefix.clone(), guard: small_guard };
+                let large_target = scale::Target::Redis { redis, prefix: large_prefix.clone(), guard: large_guard };
+                scale::compare("redis", small_target, large_target, sizes, w, settings.rounds).await
+            };
+            r.delete_prefix(&small_prefix).await?;
+            r.delete_prefix(&large_prefix).await?;
             compared?;
         }
         if settings.has(StoreKind::Sqlite) {
             let dir = tempfile::tempdir()?;
-            let target = scale::Target::Sqlite(bench_sqlite::ScaleSqlite::create(dir.path().join("scale.db"))?);
-            scale::compare("sqlite", target, small, large, w).await?;
+            let small_target = scale::Target::Sqlite(bench_sqlite::ScaleSqlite::create(dir.path().join("small.db"))?);
+            let large_target = scale::Target::Sqlite(bench_sqlite::ScaleSqlite::create(dir.path().join("large.db"))?);
+            scale::compare("sqlite", small_target, large_target, sizes, w, settings.rounds).await?;
         }
     }
     Ok(verdicts.0)
@@ -369,6 +394,8 @@ fn load_average() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
+/// Parses the flags, connects to the servers (and starts a cluster if asked), runs, and cleans
+/// up whatever happened.
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
@@ -419,7 +446,11 @@ async fn main() -> Result<()> {
 
     let outcome = tokio::select! {
         outcome = run(&settings, &mut pg, &mut single, &mut cluster) => outcome,
-        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+        _ = tokio::signal::ctrl_c() => {
+            // Operations already sent may still land: let them, then clean up after them.
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            Err(anyhow!("interrupted"))
+        }
     };
 
     // Clean up whatever happened: schemas and prefixes of this run only.

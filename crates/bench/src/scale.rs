@@ -1,8 +1,8 @@
-//! Cost per claim as a store grows: the same small workload on a store holding a few stored
-//! records and on one holding many.
+//! Cost per claim as a store grows: the same small workload on a store holding few stored
+//! records (10 k) and on one holding many (1 M), on the same server, measured in turns.
 //!
 //! The records are written straight into the store's own tables or keys (see `grow` of each
-//! store), as completed records of one tenant and namespace. Before each measurement, sample
+//! store), as completed records of one tenant and namespace. Before the measurements, sample
 //! records are read back through the store (they must decode to exactly the record the
 //! benchmark meant to write) and claimed (they must replay), so a preload in a wrong format
 //! fails the run instead of flattering it.
@@ -33,7 +33,7 @@ pub struct Workload {
     pub concurrency: usize,
 }
 
-/// What one size measured.
+/// What one size measured in one round.
 struct Figures {
     p50: Duration,
     p99: Duration,
@@ -41,14 +41,14 @@ struct Figures {
     replays_per_s: f64,
 }
 
-/// A store being grown.
+/// A store being preloaded and measured, and the server it is on.
 pub enum Target<'a> {
-    /// A SQLite file (closed while it grows).
+    /// A SQLite file (closed while it is loaded).
     Sqlite(ScaleSqlite),
     /// A PostgreSQL store in a schema of its own.
     Postgres {
         /// The server.
-        pg: &'a mut Pg,
+        pg: &'a Pg,
         /// The store's schema.
         schema: String,
         /// A guard over the store.
@@ -57,7 +57,7 @@ pub enum Target<'a> {
     /// A Redis store under a prefix of its own.
     Redis {
         /// The server.
-        redis: &'a mut Redis,
+        redis: &'a Redis,
         /// The store's prefix.
         prefix: String,
         /// A guard over the store.
@@ -66,9 +66,8 @@ pub enum Target<'a> {
 }
 
 impl Target<'_> {
-    /// Adds preloaded records `from .. to`; says how long that took.
-    async fn grow(&mut self, from: usize, to: usize, now: Timestamp) -> Result<String> {
-        let n = to - from;
+    /// Loads preloaded records `0 .. n`; says how long that took.
+    async fn preload(&mut self, n: usize, now: Timestamp) -> Result<String> {
         let rate = |d: Duration| {
             format!(
                 "{} records in {:.1} s ({}/s)",
@@ -79,16 +78,19 @@ impl Target<'_> {
         };
         Ok(match self {
             Self::Sqlite(s) => {
-                let d = s.grow(from, to, now)?;
-                format!("{}, one transaction, WAL checkpointed", rate(d))
+                let d = s.grow(0, n, now)?;
+                format!("{}, one transaction, WAL checkpointed after", rate(d))
             }
             Self::Postgres { pg, schema, .. } => {
-                let (load, settle) = pg.grow(schema, from, to, now).await?;
-                format!("{}; then VACUUM (ANALYZE) and CHECKPOINT in {:.1} s", rate(load), settle.as_secs_f64())
+                let (load, settle) = pg.grow(schema, 0, n, now).await?;
+                format!("{}; VACUUM (ANALYZE) and CHECKPOINT after, {:.1} s", rate(load), settle.as_secs_f64())
             }
             Self::Redis { redis, prefix, .. } => {
-                let d = redis.grow(prefix, from, to, now).await?;
-                format!("{}; Redis uses {}", rate(d), redis.used_memory().await?)
+                let before = redis.used_memory().await?;
+                let d = redis.grow(prefix, 0, n, now).await?;
+                let after = redis.used_memory().await?;
+                let per_record = after.saturating_sub(before) as f64 / n as f64;
+                format!("{}; Redis used_memory +{:.0} bytes per record", rate(d), per_record)
             }
         })
     }
@@ -116,15 +118,15 @@ async fn check_samples(guard: &Guard, stored: usize, now: Timestamp) -> Result<(
     Ok(())
 }
 
-/// Measures `workload` on a store holding `stored` preloaded records; `size` names the size
-/// in the workload's keys, so that each size writes fresh keys.
-async fn figures(guard: &Guard, stored: usize, size: usize, workload: Workload) -> Result<Figures> {
+/// Measures `workload` on a store holding `stored` preloaded records; `round` goes into the
+/// workload's keys, so that every round writes fresh keys.
+async fn figures(guard: &Guard, stored: usize, round: usize, workload: Workload) -> Result<Figures> {
     // Fresh keys land among the stored ones (`pre-<random stored index>-…`), not at one end.
     let op = |guard: Guard, tag: &'static str| {
         move |i: usize| {
             let guard = guard.clone();
             async move {
-                let key = format!("pre-{}-{tag}{size}-{i}", spread(i, stored));
+                let key = format!("pre-{}-{tag}{round}-{i}", spread(i, stored));
                 claim_and_complete(&guard, &fresh_claim(scope(SCALE_NAMESPACE, &key), i), i).await
             }
         }
@@ -137,7 +139,7 @@ async fn figures(guard: &Guard, stored: usize, size: usize, workload: Workload) 
         let guard = guard.clone();
         move |i| {
             let guard = guard.clone();
-            async move { replay(&guard, spread(i, stored)).await }
+            async move { replay(&guard, spread(i + round * workload.replays, stored)).await }
         }
     })
     .await?;
@@ -149,55 +151,66 @@ async fn figures(guard: &Guard, stored: usize, size: usize, workload: Workload) 
     })
 }
 
-/// Grows `target` to `small` records, measures, grows it to `large`, measures again, and
-/// prints both side by side.
-pub async fn compare(name: &str, mut target: Target<'_>, small: usize, large: usize, workload: Workload) -> Result<()> {
+/// A printed line of the comparison: its label, the figure it shows, and whether that is a
+/// time (printed in ms) or a rate.
+type Line = (String, fn(&Figures) -> f64, bool);
+
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+}
+
+/// Preloads `small_target` with `small` records and `large_target` with `large`, checks
+/// samples of both, then measures `workload` on one and the other in turn, `rounds` times (so
+/// that whatever else the machine does falls on both alike), and prints the medians side by
+/// side.
+pub async fn compare(
+    name: &str,
+    mut small_target: Target<'_>,
+    mut large_target: Target<'_>,
+    (small, large): (usize, usize),
+    workload: Workload,
+    rounds: usize,
+) -> Result<()> {
     ensure!(0 < small && small < large, "the sizes must grow: {small} then {large}");
     let now = Timestamp::now();
     let started = Instant::now();
-    println!("{name}: preloaded {}", target.grow(0, small, now).await?);
-    let guard = target.guard()?;
-    check_samples(&guard, small, now).await?;
-    let before = figures(&guard, small, small, workload).await?;
-    drop(guard);
-    println!("{name}: preloaded {}", target.grow(small, large, now).await?);
-    let guard = target.guard()?;
-    check_samples(&guard, large, now).await?;
-    let after = figures(&guard, large, large, workload).await?;
-    drop(guard);
+    println!("{name}: preloaded {}", small_target.preload(small, now).await?);
+    println!("{name}: preloaded {}", large_target.preload(large, now).await?);
+    let (small_guard, large_guard) = (small_target.guard()?, large_target.guard()?);
+    check_samples(&small_guard, small, now).await?;
+    check_samples(&large_guard, large, now).await?;
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for round in 0..rounds.max(1) {
+        a.push(figures(&small_guard, small, round, workload).await?);
+        b.push(figures(&large_guard, large, round, workload).await?);
+    }
+    let of = |figures: &[Figures], f: fn(&Figures) -> f64| median(figures.iter().map(f).collect());
     let (s, l) = (grouped(small as f64), grouped(large as f64));
     println!(
         "{:<58} {:>12} {:>12} {:>9}",
-        format!("{name} (all figures through the guard)"),
+        format!("{name}: medians of {} rounds", rounds.max(1)),
         format!("{s} keys"),
         format!("{l} keys"),
         "ratio"
     );
-    let line = |what: String, a: String, b: String, ratio: f64| println!("{what:<58} {a:>12} {b:>12} {ratio:>8.2}x");
-    line(
-        format!("  pair latency p50, ms (c=1, {} pairs)", workload.serial_pairs),
-        millis(before.p50),
-        millis(after.p50),
-        after.p50.as_secs_f64() / before.p50.as_secs_f64(),
-    );
-    line(
-        format!("  pair latency p99, ms (c=1, {} pairs)", workload.serial_pairs),
-        millis(before.p99),
-        millis(after.p99),
-        after.p99.as_secs_f64() / before.p99.as_secs_f64(),
-    );
-    line(
-        format!("  pairs/s (c={}, {} pairs)", workload.concurrency, workload.pairs),
-        grouped(before.pairs_per_s),
-        grouped(after.pairs_per_s),
-        after.pairs_per_s / before.pairs_per_s,
-    );
-    line(
-        format!("  replay claims/s of random stored keys (c={})", workload.concurrency),
-        grouped(before.replays_per_s),
-        grouped(after.replays_per_s),
-        after.replays_per_s / before.replays_per_s,
-    );
+    let lines: [Line; 4] = [
+        (format!("  pair latency p50, ms (c=1, {} pairs)", workload.serial_pairs), |f| f.p50.as_secs_f64(), true),
+        (format!("  pair latency p99, ms (c=1, {} pairs)", workload.serial_pairs), |f| f.p99.as_secs_f64(), true),
+        (format!("  pairs/s (c={}, {} pairs)", workload.concurrency, workload.pairs), |f| f.pairs_per_s, false),
+        (
+            format!("  replay claims/s, random stored keys (c={}, {})", workload.concurrency, workload.replays),
+            |f| f.replays_per_s,
+            false,
+        ),
+    ];
+    for (what, f, is_time) in lines {
+        let (x, y) = (of(&a, f), of(&b, f));
+        let show = |v: f64| if is_time { millis(Duration::from_secs_f64(v)) } else { grouped(v) };
+        println!("{what:<58} {:>12} {:>12} {:>8.2}x", show(x), show(y), y / x);
+    }
     println!("{name}: done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }
