@@ -17,8 +17,10 @@
 //!   fences keep growing after a record expired, was swept or purged.
 //! - **Retention** is checked when read (`expires_at > now`); the sweep deletes expired rows in
 //!   bounded batches with `FOR UPDATE SKIP LOCKED`, so it never waits on (or blocks) a claim.
-//! - **Waits across instances**: finishing calls and purges `pg_notify` the key on the schema's
-//!   channel inside their transaction (delivered on commit); a `LISTEN` connection feeds
+//! - **Waits across instances**: once a batch (or a purge) committed, the keys it finished are
+//!   handed to a notifier task that `pg_notify`s them on the schema's channel, many per
+//!   statement, on a connection of its own (a `NOTIFY` takes a database-wide lock while its
+//!   transaction commits, so it is kept out of the batches). A `LISTEN` connection feeds
 //!   [`Store::changes`]. Waiters also poll, so a lost notification only delays a replay.
 //! - **Fail closed**: every statement runs under `statement_timeout`, and taking a connection
 //!   from the pool times out; both answer `Unavailable` (HTTP 503), never a decision. The pool
@@ -185,6 +187,7 @@ pub struct PgStore {
     schema: String,
     jobs: mpsc::Sender<Job>,
     changes: broadcast::Sender<Scope>,
+    finished: mpsc::UnboundedSender<Scope>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -241,10 +244,12 @@ impl PgStore {
         let (changes, _) = broadcast::channel(4096);
         let (jobs, rx) = mpsc::channel(4 * MAX_BATCH);
         let rx = Arc::new(Mutex::new(rx));
+        let (finished, finished_rx) = mpsc::unbounded_channel();
         let mut tasks: Vec<JoinHandle<()>> =
-            (0..options.writers).map(|_| tokio::spawn(write_loop(pool.clone(), rx.clone(), channel.clone()))).collect();
+            (0..options.writers).map(|_| tokio::spawn(write_loop(pool.clone(), rx.clone(), finished.clone()))).collect();
+        tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
         tasks.push(tokio::spawn(listen_loop(config, channel, changes.clone())));
-        Ok(Self { pool, schema: options.schema, jobs, changes, tasks })
+        Ok(Self { pool, schema: options.schema, jobs, changes, finished, tasks })
     }
 
     /// The schema holding the tables.
@@ -319,7 +324,7 @@ fn lock_key(scope: &Scope) -> i64 {
     h as i64
 }
 
-async fn write_loop(pool: Pool, rx: Arc<Mutex<mpsc::Receiver<Job>>>, channel: String) {
+async fn write_loop(pool: Pool, rx: Arc<Mutex<mpsc::Receiver<Job>>>, finished: mpsc::UnboundedSender<Scope>) {
     let mut deferred: VecDeque<Job> = VecDeque::new();
     loop {
         let mut batch = Vec::with_capacity(MAX_BATCH);
@@ -357,12 +362,15 @@ async fn write_loop(pool: Pool, rx: Arc<Mutex<mpsc::Receiver<Job>>>, channel: St
             }
         }
         batch.sort_by_key(|job| lock_key(job.op.scope()));
-        let mut result = run_batch(&pool, &batch, &channel).await;
+        let mut result = run_batch(&pool, &batch).await;
         if result.as_ref().is_err_and(is_retryable) {
-            result = run_batch(&pool, &batch, &channel).await;
+            result = run_batch(&pool, &batch).await;
         }
         match result {
-            Ok(answers) => {
+            Ok((answers, done)) => {
+                for scope in done {
+                    let _ = finished.send(scope);
+                }
                 for (job, answer) in batch.into_iter().zip(answers) {
                     let _ = job.reply.send(Ok(answer));
                 }
@@ -421,7 +429,8 @@ const UPSERT: &str =
        state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
        expires_at = excluded.expires_at, doc = excluded.doc, body = excluded.body";
 
-async fn run_batch(pool: &Pool, batch: &[Job], channel: &str) -> Result<Vec<Answer>, BatchError> {
+/// Runs one batch in one transaction; answers each job's answer and the keys it finished.
+async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
     let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
     let tx = client.transaction().await?;
     let lock_get = tx.prepare_cached("SELECT doc, body FROM og_lock_get($1, $2, $3, $4)").await?;
@@ -460,7 +469,7 @@ async fn run_batch(pool: &Pool, batch: &[Job], channel: &str) -> Result<Vec<Answ
         fences.into_iter().map(|f| Fence(f as u64)).collect()
     };
 
-    // 3. Decide, then write every changed record (pipelined) and notify finished keys.
+    // 3. Decide, then write every changed record (pipelined).
     let mut answers = Vec::with_capacity(batch.len());
     let mut writes = Vec::new();
     let mut finished = Vec::new();
@@ -506,21 +515,31 @@ async fn run_batch(pool: &Pool, batch: &[Job], channel: &str) -> Result<Vec<Answ
         async move { tx.execute(upsert, &[tenant, namespace, key, state, run, lease, expires, doc, body]).await }
     });
     futures::future::try_join_all(upserts).await?;
-    notify(&tx, channel, &finished).await?;
     tx.commit().await?;
-    Ok(answers)
+    Ok((answers, finished))
 }
 
-async fn notify(
-    tx: &tokio_postgres::Transaction<'_>,
-    channel: &str,
-    scopes: &[Scope],
-) -> Result<(), tokio_postgres::Error> {
+/// Notifies finished keys on `channel`, in batches, each in a statement of its own.
+async fn notify_loop(pool: Pool, mut finished: mpsc::UnboundedReceiver<Scope>, channel: String) {
+    let mut scopes = Vec::new();
+    while finished.recv_many(&mut scopes, 1_000).await > 0 {
+        let sent = async {
+            let client = pool.get().await.map_err(|e| e.to_string())?;
+            notify(&client, &channel, &scopes).await.map_err(|e| e.to_string())
+        };
+        if let Err(e) = sent.await {
+            tracing::debug!(error = %e, "postgres: could not notify finished keys; waiters will poll");
+        }
+        scopes.clear();
+    }
+}
+
+async fn notify(client: &tokio_postgres::Client, channel: &str, scopes: &[Scope]) -> Result<(), tokio_postgres::Error> {
     let payloads: Vec<String> = scopes.iter().filter_map(|s| serde_json::to_string(s).ok()).collect();
     if payloads.is_empty() {
         return Ok(());
     }
-    tx.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p", &[&channel, &payloads]).await.map(drop)
+    client.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p", &[&channel, &payloads]).await.map(drop)
 }
 
 /// Keeps a `LISTEN` connection open (reconnecting after a second when it drops) and forwards
@@ -655,17 +674,16 @@ impl Store for PgStore {
     }
 
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        let n = tx
+        let n = self
+            .client()
+            .await?
             .execute(
                 "DELETE FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3",
                 &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()],
             )
             .await
             .map_err(unavailable)?;
-        notify(&tx, &format!("og_changes_{}", self.schema), std::slice::from_ref(scope)).await.map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
+        let _ = self.finished.send(scope.clone());
         Ok(n > 0)
     }
 
