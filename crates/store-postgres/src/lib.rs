@@ -245,8 +245,9 @@ impl PgStore {
         let (jobs, rx) = mpsc::channel(4 * MAX_BATCH);
         let rx = Arc::new(Mutex::new(rx));
         let (finished, finished_rx) = mpsc::unbounded_channel();
-        let mut tasks: Vec<JoinHandle<()>> =
-            (0..options.writers).map(|_| tokio::spawn(write_loop(pool.clone(), rx.clone(), finished.clone()))).collect();
+        let mut tasks: Vec<JoinHandle<()>> = (0..options.writers)
+            .map(|_| tokio::spawn(write_loop(pool.clone(), rx.clone(), finished.clone())))
+            .collect();
         tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
         tasks.push(tokio::spawn(listen_loop(config, channel, changes.clone())));
         Ok(Self { pool, schema: options.schema, jobs, changes, finished, tasks })
