@@ -108,6 +108,10 @@ fn connect(path: &Path) -> Result<Connection, StoreError> {
     conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(unavailable)?;
     conn.pragma_update(None, "journal_mode", "WAL").map_err(unavailable)?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(unavailable)?;
+    // A page cache of 32 MiB per connection (SQLite's default is 2 MiB), and reads through a
+    // memory map: with a million records the indexes' inner pages stay in memory.
+    conn.pragma_update(None, "cache_size", -32_768).map_err(unavailable)?;
+    conn.pragma_update(None, "mmap_size", 256 * 1024 * 1024).map_err(unavailable)?;
     Ok(conn)
 }
 
