@@ -1,0 +1,27 @@
+//! Arbitrary bytes as JSON, fingerprinted.
+//!
+//! Invariants: nothing panics; the fingerprint is `sha256:` and 64 lowercase hex digits, parses
+//! as a `Fingerprint`, and equals the fingerprint of the value re-read from its own
+//! serialization (the canonical form is stable).
+
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use onceguard_core::Fingerprint;
+
+fn well_formed(fp: &Fingerprint) -> bool {
+    let s = fp.as_str();
+    s.strip_prefix("sha256:")
+        .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else { return };
+    let fp = Fingerprint::of_json(&value);
+    assert!(well_formed(&fp), "{fp:?} is not sha256:<64 hex>");
+    assert_eq!(Fingerprint::parse(fp.as_str()).as_ref(), Ok(&fp));
+
+    let text = serde_json::to_string(&value).expect("a Value serializes");
+    let again: serde_json::Value = serde_json::from_str(&text).expect("a serialized Value parses");
+    assert_eq!(Fingerprint::of_json(&again), fp, "the fingerprint changed across a round trip of {text}");
+});
