@@ -274,9 +274,14 @@ impl Timestamp {
         Duration::from_millis(later.0.saturating_sub(self.0))
     }
 
-    /// RFC 3339 with milliseconds, in UTC.
+    /// The last instant RFC 3339 can write (9999-12-31T23:59:59.999Z).
+    pub const LAST_RFC3339: Timestamp = Timestamp(253_402_300_799_999);
+
+    /// RFC 3339 with milliseconds, in UTC; times after the year 9999 (which no lease or
+    /// retention reaches) are written as its last instant.
     pub fn to_rfc3339(self) -> String {
-        humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(self.0)).to_string()
+        let ms = self.0.min(Self::LAST_RFC3339.0);
+        humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
     }
 }
 
@@ -374,6 +379,13 @@ mod tests {
         assert_eq!(Fingerprint::of_json(&a), Fingerprint::of_json(&b));
         assert_ne!(Fingerprint::of_json(&a), Fingerprint::of_json(&c));
         assert!(Fingerprint::of_json(&a).as_str().starts_with("sha256:"));
+    }
+
+    #[test]
+    fn every_timestamp_formats() {
+        assert_eq!(Timestamp(0).to_rfc3339(), "1970-01-01T00:00:00.000Z");
+        assert_eq!(Timestamp(u64::MAX).to_rfc3339(), "9999-12-31T23:59:59.999Z");
+        assert_eq!(Timestamp::LAST_RFC3339.to_rfc3339(), "9999-12-31T23:59:59.999Z");
     }
 
     #[test]
