@@ -152,10 +152,17 @@ impl Proxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_cut_off_means_503_and_the_server_recovers_by_itself() {
-    if !onceguard_testkit::services::available("PostgreSQL fail-closed test", "127.0.0.1:5432", "start PostgreSQL") {
+    let url =
+        std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let upstream = onceguard_testkit::services::addr_of_url(&url, 5432);
+    if !onceguard_testkit::services::available(
+        "PostgreSQL fail-closed test",
+        &upstream,
+        "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
+    ) {
         return;
     }
-    let proxy = Arc::new(Proxy { port: free_port(), upstream: "127.0.0.1:5432".into(), tasks: Arc::default() });
+    let proxy = Arc::new(Proxy { port: free_port(), upstream, tasks: Arc::default() });
     proxy.up().await;
     let schema = format!("og_fc_{:08x}", rand::random::<u32>());
     let dir = tempfile::tempdir().unwrap();
@@ -179,7 +186,6 @@ async fn postgres_cut_off_means_503_and_the_server_recovers_by_itself() {
     )
     .await;
     drop(server);
-    let _ = Command::new("psql")
-        .args(["postgres://postgres@127.0.0.1:5432/test", "-qc", &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")])
-        .output();
+    let _ =
+        Command::new("psql").args([url.as_str(), "-qc", &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")]).output();
 }

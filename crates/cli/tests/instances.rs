@@ -110,7 +110,7 @@ async fn three_instances_on_one_postgres() {
     let url = postgres_url();
     if !onceguard_testkit::services::available(
         "PostgreSQL many-instances test",
-        "127.0.0.1:5432",
+        &onceguard_testkit::services::addr_of_url(&url, 5432),
         "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
     ) {
         return;
@@ -137,7 +137,7 @@ async fn three_instances_on_one_redis() {
     let url = redis_url();
     if !onceguard_testkit::services::available(
         "Redis many-instances test",
-        "127.0.0.1:6379",
+        &onceguard_testkit::services::addr_of_url(&url, 6379),
         "start redis-server or set ONCEGUARD_REDIS_URL",
     ) {
         return;
