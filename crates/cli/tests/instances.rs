@@ -105,28 +105,33 @@ async fn duplicates_across_instances(servers: &[Server], token: &str) -> (usize,
     (acquired, replayed, in_flight)
 }
 
+/// Runs the duplicates on three instances of `store`, named `label`, and checks exactly one
+/// acquisition per key.
+async fn three_instances_on(label: &str, store: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (servers, token) = three_instances(dir.path(), store);
+    let started = std::time::Instant::now();
+    let (acquired, replayed, in_flight) = duplicates_across_instances(&servers, &token).await;
+    println!(
+        "{label}, 3 instances: {KEYS} keys x {DUPLICATES} duplicates in {:.1}s: {acquired} acquired, {replayed} replays, {in_flight} in flight",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(acquired, KEYS);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_on_one_postgres() {
     let url = postgres_url();
+    let addr = onceguard_testkit::services::addr_of_url(&url, 5432);
     if !onceguard_testkit::services::available(
         "PostgreSQL many-instances test",
-        &onceguard_testkit::services::addr_of_url(&url, 5432),
+        &addr,
         "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
     ) {
         return;
     }
     let schema = format!("og_many_{:08x}", rand::random::<u32>());
-    let store = format!("{url}?schema={schema}");
-    let dir = tempfile::tempdir().unwrap();
-    let (servers, token) = three_instances(dir.path(), &store);
-    let started = std::time::Instant::now();
-    let (acquired, replayed, in_flight) = duplicates_across_instances(&servers, &token).await;
-    println!(
-        "postgres, 3 instances: {KEYS} keys x {DUPLICATES} duplicates in {:.1}s: {acquired} acquired, {replayed} replays, {in_flight} in flight",
-        started.elapsed().as_secs_f64()
-    );
-    assert_eq!(acquired, KEYS);
-    drop(servers);
+    three_instances_on("postgres", &format!("{url}?schema={schema}")).await;
     let _ = std::process::Command::new("psql")
         .args([&url, "-qc", &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")])
         .output();
@@ -135,25 +140,16 @@ async fn three_instances_on_one_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_on_one_redis() {
     let url = redis_url();
+    let addr = onceguard_testkit::services::addr_of_url(&url, 6379);
     if !onceguard_testkit::services::available(
         "Redis many-instances test",
-        &onceguard_testkit::services::addr_of_url(&url, 6379),
+        &addr,
         "start redis-server or set ONCEGUARD_REDIS_URL",
     ) {
         return;
     }
     let prefix = format!("og-many-{:08x}:", rand::random::<u32>());
-    let store = format!("{url}?prefix={prefix}");
-    let dir = tempfile::tempdir().unwrap();
-    let (servers, token) = three_instances(dir.path(), &store);
-    let started = std::time::Instant::now();
-    let (acquired, replayed, in_flight) = duplicates_across_instances(&servers, &token).await;
-    println!(
-        "redis, 3 instances: {KEYS} keys x {DUPLICATES} duplicates in {:.1}s: {acquired} acquired, {replayed} replays, {in_flight} in flight",
-        started.elapsed().as_secs_f64()
-    );
-    assert_eq!(acquired, KEYS);
-    drop(servers);
+    three_instances_on("redis", &format!("{url}?prefix={prefix}")).await;
     let _ = std::process::Command::new("sh")
         .args([
             "-c",

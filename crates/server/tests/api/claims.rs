@@ -31,15 +31,7 @@ async fn claim_complete_replay_mismatch() {
         // The result is stored exactly as sent, whitespace and key order included.
         let raw = r#"{"charge":  "ch_1", "amount":5, "z":[1, 2.50]}"#;
         let body = format!(r#"{{"namespace":"demo","key":"order-1","fence":{fence},"result":{raw},"cost":1200}}"#);
-        let response = app
-            .client
-            .post(app.url("/v1/claims/complete"))
-            .bearer_auth(&app.agent)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
+        let response = app.post_raw(&app.agent, "/v1/claims/complete", body).await;
         assert_eq!(response.status(), StatusCode::OK);
         let done: serde_json::Value = response.json().await.unwrap();
         assert_eq!(done["state"], "completed");

@@ -34,15 +34,7 @@ async fn sixty_four_tasks_on_the_same_hundred_keys() {
                                 r#"{{"namespace":"load","key":"{key}","fence":{},"result":{result}}}"#,
                                 a["fence"]
                             );
-                            let done = app
-                                .client
-                                .post(app.url("/v1/claims/complete"))
-                                .bearer_auth(&app.agent)
-                                .header("content-type", "application/json")
-                                .body(complete)
-                                .send()
-                                .await
-                                .unwrap();
+                            let done = app.post_raw(&app.agent, "/v1/claims/complete", complete).await;
                             assert_eq!(done.status(), StatusCode::OK);
                             stored.lock().await.insert(key, result);
                         }

@@ -174,6 +174,12 @@ impl TestApp {
         self.client.post(self.url(path)).bearer_auth(token).json(body).send().await.unwrap()
     }
 
+    /// Posts JSON text as it is (to check that bytes are kept as sent).
+    pub async fn post_raw(&self, token: &str, path: &str, body: String) -> Response {
+        let request = self.client.post(self.url(path)).bearer_auth(token);
+        request.header("content-type", "application/json").body(body).send().await.unwrap()
+    }
+
     pub async fn get(&self, token: &str, path: &str) -> Response {
         self.client.get(self.url(path)).bearer_auth(token).send().await.unwrap()
     }
