@@ -22,6 +22,7 @@ pub use proptest;
 
 pub mod conformance;
 pub mod model;
+pub mod redis_process;
 pub mod services;
 
 /// A fresh store for one test, and whatever must live as long as it (a temporary directory, a

@@ -14,12 +14,10 @@
 
 use std::future::Future;
 use std::io::Write;
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Once, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace, Outcome,
@@ -141,128 +139,8 @@ pub fn binaries_available() -> bool {
     false
 }
 
-/// Two free loopback ports `p` and `p + 10000` (a cluster node's bus port) from 30000 up.
-fn free_port(taken: &[u16]) -> u16 {
-    loop {
-        let port = 30_000 + rand::random::<u16>() % 10_000;
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if !taken.contains(&port) && free(port) && free(port + 10_000) {
-            return port;
-        }
-    }
-}
-
-/// A `redis-server` started by the tests, on 127.0.0.1 only.
-pub struct Server {
-    /// Its port.
-    pub port: u16,
-    child: Child,
-}
-
-impl Server {
-    /// Starts a server on a free port with data in `dir`, and a watchdog that stops it by PID
-    /// when this test process exits. `None` if it did not come up (the port was taken).
-    fn start(dir: &Path, cluster: bool, taken: &[u16]) -> Option<Self> {
-        let port = free_port(taken);
-        let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--daemonize", "no", "--shutdown-on-sigterm", "nosave"])
-            .arg("--dir")
-            .arg(dir)
-            .arg("--logfile")
-            .arg(dir.join(format!("redis-{port}.log")));
-        if cluster {
-            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000", "--cluster-config-file"])
-                .arg(dir.join(format!("nodes-{port}.conf")));
-        }
-        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().ok()?;
-        watch(child.id(), dir);
-        let mut server = Self { port, child };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if server.child.try_wait().ok().flatten().is_some() {
-                return None;
-            }
-            if server.ping() {
-                return Some(server);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server.stop();
-        None
-    }
-
-    /// Starts a plain (non-cluster) throwaway server.
-    pub fn standalone(dir: &Path) -> Self {
-        (0..5).find_map(|_| Self::start(dir, false, &[])).expect("a redis-server starts")
-    }
-
-    /// `redis://127.0.0.1:<port>`.
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// The server's PID.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn connection(&self) -> Option<redis::Connection> {
-        let client = redis::Client::open(self.url()).ok()?;
-        client.get_connection_with_timeout(Duration::from_millis(500)).ok()
-    }
-
-    fn ping(&self) -> bool {
-        self.connection().is_some_and(|mut c| redis::cmd("PING").query::<String>(&mut c).is_ok())
-    }
-
-    /// Sends a signal (`STOP`, `CONT`, `TERM`) to the server, by PID.
-    pub fn signal(&self, signal: &str) {
-        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.pid().to_string()).status();
-        assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {}", self.pid());
-    }
-
-    /// Stops the server and waits for it to exit.
-    pub fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// Starts a process that waits for this test process to exit, then stops the server `pid`
-/// (only if it still is a server started in `dir`, its working directory: PIDs are reused) and
-/// removes `dir`.
-fn watch(pid: u32, dir: &Path) {
-    let script = r#"
-        while kill -0 "$0" 2>/dev/null; do sleep 0.2; done
-        cwd=$(readlink "/proc/$1/cwd" 2>/dev/null)
-        if [ "$cwd" = "$2" ] || [ "$cwd" = "$2 (deleted)" ]; then kill "$1"; fi
-        rm -rf -- "$2"
-    "#;
-    let _ = Command::new("sh")
-        .arg("-c")
-        .arg(script)
-        .arg(std::process::id().to_string())
-        .arg(pid.to_string())
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
-}
-
-/// A temporary directory that outlives the test process (the watchdog removes it).
-pub fn scratch_dir(name: &str) -> PathBuf {
-    let dir = tempfile::Builder::new().prefix(name).tempdir().expect("a temporary directory").keep();
-    // As the server's working directory will read (see `watch`).
-    dir.canonicalize().unwrap_or(dir)
-}
+/// A `redis-server` started by the tests (see `onceguard_testkit::redis_process`).
+pub use onceguard_testkit::redis_process::{RedisProcess as Server, scratch_dir};
 
 /// A Redis Cluster of three masters on 127.0.0.1, for this test binary.
 pub struct Cluster {
@@ -273,38 +151,7 @@ pub struct Cluster {
 impl Cluster {
     fn start() -> Self {
         let dir = scratch_dir("og-redis-cluster-");
-        let mut servers: Vec<Server> = Vec::new();
-        while servers.len() < 3 {
-            let taken: Vec<u16> = servers.iter().map(|s| s.port).collect();
-            if let Some(server) = Server::start(&dir, true, &taken) {
-                servers.push(server);
-            }
-        }
-        let nodes: Vec<String> = servers.iter().map(|s| format!("127.0.0.1:{}", s.port)).collect();
-        let created = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&nodes)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("redis-cli runs");
-        assert!(
-            created.status.success(),
-            "redis-cli --cluster create failed: {}{}",
-            String::from_utf8_lossy(&created.stdout),
-            String::from_utf8_lossy(&created.stderr)
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let ok = |s: &Server| {
-            s.connection().and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c).ok()).is_some_and(
-                |info| info.lines().any(|l| l.trim() == "cluster_state:ok") && info.contains("cluster_known_nodes:3"),
-            )
-        };
-        while !servers.iter().all(ok) {
-            assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok within 30s");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let servers = onceguard_testkit::redis_process::start_cluster(&dir).expect("a local Redis Cluster starts");
         Self { servers }
     }
 
