@@ -195,3 +195,36 @@ async fn clock_skew_within_the_lease_keeps_a_key_held() {
     drop(guards);
     drop_schema(&schema).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_finished_through_one_instance_is_announced_to_another() {
+    if !available() {
+        return;
+    }
+    let schema = schema();
+    let url = url();
+    let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
+    let a = PgStore::connect_with(&url, options.clone()).await.unwrap();
+    let b = PgStore::connect_with(&url, options).await.unwrap();
+    let mut changes = b.changes().expect("the PostgreSQL store has a change feed");
+    let req = request("announced", Duration::from_secs(30));
+    let now = Timestamp::now();
+    // The LISTEN connection is opened in the background: retry until it hears something.
+    let ClaimOutcome::Acquired(acquired) = a.claim(&req, now).await.unwrap() else { panic!("acquired") };
+    a.mutate(&req.scope, acquired.fence, Mutation::Complete(outcome("done".into())), now, 8).await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match tokio::time::timeout(Duration::from_millis(500), changes.recv()).await {
+                Ok(Ok(scope)) => return scope,
+                _ => {
+                    a.purge(&req.scope).await.unwrap();
+                }
+            }
+        }
+    })
+    .await
+    .expect("the other instance heard of the key");
+    assert_eq!(heard, req.scope);
+    drop((a, b));
+    drop_schema(&schema).await;
+}
