@@ -125,6 +125,8 @@ pub fn fresh_claim(scope: Scope, i: usize) -> ClaimRequest {
         lease: LEASE,
         retention: RETENTION,
         run: None,
+        cost: 0,
+        max_in_flight: None,
     }
 }
 
@@ -186,6 +188,7 @@ pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
         fence,
         attempt: 1,
         run: None,
+        charged: false,
         lease_expires_at: None,
         unknown: None,
         retention: RETENTION,
@@ -211,6 +214,8 @@ pub async fn replay(guard: &Guard, i: usize) -> Result<()> {
         lease: LEASE,
         retention: RETENTION,
         run: None,
+        cost: 0,
+        max_in_flight: None,
     };
     match guard.claim(&req, Duration::ZERO).await? {
         ClaimOutcome::Replay(r) if r.outcome.body == PRELOADED_BODY => Ok(()),

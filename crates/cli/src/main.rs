@@ -309,7 +309,7 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
         }
         Command::Keys(KeyCommand::Purge { tenant, namespace, key }) => {
             let scope = Scope::new(TenantId::parse(&tenant)?, Namespace::parse(&namespace)?, Key::parse(&key)?);
-            let existed = guard.purge(&scope).await?;
+            let existed = guard.purge(&cli_actor(), &scope, None).await?;
             println!("{}", if existed { "purged" } else { "there was no record" });
         }
     }
@@ -345,4 +345,9 @@ async fn main() -> Result<()> {
     // Send the spans still queued; the exporter blocks, so not on the async workers.
     let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
     result
+}
+
+/// Who runs an operator command, for the audit log: `cli:<user>`.
+fn cli_actor() -> String {
+    format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".to_owned()))
 }

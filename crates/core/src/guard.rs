@@ -11,11 +11,13 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::admin::ControlCache;
 use crate::clock::Clock;
+use crate::control::{AuditEntry, Effective};
 use crate::domain::{Fence, InvalidInput, Scope, TenantId, check_bounds};
 use crate::notify::Notifier;
 use crate::protocol::{ClaimRequest, Mutation};
-use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
+use crate::record::{ClaimOutcome, Denial, FencedOutcome, Record, RecordState, StaleReason};
 use crate::store::{ListFilter, Page, Store, StoreError};
 
 /// Bounds on what callers may ask for, and defaults when they ask for nothing.
@@ -138,6 +140,7 @@ pub struct Guard {
     clock: Arc<dyn Clock>,
     limits: Arc<Limits>,
     notifier: Arc<Notifier>,
+    pub(crate) controls: Arc<ControlCache>,
 }
 
 impl std::fmt::Debug for Guard {
@@ -149,13 +152,20 @@ impl std::fmt::Debug for Guard {
 impl Guard {
     /// A guard over `store`, with time from `clock`.
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, limits: Limits) -> Self {
-        Self { store, clock, limits: Arc::new(limits), notifier: Arc::new(Notifier::default()) }
+        let controls = Arc::new(ControlCache::default());
+        Self { store, clock, limits: Arc::new(limits), notifier: Arc::new(Notifier::default()), controls }
     }
 
     /// The same guard (clock, limits, waiters) over another store: used to wrap the store, e.g.
     /// to measure every store operation, without losing the waiters already subscribed.
     pub fn with_store(&self, store: Arc<dyn Store>) -> Self {
-        Self { store, clock: self.clock.clone(), limits: self.limits.clone(), notifier: self.notifier.clone() }
+        Self {
+            store,
+            clock: self.clock.clone(),
+            limits: self.limits.clone(),
+            notifier: self.notifier.clone(),
+            controls: self.controls.clone(),
+        }
     }
 
     /// The limits in force.
@@ -173,12 +183,40 @@ impl Guard {
         &self.clock
     }
 
-    /// Claims a key. With a non-zero `wait`, a claim that finds the key in flight waits (at most
-    /// `wait`) and claims again when the holder finishes or its lease passes, so the caller gets
-    /// the replay (or the key, as a recovery) without polling. Every answer comes from one
-    /// atomic store claim.
+    /// What is in force for a key: the limits narrowed by its tenant's and namespace's settings,
+    /// and the tenant's quotas. Callers build a claim's lease and retention from these limits.
+    pub async fn effective(&self, scope: &Scope) -> Result<Effective, GuardError> {
+        Ok(self.controls().await?.effective(&self.limits, scope))
+    }
+
+    /// Claims a key. A kill switch covering the key, or the tenant's claim rate, refuses it
+    /// before the records are touched; the tenant's in-flight quota and the run's budget are
+    /// checked by the store's atomic claim. With a non-zero `wait`, a claim that finds the key in
+    /// flight waits (at most `wait`) and claims again when the holder finishes or its lease
+    /// passes, so the caller gets the replay (or the key, as a recovery) without polling. Every
+    /// answer comes from one atomic store claim.
     #[tracing::instrument(name = "guard.claim", skip_all, fields(tenant = %req.scope.tenant, namespace = %req.scope.namespace, fingerprint = %req.fingerprint, outcome))]
     pub async fn claim(&self, req: &ClaimRequest, wait: Duration) -> Result<ClaimOutcome, GuardError> {
+        let controls = self.controls().await?;
+        let scope = &req.scope;
+        if let Some(switch) = controls.switch_for(&scope.tenant, &scope.namespace, req.run.as_ref()) {
+            tracing::Span::current().record("outcome", "denied");
+            return Ok(ClaimOutcome::Denied(switch.denial()));
+        }
+        let effective = controls.effective(&self.limits, scope);
+        if let Some(rate) = &effective.claim_rate
+            && let Err(retry_after) = self.store.take_rate(&scope.tenant, rate, self.clock.now()).await?
+        {
+            tracing::Span::current().record("outcome", "denied");
+            return Ok(ClaimOutcome::Denied(Denial::QuotaExceeded { quota: "rate".to_owned(), retry_after }));
+        }
+        let limited;
+        let req = if req.max_in_flight == effective.max_in_flight {
+            req
+        } else {
+            limited = ClaimRequest { max_in_flight: effective.max_in_flight, ..req.clone() };
+            &limited
+        };
         let deadline = Instant::now() + wait;
         loop {
             let mut changes = (!wait.is_zero()).then(|| self.notifier.subscribe(&req.scope));
@@ -218,10 +256,23 @@ impl Guard {
         })
     }
 
-    /// Applies a fenced call, after checking its size limits, and wakes the key's waiters when
-    /// it finished the attempt.
-    #[tracing::instrument(name = "guard.mutate", skip_all, fields(tenant = %scope.tenant, namespace = %scope.namespace, fence = %fence, op = mutation.name(), outcome))]
+    /// Applies a fenced call for an embedding application (see [`Guard::mutate_as`]).
     pub async fn mutate(&self, scope: &Scope, fence: Fence, mutation: Mutation) -> Result<FencedOutcome, GuardError> {
+        self.mutate_as("embedded", scope, fence, mutation).await
+    }
+
+    /// Applies a fenced call made by `actor` (an API key id), after checking its size limits,
+    /// and wakes the key's waiters when it finished the attempt. A completion or failure refused
+    /// as stale is written to the audit log.
+    #[tracing::instrument(name = "guard.mutate", skip_all, fields(tenant = %scope.tenant, namespace = %scope.namespace, fence = %fence, op = mutation.name(), outcome))]
+    pub async fn mutate_as(
+        &self,
+        actor: &str,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+    ) -> Result<FencedOutcome, GuardError> {
+        let op = mutation.name();
         match &mutation {
             Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => {
                 self.check_size("outcome", o.body.len(), self.limits.max_outcome_bytes)?;
@@ -230,7 +281,7 @@ impl Guard {
                 self.check_size("checkpoint data", data.len(), self.limits.max_checkpoint_bytes)?;
             }
             Mutation::Extend(lease) => {
-                self.limits.lease(Some(*lease))?;
+                self.effective(scope).await?.limits.lease(Some(*lease))?;
             }
             Mutation::ReportUnknown(detail) => {
                 self.check_size("detail", detail.len(), self.limits.max_checkpoint_bytes)?;
@@ -243,7 +294,24 @@ impl Guard {
         if applied && finishes {
             self.notifier.notify(scope);
         }
+        if let (FencedOutcome::Stale(reason), "complete" | "fail") = (&outcome, op) {
+            self.audit_stale(actor, scope, fence, op, *reason).await?;
+        }
         Ok(outcome)
+    }
+
+    async fn audit_stale(
+        &self,
+        actor: &str,
+        scope: &Scope,
+        fence: Fence,
+        op: &str,
+        reason: StaleReason,
+    ) -> Result<(), GuardError> {
+        let target = format!("{}/{}", scope.namespace, scope.key);
+        let entry = AuditEntry::new(scope.tenant.clone(), self.clock.now(), actor, "completion.stale", target)
+            .details(serde_json::json!({ "call": op, "fence": fence.0, "reason": reason }));
+        Ok(self.store.append_audit(&entry).await?)
     }
 
     fn check_size(&self, what: &'static str, size: usize, limit: usize) -> Result<(), GuardError> {
@@ -260,10 +328,15 @@ impl Guard {
         Ok(self.store.list(tenant, filter, self.clock.now()).await?)
     }
 
-    /// Deletes a key's record (an operator's action), and wakes its waiters.
-    pub async fn purge(&self, scope: &Scope) -> Result<bool, GuardError> {
+    /// Deletes a key's record (an operator's action, audited), and wakes its waiters.
+    pub async fn purge(&self, actor: &str, scope: &Scope, why: Option<String>) -> Result<bool, GuardError> {
         let existed = self.store.purge(scope).await?;
         self.notifier.notify(scope);
+        let target = format!("{}/{}", scope.namespace, scope.key);
+        let entry = AuditEntry::new(scope.tenant.clone(), self.clock.now(), actor, "record.purge", target)
+            .why(why)
+            .details(serde_json::json!({ "existed": existed }));
+        self.store.append_audit(&entry).await?;
         Ok(existed)
     }
 

@@ -6,13 +6,16 @@
 //! - [`store`]: the `Store` trait and its contract; [`memory`] is the in-memory store.
 //! - [`guard`]: the entry point callers use: limits, bounded waits, wake-ups.
 //! - [`auth`]: tenants and hashed API keys.
+//! - [`control`]: runs and budgets, quotas, kill switches, settings and the audit log.
 //!
 //! This crate has no HTTP or database dependency: the server and the stores build on it.
 
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod auth;
 pub mod clock;
+pub mod control;
 pub mod domain;
 pub mod guard;
 pub mod memory;

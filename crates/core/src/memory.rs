@@ -8,10 +8,15 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 
+use std::time::Duration;
+
 use crate::auth::{ApiKey, ApiKeyId, Tenant};
-use crate::domain::{Fence, Scope, TenantId, Timestamp};
+use crate::control::{
+    self, Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
+};
+use crate::domain::{Fence, RunId, Scope, TenantId, Timestamp};
 use crate::protocol::{self, ClaimRequest, Mutation};
-use crate::record::{ClaimOutcome, FencedOutcome, Record};
+use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
 use crate::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
 
 /// The in-memory store.
@@ -26,6 +31,16 @@ struct State {
     last_fence: u64,
     tenants: BTreeMap<TenantId, Tenant>,
     api_keys: BTreeMap<String, ApiKey>,
+    runs: BTreeMap<(TenantId, RunId), Run>,
+    control: BTreeMap<(ControlKind, TenantId, String), ControlDoc>,
+    rates: BTreeMap<TenantId, u64>,
+    audit: BTreeMap<(TenantId, String), AuditEntry>,
+}
+
+impl State {
+    fn run_mut(&mut self, tenant: &TenantId, run: &RunId, now: Timestamp) -> &mut Run {
+        self.runs.entry((tenant.clone(), run.clone())).or_insert_with(|| Run::new(tenant.clone(), run.clone(), now))
+    }
 }
 
 impl MemoryStore {
@@ -64,10 +79,29 @@ impl Store for MemoryStore {
             state.last_fence += 1;
             Fence(state.last_fence)
         });
-        if let Some(record) = write {
-            state.records.insert(record.scope.clone(), record);
+        let Some(mut record) = write else { return Ok(outcome) };
+        let tenant = &req.scope.tenant;
+        let in_flight = req.max_in_flight.map(|_| {
+            let held = state.records.values().filter(|r| &r.scope.tenant == tenant && control::holds_lease(r, now));
+            held.count() as u64
+        });
+        let mut run = record.run.as_ref().map(|id| {
+            state
+                .runs
+                .get(&(tenant.clone(), id.clone()))
+                .cloned()
+                .unwrap_or_else(|| Run::new(tenant.clone(), id.clone(), now))
+        });
+        match control::admit(&mut record, req, Admission { in_flight, run: run.as_mut() }, now) {
+            Err(denial) => Ok(ClaimOutcome::Denied(denial)),
+            Ok(charged) => {
+                if let (true, Some(run)) = (charged, run) {
+                    state.runs.insert((run.tenant.clone(), run.run.clone()), run);
+                }
+                state.records.insert(record.scope.clone(), record);
+                Ok(outcome)
+            }
         }
-        Ok(outcome)
     }
 
     async fn mutate(
@@ -80,8 +114,12 @@ impl Store for MemoryStore {
     ) -> Result<FencedOutcome, StoreError> {
         let mut state = self.lock();
         let existing = state.records.get(scope).cloned();
+        let cost = control::reported_cost(&mutation);
         let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
         if let Some(record) = write {
+            if let (true, Some(run)) = (cost > 0, &record.run) {
+                state.run_mut(&scope.tenant, run, now).add_cost(cost, now);
+            }
             state.records.insert(record.scope.clone(), record);
         }
         Ok(outcome)
@@ -165,5 +203,97 @@ impl Store for MemoryStore {
             }
             _ => Ok(false),
         }
+    }
+
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let mut state = self.lock();
+        let stored = state.run_mut(tenant, run, now);
+        stored.budget = budget.clone();
+        stored.updated_at = now;
+        Ok(stored.clone())
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        Ok(self.lock().runs.get(&(tenant.clone(), run.clone())).cloned())
+    }
+
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.lock().control.insert((doc.kind, doc.tenant.clone(), doc.id.clone()), doc.clone());
+        Ok(())
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        Ok(self.lock().control.remove(&(kind, tenant.clone(), id.to_owned())))
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        Ok(self.lock().control.values().cloned().collect())
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut state = self.lock();
+        let state = &mut *state;
+        let mut revoked = 0;
+        for record in state.records.values_mut() {
+            if &record.scope.tenant == tenant
+                && record.is_live(now)
+                && record.state == RecordState::InProgress
+                && target.covers_record(record)
+            {
+                state.last_fence += 1;
+                control::revoke(record, Fence(state.last_fence), detail, now);
+                revoked += 1;
+            }
+        }
+        Ok(revoked)
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let mut state = self.lock();
+        let tat = state.rates.get(tenant).copied();
+        Ok(control::gcra(tat, now, rate).map(|next| {
+            state.rates.insert(tenant.clone(), next);
+        }))
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.lock().audit.insert((entry.tenant.clone(), entry.id.clone()), entry.clone());
+        Ok(())
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let state = self.lock();
+        let tenants: Vec<&AuditEntry> = state
+            .audit
+            .range((tenant.clone(), String::new())..)
+            .take_while(|((t, _), _)| t == tenant)
+            .map(|(_, e)| e)
+            .collect();
+        let entries: Vec<AuditEntry> =
+            tenants.into_iter().rev().filter(|e| filter.matches(e)).take(limit + 1).cloned().collect();
+        Ok(AuditPage::from_overfetch(entries, limit))
     }
 }

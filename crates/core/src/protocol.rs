@@ -40,6 +40,10 @@ pub struct ClaimRequest {
     pub retention: Duration,
     /// The run the key belongs to.
     pub run: Option<RunId>,
+    /// Cost units the claim declares, charged to the run with the key (once per key).
+    pub cost: u64,
+    /// The tenant's in-flight quota in force, checked by the store when the claim acquires.
+    pub max_in_flight: Option<u64>,
 }
 
 /// A validated fenced call on a key.
@@ -134,6 +138,7 @@ fn acquire(
         fence,
         attempt: 1,
         run: req.run.clone(),
+        charged: false,
         lease_expires_at: Some(lease_expires_at),
         unknown: None,
         retention: req.retention,
@@ -148,6 +153,8 @@ fn acquire(
     if let Some(prev) = previous {
         record.attempt = prev.attempt.saturating_add(1);
         record.run = prev.run.clone().or(record.run);
+        // A key is charged to its run once, however many attempts it takes.
+        record.charged = prev.charged;
         if prev.state == RecordState::InProgress {
             recovery = Some(Recovery {
                 previous_fence: prev.fence,
@@ -273,6 +280,8 @@ mod tests {
             lease: Duration::from_secs(10),
             retention: Duration::from_secs(100),
             run: None,
+            cost: 0,
+            max_in_flight: None,
         }
     }
 

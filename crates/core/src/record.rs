@@ -93,6 +93,9 @@ pub struct Record {
     pub attempt: u32,
     /// The run the key belongs to, if the claim named one.
     pub run: Option<RunId>,
+    /// Whether the key was charged to its run's budget (once per key, while the record lives).
+    #[serde(default)]
+    pub charged: bool,
     /// Until when the holder's lease runs (in progress only).
     pub lease_expires_at: Option<Timestamp>,
     /// Set when the holder reported that it does not know whether the effect happened; the next

@@ -85,6 +85,8 @@ async fn complete_all(guard: &Guard, requests: usize) {
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(3600),
             run: None,
+            cost: 0,
+            max_in_flight: None,
         };
         let ClaimOutcome::Acquired(a) = guard.claim(&req, Duration::ZERO).await.unwrap() else { panic!("acquired") };
         let outcome = Outcome {

@@ -192,6 +192,8 @@ where
         lease: options.lease,
         retention: options.retention,
         run: None,
+        cost: 0,
+        max_in_flight: None,
     };
     match guard.claim(&claim, Duration::ZERO).await? {
         ClaimOutcome::Replay(replay) => {

@@ -93,6 +93,9 @@ pub struct ClaimBody {
     pub retention: Option<String>,
     /// The run this key belongs to.
     pub run: Option<String>,
+    /// Cost units this call declares (e.g. a token or money estimate): charged to the run's
+    /// budget with the key, once per key.
+    pub cost: Option<u64>,
     /// Wait up to this long (e.g. `10s`) if the key is in flight, and answer with its replay.
     pub wait: Option<String>,
 }
@@ -222,20 +225,29 @@ pub async fn claim(
     caller: Caller,
     ApiJson(body): ApiJson<ClaimBody>,
 ) -> ApiResult<Response> {
-    let limits = state.guard.limits();
     let fingerprint = match (&body.request, &body.fingerprint) {
         (Some(request), None) => Fingerprint::of_json(request),
         (None, Some(fp)) => Fingerprint::parse(fp)?,
         _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
     };
+    let scope = scope_of(&caller, &body.namespace, &body.key)?;
+    let (lease, retention, wait) = (
+        parse_duration_field("lease", body.lease.as_deref())?,
+        parse_duration_field("retention", body.retention.as_deref())?,
+        parse_duration_field("wait", body.wait.as_deref())?,
+    );
+    let effective = state.guard.effective(&scope).await?;
+    let limits = &effective.limits;
     let req = ClaimRequest {
-        scope: scope_of(&caller, &body.namespace, &body.key)?,
+        scope,
         fingerprint,
-        lease: limits.lease(parse_duration_field("lease", body.lease.as_deref())?)?,
-        retention: limits.retention(parse_duration_field("retention", body.retention.as_deref())?)?,
+        lease: limits.lease(lease)?,
+        retention: limits.retention(retention)?,
         run: body.run.as_deref().map(RunId::parse).transpose()?,
+        cost: body.cost.unwrap_or(0),
+        max_in_flight: effective.max_in_flight,
     };
-    let wait = limits.wait(parse_duration_field("wait", body.wait.as_deref())?)?;
+    let wait = limits.wait(wait)?;
     let outcome = state.guard.claim(&req, wait).await?;
     state.metrics.observe_claim(&req.scope, &outcome);
     let fence = match &outcome {
@@ -360,7 +372,7 @@ async fn fenced(
 ) -> ApiResult<Json<RecordView>> {
     let scope = scope_of(caller, namespace, key)?;
     let op = m.name();
-    match state.guard.mutate(&scope, Fence(fence), m).await? {
+    match state.guard.mutate_as(&caller.actor(), &scope, Fence(fence), m).await? {
         FencedOutcome::Applied(record) => {
             record_answer("applied", Some(Fence(fence)));
             Ok(Json(record_view(&record, state.guard.clock().now(), false)))
@@ -505,7 +517,9 @@ pub async fn extend(
     caller: Caller,
     ApiJson(b): ApiJson<ExtendBody>,
 ) -> ApiResult<Json<RecordView>> {
-    let lease = state.guard.limits().lease(parse_duration_field("lease", b.lease.as_deref())?)?;
+    let scope = scope_of(&caller, &b.namespace, &b.key)?;
+    let lease =
+        state.guard.effective(&scope).await?.limits.lease(parse_duration_field("lease", b.lease.as_deref())?)?;
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Extend(lease)).await
 }
 
@@ -587,6 +601,18 @@ pub struct RecordQuery {
     pub key: String,
 }
 
+/// Which record to purge, and why (kept in the audit log).
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct PurgeQuery {
+    /// The namespace.
+    pub namespace: String,
+    /// The key (URL-encoded).
+    pub key: String,
+    /// Why (kept in the audit log).
+    pub why: Option<String>,
+}
+
 /// Get one record, with its stored outcome.
 #[utoipa::path(get, path = "/v1/record", tag = "records", params(RecordQuery),
     security(("bearer" = [])),
@@ -614,7 +640,7 @@ pub struct PurgedView {
 
 /// Purge one record whatever its state (admin). The next claim of the key runs again, with a
 /// greater fence.
-#[utoipa::path(delete, path = "/v1/record", tag = "records", params(RecordQuery),
+#[utoipa::path(delete, path = "/v1/record", tag = "records", params(PurgeQuery),
     security(("bearer" = [])),
     responses(
         (status = 200, description = "Purged (or there was nothing)", body = PurgedView),
@@ -623,11 +649,11 @@ pub struct PurgedView {
 pub async fn purge_record(
     State(state): State<AppState>,
     caller: Caller,
-    ApiQuery(q): ApiQuery<RecordQuery>,
+    ApiQuery(q): ApiQuery<PurgeQuery>,
 ) -> ApiResult<Json<PurgedView>> {
     caller.require_admin()?;
     let scope = scope_of(&caller, &q.namespace, &q.key)?;
-    let purged = state.guard.purge(&scope).await?;
+    let purged = state.guard.purge(&caller.actor(), &scope, q.why.clone()).await?;
     tracing::info!(tenant = %scope.tenant, namespace = %scope.namespace, purged, "record purged");
     Ok(Json(PurgedView { purged }))
 }

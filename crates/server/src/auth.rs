@@ -21,6 +21,12 @@ pub struct Caller {
 }
 
 impl Caller {
+    /// Who the caller is, for the audit log: the API key's id (never its secret), or
+    /// `anonymous`.
+    pub fn actor(&self) -> String {
+        self.key_id.as_ref().map_or_else(|| "anonymous".to_owned(), |id| id.as_str().to_owned())
+    }
+
     /// Refuses callers that are not admins.
     pub fn require_admin(&self) -> Result<(), ApiError> {
         match self.role {

@@ -84,6 +84,8 @@ fn request(key: &str, lease: Duration) -> ClaimRequest {
         lease,
         retention: Duration::from_secs(3_600),
         run: None,
+        cost: 0,
+        max_in_flight: None,
     }
 }
 

@@ -122,6 +122,7 @@ impl Fields {
             fence: Fence(number(self.need("fe")?, "fence")?),
             attempt: number(self.need("at")?, "attempt")?,
             run: self.get("run").map(|r| text(r).and_then(|r| RunId::parse(r).map_err(corrupt))).transpose()?,
+            charged: self.get("ch").is_some_and(|c| c == b"1"),
             lease_expires_at: self.opt_time("le")?,
             unknown: self.get("un").map(|u| text(u).map(str::to_owned)).transpose()?,
             retention: Duration::from_millis(number(self.need("re")?, "retention")?),

@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Switch, SwitchTarget};
 use onceguard_core::{
-    CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits, ListFilter,
-    ManualClock, Mutation, Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope,
-    StaleReason, Store, TenantId,
+    CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits,
+    ListFilter, ManualClock, Mutation, Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId,
+    Scope, StaleReason, Store, TenantId, Timestamp,
 };
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -44,6 +45,20 @@ fn request(scope: &Scope, meaning: &str) -> ClaimRequest {
         lease: LEASE,
         retention: RETENTION,
         run: None,
+        cost: 0,
+        max_in_flight: None,
+    }
+}
+
+fn in_run(scope: &Scope, meaning: &str, run: &str, cost: u64) -> ClaimRequest {
+    ClaimRequest { run: Some(RunId::parse(run).unwrap()), cost, ..request(scope, meaning) }
+}
+
+fn denied_because(outcome: &ClaimOutcome) -> String {
+    match outcome {
+        ClaimOutcome::Denied(Denial::BudgetExhausted { limit }) => format!("budget:{limit}"),
+        ClaimOutcome::Denied(Denial::QuotaExceeded { quota, .. }) => format!("quota:{quota}"),
+        other => format!("not denied: {}", other.name()),
     }
 }
 
@@ -334,7 +349,7 @@ pub async fn fences_grow_across_expiry_sweep_and_purge(store: Arc<dyn Store>) {
     }
     let fence = c.acquire(&req).await;
     assert!(fence > last);
-    assert!(c.guard.purge(&s).await.unwrap());
+    assert!(c.guard.purge("test", &s, None).await.unwrap());
     assert!(c.acquire(&req).await > fence);
 }
 
@@ -372,7 +387,7 @@ pub async fn tenants_are_isolated(store: Arc<dyn Store>) {
     let listed = c.guard.list(&b.tenant, &ListFilter { limit: 100, ..Default::default() }).await.unwrap();
     assert_eq!(listed.records.len(), 1);
     assert_eq!(listed.records[0].scope, b);
-    assert!(c.guard.purge(&a).await.unwrap());
+    assert!(c.guard.purge("test", &a, None).await.unwrap());
     assert!(c.get(&b).await.is_some());
     c.applied(&b, fb, Mutation::Complete(success("b"))).await;
     assert!(matches!(c.claim(&request(&b, "y")).await, ClaimOutcome::Replay(r) if r.outcome.body == b"b"));
@@ -558,4 +573,240 @@ pub async fn tenants_and_api_keys(store: Arc<dyn Store>) {
     assert!(store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
     assert!(store.revoke_api_key(&acme, &new.key.id, now).await.unwrap());
     assert!(!store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
+}
+
+async fn set_budget(store: &Arc<dyn Store>, tenant: &str, run: &str, budget: Budget) {
+    let (tenant, run) = (TenantId::parse(tenant).unwrap(), RunId::parse(run).unwrap());
+    let stored = store.put_budget(&tenant, &run, &budget, Timestamp(1)).await.unwrap();
+    assert_eq!(stored.budget, budget);
+}
+
+async fn usage(store: &Arc<dyn Store>, tenant: &str, run: &str) -> (u64, u64) {
+    let (tenant, run) = (TenantId::parse(tenant).unwrap(), RunId::parse(run).unwrap());
+    let run = store.get_run(&tenant, &run).await.unwrap().expect("the run exists");
+    (run.usage.effects, run.usage.cost)
+}
+
+/// A run's budget charges each key once: replays, in-flight duplicates, mismatches, retries of
+/// a released key and recoveries never charge again; a new key past the limit is denied and
+/// writes nothing.
+pub async fn budget_charges_each_key_once(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    set_budget(&store, "acme", "run-1", Budget { max_effects: Some(3), ..Budget::default() }).await;
+    // k1: acquired, completed, replayed, mismatched.
+    let k1 = scope("k1");
+    let f = c.acquire(&in_run(&k1, "a", "run-1", 0)).await;
+    c.applied(&k1, f, Mutation::Complete(success("one"))).await;
+    assert!(matches!(c.claim(&in_run(&k1, "a", "run-1", 0)).await, ClaimOutcome::Replay(_)));
+    assert!(matches!(c.claim(&in_run(&k1, "other", "run-1", 0)).await, ClaimOutcome::Mismatch));
+    // k2: in flight twice, then released and acquired again.
+    let k2 = scope("k2");
+    let f = c.acquire(&in_run(&k2, "b", "run-1", 0)).await;
+    assert!(matches!(c.claim(&in_run(&k2, "b", "run-1", 0)).await, ClaimOutcome::InFlight(_)));
+    let failed = Outcome { kind: OutcomeKind::Failure, cost: None, ..success("try again") };
+    c.applied(&k2, f, Mutation::Fail { retryable: true, outcome: failed }).await;
+    c.acquire(&in_run(&k2, "b", "run-1", 0)).await;
+    // k3: its lease passes, the next claim is a recovery.
+    let k3 = scope("k3");
+    c.acquire(&in_run(&k3, "c", "run-1", 0)).await;
+    c.clock.advance(LEASE);
+    let ClaimOutcome::Acquired(a) = c.claim(&in_run(&k3, "c", "run-1", 0)).await else { panic!("no recovery") };
+    assert!(a.recovery.is_some());
+    // k1's completion reported 42 cost units (see success()).
+    assert_eq!(usage(&store, "acme", "run-1").await, (3, 42));
+    // A fourth key is over the budget: denied, nothing written.
+    let k4 = scope("k4");
+    assert_eq!(denied_because(&c.claim(&in_run(&k4, "d", "run-1", 0)).await), "budget:effects");
+    assert!(c.get(&k4).await.is_none());
+    assert_eq!(usage(&store, "acme", "run-1").await, (3, 42));
+    // The same key without a run, or in another run, is not limited by run-1.
+    assert!(matches!(c.claim(&request(&k4, "d")).await, ClaimOutcome::Acquired(_)));
+}
+
+/// 64 concurrent claims of distinct keys against a budget of 10 acquire exactly 10.
+pub async fn concurrent_claims_never_exceed_the_budget(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    set_budget(&store, "acme", "fan-out", Budget { max_effects: Some(10), ..Budget::default() }).await;
+    let claims = (0..64).map(|i| {
+        let guard = c.guard.clone();
+        let req = in_run(&scope(&format!("fan-{i}")), "x", "fan-out", 1);
+        tokio::spawn(async move { guard.claim(&req, Duration::ZERO).await.unwrap() })
+    });
+    let outcomes = futures::future::join_all(claims).await;
+    let acquired = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::Acquired(_)))).count();
+    let denied = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::Denied(_)))).count();
+    assert_eq!((acquired, denied), (10, 54));
+    assert_eq!(usage(&store, "acme", "fan-out").await, (10, 10));
+}
+
+/// Cost declared at claim and reported at completion is charged to the run; a claim whose
+/// declared cost would pass the limit is denied, and once the limit is reached every new key
+/// is. A deadline denies every acquisition of the run after it, recoveries too.
+pub async fn budget_cost_and_deadline(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    set_budget(&store, "acme", "rag", Budget { max_cost: Some(100), ..Budget::default() }).await;
+    let f = c.acquire(&in_run(&scope("embed-1"), "a", "rag", 60)).await;
+    assert_eq!(denied_because(&c.claim(&in_run(&scope("embed-2"), "b", "rag", 50)).await), "budget:cost");
+    c.acquire(&in_run(&scope("embed-3"), "c", "rag", 40)).await;
+    assert_eq!(usage(&store, "acme", "rag").await, (2, 100));
+    // Reported at completion (success() reports 42); a repeat of the completion charges nothing.
+    c.applied(&scope("embed-1"), f, Mutation::Complete(success("v"))).await;
+    c.applied(&scope("embed-1"), f, Mutation::Complete(success("v"))).await;
+    assert_eq!(usage(&store, "acme", "rag").await, (2, 142));
+    assert_eq!(denied_because(&c.claim(&in_run(&scope("embed-4"), "d", "rag", 0)).await), "budget:cost");
+
+    let deadline = c.guard.clock().now().plus(Duration::from_secs(60));
+    set_budget(&store, "acme", "late", Budget { deadline: Some(deadline), ..Budget::default() }).await;
+    let s = scope("slow");
+    c.acquire(&in_run(&s, "a", "late", 0)).await;
+    c.clock.advance(Duration::from_secs(60));
+    assert_eq!(denied_because(&c.claim(&in_run(&s, "a", "late", 0)).await), "budget:deadline");
+    assert_eq!(denied_because(&c.claim(&in_run(&scope("new"), "a", "late", 0)).await), "budget:deadline");
+    // The same run id in another tenant is another run.
+    let elsewhere = scope_in("other", "prod/payments-agent", "new");
+    assert!(matches!(c.claim(&in_run(&elsewhere, "a", "late", 0)).await, ClaimOutcome::Acquired(_)));
+}
+
+/// The in-flight quota counts the tenant's live leases: a claim that would pass it is denied
+/// with a retry hint; a finished key or a passed lease frees a place; other tenants are not
+/// counted. Concurrent claims never pass it.
+pub async fn in_flight_quota_counts_live_leases(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let now = || c.guard.clock().now();
+    let limited = |s: &Scope| ClaimRequest { max_in_flight: Some(2), ..request(s, "q") };
+    let a = store.claim(&limited(&scope("a")), now()).await.unwrap();
+    let ClaimOutcome::Acquired(a) = a else { panic!("a not acquired") };
+    assert!(matches!(store.claim(&limited(&scope("b")), now()).await.unwrap(), ClaimOutcome::Acquired(_)));
+    let third = store.claim(&limited(&scope("c")), now()).await.unwrap();
+    assert_eq!(denied_because(&third), "quota:in_flight");
+    assert!(c.get(&scope("c")).await.is_none());
+    // Another tenant has its own count.
+    let elsewhere = limited(&scope_in("other", "ns", "c"));
+    assert!(matches!(store.claim(&elsewhere, now()).await.unwrap(), ClaimOutcome::Acquired(_)));
+    // Finishing a frees a place; then b's lease passing frees another.
+    c.applied(&scope("a"), a.fence, Mutation::Complete(success("done"))).await;
+    assert!(matches!(store.claim(&limited(&scope("c")), now()).await.unwrap(), ClaimOutcome::Acquired(_)));
+    assert_eq!(denied_because(&store.claim(&limited(&scope("d")), now()).await.unwrap()), "quota:in_flight");
+    c.clock.advance(LEASE);
+    let many = (0..16).map(|i| {
+        let store = store.clone();
+        let req = ClaimRequest { max_in_flight: Some(5), ..request(&scope(&format!("burst-{i}")), "q") };
+        let at = now();
+        tokio::spawn(async move { store.claim(&req, at).await.unwrap() })
+    });
+    let outcomes = futures::future::join_all(many).await;
+    let acquired = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::Acquired(_)))).count();
+    assert_eq!(acquired, 5);
+}
+
+/// The claim rate is a GCRA per tenant: a burst, then one claim per interval.
+pub async fn claim_rate_per_tenant(store: Arc<dyn Store>) {
+    let (acme, other) = (TenantId::parse("acme").unwrap(), TenantId::parse("other").unwrap());
+    let rate = Rate { per_second: 10, burst: 3 };
+    let t = Timestamp(1_000_000);
+    for _ in 0..3 {
+        assert_eq!(store.take_rate(&acme, &rate, t).await.unwrap(), Ok(()));
+    }
+    let wait = store.take_rate(&acme, &rate, t).await.unwrap().expect_err("over the burst");
+    assert_eq!(wait, Duration::from_millis(100));
+    assert_eq!(store.take_rate(&other, &rate, t).await.unwrap(), Ok(()));
+    // A refused claim took nothing: after one interval exactly one more goes through.
+    let later = t.plus(Duration::from_millis(100));
+    assert_eq!(store.take_rate(&acme, &rate, later).await.unwrap(), Ok(()));
+    assert!(store.take_rate(&acme, &rate, later).await.unwrap().is_err());
+}
+
+/// Control documents are kept by (kind, tenant, id): replaced, listed whole, deleted.
+pub async fn control_documents(store: Arc<dyn Store>) {
+    let switch = Switch {
+        tenant: TenantId::parse("acme").unwrap(),
+        target: SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() },
+        reason: "refund storm".into(),
+        revoke_leases: false,
+        revoked: 0,
+        engaged_by: "0123456789abcdef".into(),
+        engaged_at: Timestamp(5),
+    };
+    let doc = ControlDoc::of_switch(&switch);
+    store.put_control(&doc).await.unwrap();
+    let replaced = ControlDoc::of_switch(&Switch { reason: "still".into(), ..switch.clone() });
+    store.put_control(&replaced).await.unwrap();
+    let other = ControlDoc::of_switch(&Switch { tenant: TenantId::parse("other").unwrap(), ..switch.clone() });
+    store.put_control(&other).await.unwrap();
+    let settings = ControlDoc { kind: ControlKind::Settings, id: String::new(), ..replaced.clone() };
+    store.put_control(&settings).await.unwrap();
+    let mut all = store.list_control().await.unwrap();
+    all.sort_by(|a, b| (a.kind, &a.tenant, &a.id).cmp(&(b.kind, &b.tenant, &b.id)));
+    assert_eq!(all, [replaced.clone(), other.clone(), settings.clone()]);
+    let acme = TenantId::parse("acme").unwrap();
+    assert_eq!(store.delete_control(ControlKind::Switch, &acme, &doc.id).await.unwrap(), Some(replaced));
+    assert_eq!(store.delete_control(ControlKind::Switch, &acme, &doc.id).await.unwrap(), None);
+    assert_eq!(store.list_control().await.unwrap().len(), 2);
+}
+
+/// Revoking leases gives each covered in-progress record a new fence: its holder's calls are
+/// stale, and the next claim is a recovery that says why. Records outside the target, finished
+/// ones and other tenants' are untouched.
+pub async fn revoked_leases_make_holders_stale(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let (prod, staging) = (scope_in("acme", "prod/pay", "a"), scope_in("acme", "staging/pay", "b"));
+    let (done, theirs) = (scope_in("acme", "prod/pay", "done"), scope_in("other", "prod/pay", "a"));
+    let fa = c.acquire(&request(&prod, "a")).await;
+    let fb = c.acquire(&request(&staging, "b")).await;
+    let fd = c.acquire(&request(&done, "d")).await;
+    c.applied(&done, fd, Mutation::Complete(success("done"))).await;
+    let ft = c.acquire(&request(&theirs, "a")).await;
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() };
+    let acme = TenantId::parse("acme").unwrap();
+    let n = store.revoke_leases(&acme, &target, "switch namespace:prod", c.guard.clock().now()).await.unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(
+        c.mutate(&prod, fa, Mutation::Complete(success("late"))).await,
+        FencedOutcome::Stale(StaleReason::Superseded)
+    );
+    c.applied(&staging, fb, Mutation::Complete(success("b"))).await;
+    c.applied(&theirs, ft, Mutation::Complete(success("theirs"))).await;
+    assert!(matches!(c.claim(&request(&done, "d")).await, ClaimOutcome::Replay(_)));
+    let ClaimOutcome::Acquired(again) = c.claim(&request(&prod, "a")).await else { panic!("not acquired") };
+    assert!(again.fence > fa);
+    let recovery = again.recovery.expect("a recovery");
+    assert_eq!(recovery.reason, RecoveryReason::ReportedUnknown { detail: "switch namespace:prod".into() });
+    // A run target covers the keys of the run only.
+    let r = scope_in("acme", "prod/pay", "in-run");
+    let fr = c.acquire(&in_run(&r, "r", "run-9", 0)).await;
+    let run = SwitchTarget::Run { run: RunId::parse("run-9").unwrap() };
+    assert_eq!(store.revoke_leases(&acme, &run, "stop", c.guard.clock().now()).await.unwrap(), 1);
+    assert_eq!(c.mutate(&r, fr, checkpoint("x", "1")).await, FencedOutcome::Stale(StaleReason::Superseded));
+}
+
+/// The audit log keeps a tenant's entries newest first, filtered and paged by cursor.
+pub async fn audit_log_pages_newest_first(store: Arc<dyn Store>) {
+    let acme = TenantId::parse("acme").unwrap();
+    let other = TenantId::parse("other").unwrap();
+    let mut ids = Vec::new();
+    for i in 0..5u64 {
+        let action = if i % 2 == 0 { "switch.engage" } else { "budget.set" };
+        let entry = AuditEntry::new(acme.clone(), Timestamp(1_000 + i), "0123456789abcdef", action, format!("t{i}"))
+            .why(Some(format!("because {i}")))
+            .details(serde_json::json!({ "i": i }));
+        store.append_audit(&entry).await.unwrap();
+        ids.push(entry.id);
+    }
+    store.append_audit(&AuditEntry::new(other.clone(), Timestamp(2_000), "x", "switch.engage", "t")).await.unwrap();
+    let page = store.list_audit(&acme, &AuditFilter { limit: 2, ..AuditFilter::default() }).await.unwrap();
+    let got: Vec<&str> = page.entries.iter().map(|e| e.target.as_str()).collect();
+    assert_eq!(got, ["t4", "t3"]);
+    assert_eq!(page.entries[0].details, serde_json::json!({ "i": 4 }));
+    assert_eq!(page.entries[0].why.as_deref(), Some("because 4"));
+    let rest = AuditFilter { limit: 10, before: page.next.clone(), ..AuditFilter::default() };
+    let got: Vec<String> =
+        store.list_audit(&acme, &rest).await.unwrap().entries.into_iter().map(|e| e.target).collect();
+    assert_eq!(got, ["t2", "t1", "t0"]);
+    let engages = AuditFilter { limit: 10, action: Some("switch.engage".into()), ..AuditFilter::default() };
+    let got: Vec<String> =
+        store.list_audit(&acme, &engages).await.unwrap().entries.into_iter().map(|e| e.target).collect();
+    assert_eq!(got, ["t4", "t2", "t0"]);
+    let by_x = AuditFilter { limit: 10, actor: Some("x".into()), ..AuditFilter::default() };
+    assert!(store.list_audit(&acme, &by_x).await.unwrap().entries.is_empty());
+    assert_eq!(store.list_audit(&other, &by_x).await.unwrap().entries.len(), 1);
 }

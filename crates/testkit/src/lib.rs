@@ -92,7 +92,15 @@ macro_rules! conformance_tests {
             repeated_completion_is_idempotent,
             listing_filters_and_pages,
             checkpoints_are_bounded_keeping_the_newest,
-            tenants_and_api_keys
+            tenants_and_api_keys,
+            budget_charges_each_key_once,
+            concurrent_claims_never_exceed_the_budget,
+            budget_cost_and_deadline,
+            in_flight_quota_counts_live_leases,
+            claim_rate_per_tenant,
+            control_documents,
+            revoked_leases_make_holders_stale,
+            audit_log_pages_newest_first
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

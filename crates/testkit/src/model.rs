@@ -260,6 +260,8 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
                     lease: Duration::from_millis(LEASE_MS),
                     retention: Duration::from_millis(RETENTION_MS),
                     run: None,
+                    cost: 0,
+                    max_in_flight: None,
                 };
                 let got = answer_of_claim(store.claim(&req, now).await.map_err(fail)?, now);
                 let want = model.claim(key, meaning, model_now);

@@ -199,6 +199,8 @@ pub fn request(scope: &Scope) -> ClaimRequest {
         lease: Duration::from_secs(10),
         retention: Duration::from_secs(100),
         run: None,
+        cost: 0,
+        max_in_flight: None,
     }
 }
 

@@ -1,0 +1,241 @@
+//! Operator actions on the guard: kill switches, run budgets, settings and the audit log. Each
+//! action is written to the audit log with who did it and why. Also the cache of control
+//! documents (switches, settings) that every claim consults.
+//!
+//! Every instance refreshes its cache from the store every [`CONTROL_REFRESH`], so a switch
+//! engaged through any instance refuses claims on all of them within that time (plus one store
+//! read). If the cache could not be refreshed for [`CONTROL_MAX_AGE`], claims fail closed with
+//! "store unavailable" rather than run on settings that may be out of date.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Mutex, RwLock};
+use tokio::time::Instant;
+
+use crate::control::{
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Controls, Run, SettingsEntry, Switch,
+    SwitchTarget,
+};
+use crate::domain::{InvalidInput, Namespace, RunId, TenantId};
+use crate::guard::{Guard, GuardError};
+use crate::store::StoreError;
+
+/// How often each instance re-reads switches and settings from the store.
+pub const CONTROL_REFRESH: Duration = Duration::from_millis(250);
+
+/// How old the cached switches and settings may grow (when the store cannot be read) before
+/// claims fail closed.
+pub const CONTROL_MAX_AGE: Duration = Duration::from_secs(2);
+
+/// Longest reason or explanation an operator may give, in bytes.
+pub const MAX_REASON_BYTES: usize = 1_024;
+
+/// The switches and settings last read from the store, and when.
+#[derive(Debug, Default)]
+pub(crate) struct ControlCache {
+    current: RwLock<Option<(Arc<Controls>, Instant)>>,
+    refreshing: Mutex<()>,
+}
+
+fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
+    if text.trim().is_empty() || text.len() > MAX_REASON_BYTES {
+        return Err(InvalidInput::new(field, format!("must be 1 to {MAX_REASON_BYTES} bytes, not blank")));
+    }
+    Ok(())
+}
+
+fn check_why(why: Option<&str>) -> Result<(), InvalidInput> {
+    why.map_or(Ok(()), |w| check_reason("why", w))
+}
+
+impl Guard {
+    /// The switches and settings in force: the cached ones if fresh, else read now.
+    pub(crate) async fn controls(&self) -> Result<Arc<Controls>, GuardError> {
+        if let Some((controls, at)) = self.controls.current.read().await.as_ref()
+            && at.elapsed() < CONTROL_MAX_AGE
+        {
+            return Ok(controls.clone());
+        }
+        let _one_at_a_time = self.controls.refreshing.lock().await;
+        if let Some((controls, at)) = self.controls.current.read().await.as_ref()
+            && at.elapsed() < CONTROL_MAX_AGE
+        {
+            return Ok(controls.clone());
+        }
+        self.refresh_controls().await
+    }
+
+    /// Reads switches and settings from the store into the cache.
+    pub async fn refresh_controls(&self) -> Result<Arc<Controls>, GuardError> {
+        let docs = self.store().list_control().await?;
+        let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);
+        *self.controls.current.write().await = Some((controls.clone(), Instant::now()));
+        Ok(controls)
+    }
+
+    /// A task that refreshes the cached switches and settings every [`CONTROL_REFRESH`]. The
+    /// caller owns it and stops it at shutdown.
+    pub fn refresh_controls_task(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let guard = self.clone();
+        async move {
+            let mut tick = tokio::time::interval(CONTROL_REFRESH);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(error) = guard.refresh_controls().await {
+                    tracing::warn!(%error, "could not refresh switches and settings");
+                }
+            }
+        }
+    }
+
+    /// Appends an entry to the audit log (for actions taken outside the guard, such as API keys
+    /// and tenants).
+    pub async fn audit(&self, entry: AuditEntry) -> Result<(), GuardError> {
+        Ok(self.store().append_audit(&entry).await?)
+    }
+
+    /// A tenant's audit log, newest first.
+    pub async fn audit_log(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, GuardError> {
+        Ok(self.store().list_audit(tenant, filter).await?)
+    }
+
+    /// Engages a kill switch: from now on claims it covers are refused, on every instance within
+    /// [`CONTROL_REFRESH`]. With `revoke_leases`, the live leases it covers are revoked in the
+    /// store: their holders' completions are refused as stale, and the keys recover (with their
+    /// last checkpoint) once the switch is released. Engaging an engaged switch replaces its
+    /// reason.
+    pub async fn engage_switch(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        target: SwitchTarget,
+        reason: String,
+        revoke_leases: bool,
+    ) -> Result<Switch, GuardError> {
+        check_reason("reason", &reason)?;
+        let now = self.clock().now();
+        let mut switch = Switch {
+            tenant: tenant.clone(),
+            target,
+            reason,
+            revoke_leases,
+            revoked: 0,
+            engaged_by: actor.to_owned(),
+            engaged_at: now,
+        };
+        // The switch first, so that no claim acquires behind the revocation.
+        self.store().put_control(&ControlDoc::of_switch(&switch)).await?;
+        if revoke_leases {
+            let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
+            switch.revoked = self.store().revoke_leases(tenant, &switch.target, &detail, now).await?;
+            self.store().put_control(&ControlDoc::of_switch(&switch)).await?;
+        }
+        let entry = AuditEntry::new(tenant.clone(), now, actor, "switch.engage", switch.target.id())
+            .why(Some(switch.reason.clone()))
+            .details(serde_json::json!({ "revoke_leases": revoke_leases, "revoked": switch.revoked }));
+        self.audit(entry).await?;
+        self.refresh_controls().await?;
+        Ok(switch)
+    }
+
+    /// Releases a kill switch; answers it, or `None` if none was engaged on `target`.
+    pub async fn release_switch(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        why: Option<String>,
+    ) -> Result<Option<Switch>, GuardError> {
+        check_why(why.as_deref())?;
+        let Some(doc) = self.store().delete_control(ControlKind::Switch, tenant, &target.id()).await? else {
+            return Ok(None);
+        };
+        let switch: Switch = serde_json::from_str(&doc.body).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let entry = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "switch.release", target.id()).why(why);
+        self.audit(entry).await?;
+        self.refresh_controls().await?;
+        Ok(Some(switch))
+    }
+
+    /// A tenant's engaged switches, read from the store.
+    pub async fn switches(&self, tenant: &TenantId) -> Result<Vec<Switch>, GuardError> {
+        let controls = self.refresh_controls().await?;
+        Ok(controls.switches.iter().filter(|s| &s.tenant == tenant).cloned().collect())
+    }
+
+    /// Sets a run's budget (it keeps what it spent).
+    pub async fn set_budget(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: Budget,
+        why: Option<String>,
+    ) -> Result<Run, GuardError> {
+        check_why(why.as_deref())?;
+        let now = self.clock().now();
+        let stored = self.store().put_budget(tenant, run, &budget, now).await?;
+        let details = serde_json::to_value(&budget).unwrap_or_default();
+        let entry = AuditEntry::new(tenant.clone(), now, actor, "budget.set", run.as_str()).why(why).details(details);
+        self.audit(entry).await?;
+        Ok(stored)
+    }
+
+    /// One run of a tenant.
+    pub async fn run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, GuardError> {
+        Ok(self.store().get_run(tenant, run).await?)
+    }
+
+    /// Sets the settings of a tenant or of a namespace prefix in it (replacing earlier ones).
+    pub async fn put_settings(
+        &self,
+        mut entry: SettingsEntry,
+        why: Option<String>,
+    ) -> Result<SettingsEntry, GuardError> {
+        check_why(why.as_deref())?;
+        entry.validate(self.limits())?;
+        entry.updated_at = self.clock().now();
+        self.store().put_control(&ControlDoc::of_settings(&entry)).await?;
+        let target = entry.namespace_prefix.as_ref().map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
+        let details = serde_json::to_value(&entry.settings).unwrap_or_default();
+        let audit = AuditEntry::new(entry.tenant.clone(), entry.updated_at, &entry.updated_by, "settings.set", target)
+            .why(why)
+            .details(details);
+        self.audit(audit).await?;
+        self.refresh_controls().await?;
+        Ok(entry)
+    }
+
+    /// Deletes the settings of a tenant (`prefix` absent) or a namespace prefix; answers them if
+    /// there were any.
+    pub async fn delete_settings(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        prefix: Option<&Namespace>,
+        why: Option<String>,
+    ) -> Result<Option<SettingsEntry>, GuardError> {
+        check_why(why.as_deref())?;
+        let id = prefix.map(|p| p.as_str().to_owned()).unwrap_or_default();
+        let Some(doc) = self.store().delete_control(ControlKind::Settings, tenant, &id).await? else {
+            return Ok(None);
+        };
+        let entry: SettingsEntry = serde_json::from_str(&doc.body).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let target = prefix.map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
+        let audit = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "settings.delete", target).why(why);
+        self.audit(audit).await?;
+        self.refresh_controls().await?;
+        Ok(Some(entry))
+    }
+
+    /// A tenant's settings entries, the tenant's first, then by namespace prefix.
+    pub async fn settings(&self, tenant: &TenantId) -> Result<Vec<SettingsEntry>, GuardError> {
+        let controls = self.refresh_controls().await?;
+        let mut entries: Vec<SettingsEntry> =
+            controls.settings.iter().filter(|e| &e.tenant == tenant).cloned().collect();
+        entries.sort_by(|a, b| a.namespace_prefix.cmp(&b.namespace_prefix));
+        Ok(entries)
+    }
+}
