@@ -7,9 +7,11 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::control::{AuditEntry, AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
-use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId};
+use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
 use onceguard_server::config::ProxyOverrides;
+use onceguard_server::controls;
 use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
 
@@ -74,6 +76,30 @@ enum Command {
     /// Inspect, list and purge idempotency keys.
     #[command(subcommand)]
     Keys(KeyCommand),
+    /// Kill switches: refuse claims of a tenant, a namespace prefix or a run.
+    #[command(subcommand)]
+    Switch(SwitchCommand),
+    /// Runs and their budgets.
+    #[command(subcommand)]
+    Runs(RunCommand),
+    /// Settings of a tenant or a namespace prefix, and the tenant's quotas.
+    #[command(subcommand)]
+    Settings(SettingsCommand),
+    /// The audit log, newest first.
+    Audit {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Only this action, e.g. switch.engage.
+        #[arg(long)]
+        action: Option<String>,
+        /// Only this actor (an API key id, cli:<user>).
+        #[arg(long)]
+        actor: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
     /// Create or upgrade the store's schema (serve also does it on start), then exit.
     Migrate,
     /// Agent traffic against the claim API: throughput, latency, a verified exactly-once count
@@ -164,6 +190,147 @@ enum KeyCommand {
         namespace: String,
         /// The key.
         key: String,
+    },
+}
+
+/// What a switch covers: the whole tenant unless a namespace prefix or a run is given.
+#[derive(Debug, Args)]
+struct TargetArgs {
+    /// The tenant.
+    #[arg(long)]
+    tenant: String,
+    /// Only keys in this namespace and below.
+    #[arg(long, conflicts_with = "run")]
+    namespace: Option<String>,
+    /// Only keys of this run.
+    #[arg(long)]
+    run: Option<String>,
+}
+
+impl TargetArgs {
+    fn parse(&self) -> Result<(TenantId, SwitchTarget)> {
+        let target = match (&self.namespace, &self.run) {
+            (Some(prefix), _) => SwitchTarget::Namespace { prefix: Namespace::parse(prefix)? },
+            (None, Some(run)) => SwitchTarget::Run { run: RunId::parse(run)? },
+            (None, None) => SwitchTarget::Tenant,
+        };
+        Ok((TenantId::parse(&self.tenant)?, target))
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum SwitchCommand {
+    /// Engage a switch: claims it covers are refused (423) by every server within a second.
+    Engage {
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Why (shown to refused callers, kept in the audit log).
+        #[arg(long)]
+        reason: String,
+        /// Also revoke the live leases it covers: their completions are refused as stale.
+        #[arg(long)]
+        revoke_leases: bool,
+    },
+    /// Release a switch: claims flow again.
+    Release {
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        why: Option<String>,
+    },
+    /// List a tenant's engaged switches.
+    List {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum RunCommand {
+    /// Set a run's budget (absent limits do not limit); it keeps what it spent.
+    Budget {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The run.
+        run: String,
+        /// At most this many distinct keys acquired.
+        #[arg(long)]
+        max_effects: Option<u64>,
+        /// At most this many cost units.
+        #[arg(long)]
+        max_cost: Option<u64>,
+        /// No key acquired at or after this time (RFC 3339).
+        #[arg(long, value_parser = humantime::parse_rfc3339)]
+        deadline: Option<std::time::SystemTime>,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        why: Option<String>,
+    },
+    /// Show a run: its budget and what it spent.
+    Get {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The run.
+        run: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SettingsCommand {
+    /// Set (replace) the settings of a tenant or a namespace prefix.
+    Set {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// A namespace prefix (default: the whole tenant).
+        #[arg(long)]
+        namespace_prefix: Option<String>,
+        /// Lease when a claim names none, e.g. 30s.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        default_lease: Option<std::time::Duration>,
+        /// Longest lease a claim may ask for.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        max_lease: Option<std::time::Duration>,
+        /// Retention when a claim names none, e.g. 24h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        default_retention: Option<std::time::Duration>,
+        /// Longest retention a claim may ask for.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        max_retention: Option<std::time::Duration>,
+        /// Tenant only: at most this many keys in flight.
+        #[arg(long)]
+        max_in_flight: Option<u64>,
+        /// Tenant only: claims per second (with --burst).
+        #[arg(long, requires = "burst")]
+        rate: Option<u32>,
+        /// Tenant only: claims allowed at once.
+        #[arg(long, requires = "rate")]
+        burst: Option<u32>,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        why: Option<String>,
+    },
+    /// List a tenant's settings.
+    List {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Delete the settings of a tenant or a namespace prefix.
+    Delete {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// A namespace prefix (default: the whole tenant).
+        #[arg(long)]
+        namespace_prefix: Option<String>,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        why: Option<String>,
     },
 }
 
@@ -259,6 +426,7 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
             if !store.create_tenant(&Tenant { id: id.clone(), created_at: now }).await? {
                 bail!("tenant '{id}' exists");
             }
+            guard.audit(AuditEntry::new(id.clone(), now, cli_actor(), "tenant.create", id.as_str())).await?;
             println!("created tenant {id}");
         }
         Command::Tenants(TenantCommand::List) => {
@@ -273,6 +441,10 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
             }
             let new = ApiKey::generate(tenant, Role::parse(&role)?, &label, now);
             store.create_api_key(&new.key).await?;
+            let details = serde_json::json!({ "role": new.key.role.as_str(), "label": new.key.label });
+            let entry =
+                AuditEntry::new(new.key.tenant.clone(), now, cli_actor(), "api_key.create", new.key.id.as_str());
+            guard.audit(entry.details(details)).await?;
             print_json(&api::api_key_view(&new.key, Some(new.token)))?;
         }
         Command::ApiKeys(ApiKeyCommand::List { tenant }) => {
@@ -280,9 +452,11 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
             print_json(&keys.iter().map(|k| api::api_key_view(k, None)).collect::<Vec<_>>())?;
         }
         Command::ApiKeys(ApiKeyCommand::Revoke { tenant, id }) => {
-            if !store.revoke_api_key(&TenantId::parse(&tenant)?, &ApiKeyId::parse(&id)?, now).await? {
+            let (tenant, id) = (TenantId::parse(&tenant)?, ApiKeyId::parse(&id)?);
+            if !store.revoke_api_key(&tenant, &id, now).await? {
                 bail!("no API key {id} in tenant {tenant}");
             }
+            guard.audit(AuditEntry::new(tenant, now, cli_actor(), "api_key.revoke", id.as_str())).await?;
             println!("revoked {id}");
         }
         Command::Keys(KeyCommand::Get { tenant, namespace, key }) => {
@@ -311,6 +485,83 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
             let scope = Scope::new(TenantId::parse(&tenant)?, Namespace::parse(&namespace)?, Key::parse(&key)?);
             let existed = guard.purge(&cli_actor(), &scope, None).await?;
             println!("{}", if existed { "purged" } else { "there was no record" });
+        }
+        Command::Switch(SwitchCommand::Engage { target, reason, revoke_leases }) => {
+            let (tenant, target) = target.parse()?;
+            let switch = guard.engage_switch(&cli_actor(), &tenant, target, reason, revoke_leases).await?;
+            print_json(&controls::switch_view(&switch))?;
+        }
+        Command::Switch(SwitchCommand::Release { target, why }) => {
+            let (tenant, target) = target.parse()?;
+            match guard.release_switch(&cli_actor(), &tenant, &target, why).await? {
+                Some(switch) => print_json(&controls::switch_view(&switch))?,
+                None => bail!("no switch is engaged on {target} in tenant {tenant}"),
+            }
+        }
+        Command::Switch(SwitchCommand::List { tenant }) => {
+            let switches = guard.switches(&TenantId::parse(&tenant)?).await?;
+            print_json(&switches.iter().map(controls::switch_view).collect::<Vec<_>>())?;
+        }
+        Command::Runs(RunCommand::Budget { tenant, run, max_effects, max_cost, deadline, why }) => {
+            let deadline = deadline.map(|d| {
+                let ms = d.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+                Timestamp(u64::try_from(ms).unwrap_or(u64::MAX))
+            });
+            let budget = Budget { max_effects, max_cost, deadline };
+            let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&run)?);
+            print_json(&controls::run_view(&guard.set_budget(&cli_actor(), &tenant, &run, budget, why).await?))?;
+        }
+        Command::Runs(RunCommand::Get { tenant, run }) => {
+            match guard.run(&TenantId::parse(&tenant)?, &RunId::parse(&run)?).await? {
+                Some(run) => print_json(&controls::run_view(&run))?,
+                None => bail!("no run {run} in tenant {tenant}"),
+            }
+        }
+        Command::Settings(SettingsCommand::Set {
+            tenant,
+            namespace_prefix,
+            default_lease,
+            max_lease,
+            default_retention,
+            max_retention,
+            max_in_flight,
+            rate,
+            burst,
+            why,
+        }) => {
+            let settings = Settings {
+                default_lease,
+                max_lease,
+                default_retention,
+                max_retention,
+                max_in_flight,
+                claim_rate: rate.zip(burst).map(|(per_second, burst)| Rate { per_second, burst }),
+            };
+            let entry = SettingsEntry {
+                tenant: TenantId::parse(&tenant)?,
+                namespace_prefix: namespace_prefix.as_deref().map(Namespace::parse).transpose()?,
+                settings,
+                updated_by: cli_actor(),
+                updated_at: now,
+            };
+            print_json(&controls::settings_view(&guard.put_settings(entry, why).await?))?;
+        }
+        Command::Settings(SettingsCommand::List { tenant }) => {
+            let entries = guard.settings(&TenantId::parse(&tenant)?).await?;
+            print_json(&entries.iter().map(controls::settings_view).collect::<Vec<_>>())?;
+        }
+        Command::Settings(SettingsCommand::Delete { tenant, namespace_prefix, why }) => {
+            let prefix = namespace_prefix.as_deref().map(Namespace::parse).transpose()?;
+            let tenant = TenantId::parse(&tenant)?;
+            match guard.delete_settings(&cli_actor(), &tenant, prefix.as_ref(), why).await? {
+                Some(entry) => print_json(&controls::settings_view(&entry))?,
+                None => bail!("no such settings in tenant {tenant}"),
+            }
+        }
+        Command::Audit { tenant, action, actor, limit } => {
+            let filter = AuditFilter { action, actor, before: None, limit: limit.clamp(1, MAX_PAGE) };
+            let page = guard.audit_log(&TenantId::parse(&tenant)?, &filter).await?;
+            print_json(&page.entries.into_iter().map(controls::audit_view).collect::<Vec<_>>())?;
         }
     }
     Ok(())

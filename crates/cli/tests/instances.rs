@@ -7,31 +7,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Server, start_with};
+use common::{Server, postgres_store, redis_store, three_instances};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, Semaphore};
 
 const KEYS: usize = 2_000;
 const DUPLICATES: usize = 8;
-
-fn postgres_url() -> String {
-    std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn redis_url() -> String {
-    std::env::var("ONCEGUARD_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-/// Starts three instances on `store`; the first bootstraps the admin key.
-fn three_instances(dir: &std::path::Path, store: &str) -> (Vec<Server>, String) {
-    let key_file = dir.join("admin.key");
-    let env = [("ONCEGUARD_AUTH__BOOTSTRAP_KEY_FILE", key_file.to_str().unwrap())];
-    let first = start_with(dir, &["--store", store], &env);
-    let token = std::fs::read_to_string(&key_file).expect("the first instance wrote the admin key").trim().to_owned();
-    let mut servers = vec![first];
-    servers.extend((0..2).map(|_| start_with(dir, &["--store", store], &env)));
-    (servers, token)
-}
 
 /// Every key claimed 8 times at once across the instances (waiting up to 10 s for the
 /// holder): exactly one acquisition per key; afterwards every instance replays every key
@@ -121,39 +102,14 @@ async fn three_instances_on(label: &str, store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_on_one_postgres() {
-    let url = postgres_url();
-    let addr = onceguard_testkit::services::addr_of_url(&url, 5432);
-    if !onceguard_testkit::services::available(
-        "PostgreSQL many-instances test",
-        &addr,
-        "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
-    ) {
-        return;
+    if let Some(store) = postgres_store("PostgreSQL many-instances test") {
+        three_instances_on("postgres", &store.url).await;
     }
-    let schema = format!("og_many_{:08x}", rand::random::<u32>());
-    three_instances_on("postgres", &format!("{url}?schema={schema}")).await;
-    let _ = std::process::Command::new("psql")
-        .args([&url, "-qc", &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")])
-        .output();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_on_one_redis() {
-    let url = redis_url();
-    let addr = onceguard_testkit::services::addr_of_url(&url, 6379);
-    if !onceguard_testkit::services::available(
-        "Redis many-instances test",
-        &addr,
-        "start redis-server or set ONCEGUARD_REDIS_URL",
-    ) {
-        return;
+    if let Some(store) = redis_store("Redis many-instances test") {
+        three_instances_on("redis", &store.url).await;
     }
-    let prefix = format!("og-many-{:08x}:", rand::random::<u32>());
-    three_instances_on("redis", &format!("{url}?prefix={prefix}")).await;
-    let _ = std::process::Command::new("sh")
-        .args([
-            "-c",
-            &format!("redis-cli -u {url} --scan --pattern '{prefix}*' | xargs -r redis-cli -u {url} unlink >/dev/null"),
-        ])
-        .output();
 }

@@ -521,8 +521,9 @@ pub struct AuditEntry {
 }
 
 impl AuditEntry {
-    /// A new entry at `at`, with an id that sorts by time (milliseconds, then 8 random hex
-    /// digits to keep ids of the same millisecond apart).
+    /// A new entry at `at`, with an id that sorts by time: the milliseconds, then this
+    /// process's sequence number (so entries of one process keep their order within a
+    /// millisecond), then a random tag of the process (so two processes never make the same id).
     pub fn new(
         tenant: TenantId,
         at: Timestamp,
@@ -530,7 +531,12 @@ impl AuditEntry {
         action: &str,
         target: impl Into<String>,
     ) -> Self {
-        let id = format!("{:015}{:08x}", at.0, rand::random::<u32>());
+        use std::sync::OnceLock;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static SEQUENCE: AtomicU32 = AtomicU32::new(0);
+        static PROCESS: OnceLock<u32> = OnceLock::new();
+        let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{:015}{sequence:08x}{:08x}", at.0, PROCESS.get_or_init(rand::random::<u32>));
         Self {
             id,
             tenant,

@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::control::AuditEntry;
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, ListFilter, Mutation,
     Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope, TenantId, Timestamp,
@@ -761,6 +762,27 @@ pub(crate) fn require_operator(state: &AppState, caller: &Caller) -> ApiResult<(
     Ok(())
 }
 
+/// The tenant an admin call acts on: the caller's own by default; another one (`asked`) only
+/// for an admin of the operator tenant.
+pub(crate) fn admin_tenant(state: &AppState, caller: &Caller, asked: Option<&str>) -> ApiResult<TenantId> {
+    caller.require_admin()?;
+    match asked {
+        None => Ok(caller.tenant.clone()),
+        Some(tenant) => {
+            let tenant = TenantId::parse(tenant)?;
+            if tenant != caller.tenant {
+                require_operator(state, caller)?;
+            }
+            Ok(tenant)
+        }
+    }
+}
+
+/// Writes an admin action to the audit log.
+pub(crate) async fn audit(state: &AppState, entry: AuditEntry) -> ApiResult<()> {
+    Ok(state.guard.audit(entry).await?)
+}
+
 /// List tenants (operator tenant's admins).
 #[utoipa::path(get, path = "/v1/tenants", tag = "admin", security(("bearer" = [])),
     responses((status = 200, description = "Tenants", body = [TenantView]), (status = 403, description = "Not an operator admin", body = Problem, content_type = "application/problem+json")))]
@@ -789,6 +811,11 @@ pub async fn create_tenant(
         return Err(ApiError::Conflict(format!("tenant '{}' exists", tenant.id)));
     }
     tracing::info!(tenant = %tenant.id, by = ?caller.key_id.as_ref().map(ApiKeyId::as_str), "tenant created");
+    audit(
+        &state,
+        AuditEntry::new(tenant.id.clone(), tenant.created_at, caller.actor(), "tenant.create", tenant.id.as_str()),
+    )
+    .await?;
     let view = TenantView { id: tenant.id.to_string(), created_at: tenant.created_at.to_rfc3339() };
     Ok((StatusCode::CREATED, Json(view)).into_response())
 }
@@ -847,17 +874,7 @@ pub async fn create_api_key(
     caller: Caller,
     ApiJson(b): ApiJson<ApiKeyBody>,
 ) -> ApiResult<Response> {
-    caller.require_admin()?;
-    let tenant = match b.tenant.as_deref() {
-        None => caller.tenant.clone(),
-        Some(t) => {
-            let t = TenantId::parse(t)?;
-            if t != caller.tenant {
-                require_operator(&state, &caller)?;
-            }
-            t
-        }
-    };
+    let tenant = admin_tenant(&state, &caller, b.tenant.as_deref())?;
     if state.guard.store().get_tenant(&tenant).await?.is_none() {
         return Err(ApiError::NotFound(format!("no tenant '{tenant}'")));
     }
@@ -867,6 +884,15 @@ pub async fn create_api_key(
     let new = ApiKey::generate(tenant, Role::parse(&b.role)?, &b.label, state.guard.clock().now());
     state.guard.store().create_api_key(&new.key).await?;
     tracing::info!(tenant = %new.key.tenant, id = %new.key.id, role = new.key.role.as_str(), "api key created");
+    let entry = AuditEntry::new(
+        new.key.tenant.clone(),
+        new.key.created_at,
+        caller.actor(),
+        "api_key.create",
+        new.key.id.as_str(),
+    )
+    .details(serde_json::json!({ "role": new.key.role.as_str(), "label": new.key.label }));
+    audit(&state, entry).await?;
     Ok((StatusCode::CREATED, Json(api_key_view(&new.key, Some(new.token)))).into_response())
 }
 
@@ -894,6 +920,8 @@ pub async fn revoke_api_key(
         return Err(ApiError::NotFound("no such API key in your tenant".into()));
     }
     tracing::info!(tenant = %caller.tenant, id = %id, "api key revoked");
+    let now = state.guard.clock().now();
+    audit(&state, AuditEntry::new(caller.tenant.clone(), now, caller.actor(), "api_key.revoke", id.as_str())).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

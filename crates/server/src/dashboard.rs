@@ -11,12 +11,12 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use onceguard_core::{ListFilter, Namespace, Record, RecordState, TenantId, Timestamp};
+use onceguard_core::{ListFilter, Namespace, Record, RecordState, Timestamp};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::AppState;
-use crate::api::{ApiQuery, require_operator};
+use crate::api::{ApiQuery, admin_tenant, require_operator};
 use crate::auth::Caller;
 use crate::live::{Event, LatencyView, SeriesView, StoreOpView};
 use crate::problem::ApiError;
@@ -66,20 +66,6 @@ pub struct DashboardQuery {
 }
 
 /// The tenant a dashboard call shows: the caller's, or another for the operator's admins.
-fn shown_tenant(state: &AppState, caller: &Caller, asked: Option<&str>) -> ApiResult<TenantId> {
-    caller.require_admin()?;
-    match asked {
-        None => Ok(caller.tenant.clone()),
-        Some(tenant) => {
-            let tenant = TenantId::parse(tenant)?;
-            if tenant != caller.tenant {
-                require_operator(state, caller)?;
-            }
-            Ok(tenant)
-        }
-    }
-}
-
 /// Claims by outcome.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ClaimCounts {
@@ -178,19 +164,13 @@ pub struct StoreView {
     pub ops: Vec<StoreOpView>,
 }
 
-/// Switches and budgets.
+/// The kill switches engaged on the tenant.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ControlsView {
-    /// Whether this version has switches and budgets (it does not).
-    pub available: bool,
-    /// Engaged switches (none).
-    #[schema(value_type = Vec<Object>)]
-    pub switches: Vec<serde_json::Value>,
-    /// Runs with budgets (none).
-    #[schema(value_type = Vec<Object>)]
-    pub budgets: Vec<serde_json::Value>,
-    /// What to tell people.
-    pub note: &'static str,
+    /// Engaged switches (as `GET /v1/switches` lists them).
+    pub switches: Vec<crate::controls::SwitchView>,
+    /// One line for on-call: what is stopped, or that nothing is.
+    pub summary: String,
 }
 
 /// Everything the dashboard shows for one tenant.
@@ -268,9 +248,10 @@ pub async fn dashboard_data(
     caller: Caller,
     ApiQuery(q): ApiQuery<DashboardQuery>,
 ) -> ApiResult<Json<DashboardView>> {
-    let tenant = shown_tenant(&state, &caller, q.tenant.as_deref())?;
+    let tenant = admin_tenant(&state, &caller, q.tenant.as_deref())?;
     let metrics = &state.metrics;
     let scan = metrics.scan_keys(&state.guard, &state.metrics_config).await;
+    let controls = controls_view(&state, &tenant).await;
     let now = state.guard.clock().now();
     let tenants = if require_operator(&state, &caller).is_ok() {
         state.guard.store().list_tenants().await?.into_iter().map(|t| t.id.to_string()).collect()
@@ -317,13 +298,29 @@ pub async fn dashboard_data(
             error: scan.store_error,
             ops: metrics.live().store_ops(),
         },
-        controls: ControlsView {
-            available: false,
-            switches: Vec::new(),
-            budgets: Vec::new(),
-            note: "Switches and budgets are not available in this version.",
-        },
+        controls,
     }))
+}
+
+/// The tenant's engaged switches, from this instance's cache of what the store holds (when the
+/// store cannot be read, the summary says so).
+async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> ControlsView {
+    match state.guard.switches(tenant).await {
+        Ok(switches) if switches.is_empty() => {
+            ControlsView { switches: Vec::new(), summary: "No kill switch is engaged: claims flow.".into() }
+        }
+        Ok(switches) => {
+            let targets: Vec<String> = switches.iter().map(|s| s.target.id()).collect();
+            ControlsView {
+                summary: format!("Claims refused (423) under: {}.", targets.join(", ")),
+                switches: switches.iter().map(crate::controls::switch_view).collect(),
+            }
+        }
+        Err(error) => ControlsView {
+            switches: Vec::new(),
+            summary: format!("Switches could not be read ({error}); claims fail closed."),
+        },
+    }
 }
 
 /// One key, for the inspector.
@@ -440,7 +437,7 @@ pub async fn dashboard_record(
     caller: Caller,
     ApiQuery(q): ApiQuery<InspectQuery>,
 ) -> ApiResult<Json<InspectView>> {
-    let tenant = shown_tenant(&state, &caller, q.tenant.as_deref())?;
+    let tenant = admin_tenant(&state, &caller, q.tenant.as_deref())?;
     let scope =
         onceguard_core::Scope::new(tenant, Namespace::parse(&q.namespace)?, onceguard_core::Key::parse(&q.key)?);
     let r = state.guard.get(&scope).await?.ok_or_else(|| ApiError::NotFound("no live record for this key".into()))?;

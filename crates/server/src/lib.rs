@@ -27,6 +27,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod controls;
 pub mod dashboard;
 pub mod live;
 pub mod metrics;
@@ -85,6 +86,9 @@ impl AppState {
         api::claim, api::complete, api::fail, api::extend, api::checkpoint, api::report_unknown,
         api::get_record, api::purge_record, api::list_records,
         api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
+        controls::set_budget, controls::get_run, controls::engage_switch, controls::release_switch,
+        controls::list_switches, controls::put_settings, controls::list_settings, controls::delete_settings,
+        controls::list_audit,
         api::healthz, api::readyz,
         api::metrics, dashboard::dashboard_data, dashboard::dashboard_record,
     ),
@@ -94,6 +98,7 @@ impl AppState {
         (name = "claims", description = "Claim a key, then complete, fail, extend, checkpoint or report unknown with its fence"),
         (name = "records", description = "Read, list and purge records"),
         (name = "admin", description = "Tenants and API keys"),
+        (name = "blast radius", description = "Runs and budgets, kill switches, settings and quotas, the audit log"),
         (name = "health", description = "Liveness and readiness"),
         (name = "observability", description = "Prometheus metrics and the dashboard's data"),
     )
@@ -180,6 +185,14 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .route("/v1/tenants", get(api::list_tenants).post(api::create_tenant))
         .route("/v1/api-keys", get(api::list_api_keys).post(api::create_api_key))
         .route("/v1/api-keys/{id}", delete(api::revoke_api_key))
+        .route("/v1/runs/{run}", get(controls::get_run).put(controls::set_budget))
+        .route("/v1/switches", get(controls::list_switches).post(controls::engage_switch))
+        .route("/v1/switches/release", post(controls::release_switch))
+        .route(
+            "/v1/settings",
+            get(controls::list_settings).put(controls::put_settings).delete(controls::delete_settings),
+        )
+        .route("/v1/audit", get(controls::list_audit))
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(openapi_json))
@@ -308,8 +321,9 @@ pub async fn run(
     serve_with_background(config, guard, listener, app, shutdown).await
 }
 
-/// Serves `app` with the guard's background tasks (the sweep of expired records, and the feed
-/// of keys finished by other instances), which it owns and stops at shutdown.
+/// Serves `app` with the guard's background tasks (the sweep of expired records, the refresh of
+/// switches and settings, and the feed of keys finished by other instances), which it owns and
+/// stops at shutdown.
 pub async fn serve_with_background(
     config: &Config,
     guard: Guard,
@@ -319,6 +333,7 @@ pub async fn serve_with_background(
 ) -> Result<(), StartError> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let forwarder = guard.forward_changes().map(tokio::spawn);
+    let controls = tokio::spawn(guard.refresh_controls_task());
     let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));
     let grace = config.http.shutdown_grace;
     let mut grace_rx = stop_rx;
@@ -340,6 +355,8 @@ pub async fn serve_with_background(
     };
     sweeper.abort();
     let _ = sweeper.await;
+    controls.abort();
+    let _ = controls.await;
     if let Some(forwarder) = forwarder {
         forwarder.abort();
         let _ = forwarder.await;

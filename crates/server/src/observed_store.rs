@@ -10,9 +10,12 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
+use onceguard_core::control::{
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
+};
 use onceguard_core::{
-    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, Scope, Store, StoreError,
-    TenantId, Timestamp,
+    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
+    StoreError, TenantId, Timestamp,
 };
 use tracing::Span;
 
@@ -147,5 +150,65 @@ impl Store for ObservedStore {
 
     async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
         self.timed("auth", self.inner.revoke_api_key(tenant, id, now)).await
+    }
+
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        self.timed("control", self.inner.put_budget(tenant, run, budget, now)).await
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        self.timed("control", self.inner.get_run(tenant, run)).await
+    }
+
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.timed("control", self.inner.put_control(doc)).await
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        self.timed("control", self.inner.delete_control(kind, tenant, id)).await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.timed("control", self.inner.list_control()).await
+    }
+
+    #[tracing::instrument(name = "store.revoke_leases", skip_all, fields(store = self.kind, tenant = %tenant, target = %target, error))]
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        self.timed("revoke_leases", self.inner.revoke_leases(tenant, target, detail, now)).await
+    }
+
+    #[tracing::instrument(name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), std::time::Duration>, StoreError> {
+        self.timed("take_rate", self.inner.take_rate(tenant, rate, now)).await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.timed("audit", self.inner.append_audit(entry)).await
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        self.timed("audit", self.inner.list_audit(tenant, filter)).await
     }
 }

@@ -82,3 +82,70 @@ pub fn admin_key(dir: &Path) -> String {
         .trim()
         .to_owned()
 }
+
+/// The PostgreSQL server of the shared-store tests (`ONCEGUARD_POSTGRES_URL`).
+#[allow(dead_code)]
+pub fn postgres_url() -> String {
+    std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// The Redis server of the shared-store tests (`ONCEGUARD_REDIS_URL`).
+#[allow(dead_code)]
+pub fn redis_url() -> String {
+    std::env::var("ONCEGUARD_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Starts three instances on `store`; the first bootstraps the admin key.
+#[allow(dead_code)]
+pub fn three_instances(dir: &std::path::Path, store: &str) -> (Vec<Server>, String) {
+    let key_file = dir.join("admin.key");
+    let env = [("ONCEGUARD_AUTH__BOOTSTRAP_KEY_FILE", key_file.to_str().unwrap())];
+    let first = start_with(dir, &["--store", store], &env);
+    let token = std::fs::read_to_string(&key_file).expect("the first instance wrote the admin key").trim().to_owned();
+    let mut servers = vec![first];
+    servers.extend((0..2).map(|_| start_with(dir, &["--store", store], &env)));
+    (servers, token)
+}
+
+/// A fresh PostgreSQL schema or Redis key prefix for one test, dropped when the value is.
+#[allow(dead_code)]
+pub struct SharedStore {
+    /// The store URL to pass to `--store`.
+    pub url: String,
+    cleanup: Vec<String>,
+}
+
+impl Drop for SharedStore {
+    fn drop(&mut self) {
+        let _ = Command::new(&self.cleanup[0]).args(&self.cleanup[1..]).output();
+    }
+}
+
+/// A fresh schema on the PostgreSQL server, or `None` (the suite is reported skipped) when it
+/// is not reachable outside CI.
+#[allow(dead_code)]
+pub fn postgres_store(suite: &str) -> Option<SharedStore> {
+    let url = postgres_url();
+    let addr = onceguard_testkit::services::addr_of_url(&url, 5432);
+    if !onceguard_testkit::services::available(suite, &addr, "start PostgreSQL or set ONCEGUARD_POSTGRES_URL") {
+        return None;
+    }
+    let schema = format!("og_proc_{:08x}", rand::random::<u32>());
+    let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+    Some(SharedStore { url: format!("{url}?schema={schema}"), cleanup: vec!["psql".into(), url, "-qc".into(), drop] })
+}
+
+/// A fresh key prefix on the Redis server, or `None` (the suite is reported skipped) when it is
+/// not reachable outside CI.
+#[allow(dead_code)]
+pub fn redis_store(suite: &str) -> Option<SharedStore> {
+    let url = redis_url();
+    let addr = onceguard_testkit::services::addr_of_url(&url, 6379);
+    if !onceguard_testkit::services::available(suite, &addr, "start redis-server or set ONCEGUARD_REDIS_URL") {
+        return None;
+    }
+    let prefix = format!("og-proc-{:08x}:", rand::random::<u32>());
+    let unlink =
+        format!("redis-cli -u {url} --scan --pattern '{prefix}*' | xargs -r redis-cli -u {url} unlink >/dev/null");
+    Some(SharedStore { url: format!("{url}?prefix={prefix}"), cleanup: vec!["sh".into(), "-c".into(), unlink] })
+}

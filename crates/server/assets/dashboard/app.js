@@ -205,7 +205,8 @@ function render(d) {
   setText("store-detail", d.store.up
     ? `${d.store.kind}: answered the last check at ${clock(d.store.checked_at)}.`
     : `${d.store.kind}: does not answer (${d.store.error || "not checked yet"}). Claims fail closed with 503.`);
-  setText("controls", d.controls.available ? "" : d.controls.note);
+  setText("controls", d.controls.summary);
+  $("controls").classList.toggle("alert", d.controls.switches.length > 0);
 
   const slotSeconds = d.series.slot_seconds;
   const colors = Object.fromEntries(OUTCOMES.map((o) => [o, COLORS[o]]));

@@ -6,9 +6,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::control::{
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
+};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, ListFilter, ManualClock, MemoryStore, Mutation, Page,
-    Record, Scope, Store, StoreError, TenantId, Timestamp,
+    Record, RunId, Scope, Store, StoreError, TenantId, Timestamp,
 };
 use onceguard_server::{AppState, Config};
 use onceguard_store_sqlite::SqliteStore;
@@ -163,6 +166,33 @@ impl Store for BreakableStore {
     async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
         self.up()?.revoke_api_key(tenant, id, now).await
     }
+    async fn put_budget(&self, tenant: &TenantId, run: &RunId, b: &Budget, now: Timestamp) -> Result<Run, StoreError> {
+        self.up()?.put_budget(tenant, run, b, now).await
+    }
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        self.up()?.get_run(tenant, run).await
+    }
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.up()?.put_control(doc).await
+    }
+    async fn delete_control(&self, k: ControlKind, t: &TenantId, id: &str) -> Result<Option<ControlDoc>, StoreError> {
+        self.up()?.delete_control(k, t, id).await
+    }
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.up()?.list_control().await
+    }
+    async fn revoke_leases(&self, t: &TenantId, s: &SwitchTarget, d: &str, now: Timestamp) -> Result<u64, StoreError> {
+        self.up()?.revoke_leases(t, s, d, now).await
+    }
+    async fn take_rate(&self, t: &TenantId, r: &Rate, now: Timestamp) -> Result<Result<(), Duration>, StoreError> {
+        self.up()?.take_rate(t, r, now).await
+    }
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.up()?.append_audit(entry).await
+    }
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        self.up()?.list_audit(tenant, filter).await
+    }
 }
 
 impl TestApp {
@@ -178,6 +208,14 @@ impl TestApp {
     pub async fn post_raw(&self, token: &str, path: &str, body: String) -> Response {
         let request = self.client.post(self.url(path)).bearer_auth(token);
         request.header("content-type", "application/json").body(body).send().await.unwrap()
+    }
+
+    pub async fn put(&self, token: &str, path: &str, body: &Value) -> Response {
+        self.client.put(self.url(path)).bearer_auth(token).json(body).send().await.unwrap()
+    }
+
+    pub async fn delete(&self, token: &str, path: &str) -> Response {
+        self.client.delete(self.url(path)).bearer_auth(token).send().await.unwrap()
     }
 
     pub async fn get(&self, token: &str, path: &str) -> Response {
@@ -210,6 +248,11 @@ impl TestApp {
             .await
             .unwrap()
     }
+}
+
+/// The id of an API key, from its token `og_<id>_<secret>` (what the audit log names).
+pub fn key_id(token: &str) -> &str {
+    token.split('_').nth(1).expect("a token")
 }
 
 /// Asserts a problem+json answer of `status` and `kind`; answers its body.

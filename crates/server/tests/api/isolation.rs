@@ -34,14 +34,18 @@ async fn operations(app: &TestApp) -> Vec<(Method, String, Option<Value>)> {
                 }
                 ("POST", "/v1/tenants") => Some(json!({"id": "new-tenant"})),
                 ("POST", "/v1/api-keys") => Some(json!({"role": "agent"})),
+                ("PUT", "/v1/runs/{run}") => Some(json!({"max_effects": 1})),
+                ("POST", "/v1/switches") => Some(json!({"target": {"kind": "tenant"}, "reason": "test"})),
+                ("POST", "/v1/switches/release") => Some(json!({"target": {"kind": "tenant"}})),
+                ("PUT", "/v1/settings") => Some(json!({"settings": {"max_in_flight": 1}})),
                 _ => None,
             };
-            let path = path.replace("{id}", "0123456789abcdef");
+            let path = path.replace("{id}", "0123456789abcdef").replace("{run}", "r1");
             let path = if path == "/v1/record" { "/v1/record?namespace=iso&key=k".to_owned() } else { path };
             ops.push((method, path, body));
         }
     }
-    assert!(ops.len() >= 14, "the document lists every operation: {ops:?}");
+    assert!(ops.len() >= 23, "the document lists every operation: {ops:?}");
     ops
 }
 
@@ -82,6 +86,10 @@ async fn agent_keys_are_refused_on_admin_calls() {
         path.starts_with("/v1/tenants")
             || path.starts_with("/v1/api-keys")
             || (method == Method::DELETE && path.starts_with("/v1/record"))
+            || (method == Method::PUT && path.starts_with("/v1/runs/"))
+            || (method == Method::POST && path.starts_with("/v1/switches"))
+            || path.starts_with("/v1/settings")
+            || path.starts_with("/v1/audit")
     };
     let mut refused = 0;
     for op in operations(&app).await {
@@ -90,7 +98,7 @@ async fn agent_keys_are_refused_on_admin_calls() {
             refused += 1;
         }
     }
-    assert_eq!(refused, 6);
+    assert_eq!(refused, 13);
 }
 
 /// Answers of tenant B about namespace `iso`, key `k`, in a given world. Claims are left out:

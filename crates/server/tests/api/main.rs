@@ -2,6 +2,7 @@
 
 mod admin;
 mod bad_input;
+mod blast_radius;
 mod claims;
 mod concurrency;
 mod helpers;

@@ -168,7 +168,8 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
     assert_eq!(d["keys"]["stuck"], 1);
     assert_eq!(d["store"]["kind"], "sqlite");
     assert_eq!(d["store"]["up"], true);
-    assert_eq!(d["controls"]["available"], false);
+    assert_eq!(d["controls"]["switches"], json!([]));
+    assert_eq!(d["controls"]["summary"], "No kill switch is engaged: claims flow.");
     assert_eq!(d["series"]["cost_saved"].as_array().unwrap().iter().filter_map(Value::as_u64).sum::<u64>(), 2400);
     assert!(d["latency"]["count"].as_u64().unwrap() >= 18, "{}", d["latency"]);
     let stuck = &d["stuck"][0];
