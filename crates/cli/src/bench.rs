@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use onceguard_client::{Claim, ClaimAnswer, Fenced};
 use rand::Rng;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::{Mutex, Semaphore};
 
 /// Options of `onceguard bench`.
@@ -104,51 +105,43 @@ struct Tally {
     next_key: AtomicU64,
 }
 
+/// Sends the traffic through the Rust client, with no retries (a failure is counted, not
+/// hidden).
 struct Client {
-    http: reqwest::Client,
-    url: String,
-    key: Option<String>,
+    api: onceguard_client::Client,
     run: String,
 }
 
 impl Client {
-    async fn claim(&self, tally: &Tally, key: u64, meaning: u64, wait: bool) -> Result<(u16, Value)> {
-        let mut body =
-            json!({"namespace": "bench", "key": format!("{}-{key}", self.run), "request": {"k": key, "m": meaning}});
-        if wait {
-            body["wait"] = json!("10s");
-        }
+    fn claim_of(&self, key: u64, meaning: u64) -> Claim {
+        Claim::new("bench", format!("{}-{key}", self.run), json!({"k": key, "m": meaning}))
+    }
+
+    /// Claims; answers the fence if this client acquired the key.
+    async fn claim(&self, tally: &Tally, key: u64, meaning: u64, wait: bool) -> Result<(&'static str, Option<u64>)> {
+        let claim = Claim { wait: wait.then_some(Duration::from_secs(10)), ..self.claim_of(key, meaning) };
         let started = Instant::now();
-        let mut request = self.http.post(format!("{}/v1/claims", self.url)).json(&body);
-        if let Some(k) = &self.key {
-            request = request.bearer_auth(k);
-        }
-        let response = request.send().await?;
-        let status = response.status().as_u16();
-        let value = response.json().await.unwrap_or(Value::Null);
+        let answer = self.api.claim(&claim).await;
         tally.latencies.lock().await.push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
         tally.claims.fetch_add(1, Ordering::Relaxed);
-        match status {
-            201 => tally.acquired.fetch_add(1, Ordering::Relaxed),
-            200 => tally.replays.fetch_add(1, Ordering::Relaxed),
-            409 => tally.in_flight.fetch_add(1, Ordering::Relaxed),
-            422 => tally.mismatches.fetch_add(1, Ordering::Relaxed),
-            _ => tally.unexpected.fetch_add(1, Ordering::Relaxed),
+        let (name, counter, fence) = match answer {
+            Ok(ClaimAnswer::Acquired(a)) => ("acquired", &tally.acquired, Some(a.fence)),
+            Ok(ClaimAnswer::Replay(_)) => ("replay", &tally.replays, None),
+            Ok(ClaimAnswer::InFlight { .. }) => ("in_flight", &tally.in_flight, None),
+            Ok(ClaimAnswer::Mismatch) => ("mismatch", &tally.mismatches, None),
+            Ok(ClaimAnswer::Denied { .. }) | Err(_) => ("unexpected", &tally.unexpected, None),
         };
-        Ok((status, value))
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok((name, fence))
     }
 
     /// Executes (counts) and completes a key this client acquired.
-    async fn execute(&self, tally: &Tally, key: u64, fence: &Value) -> Result<()> {
+    async fn execute(&self, tally: &Tally, key: u64, fence: u64) -> Result<()> {
         *tally.executions.lock().await.entry(key).or_default() += 1;
-        let body = json!({"namespace": "bench", "key": format!("{}-{key}", self.run), "fence": fence, "result": {"done": key}});
-        let mut request = self.http.post(format!("{}/v1/claims/complete", self.url)).json(&body);
-        if let Some(k) = &self.key {
-            request = request.bearer_auth(k);
-        }
-        let status = request.send().await?.status();
+        let target = self.claim_of(key, 0).target();
+        let done = self.api.complete(&target, fence, &json!({"done": key}), None).await;
         tally.completions.fetch_add(1, Ordering::Relaxed);
-        if !status.is_success() {
+        if !matches!(done, Ok(Fenced::Applied(_))) {
             tally.unexpected.fetch_add(1, Ordering::Relaxed);
         }
         tally.completed.lock().await.push(key);
@@ -164,17 +157,16 @@ impl Client {
             Op::Replay | Op::Mismatch => {
                 let Some(key) = existing().await else { return Box::pin(self.op(tally, Op::First)).await };
                 let meaning = if matches!(op, Op::Replay) { 0 } else { 1 };
-                let (status, _) = self.claim(&tally, key, meaning, false).await?;
-                let expected = if meaning == 0 { 200 } else { 422 };
-                if status != expected {
+                let (answer, _) = self.claim(&tally, key, meaning, false).await?;
+                let expected = if meaning == 0 { "replay" } else { "mismatch" };
+                if answer != expected {
                     tally.unexpected.fetch_add(1, Ordering::Relaxed);
                 }
             }
             Op::First => {
                 let key = tally.next_key.fetch_add(1, Ordering::Relaxed);
-                let (status, acquired) = self.claim(&tally, key, 0, false).await?;
-                if status == 201 {
-                    self.execute(&tally, key, &acquired["fence"]).await?;
+                if let (_, Some(fence)) = self.claim(&tally, key, 0, false).await? {
+                    self.execute(&tally, key, fence).await?;
                 }
             }
             Op::Duplicate => {
@@ -182,9 +174,8 @@ impl Client {
                 let racers = (0..3).map(|_| {
                     let (client, tally) = (self.clone(), tally.clone());
                     tokio::spawn(async move {
-                        let (status, acquired) = client.claim(&tally, key, 0, true).await?;
-                        if status == 201 {
-                            client.execute(&tally, key, &acquired["fence"]).await?;
+                        if let (_, Some(fence)) = client.claim(&tally, key, 0, true).await? {
+                            client.execute(&tally, key, fence).await?;
                         }
                         anyhow::Ok(())
                     })
@@ -256,7 +247,8 @@ pub async fn run(args: BenchArgs, config: &onceguard_server::Config) -> Result<(
             (serve(onceguard_server::router(state, &config)).await?, None, format!("this process, {kind} store"))
         }
     };
-    let client = Arc::new(Client { http: http.clone(), url, key, run: format!("{:08x}", rand::random::<u32>()) });
+    let api = onceguard_client::Client::with_options(&url, key.as_deref(), Duration::from_secs(30), 0)?;
+    let client = Arc::new(Client { api, run: format!("{:08x}", rand::random::<u32>()) });
     let tally = Arc::new(Tally::default());
     let load = match args.rate {
         Some(rate) => format!("open loop at {rate} ops/s"),

@@ -1,0 +1,489 @@
+//! A client of Onceguard's HTTP API (see `docs/API.md`).
+//!
+//! Every answer of a claim is a value of [`ClaimAnswer`]: `Acquired`, `Replay`, `InFlight`,
+//! `Mismatch` or `Denied`; a fenced call answers [`Fenced::Applied`] or [`Fenced::Stale`].
+//! Problems that are not answers of the protocol (bad input, a wrong key, the store down after
+//! the retries) are a [`ClientError`] carrying the problem's stable `type`.
+//!
+//! The client retries its own transport errors (connection refused or reset, timeouts) and the
+//! server's `503 store-unavailable`, a bounded number of times with exponential backoff. That is
+//! safe because every call is idempotent: a claim retried after a lost answer is answered as any
+//! duplicate is (`in_flight` while the lost acquisition's lease runs, then a recovery), never as
+//! a second acquisition; a fenced call repeated identically answers as it did the first time.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), onceguard_client::ClientError> {
+//! use onceguard_client::{Claim, ClaimAnswer, Client};
+//! let client = Client::new("http://127.0.0.1:8080", "og_…")?;
+//! let claim = Claim::new("prod/payments-agent", "refund-1234", serde_json::json!({"order": 1234}));
+//! match client.claim(&claim).await? {
+//!     ClaimAnswer::Acquired(held) => {
+//!         // … do the effect, passing held.fence downstream …
+//!         client.complete(&claim.target(), held.fence, &serde_json::json!({"refund": "r_1"}), None).await?;
+//!     }
+//!     ClaimAnswer::Replay(replay) => println!("already done: {:?}", replay.result),
+//!     other => println!("not now: {other:?}"),
+//! }
+//! # Ok(()) }
+//! ```
+
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+use reqwest::{Method, StatusCode};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+/// The prefix of every problem type.
+pub const PROBLEM_PREFIX: &str = "https://onceguard.dev/problems/";
+
+/// A problem+json answer (RFC 9457) that is not an answer of the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Problem {
+    /// The stable type, e.g. `https://onceguard.dev/problems/invalid-request`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What went wrong.
+    #[serde(default)]
+    pub detail: String,
+    /// Whether the same request may succeed later.
+    #[serde(default)]
+    pub retryable: bool,
+}
+
+impl Problem {
+    /// The type's last segment, e.g. `invalid-request`.
+    pub fn short_kind(&self) -> &str {
+        self.kind.strip_prefix(PROBLEM_PREFIX).unwrap_or(&self.kind)
+    }
+}
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The base URL or the API key cannot be used.
+    #[error("client configuration: {0}")]
+    Config(String),
+    /// The server could not be reached or did not answer in time, after the retries.
+    #[error("transport: {0}")]
+    Transport(#[from] reqwest::Error),
+    /// The server answered a problem.
+    #[error("{} ({}): {}", .0.short_kind(), .0.status, .0.detail)]
+    Problem(Problem),
+    /// The server answered something this client does not understand.
+    #[error("unexpected answer ({status}): {body}")]
+    Unexpected {
+        /// Its status.
+        status: u16,
+        /// Its body, at most 1 KiB of it.
+        body: String,
+    },
+}
+
+impl ClientError {
+    /// The problem type's last segment, if the server answered a problem.
+    pub fn problem_kind(&self) -> Option<&str> {
+        match self {
+            Self::Problem(p) => Some(p.short_kind()),
+            _ => None,
+        }
+    }
+}
+
+/// A key: namespace and key inside the caller's tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Target {
+    /// The namespace, e.g. `prod/payments-agent`.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+}
+
+/// A claim to send.
+#[derive(Debug, Clone, Serialize)]
+pub struct Claim {
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// What the request means (its fingerprint is computed by the server).
+    pub request: Value,
+    /// How long the lease runs (default: the server's).
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "duration_text")]
+    pub lease: Option<Duration>,
+    /// How long the outcome replays (default: the server's).
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "duration_text")]
+    pub retention: Option<Duration>,
+    /// The run the key belongs to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    /// Cost units declared (charged to the run once per key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<u64>,
+    /// Wait up to this long for an in-flight key's outcome.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "duration_text")]
+    pub wait: Option<Duration>,
+}
+
+fn duration_text<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(&format!("{}ms", d.as_millis().max(1))),
+        None => s.serialize_none(),
+    }
+}
+
+impl Claim {
+    /// A claim of `key` in `namespace` meaning `request`, with the server's defaults.
+    pub fn new(namespace: impl Into<String>, key: impl Into<String>, request: Value) -> Self {
+        Self {
+            namespace: namespace.into(),
+            key: key.into(),
+            request,
+            lease: None,
+            retention: None,
+            run: None,
+            cost: None,
+            wait: None,
+        }
+    }
+
+    /// The key it claims.
+    pub fn target(&self) -> Target {
+        Target { namespace: self.namespace.clone(), key: self.key.clone() }
+    }
+}
+
+/// You hold the key.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Acquired {
+    /// The fence: carry it on every later call, and hand it downstream.
+    pub fence: u64,
+    /// The attempt number (1 for the first).
+    pub attempt: u32,
+    /// Until when the lease runs (RFC 3339).
+    pub lease_expires_at: String,
+    /// Present when an earlier attempt may have done part of the work.
+    pub recovery: Option<Value>,
+}
+
+/// The key completed: its stored outcome.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Replay {
+    /// The fence of the attempt that completed it.
+    pub fence: u64,
+    /// Which attempt completed it.
+    pub attempt: u32,
+    /// When (RFC 3339).
+    pub completed_at: String,
+    /// `success` or `failure` (a stored permanent failure).
+    pub status: String,
+    /// The media type of the stored outcome.
+    pub content_type: String,
+    /// The stored JSON, byte for byte, if the outcome is JSON.
+    pub result: Option<Box<RawValue>>,
+    /// The stored bytes in base64, if it is not.
+    pub result_base64: Option<String>,
+    /// Cost units reported at completion.
+    pub cost: Option<u64>,
+}
+
+/// Which limit refused a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenialKind {
+    /// A kill switch (423).
+    Switch,
+    /// A run's budget (429).
+    Budget,
+    /// A tenant quota (429).
+    Quota,
+}
+
+/// The answer of a claim.
+#[derive(Debug, Clone)]
+pub enum ClaimAnswer {
+    /// You hold the key.
+    Acquired(Acquired),
+    /// It completed: here is the outcome.
+    Replay(Replay),
+    /// Someone holds a live lease; try again after this.
+    InFlight {
+        /// Time left on the holder's lease.
+        retry_after: Duration,
+    },
+    /// The key was used with another request; nothing changed.
+    Mismatch,
+    /// A switch, budget or quota refused it; nothing changed.
+    Denied {
+        /// Which.
+        kind: DenialKind,
+        /// The problem's `reason` (e.g. `{"reason":"budget_exhausted","limit":"effects"}`).
+        reason: Value,
+        /// When to try again, for quotas.
+        retry_after: Option<Duration>,
+    },
+}
+
+/// The answer of a fenced call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fenced {
+    /// It took effect: the record as it now is.
+    Applied(Value),
+    /// The fence is not the holder's: nothing changed (`superseded`, `no_record`, `finished`).
+    Stale {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A client of one server, with one API key. Cheap to clone; clones share the connection pool.
+#[derive(Debug, Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+    retries: u32,
+}
+
+impl Client {
+    /// A client of the server at `base` (e.g. `http://127.0.0.1:8080`) with `token`, a 30 s
+    /// timeout per call and 3 retries.
+    pub fn new(base: &str, token: &str) -> Result<Self, ClientError> {
+        Self::with_options(base, Some(token), Duration::from_secs(30), 3)
+    }
+
+    /// A client with its own timeout per call and number of retries; without a token for a
+    /// server that allows anonymous access.
+    pub fn with_options(base: &str, token: Option<&str>, timeout: Duration, retries: u32) -> Result<Self, ClientError> {
+        if !(base.starts_with("http://") || base.starts_with("https://")) {
+            return Err(ClientError::Config(format!("the base URL must be http:// or https://, not {base:?}")));
+        }
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .pool_max_idle_per_host(256)
+            .build()
+            .map_err(|e| ClientError::Config(e.to_string()))?;
+        Ok(Self { http, base: base.trim_end_matches('/').to_owned(), token: token.map(str::to_owned), retries })
+    }
+
+    /// Sends one call, retrying transport errors and `503`s; answers the status and body.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, String), ClientError> {
+        let mut backoff = Duration::from_millis(50);
+        let mut attempt = 0;
+        loop {
+            let mut request = self.http.request(method.clone(), format!("{}{path}", self.base));
+            if let Some(token) = &self.token {
+                request = request.bearer_auth(token);
+            }
+            if let Some(body) = body {
+                request = request.json(body);
+            }
+            let result = match request.send().await {
+                Ok(response) => {
+                    let status = response.status();
+                    match response.text().await {
+                        Ok(text) if status != StatusCode::SERVICE_UNAVAILABLE || attempt >= self.retries => {
+                            return Ok((status, text));
+                        }
+                        Ok(_) => None,
+                        Err(e) => Some(e),
+                    }
+                }
+                Err(e) => Some(e),
+            };
+            if attempt >= self.retries
+                && let Some(error) = result
+            {
+                return Err(ClientError::Transport(error));
+            }
+            attempt += 1;
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Option<&Value>) -> Result<(StatusCode, Value), ClientError> {
+        let (status, text) = self.send(method, path, body).await?;
+        let value: Value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?
+        };
+        Ok((status, value))
+    }
+
+    /// Claims a key.
+    pub async fn claim(&self, claim: &Claim) -> Result<ClaimAnswer, ClientError> {
+        let body = serde_json::to_value(claim).map_err(|e| ClientError::Config(e.to_string()))?;
+        let (status, text) = self.send(Method::POST, "/v1/claims", Some(&body)).await?;
+        let decode = |text: &str| -> Result<Value, ClientError> {
+            serde_json::from_str(text).map_err(|_| unexpected(status, text))
+        };
+        match status.as_u16() {
+            201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
+            200 => Ok(ClaimAnswer::Replay(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
+            _ => {
+                let value = decode(&text)?;
+                let problem = problem_of(status, &value, &text)?;
+                let retry_after = value["retry_after_ms"].as_u64().map(Duration::from_millis);
+                let denied = |kind| ClaimAnswer::Denied { kind, reason: value["reason"].clone(), retry_after };
+                match problem.short_kind() {
+                    "in-flight" => Ok(ClaimAnswer::InFlight { retry_after: retry_after.unwrap_or_default() }),
+                    "fingerprint-mismatch" => Ok(ClaimAnswer::Mismatch),
+                    "switch-engaged" => Ok(denied(DenialKind::Switch)),
+                    "budget-exhausted" => Ok(denied(DenialKind::Budget)),
+                    "quota-exceeded" => Ok(denied(DenialKind::Quota)),
+                    _ => Err(ClientError::Problem(problem)),
+                }
+            }
+        }
+    }
+
+    async fn fenced(&self, op: &str, target: &Target, fence: u64, extra: Value) -> Result<Fenced, ClientError> {
+        let mut body = serde_json::json!({"namespace": target.namespace, "key": target.key, "fence": fence});
+        if let (Some(body), Value::Object(extra)) = (body.as_object_mut(), extra) {
+            body.extend(extra);
+        }
+        let (status, value) = self.call(Method::POST, &format!("/v1/claims/{op}"), Some(&body)).await?;
+        if status == StatusCode::OK {
+            return Ok(Fenced::Applied(value));
+        }
+        let problem = problem_of(status, &value, &value.to_string())?;
+        if problem.short_kind() == "stale-fence" {
+            return Ok(Fenced::Stale { reason: value["reason"].as_str().unwrap_or_default().to_owned() });
+        }
+        Err(ClientError::Problem(problem))
+    }
+
+    /// Stores a JSON result; every later claim replays it.
+    pub async fn complete(
+        &self,
+        target: &Target,
+        fence: u64,
+        result: &Value,
+        cost: Option<u64>,
+    ) -> Result<Fenced, ClientError> {
+        self.fenced("complete", target, fence, serde_json::json!({"result": result, "cost": cost})).await
+    }
+
+    /// Fails the attempt: `retryable` releases the key, else the failure is stored and replays.
+    pub async fn fail(
+        &self,
+        target: &Target,
+        fence: u64,
+        retryable: bool,
+        error: &Value,
+        cost: Option<u64>,
+    ) -> Result<Fenced, ClientError> {
+        let extra = serde_json::json!({"retryable": retryable, "error": error, "cost": cost});
+        self.fenced("fail", target, fence, extra).await
+    }
+
+    /// Pushes the lease out to now + `lease`.
+    pub async fn extend(&self, target: &Target, fence: u64, lease: Duration) -> Result<Fenced, ClientError> {
+        let extra = serde_json::json!({"lease": format!("{}ms", lease.as_millis().max(1))});
+        self.fenced("extend", target, fence, extra).await
+    }
+
+    /// Saves a recovery point.
+    pub async fn checkpoint(
+        &self,
+        target: &Target,
+        fence: u64,
+        name: &str,
+        data: &Value,
+    ) -> Result<Fenced, ClientError> {
+        self.fenced("checkpoint", target, fence, serde_json::json!({"name": name, "data": data})).await
+    }
+
+    /// Reports that the effect's outcome is unknown: the lease ends, the next claim recovers.
+    pub async fn report_unknown(&self, target: &Target, fence: u64, detail: &str) -> Result<Fenced, ClientError> {
+        self.fenced("report-unknown", target, fence, serde_json::json!({"detail": detail})).await
+    }
+
+    /// One live record, or `None`.
+    pub async fn record(&self, target: &Target) -> Result<Option<Value>, ClientError> {
+        let path = format!("/v1/record?namespace={}&key={}", encode(&target.namespace), encode(&target.key));
+        match self.call(Method::GET, &path, None).await? {
+            (StatusCode::OK, value) => Ok(Some(value)),
+            (StatusCode::NOT_FOUND, _) => Ok(None),
+            (status, value) => Err(ClientError::Problem(problem_of(status, &value, &value.to_string())?)),
+        }
+    }
+
+    /// Sets a run's budget (admin key); answers the run.
+    pub async fn set_budget(&self, run: &str, budget: &Value) -> Result<Value, ClientError> {
+        self.expect(Method::PUT, &format!("/v1/runs/{}", encode(run)), Some(budget), StatusCode::OK).await
+    }
+
+    /// A run with its budget and usage, or `None`.
+    pub async fn run(&self, run: &str) -> Result<Option<Value>, ClientError> {
+        match self.call(Method::GET, &format!("/v1/runs/{}", encode(run)), None).await? {
+            (StatusCode::OK, value) => Ok(Some(value)),
+            (StatusCode::NOT_FOUND, _) => Ok(None),
+            (status, value) => Err(ClientError::Problem(problem_of(status, &value, &value.to_string())?)),
+        }
+    }
+
+    /// Engages a kill switch (admin key), e.g. target `{"kind":"run","run":"r1"}`.
+    pub async fn engage_switch(&self, target: &Value, reason: &str, revoke_leases: bool) -> Result<Value, ClientError> {
+        let body = serde_json::json!({"target": target, "reason": reason, "revoke_leases": revoke_leases});
+        self.expect(Method::POST, "/v1/switches", Some(&body), StatusCode::CREATED).await
+    }
+
+    /// Releases a kill switch (admin key).
+    pub async fn release_switch(&self, target: &Value, why: Option<&str>) -> Result<Value, ClientError> {
+        let body = serde_json::json!({"target": target, "why": why});
+        self.expect(Method::POST, "/v1/switches/release", Some(&body), StatusCode::OK).await
+    }
+
+    /// The audit log's newest entries (admin key).
+    pub async fn audit(&self, action: Option<&str>, limit: usize) -> Result<Vec<Value>, ClientError> {
+        let mut path = format!("/v1/audit?limit={limit}");
+        if let Some(action) = action {
+            path.push_str(&format!("&action={}", encode(action)));
+        }
+        let page = self.expect(Method::GET, &path, None, StatusCode::OK).await?;
+        Ok(page["entries"].as_array().cloned().unwrap_or_default())
+    }
+
+    async fn expect(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        want: StatusCode,
+    ) -> Result<Value, ClientError> {
+        let (status, value) = self.call(method, path, body).await?;
+        if status == want {
+            return Ok(value);
+        }
+        Err(ClientError::Problem(problem_of(status, &value, &value.to_string())?))
+    }
+}
+
+fn unexpected(status: StatusCode, text: &str) -> ClientError {
+    ClientError::Unexpected { status: status.as_u16(), body: text.chars().take(1024).collect() }
+}
+
+fn problem_of(status: StatusCode, value: &Value, text: &str) -> Result<Problem, ClientError> {
+    serde_json::from_value::<Problem>(value.clone())
+        .ok()
+        .filter(|p| p.kind.starts_with(PROBLEM_PREFIX))
+        .ok_or_else(|| unexpected(status, text))
+}
+
+/// Percent-encodes a path segment or query value (everything but unreserved characters).
+fn encode(value: &str) -> String {
+    const RESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+    utf8_percent_encode(value, RESERVED).to_string()
+}

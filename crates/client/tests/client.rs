@@ -1,0 +1,109 @@
+//! The client against a real server (in this process, memory store): every answer of a claim
+//! and of a fenced call, the blast-radius calls, and transport errors after the retries.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, DenialKind, Fenced};
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::{Guard, MemoryStore, Store, SystemClock, TenantId, Timestamp};
+use onceguard_server::Config;
+use serde_json::json;
+
+/// Serves a memory store on 127.0.0.1:0; answers its base URL and an admin token of `default`.
+async fn server() -> (String, String) {
+    let store = Arc::new(MemoryStore::new());
+    let tenant = TenantId::parse("default").unwrap();
+    store.create_tenant(&Tenant { id: tenant.clone(), created_at: Timestamp::now() }).await.unwrap();
+    let admin = ApiKey::generate(tenant, Role::Admin, "test", Timestamp::now());
+    store.create_api_key(&admin.key).await.unwrap();
+    let config = Config { store: "memory://".into(), ..Config::default() };
+    let guard = Guard::new(store, Arc::new(SystemClock), config.limits.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { onceguard_server::run(&config, guard, listener, std::future::pending()).await });
+    (base, admin.token)
+}
+
+#[tokio::test]
+async fn every_answer_is_typed() {
+    let (base, token) = server().await;
+    let client = Client::new(&base, &token).unwrap();
+    let claim = Claim { lease: Some(Duration::from_secs(5)), ..Claim::new("ns", "k 1/&?#%", json!({"a": 1})) };
+    let ClaimAnswer::Acquired(held) = client.claim(&claim).await.unwrap() else { panic!("acquired") };
+    assert_eq!(held.attempt, 1);
+    assert!(
+        matches!(client.claim(&claim).await.unwrap(), ClaimAnswer::InFlight { retry_after } if retry_after > Duration::ZERO)
+    );
+    let other = Claim::new("ns", "k 1/&?#%", json!({"a": 2}));
+    assert!(matches!(client.claim(&other).await.unwrap(), ClaimAnswer::Mismatch));
+    let target = claim.target();
+    assert!(matches!(
+        client.checkpoint(&target, held.fence, "step-1", &json!({"x": 1})).await.unwrap(),
+        Fenced::Applied(_)
+    ));
+    assert!(matches!(client.extend(&target, held.fence, Duration::from_secs(10)).await.unwrap(), Fenced::Applied(_)));
+    let done = client.complete(&target, held.fence, &json!({"b": [1, 2.50]}), Some(9)).await.unwrap();
+    assert!(matches!(done, Fenced::Applied(ref record) if record["state"] == "completed"), "{done:?}");
+    let ClaimAnswer::Replay(replay) = client.claim(&claim).await.unwrap() else { panic!("replay") };
+    assert_eq!(replay.result.unwrap().get(), r#"{"b":[1,2.5]}"#, "as the client sent it, byte for byte");
+    assert_eq!((replay.status.as_str(), replay.cost, replay.fence), ("success", Some(9), held.fence));
+    let late = client.complete(&target, held.fence + 100, &json!(1), None).await.unwrap();
+    assert_eq!(late, Fenced::Stale { reason: "superseded".into() });
+    let record = client.record(&target).await.unwrap().expect("a record");
+    assert_eq!(record["stored"]["cost"], 9);
+    assert_eq!(client.record(&Claim::new("ns", "absent", json!(1)).target()).await.unwrap(), None);
+
+    // Failure and recovery.
+    let flaky = Claim { lease: Some(Duration::from_millis(200)), ..Claim::new("ns", "flaky", json!(1)) };
+    let ClaimAnswer::Acquired(first) = client.claim(&flaky).await.unwrap() else { panic!("acquired") };
+    client.fail(&flaky.target(), first.fence, true, &json!({"error": "timeout"}), None).await.unwrap();
+    let ClaimAnswer::Acquired(second) = client.claim(&flaky).await.unwrap() else { panic!("acquired again") };
+    assert_eq!(second.attempt, 2);
+    client.report_unknown(&flaky.target(), second.fence, "connection dropped").await.unwrap();
+    let ClaimAnswer::Acquired(third) = client.claim(&flaky).await.unwrap() else { panic!("recovery") };
+    assert_eq!(third.recovery.unwrap()["reason"], "reported_unknown");
+
+    // A bad request is a typed problem.
+    let error = client.claim(&Claim::new("bad namespace!", "k", json!(1))).await.unwrap_err();
+    assert_eq!(error.problem_kind(), Some("invalid-request"), "{error}");
+}
+
+#[tokio::test]
+async fn budgets_switches_and_the_audit_log() {
+    let (base, token) = server().await;
+    let client = Client::new(&base, &token).unwrap();
+    let run = client.set_budget("run/1", &json!({"max_effects": 1})).await.unwrap();
+    assert_eq!(run["run"], "run/1");
+    let claim = |key: &str| Claim { run: Some("run/1".into()), cost: Some(2), ..Claim::new("ns", key, json!(key)) };
+    assert!(matches!(client.claim(&claim("a")).await.unwrap(), ClaimAnswer::Acquired(_)));
+    let ClaimAnswer::Denied { kind, reason, .. } = client.claim(&claim("b")).await.unwrap() else { panic!("denied") };
+    assert_eq!((kind, reason["limit"].as_str()), (DenialKind::Budget, Some("effects")));
+    assert_eq!(client.run("run/1").await.unwrap().unwrap()["usage"], json!({"effects": 1, "cost": 2}));
+    assert_eq!(client.run("never").await.unwrap(), None);
+
+    let target = json!({"kind": "namespace", "prefix": "ns"});
+    client.engage_switch(&target, "drill", false).await.unwrap();
+    let ClaimAnswer::Denied { kind, .. } = client.claim(&Claim::new("ns", "c", json!(1))).await.unwrap() else {
+        panic!("denied")
+    };
+    assert_eq!(kind, DenialKind::Switch);
+    client.release_switch(&target, Some("done")).await.unwrap();
+    assert!(matches!(client.claim(&Claim::new("ns", "c", json!(1))).await.unwrap(), ClaimAnswer::Acquired(_)));
+    let engaged = client.audit(Some("switch.engage"), 10).await.unwrap();
+    assert_eq!(engaged.len(), 1);
+    assert_eq!(engaged[0]["why"], "drill");
+}
+
+#[tokio::test]
+async fn transport_errors_surface_after_the_retries() {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let client = Client::with_options(&base, Some("og_x_y"), Duration::from_secs(1), 2).unwrap();
+    let started = std::time::Instant::now();
+    let error = client.claim(&Claim::new("ns", "k", json!(1))).await.unwrap_err();
+    assert!(matches!(error, ClientError::Transport(_)), "{error}");
+    assert!(started.elapsed() >= Duration::from_millis(150), "it backed off twice (50 ms, then 100 ms)");
+    assert!(matches!(Client::new("ftp://x", "t"), Err(ClientError::Config(_))));
+}
