@@ -10,7 +10,7 @@ use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{AuditEntry, AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
-use onceguard_server::config::ProxyOverrides;
+use onceguard_server::config::{McpNoKey, McpOverrides, ProxyOverrides};
 use onceguard_server::controls;
 use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
@@ -66,6 +66,32 @@ enum Command {
         /// Store 5xx responses too (by default they release the key).
         #[arg(long)]
         store_5xx: bool,
+    },
+    /// Put the guard in front of an MCP server: exactly-once tools/call, budgets and kill
+    /// switches per run and tool (see docs/MCP.md).
+    Mcp {
+        /// Address to listen on (default 127.0.0.1:8082).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// The MCP server's Streamable HTTP endpoint, e.g. http://127.0.0.1:8000/mcp.
+        #[arg(long)]
+        upstream: Option<String>,
+        /// The upstream's name in namespaces mcp/<name>/<tool> (default: its host and port).
+        #[arg(long)]
+        upstream_name: Option<String>,
+        /// How long a key may be held without extending, e.g. 2s (default 30s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        lease: Option<std::time::Duration>,
+        /// How long a stored result replays, e.g. 24h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        retention: Option<std::time::Duration>,
+        /// How long a duplicate of a call in flight waits for its result (default 0s: answer
+        /// "in progress" at once).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<std::time::Duration>,
+        /// What a guarded call without a key does: require (default), derive or pass.
+        #[arg(long, value_parser = parse_no_key)]
+        no_key: Option<McpNoKey>,
     },
     /// Tenants.
     #[command(subcommand)]
@@ -414,12 +440,48 @@ async fn proxy(config: Config) -> Result<()> {
     Ok(())
 }
 
+async fn mcp(config: Config) -> Result<()> {
+    if config.mcp.upstream.is_empty() {
+        bail!("mcp: give the MCP endpoint with --upstream URL (or mcp.upstream in the configuration)");
+    }
+    let guard = onceguard_server::open_guard_with(&config, onceguard_mcp::limits(&config))
+        .await
+        .context("opening the store")?;
+    let listener = tokio::net::TcpListener::bind(config.mcp.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.mcp.listen))?;
+    let addr = listener.local_addr()?;
+    let options = onceguard_mcp::options(&config)?;
+    tracing::info!(
+        %addr,
+        upstream = %config.mcp.upstream,
+        upstream_name = %options.upstream_name,
+        store = guard.store().kind(),
+        "onceguard mcp is serving; connect MCP clients to http://{addr}{}",
+        options.endpoint
+    );
+    onceguard_mcp::run(&config, guard, listener, shutdown_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn parse_no_key(s: &str) -> Result<McpNoKey, String> {
+    match s {
+        "require" => Ok(McpNoKey::Require),
+        "derive" => Ok(McpNoKey::Derive),
+        "pass" => Ok(McpNoKey::Pass),
+        _ => Err(format!("'{s}' is not require, derive or pass")),
+    }
+}
+
 async fn operator(config: &Config, command: Command) -> Result<()> {
     let guard: Guard = onceguard_server::open_guard(config).await.context("opening the store")?;
     let store = guard.store();
     let now = guard.clock().now();
     match command {
-        Command::Serve { .. } | Command::Proxy { .. } | Command::Bench(_) => unreachable!("handled by main"),
+        Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. } | Command::Bench(_) => {
+            unreachable!("handled by main")
+        }
         Command::Migrate => println!("the {} store is migrated", store.kind()),
         Command::Tenants(TenantCommand::Create { id }) => {
             let id = TenantId::parse(&id)?;
@@ -582,14 +644,26 @@ async fn main() -> Result<()> {
                 store_5xx: store_5xx.then_some(true),
             };
         }
+        Command::Mcp { listen, upstream, upstream_name, lease, retention, wait, no_key } => {
+            overrides.mcp = McpOverrides {
+                listen: *listen,
+                upstream: upstream.clone(),
+                upstream_name: upstream_name.clone(),
+                lease: *lease,
+                retention: *retention,
+                wait: *wait,
+                no_key: *no_key,
+            };
+        }
         _ => {}
     }
-    let serving = matches!(cli.command, Command::Serve { .. } | Command::Proxy { .. });
+    let serving = matches!(cli.command, Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. });
     let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
     let result = match cli.command {
         Command::Serve { .. } => serve(config, telemetry.exporting()).await,
         Command::Proxy { .. } => proxy(config).await,
+        Command::Mcp { .. } => mcp(config).await,
         Command::Bench(args) => bench::run(args, &config).await,
         command => operator(&config, command).await,
     };

@@ -5,6 +5,7 @@
 //! `ONCEGUARD_LISTEN`, `ONCEGUARD_STORE`, `ONCEGUARD_LIMITS__MAX_WAIT=10s`,
 //! `ONCEGUARD_AUTH__ALLOW_ANONYMOUS=true`.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -34,6 +35,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// `onceguard proxy`: the guard in front of an HTTP tool API.
     pub proxy: ProxyConfig,
+    /// `onceguard mcp`: the guard in front of an MCP server's `tools/call`.
+    pub mcp: McpConfig,
 }
 
 /// Settings of `onceguard proxy`.
@@ -80,6 +83,109 @@ impl Default for ProxyConfig {
             max_request_bytes: 8 * 1024 * 1024,
             max_response_bytes: 8 * 1024 * 1024,
             upstream_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Settings of `onceguard mcp` (the MCP gateway; see `docs/MCP.md`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct McpConfig {
+    /// Where the gateway listens.
+    pub listen: SocketAddr,
+    /// The MCP server's Streamable HTTP endpoint, e.g. `http://127.0.0.1:8000/mcp`.
+    pub upstream: String,
+    /// The upstream's name in namespaces (`mcp/<name>/<tool>`); empty: derived from its host
+    /// and port.
+    pub upstream_name: String,
+    /// How long the gateway may hold a key without extending it (it extends while the upstream
+    /// works); after it passes, a call whose outcome is unknown runs again.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// How long a stored result replays.
+    #[serde(with = "humantime_serde")]
+    pub retention: Duration,
+    /// How long a duplicate of a call in flight waits for its result before it is answered
+    /// "in progress" (`0s`: at once).
+    #[serde(with = "humantime_serde")]
+    pub wait: Duration,
+    /// How long a key stays held after the upstream asked for input (2026-07-28
+    /// `input_required`), waiting for the continuation.
+    #[serde(with = "humantime_serde")]
+    pub input_lease: Duration,
+    /// The header carrying the caller's Onceguard API key (its tenant holds the records); the
+    /// gateway removes it before forwarding, so `Authorization` reaches the upstream untouched.
+    pub api_key_header: String,
+    /// What a guarded call without a key does, unless its tool says otherwise.
+    pub no_key: McpNoKey,
+    /// Per tool (by its MCP name): whether it is guarded, and what a call without a key does.
+    pub tools: BTreeMap<String, McpToolConfig>,
+    /// Largest request body read from a client, in bytes (413 beyond it).
+    pub max_request_bytes: usize,
+    /// Largest tool result stored, in bytes.
+    pub max_result_bytes: usize,
+    /// Longest a guarded call may take upstream (then the key stays in flight until its lease
+    /// passes).
+    #[serde(with = "humantime_serde")]
+    pub upstream_timeout: Duration,
+    /// Longest any other exchange (an event stream, a long POST) may last.
+    #[serde(with = "humantime_serde")]
+    pub stream_timeout: Duration,
+}
+
+/// Whether calls of one tool are guarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum McpGuard {
+    /// Guarded unless the upstream annotates the tool `readOnlyHint: true`.
+    #[default]
+    Auto,
+    /// Always guarded.
+    Always,
+    /// Never guarded: calls pass through.
+    Never,
+}
+
+/// What a guarded call that carries no idempotency key does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum McpNoKey {
+    /// Refused with an error; nothing is forwarded.
+    #[default]
+    Require,
+    /// Keyed by the run id, the tool and its canonical arguments (refused without a run id).
+    Derive,
+    /// Forwarded unguarded.
+    Pass,
+}
+
+/// Settings of one tool behind the MCP gateway.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct McpToolConfig {
+    /// Whether its calls are guarded (default `auto`).
+    pub guard: McpGuard,
+    /// What its calls without a key do (default: `mcp.no_key`).
+    pub no_key: Option<McpNoKey>,
+}
+
+impl Default for McpConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8082)),
+            upstream: String::new(),
+            upstream_name: String::new(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3_600),
+            wait: Duration::ZERO,
+            input_lease: Duration::from_secs(600),
+            api_key_header: "x-onceguard-key".into(),
+            no_key: McpNoKey::Require,
+            tools: BTreeMap::new(),
+            max_request_bytes: 4 * 1024 * 1024,
+            max_result_bytes: 8 * 1024 * 1024,
+            upstream_timeout: Duration::from_secs(300),
+            stream_timeout: Duration::from_secs(24 * 3_600),
         }
     }
 }
@@ -161,6 +267,7 @@ impl Default for Config {
             sweep: SweepConfig::default(),
             metrics: MetricsConfig::default(),
             proxy: ProxyConfig::default(),
+            mcp: McpConfig::default(),
         }
     }
 }
@@ -215,6 +322,47 @@ pub struct Overrides {
     /// `onceguard proxy` flags.
     #[serde(skip_serializing_if = "ProxyOverrides::is_empty")]
     pub proxy: ProxyOverrides,
+    /// `onceguard mcp` flags.
+    #[serde(skip_serializing_if = "McpOverrides::is_empty")]
+    pub mcp: McpOverrides,
+}
+
+/// `onceguard mcp` flags, applied over file and environment (only those set).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct McpOverrides {
+    /// `--listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
+    /// `--upstream`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// `--upstream-name`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_name: Option<String>,
+    /// `--lease`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub lease: Option<Duration>,
+    /// `--retention`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub retention: Option<Duration>,
+    /// `--wait`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub wait: Option<Duration>,
+    /// `--no-key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub no_key: Option<McpNoKey>,
+}
+
+impl McpOverrides {
+    fn is_empty(&self) -> bool {
+        self.listen.is_none()
+            && self.upstream.is_none()
+            && self.upstream_name.is_none()
+            && self.lease.is_none()
+            && self.retention.is_none()
+            && self.wait.is_none()
+            && self.no_key.is_none()
+    }
 }
 
 /// `onceguard proxy` flags, applied over file and environment (only those set).
@@ -248,7 +396,7 @@ impl ProxyOverrides {
 }
 
 /// The top-level fields, which `ONCEGUARD_*` variables may set.
-const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics"];
+const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics", "mcp"];
 
 impl Config {
     /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then
@@ -318,6 +466,34 @@ impl Config {
         }
         if axum::http::HeaderName::from_bytes(p.identity_header.as_bytes()).is_err() {
             return Err(InvalidInput::new("proxy.identity_header", "is not a header name"));
+        }
+        self.mcp.validate()
+    }
+}
+
+impl McpConfig {
+    /// Checks the `[mcp]` section (the upstream URL is checked when the gateway starts).
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        use onceguard_core::domain::check_bounds;
+        check_bounds("mcp.lease", self.lease, Duration::from_millis(100), Duration::from_secs(3_600))?;
+        check_bounds("mcp.input_lease", self.input_lease, Duration::from_millis(100), Duration::from_secs(86_400))?;
+        check_bounds("mcp.retention", self.retention, Duration::from_secs(1), Duration::from_secs(365 * 86_400))?;
+        check_bounds("mcp.wait", self.wait, Duration::ZERO, Duration::from_secs(300))?;
+        if self.upstream_timeout.is_zero()
+            || self.stream_timeout.is_zero()
+            || self.max_request_bytes == 0
+            || self.max_result_bytes == 0
+        {
+            return Err(InvalidInput::new("mcp", "the timeouts and byte limits must be more than zero"));
+        }
+        if axum::http::HeaderName::from_bytes(self.api_key_header.as_bytes()).is_err() {
+            return Err(InvalidInput::new("mcp.api_key_header", "is not a header name"));
+        }
+        if !self.upstream_name.is_empty() && onceguard_core::Namespace::parse(&self.upstream_name).is_err() {
+            return Err(InvalidInput::new("mcp.upstream_name", "must be 1 to 64 of A-Z a-z 0-9 . _ - (one segment)"));
+        }
+        if self.upstream_name.contains('/') {
+            return Err(InvalidInput::new("mcp.upstream_name", "must be one namespace segment (no '/')"));
         }
         Ok(())
     }

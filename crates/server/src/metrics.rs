@@ -101,6 +101,21 @@ pub struct HttpLabels {
     pub status: u16,
 }
 
+/// `tenant`, `upstream`, `decision` (the MCP gateway's `tools/call`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct McpCallLabels {
+    /// The tenant id (`unauthenticated` is never counted: those calls are refused first).
+    pub tenant: String,
+    /// The upstream's name (from the gateway's configuration).
+    pub upstream: String,
+    /// One of [`MCP_DECISIONS`].
+    pub decision: &'static str,
+}
+
+/// What the MCP gateway did with a `tools/call`.
+pub const MCP_DECISIONS: [&str; 6] =
+    ["guarded", "guarded_derived", "read_only", "unguarded_tool", "no_key_passed", "no_key_refused"];
+
 /// `version`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
@@ -142,6 +157,7 @@ pub struct Metrics {
     store_up: Family<StoreLabels, Gauge>,
     store_latency: LatencyFamily<StoreOpLabels>,
     http_latency: LatencyFamily<HttpLabels>,
+    mcp_calls: Family<McpCallLabels, Counter>,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -225,6 +241,15 @@ impl Metrics {
             "Time to answer HTTP requests, by method, route template and status",
             http_latency.clone(),
         );
+        let mcp_calls = Family::<McpCallLabels, Counter>::default();
+        registry.register(
+            "mcp_tool_calls",
+            "MCP tools/call requests seen by the MCP gateway, by tenant, upstream and decision: guarded (a key \
+             was given), guarded_derived (no key; derived from the run, tool and arguments), read_only (the tool \
+             is annotated readOnlyHint: passed through), unguarded_tool (configured guard = never), \
+             no_key_passed (no key; the tool's no_key policy is pass) or no_key_refused (no key; refused)",
+            mcp_calls.clone(),
+        );
         let build = Family::<BuildLabels, Gauge>::default();
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         registry.register("build_info", "The running server's version (always 1)", build);
@@ -240,6 +265,7 @@ impl Metrics {
             store_up,
             store_latency,
             http_latency,
+            mcp_calls,
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
@@ -341,6 +367,13 @@ impl Metrics {
         }
         let labels = HttpLabels { method, route: route.to_owned(), status };
         self.http_latency.get_or_create(&labels).observe(took.as_secs_f64());
+    }
+
+    /// A `tools/call` seen by the MCP gateway, and what it did with it (one of
+    /// [`MCP_DECISIONS`]).
+    pub fn observe_mcp_call(&self, tenant: &TenantId, upstream: &str, decision: &'static str) {
+        let labels = McpCallLabels { tenant: tenant.to_string(), upstream: upstream.to_owned(), decision };
+        self.mcp_calls.get_or_create(&labels).inc();
     }
 
     /// Counts since this instance started, for the dashboard: claims by outcome (in the order

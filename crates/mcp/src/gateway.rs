@@ -1,0 +1,649 @@
+//! The gateway: one axum handler in front of the upstream MCP endpoint.
+//!
+//! Every request is authenticated (the caller's Onceguard API key names its tenant), then:
+//!
+//! - a POST of one `tools/call` request to the MCP endpoint, for a guarded tool, is claimed and
+//!   then replayed, refused, or forwarded in a task of its own ([`Leg`]) that stores its result;
+//! - a POST of a `notifications/cancelled` for a guarded call still in flight is acknowledged
+//!   and not forwarded (a caller never cancels a guarded call);
+//! - a POST of a `tools/list` request is forwarded and its answer read on the way back, to learn
+//!   which tools are `readOnlyHint`;
+//! - everything else is forwarded untouched, streaming both ways.
+
+use std::collections::HashSet;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_TYPE};
+use axum::http::response::Parts;
+use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use futures::channel::{mpsc, oneshot};
+use futures::{SinkExt, StreamExt};
+use onceguard_core::auth::parse_token;
+use onceguard_core::{
+    CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind,
+    RecordState, Scope, TenantId,
+};
+use onceguard_proxy::{TransportFailure, Upstream};
+use onceguard_server::AppState;
+use onceguard_server::config::McpNoKey;
+use onceguard_server::problem::ApiError;
+use serde_json::Value;
+
+use crate::Options;
+use crate::call::{self, ToolCall};
+use crate::jsonrpc::{self, NEVER_RAN, Posted, ResponseMessage, ResultKind};
+use crate::sse::SseReader;
+use crate::tools::{ToolPolicy, Treatment};
+
+/// The checkpoint that marks a key whose last leg ended in `input_required`: the key stays held
+/// for the continuation.
+pub const INPUT_REQUIRED: &str = "mcp.input-required";
+
+/// Bytes an SSE event may hold beyond the largest result (its framing and envelope).
+const EVENT_SLACK: usize = 64 * 1024;
+
+/// A guarded call in flight, as a caller's `notifications/cancelled` names it: tenant, session,
+/// request id.
+type CallToken = (String, String, String);
+
+/// Everything the handler shares.
+pub struct Gateway {
+    state: AppState,
+    options: Options,
+    /// Forwards guarded calls (bounded by `mcp.upstream_timeout`).
+    calls: Upstream,
+    /// Forwards everything else (bounded by `mcp.stream_timeout`).
+    streams: Upstream,
+    tools: ToolPolicy,
+    in_flight: Mutex<HashSet<CallToken>>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").field("upstream", &self.options.upstream_name).finish_non_exhaustive()
+    }
+}
+
+impl Gateway {
+    /// A gateway over `state` (its guard and metrics).
+    pub fn new(state: AppState, options: Options, calls: Upstream, streams: Upstream, tools: ToolPolicy) -> Self {
+        Self { state, options, calls, streams, tools, in_flight: Mutex::new(HashSet::new()) }
+    }
+
+    fn guard(&self) -> &Guard {
+        &self.state.guard
+    }
+
+    /// The caller's tenant, from the API key in `mcp.api_key_header` (or the anonymous tenant,
+    /// when allowed and no key is sent).
+    async fn authenticate(&self, headers: &HeaderMap) -> Result<TenantId, ApiError> {
+        let wrong = || {
+            ApiError::Unauthenticated(format!(
+                "send '{}: og_…' with a valid, unrevoked Onceguard API key",
+                self.options.api_key_header
+            ))
+        };
+        let Some(value) = headers.get(&self.options.api_key_header) else {
+            return self.state.anonymous_tenant.clone().ok_or_else(wrong);
+        };
+        let token = value.to_str().map_err(|_| wrong())?.trim();
+        let token = token.strip_prefix("Bearer ").unwrap_or(token);
+        let (id, secret) = parse_token(token).ok_or_else(wrong)?;
+        match self.guard().store().get_api_key(&id).await? {
+            Some(key) if key.verify(secret) => Ok(key.tenant),
+            _ => Err(wrong()),
+        }
+    }
+
+    fn observe(&self, tenant: &TenantId, decision: &'static str) {
+        self.state.metrics.observe_mcp_call(tenant, &self.options.upstream_name, decision);
+    }
+}
+
+/// The handler of every request.
+pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Body>) -> Response<Body> {
+    match request.uri().path() {
+        "/_onceguard/metrics" => return onceguard_server::api::metrics(State(gateway.state.clone())).await,
+        "/_onceguard/healthz" => return (StatusCode::OK, "ok").into_response(),
+        _ => {}
+    }
+    let tenant = match gateway.authenticate(request.headers()).await {
+        Ok(tenant) => tenant,
+        Err(e) => return e.into_response(),
+    };
+    request.headers_mut().remove(&gateway.options.api_key_header);
+    if request.method() != Method::POST || request.uri().path() != gateway.options.endpoint {
+        return gateway.streams.forward(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let limit = gateway.options.max_request_bytes;
+    let Ok(body) = axum::body::to_bytes(body, limit).await else {
+        return ApiError::TooLarge(format!("the request body exceeds {limit} bytes")).into_response();
+    };
+    match Posted::parse(&body) {
+        Posted::Request { id, method, params } if method == "tools/call" => {
+            tool_call(gateway, tenant, parts, body, id, params).await
+        }
+        Posted::Request { id, method, .. } if method == "tools/list" => {
+            let response = gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await;
+            learn_from(gateway, id, response)
+        }
+        Posted::Notification { method, params } if method == "notifications/cancelled" => {
+            let request_id = params.as_ref().and_then(|p| p.get("requestId")).map(Value::to_string);
+            let token = request_id.map(|id| call_token(&tenant, &parts.headers, id));
+            let guarded = token.is_some_and(|t| gateway.in_flight.lock().is_ok_and(|set| set.contains(&t)));
+            if guarded {
+                tracing::info!(
+                    "a caller cancelled a guarded call in flight; the call goes on and its result is stored"
+                );
+                return StatusCode::ACCEPTED.into_response();
+            }
+            gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await
+        }
+        Posted::Batch { has_tool_call: true } => rpc_error(
+            None,
+            &ApiError::Invalid(
+                "a JSON-RPC batch may not carry tools/call through the gateway: send calls one by one".into(),
+            ),
+        ),
+        _ => gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await,
+    }
+}
+
+fn call_token(tenant: &TenantId, headers: &HeaderMap, request_id: String) -> CallToken {
+    let session = headers.get("mcp-session-id").and_then(|v| v.to_str().ok()).unwrap_or_default();
+    (tenant.to_string(), session.to_owned(), request_id)
+}
+
+/// A JSON-RPC error answer (HTTP 200, as JSON-RPC errors are).
+fn rpc_error(id: Option<&Value>, error: &ApiError) -> Response<Body> {
+    if let ApiError::Internal(detail) | ApiError::StoreUnavailable(detail) = error {
+        tracing::error!(detail, "a guarded call failed");
+    }
+    json_response(jsonrpc::error_message(id, error))
+}
+
+fn json_response(body: Vec<u8>) -> Response<Body> {
+    let mut response = Response::new(Body::from(body));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+async fn tool_call(
+    gateway: Arc<Gateway>,
+    tenant: TenantId,
+    parts: axum::http::request::Parts,
+    body: Bytes,
+    id: Value,
+    params: Option<Value>,
+) -> Response<Body> {
+    let call = match ToolCall::parse(id.clone(), params.as_ref(), &parts.headers) {
+        Ok(call) => call,
+        Err(e) => return rpc_error(Some(&id), &e),
+    };
+    let route = match (gateway.tools.treatment(&call.name), &call.key) {
+        (Treatment::ReadOnly, _) => Err("read_only"),
+        (Treatment::Unguarded, _) => Err("unguarded_tool"),
+        (Treatment::Guarded, Some(key)) => Ok(Ok((key.clone(), "guarded"))),
+        (Treatment::Guarded, None) => match (gateway.tools.no_key(&call.name), &call.run) {
+            (McpNoKey::Pass, _) => Err("no_key_passed"),
+            (McpNoKey::Derive, Some(run)) => Ok(Ok((call.derived_key(run), "guarded_derived"))),
+            (McpNoKey::Derive, None) => Ok(Err(format!(
+                "tool '{}' derives keys from the run: give _meta[\"{}\"] (or an idempotency key)",
+                call.name,
+                call::RUN_META
+            ))),
+            (McpNoKey::Require, _) => Ok(Err(format!(
+                "tool '{}' is guarded: give an idempotency key in _meta[\"{}\"], params.idempotencyKey or the \
+                 Idempotency-Key header",
+                call.name,
+                call::KEY_META
+            ))),
+        },
+    };
+    let (key, decision) = match route {
+        Err(passed) => {
+            gateway.observe(&tenant, passed);
+            return gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await;
+        }
+        Ok(Err(detail)) => {
+            gateway.observe(&tenant, "no_key_refused");
+            return rpc_error(Some(&id), &ApiError::Invalid(detail));
+        }
+        Ok(Ok(guarded)) => guarded,
+    };
+    gateway.observe(&tenant, decision);
+    let claim = ClaimRequest {
+        scope: Scope::new(tenant, call::namespace(&gateway.options.upstream_name, &call.name), key),
+        fingerprint: call.fingerprint(),
+        lease: gateway.options.lease,
+        retention: gateway.options.retention,
+        run: call.run.clone(),
+        cost: call.cost,
+        max_in_flight: None,
+    };
+    let outcome = match claim_or_resume(&gateway, &claim, call.continuation).await {
+        Ok(outcome) => outcome,
+        Err(e) => return rpc_error(Some(&id), &e),
+    };
+    match outcome {
+        ClaimOutcome::Replay(replay) => match jsonrpc::mark_replayed(&replay.outcome.body) {
+            Ok(result) => json_response(jsonrpc::result_message(&id, &result)),
+            Err(e) => rpc_error(Some(&id), &ApiError::Internal(format!("a stored result could not be read: {e}"))),
+        },
+        ClaimOutcome::InFlight(f) => {
+            rpc_error(Some(&id), &ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt })
+        }
+        ClaimOutcome::Mismatch => rpc_error(Some(&id), &ApiError::Mismatch),
+        ClaimOutcome::Denied(denial) => rpc_error(Some(&id), &ApiError::Denied(denial)),
+        ClaimOutcome::Acquired(acquired) => {
+            let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
+            let leg = Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token };
+            leg.start(Request::from_parts(parts, Body::from(body))).await
+        }
+    }
+}
+
+/// Claims the key (waiting up to `mcp.wait` for a call in flight). A continuation of an
+/// `input_required` result that finds its key held by the parked leg takes it over: the parked
+/// attempt is released (a fenced call, so only one continuation can) and the key claimed again;
+/// the key was charged once and is not charged again.
+async fn claim_or_resume(
+    gateway: &Gateway,
+    claim: &ClaimRequest,
+    continuation: bool,
+) -> Result<ClaimOutcome, ApiError> {
+    let guard = gateway.guard();
+    let metrics = &gateway.state.metrics;
+    let outcome = guard.claim(claim, gateway.options.wait).await?;
+    metrics.observe_claim(&claim.scope, &outcome);
+    if !continuation || !matches!(outcome, ClaimOutcome::InFlight(_)) {
+        return Ok(outcome);
+    }
+    let Some(record) = guard.get(&claim.scope).await? else { return Ok(outcome) };
+    let parked = record.state == RecordState::InProgress
+        && record.fingerprint == claim.fingerprint
+        && record.last_checkpoint().is_some_and(|c| c.name.as_str() == INPUT_REQUIRED && c.fence == record.fence);
+    if !parked {
+        return Ok(outcome);
+    }
+    let released =
+        guard.mutate(&claim.scope, record.fence, release_mutation("the continuation of input_required")).await?;
+    if !matches!(released, FencedOutcome::Applied(_)) {
+        return Ok(outcome);
+    }
+    let resumed = guard.claim(claim, Duration::ZERO).await?;
+    metrics.observe_claim(&claim.scope, &resumed);
+    Ok(resumed)
+}
+
+fn release_mutation(why: &str) -> Mutation {
+    let outcome = Outcome {
+        kind: OutcomeKind::Failure,
+        content_type: "text/plain".into(),
+        body: why.as_bytes().to_vec(),
+        cost: None,
+    };
+    Mutation::Fail { retryable: true, outcome }
+}
+
+/// What a guarded call's answer does to its key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settlement {
+    /// A final result: stored (`failure` for `isError: true`, stored as a permanent failure),
+    /// replayed to every later call with the key.
+    Store {
+        /// The `result` member, as the upstream wrote it.
+        result: Vec<u8>,
+        /// Whether the tool reported an error (`isError: true`).
+        failure: bool,
+    },
+    /// `input_required`: the key stays held (for `mcp.input_lease`) for the continuation.
+    Park,
+    /// The call provably never ran (an HTTP 4xx, or a JSON-RPC parse, request, method, params
+    /// or protocol error): the key is released, the next call with it runs.
+    Release(String),
+    /// The upstream answered, but not with a result (an HTTP 5xx, another JSON-RPC error, a
+    /// result too large to store): the outcome is unknown, and the next call with the key is a
+    /// recovery that runs again.
+    Unknown(String),
+}
+
+impl Settlement {
+    /// What the upstream's response message to the call means.
+    pub fn of(message: &ResponseMessage) -> Self {
+        match (&message.result, &message.error) {
+            (Some(result), _) => match jsonrpc::result_kind(result) {
+                ResultKind::InputRequired => Self::Park,
+                kind => {
+                    Self::Store { result: result.get().as_bytes().to_vec(), failure: kind == ResultKind::ToolError }
+                }
+            },
+            (None, Some(error)) if NEVER_RAN.contains(&error.code) => {
+                Self::Release(format!("the upstream refused the call (JSON-RPC error {})", error.code))
+            }
+            (None, Some(error)) => Self::Unknown(format!("the upstream answered JSON-RPC error {}", error.code)),
+            (None, None) => Self::Unknown("the upstream's answer carried no result".into()),
+        }
+    }
+
+    /// What an HTTP error status means (the body is not read).
+    pub fn of_status(status: StatusCode) -> Self {
+        if status.is_client_error() {
+            Self::Release(format!("the upstream refused the call (HTTP {status})"))
+        } else {
+            Self::Unknown(format!("the upstream answered HTTP {status}"))
+        }
+    }
+}
+
+/// One guarded call's trip to the upstream, run in a task of its own: a caller that disconnects
+/// never cancels it, and its answer settles the key.
+struct Leg {
+    gateway: Arc<Gateway>,
+    call: ToolCall,
+    scope: Scope,
+    fence: Fence,
+    token: CallToken,
+}
+
+type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
+
+impl Leg {
+    /// Starts the leg; answers the caller's response, whose body the leg feeds.
+    async fn start(self, request: Request<Body>) -> Response<Body> {
+        let (head_tx, head_rx) = oneshot::channel::<Parts>();
+        let (body_tx, body_rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+        let id = self.call.id.clone();
+        tokio::spawn(self.run(request, head_tx, body_tx));
+        match head_rx.await {
+            Ok(head) => Response::from_parts(head, Body::from_stream(body_rx)),
+            Err(_) => rpc_error(Some(&id), &ApiError::Internal("the call's task ended without an answer".into())),
+        }
+    }
+
+    async fn run(self, mut request: Request<Body>, head_tx: oneshot::Sender<Parts>, mut body_tx: BodySender) {
+        let gateway = self.gateway.clone();
+        if let Ok(mut set) = gateway.in_flight.lock() {
+            set.insert(self.token.clone());
+        }
+        let lease = gateway.options.lease;
+        let extender = tokio::spawn(keep_alive(gateway.guard().clone(), self.scope.clone(), self.fence, lease));
+        // The answer is read, so it must come as it is: no compression.
+        request.headers_mut().remove(ACCEPT_ENCODING);
+        let response = gateway.calls.forward(request).await;
+        let failure = response.extensions().get::<TransportFailure>().copied();
+        let (parts, body) = response.into_parts();
+        match failure {
+            Some(failure) => {
+                extender.abort();
+                let error = match failure {
+                    TransportFailure::NotSent => {
+                        self.settle(Settlement::Release("the upstream could not be reached".into())).await;
+                        ApiError::BadGateway("the upstream could not be reached; the call was not sent".into())
+                    }
+                    // The upstream may be acting: the key stays in flight until its lease passes.
+                    TransportFailure::MaybeSent => ApiError::BadGateway(
+                        "the upstream failed after the call was sent; the key is held until its lease passes".into(),
+                    ),
+                    TransportFailure::TimedOut => ApiError::GatewayTimeout(
+                        "the upstream did not answer in time; the key is held until its lease passes".into(),
+                    ),
+                };
+                let (head, _) = rpc_error(Some(&self.call.id), &error).into_parts();
+                let _ = head_tx.send(head);
+            }
+            None if !parts.status.is_success() => {
+                extender.abort();
+                self.settle(Settlement::of_status(parts.status)).await;
+                let _ = head_tx.send(parts);
+                pump(body, &mut body_tx).await;
+            }
+            None if is_event_stream(&parts.headers) => {
+                let _ = head_tx.send(parts);
+                self.stream(body, extender, &mut body_tx).await;
+            }
+            None => self.json(parts, body, extender, head_tx, &mut body_tx).await,
+        }
+        if let Ok(mut set) = gateway.in_flight.lock() {
+            set.remove(&self.token);
+        }
+    }
+
+    /// An SSE answer: every event goes to the caller as it arrives, except the response, which
+    /// goes once the key is settled (so that a caller who has the result and retries finds it
+    /// stored).
+    async fn stream(&self, body: Body, extender: tokio::task::JoinHandle<()>, out: &mut BodySender) {
+        let max_event = self.gateway.options.max_result_bytes + EVENT_SLACK;
+        let mut reader = SseReader::new(max_event);
+        let mut chunks = body.into_data_stream();
+        let mut settled = false;
+        let mut broken = false;
+        while let Some(chunk) = chunks.next().await {
+            let Ok(chunk) = chunk else {
+                broken = true;
+                break;
+            };
+            for block in reader.push(&chunk) {
+                if !settled
+                    && let Some(message) =
+                        block.data.as_deref().and_then(|d| ResponseMessage::answering(d, &self.call.id))
+                {
+                    extender.abort();
+                    self.settle(Settlement::of(&message)).await;
+                    settled = true;
+                }
+                let _ = out.send(Ok(block.raw)).await;
+            }
+        }
+        if let Some(rest) = reader.finish() {
+            let _ = out.send(Ok(rest)).await;
+        }
+        if !settled {
+            extender.abort();
+            if reader.overflowed() && !broken {
+                self.settle(Settlement::Unknown("the answer was too large to read".into())).await;
+            } else {
+                // No answer seen: the upstream may still act. The key stays in flight until its
+                // lease passes, then the next call is a recovery.
+                tracing::warn!(scope = %self.scope, "the upstream's event stream ended without the call's answer; the key is held until its lease passes");
+            }
+        }
+    }
+
+    /// A JSON answer: read whole (up to `mcp.max_result_bytes`), settled, then sent.
+    async fn json(
+        &self,
+        parts: Parts,
+        body: Body,
+        extender: tokio::task::JoinHandle<()>,
+        head_tx: oneshot::Sender<Parts>,
+        out: &mut BodySender,
+    ) {
+        let limit = self.gateway.options.max_result_bytes + EVENT_SLACK;
+        let mut chunks = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(chunk) if bytes.len() + chunk.len() <= limit => bytes.extend_from_slice(&chunk),
+                Ok(chunk) => {
+                    // Too large to store: it goes to the caller as it comes, and the key's outcome is unknown.
+                    extender.abort();
+                    self.settle(Settlement::Unknown("the answer was too large to store".into())).await;
+                    let _ = head_tx.send(parts);
+                    let _ = out.send(Ok(Bytes::from(bytes))).await;
+                    let _ = out.send(Ok(chunk)).await;
+                    let rest = Body::from_stream(chunks);
+                    pump(rest, out).await;
+                    return;
+                }
+                Err(e) => {
+                    extender.abort();
+                    tracing::warn!(error = %e, scope = %self.scope, "the upstream's answer broke off; the key is held until its lease passes");
+                    let error = ApiError::BadGateway(
+                        "the upstream failed after the call was sent; the key is held until its lease passes".into(),
+                    );
+                    let (head, body) = rpc_error(Some(&self.call.id), &error).into_parts();
+                    let _ = head_tx.send(head);
+                    pump(body, out).await;
+                    return;
+                }
+            }
+        }
+        extender.abort();
+        let settlement = match ResponseMessage::answering(&bytes, &self.call.id) {
+            Some(message) => Settlement::of(&message),
+            None => Settlement::Unknown("the upstream's answer was not the call's JSON-RPC response".into()),
+        };
+        self.settle(settlement).await;
+        let _ = head_tx.send(parts);
+        let _ = out.send(Ok(Bytes::from(bytes))).await;
+    }
+
+    /// Applies what the answer means to the key (retrying a store that does not answer for a few
+    /// seconds: the effect may have happened, and a key left in flight runs again after its
+    /// lease).
+    async fn settle(&self, settlement: Settlement) {
+        let guard = self.gateway.guard();
+        let max_outcome = guard.limits().max_outcome_bytes;
+        let mutation = match settlement {
+            Settlement::Store { result, .. } if result.len() > max_outcome => {
+                Mutation::ReportUnknown(format!("the result ({} bytes) was too large to store", result.len()))
+            }
+            Settlement::Store { result, failure } => {
+                let kind = if failure { OutcomeKind::Failure } else { OutcomeKind::Success };
+                let outcome = Outcome { kind, content_type: "application/json".into(), body: result, cost: None };
+                if failure { Mutation::Fail { retryable: false, outcome } } else { Mutation::Complete(outcome) }
+            }
+            Settlement::Park => {
+                let name = CheckpointName::parse(INPUT_REQUIRED).expect("a valid checkpoint name");
+                if self.apply(Mutation::Checkpoint { name, data: "{}".into() }).await {
+                    self.apply(Mutation::Extend(self.gateway.options.input_lease)).await;
+                }
+                return;
+            }
+            Settlement::Release(why) => release_mutation(&why),
+            Settlement::Unknown(why) => Mutation::ReportUnknown(why),
+        };
+        self.apply(mutation).await;
+    }
+
+    /// Applies one fenced call; answers whether it took effect.
+    async fn apply(&self, mutation: Mutation) -> bool {
+        let guard = self.gateway.guard();
+        let op = mutation.name();
+        for attempt in 0..5u32 {
+            match guard.mutate(&self.scope, self.fence, mutation.clone()).await {
+                Ok(FencedOutcome::Applied(_)) => return true,
+                Ok(FencedOutcome::Stale(reason)) => {
+                    self.gateway.state.metrics.observe_stale(&self.scope, op, self.fence.0, reason);
+                    tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
+                    return false;
+                }
+                Err(onceguard_core::GuardError::Store(e)) => {
+                    tracing::warn!(error = %e, attempt, op, "the store did not answer; retrying");
+                    tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, op, scope = %self.scope, "a fenced call was refused");
+                    return false;
+                }
+            }
+        }
+        tracing::error!(op, scope = %self.scope, "the store did not answer; the key runs again after its lease");
+        false
+    }
+}
+
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// Sends a body's chunks on, until it ends; a caller that left does not stop the reading.
+async fn pump(body: Body, out: &mut BodySender) {
+    let mut chunks = body.into_data_stream();
+    while let Some(chunk) = chunks.next().await {
+        match chunk {
+            Ok(chunk) => {
+                let _ = out.send(Ok(chunk)).await;
+            }
+            Err(e) => {
+                let _ = out.send(Err(io::Error::other(e))).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Extends the lease every third of it, until aborted or the key is taken over.
+async fn keep_alive(guard: Guard, scope: Scope, fence: Fence, lease: Duration) {
+    loop {
+        tokio::time::sleep(lease / 3).await;
+        if let Ok(FencedOutcome::Stale(_)) = guard.mutate(&scope, fence, Mutation::Extend(lease)).await {
+            return;
+        }
+    }
+}
+
+/// Most bytes of a `tools/list` answer read to learn annotations (a larger one passes unread).
+const MAX_LISTING_BYTES: usize = 4 * 1024 * 1024;
+
+/// Passes a `tools/list` answer through as it streams, and learns the tools' annotations from
+/// it once it has ended.
+fn learn_from(gateway: Arc<Gateway>, id: Value, response: Response<Body>) -> Response<Body> {
+    let readable = response.status().is_success()
+        && !response.headers().contains_key(CONTENT_ENCODING)
+        && response.extensions().get::<TransportFailure>().is_none();
+    if !readable {
+        return response;
+    }
+    let sse = is_event_stream(response.headers());
+    let (parts, body) = response.into_parts();
+    let (mut tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+    tokio::spawn(async move {
+        let mut chunks = body.into_data_stream();
+        let mut seen = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(chunk) => {
+                    if seen.len() + chunk.len() <= MAX_LISTING_BYTES {
+                        seen.extend_from_slice(&chunk);
+                    } else {
+                        seen.clear();
+                        seen.shrink_to_fit();
+                    }
+                    let _ = tx.send(Ok(chunk)).await;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(io::Error::other(e))).await;
+                    return;
+                }
+            }
+        }
+        let messages: Vec<Vec<u8>> = if sse {
+            let mut reader = SseReader::new(MAX_LISTING_BYTES);
+            reader.push(&seen).into_iter().filter_map(|b| b.data).collect()
+        } else {
+            vec![seen]
+        };
+        for message in messages {
+            if let Some(result) = ResponseMessage::answering(&message, &id).and_then(|m| m.result)
+                && let Ok(result) = serde_json::from_str::<Value>(result.get())
+            {
+                let learned = gateway.tools.learn(&result);
+                tracing::debug!(learned, "learned tool annotations from tools/list");
+            }
+        }
+    });
+    Response::from_parts(parts, Body::from_stream(rx))
+}
+
+/// The service for [`axum::Router::fallback_service`].
+pub fn service(gateway: Arc<Gateway>) -> axum::Router {
+    axum::Router::new().fallback(handle).with_state(gateway)
+}

@@ -1,0 +1,143 @@
+//! Onceguard's MCP gateway: exactly-once `tools/call` in front of a Model Context Protocol server.
+//!
+//! `onceguard mcp --upstream http://host:8000/mcp` listens where clients connect instead of the
+//! server's Streamable HTTP endpoint. A `tools/call` that carries an idempotency key
+//! (`params._meta["dev.onceguard/idempotency-key"]`, `params.idempotencyKey` or the
+//! `Idempotency-Key` header) is claimed in the caller's tenant, under the namespace
+//! `mcp/<upstream>/<tool>`, with the fingerprint of its `{name, arguments}`:
+//!
+//! | the claim answers | the caller gets |
+//! | --- | --- |
+//! | acquired | the upstream's answer, streamed (progress included); the result is stored first |
+//! | replay | the stored result, with its own JSON-RPC id and `_meta["dev.onceguard/replayed"] = true` |
+//! | in flight | JSON-RPC error 40901 `in-flight` (after waiting `mcp.wait`, if set) |
+//! | mismatch | JSON-RPC error 42201 `fingerprint-mismatch` |
+//! | denied | 42301 `switch-engaged`, 42901 `budget-exhausted`, 42902 `quota-exceeded` |
+//!
+//! Tools annotated `readOnlyHint: true` (learned from the `tools/list` answers passing through)
+//! and everything that is not a guarded `tools/call` pass through untouched: status, headers,
+//! bodies byte for byte, event streams as they arrive. A caller that disconnects never cancels a
+//! guarded call: its leg runs in a task of its own and stores the result. `docs/MCP.md` has the
+//! whole contract.
+//!
+//! - [`call`]: the key, run, cost, fingerprint and namespace of a call.
+//! - [`jsonrpc`]: message shapes, error codes, replays.
+//! - [`sse`]: reading an event stream while forwarding it byte for byte.
+//! - [`tools`]: which tools are guarded.
+//! - [`gateway`]: the handler.
+
+#![forbid(unsafe_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::HeaderName;
+use onceguard_core::{Guard, InvalidInput, Limits};
+use onceguard_proxy::Upstream;
+use onceguard_server::{AppState, Config, StartError};
+use tokio::net::TcpListener;
+
+pub mod call;
+pub mod gateway;
+pub mod jsonrpc;
+pub mod sse;
+pub mod tools;
+
+pub use gateway::Gateway;
+
+/// What the gateway needs to know, from the `[mcp]` section.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The path of the MCP endpoint (the upstream URL's path, e.g. `/mcp`): POSTs to it are
+    /// read; requests to other paths pass through to the same path upstream.
+    pub endpoint: String,
+    /// The upstream's name in namespaces.
+    pub upstream_name: String,
+    /// The lease of a guarded call (extended while the upstream works).
+    pub lease: Duration,
+    /// How long a stored result replays.
+    pub retention: Duration,
+    /// How long a duplicate waits for the call in flight.
+    pub wait: Duration,
+    /// How long a key stays held after `input_required`.
+    pub input_lease: Duration,
+    /// The header carrying the caller's API key.
+    pub api_key_header: HeaderName,
+    /// Largest request body.
+    pub max_request_bytes: usize,
+    /// Largest result stored.
+    pub max_result_bytes: usize,
+}
+
+/// The upstream's origin and endpoint path, from `mcp.upstream`.
+fn upstream_url(upstream: &str) -> Result<reqwest::Url, InvalidInput> {
+    let url = reqwest::Url::parse(upstream)
+        .map_err(|e| InvalidInput::new("mcp.upstream", format!("'{upstream}' is not a URL: {e}")))?;
+    if !matches!(url.scheme(), "http" | "https") || url.query().is_some() || url.host_str().is_none() {
+        return Err(InvalidInput::new("mcp.upstream", "must be an http:// or https:// URL without a query"));
+    }
+    Ok(url)
+}
+
+/// The gateway's options from the `[mcp]` section.
+pub fn options(config: &Config) -> Result<Options, InvalidInput> {
+    let m = &config.mcp;
+    let url = upstream_url(&m.upstream)?;
+    let upstream_name = if m.upstream_name.is_empty() { call::upstream_name(&url) } else { m.upstream_name.clone() };
+    Ok(Options {
+        endpoint: url.path().to_owned(),
+        upstream_name,
+        lease: m.lease,
+        retention: m.retention,
+        wait: m.wait,
+        input_lease: m.input_lease,
+        api_key_header: HeaderName::from_bytes(m.api_key_header.as_bytes())
+            .map_err(|_| InvalidInput::new("mcp.api_key_header", "is not a header name"))?,
+        max_request_bytes: m.max_request_bytes,
+        max_result_bytes: m.max_result_bytes,
+    })
+}
+
+/// The guard's limits for the gateway: results as large as `mcp.max_result_bytes` are stored,
+/// and its lease, input lease, wait and retention are within bounds.
+pub fn limits(config: &Config) -> Limits {
+    let m = &config.mcp;
+    let mut limits = config.limits.clone();
+    limits.max_outcome_bytes = limits.max_outcome_bytes.max(m.max_result_bytes);
+    limits.max_lease = limits.max_lease.max(m.lease).max(m.input_lease);
+    limits.max_retention = limits.max_retention.max(m.retention);
+    limits.max_wait = limits.max_wait.max(m.wait);
+    limits
+}
+
+/// The gateway as an axum app, over `guard` (whose store it measures).
+pub fn app(config: &Config, guard: Guard) -> Result<Router, InvalidInput> {
+    Ok(gateway::service(gateway(config, guard)?))
+}
+
+/// The gateway itself (for embedding and tests).
+pub fn gateway(config: &Config, guard: Guard) -> Result<Arc<Gateway>, InvalidInput> {
+    let options = options(config)?;
+    let url = upstream_url(&config.mcp.upstream)?;
+    let origin = url.origin().ascii_serialization();
+    let calls = Upstream::new(&origin, config.mcp.upstream_timeout)?;
+    let streams = Upstream::new(&origin, config.mcp.stream_timeout)?;
+    let tools = tools::ToolPolicy::new(config.mcp.tools.clone(), config.mcp.no_key);
+    let state = AppState::new(guard, config)?;
+    Ok(Arc::new(Gateway::new(state, options, calls, streams, tools)))
+}
+
+/// Serves the gateway on `listener` until `shutdown`, then lets requests in flight finish (at
+/// most `http.shutdown_grace`); runs the sweep of expired records and the refresh of switches
+/// and settings meanwhile.
+pub async fn run(
+    config: &Config,
+    guard: Guard,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let app = app(config, guard.clone())?;
+    onceguard_server::serve_with_background(config, guard, listener, app, shutdown).await
+}
