@@ -1,0 +1,519 @@
+//! The gateway against a small MCP-speaking upstream served by the test, which counts how often
+//! each tool really ran and records what reached it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::control::{Budget, SwitchTarget};
+use onceguard_core::{Guard, Key, MemoryStore, Namespace, RecordState, RunId, Scope, SystemClock, TenantId};
+use onceguard_server::Config;
+use serde_json::{Value, json};
+
+/// What the upstream saw.
+#[derive(Default)]
+struct Seen {
+    runs: HashMap<String, usize>,
+    cancellations: usize,
+    headers: Vec<HeaderMap>,
+}
+
+type Upstream = Arc<Mutex<Seen>>;
+
+fn ran(seen: &Upstream, tool: &str) -> usize {
+    let mut seen = seen.lock().unwrap();
+    let n = seen.runs.entry(tool.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+fn runs(seen: &Upstream, tool: &str) -> usize {
+    seen.lock().unwrap().runs.get(tool).copied().unwrap_or(0)
+}
+
+fn json_answer(id: &Value, result: Value) -> Response {
+    // Written by hand where it matters: a number spelled `1.50` must come back spelled so.
+    let body = json!({"jsonrpc":"2.0","id":id,"result":result}).to_string().replace(r#""z":1.5"#, r#""z":1.50"#);
+    ([("content-type", "application/json"), ("mcp-session-id", "s-1")], body).into_response()
+}
+
+/// A fake MCP endpoint: tools `echo`, `stream` (SSE with progress), `slow`, `bad_params`,
+/// `boom` (HTTP 500), `ask` (input_required until answered), `lookup` (listed read-only), and
+/// GET event streams.
+async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::http::Method, body: Bytes) -> Response {
+    seen.lock().unwrap().headers.push(headers.clone());
+    if method == axum::http::Method::GET {
+        let last = headers.get("last-event-id").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned();
+        let stream = format!("id: 7\r\ndata: {{\"resumed_after\":\"{last}\"}}\r\n\r\n");
+        return ([("content-type", "text/event-stream"), ("mcp-session-id", "s-1")], stream).into_response();
+    }
+    let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let id = message["id"].clone();
+    match message["method"].as_str() {
+        Some("notifications/cancelled") => {
+            seen.lock().unwrap().cancellations += 1;
+            StatusCode::ACCEPTED.into_response()
+        }
+        Some("tools/list") => json_answer(
+            &id,
+            json!({"tools":[
+                {"name":"lookup","annotations":{"readOnlyHint":true}},
+                {"name":"echo","annotations":{"readOnlyHint":false}}
+            ]}),
+        ),
+        Some("tools/call") => {
+            let name = message["params"]["name"].as_str().unwrap_or_default().to_owned();
+            match name.as_str() {
+                "bad_params" => {
+                    ran(&seen, &name);
+                    let error = json!({"jsonrpc":"2.0","id":id,"error":{"code":-32602,"message":"bad params"}});
+                    ([("content-type", "application/json")], error.to_string()).into_response()
+                }
+                "boom" => {
+                    ran(&seen, &name);
+                    (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response()
+                }
+                "ask" if message["params"]["inputResponses"].is_null() => json_answer(
+                    &id,
+                    json!({"resultType":"input_required","inputRequests":{"ok":{"method":"elicitation/create"}},"requestState":"st"}),
+                ),
+                "stream" => {
+                    let n = ran(&seen, &name);
+                    let token = message["params"]["_meta"]["progressToken"].clone();
+                    let progress = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":token,"progress":1}});
+                    let response = json!({"jsonrpc":"2.0","id":id,"result":{"content":[{"type":"text","text":format!("stream {n}")}]}});
+                    let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+                    tokio::spawn(async move {
+                        let _ =
+                            tx.unbounded_send(Ok(Bytes::from(format!("event: message\r\ndata: {progress}\r\n\r\n"))));
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let _ =
+                            tx.unbounded_send(Ok(Bytes::from(format!("event: message\r\ndata: {response}\r\n\r\n"))));
+                    });
+                    ([("content-type", "text/event-stream")], Body::from_stream(rx)).into_response()
+                }
+                _ => {
+                    if name == "slow" {
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                    }
+                    let n = ran(&seen, &name);
+                    let is_error = name == "fails";
+                    json_answer(
+                        &id,
+                        json!({"content":[{"type":"text","text":format!("{name} {n}")}],"isError":is_error,"z":1.50}),
+                    )
+                }
+            }
+        }
+        _ => json_answer(&id, json!({})),
+    }
+}
+
+struct App {
+    base: String,
+    seen: Upstream,
+    guard: Guard,
+    http: reqwest::Client,
+}
+
+const TENANT: &str = "anon";
+
+async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
+    let seen = Upstream::default();
+    let upstream = Router::new().route("/mcp", any(mcp)).with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, upstream).await.unwrap() });
+
+    let mut config = Config::default();
+    config.mcp.upstream = upstream_url;
+    config.mcp.upstream_name = "up".into();
+    config.mcp.lease = Duration::from_secs(2);
+    config.auth.allow_anonymous = true;
+    config.auth.anonymous_tenant = TENANT.into();
+    configure(&mut config);
+    let guard = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), onceguard_mcp::limits(&config));
+    let app = onceguard_mcp::app(&config, guard.clone()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let refresher = guard.refresh_controls_task();
+    tokio::spawn(refresher);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    App { base, seen, guard, http: reqwest::Client::new() }
+}
+
+fn call(id: Value, name: &str, arguments: Value, key: Option<&str>) -> Value {
+    let mut params = json!({"name": name, "arguments": arguments});
+    if let Some(key) = key {
+        params["_meta"] = json!({"dev.onceguard/idempotency-key": key, "progressToken": id});
+    }
+    json!({"jsonrpc":"2.0","id":id,"method":"tools/call","params":params})
+}
+
+impl App {
+    async fn post(&self, message: &Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}/mcp", self.base))
+            .header("accept", "application/json, text/event-stream")
+            .json(message)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn rpc(&self, message: &Value) -> Value {
+        let response = self.post(message).await;
+        assert_eq!(response.status(), 200);
+        let sse = response.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream");
+        let text = response.text().await.unwrap();
+        if !sse {
+            return serde_json::from_str(&text).unwrap();
+        }
+        let last = text.split("\r\n\r\n").filter(|e| e.contains("\"id\"")).last().unwrap();
+        serde_json::from_str(last.trim_start_matches("event: message\r\ndata: ")).unwrap()
+    }
+
+    fn scope(&self, tool: &str, key: &str) -> Scope {
+        Scope::new(
+            TenantId::parse(TENANT).unwrap(),
+            Namespace::parse(&format!("mcp/up/{tool}")).unwrap(),
+            Key::parse(key).unwrap(),
+        )
+    }
+}
+
+#[tokio::test]
+async fn a_repeated_call_runs_once_and_replays_with_the_callers_id() {
+    let app = spawn_app(|_| {}).await;
+    let first = app.rpc(&call(json!(1), "echo", json!({"a": 1}), Some("k-1"))).await;
+    assert_eq!(first["result"]["content"][0]["text"], "echo 1");
+    assert!(first["result"].get("_meta").is_none(), "the first answer is the upstream's, untouched");
+    let replay_response = app.post(&call(json!("second"), "echo", json!({"a": 1.0}), Some("k-1"))).await;
+    let replay_text = replay_response.text().await.unwrap();
+    assert!(replay_text.contains(r#""z":1.50"#), "stored values keep their bytes: {replay_text}");
+    let replay: Value = serde_json::from_str(&replay_text).unwrap();
+    assert_eq!(replay["id"], "second");
+    assert_eq!(replay["result"]["content"], first["result"]["content"]);
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "echo"), 1);
+    let record = app.guard.get(&app.scope("echo", "k-1")).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+
+    // A tool error is stored and replayed too.
+    let failed = app.rpc(&call(json!(3), "fails", json!({}), Some("k-2"))).await;
+    assert_eq!(failed["result"]["isError"], true);
+    let again = app.rpc(&call(json!(4), "fails", json!({}), Some("k-2"))).await;
+    assert_eq!(again["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "fails"), 1);
+}
+
+#[tokio::test]
+async fn keys_come_from_meta_field_or_header_and_must_agree() {
+    let app = spawn_app(|_| {}).await;
+    let mut by_field = call(json!(1), "echo", json!({}), None);
+    by_field["params"]["idempotencyKey"] = json!("k-f");
+    app.rpc(&by_field).await;
+    let by_header = app
+        .http
+        .post(format!("{}/mcp", app.base))
+        .header("idempotency-key", "k-f")
+        .json(&call(json!(2), "echo", json!({}), None))
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap();
+    assert_eq!(by_header["result"]["_meta"]["dev.onceguard/replayed"], true);
+    let mut differ = call(json!(3), "echo", json!({}), Some("k-meta"));
+    differ["params"]["idempotencyKey"] = json!("k-other");
+    let refused = app.rpc(&differ).await;
+    assert_eq!(refused["error"]["code"], 40001);
+    assert_eq!(refused["id"], 3);
+    // No key: refused by default, nothing forwarded.
+    let no_key = app.rpc(&call(json!(4), "echo", json!({"x": 1}), None)).await;
+    assert_eq!(no_key["error"]["code"], 40001);
+    assert_eq!(no_key["error"]["data"]["type"], "https://onceguard.dev/problems/invalid-request");
+    assert_eq!(runs(&app.seen, "echo"), 1);
+}
+
+#[tokio::test]
+async fn calls_without_a_key_derive_or_pass_as_configured() {
+    let app = spawn_app(|c| {
+        c.mcp.no_key = onceguard_server::config::McpNoKey::Derive;
+        c.mcp.tools.insert(
+            "free".into(),
+            onceguard_server::config::McpToolConfig {
+                no_key: Some(onceguard_server::config::McpNoKey::Pass),
+                ..Default::default()
+            },
+        );
+    })
+    .await;
+    let mut with_run = call(json!(1), "echo", json!({"b": 2, "a": 1}), None);
+    with_run["params"]["_meta"] = json!({"dev.onceguard/run-id": "run-1"});
+    app.rpc(&with_run).await;
+    with_run["id"] = json!(2);
+    with_run["params"]["arguments"] = json!({"a": 1, "b": 2});
+    let replay = app.rpc(&with_run).await;
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "echo"), 1);
+    let no_run = app.rpc(&call(json!(3), "echo", json!({}), None)).await;
+    assert_eq!(no_run["error"]["code"], 40001);
+    for id in 4..6 {
+        app.rpc(&call(json!(id), "free", json!({}), None)).await;
+    }
+    assert_eq!(runs(&app.seen, "free"), 2, "pass: forwarded every time");
+}
+
+#[tokio::test]
+async fn another_request_under_the_key_is_a_conflict() {
+    let app = spawn_app(|_| {}).await;
+    app.rpc(&call(json!(1), "echo", json!({"to": "a"}), Some("k"))).await;
+    let conflict = app.rpc(&call(json!(2), "echo", json!({"to": "b"}), Some("k"))).await;
+    assert_eq!(conflict["error"]["code"], 42201);
+    assert_eq!(conflict["error"]["data"]["type"], "https://onceguard.dev/problems/fingerprint-mismatch");
+    assert_eq!(runs(&app.seen, "echo"), 1);
+}
+
+#[tokio::test]
+async fn duplicates_in_flight_are_refused_or_wait_for_the_result() {
+    let app = Arc::new(spawn_app(|_| {}).await);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { app.rpc(&call(json!(1), "slow", json!({}), Some("k"))).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let busy = app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await;
+    assert_eq!(busy["error"]["code"], 40901);
+    assert_eq!(busy["error"]["data"]["type"], "https://onceguard.dev/problems/in-flight");
+    assert!(busy["error"]["data"]["retry_after_ms"].as_u64().is_some());
+    first.await.unwrap();
+    assert_eq!(runs(&app.seen, "slow"), 1);
+
+    let waiting = Arc::new(spawn_app(|c| c.mcp.wait = Duration::from_secs(5)).await);
+    let calls: Vec<_> = (0..8)
+        .map(|i| {
+            let app = waiting.clone();
+            tokio::spawn(async move { app.rpc(&call(json!(i), "slow", json!({}), Some("k"))).await })
+        })
+        .collect();
+    for c in calls {
+        let answer = c.await.unwrap();
+        assert_eq!(answer["result"]["content"][0]["text"], "slow 1", "{answer}");
+    }
+    assert_eq!(runs(&waiting.seen, "slow"), 1);
+}
+
+#[tokio::test]
+async fn an_event_stream_passes_as_it_comes_and_its_result_is_stored() {
+    let app = spawn_app(|_| {}).await;
+    let response = app.post(&call(json!(1), "stream", json!({}), Some("k"))).await;
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let text = response.text().await.unwrap();
+    assert!(
+        text.starts_with("event: message\r\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\""),
+        "{text}"
+    );
+    assert!(text.contains("stream 1"));
+    let replay = app.rpc(&call(json!(2), "stream", json!({}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "stream 1");
+    assert_eq!(replay["id"], 2);
+    assert_eq!(runs(&app.seen, "stream"), 1);
+}
+
+#[tokio::test]
+async fn a_call_that_never_ran_releases_and_an_unknown_outcome_recovers() {
+    let app = spawn_app(|_| {}).await;
+    for id in 0..2 {
+        let answer = app.rpc(&call(json!(id), "bad_params", json!({}), Some("k"))).await;
+        assert_eq!(answer["error"]["code"], -32602, "the upstream's error passes through");
+    }
+    assert_eq!(runs(&app.seen, "bad_params"), 2, "a released key runs again");
+    assert_eq!(app.guard.get(&app.scope("bad_params", "k")).await.unwrap().unwrap().state, RecordState::Released);
+
+    let boom = app.post(&call(json!(3), "boom", json!({}), Some("k"))).await;
+    assert_eq!(boom.status(), 500, "the upstream's status passes through");
+    let record = app.guard.get(&app.scope("boom", "k")).await.unwrap().unwrap();
+    assert!(record.unknown.is_some(), "outcome unknown: {record:?}");
+    app.post(&call(json!(4), "boom", json!({}), Some("k"))).await;
+    assert_eq!(runs(&app.seen, "boom"), 2, "the next call is a recovery");
+    assert_eq!(app.guard.get(&app.scope("boom", "k")).await.unwrap().unwrap().attempt, 2);
+}
+
+#[tokio::test]
+async fn a_caller_that_leaves_does_not_cancel_the_call() {
+    let app = spawn_app(|_| {}).await;
+    let slow = call(json!(1), "slow", json!({}), Some("k"));
+    let gone = tokio::time::timeout(Duration::from_millis(150), app.post(&slow)).await;
+    assert!(gone.is_err(), "the caller gave up");
+    // Its cancellation is swallowed while the guarded call is in flight.
+    let cancel = json!({"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}});
+    assert_eq!(app.post(&cancel).await.status(), 202);
+    assert_eq!(app.seen.lock().unwrap().cancellations, 0);
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let replay = app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "slow 1");
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "slow"), 1);
+    // Other cancellations pass.
+    assert_eq!(app.post(&cancel).await.status(), 202);
+    assert_eq!(app.seen.lock().unwrap().cancellations, 1);
+}
+
+#[tokio::test]
+async fn read_only_tools_learned_from_the_listing_pass_through() {
+    let app = spawn_app(|_| {}).await;
+    let before = app.rpc(&call(json!(1), "lookup", json!({}), None)).await;
+    assert_eq!(before["error"]["code"], 40001, "not listed yet: guarded");
+    let listing = app.rpc(&json!({"jsonrpc":"2.0","id":2,"method":"tools/list"})).await;
+    assert_eq!(listing["result"]["tools"][0]["name"], "lookup");
+    for id in 3..5 {
+        let answer = app.rpc(&call(json!(id), "lookup", json!({}), Some("same-key"))).await;
+        assert!(answer["result"].get("_meta").is_none());
+    }
+    assert_eq!(runs(&app.seen, "lookup"), 2, "read-only calls are never stored");
+    let metrics = app.http.get(format!("{}/_onceguard/metrics", app.base)).send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains(r#"onceguard_mcp_tool_calls_total{tenant="anon",upstream="up",decision="read_only"} 2"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains(r#"decision="no_key_refused"} 1"#));
+}
+
+#[tokio::test]
+async fn everything_else_passes_through_untouched() {
+    let app = spawn_app(|_| {}).await;
+    let response = app
+        .http
+        .get(format!("{}/mcp", app.base))
+        .header("last-event-id", "6")
+        .header("mcp-session-id", "s-1")
+        .header("authorization", "Bearer upstream-token")
+        .header("x-onceguard-key", "og_0123456789abcdef_secret")
+        .send()
+        .await
+        .unwrap();
+    // The gateway's own key header is checked first: a wrong key is refused.
+    assert_eq!(response.status(), 401);
+    let response = app
+        .http
+        .get(format!("{}/mcp", app.base))
+        .header("last-event-id", "6")
+        .header("mcp-session-id", "s-1")
+        .header("authorization", "Bearer upstream-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["mcp-session-id"], "s-1");
+    assert_eq!(response.text().await.unwrap(), "id: 7\r\ndata: {\"resumed_after\":\"6\"}\r\n\r\n");
+    let seen = app.seen.lock().unwrap().headers.last().unwrap().clone();
+    assert_eq!(seen["authorization"], "Bearer upstream-token");
+    assert_eq!(seen["mcp-session-id"], "s-1");
+    let batch = json!([call(json!(1), "echo", json!({}), Some("k"))]);
+    let refused = app.rpc(&batch).await;
+    assert_eq!(refused["error"]["code"], 40001);
+    assert_eq!(runs(&app.seen, "echo"), 0);
+}
+
+#[tokio::test]
+async fn callers_are_scoped_by_their_api_key() {
+    let app = spawn_app(|c| c.auth.allow_anonymous = false).await;
+    let anonymous = app.post(&call(json!(1), "echo", json!({}), Some("k"))).await;
+    assert_eq!(anonymous.status(), 401);
+    let store = app.guard.store();
+    let mut tokens = Vec::new();
+    for tenant in ["acme", "globex"] {
+        let id = TenantId::parse(tenant).unwrap();
+        store.create_tenant(&Tenant { id: id.clone(), created_at: onceguard_core::Timestamp::now() }).await.unwrap();
+        let new = ApiKey::generate(id, Role::Agent, "agent", onceguard_core::Timestamp::now());
+        store.create_api_key(&new.key).await.unwrap();
+        tokens.push(new.token);
+    }
+    for (i, token) in tokens.iter().enumerate() {
+        let answer: Value = app
+            .http
+            .post(format!("{}/mcp", app.base))
+            .header("x-onceguard-key", token)
+            .json(&call(json!(i), "echo", json!({}), Some("k")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(answer["result"].get("_meta").is_none(), "tenants never share a key");
+    }
+    assert_eq!(runs(&app.seen, "echo"), 2);
+    let seen = app.seen.lock().unwrap().headers.last().unwrap().clone();
+    assert!(!seen.contains_key("x-onceguard-key"), "the Onceguard key is not forwarded");
+    let scope = Scope::new(
+        TenantId::parse("acme").unwrap(),
+        Namespace::parse("mcp/up/echo").unwrap(),
+        Key::parse("k").unwrap(),
+    );
+    assert!(app.guard.get(&scope).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn switches_and_budgets_refuse() {
+    let app = spawn_app(|_| {}).await;
+    let tenant = TenantId::parse(TENANT).unwrap();
+    let tool = SwitchTarget::Namespace { prefix: Namespace::parse("mcp/up/echo").unwrap() };
+    app.guard.engage_switch("test", &tenant, tool.clone(), "stop echo".into(), false).await.unwrap();
+    let refused = app.rpc(&call(json!(1), "echo", json!({}), Some("k"))).await;
+    assert_eq!(refused["error"]["code"], 42301);
+    assert_eq!(refused["error"]["data"]["type"], "https://onceguard.dev/problems/switch-engaged");
+    assert_eq!(app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await["result"]["content"][0]["text"], "slow 1");
+    app.guard.release_switch("test", &tenant, &tool, None).await.unwrap();
+    let upstream = SwitchTarget::Namespace { prefix: Namespace::parse("mcp/up").unwrap() };
+    app.guard.engage_switch("test", &tenant, upstream.clone(), "stop the upstream".into(), false).await.unwrap();
+    assert_eq!(app.rpc(&call(json!(3), "slow", json!({}), Some("k2"))).await["error"]["code"], 42301);
+    app.guard.release_switch("test", &tenant, &upstream, None).await.unwrap();
+
+    let run = RunId::parse("run-1").unwrap();
+    let budget = Budget { max_effects: Some(2), max_cost: None, deadline: None };
+    app.guard.set_budget("test", &tenant, &run, budget, None).await.unwrap();
+    let in_run = |id: u64, key: &str| {
+        let mut c = call(json!(id), "echo", json!({"n": key}), Some(key));
+        c["params"]["_meta"]["dev.onceguard/run-id"] = json!("run-1");
+        c["params"]["_meta"]["dev.onceguard/cost"] = json!(3);
+        c
+    };
+    assert!(app.rpc(&in_run(4, "a")).await.get("result").is_some());
+    assert!(app.rpc(&in_run(5, "b")).await.get("result").is_some());
+    assert_eq!(app.rpc(&in_run(6, "a")).await["result"]["_meta"]["dev.onceguard/replayed"], true, "replays are free");
+    let spent = app.rpc(&in_run(7, "c")).await;
+    assert_eq!(spent["error"]["code"], 42901);
+    assert_eq!(spent["error"]["data"]["type"], "https://onceguard.dev/problems/budget-exhausted");
+    let usage = app.guard.run(&tenant, &run).await.unwrap().unwrap().usage;
+    assert_eq!((usage.effects, usage.cost), (2, 6));
+}
+
+#[tokio::test]
+async fn an_input_required_leg_holds_the_key_for_its_continuation() {
+    let app = spawn_app(|_| {}).await;
+    let asked = app.rpc(&call(json!(1), "ask", json!({"amount": 5}), Some("k"))).await;
+    assert_eq!(asked["result"]["resultType"], "input_required");
+    let record = app.guard.get(&app.scope("ask", "k")).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::InProgress);
+    let plain_retry = app.rpc(&call(json!(2), "ask", json!({"amount": 5}), Some("k"))).await;
+    assert_eq!(plain_retry["error"]["code"], 40901, "held while input is awaited");
+    let mut continuation = call(json!(3), "ask", json!({"amount": 5}), Some("k"));
+    continuation["params"]["inputResponses"] = json!({"ok": {"action": "accept"}});
+    continuation["params"]["requestState"] = json!("st");
+    let done = app.rpc(&continuation).await;
+    assert_eq!(done["result"]["content"][0]["text"], "ask 1");
+    let replay = app.rpc(&call(json!(4), "ask", json!({"amount": 5}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "ask 1");
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "ask"), 1);
+}
