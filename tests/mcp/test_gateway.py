@@ -1,0 +1,412 @@
+"""End-to-end tests of `onceguard mcp` with the official MCP Python SDK (`mcp`) and `fastmcp`
+clients, in both protocol eras, against a real fastmcp server (tool_server.py) started here.
+
+Each tool with a side effect appends a line to an effects file, so every test checks how often
+the effect really ran, whatever the clients were told. Run by scripts/mcp-tests, which makes the
+virtualenv and builds the binary (found at $CARGO_TARGET_DIR/debug/onceguard, or $ONCEGUARD_BIN).
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx2
+import mcp_types
+import pytest
+from fastmcp import Client as FastMCPClient
+from fastmcp.client.transports import StreamableHttpTransport
+from mcp.client import Client as SdkClient
+from mcp.client.streamable_http import streamable_http_client
+
+HERE = Path(__file__).resolve().parent
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HERE.parent.parent / "target"))
+BINARY = Path(os.environ.get("ONCEGUARD_BIN", TARGET / "debug" / "onceguard"))
+UPSTREAM_NAME = "tools"
+TENANT = "acme"
+KEY_META = "dev.onceguard/idempotency-key"
+RUN_META = "dev.onceguard/run-id"
+REPLAYED = "dev.onceguard/replayed"
+
+# (library, connect mode): the legacy era (initialize, Mcp-Session-Id) and the 2026-07-28 era
+# (stateless POSTs, server/discover), as each client negotiates them.
+CLIENTS = [
+    ("mcp", "legacy"),
+    ("mcp", "2026-07-28"),
+    ("fastmcp", "legacy"),
+    ("fastmcp", "auto"),
+]
+IDS = [f"{lib}-{mode}" for lib, mode in CLIENTS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def onceguard(store: str, *args: str) -> str:
+    """Runs an operator command; answers its output."""
+    out = subprocess.run([str(BINARY), "--log-format", "json", "--store", store, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        first = (out.stderr.strip().splitlines() or ["(no output)"])[0]
+        raise RuntimeError(f"onceguard {' '.join(args)} failed: {first}")
+    return out.stdout
+
+
+class Gateway:
+    """A running `onceguard mcp` process."""
+
+    def __init__(self, store: str, upstream: str, workdir: str) -> None:
+        args = [
+            str(BINARY), "--log-format", "json", "--store", store, "mcp", "--listen", "127.0.0.1:0",
+            "--upstream", upstream, "--upstream-name", UPSTREAM_NAME, "--lease", "5s", "--wait", "10s",
+        ]
+        self.process = subprocess.Popen(args, cwd=workdir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.logs: list[str] = []
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:
+            for line in self.process.stderr:
+                self.logs.append(line)
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if "addr" in event and not found.is_set():
+                    self.url = f"http://{event['addr']}/mcp"
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(60):
+            self.process.kill()
+            raise RuntimeError("the gateway did not start:\n" + "".join(self.logs))
+
+    def kill9(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class World:
+    """The fastmcp server, a SQLite store with a tenant and an agent API key, and a gateway."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="onceguard-mcp-")
+        self.effects = os.path.join(self.dir, "effects.log")
+        self.store = f"sqlite://{self.dir}/onceguard.db"
+        port = free_port()
+        self.server = subprocess.Popen(
+            [sys.executable, str(HERE / "tool_server.py"), "--port", str(port), "--effects", self.effects],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "server.log"), "w"),
+        )
+        self.upstream = f"http://127.0.0.1:{port}/mcp"
+        onceguard(self.store, "tenants", "create", TENANT)
+        self.token = json.loads(onceguard(self.store, "api-keys", "create", "--tenant", TENANT, "--label", "e2e"))["token"]
+        wait_port(port)
+        self.gateway = Gateway(self.store, self.upstream, self.dir)
+
+    def executions(self, tool: str, **match) -> int:
+        if not os.path.exists(self.effects):
+            return 0
+        with open(self.effects) as f:
+            rows = [json.loads(line) for line in f]
+        return sum(1 for r in rows if r["tool"] == tool and all(r.get(k) == v for k, v in match.items()))
+
+    def close(self) -> None:
+        self.gateway.stop()
+        self.server.terminate()
+        self.server.wait(10)
+
+
+@pytest.fixture(scope="session")
+def world():
+    w = World()
+    yield w
+    w.close()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+class Tools:
+    """One interface over both client libraries."""
+
+    def __init__(self, lib: str, client) -> None:
+        self.lib, self.client = lib, client
+
+    async def list_tools(self) -> list[str]:
+        tools = await self.client.list_tools()
+        return [t.name for t in (tools.tools if self.lib == "mcp" else tools)]
+
+    async def call(self, name: str, arguments: dict, key: str | None = None, run: str | None = None, progress=None):
+        meta = {}
+        if key is not None:
+            meta[KEY_META] = key
+        if run is not None:
+            meta[RUN_META] = run
+        if self.lib == "mcp":
+            return await self.client.call_tool(name, arguments, meta=meta or None, progress_callback=progress)
+        return await self.client.call_tool_mcp(name, arguments, meta=meta or None, progress_handler=progress)
+
+    @property
+    def version(self) -> str:
+        if self.lib == "mcp":
+            return self.client.session.protocol_version
+        return self.client.session.protocol_version
+
+
+@asynccontextmanager
+async def connect(world: World, lib: str, mode: str, url: str | None = None, on_elicit=None):
+    url = url or world.gateway.url
+    headers = {"X-Onceguard-Key": world.token}
+    if lib == "mcp":
+        http = httpx2.AsyncClient(headers=headers, timeout=30)
+        kwargs = {}
+        if on_elicit is not None:
+            async def elicit(ctx, params):
+                return mcp_types.ElicitResult(action="accept", content=await on_elicit(params.message))
+            kwargs["elicitation_callback"] = elicit
+        async with SdkClient(streamable_http_client(url, http_client=http), mode=mode, **kwargs) as client:
+            yield Tools(lib, client)
+        await http.aclose()
+    else:
+        kwargs = {}
+        if on_elicit is not None:
+            async def elicit(message, response_type, params, context):
+                return await on_elicit(message)
+            kwargs["elicitation_handler"] = elicit
+        transport = StreamableHttpTransport(url, headers=headers)
+        async with FastMCPClient(transport, mode=mode, timeout=30, **kwargs) as client:
+            yield Tools(lib, client)
+
+
+def structured(result) -> dict:
+    return result.structured_content
+
+
+def meta(result) -> dict:
+    return result.meta or {}
+
+
+def error_code(exc: BaseException):
+    """The JSON-RPC error code of a client exception (both libraries)."""
+    for e in [exc, getattr(exc, "__cause__", None), getattr(exc, "__context__", None)]:
+        if e is None:
+            continue
+        code = getattr(e, "code", None) or getattr(getattr(e, "error", None), "code", None)
+        if isinstance(code, int):
+            return code
+    return None
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
+def test_a_repeated_call_executes_once_and_replays_identically(world, lib, mode):
+    to, key = unique("to"), unique("key")
+
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            era = tools.version
+            first = await tools.call("send_email", {"to": to, "body": "hello"}, key=key)
+            second = await tools.call("send_email", {"to": to, "body": "hello"}, key=key)
+        # A retry from a new connection (a new session, new JSON-RPC ids) replays too.
+        async with connect(world, lib, mode) as tools:
+            third = await tools.call("send_email", {"to": to, "body": "hello"}, key=key)
+        return era, first, second, third
+
+    era, first, second, third = run(go())
+    assert era == ("2026-07-28" if mode != "legacy" else "2025-11-25")
+    assert REPLAYED not in meta(first)
+    for replay in (second, third):
+        assert meta(replay)[REPLAYED] is True
+        assert structured(replay) == structured(first)
+        assert [c.text for c in replay.content] == [c.text for c in first.content]
+        assert replay.is_error == first.is_error
+    assert world.executions("send_email", to=to) == 1
+
+
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
+def test_parallel_duplicates_execute_once(world, lib, mode):
+    tag, key = unique("par"), unique("key")
+
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            calls = [tools.call("slow_job", {"steps": 3, "tag": tag}, key=key) for _ in range(6)]
+            return await asyncio.gather(*calls)
+
+    results = run(go())
+    assert {json.dumps(structured(r), sort_keys=True) for r in results} == {json.dumps(structured(results[0]), sort_keys=True)}
+    assert sum(1 for r in results if meta(r).get(REPLAYED)) >= 5
+    assert world.executions("slow_job", tag=tag) == 1
+
+
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
+def test_a_key_reused_with_other_arguments_is_refused(world, lib, mode):
+    to, key = unique("to"), unique("key")
+
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            await tools.call("send_email", {"to": to, "body": "one"}, key=key)
+            with pytest.raises(Exception) as refused:
+                await tools.call("send_email", {"to": to, "body": "two"}, key=key)
+            with pytest.raises(Exception) as missing:
+                await tools.call("send_email", {"to": to, "body": "three"})
+            return refused.value, missing.value
+
+    refused, missing = run(go())
+    assert error_code(refused) == 42201, repr(refused)
+    assert error_code(missing) == 40001, repr(missing)
+    assert world.executions("send_email", to=to) == 1
+
+
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
+def test_a_read_only_tool_passes_through(world, lib, mode):
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            assert "count_effects" in await tools.list_tools()
+            first = await tools.call("count_effects", {})
+            await tools.call("send_email", {"to": unique("to"), "body": "x"}, key=unique("key"))
+            second = await tools.call("count_effects", {})
+            return first, second
+
+    first, second = run(go())
+    assert REPLAYED not in meta(first) and REPLAYED not in meta(second)
+    assert structured(second)["result"] == structured(first)["result"] + 1, "not stored: it ran again"
+
+
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
+def test_progress_notifications_stream_through(world, lib, mode):
+    tag, key = unique("prog"), unique("key")
+    seen = []
+
+    async def progress(p, total, message):
+        seen.append((p, total, message, time.monotonic()))
+
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            result = await tools.call("slow_job", {"steps": 4, "tag": tag}, key=key, progress=progress)
+            done = time.monotonic()
+            replay = await tools.call("slow_job", {"steps": 4, "tag": tag}, key=key)
+            return result, done, replay
+
+    result, done, replay = run(go())
+    assert [s[:2] for s in seen] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert seen[0][3] < done - 0.2, "the first progress came while the tool worked, not with the result"
+    assert structured(replay) == structured(result) and meta(replay)[REPLAYED] is True
+    assert world.executions("slow_job", tag=tag) == 1
+
+
+@pytest.mark.parametrize("lib,mode", [c for c in CLIENTS if c[1] != "legacy"], ids=[i for i in IDS if "legacy" not in i])
+def test_an_input_required_round_trip_executes_once(world, lib, mode):
+    tag, key = unique("xfer"), unique("key")
+    asked = []
+
+    async def on_elicit(message):
+        asked.append(message)
+        return {"ok": True}
+
+    async def go():
+        async with connect(world, lib, mode, on_elicit=on_elicit) as tools:
+            assert tools.version == "2026-07-28"
+            first = await tools.call("transfer", {"amount": 5, "tag": tag}, key=key)
+            second = await tools.call("transfer", {"amount": 5, "tag": tag}, key=key)
+            return first, second
+
+    first, second = run(go())
+    assert structured(first)["transferred"] is True
+    assert asked == ["Transfer 5?"], "asked once; the replay asks nothing"
+    assert structured(second) == structured(first) and meta(second)[REPLAYED] is True
+    assert world.executions("transfer", tag=tag) == 1
+
+
+@pytest.mark.parametrize("lib,mode", [("mcp", "legacy"), ("fastmcp", "auto")], ids=["mcp-legacy", "fastmcp-auto"])
+def test_budget_exhaustion_and_a_kill_switch_refuse(world, lib, mode):
+    run_id = unique("run")
+    onceguard(world.store, "runs", "budget", "--tenant", TENANT, run_id, "--max-effects", "2")
+    tos = [unique("to") for _ in range(3)]
+    tool_ns = f"mcp/{UPSTREAM_NAME}/send_email"
+
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            for to in tos[:2]:
+                await tools.call("send_email", {"to": to, "body": "b"}, key=to, run=run_id)
+            replay = await tools.call("send_email", {"to": tos[0], "body": "b"}, key=tos[0], run=run_id)
+            assert meta(replay)[REPLAYED] is True, "a replay is not charged"
+            with pytest.raises(Exception) as spent:
+                await tools.call("send_email", {"to": tos[2], "body": "b"}, key=tos[2], run=run_id)
+            assert error_code(spent.value) == 42901, repr(spent.value)
+
+            onceguard(world.store, "switch", "engage", "--tenant", TENANT, "--namespace", tool_ns, "--reason", "e2e")
+            try:
+                to = unique("to")
+                deadline = time.monotonic() + 3
+                while True:
+                    try:
+                        await tools.call("send_email", {"to": to, "body": "s"}, key=unique("key"))
+                    except Exception as e:
+                        assert error_code(e) == 42301, repr(e)
+                        break
+                    assert time.monotonic() < deadline, "the switch did not refuse within 3 s"
+                    await asyncio.sleep(0.2)
+                # Other tools of the upstream still run.
+                await tools.call("slow_job", {"steps": 1, "tag": unique("t")}, key=unique("key"))
+            finally:
+                onceguard(world.store, "switch", "release", "--tenant", TENANT, "--namespace", tool_ns)
+                await asyncio.sleep(1.0)  # every instance sees a release within a second
+
+    run(go())
+    assert sum(world.executions("send_email", to=to) for to in tos) == 2
+    usage = json.loads(onceguard(world.store, "runs", "get", "--tenant", TENANT, run_id))["usage"]
+    assert usage["effects"] == 2
+
+
+def test_the_gateway_killed_and_restarted_still_replays(world):
+    gateway = Gateway(world.store, world.upstream, world.dir)
+    to, key = unique("to"), unique("key")
+
+    async def call(url):
+        async with connect(world, "mcp", "legacy", url=url) as tools:
+            return await tools.call("send_email", {"to": to, "body": "kill"}, key=key)
+
+    try:
+        first = run(call(gateway.url))
+        gateway.kill9()
+        gateway = Gateway(world.store, world.upstream, world.dir)
+        replay = run(call(gateway.url))
+    finally:
+        gateway.stop()
+    assert meta(replay)[REPLAYED] is True
+    assert structured(replay) == structured(first)
+    assert world.executions("send_email", to=to) == 1
