@@ -47,6 +47,12 @@ pub const INPUT_REQUIRED: &str = "mcp.input-required";
 /// Bytes an SSE event may hold beyond the largest result (its framing and envelope).
 const EVENT_SLACK: usize = 64 * 1024;
 
+/// Who calls.
+struct Caller {
+    tenant: TenantId,
+    actor: String,
+}
+
 /// A guarded call in flight, as a caller's `notifications/cancelled` names it: tenant, session,
 /// request id.
 type CallToken = (String, String, String);
@@ -79,9 +85,9 @@ impl Gateway {
         &self.state.guard
     }
 
-    /// The caller's tenant, from the API key in `mcp.api_key_header` (or the anonymous tenant,
-    /// when allowed and no key is sent).
-    async fn authenticate(&self, headers: &HeaderMap) -> Result<TenantId, ApiError> {
+    /// The caller: its tenant, from the API key in `mcp.api_key_header` (or the anonymous
+    /// tenant, when allowed and no key is sent), and who it is for the audit log (the key's id).
+    async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
         let wrong = || {
             ApiError::Unauthenticated(format!(
                 "send '{}: og_…' with a valid, unrevoked Onceguard API key",
@@ -89,13 +95,14 @@ impl Gateway {
             ))
         };
         let Some(value) = headers.get(&self.options.api_key_header) else {
-            return self.state.anonymous_tenant.clone().ok_or_else(wrong);
+            let tenant = self.state.anonymous_tenant.clone().ok_or_else(wrong)?;
+            return Ok(Caller { tenant, actor: "anonymous".into() });
         };
         let token = value.to_str().map_err(|_| wrong())?.trim();
         let token = token.strip_prefix("Bearer ").unwrap_or(token);
         let (id, secret) = parse_token(token).ok_or_else(wrong)?;
         match self.guard().store().get_api_key(&id).await? {
-            Some(key) if key.verify(secret) => Ok(key.tenant),
+            Some(key) if key.verify(secret) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
             _ => Err(wrong()),
         }
     }
@@ -112,8 +119,8 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
         "/_onceguard/healthz" => return (StatusCode::OK, "ok").into_response(),
         _ => {}
     }
-    let tenant = match gateway.authenticate(request.headers()).await {
-        Ok(tenant) => tenant,
+    let caller = match gateway.authenticate(request.headers()).await {
+        Ok(caller) => caller,
         Err(e) => return e.into_response(),
     };
     request.headers_mut().remove(&gateway.options.api_key_header);
@@ -127,7 +134,7 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
     };
     match Posted::parse(&body) {
         Posted::Request { id, method, params } if method == "tools/call" => {
-            tool_call(gateway, tenant, parts, body, id, params).await
+            tool_call(gateway, caller, parts, body, id, params).await
         }
         Posted::Request { id, method, .. } if method == "tools/list" => {
             let response = gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await;
@@ -135,7 +142,7 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
         }
         Posted::Notification { method, params } if method == "notifications/cancelled" => {
             let request_id = params.as_ref().and_then(|p| p.get("requestId")).map(Value::to_string);
-            let token = request_id.map(|id| call_token(&tenant, &parts.headers, id));
+            let token = request_id.map(|id| call_token(&caller.tenant, &parts.headers, id));
             let guarded = token.is_some_and(|t| gateway.in_flight.lock().is_ok_and(|set| set.contains(&t)));
             if guarded {
                 tracing::info!(
@@ -176,7 +183,7 @@ fn json_response(body: Vec<u8>) -> Response<Body> {
 
 async fn tool_call(
     gateway: Arc<Gateway>,
-    tenant: TenantId,
+    Caller { tenant, actor }: Caller,
     parts: axum::http::request::Parts,
     body: Bytes,
     id: Value,
@@ -186,6 +193,9 @@ async fn tool_call(
         Ok(call) => call,
         Err(e) => return rpc_error(Some(&id), &e),
     };
+    if call.key.is_none() && gateway.tools.needs_listing(&call.name) {
+        gateway.list_tools_for(&parts, params.as_ref()).await;
+    }
     let route = match (gateway.tools.treatment(&call.name), &call.key) {
         (Treatment::ReadOnly, _) => Err("read_only"),
         (Treatment::Unguarded, _) => Err("unguarded_tool"),
@@ -227,7 +237,7 @@ async fn tool_call(
         cost: call.cost,
         max_in_flight: None,
     };
-    let outcome = match claim_or_resume(&gateway, &claim, call.continuation).await {
+    let outcome = match claim_or_resume(&gateway, &claim, call.continuation, &actor).await {
         Ok(outcome) => outcome,
         Err(e) => return rpc_error(Some(&id), &e),
     };
@@ -243,7 +253,10 @@ async fn tool_call(
         ClaimOutcome::Denied(denial) => rpc_error(Some(&id), &ApiError::Denied(denial)),
         ClaimOutcome::Acquired(acquired) => {
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
-            let leg = Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token };
+            if let Ok(mut set) = gateway.in_flight.lock() {
+                set.insert(token.clone());
+            }
+            let leg = Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor };
             leg.start(Request::from_parts(parts, Body::from(body))).await
         }
     }
@@ -257,6 +270,7 @@ async fn claim_or_resume(
     gateway: &Gateway,
     claim: &ClaimRequest,
     continuation: bool,
+    actor: &str,
 ) -> Result<ClaimOutcome, ApiError> {
     let guard = gateway.guard();
     let metrics = &gateway.state.metrics;
@@ -272,8 +286,9 @@ async fn claim_or_resume(
     if !parked {
         return Ok(outcome);
     }
-    let released =
-        guard.mutate(&claim.scope, record.fence, release_mutation("the continuation of input_required")).await?;
+    let released = guard
+        .mutate_as(actor, &claim.scope, record.fence, release_mutation("the continuation of input_required"))
+        .await?;
     if !matches!(released, FencedOutcome::Applied(_)) {
         return Ok(outcome);
     }
@@ -350,28 +365,35 @@ struct Leg {
     scope: Scope,
     fence: Fence,
     token: CallToken,
+    /// Who made the call, for the audit log (an API key id, or `anonymous`).
+    actor: String,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
 
+/// Where a leg sends the caller's response (whose body it may go on feeding).
+type Reply = oneshot::Sender<Response<Body>>;
+
+/// A response with `parts` whose body is fed through the sender answered with it.
+fn streamed(parts: Parts) -> (Response<Body>, BodySender) {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+    (Response::from_parts(parts, Body::from_stream(rx)), tx)
+}
+
 impl Leg {
-    /// Starts the leg; answers the caller's response, whose body the leg feeds.
+    /// Starts the leg; answers the caller's response.
     async fn start(self, request: Request<Body>) -> Response<Body> {
-        let (head_tx, head_rx) = oneshot::channel::<Parts>();
-        let (body_tx, body_rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+        let (reply, answer) = oneshot::channel();
         let id = self.call.id.clone();
-        tokio::spawn(self.run(request, head_tx, body_tx));
-        match head_rx.await {
-            Ok(head) => Response::from_parts(head, Body::from_stream(body_rx)),
+        tokio::spawn(self.run(request, reply));
+        match answer.await {
+            Ok(response) => response,
             Err(_) => rpc_error(Some(&id), &ApiError::Internal("the call's task ended without an answer".into())),
         }
     }
 
-    async fn run(self, mut request: Request<Body>, head_tx: oneshot::Sender<Parts>, mut body_tx: BodySender) {
+    async fn run(self, mut request: Request<Body>, reply: Reply) {
         let gateway = self.gateway.clone();
-        if let Ok(mut set) = gateway.in_flight.lock() {
-            set.insert(self.token.clone());
-        }
         let lease = gateway.options.lease;
         let extender = tokio::spawn(keep_alive(gateway.guard().clone(), self.scope.clone(), self.fence, lease));
         // The answer is read, so it must come as it is: no compression.
@@ -395,20 +417,21 @@ impl Leg {
                         "the upstream did not answer in time; the key is held until its lease passes".into(),
                     ),
                 };
-                let (head, _) = rpc_error(Some(&self.call.id), &error).into_parts();
-                let _ = head_tx.send(head);
+                let _ = reply.send(rpc_error(Some(&self.call.id), &error));
             }
             None if !parts.status.is_success() => {
                 extender.abort();
                 self.settle(Settlement::of_status(parts.status)).await;
-                let _ = head_tx.send(parts);
-                pump(body, &mut body_tx).await;
+                let (response, mut out) = streamed(parts);
+                let _ = reply.send(response);
+                pump(body, &mut out).await;
             }
             None if is_event_stream(&parts.headers) => {
-                let _ = head_tx.send(parts);
-                self.stream(body, extender, &mut body_tx).await;
+                let (response, mut out) = streamed(parts);
+                let _ = reply.send(response);
+                self.stream(body, extender, &mut out).await;
             }
-            None => self.json(parts, body, extender, head_tx, &mut body_tx).await,
+            None => self.json(parts, body, extender, reply).await,
         }
         if let Ok(mut set) = gateway.in_flight.lock() {
             set.remove(&self.token);
@@ -457,14 +480,7 @@ impl Leg {
     }
 
     /// A JSON answer: read whole (up to `mcp.max_result_bytes`), settled, then sent.
-    async fn json(
-        &self,
-        parts: Parts,
-        body: Body,
-        extender: tokio::task::JoinHandle<()>,
-        head_tx: oneshot::Sender<Parts>,
-        out: &mut BodySender,
-    ) {
+    async fn json(&self, parts: Parts, body: Body, extender: tokio::task::JoinHandle<()>, reply: Reply) {
         let limit = self.gateway.options.max_result_bytes + EVENT_SLACK;
         let mut chunks = body.into_data_stream();
         let mut bytes = Vec::new();
@@ -475,11 +491,11 @@ impl Leg {
                     // Too large to store: it goes to the caller as it comes, and the key's outcome is unknown.
                     extender.abort();
                     self.settle(Settlement::Unknown("the answer was too large to store".into())).await;
-                    let _ = head_tx.send(parts);
+                    let (response, mut out) = streamed(parts);
+                    let _ = reply.send(response);
                     let _ = out.send(Ok(Bytes::from(bytes))).await;
                     let _ = out.send(Ok(chunk)).await;
-                    let rest = Body::from_stream(chunks);
-                    pump(rest, out).await;
+                    pump(Body::from_stream(chunks), &mut out).await;
                     return;
                 }
                 Err(e) => {
@@ -488,9 +504,7 @@ impl Leg {
                     let error = ApiError::BadGateway(
                         "the upstream failed after the call was sent; the key is held until its lease passes".into(),
                     );
-                    let (head, body) = rpc_error(Some(&self.call.id), &error).into_parts();
-                    let _ = head_tx.send(head);
-                    pump(body, out).await;
+                    let _ = reply.send(rpc_error(Some(&self.call.id), &error));
                     return;
                 }
             }
@@ -501,8 +515,7 @@ impl Leg {
             None => Settlement::Unknown("the upstream's answer was not the call's JSON-RPC response".into()),
         };
         self.settle(settlement).await;
-        let _ = head_tx.send(parts);
-        let _ = out.send(Ok(Bytes::from(bytes))).await;
+        let _ = reply.send(Response::from_parts(parts, Body::from(bytes)));
     }
 
     /// Applies what the answer means to the key (retrying a store that does not answer for a few
@@ -538,7 +551,7 @@ impl Leg {
         let guard = self.gateway.guard();
         let op = mutation.name();
         for attempt in 0..5u32 {
-            match guard.mutate(&self.scope, self.fence, mutation.clone()).await {
+            match guard.mutate_as(&self.actor, &self.scope, self.fence, mutation.clone()).await {
                 Ok(FencedOutcome::Applied(_)) => return true,
                 Ok(FencedOutcome::Stale(reason)) => {
                     self.gateway.state.metrics.observe_stale(&self.scope, op, self.fence.0, reason);
@@ -607,16 +620,14 @@ fn learn_from(gateway: Arc<Gateway>, id: Value, response: Response<Body>) -> Res
     let (mut tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
     tokio::spawn(async move {
         let mut chunks = body.into_data_stream();
-        let mut seen = Vec::new();
+        let mut seen = Some(Vec::new());
         while let Some(chunk) = chunks.next().await {
             match chunk {
                 Ok(chunk) => {
-                    if seen.len() + chunk.len() <= MAX_LISTING_BYTES {
-                        seen.extend_from_slice(&chunk);
-                    } else {
-                        seen.clear();
-                        seen.shrink_to_fit();
-                    }
+                    seen = seen.filter(|s| s.len() + chunk.len() <= MAX_LISTING_BYTES).map(|mut s| {
+                        s.extend_from_slice(&chunk);
+                        s
+                    });
                     let _ = tx.send(Ok(chunk)).await;
                 }
                 Err(e) => {
@@ -625,22 +636,84 @@ fn learn_from(gateway: Arc<Gateway>, id: Value, response: Response<Body>) -> Res
                 }
             }
         }
-        let messages: Vec<Vec<u8>> = if sse {
-            let mut reader = SseReader::new(MAX_LISTING_BYTES);
-            reader.push(&seen).into_iter().filter_map(|b| b.data).collect()
-        } else {
-            vec![seen]
-        };
-        for message in messages {
-            if let Some(result) = ResponseMessage::answering(&message, &id).and_then(|m| m.result)
-                && let Ok(result) = serde_json::from_str::<Value>(result.get())
-            {
-                let learned = gateway.tools.learn(&result);
-                tracing::debug!(learned, "learned tool annotations from tools/list");
-            }
+        if let Some(seen) = seen {
+            gateway.learn_listing(&seen, sse, &id);
         }
     });
     Response::from_parts(parts, Body::from_stream(rx))
+}
+
+impl Gateway {
+    /// Learns annotations from a `tools/list` answer (JSON or an event stream) to request `id`.
+    fn learn_listing(&self, bytes: &[u8], sse: bool, id: &Value) {
+        let messages: Vec<Vec<u8>> = if sse {
+            SseReader::new(MAX_LISTING_BYTES).push(bytes).into_iter().filter_map(|b| b.data).collect()
+        } else {
+            vec![bytes.to_vec()]
+        };
+        for message in messages {
+            if let Some(result) = ResponseMessage::answering(&message, id).and_then(|m| m.result)
+                && let Ok(result) = serde_json::from_str::<Value>(result.get())
+            {
+                let learned = self.tools.learn(&result);
+                tracing::debug!(learned, "learned tool annotations from tools/list");
+            }
+        }
+    }
+
+    /// Lists the upstream's tools for a caller whose call (without a key) names a tool not seen
+    /// in a listing yet, e.g. after the gateway restarted while the client kept its listing. The
+    /// listing is sent as the caller's: its headers (session, protocol version, `Authorization`)
+    /// and its call's protocol envelope (`_meta` members `io.modelcontextprotocol/…`), with the
+    /// gateway's own request id; its answer goes to the gateway only.
+    async fn list_tools_for(&self, parts: &axum::http::request::Parts, params: Option<&Value>) {
+        const ID: &str = "onceguard-tools-list";
+        let mut headers = parts.headers.clone();
+        headers.remove(ACCEPT_ENCODING);
+        headers.remove(axum::http::header::CONTENT_LENGTH);
+        headers.remove("idempotency-key");
+        headers.remove("mcp-name");
+        let params_headers: Vec<_> = headers.keys().filter(|n| n.as_str().starts_with("mcp-param-")).cloned().collect();
+        for name in params_headers {
+            headers.remove(name);
+        }
+        if headers.contains_key("mcp-method") {
+            headers.insert("mcp-method", HeaderValue::from_static("tools/list"));
+        }
+        let envelope: serde_json::Map<String, Value> = params
+            .and_then(|p| p.get("_meta"))
+            .and_then(Value::as_object)
+            .map(|meta| {
+                meta.iter()
+                    .filter(|(k, _)| k.starts_with("io.modelcontextprotocol/"))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut message = serde_json::json!({"jsonrpc": "2.0", "id": ID, "method": "tools/list"});
+        if !envelope.is_empty() {
+            message["params"] = serde_json::json!({ "_meta": envelope });
+        }
+        let mut request = Request::new(Body::from(message.to_string()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = parts.uri.clone();
+        *request.headers_mut() = headers;
+        let response = self.calls.forward(request).await;
+        if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+            tracing::debug!(status = %response.status(), "the upstream did not list its tools");
+            return;
+        }
+        let sse = is_event_stream(response.headers());
+        let mut chunks = response.into_body().into_data_stream();
+        let mut seen = Vec::new();
+        while let Some(Ok(chunk)) = chunks.next().await {
+            if seen.len() + chunk.len() > MAX_LISTING_BYTES {
+                return;
+            }
+            seen.extend_from_slice(&chunk);
+        }
+        self.learn_listing(&seen, sse, &Value::String(ID.into()));
+    }
 }
 
 /// The service for [`axum::Router::fallback_service`].

@@ -55,6 +55,14 @@ impl ToolPolicy {
         self.read_only.read().map(|known| known.get(tool).copied().unwrap_or(false)).unwrap_or(false)
     }
 
+    /// Whether a call of `tool` without a key should wait for the upstream's listing: its
+    /// treatment depends on annotations (`guard = "auto"`) not seen yet, and its `no_key` policy
+    /// would not simply pass it.
+    pub fn needs_listing(&self, tool: &str) -> bool {
+        let auto = self.tools.get(tool).map(|t| t.guard).unwrap_or_default() == McpGuard::Auto;
+        auto && self.no_key(tool) != McpNoKey::Pass && !self.knows(tool)
+    }
+
     /// Whether `tool`'s annotations are known.
     pub fn knows(&self, tool: &str) -> bool {
         self.read_only.read().map(|known| known.contains_key(tool)).unwrap_or(false)
@@ -103,6 +111,7 @@ mod tests {
         ]});
         assert_eq!(policy.learn(&listing), 4);
         assert!(policy.knows("plain") && !policy.knows("other"));
+        assert!(policy.needs_listing("other") && !policy.needs_listing("plain") && !policy.needs_listing("lookup"));
         assert_eq!(policy.treatment("count"), Treatment::ReadOnly);
         assert_eq!(policy.treatment("lookup"), Treatment::Guarded, "configuration wins over annotations");
         assert_eq!(policy.treatment("log"), Treatment::Unguarded);

@@ -371,18 +371,21 @@ async fn a_caller_that_leaves_does_not_cancel_the_call() {
 #[tokio::test]
 async fn read_only_tools_learned_from_the_listing_pass_through() {
     let app = spawn_app(|_| {}).await;
-    let before = app.rpc(&call(json!(1), "lookup", json!({}), None)).await;
-    assert_eq!(before["error"]["code"], 40001, "not listed yet: guarded");
+    // A call without a key of a tool not listed yet: the gateway lists the tools itself first.
+    let first = app.rpc(&call(json!(1), "lookup", json!({}), None)).await;
+    assert_eq!(first["result"]["content"][0]["text"], "lookup 1", "{first}");
+    let unknown = app.rpc(&call(json!(2), "mystery", json!({}), None)).await;
+    assert_eq!(unknown["error"]["code"], 40001, "still unknown after the listing: guarded");
     let listing = app.rpc(&json!({"jsonrpc":"2.0","id":2,"method":"tools/list"})).await;
     assert_eq!(listing["result"]["tools"][0]["name"], "lookup");
     for id in 3..5 {
         let answer = app.rpc(&call(json!(id), "lookup", json!({}), Some("same-key"))).await;
         assert!(answer["result"].get("_meta").is_none());
     }
-    assert_eq!(runs(&app.seen, "lookup"), 2, "read-only calls are never stored");
+    assert_eq!(runs(&app.seen, "lookup"), 3, "read-only calls are never stored");
     let metrics = app.http.get(format!("{}/_onceguard/metrics", app.base)).send().await.unwrap().text().await.unwrap();
     assert!(
-        metrics.contains(r#"onceguard_mcp_tool_calls_total{tenant="anon",upstream="up",decision="read_only"} 2"#),
+        metrics.contains(r#"onceguard_mcp_tool_calls_total{tenant="anon",upstream="up",decision="read_only"} 3"#),
         "{metrics}"
     );
     assert!(metrics.contains(r#"decision="no_key_refused"} 1"#));
@@ -516,4 +519,16 @@ async fn an_input_required_leg_holds_the_key_for_its_continuation() {
     assert_eq!(replay["result"]["content"][0]["text"], "ask 1");
     assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
     assert_eq!(runs(&app.seen, "ask"), 1);
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_releases_the_key() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let app = spawn_app(|c| c.mcp.upstream = format!("http://127.0.0.1:{closed}/mcp")).await;
+    let answer = app.rpc(&call(json!(1), "echo", json!({}), Some("k"))).await;
+    assert_eq!(answer["error"]["code"], 50201, "{answer}");
+    assert_eq!(answer["error"]["data"]["type"], "https://onceguard.dev/problems/upstream-failed");
+    assert_eq!(answer["id"], 1);
+    let record = app.guard.get(&app.scope("echo", "k")).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Released, "never sent: the next call runs");
 }
