@@ -23,14 +23,17 @@ args = parser.parse_args()
 mcp = FastMCP("onceguard-test-tools")
 
 
+COUNTS: dict[str, int] = {}
+
+
 def record(tool: str, **details) -> int:
-    """Appends one execution; answers how many executions of `tool` there were."""
+    """Appends one execution (durably); answers how many executions of `tool` this process ran."""
     with open(args.effects, "a") as f:
         f.write(json.dumps({"tool": tool, **details}) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    with open(args.effects) as f:
-        return sum(1 for line in f if json.loads(line)["tool"] == tool)
+    COUNTS[tool] = COUNTS.get(tool, 0) + 1
+    return COUNTS[tool]
 
 
 @mcp.tool(annotations={"destructiveHint": True})

@@ -6,6 +6,10 @@
 //! - **guarded**: the same calls through the gateway, each with a new key (claim, forward, store);
 //! - **replayed**: the same keys again (answered from the store; the server is not called).
 //!
+//! The fastmcp server (Python) is slower than the gateway by far, which hides the gateway's own
+//! cost; so the same three measurements are also made against a trivial upstream (an axum
+//! handler answering every call with a fixed result), with five times as many calls.
+//!
 //! Calls are stateless 2026-07-28 POSTs (no session to set up), sent by `concurrency` tasks.
 //!
 //! `cargo run --release -p onceguard-mcp --example mcp_bench -- [calls] [concurrency]`
@@ -93,6 +97,15 @@ async fn run(client: &reqwest::Client, url: &str, calls: usize, concurrency: usi
     Run { rate: calls as f64 / elapsed.as_secs_f64(), p50: at(0.5), p99: at(0.99) }
 }
 
+/// Measurements of each kind, interleaved so that a slow moment of the machine hits all kinds.
+const ROUNDS: usize = 3;
+
+/// The round with the median rate.
+fn median(mut runs: Vec<Run>) -> Run {
+    runs.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    runs.swap_remove(runs.len() / 2)
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -127,26 +140,28 @@ async fn main() {
         std::thread::sleep(Duration::from_millis(50));
     }
 
-    let mut config = Config::default();
-    config.mcp.upstream = direct.clone();
-    config.auth.allow_anonymous = true;
-    let guard = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), onceguard_mcp::limits(&config));
-    tokio::spawn(guard.refresh_controls_task());
-    let app = onceguard_mcp::app(&config, guard).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gateway = format!("http://{}/mcp", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let gateway = gateway_in_front_of(&direct).await;
+    let trivial = trivial_upstream().await;
+    let trivial_gateway = gateway_in_front_of(&trivial).await;
 
     let client = reqwest::Client::builder().pool_max_idle_per_host(64).build().unwrap();
     // Warm both paths (connections, the server's caches).
     run(&client, &direct, 100, concurrency, None).await;
     run(&client, &gateway, 100, concurrency, Some("warm")).await;
 
-    println!("MCP gateway benchmark: {calls} tools/call, concurrency {concurrency}, fastmcp server, memory store");
+    println!(
+        "MCP gateway benchmark: {calls} tools/call per measurement, concurrency {concurrency}, fastmcp server, \
+         memory store; median of {ROUNDS} interleaved rounds"
+    );
+    let (mut d, mut g, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let keys = format!("bench-{round}");
+        d.push(run(&client, &direct, calls, concurrency, None).await);
+        g.push(run(&client, &gateway, calls, concurrency, Some(&keys)).await);
+        r.push(run(&client, &gateway, calls, concurrency, Some(&keys)).await);
+    }
+    let (d, g, r) = (median(d), median(g), median(r));
     println!("{:<34} {:>10} {:>10} {:>10}", "", "calls/s", "p50 ms", "p99 ms");
-    let d = run(&client, &direct, calls, concurrency, None).await;
-    let g = run(&client, &gateway, calls, concurrency, Some("bench")).await;
-    let r = run(&client, &gateway, calls, concurrency, Some("bench")).await;
     for (name, x) in
         [("direct to fastmcp", &d), ("through the gateway, new keys", &g), ("through the gateway, replays", &r)]
     {
@@ -159,4 +174,59 @@ async fn main() {
         ms(g.p99) - ms(d.p99)
     );
     println!("replayed/direct throughput ratio: {:.2}", r.rate / d.rate);
+
+    let calls = calls * 5;
+    println!();
+    println!("the same against a trivial upstream (an axum handler), {calls} calls per measurement");
+    let (mut d, mut g, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    run(&client, &trivial, 200, concurrency, None).await;
+    for round in 0..ROUNDS {
+        let keys = format!("trivial-{round}");
+        d.push(run(&client, &trivial, calls, concurrency, None).await);
+        g.push(run(&client, &trivial_gateway, calls, concurrency, Some(&keys)).await);
+        r.push(run(&client, &trivial_gateway, calls, concurrency, Some(&keys)).await);
+    }
+    let (d, g, r) = (median(d), median(g), median(r));
+    for (name, x) in [
+        ("direct to the trivial upstream", &d),
+        ("through the gateway, new keys", &g),
+        ("through the gateway, replays", &r),
+    ] {
+        println!("{name:<34} {:>10.0} {:>10.2} {:>10.2}", x.rate, ms(x.p50), ms(x.p99));
+    }
+    println!(
+        "guarded/direct throughput ratio: {:.2}; added latency p50 {:+.2} ms, p99 {:+.2} ms; replayed/direct {:.2}",
+        g.rate / d.rate,
+        ms(g.p50) - ms(d.p50),
+        ms(g.p99) - ms(d.p99),
+        r.rate / d.rate
+    );
+}
+
+/// A gateway (memory store, anonymous callers) in front of `upstream`; answers its MCP URL.
+async fn gateway_in_front_of(upstream: &str) -> String {
+    let mut config = Config::default();
+    config.mcp.upstream = upstream.to_owned();
+    config.auth.allow_anonymous = true;
+    let guard = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), onceguard_mcp::limits(&config));
+    tokio::spawn(guard.refresh_controls_task());
+    let app = onceguard_mcp::app(&config, guard).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// An upstream that answers every call at once with a fixed result.
+async fn trivial_upstream() -> String {
+    let handler = |body: axum::body::Bytes| async move {
+        let id = serde_json::from_slice::<serde_json::Value>(&body).map(|m| m["id"].clone()).unwrap_or_default();
+        let answer = json!({"jsonrpc":"2.0","id":id,"result":{"content":[{"type":"text","text":"message_id 1"}]}});
+        ([("content-type", "application/json")], answer.to_string())
+    };
+    let app = axum::Router::new().route("/mcp", axum::routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
 }
