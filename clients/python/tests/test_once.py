@@ -259,6 +259,14 @@ def test_a_result_that_is_not_json_is_reported_unknown(client: onceguard.Client,
     assert record is not None and record.state == "in_progress" and record.unknown
 
 
+def test_a_block_whose_completion_fails_is_reported_unknown_not_released(client: onceguard.Client, ns: str) -> None:
+    with pytest.raises(TypeError):
+        with guarded(client, ns, "k", request=1) as attempt:
+            attempt.complete({"not json": object()})  # the effect is done; only storing it failed
+    record = client.get_record(ns, "k")
+    assert record is not None and record.state == "in_progress" and record.unknown
+
+
 def test_methods_ignored_arguments_and_dataclasses(client: onceguard.Client, ns: str) -> None:
     @dataclass
     class Order:

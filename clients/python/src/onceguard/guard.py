@@ -174,6 +174,9 @@ class _AttemptBase:
         self.key = key
         self._policy = policy
         self._completed = False
+        #: complete() was called: the effect happened, so a failure to store it must not release
+        #: the key (it is reported unknown instead).
+        self._effect_done = False
         self._result: Any = None
         #: Cost units to report when the attempt completes or fails (optional).
         self.cost: int | None = None
@@ -249,10 +252,13 @@ class Attempt(_AttemptBase):
 
     def complete(self, value: Any = None) -> Any:
         """Store ``value`` now (instead of when the block ends); returns it as every caller
-        will see it. Raises ``StaleFence`` if the lease was taken over (nothing stored)."""
+        will see it. Raises ``StaleFence`` if the lease was taken over (nothing stored). Once it
+        was called, the effect counts as done: if storing fails, the key is reported unknown,
+        never released."""
         self._require_holder()
         if self._completed:
             raise RuntimeError("the outcome is stored already")
+        self._effect_done = True
         text = self._serialize(value)
         self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost)
         return self._stored(text)
@@ -275,6 +281,7 @@ class AsyncAttempt(_AttemptBase):
         self._require_holder()
         if self._completed:
             raise RuntimeError("the outcome is stored already")
+        self._effect_done = True
         text = self._serialize(value)
         await self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost)
         return self._stored(text)
@@ -518,7 +525,7 @@ async def _report_unknown_async(client: AsyncClient, a: AsyncAttempt, detail: st
 def _settle_failure_sync(client: Client, a: Attempt, policy: Policy, exc: BaseException) -> None:
     """Store, report or release after the block raised ``exc``; raises ``PermanentFailure`` for
     a stored failure, else returns so that ``exc`` propagates."""
-    kind = policy.classify(exc)
+    kind = "unknown" if a._effect_done else policy.classify(exc)
     if kind == "permanent":
         error = failure_of(exc)
         client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost)
@@ -534,7 +541,7 @@ def _settle_failure_sync(client: Client, a: Attempt, policy: Policy, exc: BaseEx
 
 async def _settle_failure_async(client: AsyncClient, a: AsyncAttempt, policy: Policy, exc: BaseException) -> None:
     """See :func:`_settle_failure_sync`."""
-    kind = policy.classify(exc)
+    kind = "unknown" if a._effect_done else policy.classify(exc)
     if kind == "permanent":
         error = failure_of(exc)
         await client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost)
