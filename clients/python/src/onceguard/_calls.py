@@ -30,6 +30,8 @@ from .models import (
     RecordPage,
     Replay,
     Run,
+    Settings,
+    SettingsEntry,
     Switch,
     SwitchTarget,
     Tenant,
@@ -175,6 +177,15 @@ def read_switches(response: httpx.Response) -> list[Switch]:
     body = _expect(response, 200)
     items = body["switches"] if isinstance(body, dict) else body
     return [Switch.from_json(s) for s in items]
+
+
+def read_settings_entry(response: httpx.Response) -> SettingsEntry:
+    return SettingsEntry.from_json(_expect(response, 200, 201))
+
+
+def read_settings_list(response: httpx.Response) -> list[SettingsEntry]:
+    body = _expect(response, 200)
+    return [SettingsEntry.from_json(e) for e in (body["settings"] if isinstance(body, dict) else body)]
 
 
 def read_audit(response: httpx.Response) -> AuditPage:
@@ -335,8 +346,8 @@ def list_records(
     return Call("GET", "/v1/records", read_page, params=params)
 
 
-def purge(namespace: str, key: str) -> Call[bool]:
-    return Call("DELETE", "/v1/record", read_purged, params=_query(namespace=namespace, key=key))
+def purge(namespace: str, key: str, why: str | None = None) -> Call[bool]:
+    return Call("DELETE", "/v1/record", read_purged, params=_query(namespace=namespace, key=key, why=why))
 
 
 def _run_path(run: str) -> str:
@@ -349,13 +360,16 @@ def set_run_budget(
     max_effects: int | None = None,
     max_cost: int | None = None,
     deadline: datetime | str | None = None,
+    why: str | None = None,
+    tenant: str | None = None,
 ) -> Call[Run]:
     fields = {
         "max_effects": max_effects,
         "max_cost": max_cost,
         "deadline": None if deadline is None else _wire.format_time(deadline),
+        "why": why,
     }
-    return Call("PUT", _run_path(run), read_run, body=_wire.body(fields))
+    return Call("PUT", _run_path(run), read_run, params=_query(tenant=tenant), body=_wire.body(fields))
 
 
 def get_run(run: str) -> Call[Run | None]:
@@ -367,25 +381,62 @@ def _target(target: SwitchTarget | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def engage_switch(
-    target: SwitchTarget | Mapping[str, Any], reason: str, *, revoke_leases: bool = False
+    target: SwitchTarget | Mapping[str, Any], reason: str, *, revoke_leases: bool = False, tenant: str | None = None
 ) -> Call[Switch]:
-    body = _wire.body({"target": _target(target), "reason": reason, "revoke_leases": revoke_leases})
-    return Call("POST", "/v1/switches", read_switch, body=body, idempotent=False)
+    fields = {"target": _target(target), "reason": reason, "revoke_leases": revoke_leases, "tenant": tenant}
+    # Engaging an engaged switch replaces its reason: sending it again is harmless.
+    return Call("POST", "/v1/switches", read_switch, body=_wire.body(fields))
 
 
-def release_switch(target: SwitchTarget | Mapping[str, Any], reason: str) -> Call[Switch]:
-    body = _wire.body({"target": _target(target), "reason": reason})
+def release_switch(
+    target: SwitchTarget | Mapping[str, Any], why: str | None = None, *, tenant: str | None = None
+) -> Call[Switch]:
+    body = _wire.body({"target": _target(target), "why": why, "tenant": tenant})
+    # Not sent twice: a release whose answer was lost would answer 404 the second time.
     return Call("POST", "/v1/switches/release", read_switch, body=body, idempotent=False)
 
 
-def list_switches() -> Call[list[Switch]]:
-    return Call("GET", "/v1/switches", read_switches)
+def list_switches(tenant: str | None = None) -> Call[list[Switch]]:
+    return Call("GET", "/v1/switches", read_switches, params=_query(tenant=tenant))
+
+
+def put_settings(
+    settings: Settings | Mapping[str, Any],
+    *,
+    namespace_prefix: str | None = None,
+    why: str | None = None,
+    tenant: str | None = None,
+) -> Call[SettingsEntry]:
+    fields = {
+        "namespace_prefix": namespace_prefix,
+        "settings": settings.to_json() if isinstance(settings, Settings) else dict(settings),
+        "why": why,
+        "tenant": tenant,
+    }
+    return Call("PUT", "/v1/settings", read_settings_entry, body=_wire.body(fields))
+
+
+def list_settings(tenant: str | None = None) -> Call[list[SettingsEntry]]:
+    return Call("GET", "/v1/settings", read_settings_list, params=_query(tenant=tenant))
+
+
+def delete_settings(
+    *, namespace_prefix: str | None = None, why: str | None = None, tenant: str | None = None
+) -> Call[SettingsEntry]:
+    params = _query(namespace_prefix=namespace_prefix, why=why, tenant=tenant)
+    return Call("DELETE", "/v1/settings", read_settings_entry, params=params)
 
 
 def list_audit(
-    *, action: str | None = None, actor: str | None = None, limit: int | None = None, cursor: str | None = None
+    *,
+    action: str | None = None,
+    actor: str | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+    tenant: str | None = None,
 ) -> Call[AuditPage]:
-    return Call("GET", "/v1/audit", read_audit, params=_query(action=action, actor=actor, limit=limit, cursor=cursor))
+    params = _query(action=action, actor=actor, limit=limit, cursor=cursor, tenant=tenant)
+    return Call("GET", "/v1/audit", read_audit, params=params)
 
 
 def create_api_key(role: str, label: str = "", tenant: str | None = None) -> Call[ApiKey]:

@@ -7,8 +7,9 @@ bounded exponential backoff (:class:`Retry`):
 - a request that was never sent (connect error, connect or pool timeout) is retried for every
   call;
 - a request that may have been sent (read timeout, dropped connection) is retried for the calls
-  that are idempotent by key and fence: every claim and fenced call, reads, purge and budgets —
-  not for creating API keys or tenants, nor engaging or releasing a switch;
+  that are idempotent by key and fence, or by nature: every claim and fenced call, reads,
+  purges, budgets, settings, engaging a switch — not creating API keys or tenants, nor releasing
+  a switch (a second release would answer 404);
 - a ``503`` (``store-unavailable``: nothing was decided) is retried for every call.
 
 After the last try, a transport failure raises :class:`onceguard.TransportError` and a 503 raises
@@ -45,6 +46,8 @@ from .models import (
     Record,
     RecordPage,
     Run,
+    Settings,
+    SettingsEntry,
     Switch,
     SwitchTarget,
     Tenant,
@@ -330,11 +333,12 @@ class Client(_Base):
                 return
             cursor = page.next
 
-    def purge(self, namespace: str, key: str) -> bool:
-        """Delete a record whatever its state (admin); ``True`` if one existed."""
-        return self.send(_calls.purge(namespace, key))
+    def purge(self, namespace: str, key: str, *, why: str | None = None) -> bool:
+        """Delete a record whatever its state (admin; audited with ``why``); ``True`` if one
+        existed. The next claim of the key runs again, with a greater fence."""
+        return self.send(_calls.purge(namespace, key, why))
 
-    # -- runs, switches, audit -------------------------------------------------------------------
+    # -- runs, switches, settings, audit ---------------------------------------------------------
 
     def set_run_budget(
         self,
@@ -343,41 +347,85 @@ class Client(_Base):
         max_effects: int | None = None,
         max_cost: int | None = None,
         deadline: datetime | str | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
     ) -> Run:
         """Set a run's budget (admin): at most ``max_effects`` acquired keys, ``max_cost`` cost
-        units, until ``deadline``. Spent, claims of the run answer :class:`Denied` (budget)."""
-        return self.send(_calls.set_run_budget(run, max_effects=max_effects, max_cost=max_cost, deadline=deadline))
+        units, until ``deadline`` (absent limits do not limit; the run keeps what it spent).
+        Spent, claims of the run answer :class:`Denied` (``budget``)."""
+        return self.send(
+            _calls.set_run_budget(
+                run, max_effects=max_effects, max_cost=max_cost, deadline=deadline, why=why, tenant=tenant
+            )
+        )
 
     def get_run(self, run: str) -> Run | None:
-        """A run's budget and usage, or ``None`` if unknown."""
+        """A run's budget and usage, or ``None`` if it was never used nor budgeted."""
         return self.send(_calls.get_run(run))
 
     def engage_switch(
-        self, target: SwitchTarget | Mapping[str, Any], reason: str, *, revoke_leases: bool = False
+        self,
+        target: SwitchTarget | Mapping[str, Any],
+        reason: str,
+        *,
+        revoke_leases: bool = False,
+        tenant: str | None = None,
     ) -> Switch:
-        """Engage a kill switch (admin): new claims under ``target`` are denied; with
-        ``revoke_leases`` live leases are revoked too, so their completions answer stale."""
-        return self.send(_calls.engage_switch(target, reason, revoke_leases=revoke_leases))
+        """Engage a kill switch (admin): claims under ``target`` are denied (replays included);
+        with ``revoke_leases`` the live leases it covers are revoked, so that their holders'
+        later calls answer stale. Engaging an engaged switch replaces its reason."""
+        return self.send(_calls.engage_switch(target, reason, revoke_leases=revoke_leases, tenant=tenant))
 
-    def release_switch(self, target: SwitchTarget | Mapping[str, Any], reason: str) -> Switch:
+    def release_switch(
+        self, target: SwitchTarget | Mapping[str, Any], why: str | None = None, *, tenant: str | None = None
+    ) -> Switch:
         """Release an engaged switch (admin); raises :class:`onceguard.NotFound` if none is."""
-        return self.send(_calls.release_switch(target, reason))
+        return self.send(_calls.release_switch(target, why, tenant=tenant))
 
-    def list_switches(self) -> list[Switch]:
+    def list_switches(self, *, tenant: str | None = None) -> list[Switch]:
         """The engaged switches."""
-        return self.send(_calls.list_switches())
+        return self.send(_calls.list_switches(tenant))
+
+    def put_settings(
+        self,
+        settings: Settings | Mapping[str, Any],
+        *,
+        namespace_prefix: str | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
+    ) -> SettingsEntry:
+        """Set (replace) the settings of the tenant, or of ``namespace_prefix`` (admin)."""
+        return self.send(_calls.put_settings(settings, namespace_prefix=namespace_prefix, why=why, tenant=tenant))
+
+    def list_settings(self, *, tenant: str | None = None) -> list[SettingsEntry]:
+        """The tenant's settings (its own entry first), admin."""
+        return self.send(_calls.list_settings(tenant))
+
+    def delete_settings(
+        self, *, namespace_prefix: str | None = None, why: str | None = None, tenant: str | None = None
+    ) -> SettingsEntry:
+        """Delete settings (admin): what they set is inherited again. ``NotFound`` if none."""
+        return self.send(_calls.delete_settings(namespace_prefix=namespace_prefix, why=why, tenant=tenant))
 
     def list_audit(
-        self, *, action: str | None = None, actor: str | None = None, limit: int | None = None, cursor: str | None = None
+        self,
+        *,
+        action: str | None = None,
+        actor: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        tenant: str | None = None,
     ) -> AuditPage:
         """One page of the audit log (admin), newest first."""
-        return self.send(_calls.list_audit(action=action, actor=actor, limit=limit, cursor=cursor))
+        return self.send(_calls.list_audit(action=action, actor=actor, limit=limit, cursor=cursor, tenant=tenant))
 
-    def iter_audit(self, *, action: str | None = None, actor: str | None = None, page_size: int = 100) -> Iterator[AuditEntry]:
+    def iter_audit(
+        self, *, action: str | None = None, actor: str | None = None, page_size: int = 100, tenant: str | None = None
+    ) -> Iterator[AuditEntry]:
         """Every matching audit entry, newest first, through the cursor."""
         cursor: str | None = None
         while True:
-            page = self.list_audit(action=action, actor=actor, limit=page_size, cursor=cursor)
+            page = self.list_audit(action=action, actor=actor, limit=page_size, cursor=cursor, tenant=tenant)
             yield from page.entries
             if not page.next:
                 return
@@ -580,11 +628,11 @@ class AsyncClient(_Base):
                 return
             cursor = page.next
 
-    async def purge(self, namespace: str, key: str) -> bool:
+    async def purge(self, namespace: str, key: str, *, why: str | None = None) -> bool:
         """See :meth:`Client.purge`."""
-        return await self.send(_calls.purge(namespace, key))
+        return await self.send(_calls.purge(namespace, key, why))
 
-    # -- runs, switches, audit -------------------------------------------------------------------
+    # -- runs, switches, settings, audit ---------------------------------------------------------
 
     async def set_run_budget(
         self,
@@ -593,10 +641,14 @@ class AsyncClient(_Base):
         max_effects: int | None = None,
         max_cost: int | None = None,
         deadline: datetime | str | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
     ) -> Run:
         """See :meth:`Client.set_run_budget`."""
         return await self.send(
-            _calls.set_run_budget(run, max_effects=max_effects, max_cost=max_cost, deadline=deadline)
+            _calls.set_run_budget(
+                run, max_effects=max_effects, max_cost=max_cost, deadline=deadline, why=why, tenant=tenant
+            )
         )
 
     async def get_run(self, run: str) -> Run | None:
@@ -604,32 +656,70 @@ class AsyncClient(_Base):
         return await self.send(_calls.get_run(run))
 
     async def engage_switch(
-        self, target: SwitchTarget | Mapping[str, Any], reason: str, *, revoke_leases: bool = False
+        self,
+        target: SwitchTarget | Mapping[str, Any],
+        reason: str,
+        *,
+        revoke_leases: bool = False,
+        tenant: str | None = None,
     ) -> Switch:
         """See :meth:`Client.engage_switch`."""
-        return await self.send(_calls.engage_switch(target, reason, revoke_leases=revoke_leases))
+        return await self.send(_calls.engage_switch(target, reason, revoke_leases=revoke_leases, tenant=tenant))
 
-    async def release_switch(self, target: SwitchTarget | Mapping[str, Any], reason: str) -> Switch:
+    async def release_switch(
+        self, target: SwitchTarget | Mapping[str, Any], why: str | None = None, *, tenant: str | None = None
+    ) -> Switch:
         """See :meth:`Client.release_switch`."""
-        return await self.send(_calls.release_switch(target, reason))
+        return await self.send(_calls.release_switch(target, why, tenant=tenant))
 
-    async def list_switches(self) -> list[Switch]:
+    async def list_switches(self, *, tenant: str | None = None) -> list[Switch]:
         """See :meth:`Client.list_switches`."""
-        return await self.send(_calls.list_switches())
+        return await self.send(_calls.list_switches(tenant))
+
+    async def put_settings(
+        self,
+        settings: Settings | Mapping[str, Any],
+        *,
+        namespace_prefix: str | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
+    ) -> SettingsEntry:
+        """See :meth:`Client.put_settings`."""
+        return await self.send(
+            _calls.put_settings(settings, namespace_prefix=namespace_prefix, why=why, tenant=tenant)
+        )
+
+    async def list_settings(self, *, tenant: str | None = None) -> list[SettingsEntry]:
+        """See :meth:`Client.list_settings`."""
+        return await self.send(_calls.list_settings(tenant))
+
+    async def delete_settings(
+        self, *, namespace_prefix: str | None = None, why: str | None = None, tenant: str | None = None
+    ) -> SettingsEntry:
+        """See :meth:`Client.delete_settings`."""
+        return await self.send(_calls.delete_settings(namespace_prefix=namespace_prefix, why=why, tenant=tenant))
 
     async def list_audit(
-        self, *, action: str | None = None, actor: str | None = None, limit: int | None = None, cursor: str | None = None
+        self,
+        *,
+        action: str | None = None,
+        actor: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        tenant: str | None = None,
     ) -> AuditPage:
         """See :meth:`Client.list_audit`."""
-        return await self.send(_calls.list_audit(action=action, actor=actor, limit=limit, cursor=cursor))
+        return await self.send(
+            _calls.list_audit(action=action, actor=actor, limit=limit, cursor=cursor, tenant=tenant)
+        )
 
     async def iter_audit(
-        self, *, action: str | None = None, actor: str | None = None, page_size: int = 100
+        self, *, action: str | None = None, actor: str | None = None, page_size: int = 100, tenant: str | None = None
     ) -> AsyncIterator[AuditEntry]:
         """See :meth:`Client.iter_audit`."""
         cursor: str | None = None
         while True:
-            page = await self.list_audit(action=action, actor=actor, limit=page_size, cursor=cursor)
+            page = await self.list_audit(action=action, actor=actor, limit=page_size, cursor=cursor, tenant=tenant)
             for entry in page.entries:
                 yield entry
             if not page.next:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, Literal, Mapping, Union
 
-from ._wire import parse_optional_time, parse_time
+from ._wire import Duration, format_duration, parse_optional_time, parse_time
 
 JSON_MEDIA_TYPE = "application/json"
 
@@ -449,6 +449,74 @@ class Switch:
             revoked=int(d.get("revoked", 0) or 0),
             engaged_by=d.get("engaged_by"),
             engaged_at=parse_optional_time(d.get("engaged_at")),
+        )
+
+
+@dataclass(frozen=True)
+class ClaimRate:
+    """A tenant's claim rate: ``per_second`` on average, bursts of up to ``burst``."""
+
+    per_second: int
+    burst: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Settings of a tenant or of a namespace prefix; ``None`` inherits (from the tenant for a
+    prefix, from the server's limits for the tenant). Durations as the API takes them."""
+
+    default_lease: Duration | None = None
+    max_lease: Duration | None = None
+    default_retention: Duration | None = None
+    max_retention: Duration | None = None
+    #: Tenant only: at most this many keys in flight at once.
+    max_in_flight: int | None = None
+    #: Tenant only: the claim rate.
+    claim_rate: ClaimRate | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("default_lease", "max_lease", "default_retention", "max_retention"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = format_duration(value)
+        if self.max_in_flight is not None:
+            out["max_in_flight"] = self.max_in_flight
+        if self.claim_rate is not None:
+            out["claim_rate"] = {"per_second": self.claim_rate.per_second, "burst": self.claim_rate.burst}
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> Settings:
+        d = d or {}
+        rate = d.get("claim_rate")
+        return cls(
+            default_lease=d.get("default_lease"),
+            max_lease=d.get("max_lease"),
+            default_retention=d.get("default_retention"),
+            max_retention=d.get("max_retention"),
+            max_in_flight=d.get("max_in_flight"),
+            claim_rate=ClaimRate(int(rate["per_second"]), int(rate["burst"])) if rate else None,
+        )
+
+
+@dataclass(frozen=True)
+class SettingsEntry:
+    """The settings of the tenant (``namespace_prefix`` ``None``) or of a namespace prefix."""
+
+    namespace_prefix: str | None
+    settings: Settings
+    #: Who set them: an API key id, ``cli:<user>`` or ``embedded``.
+    updated_by: str | None
+    updated_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SettingsEntry:
+        return cls(
+            namespace_prefix=d.get("namespace_prefix"),
+            settings=Settings.from_json(d.get("settings")),
+            updated_by=d.get("updated_by"),
+            updated_at=parse_optional_time(d.get("updated_at")),
         )
 
 
