@@ -1,15 +1,17 @@
-"""Runs and budgets, kill switches and the audit log: the client's calls and the guard's
-``DeniedError`` / ``StaleFence`` against a real server."""
+"""Runs and budgets, kill switches, settings and quotas, and the audit log: the client's calls
+and the guard's ``DeniedError`` / ``StaleFence`` against a real server."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 
 import onceguard
-from onceguard import Acquired, Denied, Replay, SwitchTarget, once
+from onceguard import Acquired, ClaimRate, Denied, Replay, Settings, SwitchTarget, once
 
 
 def run_id() -> str:
@@ -99,6 +101,7 @@ def test_a_namespace_switch_refuses_claims_until_released(
     assert engaged.engaged_by
     try:
         assert target in [s.target for s in client.list_switches()]
+        assert isinstance(client.claim(ns + "/below", "k", request=1), Denied)  # the namespace and below
         denied = client.claim(ns, "k", request=1)
         assert isinstance(denied, Denied) and denied.kind == "switch"
         assert denied.reason["reason"] == "switch_engaged" and denied.reason["why"] == "runaway refunds"
@@ -116,15 +119,21 @@ def test_a_run_switch_revoking_leases_makes_the_completion_stale(
     run = run_id()
     held = client.claim(ns, "k", request=1, run=run)
     assert isinstance(held, Acquired)
+    client.checkpoint(ns, "k", held.fence, "charged", {"charge": "ch_1"})
     switch = admin.engage_switch(SwitchTarget.run(run), "stop this run", revoke_leases=True)
     try:
         assert switch.revoke_leases and switch.revoked >= 1
-        with pytest.raises(onceguard.StaleFence):
+        with pytest.raises(onceguard.StaleFence) as e:
             client.complete(ns, "k", held.fence, "too late")
+        assert e.value.reason == "superseded"
         denied = client.claim(ns, "k2", request=1, run=run)
         assert isinstance(denied, Denied) and denied.kind == "switch"
     finally:
         admin.release_switch(SwitchTarget.run(run), "done")
+    recovered = client.claim(ns, "k", request=1, run=run)  # the revoked attempt is recovered
+    assert isinstance(recovered, Acquired) and recovered.recovery is not None
+    assert recovered.recovery.reason == "reported_unknown"
+    assert recovered.recovery.last_checkpoint is not None and recovered.recovery.last_checkpoint.name == "charged"
 
 
 def test_the_guard_raises_stale_fence_when_its_lease_is_revoked(
@@ -159,3 +168,80 @@ def test_switches_are_audited(admin: onceguard.Client, ns: str) -> None:
 def test_audit_needs_an_admin(client: onceguard.Client) -> None:
     with pytest.raises(onceguard.Forbidden):
         client.list_audit()
+
+
+def test_a_switch_refuses_replays_too(admin: onceguard.Client, client: onceguard.Client, ns: str) -> None:
+    done = client.claim(ns, "k", request=1)
+    assert isinstance(done, Acquired)
+    client.complete(ns, "k", done.fence, "stored")
+    admin.engage_switch(SwitchTarget.namespace(ns), "freeze")
+    try:
+        assert isinstance(client.claim(ns, "k", request=1), Denied)
+        record = client.get_record(ns, "k")  # the outcome stays readable
+        assert record is not None and record.stored is not None and record.stored.result == "stored"
+    finally:
+        admin.release_switch(SwitchTarget.namespace(ns))
+
+
+def test_purges_are_audited_with_their_reason(admin: onceguard.Client, client: onceguard.Client, ns: str) -> None:
+    a = client.claim(ns, "k", request=1)
+    assert isinstance(a, Acquired)
+    why = f"purge check {uuid.uuid4().hex[:6]}"
+    assert admin.purge(ns, "k", why=why)
+    assert any(e.why == why for e in admin.list_audit(action="record.purge", limit=100).entries)
+
+
+@pytest.fixture(scope="module")
+def other_tenant(admin: onceguard.Client, server: Any) -> Iterator[tuple[onceguard.Client, onceguard.Client]]:
+    """A tenant of its own (admin and agent clients), so that its quotas bind no other test."""
+    tenant = f"quota-{uuid.uuid4().hex[:8]}"
+    admin.create_tenant(tenant)
+    admin_key = admin.create_api_key("admin", "quota tests", tenant=tenant)
+    agent_key = admin.create_api_key("agent", "quota tests", tenant=tenant)
+    assert admin_key.token and agent_key.token
+    with onceguard.Client(server.url, admin_key.token) as a, onceguard.Client(server.url, agent_key.token) as c:
+        yield a, c
+
+
+def test_in_flight_quota(other_tenant: tuple[onceguard.Client, onceguard.Client], ns: str) -> None:
+    admin, client = other_tenant
+    entry = admin.put_settings(Settings(max_in_flight=1), why="one at a time")
+    assert entry.namespace_prefix is None and entry.settings.max_in_flight == 1
+    try:
+        assert isinstance(client.claim(ns, "a", request=1), Acquired)
+        denied = client.claim(ns, "b", request=1)
+        assert isinstance(denied, Denied) and denied.kind == "quota" and denied.reason["quota"] == "in_flight"
+        assert denied.retryable and denied.retry_after is not None and denied.retry_after > 0
+    finally:
+        admin.delete_settings(why="done")
+    assert isinstance(client.claim(ns, "b", request=1), Acquired)
+
+
+def test_claim_rate_quota(other_tenant: tuple[onceguard.Client, onceguard.Client], ns: str) -> None:
+    admin, client = other_tenant
+    admin.put_settings(Settings(claim_rate=ClaimRate(per_second=1, burst=1)))
+    try:
+        client.claim(ns, "a", request=1)
+        denied = client.claim(ns, "b", request=1)
+        assert isinstance(denied, Denied) and denied.kind == "quota" and denied.reason["quota"] == "rate"
+        assert denied.retry_after is not None and 0 < denied.retry_after <= 1
+    finally:
+        admin.delete_settings()
+
+
+def test_namespace_settings_give_the_default_lease(
+    other_tenant: tuple[onceguard.Client, onceguard.Client], ns: str
+) -> None:
+    admin, client = other_tenant
+    admin.put_settings(Settings(default_lease="2s"), namespace_prefix=ns, why="short leases here")
+    try:
+        entries = admin.list_settings()
+        assert any(e.namespace_prefix == ns and e.settings.default_lease == "2s" for e in entries)
+        a = client.claim(ns, "k", request=1)
+        assert isinstance(a, Acquired)
+        left = (a.lease_expires_at - datetime.now(timezone.utc)).total_seconds()
+        assert 0 < left <= 2.5
+    finally:
+        admin.delete_settings(namespace_prefix=ns)
+    with pytest.raises(onceguard.NotFound):
+        admin.delete_settings(namespace_prefix=ns)
