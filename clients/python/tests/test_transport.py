@@ -33,7 +33,8 @@ def test_a_closed_port_is_a_transport_error_after_the_retries() -> None:
             c.claim("t/a", "k", request=1)
     assert e.value.attempts == 3
     assert isinstance(e.value.__cause__, httpx.ConnectError)
-    assert not onceguard.Client(f"http://127.0.0.1:{free_port()}").ready()
+    with onceguard.Client(f"http://127.0.0.1:{free_port()}") as down:
+        assert not down.ready()
 
 
 async def test_async_closed_port_is_a_transport_error() -> None:
