@@ -1483,4 +1483,61 @@ mod tests {
         assert_eq!(lock_key(&scope), 6_471_301_242_186_714_639);
         assert_eq!(class_lock(&["acme"]), 621_423_428);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_schema_of_the_first_version_is_upgraded_and_its_records_still_read() {
+        let url = std::env::var("ONCEGUARD_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let addr = onceguard_testkit::services::addr_of_url(&url, 5432);
+        if !onceguard_testkit::services::available("PostgreSQL migration test", &addr, "start PostgreSQL") {
+            return;
+        }
+        let schema = format!("og_upgrade_{:08x}", rand::random::<u32>());
+        let (client, connection) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        let driver = tokio::spawn(connection);
+        // A schema as instances of the first version left it: one record in flight, whose
+        // document has no `charged`.
+        let first = MIGRATIONS[0];
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; SET search_path = {schema};
+                 CREATE TABLE og_migrations (version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now());
+                 {first}
+                 INSERT INTO og_migrations (version) VALUES (1);
+                 SELECT setval('og_fence', 7);"
+            ))
+            .await
+            .unwrap();
+        let now = Timestamp(1_000);
+        let scope =
+            Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("old").unwrap());
+        let req = ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: onceguard_core::Fingerprint::sha256(b"old"),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(60),
+            run: None,
+            cost: 0,
+            max_in_flight: Some(1),
+        };
+        let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
+        let p = record_params(record).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&p.doc).unwrap();
+        doc.as_object_mut().unwrap().remove("charged");
+        let p = RecordParams { doc: doc.to_string(), ..p };
+        client.execute(UPSERT, &p.as_sql()).await.unwrap();
+
+        let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
+        let store = PgStore::connect_with(&url, options).await.unwrap();
+        let version: i32 = client.query_one("SELECT max(version) FROM og_migrations", &[]).await.unwrap().get(0);
+        assert_eq!(version as usize, MIGRATIONS.len());
+        assert!(!store.get(&scope, now).await.unwrap().expect("the old record reads").charged);
+        // Its lease counts against the quota of 1.
+        let other = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..scope }, ..req };
+        assert!(matches!(store.claim(&other, now).await.unwrap(), ClaimOutcome::Denied(_)));
+        drop(store);
+        client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await.unwrap();
+        drop(client);
+        let _ = driver.await;
+    }
 }
