@@ -964,7 +964,7 @@ async fn revoke_chunk(
     let mut covered = Vec::new();
     for row in futures::future::try_join_all(reads).await?.iter().flatten() {
         let record = decode_row(row)?;
-        if record.is_live(now) && record.state == RecordState::InProgress && target.covers_record(&record) {
+        if control::revocable(&record, &target, &detail, now) {
             covered.push(record);
         }
     }

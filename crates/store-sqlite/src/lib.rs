@@ -51,7 +51,7 @@ use onceguard_core::control::{
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, RecordState, RunId, Scope, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, RunId, Scope, TenantId, Timestamp};
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
@@ -838,7 +838,7 @@ impl Store for SqliteStore {
             let mut covered = Vec::new();
             for row in rows {
                 let record = decode(row.map_err(unavailable)?)?;
-                if record.is_live(now) && record.state == RecordState::InProgress && target.covers_record(&record) {
+                if control::revocable(&record, &target, &detail, now) {
                     covered.push(record);
                 }
             }
