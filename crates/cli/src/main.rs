@@ -16,6 +16,7 @@ use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
 
 mod bench;
+mod smoke;
 
 /// Onceguard: workflow idempotency keys for AI agents and RAG pipelines.
 #[derive(Debug, Parser)]
@@ -131,6 +132,9 @@ enum Command {
     /// Agent traffic against the claim API: throughput, latency, a verified exactly-once count
     /// and a baseline measured in the same run.
     Bench(bench::BenchArgs),
+    /// The agent-workflow-idempotency-keys-smoke fixture: a simulated agent run against a
+    /// counting side-effect service; fails if any effect happened more or less than once.
+    Smoke(smoke::SmokeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -479,7 +483,7 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
     let store = guard.store();
     let now = guard.clock().now();
     match command {
-        Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. } | Command::Bench(_) => {
+        Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. } | Command::Bench(_) | Command::Smoke(_) => {
             unreachable!("handled by main")
         }
         Command::Migrate => println!("the {} store is migrated", store.kind()),
@@ -635,6 +639,7 @@ async fn main() -> Result<()> {
     let mut overrides = Overrides { store: cli.global.store.clone(), ..Overrides::default() };
     match &cli.command {
         Command::Serve { listen } => overrides.listen = *listen,
+        Command::Smoke(_) if overrides.store.is_none() => overrides.store = Some("memory://".into()),
         Command::Proxy { listen, upstream, lease, retention, store_5xx } => {
             overrides.proxy = ProxyOverrides {
                 listen: *listen,
@@ -665,6 +670,7 @@ async fn main() -> Result<()> {
         Command::Proxy { .. } => proxy(config).await,
         Command::Mcp { .. } => mcp(config).await,
         Command::Bench(args) => bench::run(args, &config).await,
+        Command::Smoke(args) => smoke::run(args, &config).await,
         command => operator(&config, command).await,
     };
     // Send the spans still queued; the exporter blocks, so not on the async workers.

@@ -1,5 +1,6 @@
-//! Fail closed: while the store cannot answer, every claim answers 503 and `/readyz` says not
-//! ready; when the store comes back, the same server process serves again by itself.
+//! Fail closed, under load: while the store cannot answer, every claim answers 503 (none is
+//! acquired) and `/readyz` says not ready; when the store comes back, the same server process
+//! serves again by itself, and every completion it acknowledged before the outage replays.
 
 mod common;
 
@@ -28,15 +29,66 @@ async fn ready(client: &reqwest::Client, base: &str) -> u16 {
     client.get(format!("{base}/readyz")).send().await.unwrap().status().as_u16()
 }
 
-/// While the store is down: claims (new or held keys) and completions answer 503 problems,
-/// and readiness is 503. Then `restore` brings it back and claims succeed again within 20 s.
+/// One claim of the load: when it was sent and answered, its status, and whether its
+/// completion (if it acquired) was acknowledged.
+#[derive(Debug, Clone)]
+struct Answer {
+    key: String,
+    sent: Instant,
+    answered: Instant,
+    status: u16,
+    completed: bool,
+}
+
+/// Claims fresh keys and completes the acquired ones, from 6 tasks, until `stop`.
+fn load(base: &str, token: &str, stop: Arc<std::sync::atomic::AtomicBool>) -> Vec<JoinHandle<Vec<Answer>>> {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    (0..6)
+        .map(|task| {
+            let (client, base, token, stop) = (client.clone(), base.to_owned(), token.to_owned(), stop.clone());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for i in 0..100_000 {
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
+                    }
+                    let key = format!("load-{task}-{i}");
+                    let sent = Instant::now();
+                    let (status, acquired) = claim(&client, &base, &token, &key).await;
+                    let answered = Instant::now();
+                    let mut completed = false;
+                    if status == 201 {
+                        let body =
+                            json!({"namespace": "fail-closed", "key": key, "fence": acquired["fence"], "result": i});
+                        let url = format!("{base}/v1/claims/complete");
+                        let done = client.post(url).bearer_auth(&token).json(&body).send().await;
+                        completed = done.is_ok_and(|r| r.status() == 200);
+                    } else {
+                        // Not too hot a loop while the store is down.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    answers.push(Answer { key, sent, answered, status, completed });
+                }
+                answers
+            })
+        })
+        .collect()
+}
+
+/// Under load from 6 tasks: while the store is down, claims (new or held keys) and completions
+/// answer 503 problems, no claim acquires, and readiness is 503. Then `restore` brings it back:
+/// claims succeed again within 20 s, and every completion acknowledged before replays.
 async fn check_fail_closed(base: &str, token: &str, stop: impl FnOnce(), restore: impl FnOnce()) {
     let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     let (status, held) = claim(&client, base, token, "held").await;
     assert_eq!(status, 201, "{held}");
     assert_eq!(ready(&client, base).await, 200);
+    let stop_load = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = load(base, token, stop_load.clone());
+    tokio::time::sleep(Duration::from_millis(700)).await;
 
     stop();
+    let down = Instant::now();
     for key in ["new-1", "held", "new-2"] {
         let (status, problem) = claim(&client, base, token, key).await;
         assert_eq!(status, 503, "a claim of {key} while the store is down: {problem}");
@@ -48,7 +100,9 @@ async fn check_fail_closed(base: &str, token: &str, stop: impl FnOnce(), restore
         client.post(format!("{base}/v1/claims/complete")).bearer_auth(token).json(&body).send().await.unwrap();
     assert_eq!(complete.status(), 503);
     assert_eq!(ready(&client, base).await, 503);
+    tokio::time::sleep(Duration::from_millis(800)).await;
 
+    let up = Instant::now();
     restore();
     let started = Instant::now();
     loop {
@@ -61,7 +115,34 @@ async fn check_fail_closed(base: &str, token: &str, stop: impl FnOnce(), restore
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(ready(&client, base).await, 200);
-    println!("recovered {:.1}s after the store came back", started.elapsed().as_secs_f64());
+    let recovered = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_load.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut answers = Vec::new();
+    for task in load {
+        answers.extend(task.await.unwrap());
+    }
+
+    let during: Vec<&Answer> = answers.iter().filter(|a| a.sent > down && a.answered < up).collect();
+    assert!(!during.is_empty(), "the load ran while the store was down");
+    assert!(
+        during.iter().all(|a| a.status == 503),
+        "only 503 while down: {:?}",
+        during.iter().find(|a| a.status != 503)
+    );
+    let acked: Vec<&Answer> = answers.iter().filter(|a| a.completed).collect();
+    assert!(acked.iter().any(|a| a.answered < down), "completions were acknowledged before the outage");
+    for answer in &acked {
+        let (status, replay) = claim(&client, base, token, &answer.key).await;
+        assert_eq!(status, 200, "acknowledged completion of {} replays after the outage: {replay}", answer.key);
+    }
+    println!(
+        "under load: {} claims, {} while down (all 503), {} acknowledged completions all replay; recovered {:.1}s after the store came back",
+        answers.len(),
+        during.len(),
+        acked.len(),
+        recovered.as_secs_f64()
+    );
 }
 
 fn redis_server(port: u16, dir: &std::path::Path) -> Child {

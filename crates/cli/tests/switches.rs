@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 use common::{Server, admin_key, postgres_store, redis_store, start, three_instances};
 use serde_json::{Value, json};
 
-/// One claim answered during the load: which instance, when it was sent, its status.
+/// One claim answered during the load: which instance, when it was sent and answered, its
+/// status.
 #[derive(Debug, Clone, Copy)]
 struct Answer {
     instance: usize,
     sent: Instant,
+    answered: Instant,
     status: u16,
 }
 
@@ -41,6 +43,7 @@ async fn load(servers: &[Server], token: &str, stop: Arc<AtomicBool>) -> Vec<Ans
                     let response =
                         client.post(format!("{base}/v1/claims")).bearer_auth(&token).json(&body).send().await.unwrap();
                     let status = response.status().as_u16();
+                    let answered = Instant::now();
                     if status == 201 {
                         let acquired: Value = response.json().await.unwrap();
                         let done =
@@ -48,7 +51,7 @@ async fn load(servers: &[Server], token: &str, stop: Arc<AtomicBool>) -> Vec<Ans
                         let url = format!("{base}/v1/claims/complete");
                         client.post(url).bearer_auth(&token).json(&done).send().await.unwrap();
                     }
-                    answers.push(Answer { instance, sent, status });
+                    answers.push(Answer { instance, sent, answered, status });
                 }
                 answers
             }));
@@ -95,15 +98,16 @@ async fn switch_under_load(label: &str, store: &str) {
         let engaged = Instant::now();
         tokio::time::sleep(Duration::from_millis(2_000)).await;
         let release = json!({"target": target, "why": "drill over"});
+        let releasing = Instant::now();
         let url = format!("{}/v1/switches/release", servers[1].base);
         let response = client.post(url).bearer_auth(&token).json(&release).send().await.unwrap();
         assert_eq!(response.status(), 200);
         let released = Instant::now();
         tokio::time::sleep(Duration::from_millis(2_000)).await;
         stop.store(true, Ordering::SeqCst);
-        (engaged, released)
+        (engaged, releasing, released)
     };
-    let (answers, (engaged, released)) = tokio::join!(running, operate);
+    let (answers, (engaged, releasing, released)) = tokio::join!(running, operate);
 
     let refused = first_after(&answers, servers.len(), engaged, 423);
     let flowing = first_after(&answers, servers.len(), released, 201);
@@ -118,8 +122,9 @@ async fn switch_under_load(label: &str, store: &str) {
         assert!(refused.is_some_and(|t| t < second), "instance {instance} refused within 1 s: {refused:?}");
         assert!(flowing.is_some_and(|t| t < second), "instance {instance} flowed again within 1 s: {flowing:?}");
     }
-    // Every claim sent between 1 s after the engage and the release was refused, everywhere.
-    let late = |a: &&Answer| a.sent >= engaged + second && a.sent < released;
+    // Every claim sent from 1 s after the engage, and answered before the release was sent, was
+    // refused, everywhere.
+    let late = |a: &&Answer| a.sent >= engaged + second && a.answered < releasing;
     let while_engaged: Vec<&Answer> = answers.iter().filter(late).collect();
     assert!(while_engaged.len() > 30, "load kept running: {}", while_engaged.len());
     assert!(while_engaged.iter().all(|a| a.status == 423), "no claim acquired while engaged");

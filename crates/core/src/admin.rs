@@ -104,8 +104,9 @@ impl Guard {
     /// Engages a kill switch: from now on claims it covers are refused, on every instance within
     /// [`CONTROL_REFRESH`]. With `revoke_leases`, the live leases it covers are revoked in the
     /// store: their holders' completions are refused as stale, and the keys recover (with their
-    /// last checkpoint) once the switch is released. Engaging an engaged switch replaces its
-    /// reason.
+    /// last checkpoint) once the switch is released. The call then waits [`CONTROL_MAX_AGE`] and
+    /// revokes again, to catch keys that instances acquired before they saw the switch: when it
+    /// returns, no covered lease is live anywhere. Engaging an engaged switch replaces its reason.
     pub async fn engage_switch(
         &self,
         actor: &str,
@@ -130,7 +131,21 @@ impl Guard {
         if revoke_leases {
             let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
             switch.revoked = self.store().revoke_leases(tenant, &switch.target, &detail, now).await?;
-            self.store().put_control(&ControlDoc::of_switch(&switch)).await?;
+            // Other instances may acquire covered keys until they see the switch (at most
+            // CONTROL_MAX_AGE, after which an instance that could not read it fails closed):
+            // a second pass then revokes those too.
+            // (Unless the switch was released or engaged anew meanwhile.)
+            tokio::time::sleep(CONTROL_MAX_AGE + CONTROL_REFRESH).await;
+            let controls = self.refresh_controls().await?;
+            if controls
+                .switches
+                .iter()
+                .any(|s| s.tenant == switch.tenant && s.target == switch.target && s.engaged_at == now)
+            {
+                let later = self.clock().now();
+                switch.revoked += self.store().revoke_leases(tenant, &switch.target, &detail, later).await?;
+                self.store().put_control(&ControlDoc::of_switch(&switch)).await?;
+            }
         }
         let entry = AuditEntry::new(tenant.clone(), now, actor, "switch.engage", switch.target.id())
             .why(Some(switch.reason.clone()))

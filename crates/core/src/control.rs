@@ -253,6 +253,17 @@ impl Switch {
     }
 }
 
+/// Whether [`crate::Store::revoke_leases`] revokes `record`: live, in progress (its lease live or
+/// passed: a holder whose lease passed may still complete while nobody took over), covered by
+/// `target`, and not already revoked with the same `detail` (so a second pass counts only what
+/// the first missed).
+pub fn revocable(record: &Record, target: &SwitchTarget, detail: &str, now: Timestamp) -> bool {
+    record.is_live(now)
+        && record.state == RecordState::InProgress
+        && target.covers_record(record)
+        && record.unknown.as_deref() != Some(detail)
+}
+
 /// Marks an in-progress record's attempt as revoked by a switch: a new fence from the store's
 /// counter (so the holder's calls are stale), its lease ended and the outcome unknown (so the
 /// next claim, once the switch is released, is a recovery with the last checkpoint).

@@ -16,7 +16,7 @@ use crate::control::{
 };
 use crate::domain::{Fence, RunId, Scope, TenantId, Timestamp};
 use crate::protocol::{self, ClaimRequest, Mutation};
-use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
+use crate::record::{ClaimOutcome, FencedOutcome, Record};
 use crate::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
 
 /// The in-memory store.
@@ -252,11 +252,7 @@ impl Store for MemoryStore {
         let state = &mut *state;
         let mut revoked = 0;
         for record in state.records.values_mut() {
-            if &record.scope.tenant == tenant
-                && record.is_live(now)
-                && record.state == RecordState::InProgress
-                && target.covers_record(record)
-            {
+            if &record.scope.tenant == tenant && control::revocable(record, target, detail, now) {
                 state.last_fence += 1;
                 control::revoke(record, Fence(state.last_fence), detail, now);
                 revoked += 1;

@@ -241,6 +241,18 @@ pub enum Denial {
     },
 }
 
+impl std::fmt::Display for Denial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::SwitchEngaged { target, why } => write!(f, "a kill switch is engaged on {target}: {why}"),
+            Self::BudgetExhausted { limit } => write!(f, "the run's budget is spent ({limit})"),
+            Self::QuotaExceeded { quota, retry_after } => {
+                write!(f, "the tenant's {quota} quota is spent; retry after {} ms", retry_after.as_millis())
+            }
+        }
+    }
+}
+
 /// The one answer of a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {

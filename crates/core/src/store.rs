@@ -191,8 +191,8 @@ pub trait Store: Send + Sync + 'static {
         Err(not_yet(self.kind()))
     }
 
-    /// Revokes the live and stuck in-progress records of `tenant` that `target` covers (see the
-    /// module documentation), with `detail` as their unknown-outcome report; answers how many.
+    /// Revokes the records of `tenant` that [`crate::control::revocable`] selects (see the module
+    /// documentation), with `detail` as their unknown-outcome report; answers how many.
     async fn revoke_leases(
         &self,
         tenant: &TenantId,

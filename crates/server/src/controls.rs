@@ -261,7 +261,7 @@ pub async fn engage_switch(
     let tenant = admin_tenant(&state, &caller, b.tenant.as_deref())?;
     let target = b.target.parse()?;
     let switch = state.guard.engage_switch(&caller.actor(), &tenant, target, b.reason, b.revoke_leases).await?;
-    tracing::warn!(tenant = %tenant, target = %switch.target, revoked = switch.revoked, "kill switch engaged");
+    tracing::warn!(tenant = %tenant, switch = %switch.target, revoked = switch.revoked, "kill switch engaged");
     Ok((StatusCode::CREATED, Json(switch_view(&switch))).into_response())
 }
 
@@ -281,7 +281,7 @@ pub async fn release_switch(
     let target = b.target.parse()?;
     let released = state.guard.release_switch(&caller.actor(), &tenant, &target, b.why).await?;
     let switch = released.ok_or_else(|| ApiError::NotFound(format!("no switch is engaged on {target}")))?;
-    tracing::warn!(tenant = %tenant, target = %target, "kill switch released");
+    tracing::warn!(tenant = %tenant, switch = %target, "kill switch released");
     Ok(Json(switch_view(&switch)))
 }
 

@@ -59,7 +59,7 @@ pub enum ApiError {
     #[error("the fence is not the current holder's")]
     Stale(StaleReason),
     /// A switch, budget or quota refused the claim.
-    #[error("denied: {0:?}")]
+    #[error("{0}")]
     Denied(Denial),
     /// The store could not answer.
     #[error("{0}")]

@@ -25,23 +25,72 @@
 //! - **Fail closed**: every statement runs under `statement_timeout`, and taking a connection
 //!   from the pool times out; both answer `Unavailable` (HTTP 503), never a decision. The pool
 //!   reconnects by itself when the server comes back.
+//!
+//! # Budgets, quotas and revocation
+//!
+//! - **In the batch**: once its keys are locked and read, a batch works out what its jobs need
+//!   and takes it in one more pipelined round trip, before it draws the fences: for each tenant
+//!   with an acquiring claim that carries an in-flight quota, the tenant's quota lock and its
+//!   leases that have not passed (`og_lock_leases`, on the index `og_records_state`); for each
+//!   run that an acquiring claim names, or that a fenced call reporting cost charges, the run's
+//!   lock and row (`og_lock_run`). It then decides its jobs in order, on a ledger of those leases
+//!   and runs that each decision updates, so a job sees the ones before it in the batch; a claim
+//!   goes through `control::admit`, and the records and the charged runs (`og_runs`) are
+//!   written in the batch's transaction. A denied claim writes nothing (the fence drawn for it
+//!   is skipped: a sequence never gives a number back).
+//! - **Exact under concurrency**: every claim that counts a tenant's leases holds the tenant's
+//!   quota lock from before its count to its commit, and every transaction that writes a run
+//!   holds the run's lock from before its read to its commit; PostgreSQL releases a
+//!   transaction's locks only once its commit is visible, and each read inside the lock
+//!   functions takes a fresh snapshot after the lock. So two batches, of this instance or of
+//!   another, never both count the same leases or charge the same usage: of 64 concurrent
+//!   claims against a budget of 10, exactly 10 acquire. Claims with no quota and no run take
+//!   neither lock and cost what they did before.
+//! - **Deadlock freedom**: locks are taken in one global order: key locks (advisory, one
+//!   `bigint`) in ascending order, then quota locks (advisory, (1, hash)) in ascending order,
+//!   then run locks ((2, hash)) in ascending order. A batch takes them in that order; revoking
+//!   takes key locks only; setting a budget takes one run lock. Rows of `og_records` are written
+//!   only under their key's lock (the sweep skips locked rows, a purge is one statement that
+//!   waits for nothing else), rows of `og_runs` only under their run's lock, and a claim rate's
+//!   row is locked by a transaction that takes no other lock. No transaction ever waits for a
+//!   lock that comes before one it holds, so no cycle of waits can form.
+//! - **Revoking leases** runs in chunks of up to [`MAX_BATCH`] keys in (namespace, key) order,
+//!   each one transaction: the chunk's key locks in ascending order, each record read again under
+//!   its lock and, if it is still a live in-progress record the switch covers, given a fence
+//!   from `og_fence` drawn after the locks (`control::revoke`). (Chunks keep one transaction's
+//!   advisory locks within PostgreSQL's lock table when a switch covers many keys.)
+//! - **Claim rates**: one transaction locks the tenant's row of `og_rates` by an upsert that
+//!   returns its theoretical arrival time, runs `control::gcra`, and writes the new time and
+//!   commits, or rolls back when the claim must wait.
+//! - Control documents (`og_control`) and the audit log (`og_audit`, listed newest first by id
+//!   from the indexes on (tenant, id), (tenant, action, id) and (tenant, actor, id)) are plain
+//!   rows.
+//! - **Migrations** are numbered in `og_migrations` and applied once each; an applied one is
+//!   never edited, a change of schema is a new entry.
 
 #![forbid(unsafe_code)]
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
 use futures::StreamExt;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::control::{
+    self, Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage,
+    SwitchTarget,
+};
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, Scope, TenantId, Timestamp};
+use onceguard_core::{
+    ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RecordState, RunId, Scope, TenantId, Timestamp,
+};
 use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 
 /// The most jobs committed in one transaction.
@@ -117,8 +166,15 @@ fn timestamp(v: i64) -> Result<Timestamp, StoreError> {
     u64::try_from(v).map(Timestamp).map_err(corrupt)
 }
 
+/// An unsigned number as a `bigint`: saturates at `i64::MAX` (a count or a limit that large is
+/// out of reach either way).
+fn to_sql_u64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
 /// The migrations, in order; each runs once, recorded in `og_migrations`.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
     CREATE SEQUENCE og_fence;
     CREATE TABLE og_records (
         tenant text NOT NULL,
@@ -151,7 +207,59 @@ const MIGRATIONS: &[&str] = &[r#"
         PERFORM pg_advisory_xact_lock(h);
         RETURN QUERY SELECT r.doc, r.body FROM og_records r WHERE r.tenant = t AND r.namespace = n AND r.key = k;
     END $$;
-"#];
+"#,
+    r#"
+    CREATE TABLE og_runs (
+        tenant text NOT NULL,
+        run text NOT NULL,
+        budget text NOT NULL,
+        effects bigint NOT NULL,
+        cost bigint NOT NULL,
+        created_at bigint NOT NULL,
+        updated_at bigint NOT NULL,
+        PRIMARY KEY (tenant, run)
+    );
+    CREATE TABLE og_control (
+        kind text NOT NULL,
+        tenant text NOT NULL,
+        id text NOT NULL,
+        body text NOT NULL,
+        PRIMARY KEY (kind, tenant, id)
+    );
+    CREATE TABLE og_rates (tenant text PRIMARY KEY, tat_us bigint NOT NULL);
+    CREATE TABLE og_audit (
+        tenant text NOT NULL,
+        id text COLLATE "C" NOT NULL,
+        at bigint NOT NULL,
+        actor text NOT NULL,
+        action text NOT NULL,
+        doc text NOT NULL,
+        PRIMARY KEY (tenant, id)
+    );
+    CREATE INDEX og_audit_action ON og_audit (tenant, action, id);
+    CREATE INDEX og_audit_actor ON og_audit (tenant, actor, id);
+    -- Takes the tenant's quota lock (class 1), then reads the leases that have not passed at
+    -- `since` (on og_records_state); the caller counts those live at each claim's time.
+    CREATE FUNCTION og_lock_leases(h integer, t text, since bigint)
+    RETURNS TABLE (lease_namespace text, lease_key text, lease_until bigint, live_until bigint)
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(1, h);
+        RETURN QUERY SELECT r.namespace::text, r.key::text, r.lease_expires_at, r.expires_at FROM og_records r
+            WHERE r.tenant = t AND r.state = 'in_progress' AND r.lease_expires_at > since AND r.expires_at > since
+              AND (r.doc::json ->> 'unknown') IS NULL;
+    END $$;
+    -- Takes a run's lock (class 2), then reads the run.
+    CREATE FUNCTION og_lock_run(h integer, t text, r text)
+    RETURNS TABLE (run_budget text, run_effects bigint, run_cost bigint, run_created_at bigint, run_updated_at bigint)
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(2, h);
+        RETURN QUERY SELECT u.budget, u.effects, u.cost, u.created_at, u.updated_at FROM og_runs u
+            WHERE u.tenant = t AND u.run = r;
+    END $$;
+"#,
+];
 
 /// Serializes migrations of all instances (a session advisory lock key).
 const MIGRATION_LOCK: i64 = 0x6f6e_6365_6775_6172; // "onceguar"
@@ -313,16 +421,32 @@ async fn migrate(config: &tokio_postgres::Config, schema: &str) -> Result<(), St
     result
 }
 
-/// A stable 64-bit lock key for a scope (FNV-1a over its parts).
-fn lock_key(scope: &Scope) -> i64 {
+/// FNV-1a over `parts`, each followed by a zero byte.
+fn fnv1a(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for part in [scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()] {
+    for part in parts {
         for b in part.bytes().chain([0u8]) {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
     }
-    h as i64
+    h
+}
+
+/// A stable 64-bit lock key for a scope (FNV-1a over its parts). Key locks use the advisory
+/// locks of one `bigint`; every instance must compute the same key, so this never changes.
+fn lock_key(scope: &Scope) -> i64 {
+    fnv1a(&[scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()]) as i64
+}
+
+/// The hash half of a tenant's quota lock or a run's lock. Those are advisory locks of two
+/// `integer`s, (class, hash), a lock space apart from the keys' `bigint` one: class 1 is a
+/// tenant's quota (taken by `og_lock_leases`), class 2 a run (`og_lock_run`). The hash is
+/// FNV-1a folded to 32 bits; two tenants (or runs) that share it share a lock, which costs some
+/// waiting, never correctness.
+fn class_lock(parts: &[&str]) -> i32 {
+    let h = fnv1a(parts);
+    (h ^ (h >> 32)) as u32 as i32
 }
 
 async fn write_loop(pool: Pool, rx: Arc<Mutex<mpsc::Receiver<Job>>>, finished: mpsc::UnboundedSender<Scope>) {
@@ -430,6 +554,264 @@ const UPSERT: &str =
        state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
        expires_at = excluded.expires_at, doc = excluded.doc, body = excluded.body";
 
+/// The parameters of [`UPSERT`] for a record.
+struct RecordParams {
+    tenant: String,
+    namespace: String,
+    key: String,
+    state: &'static str,
+    run: Option<String>,
+    lease: Option<i64>,
+    expires: i64,
+    doc: String,
+    body: Option<Vec<u8>>,
+}
+
+impl RecordParams {
+    fn as_sql(&self) -> [&(dyn ToSql + Sync); 9] {
+        [
+            &self.tenant,
+            &self.namespace,
+            &self.key,
+            &self.state,
+            &self.run,
+            &self.lease,
+            &self.expires,
+            &self.doc,
+            &self.body,
+        ]
+    }
+}
+
+fn record_params(record: Record) -> Result<RecordParams, BatchError> {
+    let scope = record.scope.clone();
+    let (state, run, lease, expires) = (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
+    let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
+    Ok(RecordParams {
+        tenant: scope.tenant.to_string(),
+        namespace: scope.namespace.to_string(),
+        key: scope.key.to_string(),
+        state: state.as_str(),
+        run: run.map(|r| r.to_string()),
+        lease: lease.map(to_i64),
+        expires: to_i64(expires),
+        doc,
+        body,
+    })
+}
+
+/// Writes a run whole; only a transaction holding the run's lock (class 2) writes it.
+const UPSERT_RUN: &str = "INSERT INTO og_runs (tenant, run, budget, effects, cost, created_at, updated_at)
+     VALUES ($1, $2, $3, $4, $5, $6, $7)
+     ON CONFLICT (tenant, run) DO UPDATE SET
+       budget = excluded.budget, effects = excluded.effects, cost = excluded.cost, updated_at = excluded.updated_at";
+
+/// A run's columns as [`decode_run`] reads them.
+const RUN_COLUMNS: &str = "budget, effects, cost, created_at, updated_at";
+
+const NEXT_FENCES: &str = "SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)";
+
+/// What a batch must lock and read once its keys are locked, besides the keys.
+#[derive(Debug, Default)]
+struct Needs {
+    /// Fences: one per claim that acquires.
+    fences: i64,
+    /// Tenants whose in-flight quota an acquiring claim checks, with the earliest time among
+    /// those claims.
+    quotas: BTreeMap<TenantId, Timestamp>,
+    /// Runs that an acquiring claim, or a fenced call reporting cost, may charge.
+    runs: BTreeSet<(TenantId, RunId)>,
+}
+
+impl Needs {
+    /// Works out what the jobs need from the records read for them (a claim's decision is the
+    /// same whatever fence it is given).
+    fn of(batch: &[Job], existing: &[Option<Record>]) -> Self {
+        let mut needs = Self::default();
+        for (job, record) in batch.iter().zip(existing) {
+            match &job.op {
+                Op::Claim(req) => {
+                    let Some(written) = protocol::claim(record.clone(), req, job.now, || Fence(0)).1 else { continue };
+                    needs.fences += 1;
+                    if req.max_in_flight.is_some() {
+                        let since = needs.quotas.entry(req.scope.tenant.clone()).or_insert(job.now);
+                        *since = (*since).min(job.now);
+                    }
+                    if let Some(run) = written.run {
+                        needs.runs.insert((req.scope.tenant.clone(), run));
+                    }
+                }
+                Op::Mutate { scope, mutation, .. } => {
+                    if let (true, Some(run)) =
+                        (control::reported_cost(mutation) > 0, record.as_ref().and_then(|r| r.run.as_ref()))
+                    {
+                        needs.runs.insert((scope.tenant.clone(), run.clone()));
+                    }
+                }
+            }
+        }
+        needs
+    }
+}
+
+/// A tenant's leases by (namespace, key), each with the lease's end and the record's expiry.
+type Leases = HashMap<(String, String), (Timestamp, Timestamp)>;
+
+/// What a batch knows of the tenants' leases and of the runs it may charge, kept up to date as
+/// its jobs are decided in order, so that each decision sees those before it in the batch.
+#[derive(Debug, Default)]
+struct Ledger {
+    /// For each tenant whose quota is checked: its leases.
+    leases: HashMap<TenantId, Leases>,
+    /// Each run the batch may charge: as stored, `None` while unseen.
+    runs: HashMap<(TenantId, RunId), Option<Run>>,
+    /// Runs charged by the batch, to write.
+    charged: BTreeSet<(TenantId, RunId)>,
+}
+
+impl Ledger {
+    /// The tenant's live leases at `now` ([`control::holds_lease`]).
+    fn in_flight(&self, tenant: &TenantId, now: Timestamp) -> Result<u64, BatchError> {
+        let leases = self
+            .leases
+            .get(tenant)
+            .ok_or_else(|| BatchError::Data(format!("tenant {tenant}'s leases were not read")))?;
+        Ok(leases.values().filter(|(lease, live)| *lease > now && *live > now).count() as u64)
+    }
+
+    /// A run the batch locked, as stored or new at `now`.
+    fn run(&mut self, tenant: &TenantId, id: &RunId, now: Timestamp) -> Result<&mut Run, BatchError> {
+        let slot = self
+            .runs
+            .get_mut(&(tenant.clone(), id.clone()))
+            .ok_or_else(|| BatchError::Data(format!("run {id} of tenant {tenant} was not locked")))?;
+        Ok(slot.get_or_insert_with(|| Run::new(tenant.clone(), id.clone(), now)))
+    }
+
+    /// Notes a record the batch writes: from now on it holds a lease, or it no longer does.
+    fn wrote(&mut self, record: &Record) {
+        let Some(leases) = self.leases.get_mut(&record.scope.tenant) else { return };
+        let key = (record.scope.namespace.as_str().to_owned(), record.scope.key.as_str().to_owned());
+        match (record.state, &record.unknown, record.lease_expires_at) {
+            (RecordState::InProgress, None, Some(lease)) => leases.insert(key, (lease, record.expires_at)),
+            _ => leases.remove(&key),
+        };
+    }
+
+    /// Checks the tenant's quota and the run's budget for a claim the protocol acquires
+    /// ([`control::admit`]). Denied: the claim writes nothing.
+    fn admit(
+        &mut self,
+        req: &ClaimRequest,
+        now: Timestamp,
+        outcome: ClaimOutcome,
+        write: Option<Record>,
+    ) -> Result<(ClaimOutcome, Option<Record>), BatchError> {
+        let Some(mut record) = write else { return Ok((outcome, None)) };
+        if req.max_in_flight.is_none() && record.run.is_none() {
+            return Ok((outcome, Some(record)));
+        }
+        let tenant = &req.scope.tenant;
+        let in_flight = req.max_in_flight.map(|_| self.in_flight(tenant, now)).transpose()?;
+        let id = record.run.clone();
+        let run = match &id {
+            Some(id) => Some(self.run(tenant, id, now)?),
+            None => None,
+        };
+        match control::admit(&mut record, req, Admission { in_flight, run }, now) {
+            Err(denial) => Ok((ClaimOutcome::Denied(denial), None)),
+            Ok(charged) => {
+                if let (true, Some(id)) = (charged, id) {
+                    self.charged.insert((tenant.clone(), id));
+                }
+                Ok((outcome, Some(record)))
+            }
+        }
+    }
+}
+
+fn decode_run(tenant: &TenantId, id: &RunId, row: &Row) -> Result<Run, StoreError> {
+    let count = |i: usize| u64::try_from(row.get::<_, i64>(i)).map_err(corrupt);
+    Ok(Run {
+        tenant: tenant.clone(),
+        run: id.clone(),
+        budget: serde_json::from_str(row.get::<_, &str>(0)).map_err(corrupt)?,
+        usage: RunUsage { effects: count(1)?, cost: count(2)? },
+        created_at: timestamp(row.get(3))?,
+        updated_at: timestamp(row.get(4))?,
+    })
+}
+
+/// The parameters of [`UPSERT_RUN`] for a run.
+type RunParams = (String, String, String, i64, i64, i64, i64);
+
+fn run_params(run: &Run) -> Result<RunParams, serde_json::Error> {
+    Ok((
+        run.tenant.to_string(),
+        run.run.to_string(),
+        serde_json::to_string(&run.budget)?,
+        to_sql_u64(run.usage.effects),
+        to_sql_u64(run.usage.cost),
+        to_i64(run.created_at),
+        to_i64(run.updated_at),
+    ))
+}
+
+/// Locks and reads what `needs` names, pipelined in one round trip, in the global lock order
+/// (see the module documentation): the tenants' quota locks with their leases, then the runs'
+/// locks with the runs, each class in ascending lock order; then draws the fences.
+async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecDeque<Fence>), BatchError> {
+    let mut quotas: Vec<(i32, &TenantId, i64)> =
+        needs.quotas.iter().map(|(t, since)| (class_lock(&[t.as_str()]), t, to_i64(*since))).collect();
+    quotas.sort();
+    let mut runs: Vec<(i32, &TenantId, &RunId)> =
+        needs.runs.iter().map(|(t, r)| (class_lock(&[t.as_str(), r.as_str()]), t, r)).collect();
+    runs.sort();
+    let lock_leases = if quotas.is_empty() {
+        None
+    } else {
+        Some(tx.prepare_cached("SELECT * FROM og_lock_leases($1, $2, $3)").await?)
+    };
+    let lock_run =
+        if runs.is_empty() { None } else { Some(tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await?) };
+    let next_fences = if needs.fences == 0 { None } else { Some(tx.prepare_cached(NEXT_FENCES).await?) };
+    let lease_reads = lock_leases.iter().flat_map(|st| {
+        quotas.iter().map(move |(h, tenant, since)| async move { tx.query(st, &[h, &tenant.as_str(), since]).await })
+    });
+    let run_reads = lock_run.iter().flat_map(|st| {
+        runs.iter()
+            .map(move |(h, tenant, id)| async move { tx.query_opt(st, &[h, &tenant.as_str(), &id.as_str()]).await })
+    });
+    let fence_read = async {
+        match &next_fences {
+            Some(st) => tx.query(st, &[&needs.fences]).await,
+            None => Ok(Vec::new()),
+        }
+    };
+    let (lease_rows, run_rows, fence_rows) = futures::try_join!(
+        futures::future::try_join_all(lease_reads),
+        futures::future::try_join_all(run_reads),
+        fence_read
+    )?;
+
+    let data = |e: StoreError| BatchError::Data(e.to_string());
+    let mut ledger = Ledger::default();
+    for ((_, tenant, _), rows) in quotas.iter().zip(lease_rows) {
+        let leases = ledger.leases.entry((*tenant).clone()).or_default();
+        for row in rows {
+            let until = (timestamp(row.get(2)).map_err(data)?, timestamp(row.get(3)).map_err(data)?);
+            leases.insert((row.get(0), row.get(1)), until);
+        }
+    }
+    for ((_, tenant, id), row) in runs.iter().zip(run_rows) {
+        let run = row.map(|row| decode_run(tenant, id, &row)).transpose().map_err(data)?;
+        ledger.runs.insert(((*tenant).clone(), (*id).clone()), run);
+    }
+    let mut fences: Vec<i64> = fence_rows.iter().map(|r| r.get(0)).collect();
+    fences.sort_unstable();
+    Ok((ledger, fences.into_iter().map(|f| Fence(f as u64)).collect()))
+}
+
 /// Runs one batch in one transaction; answers each job's answer and the keys it finished.
 async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
     let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
@@ -449,28 +831,12 @@ async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope
     let existing: Vec<Option<Record>> =
         rows.iter().map(|r| r.as_ref().map(decode_row).transpose()).collect::<Result<_, _>>()?;
 
-    // 2. Fences, drawn only now that the keys are locked.
-    let needed = batch
-        .iter()
-        .zip(&existing)
-        .filter(|(job, record)| match &job.op {
-            Op::Claim(req) => {
-                matches!(protocol::claim((*record).clone(), req, job.now, || Fence(0)).0, ClaimOutcome::Acquired(_))
-            }
-            Op::Mutate { .. } => false,
-        })
-        .count();
-    let mut fences: VecDeque<Fence> = if needed == 0 {
-        VecDeque::new()
-    } else {
-        let n = i64::try_from(needed).unwrap_or(i64::MAX);
-        let rows = tx.query("SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)", &[&n]).await?;
-        let mut fences: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-        fences.sort_unstable();
-        fences.into_iter().map(|f| Fence(f as u64)).collect()
-    };
+    // 2. Now that the keys are locked: the quota and run locks with what they guard (only for
+    //    claims that carry a quota or name a run, and fenced calls that report cost), and the
+    //    fences.
+    let (mut ledger, mut fences) = lock_needs(&tx, &Needs::of(batch, &existing)).await?;
 
-    // 3. Decide, then write every changed record (pipelined).
+    // 3. Decide, then write every changed record and charged run (pipelined).
     let mut answers = Vec::with_capacity(batch.len());
     let mut writes = Vec::new();
     let mut finished = Vec::new();
@@ -483,41 +849,145 @@ async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope
                         return Err(BatchError::Data("ran out of drawn fences".into()));
                     }
                 }
+                let (outcome, write) = ledger.admit(req, job.now, outcome, write)?;
                 (Answer::Claim(outcome), write)
             }
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
                 let finishes =
                     matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+                let cost = control::reported_cost(mutation);
                 let (outcome, write) = protocol::apply(record, *fence, mutation.clone(), job.now, *max_checkpoints);
                 if finishes && write.is_some() {
                     finished.push(scope.clone());
+                }
+                if let (true, Some(id)) = (cost > 0, write.as_ref().and_then(|r| r.run.as_ref())) {
+                    ledger.run(&scope.tenant, id, job.now)?.add_cost(cost, job.now);
+                    ledger.charged.insert((scope.tenant.clone(), id.clone()));
                 }
                 (Answer::Mutate(outcome), write)
             }
         };
         answers.push(answer);
         if let Some(record) = write {
+            ledger.wrote(&record);
             writes.push(record);
         }
     }
     let upsert = tx.prepare_cached(UPSERT).await?;
-    let mut params = Vec::with_capacity(writes.len());
-    for record in writes {
-        let scope = record.scope.clone();
-        let (state, run, lease, expires) =
-            (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
-        let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
-        let (tenant, namespace, key) = (scope.tenant.to_string(), scope.namespace.to_string(), scope.key.to_string());
-        let run = run.map(|r| r.to_string());
-        params.push((tenant, namespace, key, state.as_str(), run, lease.map(to_i64), to_i64(expires), doc, body));
-    }
-    let upserts = params.iter().map(|(tenant, namespace, key, state, run, lease, expires, doc, body)| {
+    let params = writes.into_iter().map(record_params).collect::<Result<Vec<_>, _>>()?;
+    let upserts = params.iter().map(|p| {
         let (tx, upsert) = (&tx, &upsert);
-        async move { tx.execute(upsert, &[tenant, namespace, key, state, run, lease, expires, doc, body]).await }
+        async move { tx.execute(upsert, &p.as_sql()).await }
     });
-    futures::future::try_join_all(upserts).await?;
+    let mut run_params = Vec::with_capacity(ledger.charged.len());
+    for charged in &ledger.charged {
+        let run = ledger.runs.get(charged).and_then(Option::as_ref);
+        let run = run.ok_or_else(|| BatchError::Data(format!("charged run {} was not read", charged.1)))?;
+        run_params.push(self::run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
+    }
+    let upsert_run = if run_params.is_empty() { None } else { Some(tx.prepare_cached(UPSERT_RUN).await?) };
+    let tx_ref = &tx;
+    let run_upserts = upsert_run.iter().flat_map(|st| {
+        run_params.iter().map(move |(tenant, run, budget, effects, cost, created, updated)| async move {
+            tx_ref.execute(st, &[tenant, run, budget, effects, cost, created, updated]).await
+        })
+    });
+    futures::try_join!(futures::future::try_join_all(upserts), futures::future::try_join_all(run_upserts))?;
     tx.commit().await?;
     Ok((answers, finished))
+}
+
+/// Revokes the leases of at most [`MAX_BATCH`] in-progress records of `tenant` that `target`
+/// covers, the first ones after `after` in (namespace, key) order, in one transaction: their
+/// keys' locks in ascending order (as a batch takes them, so the two never deadlock), each
+/// record read again under its lock and revoked if it still qualifies, with a fence drawn once
+/// the locks are held. Answers how many it revoked and where the next chunk starts, if any.
+async fn revoke_chunk(
+    pool: &Pool,
+    tenant: &TenantId,
+    target: &SwitchTarget,
+    detail: &str,
+    now: Timestamp,
+    after: Option<&(String, String)>,
+) -> Result<(u64, Option<(String, String)>), BatchError> {
+    let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    let tx = client.transaction().await?;
+    let (prefix, run) = match target {
+        SwitchTarget::Tenant => (None, None),
+        SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
+        SwitchTarget::Run { run } => (None, Some(run.as_str())),
+    };
+    let chunk = i64::try_from(MAX_BATCH).unwrap_or(i64::MAX);
+    let candidates = tx
+        .query(
+            "SELECT namespace, key FROM og_records
+             WHERE tenant = $1 AND state = 'in_progress' AND expires_at > $2
+               AND ($3::text IS NULL OR namespace = $3 OR starts_with(namespace, $3 || '/'))
+               AND ($4::text IS NULL OR run = $4)
+               AND ($5::text IS NULL OR (namespace, key) > ($5::text COLLATE \"C\", $6::text COLLATE \"C\"))
+             ORDER BY namespace, key
+             LIMIT $7",
+            &[
+                &tenant.as_str(),
+                &to_i64(now),
+                &prefix,
+                &run,
+                &after.map(|(ns, _)| ns.as_str()),
+                &after.map(|(_, key)| key.as_str()),
+                &chunk,
+            ],
+        )
+        .await?;
+    let next = match candidates.last() {
+        Some(last) if candidates.len() == MAX_BATCH => Some((last.get(0), last.get(1))),
+        _ => None,
+    };
+    let bad = |e: onceguard_core::InvalidInput| BatchError::Data(e.to_string());
+    let mut scopes = candidates
+        .iter()
+        .map(|row| {
+            Ok(Scope::new(
+                tenant.clone(),
+                Namespace::parse(row.get(0)).map_err(bad)?,
+                Key::parse(row.get(1)).map_err(bad)?,
+            ))
+        })
+        .collect::<Result<Vec<Scope>, BatchError>>()?;
+    scopes.sort_by_key(lock_key);
+    let lock_get = tx.prepare_cached("SELECT doc, body FROM og_lock_get($1, $2, $3, $4)").await?;
+    let reads = scopes.iter().map(|s| {
+        let (tx, lock_get) = (&tx, &lock_get);
+        async move {
+            tx.query_opt(lock_get, &[&lock_key(s), &s.tenant.as_str(), &s.namespace.as_str(), &s.key.as_str()]).await
+        }
+    });
+    let mut covered = Vec::new();
+    for row in futures::future::try_join_all(reads).await?.iter().flatten() {
+        let record = decode_row(row)?;
+        if control::revocable(&record, &target, &detail, now) {
+            covered.push(record);
+        }
+    }
+    let revoked = covered.len() as u64;
+    if !covered.is_empty() {
+        let n = i64::try_from(covered.len()).unwrap_or(i64::MAX);
+        let next_fences = tx.prepare_cached(NEXT_FENCES).await?;
+        let mut fences: Vec<i64> = tx.query(&next_fences, &[&n]).await?.iter().map(|r| r.get(0)).collect();
+        fences.sort_unstable();
+        let upsert = tx.prepare_cached(UPSERT).await?;
+        let mut params = Vec::with_capacity(covered.len());
+        for (mut record, fence) in covered.into_iter().zip(fences) {
+            control::revoke(&mut record, Fence(fence as u64), detail, now);
+            params.push(record_params(record)?);
+        }
+        let upserts = params.iter().map(|p| {
+            let (tx, upsert) = (&tx, &upsert);
+            async move { tx.execute(upsert, &p.as_sql()).await }
+        });
+        futures::future::try_join_all(upserts).await?;
+    }
+    tx.commit().await?;
+    Ok((revoked, next))
 }
 
 /// Notifies finished keys on `channel`, in batches, each in a statement of its own.
@@ -797,6 +1267,193 @@ impl Store for PgStore {
             .map_err(unavailable)?;
         Ok(n > 0)
     }
+
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // The run's lock, as a batch that charges it takes it: read, change, write.
+        let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
+        let h = class_lock(&[tenant.as_str(), run.as_str()]);
+        let row = tx.query_opt(&lock_run, &[&h, &tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        let mut stored = match row {
+            Some(row) => decode_run(tenant, run, &row)?,
+            None => Run::new(tenant.clone(), run.clone(), now),
+        };
+        stored.budget = budget.clone();
+        stored.updated_at = now;
+        let (t, r, b, effects, cost, created, updated) = run_params(&stored).map_err(corrupt)?;
+        let upsert_run = tx.prepare_cached(UPSERT_RUN).await.map_err(unavailable)?;
+        tx.execute(&upsert_run, &[&t, &r, &b, &effects, &cost, &created, &updated]).await.map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(stored)
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM og_runs WHERE tenant = $1 AND run = $2"))
+            .await
+            .map_err(unavailable)?;
+        let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        row.map(|row| decode_run(tenant, run, &row)).transpose()
+    }
+
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
+                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                "DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body",
+                &[&kind.as_str(), &tenant.as_str(), &id],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(row.map(|row| ControlDoc { kind, tenant: tenant.clone(), id: id.to_owned(), body: row.get(0) }))
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached("SELECT kind, tenant, id, body FROM og_control ORDER BY kind, tenant, id")
+            .await
+            .map_err(unavailable)?;
+        let rows = client.query(&st, &[]).await.map_err(unavailable)?;
+        rows.iter()
+            .map(|row| {
+                let kind: &str = row.get(0);
+                Ok(ControlDoc {
+                    kind: ControlKind::parse(kind)
+                        .ok_or_else(|| corrupt(format!("unknown control document kind '{kind}'")))?,
+                    tenant: TenantId::parse(row.get::<_, &str>(1)).map_err(corrupt)?,
+                    id: row.get(2),
+                    body: row.get(3),
+                })
+            })
+            .collect()
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut revoked = 0;
+        let mut after = None;
+        loop {
+            let (n, next) =
+                revoke_chunk(&self.pool, tenant, target, detail, now, after.as_ref()).await.map_err(|e| match e {
+                    BatchError::Data(e) => corrupt(e),
+                    e => unavailable(e),
+                })?;
+            revoked += n;
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(revoked),
+            }
+        }
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // Reads the tenant's theoretical arrival time with its row locked (created at 0, which
+        // `gcra` reads as never stored), so that concurrent takes queue up on it.
+        let take = tx
+            .prepare_cached(
+                "INSERT INTO og_rates (tenant, tat_us) VALUES ($1, 0)
+                 ON CONFLICT (tenant) DO UPDATE SET tat_us = og_rates.tat_us
+                 RETURNING tat_us",
+            )
+            .await
+            .map_err(unavailable)?;
+        let tat: i64 = tx.query_one(&take, &[&tenant.as_str()]).await.map_err(unavailable)?.get(0);
+        let tat = u64::try_from(tat).map_err(corrupt)?;
+        match control::gcra(Some(tat), now, rate) {
+            Ok(next) => {
+                tx.execute("UPDATE og_rates SET tat_us = $2 WHERE tenant = $1", &[&tenant.as_str(), &to_sql_u64(next)])
+                    .await
+                    .map_err(unavailable)?;
+                tx.commit().await.map_err(unavailable)?;
+                Ok(Ok(()))
+            }
+            Err(wait) => {
+                tx.rollback().await.map_err(unavailable)?;
+                Ok(Err(wait))
+            }
+        }
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let doc = serde_json::to_string(entry).map_err(corrupt)?;
+        // An entry is written once: a retried append of the same entry changes nothing.
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO og_audit (tenant, id, at, actor, action, doc) VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (tenant, id) DO NOTHING",
+                &[&entry.tenant.as_str(), &entry.id, &to_i64(entry.at), &entry.actor, &entry.action, &doc],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
+        // Only the filters given are in the statement, so that each shape reads its index
+        // backwards: (tenant, id), (tenant, action, id) or (tenant, actor, id).
+        let tenant = tenant.as_str();
+        let mut sql = "SELECT doc FROM og_audit WHERE tenant = $1".to_owned();
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&tenant];
+        for (column, value) in [("action = ", &filter.action), ("actor = ", &filter.actor), ("id < ", &filter.before)] {
+            if let Some(value) = value {
+                params.push(value);
+                sql.push_str(&format!(" AND {column}${}", params.len()));
+            }
+        }
+        params.push(&overfetch);
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", params.len()));
+        let client = self.client().await?;
+        let st = client.prepare_cached(&sql).await.map_err(unavailable)?;
+        let rows = client.query(&st, &params).await.map_err(unavailable)?;
+        let entries = rows
+            .iter()
+            .map(|row| serde_json::from_str::<AuditEntry>(row.get(0)).map_err(corrupt))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(AuditPage::from_overfetch(entries, limit))
+    }
 }
 
 #[cfg(test)]
@@ -812,5 +1469,75 @@ mod tests {
         assert!(parse_url("postgres://h/db?pool_size=many").is_err());
         assert!(parse_url("mysql://h/db").is_err());
         assert_eq!(parse_url("postgresql://h/db").unwrap().1, PgOptions::default());
+    }
+
+    #[test]
+    fn lock_keys_never_change() {
+        // Instances of different versions share a database: they must lock a key (and a tenant's
+        // quota) under the same numbers.
+        let scope = Scope::new(
+            TenantId::parse("acme").unwrap(),
+            Namespace::parse("prod/payments").unwrap(),
+            Key::parse("k-1").unwrap(),
+        );
+        assert_eq!(lock_key(&scope), 6_471_301_242_186_714_639);
+        assert_eq!(class_lock(&["acme"]), 621_423_428);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_schema_of_the_first_version_is_upgraded_and_its_records_still_read() {
+        let url = std::env::var("ONCEGUARD_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let addr = onceguard_testkit::services::addr_of_url(&url, 5432);
+        if !onceguard_testkit::services::available("PostgreSQL migration test", &addr, "start PostgreSQL") {
+            return;
+        }
+        let schema = format!("og_upgrade_{:08x}", rand::random::<u32>());
+        let (client, connection) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        let driver = tokio::spawn(connection);
+        // A schema as instances of the first version left it: one record in flight, whose
+        // document has no `charged`.
+        let first = MIGRATIONS[0];
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; SET search_path = {schema};
+                 CREATE TABLE og_migrations (version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now());
+                 {first}
+                 INSERT INTO og_migrations (version) VALUES (1);
+                 SELECT setval('og_fence', 7);"
+            ))
+            .await
+            .unwrap();
+        let now = Timestamp(1_000);
+        let scope =
+            Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("old").unwrap());
+        let req = ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: onceguard_core::Fingerprint::sha256(b"old"),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(60),
+            run: None,
+            cost: 0,
+            max_in_flight: Some(1),
+        };
+        let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
+        let p = record_params(record).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&p.doc).unwrap();
+        doc.as_object_mut().unwrap().remove("charged");
+        let p = RecordParams { doc: doc.to_string(), ..p };
+        client.execute(UPSERT, &p.as_sql()).await.unwrap();
+
+        let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
+        let store = PgStore::connect_with(&url, options).await.unwrap();
+        let version: i32 = client.query_one("SELECT max(version) FROM og_migrations", &[]).await.unwrap().get(0);
+        assert_eq!(version as usize, MIGRATIONS.len());
+        assert!(!store.get(&scope, now).await.unwrap().expect("the old record reads").charged);
+        // Its lease counts against the quota of 1.
+        let other = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..scope }, ..req };
+        assert!(matches!(store.claim(&other, now).await.unwrap(), ClaimOutcome::Denied(_)));
+        drop(store);
+        client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await.unwrap();
+        drop(client);
+        let _ = driver.await;
     }
 }

@@ -12,16 +12,12 @@ use onceguard_store_postgres::{PgOptions, PgStore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-fn url() -> String {
-    std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+mod common;
+
+use common::{drop_schema, url};
 
 fn available() -> bool {
-    onceguard_testkit::services::available(
-        "PostgreSQL fault tests",
-        &onceguard_testkit::services::addr_of_url(&url(), 5432),
-        "start PostgreSQL or set ONCEGUARD_POSTGRES_URL",
-    )
+    common::available("PostgreSQL fault tests")
 }
 
 /// Copies `from` to `to`, holding every chunk back by `delay`.
@@ -61,16 +57,7 @@ async fn slow_proxy(upstream: String, delay: Duration) -> u16 {
 }
 
 fn schema() -> String {
-    format!("og_fault_{:08x}", rand::random::<u32>())
-}
-
-async fn drop_schema(schema: &str) {
-    if let Ok((client, connection)) = tokio_postgres::connect(&url(), tokio_postgres::NoTls).await {
-        let driver = tokio::spawn(connection);
-        let _ = client.batch_execute(&format!("SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS {schema} CASCADE")).await;
-        drop(client);
-        let _ = driver.await;
-    }
+    common::schema("og_fault")
 }
 
 fn request(key: &str, lease: Duration) -> ClaimRequest {

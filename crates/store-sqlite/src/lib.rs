@@ -16,20 +16,42 @@
 //!   so a key's fence keeps growing after its record expired and was swept.
 //! - **Retention** is checked when read (`expires_at > now` in every query); the sweep deletes
 //!   expired rows in bounded batches.
+//! - **Budgets and quotas** are decided in the claim's job, on the writer thread, so nothing
+//!   runs between the count and the write: when the protocol acquires, the job counts the
+//!   tenant's live leases (only if the claim carries a quota; on the index `records_state`, so
+//!   the count costs as many rows as there are leases that have not passed), reads the record's
+//!   run from `runs`, and runs `control::admit`. Admitted: the record and the charged run are
+//!   written in the job. Denied: the job undoes its savepoint, so not even the fence it drew is
+//!   kept. A fenced call that writes adds the cost it reports to the run in its job too. A key
+//!   is charged once because the record remembers it (`charged`, in its JSON document).
+//! - **Revoking leases** is one job: it reads the tenant's live in-progress records the switch
+//!   covers and gives each a fence from `meta.fence` (`control::revoke`).
+//! - **Claim rates** (`rates`, one theoretical arrival time per tenant) are read, passed through
+//!   `control::gcra` and written in one job. Control documents (`control`) and the audit log
+//!   (`audit`, newest first by id from the indexes on (tenant, id), (tenant, action, id) and
+//!   (tenant, actor, id)) are plain rows.
+//! - **Migrations** are numbered by `PRAGMA user_version` and applied in one transaction; an
+//!   applied one is never edited, a change of schema is a new entry.
 //!
-//! Reads (`get`, `list`, `ping`) use a separate connection, which WAL lets run beside writes.
+//! Reads (`get`, `list`, `ping`, runs, control documents, the audit log) use a separate
+//! connection, which WAL lets run beside writes.
 
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
+use onceguard_core::control::{
+    self, Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage,
+    SwitchTarget,
+};
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, Scope, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, RunId, Scope, TenantId, Timestamp};
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
@@ -37,7 +59,8 @@ use tokio::sync::{mpsc, oneshot};
 pub const MAX_BATCH: usize = 512;
 
 /// The schema, by version (`PRAGMA user_version`). Each entry upgrades from the one before.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
     CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
     INSERT INTO meta (name, value) VALUES ('fence', 0);
     CREATE TABLE records (
@@ -65,7 +88,39 @@ const MIGRATIONS: &[&str] = &[r#"
         revoked_at INTEGER
     ) WITHOUT ROWID;
     CREATE INDEX api_keys_tenant ON api_keys (tenant, created_at);
-"#];
+"#,
+    r#"
+    CREATE TABLE runs (
+        tenant TEXT NOT NULL,
+        run TEXT NOT NULL,
+        budget TEXT NOT NULL,
+        effects INTEGER NOT NULL,
+        cost INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        PRIMARY KEY (tenant, run)
+    ) WITHOUT ROWID;
+    CREATE TABLE control (
+        kind TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (kind, tenant, id)
+    ) WITHOUT ROWID;
+    CREATE TABLE rates (tenant TEXT PRIMARY KEY, tat_us INTEGER NOT NULL) WITHOUT ROWID;
+    CREATE TABLE audit (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        at INTEGER NOT NULL,
+        actor TEXT NOT NULL,
+        action TEXT NOT NULL,
+        doc TEXT NOT NULL,
+        PRIMARY KEY (tenant, id)
+    ) WITHOUT ROWID;
+    CREATE INDEX audit_action ON audit (tenant, action, id);
+    CREATE INDEX audit_actor ON audit (tenant, actor, id);
+"#,
+];
 
 type Deliver = Box<dyn FnOnce(Option<&StoreError>) + Send>;
 type Job = Box<dyn FnOnce(&Connection) -> Deliver + Send>;
@@ -105,7 +160,7 @@ fn to_i64(t: Timestamp) -> i64 {
 
 fn connect(path: &Path) -> Result<Connection, StoreError> {
     let conn = Connection::open(path).map_err(unavailable)?;
-    conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(unavailable)?;
+    conn.busy_timeout(Duration::from_secs(5)).map_err(unavailable)?;
     conn.pragma_update(None, "journal_mode", "WAL").map_err(unavailable)?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(unavailable)?;
     // A page cache of 32 MiB per connection (SQLite's default is 2 MiB), and reads through a
@@ -205,6 +260,13 @@ fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> Result<T, S
     let end = if result.is_ok() { "RELEASE job" } else { "ROLLBACK TO job; RELEASE job" };
     conn.execute_batch(end).map_err(unavailable)?;
     result
+}
+
+/// Undoes everything the running job wrote so far (its savepoint stays open, and is released
+/// by [`in_savepoint`] when the job answers): a job that decides to change nothing after it
+/// already wrote, such as a denied claim that drew a fence, leaves the database as it found it.
+fn discard_job(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute_batch("ROLLBACK TO job").map_err(unavailable)
 }
 
 fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
@@ -329,6 +391,140 @@ fn decode_api_key(
 
 const API_KEY_COLUMNS: &str = "id, tenant, role, label, secret_sha256, created_at, revoked_at";
 
+/// An unsigned number as an INTEGER column: saturates at `i64::MAX` (a count or a limit that
+/// large is out of reach either way).
+fn to_sql_u64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn from_sql_u64(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(corrupt)
+}
+
+/// Claims a key (see the module documentation): the protocol's decision, then, when it
+/// acquires, the tenant's in-flight quota and the run's budget ([`control::admit`]), and the
+/// writes, all in the caller's job.
+fn claim_in(conn: &Connection, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+    let existing = load(conn, &req.scope)?;
+    let mut fence_error = None;
+    let (outcome, write) = protocol::claim(existing, req, now, || {
+        next_fence(conn).unwrap_or_else(|e| {
+            fence_error = Some(e);
+            Fence(0)
+        })
+    });
+    if let Some(e) = fence_error {
+        return Err(e);
+    }
+    let Some(mut record) = write else { return Ok(outcome) };
+    let tenant = &req.scope.tenant;
+    let in_flight = req.max_in_flight.map(|_| count_in_flight(conn, tenant, now)).transpose()?;
+    let mut run = record.run.as_ref().map(|id| run_or_new(conn, tenant, id, now)).transpose()?;
+    match control::admit(&mut record, req, Admission { in_flight, run: run.as_mut() }, now) {
+        Err(denial) => {
+            // Not even the fence drawn for it is kept.
+            discard_job(conn)?;
+            Ok(ClaimOutcome::Denied(denial))
+        }
+        Ok(charged) => {
+            if let (true, Some(run)) = (charged, &run) {
+                save_run(conn, run)?;
+            }
+            save(conn, record)?;
+            Ok(outcome)
+        }
+    }
+}
+
+/// Counts the tenant's live leases at `now`, as [`control::holds_lease`] defines them: in
+/// progress, lease not passed, outcome not reported unknown, record live. The index
+/// `records_state` (tenant, state, lease_expires_at) narrows it to the leases that have not
+/// passed, so its cost grows with the keys in flight, not with the keys stored.
+const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM records
+     WHERE tenant = ?1 AND state = 'in_progress' AND lease_expires_at > ?2 AND expires_at > ?2
+       AND json_extract(doc, '$.unknown') IS NULL";
+
+fn count_in_flight(conn: &Connection, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {
+    let n: i64 = conn
+        .prepare_cached(COUNT_IN_FLIGHT)
+        .and_then(|mut st| st.query_row(params![tenant.as_str(), to_i64(now)], |r| r.get(0)))
+        .map_err(unavailable)?;
+    from_sql_u64(n)
+}
+
+const RUN_COLUMNS: &str = "tenant, run, budget, effects, cost, created_at, updated_at";
+
+type RunRow = (String, String, String, i64, i64, i64, i64);
+
+fn run_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RunRow> {
+    Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?, row.get(5)?, row.get(6)?))
+}
+
+fn decode_run((tenant, run, budget, effects, cost, created_at, updated_at): RunRow) -> Result<Run, StoreError> {
+    Ok(Run {
+        tenant: TenantId::parse(&tenant).map_err(corrupt)?,
+        run: RunId::parse(&run).map_err(corrupt)?,
+        budget: serde_json::from_str::<Budget>(&budget).map_err(corrupt)?,
+        usage: RunUsage { effects: from_sql_u64(effects)?, cost: from_sql_u64(cost)? },
+        created_at: Timestamp(from_sql_u64(created_at)?),
+        updated_at: Timestamp(from_sql_u64(updated_at)?),
+    })
+}
+
+fn load_run(conn: &Connection, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+    conn.prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ?1 AND run = ?2"))
+        .and_then(|mut st| st.query_row(params![tenant.as_str(), run.as_str()], run_from_row).optional())
+        .map_err(unavailable)?
+        .map(decode_run)
+        .transpose()
+}
+
+/// Writes a run whole (only the writer thread writes runs, inside the job that read it).
+fn save_run(conn: &Connection, run: &Run) -> Result<(), StoreError> {
+    let budget = serde_json::to_string(&run.budget).map_err(corrupt)?;
+    conn.prepare_cached(&format!(
+        "INSERT INTO runs ({RUN_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+         ON CONFLICT (tenant, run) DO UPDATE SET
+           budget = excluded.budget, effects = excluded.effects, cost = excluded.cost,
+           updated_at = excluded.updated_at"
+    ))
+    .and_then(|mut st| {
+        st.execute(params![
+            run.tenant.as_str(),
+            run.run.as_str(),
+            budget,
+            to_sql_u64(run.usage.effects),
+            to_sql_u64(run.usage.cost),
+            to_i64(run.created_at),
+            to_i64(run.updated_at),
+        ])
+    })
+    .map_err(unavailable)?;
+    Ok(())
+}
+
+/// The run `id` of `tenant` as stored, or a new one seen at `now`.
+fn run_or_new(conn: &Connection, tenant: &TenantId, id: &RunId, now: Timestamp) -> Result<Run, StoreError> {
+    Ok(load_run(conn, tenant, id)?.unwrap_or_else(|| Run::new(tenant.clone(), id.clone(), now)))
+}
+
+fn control_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(String, String, String, String)> {
+    Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+}
+
+fn decode_control((kind, tenant, id, body): (String, String, String, String)) -> Result<ControlDoc, StoreError> {
+    Ok(ControlDoc {
+        kind: ControlKind::parse(&kind).ok_or_else(|| corrupt(format!("unknown control document kind '{kind}'")))?,
+        tenant: TenantId::parse(&tenant).map_err(corrupt)?,
+        id,
+        body,
+    })
+}
+
+fn decode_audit(doc: String) -> Result<AuditEntry, StoreError> {
+    serde_json::from_str(&doc).map_err(corrupt)
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     fn kind(&self) -> &'static str {
@@ -337,24 +533,7 @@ impl Store for SqliteStore {
 
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         let req = req.clone();
-        self.write(move |conn| {
-            let existing = load(conn, &req.scope)?;
-            let mut fence_error = None;
-            let (outcome, write) = protocol::claim(existing, &req, now, || {
-                next_fence(conn).unwrap_or_else(|e| {
-                    fence_error = Some(e);
-                    Fence(0)
-                })
-            });
-            if let Some(e) = fence_error {
-                return Err(e);
-            }
-            if let Some(record) = write {
-                save(conn, record)?;
-            }
-            Ok(outcome)
-        })
-        .await
+        self.write(move |conn| claim_in(conn, &req, now)).await
     }
 
     async fn mutate(
@@ -368,8 +547,14 @@ impl Store for SqliteStore {
         let scope = scope.clone();
         self.write(move |conn| {
             let existing = load(conn, &scope)?;
+            let cost = control::reported_cost(&mutation);
             let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
             if let Some(record) = write {
+                if let (true, Some(id)) = (cost > 0, &record.run) {
+                    let mut run = run_or_new(conn, &scope.tenant, id, now)?;
+                    run.add_cost(cost, now);
+                    save_run(conn, &run)?;
+                }
                 save(conn, record)?;
             }
             Ok(outcome)
@@ -559,9 +744,302 @@ impl Store for SqliteStore {
         })
         .await
     }
+
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let (tenant, id, budget) = (tenant.clone(), run.clone(), budget.clone());
+        self.write(move |conn| {
+            let mut run = run_or_new(conn, &tenant, &id, now)?;
+            run.budget = budget;
+            run.updated_at = now;
+            save_run(conn, &run)?;
+            Ok(run)
+        })
+        .await
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        let (tenant, run) = (tenant.clone(), run.clone());
+        self.read(move |conn| load_run(conn, &tenant, &run)).await
+    }
+
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        let doc = doc.clone();
+        self.write(move |conn| {
+            conn.prepare_cached(
+                "INSERT INTO control (kind, tenant, id, body) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
+            )
+            .and_then(|mut st| st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body]))
+            .map_err(unavailable)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        let (tenant, id) = (tenant.clone(), id.to_owned());
+        self.write(move |conn| {
+            conn.prepare_cached(
+                "DELETE FROM control WHERE kind = ?1 AND tenant = ?2 AND id = ?3 RETURNING kind, tenant, id, body",
+            )
+            .and_then(|mut st| st.query_row(params![kind.as_str(), tenant.as_str(), id], control_from_row).optional())
+            .map_err(unavailable)?
+            .map(decode_control)
+            .transpose()
+        })
+        .await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.read(|conn| {
+            let mut st = conn
+                .prepare_cached("SELECT kind, tenant, id, body FROM control ORDER BY kind, tenant, id")
+                .map_err(unavailable)?;
+            let rows = st.query_map([], control_from_row).map_err(unavailable)?;
+            rows.map(|r| r.map_err(unavailable).and_then(decode_control)).collect()
+        })
+        .await
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let (tenant, target, detail) = (tenant.clone(), target.clone(), detail.to_owned());
+        self.write(move |conn| {
+            let (prefix, run) = match &target {
+                SwitchTarget::Tenant => (None, None),
+                SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
+                SwitchTarget::Run { run } => (None, Some(run.as_str())),
+            };
+            let sql = format!(
+                "SELECT {RECORD_COLUMNS} FROM records
+                 WHERE tenant = ?1 AND state = 'in_progress' AND expires_at > ?2
+                   AND (?3 IS NULL OR namespace = ?3 OR substr(namespace, 1, length(?3) + 1) = ?3 || '/')
+                   AND (?4 IS NULL OR run = ?4)"
+            );
+            let mut st = conn.prepare_cached(&sql).map_err(unavailable)?;
+            let rows =
+                st.query_map(params![tenant.as_str(), to_i64(now), prefix, run], row_parts).map_err(unavailable)?;
+            let mut covered = Vec::new();
+            for row in rows {
+                let record = decode(row.map_err(unavailable)?)?;
+                if control::revocable(&record, &target, &detail, now) {
+                    covered.push(record);
+                }
+            }
+            let revoked = covered.len() as u64;
+            for mut record in covered {
+                control::revoke(&mut record, next_fence(conn)?, &detail, now);
+                save(conn, record)?;
+            }
+            Ok(revoked)
+        })
+        .await
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let (tenant, rate) = (tenant.clone(), *rate);
+        self.write(move |conn| {
+            let tat: Option<i64> = conn
+                .prepare_cached("SELECT tat_us FROM rates WHERE tenant = ?1")
+                .and_then(|mut st| st.query_row([tenant.as_str()], |r| r.get(0)).optional())
+                .map_err(unavailable)?;
+            let next = match control::gcra(tat.map(from_sql_u64).transpose()?, now, &rate) {
+                Ok(next) => next,
+                Err(wait) => return Ok(Err(wait)),
+            };
+            conn.prepare_cached(
+                "INSERT INTO rates (tenant, tat_us) VALUES (?1, ?2)
+                 ON CONFLICT (tenant) DO UPDATE SET tat_us = excluded.tat_us",
+            )
+            .and_then(|mut st| st.execute(params![tenant.as_str(), to_sql_u64(next)]))
+            .map_err(unavailable)?;
+            Ok(Ok(()))
+        })
+        .await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let entry = entry.clone();
+        self.write(move |conn| {
+            let doc = serde_json::to_string(&entry).map_err(corrupt)?;
+            // An entry is written once: a retried append of the same entry changes nothing.
+            conn.prepare_cached(
+                "INSERT INTO audit (tenant, id, at, actor, action, doc) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (tenant, id) DO NOTHING",
+            )
+            .and_then(|mut st| {
+                st.execute(params![entry.tenant.as_str(), entry.id, to_i64(entry.at), entry.actor, entry.action, doc])
+            })
+            .map_err(unavailable)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let (tenant, filter) = (tenant.clone(), filter.clone());
+        self.read(move |conn| {
+            let limit = filter.limit.clamp(1, MAX_PAGE);
+            // Only the filters given are in the statement, and each shape reads its index
+            // backwards from the cursor: (tenant, id), (tenant, action, id) or (tenant, actor,
+            // id). Named, because without statistics SQLite would rather scan the tenant's
+            // entries by id and filter them.
+            let index = match (&filter.action, &filter.actor) {
+                (Some(_), _) => " INDEXED BY audit_action",
+                (None, Some(_)) => " INDEXED BY audit_actor",
+                (None, None) => "",
+            };
+            let mut sql = format!("SELECT doc FROM audit{index} WHERE tenant = ?1");
+            for (given, clause) in [
+                (filter.action.is_some(), " AND action = ?2"),
+                (filter.actor.is_some(), " AND actor = ?3"),
+                (filter.before.is_some(), " AND id < ?4"),
+            ] {
+                if given {
+                    sql.push_str(clause);
+                }
+            }
+            sql.push_str(" ORDER BY id DESC LIMIT ?5");
+            let mut st = conn.prepare_cached(&sql).map_err(unavailable)?;
+            let rows = st
+                .query_map(
+                    params![
+                        tenant.as_str(),
+                        filter.action,
+                        filter.actor,
+                        filter.before,
+                        i64::try_from(limit + 1).unwrap_or(i64::MAX),
+                    ],
+                    |r| r.get::<_, String>(0),
+                )
+                .map_err(unavailable)?;
+            let entries = rows.map(|r| r.map_err(unavailable).and_then(decode_audit)).collect::<Result<Vec<_>, _>>()?;
+            Ok(AuditPage::from_overfetch(entries, limit))
+        })
+        .await
+    }
 }
 
 /// Parses the path out of a `sqlite://PATH` URL (`sqlite:///abs/path` or `sqlite://rel/path`).
 pub fn path_from_url(url: &str) -> Option<PathBuf> {
     url.strip_prefix("sqlite://").filter(|p| !p.is_empty()).map(PathBuf::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query_plan(conn: &Connection, sql: &str) -> String {
+        let mut st = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let rows = st.query_map(params![], |r| r.get::<_, String>(3)).unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+    }
+
+    #[test]
+    fn the_in_flight_count_reads_the_lease_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = connect(&dir.path().join("plan.db")).unwrap();
+        migrate(&mut conn).unwrap();
+        let sql = COUNT_IN_FLIGHT.replace("?1", "'t'").replace("?2", "1");
+        let plan = query_plan(&conn, &sql);
+        assert!(plan.contains("USING INDEX records_state (tenant=? AND state=? AND lease_expires_at>?)"), "{plan}");
+        let sql = "SELECT doc FROM audit INDEXED BY audit_action WHERE tenant = 't' AND action = 'a' ORDER BY id DESC";
+        let plan = query_plan(&conn, sql);
+        assert!(
+            plan.contains("USING INDEX audit_action (tenant=? AND action=?)") && !plan.contains("TEMP B-TREE"),
+            "{plan}"
+        );
+    }
+
+    fn scope(key: &str) -> Scope {
+        let ns = onceguard_core::Namespace::parse("ns").unwrap();
+        Scope::new(TenantId::parse("acme").unwrap(), ns, onceguard_core::Key::parse(key).unwrap())
+    }
+
+    fn request(key: &str) -> ClaimRequest {
+        ClaimRequest {
+            scope: scope(key),
+            fingerprint: onceguard_core::Fingerprint::sha256(key.as_bytes()),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(60),
+            run: None,
+            cost: 0,
+            max_in_flight: Some(1),
+        }
+    }
+
+    fn fence_of(outcome: ClaimOutcome) -> Fence {
+        match outcome {
+            ClaimOutcome::Acquired(a) => a.fence,
+            other => panic!("not acquired: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_denied_claim_writes_nothing_not_even_a_fence() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("og.db")).unwrap();
+        let now = Timestamp(1_000);
+        let first = fence_of(store.claim(&request("a"), now).await.unwrap());
+        assert!(matches!(store.claim(&request("b"), now).await.unwrap(), ClaimOutcome::Denied(_)));
+        assert!(store.get(&scope("b"), now).await.unwrap().is_none());
+        let later = Timestamp(20_000);
+        assert_eq!(fence_of(store.claim(&request("b"), later).await.unwrap()), Fence(first.0 + 1));
+    }
+
+    #[tokio::test]
+    async fn a_file_of_the_first_schema_is_upgraded_and_its_records_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.db");
+        let now = Timestamp(1_000);
+        {
+            // A record as the first schema's store wrote it: its document has no `charged`.
+            let mut conn = connect(&path).unwrap();
+            let tx = conn.transaction().unwrap();
+            tx.execute_batch(MIGRATIONS[0]).unwrap();
+            tx.pragma_update(None, "user_version", 1).unwrap();
+            tx.commit().unwrap();
+            let (_, Some(record)) = protocol::claim(None, &request("old"), now, || Fence(7)) else { panic!() };
+            let (doc, body) = record.into_doc().unwrap();
+            let mut value: serde_json::Value = serde_json::from_str(&doc).unwrap();
+            value.as_object_mut().unwrap().remove("charged");
+            conn.execute(
+                "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
+                 VALUES ('acme', 'ns', 'old', 'in_progress', NULL, 11000, 71000, ?1, ?2)",
+                params![value.to_string(), body],
+            )
+            .unwrap();
+            conn.execute("UPDATE meta SET value = 7 WHERE name = 'fence'", []).unwrap();
+        }
+        let store = SqliteStore::open(&path).unwrap();
+        let version: usize =
+            store.read(|c| c.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(unavailable)).await.unwrap();
+        assert_eq!(version, MIGRATIONS.len());
+        let old = store.get(&scope("old"), now).await.unwrap().expect("the old record reads");
+        assert!(!old.charged);
+        // It holds a live lease, so the quota of 1 is spent.
+        assert!(matches!(store.claim(&request("new"), now).await.unwrap(), ClaimOutcome::Denied(_)));
+        store.put_budget(&scope("x").tenant, &RunId::parse("r").unwrap(), &Budget::default(), now).await.unwrap();
+    }
 }

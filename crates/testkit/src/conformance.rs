@@ -760,6 +760,9 @@ pub async fn revoked_leases_make_holders_stale(store: Arc<dyn Store>) {
     let acme = TenantId::parse("acme").unwrap();
     let n = store.revoke_leases(&acme, &target, "switch namespace:prod", c.guard.clock().now()).await.unwrap();
     assert_eq!(n, 1);
+    // A second pass with the same detail finds nothing new to revoke.
+    let again = store.revoke_leases(&acme, &target, "switch namespace:prod", c.guard.clock().now()).await.unwrap();
+    assert_eq!(again, 0);
     assert_eq!(
         c.mutate(&prod, fa, Mutation::Complete(success("late"))).await,
         FencedOutcome::Stale(StaleReason::Superseded)

@@ -11,7 +11,7 @@ use onceguard_core::Clock;
 
 use crate::helpers::{Backing, TestApp, assert_problem, key_id, spawn_app};
 
-const BACKINGS: [Backing; 1] = [Backing::Memory];
+const BACKINGS: [Backing; 2] = [Backing::Memory, Backing::Sqlite];
 
 async fn ok_json(response: reqwest::Response, status: StatusCode) -> Value {
     assert_eq!(response.status(), status);

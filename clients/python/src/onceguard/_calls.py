@@ -1,0 +1,464 @@
+"""Each API call as data: the request to send and how to read its answer.
+
+The sync :class:`onceguard.Client` and the async :class:`onceguard.AsyncClient` send the same
+:class:`Call` values over their own connection pools; building requests and reading answers
+happens here, once, with no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable, Generic, Mapping, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from . import _wire
+from ._wire import Duration, RawJson
+from .errors import OnceguardError, ProblemError, UnexpectedResponse, problem_error
+from .models import (
+    Acquired,
+    ApiKey,
+    AuditEntry,
+    AuditPage,
+    ClaimAnswer,
+    Denied,
+    InFlight,
+    Mismatch,
+    Record,
+    RecordPage,
+    Replay,
+    Run,
+    Settings,
+    SettingsEntry,
+    Switch,
+    SwitchTarget,
+    Tenant,
+)
+
+T = TypeVar("T")
+
+#: Marks an argument that was not given (``None`` is a valid JSON request).
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING", "__bool__": lambda self: False})()
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and the reader of its answer."""
+
+    method: str
+    path: str
+    read: Callable[[httpx.Response], T]
+    params: Mapping[str, str] | None = None
+    body: bytes | None = None
+    #: Whether sending it twice is harmless, so that a request that may have been sent (a read
+    #: timeout, a dropped connection) may be sent again. Claims and fenced calls are, by key and
+    #: fence; creating an API key or engaging a switch is not.
+    idempotent: bool = True
+    #: Seconds the server may legitimately take beyond the usual (a claim's ``wait``).
+    extra_time: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading answers
+# ------------------------------------------------------------------------------------------------
+
+
+def _text(response: httpx.Response) -> str:
+    return response.content.decode("utf-8", errors="replace")
+
+
+def problem_of(response: httpx.Response) -> dict[str, Any] | None:
+    """The problem body of an error answer, or ``None`` if it is not one."""
+    media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media not in ("application/problem+json", "application/json"):
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and "type" in body else None
+
+
+def error_of(response: httpx.Response) -> OnceguardError:
+    """The exception for an answer that is not the call's success."""
+    problem = problem_of(response)
+    if problem is None:
+        return UnexpectedResponse(response.status_code, _text(response))
+    return problem_error(problem, response.status_code)
+
+
+def _expect(response: httpx.Response, *ok: int) -> Any:
+    if response.status_code in ok:
+        return response.json()
+    raise error_of(response)
+
+
+def _retry_after(response: httpx.Response, problem: Mapping[str, Any]) -> float | None:
+    ms = problem.get("retry_after_ms")
+    if isinstance(ms, (int, float)):
+        return ms / 1000
+    header = response.headers.get("retry-after")
+    if header is not None:
+        try:
+            return float(header)
+        except ValueError:
+            return None
+    return None
+
+
+def read_claim(response: httpx.Response) -> ClaimAnswer:
+    """A claim's answer: one of the five, by status for the successes and by problem type."""
+    if response.status_code == 201:
+        return Acquired.from_json(response.json())
+    if response.status_code == 200:
+        text = _text(response)
+        body = response.json()
+        raw = _wire.raw_member(text, "result") if "result" in body else None
+        return Replay.from_json(body, raw)
+    problem = problem_of(response)
+    if problem is None:
+        raise UnexpectedResponse(response.status_code, _text(response))
+    error = problem_error(problem, response.status_code)
+    assert isinstance(error, ProblemError)
+    kind = error.kind
+    if kind == "in-flight":
+        reason = problem.get("reason")
+        attempt = reason.get("attempt") if isinstance(reason, dict) else None
+        return InFlight(retry_after=_retry_after(response, problem) or 0.0, attempt=attempt, detail=error.detail)
+    if kind == "fingerprint-mismatch":
+        return Mismatch(detail=error.detail)
+    denied = Denied.kind_of(kind)
+    if denied is not None:
+        reason = problem.get("reason")
+        return Denied(
+            kind=denied,
+            reason=dict(reason) if isinstance(reason, dict) else {"reason": reason},
+            retry_after=_retry_after(response, problem),
+            detail=error.detail,
+            retryable=error.retryable,
+        )
+    raise error
+
+
+def read_record(response: httpx.Response) -> Record:
+    return Record.from_json(_expect(response, 200))
+
+
+def read_optional_record(response: httpx.Response) -> Record | None:
+    if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
+        return None
+    body = _expect(response, 200)
+    raw = _wire.raw_member(_text(response), "stored", "result") if "result" in (body.get("stored") or {}) else None
+    return Record.from_json(body, raw)
+
+
+def read_page(response: httpx.Response) -> RecordPage:
+    body = _expect(response, 200)
+    return RecordPage(records=tuple(Record.from_json(r) for r in body["records"]), next=body.get("next"))
+
+
+def read_run(response: httpx.Response) -> Run:
+    return Run.from_json(_expect(response, 200, 201))
+
+
+def read_optional_run(response: httpx.Response) -> Run | None:
+    if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
+        return None
+    return read_run(response)
+
+
+def read_switch(response: httpx.Response) -> Switch:
+    return Switch.from_json(_expect(response, 200, 201))
+
+
+def read_switches(response: httpx.Response) -> list[Switch]:
+    body = _expect(response, 200)
+    items = body["switches"] if isinstance(body, dict) else body
+    return [Switch.from_json(s) for s in items]
+
+
+def read_settings_entry(response: httpx.Response) -> SettingsEntry:
+    return SettingsEntry.from_json(_expect(response, 200, 201))
+
+
+def read_settings_list(response: httpx.Response) -> list[SettingsEntry]:
+    body = _expect(response, 200)
+    return [SettingsEntry.from_json(e) for e in (body["settings"] if isinstance(body, dict) else body)]
+
+
+def read_audit(response: httpx.Response) -> AuditPage:
+    body = _expect(response, 200)
+    return AuditPage(entries=tuple(AuditEntry.from_json(e) for e in body["entries"]), next=body.get("next"))
+
+
+def read_api_key(response: httpx.Response) -> ApiKey:
+    return ApiKey.from_json(_expect(response, 200, 201))
+
+
+def read_api_keys(response: httpx.Response) -> list[ApiKey]:
+    return [ApiKey.from_json(k) for k in _expect(response, 200)]
+
+
+def read_tenant(response: httpx.Response) -> Tenant:
+    return Tenant.from_json(_expect(response, 200, 201))
+
+
+def read_tenants(response: httpx.Response) -> list[Tenant]:
+    return [Tenant.from_json(t) for t in _expect(response, 200)]
+
+
+def read_purged(response: httpx.Response) -> bool:
+    return bool(_expect(response, 200)["purged"])
+
+
+def read_nothing(response: httpx.Response) -> None:
+    if response.status_code not in (200, 204):
+        raise error_of(response)
+
+
+def read_ready(response: httpx.Response) -> bool:
+    return response.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# Building requests
+# ------------------------------------------------------------------------------------------------
+
+
+def _opt_duration(value: Duration | None) -> str | None:
+    return None if value is None else _wire.format_duration(value)
+
+
+def _query(**params: Any) -> dict[str, str]:
+    out = {}
+    for name, value in params.items():
+        if value is None:
+            continue
+        out[name] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return out
+
+
+def _cost(cost: int | None) -> int | None:
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 0):
+        raise ValueError("cost is a whole number of cost units, at least 0")
+    return cost
+
+
+def claim(
+    namespace: str,
+    key: str,
+    *,
+    request: Any = MISSING,
+    fingerprint: str | None = None,
+    lease: Duration | None = None,
+    retention: Duration | None = None,
+    run: str | None = None,
+    wait: Duration | None = None,
+    cost: int | None = None,
+) -> Call[ClaimAnswer]:
+    if (request is MISSING) == (fingerprint is None):
+        raise ValueError("give exactly one of 'request' (the request's meaning as JSON) and 'fingerprint'")
+    fields: dict[str, Any] = {"namespace": namespace, "key": key}
+    if request is not MISSING:
+        fields["request"] = RawJson("null") if request is None else request
+    fields.update(
+        fingerprint=fingerprint,
+        lease=_opt_duration(lease),
+        retention=_opt_duration(retention),
+        run=run,
+        wait=_opt_duration(wait),
+        cost=_cost(cost),
+    )
+    extra = 0.0 if wait is None else _wire.duration_seconds(wait)
+    return Call("POST", "/v1/claims", read_claim, body=_wire.body(fields), extra_time=extra)
+
+
+def _fenced(op: str, namespace: str, key: str, fence: int, **fields: Any) -> Call[Record]:
+    body = _wire.body({"namespace": namespace, "key": key, "fence": fence, **fields})
+    return Call("POST", f"/v1/claims/{op}", read_record, body=body)
+
+
+def complete(
+    namespace: str,
+    key: str,
+    fence: int,
+    result: Any = None,
+    *,
+    raw: bytes | None = None,
+    content_type: str | None = None,
+    cost: int | None = None,
+) -> Call[Record]:
+    if raw is not None:
+        import base64
+
+        return _fenced(
+            "complete",
+            namespace,
+            key,
+            fence,
+            result_base64=base64.b64encode(raw).decode("ascii"),
+            content_type=content_type or "application/octet-stream",
+            cost=_cost(cost),
+        )
+    if content_type is not None and content_type != "application/json":
+        raise ValueError("a 'result' is JSON; send other media types as raw bytes with content_type")
+    return _fenced(
+        "complete", namespace, key, fence, result=RawJson("null") if result is None else result, cost=_cost(cost)
+    )
+
+
+def fail(
+    namespace: str, key: str, fence: int, *, retryable: bool, error: Any = None, cost: int | None = None
+) -> Call[Record]:
+    return _fenced("fail", namespace, key, fence, retryable=retryable, error=error, cost=_cost(cost))
+
+
+def extend(namespace: str, key: str, fence: int, lease: Duration | None = None) -> Call[Record]:
+    return _fenced("extend", namespace, key, fence, lease=_opt_duration(lease))
+
+
+def checkpoint(namespace: str, key: str, fence: int, name: str, data: Any = None) -> Call[Record]:
+    return _fenced("checkpoint", namespace, key, fence, name=name, data=data)
+
+
+def report_unknown(namespace: str, key: str, fence: int, detail: str) -> Call[Record]:
+    return _fenced("report-unknown", namespace, key, fence, detail=detail)
+
+
+def get_record(namespace: str, key: str) -> Call[Record | None]:
+    return Call("GET", "/v1/record", read_optional_record, params=_query(namespace=namespace, key=key))
+
+
+def list_records(
+    *,
+    namespace_prefix: str | None = None,
+    state: str | None = None,
+    stuck: bool | None = None,
+    run: str | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> Call[RecordPage]:
+    params = _query(
+        namespace_prefix=namespace_prefix, state=state, stuck=stuck, run=run, limit=limit, cursor=cursor
+    )
+    return Call("GET", "/v1/records", read_page, params=params)
+
+
+def purge(namespace: str, key: str, why: str | None = None) -> Call[bool]:
+    return Call("DELETE", "/v1/record", read_purged, params=_query(namespace=namespace, key=key, why=why))
+
+
+def _run_path(run: str) -> str:
+    return "/v1/runs/" + quote(run, safe="")
+
+
+def set_run_budget(
+    run: str,
+    *,
+    max_effects: int | None = None,
+    max_cost: int | None = None,
+    deadline: datetime | str | None = None,
+    why: str | None = None,
+    tenant: str | None = None,
+) -> Call[Run]:
+    fields = {
+        "max_effects": max_effects,
+        "max_cost": max_cost,
+        "deadline": None if deadline is None else _wire.format_time(deadline),
+        "why": why,
+    }
+    return Call("PUT", _run_path(run), read_run, params=_query(tenant=tenant), body=_wire.body(fields))
+
+
+def get_run(run: str) -> Call[Run | None]:
+    return Call("GET", _run_path(run), read_optional_run)
+
+
+def _target(target: SwitchTarget | Mapping[str, Any]) -> dict[str, Any]:
+    return target.to_json() if isinstance(target, SwitchTarget) else dict(target)
+
+
+def engage_switch(
+    target: SwitchTarget | Mapping[str, Any], reason: str, *, revoke_leases: bool = False, tenant: str | None = None
+) -> Call[Switch]:
+    fields = {"target": _target(target), "reason": reason, "revoke_leases": revoke_leases, "tenant": tenant}
+    # Engaging an engaged switch replaces its reason: sending it again is harmless.
+    return Call("POST", "/v1/switches", read_switch, body=_wire.body(fields))
+
+
+def release_switch(
+    target: SwitchTarget | Mapping[str, Any], why: str | None = None, *, tenant: str | None = None
+) -> Call[Switch]:
+    body = _wire.body({"target": _target(target), "why": why, "tenant": tenant})
+    # Not sent twice: a release whose answer was lost would answer 404 the second time.
+    return Call("POST", "/v1/switches/release", read_switch, body=body, idempotent=False)
+
+
+def list_switches(tenant: str | None = None) -> Call[list[Switch]]:
+    return Call("GET", "/v1/switches", read_switches, params=_query(tenant=tenant))
+
+
+def put_settings(
+    settings: Settings | Mapping[str, Any],
+    *,
+    namespace_prefix: str | None = None,
+    why: str | None = None,
+    tenant: str | None = None,
+) -> Call[SettingsEntry]:
+    fields = {
+        "namespace_prefix": namespace_prefix,
+        "settings": settings.to_json() if isinstance(settings, Settings) else dict(settings),
+        "why": why,
+        "tenant": tenant,
+    }
+    return Call("PUT", "/v1/settings", read_settings_entry, body=_wire.body(fields))
+
+
+def list_settings(tenant: str | None = None) -> Call[list[SettingsEntry]]:
+    return Call("GET", "/v1/settings", read_settings_list, params=_query(tenant=tenant))
+
+
+def delete_settings(
+    *, namespace_prefix: str | None = None, why: str | None = None, tenant: str | None = None
+) -> Call[SettingsEntry]:
+    params = _query(namespace_prefix=namespace_prefix, why=why, tenant=tenant)
+    return Call("DELETE", "/v1/settings", read_settings_entry, params=params)
+
+
+def list_audit(
+    *,
+    action: str | None = None,
+    actor: str | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+    tenant: str | None = None,
+) -> Call[AuditPage]:
+    params = _query(action=action, actor=actor, limit=limit, cursor=cursor, tenant=tenant)
+    return Call("GET", "/v1/audit", read_audit, params=params)
+
+
+def create_api_key(role: str, label: str = "", tenant: str | None = None) -> Call[ApiKey]:
+    body = _wire.body({"role": role, "label": label, "tenant": tenant})
+    return Call("POST", "/v1/api-keys", read_api_key, body=body, idempotent=False)
+
+
+def list_api_keys() -> Call[list[ApiKey]]:
+    return Call("GET", "/v1/api-keys", read_api_keys)
+
+
+def revoke_api_key(key_id: str) -> Call[None]:
+    return Call("DELETE", "/v1/api-keys/" + quote(key_id, safe=""), read_nothing)
+
+
+def create_tenant(tenant_id: str) -> Call[Tenant]:
+    return Call("POST", "/v1/tenants", read_tenant, body=_wire.body({"id": tenant_id}), idempotent=False)
+
+
+def list_tenants() -> Call[list[Tenant]]:
+    return Call("GET", "/v1/tenants", read_tenants)
+
+
+def ready() -> Call[bool]:
+    return Call("GET", "/readyz", read_ready)

@@ -1,0 +1,289 @@
+"""The exceptions of the client.
+
+Two families:
+
+- **Problems**: the server refused or could not serve a request. The server answers
+  ``application/problem+json`` (RFC 9457) with a stable ``type``
+  (``https://onceguard.dev/problems/<kind>``); each kind is one class here, chosen by that type
+  and never by the message text. Each carries ``type``, ``status``, ``title``, ``detail`` and
+  ``retryable`` (whether the same request may succeed later). :class:`TransportError` is the
+  client's own: the server could not be reached (after the retries).
+- **Guard outcomes** raised by :func:`onceguard.once` and :func:`onceguard.guarded`, which turn
+  the claim's answers that are not "run it" or "here is the replay" into exceptions:
+  :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`, :class:`PermanentFailure`;
+  and :class:`StaleFence` when a fenced call (complete, fail, extend, checkpoint,
+  report-unknown) was refused because the attempt's fence is no longer the holder's.
+
+A claim's answers themselves (``Acquired``, ``Replay``, ``InFlight``, ``Mismatch``, ``Denied``)
+are return values of :meth:`onceguard.Client.claim`, not exceptions: see ``onceguard.models``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .models import Denied, Stale
+
+#: The prefix of every problem type.
+PROBLEM_PREFIX = "https://onceguard.dev/problems/"
+
+
+class OnceguardError(Exception):
+    """The base of every exception of this package."""
+
+
+class TransportError(OnceguardError):
+    """The server could not be reached or did not answer, after the client's retries.
+
+    The cause (an ``httpx`` error) is chained as ``__cause__``. Whether the request took effect
+    is unknown when the request was sent (a read timeout); every call is idempotent by key and
+    fence, so sending it again is safe.
+    """
+
+    def __init__(self, message: str, *, attempts: int) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class UnexpectedResponse(OnceguardError):
+    """An answer that is neither the documented success nor a problem (e.g. from a proxy)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"unexpected answer {status}: {body[:200]}")
+        self.status = status
+        self.body = body
+
+
+class ProblemError(OnceguardError):
+    """A problem answer (RFC 9457). Subclasses name each stable ``type``."""
+
+    #: The kind this class stands for (the last segment of ``type``); ``""`` for the base.
+    kind_name: str = ""
+
+    def __init__(self, problem: Mapping[str, Any], status: int) -> None:
+        self.problem: dict[str, Any] = dict(problem)
+        self.type: str = str(problem.get("type", ""))
+        self.status: int = int(problem.get("status", status) or status)
+        self.title: str = str(problem.get("title", ""))
+        self.detail: str = str(problem.get("detail", ""))
+        self.retryable: bool = bool(problem.get("retryable", False))
+        super().__init__(f"{self.kind or self.status}: {self.detail or self.title}")
+
+    @property
+    def kind(self) -> str:
+        """The last segment of ``type``, e.g. ``invalid-request``."""
+        return self.type[len(PROBLEM_PREFIX) :] if self.type.startswith(PROBLEM_PREFIX) else self.type
+
+
+class InvalidRequest(ProblemError):
+    """400: malformed JSON, unknown fields, a value outside its rules. Fix the request."""
+
+    kind_name = "invalid-request"
+
+
+class Unauthenticated(ProblemError):
+    """401: no API key, or a malformed, unknown or revoked one."""
+
+    kind_name = "unauthenticated"
+
+
+class Forbidden(ProblemError):
+    """403: the API key's role may not do this call (e.g. an agent key purging)."""
+
+    kind_name = "forbidden"
+
+
+class NotFound(ProblemError):
+    """404: no such record, run, switch, API key or endpoint in your tenant."""
+
+    kind_name = "not-found"
+
+
+class MethodNotAllowed(ProblemError):
+    """405."""
+
+    kind_name = "method-not-allowed"
+
+
+class Conflict(ProblemError):
+    """409 ``conflict``: a resource that must be new exists already (e.g. a tenant)."""
+
+    kind_name = "conflict"
+
+
+class PayloadTooLarge(ProblemError):
+    """413: the body, an outcome or a checkpoint is larger than the server allows."""
+
+    kind_name = "payload-too-large"
+
+
+class UnsupportedMediaType(ProblemError):
+    """415: the body was not sent as JSON."""
+
+    kind_name = "unsupported-media-type"
+
+
+class StoreUnavailable(ProblemError):
+    """503: the store could not answer; nothing was decided. Retried by the client first."""
+
+    kind_name = "store-unavailable"
+
+
+class InternalServerError(ProblemError):
+    """500: a bug in the server."""
+
+    kind_name = "internal"
+
+
+class UpstreamFailed(ProblemError):
+    """502 (proxy mode): the upstream could not be reached or failed after the request was sent."""
+
+    kind_name = "upstream-failed"
+
+
+class UpstreamTimeout(ProblemError):
+    """504 (proxy mode): the upstream did not answer in time."""
+
+    kind_name = "upstream-timeout"
+
+
+class StaleFence(ProblemError):
+    """409 ``stale-fence``: the fence is not the current holder's; nothing changed.
+
+    Your attempt is over: another claim took the key over (``superseded``, e.g. after your lease
+    passed or a kill switch revoked it), there is no live record (``no_record``), or your attempt
+    already finished differently (``finished``). A result you tried to store is **not** stored.
+    """
+
+    kind_name = "stale-fence"
+
+    def __init__(self, problem: Mapping[str, Any], status: int) -> None:
+        super().__init__(problem, status)
+        reason = problem.get("reason")
+        self.stale = Stale(reason=str(reason) if reason is not None else "", detail=self.detail)
+
+    @property
+    def reason(self) -> str:
+        """``superseded``, ``no_record`` or ``finished``."""
+        return self.stale.reason
+
+
+class ClaimProblem(ProblemError):
+    """A claim answer (``in-flight``, ``fingerprint-mismatch``, a denial) to a call that is not a
+    claim. :meth:`Client.claim` returns these answers as values instead."""
+
+
+PROBLEM_CLASSES: dict[str, type[ProblemError]] = {
+    cls.kind_name: cls
+    for cls in (
+        InvalidRequest,
+        Unauthenticated,
+        Forbidden,
+        NotFound,
+        MethodNotAllowed,
+        Conflict,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+        StoreUnavailable,
+        InternalServerError,
+        UpstreamFailed,
+        UpstreamTimeout,
+        StaleFence,
+    )
+}
+
+
+def problem_error(problem: Mapping[str, Any], status: int) -> ProblemError:
+    """The exception for a problem body, chosen by its ``type``."""
+    kind = str(problem.get("type", ""))
+    kind = kind[len(PROBLEM_PREFIX) :] if kind.startswith(PROBLEM_PREFIX) else ""
+    return PROBLEM_CLASSES.get(kind, ClaimProblem if "outcome" in problem else ProblemError)(problem, status)
+
+
+# ------------------------------------------------------------------------------------------------
+# Guard outcomes (raised by `once` and `guarded`)
+# ------------------------------------------------------------------------------------------------
+
+
+class GuardError(OnceguardError):
+    """A claim made by ``once`` / ``guarded`` did not let the function run, nor replayed it."""
+
+    def __init__(self, message: str, *, namespace: str, key: str) -> None:
+        super().__init__(message)
+        self.namespace = namespace
+        self.key = key
+
+
+class InFlightError(GuardError):
+    """Another caller holds the key with a live lease, still after the bounded wait.
+
+    Retry after ``retry_after`` seconds: you will then get its replay, or the key itself if the
+    holder's lease passed.
+    """
+
+    def __init__(self, *, namespace: str, key: str, retry_after: float, attempt: int | None) -> None:
+        super().__init__(
+            f"key {key!r} in {namespace!r} is in flight; retry after {retry_after:.3f}s",
+            namespace=namespace,
+            key=key,
+        )
+        self.retry_after = retry_after
+        self.attempt = attempt
+
+
+class KeyConflict(GuardError):
+    """The key was used before with a different request (fingerprint mismatch). Nothing changed:
+    use another key, or a new version label."""
+
+    def __init__(self, *, namespace: str, key: str, detail: str = "") -> None:
+        super().__init__(
+            f"key {key!r} in {namespace!r} was used with a different request", namespace=namespace, key=key
+        )
+        self.detail = detail
+
+
+class DeniedError(GuardError):
+    """A kill switch, a run's budget or the tenant's quota refused the claim (fail closed)."""
+
+    def __init__(self, denied: Denied, *, namespace: str, key: str) -> None:
+        super().__init__(
+            f"claim of {key!r} in {namespace!r} denied ({denied.kind}): {denied.detail or denied.reason}",
+            namespace=namespace,
+            key=key,
+        )
+        self.denied = denied
+
+    @property
+    def kind(self) -> str:
+        """``switch``, ``budget`` or ``quota``."""
+        return self.denied.kind
+
+    @property
+    def reason(self) -> dict[str, Any]:
+        """The server's ``reason`` object, e.g. ``{"reason": "budget_exhausted", "limit": "cost"}``."""
+        return self.denied.reason
+
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds until a retry may succeed (quotas), else ``None``."""
+        return self.denied.retry_after
+
+
+class PermanentFailure(GuardError):
+    """The guarded function failed permanently (an exception class named ``permanent``) and the
+    failure is stored: the first caller and every later caller get this same exception.
+
+    ``error`` is the stored JSON: ``{"type": "module.Class", "message": "..."}``.
+    """
+
+    def __init__(self, error: Any, *, namespace: str, key: str, replayed: bool) -> None:
+        self.error = error
+        self.replayed = replayed
+        info = error if isinstance(error, dict) else {}
+        self.error_type: str = str(info.get("type", ""))
+        self.error_message: str = str(info.get("message", error if not isinstance(error, dict) else ""))
+        super().__init__(
+            f"{self.error_type or 'failure'}: {self.error_message} (stored failure of key {key!r} in {namespace!r})",
+            namespace=namespace,
+            key=key,
+        )

@@ -1,0 +1,137 @@
+"""Guard LangChain tools, for agents built with LangChain or LangGraph (``ToolNode``, the
+prebuilt agents): each tool call's effect happens once per run, tool and arguments, however
+often the model re-emits the call or the graph re-runs the node.
+
+.. code-block:: python
+
+    from onceguard.langchain import guard_tool
+
+    refund = guard_tool(refund_tool, client, "prod/payments-agent",
+                        run_id=lambda config: config["configurable"]["thread_id"])
+    agent = create_react_agent(model, [refund])
+
+Needs the ``langchain`` extra (``pip install 'onceguard[langchain]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Mapping, Optional, Union
+
+from langchain_core.callbacks import Callbacks
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool, StructuredTool
+
+from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
+from ._wire import Duration
+from .client import AsyncClient, Client
+from .guard import ExceptionClasses, Policy
+
+__all__ = ["guard_tool", "ToolCall"]
+
+RunId = Union[str, Callable[[RunnableConfig], Optional[str]], None]
+
+
+def _model_argument_names(tool: BaseTool) -> set[str] | None:
+    """The arguments the model gives (not those injected at run time, such as the tool call id
+    or the graph state), which alone make the key."""
+    try:
+        schema: Any = tool.tool_call_schema
+    except Exception:  # pragma: no cover - a tool without a schema
+        return None
+    if isinstance(schema, Mapping):
+        return set(schema.get("properties", {}))
+    fields = getattr(schema, "model_fields", None)
+    return set(fields) if fields is not None else None
+
+
+def guard_tool(
+    tool: BaseTool,
+    client: Client | AsyncClient,
+    namespace: str,
+    *,
+    run_id: RunId = None,
+    key_fn: KeyFn | None = None,
+    async_client: AsyncClient | None = None,
+    lease: Duration = 30.0,
+    retention: Duration | None = None,
+    wait: Duration | None = 10.0,
+    cost: int | None = None,
+    permanent: ExceptionClasses = (),
+    unknown: ExceptionClasses = (),
+) -> BaseTool:
+    """A tool like ``tool`` (same name, description and arguments) whose every call is guarded.
+
+    - The key is ``key_fn(ToolCall)`` if given, else ``<tool>:<sha256 of the canonical
+      {"run", "tool", "arguments"}>``: a repeated call (same run, tool, arguments) replays the
+      first one's stored result instead of running the tool again. The arguments are also the
+      claim's request; a custom key reused with other arguments raises ``KeyConflict``.
+    - ``run_id``: a string, or a function of the ``RunnableConfig`` (e.g. the LangGraph
+      ``thread_id``); it is in the key and charged with the run's budget.
+    - ``client`` is used for ``invoke``; ``ainvoke`` uses the async client (``client`` if it is
+      one, or ``async_client``), else the sync client in a worker thread.
+    - Failures follow ``once``: ``permanent`` classes are stored and replayed as
+      ``PermanentFailure``, ``unknown`` classes reported unknown, others release the key. The
+      tool's own ``handle_tool_error`` applies outside the guard, so an error turned into a
+      message for the model is never stored as the tool's result.
+    - The result is stored as JSON: the tool should return JSON-able values (strings, dicts…).
+    """
+    sync_client = client if isinstance(client, Client) else None
+    aclient = client if isinstance(client, AsyncClient) else async_client
+    inner = tool.model_copy(update={"handle_tool_error": False, "handle_validation_error": False})
+    model_args = _model_argument_names(tool)
+    content_and_artifact = getattr(tool, "response_format", "content") == "content_and_artifact"
+    policy = Policy.of(
+        namespace,
+        lease=lease,
+        retention=retention,
+        wait=wait,
+        cost=cost,
+        permanent=permanent,
+        unknown=unknown,
+        decode=(lambda v: tuple(v) if isinstance(v, list) and len(v) == 2 else v) if content_and_artifact else None,
+    )
+
+    def tool_call(config: RunnableConfig | None, kwargs: dict[str, Any]) -> tuple[ToolCall, str]:
+        run = run_id(config or {}) if callable(run_id) else run_id
+        given = {k: v for k, v in kwargs.items() if model_args is None or k in model_args}
+        call = ToolCall(tool=tool.name, arguments=arguments_of(given), run=run)
+        return call, tool_key(call, key_fn)
+
+    def child_config(config: RunnableConfig | None, callbacks: Callbacks) -> RunnableConfig:
+        out: RunnableConfig = dict(config or {})  # type: ignore[assignment]
+        out["callbacks"] = callbacks
+        return out
+
+    def run_sync(config: RunnableConfig, callbacks: Callbacks = None, **kwargs: Any) -> Any:
+        if sync_client is None:
+            raise RuntimeError(f"tool {tool.name!r} is guarded with an AsyncClient: call it with ainvoke")
+        call, key = tool_call(config, kwargs)
+        return run_guarded_sync(
+            sync_client, policy, key, call, lambda: inner.invoke(kwargs, child_config(config, callbacks))
+        )
+
+    async def run_async(config: RunnableConfig, callbacks: Callbacks = None, **kwargs: Any) -> Any:
+        if aclient is None:
+            return await asyncio.to_thread(run_sync, config, callbacks, **kwargs)
+        call, key = tool_call(config, kwargs)
+
+        async def invoke() -> Any:
+            return await inner.ainvoke(kwargs, child_config(config, callbacks))
+
+        return await run_guarded_async(aclient, policy, key, call, invoke)
+
+    return StructuredTool(
+        name=tool.name,
+        description=tool.description,
+        args_schema=tool.args_schema or tool.get_input_schema(),
+        func=run_sync,
+        coroutine=run_async,
+        return_direct=tool.return_direct,
+        response_format=tool.response_format,
+        handle_tool_error=tool.handle_tool_error,
+        handle_validation_error=tool.handle_validation_error,
+        tags=tool.tags,
+        metadata=tool.metadata,
+        verbose=tool.verbose,
+    )

@@ -1,0 +1,554 @@
+"""The typed answers of the API.
+
+A claim answers exactly one of :class:`Acquired`, :class:`Replay`, :class:`InFlight`,
+:class:`Mismatch` or :class:`Denied` (the union :data:`ClaimAnswer`); match on the class:
+
+.. code-block:: python
+
+    match client.claim("prod/payments-agent", "refund-1234", request=args):
+        case Acquired(fence=fence):   ...do the effect, then client.complete(..., fence, result)
+        case Replay() as replay:      return replay.result
+        case InFlight(retry_after=s): ...retry later
+        case Mismatch():              ...the key was used with another request
+        case Denied(kind=kind):       ...a switch, budget or quota refused it
+
+A fenced call answers the :class:`Record` as it now is; a stale fence raises
+:class:`onceguard.StaleFence`, which carries a :class:`Stale`.
+
+Durations in answers are seconds (``float``); times are aware ``datetime`` in UTC.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar, Literal, Mapping, Union
+
+from ._wire import Duration, format_duration, parse_optional_time, parse_time
+
+JSON_MEDIA_TYPE = "application/json"
+
+
+def _decode_stored(content_type: str, raw: bytes) -> Any:
+    if content_type.split(";")[0].strip().lower() == JSON_MEDIA_TYPE:
+        return json.loads(raw)
+    return raw
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A recovery point saved by an attempt."""
+
+    name: str
+    data: Any
+    fence: int
+    at: datetime
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Checkpoint:
+        return cls(name=d["name"], data=d.get("data"), fence=int(d["fence"]), at=parse_time(d["at"]))
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Why an acquired claim is a recovery: an earlier attempt may have done part of the work."""
+
+    previous_fence: int
+    previous_attempt: int
+    #: ``lease_expired`` or ``reported_unknown``.
+    reason: str
+    #: What the previous holder reported, for ``reported_unknown``.
+    detail: str | None
+    #: The last checkpoint the previous attempts saved, if any.
+    last_checkpoint: Checkpoint | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Recovery:
+        cp = d.get("last_checkpoint")
+        return cls(
+            previous_fence=int(d["previous_fence"]),
+            previous_attempt=int(d["previous_attempt"]),
+            reason=str(d["reason"]),
+            detail=d.get("detail"),
+            last_checkpoint=Checkpoint.from_json(cp) if cp else None,
+        )
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """``201 acquired``: you hold the key. Do the effect, then complete or fail with ``fence``."""
+
+    fence: int
+    attempt: int
+    lease_expires_at: datetime
+    recovery: Recovery | None = None
+    outcome: ClassVar[Literal["acquired"]] = "acquired"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Acquired:
+        rec = d.get("recovery")
+        return cls(
+            fence=int(d["fence"]),
+            attempt=int(d["attempt"]),
+            lease_expires_at=parse_time(d["lease_expires_at"]),
+            recovery=Recovery.from_json(rec) if rec else None,
+        )
+
+
+@dataclass(frozen=True)
+class StoredOutcome:
+    """An outcome as stored: ``raw`` is its bytes exactly as given at completion."""
+
+    #: ``success``, or ``failure`` for a stored permanent failure.
+    status: str
+    content_type: str
+    raw: bytes
+    cost: int | None = None
+
+    @property
+    def result(self) -> Any:
+        """The outcome: the decoded JSON for ``application/json``, else the raw bytes."""
+        return _decode_stored(self.content_type, self.raw)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], raw: bytes | None) -> StoredOutcome:
+        return cls(
+            status=str(d["status"]),
+            content_type=str(d["content_type"]),
+            raw=_raw_of(d, raw),
+            cost=d.get("cost"),
+        )
+
+
+def _raw_of(d: Mapping[str, Any], raw: bytes | None) -> bytes:
+    if "result_base64" in d:
+        import base64
+
+        return base64.b64decode(d["result_base64"])
+    if raw is not None:
+        return raw
+    return json.dumps(d.get("result"), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Replay:
+    """``200 replay``: the key completed; its stored outcome, byte for byte."""
+
+    fence: int
+    attempt: int
+    completed_at: datetime
+    #: ``success``, or ``failure`` for a stored permanent failure (``result`` is then the error).
+    status: str
+    content_type: str
+    #: The outcome's bytes exactly as given at completion.
+    raw: bytes
+    cost: int | None = None
+    outcome: ClassVar[Literal["replay"]] = "replay"
+
+    @property
+    def result(self) -> Any:
+        """The outcome: the decoded JSON for ``application/json``, else the raw bytes."""
+        return _decode_stored(self.content_type, self.raw)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "success"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], raw: bytes | None) -> Replay:
+        return cls(
+            fence=int(d["fence"]),
+            attempt=int(d["attempt"]),
+            completed_at=parse_time(d["completed_at"]),
+            status=str(d["status"]),
+            content_type=str(d["content_type"]),
+            raw=_raw_of(d, raw),
+            cost=d.get("cost"),
+        )
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """``409 in-flight``: someone holds a live lease; retry after ``retry_after`` seconds."""
+
+    retry_after: float
+    #: The holder's attempt.
+    attempt: int | None = None
+    detail: str = ""
+    outcome: ClassVar[Literal["in_flight"]] = "in_flight"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """``422 fingerprint-mismatch``: the key was used with a different request; nothing changed."""
+
+    detail: str = ""
+    outcome: ClassVar[Literal["mismatch"]] = "mismatch"
+
+
+DeniedKind = Literal["switch", "budget", "quota"]
+
+_DENIED_KINDS: dict[str, DeniedKind] = {
+    "switch-engaged": "switch",
+    "budget-exhausted": "budget",
+    "quota-exceeded": "quota",
+}
+
+
+@dataclass(frozen=True)
+class Denied:
+    """``423 / 429 denied``: a kill switch, a run's budget or the tenant's quota refused the claim.
+
+    ``reason`` is the server's object, e.g. ``{"reason": "switch_engaged", "target": "…",
+    "why": "…"}``, ``{"reason": "budget_exhausted", "limit": "effects"}`` or
+    ``{"reason": "quota_exceeded", "quota": "rate", …}``.
+    """
+
+    kind: DeniedKind
+    reason: dict[str, Any] = field(default_factory=dict)
+    #: Seconds until a retry may succeed (quotas); ``None`` otherwise.
+    retry_after: float | None = None
+    detail: str = ""
+    #: Whether the same claim may succeed later (a quota refills, a switch is released).
+    retryable: bool = False
+    outcome: ClassVar[Literal["denied"]] = "denied"
+
+    @staticmethod
+    def kind_of(problem_kind: str) -> DeniedKind | None:
+        """The denial kind of a problem kind (``switch-engaged`` → ``switch``), else ``None``."""
+        return _DENIED_KINDS.get(problem_kind)
+
+
+#: The one answer of a claim.
+ClaimAnswer = Union[Acquired, Replay, InFlight, Mismatch, Denied]
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A fenced call changed nothing: ``superseded``, ``no_record`` or ``finished``."""
+
+    reason: str
+    detail: str = ""
+    outcome: ClassVar[Literal["stale"]] = "stale"
+
+
+@dataclass(frozen=True)
+class Record:
+    """A key's record as the API shows it."""
+
+    namespace: str
+    key: str
+    #: ``in_progress``, ``completed`` or ``released``.
+    state: str
+    #: In progress with no live lease: the next claim is a recovery.
+    stuck: bool
+    fingerprint: str
+    fence: int
+    attempt: int
+    run: str | None
+    lease_expires_at: datetime | None
+    unknown: str | None
+    completed_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime
+    checkpoints: tuple[Checkpoint, ...] = ()
+    #: The stored outcome (only from :meth:`Client.get_record`).
+    stored: StoredOutcome | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], stored_raw: bytes | None = None) -> Record:
+        stored = d.get("stored")
+        return cls(
+            namespace=d["namespace"],
+            key=d["key"],
+            state=d["state"],
+            stuck=bool(d.get("stuck", False)),
+            fingerprint=d["fingerprint"],
+            fence=int(d["fence"]),
+            attempt=int(d["attempt"]),
+            run=d.get("run"),
+            lease_expires_at=parse_optional_time(d.get("lease_expires_at")),
+            unknown=d.get("unknown"),
+            completed_at=parse_optional_time(d.get("completed_at")),
+            created_at=parse_time(d["created_at"]),
+            updated_at=parse_time(d["updated_at"]),
+            expires_at=parse_time(d["expires_at"]),
+            checkpoints=tuple(Checkpoint.from_json(c) for c in d.get("checkpoints") or ()),
+            stored=StoredOutcome.from_json(stored, stored_raw) if stored else None,
+        )
+
+
+@dataclass(frozen=True)
+class RecordPage:
+    """A page of records; pass ``next`` as ``cursor`` for the next page (``None`` on the last)."""
+
+    records: tuple[Record, ...]
+    next: str | None
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """An API key; ``token`` only in the answer that created it."""
+
+    id: str
+    tenant: str
+    role: str
+    label: str
+    created_at: datetime
+    revoked_at: datetime | None
+    token: str | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ApiKey:
+        return cls(
+            id=d["id"],
+            tenant=d["tenant"],
+            role=d["role"],
+            label=d.get("label", ""),
+            created_at=parse_time(d["created_at"]),
+            revoked_at=parse_optional_time(d.get("revoked_at")),
+            token=d.get("token"),
+        )
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    created_at: datetime
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Tenant:
+        return cls(id=d["id"], created_at=parse_time(d["created_at"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs, switches, audit
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A run's limits; ``None`` means unlimited."""
+
+    max_effects: int | None = None
+    max_cost: int | None = None
+    deadline: datetime | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> Budget:
+        d = d or {}
+        return cls(
+            max_effects=d.get("max_effects"),
+            max_cost=d.get("max_cost"),
+            deadline=parse_optional_time(d.get("deadline")),
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a run has spent: acquired effects (each key once) and cost units."""
+
+    effects: int = 0
+    cost: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> Usage:
+        d = d or {}
+        return cls(effects=int(d.get("effects", 0)), cost=int(d.get("cost", 0)))
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run with its budget and usage."""
+
+    run: str
+    budget: Budget
+    usage: Usage
+    created_at: datetime | None
+    updated_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Run:
+        return cls(
+            run=d["run"],
+            budget=Budget.from_json(d.get("budget")),
+            usage=Usage.from_json(d.get("usage")),
+            created_at=parse_optional_time(d.get("created_at")),
+            updated_at=parse_optional_time(d.get("updated_at")),
+        )
+
+
+@dataclass(frozen=True)
+class SwitchTarget:
+    """What a kill switch covers: the whole tenant, a namespace prefix, or one run.
+
+    Build one with :meth:`tenant`, :meth:`namespace` or :meth:`run`.
+    """
+
+    kind: Literal["tenant", "namespace", "run"]
+    prefix: str | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def tenant(cls) -> SwitchTarget:
+        return cls("tenant")
+
+    @classmethod
+    def namespace(cls, prefix: str) -> SwitchTarget:
+        return cls("namespace", prefix=prefix)
+
+    @classmethod
+    def run(cls, run: str) -> SwitchTarget:
+        return cls("run", run_id=run)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind == "namespace":
+            return {"kind": "namespace", "prefix": self.prefix}
+        if self.kind == "run":
+            return {"kind": "run", "run": self.run_id}
+        return {"kind": "tenant"}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | str) -> SwitchTarget:
+        if isinstance(d, str):  # tolerate a server that renders targets as text
+            kind, _, rest = d.partition(":")
+            if kind == "namespace":
+                return cls("namespace", prefix=rest)
+            if kind == "run":
+                return cls("run", run_id=rest)
+            return cls("tenant")
+        kind = d.get("kind", "tenant")
+        if kind == "namespace":
+            return cls("namespace", prefix=d.get("prefix"))
+        if kind == "run":
+            return cls("run", run_id=d.get("run"))
+        return cls("tenant")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """An engaged (or just released) kill switch."""
+
+    target: SwitchTarget
+    reason: str
+    revoke_leases: bool
+    #: How many live leases were revoked when it was engaged.
+    revoked: int
+    #: The id of the API key that engaged it.
+    engaged_by: str | None
+    engaged_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Switch:
+        return cls(
+            target=SwitchTarget.from_json(d.get("target") or {}),
+            reason=str(d.get("reason", "")),
+            revoke_leases=bool(d.get("revoke_leases", False)),
+            revoked=int(d.get("revoked", 0) or 0),
+            engaged_by=d.get("engaged_by"),
+            engaged_at=parse_optional_time(d.get("engaged_at")),
+        )
+
+
+@dataclass(frozen=True)
+class ClaimRate:
+    """A tenant's claim rate: ``per_second`` on average, bursts of up to ``burst``."""
+
+    per_second: int
+    burst: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Settings of a tenant or of a namespace prefix; ``None`` inherits (from the tenant for a
+    prefix, from the server's limits for the tenant). Durations as the API takes them."""
+
+    default_lease: Duration | None = None
+    max_lease: Duration | None = None
+    default_retention: Duration | None = None
+    max_retention: Duration | None = None
+    #: Tenant only: at most this many keys in flight at once.
+    max_in_flight: int | None = None
+    #: Tenant only: the claim rate.
+    claim_rate: ClaimRate | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("default_lease", "max_lease", "default_retention", "max_retention"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = format_duration(value)
+        if self.max_in_flight is not None:
+            out["max_in_flight"] = self.max_in_flight
+        if self.claim_rate is not None:
+            out["claim_rate"] = {"per_second": self.claim_rate.per_second, "burst": self.claim_rate.burst}
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> Settings:
+        d = d or {}
+        rate = d.get("claim_rate")
+        return cls(
+            default_lease=d.get("default_lease"),
+            max_lease=d.get("max_lease"),
+            default_retention=d.get("default_retention"),
+            max_retention=d.get("max_retention"),
+            max_in_flight=d.get("max_in_flight"),
+            claim_rate=ClaimRate(int(rate["per_second"]), int(rate["burst"])) if rate else None,
+        )
+
+
+@dataclass(frozen=True)
+class SettingsEntry:
+    """The settings of the tenant (``namespace_prefix`` ``None``) or of a namespace prefix."""
+
+    namespace_prefix: str | None
+    settings: Settings
+    #: Who set them: an API key id, ``cli:<user>`` or ``embedded``.
+    updated_by: str | None
+    updated_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SettingsEntry:
+        return cls(
+            namespace_prefix=d.get("namespace_prefix"),
+            settings=Settings.from_json(d.get("settings")),
+            updated_by=d.get("updated_by"),
+            updated_at=parse_optional_time(d.get("updated_at")),
+        )
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One admin action: who, when, what, why."""
+
+    id: str
+    at: datetime
+    actor: str
+    action: str
+    target: str | None
+    why: str | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> AuditEntry:
+        target = d.get("target")
+        return cls(
+            id=str(d["id"]),
+            at=parse_time(d["at"]),
+            actor=str(d.get("actor", "")),
+            action=str(d["action"]),
+            target=target if target is None or isinstance(target, str) else json.dumps(target),
+            why=d.get("why"),
+            details=dict(d.get("details") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class AuditPage:
+    """A page of the audit log, newest first; ``next`` is the cursor of the next page."""
+
+    entries: tuple[AuditEntry, ...]
+    next: str | None

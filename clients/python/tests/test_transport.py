@@ -1,0 +1,129 @@
+"""Retries of the client's own transport failures, against real processes: a closed port, a
+server restarted mid-test, a server that stops answering for a while."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import onceguard
+from onceguard import Acquired, Replay, Retry
+
+from .conftest import Server, free_port
+
+FAST = Retry(attempts=40, initial=0.05, max_delay=0.25)
+
+
+def test_backoff_is_bounded() -> None:
+    retry = Retry(attempts=10, initial=0.1, max_delay=1.0, jitter=False)
+    assert [retry.delay(n) for n in (1, 2, 3, 4, 5, 9)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert retry.delay(1, retry_after=30) == 1.0  # a Retry-After is honoured up to max_delay
+    jittered = Retry(initial=0.4, max_delay=1.0)
+    assert all(0.2 <= jittered.delay(2) <= 0.8 for _ in range(50))
+
+
+def test_a_closed_port_is_a_transport_error_after_the_retries() -> None:
+    with onceguard.Client(f"http://127.0.0.1:{free_port()}", "og_x_y", retry=Retry(attempts=3, initial=0.01)) as c:
+        with pytest.raises(onceguard.TransportError) as e:
+            c.claim("t/a", "k", request=1)
+    assert e.value.attempts == 3
+    assert isinstance(e.value.__cause__, httpx.ConnectError)
+    with onceguard.Client(f"http://127.0.0.1:{free_port()}") as down:
+        assert not down.ready()
+
+
+async def test_async_closed_port_is_a_transport_error() -> None:
+    async with onceguard.AsyncClient(f"http://127.0.0.1:{free_port()}", retry=Retry(attempts=2, initial=0.01)) as c:
+        with pytest.raises(onceguard.TransportError) as e:
+            await c.get_record("t/a", "k")
+    assert e.value.attempts == 2
+
+
+@pytest.fixture
+def sqlite_server(binary: Path, tmp_path: Path) -> Iterator[Server]:
+    """A server of this test's own, on SQLite, so that its records survive a restart."""
+    srv = Server(binary, store=f"sqlite://{tmp_path}/onceguard.db")
+    srv.start()
+    try:
+        with onceguard.Client(srv.url, srv.admin_key, retry=onceguard.NO_RETRY) as probe:
+            probe.claim("probe/sqlite", "k", request=1)
+    except onceguard.StoreUnavailable as e:
+        srv.cleanup()
+        pytest.skip(f"this server's SQLite store cannot claim: {e}")
+    yield srv
+    srv.cleanup()
+
+
+@pytest.fixture
+def memory_server(binary: Path) -> Iterator[Server]:
+    """A server of this test's own, which it may pause."""
+    srv = Server(binary)
+    srv.start()
+    yield srv
+    srv.cleanup()
+
+
+def test_calls_ride_out_a_server_restart(binary: Path) -> None:
+    # Anonymous access, so that the restarted process (a new memory store) accepts the same caller.
+    srv = Server(binary, env={"ONCEGUARD_AUTH__ALLOW_ANONYMOUS": "true"})
+    srv.start()
+    try:
+        with onceguard.Client(srv.url, retry=FAST) as c:
+            assert isinstance(c.claim("restart/test", "k", request=1), Acquired)
+            srv.stop()  # the pooled keep-alive connection dies with it
+            restarter = threading.Timer(0.5, srv.start)
+            restarter.start()
+            try:
+                # Refused connections while it is down are retried until the new process answers.
+                answer = c.claim("restart/test", "k2", request=1)
+            finally:
+                restarter.join()
+            assert isinstance(answer, Acquired)
+    finally:
+        srv.cleanup()
+
+
+def test_records_survive_a_restart_on_sqlite(sqlite_server: Server) -> None:
+    own_server = sqlite_server
+    with onceguard.Client(own_server.url, own_server.admin_key, retry=FAST) as c:
+        a = c.claim("restart/test", "k", request={"n": 1})
+        assert isinstance(a, Acquired)
+
+        own_server.stop()
+        restarter = threading.Timer(0.5, own_server.start)
+        restarter.start()
+        try:
+            record = c.complete("restart/test", "k", a.fence, {"done": True})  # retried until it is back
+        finally:
+            restarter.join()
+        assert record.state == "completed"
+        replay = c.claim("restart/test", "k", request={"n": 1})
+        assert isinstance(replay, Replay) and replay.result == {"done": True}
+
+
+def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Server) -> None:
+    own_server = memory_server
+    timeout = httpx.Timeout(0.3, connect=1.0)
+    with onceguard.Client(own_server.url, own_server.admin_key, retry=FAST, timeout=timeout) as c:
+        a = c.claim("pause/test", "k", request=1)
+        assert isinstance(a, Acquired)
+        own_server.pause()  # it accepts connections but answers nothing: read timeouts
+        threading.Timer(0.8, own_server.resume).start()
+        started = time.monotonic()
+        record = c.complete("pause/test", "k", a.fence, "ok")  # idempotent by fence: retried
+        assert record.state == "completed" and time.monotonic() - started >= 0.5
+
+        own_server.pause()
+        resume = threading.Timer(0.8, own_server.resume)
+        resume.start()
+        try:
+            with pytest.raises(onceguard.TransportError) as e:
+                c.create_api_key("agent", "not retried")  # not idempotent: one try
+        finally:
+            resume.join()
+        assert e.value.attempts == 1 and isinstance(e.value.__cause__, httpx.ReadTimeout)

@@ -1,0 +1,278 @@
+//! `onceguard smoke`: the `agent-workflow-idempotency-keys-smoke` fixture.
+//!
+//! A simulated agent run against a counting side-effect service (an HTTP service in this
+//! process that counts every effect it performs, by effect id, and refuses a fence lower than
+//! the highest it has seen for that id). Through the Rust client and a real Onceguard server
+//! (one started in this process on `--store`, or a running one with `--url` and an admin key),
+//! it exercises, in order: a tool call repeated by the model, a network retry, two workers
+//! racing on one key, a worker crash mid-call and its recovery from the checkpoint after the
+//! lease, the zombie worker's late completion refused as stale, a RAG step replayed with its
+//! token cost counted as saved, a key reused with other arguments refused, a budget exhausted
+//! and a kill switch engaged mid-run. It prints what happened twice, never and partially, and
+//! fails if any effect happened more or less often than it should (once, or never when refused).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use clap::Args;
+use onceguard_client::{Claim, ClaimAnswer, Client, DenialKind, Fenced};
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::{TenantId, Timestamp};
+use serde_json::{Value, json};
+
+/// Options of `onceguard smoke`.
+#[derive(Debug, Args)]
+pub struct SmokeArgs {
+    /// A running server (default: start one in this process on --store; memory:// unless given).
+    #[arg(long)]
+    url: Option<String>,
+    /// An admin API key of the server at --url (default: $ONCEGUARD_API_KEY).
+    #[arg(long, env = "ONCEGUARD_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+/// The counting side-effect service's state: effects performed, and the highest fence seen.
+#[derive(Default)]
+struct Effects {
+    performed: BTreeMap<String, u32>,
+    fences: BTreeMap<String, u64>,
+    refused_fences: u32,
+}
+
+type Shared = Arc<Mutex<Effects>>;
+
+/// `POST /effects/{id}` with `X-Fence`: performs (counts) the effect unless the fence is lower
+/// than one already seen for it (a zombie), which answers 409.
+async fn perform(State(effects): State<Shared>, Path(id): Path<String>, headers: HeaderMap) -> StatusCode {
+    let fence = headers.get("x-fence").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let Some(fence) = fence else { return StatusCode::BAD_REQUEST };
+    let mut effects = effects.lock().unwrap_or_else(|e| e.into_inner());
+    let highest = effects.fences.entry(id.clone()).or_default();
+    if fence < *highest {
+        effects.refused_fences += 1;
+        return StatusCode::CONFLICT;
+    }
+    *highest = fence;
+    *effects.performed.entry(id).or_default() += 1;
+    StatusCode::OK
+}
+
+async fn serve(app: axum::Router) -> Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(format!("http://{addr}"))
+}
+
+/// The agent: the client, the side-effect service, and the run it belongs to.
+struct Agent {
+    api: Client,
+    http: reqwest::Client,
+    effects_url: String,
+    run: String,
+    log: Vec<String>,
+}
+
+impl Agent {
+    fn claim(&self, key: &str, args: Value) -> Claim {
+        Claim { run: Some(self.run.clone()), ..Claim::new("smoke/agent", format!("{}-{key}", self.run), args) }
+    }
+
+    /// Performs effect `id` downstream with `fence`; answers whether the service accepted it.
+    async fn effect(&self, id: &str, fence: u64) -> Result<bool> {
+        let url = format!("{}/effects/{id}", self.effects_url);
+        let response = self.http.post(url).header("x-fence", fence.to_string()).send().await?;
+        Ok(response.status() == StatusCode::OK)
+    }
+
+    /// One guarded tool call: claim; if acquired, perform `effect` and complete with `result`.
+    async fn tool_call(&self, key: &str, args: Value, effect: &str) -> Result<ClaimAnswer> {
+        let claim = self.claim(key, args);
+        let answer = self.api.claim(&claim).await?;
+        if let ClaimAnswer::Acquired(held) = &answer {
+            ensure!(self.effect(effect, held.fence).await?, "the service refused a live holder's fence");
+            let done = self.api.complete(&claim.target(), held.fence, &json!({"effect": effect}), None).await?;
+            ensure!(matches!(done, Fenced::Applied(_)), "completion refused: {done:?}");
+        }
+        Ok(answer)
+    }
+
+    fn note(&mut self, step: &str, what: impl Into<String>) {
+        let line = format!("{step:<34} {}", what.into());
+        println!("  {line}");
+        self.log.push(line);
+    }
+}
+
+fn name(answer: &ClaimAnswer) -> &'static str {
+    match answer {
+        ClaimAnswer::Acquired(_) => "acquired",
+        ClaimAnswer::Replay(_) => "replay",
+        ClaimAnswer::InFlight { .. } => "in_flight",
+        ClaimAnswer::Mismatch => "mismatch",
+        ClaimAnswer::Denied { .. } => "denied",
+    }
+}
+
+/// Starts a server in this process on `config`'s store with a fresh tenant and admin key.
+async fn local_server(config: &onceguard_server::Config) -> Result<(String, String)> {
+    let guard = onceguard_server::open_guard(config).await.context("opening the store")?;
+    let tenant = TenantId::parse(&format!("smoke-{:08x}", rand::random::<u32>()))?;
+    let now = Timestamp::now();
+    guard.store().create_tenant(&Tenant { id: tenant.clone(), created_at: now }).await?;
+    let admin = ApiKey::generate(tenant, Role::Admin, "smoke", now);
+    guard.store().create_api_key(&admin.key).await?;
+    let state = onceguard_server::AppState::new(guard, config)?;
+    Ok((serve(onceguard_server::router(state, config)).await?, admin.token))
+}
+
+/// Runs the fixture; fails if any effect happened more or less often than it should.
+pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<()> {
+    let (url, token) = match args.url {
+        Some(url) => (url, args.api_key.context("--url needs an admin API key (--api-key or $ONCEGUARD_API_KEY)")?),
+        None => local_server(config).await?,
+    };
+    let effects: Shared = Arc::default();
+    let effects_url =
+        serve(axum::Router::new().route("/effects/{id}", axum::routing::post(perform)).with_state(effects.clone()))
+            .await?;
+    let mut agent = Agent {
+        api: Client::new(&url, &token)?,
+        http: reqwest::Client::new(),
+        effects_url,
+        run: format!("smoke-{:08x}", rand::random::<u32>()),
+        log: Vec::new(),
+    };
+    println!("agent-workflow-idempotency-keys-smoke: run {} against {url}", agent.run);
+    // Effects that must happen exactly once, and those that must never happen.
+    let mut once: Vec<&str> = Vec::new();
+    let mut never: Vec<&str> = Vec::new();
+
+    // 1. The model repeats a tool call.
+    let first = agent.tool_call("send-email", json!({"to": "ada@example.com"}), "email:ada").await?;
+    let again = agent.tool_call("send-email", json!({"to": "ada@example.com"}), "email:ada").await?;
+    ensure!(name(&first) == "acquired" && name(&again) == "replay", "repeat: {first:?} then {again:?}");
+    once.push("email:ada");
+    agent.note("1. repeated tool call", "acquired, then replayed: the email went once");
+
+    // 2. A network retry: the completion's answer is lost and resent, then the claim is retried.
+    let claim = agent.claim("charge-card", json!({"amount": 25}));
+    let ClaimAnswer::Acquired(held) = agent.api.claim(&claim).await? else { bail!("charge not acquired") };
+    ensure!(agent.effect("charge:25", held.fence).await?);
+    let result = json!({"charge": "ch_1"});
+    let sent = agent.api.complete(&claim.target(), held.fence, &result, None).await?;
+    let resent = agent.api.complete(&claim.target(), held.fence, &result, None).await?;
+    ensure!(sent == resent, "a resent completion answers as the first did");
+    ensure!(name(&agent.api.claim(&claim).await?) == "replay");
+    once.push("charge:25");
+    agent.note("2. network retry", "completion resent and claim retried: one charge");
+
+    // 3. Two workers race on one key; each waits for the other's outcome if it loses.
+    let race = Claim { wait: Some(Duration::from_secs(10)), ..agent.claim("book-room", json!({"room": 7})) };
+    let (tx, mut rx) = tokio::sync::mpsc::channel(2);
+    for _ in 0..2 {
+        let (api, race, tx) = (agent.api.clone(), race.clone(), tx.clone());
+        tokio::spawn(async move { tx.send(api.claim(&race).await).await });
+    }
+    let mut answers = Vec::new();
+    while let Some(answer) = rx.recv().await {
+        let answer = answer?;
+        if let ClaimAnswer::Acquired(held) = &answer {
+            ensure!(agent.effect("room:7", held.fence).await?);
+            agent.api.complete(&race.target(), held.fence, &json!({"booked": 7}), None).await?;
+        }
+        answers.push(name(&answer));
+        if answers.len() == 2 {
+            break;
+        }
+    }
+    answers.sort_unstable();
+    ensure!(answers == ["acquired", "replay"], "one racer acquires, the other receives its outcome: {answers:?}");
+    once.push("room:7");
+    agent.note("3. two workers race", "one acquired, the other waited and got the replay: one booking");
+
+    // 4. A worker crashes mid-call (after its first step) and another recovers after the lease.
+    let refund = Claim { lease: Some(Duration::from_millis(800)), ..agent.claim("refund", json!({"order": 9})) };
+    let ClaimAnswer::Acquired(zombie) = agent.api.claim(&refund).await? else { bail!("refund not acquired") };
+    ensure!(agent.effect("refund:9:money", zombie.fence).await?);
+    agent.api.checkpoint(&refund.target(), zombie.fence, "money-sent", &json!({"transfer": "tr_9"})).await?;
+    // ... the worker dies here; its lease passes.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let ClaimAnswer::Acquired(recovery) = agent.api.claim(&refund).await? else { bail!("no recovery") };
+    let last = recovery.recovery.as_ref().and_then(|r| r["last_checkpoint"]["name"].as_str()).unwrap_or_default();
+    ensure!(last == "money-sent", "the recovery sees the last checkpoint: {:?}", recovery.recovery);
+    // Resume after the last step known to have happened: only the notification is left.
+    ensure!(agent.effect("refund:9:notice", recovery.fence).await?);
+    agent.api.complete(&refund.target(), recovery.fence, &json!({"refunded": 9}), None).await?;
+    once.extend(["refund:9:money", "refund:9:notice"]);
+    agent.note("4. crash mid-call, recovery", "resumed from checkpoint 'money-sent': money once, notice once");
+
+    // 5. The zombie wakes up: downstream and completion both refuse its old fence.
+    let downstream = agent.effect("refund:9:notice", zombie.fence).await?;
+    let late = agent.api.complete(&refund.target(), zombie.fence, &json!({"refunded": "twice?"}), None).await?;
+    ensure!(!downstream, "the service refuses the zombie's lower fence");
+    ensure!(matches!(late, Fenced::Stale { ref reason } if reason == "superseded"), "{late:?}");
+    agent.note("5. zombie's late completion", "stale (superseded); the service refused its fence");
+
+    // 6. A RAG step (embedding, 1,200 tokens) re-run by a retry: replayed, tokens saved.
+    let embed = Claim { cost: Some(1_200), ..agent.claim("embed-doc-42", json!({"doc": 42, "model": "e5"})) };
+    let ClaimAnswer::Acquired(held) = agent.api.claim(&embed).await? else { bail!("embed not acquired") };
+    ensure!(agent.effect("embed:42", held.fence).await?);
+    agent.api.complete(&embed.target(), held.fence, &json!({"vector": [0.1, 0.2]}), Some(1_200)).await?;
+    let ClaimAnswer::Replay(replay) = agent.api.claim(&embed).await? else { bail!("embedding not replayed") };
+    let saved = replay.cost.unwrap_or(0);
+    ensure!(saved == 1_200, "the replay says what it saved: {saved}");
+    once.push("embed:42");
+    agent.note("6. RAG step replayed", format!("{saved} tokens saved"));
+
+    // 7. The same key with other arguments.
+    let reused = agent.tool_call("send-email", json!({"to": "eve@example.com"}), "email:eve").await?;
+    ensure!(name(&reused) == "mismatch", "{reused:?}");
+    never.push("email:eve");
+    agent.note("7. key reused, other arguments", "refused (mismatch); nothing sent to eve");
+
+    // 8. The run's budget: one more key than it has charged so far.
+    let charged = agent.api.run(&agent.run).await?.and_then(|r| r["usage"]["effects"].as_u64()).unwrap_or(0);
+    ensure!(charged == 5, "five keys charged once each, whatever their retries and replays: {charged}");
+    agent.api.set_budget(&agent.run, &json!({"max_effects": charged + 1, "why": "smoke"})).await?;
+    let within = agent.tool_call("post-summary", json!({"channel": "ops"}), "post:ops").await?;
+    let beyond = agent.tool_call("post-again", json!({"channel": "all"}), "post:all").await?;
+    ensure!(name(&within) == "acquired", "{within:?}");
+    ensure!(matches!(beyond, ClaimAnswer::Denied { kind: DenialKind::Budget, .. }), "{beyond:?}");
+    once.push("post:ops");
+    never.push("post:all");
+    let usage = agent.api.run(&agent.run).await?.map(|r| r["usage"].clone()).unwrap_or_default();
+    agent.note("8. budget exhausted", format!("6th key acquired, 7th denied; usage {usage}"));
+
+    // 9. A kill switch on the run, engaged mid-run.
+    let target = json!({"kind": "run", "run": agent.run});
+    agent.api.engage_switch(&target, "smoke: stop this run", true).await?;
+    let stopped = agent.tool_call("delete-repo", json!({"repo": "prod"}), "delete:prod").await?;
+    ensure!(matches!(stopped, ClaimAnswer::Denied { kind: DenialKind::Switch, .. }), "{stopped:?}");
+    agent.api.release_switch(&target, Some("smoke done")).await?;
+    never.push("delete:prod");
+    agent.note("9. kill switch mid-run", "next tool call refused (423); nothing deleted");
+
+    // The report.
+    let effects = effects.lock().unwrap_or_else(|e| e.into_inner());
+    let count = |id: &str| effects.performed.get(id).copied().unwrap_or(0);
+    let twice: Vec<String> = once.iter().filter(|id| count(id) > 1).map(|id| format!("{id} x{}", count(id))).collect();
+    let missing: Vec<&&str> = once.iter().filter(|id| count(id) == 0).collect();
+    let wrongly: Vec<&&str> = never.iter().filter(|id| count(id) > 0).collect();
+    println!();
+    println!("  effects performed exactly once: {} of {}", once.iter().filter(|id| count(id) == 1).count(), once.len());
+    println!("  happened twice:   {}", if twice.is_empty() { "none".to_owned() } else { twice.join(", ") });
+    println!("  never happened:   {} (refused on purpose: mismatch, budget, switch)", never.join(", "));
+    println!("  partially:        refund:9 (crashed after 'money-sent'; recovered from that checkpoint)");
+    println!("  zombie fences refused downstream: {}", effects.refused_fences);
+    println!("  tokens saved by replays: {saved}");
+    if !twice.is_empty() || !missing.is_empty() || !wrongly.is_empty() {
+        bail!("exactly-once violated: twice {twice:?}, missing {missing:?}, performed though refused {wrongly:?}");
+    }
+    println!("agent-workflow-idempotency-keys-smoke: passed ({} steps)", agent.log.len());
+    Ok(())
+}
