@@ -141,3 +141,66 @@ pub async fn run(
     let app = app(config, guard.clone())?;
     onceguard_server::serve_with_background(config, guard, listener, app, shutdown).await
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use onceguard_server::Overrides;
+    use onceguard_server::config::{McpGuard, McpNoKey};
+
+    use super::*;
+
+    fn load(toml: &str) -> Result<Config, onceguard_server::ConfigError> {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(toml.as_bytes()).unwrap();
+        Config::load(Some(file.path()), &Overrides::default())
+    }
+
+    #[test]
+    fn the_mcp_section_configures_the_gateway() {
+        let config = load(
+            r#"
+            [mcp]
+            upstream = "http://127.0.0.1:8000/mcp"
+            lease = "2m"
+            input_lease = "2h"
+            no_key = "derive"
+            max_result_bytes = 16777216
+            [mcp.tools.send_email]
+            no_key = "pass"
+            [mcp.tools.lookup]
+            guard = "always"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.mcp.no_key, McpNoKey::Derive);
+        assert_eq!(config.mcp.tools["send_email"].no_key, Some(McpNoKey::Pass));
+        assert_eq!(config.mcp.tools["lookup"].guard, McpGuard::Always);
+        let options = options(&config).unwrap();
+        assert_eq!(options.endpoint, "/mcp");
+        assert_eq!(options.upstream_name, "127.0.0.1-8000");
+        assert_eq!(options.api_key_header.as_str(), "x-onceguard-key");
+        let limits = limits(&config);
+        assert_eq!(limits.max_lease, Duration::from_secs(7_200), "the input lease fits");
+        assert_eq!(limits.max_outcome_bytes, 16 * 1024 * 1024, "the largest result fits");
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        for bad in [
+            "[mcp]\nupstream_name = \"a/b\"",
+            "[mcp]\nno_key = \"sometimes\"",
+            "[mcp]\nlease = \"0s\"",
+            "[mcp]\napi_key_header = \"bad header\"",
+            "[mcp.tools.x]\nguard = \"maybe\"",
+        ] {
+            assert!(load(bad).is_err(), "{bad}");
+        }
+        let mut config = Config::default();
+        for upstream in ["", "ftp://host/mcp", "http://host/mcp?x=1", "not a url"] {
+            config.mcp.upstream = upstream.to_owned();
+            assert!(options(&config).is_err(), "{upstream}");
+        }
+    }
+}
