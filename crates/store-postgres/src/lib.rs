@@ -844,10 +844,10 @@ async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
                 let (outcome, write) = protocol::claim(record, req, job.now, || fences.pop_front().unwrap_or(Fence(0)));
-                if let ClaimOutcome::Acquired(a) = &outcome {
-                    if a.fence == Fence(0) {
-                        return Err(BatchError::Data("ran out of drawn fences".into()));
-                    }
+                if let ClaimOutcome::Acquired(a) = &outcome
+                    && a.fence == Fence(0)
+                {
+                    return Err(BatchError::Data("ran out of drawn fences".into()));
                 }
                 let (outcome, write) = ledger.admit(req, job.now, outcome, write)?;
                 (Answer::Claim(outcome), write)
