@@ -964,7 +964,7 @@ async fn revoke_chunk(
     let mut covered = Vec::new();
     for row in futures::future::try_join_all(reads).await?.iter().flatten() {
         let record = decode_row(row)?;
-        if control::revocable(&record, &target, &detail, now) {
+        if control::revocable(&record, target, detail, now) {
             covered.push(record);
         }
     }
