@@ -1022,10 +1022,10 @@ async fn listen_loop(config: tokio_postgres::Config, channel: String, changes: b
             let driver = tokio::spawn(async move {
                 let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
                 while let Some(Ok(message)) = messages.next().await {
-                    if let AsyncMessage::Notification(n) = message {
-                        if tx.send(n.payload().to_owned()).is_err() {
-                            break;
-                        }
+                    if let AsyncMessage::Notification(n) = message
+                        && tx.send(n.payload().to_owned()).is_err()
+                    {
+                        break;
                     }
                 }
             });
