@@ -63,10 +63,10 @@ impl Browser {
         let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Ok(r) = http.get(format!("{base}/status")).send().await {
-                if r.json::<Value>().await.is_ok_and(|v| v["value"]["ready"] == true) {
-                    break;
-                }
+            if let Ok(r) = http.get(format!("{base}/status")).send().await
+                && r.json::<Value>().await.is_ok_and(|v| v["value"]["ready"] == true)
+            {
+                break;
             }
             assert!(Instant::now() < deadline, "chromedriver did not get ready");
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -258,7 +258,7 @@ fn count(v: &Value) -> String {
     let digits = v.as_u64().unwrap().to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

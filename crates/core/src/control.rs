@@ -95,6 +95,18 @@ impl Run {
     }
 }
 
+/// The largest count or cost a caller may give (budgets, costs, quotas): 2^53 − 1, so that
+/// every store (Lua numbers on Redis are doubles) and every JSON client holds it exactly.
+pub const MAX_UNITS: u64 = (1 << 53) - 1;
+
+/// Checks a count or cost given by a caller against [`MAX_UNITS`].
+pub fn check_units(field: &'static str, value: Option<u64>) -> Result<Option<u64>, InvalidInput> {
+    match value {
+        Some(v) if v > MAX_UNITS => Err(InvalidInput::new(field, format!("at most {MAX_UNITS}"))),
+        other => Ok(other),
+    }
+}
+
 /// How long a claim refused by the in-flight quota is told to wait.
 pub const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -348,6 +360,7 @@ impl SettingsEntry {
         if s.max_in_flight == Some(0) {
             return Err(InvalidInput::new("max_in_flight", "must be at least 1"));
         }
+        check_units("max_in_flight", s.max_in_flight)?;
         if let Some(rate) = &s.claim_rate {
             rate.validate()?;
         }

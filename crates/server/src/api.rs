@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
-use onceguard_core::control::AuditEntry;
+use onceguard_core::control::{AuditEntry, check_units};
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, ListFilter, Mutation,
     Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope, TenantId, Timestamp,
@@ -245,7 +245,7 @@ pub async fn claim(
         lease: limits.lease(lease)?,
         retention: limits.retention(retention)?,
         run: body.run.as_deref().map(RunId::parse).transpose()?,
-        cost: body.cost.unwrap_or(0),
+        cost: check_units("cost", body.cost)?.unwrap_or(0),
         max_in_flight: effective.max_in_flight,
     };
     let wait = limits.wait(wait)?;
@@ -414,7 +414,7 @@ fn outcome_of(
     {
         return Err(ApiError::Invalid("content_type must be 1 to 255 bytes of printable ASCII".into()));
     }
-    Ok(Outcome { kind, content_type, body, cost })
+    Ok(Outcome { kind, content_type, body, cost: check_units("cost", cost)? })
 }
 
 /// Store a successful outcome.

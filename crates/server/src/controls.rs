@@ -9,7 +9,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use onceguard_core::control::{
-    AuditEntry, AuditFilter, Budget, Rate, Run, Settings, SettingsEntry, Switch, SwitchTarget,
+    AuditEntry, AuditFilter, Budget, Rate, Run, Settings, SettingsEntry, Switch, SwitchTarget, check_units,
 };
 use onceguard_core::domain::parse_duration;
 use onceguard_core::{Namespace, RunId, TenantId, Timestamp};
@@ -119,8 +119,8 @@ pub async fn set_budget(
     let tenant = admin_tenant(&state, &caller, q.tenant.as_deref())?;
     let run = RunId::parse(&run)?;
     let budget = Budget {
-        max_effects: b.max_effects,
-        max_cost: b.max_cost,
+        max_effects: check_units("max_effects", b.max_effects)?,
+        max_cost: check_units("max_cost", b.max_cost)?,
         deadline: b.deadline.as_deref().map(|d| parse_time("deadline", d)).transpose()?,
     };
     let stored = state.guard.set_budget(&caller.actor(), &tenant, &run, budget, b.why).await?;

@@ -117,10 +117,10 @@ impl Telemetry {
     /// Sends the spans still queued (bounded by `OTEL_BSP_EXPORT_TIMEOUT`) and stops exporting.
     /// Blocks: call it outside async code (e.g. in `spawn_blocking`).
     pub fn shutdown(self) {
-        if let Some(provider) = self.provider {
-            if let Err(e) = provider.shutdown() {
-                tracing::warn!(error = %e, "could not send the last spans");
-            }
+        if let Some(provider) = self.provider
+            && let Err(e) = provider.shutdown()
+        {
+            tracing::warn!(error = %e, "could not send the last spans");
         }
     }
 }

@@ -844,10 +844,10 @@ async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
                 let (outcome, write) = protocol::claim(record, req, job.now, || fences.pop_front().unwrap_or(Fence(0)));
-                if let ClaimOutcome::Acquired(a) = &outcome {
-                    if a.fence == Fence(0) {
-                        return Err(BatchError::Data("ran out of drawn fences".into()));
-                    }
+                if let ClaimOutcome::Acquired(a) = &outcome
+                    && a.fence == Fence(0)
+                {
+                    return Err(BatchError::Data("ran out of drawn fences".into()));
                 }
                 let (outcome, write) = ledger.admit(req, job.now, outcome, write)?;
                 (Answer::Claim(outcome), write)
@@ -964,7 +964,7 @@ async fn revoke_chunk(
     let mut covered = Vec::new();
     for row in futures::future::try_join_all(reads).await?.iter().flatten() {
         let record = decode_row(row)?;
-        if control::revocable(&record, &target, &detail, now) {
+        if control::revocable(&record, target, detail, now) {
             covered.push(record);
         }
     }
@@ -1022,10 +1022,10 @@ async fn listen_loop(config: tokio_postgres::Config, channel: String, changes: b
             let driver = tokio::spawn(async move {
                 let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
                 while let Some(Ok(message)) = messages.next().await {
-                    if let AsyncMessage::Notification(n) = message {
-                        if tx.send(n.payload().to_owned()).is_err() {
-                            break;
-                        }
+                    if let AsyncMessage::Notification(n) = message
+                        && tx.send(n.payload().to_owned()).is_err()
+                    {
+                        break;
                     }
                 }
             });

@@ -55,12 +55,11 @@ pub fn spawn(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut tx = Some(tx);
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             kept.lock().unwrap().push(line.clone());
-            if let Ok(event) = serde_json::from_str::<Value>(&line) {
-                if let Some(addr) = event["addr"].as_str() {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr.to_owned());
-                    }
-                }
+            if let Ok(event) = serde_json::from_str::<Value>(&line)
+                && let Some(addr) = event["addr"].as_str()
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr.to_owned());
             }
         }
     });

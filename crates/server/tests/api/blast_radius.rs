@@ -308,3 +308,28 @@ async fn every_admin_action_is_audited_newest_first() {
         assert_eq!(globex["entries"], json!([]), "acme's actions are not in globex's log");
     }
 }
+
+#[tokio::test]
+async fn counts_and_costs_beyond_two_to_the_53_are_refused() {
+    let app = spawn_app(Backing::Sqlite).await;
+    let too_big = 1u64 << 53;
+    let claim = json!({"namespace": "ns", "key": "k", "request": 1, "cost": too_big});
+    assert_problem(app.post(&app.agent, "/v1/claims", &claim).await, StatusCode::BAD_REQUEST, "invalid-request").await;
+    assert_eq!(app.record(&app.agent, "ns", "k").await.status(), StatusCode::NOT_FOUND, "nothing written");
+    for budget in [json!({"max_effects": too_big}), json!({"max_cost": too_big})] {
+        let response = app.put(&app.admin, "/v1/runs/r", &budget).await;
+        assert_problem(response, StatusCode::BAD_REQUEST, "invalid-request").await;
+    }
+    let quota = json!({"settings": {"max_in_flight": too_big}});
+    assert_problem(app.put(&app.admin, "/v1/settings", &quota).await, StatusCode::BAD_REQUEST, "invalid-request").await;
+    let (_, held) = claim_in(&app, &app.agent, "ns", "k2", None).await;
+    let done = json!({"namespace": "ns", "key": "k2", "fence": held["fence"], "result": 1, "cost": too_big});
+    assert_problem(
+        app.post(&app.agent, "/v1/claims/complete", &done).await,
+        StatusCode::BAD_REQUEST,
+        "invalid-request",
+    )
+    .await;
+    let fine = json!({"namespace": "ns", "key": "k2", "fence": held["fence"], "result": 1, "cost": too_big - 1});
+    assert_eq!(app.post(&app.agent, "/v1/claims/complete", &fine).await.status(), StatusCode::OK);
+}
