@@ -532,3 +532,37 @@ async fn an_unreachable_upstream_releases_the_key() {
     let record = app.guard.get(&app.scope("echo", "k")).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Released, "never sent: the next call runs");
 }
+
+#[tokio::test]
+async fn a_caller_that_leaves_an_event_stream_does_not_cancel_the_call() {
+    let app = spawn_app(|_| {}).await;
+    let mut response = app.post(&call(json!(1), "stream", json!({}), Some("k"))).await;
+    let first = response.chunk().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("notifications/progress"), "progress comes first, alone");
+    drop(response); // the caller leaves before the result
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let replay = app.rpc(&call(json!(2), "stream", json!({}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "stream 1");
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "stream"), 1);
+}
+
+#[tokio::test]
+async fn switches_on_a_run_and_on_the_tenant_refuse() {
+    let app = spawn_app(|_| {}).await;
+    let tenant = TenantId::parse(TENANT).unwrap();
+    let in_run = |id: u64, run: &str| {
+        let mut c = call(json!(id), "echo", json!({"id": id}), Some(&format!("k-{id}")));
+        c["params"]["_meta"]["dev.onceguard/run-id"] = json!(run);
+        c
+    };
+    let run = SwitchTarget::Run { run: RunId::parse("run-bad").unwrap() };
+    app.guard.engage_switch("test", &tenant, run, "runaway".into(), false).await.unwrap();
+    assert_eq!(app.rpc(&in_run(1, "run-bad")).await["error"]["code"], 42301);
+    assert!(app.rpc(&in_run(2, "run-good")).await.get("result").is_some());
+    app.guard.engage_switch("test", &tenant, SwitchTarget::Tenant, "incident".into(), false).await.unwrap();
+    let refused = app.rpc(&in_run(3, "run-good")).await;
+    assert_eq!(refused["error"]["code"], 42301);
+    assert_eq!(refused["error"]["data"]["reason"]["target"], "tenant");
+    assert_eq!(runs(&app.seen, "echo"), 1);
+}
