@@ -274,7 +274,9 @@ async fn claim_or_resume(
 ) -> Result<ClaimOutcome, ApiError> {
     let guard = gateway.guard();
     let metrics = &gateway.state.metrics;
-    let outcome = guard.claim(claim, gateway.options.wait).await?;
+    // A continuation does not wait: the key it finds held is (usually) its own parked leg's.
+    let wait = if continuation { Duration::ZERO } else { gateway.options.wait };
+    let outcome = guard.claim(claim, wait).await?;
     metrics.observe_claim(&claim.scope, &outcome);
     if !continuation || !matches!(outcome, ClaimOutcome::InFlight(_)) {
         return Ok(outcome);
