@@ -84,6 +84,15 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
                     &id,
                     json!({"resultType":"input_required","inputRequests":{"ok":{"method":"elicitation/create"}},"requestState":"st"}),
                 ),
+                "lost" => {
+                    ran(&seen, &name);
+                    let progress = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}});
+                    ([("content-type", "text/event-stream")], format!("data: {progress}\n\n")).into_response()
+                }
+                "big" => {
+                    let n = ran(&seen, &name);
+                    json_answer(&id, json!({"content":[{"type":"text","text":"x".repeat(100_000)}],"n":n}))
+                }
                 "stream" => {
                     let n = ran(&seen, &name);
                     let token = message["params"]["_meta"]["progressToken"].clone();
@@ -565,4 +574,30 @@ async fn switches_on_a_run_and_on_the_tenant_refuse() {
     assert_eq!(refused["error"]["code"], 42301);
     assert_eq!(refused["error"]["data"]["reason"]["target"], "tenant");
     assert_eq!(runs(&app.seen, "echo"), 1);
+}
+
+#[tokio::test]
+async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
+    let app = spawn_app(|_| {}).await;
+    let response = app.post(&call(json!(1), "lost", json!({}), Some("k"))).await;
+    assert!(response.text().await.unwrap().contains("notifications/progress"));
+    let held = app.rpc(&call(json!(2), "lost", json!({}), Some("k"))).await;
+    assert_eq!(held["error"]["code"], 40901, "the upstream may still act: held");
+    tokio::time::sleep(Duration::from_millis(2_300)).await; // the test's lease is 2 s
+    app.post(&call(json!(3), "lost", json!({}), Some("k"))).await.text().await.unwrap();
+    assert_eq!(runs(&app.seen, "lost"), 2, "after the lease, a recovery runs it again");
+    let record = app.guard.get(&app.scope("lost", "k")).await.unwrap().unwrap();
+    assert_eq!(record.attempt, 2);
+}
+
+#[tokio::test]
+async fn a_result_too_large_to_store_passes_through_and_recovers() {
+    let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
+    let answer = app.rpc(&call(json!(1), "big", json!({}), Some("k"))).await;
+    assert_eq!(answer["result"]["content"][0]["text"].as_str().unwrap().len(), 100_000, "the caller gets it whole");
+    let record = app.guard.get(&app.scope("big", "k")).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::InProgress);
+    assert!(record.unknown.is_some(), "not stored: outcome unknown");
+    let again = app.rpc(&call(json!(2), "big", json!({}), Some("k"))).await;
+    assert_eq!(again["result"]["n"], 2, "the next call is a recovery");
 }
