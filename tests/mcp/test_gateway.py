@@ -354,7 +354,7 @@ def test_an_input_required_round_trip_executes_once(world, lib, mode):
     assert world.executions("transfer", tag=tag) == 1
 
 
-@pytest.mark.parametrize("lib,mode", [("mcp", "legacy"), ("fastmcp", "auto")], ids=["mcp-legacy", "fastmcp-auto"])
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
 def test_budget_exhaustion_and_a_kill_switch_refuse(world, lib, mode):
     run_id = unique("run")
     onceguard(world.store, "runs", "budget", "--tenant", TENANT, run_id, "--max-effects", "2")
@@ -395,12 +395,13 @@ def test_budget_exhaustion_and_a_kill_switch_refuse(world, lib, mode):
     assert usage["effects"] == 2
 
 
-def test_the_gateway_killed_and_restarted_still_replays(world):
+@pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
+def test_the_gateway_killed_and_restarted_still_replays(world, lib, mode):
     gateway = Gateway(world.store, world.upstream, world.dir)
     to, key = unique("to"), unique("key")
 
     async def call(url):
-        async with connect(world, "mcp", "legacy", url=url) as tools:
+        async with connect(world, lib, mode, url=url) as tools:
             return await tools.call("send_email", {"to": to, "body": "kill"}, key=key)
 
     try:
