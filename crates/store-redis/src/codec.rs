@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use onceguard_core::control::{Budget, Run, RunUsage};
 use onceguard_core::store::StoreError;
 use onceguard_core::{
     Acquired, Checkpoint, CheckpointName, ClaimOutcome, Fence, FencedOutcome, Fingerprint, InFlight, Key, Namespace,
@@ -225,4 +226,29 @@ pub(crate) fn fenced_outcome(mut answer: Vec<Vec<u8>>) -> Result<FencedOutcome, 
         })),
         other => Err(corrupt(format!("unknown answer {:?}", String::from_utf8_lossy(other)))),
     }
+}
+
+/// A `{head, field, ...}` answer of a small script: the head and the rest, as text.
+pub(crate) fn tagged(answer: Vec<Vec<u8>>) -> Result<(String, Vec<String>), StoreError> {
+    let mut parts =
+        answer.into_iter().map(|p| String::from_utf8(p).map_err(|_| corrupt("a script answered non-UTF-8 text")));
+    let head = parts.next().ok_or_else(|| corrupt("an empty script answer"))??;
+    Ok((head, parts.collect::<Result<_, _>>()?))
+}
+
+/// A run as stored (see [`crate::scripts`]): its fields as `HGETALL` answers them.
+pub(crate) fn run(tenant: &TenantId, run: &RunId, flat: Vec<Vec<u8>>) -> Result<Option<Run>, StoreError> {
+    let fields = Fields::from_flat(flat)?;
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let opt = |f: &str| fields.get(f).map(|v| number::<u64>(v, f)).transpose();
+    Ok(Some(Run {
+        tenant: tenant.clone(),
+        run: run.clone(),
+        budget: Budget { max_effects: opt("me")?, max_cost: opt("mc")?, deadline: opt("dl")?.map(Timestamp) },
+        usage: RunUsage { effects: opt("ue")?.unwrap_or(0), cost: opt("uc")?.unwrap_or(0) },
+        created_at: fields.time("ca")?,
+        updated_at: fields.time("up")?,
+    }))
 }

@@ -54,6 +54,10 @@
 //! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
 //! | `P slots` | set | the slots that ever held a record (for the sweep) |
 //! | `P a:{auth}:tenants`, `:keys`, `:revoked` | hashes | tenants, API keys (JSON), revocations |
+//! | `P u:{R}:<digest>` | hash | a run's budget and usage; `R` and the digest are of tenant and run |
+//! | `P t:{<tenant>}:rate` | string | the tenant's claim rate: the GCRA's theoretical arrival time (µs) |
+//! | `P t:{<tenant>}:audit`, `:audit-entries` | sorted set, hash | the tenant's audit log: ids in byte (time) order, entries as JSON |
+//! | `P c:{control}` | hash | every tenant's switches and settings, by `kind NUL tenant NUL id` |
 //! | `P changes` | channel | finished and purged keys |
 //!
 //! # Costs
@@ -111,6 +115,7 @@
 
 mod changes;
 mod codec;
+mod control;
 pub mod layout;
 pub mod scripts;
 
@@ -122,10 +127,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::try_join_all;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
+use onceguard_core::control::{AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run};
 use onceguard_core::memory::matches_filter;
 use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, Store, StoreError};
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, Scope, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, RunId, Scope, TenantId, Timestamp};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
@@ -954,6 +960,54 @@ impl Store for RedisStore {
             Ok(revoked > 0)
         })
         .await
+    }
+
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        self.bounded("set a budget", self.set_budget(tenant, run, budget, now)).await
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        self.bounded("get a run", self.read_run(tenant, run)).await
+    }
+
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.bounded("put a control document", self.store_control(doc)).await
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        self.bounded("delete a control document", self.remove_control(kind, tenant, id)).await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.bounded("list control documents", self.read_controls()).await
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate, now)).await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.bounded("append to the audit log", self.store_audit(entry)).await
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        self.bounded("list the audit log", self.read_audit(tenant, filter)).await
     }
 }
 

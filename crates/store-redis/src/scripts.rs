@@ -21,7 +21,13 @@
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
 //! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
 //!
-//! Numbers are handled as Lua doubles: exact below 2^53, which the store checks on the way in.
+//! A run is a hash: `t` `r` (tenant, run), `me` `mc` `dl` (its budget: most effects, most cost,
+//! deadline; each absent if not limited), `ue` `uc` (effects and cost spent), `ca` `up`
+//! (created, updated).
+//!
+//! Times and durations are handled as Lua doubles: exact below 2^53, which the store checks on
+//! the way in. Budgets, costs and the claim rate's microseconds may be any `u64`: they are kept
+//! as decimal strings and computed on exactly ([`NUMBERS`]).
 
 use std::sync::LazyLock;
 
@@ -100,6 +106,94 @@ local function clear_checkpoints(w)
   for i = c0, cn - 1 do unset(w, 'c.' .. int(i)) end
   unset(w, 'c0')
   unset(w, 'cn')
+end
+"#;
+
+/// Exact arithmetic on `u64` numbers kept as decimal strings (Lua's numbers are doubles), and
+/// the run's budget check and charges (`Run::check`, `Run::add_cost`).
+pub const NUMBERS: &str = r#"
+local U64_MAX = '18446744073709551615'
+
+-- -1, 0 or 1 as a < b, a == b, a > b (decimal strings without leading zeros)
+local function cmp(a, b)
+  if #a ~= #b then
+    if #a < #b then return -1 end
+    return 1
+  end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      if x < y then return -1 end
+      return 1
+    end
+  end
+  return 0
+end
+
+local function digits(out)
+  local s = string.gsub(table.concat(out), '^0+(%d)', '%1')
+  return s
+end
+
+-- u64::saturating_add
+local function add(a, b)
+  local out, carry, i, j = {}, 0, #a, #b
+  while i > 0 or j > 0 or carry > 0 do
+    local d = carry
+    if i > 0 then d = d + string.byte(a, i) - 48 end
+    if j > 0 then d = d + string.byte(b, j) - 48 end
+    carry = 0
+    if d >= 10 then d, carry = d - 10, 1 end
+    table.insert(out, 1, d)
+    i, j = i - 1, j - 1
+  end
+  local s = digits(out)
+  if cmp(s, U64_MAX) > 0 then return U64_MAX end
+  return s
+end
+
+-- u64::saturating_sub
+local function sub(a, b)
+  if cmp(a, b) <= 0 then return '0' end
+  local out, borrow, i, j = {}, 0, #a, #b
+  while i > 0 do
+    local d = string.byte(a, i) - 48 - borrow
+    if j > 0 then d = d - (string.byte(b, j) - 48) end
+    borrow = 0
+    if d < 0 then d, borrow = d + 10, 1 end
+    table.insert(out, 1, d)
+    i, j = i - 1, j - 1
+  end
+  return digits(out)
+end
+
+-- Run::check: the limit that charging one more key declaring `cost` at `now` would pass, or
+-- nil. `u` is the stored run (nil: unseen, so unlimited).
+local function run_check(u, cost, now)
+  if u == nil then return nil end
+  if u.dl ~= nil and cmp(now, u.dl) >= 0 then return 'deadline' end
+  if u.me ~= nil and cmp(u.ue, u.me) >= 0 then return 'effects' end
+  if u.mc ~= nil and (cmp(u.uc, u.mc) >= 0 or cmp(add(u.uc, cost), u.mc) > 0) then return 'cost' end
+  return nil
+end
+
+-- Charges one more key declaring `cost` to the run at `key` (Run::new first if unseen).
+local function charge(key, u, tenant, run, cost, now)
+  if u == nil then
+    redis.call('HSET', key, 't', tenant, 'r', run, 'ue', '1', 'uc', cost, 'ca', now, 'up', now)
+  else
+    redis.call('HSET', key, 'ue', add(u.ue, '1'), 'uc', add(u.uc, cost), 'up', now)
+  end
+end
+
+-- Run::add_cost on the run at `key` (Run::new first if unseen).
+local function add_cost(key, tenant, run, cost, now)
+  local spent = redis.call('HGET', key, 'uc')
+  if spent then
+    redis.call('HSET', key, 'uc', add(spent, cost), 'up', now)
+  else
+    redis.call('HSET', key, 't', tenant, 'r', run, 'ue', '0', 'uc', cost, 'ca', now, 'up', now)
+  end
 end
 "#;
 
@@ -325,6 +419,55 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return existed
 "#;
 
+/// Sets a run's budget, creating the run (`Run::new`) if unseen and keeping what it spent.
+/// Answers the run's fields.
+pub const PUT_BUDGET: &str = r#"
+-- KEYS: run; ARGV: now, tenant, run, most effects, most cost, deadline ('' for none)
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 't', ARGV[2], 'r', ARGV[3], 'ue', '0', 'uc', '0', 'ca', ARGV[1])
+end
+for i, field in ipairs({ 'me', 'mc', 'dl' }) do
+  if ARGV[3 + i] == '' then
+    redis.call('HDEL', KEYS[1], field)
+  else
+    redis.call('HSET', KEYS[1], field, ARGV[3 + i])
+  end
+end
+redis.call('HSET', KEYS[1], 'up', ARGV[1])
+return redis.call('HGETALL', KEYS[1])
+"#;
+
+/// `control::gcra` on the tenant's theoretical arrival time (microseconds). Answers `{'ok'}`
+/// (the new time stored) or `{'wait', microseconds}` (nothing stored). The key expires once
+/// the time it holds has passed (plus the margin): an absent time and a past one decide alike.
+pub const RATE: &str = r#"
+-- KEYS: the tenant's rate; ARGV: now µs, interval µs, tolerance µs, margin ms
+local now = ARGV[1]
+local tat = redis.call('GET', KEYS[1]) or '0'
+if cmp(tat, now) < 0 then tat = now end
+local after = add(tat, ARGV[2])
+local ahead = sub(after, now)
+if cmp(ahead, ARGV[3]) > 0 then return { 'wait', sub(ahead, ARGV[3]) } end
+redis.call('SET', KEYS[1], after, 'PX', int(math.floor(tonumber(ahead) / 1000) + 1 + tonumber(ARGV[4])))
+return { 'ok' }
+"#;
+
+/// Appends an audit entry (replacing one with the same id).
+pub const APPEND_AUDIT: &str = r#"
+-- KEYS: the tenant's audit index, its entries; ARGV: id, JSON
+redis.call('ZADD', KEYS[1], 0, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"#;
+
+/// Deletes a control document; answers its body, or nil if there was none.
+pub const DELETE_CONTROL: &str = r#"
+-- KEYS: control documents; ARGV: field
+local body = redis.call('HGET', KEYS[1], ARGV[1])
+if body then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return body
+"#;
+
 /// Stores an API key (replacing one with the same id, and its revocation).
 pub const CREATE_API_KEY: &str = r#"
 -- KEYS: api keys, revocations; ARGV: id, JSON
@@ -355,6 +498,14 @@ pub struct Scripts {
     pub sweep_one: Script,
     /// See [`PURGE`].
     pub purge: Script,
+    /// See [`PUT_BUDGET`].
+    pub put_budget: Script,
+    /// See [`RATE`].
+    pub rate: Script,
+    /// See [`APPEND_AUDIT`].
+    pub append_audit: Script,
+    /// See [`DELETE_CONTROL`].
+    pub delete_control: Script,
     /// See [`CREATE_API_KEY`].
     pub create_api_key: Script,
     /// See [`REVOKE_API_KEY`].
@@ -364,12 +515,17 @@ pub struct Scripts {
 /// The scripts.
 pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}\n{body}"));
+    let with_numbers = |body: &str| Script::new(&format!("{PRELUDE}\n{NUMBERS}\n{body}"));
     Scripts {
         claim: with_prelude(CLAIM),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         sweep_one: Script::new(SWEEP_ONE),
         purge: Script::new(PURGE),
+        put_budget: Script::new(PUT_BUDGET),
+        rate: with_numbers(RATE),
+        append_audit: Script::new(APPEND_AUDIT),
+        delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),
     }
