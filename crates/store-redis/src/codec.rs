@@ -4,12 +4,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use onceguard_core::control::{Budget, Run, RunUsage};
+use onceguard_core::control::{Budget, IN_FLIGHT_RETRY_AFTER, Run, RunUsage};
 use onceguard_core::store::StoreError;
 use onceguard_core::{
-    Acquired, Checkpoint, CheckpointName, ClaimOutcome, Fence, FencedOutcome, Fingerprint, InFlight, Key, Namespace,
-    Outcome, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, RunId, Scope, StaleReason, TenantId,
-    Timestamp,
+    Acquired, Checkpoint, CheckpointName, ClaimOutcome, Denial, Fence, FencedOutcome, Fingerprint, InFlight, Key,
+    Namespace, Outcome, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, RunId, Scope, StaleReason,
+    TenantId, Timestamp,
 };
 use redis::Value;
 
@@ -150,24 +150,64 @@ fn checkpoint(bytes: &[u8]) -> Result<Checkpoint, StoreError> {
 
 /// What the claim script answered.
 pub(crate) enum Claimed {
-    /// The claim's outcome.
-    Outcome(ClaimOutcome),
-    /// It would acquire, and needs a fence greater than this slot mark.
-    NeedFence(Fence),
+    /// The claim's outcome, and (fenced claims on a Cluster) whether it used its run
+    /// reservation.
+    Outcome {
+        /// The outcome.
+        outcome: ClaimOutcome,
+        /// Whether the claim charged the key with its run reservation.
+        used_charge: bool,
+    },
+    /// It would acquire, and needs a fence greater than this slot mark, and the reservations
+    /// for the record it would write.
+    NeedFence {
+        /// The slot's mark.
+        mark: Fence,
+        /// The run the record would name.
+        run: Option<RunId>,
+        /// Whether the record is charged to it already.
+        charged: bool,
+    },
+    /// One server: it would acquire a record of this run, whose keys it needs.
+    NeedRun(RunId),
 }
 
-/// The claim script's answer.
-pub(crate) fn claim_answer(answer: Vec<Vec<u8>>) -> Result<Claimed, StoreError> {
-    let field = |i: usize| answer.get(i).map(Vec::as_slice).ok_or_else(|| corrupt("a claim answer is too short"));
-    if field(0)? == b"need_fence" {
-        return Ok(Claimed::NeedFence(Fence(number(field(1)?, "fence mark")?)));
+/// The claim script's answer; `fenced`: the claim ran with a fence drawn beforehand, so every
+/// outcome ends with whether the claim used its run reservation.
+pub(crate) fn claim_answer(mut answer: Vec<Vec<u8>>, fenced: bool) -> Result<Claimed, StoreError> {
+    match answer.first().map(Vec::as_slice) {
+        Some(b"need_fence") => {
+            let field = |i: usize| answer.get(i).map(Vec::as_slice).unwrap_or_default();
+            return Ok(Claimed::NeedFence {
+                mark: Fence(number(field(1), "fence mark")?),
+                run: optional_run(field(2))?,
+                charged: field(3) == b"1",
+            });
+        }
+        Some(b"need_run") => {
+            let run = answer.get(1).map(Vec::as_slice).unwrap_or_default();
+            return optional_run(run)?.map(Claimed::NeedRun).ok_or_else(|| corrupt("need_run without a run"));
+        }
+        _ => {}
     }
-    claim_outcome(&field).map(Claimed::Outcome)
+    let used_charge =
+        if fenced { answer.pop().ok_or_else(|| corrupt("an empty claim answer"))? == b"1" } else { false };
+    let field = |i: usize| answer.get(i).map(Vec::as_slice).ok_or_else(|| corrupt("a claim answer is too short"));
+    Ok(Claimed::Outcome { outcome: claim_outcome(&field)?, used_charge })
+}
+
+fn optional_run(bytes: &[u8]) -> Result<Option<RunId>, StoreError> {
+    if bytes.is_empty() { Ok(None) } else { RunId::parse(text(bytes)?).map(Some).map_err(corrupt) }
 }
 
 fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> Result<ClaimOutcome, StoreError> {
     match field(0)? {
         b"mismatch" => Ok(ClaimOutcome::Mismatch),
+        b"denied" => Ok(ClaimOutcome::Denied(match field(1)? {
+            b"in_flight" => Denial::QuotaExceeded { quota: "in_flight".to_owned(), retry_after: IN_FLIGHT_RETRY_AFTER },
+            b"budget" => Denial::BudgetExhausted { limit: text(field(2)?)?.to_owned() },
+            other => return Err(corrupt(format!("unknown denial {:?}", String::from_utf8_lossy(other)))),
+        })),
         b"in_flight" => Ok(ClaimOutcome::InFlight(InFlight {
             retry_after: Duration::from_millis(number(field(1)?, "retry_after")?),
             attempt: number(field(2)?, "attempt")?,
@@ -210,20 +250,61 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
     }
 }
 
+/// What the fenced-call script answered.
+pub(crate) enum Fenced {
+    /// The call's outcome.
+    Done {
+        /// The outcome.
+        outcome: FencedOutcome,
+        /// Whether the call wrote the record (not a stale call, nor a repeat).
+        wrote: bool,
+        /// The token of the record's place in its tenant's in-flight set, if it has one.
+        token: Option<String>,
+    },
+    /// One server: the call reports a cost, and needs the keys of the record's run.
+    NeedRun(RunId),
+    /// Cluster: an extend of a lease in the in-flight set, whose place must be raised first.
+    NeedQuota {
+        /// The place's token.
+        token: String,
+        /// The lease's new expiry.
+        until: u64,
+    },
+}
+
 /// The mutate script's answer.
-pub(crate) fn fenced_outcome(mut answer: Vec<Vec<u8>>) -> Result<FencedOutcome, StoreError> {
+pub(crate) fn fenced_answer(mut answer: Vec<Vec<u8>>) -> Result<Fenced, StoreError> {
     if answer.is_empty() {
         return Err(corrupt("an empty answer to a fenced call"));
     }
     let head = answer.remove(0);
+    let done = |outcome, wrote, token| Ok(Fenced::Done { outcome, wrote, token });
     match head.as_slice() {
-        b"applied" => Ok(FencedOutcome::Applied(Box::new(Fields::from_flat(answer)?.record()?))),
-        b"stale" => Ok(FencedOutcome::Stale(match answer.first().map(Vec::as_slice) {
-            Some(b"no_record") => StaleReason::NoRecord,
-            Some(b"superseded") => StaleReason::Superseded,
-            Some(b"finished") => StaleReason::Finished,
-            other => return Err(corrupt(format!("unknown stale reason {other:?}"))),
-        })),
+        b"applied" | b"repeated" => {
+            let fields = Fields::from_flat(answer)?;
+            let token = fields.get("q").map(|q| text(q).map(str::to_owned)).transpose()?;
+            done(FencedOutcome::Applied(Box::new(fields.record()?)), head == b"applied", token)
+        }
+        b"stale" => done(
+            FencedOutcome::Stale(match answer.first().map(Vec::as_slice) {
+                Some(b"no_record") => StaleReason::NoRecord,
+                Some(b"superseded") => StaleReason::Superseded,
+                Some(b"finished") => StaleReason::Finished,
+                other => return Err(corrupt(format!("unknown stale reason {other:?}"))),
+            }),
+            false,
+            None,
+        ),
+        b"need_run" => {
+            let run = answer.first().map(Vec::as_slice).unwrap_or_default();
+            optional_run(run)?.map(Fenced::NeedRun).ok_or_else(|| corrupt("need_run without a run"))
+        }
+        b"need_quota" => match answer.as_slice() {
+            [token, until] => {
+                Ok(Fenced::NeedQuota { token: text(token)?.to_owned(), until: number(until, "lease expiry")? })
+            }
+            _ => Err(corrupt("need_quota without its token and lease")),
+        },
         other => Err(corrupt(format!("unknown answer {:?}", String::from_utf8_lossy(other)))),
     }
 }

@@ -1,17 +1,23 @@
-//! Runs and their budgets, control documents, the claim rate and the audit log (see the crate
-//! documentation for where each lives).
+//! Runs and their budgets, control documents, lease revocation, the claim rate and the audit
+//! log (see the crate documentation for where each lives).
 
 use std::time::Duration;
 
-use onceguard_core::control::{AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run};
-use onceguard_core::store::{MAX_PAGE, StoreError};
-use onceguard_core::{RunId, TenantId, Timestamp};
+use futures::{StreamExt, TryStreamExt};
+use onceguard_core::control::{
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
+};
+use onceguard_core::store::{ListFilter, MAX_PAGE, Store, StoreError};
+use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
 
 use crate::codec::{self, corrupt, strings};
-use crate::layout::RunPlacement;
+use crate::layout::{Placement, RunPlacement};
 use crate::scripts::SCRIPTS;
-use crate::{RedisStore, ms, unavailable};
+use crate::{Conn, MAX_DRAWS, RedisStore, ms, unavailable};
+
+/// How many records a revocation works on at once.
+const REVOKE_CONCURRENCY: usize = 32;
 
 /// The field of a control document in the control hash: `kind NUL tenant NUL id`.
 fn control_field(kind: ControlKind, tenant: &TenantId, id: &str) -> Vec<u8> {
@@ -66,6 +72,25 @@ impl RedisStore {
         codec::run(tenant, run, strings(answer)?)
     }
 
+    /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).
+    pub(crate) async fn add_cost(
+        &self,
+        mut conn: Conn,
+        tenant: &TenantId,
+        run: &RunId,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let mut invocation = SCRIPTS.add_cost.prepare_invoke();
+        invocation
+            .key(self.keys.run(&RunPlacement::of(tenant, run)))
+            .arg(now.0)
+            .arg(tenant.as_str())
+            .arg(run.as_str())
+            .arg(cost);
+        invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("add a reported cost"))
+    }
+
     pub(crate) async fn store_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         redis::cmd("HSET")
@@ -101,6 +126,101 @@ impl RedisStore {
             .await
             .map_err(unavailable("list control documents"))?;
         all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
+    }
+
+    /// Revokes the tenant's in-progress records that `target` covers: found page by page in
+    /// the listing indexes, each revoked by a script that checks it is still in progress.
+    pub(crate) async fn revoke_covered(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut filter = ListFilter { state: Some(RecordState::InProgress), limit: MAX_PAGE, ..ListFilter::default() };
+        match target {
+            SwitchTarget::Tenant => {}
+            SwitchTarget::Namespace { prefix } => filter.namespace_prefix = Some(prefix.clone()),
+            SwitchTarget::Run { run } => filter.run = Some(run.clone()),
+        }
+        let run = match target {
+            SwitchTarget::Run { run } => Some(run),
+            _ => None,
+        };
+        let mut revoked = 0;
+        loop {
+            let page = self.list(tenant, &filter, now).await?;
+            let revocations: Vec<_> = page
+                .records
+                .iter()
+                .filter(|r| target.covers_record(r))
+                .map(|record| self.bounded("revoke a lease", self.revoke_one(record, run, detail, now)))
+                .collect();
+            let done: Vec<bool> =
+                futures::stream::iter(revocations).buffer_unordered(REVOKE_CONCURRENCY).try_collect().await?;
+            revoked += done.into_iter().filter(|&r| r).count() as u64;
+            match page.next {
+                Some(after) => filter.after = Some(after),
+                None => return Ok(revoked),
+            }
+        }
+    }
+
+    /// Revokes one record if it is still in progress (and of `run`); answers whether it did.
+    async fn revoke_one(
+        &self,
+        record: &Record,
+        run: Option<&RunId>,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let placement = Placement::of(&record.scope);
+        let mut conn = self.conn.clone();
+        // On a Cluster the fence is drawn first, and again above the slot's mark if need be
+        // (as for a claim); on one server the script draws it.
+        let mut source = match self.cluster {
+            true => self.draw_fence(conn.clone(), Fence(0)).await?.0.to_string(),
+            false => "draw".to_owned(),
+        };
+        for _ in 0..MAX_DRAWS {
+            let mut invocation = SCRIPTS.revoke.prepare_invoke();
+            invocation
+                .key(self.keys.record(&placement))
+                .key(self.keys.fence_mark(placement.slot))
+                .key(self.keys.expiry(placement.slot));
+            if !self.cluster {
+                invocation.key(self.keys.fence_counter()).key(self.keys.in_flight(&record.scope.tenant));
+            }
+            invocation
+                .arg(now.0)
+                .arg(source.as_str())
+                .arg(detail)
+                .arg(placement.member.as_slice())
+                .arg(ms(self.options.expiry_margin))
+                .arg(run.map_or("", |r| r.as_str()))
+                .arg(self.keys.changes())
+                .arg(self.message(&record.scope));
+            let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("revoke a lease"))?;
+            let (head, rest) = codec::tagged(strings(answer)?)?;
+            match (head.as_str(), rest.first()) {
+                ("skipped", _) => return Ok(false),
+                ("revoked", token) => {
+                    if let (true, Some(token)) = (self.cluster, token.filter(|t| !t.is_empty())) {
+                        let tenant = &record.scope.tenant;
+                        self.release_in_flight(conn.clone(), tenant, &placement.member, token).await?;
+                    }
+                    return Ok(true);
+                }
+                ("need_fence", Some(mark)) => {
+                    let mark = mark.parse().map_err(|_| corrupt("a fence mark is not a number"))?;
+                    source = self.draw_fence(conn.clone(), Fence(mark)).await?.0.to_string();
+                }
+                _ => return Err(corrupt(format!("unknown revocation answer {head:?}"))),
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "redis revoke: other claims on the same slot kept overtaking it ({MAX_DRAWS} fences drawn)"
+        )))
     }
 
     /// `control::gcra` in one script on the tenant's slot, with the numbers it derives from

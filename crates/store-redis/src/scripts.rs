@@ -1,9 +1,11 @@
 //! The Lua scripts: each runs atomically in Redis (no other command runs in between), on keys
-//! of one hash slot, and is sent by digest (`EVALSHA`, falling back to `EVAL` when the server
-//! does not know it yet).
+//! of one hash slot (on one server the claim and fenced-call scripts also touch the tenant's
+//! in-flight set and the run, which a Cluster keeps on other slots), and is sent by digest
+//! (`EVALSHA`, falling back to `EVAL` when the server does not know it yet).
 //!
-//! `claim` and `mutate` are line-for-line translations of `onceguard_core::protocol::claim` and
-//! `protocol::apply`; the comments name the Rust they mirror. Time is always the caller's `now`
+//! `claim` and `mutate` are line-for-line translations of `onceguard_core::protocol::claim`
+//! and `protocol::apply`, and of `control::admit` and `control::reported_cost`; `rate` is
+//! `control::gcra`; the comments name the Rust they mirror. Time is always the caller's `now`
 //! (an argument); the scripts never read the server's clock.
 //!
 //! A record is a hash of text fields:
@@ -14,6 +16,8 @@
 //! | `st` | `in_progress`, `completed` or `released` |
 //! | `fp` `fe` `at` | fingerprint, fence, attempt |
 //! | `run` | the run (absent if none) |
+//! | `ch` | `1` once the key was charged to its run (`Record::charged`; absent if not) |
+//! | `q` | the token of the lease's place in the tenant's in-flight set, when claimed under an in-flight quota (absent if not) |
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
@@ -23,7 +27,8 @@
 //!
 //! A run is a hash: `t` `r` (tenant, run), `me` `mc` `dl` (its budget: most effects, most cost,
 //! deadline; each absent if not limited), `ue` `uc` (effects and cost spent), `ca` `up`
-//! (created, updated).
+//! (created, updated). On a Cluster its pending charges are a hash beside it (see the crate
+//! documentation), of record member to `holders used cost at`.
 //!
 //! Times and durations are handled as Lua doubles: exact below 2^53, which the store checks on
 //! the way in. Budgets, costs and the claim rate's microseconds may be any `u64`: they are kept
@@ -197,73 +202,81 @@ local function add_cost(key, tenant, run, cost, now)
 end
 "#;
 
-/// `protocol::claim`. Answers one of:
+/// `protocol::claim` and `control::admit`. Answers one of:
 /// `{'mismatch'}`, `{'in_flight', retry_after_ms, attempt}`,
 /// `{'replay', fence, attempt, completed_at, kind, content_type, body, cost}`,
 /// `{'acquired', fence, attempt, lease_expires_at, ''}` or, for a recovery,
 /// `{'acquired', fence, attempt, lease_expires_at, 'lease' | 'unknown', previous_fence,
-/// previous_attempt, unknown_detail, last_checkpoint}`, or, when it would acquire but has no
-/// usable fence, `{'need_fence', slot_mark}`.
+/// previous_attempt, unknown_detail, last_checkpoint}`, `{'denied', 'in_flight'}` or
+/// `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}`; or, when it would acquire but
+/// lacks something (changing nothing): `{'need_fence', slot_mark, run, charged}` (run: the run
+/// the record would name, `''` if none; charged: `'1'` if the record is charged already), or
+/// `{'need_run', run}` (one server: the keys of another run are needed).
 ///
-/// Where the fence comes from (the last argument): `draw` increments the store's fence counter
-/// (`KEYS[5]`; one server only, where a script may touch any key); `peek` answers
-/// `need_fence` instead of acquiring; a number is a fence drawn beforehand ([`DRAW_FENCE`]),
-/// used only if it is above the slot's mark (the highest fence acquired on the slot), so that
-/// a key's fences only grow even when draws and acquisitions interleave.
+/// Where the fence comes from (ARGV 11): `draw` increments the store's fence counter (one
+/// server only, where a script may touch any key, so the quota and the budget are checked and
+/// charged here too); `peek` answers `need_fence` instead of acquiring; a number is a fence
+/// drawn beforehand ([`DRAW_FENCE`]), used only if it is above the slot's mark (the highest
+/// fence acquired on the slot), so that a key's fences only grow even when draws and
+/// acquisitions interleave. With a number (on a Cluster), the in-flight quota and the run's
+/// budget were reserved beforehand on their own slots ([`RESERVE_IN_FLIGHT`], [`RESERVE_RUN`])
+/// and the script is told the verdicts; every answer but `need_fence` then ends with one more
+/// field: `'1'` if the claim used its run reservation (charged the key), else `'0'`.
 pub const CLAIM: &str = r#"
--- KEYS: record, slot fence mark, expiry index, listing index[, fence counter]
+-- KEYS: record, slot fence mark, expiry index, listing index; on one server (fence 'draw') also
+--       the fence counter, then the tenant's in-flight set (with a quota), then the run
+--       (with a run to admit)
 -- ARGV: now, fingerprint, lease ms, retention ms, run ('' if none), tenant, namespace, key,
---       member, margin ms, fence ('draw', 'peek' or a number)
+--       member, margin ms, fence ('draw', 'peek' or a number),
+--       in-flight quota ('' if none), declared cost, the run to admit ('' if none),
+--       on a Cluster: in-flight token ('' if none), 'denied' if the quota is spent, run
+--       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed)
 local now = tonumber(ARGV[1])
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
+local quota, cost, admitted = ARGV[12] or '', ARGV[13] or '0', ARGV[14] or ''
+local token, quota_spent = ARGV[15] or '', ARGV[16] == 'denied'
+local reserved, verdict = ARGV[17] or '', ARGV[18] or ''
+local one_server, peek = source == 'draw', source == 'peek'
+local fenced = not one_server and not peek
+local used = '0'
+local function reply(answer)
+  if fenced then answer[#answer + 1] = used end
+  return answer
+end
 
 -- existing.filter(|r| r.is_live(now))
 local r = load(KEYS[1])
 if r ~= nil and not is_live(r, now) then r = nil end
 
 if r ~= nil then
-  if r.st ~= 'released' and r.fp ~= fp then return { 'mismatch' } end
+  if r.st ~= 'released' and r.fp ~= fp then return reply({ 'mismatch' }) end
   if r.st == 'completed' then
     if r.ok ~= nil and r.co ~= nil then
-      return { 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '' }
+      return reply({ 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '' })
     end
     -- A completed record without its outcome is treated as absent.
     r = nil
   elseif r.st == 'in_progress' and not is_stuck(r, now) then
     local lease_end = tonumber(r.le)
-    return { 'in_flight', int(math.max(lease_end - now, 0)), r.at }
+    return reply({ 'in_flight', int(math.max(lease_end - now, 0)), r.at })
   end
 end
 
--- acquire(previous = r), with the next fence
-local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
-local fence
-if source == 'draw' then
-  fence = redis.call('INCR', KEYS[5])
-  if fence <= mark then
-    fence = mark + 1
-    redis.call('SET', KEYS[5], int(fence))
-  end
-elseif source == 'peek' then
-  return { 'need_fence', int(mark) }
-else
-  fence = tonumber(source)
-  if fence <= mark then return { 'need_fence', int(mark) } end
-end
-redis.call('SET', KEYS[2], int(fence))
-fence = int(fence)
+-- acquire(previous = r); the fence comes last
 local le = now + lease
 local n = {
-  t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, fe = fence, at = '1',
+  t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, at = '1',
   le = int(le), re = int(retention), ca = int(now), up = int(now), ex = int(le + retention),
 }
 if run ~= '' then n.run = run end
-local answer = { 'acquired', fence, '1', int(le), '' }
+local answer = { 'acquired', '', '1', int(le), '' }
 if r ~= nil then
   n.at = int(math.min(tonumber(r.at) + 1, 4294967295))
   answer[3] = n.at
   if r.run ~= nil then n.run = r.run end
+  -- A key is charged to its run once, however many attempts it takes.
+  if r.ch ~= nil then n.ch = r.ch end
   if r.st == 'in_progress' then
     local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
     local last = ''
@@ -275,7 +288,90 @@ if r ~= nil then
     n.ca = r.ca
     local why = 'lease'
     if r.un ~= nil then why = 'unknown' end
-    answer = { 'acquired', fence, n.at, int(le), why, r.fe, r.at, r.un or '', last }
+    answer = { 'acquired', '', n.at, int(le), why, r.fe, r.at, r.un or '', last }
+  end
+end
+
+local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local function need_fence() return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
+if peek then return need_fence() end
+
+-- control::admit: the in-flight quota, then the run's deadline, then (for a key not yet
+-- charged) its effects and cost
+local k = 6
+local in_flight, run_key, stored_run
+local charges = false
+if quota ~= '' then
+  if one_server then
+    in_flight = KEYS[k]
+    k = k + 1
+    redis.call('ZREMRANGEBYSCORE', in_flight, '-inf', '(' .. int(now - margin))
+    local held = redis.call('ZCOUNT', in_flight, '(' .. int(now), '+inf')
+    if cmp(int(held), quota) >= 0 then return { 'denied', 'in_flight' } end
+  elseif quota_spent then
+    return reply({ 'denied', 'in_flight' })
+  elseif token == '' then
+    return need_fence()
+  end
+end
+if n.run ~= nil then
+  if n.run ~= admitted then
+    if one_server then return { 'need_run', n.run } end
+    return need_fence()
+  end
+  if one_server then
+    run_key = KEYS[k]
+    stored_run = load(run_key)
+    local limit
+    if n.ch == '1' then
+      -- Charged already: only the deadline still applies.
+      if stored_run ~= nil and stored_run.dl ~= nil and cmp(ARGV[1], stored_run.dl) >= 0 then
+        limit = 'deadline'
+      end
+    else
+      limit = run_check(stored_run, cost, ARGV[1])
+      charges = true
+    end
+    if limit ~= nil then return { 'denied', 'budget', limit } end
+  else
+    if verdict == 'deadline' then return reply({ 'denied', 'budget', 'deadline' }) end
+    if n.ch ~= '1' then
+      if reserved ~= 'charge' then return need_fence() end
+      if verdict ~= 'ok' then return reply({ 'denied', 'budget', verdict }) end
+      charges = true
+      used = '1'
+    end
+  end
+end
+
+local fence
+if one_server then
+  fence = redis.call('INCR', KEYS[5])
+  if fence <= mark then
+    fence = mark + 1
+    redis.call('SET', KEYS[5], int(fence))
+  end
+else
+  fence = tonumber(source)
+  if fence <= mark then return need_fence() end
+end
+redis.call('SET', KEYS[2], int(fence))
+fence = int(fence)
+n.fe = fence
+answer[2] = fence
+
+-- The charge and the place in flight are written with the record.
+if charges then
+  if one_server then charge(run_key, stored_run, ARGV[6], n.run, cost, ARGV[1]) end
+  n.ch = '1'
+end
+if quota ~= '' then
+  if one_server then
+    if r ~= nil and r.q ~= nil then redis.call('ZREM', in_flight, member .. '\0' .. r.q) end
+    n.q = fence
+    redis.call('ZADD', in_flight, n.le, member .. '\0' .. fence)
+  else
+    n.q = token
   end
 end
 
@@ -283,14 +379,26 @@ redis.call('DEL', KEYS[1])
 batched('HSET', KEYS[1], flat(n), 256)
 keep_until(KEYS[1], KEYS[3], member, n.ex, now, margin)
 redis.call('ZADD', KEYS[4], 0, member)
-return answer
+return reply(answer)
 "#;
 
-/// `protocol::apply`. Answers `{'stale', 'no_record' | 'superseded' | 'finished'}` or
-/// `{'applied', field, value, ...}` with the record as it now is.
+/// `protocol::apply`, and `control::reported_cost` charged to the record's run. Answers
+/// `{'stale', 'no_record' | 'superseded' | 'finished'}`, `{'applied', field, value, ...}` with
+/// the record as it now is, `{'repeated', field, value, ...}` when the call repeats the one
+/// that finished the record (nothing written), or, changing nothing: `{'need_run', run}` (one
+/// server: the call reports a cost and the keys of the record's run are needed) or
+/// `{'need_quota', token, lease_expires_at}` (Cluster: an extend of a lease in the tenant's
+/// in-flight set, whose score the store raises first with `ZADD GT`).
+///
+/// On one server the script also removes a finished lease from the tenant's in-flight set (or
+/// raises an extended one) and adds the reported cost to the run; on a Cluster the store does
+/// both after the script, on their own slots.
 pub const MUTATE: &str = r#"
--- KEYS: record, expiry index
--- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
+-- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
+--       (with ARGV 10)
+-- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message,
+--       reported cost, the record's run ('' if unknown), 'one' (one server) or 'cluster',
+--       '1' if the in-flight set was raised for this extend, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none)
 --   release: nothing
 --   extend: lease ms
@@ -298,6 +406,7 @@ pub const MUTATE: &str = r#"
 --   unknown: detail
 local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local reported, given_run, one_server, raised = ARGV[9], ARGV[10], ARGV[11] == 'one', ARGV[12] == '1'
 
 local r = load(KEYS[1])
 if r == nil or not is_live(r, now) then return { 'stale', 'no_record' } end
@@ -307,9 +416,9 @@ if r.st ~= 'in_progress' then
   -- is_repeat
   local again = false
   if r.st == 'completed' and r.ok ~= nil and (op == 'complete' or op == 'fail') then
-    local same = (r.oc or '') == ARGV[10] and (r.ob or '') == ARGV[11] and (r.ocost or '') == ARGV[12]
+    local same = (r.oc or '') == ARGV[14] and (r.ob or '') == ARGV[15] and (r.ocost or '') == ARGV[16]
     if op == 'complete' then
-      again = ARGV[9] == 'success' and r.ok == 'success' and same
+      again = ARGV[13] == 'success' and r.ok == 'success' and same
     else
       again = r.ok == 'failure' and same
     end
@@ -318,7 +427,7 @@ if r.st ~= 'in_progress' then
   end
   if again then
     local answer = flat(r)
-    table.insert(answer, 1, 'applied')
+    table.insert(answer, 1, 'repeated')
     return answer
   end
   return { 'stale', 'finished' }
@@ -330,10 +439,10 @@ local retention = tonumber(r.re)
 if op == 'complete' or op == 'fail' then
   -- finish
   set(w, 'st', 'completed')
-  if op == 'fail' then set(w, 'ok', 'failure') else set(w, 'ok', ARGV[9]) end
-  set(w, 'oc', ARGV[10])
-  set(w, 'ob', ARGV[11])
-  if ARGV[12] ~= '' then set(w, 'ocost', ARGV[12]) else unset(w, 'ocost') end
+  if op == 'fail' then set(w, 'ok', 'failure') else set(w, 'ok', ARGV[13]) end
+  set(w, 'oc', ARGV[14])
+  set(w, 'ob', ARGV[15])
+  if ARGV[16] ~= '' then set(w, 'ocost', ARGV[16]) else unset(w, 'ocost') end
   set(w, 'co', int(now))
   unset(w, 'le')
   unset(w, 'un')
@@ -350,12 +459,12 @@ elseif r.un ~= nil then
   -- Once the holder reported the outcome unknown it may finish, but not carry on working.
   return { 'stale', 'finished' }
 elseif op == 'extend' then
-  local until_ = now + tonumber(ARGV[9])
+  local until_ = now + tonumber(ARGV[13])
   set(w, 'le', int(until_))
   set(w, 'ex', int(until_ + retention))
 elseif op == 'checkpoint' then
   local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
-  set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[9] .. '\n' .. ARGV[10])
+  set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[13] .. '\n' .. ARGV[14])
   cn = cn + 1
   while cn - c0 > math.max(max_checkpoints, 1) do
     unset(w, 'c.' .. int(c0))
@@ -364,16 +473,34 @@ elseif op == 'checkpoint' then
   set(w, 'c0', int(c0))
   set(w, 'cn', int(cn))
 elseif op == 'unknown' then
-  set(w, 'un', ARGV[9])
+  set(w, 'un', ARGV[13])
   set(w, 'le', int(now))
   set(w, 'ex', int(now + retention))
   finishes = true
 else
   return redis.error_reply('onceguard: unknown operation ' .. op)
 end
+-- control::reported_cost, added to the record's run in this step on one server
+local costs = reported ~= '0' and r.run ~= nil
+if costs and one_server and r.run ~= given_run then return { 'need_run', r.run } end
+-- A lease in the in-flight set is raised there before it is extended (so the set never
+-- counts it for less than it lasts), and leaves the set once the attempt ends.
+if r.q ~= nil and op == 'extend' and not one_server and not raised then
+  return { 'need_quota', r.q, w.r.le }
+end
 set(w, 'up', int(now))
 save(KEYS[1], w)
 keep_until(KEYS[1], KEYS[2], member, w.r.ex, now, margin)
+if one_server then
+  if r.q ~= nil then
+    if op == 'extend' then
+      redis.call('ZADD', KEYS[3], 'GT', w.r.le, member .. '\0' .. r.q)
+    elseif finishes then
+      redis.call('ZREM', KEYS[3], member .. '\0' .. r.q)
+    end
+  end
+  if costs then add_cost(KEYS[4], r.t, r.run, reported, ARGV[1]) end
+end
 if finishes then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
 local answer = flat(w.r)
 table.insert(answer, 1, 'applied')
@@ -408,15 +535,137 @@ redis.call('ZREM', KEYS[3], member)
 return deleted
 "#;
 
-/// Deletes a record whatever its state, and announces it. Answers 1 if it existed.
+/// Deletes a record whatever its state, and announces it. Answers `{existed, token}`: 1 if it
+/// existed, and the token of its place in the tenant's in-flight set (`''` if none), which the
+/// script removes on one server and the store removes after it on a Cluster.
 pub const PURGE: &str = r#"
--- KEYS: record, expiry index, listing index
+-- KEYS: record, expiry index, listing index[, the tenant's in-flight set (one server)]
 -- ARGV: member, channel, message
+local token = redis.call('HGET', KEYS[1], 'q')
 local existed = redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
+if token and KEYS[4] then redis.call('ZREM', KEYS[4], ARGV[1] .. '\0' .. token) end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
-return existed
+return { existed, token or '' }
+"#;
+
+/// `control::revoke` on a record that is still live and in progress (and of the run, for a
+/// run's switch): a new fence (drawn here on one server, else drawn beforehand and used only
+/// above the slot's mark, as in [`CLAIM`]), its lease ended, its outcome unknown. Answers
+/// `{'revoked', token}` (the token of its place in the tenant's in-flight set, `''` if none;
+/// removed here on one server), `{'skipped'}`, or `{'need_fence', slot_mark}`.
+pub const REVOKE: &str = r#"
+-- KEYS: record, slot fence mark, expiry index[, fence counter, the tenant's in-flight set
+--       (one server)]
+-- ARGV: now, fence ('draw' or a number), detail, member, margin ms, run ('' for any),
+--       channel, message
+local now, source, detail, member, margin = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local r = load(KEYS[1])
+if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
+if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
+local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local fence
+if source == 'draw' then
+  fence = redis.call('INCR', KEYS[4])
+  if fence <= mark then
+    fence = mark + 1
+    redis.call('SET', KEYS[4], int(fence))
+  end
+else
+  fence = tonumber(source)
+  if fence <= mark then return { 'need_fence', int(mark) } end
+end
+redis.call('SET', KEYS[2], int(fence))
+local w = change(r)
+set(w, 'fe', int(fence))
+set(w, 'le', int(now))
+set(w, 'un', detail)
+set(w, 'ex', int(now + tonumber(r.re)))
+set(w, 'up', int(now))
+local token = r.q or ''
+if r.q ~= nil then
+  unset(w, 'q')
+  if source == 'draw' then redis.call('ZREM', KEYS[5], member .. '\0' .. r.q) end
+end
+save(KEYS[1], w)
+keep_until(KEYS[1], KEYS[3], member, w.r.ex, now, margin)
+redis.call('PUBLISH', ARGV[7], ARGV[8])
+return { 'revoked', token }
+"#;
+
+/// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
+/// fewer than the quota of the places there are live at `now`. Places whose lease ended long
+/// ago (before `prune_before`) are dropped first. Answers 1 (reserved) or 0 (the quota is
+/// spent).
+pub const RESERVE_IN_FLIGHT: &str = r#"
+-- KEYS: the tenant's in-flight set
+-- ARGV: now, quota, member NUL token, lease expiry, prune before
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[5])
+local held = redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')
+if cmp(int(held), ARGV[2]) >= 0 then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+return 1
+"#;
+
+/// Cluster: the run's side of a claim about to acquire a key of the run. `check` (the record
+/// is charged already): only the deadline. `charge`: the deadline, then, unless another claim
+/// of the same key holds a pending charge (which this claim then shares), `Run::check` and the
+/// charge, recorded as pending. Answers `ok` or the limit passed (`deadline`, `effects`,
+/// `cost`). A pending charge older than `leaked_before` was left by a claim that never
+/// settled: it is forgotten and its charge kept.
+pub const RESERVE_RUN: &str = r#"
+-- KEYS: run, its pending charges
+-- ARGV: now, tenant, run, member, declared cost, 'charge' or 'check', leaked before
+local now, member = ARGV[1], ARGV[4]
+local u = load(KEYS[1])
+if u ~= nil and u.dl ~= nil and cmp(now, u.dl) >= 0 then return 'deadline' end
+if ARGV[6] == 'check' then return 'ok' end
+local pending = redis.call('HGET', KEYS[2], member)
+if pending then
+  local holders, used, cost, at = string.match(pending, '^(%d+) (%d) (%d+) (%d+)$')
+  if tonumber(at) >= tonumber(ARGV[7]) then
+    redis.call('HSET', KEYS[2], member, int(tonumber(holders) + 1) .. ' ' .. used .. ' ' .. cost .. ' ' .. now)
+    return 'ok'
+  end
+  redis.call('HDEL', KEYS[2], member)
+end
+local limit = run_check(u, ARGV[5], now)
+if limit ~= nil then return limit end
+charge(KEYS[1], u, ARGV[2], ARGV[3], ARGV[5], now)
+redis.call('HSET', KEYS[2], member, '1 0 ' .. ARGV[5] .. ' ' .. now)
+return 'ok'
+"#;
+
+/// Cluster: a claim that reserved a charge ([`RESERVE_RUN`]) settles it once decided, saying
+/// whether it used it (charged its record). When the last holder of a pending charge settles,
+/// the charge is forgotten: kept if any holder used it, else refunded. Answers 1 if it
+/// refunded.
+pub const SETTLE_RUN: &str = r#"
+-- KEYS: run, its pending charges
+-- ARGV: member, '1' if the claim used the charge
+local pending = redis.call('HGET', KEYS[2], ARGV[1])
+if not pending then return 0 end
+local holders, used, cost, at = string.match(pending, '^(%d+) (%d) (%d+) (%d+)$')
+holders = tonumber(holders) - 1
+if ARGV[2] == '1' then used = '1' end
+if holders > 0 then
+  redis.call('HSET', KEYS[2], ARGV[1], int(holders) .. ' ' .. used .. ' ' .. cost .. ' ' .. at)
+  return 0
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+if used == '1' then return 0 end
+local u = load(KEYS[1])
+if u == nil then return 0 end
+redis.call('HSET', KEYS[1], 'ue', sub(u.ue, '1'), 'uc', sub(u.uc, cost))
+return 1
+"#;
+
+/// Cluster: `Run::add_cost` for a cost reported by a fenced call that took effect.
+pub const ADD_COST: &str = r#"
+-- KEYS: run; ARGV: now, tenant, run, cost
+add_cost(KEYS[1], ARGV[2], ARGV[3], ARGV[4], ARGV[1])
+return 1
 "#;
 
 /// Sets a run's budget, creating the run (`Run::new`) if unseen and keeping what it spent.
@@ -498,6 +747,16 @@ pub struct Scripts {
     pub sweep_one: Script,
     /// See [`PURGE`].
     pub purge: Script,
+    /// See [`REVOKE`].
+    pub revoke: Script,
+    /// See [`RESERVE_IN_FLIGHT`].
+    pub reserve_in_flight: Script,
+    /// See [`RESERVE_RUN`].
+    pub reserve_run: Script,
+    /// See [`SETTLE_RUN`].
+    pub settle_run: Script,
+    /// See [`ADD_COST`].
+    pub add_cost: Script,
     /// See [`PUT_BUDGET`].
     pub put_budget: Script,
     /// See [`RATE`].
@@ -517,11 +776,16 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}\n{body}"));
     let with_numbers = |body: &str| Script::new(&format!("{PRELUDE}\n{NUMBERS}\n{body}"));
     Scripts {
-        claim: with_prelude(CLAIM),
+        claim: with_numbers(CLAIM),
         draw_fence: Script::new(DRAW_FENCE),
-        mutate: with_prelude(MUTATE),
+        mutate: with_numbers(MUTATE),
         sweep_one: Script::new(SWEEP_ONE),
         purge: Script::new(PURGE),
+        revoke: with_prelude(REVOKE),
+        reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
+        reserve_run: with_numbers(RESERVE_RUN),
+        settle_run: with_numbers(SETTLE_RUN),
+        add_cost: with_numbers(ADD_COST),
         put_budget: Script::new(PUT_BUDGET),
         rate: with_numbers(RATE),
         append_audit: Script::new(APPEND_AUDIT),

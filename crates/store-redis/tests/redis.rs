@@ -195,15 +195,16 @@ async fn a_fence_below_the_slots_mark_is_refused() {
         let mut conn = conn.clone();
         async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
     };
-    assert_eq!(claim(first.clone(), "peek").await, ["need_fence", "0"]);
+    // Asked first, it names the run the record would name and whether it is charged already.
+    assert_eq!(claim(first.clone(), "peek").await, ["need_fence", "0", "", "0"]);
     assert_eq!(claim(first.clone(), "5").await[..2], ["acquired", "5"]);
     // A draw made before 5 was, acquiring after it: refused, with the mark to draw above.
-    assert_eq!(claim(neighbour.clone(), "3").await, ["need_fence", "5"]);
+    assert_eq!(claim(neighbour.clone(), "3").await, ["need_fence", "5", "", "0"]);
     assert_eq!(claim(neighbour.clone(), "6").await[..2], ["acquired", "6"]);
     // The mark outlives the record.
     let mut raw = conn.clone();
     redis::cmd("DEL").arg(keys.record(&Placement::of(&first))).query_async::<()>(&mut raw).await.unwrap();
-    assert_eq!(claim(first.clone(), "6").await, ["need_fence", "6"]);
+    assert_eq!(claim(first.clone(), "6").await, ["need_fence", "6", "", "0"]);
     assert_eq!(claim(first, "7").await[..2], ["acquired", "7"]);
 }
 
