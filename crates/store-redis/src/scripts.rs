@@ -584,9 +584,9 @@ set(w, 'un', detail)
 set(w, 'ex', int(now + tonumber(r.re)))
 set(w, 'up', int(now))
 local token = r.q or ''
-if r.q ~= nil then
+if token ~= '' then
   unset(w, 'q')
-  if source == 'draw' then redis.call('ZREM', KEYS[5], member .. '\0' .. r.q) end
+  if source == 'draw' then redis.call('ZREM', KEYS[5], member .. '\0' .. token) end
 end
 save(KEYS[1], w)
 keep_until(KEYS[1], KEYS[3], member, w.r.ex, now, margin)
