@@ -150,12 +150,11 @@ fn checkpoint(bytes: &[u8]) -> Result<Checkpoint, StoreError> {
 
 /// What the claim script answered.
 pub(crate) enum Claimed {
-    /// The claim's outcome, and (fenced claims on a Cluster) whether it used its run
-    /// reservation.
+    /// The claim's outcome.
     Outcome {
         /// The outcome.
         outcome: ClaimOutcome,
-        /// Whether the claim charged the key with its run reservation.
+        /// Whether the claim charged the key with its run reservation (Cluster).
         used_charge: bool,
     },
     /// It would acquire, and needs a fence greater than this slot mark, and the reservations
@@ -172,10 +171,9 @@ pub(crate) enum Claimed {
     NeedRun(RunId),
 }
 
-/// The claim script's answer; `fenced`: the claim ran with a fence drawn beforehand, so every
-/// outcome ends with whether the claim used its run reservation.
-pub(crate) fn claim_answer(mut answer: Vec<Vec<u8>>, fenced: bool) -> Result<Claimed, StoreError> {
-    match answer.first().map(Vec::as_slice) {
+/// The claim script's answer.
+pub(crate) fn claim_answer(mut answer: Vec<Vec<u8>>) -> Result<Claimed, StoreError> {
+    let used_charge = match answer.first().map(Vec::as_slice) {
         Some(b"need_fence") => {
             let field = |i: usize| answer.get(i).map(Vec::as_slice).unwrap_or_default();
             return Ok(Claimed::NeedFence {
@@ -188,10 +186,10 @@ pub(crate) fn claim_answer(mut answer: Vec<Vec<u8>>, fenced: bool) -> Result<Cla
             let run = answer.get(1).map(Vec::as_slice).unwrap_or_default();
             return optional_run(run)?.map(Claimed::NeedRun).ok_or_else(|| corrupt("need_run without a run"));
         }
-        _ => {}
-    }
-    let used_charge =
-        if fenced { answer.pop().ok_or_else(|| corrupt("an empty claim answer"))? == b"1" } else { false };
+        // An acquisition that used the claim's run reservation says so in one more field.
+        Some(b"acquired") if matches!(answer.len(), 6 | 10) => answer.pop().is_some_and(|used| used == b"1"),
+        _ => false,
+    };
     let field = |i: usize| answer.get(i).map(Vec::as_slice).ok_or_else(|| corrupt("a claim answer is too short"));
     Ok(Claimed::Outcome { outcome: claim_outcome(&field)?, used_charge })
 }

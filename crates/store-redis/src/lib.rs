@@ -616,7 +616,9 @@ impl RedisStore {
         run: Option<&RunId>,
         holds: &Holds,
     ) -> Result<Claimed, StoreError> {
-        let mut invocation = SCRIPTS.claim.prepare_invoke();
+        let admits_here = !self.cluster && (req.max_in_flight.is_some() || run.is_some());
+        let script = if admits_here { &SCRIPTS.claim_admitting } else { &SCRIPTS.claim };
+        let mut invocation = script.prepare_invoke();
         invocation
             .key(self.keys.record(placement))
             .key(self.keys.fence_mark(placement.slot))
@@ -642,15 +644,20 @@ impl RedisStore {
             .arg(req.scope.key.as_str())
             .arg(placement.member.as_slice())
             .arg(ms(self.options.expiry_margin))
-            .arg(source)
-            .arg(req.max_in_flight.map(|q| q.to_string()).unwrap_or_default())
-            .arg(req.cost)
-            .arg(run.map_or("", |r| r.as_str()));
-        if self.cluster {
-            holds.args(&mut invocation);
+            .arg(source);
+        // Without a quota or a run (so without reservations), the arguments of admission are
+        // left out.
+        if req.max_in_flight.is_some() || run.is_some() {
+            invocation
+                .arg(req.max_in_flight.map(|q| q.to_string()).unwrap_or_default())
+                .arg(req.cost)
+                .arg(run.map_or("", |r| r.as_str()));
+            if self.cluster {
+                holds.args(&mut invocation);
+            }
         }
         let answer: Value = invocation.invoke_async(conn).await.map_err(unavailable("claim"))?;
-        codec::claim_answer(strings(answer)?, source != "draw" && source != "peek")
+        codec::claim_answer(strings(answer)?)
     }
 
     /// Claims a key on one server: one script decides, checks the quota and the budget and
@@ -688,7 +695,9 @@ impl RedisStore {
         run: Option<&RunId>,
         raised: bool,
     ) -> ScriptInvocation<'static> {
-        let mut invocation = SCRIPTS.mutate.prepare_invoke();
+        let charges_here = !self.cluster && run.is_some();
+        let mut invocation =
+            if charges_here { SCRIPTS.mutate_charging.prepare_invoke() } else { SCRIPTS.mutate.prepare_invoke() };
         invocation.key(self.keys.record(placement)).key(self.keys.expiry(placement.slot));
         if !self.cluster {
             invocation.key(self.keys.in_flight(&scope.tenant));
@@ -711,11 +720,7 @@ impl RedisStore {
             .arg(placement.member.as_slice())
             .arg(ms(self.options.expiry_margin))
             .arg(self.keys.changes())
-            .arg(self.message(scope))
-            .arg(reported_cost(mutation))
-            .arg(run.map_or("", |r| r.as_str()))
-            .arg(if self.cluster { "cluster" } else { "one" })
-            .arg(if raised { "1" } else { "" });
+            .arg(self.message(scope));
         match mutation {
             Mutation::Complete(outcome) | Mutation::Fail { retryable: false, outcome } => {
                 let kind = match outcome.kind {
@@ -738,6 +743,11 @@ impl RedisStore {
             Mutation::ReportUnknown(detail) => {
                 invocation.arg(detail.as_str());
             }
+        }
+        // Left out when there is nothing to say, as before there were budgets.
+        let cost = reported_cost(mutation);
+        if cost > 0 || run.is_some() || raised {
+            invocation.arg(cost).arg(run.map_or("", |r| r.as_str())).arg(if raised { "1" } else { "" });
         }
         invocation
     }

@@ -33,6 +33,14 @@
 //! Times and durations are handled as Lua doubles: exact below 2^53, which the store checks on
 //! the way in. Budgets, costs and the claim rate's microseconds may be any `u64`: they are kept
 //! as decimal strings and computed on exactly ([`NUMBERS`]).
+//!
+//! The claim and fenced-call scripts are each built twice from one source: with [`NUMBERS`] for
+//! the calls on one server that check a quota or charge a run in the script, and without it
+//! for every other call (every call without a quota or a run, and every call on a Cluster,
+//! where runs and quotas are checked by scripts of their own). Defining those functions costs
+//! a claim about 5% of its time in Redis, so the path without budgets does not pay for them. A
+//! build without them that reached one would fail with an error naming the missing function,
+//! never decide differently.
 
 use std::sync::LazyLock;
 
@@ -207,11 +215,13 @@ end
 /// `{'replay', fence, attempt, completed_at, kind, content_type, body, cost}`,
 /// `{'acquired', fence, attempt, lease_expires_at, ''}` or, for a recovery,
 /// `{'acquired', fence, attempt, lease_expires_at, 'lease' | 'unknown', previous_fence,
-/// previous_attempt, unknown_detail, last_checkpoint}`, `{'denied', 'in_flight'}` or
-/// `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}`; or, when it would acquire but
-/// lacks something (changing nothing): `{'need_fence', slot_mark, run, charged}` (run: the run
-/// the record would name, `''` if none; charged: `'1'` if the record is charged already), or
-/// `{'need_run', run}` (one server: the keys of another run are needed).
+/// previous_attempt, unknown_detail, last_checkpoint}`, each followed by one more field, `'1'`,
+/// when the claim charged the key to its run with its reservation (Cluster),
+/// `{'denied', 'in_flight'}` or `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}`; or,
+/// when it would acquire but lacks something (changing nothing): `{'need_fence', slot_mark,
+/// run, charged}` (run: the run the record would name, `''` if none; charged: `'1'` if the
+/// record is charged already), or `{'need_run', run}` (one server: the keys of another run
+/// are needed).
 ///
 /// Where the fence comes from (ARGV 11): `draw` increments the store's fence counter (one
 /// server only, where a script may touch any key, so the quota and the budget are checked and
@@ -220,8 +230,9 @@ end
 /// fence acquired on the slot), so that a key's fences only grow even when draws and
 /// acquisitions interleave. With a number (on a Cluster), the in-flight quota and the run's
 /// budget were reserved beforehand on their own slots ([`RESERVE_IN_FLIGHT`], [`RESERVE_RUN`])
-/// and the script is told the verdicts; every answer but `need_fence` then ends with one more
-/// field: `'1'` if the claim used its run reservation (charged the key), else `'0'`.
+/// and the script is told the verdicts. Arguments from the 12th on may be left out when the
+/// call carries no quota, names no run to admit and holds no reservation: the path without
+/// budgets sends what it sent before there were budgets.
 pub const CLAIM: &str = r#"
 -- KEYS: record, slot fence mark, expiry index, listing index; on one server (fence 'draw') also
 --       the fence counter, then the tenant's in-flight set (with a quota), then the run
@@ -234,32 +245,22 @@ pub const CLAIM: &str = r#"
 local now = tonumber(ARGV[1])
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
-local quota, cost, admitted = ARGV[12] or '', ARGV[13] or '0', ARGV[14] or ''
-local token, quota_spent = ARGV[15] or '', ARGV[16] == 'denied'
-local reserved, verdict = ARGV[17] or '', ARGV[18] or ''
-local one_server, peek = source == 'draw', source == 'peek'
-local fenced = not one_server and not peek
-local used = '0'
-local function reply(answer)
-  if fenced then answer[#answer + 1] = used end
-  return answer
-end
 
 -- existing.filter(|r| r.is_live(now))
 local r = load(KEYS[1])
 if r ~= nil and not is_live(r, now) then r = nil end
 
 if r ~= nil then
-  if r.st ~= 'released' and r.fp ~= fp then return reply({ 'mismatch' }) end
+  if r.st ~= 'released' and r.fp ~= fp then return { 'mismatch' } end
   if r.st == 'completed' then
     if r.ok ~= nil and r.co ~= nil then
-      return reply({ 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '' })
+      return { 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '' }
     end
     -- A completed record without its outcome is treated as absent.
     r = nil
   elseif r.st == 'in_progress' and not is_stuck(r, now) then
     local lease_end = tonumber(r.le)
-    return reply({ 'in_flight', int(math.max(lease_end - now, 0)), r.at })
+    return { 'in_flight', int(math.max(lease_end - now, 0)), r.at }
   end
 end
 
@@ -293,14 +294,16 @@ if r ~= nil then
 end
 
 local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
-local function need_fence() return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
-if peek then return need_fence() end
+local one_server = source == 'draw'
+if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
 
 -- control::admit: the in-flight quota, then the run's deadline, then (for a key not yet
--- charged) its effects and cost
+-- charged) its effects and cost. On a Cluster by the verdicts of the reservations; what they
+-- do not cover (the record changed since) is asked for with need_fence.
+local quota, cost, admitted = ARGV[12] or '', ARGV[13] or '0', ARGV[14] or ''
 local k = 6
 local in_flight, run_key, stored_run
-local charges = false
+local charges, lacking = false, false
 if quota ~= '' then
   if one_server then
     in_flight = KEYS[k]
@@ -308,18 +311,17 @@ if quota ~= '' then
     redis.call('ZREMRANGEBYSCORE', in_flight, '-inf', '(' .. int(now - margin))
     local held = redis.call('ZCOUNT', in_flight, '(' .. int(now), '+inf')
     if cmp(int(held), quota) >= 0 then return { 'denied', 'in_flight' } end
-  elseif quota_spent then
-    return reply({ 'denied', 'in_flight' })
-  elseif token == '' then
-    return need_fence()
+  elseif ARGV[16] == 'denied' then
+    return { 'denied', 'in_flight' }
+  elseif (ARGV[15] or '') == '' then
+    lacking = true
   end
 end
-if n.run ~= nil then
+if n.run ~= nil and not lacking then
   if n.run ~= admitted then
     if one_server then return { 'need_run', n.run } end
-    return need_fence()
-  end
-  if one_server then
+    lacking = true
+  elseif one_server then
     run_key = KEYS[k]
     stored_run = load(run_key)
     local limit
@@ -334,12 +336,16 @@ if n.run ~= nil then
     end
     if limit ~= nil then return { 'denied', 'budget', limit } end
   else
-    if verdict == 'deadline' then return reply({ 'denied', 'budget', 'deadline' }) end
+    local verdict = ARGV[18] or ''
+    if verdict == 'deadline' then return { 'denied', 'budget', 'deadline' } end
     if n.ch ~= '1' then
-      if reserved ~= 'charge' then return need_fence() end
-      if verdict ~= 'ok' then return reply({ 'denied', 'budget', verdict }) end
-      charges = true
-      used = '1'
+      if ARGV[17] ~= 'charge' then
+        lacking = true
+      elseif verdict ~= 'ok' then
+        return { 'denied', 'budget', verdict }
+      else
+        charges = true
+      end
     end
   end
 end
@@ -353,8 +359,9 @@ if one_server then
   end
 else
   fence = tonumber(source)
-  if fence <= mark then return need_fence() end
+  if fence <= mark then lacking = true end
 end
+if lacking then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
 redis.call('SET', KEYS[2], int(fence))
 fence = int(fence)
 n.fe = fence
@@ -362,7 +369,11 @@ answer[2] = fence
 
 -- The charge and the place in flight are written with the record.
 if charges then
-  if one_server then charge(run_key, stored_run, ARGV[6], n.run, cost, ARGV[1]) end
+  if one_server then
+    charge(run_key, stored_run, ARGV[6], n.run, cost, ARGV[1])
+  else
+    answer[#answer + 1] = '1'
+  end
   n.ch = '1'
 end
 if quota ~= '' then
@@ -371,7 +382,7 @@ if quota ~= '' then
     n.q = fence
     redis.call('ZADD', in_flight, n.le, member .. '\0' .. fence)
   else
-    n.q = token
+    n.q = ARGV[15]
   end
 end
 
@@ -379,7 +390,7 @@ redis.call('DEL', KEYS[1])
 batched('HSET', KEYS[1], flat(n), 256)
 keep_until(KEYS[1], KEYS[3], member, n.ex, now, margin)
 redis.call('ZADD', KEYS[4], 0, member)
-return reply(answer)
+return answer
 "#;
 
 /// `protocol::apply`, and `control::reported_cost` charged to the record's run. Answers
@@ -395,18 +406,27 @@ return reply(answer)
 /// both after the script, on their own slots.
 pub const MUTATE: &str = r#"
 -- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
---       (with ARGV 10)
--- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message,
---       reported cost, the record's run ('' if unknown), 'one' (one server) or 'cluster',
---       '1' if the in-flight set was raised for this extend, then by op:
+--       (with a run named below)
+-- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none)
 --   release: nothing
 --   extend: lease ms
 --   checkpoint: name, data
 --   unknown: detail
+-- then, each left out if not needed: the cost reported ('0' if none), the record's run ('' if
+-- not known), '1' if the in-flight set was raised for this extend (Cluster)
 local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local reported, given_run, one_server, raised = ARGV[9], ARGV[10], ARGV[11] == 'one', ARGV[12] == '1'
+local base = 8
+if op == 'complete' or op == 'fail' then
+  base = 12
+elseif op == 'extend' or op == 'unknown' then
+  base = 9
+elseif op == 'checkpoint' then
+  base = 10
+end
+local reported, given_run, raised = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] == '1'
+local one_server = #KEYS > 2
 
 local r = load(KEYS[1])
 if r == nil or not is_live(r, now) then return { 'stale', 'no_record' } end
@@ -416,9 +436,9 @@ if r.st ~= 'in_progress' then
   -- is_repeat
   local again = false
   if r.st == 'completed' and r.ok ~= nil and (op == 'complete' or op == 'fail') then
-    local same = (r.oc or '') == ARGV[14] and (r.ob or '') == ARGV[15] and (r.ocost or '') == ARGV[16]
+    local same = (r.oc or '') == ARGV[10] and (r.ob or '') == ARGV[11] and (r.ocost or '') == ARGV[12]
     if op == 'complete' then
-      again = ARGV[13] == 'success' and r.ok == 'success' and same
+      again = ARGV[9] == 'success' and r.ok == 'success' and same
     else
       again = r.ok == 'failure' and same
     end
@@ -439,10 +459,10 @@ local retention = tonumber(r.re)
 if op == 'complete' or op == 'fail' then
   -- finish
   set(w, 'st', 'completed')
-  if op == 'fail' then set(w, 'ok', 'failure') else set(w, 'ok', ARGV[13]) end
-  set(w, 'oc', ARGV[14])
-  set(w, 'ob', ARGV[15])
-  if ARGV[16] ~= '' then set(w, 'ocost', ARGV[16]) else unset(w, 'ocost') end
+  if op == 'fail' then set(w, 'ok', 'failure') else set(w, 'ok', ARGV[9]) end
+  set(w, 'oc', ARGV[10])
+  set(w, 'ob', ARGV[11])
+  if ARGV[12] ~= '' then set(w, 'ocost', ARGV[12]) else unset(w, 'ocost') end
   set(w, 'co', int(now))
   unset(w, 'le')
   unset(w, 'un')
@@ -459,12 +479,12 @@ elseif r.un ~= nil then
   -- Once the holder reported the outcome unknown it may finish, but not carry on working.
   return { 'stale', 'finished' }
 elseif op == 'extend' then
-  local until_ = now + tonumber(ARGV[13])
+  local until_ = now + tonumber(ARGV[9])
   set(w, 'le', int(until_))
   set(w, 'ex', int(until_ + retention))
 elseif op == 'checkpoint' then
   local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
-  set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[13] .. '\n' .. ARGV[14])
+  set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[9] .. '\n' .. ARGV[10])
   cn = cn + 1
   while cn - c0 > math.max(max_checkpoints, 1) do
     unset(w, 'c.' .. int(c0))
@@ -473,7 +493,7 @@ elseif op == 'checkpoint' then
   set(w, 'c0', int(c0))
   set(w, 'cn', int(cn))
 elseif op == 'unknown' then
-  set(w, 'un', ARGV[13])
+  set(w, 'un', ARGV[9])
   set(w, 'le', int(now))
   set(w, 'ex', int(now + retention))
   finishes = true
@@ -737,12 +757,19 @@ return 1
 
 /// The scripts, with their digests computed once.
 pub struct Scripts {
-    /// See [`CLAIM`].
+    /// [`CLAIM`], without [`NUMBERS`]: on a Cluster, and for claims on one server that carry
+    /// no quota and name no run.
     pub claim: Script,
+    /// [`CLAIM`] with [`NUMBERS`]: claims on one server that carry a quota or name a run.
+    pub claim_admitting: Script,
     /// See [`DRAW_FENCE`].
     pub draw_fence: Script,
-    /// See [`MUTATE`].
+    /// [`MUTATE`], without [`NUMBERS`]: on a Cluster, and on one server for calls that do
+    /// not name the record's run.
     pub mutate: Script,
+    /// [`MUTATE`] with [`NUMBERS`]: calls on one server that name the record's run, to add
+    /// the cost they report to it.
+    pub mutate_charging: Script,
     /// See [`SWEEP_ONE`].
     pub sweep_one: Script,
     /// See [`PURGE`].
@@ -776,9 +803,11 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}\n{body}"));
     let with_numbers = |body: &str| Script::new(&format!("{PRELUDE}\n{NUMBERS}\n{body}"));
     Scripts {
-        claim: with_numbers(CLAIM),
+        claim: with_prelude(CLAIM),
+        claim_admitting: with_numbers(CLAIM),
         draw_fence: Script::new(DRAW_FENCE),
-        mutate: with_numbers(MUTATE),
+        mutate: with_prelude(MUTATE),
+        mutate_charging: with_numbers(MUTATE),
         sweep_one: Script::new(SWEEP_ONE),
         purge: Script::new(PURGE),
         revoke: with_prelude(REVOKE),
