@@ -128,8 +128,9 @@ impl RedisStore {
         all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
     }
 
-    /// Revokes the tenant's in-progress records that `target` covers: found page by page in
-    /// the listing indexes, each revoked by a script that checks it is still in progress.
+    /// Revokes the tenant's in-progress records that `target` covers, but those revoked
+    /// already with the same `detail`: found page by page in the listing indexes, each revoked
+    /// by a script that checks all of that again.
     pub(crate) async fn revoke_covered(
         &self,
         tenant: &TenantId,
@@ -153,7 +154,7 @@ impl RedisStore {
             let revocations: Vec<_> = page
                 .records
                 .iter()
-                .filter(|r| target.covers_record(r))
+                .filter(|r| target.covers_record(r) && r.unknown.as_deref() != Some(detail))
                 .map(|record| self.bounded("revoke a lease", self.revoke_one(record, run, detail, now)))
                 .collect();
             let done: Vec<bool> =

@@ -144,8 +144,9 @@
 //!   [`Store::list_control`] (one `HGETALL`; they are few).
 //! - **Revoking leases** finds the tenant's in-progress records in the listing indexes (as
 //!   [`Store::list`] does, filtered by the switch's namespace prefix or run) and revokes each
-//!   with a script ([`scripts::REVOKE`]) that checks it is still live, in progress and covered,
-//!   and gives it a fresh fence from the counter: drawn in the script on one server; on a
+//!   with a script ([`scripts::REVOKE`]) that checks it is still live, in progress and covered
+//!   (and not revoked already with the same detail, so a second pass counts only what the first
+//!   missed), and gives it a fresh fence from the counter: drawn in the script on one server; on a
 //!   Cluster drawn beforehand and used only above the slot's mark, as for a claim, so that the
 //!   key's fences keep growing. It also removes the lease's place from the in-flight set.
 //! - **The claim rate** is one script on the tenant's slot, `control::gcra` on the theoretical

@@ -571,7 +571,8 @@ return { existed, token or '' }
 "#;
 
 /// `control::revoke` on a record that is still live and in progress (and of the run, for a
-/// run's switch): a new fence (drawn here on one server, else drawn beforehand and used only
+/// run's switch), unless it was revoked already with the same detail (so that a second pass
+/// counts only what the first missed): a new fence (drawn here on one server, else drawn beforehand and used only
 /// above the slot's mark, as in [`CLAIM`]), its lease ended, its outcome unknown. Answers
 /// `{'revoked', token}` (the token of its place in the tenant's in-flight set, `''` if none;
 /// removed here on one server), `{'skipped'}`, or `{'need_fence', slot_mark}`.
@@ -584,6 +585,7 @@ local now, source, detail, member, margin = tonumber(ARGV[1]), ARGV[2], ARGV[3],
 local r = load(KEYS[1])
 if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
 if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
+if r.un == detail then return { 'skipped' } end
 local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
 local fence
 if source == 'draw' then

@@ -382,6 +382,8 @@ pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore
     // Revoked: its place is free.
     let everything = SwitchTarget::Tenant;
     assert_eq!(store.revoke_leases(&acme(), &everything, "stop", at(20)).await.unwrap(), 1);
+    // A second pass with the same detail finds nothing new.
+    assert_eq!(store.revoke_leases(&acme(), &everything, "stop", at(20)).await.unwrap(), 0);
     assert!(matches!(store.claim(&under_quota(&scope("b"), 1), at(20)).await.unwrap(), ClaimOutcome::Acquired(_)));
     // Purged: its place is free.
     assert!(store.purge(&scope("b")).await.unwrap());
