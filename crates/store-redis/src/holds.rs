@@ -3,6 +3,8 @@
 //! settling of the reservations once it is decided. The crate documentation gives the design
 //! and what it guarantees.
 
+use std::time::Duration;
+
 use onceguard_core::protocol::ClaimRequest;
 use onceguard_core::store::StoreError;
 use onceguard_core::{ClaimOutcome, Fence, RunId, TenantId, Timestamp};
@@ -12,6 +14,10 @@ use crate::codec::{Claimed, corrupt};
 use crate::layout::{Placement, RunPlacement};
 use crate::scripts::SCRIPTS;
 use crate::{Conn, MAX_DRAWS, RedisStore, ms, unavailable};
+
+/// A pending charge older than this (or four store timeouts, if longer) was left by a claim
+/// that never settled it (its process stopped, or Redis stopped answering).
+const LEAKED_AFTER: Duration = Duration::from_secs(600);
 
 /// What a claim holds on other slots while it decides.
 #[derive(Debug, Default)]
@@ -380,7 +386,3 @@ impl RedisStore {
         }
     }
 }
-
-/// A pending charge older than this (or four store timeouts, if longer) was left by a claim
-/// that never settled it (its process stopped, or Redis stopped answering).
-const LEAKED_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
