@@ -91,7 +91,6 @@ pub const MAX_PAGE: usize = 1_000;
 
 /// Storage for records, tenants and API keys.
 #[async_trait]
-#[allow(unused_variables)] // transitional defaults below
 pub trait Store: Send + Sync + 'static {
     /// A short name for logs and metrics (`memory`, `sqlite`).
     fn kind(&self) -> &'static str;
@@ -161,19 +160,13 @@ pub trait Store: Send + Sync + 'static {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
-    ) -> Result<Run, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<Run, StoreError>;
 
     /// One run, with its budget and what it spent.
-    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError>;
 
     /// Stores a control document, replacing the one with the same (kind, tenant, id).
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError>;
 
     /// Deletes a control document; answers it if it existed.
     async fn delete_control(
@@ -181,15 +174,11 @@ pub trait Store: Send + Sync + 'static {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
-    ) -> Result<Option<ControlDoc>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<Option<ControlDoc>, StoreError>;
 
     /// Every control document of every tenant (they are few and small; every instance caches
     /// them).
-    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError>;
 
     /// Revokes the records of `tenant` that [`crate::control::revocable`] selects (see the module
     /// documentation), with `detail` as their unknown-outcome report; answers how many.
@@ -199,9 +188,7 @@ pub trait Store: Send + Sync + 'static {
         target: &SwitchTarget,
         detail: &str,
         now: Timestamp,
-    ) -> Result<u64, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<u64, StoreError>;
 
     /// Takes one claim from the tenant's rate ([`crate::control::gcra`] on the stored
     /// theoretical arrival time, atomically): `Ok(Ok(()))` if the claim may go on, `Ok(Err(wait))`
@@ -211,26 +198,14 @@ pub trait Store: Send + Sync + 'static {
         tenant: &TenantId,
         rate: &Rate,
         now: Timestamp,
-    ) -> Result<Result<(), Duration>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<Result<(), Duration>, StoreError>;
 
     /// Appends an entry to the audit log.
-    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError>;
 
     /// A tenant's audit entries, newest first (by id), filtered.
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError>;
 }
 
 /// How long a store waits for its own backend before answering [`StoreError::Unavailable`].
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
-
-// Transitional: every store implements the blast-radius operations; until then a store that
-// lacks one fails closed.
-fn not_yet(kind: &str) -> StoreError {
-    StoreError::Unavailable(format!("the {kind} store does not support this operation yet"))
-}
