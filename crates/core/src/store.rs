@@ -15,7 +15,8 @@
 //! - Time comes from the caller (`now`), never from the store's own clock.
 //! - **Budgets and quotas** are part of the atomic claim: when [`crate::protocol::claim`] would
 //!   acquire, the store counts the tenant's live leases (only if the request carries
-//!   `max_in_flight`), loads the record's run (only if it names one; [`Run::new`] if unseen), and
+//!   `max_in_flight`; a store may count only the leases that were claimed under a quota, as the
+//!   Redis store does, which differs only while a newly set quota meets older leases), loads the record's run (only if it names one; [`Run::new`] if unseen), and
 //!   runs [`crate::control::admit`]. Denied: nothing is written and the claim answers `denied`.
 //!   Admitted: the record and the run (if it changed) are written in the same atomic step. A
 //!   fenced call that writes adds [`crate::control::reported_cost`] to the record's run in its
