@@ -15,7 +15,8 @@
 //! - Time comes from the caller (`now`), never from the store's own clock.
 //! - **Budgets and quotas** are part of the atomic claim: when [`crate::protocol::claim`] would
 //!   acquire, the store counts the tenant's live leases (only if the request carries
-//!   `max_in_flight`), loads the record's run (only if it names one; [`Run::new`] if unseen), and
+//!   `max_in_flight`; a store may count only the leases that were claimed under a quota, as the
+//!   Redis store does, which differs only while a newly set quota meets older leases), loads the record's run (only if it names one; [`Run::new`] if unseen), and
 //!   runs [`crate::control::admit`]. Denied: nothing is written and the claim answers `denied`.
 //!   Admitted: the record and the run (if it changed) are written in the same atomic step. A
 //!   fenced call that writes adds [`crate::control::reported_cost`] to the record's run in its
@@ -91,7 +92,6 @@ pub const MAX_PAGE: usize = 1_000;
 
 /// Storage for records, tenants and API keys.
 #[async_trait]
-#[allow(unused_variables)] // transitional defaults below
 pub trait Store: Send + Sync + 'static {
     /// A short name for logs and metrics (`memory`, `sqlite`).
     fn kind(&self) -> &'static str;
@@ -161,19 +161,13 @@ pub trait Store: Send + Sync + 'static {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
-    ) -> Result<Run, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<Run, StoreError>;
 
     /// One run, with its budget and what it spent.
-    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError>;
 
     /// Stores a control document, replacing the one with the same (kind, tenant, id).
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError>;
 
     /// Deletes a control document; answers it if it existed.
     async fn delete_control(
@@ -181,15 +175,11 @@ pub trait Store: Send + Sync + 'static {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
-    ) -> Result<Option<ControlDoc>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<Option<ControlDoc>, StoreError>;
 
     /// Every control document of every tenant (they are few and small; every instance caches
     /// them).
-    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError>;
 
     /// Revokes the records of `tenant` that [`crate::control::revocable`] selects (see the module
     /// documentation), with `detail` as their unknown-outcome report; answers how many.
@@ -199,9 +189,7 @@ pub trait Store: Send + Sync + 'static {
         target: &SwitchTarget,
         detail: &str,
         now: Timestamp,
-    ) -> Result<u64, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<u64, StoreError>;
 
     /// Takes one claim from the tenant's rate ([`crate::control::gcra`] on the stored
     /// theoretical arrival time, atomically): `Ok(Ok(()))` if the claim may go on, `Ok(Err(wait))`
@@ -211,26 +199,14 @@ pub trait Store: Send + Sync + 'static {
         tenant: &TenantId,
         rate: &Rate,
         now: Timestamp,
-    ) -> Result<Result<(), Duration>, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    ) -> Result<Result<(), Duration>, StoreError>;
 
     /// Appends an entry to the audit log.
-    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError>;
 
     /// A tenant's audit entries, newest first (by id), filtered.
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        Err(not_yet(self.kind()))
-    }
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError>;
 }
 
 /// How long a store waits for its own backend before answering [`StoreError::Unavailable`].
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
-
-// Transitional: every store implements the blast-radius operations; until then a store that
-// lacks one fails closed.
-fn not_yet(kind: &str) -> StoreError {
-    StoreError::Unavailable(format!("the {kind} store does not support this operation yet"))
-}

@@ -4,11 +4,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use onceguard_core::control::{Budget, IN_FLIGHT_RETRY_AFTER, Run, RunUsage};
 use onceguard_core::store::StoreError;
 use onceguard_core::{
-    Acquired, Checkpoint, CheckpointName, ClaimOutcome, Fence, FencedOutcome, Fingerprint, InFlight, Key, Namespace,
-    Outcome, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, RunId, Scope, StaleReason, TenantId,
-    Timestamp,
+    Acquired, Checkpoint, CheckpointName, ClaimOutcome, Denial, Fence, FencedOutcome, Fingerprint, InFlight, Key,
+    Namespace, Outcome, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, RunId, Scope, StaleReason,
+    TenantId, Timestamp,
 };
 use redis::Value;
 
@@ -150,23 +151,61 @@ fn checkpoint(bytes: &[u8]) -> Result<Checkpoint, StoreError> {
 /// What the claim script answered.
 pub(crate) enum Claimed {
     /// The claim's outcome.
-    Outcome(ClaimOutcome),
-    /// It would acquire, and needs a fence greater than this slot mark.
-    NeedFence(Fence),
+    Outcome {
+        /// The outcome.
+        outcome: ClaimOutcome,
+        /// Whether the claim charged the key with its run reservation (Cluster).
+        used_charge: bool,
+    },
+    /// It would acquire, and needs a fence greater than this slot mark, and the reservations
+    /// for the record it would write.
+    NeedFence {
+        /// The slot's mark.
+        mark: Fence,
+        /// The run the record would name.
+        run: Option<RunId>,
+        /// Whether the record is charged to it already.
+        charged: bool,
+    },
+    /// One server: it would acquire a record of this run, whose keys it needs.
+    NeedRun(RunId),
 }
 
 /// The claim script's answer.
-pub(crate) fn claim_answer(answer: Vec<Vec<u8>>) -> Result<Claimed, StoreError> {
+pub(crate) fn claim_answer(mut answer: Vec<Vec<u8>>) -> Result<Claimed, StoreError> {
+    let used_charge = match answer.first().map(Vec::as_slice) {
+        Some(b"need_fence") => {
+            let field = |i: usize| answer.get(i).map(Vec::as_slice).unwrap_or_default();
+            return Ok(Claimed::NeedFence {
+                mark: Fence(number(field(1), "fence mark")?),
+                run: optional_run(field(2))?,
+                charged: field(3) == b"1",
+            });
+        }
+        Some(b"need_run") => {
+            let run = answer.get(1).map(Vec::as_slice).unwrap_or_default();
+            return optional_run(run)?.map(Claimed::NeedRun).ok_or_else(|| corrupt("need_run without a run"));
+        }
+        // An acquisition that used the claim's run reservation says so in one more field.
+        Some(b"acquired") if matches!(answer.len(), 6 | 10) => answer.pop().is_some_and(|used| used == b"1"),
+        _ => false,
+    };
     let field = |i: usize| answer.get(i).map(Vec::as_slice).ok_or_else(|| corrupt("a claim answer is too short"));
-    if field(0)? == b"need_fence" {
-        return Ok(Claimed::NeedFence(Fence(number(field(1)?, "fence mark")?)));
-    }
-    claim_outcome(&field).map(Claimed::Outcome)
+    Ok(Claimed::Outcome { outcome: claim_outcome(&field)?, used_charge })
+}
+
+fn optional_run(bytes: &[u8]) -> Result<Option<RunId>, StoreError> {
+    if bytes.is_empty() { Ok(None) } else { RunId::parse(text(bytes)?).map(Some).map_err(corrupt) }
 }
 
 fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> Result<ClaimOutcome, StoreError> {
     match field(0)? {
         b"mismatch" => Ok(ClaimOutcome::Mismatch),
+        b"denied" => Ok(ClaimOutcome::Denied(match field(1)? {
+            b"in_flight" => Denial::QuotaExceeded { quota: "in_flight".to_owned(), retry_after: IN_FLIGHT_RETRY_AFTER },
+            b"budget" => Denial::BudgetExhausted { limit: text(field(2)?)?.to_owned() },
+            other => return Err(corrupt(format!("unknown denial {:?}", String::from_utf8_lossy(other)))),
+        })),
         b"in_flight" => Ok(ClaimOutcome::InFlight(InFlight {
             retry_after: Duration::from_millis(number(field(1)?, "retry_after")?),
             attempt: number(field(2)?, "attempt")?,
@@ -209,20 +248,86 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
     }
 }
 
+/// What the fenced-call script answered.
+pub(crate) enum Fenced {
+    /// The call's outcome.
+    Done {
+        /// The outcome.
+        outcome: FencedOutcome,
+        /// Whether the call wrote the record (not a stale call, nor a repeat).
+        wrote: bool,
+        /// The token of the record's place in its tenant's in-flight set, if it has one.
+        token: Option<String>,
+    },
+    /// One server: the call reports a cost, and needs the keys of the record's run.
+    NeedRun(RunId),
+    /// Cluster: an extend of a lease in the in-flight set, whose place must be raised first.
+    NeedQuota {
+        /// The place's token.
+        token: String,
+        /// The lease's new expiry.
+        until: u64,
+    },
+}
+
 /// The mutate script's answer.
-pub(crate) fn fenced_outcome(mut answer: Vec<Vec<u8>>) -> Result<FencedOutcome, StoreError> {
+pub(crate) fn fenced_answer(mut answer: Vec<Vec<u8>>) -> Result<Fenced, StoreError> {
     if answer.is_empty() {
         return Err(corrupt("an empty answer to a fenced call"));
     }
     let head = answer.remove(0);
+    let done = |outcome, wrote, token| Ok(Fenced::Done { outcome, wrote, token });
     match head.as_slice() {
-        b"applied" => Ok(FencedOutcome::Applied(Box::new(Fields::from_flat(answer)?.record()?))),
-        b"stale" => Ok(FencedOutcome::Stale(match answer.first().map(Vec::as_slice) {
-            Some(b"no_record") => StaleReason::NoRecord,
-            Some(b"superseded") => StaleReason::Superseded,
-            Some(b"finished") => StaleReason::Finished,
-            other => return Err(corrupt(format!("unknown stale reason {other:?}"))),
-        })),
+        b"applied" | b"repeated" => {
+            let fields = Fields::from_flat(answer)?;
+            let token = fields.get("q").map(|q| text(q).map(str::to_owned)).transpose()?;
+            done(FencedOutcome::Applied(Box::new(fields.record()?)), head == b"applied", token)
+        }
+        b"stale" => done(
+            FencedOutcome::Stale(match answer.first().map(Vec::as_slice) {
+                Some(b"no_record") => StaleReason::NoRecord,
+                Some(b"superseded") => StaleReason::Superseded,
+                Some(b"finished") => StaleReason::Finished,
+                other => return Err(corrupt(format!("unknown stale reason {other:?}"))),
+            }),
+            false,
+            None,
+        ),
+        b"need_run" => {
+            let run = answer.first().map(Vec::as_slice).unwrap_or_default();
+            optional_run(run)?.map(Fenced::NeedRun).ok_or_else(|| corrupt("need_run without a run"))
+        }
+        b"need_quota" => match answer.as_slice() {
+            [token, until] => {
+                Ok(Fenced::NeedQuota { token: text(token)?.to_owned(), until: number(until, "lease expiry")? })
+            }
+            _ => Err(corrupt("need_quota without its token and lease")),
+        },
         other => Err(corrupt(format!("unknown answer {:?}", String::from_utf8_lossy(other)))),
     }
+}
+
+/// A `{head, field, ...}` answer of a small script: the head and the rest, as text.
+pub(crate) fn tagged(answer: Vec<Vec<u8>>) -> Result<(String, Vec<String>), StoreError> {
+    let mut parts =
+        answer.into_iter().map(|p| String::from_utf8(p).map_err(|_| corrupt("a script answered non-UTF-8 text")));
+    let head = parts.next().ok_or_else(|| corrupt("an empty script answer"))??;
+    Ok((head, parts.collect::<Result<_, _>>()?))
+}
+
+/// A run as stored (see [`crate::scripts`]): its fields as `HGETALL` answers them.
+pub(crate) fn run(tenant: &TenantId, run: &RunId, flat: Vec<Vec<u8>>) -> Result<Option<Run>, StoreError> {
+    let fields = Fields::from_flat(flat)?;
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let opt = |f: &str| fields.get(f).map(|v| number::<u64>(v, f)).transpose();
+    Ok(Some(Run {
+        tenant: tenant.clone(),
+        run: run.clone(),
+        budget: Budget { max_effects: opt("me")?, max_cost: opt("mc")?, deadline: opt("dl")?.map(Timestamp) },
+        usage: RunUsage { effects: opt("ue")?.unwrap_or(0), cost: opt("uc")?.unwrap_or(0) },
+        created_at: fields.time("ca")?,
+        updated_at: fields.time("up")?,
+    }))
 }

@@ -10,15 +10,21 @@
 //! - a key's record, its slot's fence mark and its slot's two indexes carry the same tag, so a
 //!   claim or a fenced call is one script on one slot;
 //! - a tenant's records are spread over [`SHARDS`] slots, [`SHARD_STRIDE`] apart (so over every
-//!   master of a cluster), chosen from digests of the tenant and of the key.
+//!   master of a cluster), chosen from digests of the tenant and of the key;
+//! - a run's usage and its pending charges share the slot chosen from a digest of the tenant
+//!   and the run ([`RunPlacement`]), in general not the slot of any of its records;
+//! - a tenant's in-flight set, claim rate and audit log share the slot of the tag
+//!   `{<tenant id>}` (a tenant id holds no brace);
+//! - the control documents of every tenant are one hash on the slot of `{control}`.
 //!
 //! **Stability**: the tag table, the digests, [`SHARDS`] and the key names decide where an
-//! existing key's record and fence mark are found. Changing any of them would lose the marks
-//! that keep a key's fences growing: they are fixed for ever.
+//! existing key's record and fence mark, and a run's usage, are found. Changing any of them
+//! would lose the marks that keep a key's fences growing and what runs spent: they are fixed
+//! for ever.
 
 use std::sync::LazyLock;
 
-use onceguard_core::{Scope, TenantId};
+use onceguard_core::{RunId, Scope, TenantId};
 use sha2::{Digest, Sha256};
 
 /// The number of hash slots of Redis Cluster.
@@ -132,6 +138,23 @@ impl Placement {
     }
 }
 
+/// Where one run's usage lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunPlacement {
+    /// The hash slot of the run's usage and pending charges.
+    pub slot: u16,
+    /// Hex digest of the tenant and the run: the keys' last part.
+    pub digest: String,
+}
+
+impl RunPlacement {
+    /// Where the run `run` of `tenant` lives.
+    pub fn of(tenant: &TenantId, run: &RunId) -> Self {
+        let d = sha256(&[b"onceguard-run\0", tenant.as_str().as_bytes(), b"\0", run.as_str().as_bytes()]);
+        Self { slot: u16::from_be_bytes([d[0], d[1]]) % SLOTS, digest: hex::encode(&d[..16]) }
+    }
+}
+
 /// The names of every key the store uses, under one prefix.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -181,6 +204,45 @@ impl Keys {
     /// The set of slots that ever held a record (so that the sweep visits only those).
     pub fn used_slots(&self) -> String {
         format!("{}slots", self.prefix)
+    }
+
+    /// A run's budget and usage: a hash (fields in [`crate::scripts`]).
+    pub fn run(&self, placement: &RunPlacement) -> String {
+        format!("{}u:{{{}}}:{}", self.prefix, slot_tag(placement.slot), placement.digest)
+    }
+
+    /// A run's pending charges (Cluster only): a hash of record member to
+    /// `holders used cost at` (see the crate documentation).
+    pub fn run_pending(&self, placement: &RunPlacement) -> String {
+        format!("{}up:{{{}}}:{}", self.prefix, slot_tag(placement.slot), placement.digest)
+    }
+
+    /// A tenant's in-flight set: a sorted set of `member NUL token`, scored by lease expiry, of
+    /// the leases claimed under an in-flight quota.
+    pub fn in_flight(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:in-flight", self.prefix)
+    }
+
+    /// A tenant's claim rate: the GCRA's theoretical arrival time, in microseconds.
+    pub fn rate(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:rate", self.prefix)
+    }
+
+    /// A tenant's audit log: a sorted set of entry ids, all scored 0, in byte order (ids sort
+    /// by time).
+    pub fn audit(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:audit", self.prefix)
+    }
+
+    /// A tenant's audit entries: a hash of id to the entry as JSON.
+    pub fn audit_entries(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:audit-entries", self.prefix)
+    }
+
+    /// Every tenant's control documents (switches, settings): a hash of
+    /// `kind NUL tenant NUL id` to the document's body.
+    pub fn control(&self) -> String {
+        format!("{}c:{{control}}", self.prefix)
     }
 
     /// Tenants: a hash of id to `created_at`.
@@ -246,6 +308,20 @@ mod tests {
             assert!(tenant_slots(&s.tenant).contains(&slot));
         }
         assert!(Keys::new("og{x}:").is_err());
+    }
+
+    #[test]
+    fn a_runs_keys_share_a_slot_and_a_tenants_keys_share_another() {
+        let keys = Keys::new("og:").unwrap();
+        let tenant = TenantId::parse("acme").unwrap();
+        let p = RunPlacement::of(&tenant, &RunId::parse("run-{1}").unwrap());
+        assert_eq!(key_slot(keys.run(&p).as_bytes()), p.slot);
+        assert_eq!(key_slot(keys.run_pending(&p).as_bytes()), p.slot);
+        assert_ne!(RunPlacement::of(&TenantId::parse("other").unwrap(), &RunId::parse("run-{1}").unwrap()), p);
+        let slot = key_slot(b"acme");
+        for key in [keys.in_flight(&tenant), keys.rate(&tenant), keys.audit(&tenant), keys.audit_entries(&tenant)] {
+            assert_eq!(key_slot(key.as_bytes()), slot, "{key}");
+        }
     }
 
     #[test]

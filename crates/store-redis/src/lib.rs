@@ -41,6 +41,120 @@
 //!   A claim that timed out may still have acquired: the key is then in flight until its lease
 //!   passes, as with any store whose answer was lost.
 //!
+//! # Budgets and quotas
+//!
+//! When a claim would acquire, `control::admit` decides whether it may: the tenant's in-flight
+//! quota (only when the request carries one), then the run's deadline, then (for a key not yet
+//! charged to its run) the run's effects and cost. A key is charged once: the record remembers
+//! it (`ch`), across retries and recoveries, while it lives.
+//!
+//! The tenant's live leases are counted in its **in-flight set** (`P t:{<tenant>}:in-flight`),
+//! a sorted set of places `member NUL token` scored by lease expiry: a place counts while its
+//! score is after `now`. Only leases claimed under a quota take a place (their record keeps the
+//! token, `q`), so the path without a quota never touches the set; a lease acquired while no
+//! quota was in force is not counted once one is set (the memory store counts every lease). A
+//! place leaves the set when its attempt ends (complete, fail, report-unknown, revocation,
+//! purge), and its score is raised when its lease is extended. Places whose lease ended more
+//! than [`RedisOptions::expiry_margin`] ago are dropped by the next claim under the quota.
+//!
+//! ## On one server: one script
+//!
+//! A script may touch any key, so the claim script does it all in one step, exactly as the
+//! memory store: it decides, counts the live places, loads the run and checks it, and only then
+//! draws the fence and writes the record, its place and the run's charge. A denied claim writes
+//! nothing and draws no fence. The fenced-call script removes a finished lease's place, raises
+//! an extended one, and adds a reported cost to the record's run, in its own step.
+//!
+//! The run's keys are passed to a script, so the caller must name the run: the request's run
+//! for a claim. When the record names another run (a released or stuck record keeps the run it
+//! was claimed for) the script answers `need_run`, changing nothing, and is asked again with
+//! that run's keys. A fenced call that reports a cost learns the record's run the same way: a
+//! second round trip, only when the call reports a cost and the record has a run.
+//!
+//! ## On a Cluster: reservations, then the claim
+//!
+//! A run's usage (`P u:{R}:<digest>`) and a tenant's in-flight set live on slots of their own,
+//! in general not the record's, and no script can touch two slots. So a claim that would
+//! acquire makes its reservations first, on those slots, and the claim script then acquires
+//! only with them:
+//!
+//! 1. The claim script answers `need_fence` (changing nothing) with the run the record would
+//!    name and whether the record is charged to it already.
+//! 2. At once, on three slots: a fence is drawn; with a quota, a place is reserved in the
+//!    in-flight set ([`scripts::RESERVE_IN_FLIGHT`]: at most the quota live, the place scored
+//!    by the lease the claim would get), each place with a token of its own; with a run, the
+//!    run is asked ([`scripts::RESERVE_RUN`]): for a record charged already only its deadline,
+//!    else `Run::check` and a **pending charge** (the usage is charged at once, and the charge
+//!    recorded in `P up:{R}:<digest>` under the record's member with its holders).
+//! 3. The claim script runs again with the fence, the token and the verdicts. It decides afresh;
+//!    if it would still acquire it denies by the verdicts (quota first, as `admit`), or writes
+//!    the record with its place's token and, using the pending charge, marks it charged. If the
+//!    record changed in between so that it needs other reservations, it asks again (step 2).
+//! 4. The claim settles what it reserved ([`scripts::SETTLE_RUN`]): a place is released unless
+//!    the claim acquired with it; the pending charge is told whether the claim used it.
+//!
+//! **Sharing and refunds.** Duplicates of one key race: several may reserve before one
+//! acquires. A claim that finds a pending charge for its key (from a duplicate that has not yet
+//! settled) shares it instead of charging again, and becomes one more holder. When the last
+//! holder settles, the pending charge is forgotten, and *refunded only if no holder used it*.
+//! This is why the refund is safe: a refund after one claim's non-acquiring answer alone could
+//! race with a duplicate that acquired relying on the same charge and leave that effect
+//! uncharged; here a charge that any acquisition used stays, because the acquirer is a holder
+//! and says so when it settles. Places need no sharing: each claim reserves its own (its
+//! token), so releasing one never releases another claim's.
+//!
+//! **What is guaranteed** (on a Cluster as on one server):
+//!
+//! - *Never more distinct keys acquired under a run than its `max_effects`, never more declared
+//!   cost than its `max_cost`*: an acquisition that charges a key uses a charge that was
+//!   counted in the run's usage, under the limit, before the acquisition, and a charge is
+//!   removed only when no acquisition used it.
+//! - *Never more live leases claimed under the quota than the quota*: each such lease holds a
+//!   place reserved, and counted, before it was acquired; a place counts for at least as long as
+//!   its lease (an extend raises it, with `ZADD GT`, *before* the record's lease is pushed out:
+//!   the fenced call first answers `need_quota`, changing nothing), and leaves the set only
+//!   after its attempt ended or when its claim did not acquire.
+//!
+//! **Where a Cluster differs from one server** (on the side of refusing or counting too much,
+//! except where said):
+//!
+//! - At the limit, a claim may be denied while another claim's charge or place is reserved
+//!   that will be refunded or released because that claim does not acquire (one server would
+//!   have admitted it). A claim denied by a verdict is denied only if, when the claim script
+//!   runs again, it still would acquire (a duplicate that lost the race answers in flight).
+//! - Duplicates sharing a pending charge are charged the declared cost of the first of them
+//!   (more or less than the acquirer's own, if duplicates declare different costs).
+//! - A run's usage as read ([`Store::get_run`]) includes pending charges.
+//! - A finished lease's place leaves the set just after the record was written (a second
+//!   script): for that moment it still counts.
+//! - A claim whose process stops, or whose answer is lost (Redis or the network failing), after
+//!   it reserved and before it settled keeps what it reserved: its place counts until the lease
+//!   it was reserved for would have ended, and its charge is never refunded. The pending charge
+//!   itself is forgotten (its charge kept) after 10 minutes, or four store timeouts if longer;
+//!   until then a new claim of the same key (after a purge, or the record's expiry) shares it
+//!   instead of being charged again: the one way a Cluster can charge a key less often than the
+//!   memory store.
+//! - A cost reported at completion is added to the run by a second script on the run's slot,
+//!   after the fenced call took effect: if that script fails or the process stops in between,
+//!   the report is lost (the failure is logged; the call's answer stands).
+//!
+//! # Switches, settings, the claim rate and the audit log
+//!
+//! - **Control documents** (switches, settings) are one hash, `P c:{control}`, read whole by
+//!   [`Store::list_control`] (one `HGETALL`; they are few).
+//! - **Revoking leases** finds the tenant's in-progress records in the listing indexes (as
+//!   [`Store::list`] does, filtered by the switch's namespace prefix or run) and revokes each
+//!   with a script ([`scripts::REVOKE`]) that checks it is still live, in progress and covered
+//!   (and not revoked already with the same detail, so a second pass counts only what the first
+//!   missed), and gives it a fresh fence from the counter: drawn in the script on one server; on a
+//!   Cluster drawn beforehand and used only above the slot's mark, as for a claim, so that the
+//!   key's fences keep growing. It also removes the lease's place from the in-flight set.
+//! - **The claim rate** is one script on the tenant's slot, `control::gcra` on the theoretical
+//!   arrival time in microseconds, computed exactly on any `u64`.
+//! - **The audit log** is, per tenant, a sorted set of entry ids (all scored 0, so in byte
+//!   order, which is time order) and a hash of the entries; listed newest first with
+//!   `ZREVRANGEBYLEX` a chunk at a time, filtered in process.
+//!
 //! # Keys
 //!
 //! Under the prefix `P` (default `onceguard:`), for a slot with tag `T`:
@@ -54,6 +168,12 @@
 //! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
 //! | `P slots` | set | the slots that ever held a record (for the sweep) |
 //! | `P a:{auth}:tenants`, `:keys`, `:revoked` | hashes | tenants, API keys (JSON), revocations |
+//! | `P u:{R}:<digest>` | hash | a run's budget and usage; `R` and the digest are of tenant and run |
+//! | `P up:{R}:<digest>` | hash | Cluster: the run's pending charges, by record member |
+//! | `P t:{<tenant>}:in-flight` | sorted set | the tenant's places in flight, `member NUL token` by lease expiry |
+//! | `P t:{<tenant>}:rate` | string | the tenant's claim rate: the GCRA's theoretical arrival time (µs) |
+//! | `P t:{<tenant>}:audit`, `:audit-entries` | sorted set, hash | the tenant's audit log: ids in byte (time) order, entries as JSON |
+//! | `P c:{control}` | hash | every tenant's switches and settings, by `kind NUL tenant NUL id` |
 //! | `P changes` | channel | finished and purged keys |
 //!
 //! # Costs
@@ -63,6 +183,14 @@
 //!   claim a process makes on a slot also adds the slot to `P slots` (once per process: if that
 //!   set is deleted by hand, the sweep misses those slots until the processes restart, and
 //!   Redis still reclaims their records by TTL).
+//! - with a quota or a run: on one server, the same one round trip (two when the record names
+//!   another run than the request; two for a fenced call that reports a cost on a record with a
+//!   run). On a Cluster, a claim that acquires takes four sequential round trips (ask; fence and
+//!   reservations at once; claim; settle), a claim that does not acquire still one; a finishing
+//!   call of a lease with a place, or one that reports a cost to a run, one more (both at once);
+//!   an extend of a lease with a place two more.
+//! - revoking leases: a listing of the tenant's in-progress records in scope, then one script
+//!   per record (two on a Cluster), 32 at a time.
 //! - list: reads the tenant's 64 listing indexes in (namespace, key) order a chunk at a time,
 //!   merging them, and reads the records it meets to filter them: a page costs a few rounds of
 //!   64 pipelined index reads plus one read per record examined. Cheap when the filter keeps
@@ -111,6 +239,8 @@
 
 mod changes;
 mod codec;
+mod control;
+mod holds;
 pub mod layout;
 pub mod scripts;
 
@@ -122,18 +252,22 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::try_join_all;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
+use onceguard_core::control::{
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget, reported_cost,
+};
 use onceguard_core::memory::matches_filter;
 use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, Store, StoreError};
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, Scope, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, RunId, Scope, TenantId, Timestamp};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, ScriptInvocation, Value};
 use tokio::sync::{broadcast, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::codec::{Claimed, Fields, corrupt, strings};
-use crate::layout::{Keys, Placement, SHARDS, SLOTS, member, tenant_slots};
+use crate::codec::{Claimed, Fenced, Fields, corrupt, strings};
+use crate::holds::Holds;
+use crate::layout::{Keys, Placement, RunPlacement, SHARDS, SLOTS, member, tenant_slots};
 use crate::scripts::SCRIPTS;
 
 /// Where the store's Redis is. Its `Debug` hides passwords.
@@ -217,6 +351,10 @@ impl Default for RedisOptions {
 /// How many fences a claim on a Cluster draws before it gives up (each further one is drawn
 /// only because another claim on the same slot acquired in between with a greater fence).
 const MAX_DRAWS: usize = 16;
+
+/// How many times a call on one server is asked again for the keys of another run (the key's
+/// record names a run the caller did not know of; it changes only if the record is replaced).
+const MAX_RUN_CHANGES: usize = 4;
 
 /// The longest `ping` waits.
 const PING_TIMEOUT: Duration = Duration::from_secs(1);
@@ -465,7 +603,10 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Runs the claim script with the fence from `source` (see [`scripts`]).
+    /// Runs the claim script with the fence from `source` (see [`scripts::CLAIM`]): on one
+    /// server with the keys of the tenant's in-flight set (with a quota) and of `run` (if any),
+    /// on a Cluster with the verdicts of the reservations in `holds` (made for `run`).
+    #[allow(clippy::too_many_arguments)]
     async fn run_claim(
         &self,
         conn: &mut Conn,
@@ -473,8 +614,12 @@ impl RedisStore {
         now: Timestamp,
         placement: &Placement,
         source: &str,
+        run: Option<&RunId>,
+        holds: &Holds,
     ) -> Result<Claimed, StoreError> {
-        let mut invocation = SCRIPTS.claim.prepare_invoke();
+        let admits_here = !self.cluster && (req.max_in_flight.is_some() || run.is_some());
+        let script = if admits_here { &SCRIPTS.claim_admitting } else { &SCRIPTS.claim };
+        let mut invocation = script.prepare_invoke();
         invocation
             .key(self.keys.record(placement))
             .key(self.keys.fence_mark(placement.slot))
@@ -482,6 +627,12 @@ impl RedisStore {
             .key(self.keys.listing(placement.slot));
         if !self.cluster {
             invocation.key(self.keys.fence_counter());
+            if req.max_in_flight.is_some() {
+                invocation.key(self.keys.in_flight(&req.scope.tenant));
+            }
+            if let Some(run) = run {
+                invocation.key(self.keys.run(&RunPlacement::of(&req.scope.tenant, run)));
+            }
         }
         invocation
             .arg(now.0)
@@ -495,8 +646,148 @@ impl RedisStore {
             .arg(placement.member.as_slice())
             .arg(ms(self.options.expiry_margin))
             .arg(source);
+        // Without a quota or a run (so without reservations), the arguments of admission are
+        // left out.
+        if req.max_in_flight.is_some() || run.is_some() {
+            invocation
+                .arg(req.max_in_flight.map(|q| q.to_string()).unwrap_or_default())
+                .arg(req.cost)
+                .arg(run.map_or("", |r| r.as_str()));
+            if self.cluster {
+                holds.args(&mut invocation);
+            }
+        }
         let answer: Value = invocation.invoke_async(conn).await.map_err(unavailable("claim"))?;
         codec::claim_answer(strings(answer)?)
+    }
+
+    /// Claims a key on one server: one script decides, checks the quota and the budget and
+    /// writes the record and the charge, asked again only if the record names a run the
+    /// request did not.
+    async fn claim_on_one_server(
+        &self,
+        conn: &mut Conn,
+        req: &ClaimRequest,
+        now: Timestamp,
+        placement: &Placement,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let mut run = req.run.clone();
+        for _ in 0..MAX_RUN_CHANGES {
+            match self.run_claim(conn, req, now, placement, "draw", run.as_ref(), &Holds::default()).await? {
+                Claimed::Outcome { outcome, .. } => return Ok(outcome),
+                Claimed::NeedRun(other) => run = Some(other),
+                Claimed::NeedFence { .. } => return Err(corrupt("the claim script asked for a fence it draws itself")),
+            }
+        }
+        Err(StoreError::Unavailable("redis claim: the key's record kept changing runs".into()))
+    }
+
+    /// The fenced-call script for `mutation` (see [`scripts::MUTATE`]): on one server with the
+    /// keys of the tenant's in-flight set and of `run` (if known).
+    #[allow(clippy::too_many_arguments)]
+    fn fenced_call(
+        &self,
+        scope: &Scope,
+        placement: &Placement,
+        fence: Fence,
+        mutation: &Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+        run: Option<&RunId>,
+        raised: bool,
+    ) -> ScriptInvocation<'static> {
+        let charges_here = !self.cluster && run.is_some();
+        let mut invocation =
+            if charges_here { SCRIPTS.mutate_charging.prepare_invoke() } else { SCRIPTS.mutate.prepare_invoke() };
+        invocation.key(self.keys.record(placement)).key(self.keys.expiry(placement.slot));
+        if !self.cluster {
+            invocation.key(self.keys.in_flight(&scope.tenant));
+            if let Some(run) = run {
+                invocation.key(self.keys.run(&RunPlacement::of(&scope.tenant, run)));
+            }
+        }
+        invocation
+            .arg(now.0)
+            .arg(fence.0)
+            .arg(match mutation {
+                Mutation::Complete(_) => "complete",
+                Mutation::Fail { retryable: false, .. } => "fail",
+                Mutation::Fail { retryable: true, .. } => "release",
+                Mutation::Extend(_) => "extend",
+                Mutation::Checkpoint { .. } => "checkpoint",
+                Mutation::ReportUnknown(_) => "unknown",
+            })
+            .arg(max_checkpoints)
+            .arg(placement.member.as_slice())
+            .arg(ms(self.options.expiry_margin))
+            .arg(self.keys.changes())
+            .arg(self.message(scope));
+        match mutation {
+            Mutation::Complete(outcome) | Mutation::Fail { retryable: false, outcome } => {
+                let kind = match outcome.kind {
+                    OutcomeKind::Success => "success",
+                    OutcomeKind::Failure => "failure",
+                };
+                invocation
+                    .arg(kind)
+                    .arg(outcome.content_type.as_str())
+                    .arg(outcome.body.as_slice())
+                    .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default());
+            }
+            Mutation::Fail { retryable: true, .. } => {}
+            Mutation::Extend(lease) => {
+                invocation.arg(ms(*lease));
+            }
+            Mutation::Checkpoint { name, data } => {
+                invocation.arg(name.as_str()).arg(data.as_str());
+            }
+            Mutation::ReportUnknown(detail) => {
+                invocation.arg(detail.as_str());
+            }
+        }
+        // Left out when there is nothing to say, as before there were budgets.
+        let cost = reported_cost(mutation);
+        if cost > 0 || run.is_some() || raised {
+            invocation.arg(cost).arg(run.map_or("", |r| r.as_str())).arg(if raised { "1" } else { "" });
+        }
+        invocation
+    }
+
+    /// Cluster: what follows a fenced call that wrote, on other slots. A finished attempt
+    /// leaves the tenant's in-flight set; a reported cost is added to the run. A failure is
+    /// logged, not answered (the call took effect): a place left in the set is counted until
+    /// its lease would have ended; a lost cost is not charged.
+    async fn after_fenced_call(
+        &self,
+        conn: &Conn,
+        record: &Record,
+        token: Option<String>,
+        finished: bool,
+        cost: u64,
+        now: Timestamp,
+    ) {
+        let member = member(&record.scope);
+        let tenant = &record.scope.tenant;
+        let (released, reported) = tokio::join!(
+            async {
+                match (&token, finished) {
+                    (Some(token), true) => self.release_in_flight(conn.clone(), tenant, &member, token).await,
+                    _ => Ok(()),
+                }
+            },
+            async {
+                match (&record.run, cost) {
+                    (Some(run), 1..) => self.add_cost(conn.clone(), tenant, run, cost, now).await,
+                    _ => Ok(()),
+                }
+            },
+        );
+        if let Err(error) = released {
+            tracing::warn!(%error, "redis: a finished lease could not leave the in-flight set; it counts until it ends");
+        }
+        if let Err(error) = reported {
+            tracing::warn!(%error, cost, "redis: a reported cost could not be added to its run");
+        }
     }
 
     async fn read_record(&self, conn: &mut Conn, placement: &Placement) -> Result<Option<Record>, StoreError> {
@@ -630,30 +921,11 @@ impl Store for RedisStore {
         self.bounded("claim", async {
             let mut conn = self.conn.clone();
             self.register_slot(&mut conn, placement.slot).await?;
-            if !self.cluster {
-                return match self.run_claim(&mut conn, req, now, &placement, "draw").await? {
-                    Claimed::Outcome(outcome) => Ok(outcome),
-                    Claimed::NeedFence(_) => Err(corrupt("the claim script asked for a fence it draws itself")),
-                };
+            if self.cluster {
+                self.claim_on_cluster(&mut conn, req, now, &placement).await
+            } else {
+                self.claim_on_one_server(&mut conn, req, now, &placement).await
             }
-            // The fence counter is on another slot: ask, draw, acquire (see the crate docs).
-            let mut source = "peek".to_owned();
-            for _ in 0..MAX_DRAWS {
-                match self.run_claim(&mut conn, req, now, &placement, &source).await? {
-                    Claimed::Outcome(outcome) => return Ok(outcome),
-                    Claimed::NeedFence(mark) => {
-                        let mut invocation = SCRIPTS.draw_fence.prepare_invoke();
-                        invocation.key(self.keys.fence_counter()).arg(mark.0);
-                        let fence: u64 =
-                            invocation.invoke_async(&mut conn).await.map_err(unavailable("draw a fence"))?;
-                        check_range(&[fence])?;
-                        source = fence.to_string();
-                    }
-                }
-            }
-            Err(StoreError::Unavailable(format!(
-                "redis claim: other claims on the same slot kept overtaking this one ({MAX_DRAWS} fences drawn)"
-            )))
         })
         .await
     }
@@ -668,54 +940,34 @@ impl Store for RedisStore {
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
         check_range(&[now.0])?;
-        let placement = Placement::of(scope);
-        let mut invocation = SCRIPTS.mutate.prepare_invoke();
-        invocation
-            .key(self.keys.record(&placement))
-            .key(self.keys.expiry(placement.slot))
-            .arg(now.0)
-            .arg(fence.0)
-            .arg(match &mutation {
-                Mutation::Complete(_) => "complete",
-                Mutation::Fail { retryable: false, .. } => "fail",
-                Mutation::Fail { retryable: true, .. } => "release",
-                Mutation::Extend(_) => "extend",
-                Mutation::Checkpoint { .. } => "checkpoint",
-                Mutation::ReportUnknown(_) => "unknown",
-            })
-            .arg(max_checkpoints)
-            .arg(placement.member.as_slice())
-            .arg(ms(self.options.expiry_margin))
-            .arg(self.keys.changes())
-            .arg(self.message(scope));
-        match &mutation {
-            Mutation::Complete(outcome) | Mutation::Fail { retryable: false, outcome } => {
-                let kind = match outcome.kind {
-                    OutcomeKind::Success => "success",
-                    OutcomeKind::Failure => "failure",
-                };
-                invocation
-                    .arg(kind)
-                    .arg(outcome.content_type.as_str())
-                    .arg(outcome.body.as_slice())
-                    .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default());
-            }
-            Mutation::Fail { retryable: true, .. } => {}
-            Mutation::Extend(lease) => {
-                check_range(&[ms(*lease)])?;
-                invocation.arg(ms(*lease));
-            }
-            Mutation::Checkpoint { name, data } => {
-                invocation.arg(name.as_str()).arg(data.as_str());
-            }
-            Mutation::ReportUnknown(detail) => {
-                invocation.arg(detail.as_str());
-            }
+        if let Mutation::Extend(lease) = &mutation {
+            check_range(&[ms(*lease)])?;
         }
+        let placement = Placement::of(scope);
+        let cost = reported_cost(&mutation);
+        let finishes = matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
         self.bounded("fenced call", async {
             let mut conn = self.conn.clone();
-            let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("fenced call"))?;
-            codec::fenced_outcome(strings(answer)?)
+            let (mut run, mut raised) = (None, false);
+            for _ in 0..MAX_RUN_CHANGES {
+                let invocation =
+                    self.fenced_call(scope, &placement, fence, &mutation, now, max_checkpoints, run.as_ref(), raised);
+                let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("fenced call"))?;
+                match codec::fenced_answer(strings(answer)?)? {
+                    Fenced::Done { outcome, wrote, token } => {
+                        if let (true, true, FencedOutcome::Applied(record)) = (self.cluster, wrote, &outcome) {
+                            self.after_fenced_call(&conn, record, token, finishes, cost, now).await;
+                        }
+                        return Ok(outcome);
+                    }
+                    Fenced::NeedRun(other) => run = Some(other),
+                    Fenced::NeedQuota { token, until } => {
+                        self.raise_in_flight(conn.clone(), &scope.tenant, &placement.member, &token, until).await?;
+                        raised = true;
+                    }
+                }
+            }
+            Err(StoreError::Unavailable("redis fenced call: the key's record kept changing".into()))
         })
         .await
     }
@@ -793,12 +1045,17 @@ impl Store for RedisStore {
             invocation
                 .key(self.keys.record(&placement))
                 .key(self.keys.expiry(placement.slot))
-                .key(self.keys.listing(placement.slot))
-                .arg(placement.member.as_slice())
-                .arg(self.keys.changes())
-                .arg(self.message(scope));
-            let existed: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("purge"))?;
-            Ok(existed > 0)
+                .key(self.keys.listing(placement.slot));
+            if !self.cluster {
+                invocation.key(self.keys.in_flight(&scope.tenant));
+            }
+            invocation.arg(placement.member.as_slice()).arg(self.keys.changes()).arg(self.message(scope));
+            let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("purge"))?;
+            let (existed, token) = codec::tagged(strings(answer)?)?;
+            if let (true, Some(token)) = (self.cluster, token.first().filter(|t| !t.is_empty())) {
+                self.release_in_flight(conn.clone(), &scope.tenant, &placement.member, token).await?;
+            }
+            Ok(existed != "0")
         })
         .await
     }
@@ -954,6 +1211,65 @@ impl Store for RedisStore {
             Ok(revoked > 0)
         })
         .await
+    }
+
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        self.bounded("set a budget", self.set_budget(tenant, run, budget, now)).await
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        self.bounded("get a run", self.read_run(tenant, run)).await
+    }
+
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.bounded("put a control document", self.store_control(doc)).await
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        self.bounded("delete a control document", self.remove_control(kind, tenant, id)).await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.bounded("list control documents", self.read_controls()).await
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        check_range(&[now.0])?;
+        self.revoke_covered(tenant, target, detail, now).await
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate, now)).await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.bounded("append to the audit log", self.store_audit(entry)).await
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        self.bounded("list the audit log", self.read_audit(tenant, filter)).await
     }
 }
 

@@ -1,9 +1,11 @@
 //! The Lua scripts: each runs atomically in Redis (no other command runs in between), on keys
-//! of one hash slot, and is sent by digest (`EVALSHA`, falling back to `EVAL` when the server
-//! does not know it yet).
+//! of one hash slot (on one server the claim and fenced-call scripts also touch the tenant's
+//! in-flight set and the run, which a Cluster keeps on other slots), and is sent by digest
+//! (`EVALSHA`, falling back to `EVAL` when the server does not know it yet).
 //!
-//! `claim` and `mutate` are line-for-line translations of `onceguard_core::protocol::claim` and
-//! `protocol::apply`; the comments name the Rust they mirror. Time is always the caller's `now`
+//! `claim` and `mutate` are line-for-line translations of `onceguard_core::protocol::claim`
+//! and `protocol::apply`, and of `control::admit` and `control::reported_cost`; `rate` is
+//! `control::gcra`; the comments name the Rust they mirror. Time is always the caller's `now`
 //! (an argument); the scripts never read the server's clock.
 //!
 //! A record is a hash of text fields:
@@ -14,6 +16,8 @@
 //! | `st` | `in_progress`, `completed` or `released` |
 //! | `fp` `fe` `at` | fingerprint, fence, attempt |
 //! | `run` | the run (absent if none) |
+//! | `ch` | `1` once the key was charged to its run (`Record::charged`; absent if not) |
+//! | `q` | the token of the lease's place in the tenant's in-flight set, when claimed under an in-flight quota (absent if not) |
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
@@ -21,7 +25,22 @@
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
 //! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
 //!
-//! Numbers are handled as Lua doubles: exact below 2^53, which the store checks on the way in.
+//! A run is a hash: `t` `r` (tenant, run), `me` `mc` `dl` (its budget: most effects, most cost,
+//! deadline; each absent if not limited), `ue` `uc` (effects and cost spent), `ca` `up`
+//! (created, updated). On a Cluster its pending charges are a hash beside it (see the crate
+//! documentation), of record member to `holders used cost at`.
+//!
+//! Times and durations are handled as Lua doubles: exact below 2^53, which the store checks on
+//! the way in. Budgets, costs and the claim rate's microseconds may be any `u64`: they are kept
+//! as decimal strings and computed on exactly ([`NUMBERS`]).
+//!
+//! The claim and fenced-call scripts are each built twice from one source: with [`NUMBERS`] for
+//! the calls on one server that check a quota or charge a run in the script, and without it
+//! for every other call (every call without a quota or a run, and every call on a Cluster,
+//! where runs and quotas are checked by scripts of their own). Defining those functions costs
+//! a claim about 5% of its time in Redis, so the path without budgets does not pay for them. A
+//! build without them that reached one would fail with an error naming the missing function,
+//! never decide differently.
 
 use std::sync::LazyLock;
 
@@ -103,23 +122,126 @@ local function clear_checkpoints(w)
 end
 "#;
 
-/// `protocol::claim`. Answers one of:
+/// Exact arithmetic on `u64` numbers kept as decimal strings (Lua's numbers are doubles), and
+/// the run's budget check and charges (`Run::check`, `Run::add_cost`).
+pub const NUMBERS: &str = r#"
+local U64_MAX = '18446744073709551615'
+
+-- -1, 0 or 1 as a < b, a == b, a > b (decimal strings without leading zeros)
+local function cmp(a, b)
+  if #a ~= #b then
+    if #a < #b then return -1 end
+    return 1
+  end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      if x < y then return -1 end
+      return 1
+    end
+  end
+  return 0
+end
+
+local function digits(out)
+  local s = string.gsub(table.concat(out), '^0+(%d)', '%1')
+  return s
+end
+
+-- u64::saturating_add
+local function add(a, b)
+  local out, carry, i, j = {}, 0, #a, #b
+  while i > 0 or j > 0 or carry > 0 do
+    local d = carry
+    if i > 0 then d = d + string.byte(a, i) - 48 end
+    if j > 0 then d = d + string.byte(b, j) - 48 end
+    carry = 0
+    if d >= 10 then d, carry = d - 10, 1 end
+    table.insert(out, 1, d)
+    i, j = i - 1, j - 1
+  end
+  local s = digits(out)
+  if cmp(s, U64_MAX) > 0 then return U64_MAX end
+  return s
+end
+
+-- u64::saturating_sub
+local function sub(a, b)
+  if cmp(a, b) <= 0 then return '0' end
+  local out, borrow, i, j = {}, 0, #a, #b
+  while i > 0 do
+    local d = string.byte(a, i) - 48 - borrow
+    if j > 0 then d = d - (string.byte(b, j) - 48) end
+    borrow = 0
+    if d < 0 then d, borrow = d + 10, 1 end
+    table.insert(out, 1, d)
+    i, j = i - 1, j - 1
+  end
+  return digits(out)
+end
+
+-- Run::check: the limit that charging one more key declaring `cost` at `now` would pass, or
+-- nil. `u` is the stored run (nil: unseen, so unlimited).
+local function run_check(u, cost, now)
+  if u == nil then return nil end
+  if u.dl ~= nil and cmp(now, u.dl) >= 0 then return 'deadline' end
+  if u.me ~= nil and cmp(u.ue, u.me) >= 0 then return 'effects' end
+  if u.mc ~= nil and (cmp(u.uc, u.mc) >= 0 or cmp(add(u.uc, cost), u.mc) > 0) then return 'cost' end
+  return nil
+end
+
+-- Charges one more key declaring `cost` to the run at `key` (Run::new first if unseen).
+local function charge(key, u, tenant, run, cost, now)
+  if u == nil then
+    redis.call('HSET', key, 't', tenant, 'r', run, 'ue', '1', 'uc', cost, 'ca', now, 'up', now)
+  else
+    redis.call('HSET', key, 'ue', add(u.ue, '1'), 'uc', add(u.uc, cost), 'up', now)
+  end
+end
+
+-- Run::add_cost on the run at `key` (Run::new first if unseen).
+local function add_cost(key, tenant, run, cost, now)
+  local spent = redis.call('HGET', key, 'uc')
+  if spent then
+    redis.call('HSET', key, 'uc', add(spent, cost), 'up', now)
+  else
+    redis.call('HSET', key, 't', tenant, 'r', run, 'ue', '0', 'uc', cost, 'ca', now, 'up', now)
+  end
+end
+"#;
+
+/// `protocol::claim` and `control::admit`. Answers one of:
 /// `{'mismatch'}`, `{'in_flight', retry_after_ms, attempt}`,
 /// `{'replay', fence, attempt, completed_at, kind, content_type, body, cost}`,
 /// `{'acquired', fence, attempt, lease_expires_at, ''}` or, for a recovery,
 /// `{'acquired', fence, attempt, lease_expires_at, 'lease' | 'unknown', previous_fence,
-/// previous_attempt, unknown_detail, last_checkpoint}`, or, when it would acquire but has no
-/// usable fence, `{'need_fence', slot_mark}`.
+/// previous_attempt, unknown_detail, last_checkpoint}`, each followed by one more field, `'1'`,
+/// when the claim charged the key to its run with its reservation (Cluster),
+/// `{'denied', 'in_flight'}` or `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}`; or,
+/// when it would acquire but lacks something (changing nothing): `{'need_fence', slot_mark,
+/// run, charged}` (run: the run the record would name, `''` if none; charged: `'1'` if the
+/// record is charged already), or `{'need_run', run}` (one server: the keys of another run
+/// are needed).
 ///
-/// Where the fence comes from (the last argument): `draw` increments the store's fence counter
-/// (`KEYS[5]`; one server only, where a script may touch any key); `peek` answers
-/// `need_fence` instead of acquiring; a number is a fence drawn beforehand ([`DRAW_FENCE`]),
-/// used only if it is above the slot's mark (the highest fence acquired on the slot), so that
-/// a key's fences only grow even when draws and acquisitions interleave.
+/// Where the fence comes from (ARGV 11): `draw` increments the store's fence counter (one
+/// server only, where a script may touch any key, so the quota and the budget are checked and
+/// charged here too); `peek` answers `need_fence` instead of acquiring; a number is a fence
+/// drawn beforehand ([`DRAW_FENCE`]), used only if it is above the slot's mark (the highest
+/// fence acquired on the slot), so that a key's fences only grow even when draws and
+/// acquisitions interleave. With a number (on a Cluster), the in-flight quota and the run's
+/// budget were reserved beforehand on their own slots ([`RESERVE_IN_FLIGHT`], [`RESERVE_RUN`])
+/// and the script is told the verdicts. Arguments from the 12th on may be left out when the
+/// call carries no quota, names no run to admit and holds no reservation: the path without
+/// budgets sends what it sent before there were budgets.
 pub const CLAIM: &str = r#"
--- KEYS: record, slot fence mark, expiry index, listing index[, fence counter]
+-- KEYS: record, slot fence mark, expiry index, listing index; on one server (fence 'draw') also
+--       the fence counter, then the tenant's in-flight set (with a quota), then the run
+--       (with a run to admit)
 -- ARGV: now, fingerprint, lease ms, retention ms, run ('' if none), tenant, namespace, key,
---       member, margin ms, fence ('draw', 'peek' or a number)
+--       member, margin ms, fence ('draw', 'peek' or a number),
+--       in-flight quota ('' if none), declared cost, the run to admit ('' if none),
+--       on a Cluster: in-flight token ('' if none), 'denied' if the quota is spent, run
+--       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed)
 local now = tonumber(ARGV[1])
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
@@ -142,34 +264,20 @@ if r ~= nil then
   end
 end
 
--- acquire(previous = r), with the next fence
-local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
-local fence
-if source == 'draw' then
-  fence = redis.call('INCR', KEYS[5])
-  if fence <= mark then
-    fence = mark + 1
-    redis.call('SET', KEYS[5], int(fence))
-  end
-elseif source == 'peek' then
-  return { 'need_fence', int(mark) }
-else
-  fence = tonumber(source)
-  if fence <= mark then return { 'need_fence', int(mark) } end
-end
-redis.call('SET', KEYS[2], int(fence))
-fence = int(fence)
+-- acquire(previous = r); the fence comes last
 local le = now + lease
 local n = {
-  t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, fe = fence, at = '1',
+  t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, at = '1',
   le = int(le), re = int(retention), ca = int(now), up = int(now), ex = int(le + retention),
 }
 if run ~= '' then n.run = run end
-local answer = { 'acquired', fence, '1', int(le), '' }
+local answer = { 'acquired', '', '1', int(le), '' }
 if r ~= nil then
   n.at = int(math.min(tonumber(r.at) + 1, 4294967295))
   answer[3] = n.at
   if r.run ~= nil then n.run = r.run end
+  -- A key is charged to its run once, however many attempts it takes.
+  if r.ch ~= nil then n.ch = r.ch end
   if r.st == 'in_progress' then
     local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
     local last = ''
@@ -181,7 +289,100 @@ if r ~= nil then
     n.ca = r.ca
     local why = 'lease'
     if r.un ~= nil then why = 'unknown' end
-    answer = { 'acquired', fence, n.at, int(le), why, r.fe, r.at, r.un or '', last }
+    answer = { 'acquired', '', n.at, int(le), why, r.fe, r.at, r.un or '', last }
+  end
+end
+
+local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local one_server = source == 'draw'
+if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
+
+-- control::admit: the in-flight quota, then the run's deadline, then (for a key not yet
+-- charged) its effects and cost. On a Cluster by the verdicts of the reservations; what they
+-- do not cover (the record changed since) is asked for with need_fence.
+local quota, cost, admitted = ARGV[12] or '', ARGV[13] or '0', ARGV[14] or ''
+local k = 6
+local in_flight, run_key, stored_run
+local charges, lacking = false, false
+if quota ~= '' then
+  if one_server then
+    in_flight = KEYS[k]
+    k = k + 1
+    redis.call('ZREMRANGEBYSCORE', in_flight, '-inf', '(' .. int(now - margin))
+    local held = redis.call('ZCOUNT', in_flight, '(' .. int(now), '+inf')
+    if cmp(int(held), quota) >= 0 then return { 'denied', 'in_flight' } end
+  elseif ARGV[16] == 'denied' then
+    return { 'denied', 'in_flight' }
+  elseif (ARGV[15] or '') == '' then
+    lacking = true
+  end
+end
+if n.run ~= nil and not lacking then
+  if n.run ~= admitted then
+    if one_server then return { 'need_run', n.run } end
+    lacking = true
+  elseif one_server then
+    run_key = KEYS[k]
+    stored_run = load(run_key)
+    local limit
+    if n.ch == '1' then
+      -- Charged already: only the deadline still applies.
+      if stored_run ~= nil and stored_run.dl ~= nil and cmp(ARGV[1], stored_run.dl) >= 0 then
+        limit = 'deadline'
+      end
+    else
+      limit = run_check(stored_run, cost, ARGV[1])
+      charges = true
+    end
+    if limit ~= nil then return { 'denied', 'budget', limit } end
+  else
+    local verdict = ARGV[18] or ''
+    if verdict == 'deadline' then return { 'denied', 'budget', 'deadline' } end
+    if n.ch ~= '1' then
+      if ARGV[17] ~= 'charge' then
+        lacking = true
+      elseif verdict ~= 'ok' then
+        return { 'denied', 'budget', verdict }
+      else
+        charges = true
+      end
+    end
+  end
+end
+
+local fence
+if one_server then
+  fence = redis.call('INCR', KEYS[5])
+  if fence <= mark then
+    fence = mark + 1
+    redis.call('SET', KEYS[5], int(fence))
+  end
+else
+  fence = tonumber(source)
+  if fence <= mark then lacking = true end
+end
+if lacking then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
+redis.call('SET', KEYS[2], int(fence))
+fence = int(fence)
+n.fe = fence
+answer[2] = fence
+
+-- The charge and the place in flight are written with the record.
+if charges then
+  if one_server then
+    charge(run_key, stored_run, ARGV[6], n.run, cost, ARGV[1])
+  else
+    answer[#answer + 1] = '1'
+  end
+  n.ch = '1'
+end
+if quota ~= '' then
+  if one_server then
+    if r ~= nil and r.q ~= nil then redis.call('ZREM', in_flight, member .. '\0' .. r.q) end
+    n.q = fence
+    redis.call('ZADD', in_flight, n.le, member .. '\0' .. fence)
+  else
+    n.q = ARGV[15]
   end
 end
 
@@ -192,18 +393,40 @@ redis.call('ZADD', KEYS[4], 0, member)
 return answer
 "#;
 
-/// `protocol::apply`. Answers `{'stale', 'no_record' | 'superseded' | 'finished'}` or
-/// `{'applied', field, value, ...}` with the record as it now is.
+/// `protocol::apply`, and `control::reported_cost` charged to the record's run. Answers
+/// `{'stale', 'no_record' | 'superseded' | 'finished'}`, `{'applied', field, value, ...}` with
+/// the record as it now is, `{'repeated', field, value, ...}` when the call repeats the one
+/// that finished the record (nothing written), or, changing nothing: `{'need_run', run}` (one
+/// server: the call reports a cost and the keys of the record's run are needed) or
+/// `{'need_quota', token, lease_expires_at}` (Cluster: an extend of a lease in the tenant's
+/// in-flight set, whose score the store raises first with `ZADD GT`).
+///
+/// On one server the script also removes a finished lease from the tenant's in-flight set (or
+/// raises an extended one) and adds the reported cost to the run; on a Cluster the store does
+/// both after the script, on their own slots.
 pub const MUTATE: &str = r#"
--- KEYS: record, expiry index
+-- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
+--       (with a run named below)
 -- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none)
 --   release: nothing
 --   extend: lease ms
 --   checkpoint: name, data
 --   unknown: detail
+-- then, each left out if not needed: the cost reported ('0' if none), the record's run ('' if
+-- not known), '1' if the in-flight set was raised for this extend (Cluster)
 local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local base = 8
+if op == 'complete' or op == 'fail' then
+  base = 12
+elseif op == 'extend' or op == 'unknown' then
+  base = 9
+elseif op == 'checkpoint' then
+  base = 10
+end
+local reported, given_run, raised = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] == '1'
+local one_server = #KEYS > 2
 
 local r = load(KEYS[1])
 if r == nil or not is_live(r, now) then return { 'stale', 'no_record' } end
@@ -224,7 +447,7 @@ if r.st ~= 'in_progress' then
   end
   if again then
     local answer = flat(r)
-    table.insert(answer, 1, 'applied')
+    table.insert(answer, 1, 'repeated')
     return answer
   end
   return { 'stale', 'finished' }
@@ -277,9 +500,27 @@ elseif op == 'unknown' then
 else
   return redis.error_reply('onceguard: unknown operation ' .. op)
 end
+-- control::reported_cost, added to the record's run in this step on one server
+local costs = reported ~= '0' and r.run ~= nil
+if costs and one_server and r.run ~= given_run then return { 'need_run', r.run } end
+-- A lease in the in-flight set is raised there before it is extended (so the set never
+-- counts it for less than it lasts), and leaves the set once the attempt ends.
+if r.q ~= nil and op == 'extend' and not one_server and not raised then
+  return { 'need_quota', r.q, w.r.le }
+end
 set(w, 'up', int(now))
 save(KEYS[1], w)
 keep_until(KEYS[1], KEYS[2], member, w.r.ex, now, margin)
+if one_server then
+  if r.q ~= nil then
+    if op == 'extend' then
+      redis.call('ZADD', KEYS[3], 'GT', w.r.le, member .. '\0' .. r.q)
+    elseif finishes then
+      redis.call('ZREM', KEYS[3], member .. '\0' .. r.q)
+    end
+  end
+  if costs then add_cost(KEYS[4], r.t, r.run, reported, ARGV[1]) end
+end
 if finishes then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
 local answer = flat(w.r)
 table.insert(answer, 1, 'applied')
@@ -314,15 +555,188 @@ redis.call('ZREM', KEYS[3], member)
 return deleted
 "#;
 
-/// Deletes a record whatever its state, and announces it. Answers 1 if it existed.
+/// Deletes a record whatever its state, and announces it. Answers `{existed, token}`: 1 if it
+/// existed, and the token of its place in the tenant's in-flight set (`''` if none), which the
+/// script removes on one server and the store removes after it on a Cluster.
 pub const PURGE: &str = r#"
--- KEYS: record, expiry index, listing index
+-- KEYS: record, expiry index, listing index[, the tenant's in-flight set (one server)]
 -- ARGV: member, channel, message
+local token = redis.call('HGET', KEYS[1], 'q')
 local existed = redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
+if token and KEYS[4] then redis.call('ZREM', KEYS[4], ARGV[1] .. '\0' .. token) end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
-return existed
+return { existed, token or '' }
+"#;
+
+/// `control::revoke` on a record that is still live and in progress (and of the run, for a
+/// run's switch), unless it was revoked already with the same detail (so that a second pass
+/// counts only what the first missed): a new fence (drawn here on one server, else drawn beforehand and used only
+/// above the slot's mark, as in [`CLAIM`]), its lease ended, its outcome unknown. Answers
+/// `{'revoked', token}` (the token of its place in the tenant's in-flight set, `''` if none;
+/// removed here on one server), `{'skipped'}`, or `{'need_fence', slot_mark}`.
+pub const REVOKE: &str = r#"
+-- KEYS: record, slot fence mark, expiry index[, fence counter, the tenant's in-flight set
+--       (one server)]
+-- ARGV: now, fence ('draw' or a number), detail, member, margin ms, run ('' for any),
+--       channel, message
+local now, source, detail, member, margin = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local r = load(KEYS[1])
+if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
+if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
+if r.un == detail then return { 'skipped' } end
+local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local fence
+if source == 'draw' then
+  fence = redis.call('INCR', KEYS[4])
+  if fence <= mark then
+    fence = mark + 1
+    redis.call('SET', KEYS[4], int(fence))
+  end
+else
+  fence = tonumber(source)
+  if fence <= mark then return { 'need_fence', int(mark) } end
+end
+redis.call('SET', KEYS[2], int(fence))
+local w = change(r)
+set(w, 'fe', int(fence))
+set(w, 'le', int(now))
+set(w, 'un', detail)
+set(w, 'ex', int(now + tonumber(r.re)))
+set(w, 'up', int(now))
+local token = r.q or ''
+if token ~= '' then
+  unset(w, 'q')
+  if source == 'draw' then redis.call('ZREM', KEYS[5], member .. '\0' .. token) end
+end
+save(KEYS[1], w)
+keep_until(KEYS[1], KEYS[3], member, w.r.ex, now, margin)
+redis.call('PUBLISH', ARGV[7], ARGV[8])
+return { 'revoked', token }
+"#;
+
+/// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
+/// fewer than the quota of the places there are live at `now`. Places whose lease ended long
+/// ago (before `prune_before`) are dropped first. Answers 1 (reserved) or 0 (the quota is
+/// spent).
+pub const RESERVE_IN_FLIGHT: &str = r#"
+-- KEYS: the tenant's in-flight set
+-- ARGV: now, quota, member NUL token, lease expiry, prune before
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[5])
+local held = redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')
+if cmp(int(held), ARGV[2]) >= 0 then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+return 1
+"#;
+
+/// Cluster: the run's side of a claim about to acquire a key of the run. `check` (the record
+/// is charged already): only the deadline. `charge`: the deadline, then, unless another claim
+/// of the same key holds a pending charge (which this claim then shares), `Run::check` and the
+/// charge, recorded as pending. Answers `ok` or the limit passed (`deadline`, `effects`,
+/// `cost`). A pending charge older than `leaked_before` was left by a claim that never
+/// settled: it is forgotten and its charge kept.
+pub const RESERVE_RUN: &str = r#"
+-- KEYS: run, its pending charges
+-- ARGV: now, tenant, run, member, declared cost, 'charge' or 'check', leaked before
+local now, member = ARGV[1], ARGV[4]
+local u = load(KEYS[1])
+if u ~= nil and u.dl ~= nil and cmp(now, u.dl) >= 0 then return 'deadline' end
+if ARGV[6] == 'check' then return 'ok' end
+local pending = redis.call('HGET', KEYS[2], member)
+if pending then
+  local holders, used, cost, at = string.match(pending, '^(%d+) (%d) (%d+) (%d+)$')
+  if tonumber(at) >= tonumber(ARGV[7]) then
+    redis.call('HSET', KEYS[2], member, int(tonumber(holders) + 1) .. ' ' .. used .. ' ' .. cost .. ' ' .. now)
+    return 'ok'
+  end
+  redis.call('HDEL', KEYS[2], member)
+end
+local limit = run_check(u, ARGV[5], now)
+if limit ~= nil then return limit end
+charge(KEYS[1], u, ARGV[2], ARGV[3], ARGV[5], now)
+redis.call('HSET', KEYS[2], member, '1 0 ' .. ARGV[5] .. ' ' .. now)
+return 'ok'
+"#;
+
+/// Cluster: a claim that reserved a charge ([`RESERVE_RUN`]) settles it once decided, saying
+/// whether it used it (charged its record). When the last holder of a pending charge settles,
+/// the charge is forgotten: kept if any holder used it, else refunded. Answers 1 if it
+/// refunded.
+pub const SETTLE_RUN: &str = r#"
+-- KEYS: run, its pending charges
+-- ARGV: member, '1' if the claim used the charge
+local pending = redis.call('HGET', KEYS[2], ARGV[1])
+if not pending then return 0 end
+local holders, used, cost, at = string.match(pending, '^(%d+) (%d) (%d+) (%d+)$')
+holders = tonumber(holders) - 1
+if ARGV[2] == '1' then used = '1' end
+if holders > 0 then
+  redis.call('HSET', KEYS[2], ARGV[1], int(holders) .. ' ' .. used .. ' ' .. cost .. ' ' .. at)
+  return 0
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+if used == '1' then return 0 end
+local u = load(KEYS[1])
+if u == nil then return 0 end
+redis.call('HSET', KEYS[1], 'ue', sub(u.ue, '1'), 'uc', sub(u.uc, cost))
+return 1
+"#;
+
+/// Cluster: `Run::add_cost` for a cost reported by a fenced call that took effect.
+pub const ADD_COST: &str = r#"
+-- KEYS: run; ARGV: now, tenant, run, cost
+add_cost(KEYS[1], ARGV[2], ARGV[3], ARGV[4], ARGV[1])
+return 1
+"#;
+
+/// Sets a run's budget, creating the run (`Run::new`) if unseen and keeping what it spent.
+/// Answers the run's fields.
+pub const PUT_BUDGET: &str = r#"
+-- KEYS: run; ARGV: now, tenant, run, most effects, most cost, deadline ('' for none)
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 't', ARGV[2], 'r', ARGV[3], 'ue', '0', 'uc', '0', 'ca', ARGV[1])
+end
+for i, field in ipairs({ 'me', 'mc', 'dl' }) do
+  if ARGV[3 + i] == '' then
+    redis.call('HDEL', KEYS[1], field)
+  else
+    redis.call('HSET', KEYS[1], field, ARGV[3 + i])
+  end
+end
+redis.call('HSET', KEYS[1], 'up', ARGV[1])
+return redis.call('HGETALL', KEYS[1])
+"#;
+
+/// `control::gcra` on the tenant's theoretical arrival time (microseconds). Answers `{'ok'}`
+/// (the new time stored) or `{'wait', microseconds}` (nothing stored). The key expires once
+/// the time it holds has passed (plus the margin): an absent time and a past one decide alike.
+pub const RATE: &str = r#"
+-- KEYS: the tenant's rate; ARGV: now µs, interval µs, tolerance µs, margin ms
+local now = ARGV[1]
+local tat = redis.call('GET', KEYS[1]) or '0'
+if cmp(tat, now) < 0 then tat = now end
+local after = add(tat, ARGV[2])
+local ahead = sub(after, now)
+if cmp(ahead, ARGV[3]) > 0 then return { 'wait', sub(ahead, ARGV[3]) } end
+redis.call('SET', KEYS[1], after, 'PX', int(math.floor(tonumber(ahead) / 1000) + 1 + tonumber(ARGV[4])))
+return { 'ok' }
+"#;
+
+/// Appends an audit entry (replacing one with the same id).
+pub const APPEND_AUDIT: &str = r#"
+-- KEYS: the tenant's audit index, its entries; ARGV: id, JSON
+redis.call('ZADD', KEYS[1], 0, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"#;
+
+/// Deletes a control document; answers its body, or nil if there was none.
+pub const DELETE_CONTROL: &str = r#"
+-- KEYS: control documents; ARGV: field
+local body = redis.call('HGET', KEYS[1], ARGV[1])
+if body then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return body
 "#;
 
 /// Stores an API key (replacing one with the same id, and its revocation).
@@ -345,16 +759,41 @@ return 1
 
 /// The scripts, with their digests computed once.
 pub struct Scripts {
-    /// See [`CLAIM`].
+    /// [`CLAIM`], without [`NUMBERS`]: on a Cluster, and for claims on one server that carry
+    /// no quota and name no run.
     pub claim: Script,
+    /// [`CLAIM`] with [`NUMBERS`]: claims on one server that carry a quota or name a run.
+    pub claim_admitting: Script,
     /// See [`DRAW_FENCE`].
     pub draw_fence: Script,
-    /// See [`MUTATE`].
+    /// [`MUTATE`], without [`NUMBERS`]: on a Cluster, and on one server for calls that do
+    /// not name the record's run.
     pub mutate: Script,
+    /// [`MUTATE`] with [`NUMBERS`]: calls on one server that name the record's run, to add
+    /// the cost they report to it.
+    pub mutate_charging: Script,
     /// See [`SWEEP_ONE`].
     pub sweep_one: Script,
     /// See [`PURGE`].
     pub purge: Script,
+    /// See [`REVOKE`].
+    pub revoke: Script,
+    /// See [`RESERVE_IN_FLIGHT`].
+    pub reserve_in_flight: Script,
+    /// See [`RESERVE_RUN`].
+    pub reserve_run: Script,
+    /// See [`SETTLE_RUN`].
+    pub settle_run: Script,
+    /// See [`ADD_COST`].
+    pub add_cost: Script,
+    /// See [`PUT_BUDGET`].
+    pub put_budget: Script,
+    /// See [`RATE`].
+    pub rate: Script,
+    /// See [`APPEND_AUDIT`].
+    pub append_audit: Script,
+    /// See [`DELETE_CONTROL`].
+    pub delete_control: Script,
     /// See [`CREATE_API_KEY`].
     pub create_api_key: Script,
     /// See [`REVOKE_API_KEY`].
@@ -364,12 +803,24 @@ pub struct Scripts {
 /// The scripts.
 pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}\n{body}"));
+    let with_numbers = |body: &str| Script::new(&format!("{PRELUDE}\n{NUMBERS}\n{body}"));
     Scripts {
         claim: with_prelude(CLAIM),
+        claim_admitting: with_numbers(CLAIM),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
+        mutate_charging: with_numbers(MUTATE),
         sweep_one: Script::new(SWEEP_ONE),
         purge: Script::new(PURGE),
+        revoke: with_prelude(REVOKE),
+        reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
+        reserve_run: with_numbers(RESERVE_RUN),
+        settle_run: with_numbers(SETTLE_RUN),
+        add_cost: with_numbers(ADD_COST),
+        put_budget: Script::new(PUT_BUDGET),
+        rate: with_numbers(RATE),
+        append_audit: Script::new(APPEND_AUDIT),
+        delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),
     }

@@ -4,9 +4,9 @@
 
 mod common;
 
-use onceguard_core::{Key, Namespace, Scope, TenantId};
+use onceguard_core::{Key, Namespace, RunId, Scope, TenantId};
 use onceguard_store_redis::RedisStore;
-use onceguard_store_redis::layout::{Keys, Placement, key_slot};
+use onceguard_store_redis::layout::{Keys, Placement, RunPlacement, key_slot};
 
 onceguard_testkit::conformance_tests!(common::on_cluster());
 onceguard_testkit::property_tests!(common::on_cluster(), 64);
@@ -64,4 +64,43 @@ async fn racing_claims_keep_fences_unique_and_growing() {
     };
     let store = std::sync::Arc::new(RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap());
     common::racing_claims_keep_fences_unique_and_growing(store).await;
+}
+
+async fn fresh_store() -> Option<(RedisStore, String, Vec<String>)> {
+    let nodes = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()?;
+    let prefix = common::prefix();
+    Some((RedisStore::connect_cluster(&nodes, &prefix).await.unwrap(), prefix, nodes))
+}
+
+/// On a Cluster, at most 10 keys of the 16 raced for (duplicates sharing pending charges and
+/// refunding those nobody used), charged once each, and no pending charge is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_duplicates_under_a_budget() {
+    let Some((store, prefix, nodes)) = fresh_store().await else { return };
+    common::racing_duplicates_under_a_budget(std::sync::Arc::new(store)).await;
+    let client = redis::cluster::ClusterClient::new(nodes.iter().map(|n| format!("redis://{n}"))).unwrap();
+    let mut conn = client.get_async_connection().await.unwrap();
+    let at = RunPlacement::of(&TenantId::parse("acme").unwrap(), &RunId::parse("duplicates").unwrap());
+    let pending = Keys::new(&prefix).unwrap().run_pending(&at);
+    assert_eq!(redis::cmd("EXISTS").arg(&pending).query_async::<u64>(&mut conn).await.unwrap(), 0);
+}
+
+/// On a Cluster, at most 5 keys of the 8 raced for, and every place of a claim that did not
+/// acquire is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_duplicates_under_a_quota() {
+    let Some((store, ..)) = fresh_store().await else { return };
+    common::racing_duplicates_under_a_quota(std::sync::Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_keep_their_place_in_flight_until_they_end() {
+    let Some((store, ..)) = fresh_store().await else { return };
+    common::leases_keep_their_place_in_flight_until_they_end(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_keeps_its_run_and_its_charge() {
+    let Some((store, ..)) = fresh_store().await else { return };
+    common::a_record_keeps_its_run_and_its_charge(&store).await;
 }

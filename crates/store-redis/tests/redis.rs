@@ -6,10 +6,12 @@ mod common;
 
 use std::time::Duration;
 
+use onceguard_core::control::{self, Budget, Rate};
 use onceguard_core::{
-    ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, Scope, Store, StoreError, TenantId, Timestamp,
+    ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, RunId, Scope, Store, StoreError, TenantId, Timestamp,
 };
-use onceguard_store_redis::layout::{Keys, Placement};
+use onceguard_store_redis::layout::{Keys, Placement, RunPlacement};
+use onceguard_store_redis::scripts::SCRIPTS;
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 
 onceguard_testkit::conformance_tests!(common::single());
@@ -195,15 +197,16 @@ async fn a_fence_below_the_slots_mark_is_refused() {
         let mut conn = conn.clone();
         async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
     };
-    assert_eq!(claim(first.clone(), "peek").await, ["need_fence", "0"]);
+    // Asked first, it names the run the record would name and whether it is charged already.
+    assert_eq!(claim(first.clone(), "peek").await, ["need_fence", "0", "", "0"]);
     assert_eq!(claim(first.clone(), "5").await[..2], ["acquired", "5"]);
     // A draw made before 5 was, acquiring after it: refused, with the mark to draw above.
-    assert_eq!(claim(neighbour.clone(), "3").await, ["need_fence", "5"]);
+    assert_eq!(claim(neighbour.clone(), "3").await, ["need_fence", "5", "", "0"]);
     assert_eq!(claim(neighbour.clone(), "6").await[..2], ["acquired", "6"]);
     // The mark outlives the record.
     let mut raw = conn.clone();
     redis::cmd("DEL").arg(keys.record(&Placement::of(&first))).query_async::<()>(&mut raw).await.unwrap();
-    assert_eq!(claim(first.clone(), "6").await, ["need_fence", "6"]);
+    assert_eq!(claim(first.clone(), "6").await, ["need_fence", "6", "", "0"]);
     assert_eq!(claim(first, "7").await[..2], ["acquired", "7"]);
 }
 
@@ -242,4 +245,148 @@ async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
     };
     assert!(released.checkpoints.is_empty());
     assert!(store.get(&s, later).await.unwrap().expect("the record").checkpoints.is_empty());
+}
+
+async fn fresh_store() -> Option<(RedisStore, common::DeletePrefix)> {
+    if !common::single_available() {
+        return None;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    Some((store, common::DeletePrefix { url, prefix }))
+}
+
+/// On one server the claim script admits exactly: 10 keys of the 16 raced for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_duplicates_under_a_budget() {
+    let Some((store, _cleanup)) = fresh_store().await else { return };
+    assert_eq!(common::racing_duplicates_under_a_budget(std::sync::Arc::new(store)).await, 10);
+}
+
+/// On one server the claim script admits exactly: 5 keys of the 8 raced for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_duplicates_under_a_quota() {
+    let Some((store, _cleanup)) = fresh_store().await else { return };
+    assert_eq!(common::racing_duplicates_under_a_quota(std::sync::Arc::new(store)).await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_keep_their_place_in_flight_until_they_end() {
+    let Some((store, _cleanup)) = fresh_store().await else { return };
+    common::leases_keep_their_place_in_flight_until_they_end(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_keeps_its_run_and_its_charge() {
+    let Some((store, _cleanup)) = fresh_store().await else { return };
+    common::a_record_keeps_its_run_and_its_charge(&store).await;
+}
+
+/// The rate script is `control::gcra`, exactly, over every `u64`: rates from one a second to
+/// more than a million, bursts up to `u32::MAX`, times from now to past where microseconds
+/// overflow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_script_is_the_gcra() {
+    let Some((store, _cleanup)) = fresh_store().await else { return };
+    let rates =
+        [(1, 1), (3, 2), (10, 3), (1_000, 1_000), (1_000_000, 5), (2_000_000, 7), (u32::MAX, u32::MAX), (1, u32::MAX)];
+    let starts = [1_700_000_000_000u64, 1 << 53, u64::MAX / 1_000 - 10_000, u64::MAX - 5];
+    let mut tenant = 0;
+    for (per_second, burst) in rates {
+        let rate = Rate { per_second, burst };
+        for start in starts {
+            tenant += 1;
+            let id = TenantId::parse(&format!("rate-{tenant}")).unwrap();
+            let mut tat = None;
+            let mut now = start;
+            for step in 0..40u64 {
+                let answer = store.take_rate(&id, &rate, Timestamp(now)).await.unwrap();
+                let want = control::gcra(tat, Timestamp(now), &rate);
+                assert_eq!(answer, want.map(drop), "rate {rate:?}, start {start}, step {step}");
+                if let Ok(next) = want {
+                    tat = Some(next);
+                }
+                now = now
+                    .saturating_add(rand::random::<u64>() % (3 * u64::from(1_000 / per_second.min(1_000))) + step % 2);
+            }
+        }
+    }
+}
+
+/// The pending charges of a run, as a Cluster's claims use them (the scripts run on one slot,
+/// so one server will do): duplicates share one charge; it is refunded only when every holder
+/// settled without using it; at the limit a refund makes room; one left unsettled for too long
+/// is forgotten with its charge kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_charges_are_shared_and_refunded_only_if_unused() {
+    let Some((store, cleanup)) = fresh_store().await else { return };
+    let keys = Keys::new(&cleanup.prefix).unwrap();
+    let (tenant, run) = (TenantId::parse("acme").unwrap(), RunId::parse("pending").unwrap());
+    let at = RunPlacement::of(&tenant, &run);
+    let conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let now = 1_700_000_000_000u64;
+    let reserve = |member: &'static str, at_ms: u64| {
+        let mut invocation = SCRIPTS.reserve_run.prepare_invoke();
+        invocation
+            .key(keys.run(&at))
+            .key(keys.run_pending(&at))
+            .arg(at_ms)
+            .arg(tenant.as_str())
+            .arg(run.as_str())
+            .arg(member)
+            .arg(4)
+            .arg("charge")
+            .arg(at_ms - 600_000);
+        let mut conn = conn.clone();
+        async move { invocation.invoke_async::<String>(&mut conn).await.unwrap() }
+    };
+    let settle = |member: &'static str, used: bool| {
+        let mut invocation = SCRIPTS.settle_run.prepare_invoke();
+        invocation.key(keys.run(&at)).key(keys.run_pending(&at)).arg(member).arg(if used { "1" } else { "0" });
+        let mut conn = conn.clone();
+        async move { invocation.invoke_async::<i64>(&mut conn).await.unwrap() }
+    };
+    let spent = || async { store.get_run(&tenant, &run).await.unwrap().map(|r| (r.usage.effects, r.usage.cost)) };
+    let pending = || {
+        let mut conn = conn.clone();
+        let key = keys.run_pending(&at);
+        async move { redis::cmd("HLEN").arg(key).query_async::<u64>(&mut conn).await.unwrap() }
+    };
+    store
+        .put_budget(&tenant, &run, &Budget { max_effects: Some(2), ..Budget::default() }, Timestamp(now))
+        .await
+        .unwrap();
+
+    // Two duplicates share one charge; the one that acquired keeps it.
+    assert_eq!((reserve("a", now).await, reserve("a", now).await), ("ok".into(), "ok".into()));
+    assert_eq!(spent().await, Some((1, 4)));
+    assert_eq!(settle("a", false).await, 0);
+    assert_eq!(settle("a", true).await, 0);
+    assert_eq!((spent().await, pending().await), (Some((1, 4)), 0));
+    // The same the other way round: the acquirer settles first.
+    reserve("b", now).await;
+    reserve("b", now).await;
+    assert_eq!((settle("b", true).await, settle("b", false).await), (0, 0));
+    assert_eq!((spent().await, pending().await), (Some((2, 8)), 0));
+    // At the limit, a new key is refused until a charge nobody used is refunded.
+    store
+        .put_budget(&tenant, &run, &Budget { max_effects: Some(3), ..Budget::default() }, Timestamp(now))
+        .await
+        .unwrap();
+    assert_eq!(reserve("c", now).await, "ok");
+    assert_eq!(reserve("d", now).await, "effects");
+    assert_eq!(settle("c", false).await, 1);
+    assert_eq!((spent().await, pending().await), (Some((2, 8)), 0));
+    assert_eq!(reserve("d", now).await, "ok");
+    // Left unsettled: shared while fresh, forgotten (its charge kept) once stale.
+    assert_eq!(spent().await, Some((3, 12)));
+    store.put_budget(&tenant, &run, &Budget::default(), Timestamp(now)).await.unwrap();
+    assert_eq!(reserve("d", now + 599_999).await, "ok");
+    assert_eq!(spent().await, Some((3, 12)));
+    assert_eq!(reserve("d", now + 1_300_000).await, "ok");
+    assert_eq!((spent().await, pending().await), (Some((4, 16)), 1));
+    // Settling a forgotten charge changes nothing.
+    redis::cmd("DEL").arg(keys.run_pending(&at)).query_async::<()>(&mut conn.clone()).await.unwrap();
+    assert_eq!(settle("d", false).await, 0);
+    assert_eq!(spent().await, Some((4, 16)));
 }

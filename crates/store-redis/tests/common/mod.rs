@@ -19,9 +19,10 @@ use std::process::{Command, Stdio};
 use std::sync::{Once, OnceLock};
 use std::time::Duration;
 
+use onceguard_core::control::{Budget, RunUsage, SwitchTarget};
 use onceguard_core::{
-    CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace, Outcome,
-    OutcomeKind, Scope, Store, TenantId, Timestamp,
+    CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace,
+    Outcome, OutcomeKind, RunId, Scope, Store, TenantId, Timestamp,
 };
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;
@@ -277,4 +278,155 @@ pub async fn racing_claims_keep_fences_unique_and_growing(store: std::sync::Arc<
         }
         assert_eq!(acquired, vec![1; KEYS], "round {round}");
     }
+}
+
+fn in_run(scope: &Scope, run: &RunId, cost: u64) -> ClaimRequest {
+    ClaimRequest { run: Some(run.clone()), cost, ..request(scope) }
+}
+
+fn under_quota(scope: &Scope, quota: u64) -> ClaimRequest {
+    ClaimRequest { max_in_flight: Some(quota), ..request(scope) }
+}
+
+fn acme() -> TenantId {
+    TenantId::parse("acme").unwrap()
+}
+
+async fn usage(store: &RedisStore, run: &RunId) -> RunUsage {
+    store.get_run(&acme(), run).await.expect("the store answers").map(|r| r.usage).unwrap_or_default()
+}
+
+/// 64 racing claims, four duplicates of each of 16 keys, against a budget of 10 effects: no key
+/// is acquired twice, at most 10 are acquired (on one server exactly 10), and the run is
+/// charged exactly once per acquired key, with its declared cost: the duplicates that did not
+/// acquire left no charge behind. Answers how many keys were acquired.
+pub async fn racing_duplicates_under_a_budget(store: std::sync::Arc<RedisStore>) -> usize {
+    let run = RunId::parse("duplicates").unwrap();
+    let now = Timestamp(1_700_000_000_000);
+    let budget = Budget { max_effects: Some(10), ..Budget::default() };
+    store.put_budget(&acme(), &run, &budget, now).await.unwrap();
+    let claims = (0..64).map(|i| {
+        let (store, run) = (store.clone(), run.clone());
+        tokio::spawn(async move {
+            let key = i % 16;
+            (key, store.claim(&in_run(&scope(&format!("dup-{key}")), &run, 3), now).await.expect("the store answers"))
+        })
+    });
+    let mut acquired = std::collections::HashMap::new();
+    for joined in futures::future::join_all(claims).await {
+        match joined.expect("the claim task ends") {
+            (key, ClaimOutcome::Acquired(_)) => *acquired.entry(key).or_insert(0) += 1,
+            (_, ClaimOutcome::InFlight(_)) => {}
+            (_, ClaimOutcome::Denied(Denial::BudgetExhausted { limit })) => assert_eq!(limit, "effects"),
+            (_, other) => panic!("unexpected answer {other:?}"),
+        }
+    }
+    assert!(acquired.values().all(|&n| n == 1), "a key was acquired twice: {acquired:?}");
+    let keys = acquired.len();
+    assert!((1..=10).contains(&keys), "{keys} keys acquired against a budget of 10");
+    assert_eq!(usage(&store, &run).await, RunUsage { effects: keys as u64, cost: 3 * keys as u64 });
+    keys
+}
+
+/// 32 racing claims, four duplicates of each of 8 keys, under an in-flight quota of 5: at most
+/// 5 keys are acquired (on one server exactly 5). Once they complete, the places of the
+/// claims that did not acquire are free too: 5 new keys are acquired, and a sixth is denied.
+/// Answers how many keys the race acquired.
+pub async fn racing_duplicates_under_a_quota(store: std::sync::Arc<RedisStore>) -> usize {
+    let now = Timestamp(1_700_000_000_000);
+    let claims = (0..32).map(|i| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let key = i % 8;
+            (key, store.claim(&under_quota(&scope(&format!("q-{key}")), 5), now).await.expect("the store answers"))
+        })
+    });
+    let mut acquired = std::collections::HashMap::new();
+    for joined in futures::future::join_all(claims).await {
+        match joined.expect("the claim task ends") {
+            (key, ClaimOutcome::Acquired(a)) => assert!(acquired.insert(key, a.fence).is_none(), "key {key} twice"),
+            (_, ClaimOutcome::InFlight(_)) => {}
+            (_, ClaimOutcome::Denied(Denial::QuotaExceeded { quota, .. })) => assert_eq!(quota, "in_flight"),
+            (_, other) => panic!("unexpected answer {other:?}"),
+        }
+    }
+    let keys = acquired.len();
+    assert!((1..=5).contains(&keys), "{keys} keys in flight under a quota of 5");
+    for (key, fence) in &acquired {
+        let done = store.mutate(&scope(&format!("q-{key}")), *fence, Mutation::Complete(outcome()), now, 8).await;
+        assert!(matches!(done.unwrap(), FencedOutcome::Applied(_)));
+    }
+    for i in 0..5 {
+        let claimed = store.claim(&under_quota(&scope(&format!("after-{i}")), 5), now).await.unwrap();
+        assert!(matches!(claimed, ClaimOutcome::Acquired(_)), "after-{i}: {claimed:?}");
+    }
+    let sixth = store.claim(&under_quota(&scope("after-5"), 5), now).await.unwrap();
+    assert!(matches!(sixth, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{sixth:?}");
+    keys
+}
+
+/// A lease claimed under a quota keeps its place while it is extended, and gives it up when it
+/// is revoked, when its key is purged, and when it completes.
+pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore) {
+    let t0 = Timestamp(1_700_000_000_000);
+    let at = |s: u64| t0.plus(Duration::from_secs(s));
+    let a = match store.claim(&under_quota(&scope("a"), 1), t0).await.unwrap() {
+        ClaimOutcome::Acquired(a) => a.fence,
+        other => panic!("a: {other:?}"),
+    };
+    let extended = store.mutate(&scope("a"), a, Mutation::Extend(Duration::from_secs(30)), at(5), 8).await.unwrap();
+    assert!(matches!(extended, FencedOutcome::Applied(r) if r.lease_expires_at == Some(at(35))));
+    // Past the first lease, within the extended one: a still holds the only place.
+    let b = store.claim(&under_quota(&scope("b"), 1), at(20)).await.unwrap();
+    assert!(matches!(b, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{b:?}");
+    // Revoked: its place is free.
+    let everything = SwitchTarget::Tenant;
+    assert_eq!(store.revoke_leases(&acme(), &everything, "stop", at(20)).await.unwrap(), 1);
+    // A second pass with the same detail finds nothing new.
+    assert_eq!(store.revoke_leases(&acme(), &everything, "stop", at(20)).await.unwrap(), 0);
+    assert!(matches!(store.claim(&under_quota(&scope("b"), 1), at(20)).await.unwrap(), ClaimOutcome::Acquired(_)));
+    // Purged: its place is free.
+    assert!(store.purge(&scope("b")).await.unwrap());
+    let c = match store.claim(&under_quota(&scope("c"), 1), at(20)).await.unwrap() {
+        ClaimOutcome::Acquired(c) => c.fence,
+        other => panic!("c: {other:?}"),
+    };
+    // Completed: its place is free.
+    let d = store.claim(&under_quota(&scope("d"), 1), at(21)).await.unwrap();
+    assert!(matches!(d, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{d:?}");
+    let done = store.mutate(&scope("c"), c, Mutation::Complete(outcome()), at(21), 8).await.unwrap();
+    assert!(matches!(done, FencedOutcome::Applied(_)));
+    assert!(matches!(store.claim(&under_quota(&scope("d"), 1), at(21)).await.unwrap(), ClaimOutcome::Acquired(_)));
+}
+
+/// A released record keeps the run it was claimed for, charged once: claimed again for
+/// another run it is neither charged again nor charged to that run, and a cost reported at
+/// completion goes to its run. Once purged, the key is new and charged again.
+pub async fn a_record_keeps_its_run_and_its_charge(store: &RedisStore) {
+    let now = Timestamp(1_700_000_000_000);
+    let (first, other) = (RunId::parse("first").unwrap(), RunId::parse("other").unwrap());
+    let budget = Budget { max_effects: Some(5), ..Budget::default() };
+    store.put_budget(&acme(), &first, &budget, now).await.unwrap();
+    let k = scope("kept");
+    let fence = match store.claim(&in_run(&k, &first, 2), now).await.unwrap() {
+        ClaimOutcome::Acquired(a) => a.fence,
+        other => panic!("{other:?}"),
+    };
+    let release = Mutation::Fail { retryable: true, outcome: outcome() };
+    assert!(matches!(store.mutate(&k, fence, release, now, 8).await.unwrap(), FencedOutcome::Applied(_)));
+    let fence = match store.claim(&in_run(&k, &other, 9), now).await.unwrap() {
+        ClaimOutcome::Acquired(a) => a.fence,
+        claimed => panic!("{claimed:?}"),
+    };
+    assert_eq!(store.get(&k, now).await.unwrap().and_then(|r| r.run), Some(first.clone()));
+    let with_cost = Outcome { cost: Some(7), ..outcome() };
+    assert!(matches!(
+        store.mutate(&k, fence, Mutation::Complete(with_cost), now, 8).await.unwrap(),
+        FencedOutcome::Applied(_)
+    ));
+    assert_eq!(usage(store, &first).await, RunUsage { effects: 1, cost: 9 });
+    assert!(store.get_run(&acme(), &other).await.unwrap().is_none());
+    assert!(store.purge(&k).await.unwrap());
+    assert!(matches!(store.claim(&in_run(&k, &first, 2), now).await.unwrap(), ClaimOutcome::Acquired(_)));
+    assert_eq!(usage(store, &first).await, RunUsage { effects: 2, cost: 11 });
 }

@@ -1,0 +1,328 @@
+//! Runs and their budgets, control documents, lease revocation, the claim rate and the audit
+//! log (see the crate documentation for where each lives).
+
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use onceguard_core::control::{
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
+};
+use onceguard_core::store::{ListFilter, MAX_PAGE, Store, StoreError};
+use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
+use redis::Value;
+
+use crate::codec::{self, corrupt, strings};
+use crate::layout::{Placement, RunPlacement};
+use crate::scripts::SCRIPTS;
+use crate::{Conn, MAX_DRAWS, RedisStore, ms, unavailable};
+
+/// How many records a revocation works on at once.
+const REVOKE_CONCURRENCY: usize = 32;
+
+/// The field of a control document in the control hash: `kind NUL tenant NUL id`.
+fn control_field(kind: ControlKind, tenant: &TenantId, id: &str) -> Vec<u8> {
+    [kind.as_str().as_bytes(), b"\0", tenant.as_str().as_bytes(), b"\0", id.as_bytes()].concat()
+}
+
+fn control_doc(field: &[u8], body: Vec<u8>) -> Result<ControlDoc, StoreError> {
+    let text =
+        |b: &[u8]| std::str::from_utf8(b).map(str::to_owned).map_err(|_| corrupt("a control document is not UTF-8"));
+    let mut parts = field.splitn(3, |&b| b == 0);
+    let (Some(kind), Some(tenant), Some(id)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(corrupt("a control document's field lacks a part"));
+    };
+    Ok(ControlDoc {
+        kind: ControlKind::parse(&text(kind)?).ok_or_else(|| corrupt("unknown control document kind"))?,
+        tenant: TenantId::parse(&text(tenant)?).map_err(corrupt)?,
+        id: text(id)?,
+        body: text(&body)?,
+    })
+}
+
+impl RedisStore {
+    pub(crate) async fn set_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let mut conn = self.conn.clone();
+        let text = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
+        let mut invocation = SCRIPTS.put_budget.prepare_invoke();
+        invocation
+            .key(self.keys.run(&RunPlacement::of(tenant, run)))
+            .arg(now.0)
+            .arg(tenant.as_str())
+            .arg(run.as_str())
+            .arg(text(budget.max_effects))
+            .arg(text(budget.max_cost))
+            .arg(text(budget.deadline.map(|d| d.0)));
+        let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("set a budget"))?;
+        codec::run(tenant, run, strings(answer)?)?.ok_or_else(|| corrupt("a budget was set on no run"))
+    }
+
+    pub(crate) async fn read_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        let mut conn = self.conn.clone();
+        let answer: Value = redis::cmd("HGETALL")
+            .arg(self.keys.run(&RunPlacement::of(tenant, run)))
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("get a run"))?;
+        codec::run(tenant, run, strings(answer)?)
+    }
+
+    /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).
+    pub(crate) async fn add_cost(
+        &self,
+        mut conn: Conn,
+        tenant: &TenantId,
+        run: &RunId,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let mut invocation = SCRIPTS.add_cost.prepare_invoke();
+        invocation
+            .key(self.keys.run(&RunPlacement::of(tenant, run)))
+            .arg(now.0)
+            .arg(tenant.as_str())
+            .arg(run.as_str())
+            .arg(cost);
+        invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("add a reported cost"))
+    }
+
+    pub(crate) async fn store_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        redis::cmd("HSET")
+            .arg(self.keys.control())
+            .arg(control_field(doc.kind, &doc.tenant, &doc.id))
+            .arg(doc.body.as_str())
+            .query_async::<i64>(&mut conn)
+            .await
+            .map(drop)
+            .map_err(unavailable("put a control document"))
+    }
+
+    pub(crate) async fn remove_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        let mut conn = self.conn.clone();
+        let field = control_field(kind, tenant, id);
+        let mut invocation = SCRIPTS.delete_control.prepare_invoke();
+        invocation.key(self.keys.control()).arg(field.as_slice());
+        let body: Option<Vec<u8>> =
+            invocation.invoke_async(&mut conn).await.map_err(unavailable("delete a control document"))?;
+        body.map(|body| control_doc(&field, body)).transpose()
+    }
+
+    pub(crate) async fn read_controls(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        let mut conn = self.conn.clone();
+        let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
+            .arg(self.keys.control())
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("list control documents"))?;
+        all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
+    }
+
+    /// Revokes the tenant's in-progress records that `target` covers, but those revoked
+    /// already with the same `detail`: found page by page in the listing indexes, each revoked
+    /// by a script that checks all of that again.
+    pub(crate) async fn revoke_covered(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut filter = ListFilter { state: Some(RecordState::InProgress), limit: MAX_PAGE, ..ListFilter::default() };
+        match target {
+            SwitchTarget::Tenant => {}
+            SwitchTarget::Namespace { prefix } => filter.namespace_prefix = Some(prefix.clone()),
+            SwitchTarget::Run { run } => filter.run = Some(run.clone()),
+        }
+        let run = match target {
+            SwitchTarget::Run { run } => Some(run),
+            _ => None,
+        };
+        let mut revoked = 0;
+        loop {
+            let page = self.list(tenant, &filter, now).await?;
+            let revocations: Vec<_> = page
+                .records
+                .iter()
+                .filter(|r| target.covers_record(r) && r.unknown.as_deref() != Some(detail))
+                .map(|record| self.bounded("revoke a lease", self.revoke_one(record, run, detail, now)))
+                .collect();
+            let done: Vec<bool> =
+                futures::stream::iter(revocations).buffer_unordered(REVOKE_CONCURRENCY).try_collect().await?;
+            revoked += done.into_iter().filter(|&r| r).count() as u64;
+            match page.next {
+                Some(after) => filter.after = Some(after),
+                None => return Ok(revoked),
+            }
+        }
+    }
+
+    /// Revokes one record if it is still in progress (and of `run`); answers whether it did.
+    async fn revoke_one(
+        &self,
+        record: &Record,
+        run: Option<&RunId>,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let placement = Placement::of(&record.scope);
+        let mut conn = self.conn.clone();
+        // On a Cluster the fence is drawn first, and again above the slot's mark if need be
+        // (as for a claim); on one server the script draws it.
+        let mut source = match self.cluster {
+            true => self.draw_fence(conn.clone(), Fence(0)).await?.0.to_string(),
+            false => "draw".to_owned(),
+        };
+        for _ in 0..MAX_DRAWS {
+            let mut invocation = SCRIPTS.revoke.prepare_invoke();
+            invocation
+                .key(self.keys.record(&placement))
+                .key(self.keys.fence_mark(placement.slot))
+                .key(self.keys.expiry(placement.slot));
+            if !self.cluster {
+                invocation.key(self.keys.fence_counter()).key(self.keys.in_flight(&record.scope.tenant));
+            }
+            invocation
+                .arg(now.0)
+                .arg(source.as_str())
+                .arg(detail)
+                .arg(placement.member.as_slice())
+                .arg(ms(self.options.expiry_margin))
+                .arg(run.map_or("", |r| r.as_str()))
+                .arg(self.keys.changes())
+                .arg(self.message(&record.scope));
+            let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("revoke a lease"))?;
+            let (head, rest) = codec::tagged(strings(answer)?)?;
+            match (head.as_str(), rest.first()) {
+                ("skipped", _) => return Ok(false),
+                ("revoked", token) => {
+                    if let (true, Some(token)) = (self.cluster, token.filter(|t| !t.is_empty())) {
+                        let tenant = &record.scope.tenant;
+                        self.release_in_flight(conn.clone(), tenant, &placement.member, token).await?;
+                    }
+                    return Ok(true);
+                }
+                ("need_fence", Some(mark)) => {
+                    let mark = mark.parse().map_err(|_| corrupt("a fence mark is not a number"))?;
+                    source = self.draw_fence(conn.clone(), Fence(mark)).await?.0.to_string();
+                }
+                _ => return Err(corrupt(format!("unknown revocation answer {head:?}"))),
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "redis revoke: other claims on the same slot kept overtaking it ({MAX_DRAWS} fences drawn)"
+        )))
+    }
+
+    /// `control::gcra` in one script on the tenant's slot, with the numbers it derives from
+    /// the rate computed here as it does.
+    pub(crate) async fn take_from_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let interval = (1_000_000 / u64::from(rate.per_second.max(1))).max(1);
+        let tolerance = interval.saturating_mul(u64::from(rate.burst.max(1)));
+        let mut conn = self.conn.clone();
+        let mut invocation = SCRIPTS.rate.prepare_invoke();
+        invocation
+            .key(self.keys.rate(tenant))
+            .arg(now.0.saturating_mul(1_000))
+            .arg(interval)
+            .arg(tolerance)
+            .arg(ms(self.options.expiry_margin));
+        let answer: Value =
+            invocation.invoke_async(&mut conn).await.map_err(unavailable("take from the claim rate"))?;
+        match codec::tagged(strings(answer)?)? {
+            (head, _) if head == "ok" => Ok(Ok(())),
+            (head, rest) if head == "wait" && rest.len() == 1 => {
+                let wait: u64 = rest[0].parse().map_err(|_| corrupt("a rate's wait is not a number"))?;
+                Ok(Err(Duration::from_micros(wait)))
+            }
+            (head, _) => Err(corrupt(format!("unknown rate answer {head:?}"))),
+        }
+    }
+
+    pub(crate) async fn store_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let doc = serde_json::to_string(entry).map_err(corrupt)?;
+        let mut conn = self.conn.clone();
+        let mut invocation = SCRIPTS.append_audit.prepare_invoke();
+        invocation
+            .key(self.keys.audit(&entry.tenant))
+            .key(self.keys.audit_entries(&entry.tenant))
+            .arg(entry.id.as_str())
+            .arg(doc);
+        invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("append to the audit log"))
+    }
+
+    /// Reads the tenant's audit index newest first, a chunk at a time, and the entries it
+    /// names, until a page (and one more entry) passed the filter.
+    pub(crate) async fn read_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let filtered = filter.action.is_some() || filter.actor.is_some();
+        let chunk = if filtered { (4 * (limit + 1)).clamp(64, MAX_PAGE) } else { limit + 1 };
+        let mut conn = self.conn.clone();
+        let mut from = filter.before.as_ref().map_or_else(|| "+".to_owned(), |b| format!("({b}"));
+        let mut entries = Vec::new();
+        while entries.len() <= limit {
+            let ids: Vec<String> = redis::cmd("ZREVRANGEBYLEX")
+                .arg(self.keys.audit(tenant))
+                .arg(from.as_str())
+                .arg("-")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(chunk)
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("list the audit log"))?;
+            let Some(last) = ids.last() else { break };
+            from = format!("({last}");
+            let docs: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(self.keys.audit_entries(tenant))
+                .arg(&ids)
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("list the audit log"))?;
+            for doc in docs.into_iter().flatten() {
+                let entry: AuditEntry = serde_json::from_str(&doc).map_err(corrupt)?;
+                if &entry.tenant == tenant && filter.matches(&entry) && entries.len() <= limit {
+                    entries.push(entry);
+                }
+            }
+            if ids.len() < chunk {
+                break;
+            }
+        }
+        Ok(AuditPage::from_overfetch(entries, limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_fields_read_back() {
+        let tenant = TenantId::parse("acme").unwrap();
+        let field = control_field(ControlKind::Switch, &tenant, "namespace:prod/x");
+        let doc = control_doc(&field, b"{}".to_vec()).unwrap();
+        assert_eq!(
+            (doc.kind, doc.tenant, doc.id.as_str(), doc.body.as_str()),
+            (ControlKind::Switch, tenant, "namespace:prod/x", "{}")
+        );
+        let settings =
+            control_doc(&control_field(ControlKind::Settings, &TenantId::parse("t").unwrap(), ""), Vec::new());
+        assert_eq!(settings.unwrap().id, "");
+    }
+}
