@@ -228,11 +228,18 @@ async fn tool_call(
         Ok(Ok(guarded)) => guarded,
     };
     gateway.observe(&tenant, decision);
+    let scope = Scope::new(tenant, call::namespace(&gateway.options.upstream_name, &call.name), key);
+    // The lease and retention in force: `mcp.lease` and `mcp.retention`, unless the tenant's or
+    // a namespace prefix's settings (e.g. on `mcp/<upstream>/<tool>`) say otherwise.
+    let limits = match gateway.guard().effective(&scope).await {
+        Ok(effective) => effective.limits,
+        Err(e) => return rpc_error(Some(&id), &e.into()),
+    };
     let claim = ClaimRequest {
-        scope: Scope::new(tenant, call::namespace(&gateway.options.upstream_name, &call.name), key),
+        scope,
         fingerprint: call.fingerprint(),
-        lease: gateway.options.lease,
-        retention: gateway.options.retention,
+        lease: limits.default_lease,
+        retention: limits.default_retention,
         run: call.run.clone(),
         cost: call.cost,
         max_in_flight: None,
@@ -256,7 +263,10 @@ async fn tool_call(
             if let Ok(mut set) = gateway.in_flight.lock() {
                 set.insert(token.clone());
             }
-            let leg = Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor };
+            let input_lease = gateway.options.input_lease.min(limits.max_lease);
+            let lease = claim.lease;
+            let leg =
+                Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor, lease, input_lease };
             leg.start(Request::from_parts(parts, Body::from(body))).await
         }
     }
@@ -369,6 +379,10 @@ struct Leg {
     token: CallToken,
     /// Who made the call, for the audit log (an API key id, or `anonymous`).
     actor: String,
+    /// The lease, extended by a third of it while the upstream works.
+    lease: Duration,
+    /// How long an `input_required` answer holds the key.
+    input_lease: Duration,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
@@ -396,7 +410,7 @@ impl Leg {
 
     async fn run(self, mut request: Request<Body>, reply: Reply) {
         let gateway = self.gateway.clone();
-        let lease = gateway.options.lease;
+        let lease = self.lease;
         let extender = tokio::spawn(keep_alive(gateway.guard().clone(), self.scope.clone(), self.fence, lease));
         // The answer is read, so it must come as it is: no compression.
         request.headers_mut().remove(ACCEPT_ENCODING);
@@ -538,7 +552,7 @@ impl Leg {
             Settlement::Park => {
                 let name = CheckpointName::parse(INPUT_REQUIRED).expect("a valid checkpoint name");
                 if self.apply(Mutation::Checkpoint { name, data: "{}".into() }).await {
-                    self.apply(Mutation::Extend(self.gateway.options.input_lease)).await;
+                    self.apply(Mutation::Extend(self.input_lease)).await;
                 }
                 return;
             }

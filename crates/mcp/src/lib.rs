@@ -100,14 +100,19 @@ pub fn options(config: &Config) -> Result<Options, InvalidInput> {
     })
 }
 
-/// The guard's limits for the gateway: results as large as `mcp.max_result_bytes` are stored,
-/// and its lease, input lease, wait and retention are within bounds.
+/// The guard's limits for the gateway: results as large as `mcp.max_result_bytes` are stored;
+/// `mcp.lease` and `mcp.retention` are the defaults (which tenant and namespace settings may
+/// override, within bounds), and they, the input lease and the wait are within bounds.
 pub fn limits(config: &Config) -> Limits {
     let m = &config.mcp;
     let mut limits = config.limits.clone();
     limits.max_outcome_bytes = limits.max_outcome_bytes.max(m.max_result_bytes);
     limits.max_lease = limits.max_lease.max(m.lease).max(m.input_lease);
+    limits.min_lease = limits.min_lease.min(m.lease);
+    limits.default_lease = m.lease;
     limits.max_retention = limits.max_retention.max(m.retention);
+    limits.min_retention = limits.min_retention.min(m.retention);
+    limits.default_retention = m.retention;
     limits.max_wait = limits.max_wait.max(m.wait);
     limits
 }
@@ -184,6 +189,9 @@ mod tests {
         let limits = limits(&config);
         assert_eq!(limits.max_lease, Duration::from_secs(7_200), "the input lease fits");
         assert_eq!(limits.max_outcome_bytes, 16 * 1024 * 1024, "the largest result fits");
+        assert_eq!(limits.default_lease, Duration::from_secs(120), "mcp.lease is the default");
+        assert_eq!(limits.default_retention, Duration::from_secs(24 * 3_600));
+        assert!(limits.validate().is_ok());
     }
 
     #[test]

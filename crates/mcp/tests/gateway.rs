@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
-use onceguard_core::control::{Budget, SwitchTarget};
+use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::{Guard, Key, MemoryStore, Namespace, RecordState, RunId, Scope, SystemClock, TenantId};
 use onceguard_server::Config;
 use serde_json::{Value, json};
@@ -600,4 +600,28 @@ async fn a_result_too_large_to_store_passes_through_and_recovers() {
     assert!(record.unknown.is_some(), "not stored: outcome unknown");
     let again = app.rpc(&call(json!(2), "big", json!({}), Some("k"))).await;
     assert_eq!(again["result"]["n"], 2, "the next call is a recovery");
+}
+
+#[tokio::test]
+async fn settings_on_a_tool_set_its_retention() {
+    let app = spawn_app(|_| {}).await;
+    let entry = SettingsEntry {
+        tenant: TenantId::parse(TENANT).unwrap(),
+        namespace_prefix: Some(Namespace::parse("mcp/up/echo").unwrap()),
+        settings: Settings { default_retention: Some(Duration::from_secs(1)), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    app.guard.put_settings(entry, None).await.unwrap();
+    app.rpc(&call(json!(1), "echo", json!({}), Some("k"))).await;
+    app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await;
+    assert_eq!(
+        app.rpc(&call(json!(3), "echo", json!({}), Some("k"))).await["result"]["_meta"]["dev.onceguard/replayed"],
+        true
+    );
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let after = app.rpc(&call(json!(4), "echo", json!({}), Some("k"))).await;
+    assert_eq!(after["result"]["content"][0]["text"], "echo 2", "retained 1 s, then the key is new");
+    let other = app.rpc(&call(json!(5), "slow", json!({}), Some("k"))).await;
+    assert_eq!(other["result"]["_meta"]["dev.onceguard/replayed"], true, "another tool keeps mcp.retention");
 }
