@@ -3,7 +3,7 @@
 //! Every request is authenticated (the caller's Onceguard API key names its tenant), then:
 //!
 //! - a POST of one `tools/call` request to the MCP endpoint, for a guarded tool, is claimed and
-//!   then replayed, refused, or forwarded in a task of its own ([`Leg`]) that stores its result;
+//!   then replayed, refused, or forwarded in a task of its own (a `Leg`) that stores its result;
 //! - a POST of a `notifications/cancelled` for a guarded call still in flight is acknowledged
 //!   and not forwarded (a caller never cancels a guarded call);
 //! - a POST of a `tools/list` request is forwarded and its answer read on the way back, to learn
