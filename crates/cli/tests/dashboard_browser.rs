@@ -380,6 +380,13 @@ async fn the_dashboard_shows_what_the_api_says() {
     assert!(shown["inspect-timeline"].as_str().unwrap().contains("passed"), "{}", shown["inspect-timeline"]);
     assert!(!shown.to_string().contains("ch_1"), "checkpoint data is never shown");
 
+    // An engaged kill switch shows at the next refresh.
+    let engage = json!({"target": {"kind": "namespace", "prefix": "prod"}, "reason": "refund loop"});
+    assert_eq!(api.post("/v1/switches", engage).await.0, 201);
+    let shows_switch = "return document.querySelector('[data-testid=controls]').innerText.includes('namespace:prod');";
+    browser.wait_for("the engaged switch", shows_switch).await;
+    assert_eq!(browser.shown().await["controls"], "Claims refused (423) under: namespace:prod.");
+
     let to = screenshot_path();
     browser.screenshot(&to).await;
     println!("dashboard screenshot: {}", to.display());

@@ -8,6 +8,10 @@
 //! `cargo run --release -p onceguard-proxy --example http_bench -- [requests] [concurrency] [store]`
 //! with `store` (the proxy's) one of `sqlite` (default) or `memory`.
 
+/// The same allocator as the `onceguard` binary.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
