@@ -9,6 +9,7 @@ virtualenv and builds the binary (found at $CARGO_TARGET_DIR/debug/onceguard, or
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,6 +145,7 @@ class World:
         self.gateway.stop()
         self.server.terminate()
         self.server.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
