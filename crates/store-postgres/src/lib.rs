@@ -3,18 +3,23 @@
 //! # How it keeps the contract
 //!
 //! - **Atomicity**: a claim or fenced call runs in a transaction that first takes a
-//!   transaction-scoped advisory lock on the key (`og_lock_get`, which also reads the record),
-//!   then runs the protocol in Rust and writes the record it returns. Another instance's
-//!   operation on the same key waits for the lock, so read-decide-write is never interleaved,
-//!   also for keys that have no row yet.
+//!   transaction-scoped advisory lock on the key, then reads the record in a statement of its
+//!   own (so with a snapshot taken under the lock), runs the protocol in Rust and writes the
+//!   record it returns. Another instance's operation on the same key waits for the lock, so
+//!   read-decide-write is never interleaved, also for keys that have no row yet.
 //! - **Group commit**: writer tasks take every job waiting (up to [`MAX_BATCH`], at most one job
-//!   per key) into one transaction: the locks and reads of the batch are pipelined, in ascending
-//!   lock order (so batches of different instances never deadlock), then the fences, then the
-//!   writes, then one `COMMIT`. An answer is sent only after that commit succeeded; if it fails,
-//!   every job of the batch answers `Unavailable` and nothing of it took effect.
+//!   per key) into one transaction of two round trips, whatever its size: `BEGIN`, the batch's
+//!   key locks (one statement, in ascending lock order, so batches of different instances never
+//!   deadlock) and its reads (one statement) are sent together; the jobs are decided in Rust;
+//!   then the writes (one multi-row upsert) and `COMMIT` are sent together. An answer is sent
+//!   only after that commit succeeded; if it fails, every job of the batch answers
+//!   `Unavailable` and nothing of it took effect.
 //! - **Fences** come from the sequence `og_fence`, drawn *after* the key's lock is held, so a
 //!   key's next fence is always greater than every fence it had; the sequence is never reset, so
-//!   fences keep growing after a record expired, was swept or purged.
+//!   fences keep growing after a record expired, was swept or purged. The read statement draws
+//!   one for each claim of a key that has no row (such a claim acquires unless a limit denies
+//!   it); a claim that acquires a key that has a row (a recovery) has its fence drawn in one
+//!   more round trip. So fences are drawn only for claims that acquire (or are denied).
 //! - **Retention** is checked when read (`expires_at > now`); the sweep deletes expired rows in
 //!   bounded batches with `FOR UPDATE SKIP LOCKED`, so it never waits on (or blocks) a claim.
 //! - **Waits across instances**: once a batch (or a purge) committed, the keys it finished are
@@ -29,7 +34,7 @@
 //! # Budgets, quotas and revocation
 //!
 //! - **In the batch**: once its keys are locked and read, a batch works out what its jobs need
-//!   and takes it in one more pipelined round trip, before it draws the fences: for each tenant
+//!   and takes it in one more pipelined round trip: for each tenant
 //!   with an acquiring claim that carries an in-flight quota, the tenant's quota lock and its
 //!   leases that have not passed (`og_lock_leases`, on the index `og_records_state`); for each
 //!   run that an acquiring claim names, or that a fenced call reporting cost charges, the run's
@@ -76,7 +81,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
+use deadpool_postgres::{ClientWrapper, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures::StreamExt;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
@@ -547,27 +552,73 @@ fn decode_row(row: &Row) -> Result<Record, BatchError> {
     Record::from_doc(&doc, body).map_err(|e| BatchError::Data(e.to_string()))
 }
 
-const UPSERT: &str =
+/// Takes the key locks of a batch: one advisory lock (a `bigint`) per key, in the order of the
+/// array, which the caller sorts ascending. A function scan returns `unnest`'s elements in
+/// order, and each row's lock is taken before the next row is produced.
+const LOCK_KEYS: &str = "SELECT pg_advisory_xact_lock(h) FROM unnest($1::bigint[]) AS h";
+
+/// Reads the records of a batch's keys, one row per key with its place in the arrays (from 1),
+/// and draws a fence for each key that has no row and is marked in `$4` (a claim, which the
+/// protocol always lets acquire a key with no record, unless a limit denies it; then the fence
+/// is left unused). It runs as a statement of its own after [`LOCK_KEYS`], so that its snapshot
+/// is taken once every lock is held and sees every commit made under them, and so that its
+/// fences are drawn under those locks. (`LATERAL … LIMIT 1` keeps the plan an index lookup per
+/// key, also when the statement was prepared while the table was empty.)
+const READ_KEYS: &str = "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND u.d THEN nextval('og_fence') END
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) WITH ORDINALITY AS u (t, n, k, d, i)
+     LEFT JOIN LATERAL (SELECT s.doc, s.body FROM og_records s
+                        WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true";
+
+/// Draws fences, for the claims that acquire a key that had a record (a recovery); sent once
+/// the keys' locks are held.
+const NEXT_FENCES: &str = "SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)";
+
+/// Writes records whole, many in one statement (a batch holds at most one job per key, so no
+/// row is written twice); only a transaction holding their keys' locks writes them.
+const UPSERT_RECORDS: &str =
     "INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+                          $8::text[], $9::bytea[])
      ON CONFLICT (tenant, namespace, key) DO UPDATE SET
        state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
        expires_at = excluded.expires_at, doc = excluded.doc, body = excluded.body";
 
-/// The parameters of [`UPSERT`] for a record.
-struct RecordParams {
-    tenant: String,
-    namespace: String,
-    key: String,
-    state: &'static str,
-    run: Option<String>,
-    lease: Option<i64>,
-    expires: i64,
-    doc: String,
-    body: Option<Vec<u8>>,
+/// Records to write with [`UPSERT_RECORDS`], column by column.
+#[derive(Debug, Default)]
+struct RecordColumns {
+    tenant: Vec<String>,
+    namespace: Vec<String>,
+    key: Vec<String>,
+    state: Vec<&'static str>,
+    run: Vec<Option<String>>,
+    lease: Vec<Option<i64>>,
+    expires: Vec<i64>,
+    doc: Vec<String>,
+    body: Vec<Option<Vec<u8>>>,
 }
 
-impl RecordParams {
+impl RecordColumns {
+    fn push(&mut self, record: Record) -> Result<(), BatchError> {
+        let scope = record.scope.clone();
+        let (state, run, lease, expires) =
+            (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
+        let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
+        self.tenant.push(scope.tenant.to_string());
+        self.namespace.push(scope.namespace.to_string());
+        self.key.push(scope.key.to_string());
+        self.state.push(state.as_str());
+        self.run.push(run.map(|r| r.to_string()));
+        self.lease.push(lease.map(to_i64));
+        self.expires.push(to_i64(expires));
+        self.doc.push(doc);
+        self.body.push(body);
+        Ok(())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.key.is_empty()
+    }
+
     fn as_sql(&self) -> [&(dyn ToSql + Sync); 9] {
         [
             &self.tenant,
@@ -583,23 +634,6 @@ impl RecordParams {
     }
 }
 
-fn record_params(record: Record) -> Result<RecordParams, BatchError> {
-    let scope = record.scope.clone();
-    let (state, run, lease, expires) = (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
-    let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
-    Ok(RecordParams {
-        tenant: scope.tenant.to_string(),
-        namespace: scope.namespace.to_string(),
-        key: scope.key.to_string(),
-        state: state.as_str(),
-        run: run.map(|r| r.to_string()),
-        lease: lease.map(to_i64),
-        expires: to_i64(expires),
-        doc,
-        body,
-    })
-}
-
 /// Writes a run whole; only a transaction holding the run's lock (class 2) writes it.
 const UPSERT_RUN: &str = "INSERT INTO og_runs (tenant, run, budget, effects, cost, created_at, updated_at)
      VALUES ($1, $2, $3, $4, $5, $6, $7)
@@ -609,13 +643,11 @@ const UPSERT_RUN: &str = "INSERT INTO og_runs (tenant, run, budget, effects, cos
 /// A run's columns as [`decode_run`] reads them.
 const RUN_COLUMNS: &str = "budget, effects, cost, created_at, updated_at";
 
-const NEXT_FENCES: &str = "SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)";
-
-/// What a batch must lock and read once its keys are locked, besides the keys.
+/// What a batch must lock, read and draw once its keys are locked, besides the keys.
 #[derive(Debug, Default)]
 struct Needs {
-    /// Fences: one per claim that acquires.
-    fences: i64,
+    /// Fences: one per claim that acquires a key for which [`READ_KEYS`] drew none.
+    fences: usize,
     /// Tenants whose in-flight quota an acquiring claim checks, with the earliest time among
     /// those claims.
     quotas: BTreeMap<TenantId, Timestamp>,
@@ -624,15 +656,17 @@ struct Needs {
 }
 
 impl Needs {
-    /// Works out what the jobs need from the records read for them (a claim's decision is the
+    /// Works out what the jobs need from what was read for them (a claim's decision is the
     /// same whatever fence it is given).
-    fn of(batch: &[Job], existing: &[Option<Record>]) -> Self {
+    fn of(batch: &[Job], reads: &[Read]) -> Self {
         let mut needs = Self::default();
-        for (job, record) in batch.iter().zip(existing) {
+        for (job, Read { record, fence }) in batch.iter().zip(reads) {
             match &job.op {
                 Op::Claim(req) => {
                     let Some(written) = protocol::claim(record.clone(), req, job.now, || Fence(0)).1 else { continue };
-                    needs.fences += 1;
+                    if fence.is_none() {
+                        needs.fences += 1;
+                    }
                     if req.max_in_flight.is_some() {
                         let since = needs.quotas.entry(req.scope.tenant.clone()).or_insert(job.now);
                         *since = (*since).min(job.now);
@@ -651,6 +685,10 @@ impl Needs {
             }
         }
         needs
+    }
+
+    fn is_empty(&self) -> bool {
+        self.fences == 0 && self.quotas.is_empty() && self.runs.is_empty()
     }
 }
 
@@ -757,10 +795,87 @@ fn run_params(run: &Run) -> Result<RunParams, serde_json::Error> {
     ))
 }
 
+/// What [`lock_and_read`] read for a key: its record, and the fence drawn for it, if any.
+#[derive(Debug)]
+struct Read {
+    record: Option<Record>,
+    fence: Option<Fence>,
+}
+
+/// Begins a transaction, locks the keys of `scopes` (sorted by [`lock_key`]), and reads their
+/// records, drawing a fence for each key marked in `claims` that has none: three statements
+/// sent together, one round trip. The transaction stays open on `client`; if this fails, the
+/// caller must [`abandon`] it.
+async fn lock_and_read(client: &ClientWrapper, scopes: &[&Scope], claims: &[bool]) -> Result<Vec<Read>, BatchError> {
+    debug_assert!(scopes.is_sorted_by_key(|s| lock_key(s)), "key locks are taken in ascending order");
+    let (begin, lock_keys, read_keys) = futures::try_join!(
+        client.prepare_cached("BEGIN"),
+        client.prepare_cached(LOCK_KEYS),
+        client.prepare_cached(READ_KEYS),
+    )?;
+    let keys: Vec<i64> = scopes.iter().map(|s| lock_key(s)).collect();
+    let tenants: Vec<&str> = scopes.iter().map(|s| s.tenant.as_str()).collect();
+    let namespaces: Vec<&str> = scopes.iter().map(|s| s.namespace.as_str()).collect();
+    let names: Vec<&str> = scopes.iter().map(|s| s.key.as_str()).collect();
+    let (lock_params, read_params): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 4]) =
+        ([&keys], [&tenants, &namespaces, &names, &claims]);
+    // Each future sends its statement when first polled, and `try_join!` polls them in order.
+    let (_, _, rows) = futures::try_join!(
+        client.execute(&begin, &[]),
+        client.execute(&lock_keys, &lock_params),
+        client.query(&read_keys, &read_params),
+    )?;
+    let mut reads: Vec<Option<Read>> = scopes.iter().map(|_| None).collect();
+    for row in &rows {
+        let slot = usize::try_from(row.get::<_, i64>(2) - 1)
+            .ok()
+            .and_then(|i| reads.get_mut(i))
+            .ok_or_else(|| BatchError::Data("a row was read for no key of the batch".into()))?;
+        let doc: Option<String> = row.get(0);
+        let record = doc.map(|doc| Record::from_doc(&doc, row.get(1))).transpose();
+        let fence = row.get::<_, Option<i64>>(3).map(|f| Fence(f as u64));
+        *slot = Some(Read { record: record.map_err(|e| BatchError::Data(e.to_string()))?, fence });
+    }
+    reads.into_iter().map(|r| r.ok_or_else(|| BatchError::Data("a key of the batch was not read".into()))).collect()
+}
+
+/// Writes `records` and `runs` and commits, in one round trip. If this fails, the caller must
+/// [`abandon`] the transaction (a `COMMIT` after a failed statement only rolls back).
+async fn write_and_commit(
+    client: &ClientWrapper,
+    records: &RecordColumns,
+    runs: &[RunParams],
+) -> Result<(), BatchError> {
+    let upsert = if records.is_empty() { None } else { Some(client.prepare_cached(UPSERT_RECORDS).await?) };
+    let upsert_run = if runs.is_empty() { None } else { Some(client.prepare_cached(UPSERT_RUN).await?) };
+    let commit = client.prepare_cached("COMMIT").await?;
+    let record_writes = async {
+        match &upsert {
+            Some(st) => client.execute(st, &records.as_sql()).await,
+            None => Ok(0),
+        }
+    };
+    let run_writes = upsert_run.iter().flat_map(|st| {
+        runs.iter().map(move |(tenant, run, budget, effects, cost, created, updated)| async move {
+            client.execute(st, &[tenant, run, budget, effects, cost, created, updated]).await
+        })
+    });
+    futures::try_join!(record_writes, futures::future::try_join_all(run_writes), client.execute(&commit, &[]))?;
+    Ok(())
+}
+
+/// Ends a transaction that failed part-way, so that its connection goes back to the pool idle;
+/// a connection that cannot even roll back is closed instead.
+async fn abandon(client: deadpool_postgres::Object) {
+    if client.batch_execute("ROLLBACK").await.is_err() {
+        drop(deadpool_postgres::Object::take(client));
+    }
+}
+
 /// Locks and reads what `needs` names, pipelined in one round trip, in the global lock order
 /// (see the module documentation): the tenants' quota locks with their leases, then the runs'
-/// locks with the runs, each class in ascending lock order; then draws the fences.
-async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecDeque<Fence>), BatchError> {
+/// locks with the runs, each class in ascending lock order; and draws the fences it names.
+async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<(Ledger, VecDeque<Fence>), BatchError> {
     let mut quotas: Vec<(i32, &TenantId, i64)> =
         needs.quotas.iter().map(|(t, since)| (class_lock(&[t.as_str()]), t, to_i64(*since))).collect();
     quotas.sort();
@@ -770,21 +885,27 @@ async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecD
     let lock_leases = if quotas.is_empty() {
         None
     } else {
-        Some(tx.prepare_cached("SELECT * FROM og_lock_leases($1, $2, $3)").await?)
+        Some(client.prepare_cached("SELECT * FROM og_lock_leases($1, $2, $3)").await?)
     };
-    let lock_run =
-        if runs.is_empty() { None } else { Some(tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await?) };
-    let next_fences = if needs.fences == 0 { None } else { Some(tx.prepare_cached(NEXT_FENCES).await?) };
+    let lock_run = if runs.is_empty() {
+        None
+    } else {
+        Some(client.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await?)
+    };
+    let next_fences = if needs.fences == 0 { None } else { Some(client.prepare_cached(NEXT_FENCES).await?) };
+    let count = i64::try_from(needs.fences).unwrap_or(i64::MAX);
     let lease_reads = lock_leases.iter().flat_map(|st| {
-        quotas.iter().map(move |(h, tenant, since)| async move { tx.query(st, &[h, &tenant.as_str(), since]).await })
+        quotas
+            .iter()
+            .map(move |(h, tenant, since)| async move { client.query(st, &[h, &tenant.as_str(), since]).await })
     });
     let run_reads = lock_run.iter().flat_map(|st| {
         runs.iter()
-            .map(move |(h, tenant, id)| async move { tx.query_opt(st, &[h, &tenant.as_str(), &id.as_str()]).await })
+            .map(move |(h, tenant, id)| async move { client.query_opt(st, &[h, &tenant.as_str(), &id.as_str()]).await })
     });
     let fence_read = async {
         match &next_fences {
-            Some(st) => tx.query(st, &[&needs.fences]).await,
+            Some(st) => client.query(st, &[&count]).await,
             None => Ok(Vec::new()),
         }
     };
@@ -812,42 +933,46 @@ async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecD
     Ok((ledger, fences.into_iter().map(|f| Fence(f as u64)).collect()))
 }
 
-/// Runs one batch in one transaction; answers each job's answer and the keys it finished.
+/// Runs one batch (sorted by [`lock_key`]) in one transaction; answers each job's answer and
+/// the keys it finished.
 async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
-    let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    let tx = client.transaction().await?;
-    let lock_get = tx.prepare_cached("SELECT doc, body FROM og_lock_get($1, $2, $3, $4)").await?;
-    // 1. Lock and read every key, pipelined, in ascending lock order.
-    let reads = batch.iter().map(|job| {
-        let s = job.op.scope();
-        let tx = &tx;
-        let lock_get = &lock_get;
-        async move {
-            let key = lock_key(s);
-            tx.query_opt(lock_get, &[&key, &s.tenant.as_str(), &s.namespace.as_str(), &s.key.as_str()]).await
-        }
-    });
-    let rows = futures::future::try_join_all(reads).await?;
-    let existing: Vec<Option<Record>> =
-        rows.iter().map(|r| r.as_ref().map(decode_row).transpose()).collect::<Result<_, _>>()?;
+    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    let result = decide_batch(&client, batch).await;
+    if result.is_err() {
+        abandon(client).await;
+    }
+    result
+}
+
+/// A batch's transaction: two round trips when no job needs a quota or a run checked, three
+/// when one does.
+async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
+    // 1. Lock and read every key, in ascending lock order, drawing a fence for each claim of a
+    //    key that has no record.
+    let scopes: Vec<&Scope> = batch.iter().map(|job| job.op.scope()).collect();
+    let claims: Vec<bool> = batch.iter().map(|job| matches!(job.op, Op::Claim(_))).collect();
+    let reads = lock_and_read(client, &scopes, &claims).await?;
 
     // 2. Now that the keys are locked: the quota and run locks with what they guard (only for
     //    claims that carry a quota or name a run, and fenced calls that report cost), and the
-    //    fences.
-    let (mut ledger, mut fences) = lock_needs(&tx, &Needs::of(batch, &existing)).await?;
+    //    fences of claims that acquire a key that had a record.
+    let needs = Needs::of(batch, &reads);
+    let (mut ledger, mut fences) =
+        if needs.is_empty() { (Ledger::default(), VecDeque::new()) } else { lock_needs(client, &needs).await? };
 
-    // 3. Decide, then write every changed record and charged run (pipelined).
+    // 3. Decide, then write every changed record and charged run, and commit.
     let mut answers = Vec::with_capacity(batch.len());
-    let mut writes = Vec::new();
+    let mut writes = RecordColumns::default();
     let mut finished = Vec::new();
-    for (job, record) in batch.iter().zip(existing) {
+    for (job, Read { record, fence }) in batch.iter().zip(reads) {
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
-                let (outcome, write) = protocol::claim(record, req, job.now, || fences.pop_front().unwrap_or(Fence(0)));
-                if let ClaimOutcome::Acquired(a) = &outcome {
-                    if a.fence == Fence(0) {
-                        return Err(BatchError::Data("ran out of drawn fences".into()));
-                    }
+                let draw = || fence.or_else(|| fences.pop_front()).unwrap_or(Fence(0));
+                let (outcome, write) = protocol::claim(record, req, job.now, draw);
+                if let ClaimOutcome::Acquired(a) = &outcome
+                    && a.fence == Fence(0)
+                {
+                    return Err(BatchError::Data("ran out of drawn fences".into()));
                 }
                 let (outcome, write) = ledger.admit(req, job.now, outcome, write)?;
                 (Answer::Claim(outcome), write)
@@ -870,30 +995,16 @@ async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope
         answers.push(answer);
         if let Some(record) = write {
             ledger.wrote(&record);
-            writes.push(record);
+            writes.push(record)?;
         }
     }
-    let upsert = tx.prepare_cached(UPSERT).await?;
-    let params = writes.into_iter().map(record_params).collect::<Result<Vec<_>, _>>()?;
-    let upserts = params.iter().map(|p| {
-        let (tx, upsert) = (&tx, &upsert);
-        async move { tx.execute(upsert, &p.as_sql()).await }
-    });
-    let mut run_params = Vec::with_capacity(ledger.charged.len());
+    let mut runs = Vec::with_capacity(ledger.charged.len());
     for charged in &ledger.charged {
         let run = ledger.runs.get(charged).and_then(Option::as_ref);
         let run = run.ok_or_else(|| BatchError::Data(format!("charged run {} was not read", charged.1)))?;
-        run_params.push(self::run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
+        runs.push(run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
     }
-    let upsert_run = if run_params.is_empty() { None } else { Some(tx.prepare_cached(UPSERT_RUN).await?) };
-    let tx_ref = &tx;
-    let run_upserts = upsert_run.iter().flat_map(|st| {
-        run_params.iter().map(move |(tenant, run, budget, effects, cost, created, updated)| async move {
-            tx_ref.execute(st, &[tenant, run, budget, effects, cost, created, updated]).await
-        })
-    });
-    futures::try_join!(futures::future::try_join_all(upserts), futures::future::try_join_all(run_upserts))?;
-    tx.commit().await?;
+    write_and_commit(client, &writes, &runs).await?;
     Ok((answers, finished))
 }
 
@@ -910,15 +1021,15 @@ async fn revoke_chunk(
     now: Timestamp,
     after: Option<&(String, String)>,
 ) -> Result<(u64, Option<(String, String)>), BatchError> {
-    let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    let tx = client.transaction().await?;
+    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
     let (prefix, run) = match target {
         SwitchTarget::Tenant => (None, None),
         SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
         SwitchTarget::Run { run } => (None, Some(run.as_str())),
     };
     let chunk = i64::try_from(MAX_BATCH).unwrap_or(i64::MAX);
-    let candidates = tx
+    // The candidates are read before the transaction: each is read again under its lock.
+    let candidates = client
         .query(
             "SELECT namespace, key FROM og_records
              WHERE tenant = $1 AND state = 'in_progress' AND expires_at > $2
@@ -953,41 +1064,38 @@ async fn revoke_chunk(
             ))
         })
         .collect::<Result<Vec<Scope>, BatchError>>()?;
+    if scopes.is_empty() {
+        return Ok((0, next));
+    }
     scopes.sort_by_key(lock_key);
-    let lock_get = tx.prepare_cached("SELECT doc, body FROM og_lock_get($1, $2, $3, $4)").await?;
-    let reads = scopes.iter().map(|s| {
-        let (tx, lock_get) = (&tx, &lock_get);
-        async move {
-            tx.query_opt(lock_get, &[&lock_key(s), &s.tenant.as_str(), &s.namespace.as_str(), &s.key.as_str()]).await
+    let result = async {
+        let scopes: Vec<&Scope> = scopes.iter().collect();
+        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()]).await?;
+        let covered: Vec<Record> = reads
+            .into_iter()
+            .filter_map(|read| read.record)
+            .filter(|record| control::revocable(record, target, detail, now))
+            .collect();
+        let mut writes = RecordColumns::default();
+        if !covered.is_empty() {
+            let (_, mut fences) = lock_needs(&client, &Needs { fences: covered.len(), ..Needs::default() }).await?;
+            for mut record in covered {
+                let fence = fences.pop_front().ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
+                control::revoke(&mut record, fence, detail, now);
+                writes.push(record)?;
+            }
         }
-    });
-    let mut covered = Vec::new();
-    for row in futures::future::try_join_all(reads).await?.iter().flatten() {
-        let record = decode_row(row)?;
-        if control::revocable(&record, &target, &detail, now) {
-            covered.push(record);
+        write_and_commit(&client, &writes, &[]).await?;
+        Ok(writes.key.len() as u64)
+    }
+    .await;
+    match result {
+        Ok(revoked) => Ok((revoked, next)),
+        Err(e) => {
+            abandon(client).await;
+            Err(e)
         }
     }
-    let revoked = covered.len() as u64;
-    if !covered.is_empty() {
-        let n = i64::try_from(covered.len()).unwrap_or(i64::MAX);
-        let next_fences = tx.prepare_cached(NEXT_FENCES).await?;
-        let mut fences: Vec<i64> = tx.query(&next_fences, &[&n]).await?.iter().map(|r| r.get(0)).collect();
-        fences.sort_unstable();
-        let upsert = tx.prepare_cached(UPSERT).await?;
-        let mut params = Vec::with_capacity(covered.len());
-        for (mut record, fence) in covered.into_iter().zip(fences) {
-            control::revoke(&mut record, Fence(fence as u64), detail, now);
-            params.push(record_params(record)?);
-        }
-        let upserts = params.iter().map(|p| {
-            let (tx, upsert) = (&tx, &upsert);
-            async move { tx.execute(upsert, &p.as_sql()).await }
-        });
-        futures::future::try_join_all(upserts).await?;
-    }
-    tx.commit().await?;
-    Ok((revoked, next))
 }
 
 /// Notifies finished keys on `channel`, in batches, each in a statement of its own.
@@ -1022,10 +1130,10 @@ async fn listen_loop(config: tokio_postgres::Config, channel: String, changes: b
             let driver = tokio::spawn(async move {
                 let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
                 while let Some(Ok(message)) = messages.next().await {
-                    if let AsyncMessage::Notification(n) = message {
-                        if tx.send(n.payload().to_owned()).is_err() {
-                            break;
-                        }
+                    if let AsyncMessage::Notification(n) = message
+                        && tx.send(n.payload().to_owned()).is_err()
+                    {
+                        break;
                     }
                 }
             });
@@ -1521,11 +1629,12 @@ mod tests {
             max_in_flight: Some(1),
         };
         let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
-        let p = record_params(record).unwrap();
-        let mut doc: serde_json::Value = serde_json::from_str(&p.doc).unwrap();
+        let mut columns = RecordColumns::default();
+        columns.push(record).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&columns.doc[0]).unwrap();
         doc.as_object_mut().unwrap().remove("charged");
-        let p = RecordParams { doc: doc.to_string(), ..p };
-        client.execute(UPSERT, &p.as_sql()).await.unwrap();
+        columns.doc[0] = doc.to_string();
+        client.execute(UPSERT_RECORDS, &columns.as_sql()).await.unwrap();
 
         let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
         let store = PgStore::connect_with(&url, options).await.unwrap();
