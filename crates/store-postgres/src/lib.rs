@@ -355,11 +355,11 @@ impl PgStore {
             .map_err(unavailable)?;
         let channel = format!("og_changes_{}", options.schema);
         let (changes, _) = broadcast::channel(4096);
-        let (jobs, rx) = mpsc::channel(4 * MAX_BATCH);
-        let rx = Arc::new(Mutex::new(rx));
+        let (jobs, queue) = mpsc::channel(4 * MAX_BATCH);
+        let intake = Arc::new(Mutex::new(Intake { queue, deferred: VecDeque::new() }));
         let (finished, finished_rx) = mpsc::unbounded_channel();
         let mut tasks: Vec<JoinHandle<()>> = (0..options.writers)
-            .map(|_| tokio::spawn(write_loop(pool.clone(), rx.clone(), finished.clone())))
+            .map(|_| tokio::spawn(write_loop(pool.clone(), intake.clone(), finished.clone())))
             .collect();
         tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
         tasks.push(tokio::spawn(listen_loop(config, channel, changes.clone())));
@@ -373,7 +373,8 @@ impl PgStore {
 
     async fn submit(&self, op: Op, now: Timestamp) -> Result<Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.jobs.send(Job { op, now, reply }).await.map_err(|_| unavailable("the writers stopped"))?;
+        let job = Job { op, now, reply };
+        self.jobs.send(job).await.map_err(|_| unavailable("the writers stopped"))?;
         answer.await.map_err(|_| unavailable("the writer dropped the operation"))?
     }
 
@@ -454,47 +455,67 @@ fn class_lock(parts: &[&str]) -> i32 {
     (h ^ (h >> 32)) as u32 as i32
 }
 
-async fn write_loop(pool: Pool, rx: Arc<Mutex<mpsc::Receiver<Job>>>, finished: mpsc::UnboundedSender<Scope>) {
-    let mut deferred: VecDeque<Job> = VecDeque::new();
-    loop {
+/// Where writers take their batches from, one writer at a time: the queue of submitted jobs,
+/// and the jobs put off to a later batch.
+struct Intake {
+    queue: mpsc::Receiver<Job>,
+    /// Jobs on a key that the batch being taken already had.
+    deferred: VecDeque<Job>,
+}
+
+impl Intake {
+    /// Waits for a job, then takes every job waiting, up to [`MAX_BATCH`] and one per key
+    /// (a second job on a key goes in a later batch, so each key is read and written once per
+    /// transaction), sorted by [`lock_key`]. `None` once the store is gone.
+    async fn next_batch(&mut self) -> Option<Vec<Job>> {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         let mut keys = HashSet::new();
-        let mut pending = std::mem::take(&mut deferred);
-        while let Some(job) = pending.pop_front() {
+        let mut put_off = VecDeque::new();
+        for job in std::mem::take(&mut self.deferred) {
             if batch.len() < MAX_BATCH && keys.insert(job.op.scope().clone()) {
                 batch.push(job);
             } else {
-                deferred.push_back(job);
+                put_off.push_back(job);
             }
         }
-        // With work in hand, take more only if no other writer is waiting on the queue (it
-        // holds the lock while it waits, and must not make this writer wait with it).
-        let receiver = if batch.is_empty() { Some(rx.lock().await) } else { rx.try_lock().ok() };
-        if let Some(mut rx) = receiver {
-            if batch.is_empty() {
-                match rx.recv().await {
-                    Some(job) => {
-                        keys.insert(job.op.scope().clone());
-                        batch.push(job);
-                    }
-                    None => return,
-                }
-            }
-            while batch.len() < MAX_BATCH {
-                let Ok(job) = rx.try_recv() else { break };
-                if keys.insert(job.op.scope().clone()) {
-                    batch.push(job);
-                } else {
-                    // A second operation on a key already in this batch goes in the next one,
-                    // so each key is read and written once per transaction.
-                    deferred.push_back(job);
-                }
+        if batch.is_empty() {
+            let job = self.queue.recv().await?;
+            keys.insert(job.op.scope().clone());
+            batch.push(job);
+        }
+        while batch.len() < MAX_BATCH {
+            let Ok(job) = self.queue.try_recv() else { break };
+            if keys.insert(job.op.scope().clone()) {
+                batch.push(job);
+            } else {
+                put_off.push_back(job);
             }
         }
+        self.deferred = put_off;
         batch.sort_by_key(|job| lock_key(job.op.scope()));
-        let mut result = run_batch(&pool, &batch).await;
+        Some(batch)
+    }
+}
+
+/// A writer task. It holds the intake from taking a batch until the batch is decided (its
+/// keys locked and read), and lets go of it while the batch's writes and `COMMIT` run: so one
+/// batch at a time gathers and reads while those before it wait for their commits, and each
+/// batch takes every job that came in while the one before it was read.
+async fn write_loop(pool: Pool, intake: Arc<Mutex<Intake>>, finished: mpsc::UnboundedSender<Scope>) {
+    loop {
+        let mut turn = intake.lock().await;
+        let Some(batch) = turn.next_batch().await else { return };
+        let begun = begin_batch(&pool, &batch).await;
+        drop(turn);
+        let mut result = match begun {
+            Ok((client, decided)) => finish_batch(client, decided).await,
+            Err(e) => Err(e),
+        };
         if result.as_ref().is_err_and(is_retryable) {
-            result = run_batch(&pool, &batch).await;
+            result = match begin_batch(&pool, &batch).await {
+                Ok((client, decided)) => finish_batch(client, decided).await,
+                Err(e) => Err(e),
+            };
         }
         match result {
             Ok((answers, done)) => {
@@ -933,20 +954,47 @@ async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<(Ledger, Ve
     Ok((ledger, fences.into_iter().map(|f| Fence(f as u64)).collect()))
 }
 
-/// Runs one batch (sorted by [`lock_key`]) in one transaction; answers each job's answer and
-/// the keys it finished.
-async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
-    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    let result = decide_batch(&client, batch).await;
-    if result.is_err() {
-        abandon(client).await;
-    }
-    result
+/// A batch decided under its locks, in its open transaction, to be written and committed.
+struct Decided {
+    /// Each job's answer, to send once the batch committed.
+    answers: Vec<Answer>,
+    writes: RecordColumns,
+    runs: Vec<RunParams>,
+    /// The keys whose attempt the batch finishes.
+    finished: Vec<Scope>,
 }
 
-/// A batch's transaction: two round trips when no job needs a quota or a run checked, three
-/// when one does.
-async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
+/// Begins one batch's transaction (the batch sorted by [`lock_key`]) on a pooled connection,
+/// locks and reads its keys and decides its jobs; [`finish_batch`] writes and commits it.
+async fn begin_batch(pool: &Pool, batch: &[Job]) -> Result<(deadpool_postgres::Object, Decided), BatchError> {
+    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    match decide_batch(&client, batch).await {
+        Ok(decided) => Ok((client, decided)),
+        Err(e) => {
+            abandon(client).await;
+            Err(e)
+        }
+    }
+}
+
+/// Writes and commits a batch [`begin_batch`] decided; answers each job's answer and the keys
+/// the batch finished.
+async fn finish_batch(
+    client: deadpool_postgres::Object,
+    decided: Decided,
+) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
+    match write_and_commit(&client, &decided.writes, &decided.runs).await {
+        Ok(()) => Ok((decided.answers, decided.finished)),
+        Err(e) => {
+            abandon(client).await;
+            Err(e)
+        }
+    }
+}
+
+/// A batch's transaction up to its writes: one round trip when no job needs a quota or a run
+/// checked or a recovery's fence drawn, two when one does.
+async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<Decided, BatchError> {
     // 1. Lock and read every key, in ascending lock order, drawing a fence for each claim of a
     //    key that has no record.
     let scopes: Vec<&Scope> = batch.iter().map(|job| job.op.scope()).collect();
@@ -1004,8 +1052,7 @@ async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<(Vec<Answ
         let run = run.ok_or_else(|| BatchError::Data(format!("charged run {} was not read", charged.1)))?;
         runs.push(run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
     }
-    write_and_commit(client, &writes, &runs).await?;
-    Ok((answers, finished))
+    Ok(Decided { answers, writes, runs, finished })
 }
 
 /// Revokes the leases of at most [`MAX_BATCH`] in-progress records of `tenant` that `target`
@@ -1098,10 +1145,23 @@ async fn revoke_chunk(
     }
 }
 
-/// Notifies finished keys on `channel`, in batches, each in a statement of its own.
+/// How long the notifier gathers finished keys before it notifies them: each notification is
+/// a transaction of its own, with a commit that waits for its WAL flush, so notifying every
+/// batch's keys at once would cost nearly as much as the batches. Waiters in other instances
+/// hear of a finished key this much later (those of this instance are woken by the guard at
+/// once, and every waiter also polls).
+const NOTIFY_WINDOW: Duration = Duration::from_millis(5);
+
+/// Notifies finished keys on `channel`: those finished within [`NOTIFY_WINDOW`] of each other
+/// in one statement.
 async fn notify_loop(pool: Pool, mut finished: mpsc::UnboundedReceiver<Scope>, channel: String) {
     let mut scopes = Vec::new();
     while finished.recv_many(&mut scopes, 1_000).await > 0 {
+        tokio::time::sleep(NOTIFY_WINDOW).await;
+        while scopes.len() < 10_000 {
+            let Ok(scope) = finished.try_recv() else { break };
+            scopes.push(scope);
+        }
         let sent = async {
             let client = pool.get().await.map_err(|e| e.to_string())?;
             notify(&client, &channel, &scopes).await.map_err(|e| e.to_string())
@@ -1113,12 +1173,13 @@ async fn notify_loop(pool: Pool, mut finished: mpsc::UnboundedReceiver<Scope>, c
     }
 }
 
-async fn notify(client: &tokio_postgres::Client, channel: &str, scopes: &[Scope]) -> Result<(), tokio_postgres::Error> {
+async fn notify(client: &ClientWrapper, channel: &str, scopes: &[Scope]) -> Result<(), tokio_postgres::Error> {
     let payloads: Vec<String> = scopes.iter().filter_map(|s| serde_json::to_string(s).ok()).collect();
     if payloads.is_empty() {
         return Ok(());
     }
-    client.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p", &[&channel, &payloads]).await.map(drop)
+    let st = client.prepare_cached("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p").await?;
+    client.execute(&st, &[&channel, &payloads]).await.map(drop)
 }
 
 /// Keeps a `LISTEN` connection open (reconnecting after a second when it drops) and forwards
