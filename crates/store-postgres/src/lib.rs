@@ -8,25 +8,42 @@
 //!   record it returns. Another instance's operation on the same key waits for the lock, so
 //!   read-decide-write is never interleaved, also for keys that have no row yet.
 //! - **Group commit**: writer tasks take every job waiting (up to [`MAX_BATCH`], at most one job
-//!   per key) into one transaction of two round trips, whatever its size: `BEGIN`, the batch's
-//!   key locks (one statement, in ascending lock order, so batches of different instances never
-//!   deadlock) and its reads (one statement) are sent together; the jobs are decided in Rust;
-//!   then the writes (one multi-row upsert) and `COMMIT` are sent together. An answer is sent
-//!   only after that commit succeeded; if it fails, every job of the batch answers
+//!   per key) into one transaction. `BEGIN`, the batch's key locks (one statement, in ascending
+//!   lock order, so batches of different instances never deadlock) and its reads (one
+//!   statement) are sent together; the jobs are decided in Rust; then the writes (one multi-row
+//!   upsert) and `COMMIT` are sent together: two round trips, whatever the batch's size. One
+//!   writer at a time takes a batch and reads it, while the batches before it wait for their
+//!   commits' WAL flush, so a batch holds every job that came in meanwhile. An answer is sent
+//!   only after its batch's commit succeeded; if it fails, every job of the batch answers
 //!   `Unavailable` and nothing of it took effect.
+//! - **Decided before the read, written only if right**: a claim of a key that this instance
+//!   knows no record of is decided as if the key had no row (it acquires), and a fenced call on
+//!   a key this instance claimed is decided on the in-progress record it last wrote (kept in
+//!   memory, `Known`), both with `protocol` as usual. The statement that reads the batch's
+//!   keys, under their locks, also writes each such record, but only where the key holds what
+//!   was assumed: no row, or exactly the record assumed (its `doc` and `body`). A batch whose
+//!   every job was decided so commits in the same round trip: one round trip in all. Where the
+//!   assumption was wrong, nothing was written for that key, and its job is decided on the
+//!   record read, as any other (in a batch that committed already, a job that must then write
+//!   runs again in a batch of its own). What is in memory is never taken as the record: it
+//!   only says what to write if the record is that.
 //! - **Fences** come from the sequence `og_fence`, drawn *after* the key's lock is held, so a
 //!   key's next fence is always greater than every fence it had; the sequence is never reset, so
 //!   fences keep growing after a record expired, was swept or purged. The read statement draws
 //!   one for each claim of a key that has no row (such a claim acquires unless a limit denies
-//!   it); a claim that acquires a key that has a row (a recovery) has its fence drawn in one
-//!   more round trip. So fences are drawn only for claims that acquire (or are denied).
+//!   it), and writes it into a claim decided before the read, in place of `GUESSED_FENCE`; a
+//!   claim that acquires a key that has a row (a recovery) has its fence drawn in one more round
+//!   trip. So fences are drawn only for claims that acquire (or are denied).
+//! - **Plans**: the batch's statements run with `plan_cache_mode = force_generic_plan`, planned
+//!   once per connection, and each key is an index lookup in that plan.
 //! - **Retention** is checked when read (`expires_at > now`); the sweep deletes expired rows in
 //!   bounded batches with `FOR UPDATE SKIP LOCKED`, so it never waits on (or blocks) a claim.
 //! - **Waits across instances**: once a batch (or a purge) committed, the keys it finished are
-//!   handed to a notifier task that `pg_notify`s them on the schema's channel, many per
-//!   statement, on a connection of its own (a `NOTIFY` takes a database-wide lock while its
-//!   transaction commits, so it is kept out of the batches). A `LISTEN` connection feeds
-//!   [`Store::changes`]. Waiters also poll, so a lost notification only delays a replay.
+//!   handed to a notifier task that `pg_notify`s them on the schema's channel, those finished
+//!   within `NOTIFY_WINDOW` (5 ms) in one statement, on a connection of its own (a `NOTIFY`
+//!   takes a database-wide lock while its transaction commits, so it is kept out of the
+//!   batches, and each notifying transaction waits for a WAL flush). A `LISTEN` connection
+//!   feeds [`Store::changes`]. Waiters also poll, so a lost notification only delays a replay.
 //! - **Fail closed**: every statement runs under `statement_timeout`, and taking a connection
 //!   from the pool times out; both answer `Unavailable` (HTTP 503), never a decision. The pool
 //!   reconnects by itself when the server comes back.
@@ -283,6 +300,7 @@ impl Op {
     }
 }
 
+#[derive(Debug)]
 enum Answer {
     Claim(ClaimOutcome),
     Mutate(FencedOutcome),
@@ -301,6 +319,7 @@ pub struct PgStore {
     jobs: mpsc::Sender<Job>,
     changes: broadcast::Sender<Scope>,
     finished: mpsc::UnboundedSender<Scope>,
+    writers: Arc<Writers>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -356,14 +375,18 @@ impl PgStore {
         let channel = format!("og_changes_{}", options.schema);
         let (changes, _) = broadcast::channel(4096);
         let (jobs, queue) = mpsc::channel(4 * MAX_BATCH);
-        let intake = Arc::new(Mutex::new(Intake { queue, deferred: VecDeque::new() }));
         let (finished, finished_rx) = mpsc::unbounded_channel();
-        let mut tasks: Vec<JoinHandle<()>> = (0..options.writers)
-            .map(|_| tokio::spawn(write_loop(pool.clone(), intake.clone(), finished.clone())))
-            .collect();
+        let writers = Arc::new(Writers {
+            pool: pool.clone(),
+            intake: Mutex::new(Intake { queue, deferred: VecDeque::new() }),
+            known: Known::default(),
+            finished: finished.clone(),
+        });
+        let mut tasks: Vec<JoinHandle<()>> =
+            (0..options.writers).map(|_| tokio::spawn(write_loop(writers.clone()))).collect();
         tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
         tasks.push(tokio::spawn(listen_loop(config, channel, changes.clone())));
-        Ok(Self { pool, schema: options.schema, jobs, changes, finished, tasks })
+        Ok(Self { pool, schema: options.schema, jobs, changes, finished, writers, tasks })
     }
 
     /// The schema holding the tables.
@@ -497,44 +520,231 @@ impl Intake {
     }
 }
 
-/// A writer task. It holds the intake from taking a batch until the batch is decided (its
-/// keys locked and read), and lets go of it while the batch's writes and `COMMIT` run: so one
-/// batch at a time gathers and reads while those before it wait for their commits, and each
-/// batch takes every job that came in while the one before it was read.
-async fn write_loop(pool: Pool, intake: Arc<Mutex<Intake>>, finished: mpsc::UnboundedSender<Scope>) {
+/// What the writer tasks share.
+struct Writers {
+    pool: Pool,
+    intake: Mutex<Intake>,
+    known: Known,
+    finished: mpsc::UnboundedSender<Scope>,
+}
+
+/// A writer task. It holds the intake while it takes a batch and until the batch's keys are
+/// read (or, for a batch decided before its keys were read, until its statements are sent),
+/// and lets go of it while the batch's writes and `COMMIT` run: so one batch at a time gathers
+/// and reads while those before it wait for their commits, and each batch takes every job that
+/// came in meanwhile.
+async fn write_loop(writers: Arc<Writers>) {
     loop {
-        let mut turn = intake.lock().await;
+        let mut turn = writers.intake.lock().await;
         let Some(batch) = turn.next_batch().await else { return };
-        let begun = begin_batch(&pool, &batch).await;
-        drop(turn);
-        let mut result = match begun {
-            Ok((client, decided)) => finish_batch(client, decided).await,
-            Err(e) => Err(e),
-        };
+        let mut result = run_batch(&writers, &batch, Some(turn), true).await;
         if result.as_ref().is_err_and(is_retryable) {
-            result = match begin_batch(&pool, &batch).await {
-                Ok((client, decided)) => finish_batch(client, decided).await,
-                Err(e) => Err(e),
-            };
+            result = run_batch(&writers, &batch, None, true).await;
         }
-        match result {
-            Ok((answers, done)) => {
-                for scope in done {
-                    let _ = finished.send(scope);
-                }
-                for (job, answer) in batch.into_iter().zip(answers) {
+        let answers = match result {
+            Ok(answers) => answers,
+            Err(e) => {
+                fail_batch(batch, &e);
+                continue;
+            }
+        };
+        // Jobs decided before their keys were read whose guess did not hold, and that must write
+        // what their key holds: run again, on what is read this time.
+        let mut again = Vec::new();
+        for (job, answer) in batch.into_iter().zip(answers) {
+            match answer {
+                Some(answer) => {
                     let _ = job.reply.send(Ok(answer));
                 }
+                None => again.push(job),
             }
-            Err(e) => {
-                tracing::warn!(error = %e, jobs = batch.len(), "postgres: a batch failed; nothing of it took effect");
-                let e = unavailable(e);
-                for job in batch {
-                    let _ = job.reply.send(Err(match &e {
-                        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
-                        StoreError::Corrupt(m) => StoreError::Corrupt(m.clone()),
-                    }));
+        }
+        if again.is_empty() {
+            continue;
+        }
+        let mut result = run_batch(&writers, &again, None, false).await;
+        if result.as_ref().is_err_and(is_retryable) {
+            result = run_batch(&writers, &again, None, false).await;
+        }
+        match result {
+            Ok(answers) => {
+                for (job, answer) in again.into_iter().zip(answers) {
+                    let answer = answer.ok_or_else(|| corrupt("a job read again was not decided"));
+                    let _ = job.reply.send(answer);
                 }
+            }
+            Err(e) => fail_batch(again, &e),
+        }
+    }
+}
+
+/// Answers every job of a batch that failed (nothing of it took effect).
+fn fail_batch(batch: Vec<Job>, e: &BatchError) {
+    tracing::warn!(error = %e, jobs = batch.len(), "postgres: a batch failed; nothing of it took effect");
+    let e = unavailable(e);
+    for job in batch {
+        let _ = job.reply.send(Err(match &e {
+            StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
+            StoreError::Corrupt(m) => StoreError::Corrupt(m.clone()),
+        }));
+    }
+}
+
+/// Runs a batch (sorted by [`lock_key`]) in one transaction on a pooled connection: answers
+/// each job's answer, `None` for a job to run again (see [`Decided::answers`]). Lets go of
+/// `turn` as [`write_loop`] says. Keeps [`Writers::known`] up to date and hands the keys the
+/// batch finished to the notifier.
+async fn run_batch(
+    writers: &Writers,
+    batch: &[Job],
+    turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
+    guess: bool,
+) -> Result<Vec<Option<Answer>>, BatchError> {
+    let client = writers.pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    let guesses: Vec<Option<Guess>> =
+        batch.iter().map(|job| if guess { Guess::of(job, &writers.known) } else { None }).collect();
+    let decided = match decide_batch(&client, batch, guesses, turn).await {
+        Ok(decided) => decided,
+        Err(e) => {
+            abandon(client).await;
+            writers.known.forget(batch.iter().map(|job| job.op.scope()));
+            return Err(e);
+        }
+    };
+    if !decided.committed
+        && let Err(e) = write_and_commit(&client, &decided.writes, &decided.runs).await
+    {
+        abandon(client).await;
+        writers.known.forget(batch.iter().map(|job| job.op.scope()));
+        return Err(e);
+    }
+    writers.known.update(decided.known);
+    for scope in decided.finished {
+        let _ = writers.finished.send(scope);
+    }
+    Ok(decided.answers)
+}
+
+/// The most records [`Known`] keeps; past it, it forgets them all and starts again.
+const KNOWN_MAX: usize = 8_192;
+
+/// A record as this instance last wrote it: the record, and its `doc` and `body` columns.
+#[derive(Debug)]
+struct KnownRecord {
+    record: Record,
+    doc: String,
+    body: Option<Vec<u8>>,
+}
+
+/// The in-progress records this instance last wrote, by key, so that a fenced call on a key it
+/// claimed can be decided before the key is read (see [`Guess`]). Only ever a guess: another
+/// instance, a purge, the sweep or a revocation may have changed the record since, and the
+/// guessed write then does not happen.
+#[derive(Debug, Default)]
+struct Known(std::sync::Mutex<HashMap<Scope, Arc<KnownRecord>>>);
+
+impl Known {
+    fn records(&self) -> std::sync::MutexGuard<'_, HashMap<Scope, Arc<KnownRecord>>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn get(&self, scope: &Scope) -> Option<Arc<KnownRecord>> {
+        self.records().get(scope).cloned()
+    }
+
+    /// Notes what committed batches left their keys as: an in-progress record, or something
+    /// this cache does not keep.
+    fn update(&self, changes: Vec<(Scope, Option<Arc<KnownRecord>>)>) {
+        let mut records = self.records();
+        for (scope, known) in changes {
+            match known {
+                Some(known) => {
+                    if records.len() >= KNOWN_MAX {
+                        records.clear();
+                    }
+                    records.insert(scope, known);
+                }
+                None => {
+                    records.remove(&scope);
+                }
+            }
+        }
+    }
+
+    fn forget<'a>(&self, scopes: impl Iterator<Item = &'a Scope>) {
+        let mut records = self.records();
+        for scope in scopes {
+            records.remove(scope);
+        }
+    }
+}
+
+/// What [`Known`] keeps of a record written with `doc` and `body`: in-progress records only.
+fn known(record: &Record, doc: &str, body: &Option<Vec<u8>>) -> Option<Arc<KnownRecord>> {
+    (record.state == RecordState::InProgress)
+        .then(|| Arc::new(KnownRecord { record: record.clone(), doc: doc.to_owned(), body: body.clone() }))
+}
+
+/// The fence a guessed claim is decided with, and written with until the statement that
+/// writes it puts the fence it draws in its place (never a real fence: those come from a
+/// `bigint` sequence).
+const GUESSED_FENCE: Fence = Fence(u64::MAX);
+
+/// How a fence appears in a record's `doc`.
+fn fence_in_doc(fence: Fence) -> String {
+    format!("\"fence\":{}", fence.0)
+}
+
+/// A job decided before its key is read, on a guess of what the key holds, with the record to
+/// write if the guess holds. The statement that reads the key writes that record only if the
+/// key holds what was guessed, under the key's lock; the decision is `protocol::claim` or
+/// `protocol::apply` on that record, as if it had been read. If the guess does not hold, the
+/// job is decided on the record read, as any other.
+#[derive(Debug)]
+struct Guess {
+    /// `None`: a claim, guessing that the key has no row; it then acquires, with the fence the
+    /// statement draws. `Some`: a fenced call, guessing that the key holds this record.
+    known: Option<Arc<KnownRecord>>,
+    /// The answer if the guess holds (a claim's: with [`GUESSED_FENCE`]).
+    answer: Answer,
+    record: Record,
+    doc: String,
+    body: Option<Vec<u8>>,
+}
+
+impl Guess {
+    /// The guess for a claim with no quota and no run of a key this instance knows of no record
+    /// for, or for a fenced call that changes a record this instance wrote (and charges no run);
+    /// `None` for any other job.
+    fn of(job: &Job, known: &Known) -> Option<Self> {
+        match &job.op {
+            Op::Claim(req) => {
+                if req.max_in_flight.is_some() || req.run.is_some() || known.get(&req.scope).is_some() {
+                    return None;
+                }
+                let (answer, record) = protocol::claim(None, req, job.now, || GUESSED_FENCE);
+                let record = record?;
+                let (doc, body) = record.clone().into_doc().ok()?;
+                // The fence must be in the document once, and nothing else may depend on it,
+                // for the statement to put the drawn fence in its place.
+                let other = Fence(GUESSED_FENCE.0 - 1);
+                let (other_doc, _) = Record { fence: other, ..record.clone() }.into_doc().ok()?;
+                let (placeholder, replaced) = (fence_in_doc(GUESSED_FENCE), fence_in_doc(other));
+                if doc.matches(&placeholder).count() != 1 || doc.replace(&placeholder, &replaced) != other_doc {
+                    return None;
+                }
+                Some(Self { known: None, answer: Answer::Claim(answer), record, doc, body })
+            }
+            Op::Mutate { scope, fence, mutation, max_checkpoints } => {
+                let known = known.get(scope)?;
+                let (answer, record) =
+                    protocol::apply(Some(known.record.clone()), *fence, mutation.clone(), job.now, *max_checkpoints);
+                let record = record?;
+                if control::reported_cost(mutation) > 0 && record.run.is_some() {
+                    return None;
+                }
+                let (doc, body) = record.clone().into_doc().ok()?;
+                Some(Self { known: Some(known), answer: Answer::Mutate(answer), record, doc, body })
             }
         }
     }
@@ -573,6 +783,13 @@ fn decode_row(row: &Row) -> Result<Record, BatchError> {
     Record::from_doc(&doc, body).map_err(|e| BatchError::Data(e.to_string()))
 }
 
+/// Set at the start of a batch's transaction: its statements are planned once per connection,
+/// not at each execution (PostgreSQL would otherwise keep planning them for the parameters
+/// given, as a custom plan looks cheaper for the one-element arrays of its first executions).
+/// Their plans do not depend on the parameters: each key is an index lookup
+/// ([`READ_KEYS`]), also when planned while the table was empty.
+const GENERIC_PLANS: &str = "SET LOCAL plan_cache_mode = force_generic_plan";
+
 /// Takes the key locks of a batch: one advisory lock (a `bigint`) per key, in the order of the
 /// array, which the caller sorts ascending. A function scan returns `unnest`'s elements in
 /// order, and each row's lock is taken before the next row is produced.
@@ -589,6 +806,38 @@ const READ_KEYS: &str = "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND 
      FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) WITH ORDINALITY AS u (t, n, k, d, i)
      LEFT JOIN LATERAL (SELECT s.doc, s.body FROM og_records s
                         WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true";
+
+/// [`READ_KEYS`], and the writes of the batch's [`Guess`]es whose guess holds, in the same
+/// statement (so on the same reads, under the keys' locks). Each key comes with its guess, if
+/// any (`$5` to `$12`: the record to write, and for a fenced call the `doc` and `body` of the
+/// record it guesses the key holds). A guessed claim's record is inserted where the key has no
+/// row, with the fence drawn for it in place of [`GUESSED_FENCE`] (`$13`); a guessed fenced
+/// call's record replaces the row that holds exactly the guessed record. Each row says whether
+/// its key was written (`w`), and carries the record read only if it was not. The rows read
+/// are those from before the writes (all parts of a statement see one snapshot).
+const READ_KEYS_WRITING_GUESSES: &str = "WITH cur AS MATERIALIZED (
+       SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval('og_fence') END AS fence
+       FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::text[], $7::bigint[],
+                   $8::bigint[], $9::text[], $10::bytea[], $11::text[], $12::bytea[]) WITH ORDINALITY
+         AS u (t, n, k, d, g_state, g_run, g_lease, g_expires, g_doc, g_body, was_doc, was_body, i)
+       LEFT JOIN LATERAL (SELECT s.doc, s.body, s.ctid AS at FROM og_records s
+                          WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true),
+     inserted AS (
+       INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
+       SELECT t, n, k, g_state, g_run, g_lease, g_expires, replace(g_doc, $13, '\"fence\":' || fence), g_body
+       FROM cur WHERE g_doc IS NOT NULL AND was_doc IS NULL AND doc IS NULL AND fence IS NOT NULL),
+     updated AS (
+       UPDATE og_records r SET state = c.g_state, run = c.g_run, lease_expires_at = c.g_lease,
+                               expires_at = c.g_expires, doc = c.g_doc, body = c.g_body
+       FROM cur c
+       WHERE r.ctid = c.at AND c.was_doc IS NOT NULL AND c.doc = c.was_doc
+         AND c.body IS NOT DISTINCT FROM c.was_body
+       RETURNING c.i)
+     SELECT CASE WHEN w THEN NULL ELSE doc END, CASE WHEN w THEN NULL ELSE body END, i, fence, w
+     FROM (SELECT c.doc, c.body, c.i, c.fence,
+                  (c.g_doc IS NOT NULL AND c.was_doc IS NULL AND c.doc IS NULL AND c.fence IS NOT NULL)
+                  OR c.i IN (SELECT i FROM updated) AS w
+           FROM cur c) c";
 
 /// Draws fences, for the claims that acquire a key that had a record (a recovery); sent once
 /// the keys' locks are held.
@@ -619,11 +868,14 @@ struct RecordColumns {
 }
 
 impl RecordColumns {
-    fn push(&mut self, record: Record) -> Result<(), BatchError> {
+    /// Adds a record; answers what [`Known`] keeps of it.
+    fn push(&mut self, record: Record) -> Result<Option<Arc<KnownRecord>>, BatchError> {
         let scope = record.scope.clone();
         let (state, run, lease, expires) =
             (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
+        let kept = (state == RecordState::InProgress).then(|| record.clone());
         let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
+        let known = kept.map(|record| Arc::new(KnownRecord { record, doc: doc.clone(), body: body.clone() }));
         self.tenant.push(scope.tenant.to_string());
         self.namespace.push(scope.namespace.to_string());
         self.key.push(scope.key.to_string());
@@ -633,7 +885,7 @@ impl RecordColumns {
         self.expires.push(to_i64(expires));
         self.doc.push(doc);
         self.body.push(body);
-        Ok(())
+        Ok(known)
     }
 
     fn is_empty(&self) -> bool {
@@ -679,9 +931,9 @@ struct Needs {
 impl Needs {
     /// Works out what the jobs need from what was read for them (a claim's decision is the
     /// same whatever fence it is given).
-    fn of(batch: &[Job], reads: &[Read]) -> Self {
+    fn of<'a>(jobs: impl Iterator<Item = (&'a Job, &'a Read)>) -> Self {
         let mut needs = Self::default();
-        for (job, Read { record, fence }) in batch.iter().zip(reads) {
+        for (job, Read { record, fence, .. }) in jobs {
             match &job.op {
                 Op::Claim(req) => {
                     let Some(written) = protocol::claim(record.clone(), req, job.now, || Fence(0)).1 else { continue };
@@ -816,36 +1068,111 @@ fn run_params(run: &Run) -> Result<RunParams, serde_json::Error> {
     ))
 }
 
-/// What [`lock_and_read`] read for a key: its record, and the fence drawn for it, if any.
+/// What [`lock_and_read`] read for a key: its record, the fence drawn for it, if any, and
+/// whether its [`Guess`] held (and was written).
 #[derive(Debug)]
 struct Read {
     record: Option<Record>,
     fence: Option<Fence>,
+    guessed: bool,
+}
+
+/// The guesses of a batch's keys, column by column, for [`READ_KEYS_WRITING_GUESSES`]
+/// (`NULL` for a key without one).
+#[derive(Debug, Default)]
+struct GuessColumns<'a> {
+    state: Vec<Option<&'static str>>,
+    run: Vec<Option<&'a str>>,
+    lease: Vec<Option<i64>>,
+    expires: Vec<Option<i64>>,
+    doc: Vec<Option<&'a str>>,
+    body: Vec<Option<&'a [u8]>>,
+    was_doc: Vec<Option<&'a str>>,
+    was_body: Vec<Option<&'a [u8]>>,
+}
+
+impl<'a> GuessColumns<'a> {
+    fn of(guesses: &'a [Option<Guess>]) -> Self {
+        let mut columns = Self::default();
+        for guess in guesses {
+            let g = guess.as_ref();
+            columns.state.push(g.map(|g| g.record.state.as_str()));
+            columns.run.push(g.and_then(|g| g.record.run.as_ref()).map(|r| r.as_str()));
+            columns.lease.push(g.and_then(|g| g.record.lease_expires_at).map(to_i64));
+            columns.expires.push(g.map(|g| to_i64(g.record.expires_at)));
+            columns.doc.push(g.map(|g| g.doc.as_str()));
+            columns.body.push(g.and_then(|g| g.body.as_deref()));
+            let known = g.and_then(|g| g.known.as_ref());
+            columns.was_doc.push(known.map(|k| k.doc.as_str()));
+            columns.was_body.push(known.and_then(|k| k.body.as_deref()));
+        }
+        columns
+    }
 }
 
 /// Begins a transaction, locks the keys of `scopes` (sorted by [`lock_key`]), and reads their
-/// records, drawing a fence for each key marked in `claims` that has none: three statements
-/// sent together, one round trip. The transaction stays open on `client`; if this fails, the
-/// caller must [`abandon`] it.
-async fn lock_and_read(client: &ClientWrapper, scopes: &[&Scope], claims: &[bool]) -> Result<Vec<Read>, BatchError> {
+/// records, drawing a fence for each key marked in `claims` that has none and writing the
+/// guesses that hold: three statements sent together, one round trip, then `COMMIT` with them
+/// if `commit`. `turn` is let go of once they are sent. Unless it committed, the transaction
+/// stays open on `client`; if this fails, the caller must [`abandon`] it.
+async fn lock_and_read(
+    client: &ClientWrapper,
+    scopes: &[&Scope],
+    claims: &[bool],
+    guesses: &[Option<Guess>],
+    commit: bool,
+    turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
+) -> Result<Vec<Read>, BatchError> {
     debug_assert!(scopes.is_sorted_by_key(|s| lock_key(s)), "key locks are taken in ascending order");
-    let (begin, lock_keys, read_keys) = futures::try_join!(
+    let guessing = guesses.iter().any(Option::is_some);
+    let (begin, generic, lock_keys, read_keys, end) = futures::try_join!(
         client.prepare_cached("BEGIN"),
+        client.prepare_cached(GENERIC_PLANS),
         client.prepare_cached(LOCK_KEYS),
-        client.prepare_cached(READ_KEYS),
+        client.prepare_cached(if guessing { READ_KEYS_WRITING_GUESSES } else { READ_KEYS }),
+        client.prepare_cached("COMMIT"),
     )?;
     let keys: Vec<i64> = scopes.iter().map(|s| lock_key(s)).collect();
     let tenants: Vec<&str> = scopes.iter().map(|s| s.tenant.as_str()).collect();
     let namespaces: Vec<&str> = scopes.iter().map(|s| s.namespace.as_str()).collect();
     let names: Vec<&str> = scopes.iter().map(|s| s.key.as_str()).collect();
-    let (lock_params, read_params): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 4]) =
-        ([&keys], [&tenants, &namespaces, &names, &claims]);
-    // Each future sends its statement when first polled, and `try_join!` polls them in order.
-    let (_, _, rows) = futures::try_join!(
-        client.execute(&begin, &[]),
-        client.execute(&lock_keys, &lock_params),
-        client.query(&read_keys, &read_params),
-    )?;
+    let g = GuessColumns::of(guesses);
+    let placeholder = fence_in_doc(GUESSED_FENCE);
+    let lock_params: [&(dyn ToSql + Sync); 1] = [&keys];
+    let read_params: [&(dyn ToSql + Sync); 13] = [
+        &tenants,
+        &namespaces,
+        &names,
+        &claims,
+        &g.state,
+        &g.run,
+        &g.lease,
+        &g.expires,
+        &g.doc,
+        &g.body,
+        &g.was_doc,
+        &g.was_body,
+        &placeholder,
+    ];
+    let read_params = if guessing { &read_params[..] } else { &read_params[..4] };
+    // Each future sends its statement when first polled, and `join!` and `try_join!` poll them
+    // in order: all are sent at once. The reads are answered before the `COMMIT` (which waits
+    // for its WAL flush), and `turn` is let go of then, so that the next batch runs while this
+    // one's commit is flushed.
+    let reads = async {
+        let done = futures::try_join!(
+            client.execute(&begin, &[]),
+            client.execute(&generic, &[]),
+            client.execute(&lock_keys, &lock_params),
+            client.query(&read_keys, read_params),
+        );
+        drop(turn);
+        done
+    };
+    let end_statement = async { if commit { client.execute(&end, &[]).await } else { Ok(0) } };
+    let (read, ended) = futures::join!(reads, end_statement);
+    let (_, _, _, rows) = read?;
+    ended?;
     let mut reads: Vec<Option<Read>> = scopes.iter().map(|_| None).collect();
     for row in &rows {
         let slot = usize::try_from(row.get::<_, i64>(2) - 1)
@@ -855,7 +1182,8 @@ async fn lock_and_read(client: &ClientWrapper, scopes: &[&Scope], claims: &[bool
         let doc: Option<String> = row.get(0);
         let record = doc.map(|doc| Record::from_doc(&doc, row.get(1))).transpose();
         let fence = row.get::<_, Option<i64>>(3).map(|f| Fence(f as u64));
-        *slot = Some(Read { record: record.map_err(|e| BatchError::Data(e.to_string()))?, fence });
+        let guessed = guessing && row.get::<_, bool>(4);
+        *slot = Some(Read { record: record.map_err(|e| BatchError::Data(e.to_string()))?, fence, guessed });
     }
     reads.into_iter().map(|r| r.ok_or_else(|| BatchError::Data("a key of the batch was not read".into()))).collect()
 }
@@ -954,65 +1282,109 @@ async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<(Ledger, Ve
     Ok((ledger, fences.into_iter().map(|f| Fence(f as u64)).collect()))
 }
 
-/// A batch decided under its locks, in its open transaction, to be written and committed.
+/// A batch decided under its locks, to be written and committed unless it already was.
 struct Decided {
-    /// Each job's answer, to send once the batch committed.
-    answers: Vec<Answer>,
+    /// Each job's answer, to send once the batch committed; `None` for a job whose guess did
+    /// not hold, in a batch that committed with its reads (all its jobs were guessed), and that
+    /// must write: it runs again in a batch of its own.
+    answers: Vec<Option<Answer>>,
     writes: RecordColumns,
     runs: Vec<RunParams>,
     /// The keys whose attempt the batch finishes.
     finished: Vec<Scope>,
+    /// What the batch leaves its keys as, for [`Known`].
+    known: Vec<(Scope, Option<Arc<KnownRecord>>)>,
+    /// Whether the batch committed with its reads.
+    committed: bool,
 }
 
-/// Begins one batch's transaction (the batch sorted by [`lock_key`]) on a pooled connection,
-/// locks and reads its keys and decides its jobs; [`finish_batch`] writes and commits it.
-async fn begin_batch(pool: &Pool, batch: &[Job]) -> Result<(deadpool_postgres::Object, Decided), BatchError> {
-    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    match decide_batch(&client, batch).await {
-        Ok(decided) => Ok((client, decided)),
-        Err(e) => {
-            abandon(client).await;
-            Err(e)
-        }
-    }
-}
-
-/// Writes and commits a batch [`begin_batch`] decided; answers each job's answer and the keys
-/// the batch finished.
-async fn finish_batch(
-    client: deadpool_postgres::Object,
-    decided: Decided,
-) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
-    match write_and_commit(&client, &decided.writes, &decided.runs).await {
-        Ok(()) => Ok((decided.answers, decided.finished)),
-        Err(e) => {
-            abandon(client).await;
-            Err(e)
-        }
-    }
-}
-
-/// A batch's transaction up to its writes: one round trip when no job needs a quota or a run
-/// checked or a recovery's fence drawn, two when one does.
-async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<Decided, BatchError> {
+/// Decides a batch in a transaction on `client`: one round trip when every job is guessed
+/// (the batch then commits with it), or else one more to write and commit ([`write_and_commit`])
+/// and, before it, one more when a job needs a quota or a run checked or a recovery's fence
+/// drawn.
+async fn decide_batch(
+    client: &ClientWrapper,
+    batch: &[Job],
+    guesses: Vec<Option<Guess>>,
+    turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
+) -> Result<Decided, BatchError> {
     // 1. Lock and read every key, in ascending lock order, drawing a fence for each claim of a
-    //    key that has no record.
+    //    key that has no record, and writing the guesses that hold. A batch whose every job is
+    //    guessed commits then: those whose guess does not hold and that must write run again.
     let scopes: Vec<&Scope> = batch.iter().map(|job| job.op.scope()).collect();
     let claims: Vec<bool> = batch.iter().map(|job| matches!(job.op, Op::Claim(_))).collect();
-    let reads = lock_and_read(client, &scopes, &claims).await?;
+    let committed = guesses.iter().all(Option::is_some);
+    let reads = lock_and_read(client, &scopes, &claims, &guesses, committed, turn).await?;
+
+    let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
+    let mut known = Vec::new();
+    let mut finished = Vec::new();
+    let mut pending = Vec::with_capacity(batch.len());
+    for (i, ((job, read), guess)) in batch.iter().zip(reads).zip(guesses).enumerate() {
+        let guess = match guess {
+            Some(guess) if read.guessed => guess,
+            Some(_) => {
+                // Whatever this instance knew of the key is out of date.
+                known.push((job.op.scope().clone(), None));
+                pending.push((i, job, read));
+                continue;
+            }
+            None => {
+                pending.push((i, job, read));
+                continue;
+            }
+        };
+        let (answer, record, doc) = match (&job.op, guess.known) {
+            (Op::Claim(req), None) => {
+                let fence = read.fence.ok_or_else(|| BatchError::Data("a guessed claim drew no fence".into()))?;
+                let (answer, record) = protocol::claim(None, req, job.now, || fence);
+                let record = record.ok_or_else(|| BatchError::Data("a guessed claim did not acquire".into()))?;
+                debug_assert_eq!(record, Record { fence, ..guess.record });
+                let doc = guess.doc.replace(&fence_in_doc(GUESSED_FENCE), &fence_in_doc(fence));
+                (Answer::Claim(answer), record, doc)
+            }
+            (Op::Mutate { scope, mutation, .. }, Some(_)) => {
+                if matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_)) {
+                    finished.push(scope.clone());
+                }
+                (guess.answer, guess.record, guess.doc)
+            }
+            _ => return Err(BatchError::Data("a guess does not fit its job".into())),
+        };
+        known.push((record.scope.clone(), self::known(&record, &doc, &guess.body)));
+        answers[i] = Some(answer);
+    }
+    if committed {
+        // The jobs whose guess did not hold are decided on what was read; those that would
+        // write run again.
+        for (i, job, read) in pending {
+            answers[i] = match &job.op {
+                Op::Claim(req) => match protocol::claim(read.record, req, job.now, || Fence(0)) {
+                    (outcome, None) => Some(Answer::Claim(outcome)),
+                    (_, Some(_)) => None,
+                },
+                Op::Mutate { fence, mutation, max_checkpoints, .. } => {
+                    match protocol::apply(read.record, *fence, mutation.clone(), job.now, *max_checkpoints) {
+                        (outcome, None) => Some(Answer::Mutate(outcome)),
+                        (_, Some(_)) => None,
+                    }
+                }
+            };
+        }
+        let (writes, runs) = (RecordColumns::default(), Vec::new());
+        return Ok(Decided { answers, writes, runs, finished, known, committed });
+    }
 
     // 2. Now that the keys are locked: the quota and run locks with what they guard (only for
     //    claims that carry a quota or name a run, and fenced calls that report cost), and the
     //    fences of claims that acquire a key that had a record.
-    let needs = Needs::of(batch, &reads);
+    let needs = Needs::of(pending.iter().map(|(_, job, read)| (*job, read)));
     let (mut ledger, mut fences) =
         if needs.is_empty() { (Ledger::default(), VecDeque::new()) } else { lock_needs(client, &needs).await? };
 
-    // 3. Decide, then write every changed record and charged run, and commit.
-    let mut answers = Vec::with_capacity(batch.len());
+    // 3. Decide the jobs read, in order, then write every changed record and charged run.
     let mut writes = RecordColumns::default();
-    let mut finished = Vec::new();
-    for (job, Read { record, fence }) in batch.iter().zip(reads) {
+    for (i, job, Read { record, fence, .. }) in pending {
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
                 let draw = || fence.or_else(|| fences.pop_front()).unwrap_or(Fence(0));
@@ -1040,10 +1412,11 @@ async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<Decided, 
                 (Answer::Mutate(outcome), write)
             }
         };
-        answers.push(answer);
+        answers[i] = Some(answer);
         if let Some(record) = write {
             ledger.wrote(&record);
-            writes.push(record)?;
+            let scope = record.scope.clone();
+            known.push((scope, writes.push(record)?));
         }
     }
     let mut runs = Vec::with_capacity(ledger.charged.len());
@@ -1052,7 +1425,7 @@ async fn decide_batch(client: &ClientWrapper, batch: &[Job]) -> Result<Decided, 
         let run = run.ok_or_else(|| BatchError::Data(format!("charged run {} was not read", charged.1)))?;
         runs.push(run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
     }
-    Ok(Decided { answers, writes, runs, finished })
+    Ok(Decided { answers, writes, runs, finished, known, committed })
 }
 
 /// Revokes the leases of at most [`MAX_BATCH`] in-progress records of `tenant` that `target`
@@ -1117,7 +1490,7 @@ async fn revoke_chunk(
     scopes.sort_by_key(lock_key);
     let result = async {
         let scopes: Vec<&Scope> = scopes.iter().collect();
-        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()]).await?;
+        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()], &[], false, None).await?;
         let covered: Vec<Record> = reads
             .into_iter()
             .filter_map(|read| read.record)
@@ -1129,7 +1502,7 @@ async fn revoke_chunk(
             for mut record in covered {
                 let fence = fences.pop_front().ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
                 control::revoke(&mut record, fence, detail, now);
-                writes.push(record)?;
+                let _ = writes.push(record)?;
             }
         }
         write_and_commit(&client, &writes, &[]).await?;
@@ -1323,6 +1696,7 @@ impl Store for PgStore {
             )
             .await
             .map_err(unavailable)?;
+        self.writers.known.forget(std::iter::once(scope));
         let _ = self.finished.send(scope.clone());
         Ok(n > 0)
     }
