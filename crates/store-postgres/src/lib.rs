@@ -95,6 +95,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -117,6 +118,30 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 
 /// The most jobs committed in one transaction.
 pub const MAX_BATCH: usize = 256;
+
+/// How the store's writers have batched claims and fenced calls since it started (see
+/// [`PgStore::batch_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Transactions committed by the writers.
+    pub batches: u64,
+    /// Claims and fenced calls answered in them.
+    pub jobs: u64,
+    /// Batches committed in one round trip: every job was decided before the read and the
+    /// guess held or needed no write.
+    pub one_round_trip: u64,
+    /// Jobs whose guess did not hold and that ran again in a batch of their own.
+    pub run_again: u64,
+}
+
+/// The counters behind [`BatchStats`].
+#[derive(Debug, Default)]
+struct BatchCounters {
+    batches: AtomicU64,
+    jobs: AtomicU64,
+    one_round_trip: AtomicU64,
+    run_again: AtomicU64,
+}
 
 /// Settings of the PostgreSQL store (from the store URL's query: `?schema=…&pool_size=…`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -381,6 +406,7 @@ impl PgStore {
             intake: Mutex::new(Intake { queue, deferred: VecDeque::new() }),
             known: Known::default(),
             finished: finished.clone(),
+            counters: BatchCounters::default(),
         });
         let mut tasks: Vec<JoinHandle<()>> =
             (0..options.writers).map(|_| tokio::spawn(write_loop(writers.clone()))).collect();
@@ -392,6 +418,17 @@ impl PgStore {
     /// The schema holding the tables.
     pub fn schema(&self) -> &str {
         &self.schema
+    }
+
+    /// How the writers have batched claims and fenced calls so far.
+    pub fn batch_stats(&self) -> BatchStats {
+        let counters = &self.writers.counters;
+        BatchStats {
+            batches: counters.batches.load(Ordering::Relaxed),
+            jobs: counters.jobs.load(Ordering::Relaxed),
+            one_round_trip: counters.one_round_trip.load(Ordering::Relaxed),
+            run_again: counters.run_again.load(Ordering::Relaxed),
+        }
     }
 
     async fn submit(&self, op: Op, now: Timestamp) -> Result<Answer, StoreError> {
@@ -526,6 +563,7 @@ struct Writers {
     intake: Mutex<Intake>,
     known: Known,
     finished: mpsc::UnboundedSender<Scope>,
+    counters: BatchCounters,
 }
 
 /// A writer task. It holds the intake while it takes a batch and until the batch's keys are
@@ -562,6 +600,7 @@ async fn write_loop(writers: Arc<Writers>) {
         if again.is_empty() {
             continue;
         }
+        writers.counters.run_again.fetch_add(again.len() as u64, Ordering::Relaxed);
         let mut result = run_batch(&writers, &again, None, false).await;
         if result.as_ref().is_err_and(is_retryable) {
             result = run_batch(&writers, &again, None, false).await;
@@ -619,6 +658,12 @@ async fn run_batch(
         return Err(e);
     }
     writers.known.update(decided.known);
+    let counters = &writers.counters;
+    counters.batches.fetch_add(1, Ordering::Relaxed);
+    counters.jobs.fetch_add(decided.answers.iter().filter(|a| a.is_some()).count() as u64, Ordering::Relaxed);
+    if decided.committed {
+        counters.one_round_trip.fetch_add(1, Ordering::Relaxed);
+    }
     for scope in decided.finished {
         let _ = writers.finished.send(scope);
     }
