@@ -334,6 +334,9 @@ enum Answer {
 struct Job {
     op: Op,
     now: Timestamp,
+    /// The job decided before its key is read, made by the caller's task when it submitted the
+    /// job (so not by a writer while it holds the intake).
+    guess: Option<Guess>,
     reply: oneshot::Sender<Result<Answer, StoreError>>,
 }
 
@@ -433,7 +436,8 @@ impl PgStore {
 
     async fn submit(&self, op: Op, now: Timestamp) -> Result<Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let job = Job { op, now, reply };
+        let guess = Guess::of(&op, now, &self.writers.known);
+        let job = Job { op, now, guess, reply };
         self.jobs.send(job).await.map_err(|_| unavailable("the writers stopped"))?;
         answer.await.map_err(|_| unavailable("the writer dropped the operation"))?
     }
@@ -574,10 +578,11 @@ struct Writers {
 async fn write_loop(writers: Arc<Writers>) {
     loop {
         let mut turn = writers.intake.lock().await;
-        let Some(batch) = turn.next_batch().await else { return };
-        let mut result = run_batch(&writers, &batch, Some(turn), true).await;
+        let Some(mut batch) = turn.next_batch().await else { return };
+        let guesses = batch.iter_mut().map(|job| job.guess.take()).collect();
+        let mut result = run_batch(&writers, &batch, guesses, Some(turn)).await;
         if result.as_ref().is_err_and(is_retryable) {
-            result = run_batch(&writers, &batch, None, true).await;
+            result = run_batch(&writers, &batch, Vec::new(), None).await;
         }
         let answers = match result {
             Ok(answers) => answers,
@@ -601,9 +606,9 @@ async fn write_loop(writers: Arc<Writers>) {
             continue;
         }
         writers.counters.run_again.fetch_add(again.len() as u64, Ordering::Relaxed);
-        let mut result = run_batch(&writers, &again, None, false).await;
+        let mut result = run_batch(&writers, &again, Vec::new(), None).await;
         if result.as_ref().is_err_and(is_retryable) {
-            result = run_batch(&writers, &again, None, false).await;
+            result = run_batch(&writers, &again, Vec::new(), None).await;
         }
         match result {
             Ok(answers) => {
@@ -636,12 +641,11 @@ fn fail_batch(batch: Vec<Job>, e: &BatchError) {
 async fn run_batch(
     writers: &Writers,
     batch: &[Job],
+    mut guesses: Vec<Option<Guess>>,
     turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
-    guess: bool,
 ) -> Result<Vec<Option<Answer>>, BatchError> {
     let client = writers.pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    let guesses: Vec<Option<Guess>> =
-        batch.iter().map(|job| if guess { Guess::of(job, &writers.known) } else { None }).collect();
+    guesses.resize_with(batch.len(), || None);
     let decided = match decide_batch(&client, batch, guesses, turn).await {
         Ok(decided) => decided,
         Err(e) => {
@@ -761,13 +765,13 @@ impl Guess {
     /// The guess for a claim with no quota and no run of a key this instance knows of no record
     /// for, or for a fenced call that changes a record this instance wrote (and charges no run);
     /// `None` for any other job.
-    fn of(job: &Job, known: &Known) -> Option<Self> {
-        match &job.op {
+    fn of(op: &Op, now: Timestamp, known: &Known) -> Option<Self> {
+        match op {
             Op::Claim(req) => {
                 if req.max_in_flight.is_some() || req.run.is_some() || known.get(&req.scope).is_some() {
                     return None;
                 }
-                let (answer, record) = protocol::claim(None, req, job.now, || GUESSED_FENCE);
+                let (answer, record) = protocol::claim(None, req, now, || GUESSED_FENCE);
                 let record = record?;
                 let (doc, body) = record.clone().into_doc().ok()?;
                 // The fence must be in the document once, and nothing else may depend on it,
@@ -783,7 +787,7 @@ impl Guess {
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
                 let known = known.get(scope)?;
                 let (answer, record) =
-                    protocol::apply(Some(known.record.clone()), *fence, mutation.clone(), job.now, *max_checkpoints);
+                    protocol::apply(Some(known.record.clone()), *fence, mutation.clone(), now, *max_checkpoints);
                 let record = record?;
                 if control::reported_cost(mutation) > 0 && record.run.is_some() {
                     return None;
