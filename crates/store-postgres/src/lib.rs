@@ -570,11 +570,11 @@ struct Writers {
     counters: BatchCounters,
 }
 
-/// A writer task. It holds the intake while it takes a batch and until the batch's keys are
-/// read (or, for a batch decided before its keys were read, until its statements are sent),
-/// and lets go of it while the batch's writes and `COMMIT` run: so one batch at a time gathers
-/// and reads while those before it wait for their commits, and each batch takes every job that
-/// came in meanwhile.
+/// A writer task. It holds the intake while it takes a batch and until the batch's reads are
+/// answered, and lets go of it while the batch's `COMMIT` (and, for a batch whose jobs were
+/// not all decided before the read, its writes) run: so one batch at a time gathers and reads
+/// while those before it wait for their commits' WAL flush, and each batch takes every job
+/// that came in meanwhile.
 async fn write_loop(writers: Arc<Writers>) {
     loop {
         let mut turn = writers.intake.lock().await;
@@ -1159,11 +1159,12 @@ impl<'a> GuessColumns<'a> {
     }
 }
 
-/// Begins a transaction, locks the keys of `scopes` (sorted by [`lock_key`]), and reads their
-/// records, drawing a fence for each key marked in `claims` that has none and writing the
-/// guesses that hold: three statements sent together, one round trip, then `COMMIT` with them
-/// if `commit`. `turn` is let go of once they are sent. Unless it committed, the transaction
-/// stays open on `client`; if this fails, the caller must [`abandon`] it.
+/// Begins a transaction (with [`GENERIC_PLANS`]), locks the keys of `scopes` (sorted by
+/// [`lock_key`]), and reads their records, drawing a fence for each key marked in `claims`
+/// that has none and writing the guesses that hold: four statements sent together, one round
+/// trip, and `COMMIT` with them if `commit`. `turn` is let go of once the reads are answered.
+/// Unless it committed, the transaction stays open on `client`; if this fails, the caller must
+/// [`abandon`] it.
 async fn lock_and_read(
     client: &ClientWrapper,
     scopes: &[&Scope],
