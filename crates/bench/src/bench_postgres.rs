@@ -5,18 +5,17 @@
 //! every schema this run created (`DROP SCHEMA … CASCADE`), and nothing else.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use onceguard_core::{Fence, Guard, Key, Timestamp};
+use onceguard_core::{Fence, Guard, Key, Limits, SystemClock, Timestamp};
 use onceguard_store_postgres::{PgStore, parse_url};
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Config, NoTls};
 
-use crate::harness::{
-    Measured, RETENTION, SCALE_NAMESPACE, TENANT, guard_on, measure, preloaded_record, random_tag, warmup_for,
-};
+use crate::harness::{Measured, RETENTION, SCALE_NAMESPACE, TENANT, measure, preloaded_record, random_tag, warmup_for};
 
 /// Preloaded rows per `INSERT … SELECT generate_series` statement.
 const PRELOAD_CHUNK: usize = 100_000;
@@ -76,10 +75,17 @@ impl Pg {
     /// An Onceguard PostgreSQL store (with its default pool and writers) in a fresh schema, and
     /// a guard over it; the schema's name.
     pub async fn store(&mut self) -> Result<(Guard, String)> {
+        let (guard, schema, _) = self.watched_store().await?;
+        Ok((guard, schema))
+    }
+
+    /// Like [`Pg::store`], also answering the store itself, to read its batch statistics.
+    pub async fn watched_store(&mut self) -> Result<(Guard, String, Arc<PgStore>)> {
         let schema = self.new_schema();
         let sep = if self.url.contains('?') { '&' } else { '?' };
-        let store = PgStore::connect(&format!("{}{sep}schema={schema}", self.url)).await?;
-        Ok((guard_on(store), schema))
+        let store = Arc::new(PgStore::connect(&format!("{}{sep}schema={schema}", self.url)).await?);
+        let guard = Guard::new(store.clone(), Arc::new(SystemClock), Limits::default());
+        Ok((guard, schema, store))
     }
 
     /// Drops a schema this run created.

@@ -183,12 +183,19 @@ async fn sqlite(args: &Settings) -> Result<()> {
 async fn postgres(args: &Settings, pg: &mut Pg, verdicts: &mut Verdicts) -> Result<()> {
     for &c in &args.concurrency {
         let (mut naive, mut og) = (Rates::default(), Rates::default());
+        let mut batches = onceguard_store_postgres::BatchStats::default();
         for _ in 0..args.rounds {
             naive.push(pg.naive_pairs(args.pairs, c).await?.rate());
-            let (guard, schema) = pg.store().await?;
+            let (guard, schema, store) = pg.watched_store().await?;
             let measured = guarded_pairs(guard, args.pairs, c).await;
+            let stats = store.batch_stats();
+            drop(store);
             pg.drop_schema(&schema).await?;
             og.push(measured?.rate());
+            batches.batches += stats.batches;
+            batches.jobs += stats.jobs;
+            batches.one_round_trip += stats.one_round_trip;
+            batches.run_again += stats.run_again;
         }
         let target = (c == PG_TARGET_CONCURRENCY).then_some(PG_TARGET);
         row(&format!("postgres naive (autocommit per statement, pool {c})"), c, &naive, "pairs/s", "1.00x");
@@ -198,6 +205,16 @@ async fn postgres(args: &Settings, pg: &mut Pg, verdicts: &mut Verdicts) -> Resu
             &og,
             "pairs/s",
             &versus(og.median(), naive.median(), target),
+        );
+        let per = |n: u64| n as f64 / batches.batches.max(1) as f64;
+        println!(
+            "{:<56} {c:>5} {:>12.1} {:>5} {:<9} {:.0}% in one round trip, {} jobs run again",
+            "  its batches (all rounds, warm-ups included)",
+            per(batches.jobs),
+            "",
+            "jobs/txn",
+            100.0 * per(batches.one_round_trip),
+            batches.run_again,
         );
         if let Some(t) = target {
             verdicts.add(format!("postgres pairs/s vs naive at c={c}"), og.median() / naive.median(), t);

@@ -3,25 +3,47 @@
 //! # How it keeps the contract
 //!
 //! - **Atomicity**: a claim or fenced call runs in a transaction that first takes a
-//!   transaction-scoped advisory lock on the key (`og_lock_get`, which also reads the record),
-//!   then runs the protocol in Rust and writes the record it returns. Another instance's
-//!   operation on the same key waits for the lock, so read-decide-write is never interleaved,
-//!   also for keys that have no row yet.
+//!   transaction-scoped advisory lock on the key, then reads the record in a statement of its
+//!   own (so with a snapshot taken under the lock), runs the protocol in Rust and writes the
+//!   record it returns. Another instance's operation on the same key waits for the lock, so
+//!   read-decide-write is never interleaved, also for keys that have no row yet.
 //! - **Group commit**: writer tasks take every job waiting (up to [`MAX_BATCH`], at most one job
-//!   per key) into one transaction: the locks and reads of the batch are pipelined, in ascending
-//!   lock order (so batches of different instances never deadlock), then the fences, then the
-//!   writes, then one `COMMIT`. An answer is sent only after that commit succeeded; if it fails,
-//!   every job of the batch answers `Unavailable` and nothing of it took effect.
+//!   per key) into one transaction. `BEGIN`, the batch's key locks (one statement, in ascending
+//!   lock order, so batches of different instances never deadlock) and its reads (one
+//!   statement) are sent together; the jobs are decided in Rust; then the writes (one multi-row
+//!   upsert) and `COMMIT` are sent together: two round trips, whatever the batch's size. One
+//!   writer at a time takes a batch and reads it, while the batches before it wait for their
+//!   commits' WAL flush, so a batch holds every job that came in meanwhile. An answer is sent
+//!   only after its batch's commit succeeded; if it fails, every job of the batch answers
+//!   `Unavailable` and nothing of it took effect.
+//! - **Decided before the read, written only if right**: a claim of a key that this instance
+//!   knows no record of is decided as if the key had no row (it acquires), and a fenced call on
+//!   a key this instance claimed is decided on the in-progress record it last wrote (kept in
+//!   memory, `Known`), both with `protocol` as usual. The statement that reads the batch's
+//!   keys, under their locks, also writes each such record, but only where the key holds what
+//!   was assumed: no row, or exactly the record assumed (its `doc` and `body`). A batch whose
+//!   every job was decided so commits in the same round trip: one round trip in all. Where the
+//!   assumption was wrong, nothing was written for that key, and its job is decided on the
+//!   record read, as any other (in a batch that committed already, a job that must then write
+//!   runs again in a batch of its own). What is in memory is never taken as the record: it
+//!   only says what to write if the record is that.
 //! - **Fences** come from the sequence `og_fence`, drawn *after* the key's lock is held, so a
 //!   key's next fence is always greater than every fence it had; the sequence is never reset, so
-//!   fences keep growing after a record expired, was swept or purged.
+//!   fences keep growing after a record expired, was swept or purged. The read statement draws
+//!   one for each claim of a key that has no row (such a claim acquires unless a limit denies
+//!   it), and writes it into a claim decided before the read, in place of `GUESSED_FENCE`; a
+//!   claim that acquires a key that has a row (a recovery) has its fence drawn in one more round
+//!   trip. So fences are drawn only for claims that acquire (or are denied).
+//! - **Plans**: the batch's statements run with `plan_cache_mode = force_generic_plan`, planned
+//!   once per connection, and each key is an index lookup in that plan.
 //! - **Retention** is checked when read (`expires_at > now`); the sweep deletes expired rows in
 //!   bounded batches with `FOR UPDATE SKIP LOCKED`, so it never waits on (or blocks) a claim.
 //! - **Waits across instances**: once a batch (or a purge) committed, the keys it finished are
-//!   handed to a notifier task that `pg_notify`s them on the schema's channel, many per
-//!   statement, on a connection of its own (a `NOTIFY` takes a database-wide lock while its
-//!   transaction commits, so it is kept out of the batches). A `LISTEN` connection feeds
-//!   [`Store::changes`]. Waiters also poll, so a lost notification only delays a replay.
+//!   handed to a notifier task that `pg_notify`s them on the schema's channel, those finished
+//!   within `NOTIFY_WINDOW` (5 ms) in one statement, on a connection of its own (a `NOTIFY`
+//!   takes a database-wide lock while its transaction commits, so it is kept out of the
+//!   batches, and each notifying transaction waits for a WAL flush). A `LISTEN` connection
+//!   feeds [`Store::changes`]. Waiters also poll, so a lost notification only delays a replay.
 //! - **Fail closed**: every statement runs under `statement_timeout`, and taking a connection
 //!   from the pool times out; both answer `Unavailable` (HTTP 503), never a decision. The pool
 //!   reconnects by itself when the server comes back.
@@ -29,7 +51,7 @@
 //! # Budgets, quotas and revocation
 //!
 //! - **In the batch**: once its keys are locked and read, a batch works out what its jobs need
-//!   and takes it in one more pipelined round trip, before it draws the fences: for each tenant
+//!   and takes it in one more pipelined round trip: for each tenant
 //!   with an acquiring claim that carries an in-flight quota, the tenant's quota lock and its
 //!   leases that have not passed (`og_lock_leases`, on the index `og_records_state`); for each
 //!   run that an acquiring claim names, or that a fenced call reporting cost charges, the run's
@@ -73,10 +95,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
+use deadpool_postgres::{ClientWrapper, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures::StreamExt;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
@@ -95,6 +118,30 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 
 /// The most jobs committed in one transaction.
 pub const MAX_BATCH: usize = 256;
+
+/// How the store's writers have batched claims and fenced calls since it started (see
+/// [`PgStore::batch_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Transactions committed by the writers.
+    pub batches: u64,
+    /// Claims and fenced calls answered in them.
+    pub jobs: u64,
+    /// Batches committed in one round trip: every job was decided before the read and the
+    /// guess held or needed no write.
+    pub one_round_trip: u64,
+    /// Jobs whose guess did not hold and that ran again in a batch of their own.
+    pub run_again: u64,
+}
+
+/// The counters behind [`BatchStats`].
+#[derive(Debug, Default)]
+struct BatchCounters {
+    batches: AtomicU64,
+    jobs: AtomicU64,
+    one_round_trip: AtomicU64,
+    run_again: AtomicU64,
+}
 
 /// Settings of the PostgreSQL store (from the store URL's query: `?schema=…&pool_size=…`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -278,6 +325,7 @@ impl Op {
     }
 }
 
+#[derive(Debug)]
 enum Answer {
     Claim(ClaimOutcome),
     Mutate(FencedOutcome),
@@ -286,6 +334,9 @@ enum Answer {
 struct Job {
     op: Op,
     now: Timestamp,
+    /// The job decided before its key is read, made by the caller's task when it submitted the
+    /// job (so not by a writer while it holds the intake).
+    guess: Option<Guess>,
     reply: oneshot::Sender<Result<Answer, StoreError>>,
 }
 
@@ -296,6 +347,7 @@ pub struct PgStore {
     jobs: mpsc::Sender<Job>,
     changes: broadcast::Sender<Scope>,
     finished: mpsc::UnboundedSender<Scope>,
+    writers: Arc<Writers>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -350,15 +402,20 @@ impl PgStore {
             .map_err(unavailable)?;
         let channel = format!("og_changes_{}", options.schema);
         let (changes, _) = broadcast::channel(4096);
-        let (jobs, rx) = mpsc::channel(4 * MAX_BATCH);
-        let rx = Arc::new(Mutex::new(rx));
+        let (jobs, queue) = mpsc::channel(4 * MAX_BATCH);
         let (finished, finished_rx) = mpsc::unbounded_channel();
-        let mut tasks: Vec<JoinHandle<()>> = (0..options.writers)
-            .map(|_| tokio::spawn(write_loop(pool.clone(), rx.clone(), finished.clone())))
-            .collect();
+        let writers = Arc::new(Writers {
+            pool: pool.clone(),
+            intake: Mutex::new(Intake { queue, deferred: VecDeque::new() }),
+            known: Known::default(),
+            finished: finished.clone(),
+            counters: BatchCounters::default(),
+        });
+        let mut tasks: Vec<JoinHandle<()>> =
+            (0..options.writers).map(|_| tokio::spawn(write_loop(writers.clone()))).collect();
         tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
         tasks.push(tokio::spawn(listen_loop(config, channel, changes.clone())));
-        Ok(Self { pool, schema: options.schema, jobs, changes, finished, tasks })
+        Ok(Self { pool, schema: options.schema, jobs, changes, finished, writers, tasks })
     }
 
     /// The schema holding the tables.
@@ -366,9 +423,22 @@ impl PgStore {
         &self.schema
     }
 
+    /// How the writers have batched claims and fenced calls so far.
+    pub fn batch_stats(&self) -> BatchStats {
+        let counters = &self.writers.counters;
+        BatchStats {
+            batches: counters.batches.load(Ordering::Relaxed),
+            jobs: counters.jobs.load(Ordering::Relaxed),
+            one_round_trip: counters.one_round_trip.load(Ordering::Relaxed),
+            run_again: counters.run_again.load(Ordering::Relaxed),
+        }
+    }
+
     async fn submit(&self, op: Op, now: Timestamp) -> Result<Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.jobs.send(Job { op, now, reply }).await.map_err(|_| unavailable("the writers stopped"))?;
+        let guess = Guess::of(&op, now, &self.writers.known);
+        let job = Job { op, now, guess, reply };
+        self.jobs.send(job).await.map_err(|_| unavailable("the writers stopped"))?;
         answer.await.map_err(|_| unavailable("the writer dropped the operation"))?
     }
 
@@ -449,66 +519,281 @@ fn class_lock(parts: &[&str]) -> i32 {
     (h ^ (h >> 32)) as u32 as i32
 }
 
-async fn write_loop(pool: Pool, rx: Arc<Mutex<mpsc::Receiver<Job>>>, finished: mpsc::UnboundedSender<Scope>) {
-    let mut deferred: VecDeque<Job> = VecDeque::new();
-    loop {
+/// Where writers take their batches from, one writer at a time: the queue of submitted jobs,
+/// and the jobs put off to a later batch.
+struct Intake {
+    queue: mpsc::Receiver<Job>,
+    /// Jobs on a key that the batch being taken already had.
+    deferred: VecDeque<Job>,
+}
+
+impl Intake {
+    /// Waits for a job, then takes every job waiting, up to [`MAX_BATCH`] and one per key
+    /// (a second job on a key goes in a later batch, so each key is read and written once per
+    /// transaction), sorted by [`lock_key`]. `None` once the store is gone.
+    async fn next_batch(&mut self) -> Option<Vec<Job>> {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         let mut keys = HashSet::new();
-        let mut pending = std::mem::take(&mut deferred);
-        while let Some(job) = pending.pop_front() {
+        let mut put_off = VecDeque::new();
+        for job in std::mem::take(&mut self.deferred) {
             if batch.len() < MAX_BATCH && keys.insert(job.op.scope().clone()) {
                 batch.push(job);
             } else {
-                deferred.push_back(job);
+                put_off.push_back(job);
             }
         }
-        // With work in hand, take more only if no other writer is waiting on the queue (it
-        // holds the lock while it waits, and must not make this writer wait with it).
-        let receiver = if batch.is_empty() { Some(rx.lock().await) } else { rx.try_lock().ok() };
-        if let Some(mut rx) = receiver {
-            if batch.is_empty() {
-                match rx.recv().await {
-                    Some(job) => {
-                        keys.insert(job.op.scope().clone());
-                        batch.push(job);
-                    }
-                    None => return,
-                }
-            }
-            while batch.len() < MAX_BATCH {
-                let Ok(job) = rx.try_recv() else { break };
-                if keys.insert(job.op.scope().clone()) {
-                    batch.push(job);
-                } else {
-                    // A second operation on a key already in this batch goes in the next one,
-                    // so each key is read and written once per transaction.
-                    deferred.push_back(job);
-                }
+        if batch.is_empty() {
+            let job = self.queue.recv().await?;
+            keys.insert(job.op.scope().clone());
+            batch.push(job);
+        }
+        while batch.len() < MAX_BATCH {
+            let Ok(job) = self.queue.try_recv() else { break };
+            if keys.insert(job.op.scope().clone()) {
+                batch.push(job);
+            } else {
+                put_off.push_back(job);
             }
         }
+        self.deferred = put_off;
         batch.sort_by_key(|job| lock_key(job.op.scope()));
-        let mut result = run_batch(&pool, &batch).await;
+        Some(batch)
+    }
+}
+
+/// What the writer tasks share.
+struct Writers {
+    pool: Pool,
+    intake: Mutex<Intake>,
+    known: Known,
+    finished: mpsc::UnboundedSender<Scope>,
+    counters: BatchCounters,
+}
+
+/// A writer task. It holds the intake while it takes a batch and until the batch's reads are
+/// answered, and lets go of it while the batch's `COMMIT` (and, for a batch whose jobs were
+/// not all decided before the read, its writes) run: so one batch at a time gathers and reads
+/// while those before it wait for their commits' WAL flush, and each batch takes every job
+/// that came in meanwhile.
+async fn write_loop(writers: Arc<Writers>) {
+    loop {
+        let mut turn = writers.intake.lock().await;
+        let Some(mut batch) = turn.next_batch().await else { return };
+        let guesses = batch.iter_mut().map(|job| job.guess.take()).collect();
+        let mut result = run_batch(&writers, &batch, guesses, Some(turn)).await;
         if result.as_ref().is_err_and(is_retryable) {
-            result = run_batch(&pool, &batch).await;
+            result = run_batch(&writers, &batch, Vec::new(), None).await;
         }
-        match result {
-            Ok((answers, done)) => {
-                for scope in done {
-                    let _ = finished.send(scope);
-                }
-                for (job, answer) in batch.into_iter().zip(answers) {
+        let answers = match result {
+            Ok(answers) => answers,
+            Err(e) => {
+                fail_batch(batch, &e);
+                continue;
+            }
+        };
+        // Jobs decided before their keys were read whose guess did not hold, and that must write
+        // what their key holds: run again, on what is read this time.
+        let mut again = Vec::new();
+        for (job, answer) in batch.into_iter().zip(answers) {
+            match answer {
+                Some(answer) => {
                     let _ = job.reply.send(Ok(answer));
                 }
+                None => again.push(job),
             }
-            Err(e) => {
-                tracing::warn!(error = %e, jobs = batch.len(), "postgres: a batch failed; nothing of it took effect");
-                let e = unavailable(e);
-                for job in batch {
-                    let _ = job.reply.send(Err(match &e {
-                        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
-                        StoreError::Corrupt(m) => StoreError::Corrupt(m.clone()),
-                    }));
+        }
+        if again.is_empty() {
+            continue;
+        }
+        writers.counters.run_again.fetch_add(again.len() as u64, Ordering::Relaxed);
+        let mut result = run_batch(&writers, &again, Vec::new(), None).await;
+        if result.as_ref().is_err_and(is_retryable) {
+            result = run_batch(&writers, &again, Vec::new(), None).await;
+        }
+        match result {
+            Ok(answers) => {
+                for (job, answer) in again.into_iter().zip(answers) {
+                    let answer = answer.ok_or_else(|| corrupt("a job read again was not decided"));
+                    let _ = job.reply.send(answer);
                 }
+            }
+            Err(e) => fail_batch(again, &e),
+        }
+    }
+}
+
+/// Answers every job of a batch that failed (nothing of it took effect).
+fn fail_batch(batch: Vec<Job>, e: &BatchError) {
+    tracing::warn!(error = %e, jobs = batch.len(), "postgres: a batch failed; nothing of it took effect");
+    let e = unavailable(e);
+    for job in batch {
+        let _ = job.reply.send(Err(match &e {
+            StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
+            StoreError::Corrupt(m) => StoreError::Corrupt(m.clone()),
+        }));
+    }
+}
+
+/// Runs a batch (sorted by [`lock_key`]) in one transaction on a pooled connection: answers
+/// each job's answer, `None` for a job to run again (see [`Decided::answers`]). Lets go of
+/// `turn` as [`write_loop`] says. Keeps [`Writers::known`] up to date and hands the keys the
+/// batch finished to the notifier.
+async fn run_batch(
+    writers: &Writers,
+    batch: &[Job],
+    mut guesses: Vec<Option<Guess>>,
+    turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
+) -> Result<Vec<Option<Answer>>, BatchError> {
+    let client = writers.pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    guesses.resize_with(batch.len(), || None);
+    let decided = match decide_batch(&client, batch, guesses, turn).await {
+        Ok(decided) => decided,
+        Err(e) => {
+            abandon(client).await;
+            writers.known.forget(batch.iter().map(|job| job.op.scope()));
+            return Err(e);
+        }
+    };
+    if !decided.committed
+        && let Err(e) = write_and_commit(&client, &decided.writes, &decided.runs).await
+    {
+        abandon(client).await;
+        writers.known.forget(batch.iter().map(|job| job.op.scope()));
+        return Err(e);
+    }
+    writers.known.update(decided.known);
+    let counters = &writers.counters;
+    counters.batches.fetch_add(1, Ordering::Relaxed);
+    counters.jobs.fetch_add(decided.answers.iter().filter(|a| a.is_some()).count() as u64, Ordering::Relaxed);
+    if decided.committed {
+        counters.one_round_trip.fetch_add(1, Ordering::Relaxed);
+    }
+    for scope in decided.finished {
+        let _ = writers.finished.send(scope);
+    }
+    Ok(decided.answers)
+}
+
+/// The most records [`Known`] keeps; past it, it forgets them all and starts again.
+const KNOWN_MAX: usize = 8_192;
+
+/// A record as this instance last wrote it: the record, and its `doc` and `body` columns.
+#[derive(Debug)]
+struct KnownRecord {
+    record: Record,
+    doc: String,
+    body: Option<Vec<u8>>,
+}
+
+/// The in-progress records this instance last wrote, by key, so that a fenced call on a key it
+/// claimed can be decided before the key is read (see [`Guess`]). Only ever a guess: another
+/// instance, a purge, the sweep or a revocation may have changed the record since, and the
+/// guessed write then does not happen.
+#[derive(Debug, Default)]
+struct Known(std::sync::Mutex<HashMap<Scope, Arc<KnownRecord>>>);
+
+impl Known {
+    fn records(&self) -> std::sync::MutexGuard<'_, HashMap<Scope, Arc<KnownRecord>>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn get(&self, scope: &Scope) -> Option<Arc<KnownRecord>> {
+        self.records().get(scope).cloned()
+    }
+
+    /// Notes what committed batches left their keys as: an in-progress record, or something
+    /// this cache does not keep.
+    fn update(&self, changes: Vec<(Scope, Option<Arc<KnownRecord>>)>) {
+        let mut records = self.records();
+        for (scope, known) in changes {
+            match known {
+                Some(known) => {
+                    if records.len() >= KNOWN_MAX {
+                        records.clear();
+                    }
+                    records.insert(scope, known);
+                }
+                None => {
+                    records.remove(&scope);
+                }
+            }
+        }
+    }
+
+    fn forget<'a>(&self, scopes: impl Iterator<Item = &'a Scope>) {
+        let mut records = self.records();
+        for scope in scopes {
+            records.remove(scope);
+        }
+    }
+}
+
+/// What [`Known`] keeps of a record written with `doc` and `body`: in-progress records only.
+fn known(record: &Record, doc: &str, body: &Option<Vec<u8>>) -> Option<Arc<KnownRecord>> {
+    (record.state == RecordState::InProgress)
+        .then(|| Arc::new(KnownRecord { record: record.clone(), doc: doc.to_owned(), body: body.clone() }))
+}
+
+/// The fence a guessed claim is decided with, and written with until the statement that
+/// writes it puts the fence it draws in its place (never a real fence: those come from a
+/// `bigint` sequence).
+const GUESSED_FENCE: Fence = Fence(u64::MAX);
+
+/// How a fence appears in a record's `doc`.
+fn fence_in_doc(fence: Fence) -> String {
+    format!("\"fence\":{}", fence.0)
+}
+
+/// A job decided before its key is read, on a guess of what the key holds, with the record to
+/// write if the guess holds. The statement that reads the key writes that record only if the
+/// key holds what was guessed, under the key's lock; the decision is `protocol::claim` or
+/// `protocol::apply` on that record, as if it had been read. If the guess does not hold, the
+/// job is decided on the record read, as any other.
+#[derive(Debug)]
+struct Guess {
+    /// `None`: a claim, guessing that the key has no row; it then acquires, with the fence the
+    /// statement draws. `Some`: a fenced call, guessing that the key holds this record.
+    known: Option<Arc<KnownRecord>>,
+    /// The answer if the guess holds (a claim's: with [`GUESSED_FENCE`]).
+    answer: Answer,
+    record: Record,
+    doc: String,
+    body: Option<Vec<u8>>,
+}
+
+impl Guess {
+    /// The guess for a claim with no quota and no run of a key this instance knows of no record
+    /// for, or for a fenced call that changes a record this instance wrote (and charges no run);
+    /// `None` for any other job.
+    fn of(op: &Op, now: Timestamp, known: &Known) -> Option<Self> {
+        match op {
+            Op::Claim(req) => {
+                if req.max_in_flight.is_some() || req.run.is_some() || known.get(&req.scope).is_some() {
+                    return None;
+                }
+                let (answer, record) = protocol::claim(None, req, now, || GUESSED_FENCE);
+                let record = record?;
+                let (doc, body) = record.clone().into_doc().ok()?;
+                // The fence must be in the document once, and nothing else may depend on it,
+                // for the statement to put the drawn fence in its place.
+                let other = Fence(GUESSED_FENCE.0 - 1);
+                let (other_doc, _) = Record { fence: other, ..record.clone() }.into_doc().ok()?;
+                let (placeholder, replaced) = (fence_in_doc(GUESSED_FENCE), fence_in_doc(other));
+                if doc.matches(&placeholder).count() != 1 || doc.replace(&placeholder, &replaced) != other_doc {
+                    return None;
+                }
+                Some(Self { known: None, answer: Answer::Claim(answer), record, doc, body })
+            }
+            Op::Mutate { scope, fence, mutation, max_checkpoints } => {
+                let known = known.get(scope)?;
+                let (answer, record) =
+                    protocol::apply(Some(known.record.clone()), *fence, mutation.clone(), now, *max_checkpoints);
+                let record = record?;
+                if control::reported_cost(mutation) > 0 && record.run.is_some() {
+                    return None;
+                }
+                let (doc, body) = record.clone().into_doc().ok()?;
+                Some(Self { known: Some(known), answer: Answer::Mutate(answer), record, doc, body })
             }
         }
     }
@@ -547,27 +832,115 @@ fn decode_row(row: &Row) -> Result<Record, BatchError> {
     Record::from_doc(&doc, body).map_err(|e| BatchError::Data(e.to_string()))
 }
 
-const UPSERT: &str =
+/// Set at the start of a batch's transaction: its statements are planned once per connection,
+/// not at each execution (PostgreSQL would otherwise keep planning them for the parameters
+/// given, as a custom plan looks cheaper for the one-element arrays of its first executions).
+/// Their plans do not depend on the parameters: each key is an index lookup
+/// ([`READ_KEYS`]), also when planned while the table was empty.
+const GENERIC_PLANS: &str = "SET LOCAL plan_cache_mode = force_generic_plan";
+
+/// Takes the key locks of a batch: one advisory lock (a `bigint`) per key, in the order of the
+/// array, which the caller sorts ascending. A function scan returns `unnest`'s elements in
+/// order, and each row's lock is taken before the next row is produced.
+const LOCK_KEYS: &str = "SELECT pg_advisory_xact_lock(h) FROM unnest($1::bigint[]) AS h";
+
+/// Reads the records of a batch's keys, one row per key with its place in the arrays (from 1),
+/// and draws a fence for each key that has no row and is marked in `$4` (a claim, which the
+/// protocol always lets acquire a key with no record, unless a limit denies it; then the fence
+/// is left unused). It runs as a statement of its own after [`LOCK_KEYS`], so that its snapshot
+/// is taken once every lock is held and sees every commit made under them, and so that its
+/// fences are drawn under those locks. (`LATERAL … LIMIT 1` keeps the plan an index lookup per
+/// key, also when the statement was prepared while the table was empty.)
+const READ_KEYS: &str = "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND u.d THEN nextval('og_fence') END
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) WITH ORDINALITY AS u (t, n, k, d, i)
+     LEFT JOIN LATERAL (SELECT s.doc, s.body FROM og_records s
+                        WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true";
+
+/// [`READ_KEYS`], and the writes of the batch's [`Guess`]es whose guess holds, in the same
+/// statement (so on the same reads, under the keys' locks). Each key comes with its guess, if
+/// any (`$5` to `$12`: the record to write, and for a fenced call the `doc` and `body` of the
+/// record it guesses the key holds). A guessed claim's record is inserted where the key has no
+/// row, with the fence drawn for it in place of [`GUESSED_FENCE`] (`$13`); a guessed fenced
+/// call's record replaces the row that holds exactly the guessed record. Each row says whether
+/// its key was written (`w`), and carries the record read only if it was not. The rows read
+/// are those from before the writes (all parts of a statement see one snapshot).
+const READ_KEYS_WRITING_GUESSES: &str = "WITH cur AS MATERIALIZED (
+       SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval('og_fence') END AS fence
+       FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::text[], $7::bigint[],
+                   $8::bigint[], $9::text[], $10::bytea[], $11::text[], $12::bytea[]) WITH ORDINALITY
+         AS u (t, n, k, d, g_state, g_run, g_lease, g_expires, g_doc, g_body, was_doc, was_body, i)
+       LEFT JOIN LATERAL (SELECT s.doc, s.body, s.ctid AS at FROM og_records s
+                          WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true),
+     inserted AS (
+       INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
+       SELECT t, n, k, g_state, g_run, g_lease, g_expires, replace(g_doc, $13, '\"fence\":' || fence), g_body
+       FROM cur WHERE g_doc IS NOT NULL AND was_doc IS NULL AND doc IS NULL AND fence IS NOT NULL),
+     updated AS (
+       UPDATE og_records r SET state = c.g_state, run = c.g_run, lease_expires_at = c.g_lease,
+                               expires_at = c.g_expires, doc = c.g_doc, body = c.g_body
+       FROM cur c
+       WHERE r.ctid = c.at AND c.was_doc IS NOT NULL AND c.doc = c.was_doc
+         AND c.body IS NOT DISTINCT FROM c.was_body
+       RETURNING c.i)
+     SELECT CASE WHEN w THEN NULL ELSE doc END, CASE WHEN w THEN NULL ELSE body END, i, fence, w
+     FROM (SELECT c.doc, c.body, c.i, c.fence,
+                  (c.g_doc IS NOT NULL AND c.was_doc IS NULL AND c.doc IS NULL AND c.fence IS NOT NULL)
+                  OR c.i IN (SELECT i FROM updated) AS w
+           FROM cur c) c";
+
+/// Draws fences, for the claims that acquire a key that had a record (a recovery); sent once
+/// the keys' locks are held.
+const NEXT_FENCES: &str = "SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)";
+
+/// Writes records whole, many in one statement (a batch holds at most one job per key, so no
+/// row is written twice); only a transaction holding their keys' locks writes them.
+const UPSERT_RECORDS: &str =
     "INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+                          $8::text[], $9::bytea[])
      ON CONFLICT (tenant, namespace, key) DO UPDATE SET
        state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
        expires_at = excluded.expires_at, doc = excluded.doc, body = excluded.body";
 
-/// The parameters of [`UPSERT`] for a record.
-struct RecordParams {
-    tenant: String,
-    namespace: String,
-    key: String,
-    state: &'static str,
-    run: Option<String>,
-    lease: Option<i64>,
-    expires: i64,
-    doc: String,
-    body: Option<Vec<u8>>,
+/// Records to write with [`UPSERT_RECORDS`], column by column.
+#[derive(Debug, Default)]
+struct RecordColumns {
+    tenant: Vec<String>,
+    namespace: Vec<String>,
+    key: Vec<String>,
+    state: Vec<&'static str>,
+    run: Vec<Option<String>>,
+    lease: Vec<Option<i64>>,
+    expires: Vec<i64>,
+    doc: Vec<String>,
+    body: Vec<Option<Vec<u8>>>,
 }
 
-impl RecordParams {
+impl RecordColumns {
+    /// Adds a record; answers what [`Known`] keeps of it.
+    fn push(&mut self, record: Record) -> Result<Option<Arc<KnownRecord>>, BatchError> {
+        let scope = record.scope.clone();
+        let (state, run, lease, expires) =
+            (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
+        let kept = (state == RecordState::InProgress).then(|| record.clone());
+        let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
+        let known = kept.map(|record| Arc::new(KnownRecord { record, doc: doc.clone(), body: body.clone() }));
+        self.tenant.push(scope.tenant.to_string());
+        self.namespace.push(scope.namespace.to_string());
+        self.key.push(scope.key.to_string());
+        self.state.push(state.as_str());
+        self.run.push(run.map(|r| r.to_string()));
+        self.lease.push(lease.map(to_i64));
+        self.expires.push(to_i64(expires));
+        self.doc.push(doc);
+        self.body.push(body);
+        Ok(known)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.key.is_empty()
+    }
+
     fn as_sql(&self) -> [&(dyn ToSql + Sync); 9] {
         [
             &self.tenant,
@@ -583,23 +956,6 @@ impl RecordParams {
     }
 }
 
-fn record_params(record: Record) -> Result<RecordParams, BatchError> {
-    let scope = record.scope.clone();
-    let (state, run, lease, expires) = (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
-    let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
-    Ok(RecordParams {
-        tenant: scope.tenant.to_string(),
-        namespace: scope.namespace.to_string(),
-        key: scope.key.to_string(),
-        state: state.as_str(),
-        run: run.map(|r| r.to_string()),
-        lease: lease.map(to_i64),
-        expires: to_i64(expires),
-        doc,
-        body,
-    })
-}
-
 /// Writes a run whole; only a transaction holding the run's lock (class 2) writes it.
 const UPSERT_RUN: &str = "INSERT INTO og_runs (tenant, run, budget, effects, cost, created_at, updated_at)
      VALUES ($1, $2, $3, $4, $5, $6, $7)
@@ -609,13 +965,11 @@ const UPSERT_RUN: &str = "INSERT INTO og_runs (tenant, run, budget, effects, cos
 /// A run's columns as [`decode_run`] reads them.
 const RUN_COLUMNS: &str = "budget, effects, cost, created_at, updated_at";
 
-const NEXT_FENCES: &str = "SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)";
-
-/// What a batch must lock and read once its keys are locked, besides the keys.
+/// What a batch must lock, read and draw once its keys are locked, besides the keys.
 #[derive(Debug, Default)]
 struct Needs {
-    /// Fences: one per claim that acquires.
-    fences: i64,
+    /// Fences: one per claim that acquires a key for which [`READ_KEYS`] drew none.
+    fences: usize,
     /// Tenants whose in-flight quota an acquiring claim checks, with the earliest time among
     /// those claims.
     quotas: BTreeMap<TenantId, Timestamp>,
@@ -624,15 +978,17 @@ struct Needs {
 }
 
 impl Needs {
-    /// Works out what the jobs need from the records read for them (a claim's decision is the
+    /// Works out what the jobs need from what was read for them (a claim's decision is the
     /// same whatever fence it is given).
-    fn of(batch: &[Job], existing: &[Option<Record>]) -> Self {
+    fn of<'a>(jobs: impl Iterator<Item = (&'a Job, &'a Read)>) -> Self {
         let mut needs = Self::default();
-        for (job, record) in batch.iter().zip(existing) {
+        for (job, Read { record, fence, .. }) in jobs {
             match &job.op {
                 Op::Claim(req) => {
                     let Some(written) = protocol::claim(record.clone(), req, job.now, || Fence(0)).1 else { continue };
-                    needs.fences += 1;
+                    if fence.is_none() {
+                        needs.fences += 1;
+                    }
                     if req.max_in_flight.is_some() {
                         let since = needs.quotas.entry(req.scope.tenant.clone()).or_insert(job.now);
                         *since = (*since).min(job.now);
@@ -651,6 +1007,10 @@ impl Needs {
             }
         }
         needs
+    }
+
+    fn is_empty(&self) -> bool {
+        self.fences == 0 && self.quotas.is_empty() && self.runs.is_empty()
     }
 }
 
@@ -757,10 +1117,164 @@ fn run_params(run: &Run) -> Result<RunParams, serde_json::Error> {
     ))
 }
 
+/// What [`lock_and_read`] read for a key: its record, the fence drawn for it, if any, and
+/// whether its [`Guess`] held (and was written).
+#[derive(Debug)]
+struct Read {
+    record: Option<Record>,
+    fence: Option<Fence>,
+    guessed: bool,
+}
+
+/// The guesses of a batch's keys, column by column, for [`READ_KEYS_WRITING_GUESSES`]
+/// (`NULL` for a key without one).
+#[derive(Debug, Default)]
+struct GuessColumns<'a> {
+    state: Vec<Option<&'static str>>,
+    run: Vec<Option<&'a str>>,
+    lease: Vec<Option<i64>>,
+    expires: Vec<Option<i64>>,
+    doc: Vec<Option<&'a str>>,
+    body: Vec<Option<&'a [u8]>>,
+    was_doc: Vec<Option<&'a str>>,
+    was_body: Vec<Option<&'a [u8]>>,
+}
+
+impl<'a> GuessColumns<'a> {
+    fn of(guesses: &'a [Option<Guess>]) -> Self {
+        let mut columns = Self::default();
+        for guess in guesses {
+            let g = guess.as_ref();
+            columns.state.push(g.map(|g| g.record.state.as_str()));
+            columns.run.push(g.and_then(|g| g.record.run.as_ref()).map(|r| r.as_str()));
+            columns.lease.push(g.and_then(|g| g.record.lease_expires_at).map(to_i64));
+            columns.expires.push(g.map(|g| to_i64(g.record.expires_at)));
+            columns.doc.push(g.map(|g| g.doc.as_str()));
+            columns.body.push(g.and_then(|g| g.body.as_deref()));
+            let known = g.and_then(|g| g.known.as_ref());
+            columns.was_doc.push(known.map(|k| k.doc.as_str()));
+            columns.was_body.push(known.and_then(|k| k.body.as_deref()));
+        }
+        columns
+    }
+}
+
+/// Begins a transaction (with [`GENERIC_PLANS`]), locks the keys of `scopes` (sorted by
+/// [`lock_key`]), and reads their records, drawing a fence for each key marked in `claims`
+/// that has none and writing the guesses that hold: four statements sent together, one round
+/// trip, and `COMMIT` with them if `commit`. `turn` is let go of once the reads are answered.
+/// Unless it committed, the transaction stays open on `client`; if this fails, the caller must
+/// [`abandon`] it.
+async fn lock_and_read(
+    client: &ClientWrapper,
+    scopes: &[&Scope],
+    claims: &[bool],
+    guesses: &[Option<Guess>],
+    commit: bool,
+    turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
+) -> Result<Vec<Read>, BatchError> {
+    debug_assert!(scopes.is_sorted_by_key(|s| lock_key(s)), "key locks are taken in ascending order");
+    let guessing = guesses.iter().any(Option::is_some);
+    let (begin, generic, lock_keys, read_keys, end) = futures::try_join!(
+        client.prepare_cached("BEGIN"),
+        client.prepare_cached(GENERIC_PLANS),
+        client.prepare_cached(LOCK_KEYS),
+        client.prepare_cached(if guessing { READ_KEYS_WRITING_GUESSES } else { READ_KEYS }),
+        client.prepare_cached("COMMIT"),
+    )?;
+    let keys: Vec<i64> = scopes.iter().map(|s| lock_key(s)).collect();
+    let tenants: Vec<&str> = scopes.iter().map(|s| s.tenant.as_str()).collect();
+    let namespaces: Vec<&str> = scopes.iter().map(|s| s.namespace.as_str()).collect();
+    let names: Vec<&str> = scopes.iter().map(|s| s.key.as_str()).collect();
+    let g = GuessColumns::of(guesses);
+    let placeholder = fence_in_doc(GUESSED_FENCE);
+    let lock_params: [&(dyn ToSql + Sync); 1] = [&keys];
+    let read_params: [&(dyn ToSql + Sync); 13] = [
+        &tenants,
+        &namespaces,
+        &names,
+        &claims,
+        &g.state,
+        &g.run,
+        &g.lease,
+        &g.expires,
+        &g.doc,
+        &g.body,
+        &g.was_doc,
+        &g.was_body,
+        &placeholder,
+    ];
+    let read_params = if guessing { &read_params[..] } else { &read_params[..4] };
+    // Each future sends its statement when first polled, and `join!` and `try_join!` poll them
+    // in order: all are sent at once. The reads are answered before the `COMMIT` (which waits
+    // for its WAL flush), and `turn` is let go of then, so that the next batch runs while this
+    // one's commit is flushed.
+    let reads = async {
+        let done = futures::try_join!(
+            client.execute(&begin, &[]),
+            client.execute(&generic, &[]),
+            client.execute(&lock_keys, &lock_params),
+            client.query(&read_keys, read_params),
+        );
+        drop(turn);
+        done
+    };
+    let end_statement = async { if commit { client.execute(&end, &[]).await } else { Ok(0) } };
+    let (read, ended) = futures::join!(reads, end_statement);
+    let (_, _, _, rows) = read?;
+    ended?;
+    let mut reads: Vec<Option<Read>> = scopes.iter().map(|_| None).collect();
+    for row in &rows {
+        let slot = usize::try_from(row.get::<_, i64>(2) - 1)
+            .ok()
+            .and_then(|i| reads.get_mut(i))
+            .ok_or_else(|| BatchError::Data("a row was read for no key of the batch".into()))?;
+        let doc: Option<String> = row.get(0);
+        let record = doc.map(|doc| Record::from_doc(&doc, row.get(1))).transpose();
+        let fence = row.get::<_, Option<i64>>(3).map(|f| Fence(f as u64));
+        let guessed = guessing && row.get::<_, bool>(4);
+        *slot = Some(Read { record: record.map_err(|e| BatchError::Data(e.to_string()))?, fence, guessed });
+    }
+    reads.into_iter().map(|r| r.ok_or_else(|| BatchError::Data("a key of the batch was not read".into()))).collect()
+}
+
+/// Writes `records` and `runs` and commits, in one round trip. If this fails, the caller must
+/// [`abandon`] the transaction (a `COMMIT` after a failed statement only rolls back).
+async fn write_and_commit(
+    client: &ClientWrapper,
+    records: &RecordColumns,
+    runs: &[RunParams],
+) -> Result<(), BatchError> {
+    let upsert = if records.is_empty() { None } else { Some(client.prepare_cached(UPSERT_RECORDS).await?) };
+    let upsert_run = if runs.is_empty() { None } else { Some(client.prepare_cached(UPSERT_RUN).await?) };
+    let commit = client.prepare_cached("COMMIT").await?;
+    let record_writes = async {
+        match &upsert {
+            Some(st) => client.execute(st, &records.as_sql()).await,
+            None => Ok(0),
+        }
+    };
+    let run_writes = upsert_run.iter().flat_map(|st| {
+        runs.iter().map(move |(tenant, run, budget, effects, cost, created, updated)| async move {
+            client.execute(st, &[tenant, run, budget, effects, cost, created, updated]).await
+        })
+    });
+    futures::try_join!(record_writes, futures::future::try_join_all(run_writes), client.execute(&commit, &[]))?;
+    Ok(())
+}
+
+/// Ends a transaction that failed part-way, so that its connection goes back to the pool idle;
+/// a connection that cannot even roll back is closed instead.
+async fn abandon(client: deadpool_postgres::Object) {
+    if client.batch_execute("ROLLBACK").await.is_err() {
+        drop(deadpool_postgres::Object::take(client));
+    }
+}
+
 /// Locks and reads what `needs` names, pipelined in one round trip, in the global lock order
 /// (see the module documentation): the tenants' quota locks with their leases, then the runs'
-/// locks with the runs, each class in ascending lock order; then draws the fences.
-async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecDeque<Fence>), BatchError> {
+/// locks with the runs, each class in ascending lock order; and draws the fences it names.
+async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<(Ledger, VecDeque<Fence>), BatchError> {
     let mut quotas: Vec<(i32, &TenantId, i64)> =
         needs.quotas.iter().map(|(t, since)| (class_lock(&[t.as_str()]), t, to_i64(*since))).collect();
     quotas.sort();
@@ -770,21 +1284,27 @@ async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecD
     let lock_leases = if quotas.is_empty() {
         None
     } else {
-        Some(tx.prepare_cached("SELECT * FROM og_lock_leases($1, $2, $3)").await?)
+        Some(client.prepare_cached("SELECT * FROM og_lock_leases($1, $2, $3)").await?)
     };
-    let lock_run =
-        if runs.is_empty() { None } else { Some(tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await?) };
-    let next_fences = if needs.fences == 0 { None } else { Some(tx.prepare_cached(NEXT_FENCES).await?) };
+    let lock_run = if runs.is_empty() {
+        None
+    } else {
+        Some(client.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await?)
+    };
+    let next_fences = if needs.fences == 0 { None } else { Some(client.prepare_cached(NEXT_FENCES).await?) };
+    let count = i64::try_from(needs.fences).unwrap_or(i64::MAX);
     let lease_reads = lock_leases.iter().flat_map(|st| {
-        quotas.iter().map(move |(h, tenant, since)| async move { tx.query(st, &[h, &tenant.as_str(), since]).await })
+        quotas
+            .iter()
+            .map(move |(h, tenant, since)| async move { client.query(st, &[h, &tenant.as_str(), since]).await })
     });
     let run_reads = lock_run.iter().flat_map(|st| {
         runs.iter()
-            .map(move |(h, tenant, id)| async move { tx.query_opt(st, &[h, &tenant.as_str(), &id.as_str()]).await })
+            .map(move |(h, tenant, id)| async move { client.query_opt(st, &[h, &tenant.as_str(), &id.as_str()]).await })
     });
     let fence_read = async {
         match &next_fences {
-            Some(st) => tx.query(st, &[&needs.fences]).await,
+            Some(st) => client.query(st, &[&count]).await,
             None => Ok(Vec::new()),
         }
     };
@@ -812,38 +1332,113 @@ async fn lock_needs(tx: &Transaction<'_>, needs: &Needs) -> Result<(Ledger, VecD
     Ok((ledger, fences.into_iter().map(|f| Fence(f as u64)).collect()))
 }
 
-/// Runs one batch in one transaction; answers each job's answer and the keys it finished.
-async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope>), BatchError> {
-    let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    let tx = client.transaction().await?;
-    let lock_get = tx.prepare_cached("SELECT doc, body FROM og_lock_get($1, $2, $3, $4)").await?;
-    // 1. Lock and read every key, pipelined, in ascending lock order.
-    let reads = batch.iter().map(|job| {
-        let s = job.op.scope();
-        let tx = &tx;
-        let lock_get = &lock_get;
-        async move {
-            let key = lock_key(s);
-            tx.query_opt(lock_get, &[&key, &s.tenant.as_str(), &s.namespace.as_str(), &s.key.as_str()]).await
+/// A batch decided under its locks, to be written and committed unless it already was.
+struct Decided {
+    /// Each job's answer, to send once the batch committed; `None` for a job whose guess did
+    /// not hold, in a batch that committed with its reads (all its jobs were guessed), and that
+    /// must write: it runs again in a batch of its own.
+    answers: Vec<Option<Answer>>,
+    writes: RecordColumns,
+    runs: Vec<RunParams>,
+    /// The keys whose attempt the batch finishes.
+    finished: Vec<Scope>,
+    /// What the batch leaves its keys as, for [`Known`].
+    known: Vec<(Scope, Option<Arc<KnownRecord>>)>,
+    /// Whether the batch committed with its reads.
+    committed: bool,
+}
+
+/// Decides a batch in a transaction on `client`: one round trip when every job is guessed
+/// (the batch then commits with it), or else one more to write and commit ([`write_and_commit`])
+/// and, before it, one more when a job needs a quota or a run checked or a recovery's fence
+/// drawn.
+async fn decide_batch(
+    client: &ClientWrapper,
+    batch: &[Job],
+    guesses: Vec<Option<Guess>>,
+    turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
+) -> Result<Decided, BatchError> {
+    // 1. Lock and read every key, in ascending lock order, drawing a fence for each claim of a
+    //    key that has no record, and writing the guesses that hold. A batch whose every job is
+    //    guessed commits then: those whose guess does not hold and that must write run again.
+    let scopes: Vec<&Scope> = batch.iter().map(|job| job.op.scope()).collect();
+    let claims: Vec<bool> = batch.iter().map(|job| matches!(job.op, Op::Claim(_))).collect();
+    let committed = guesses.iter().all(Option::is_some);
+    let reads = lock_and_read(client, &scopes, &claims, &guesses, committed, turn).await?;
+
+    let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
+    let mut known = Vec::new();
+    let mut finished = Vec::new();
+    let mut pending = Vec::with_capacity(batch.len());
+    for (i, ((job, read), guess)) in batch.iter().zip(reads).zip(guesses).enumerate() {
+        let guess = match guess {
+            Some(guess) if read.guessed => guess,
+            Some(_) => {
+                // Whatever this instance knew of the key is out of date.
+                known.push((job.op.scope().clone(), None));
+                pending.push((i, job, read));
+                continue;
+            }
+            None => {
+                pending.push((i, job, read));
+                continue;
+            }
+        };
+        let (answer, record, doc) = match (&job.op, guess.known) {
+            (Op::Claim(req), None) => {
+                let fence = read.fence.ok_or_else(|| BatchError::Data("a guessed claim drew no fence".into()))?;
+                let (answer, record) = protocol::claim(None, req, job.now, || fence);
+                let record = record.ok_or_else(|| BatchError::Data("a guessed claim did not acquire".into()))?;
+                debug_assert_eq!(record, Record { fence, ..guess.record });
+                let doc = guess.doc.replace(&fence_in_doc(GUESSED_FENCE), &fence_in_doc(fence));
+                (Answer::Claim(answer), record, doc)
+            }
+            (Op::Mutate { scope, mutation, .. }, Some(_)) => {
+                if matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_)) {
+                    finished.push(scope.clone());
+                }
+                (guess.answer, guess.record, guess.doc)
+            }
+            _ => return Err(BatchError::Data("a guess does not fit its job".into())),
+        };
+        known.push((record.scope.clone(), self::known(&record, &doc, &guess.body)));
+        answers[i] = Some(answer);
+    }
+    if committed {
+        // The jobs whose guess did not hold are decided on what was read; those that would
+        // write run again.
+        for (i, job, read) in pending {
+            answers[i] = match &job.op {
+                Op::Claim(req) => match protocol::claim(read.record, req, job.now, || Fence(0)) {
+                    (outcome, None) => Some(Answer::Claim(outcome)),
+                    (_, Some(_)) => None,
+                },
+                Op::Mutate { fence, mutation, max_checkpoints, .. } => {
+                    match protocol::apply(read.record, *fence, mutation.clone(), job.now, *max_checkpoints) {
+                        (outcome, None) => Some(Answer::Mutate(outcome)),
+                        (_, Some(_)) => None,
+                    }
+                }
+            };
         }
-    });
-    let rows = futures::future::try_join_all(reads).await?;
-    let existing: Vec<Option<Record>> =
-        rows.iter().map(|r| r.as_ref().map(decode_row).transpose()).collect::<Result<_, _>>()?;
+        let (writes, runs) = (RecordColumns::default(), Vec::new());
+        return Ok(Decided { answers, writes, runs, finished, known, committed });
+    }
 
     // 2. Now that the keys are locked: the quota and run locks with what they guard (only for
     //    claims that carry a quota or name a run, and fenced calls that report cost), and the
-    //    fences.
-    let (mut ledger, mut fences) = lock_needs(&tx, &Needs::of(batch, &existing)).await?;
+    //    fences of claims that acquire a key that had a record.
+    let needs = Needs::of(pending.iter().map(|(_, job, read)| (*job, read)));
+    let (mut ledger, mut fences) =
+        if needs.is_empty() { (Ledger::default(), VecDeque::new()) } else { lock_needs(client, &needs).await? };
 
-    // 3. Decide, then write every changed record and charged run (pipelined).
-    let mut answers = Vec::with_capacity(batch.len());
-    let mut writes = Vec::new();
-    let mut finished = Vec::new();
-    for (job, record) in batch.iter().zip(existing) {
+    // 3. Decide the jobs read, in order, then write every changed record and charged run.
+    let mut writes = RecordColumns::default();
+    for (i, job, Read { record, fence, .. }) in pending {
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
-                let (outcome, write) = protocol::claim(record, req, job.now, || fences.pop_front().unwrap_or(Fence(0)));
+                let draw = || fence.or_else(|| fences.pop_front()).unwrap_or(Fence(0));
+                let (outcome, write) = protocol::claim(record, req, job.now, draw);
                 if let ClaimOutcome::Acquired(a) = &outcome
                     && a.fence == Fence(0)
                 {
@@ -867,34 +1462,20 @@ async fn run_batch(pool: &Pool, batch: &[Job]) -> Result<(Vec<Answer>, Vec<Scope
                 (Answer::Mutate(outcome), write)
             }
         };
-        answers.push(answer);
+        answers[i] = Some(answer);
         if let Some(record) = write {
             ledger.wrote(&record);
-            writes.push(record);
+            let scope = record.scope.clone();
+            known.push((scope, writes.push(record)?));
         }
     }
-    let upsert = tx.prepare_cached(UPSERT).await?;
-    let params = writes.into_iter().map(record_params).collect::<Result<Vec<_>, _>>()?;
-    let upserts = params.iter().map(|p| {
-        let (tx, upsert) = (&tx, &upsert);
-        async move { tx.execute(upsert, &p.as_sql()).await }
-    });
-    let mut run_params = Vec::with_capacity(ledger.charged.len());
+    let mut runs = Vec::with_capacity(ledger.charged.len());
     for charged in &ledger.charged {
         let run = ledger.runs.get(charged).and_then(Option::as_ref);
         let run = run.ok_or_else(|| BatchError::Data(format!("charged run {} was not read", charged.1)))?;
-        run_params.push(self::run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
+        runs.push(run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
     }
-    let upsert_run = if run_params.is_empty() { None } else { Some(tx.prepare_cached(UPSERT_RUN).await?) };
-    let tx_ref = &tx;
-    let run_upserts = upsert_run.iter().flat_map(|st| {
-        run_params.iter().map(move |(tenant, run, budget, effects, cost, created, updated)| async move {
-            tx_ref.execute(st, &[tenant, run, budget, effects, cost, created, updated]).await
-        })
-    });
-    futures::try_join!(futures::future::try_join_all(upserts), futures::future::try_join_all(run_upserts))?;
-    tx.commit().await?;
-    Ok((answers, finished))
+    Ok(Decided { answers, writes, runs, finished, known, committed })
 }
 
 /// Revokes the leases of at most [`MAX_BATCH`] in-progress records of `tenant` that `target`
@@ -910,15 +1491,15 @@ async fn revoke_chunk(
     now: Timestamp,
     after: Option<&(String, String)>,
 ) -> Result<(u64, Option<(String, String)>), BatchError> {
-    let mut client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
-    let tx = client.transaction().await?;
+    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
     let (prefix, run) = match target {
         SwitchTarget::Tenant => (None, None),
         SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
         SwitchTarget::Run { run } => (None, Some(run.as_str())),
     };
     let chunk = i64::try_from(MAX_BATCH).unwrap_or(i64::MAX);
-    let candidates = tx
+    // The candidates are read before the transaction: each is read again under its lock.
+    let candidates = client
         .query(
             "SELECT namespace, key FROM og_records
              WHERE tenant = $1 AND state = 'in_progress' AND expires_at > $2
@@ -953,47 +1534,57 @@ async fn revoke_chunk(
             ))
         })
         .collect::<Result<Vec<Scope>, BatchError>>()?;
+    if scopes.is_empty() {
+        return Ok((0, next));
+    }
     scopes.sort_by_key(lock_key);
-    let lock_get = tx.prepare_cached("SELECT doc, body FROM og_lock_get($1, $2, $3, $4)").await?;
-    let reads = scopes.iter().map(|s| {
-        let (tx, lock_get) = (&tx, &lock_get);
-        async move {
-            tx.query_opt(lock_get, &[&lock_key(s), &s.tenant.as_str(), &s.namespace.as_str(), &s.key.as_str()]).await
+    let result = async {
+        let scopes: Vec<&Scope> = scopes.iter().collect();
+        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()], &[], false, None).await?;
+        let covered: Vec<Record> = reads
+            .into_iter()
+            .filter_map(|read| read.record)
+            .filter(|record| control::revocable(record, target, detail, now))
+            .collect();
+        let mut writes = RecordColumns::default();
+        if !covered.is_empty() {
+            let (_, mut fences) = lock_needs(&client, &Needs { fences: covered.len(), ..Needs::default() }).await?;
+            for mut record in covered {
+                let fence = fences.pop_front().ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
+                control::revoke(&mut record, fence, detail, now);
+                let _ = writes.push(record)?;
+            }
         }
-    });
-    let mut covered = Vec::new();
-    for row in futures::future::try_join_all(reads).await?.iter().flatten() {
-        let record = decode_row(row)?;
-        if control::revocable(&record, target, detail, now) {
-            covered.push(record);
+        write_and_commit(&client, &writes, &[]).await?;
+        Ok(writes.key.len() as u64)
+    }
+    .await;
+    match result {
+        Ok(revoked) => Ok((revoked, next)),
+        Err(e) => {
+            abandon(client).await;
+            Err(e)
         }
     }
-    let revoked = covered.len() as u64;
-    if !covered.is_empty() {
-        let n = i64::try_from(covered.len()).unwrap_or(i64::MAX);
-        let next_fences = tx.prepare_cached(NEXT_FENCES).await?;
-        let mut fences: Vec<i64> = tx.query(&next_fences, &[&n]).await?.iter().map(|r| r.get(0)).collect();
-        fences.sort_unstable();
-        let upsert = tx.prepare_cached(UPSERT).await?;
-        let mut params = Vec::with_capacity(covered.len());
-        for (mut record, fence) in covered.into_iter().zip(fences) {
-            control::revoke(&mut record, Fence(fence as u64), detail, now);
-            params.push(record_params(record)?);
-        }
-        let upserts = params.iter().map(|p| {
-            let (tx, upsert) = (&tx, &upsert);
-            async move { tx.execute(upsert, &p.as_sql()).await }
-        });
-        futures::future::try_join_all(upserts).await?;
-    }
-    tx.commit().await?;
-    Ok((revoked, next))
 }
 
-/// Notifies finished keys on `channel`, in batches, each in a statement of its own.
+/// How long the notifier gathers finished keys before it notifies them: each notification is
+/// a transaction of its own, with a commit that waits for its WAL flush, so notifying every
+/// batch's keys at once would cost nearly as much as the batches. Waiters in other instances
+/// hear of a finished key this much later (those of this instance are woken by the guard at
+/// once, and every waiter also polls).
+const NOTIFY_WINDOW: Duration = Duration::from_millis(5);
+
+/// Notifies finished keys on `channel`: those finished within [`NOTIFY_WINDOW`] of each other
+/// in one statement.
 async fn notify_loop(pool: Pool, mut finished: mpsc::UnboundedReceiver<Scope>, channel: String) {
     let mut scopes = Vec::new();
     while finished.recv_many(&mut scopes, 1_000).await > 0 {
+        tokio::time::sleep(NOTIFY_WINDOW).await;
+        while scopes.len() < 10_000 {
+            let Ok(scope) = finished.try_recv() else { break };
+            scopes.push(scope);
+        }
         let sent = async {
             let client = pool.get().await.map_err(|e| e.to_string())?;
             notify(&client, &channel, &scopes).await.map_err(|e| e.to_string())
@@ -1005,12 +1596,13 @@ async fn notify_loop(pool: Pool, mut finished: mpsc::UnboundedReceiver<Scope>, c
     }
 }
 
-async fn notify(client: &tokio_postgres::Client, channel: &str, scopes: &[Scope]) -> Result<(), tokio_postgres::Error> {
+async fn notify(client: &ClientWrapper, channel: &str, scopes: &[Scope]) -> Result<(), tokio_postgres::Error> {
     let payloads: Vec<String> = scopes.iter().filter_map(|s| serde_json::to_string(s).ok()).collect();
     if payloads.is_empty() {
         return Ok(());
     }
-    client.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p", &[&channel, &payloads]).await.map(drop)
+    let st = client.prepare_cached("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p").await?;
+    client.execute(&st, &[&channel, &payloads]).await.map(drop)
 }
 
 /// Keeps a `LISTEN` connection open (reconnecting after a second when it drops) and forwards
@@ -1154,6 +1746,7 @@ impl Store for PgStore {
             )
             .await
             .map_err(unavailable)?;
+        self.writers.known.forget(std::iter::once(scope));
         let _ = self.finished.send(scope.clone());
         Ok(n > 0)
     }
@@ -1521,11 +2114,12 @@ mod tests {
             max_in_flight: Some(1),
         };
         let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
-        let p = record_params(record).unwrap();
-        let mut doc: serde_json::Value = serde_json::from_str(&p.doc).unwrap();
+        let mut columns = RecordColumns::default();
+        columns.push(record).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&columns.doc[0]).unwrap();
         doc.as_object_mut().unwrap().remove("charged");
-        let p = RecordParams { doc: doc.to_string(), ..p };
-        client.execute(UPSERT, &p.as_sql()).await.unwrap();
+        columns.doc[0] = doc.to_string();
+        client.execute(UPSERT_RECORDS, &columns.as_sql()).await.unwrap();
 
         let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
         let store = PgStore::connect_with(&url, options).await.unwrap();
