@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("langgraph")
-
 from langchain_core.language_models.fake_chat_models import FakeMessagesListChatModel
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import ToolException, tool

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("agents")
-
 from agents import Agent, ModelResponse, RunConfig, Runner, Usage, function_tool, set_tracing_disabled
 from agents.models.interface import Model
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
