@@ -79,11 +79,16 @@ impl Pg {
         Ok((guard, schema))
     }
 
+    /// The store URL of the store in `schema` (with the options the benchmark was given).
+    pub fn store_url(&self, schema: &str) -> String {
+        let sep = if self.url.contains('?') { '&' } else { '?' };
+        format!("{}{sep}schema={schema}", self.url)
+    }
+
     /// Like [`Pg::store`], also answering the store itself, to read its batch statistics.
     pub async fn watched_store(&mut self) -> Result<(Guard, String, Arc<PgStore>)> {
         let schema = self.new_schema();
-        let sep = if self.url.contains('?') { '&' } else { '?' };
-        let store = Arc::new(PgStore::connect(&format!("{}{sep}schema={schema}", self.url)).await?);
+        let store = Arc::new(PgStore::connect(&self.store_url(&schema)).await?);
         let guard = Guard::new(store.clone(), Arc::new(SystemClock), Limits::default());
         Ok((guard, schema, store))
     }

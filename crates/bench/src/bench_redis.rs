@@ -147,6 +147,17 @@ impl Redis {
         Ok(Self { target, masters, prefixes: Vec::new() })
     }
 
+    /// The store URL of the store under `prefix` on a single server (`None` on a cluster).
+    pub fn store_url(&self, prefix: &str) -> Option<String> {
+        match &self.target {
+            RedisTarget::Single(url) => {
+                let sep = if url.contains('?') { '&' } else { '?' };
+                Some(format!("{url}{sep}prefix={prefix}"))
+            }
+            RedisTarget::Cluster(_) => None,
+        }
+    }
+
     /// Whether this is a cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(self.target, RedisTarget::Cluster(_))

@@ -165,9 +165,15 @@ pub async fn pair(guard: &Guard, namespace: &str, i: usize) -> Result<()> {
 /// Namespace of the preloaded records (and of the workloads measured among them).
 pub const SCALE_NAMESPACE: &str = "bench/scale";
 
-/// The fingerprint of every preloaded record.
+/// The request every preloaded record was claimed for (as a claim over HTTP sends it).
+pub fn preloaded_request() -> serde_json::Value {
+    serde_json::json!({ "preloaded": "onceguard-bench" })
+}
+
+/// The fingerprint of every preloaded record: that of [`preloaded_request`], so that claims
+/// over HTTP replay them too.
 pub fn preloaded_fingerprint() -> Fingerprint {
-    Fingerprint::sha256(b"onceguard-bench preloaded record")
+    Fingerprint::of_json(&preloaded_request())
 }
 
 /// The body of every preloaded record's outcome.

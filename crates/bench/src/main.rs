@@ -28,7 +28,9 @@ mod bench_sqlite;
 mod harness;
 mod local_cluster;
 mod scale;
+mod served;
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
@@ -105,6 +107,12 @@ struct Args {
     /// Concurrency of the cost-per-claim throughput workloads.
     #[arg(long, default_value_t = 32)]
     scale_concurrency: usize,
+    /// The `onceguard` binary the cost-per-claim comparison starts on each preloaded PostgreSQL
+    /// and Redis store, to measure the server's memory and its claims over HTTP; `none` skips
+    /// that [default: `onceguard` next to this program, when built with
+    /// `cargo build --release -p onceguard`].
+    #[arg(long)]
+    server_binary: Option<PathBuf>,
     /// Rounds of each measurement in the per-store table (baseline and store alternate; the
     /// median is printed) [default: 3, 1 with --quick].
     #[arg(long)]
@@ -290,6 +298,8 @@ struct Settings {
     scale_base: usize,
     /// The comparison's workload.
     workload: scale::Workload,
+    /// The `onceguard` binary served on the comparison's stores, if any.
+    server: Option<PathBuf>,
 }
 
 impl Settings {
@@ -309,6 +319,11 @@ impl Settings {
                 pairs: if quick { 1_000 } else { 4_000 },
                 replays: if quick { 2_000 } else { 8_000 },
                 concurrency: args.scale_concurrency.max(1),
+            },
+            server: match &args.server_binary {
+                Some(path) if path.as_os_str() == "none" => None,
+                Some(path) => Some(path.clone()),
+                None => served::default_binary().filter(|path| path.is_file()),
             },
         }
     }
@@ -368,6 +383,17 @@ async fn run(
         println!("as meant, and replay. Then the same workload runs on one and the other in turn, each round; new");
         println!("keys of the workload are spread among the stored ones; all operations go through the guard.");
         let sizes = (small, large);
+        let server = settings.server.as_deref();
+        match server {
+            Some(binary) => {
+                println!("Then `{} serve` runs on each PostgreSQL and Redis store: claims over HTTP", binary.display());
+                println!("(anonymous agents of the benchmark's tenant, one client in this process), and its memory.");
+            }
+            None => println!(
+                "The server on each store is not measured: no `onceguard` binary next to this program \
+                 (`cargo build --release -p onceguard`, or --server-binary PATH)."
+            ),
+        }
         if let Some(pg) = pg.as_mut() {
             let (small_guard, small_schema) = pg.store().await?;
             let (large_guard, large_schema) = pg.store().await?;
@@ -375,7 +401,7 @@ async fn run(
                 let pg = &*pg;
                 let small_target = scale::Target::Postgres { pg, schema: small_schema.clone(), guard: small_guard };
                 let large_target = scale::Target::Postgres { pg, schema: large_schema.clone(), guard: large_guard };
-                scale::compare("postgres", small_target, large_target, sizes, w, settings.rounds).await
+                scale::compare("postgres", small_target, large_target, sizes, w, settings.rounds, server).await
             };
             pg.drop_schema(&small_schema).await?;
             pg.drop_schema(&large_schema).await?;
@@ -388,7 +414,7 @@ async fn run(
                 let redis = &*r;
                 let small_target = scale::Target::Redis { redis, prefix: small_prefix.clone(), guard: small_guard };
                 let large_target = scale::Target::Redis { redis, prefix: large_prefix.clone(), guard: large_guard };
-                scale::compare("redis", small_target, large_target, sizes, w, settings.rounds).await
+                scale::compare("redis", small_target, large_target, sizes, w, settings.rounds, server).await
             };
             r.delete_prefix(&small_prefix).await?;
             r.delete_prefix(&large_prefix).await?;
@@ -398,7 +424,7 @@ async fn run(
             let dir = tempfile::tempdir()?;
             let small_target = scale::Target::Sqlite(bench_sqlite::ScaleSqlite::create(dir.path().join("small.db"))?);
             let large_target = scale::Target::Sqlite(bench_sqlite::ScaleSqlite::create(dir.path().join("large.db"))?);
-            scale::compare("sqlite", small_target, large_target, sizes, w, settings.rounds).await?;
+            scale::compare("sqlite", small_target, large_target, sizes, w, settings.rounds, None).await?;
         }
     }
     Ok(verdicts.0)

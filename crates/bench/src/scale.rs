@@ -6,7 +6,12 @@
 //! records are read back through the store (they must decode to exactly the record the
 //! benchmark meant to write) and claimed (they must replay), so a preload in a wrong format
 //! fails the run instead of flattering it.
+//!
+//! Given an `onceguard` binary, it then starts one `onceguard serve` process on each
+//! PostgreSQL or Redis store and measures claims over HTTP and the processes' resident memory
+//! (see [`crate::served`]).
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
@@ -19,6 +24,7 @@ use crate::harness::{
     SCALE_NAMESPACE, claim_and_complete, fresh_claim, grouped, measure, millis, preloaded_record, preloaded_scope,
     replay, scope, spread, warmup_for,
 };
+use crate::served::Served;
 
 /// The fixed workload measured at each size.
 #[derive(Debug, Clone, Copy)]
@@ -93,6 +99,15 @@ impl Target<'_> {
                 format!("{}; Redis used_memory +{:.0} bytes per record", rate(d), per_record)
             }
         })
+    }
+
+    /// The URL an `onceguard serve` process opens this store with (`None`: not served).
+    fn store_url(&self) -> Option<String> {
+        match self {
+            Self::Sqlite(_) => None,
+            Self::Postgres { pg, schema, .. } => Some(pg.store_url(schema)),
+            Self::Redis { redis, prefix, .. } => redis.store_url(prefix),
+        }
     }
 
     fn guard(&mut self) -> Result<Guard> {
@@ -173,6 +188,7 @@ pub async fn compare(
     (small, large): (usize, usize),
     workload: Workload,
     rounds: usize,
+    server: Option<&Path>,
 ) -> Result<()> {
     ensure!(0 < small && small < large, "the sizes must grow: {small} then {large}");
     let now = Timestamp::now();
@@ -211,6 +227,99 @@ pub async fn compare(
         let show = |v: f64| if is_time { millis(Duration::from_secs_f64(v)) } else { grouped(v) };
         println!("{what:<58} {:>12} {:>12} {:>8.2}x", show(x), show(y), y / x);
     }
+    if let Some(binary) = server
+        && let (Some(small_url), Some(large_url)) = (small_target.store_url(), large_target.store_url())
+    {
+        served(name, binary, (&small_url, &large_url), (small, large), workload, rounds).await?;
+    }
     println!("{name}: done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// What one server measured in one round, over HTTP.
+struct ServedFigures {
+    pair_p50: Duration,
+    pair_p99: Duration,
+    replays_per_s: f64,
+    replay_p50: Duration,
+    replay_p99: Duration,
+}
+
+/// Starts an `onceguard serve` process on each of the two preloaded stores, measures claims
+/// over HTTP on one and the other in turn, `rounds` times, and prints their latencies and the
+/// servers' memory side by side.
+async fn served(
+    name: &str,
+    binary: &Path,
+    (small_url, large_url): (&str, &str),
+    (small, large): (usize, usize),
+    workload: Workload,
+    rounds: usize,
+) -> Result<()> {
+    let servers = [Served::start(binary, small_url).await?, Served::start(binary, large_url).await?];
+    let idle = [servers[0].memory()?, servers[1].memory()?];
+    let mut figures: [Vec<ServedFigures>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..rounds.max(1) {
+        for ((server, stored), out) in servers.iter().zip([small, large]).zip(figures.iter_mut()) {
+            let pairs = server.pairs(workload.serial_pairs, stored, format!("http{round}")).await?;
+            let replays =
+                server.replays(workload.replays, workload.concurrency, stored, round * workload.replays).await?;
+            out.push(ServedFigures {
+                pair_p50: pairs.percentile(50.0),
+                pair_p99: pairs.percentile(99.0),
+                replays_per_s: replays.rate(),
+                replay_p50: replays.percentile(50.0),
+                replay_p99: replays.percentile(99.0),
+            });
+        }
+    }
+    let after = [servers[0].memory()?, servers[1].memory()?];
+    drop(servers);
+    let (s, l) = (grouped(small as f64), grouped(large as f64));
+    println!(
+        "{:<58} {:>12} {:>12} {:>9}",
+        format!("{name}, served over HTTP: medians of {} rounds", rounds.max(1)),
+        format!("{s} keys"),
+        format!("{l} keys"),
+        "ratio"
+    );
+    let of = |i: usize, f: fn(&ServedFigures) -> f64| median(figures[i].iter().map(f).collect());
+    let c = workload.concurrency;
+    let lines: [ServedLine; 5] = [
+        (
+            format!("  claim+complete latency p50, ms (c=1, {} pairs)", workload.serial_pairs),
+            |f| secs(f.pair_p50),
+            true,
+        ),
+        (
+            format!("  claim+complete latency p99, ms (c=1, {} pairs)", workload.serial_pairs),
+            |f| secs(f.pair_p99),
+            true,
+        ),
+        (format!("  replay claims/s, random stored keys (c={c}, {})", workload.replays), |f| f.replays_per_s, false),
+        (format!("  replay claim latency p50, ms (c={c})"), |f| secs(f.replay_p50), true),
+        (format!("  replay claim latency p99, ms (c={c})"), |f| secs(f.replay_p99), true),
+    ];
+    for (what, f, is_time) in lines {
+        let (x, y) = (of(0, f), of(1, f));
+        let show = |v: f64| if is_time { millis(Duration::from_secs_f64(v)) } else { grouped(v) };
+        println!("{what:<58} {:>12} {:>12} {:>8.2}x", show(x), show(y), y / x);
+    }
+    let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+    let memory_lines: [(&str, [f64; 2]); 3] = [
+        ("  server RSS when ready, MiB", [mib(idle[0].rss), mib(idle[1].rss)]),
+        ("  server RSS after the workload, MiB", [mib(after[0].rss), mib(after[1].rss)]),
+        ("  server peak RSS (VmHWM), MiB", [mib(after[0].peak), mib(after[1].peak)]),
+    ];
+    for (what, [x, y]) in memory_lines {
+        println!("{what:<58} {x:>12.1} {y:>12.1} {:>8.2}x", y / x);
+    }
+    Ok(())
+}
+
+/// A printed line of the served comparison, as [`Line`].
+type ServedLine = (String, fn(&ServedFigures) -> f64, bool);
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
 }
