@@ -35,12 +35,28 @@ struct Run {
     rate: f64,
     p50: Duration,
     p99: Duration,
+    /// CPU time of this process (client and server) per request.
+    cpu: Duration,
+}
+
+/// CPU time this process has used so far (user + system), from `/proc/self/stat`; zero where
+/// that file does not exist.
+fn cpu_used() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat").ok().and_then(|stat| {
+        // The fields after the command name (which is in parentheses): utime and stime are the
+        // 12th and 13th of them, in clock ticks (100 per second on Linux).
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = rest.split(' ').collect();
+        Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+    });
+    Duration::from_millis(ticks.unwrap_or(0) * 10)
 }
 
 /// `requests` POSTs from `concurrency` tasks; request `i` uses key `key-{i}` (as the
 /// `Idempotency-Key` header for the proxy, in the JSON body for the claim API).
 async fn run(client: &reqwest::Client, url: &str, requests: usize, concurrency: usize, expect: u16) -> Run {
     let started = Instant::now();
+    let cpu_before = cpu_used();
     let tasks: Vec<_> = (0..concurrency)
         .map(|t| {
             let (client, url) = (client.clone(), url.to_owned());
@@ -69,9 +85,10 @@ async fn run(client: &reqwest::Client, url: &str, requests: usize, concurrency: 
         latencies.extend(task.await.unwrap());
     }
     let rate = requests as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu_used().saturating_sub(cpu_before) / requests as u32;
     latencies.sort();
     let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
-    Run { rate, p50: at(0.50), p99: at(0.99) }
+    Run { rate, p50: at(0.50), p99: at(0.99), cpu }
 }
 
 /// Claims and completes `key-0..requests` in namespace `bench` of the anonymous tenant, with
@@ -104,20 +121,24 @@ async fn complete_all(guard: &Guard, requests: usize) {
 }
 
 fn header() {
-    println!("{:<40} {:>10} {:>9} {:>10} {:>10} {:>18}", "path", "req/s", "ratio", "p50", "p99", "added p50/p99");
+    println!(
+        "{:<40} {:>10} {:>9} {:>10} {:>10} {:>18} {:>12}",
+        "path", "req/s", "ratio", "p50", "p99", "added p50/p99", "CPU µs/req"
+    );
 }
 
 fn row(name: &str, r: &Run, base: &Run) {
     let added = |a: Duration, b: Duration| a.saturating_sub(b);
     println!(
-        "{:<40} {:>10.0} {:>8.2}x {:>10.2?} {:>10.2?} {:>8.2?}/{:.2?}",
+        "{:<40} {:>10.0} {:>8.2}x {:>10.2?} {:>10.2?} {:>8.2?}/{:.2?} {:>12.1}",
         name,
         r.rate,
         r.rate / base.rate,
         r.p50,
         r.p99,
         added(r.p50, base.p50),
-        added(r.p99, base.p99)
+        added(r.p99, base.p99),
+        r.cpu.as_secs_f64() * 1e6
     );
 }
 

@@ -42,9 +42,21 @@ pub use store_url::StoreUrl;
 
 use problem::ApiError;
 
-/// What every handler shares.
+/// What every handler shares. Cloned for every request (by each extractor that reads it), so
+/// a clone is one reference count.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<SharedState>);
+
+impl std::ops::Deref for AppState {
+    type Target = SharedState;
+
+    fn deref(&self) -> &SharedState {
+        &self.0
+    }
+}
+
+/// The contents of [`AppState`].
+pub struct SharedState {
     /// The guard (store, clock, limits, waiters); its store is measured (see
     /// [`observed_store`]).
     pub guard: Guard,
@@ -64,7 +76,7 @@ impl AppState {
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
         let metrics = Arc::new(Metrics::new());
         let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
-        Ok(Self {
+        Ok(Self(Arc::new(SharedState {
             guard: guard.with_store(store),
             metrics,
             metrics_config: config.metrics.clone(),
@@ -74,7 +86,7 @@ impl AppState {
                 .allow_anonymous
                 .then(|| TenantId::parse(&config.auth.anonymous_tenant))
                 .transpose()?,
-        })
+        })))
     }
 }
 
