@@ -197,8 +197,30 @@ fn valid_schema(s: &str) -> bool {
         && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
 }
 
-fn unavailable(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Unavailable(format!("postgres: {e}"))
+/// The store cannot answer because of `e`: its message and its causes' (for an error the
+/// server sent, the driver's own message is only "db error"; the server's words are its cause).
+fn unavailable(e: impl std::error::Error) -> StoreError {
+    StoreError::Unavailable(format!("postgres: {}", with_causes(&e)))
+}
+
+/// The store cannot answer, for a reason of its own.
+fn stopped(why: &str) -> StoreError {
+    StoreError::Unavailable(format!("postgres: {why}"))
+}
+
+/// `e`'s message followed by those of its causes that it does not already include.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 fn corrupt(e: impl std::fmt::Display) -> StoreError {
@@ -438,8 +460,8 @@ impl PgStore {
         let (reply, answer) = oneshot::channel();
         let guess = Guess::of(&op, now, &self.writers.known);
         let job = Job { op, now, guess, reply };
-        self.jobs.send(job).await.map_err(|_| unavailable("the writers stopped"))?;
-        answer.await.map_err(|_| unavailable("the writer dropped the operation"))?
+        self.jobs.send(job).await.map_err(|_| stopped("the writers stopped"))?;
+        answer.await.map_err(|_| stopped("the writer dropped the operation"))?
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -644,7 +666,7 @@ async fn run_batch(
     mut guesses: Vec<Option<Guess>>,
     turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
 ) -> Result<Vec<Option<Answer>>, BatchError> {
-    let client = writers.pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    let client = writers.pool.get().await.map_err(|e| BatchError::Pool(with_causes(&e)))?;
     guesses.resize_with(batch.len(), || None);
     let decided = match decide_batch(&client, batch, guesses, turn).await {
         Ok(decided) => decided,
@@ -809,11 +831,13 @@ enum BatchError {
 impl std::fmt::Display for BatchError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Pg(e) => write!(f, "{e}"),
+            Self::Pg(e) => f.write_str(&with_causes(e)),
             Self::Pool(e) | Self::Data(e) => f.write_str(e),
         }
     }
 }
+
+impl std::error::Error for BatchError {}
 
 impl From<tokio_postgres::Error> for BatchError {
     fn from(e: tokio_postgres::Error) -> Self {
@@ -1491,7 +1515,7 @@ async fn revoke_chunk(
     now: Timestamp,
     after: Option<&(String, String)>,
 ) -> Result<(u64, Option<(String, String)>), BatchError> {
-    let client = pool.get().await.map_err(|e| BatchError::Pool(e.to_string()))?;
+    let client = pool.get().await.map_err(|e| BatchError::Pool(with_causes(&e)))?;
     let (prefix, run) = match target {
         SwitchTarget::Tenant => (None, None),
         SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
@@ -1586,8 +1610,8 @@ async fn notify_loop(pool: Pool, mut finished: mpsc::UnboundedReceiver<Scope>, c
             scopes.push(scope);
         }
         let sent = async {
-            let client = pool.get().await.map_err(|e| e.to_string())?;
-            notify(&client, &channel, &scopes).await.map_err(|e| e.to_string())
+            let client = pool.get().await.map_err(|e| with_causes(&e))?;
+            notify(&client, &channel, &scopes).await.map_err(|e| with_causes(&e))
         };
         if let Err(e) = sent.await {
             tracing::debug!(error = %e, "postgres: could not notify finished keys; waiters will poll");

@@ -217,3 +217,19 @@ async fn a_key_finished_through_one_instance_is_announced_to_another() {
     drop((a, b));
     drop_schema(&schema).await;
 }
+
+/// An error the server sends reaches the caller in the server's own words, not as the driver's
+/// bare "db error".
+#[tokio::test]
+async fn server_errors_keep_the_servers_message() {
+    if !available() {
+        return;
+    }
+    let url = url();
+    let (server, _database) = url.rsplit_once('/').expect("the URL names a database");
+    let missing = format!("{server}/og_no_such_database_{:08x}", rand::random::<u32>());
+    let Err(error) = PgStore::connect(&missing).await else { panic!("a store on a missing database opened") };
+    let message = error.to_string();
+    assert!(message.contains("does not exist"), "the server's reason is lost: {message}");
+    assert!(message.contains("og_no_such_database_"), "the message does not name the database: {message}");
+}
