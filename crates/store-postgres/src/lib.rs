@@ -1761,15 +1761,20 @@ impl Store for PgStore {
     }
 
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
+        // Under the key's lock, as every batch that reads and writes the key: a batch that read
+        // the record before the purge has written it by the time the lock is granted, so the
+        // purge deletes what it wrote instead of being undone by it.
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(scope)]).await.map_err(unavailable)?;
+        let n = tx
             .execute(
                 "DELETE FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3",
                 &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()],
             )
             .await
             .map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
         self.writers.known.forget(std::iter::once(scope));
         let _ = self.finished.send(scope.clone());
         Ok(n > 0)

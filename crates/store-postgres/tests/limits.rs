@@ -207,3 +207,41 @@ async fn revoking_more_leases_than_one_chunk_revokes_them_all() {
     drop(stores);
     common::drop_schema(&schema).await;
 }
+
+/// A purge on one instance racing a completion through another instance, which never saw the
+/// key and so decides on the record it reads: a completion that applied and a purge that
+/// deleted leave no record, whichever ran first. (A purge that did not wait for the key's lock
+/// could be undone by a batch that read the record before it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_is_never_undone_by_a_completion_through_another_instance() {
+    if !common::available("PostgreSQL limit tests") {
+        return;
+    }
+    let schema = common::schema("og_purge");
+    let stores = instances(&schema, 2).await;
+    let (mut applied, mut stale) = (0, 0);
+    for round in 0..300 {
+        let now = Timestamp::now();
+        let req = request("acme", &format!("purge-race-{round}"));
+        let ClaimOutcome::Acquired(a) = stores[0].claim(&req, now).await.unwrap() else { panic!("acquired") };
+        let (b, scope) = (stores[1].clone(), req.scope.clone());
+        let complete = tokio::spawn(async move { b.mutate(&scope, a.fence, done(0), now, 8).await.unwrap() });
+        let (p, scope) = (stores[0].clone(), req.scope.clone());
+        let purge = tokio::spawn(async move { p.purge(&scope).await.unwrap() });
+        let (completed, purged) = (complete.await.unwrap(), purge.await.unwrap());
+        assert!(purged, "round {round}: the purge found no record, though the key was held");
+        match completed {
+            FencedOutcome::Applied(_) => applied += 1,
+            FencedOutcome::Stale(why) => {
+                assert_eq!(why, StaleReason::NoRecord, "round {round}");
+                stale += 1;
+            }
+        }
+        for store in &stores {
+            assert_eq!(store.get(&req.scope, now).await.unwrap(), None, "round {round}: the purged record came back");
+        }
+    }
+    assert!(applied > 0 && stale > 0, "the race ran one way only: {applied} applied, {stale} stale");
+    drop(stores);
+    common::drop_schema(&schema).await;
+}

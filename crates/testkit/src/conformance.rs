@@ -420,6 +420,38 @@ pub async fn concurrent_claims_acquire_exactly_once(store: Arc<dyn Store>) {
     }
 }
 
+/// A purge and a completion of the same key, sent at once, many times: whichever runs first,
+/// when the completion applied and the purge deleted, no record is left (completion then
+/// purge leaves none; purge then completion is stale). A purge must never be undone by a
+/// completion that read the record before it.
+pub async fn purge_racing_a_completion_leaves_no_record(store: Arc<dyn Store>) {
+    let c = case(store);
+    let mut both = 0;
+    for round in 0..200 {
+        let key = scope(&format!("purge-race-{round}"));
+        let f = c.acquire(&request(&key, "a")).await;
+        let (guard, k) = (c.guard.clone(), key.clone());
+        let complete =
+            tokio::spawn(async move { guard.mutate(&k, f, Mutation::Complete(success("done"))).await.unwrap() });
+        let (guard, k) = (c.guard.clone(), key.clone());
+        let purge = tokio::spawn(async move { guard.store().purge(&k).await.unwrap() });
+        let (completed, purged) = (complete.await.unwrap(), purge.await.unwrap());
+        assert!(purged, "round {round}: the purge found no record, though the key was held");
+        match completed {
+            FencedOutcome::Applied(_) => {
+                both += 1;
+                assert_eq!(c.get(&key).await, None, "round {round}: the purged record came back");
+            }
+            FencedOutcome::Stale(why) => {
+                assert_eq!(why, StaleReason::NoRecord, "round {round}");
+                assert_eq!(c.get(&key).await, None, "round {round}");
+            }
+        }
+    }
+    // The race must have been run both ways at least once, or the case proved nothing.
+    assert!(both > 0, "no completion ever applied before its purge");
+}
+
 /// A claim that waits on an in-flight key receives the replay as soon as the holder completes,
 /// without polling by the client.
 pub async fn waiting_claim_receives_the_replay(store: Arc<dyn Store>) {

@@ -86,6 +86,7 @@ macro_rules! conformance_tests {
             tenants_are_isolated,
             namespaces_are_isolated,
             concurrent_claims_acquire_exactly_once,
+            purge_racing_a_completion_leaves_no_record,
             waiting_claim_receives_the_replay,
             waiting_claim_is_bounded,
             waiting_claim_recovers_when_the_lease_passes,
