@@ -101,7 +101,7 @@ impl Gateway {
         let token = value.to_str().map_err(|_| wrong())?.trim();
         let token = token.strip_prefix("Bearer ").unwrap_or(token);
         let (id, secret) = parse_token(token).ok_or_else(wrong)?;
-        match self.guard().store().get_api_key(&id).await? {
+        match self.state.api_keys.get(self.guard().store().as_ref(), &id).await? {
             Some(key) if key.verify(secret) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
             _ => Err(wrong()),
         }

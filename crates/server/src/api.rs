@@ -916,7 +916,9 @@ pub async fn revoke_api_key(
 ) -> ApiResult<StatusCode> {
     caller.require_admin()?;
     let id = ApiKeyId::parse(&id)?;
-    if !state.guard.store().revoke_api_key(&caller.tenant, &id, state.guard.clock().now()).await? {
+    let revoked = state.guard.store().revoke_api_key(&caller.tenant, &id, state.guard.clock().now()).await?;
+    state.api_keys.forget(&id);
+    if !revoked {
         return Err(ApiError::NotFound("no such API key in your tenant".into()));
     }
     tracing::info!(tenant = %caller.tenant, id = %id, "api key revoked");

@@ -204,6 +204,12 @@ pub struct AuthConfig {
     pub allow_anonymous: bool,
     /// The tenant anonymous requests act for.
     pub anonymous_tenant: String,
+    /// How long an instance may answer from its memory of an API key instead of reading it
+    /// from the store. A key revoked through this instance is refused at once; one revoked
+    /// elsewhere (another instance, the CLI) is refused here at most this long later. `0s`
+    /// reads the store on every request.
+    #[serde(with = "humantime_serde")]
+    pub key_cache_ttl: Duration,
 }
 
 /// HTTP limits.
@@ -279,6 +285,7 @@ impl Default for AuthConfig {
             bootstrap_key_file: PathBuf::from("onceguard-data/admin.key"),
             allow_anonymous: false,
             anonymous_tenant: "default".into(),
+            key_cache_ttl: Duration::from_secs(1),
         }
     }
 }
@@ -435,6 +442,9 @@ impl Config {
             .map_err(|_| InvalidInput::new("auth.operator_tenant", "is not a valid tenant id"))?;
         TenantId::parse(&self.auth.anonymous_tenant)
             .map_err(|_| InvalidInput::new("auth.anonymous_tenant", "is not a valid tenant id"))?;
+        if self.auth.key_cache_ttl > Duration::from_secs(60) {
+            return Err(InvalidInput::new("auth.key_cache_ttl", "must be at most 60s (revocations wait for it)"));
+        }
         if self.http.max_body_bytes < 1024 {
             return Err(InvalidInput::new("http.max_body_bytes", "must be at least 1024"));
         }
@@ -525,6 +535,22 @@ mod tests {
             assert!(matches!(Config::load(None, &Overrides::default()), Err(ConfigError::Load(_))));
             Ok(())
         });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
+    fn the_key_cache_is_set_in_auth_and_bounded() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("ONCEGUARD_AUTH__KEY_CACHE_TTL", "0s");
+            assert_eq!(Config::load(None, &Overrides::default()).expect("valid").auth.key_cache_ttl, Duration::ZERO);
+            jail.set_env("ONCEGUARD_AUTH__KEY_CACHE_TTL", "61s");
+            let Err(ConfigError::Invalid(e)) = Config::load(None, &Overrides::default()) else {
+                panic!("a cache longer than a minute was accepted")
+            };
+            assert!(e.to_string().contains("auth.key_cache_ttl"), "{e}");
+            Ok(())
+        });
+        assert_eq!(Config::default().auth.key_cache_ttl, Duration::from_secs(1));
     }
 
     #[test]

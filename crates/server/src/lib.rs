@@ -68,6 +68,8 @@ pub struct SharedState {
     pub operator_tenant: TenantId,
     /// The tenant of requests without an API key, when anonymous access is allowed.
     pub anonymous_tenant: Option<TenantId>,
+    /// API keys read recently (see `auth.key_cache_ttl`).
+    pub api_keys: auth::KeyCache,
 }
 
 impl AppState {
@@ -86,6 +88,7 @@ impl AppState {
                 .allow_anonymous
                 .then(|| TenantId::parse(&config.auth.anonymous_tenant))
                 .transpose()?,
+            api_keys: auth::KeyCache::new(config.auth.key_cache_ttl),
         })))
     }
 }

@@ -39,6 +39,8 @@ pub struct TestApp {
     pub other_agent: String,
     /// While true, a [`Backing::Breakable`] store answers every call `Unavailable`.
     pub store_down: Arc<AtomicBool>,
+    /// The store under the server, for changes made beside it (as the CLI makes them).
+    pub store: Arc<dyn Store>,
     _dir: tempfile::TempDir,
     _server: tokio::task::JoinHandle<()>,
 }
@@ -91,6 +93,7 @@ pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config
         agent,
         other_agent,
         store_down,
+        store,
         _dir: dir,
         _server: server,
     }
