@@ -166,9 +166,25 @@ async fn figures(guard: &Guard, stored: usize, round: usize, workload: Workload)
     })
 }
 
-/// A printed line of the comparison: its label, the figure it shows, and whether that is a
-/// time (printed in ms) or a rate.
-type Line = (String, fn(&Figures) -> f64, bool);
+/// A printed line of a comparison: its label, the figure it shows of a round's figures `F`, and
+/// whether that is a time in seconds (printed in ms) or a rate.
+type Line<F> = (String, fn(&F) -> f64, bool);
+
+/// The heading of a comparison of the two sizes.
+fn heading(title: &str, (small, large): (usize, usize)) {
+    let (s, l) = (grouped(small as f64), grouped(large as f64));
+    println!("{title:<58} {:>12} {:>12} {:>9}", format!("{s} keys"), format!("{l} keys"), "ratio");
+}
+
+/// Prints each line's median over the rounds of the small store (`a`) and of the large one
+/// (`b`), and their ratio.
+fn print_medians<F>(lines: &[Line<F>], a: &[F], b: &[F]) {
+    for (what, f, is_time) in lines {
+        let (x, y) = (median(a.iter().map(f).collect()), median(b.iter().map(f).collect()));
+        let show = |v: f64| if *is_time { millis(Duration::from_secs_f64(v)) } else { grouped(v) };
+        println!("{what:<58} {:>12} {:>12} {:>8.2}x", show(x), show(y), y / x);
+    }
+}
 
 /// The median of `values`.
 fn median(mut values: Vec<f64>) -> f64 {
@@ -203,16 +219,8 @@ pub async fn compare(
         a.push(figures(&small_guard, small, round, workload).await?);
         b.push(figures(&large_guard, large, round, workload).await?);
     }
-    let of = |figures: &[Figures], f: fn(&Figures) -> f64| median(figures.iter().map(f).collect());
-    let (s, l) = (grouped(small as f64), grouped(large as f64));
-    println!(
-        "{:<58} {:>12} {:>12} {:>9}",
-        format!("{name}: medians of {} rounds", rounds.max(1)),
-        format!("{s} keys"),
-        format!("{l} keys"),
-        "ratio"
-    );
-    let lines: [Line; 4] = [
+    heading(&format!("{name}: medians of {} rounds", rounds.max(1)), (small, large));
+    let lines: [Line<Figures>; 4] = [
         (format!("  pair latency p50, ms (c=1, {} pairs)", workload.serial_pairs), |f| f.p50.as_secs_f64(), true),
         (format!("  pair latency p99, ms (c=1, {} pairs)", workload.serial_pairs), |f| f.p99.as_secs_f64(), true),
         (format!("  pairs/s (c={}, {} pairs)", workload.concurrency, workload.pairs), |f| f.pairs_per_s, false),
@@ -222,11 +230,7 @@ pub async fn compare(
             false,
         ),
     ];
-    for (what, f, is_time) in lines {
-        let (x, y) = (of(&a, f), of(&b, f));
-        let show = |v: f64| if is_time { millis(Duration::from_secs_f64(v)) } else { grouped(v) };
-        println!("{what:<58} {:>12} {:>12} {:>8.2}x", show(x), show(y), y / x);
-    }
+    print_medians(&lines, &a, &b);
     if let Some(binary) = server
         && let (Some(small_url), Some(large_url)) = (small_target.store_url(), large_target.store_url())
     {
@@ -275,17 +279,9 @@ async fn served(
     }
     let after = [servers[0].memory()?, servers[1].memory()?];
     drop(servers);
-    let (s, l) = (grouped(small as f64), grouped(large as f64));
-    println!(
-        "{:<58} {:>12} {:>12} {:>9}",
-        format!("{name}, served over HTTP: medians of {} rounds", rounds.max(1)),
-        format!("{s} keys"),
-        format!("{l} keys"),
-        "ratio"
-    );
-    let of = |i: usize, f: fn(&ServedFigures) -> f64| median(figures[i].iter().map(f).collect());
+    heading(&format!("{name}, served over HTTP: medians of {} rounds", rounds.max(1)), (small, large));
     let c = workload.concurrency;
-    let lines: [ServedLine; 5] = [
+    let lines: [Line<ServedFigures>; 5] = [
         (
             format!("  claim+complete latency p50, ms (c=1, {} pairs)", workload.serial_pairs),
             |f| secs(f.pair_p50),
@@ -300,11 +296,7 @@ async fn served(
         (format!("  replay claim latency p50, ms (c={c})"), |f| secs(f.replay_p50), true),
         (format!("  replay claim latency p99, ms (c={c})"), |f| secs(f.replay_p99), true),
     ];
-    for (what, f, is_time) in lines {
-        let (x, y) = (of(0, f), of(1, f));
-        let show = |v: f64| if is_time { millis(Duration::from_secs_f64(v)) } else { grouped(v) };
-        println!("{what:<58} {:>12} {:>12} {:>8.2}x", show(x), show(y), y / x);
-    }
+    print_medians(&lines, &figures[0], &figures[1]);
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
     let memory_lines: [(&str, [f64; 2]); 3] = [
         ("  server RSS when ready, MiB", [mib(idle[0].rss), mib(idle[1].rss)]),
@@ -316,9 +308,6 @@ async fn served(
     }
     Ok(())
 }
-
-/// A printed line of the served comparison, as [`Line`].
-type ServedLine = (String, fn(&ServedFigures) -> f64, bool);
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
