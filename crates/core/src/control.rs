@@ -545,6 +545,12 @@ pub struct AuditEntry {
 }
 
 impl AuditEntry {
+    /// The smallest id an entry made at or after `at` can have: entries made before `at` have
+    /// smaller ids (the id starts with its milliseconds, zero-padded to 15 digits).
+    pub fn id_floor(at: Timestamp) -> String {
+        format!("{:015}", at.0)
+    }
+
     /// A new entry at `at`, with an id that sorts by time: the milliseconds, then this
     /// process's sequence number (so entries of one process keep their order within a
     /// millisecond), then a random tag of the process (so two processes never make the same id).

@@ -353,6 +353,30 @@ impl Guard {
         Ok(total)
     }
 
+    /// Deletes every tenant's audit entries older than `retention`, `batch` at a time, at most
+    /// `max_batches` batches per tenant; answers how many it deleted.
+    pub async fn prune_audit(
+        &self,
+        retention: Duration,
+        batch: usize,
+        max_batches: usize,
+    ) -> Result<usize, GuardError> {
+        let before = crate::Timestamp(
+            self.clock.now().0.saturating_sub(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX)),
+        );
+        let mut total = 0;
+        for tenant in self.store.list_tenants().await? {
+            for _ in 0..max_batches {
+                let n = self.store.prune_audit(&tenant.id, before, batch).await?;
+                total += n;
+                if n < batch {
+                    break;
+                }
+            }
+        }
+        Ok(total)
+    }
+
     /// Counts a tenant's in-progress records and the stuck ones among them, reading at most
     /// `max_pages` pages.
     pub async fn count_in_progress(&self, tenant: &TenantId, max_pages: usize) -> Result<(usize, usize), GuardError> {

@@ -279,6 +279,21 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let floor = AuditEntry::id_floor(before);
+        let mut state = self.lock();
+        let old: Vec<(TenantId, String)> = state
+            .audit
+            .range((tenant.clone(), String::new())..(tenant.clone(), floor))
+            .take(batch)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &old {
+            state.audit.remove(k);
+        }
+        Ok(old.len())
+    }
+
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let state = self.lock();

@@ -206,6 +206,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// A tenant's audit entries, newest first (by id), filtered.
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError>;
+
+    /// Deletes up to `batch` of the tenant's audit entries made before `before` (ids below
+    /// [`AuditEntry::id_floor`] of it), oldest first; answers how many it deleted.
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError>;
 }
 
 /// How long a store waits for its own backend before answering [`StoreError::Unavailable`].

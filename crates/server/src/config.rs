@@ -236,8 +236,12 @@ pub struct SweepConfig {
     pub interval: Duration,
     /// Records deleted per batch.
     pub batch: usize,
-    /// Batches per run, at most.
+    /// Batches per run, at most (for the audit log: per tenant).
     pub max_batches: usize,
+    /// How long audit entries are kept; older ones are deleted by the same sweep, in batches of
+    /// `batch`. `0s` keeps them for ever.
+    #[serde(with = "humantime_serde")]
+    pub audit_retention: Duration,
 }
 
 /// `/metrics` and the dashboard: how the keys in flight and stuck are counted.
@@ -302,7 +306,12 @@ impl Default for HttpConfig {
 
 impl Default for SweepConfig {
     fn default() -> Self {
-        Self { interval: Duration::from_secs(30), batch: 500, max_batches: 20 }
+        Self {
+            interval: Duration::from_secs(30),
+            batch: 500,
+            max_batches: 20,
+            audit_retention: Duration::from_secs(365 * 86_400),
+        }
     }
 }
 

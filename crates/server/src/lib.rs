@@ -393,5 +393,13 @@ async fn sweep_loop(guard: Guard, config: config::SweepConfig, mut stop: watch::
             Ok(n) => tracing::info!(deleted = n, "swept expired records"),
             Err(e) => tracing::warn!(error = %e, "sweep failed; will retry"),
         }
+        if config.audit_retention.is_zero() {
+            continue;
+        }
+        match guard.prune_audit(config.audit_retention, config.batch, config.max_batches).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(deleted = n, "deleted audit entries past their retention"),
+            Err(e) => tracing::warn!(error = %e, "pruning the audit log failed; will retry"),
+        }
     }
 }

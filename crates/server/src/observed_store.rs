@@ -211,4 +211,8 @@ impl Store for ObservedStore {
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         self.timed("audit", self.inner.list_audit(tenant, filter)).await
     }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.timed("audit", self.inner.prune_audit(tenant, before, batch)).await
+    }
 }

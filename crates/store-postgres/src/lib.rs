@@ -2051,6 +2051,20 @@ impl Store for PgStore {
         Ok(())
     }
 
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM og_audit WHERE tenant = $1 AND id IN
+                   (SELECT id FROM og_audit WHERE tenant = $1 AND id < $2 ORDER BY id LIMIT $3)",
+                &[&tenant.as_str(), &AuditEntry::id_floor(before), &i64::try_from(batch).unwrap_or(i64::MAX)],
+            )
+            .await
+            .map_err(unavailable)?;
+        usize::try_from(n).map_err(corrupt)
+    }
+
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);

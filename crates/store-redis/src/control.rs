@@ -266,6 +266,24 @@ impl RedisStore {
         invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("append to the audit log"))
     }
 
+    /// Deletes up to `batch` of the tenant's audit entries made before `before`, oldest first.
+    pub(crate) async fn delete_old_audit(
+        &self,
+        tenant: &TenantId,
+        before: Timestamp,
+        batch: usize,
+    ) -> Result<usize, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut invocation = SCRIPTS.prune_audit.prepare_invoke();
+        invocation
+            .key(self.keys.audit(tenant))
+            .key(self.keys.audit_entries(tenant))
+            .arg(AuditEntry::id_floor(before))
+            .arg(batch);
+        let n = invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("prune the audit log"))?;
+        usize::try_from(n).map_err(corrupt)
+    }
+
     /// Reads the tenant's audit index newest first, a chunk at a time, and the entries it
     /// names, until a page (and one more entry) passed the filter.
     pub(crate) async fn read_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {

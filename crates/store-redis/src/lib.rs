@@ -1271,6 +1271,10 @@ impl Store for RedisStore {
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         self.bounded("list the audit log", self.read_audit(tenant, filter)).await
     }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.bounded("prune the audit log", self.delete_old_audit(tenant, before, batch)).await
+    }
 }
 
 fn api_key(doc: &str, revoked: Option<u64>) -> Result<ApiKey, StoreError> {

@@ -731,6 +731,19 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 "#;
 
+/// Deletes up to a batch of a tenant's oldest audit entries below an id; answers how many.
+pub const PRUNE_AUDIT: &str = r#"
+-- KEYS: the tenant's audit index, its entries; ARGV: the id floor, the batch
+local ids = redis.call('ZRANGEBYLEX', KEYS[1], '-', '(' .. ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+if #ids == 0 then return 0 end
+for i = 1, #ids, 256 do
+  local chunk = { unpack(ids, i, math.min(i + 255, #ids)) }
+  redis.call('ZREM', KEYS[1], unpack(chunk))
+  redis.call('HDEL', KEYS[2], unpack(chunk))
+end
+return #ids
+"#;
+
 /// Deletes a control document; answers its body, or nil if there was none.
 pub const DELETE_CONTROL: &str = r#"
 -- KEYS: control documents; ARGV: field
@@ -792,6 +805,8 @@ pub struct Scripts {
     pub rate: Script,
     /// See [`APPEND_AUDIT`].
     pub append_audit: Script,
+    /// See [`PRUNE_AUDIT`].
+    pub prune_audit: Script,
     /// See [`DELETE_CONTROL`].
     pub delete_control: Script,
     /// See [`CREATE_API_KEY`].
@@ -820,6 +835,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         put_budget: Script::new(PUT_BUDGET),
         rate: with_numbers(RATE),
         append_audit: Script::new(APPEND_AUDIT),
+        prune_audit: Script::new(PRUNE_AUDIT),
         delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),

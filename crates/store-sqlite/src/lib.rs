@@ -899,6 +899,20 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let (tenant, floor) = (tenant.clone(), AuditEntry::id_floor(before));
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        self.write(move |conn| {
+            conn.prepare_cached(
+                "DELETE FROM audit WHERE tenant = ?1 AND id IN
+                   (SELECT id FROM audit WHERE tenant = ?1 AND id < ?2 ORDER BY id LIMIT ?3)",
+            )
+            .and_then(|mut st| st.execute(params![tenant.as_str(), floor, batch]))
+            .map_err(unavailable)
+        })
+        .await
+    }
+
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         let (tenant, filter) = (tenant.clone(), filter.clone());
         self.read(move |conn| {

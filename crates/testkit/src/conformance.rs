@@ -814,6 +814,45 @@ pub async fn revoked_leases_make_holders_stale(store: Arc<dyn Store>) {
     assert_eq!(c.mutate(&r, fr, checkpoint("x", "1")).await, FencedOutcome::Stale(StaleReason::Superseded));
 }
 
+/// Audit entries past their retention are deleted oldest first, a batch at a time, per tenant;
+/// newer entries and other tenants' stay.
+pub async fn audit_log_prunes_old_entries(store: Arc<dyn Store>) {
+    let (acme, other) = (TenantId::parse("acme").unwrap(), TenantId::parse("other").unwrap());
+    for tenant in [&acme, &other] {
+        store.create_tenant(&Tenant { id: tenant.clone(), created_at: Timestamp(0) }).await.unwrap();
+    }
+    for i in 0..10u64 {
+        store
+            .append_audit(&AuditEntry::new(acme.clone(), Timestamp(1_000 + i), "x", "a", format!("t{i}")))
+            .await
+            .unwrap();
+    }
+    for (tenant, at) in [(&acme, 9_000), (&other, 1_000), (&other, 9_000)] {
+        store.append_audit(&AuditEntry::new(tenant.clone(), Timestamp(at), "x", "a", format!("at{at}"))).await.unwrap();
+    }
+    let targets = |tenant: TenantId| {
+        let store = store.clone();
+        async move {
+            let all = AuditFilter { limit: 100, ..AuditFilter::default() };
+            let page = store.list_audit(&tenant, &all).await.unwrap();
+            page.entries.into_iter().rev().map(|e| e.target).collect::<Vec<String>>()
+        }
+    };
+    // Oldest first, at most a batch; an entry made exactly at the bound stays.
+    assert_eq!(store.prune_audit(&acme, Timestamp(1_005), 3).await.unwrap(), 3);
+    assert_eq!(targets(acme.clone()).await, ["t3", "t4", "t5", "t6", "t7", "t8", "t9", "at9000"]);
+    assert_eq!(store.prune_audit(&acme, Timestamp(1_005), 10).await.unwrap(), 2);
+    assert_eq!(store.prune_audit(&acme, Timestamp(1_005), 10).await.unwrap(), 0);
+    assert_eq!(targets(acme.clone()).await, ["t5", "t6", "t7", "t8", "t9", "at9000"]);
+    assert_eq!(targets(other.clone()).await, ["at1000", "at9000"]);
+    // Through the guard: every tenant, in batches, up to its bound.
+    let clock = Arc::new(ManualClock::new(Timestamp(9_500)));
+    let guard = Guard::new(store.clone(), clock, Limits::default());
+    assert_eq!(guard.prune_audit(Duration::from_millis(1_000), 2, 100).await.unwrap(), 6);
+    assert_eq!(targets(acme.clone()).await, ["at9000"]);
+    assert_eq!(targets(other.clone()).await, ["at9000"]);
+}
+
 /// The audit log keeps a tenant's entries newest first, filtered and paged by cursor.
 pub async fn audit_log_pages_newest_first(store: Arc<dyn Store>) {
     let acme = TenantId::parse("acme").unwrap();

@@ -101,7 +101,8 @@ macro_rules! conformance_tests {
             claim_rate_per_tenant,
             control_documents,
             revoked_leases_make_holders_stale,
-            audit_log_pages_newest_first
+            audit_log_pages_newest_first,
+            audit_log_prunes_old_entries
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

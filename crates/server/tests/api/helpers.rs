@@ -196,6 +196,9 @@ impl Store for BreakableStore {
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         self.up()?.list_audit(tenant, filter).await
     }
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.up()?.prune_audit(tenant, before, batch).await
+    }
 }
 
 impl TestApp {
