@@ -217,7 +217,12 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
 #[tokio::test]
 async fn a_store_that_does_not_answer_shows_in_the_metrics() {
     use std::sync::atomic::Ordering;
-    let app = spawn_app_with(Backing::Breakable, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    let app = spawn_app_with(Backing::Breakable, |c| {
+        c.metrics.refresh_interval = Duration::ZERO;
+        // The agent's key is read once, before the outage, and remembered throughout it.
+        c.auth.key_cache_ttl = Duration::from_secs(60);
+    })
+    .await;
     assert_eq!(app.claim_key("before", json!(1)).await.0, StatusCode::CREATED);
     let (_, m) = scrape(&app).await;
     assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 1.0);
@@ -226,8 +231,19 @@ async fn a_store_that_does_not_answer_shows_in_the_metrics() {
     let response =
         app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "during", "request": 1})).await;
     assert_problem(response, StatusCode::SERVICE_UNAVAILABLE, "store-unavailable").await;
+    // A key not read before the outage cannot be checked: 503, never 401.
+    let unread =
+        app.post(&app.other_agent, "/v1/claims", &json!({"namespace": "demo", "key": "k", "request": 1})).await;
+    assert_problem(unread, StatusCode::SERVICE_UNAVAILABLE, "store-unavailable").await;
     let (_, m) = scrape(&app).await;
     assert_eq!(value(&m, r#"onceguard_store_up{store="memory"}"#), 0.0, "the store is reported down");
+    assert!(
+        value(
+            &m,
+            r#"onceguard_store_operation_duration_seconds_count{store="memory",op="claim",result="unavailable"}"#
+        ) >= 1.0,
+        "the remembered key let the claim reach the store, which did not answer"
+    );
     assert!(
         value(&m, r#"onceguard_store_operation_duration_seconds_count{store="memory",op="auth",result="unavailable"}"#)
             >= 1.0
@@ -243,7 +259,7 @@ async fn a_store_that_does_not_answer_shows_in_the_metrics() {
     );
     assert_eq!(
         value(&m, r#"onceguard_http_request_duration_seconds_count{method="POST",route="/v1/claims",status="503"}"#),
-        1.0
+        2.0
     );
 
     app.store_down.store(false, Ordering::SeqCst);
