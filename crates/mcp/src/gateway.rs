@@ -23,7 +23,6 @@ use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use axum::response::IntoResponse;
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
-use onceguard_core::auth::parse_token;
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind,
     RecordState, Scope, TenantId,
@@ -100,10 +99,9 @@ impl Gateway {
         };
         let token = value.to_str().map_err(|_| wrong())?.trim();
         let token = token.strip_prefix("Bearer ").unwrap_or(token);
-        let (id, secret) = parse_token(token).ok_or_else(wrong)?;
-        match self.state.api_keys.get(self.guard().store().as_ref(), &id).await? {
-            Some(key) if key.verify(secret) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
-            _ => Err(wrong()),
+        match onceguard_server::auth::verified_key(&self.state, token).await? {
+            Some(key) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
+            None => Err(wrong()),
         }
     }
 

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::extract::FromRequestParts;
@@ -66,13 +67,21 @@ async fn authenticate(parts: &Parts, state: &AppState) -> Result<Caller, ApiErro
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim)
         .ok_or_else(|| ApiError::Unauthenticated(WRONG_KEY.into()))?;
-    let (id, secret) = parse_token(token).ok_or_else(|| ApiError::Unauthenticated(WRONG_KEY.into()))?;
-    let key = state.api_keys.get(state.guard.store().as_ref(), &id).await?;
-    // A missing key and a wrong secret answer the same, so that ids cannot be probed.
-    match key {
-        Some(key) if key.verify(secret) => Ok(Caller { tenant: key.tenant, role: key.role, key_id: Some(key.id) }),
-        _ => Err(ApiError::Unauthenticated(WRONG_KEY.into())),
+    // A malformed token, a missing key and a wrong secret answer the same, so that ids cannot
+    // be probed.
+    match verified_key(state, token).await? {
+        Some(key) => Ok(Caller { tenant: key.tenant, role: key.role, key_id: Some(key.id) }),
+        None => Err(ApiError::Unauthenticated(WRONG_KEY.into())),
     }
+}
+
+/// The unrevoked API key whose token is `token` (`og_<id>_<secret>`): parsed, looked up
+/// (remembered, or read from the store) and its secret checked. `None` for a malformed token,
+/// an unknown id, a wrong secret or a revoked key alike.
+pub async fn verified_key(state: &AppState, token: &str) -> Result<Option<ApiKey>, StoreError> {
+    let Some((id, secret)) = parse_token(token) else { return Ok(None) };
+    let key = state.api_keys.get(state.guard.store().as_ref(), &id).await?;
+    Ok(key.filter(|key| key.verify(secret)))
 }
 
 /// The keys remembered at most, so that the memory stays bounded however many keys exist;
@@ -87,12 +96,15 @@ const MAX_REMEMBERED_KEYS: usize = 10_000;
 pub struct KeyCache {
     ttl: Duration,
     keys: Mutex<HashMap<ApiKeyId, (ApiKey, Instant)>>,
+    /// Raised by every [`KeyCache::forget`], so that a read that began before a revocation is
+    /// not remembered after it.
+    forgotten: AtomicU64,
 }
 
 impl KeyCache {
     /// A cache that remembers a key for `ttl` (zero: never).
     pub fn new(ttl: Duration) -> Self {
-        Self { ttl, keys: Mutex::new(HashMap::new()) }
+        Self { ttl, keys: Mutex::new(HashMap::new()), forgotten: AtomicU64::new(0) }
     }
 
     fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<ApiKeyId, (ApiKey, Instant)>> {
@@ -110,10 +122,12 @@ impl KeyCache {
         {
             return Ok(Some(key.clone()));
         }
-        let read = Instant::now();
+        let (read, generation) = (Instant::now(), self.forgotten.load(Ordering::Acquire));
         let key = store.get_api_key(id).await?;
         let mut keys = self.keys();
         match &key {
+            // A key forgotten while it was read may have been revoked after the read.
+            Some(_) if self.forgotten.load(Ordering::Acquire) != generation => {}
             Some(key) => {
                 if keys.len() >= MAX_REMEMBERED_KEYS && !keys.contains_key(id) {
                     let mut ages: Vec<Instant> = keys.values().map(|(_, at)| *at).collect();
@@ -132,6 +146,38 @@ impl KeyCache {
 
     /// Forgets `id` (it was just revoked through this instance).
     pub fn forget(&self, id: &ApiKeyId) {
-        self.keys().remove(id);
+        let mut keys = self.keys();
+        keys.remove(id);
+        self.forgotten.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use onceguard_core::{MemoryStore, Timestamp};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn remembered_keys_are_forgotten_on_revocation_and_unknown_ids_never_remembered() {
+        let store = MemoryStore::new();
+        let tenant = TenantId::parse("acme").unwrap();
+        let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
+        store.create_api_key(&new.key).await.unwrap();
+        let cache = KeyCache::new(Duration::from_secs(60));
+        let id = new.key.id.clone();
+        assert_eq!(cache.get(&store, &id).await.unwrap().map(|k| k.id), Some(id.clone()));
+        // Revoked in the store only: this instance still answers from its memory...
+        assert!(store.revoke_api_key(&tenant, &id, Timestamp(2)).await.unwrap());
+        assert!(cache.get(&store, &id).await.unwrap().unwrap().revoked_at.is_none());
+        // ...until it forgets the key, as a revocation through it does; then it reads the store.
+        cache.forget(&id);
+        assert!(cache.get(&store, &id).await.unwrap().unwrap().revoked_at.is_some());
+
+        let unknown = ApiKey::generate(tenant.clone(), Role::Agent, "never stored", Timestamp(1)).key;
+        assert!(cache.get(&store, &unknown.id).await.unwrap().is_none());
+        assert!(!cache.keys().contains_key(&unknown.id), "an unknown id is not remembered");
+        store.create_api_key(&unknown).await.unwrap();
+        assert!(cache.get(&store, &unknown.id).await.unwrap().is_some(), "a key created later is found at once");
     }
 }
