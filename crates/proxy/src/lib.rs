@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, Request, Response, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, header};
 use axum::response::IntoResponse;
 use futures::TryStreamExt;
 use onceguard_core::{Guard, InvalidInput, Limits, TenantId};
@@ -91,7 +91,16 @@ impl Upstream {
     pub async fn forward(&self, request: Request<Body>) -> Response<Body> {
         let (parts, body) = request.into_parts();
         let url = format!("{}{}", self.base, parts.uri.path_and_query().map_or("/", |p| p.as_str()));
-        let headers = end_to_end(&parts.headers, &[header::HOST]);
+        let mut headers = end_to_end(&parts.headers, &[header::HOST]);
+        // The body is streamed on; when its length is known (always for a guarded request, whose
+        // body was read first), it goes with its length, not chunked, as the caller sent it:
+        // some upstreams refuse chunked requests. An empty body gets a length only if the
+        // caller gave one (a GET carries none).
+        if let Some(length) = axum::body::HttpBody::size_hint(&body).exact()
+            && (length > 0 || parts.headers.contains_key(header::CONTENT_LENGTH))
+        {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+        }
         let body = reqwest::Body::wrap_stream(body.into_data_stream());
         match self.client.request(parts.method, url).headers(headers).body(body).send().await {
             Ok(upstream) => {

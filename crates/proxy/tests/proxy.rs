@@ -50,7 +50,7 @@ async fn status(State(c): State<Counts>, Path(code): Path<u16>) -> Response {
 async fn echo(State(c): State<Counts>, headers: HeaderMap, body: Bytes) -> Response {
     count(&c, "echo");
     let mut out = HeaderMap::new();
-    for name in ["traceparent", "tracestate"] {
+    for name in ["traceparent", "tracestate", "content-length", "transfer-encoding"] {
         if let Some(v) = headers.get(name) {
             out.insert(format!("x-seen-{name}").parse::<axum::http::HeaderName>().unwrap(), v.clone());
         }
@@ -102,7 +102,7 @@ async fn start_upstream() -> (String, Counts) {
     let app = Router::new()
         .route("/charge", post(charge))
         .route("/status/{code}", any(status))
-        .route("/echo", post(echo))
+        .route("/echo", any(echo))
         .route("/large", post(large))
         .route("/slow", post(slow))
         .route("/plain", any(plain))
@@ -417,6 +417,24 @@ async fn trace_context_passes_through_to_the_upstream() {
         .unwrap();
     assert_eq!(r.headers()["x-seen-traceparent"], traceparent);
     assert_eq!(r.headers()["x-seen-tracestate"], "vendor=1");
+}
+
+/// A request's body reaches the upstream with its length, as the caller sent it, never
+/// re-encoded as chunked (some upstreams refuse chunked requests); a GET gets no length.
+#[tokio::test]
+async fn bodies_are_forwarded_with_their_length_not_chunked() {
+    let (upstream, _) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let guarded = proxy.post("/echo", "length", "hello, upstream").await;
+    assert_eq!(guarded.headers()["x-seen-content-length"], "15");
+    assert!(guarded.headers().get("x-seen-transfer-encoding").is_none(), "the body went chunked");
+    assert_eq!(guarded.bytes().await.unwrap(), "hello, upstream");
+    let passed = proxy.request(Method::PUT, "/echo", None).body("put body").send().await.unwrap();
+    assert_eq!(passed.headers()["x-seen-content-length"], "8");
+    assert!(passed.headers().get("x-seen-transfer-encoding").is_none());
+    let get = proxy.request(Method::GET, "/echo", None).send().await.unwrap();
+    assert!(get.headers().get("x-seen-content-length").is_none(), "a GET without a body got a length");
+    assert!(get.headers().get("x-seen-transfer-encoding").is_none());
 }
 
 #[tokio::test]
