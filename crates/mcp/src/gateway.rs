@@ -617,6 +617,9 @@ async fn keep_alive(guard: Guard, scope: Scope, fence: Fence, lease: Duration) {
     }
 }
 
+/// Most pages of `tools/list` the gateway reads when it lists the tools itself.
+const MAX_LISTING_PAGES: usize = 20;
+
 /// Most bytes of a `tools/list` answer read to learn annotations (a larger one passes unread).
 const MAX_LISTING_BYTES: usize = 4 * 1024 * 1024;
 
@@ -658,28 +661,33 @@ fn learn_from(gateway: Arc<Gateway>, id: Value, response: Response<Body>) -> Res
 }
 
 impl Gateway {
-    /// Learns annotations from a `tools/list` answer (JSON or an event stream) to request `id`.
-    fn learn_listing(&self, bytes: &[u8], sse: bool, id: &Value) {
+    /// Learns annotations from a `tools/list` answer (JSON or an event stream) to request `id`;
+    /// answers the cursor of the next page, if the answer names one.
+    fn learn_listing(&self, bytes: &[u8], sse: bool, id: &Value) -> Option<String> {
         let messages: Vec<Vec<u8>> = if sse {
             SseReader::new(MAX_LISTING_BYTES).push(bytes).into_iter().filter_map(|b| b.data).collect()
         } else {
             vec![bytes.to_vec()]
         };
+        let mut next = None;
         for message in messages {
             if let Some(result) = ResponseMessage::answering(&message, id).and_then(|m| m.result)
                 && let Ok(result) = serde_json::from_str::<Value>(result.get())
             {
                 let learned = self.tools.learn(&result);
                 tracing::debug!(learned, "learned tool annotations from tools/list");
+                next = result.get("nextCursor").and_then(Value::as_str).map(str::to_owned);
             }
         }
+        next
     }
 
     /// Lists the upstream's tools for a caller whose call (without a key) names a tool not seen
     /// in a listing yet, e.g. after the gateway restarted while the client kept its listing. The
     /// listing is sent as the caller's: its headers (session, protocol version, `Authorization`)
     /// and its call's protocol envelope (`_meta` members `io.modelcontextprotocol/…`), with the
-    /// gateway's own request id; its answer goes to the gateway only.
+    /// gateway's own request id; its answer goes to the gateway only. It follows the listing's
+    /// pages (`nextCursor`), at most [`MAX_LISTING_PAGES`] of them.
     async fn list_tools_for(&self, parts: &axum::http::request::Parts, params: Option<&Value>) {
         const ID: &str = "onceguard-tools-list";
         let mut headers = parts.headers.clone();
@@ -704,29 +712,38 @@ impl Gateway {
                     .collect()
             })
             .unwrap_or_default();
-        let mut message = serde_json::json!({"jsonrpc": "2.0", "id": ID, "method": "tools/list"});
-        if !envelope.is_empty() {
-            message["params"] = serde_json::json!({ "_meta": envelope });
-        }
-        let mut request = Request::new(Body::from(message.to_string()));
-        *request.method_mut() = Method::POST;
-        *request.uri_mut() = parts.uri.clone();
-        *request.headers_mut() = headers;
-        let response = self.calls.forward(request).await;
-        if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
-            tracing::debug!(status = %response.status(), "the upstream did not list its tools");
-            return;
-        }
-        let sse = is_event_stream(response.headers());
-        let mut chunks = response.into_body().into_data_stream();
-        let mut seen = Vec::new();
-        while let Some(Ok(chunk)) = chunks.next().await {
-            if seen.len() + chunk.len() > MAX_LISTING_BYTES {
+        let mut cursor: Option<String> = None;
+        for _ in 0..MAX_LISTING_PAGES {
+            let mut message = serde_json::json!({"jsonrpc": "2.0", "id": ID, "method": "tools/list"});
+            if !envelope.is_empty() {
+                message["params"] = serde_json::json!({ "_meta": envelope });
+            }
+            if let Some(cursor) = &cursor {
+                message["params"]["cursor"] = Value::String(cursor.clone());
+            }
+            let mut request = Request::new(Body::from(message.to_string()));
+            *request.method_mut() = Method::POST;
+            *request.uri_mut() = parts.uri.clone();
+            *request.headers_mut() = headers.clone();
+            let response = self.calls.forward(request).await;
+            if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+                tracing::debug!(status = %response.status(), "the upstream did not list its tools");
                 return;
             }
-            seen.extend_from_slice(&chunk);
+            let sse = is_event_stream(response.headers());
+            let mut chunks = response.into_body().into_data_stream();
+            let mut seen = Vec::new();
+            while let Some(Ok(chunk)) = chunks.next().await {
+                if seen.len() + chunk.len() > MAX_LISTING_BYTES {
+                    return;
+                }
+                seen.extend_from_slice(&chunk);
+            }
+            match self.learn_listing(&seen, sse, &Value::String(ID.into())) {
+                Some(next) if cursor.as_ref() != Some(&next) => cursor = Some(next),
+                _ => return,
+            }
         }
-        self.learn_listing(&seen, sse, &Value::String(ID.into()));
     }
 }
 

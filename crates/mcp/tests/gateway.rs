@@ -61,12 +61,16 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
             seen.lock().unwrap().cancellations += 1;
             StatusCode::ACCEPTED.into_response()
         }
+        // Two pages: the second names `search`, read-only too.
+        Some("tools/list") if message["params"]["cursor"] == "page-2" => {
+            json_answer(&id, json!({"tools":[{"name":"search","annotations":{"readOnlyHint":true}}]}))
+        }
         Some("tools/list") => json_answer(
             &id,
             json!({"tools":[
                 {"name":"lookup","annotations":{"readOnlyHint":true}},
                 {"name":"echo","annotations":{"readOnlyHint":false}}
-            ]}),
+            ], "nextCursor": "page-2"}),
         ),
         Some("tools/call") => {
             let name = message["params"]["name"].as_str().unwrap_or_default().to_owned();
@@ -383,6 +387,9 @@ async fn read_only_tools_learned_from_the_listing_pass_through() {
     // A call without a key of a tool not listed yet: the gateway lists the tools itself first.
     let first = app.rpc(&call(json!(1), "lookup", json!({}), None)).await;
     assert_eq!(first["result"]["content"][0]["text"], "lookup 1", "{first}");
+    // A read-only tool on the listing's second page passes too: the gateway follows the pages.
+    let second_page = app.rpc(&call(json!(2), "search", json!({}), None)).await;
+    assert_eq!(second_page["result"]["content"][0]["text"], "search 1", "{second_page}");
     let unknown = app.rpc(&call(json!(2), "mystery", json!({}), None)).await;
     assert_eq!(unknown["error"]["code"], 40001, "still unknown after the listing: guarded");
     let listing = app.rpc(&json!({"jsonrpc":"2.0","id":2,"method":"tools/list"})).await;
@@ -394,7 +401,7 @@ async fn read_only_tools_learned_from_the_listing_pass_through() {
     assert_eq!(runs(&app.seen, "lookup"), 3, "read-only calls are never stored");
     let metrics = app.http.get(format!("{}/_onceguard/metrics", app.base)).send().await.unwrap().text().await.unwrap();
     assert!(
-        metrics.contains(r#"onceguard_mcp_tool_calls_total{tenant="anon",upstream="up",decision="read_only"} 3"#),
+        metrics.contains(r#"onceguard_mcp_tool_calls_total{tenant="anon",upstream="up",decision="read_only"} 4"#),
         "{metrics}"
     );
     assert!(metrics.contains(r#"decision="no_key_refused"} 1"#));
