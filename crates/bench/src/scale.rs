@@ -284,17 +284,17 @@ async fn served(
     let lines: [Line<ServedFigures>; 5] = [
         (
             format!("  claim+complete latency p50, ms (c=1, {} pairs)", workload.serial_pairs),
-            |f| secs(f.pair_p50),
+            |f| f.pair_p50.as_secs_f64(),
             true,
         ),
         (
             format!("  claim+complete latency p99, ms (c=1, {} pairs)", workload.serial_pairs),
-            |f| secs(f.pair_p99),
+            |f| f.pair_p99.as_secs_f64(),
             true,
         ),
         (format!("  replay claims/s, random stored keys (c={c}, {})", workload.replays), |f| f.replays_per_s, false),
-        (format!("  replay claim latency p50, ms (c={c})"), |f| secs(f.replay_p50), true),
-        (format!("  replay claim latency p99, ms (c={c})"), |f| secs(f.replay_p99), true),
+        (format!("  replay claim latency p50, ms (c={c})"), |f| f.replay_p50.as_secs_f64(), true),
+        (format!("  replay claim latency p99, ms (c={c})"), |f| f.replay_p99.as_secs_f64(), true),
     ];
     print_medians(&lines, &figures[0], &figures[1]);
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
@@ -307,8 +307,4 @@ async fn served(
         println!("{what:<58} {x:>12.1} {y:>12.1} {:>8.2}x", y / x);
     }
     Ok(())
-}
-
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
 }

@@ -269,6 +269,11 @@ impl Timestamp {
         Self(self.0.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
     }
 
+    /// This time minus `d`, saturating at the epoch.
+    pub fn minus(self, d: Duration) -> Self {
+        Self(self.0.saturating_sub(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+    }
+
     /// How long from `self` until `later` (zero if `later` is not later).
     pub fn until(self, later: Timestamp) -> Duration {
         Duration::from_millis(later.0.saturating_sub(self.0))

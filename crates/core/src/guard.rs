@@ -342,15 +342,7 @@ impl Guard {
 
     /// Deletes expired records until none is left or `max_batches` batches of `batch` ran.
     pub async fn sweep(&self, batch: usize, max_batches: usize) -> Result<usize, GuardError> {
-        let mut total = 0;
-        for _ in 0..max_batches {
-            let n = self.store.sweep(self.clock.now(), batch).await?;
-            total += n;
-            if n < batch {
-                break;
-            }
-        }
-        Ok(total)
+        in_batches(batch, max_batches, || self.store.sweep(self.clock.now(), batch)).await
     }
 
     /// Deletes every tenant's audit entries older than `retention`, `batch` at a time, at most
@@ -361,18 +353,10 @@ impl Guard {
         batch: usize,
         max_batches: usize,
     ) -> Result<usize, GuardError> {
-        let before = crate::Timestamp(
-            self.clock.now().0.saturating_sub(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX)),
-        );
+        let before = self.clock.now().minus(retention);
         let mut total = 0;
         for tenant in self.store.list_tenants().await? {
-            for _ in 0..max_batches {
-                let n = self.store.prune_audit(&tenant.id, before, batch).await?;
-                total += n;
-                if n < batch {
-                    break;
-                }
-            }
+            total += in_batches(batch, max_batches, || self.store.prune_audit(&tenant.id, before, batch)).await?;
         }
         Ok(total)
     }
@@ -395,4 +379,22 @@ impl Guard {
         }
         Ok((in_progress, stuck))
     }
+}
+
+/// Runs `step` (which deletes up to `batch` things and answers how many) until it deletes
+/// fewer than `batch` or ran `max_batches` times; answers the total.
+async fn in_batches<F, Fut>(batch: usize, max_batches: usize, mut step: F) -> Result<usize, GuardError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<usize, StoreError>>,
+{
+    let mut total = 0;
+    for _ in 0..max_batches {
+        let n = step().await?;
+        total += n;
+        if n < batch {
+            break;
+        }
+    }
+    Ok(total)
 }
