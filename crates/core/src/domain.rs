@@ -226,16 +226,56 @@ impl Fingerprint {
 
     /// `sha256:` of the given bytes.
     pub fn sha256(bytes: &[u8]) -> Self {
-        Self(format!("sha256:{}", hex::encode(Sha256::digest(bytes))))
+        let mut hex = [0u8; 64];
+        let mut text = String::with_capacity("sha256:".len() + hex.len());
+        text.push_str("sha256:");
+        // 32 bytes always fit 64 hex digits, which are ASCII.
+        if hex::encode_to_slice(Sha256::digest(bytes), &mut hex).is_ok() {
+            text.extend(hex.iter().map(|&b| char::from(b)));
+        }
+        Self(text)
     }
 
     /// The fingerprint of a JSON value: `sha256` of its RFC 8785 canonical form, so that key
     /// order and number spelling do not change what a request means.
     pub fn of_json(value: &serde_json::Value) -> Self {
-        // Canonicalizing an already parsed `Value` cannot fail: every number and string in it
-        // is representable.
-        let canonical = serde_json_canonicalizer::to_vec(value).unwrap_or_else(|_| value.to_string().into_bytes());
-        Self::sha256(&canonical)
+        // Most requests are already canonical as serde_json writes them (see
+        // `written_canonically`), which costs a fraction of the general canonicalizer and gives
+        // the same bytes. Canonicalizing an already parsed `Value` cannot fail: every number
+        // and string in it is representable.
+        let canonical = if written_canonically(value) {
+            serde_json::to_vec(value)
+        } else {
+            serde_json_canonicalizer::to_vec(value)
+        };
+        Self::sha256(&canonical.unwrap_or_else(|_| value.to_string().into_bytes()))
+    }
+}
+
+/// Whether serde_json's compact form of `value` is its RFC 8785 canonical form. It is when
+/// every object's keys come in ascending order of their UTF-16 code units, and every number
+/// is an integer of at most 2^53 in magnitude: RFC 8785 writes such an integer as its digits,
+/// as serde_json does, and both escape strings alike (`\"`, `\\`, `\b`, `\f`, `\n`, `\r`,
+/// `\t`, other control characters as `\u00xx`, nothing else). Byte order is UTF-16 order for
+/// text without characters from U+E000 up (whose UTF-8 starts at byte 0xEE), so keys holding
+/// such characters, and every other number, take the general canonicalizer.
+fn written_canonically(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    const EXACT: u64 = 1 << 53;
+    match value {
+        Value::Null | Value::Bool(_) | Value::String(_) => true,
+        Value::Number(n) => {
+            n.as_u64().is_some_and(|u| u <= EXACT) || n.as_i64().is_some_and(|i| i.unsigned_abs() <= EXACT)
+        }
+        Value::Array(items) => items.iter().all(written_canonically),
+        Value::Object(map) => {
+            let mut previous: Option<&str> = None;
+            map.iter().all(|(key, item)| {
+                let in_order = key.bytes().all(|b| b < 0xEE) && previous.is_none_or(|p| p < key.as_str());
+                previous = Some(key);
+                in_order && written_canonically(item)
+            })
+        }
     }
 }
 string_newtype!(Fingerprint);
@@ -342,6 +382,75 @@ impl fmt::Display for Scope {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// JSON values with the cases the canonical form cares about: keys out of order and with
+    /// characters on both sides of U+E000, integers near 2^53 and beyond, floats, negative
+    /// zero, and strings that need escapes.
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        use serde_json::{Value, json};
+        let text = || {
+            proptest::string::string_regex(
+                "[a-zA-Z0-9 \"\\\\/\u{0}-\u{1f}\u{7f}é\u{2028}\u{d7ff}\u{e000}\u{fffd}\u{ffff}\u{10000}\u{1f600}]{0,6}",
+            )
+            .unwrap()
+        };
+        let number = prop_oneof![
+            any::<i64>().prop_map(|n| json!(n)),
+            any::<u64>().prop_map(|n| json!(n)),
+            ((1u64 << 53) - 2..(1u64 << 53) + 2).prop_map(|n| json!(n)),
+            (-(1i64 << 53) - 2..-(1i64 << 53) + 2).prop_map(|n| json!(n)),
+            any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| json!(f)),
+            Just(json!(-0.0)),
+            Just(json!(1e21)),
+        ];
+        let leaf =
+            prop_oneof![Just(Value::Null), any::<bool>().prop_map(Value::Bool), text().prop_map(Value::String), number];
+        leaf.prop_recursive(3, 24, 4, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::vec((text(), inner), 0..4)
+                    .prop_map(|entries| Value::Object(entries.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn the_quick_canonical_form_is_the_canonical_form(value in json_value()) {
+            let general = serde_json_canonicalizer::to_vec(&value).unwrap();
+            if written_canonically(&value) {
+                prop_assert_eq!(String::from_utf8(serde_json::to_vec(&value).unwrap()).unwrap(), String::from_utf8(general.clone()).unwrap());
+            }
+            prop_assert_eq!(Fingerprint::of_json(&value), Fingerprint::sha256(&general));
+        }
+    }
+
+    #[test]
+    fn the_quick_canonical_form_covers_plain_requests_and_refuses_the_rest() {
+        use serde_json::json;
+        assert!(written_canonically(
+            &json!({"ticket": 7, "to": "a@b.c", "lines": [{"sku": "x", "qty": -2}], "ok": true, "n": null})
+        ));
+        assert!(written_canonically(&json!({"big": 9007199254740992_u64})));
+        for other in [
+            json!({"big": 9007199254740993_u64}),
+            json!({"small": -9007199254740993_i64}),
+            json!({"price": 1.5}),
+            json!({"\u{e000}": 1, "\u{10000}": 2}),
+        ] {
+            assert!(!written_canonically(&other), "{other} must take the general canonicalizer");
+        }
+        // Known RFC 8785 answers, through either path.
+        assert_eq!(
+            Fingerprint::of_json(&json!({"b": 2, "a": [1, "x\n"]})),
+            Fingerprint::sha256(br#"{"a":[1,"x\n"],"b":2}"#)
+        );
+        assert_eq!(Fingerprint::of_json(&json!({"n": 1e21})), Fingerprint::sha256(br#"{"n":1e+21}"#));
+        assert_eq!(
+            Fingerprint::of_json(&json!({"n": 18446744073709551615_u64})),
+            Fingerprint::sha256(br#"{"n":18446744073709552000}"#)
+        );
+    }
 
     #[test]
     fn keys_are_bounded_printable_ascii() {
