@@ -27,7 +27,8 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct State {
-    records: BTreeMap<Scope, Record>,
+    /// Boxed, so that a B-tree insert moves pointers rather than whole records.
+    records: BTreeMap<Scope, Box<Record>>,
     last_fence: u64,
     tenants: BTreeMap<TenantId, Tenant>,
     api_keys: BTreeMap<String, ApiKey>,
@@ -74,7 +75,7 @@ impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         let mut state = self.lock();
         let state = &mut *state;
-        let existing = state.records.get(&req.scope).cloned();
+        let existing = state.records.get(&req.scope).map(|r| Record::clone(r));
         let (outcome, write) = protocol::claim(existing, req, now, || {
             state.last_fence += 1;
             Fence(state.last_fence)
@@ -98,7 +99,7 @@ impl Store for MemoryStore {
                 if let (true, Some(run)) = (charged, run) {
                     state.runs.insert((run.tenant.clone(), run.run.clone()), run);
                 }
-                state.records.insert(record.scope.clone(), record);
+                state.records.insert(record.scope.clone(), Box::new(record));
                 Ok(outcome)
             }
         }
@@ -113,20 +114,20 @@ impl Store for MemoryStore {
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
         let mut state = self.lock();
-        let existing = state.records.get(scope).cloned();
+        let existing = state.records.get(scope).map(|r| Record::clone(r));
         let cost = control::reported_cost(&mutation);
         let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
         if let Some(record) = write {
             if let (true, Some(run)) = (cost > 0, &record.run) {
                 state.run_mut(&scope.tenant, run, now).add_cost(cost, now);
             }
-            state.records.insert(record.scope.clone(), record);
+            state.records.insert(record.scope.clone(), Box::new(record));
         }
         Ok(outcome)
     }
 
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        Ok(self.lock().records.get(scope).filter(|r| r.is_live(now)).cloned())
+        Ok(self.lock().records.get(scope).filter(|r| r.is_live(now)).map(|r| Record::clone(r)))
     }
 
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
@@ -139,7 +140,7 @@ impl Store for MemoryStore {
             .filter(|r| filter.after.as_ref().is_none_or(|(ns, key)| (&r.scope.namespace, &r.scope.key) > (ns, key)))
             .filter(|r| matches_filter(r, filter, now))
             .take(limit + 1)
-            .cloned()
+            .map(|r| Record::clone(r))
             .collect();
         Ok(Page::from_overfetch(records, limit))
     }
