@@ -220,12 +220,13 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(config.http.max_body_bytes))
-        .layer(middleware::from_fn(move |req: Request, next: Next| request_timeout(req, next, timeout)))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_| {
             ApiError::Internal("the request failed unexpectedly; nothing is known to have changed".into())
                 .into_response()
         }))
-        .layer(middleware::from_fn(move |req: Request, next: Next| measure_request(req, next, metrics.clone())))
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            observe_request(req, next, metrics.clone(), timeout)
+        }))
         .layer(
             tower_http::trace::TraceLayer::new_for_http()
                 .make_span_with(|req: &Request| telemetry::request_span(req))
@@ -236,23 +237,22 @@ pub fn router(state: AppState, config: &Config) -> Router {
         )
 }
 
-async fn measure_request(req: Request, next: Next, metrics: Arc<Metrics>) -> Response {
+/// Bounds a request by `timeout` (answering 503 when it passes: a claim may have taken effect)
+/// and measures it, whatever it answered (also a panic's 500, which the layer inside makes).
+async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeout: Duration) -> Response {
     let started = std::time::Instant::now();
     let method = req.method().clone();
-    let route = req.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
-    let response = next.run(req).await;
-    metrics.observe_http(method.as_str(), route.as_deref(), response.status().as_u16(), started.elapsed());
-    response
-}
-
-async fn request_timeout(req: Request, next: Next, timeout: Duration) -> Response {
-    match tokio::time::timeout(timeout, next.run(req)).await {
+    let route = req.extensions().get::<axum::extract::MatchedPath>().cloned();
+    let response = match tokio::time::timeout(timeout, next.run(req)).await {
         Ok(response) => response,
         Err(_) => ApiError::StoreUnavailable(
             "the request timed out; a claim may have taken effect, so retry the same request".into(),
         )
         .into_response(),
-    }
+    };
+    let route = route.as_ref().map(axum::extract::MatchedPath::as_str);
+    metrics.observe_http(method.as_str(), route, response.status().as_u16(), started.elapsed());
+    response
 }
 
 /// Makes the operator tenant and, if no API key exists in it yet and `key_file` is set, an
