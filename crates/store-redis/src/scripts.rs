@@ -248,6 +248,8 @@ local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
 
 -- existing.filter(|r| r.is_live(now))
 local r = load(KEYS[1])
+-- Whether the hash holds fields to clear before the new record is written.
+local stored = r ~= nil
 if r ~= nil and not is_live(r, now) then r = nil end
 
 if r ~= nil then
@@ -386,7 +388,7 @@ if quota ~= '' then
   end
 end
 
-redis.call('DEL', KEYS[1])
+if stored then redis.call('DEL', KEYS[1]) end
 batched('HSET', KEYS[1], flat(n), 256)
 keep_until(KEYS[1], KEYS[3], member, n.ex, now, margin)
 redis.call('ZADD', KEYS[4], 0, member)
