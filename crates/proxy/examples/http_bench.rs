@@ -5,8 +5,13 @@
 //! - the proxy (first requests: claim, forward, store; replays: answered from the store)
 //!   against calling its upstream directly.
 //!
-//! `cargo run --release -p onceguard-proxy --example http_bench -- [requests] [concurrency] [store]`
-//! with `store` (the proxy's) one of `sqlite` (default) or `memory`.
+//! `cargo run --release -p onceguard-proxy --example http_bench -- [requests] [concurrency] [store] [rounds]`
+//! with `store` (the proxy's) one of `sqlite` (default) or `memory`, and `rounds` (default 5).
+//!
+//! Each row is measured `rounds` times, the rows taking turns (baseline, claims, replays, proxy,
+//! then again), so that a moment of other work on the machine falls on one round of each row
+//! rather than on one row. Each round sends `requests` POSTs. A row shows its median round, and
+//! its ratio is the median of its rounds' ratios to the baseline's round just before them.
 
 /// The same allocator as the `onceguard` binary.
 #[global_allocator]
@@ -52,9 +57,16 @@ fn cpu_used() -> Duration {
     Duration::from_millis(ticks.unwrap_or(0) * 10)
 }
 
-/// `requests` POSTs from `concurrency` tasks; request `i` uses key `key-{i}` (as the
+/// `requests` POSTs from `concurrency` tasks; request `i` uses key `key-{first + i}` (as the
 /// `Idempotency-Key` header for the proxy, in the JSON body for the claim API).
-async fn run(client: &reqwest::Client, url: &str, requests: usize, concurrency: usize, expect: u16) -> Run {
+async fn run(
+    client: &reqwest::Client,
+    url: &str,
+    first: usize,
+    requests: usize,
+    concurrency: usize,
+    expect: u16,
+) -> Run {
     let started = Instant::now();
     let cpu_before = cpu_used();
     let tasks: Vec<_> = (0..concurrency)
@@ -62,7 +74,7 @@ async fn run(client: &reqwest::Client, url: &str, requests: usize, concurrency: 
             let (client, url) = (client.clone(), url.to_owned());
             tokio::spawn(async move {
                 let mut latencies = Vec::new();
-                for i in (t..requests).step_by(concurrency) {
+                for i in (first + t..first + requests).step_by(concurrency) {
                     let sent = Instant::now();
                     let r = client
                         .post(&url)
@@ -122,22 +134,36 @@ async fn complete_all(guard: &Guard, requests: usize) {
 
 fn header() {
     println!(
-        "{:<40} {:>10} {:>9} {:>10} {:>10} {:>18} {:>12}",
-        "path", "req/s", "ratio", "p50", "p99", "added p50/p99", "CPU µs/req"
+        "{:<40} {:>10} {:>9} {:>14} {:>10} {:>10} {:>18} {:>12}",
+        "path", "req/s", "ratio", "ratio range", "p50", "p99", "added p50/p99", "CPU µs/req"
     );
 }
 
-fn row(name: &str, r: &Run, base: &Run) {
+/// The round with the median rate.
+fn median(runs: &[Run]) -> &Run {
+    let mut order: Vec<&Run> = runs.iter().collect();
+    order.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    order[order.len() / 2]
+}
+
+/// A row: its median round, and the median and range of its rounds' ratios to the baseline's
+/// rounds.
+fn row(name: &str, runs: &[Run], base: &[Run]) {
+    let mut ratios: Vec<f64> = runs.iter().zip(base).map(|(r, b)| r.rate / b.rate).collect();
+    ratios.sort_by(f64::total_cmp);
+    let (r, b) = (median(runs), median(base));
     let added = |a: Duration, b: Duration| a.saturating_sub(b);
     println!(
-        "{:<40} {:>10.0} {:>8.2}x {:>10.2?} {:>10.2?} {:>8.2?}/{:.2?} {:>12.1}",
+        "{:<40} {:>10.0} {:>8.2}x {:>6.2}-{:.2}x {:>10.2?} {:>10.2?} {:>8.2?}/{:.2?} {:>12.1}",
         name,
         r.rate,
-        r.rate / base.rate,
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1],
         r.p50,
         r.p99,
-        added(r.p50, base.p50),
-        added(r.p99, base.p99),
+        added(r.p50, b.p50),
+        added(r.p99, b.p99),
         r.cpu.as_secs_f64() * 1e6
     );
 }
@@ -148,6 +174,7 @@ async fn main() {
     let requests: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
     let concurrency: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(16);
     let store_kind = args.get(3).cloned().unwrap_or_else(|| "sqlite".into());
+    let rounds: usize = args.get(4).and_then(|a| a.parse().ok()).unwrap_or(5).max(1);
 
     let trivial =
         serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) })))
@@ -178,18 +205,32 @@ async fn main() {
     let proxy = serve(onceguard_proxy::app(&config, guard).unwrap()).await;
 
     let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build().unwrap();
-    let (upstream, claims_url, proxied) =
-        (format!("{trivial}/tickets"), format!("{api}/v1/claims"), format!("{proxy}/tickets"));
-    run(&client, &upstream, 500, concurrency, 201).await; // warm-up
-    let baseline = run(&client, &upstream, requests, concurrency, 201).await;
-    let claims = run(&client, &claims_url, requests, concurrency, 201).await;
-    let replays = run(&client, &format!("{api_replays}/v1/claims"), requests, concurrency, 200).await;
-    let first = run(&client, &proxied, requests, concurrency, 201).await;
-    let replay = run(&client, &proxied, requests, concurrency, 201).await;
+    let (upstream, claims_url, replays_url, proxied) = (
+        format!("{trivial}/tickets"),
+        format!("{api}/v1/claims"),
+        format!("{api_replays}/v1/claims"),
+        format!("{proxy}/tickets"),
+    );
+    // Warm-up: the connections to every server, on keys no round uses.
+    let spare = rounds * requests;
+    for (url, expect) in [(&upstream, 201), (&claims_url, 201), (&proxied, 201)] {
+        run(&client, url, spare, 500.min(requests), concurrency, expect).await;
+    }
+    run(&client, &replays_url, 0, 500.min(requests), concurrency, 200).await;
+    let (mut baseline, mut claims, mut replays, mut first, mut replay) = (vec![], vec![], vec![], vec![], vec![]);
+    for round in 0..rounds {
+        // New keys for the rows that claim; the replays ask again for keys stored before.
+        let fresh = round * requests;
+        baseline.push(run(&client, &upstream, fresh, requests, concurrency, 201).await);
+        claims.push(run(&client, &claims_url, fresh, requests, concurrency, 201).await);
+        replays.push(run(&client, &replays_url, 0, requests, concurrency, 200).await);
+        first.push(run(&client, &proxied, fresh, requests, concurrency, 201).await);
+        replay.push(run(&client, &proxied, 0, requests, concurrency, 201).await);
+    }
 
     let cores = std::thread::available_parallelism().unwrap();
     println!(
-        "HTTP benchmark: {requests} POSTs per row, concurrency {concurrency}, {cores} cores, client in the same process"
+        "HTTP benchmark: {rounds} rounds of {requests} POSTs per row, concurrency {concurrency}, {cores} cores, client in the same process"
     );
     println!("\nclaim API (memory store) against a trivial axum handler");
     header();
