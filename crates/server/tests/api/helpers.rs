@@ -39,6 +39,8 @@ pub struct TestApp {
     pub other_agent: String,
     /// While true, a [`Backing::Breakable`] store answers every call `Unavailable`.
     pub store_down: Arc<AtomicBool>,
+    /// While true, a [`Backing::Breakable`] store never answers a claim.
+    pub store_stalled: Arc<AtomicBool>,
     /// The store under the server, for changes made beside it (as the CLI makes them).
     pub store: Arc<dyn Store>,
     _dir: tempfile::TempDir,
@@ -51,11 +53,15 @@ pub async fn spawn_app(backing: Backing) -> TestApp {
 
 pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config)) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
-    let store_down = Arc::new(AtomicBool::new(false));
+    let (store_down, store_stalled) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
     let store: Arc<dyn Store> = match backing {
         Backing::Memory => Arc::new(MemoryStore::new()),
         Backing::Sqlite => Arc::new(SqliteStore::open(dir.path().join("og.db")).unwrap()),
-        Backing::Breakable => Arc::new(BreakableStore { inner: MemoryStore::new(), down: store_down.clone() }),
+        Backing::Breakable => Arc::new(BreakableStore {
+            inner: MemoryStore::new(),
+            down: store_down.clone(),
+            stalled: store_stalled.clone(),
+        }),
     };
     let clock = Arc::new(ManualClock::new(Timestamp::now()));
     let mut config = Config { store: "memory://".into(), ..Config::default() };
@@ -93,6 +99,7 @@ pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config
         agent,
         other_agent,
         store_down,
+        store_stalled,
         store,
         _dir: dir,
         _server: server,
@@ -103,6 +110,7 @@ pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config
 struct BreakableStore {
     inner: MemoryStore,
     down: Arc<AtomicBool>,
+    stalled: Arc<AtomicBool>,
 }
 
 impl BreakableStore {
@@ -121,6 +129,9 @@ impl Store for BreakableStore {
         "memory"
     }
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        if self.stalled.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.up()?.claim(req, now).await
     }
     async fn mutate(

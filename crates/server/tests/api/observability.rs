@@ -275,6 +275,31 @@ async fn a_store_that_does_not_answer_shows_in_the_metrics() {
 }
 
 #[tokio::test]
+async fn a_request_the_store_never_answers_times_out_with_503_and_is_measured() {
+    use std::sync::atomic::Ordering;
+    let app = spawn_app_with(Backing::Breakable, |c| {
+        c.limits.max_wait = Duration::from_millis(100);
+        c.http.request_timeout = Duration::from_millis(300);
+    })
+    .await;
+    app.store_stalled.store(true, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    let response = app.post(&app.agent, "/v1/claims", &json!({"namespace": "demo", "key": "k", "request": 1})).await;
+    let problem = assert_problem(response, StatusCode::SERVICE_UNAVAILABLE, "store-unavailable").await;
+    assert!(problem["detail"].as_str().unwrap().contains("timed out"), "{problem}");
+    assert!(started.elapsed() < Duration::from_secs(5), "answered at the timeout, not when the client gave up");
+    let (_, m) = scrape(&app).await;
+    assert_eq!(
+        value(&m, r#"onceguard_http_request_duration_seconds_count{method="POST",route="/v1/claims",status="503"}"#),
+        1.0,
+        "the timed-out request is measured with the answer it got"
+    );
+
+    app.store_stalled.store(false, Ordering::SeqCst);
+    assert_eq!(app.claim_key("after", json!(1)).await.0, StatusCode::CREATED);
+}
+
+#[tokio::test]
 async fn the_dashboard_page_is_served_with_a_strict_policy() {
     let app = spawn_app_with(Backing::Memory, |_| {}).await;
     let page = app.client.get(app.url("/dashboard")).send().await.unwrap();
