@@ -268,9 +268,10 @@ end
 
 -- acquire(previous = r); the fence comes last
 local le = now + lease
+-- Times given as arguments are kept as given (the decimal digits int() would write).
 local n = {
   t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, at = '1',
-  le = int(le), re = int(retention), ca = int(now), up = int(now), ex = int(le + retention),
+  le = int(le), re = ARGV[4], ca = ARGV[1], up = ARGV[1], ex = int(le + retention),
 }
 if run ~= '' then n.run = run end
 local answer = { 'acquired', '', '1', int(le), '' }
