@@ -12,13 +12,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use futures::{StreamExt, TryStreamExt};
 use onceguard_core::store::DEFAULT_STORE_TIMEOUT;
-use onceguard_core::{Guard, Timestamp};
+use onceguard_core::{Guard, Key, Namespace, Scope, TenantId, Timestamp};
 use onceguard_store_redis::layout::{Keys, Placement};
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Script};
 
-use crate::harness::{Measured, RETENTION, guard_on, measure, preloaded_record, random_tag, warmup_for};
+use crate::harness::{
+    Measured, RETENTION, guard_on, measure, preloaded_fingerprint, preloaded_record, random_tag, warmup_for,
+};
 
 /// The raw baseline's claim: one key, set once, as a `SET NX` would; answers 1 when it
 /// claimed the key and 0 when the key existed.
@@ -27,6 +29,24 @@ if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'fence', ARGV[1])
 return 1
 "#;
+
+/// A claim of a fresh key in the store's layout reduced to the commands it runs, each step
+/// adding one: what the server spends on each, without the claim script's decisions. The keys
+/// and arguments are the claim script's (see [`Redis::script_costs`]).
+pub const CLAIM_FLOOR: [(&str, &str); 8] = [
+    ("HGETALL record", "redis.call('HGETALL', KEYS[1])"),
+    ("+ GET slot fence mark", "redis.call('GET', KEYS[2])"),
+    ("+ INCR fence counter", "local fence = redis.call('INCR', KEYS[5])"),
+    ("+ SET slot fence mark", "redis.call('SET', KEYS[2], fence)"),
+    (
+        "+ HSET record (12 fields)",
+        "redis.call('HSET', KEYS[1], 't', ARGV[6], 'n', ARGV[7], 'k', ARGV[8], 'st', 'in_progress', 'fp', ARGV[2], \
+         'at', '1', 'le', ARGV[1], 're', ARGV[4], 'ca', ARGV[1], 'up', ARGV[1], 'ex', ARGV[1], 'fe', fence)",
+    ),
+    ("+ PEXPIRE record", "redis.call('PEXPIRE', KEYS[1], ARGV[4])"),
+    ("+ ZADD expiry index", "redis.call('ZADD', KEYS[3], ARGV[1], ARGV[9])"),
+    ("+ ZADD listing index", "redis.call('ZADD', KEYS[4], 0, ARGV[9])"),
+];
 
 /// Records per pipeline when preloading.
 const PRELOAD_CHUNK: usize = 2_000;
@@ -131,6 +151,16 @@ where
     .await
 }
 
+/// `EVALSHA` calls and the microseconds Redis spent in them so far (`INFO commandstats`).
+async fn evalsha_time(conn: &mut MultiplexedConnection) -> Result<(u64, u64)> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
+    let line = info.lines().find(|l| l.starts_with("cmdstat_evalsha:")).unwrap_or("");
+    let field = |name: &str| {
+        line.split([':', ',']).find_map(|f| f.strip_prefix(name)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0)
+    };
+    Ok((field("calls"), field("usec")))
+}
+
 impl Redis {
     /// The server or cluster at `target`; fails if it does not answer.
     pub async fn connect(target: RedisTarget) -> Result<Self> {
@@ -201,6 +231,83 @@ impl Redis {
         };
         self.delete_prefix(&prefix).await?;
         measured
+    }
+
+    /// What a claim of a fresh key costs the server itself, in microseconds per call (from
+    /// `INFO commandstats`, so other `EVALSHA` traffic on the server skews it): the raw claim,
+    /// the store's claim script, and each step of [`CLAIM_FLOOR`]. Each runs `ops` calls from
+    /// 16 tasks on one multiplexed connection, on fresh keys of one tenant spread over its
+    /// slots, with the claim script's keys and arguments. One server only.
+    pub async fn script_costs(&mut self, ops: usize) -> Result<Vec<(String, f64)>> {
+        let RedisTarget::Single(url) = &self.target else { bail!("measured on one server only") };
+        let conn = bulk_connection(url).await?;
+        let prefix = self.new_prefix();
+        let keys = Arc::new(Keys::new(&prefix).map_err(anyhow::Error::msg)?);
+        let mut variants = vec![
+            ("raw claim (EXISTS, HSET)".to_owned(), Script::new(RAW_CLAIM), None),
+            (
+                "Onceguard's claim script".to_owned(),
+                onceguard_store_redis::scripts::SCRIPTS.claim.clone(),
+                Some("acquired"),
+            ),
+        ];
+        for i in 0..CLAIM_FLOOR.len() {
+            let body: Vec<&str> = CLAIM_FLOOR[..=i].iter().map(|(_, line)| *line).collect();
+            let source = format!("{}\nreturn 1", body.join("\n"));
+            variants.push((format!("  {}", CLAIM_FLOOR[i].0), Script::new(&source), None));
+        }
+        let mut costs = Vec::new();
+        for (v, (name, script, expect)) in variants.into_iter().enumerate() {
+            let (script, keys) = (Arc::new(script), keys.clone());
+            let mut stats = conn.clone();
+            let before = evalsha_time(&mut stats).await?;
+            let conn = conn.clone();
+            measure(ops, 16, warmup_for(ops, 16), move |i| {
+                let (script, keys, mut conn) = (script.clone(), keys.clone(), conn.clone());
+                let scope = Scope::new(
+                    TenantId::parse("bench").expect("a valid tenant"),
+                    Namespace::parse("bench").expect("a valid namespace"),
+                    Key::parse(&format!("{v}-{i}")).expect("a valid key"),
+                );
+                async move {
+                    let placement = Placement::of(&scope);
+                    let mut invocation = script.prepare_invoke();
+                    invocation
+                        .key(keys.record(&placement))
+                        .key(keys.fence_mark(placement.slot))
+                        .key(keys.expiry(placement.slot))
+                        .key(keys.listing(placement.slot))
+                        .key(keys.fence_counter())
+                        .arg(Timestamp::now().0)
+                        .arg(preloaded_fingerprint().as_str())
+                        .arg(60_000)
+                        .arg(u64::try_from(RETENTION.as_millis())?)
+                        .arg("")
+                        .arg(scope.tenant.as_str())
+                        .arg(scope.namespace.as_str())
+                        .arg(scope.key.as_str())
+                        .arg(placement.member.as_slice())
+                        .arg(60_000)
+                        .arg("draw");
+                    let answer: redis::Value = invocation.invoke_async(&mut conn).await?;
+                    if let Some(expect) = expect {
+                        let first = match &answer {
+                            redis::Value::Array(items) => items.first().cloned(),
+                            _ => None,
+                        };
+                        let first: Option<String> = first.map(redis::from_redis_value).transpose()?;
+                        ensure!(first.as_deref() == Some(expect), "key {i}: the claim answered {answer:?}");
+                    }
+                    Ok(())
+                }
+            })
+            .await?;
+            let after = evalsha_time(&mut stats).await?;
+            let calls = after.0.saturating_sub(before.0).max(1);
+            costs.push((name, after.1.saturating_sub(before.1) as f64 / calls as f64));
+        }
+        self.delete_prefix(&prefix).await?;
+        Ok(costs)
     }
 
     /// Deletes every key under `prefix`, on every master: `SCAN MATCH` then `UNLINK`

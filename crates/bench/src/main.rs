@@ -280,6 +280,30 @@ async fn redis(args: &Settings, redis: &mut Redis, name: &str, verdicts: &mut Ve
     Ok(())
 }
 
+/// Redis's own time per claim of a fresh key: the raw claim, the store's claim script, and the
+/// store's layout command by command (see [`bench_redis::CLAIM_FLOOR`]), each against the raw
+/// claim. This is what sets the rate when Redis is the bottleneck.
+async fn script_costs(args: &Settings, redis: &mut Redis) -> Result<()> {
+    println!("\nredis: server time per claim of a fresh key (INFO commandstats, EVALSHA; 16 tasks, one connection)");
+    println!("The lines under the claim script run only the commands of the store's layout, adding one at a time.");
+    let mut rounds = Vec::new();
+    for _ in 0..args.rounds {
+        rounds.push(redis.script_costs(args.redis_ops).await?);
+    }
+    // The median round of each script (rounds list the scripts in the same order).
+    let median = |i: usize| {
+        let mut us: Vec<f64> = rounds.iter().map(|round| round[i].1).collect();
+        us.sort_by(f64::total_cmp);
+        us[us.len() / 2]
+    };
+    let raw = median(0);
+    println!("{:<44} {:>10} {:>10}", "script (median of the rounds)", "µs/call", "vs raw");
+    for (i, (name, _)) in rounds[0].iter().enumerate() {
+        println!("{name:<44} {:>10.2} {:>9.2}x", median(i), median(i) / raw);
+    }
+    Ok(())
+}
+
 /// The options after `--quick` and the defaults are applied.
 struct Settings {
     /// Stores to measure.
@@ -366,6 +390,7 @@ async fn run(
     }
     if let Some(r) = single.as_mut() {
         redis(settings, r, "redis", &mut verdicts).await?;
+        script_costs(settings, r).await?;
     }
     if let Some(r) = cluster.as_mut() {
         redis(settings, r, "redis-cluster", &mut verdicts).await?;
