@@ -114,8 +114,18 @@ impl KeyCache {
 
     /// The key `id`: remembered if read less than the time to live ago, else read from `store`.
     pub async fn get(&self, store: &dyn Store, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        self.get_or_read(id, store.get_api_key(id)).await
+    }
+
+    /// The key `id`: remembered if read less than the time to live ago, else what `read` (a
+    /// read of the store) answers.
+    async fn get_or_read(
+        &self,
+        id: &ApiKeyId,
+        read_store: impl std::future::Future<Output = Result<Option<ApiKey>, StoreError>>,
+    ) -> Result<Option<ApiKey>, StoreError> {
         if self.ttl.is_zero() {
-            return store.get_api_key(id).await;
+            return read_store.await;
         }
         if let Some((key, read)) = self.keys().get(id)
             && read.elapsed() < self.ttl
@@ -123,7 +133,7 @@ impl KeyCache {
             return Ok(Some(key.clone()));
         }
         let (read, generation) = (Instant::now(), self.forgotten.load(Ordering::Acquire));
-        let key = store.get_api_key(id).await?;
+        let key = read_store.await?;
         let mut keys = self.keys();
         match &key {
             // A key forgotten while it was read may have been revoked after the read.
@@ -154,6 +164,8 @@ impl KeyCache {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use onceguard_core::{MemoryStore, Timestamp};
 
     use super::*;
@@ -179,5 +191,41 @@ mod tests {
         assert!(!cache.keys().contains_key(&unknown.id), "an unknown id is not remembered");
         store.create_api_key(&unknown).await.unwrap();
         assert!(cache.get(&store, &unknown.id).await.unwrap().is_some(), "a key created later is found at once");
+    }
+
+    #[tokio::test]
+    async fn a_read_that_began_before_a_revocation_is_not_remembered_after_it() {
+        let store = Arc::new(MemoryStore::new());
+        let tenant = TenantId::parse("acme").unwrap();
+        let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
+        store.create_api_key(&new.key).await.unwrap();
+        let cache = Arc::new(KeyCache::new(Duration::from_secs(60)));
+        let id = new.key.id.clone();
+        // A request reads the key from the store (not revoked yet), and is held up before the
+        // cache takes the answer in.
+        let (read_done, read_seen) = tokio::sync::oneshot::channel();
+        let (go_on, held) = tokio::sync::oneshot::channel::<()>();
+        let slow = tokio::spawn({
+            let (store, cache, id) = (store.clone(), cache.clone(), id.clone());
+            async move {
+                let read = async {
+                    let key = store.get_api_key(&id).await;
+                    read_done.send(()).unwrap();
+                    held.await.unwrap();
+                    key
+                };
+                cache.get_or_read(&id, read).await
+            }
+        });
+        read_seen.await.unwrap();
+        // Meanwhile the key is revoked through this instance.
+        assert!(store.revoke_api_key(&tenant, &id, Timestamp(2)).await.unwrap());
+        cache.forget(&id);
+        go_on.send(()).unwrap();
+        let stale = slow.await.unwrap().unwrap().unwrap();
+        assert!(stale.revoked_at.is_none(), "the held-up request saw the key as it was when read");
+        assert!(!cache.keys().contains_key(&id), "but the cache did not take in a read older than the revocation");
+        let now = cache.get(store.as_ref(), &id).await.unwrap().unwrap();
+        assert!(now.revoked_at.is_some(), "the next request reads the store and sees the revocation");
     }
 }
