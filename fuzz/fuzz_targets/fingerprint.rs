@@ -1,8 +1,9 @@
 //! Arbitrary bytes as JSON, fingerprinted.
 //!
 //! Invariants: nothing panics; the fingerprint is `sha256:` and 64 lowercase hex digits, parses
-//! as a `Fingerprint`, and equals the fingerprint of the value re-read from its own
-//! serialization (the canonical form is stable).
+//! as a `Fingerprint`, is the digest of the value's RFC 8785 form as the canonicalizer writes
+//! it (whether `of_json` took serde_json's bytes or the canonicalizer's), and equals the
+//! fingerprint of the value re-read from its own serialization (the canonical form is stable).
 
 #![no_main]
 
@@ -20,6 +21,9 @@ fuzz_target!(|data: &[u8]| {
     let fp = Fingerprint::of_json(&value);
     assert!(well_formed(&fp), "{fp:?} is not sha256:<64 hex>");
     assert_eq!(Fingerprint::parse(fp.as_str()).as_ref(), Ok(&fp));
+    if let Ok(canonical) = serde_json_canonicalizer::to_vec(&value) {
+        assert_eq!(fp, Fingerprint::sha256(&canonical), "not the digest of the canonical form of {value}");
+    }
 
     let text = serde_json::to_string(&value).expect("a Value serializes");
     let again: serde_json::Value = serde_json::from_str(&text).expect("a serialized Value parses");
