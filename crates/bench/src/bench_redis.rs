@@ -14,6 +14,7 @@ use futures::{StreamExt, TryStreamExt};
 use onceguard_core::store::DEFAULT_STORE_TIMEOUT;
 use onceguard_core::{Guard, Key, Namespace, Scope, TenantId, Timestamp};
 use onceguard_store_redis::layout::{Keys, Placement};
+use onceguard_store_redis::scripts::ClaimCall;
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Script};
@@ -272,23 +273,20 @@ impl Redis {
                 async move {
                     let placement = Placement::of(&scope);
                     let mut invocation = script.prepare_invoke();
-                    invocation
-                        .key(keys.record(&placement))
-                        .key(keys.fence_mark(placement.slot))
-                        .key(keys.expiry(placement.slot))
-                        .key(keys.listing(placement.slot))
-                        .key(keys.fence_counter())
-                        .arg(Timestamp::now().0)
-                        .arg(preloaded_fingerprint().as_str())
-                        .arg(60_000)
-                        .arg(u64::try_from(RETENTION.as_millis())?)
-                        .arg("")
-                        .arg(scope.tenant.as_str())
-                        .arg(scope.namespace.as_str())
-                        .arg(scope.key.as_str())
-                        .arg(placement.member.as_slice())
-                        .arg(60_000)
-                        .arg("draw");
+                    ClaimCall {
+                        keys: &keys,
+                        scope: &scope,
+                        placement: &placement,
+                        now: Timestamp::now().0,
+                        fingerprint: preloaded_fingerprint().as_str(),
+                        lease_ms: 60_000,
+                        retention_ms: u64::try_from(RETENTION.as_millis())?,
+                        run: "",
+                        margin_ms: 60_000,
+                        source: "draw",
+                    }
+                    .add_to(&mut invocation);
+                    invocation.key(keys.fence_counter());
                     let answer: redis::Value = invocation.invoke_async(&mut conn).await?;
                     if let Some(expect) = expect {
                         let first = match &answer {

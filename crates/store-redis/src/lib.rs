@@ -268,7 +268,7 @@ use tokio::task::JoinHandle;
 use crate::codec::{Claimed, Fenced, Fields, corrupt, strings};
 use crate::holds::Holds;
 use crate::layout::{Keys, Placement, RunPlacement, SHARDS, SLOTS, member, tenant_slots};
-use crate::scripts::SCRIPTS;
+use crate::scripts::{ClaimCall, SCRIPTS};
 
 /// Where the store's Redis is. Its `Debug` hides passwords.
 #[derive(Clone, PartialEq, Eq)]
@@ -620,11 +620,19 @@ impl RedisStore {
         let admits_here = !self.cluster && (req.max_in_flight.is_some() || run.is_some());
         let script = if admits_here { &SCRIPTS.claim_admitting } else { &SCRIPTS.claim };
         let mut invocation = script.prepare_invoke();
-        invocation
-            .key(self.keys.record(placement))
-            .key(self.keys.fence_mark(placement.slot))
-            .key(self.keys.expiry(placement.slot))
-            .key(self.keys.listing(placement.slot));
+        ClaimCall {
+            keys: &self.keys,
+            scope: &req.scope,
+            placement,
+            now: now.0,
+            fingerprint: req.fingerprint.as_str(),
+            lease_ms: ms(req.lease),
+            retention_ms: ms(req.retention),
+            run: req.run.as_ref().map_or("", |r| r.as_str()),
+            margin_ms: ms(self.options.expiry_margin),
+            source,
+        }
+        .add_to(&mut invocation);
         if !self.cluster {
             invocation.key(self.keys.fence_counter());
             if req.max_in_flight.is_some() {
@@ -634,18 +642,6 @@ impl RedisStore {
                 invocation.key(self.keys.run(&RunPlacement::of(&req.scope.tenant, run)));
             }
         }
-        invocation
-            .arg(now.0)
-            .arg(req.fingerprint.as_str())
-            .arg(ms(req.lease))
-            .arg(ms(req.retention))
-            .arg(req.run.as_ref().map_or("", |r| r.as_str()))
-            .arg(req.scope.tenant.as_str())
-            .arg(req.scope.namespace.as_str())
-            .arg(req.scope.key.as_str())
-            .arg(placement.member.as_slice())
-            .arg(ms(self.options.expiry_margin))
-            .arg(source);
         // Without a quota or a run (so without reservations), the arguments of admission are
         // left out.
         if req.max_in_flight.is_some() || run.is_some() {

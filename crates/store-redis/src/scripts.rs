@@ -44,7 +44,10 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use onceguard_core::Scope;
+use redis::{Script, ScriptInvocation};
+
+use crate::layout::{Keys, Placement};
 
 /// Helpers shared by the scripts.
 pub const PRELUDE: &str = r#"
@@ -395,6 +398,54 @@ keep_until(KEYS[1], KEYS[3], member, n.ex, now, margin)
 redis.call('ZADD', KEYS[4], 0, member)
 return answer
 "#;
+
+/// What every call of [`CLAIM`] starts with: KEYS 1 to 4 (the record, the slot's fence mark,
+/// expiry index and listing index) and ARGV 1 to 11. A caller then adds what its case needs
+/// (on one server the fence counter, and the admission's keys and arguments).
+pub struct ClaimCall<'a> {
+    /// The store's key names.
+    pub keys: &'a Keys,
+    /// The key claimed.
+    pub scope: &'a Scope,
+    /// Where its record lives.
+    pub placement: &'a Placement,
+    /// The caller's time, ms since the epoch.
+    pub now: u64,
+    /// The request's fingerprint.
+    pub fingerprint: &'a str,
+    /// The lease and the retention, ms.
+    pub lease_ms: u64,
+    /// See `lease_ms`.
+    pub retention_ms: u64,
+    /// The run named by the claim, `""` if none.
+    pub run: &'a str,
+    /// How long after a record's expiry Redis reclaims it, ms.
+    pub margin_ms: u64,
+    /// Where the fence comes from: `draw`, `peek` or a fence drawn beforehand.
+    pub source: &'a str,
+}
+
+impl ClaimCall<'_> {
+    /// Adds these keys and arguments to `invocation`.
+    pub fn add_to(&self, invocation: &mut ScriptInvocation<'_>) {
+        invocation
+            .key(self.keys.record(self.placement))
+            .key(self.keys.fence_mark(self.placement.slot))
+            .key(self.keys.expiry(self.placement.slot))
+            .key(self.keys.listing(self.placement.slot))
+            .arg(self.now)
+            .arg(self.fingerprint)
+            .arg(self.lease_ms)
+            .arg(self.retention_ms)
+            .arg(self.run)
+            .arg(self.scope.tenant.as_str())
+            .arg(self.scope.namespace.as_str())
+            .arg(self.scope.key.as_str())
+            .arg(self.placement.member.as_slice())
+            .arg(self.margin_ms)
+            .arg(self.source);
+    }
+}
 
 /// `protocol::apply`, and `control::reported_cost` charged to the record's run. Answers
 /// `{'stale', 'no_record' | 'superseded' | 'finished'}`, `{'applied', field, value, ...}` with

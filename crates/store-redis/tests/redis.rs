@@ -11,7 +11,7 @@ use onceguard_core::{
     ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, RunId, Scope, Store, StoreError, TenantId, Timestamp,
 };
 use onceguard_store_redis::layout::{Keys, Placement, RunPlacement};
-use onceguard_store_redis::scripts::SCRIPTS;
+use onceguard_store_redis::scripts::{ClaimCall, SCRIPTS};
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 
 onceguard_testkit::conformance_tests!(common::single());
@@ -178,22 +178,19 @@ async fn a_fence_below_the_slots_mark_is_refused() {
     let claim = |scope: Scope, source: &'static str| {
         let placement = Placement::of(&scope);
         let mut invocation = onceguard_store_redis::scripts::SCRIPTS.claim.prepare_invoke();
-        invocation
-            .key(keys.record(&placement))
-            .key(keys.fence_mark(slot))
-            .key(keys.expiry(slot))
-            .key(keys.listing(slot))
-            .arg(now)
-            .arg(common::request(&scope).fingerprint.as_str())
-            .arg(10_000)
-            .arg(100_000)
-            .arg("")
-            .arg(scope.tenant.as_str())
-            .arg(scope.namespace.as_str())
-            .arg(scope.key.as_str())
-            .arg(placement.member.as_slice())
-            .arg(60_000)
-            .arg(source);
+        ClaimCall {
+            keys: &keys,
+            scope: &scope,
+            placement: &placement,
+            now,
+            fingerprint: common::request(&scope).fingerprint.as_str(),
+            lease_ms: 10_000,
+            retention_ms: 100_000,
+            run: "",
+            margin_ms: 60_000,
+            source,
+        }
+        .add_to(&mut invocation);
         let mut conn = conn.clone();
         async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
     };
