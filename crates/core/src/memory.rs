@@ -16,7 +16,7 @@ use crate::control::{
 };
 use crate::domain::{Fence, RunId, Scope, TenantId, Timestamp};
 use crate::protocol::{self, ClaimRequest, Mutation};
-use crate::record::{ClaimOutcome, FencedOutcome, Record};
+use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
 use crate::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
 
 /// The in-memory store.
@@ -27,8 +27,15 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Boxed, so that a B-tree insert moves pointers rather than whole records.
+    /// Boxed, so that a B-tree insert moves pointers rather than whole records. Written and
+    /// removed through [`State::put`] and [`State::remove`] only.
     records: BTreeMap<Scope, Box<Record>>,
+    /// From the first claim under an in-flight quota on: the in-progress records of each
+    /// tenant, each with the time until which it holds its lease (`None`: it holds none, its
+    /// outcome being reported unknown or its lease revoked), so that the quota counts those
+    /// rather than every record. Kept by [`State::put`], [`State::remove`] and the revocation,
+    /// the only ways records change.
+    in_progress: Option<BTreeMap<TenantId, BTreeMap<Scope, Option<Timestamp>>>>,
     last_fence: u64,
     tenants: BTreeMap<TenantId, Tenant>,
     api_keys: BTreeMap<String, ApiKey>,
@@ -39,8 +46,51 @@ struct State {
 }
 
 impl State {
+    fn put(&mut self, record: Record) {
+        if let Some(index) = &mut self.in_progress {
+            if record.state == RecordState::InProgress {
+                index.entry(record.scope.tenant.clone()).or_default().insert(record.scope.clone(), lease_held(&record));
+            } else if let Some(scopes) = index.get_mut(&record.scope.tenant) {
+                scopes.remove(&record.scope);
+            }
+        }
+        self.records.insert(record.scope.clone(), Box::new(record));
+    }
+
+    fn remove(&mut self, scope: &Scope) -> bool {
+        if let Some(scopes) = self.in_progress.as_mut().and_then(|index| index.get_mut(&scope.tenant)) {
+            scopes.remove(scope);
+        }
+        self.records.remove(scope).is_some()
+    }
+
+    /// How many of `tenant`'s records hold a lease at `now` (`control::holds_lease`); the index
+    /// is built on first use.
+    fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> u64 {
+        let records = &self.records;
+        let index = self.in_progress.get_or_insert_with(|| {
+            let mut index: BTreeMap<TenantId, BTreeMap<Scope, Option<Timestamp>>> = BTreeMap::new();
+            for r in records.values().filter(|r| r.state == RecordState::InProgress) {
+                index.entry(r.scope.tenant.clone()).or_default().insert(r.scope.clone(), lease_held(r));
+            }
+            index
+        });
+        let until = index.get(tenant).into_iter().flat_map(BTreeMap::values);
+        until.filter(|until| until.is_some_and(|t| t > now)).count() as u64
+    }
+
     fn run_mut(&mut self, tenant: &TenantId, run: &RunId, now: Timestamp) -> &mut Run {
         self.runs.entry((tenant.clone(), run.clone())).or_insert_with(|| Run::new(tenant.clone(), run.clone(), now))
+    }
+}
+
+/// Until when an in-progress `record` holds its lease: `control::holds_lease` is true exactly
+/// before this time (a record in progress expires no earlier than its lease ends, but the
+/// earlier of the two is taken all the same).
+fn lease_held(record: &Record) -> Option<Timestamp> {
+    match (&record.unknown, record.lease_expires_at) {
+        (None, Some(lease)) => Some(lease.min(record.expires_at)),
+        _ => None,
     }
 }
 
@@ -82,10 +132,7 @@ impl Store for MemoryStore {
         });
         let Some(mut record) = write else { return Ok(outcome) };
         let tenant = &req.scope.tenant;
-        let in_flight = req.max_in_flight.map(|_| {
-            let held = state.records.values().filter(|r| &r.scope.tenant == tenant && control::holds_lease(r, now));
-            held.count() as u64
-        });
+        let in_flight = req.max_in_flight.map(|_| state.leases_held(tenant, now));
         let mut run = record.run.as_ref().map(|id| {
             state
                 .runs
@@ -99,7 +146,7 @@ impl Store for MemoryStore {
                 if let (true, Some(run)) = (charged, run) {
                     state.runs.insert((run.tenant.clone(), run.run.clone()), run);
                 }
-                state.records.insert(record.scope.clone(), Box::new(record));
+                state.put(record);
                 Ok(outcome)
             }
         }
@@ -121,7 +168,7 @@ impl Store for MemoryStore {
             if let (true, Some(run)) = (cost > 0, &record.run) {
                 state.run_mut(&scope.tenant, run, now).add_cost(cost, now);
             }
-            state.records.insert(record.scope.clone(), Box::new(record));
+            state.put(record);
         }
         Ok(outcome)
     }
@@ -146,7 +193,7 @@ impl Store for MemoryStore {
     }
 
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
-        Ok(self.lock().records.remove(scope).is_some())
+        Ok(self.lock().remove(scope))
     }
 
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
@@ -154,7 +201,7 @@ impl Store for MemoryStore {
         let expired: Vec<Scope> =
             state.records.values().filter(|r| !r.is_live(now)).take(batch).map(|r| r.scope.clone()).collect();
         for scope in &expired {
-            state.records.remove(scope);
+            state.remove(scope);
         }
         Ok(expired.len())
     }
@@ -256,6 +303,9 @@ impl Store for MemoryStore {
             if &record.scope.tenant == tenant && control::revocable(record, target, detail, now) {
                 state.last_fence += 1;
                 control::revoke(record, Fence(state.last_fence), detail, now);
+                if let Some(held) = state.in_progress.as_mut().and_then(|index| index.get_mut(tenant)) {
+                    held.insert(record.scope.clone(), lease_held(record));
+                }
                 revoked += 1;
             }
         }
@@ -307,5 +357,78 @@ impl Store for MemoryStore {
         let entries: Vec<AuditEntry> =
             tenants.into_iter().rev().filter(|e| filter.matches(e)).take(limit + 1).cloned().collect();
         Ok(AuditPage::from_overfetch(entries, limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::domain::{Fingerprint, Key, Namespace};
+    use crate::record::{Outcome, OutcomeKind};
+
+    fn scope(key: &str) -> Scope {
+        Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("ns").unwrap(), Key::parse(key).unwrap())
+    }
+
+    fn request(key: &str, quota: Option<u64>) -> ClaimRequest {
+        ClaimRequest {
+            scope: scope(key),
+            fingerprint: Fingerprint::of_json(&serde_json::json!(key)),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(3600),
+            run: None,
+            cost: 0,
+            max_in_flight: quota,
+        }
+    }
+
+    async fn acquire(store: &MemoryStore, key: &str, quota: Option<u64>, now: Timestamp) -> Option<Fence> {
+        match store.claim(&request(key, quota), now).await.unwrap() {
+            ClaimOutcome::Acquired(a) => Some(a.fence),
+            _ => None,
+        }
+    }
+
+    /// The in-flight count follows every way a lease ends, including for records written
+    /// before the first claim under a quota (when the store starts keeping its index).
+    #[tokio::test]
+    async fn the_in_flight_count_follows_purges_completions_revocations_and_sweeps() {
+        let store = MemoryStore::new();
+        let t = Timestamp(1_000_000);
+        let quota = Some(2);
+        assert!(acquire(&store, "a", None, t).await.is_some());
+        let b = acquire(&store, "b", None, t).await.unwrap();
+        assert_eq!(acquire(&store, "c", quota, t).await, None, "a and b were claimed before any quota");
+
+        assert!(store.purge(&scope("a")).await.unwrap());
+        assert!(acquire(&store, "c", quota, t).await.is_some(), "a purged");
+        let done = Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: b"1".to_vec(),
+            cost: None,
+        };
+        store.mutate(&scope("b"), b, Mutation::Complete(done), t, 8).await.unwrap();
+        assert!(acquire(&store, "d", quota, t).await.is_some(), "b completed");
+        assert_eq!(acquire(&store, "e", quota, t).await, None, "c and d hold leases");
+
+        assert_eq!(
+            store.revoke_leases(&TenantId::parse("acme").unwrap(), &SwitchTarget::Tenant, "stop", t).await.unwrap(),
+            2
+        );
+        assert!(acquire(&store, "e", quota, t).await.is_some(), "c and d revoked");
+
+        let later = t.plus(Duration::from_secs(2 * 3600));
+        assert_eq!(store.sweep(later, 100).await.unwrap(), 4, "b, c, d and e expired");
+        assert!(acquire(&store, "f", quota, later).await.is_some());
+        assert!(acquire(&store, "g", quota, later).await.is_some());
+        assert_eq!(acquire(&store, "h", quota, later).await, None);
+        assert_eq!(
+            store.lock().in_progress.as_ref().unwrap()[&TenantId::parse("acme").unwrap()].len(),
+            2,
+            "the index holds no swept record"
+        );
     }
 }
