@@ -264,6 +264,9 @@ fn written_canonically(value: &serde_json::Value) -> bool {
     const EXACT: u64 = 1 << 53;
     match value {
         Value::Null | Value::Bool(_) | Value::String(_) => true,
+        // A zero spelled `-0` (kept as text if serde_json's `arbitrary_precision` is on) is
+        // written `0` by RFC 8785.
+        Value::Number(n) if n.as_i64() == Some(0) => !n.to_string().starts_with('-'),
         Value::Number(n) => {
             n.as_u64().is_some_and(|u| u <= EXACT) || n.as_i64().is_some_and(|i| i.unsigned_abs() <= EXACT)
         }
@@ -446,6 +449,8 @@ mod tests {
             Fingerprint::sha256(br#"{"a":[1,"x\n"],"b":2}"#)
         );
         assert_eq!(Fingerprint::of_json(&json!({"n": 1e21})), Fingerprint::sha256(br#"{"n":1e+21}"#));
+        let minus_zero: serde_json::Value = serde_json::from_str("[-0, 0]").unwrap();
+        assert_eq!(Fingerprint::of_json(&minus_zero), Fingerprint::sha256(b"[0,0]"));
         assert_eq!(
             Fingerprint::of_json(&json!({"n": 18446744073709551615_u64})),
             Fingerprint::sha256(br#"{"n":18446744073709552000}"#)

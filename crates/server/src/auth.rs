@@ -114,18 +114,17 @@ impl KeyCache {
 
     /// The key `id`: remembered if read less than the time to live ago, else read from `store`.
     pub async fn get(&self, store: &dyn Store, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        self.get_or_read(id, store.get_api_key(id)).await
+        self.get_or_read(id, || store.get_api_key(id)).await
     }
 
-    /// The key `id`: remembered if read less than the time to live ago, else what `read` (a
-    /// read of the store) answers.
-    async fn get_or_read(
-        &self,
-        id: &ApiKeyId,
-        read_store: impl std::future::Future<Output = Result<Option<ApiKey>, StoreError>>,
-    ) -> Result<Option<ApiKey>, StoreError> {
+    /// The key `id`: remembered if read less than the time to live ago, else what `read_store`
+    /// (a read of the store) answers.
+    async fn get_or_read<F>(&self, id: &ApiKeyId, read_store: impl FnOnce() -> F) -> Result<Option<ApiKey>, StoreError>
+    where
+        F: std::future::Future<Output = Result<Option<ApiKey>, StoreError>>,
+    {
         if self.ttl.is_zero() {
-            return read_store.await;
+            return read_store().await;
         }
         if let Some((key, read)) = self.keys().get(id)
             && read.elapsed() < self.ttl
@@ -133,7 +132,7 @@ impl KeyCache {
             return Ok(Some(key.clone()));
         }
         let (read, generation) = (Instant::now(), self.forgotten.load(Ordering::Acquire));
-        let key = read_store.await?;
+        let key = read_store().await?;
         let mut keys = self.keys();
         match &key {
             // A key forgotten while it was read may have been revoked after the read.
@@ -214,7 +213,7 @@ mod tests {
                     held.await.unwrap();
                     key
                 };
-                cache.get_or_read(&id, read).await
+                cache.get_or_read(&id, || read).await
             }
         });
         read_seen.await.unwrap();
