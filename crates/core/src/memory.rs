@@ -28,7 +28,8 @@ pub struct MemoryStore {
 #[derive(Debug, Default)]
 struct State {
     /// Boxed, so that a B-tree insert moves pointers rather than whole records. Written and
-    /// removed through [`State::put`] and [`State::remove`] only.
+    /// removed through [`State::put`] and [`State::remove`]; the revocation alone changes
+    /// records in place, and keeps `in_progress` itself.
     records: BTreeMap<Scope, Box<Record>>,
     /// From the first claim under an in-flight quota on: the in-progress records of each
     /// tenant, each with the time until which it holds its lease (`None`: it holds none, its
