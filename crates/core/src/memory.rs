@@ -36,7 +36,7 @@ struct State {
     /// outcome being reported unknown or its lease revoked), so that the quota counts those
     /// rather than every record. Kept by [`State::put`], [`State::remove`] and the revocation,
     /// the only ways records change.
-    in_progress: Option<BTreeMap<TenantId, BTreeMap<Scope, Option<Timestamp>>>>,
+    in_progress: Option<InProgress>,
     last_fence: u64,
     tenants: BTreeMap<TenantId, Tenant>,
     api_keys: BTreeMap<String, ApiKey>,
@@ -49,11 +49,7 @@ struct State {
 impl State {
     fn put(&mut self, record: Record) {
         if let Some(index) = &mut self.in_progress {
-            if record.state == RecordState::InProgress {
-                index.entry(record.scope.tenant.clone()).or_default().insert(record.scope.clone(), lease_held(&record));
-            } else if let Some(scopes) = index.get_mut(&record.scope.tenant) {
-                scopes.remove(&record.scope);
-            }
+            track(index, &record);
         }
         self.records.insert(record.scope.clone(), Box::new(record));
     }
@@ -70,9 +66,9 @@ impl State {
     fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> u64 {
         let records = &self.records;
         let index = self.in_progress.get_or_insert_with(|| {
-            let mut index: BTreeMap<TenantId, BTreeMap<Scope, Option<Timestamp>>> = BTreeMap::new();
+            let mut index = BTreeMap::new();
             for r in records.values().filter(|r| r.state == RecordState::InProgress) {
-                index.entry(r.scope.tenant.clone()).or_default().insert(r.scope.clone(), lease_held(r));
+                track(&mut index, r);
             }
             index
         });
@@ -85,14 +81,25 @@ impl State {
     }
 }
 
-/// Until when an in-progress `record` holds its lease: `control::holds_lease` is true exactly
-/// before this time (a record in progress expires no earlier than its lease ends, but the
-/// earlier of the two is taken all the same).
-fn lease_held(record: &Record) -> Option<Timestamp> {
-    match (&record.unknown, record.lease_expires_at) {
+/// The in-progress records of each tenant, with the time until which each holds its lease.
+type InProgress = BTreeMap<TenantId, BTreeMap<Scope, Option<Timestamp>>>;
+
+/// Notes `record`, as it now is, in `index`: an in-progress record with the time until which
+/// it holds its lease (`control::holds_lease` is true exactly before it; a record in progress
+/// expires no earlier than its lease ends, but the earlier of the two is taken all the same),
+/// any other record taken out.
+fn track(index: &mut InProgress, record: &Record) {
+    if record.state != RecordState::InProgress {
+        if let Some(scopes) = index.get_mut(&record.scope.tenant) {
+            scopes.remove(&record.scope);
+        }
+        return;
+    }
+    let held = match (&record.unknown, record.lease_expires_at) {
         (None, Some(lease)) => Some(lease.min(record.expires_at)),
         _ => None,
-    }
+    };
+    index.entry(record.scope.tenant.clone()).or_default().insert(record.scope.clone(), held);
 }
 
 impl MemoryStore {
@@ -304,8 +311,8 @@ impl Store for MemoryStore {
             if &record.scope.tenant == tenant && control::revocable(record, target, detail, now) {
                 state.last_fence += 1;
                 control::revoke(record, Fence(state.last_fence), detail, now);
-                if let Some(held) = state.in_progress.as_mut().and_then(|index| index.get_mut(tenant)) {
-                    held.insert(record.scope.clone(), lease_held(record));
+                if let Some(index) = &mut state.in_progress {
+                    track(index, record);
                 }
                 revoked += 1;
             }
