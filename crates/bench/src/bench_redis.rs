@@ -257,20 +257,24 @@ impl Redis {
             let source = format!("{}\nreturn 1", body.join("\n"));
             variants.push((format!("  {}", CLAIM_FLOOR[i].0), Script::new(&source), None));
         }
+        // What every call shares, made once.
+        let (tenant, namespace) = (TenantId::parse("bench")?, Namespace::parse("bench")?);
+        let fingerprint: Arc<str> = preloaded_fingerprint().as_str().into();
+        let retention_ms = u64::try_from(RETENTION.as_millis())?;
         let mut costs = Vec::new();
         for (v, (name, script, expect)) in variants.into_iter().enumerate() {
             let (script, keys) = (Arc::new(script), keys.clone());
+            let (tenant, namespace, fingerprint) = (tenant.clone(), namespace.clone(), fingerprint.clone());
             let mut stats = conn.clone();
             let before = evalsha_time(&mut stats).await?;
             let conn = conn.clone();
             measure(ops, 16, warmup_for(ops, 16), move |i| {
-                let (script, keys, mut conn) = (script.clone(), keys.clone(), conn.clone());
-                let scope = Scope::new(
-                    TenantId::parse("bench").expect("a valid tenant"),
-                    Namespace::parse("bench").expect("a valid namespace"),
-                    Key::parse(&format!("{v}-{i}")).expect("a valid key"),
-                );
+                let (script, keys, mut conn, fingerprint) =
+                    (script.clone(), keys.clone(), conn.clone(), fingerprint.clone());
+                let key = Key::parse(&format!("{v}-{i}"));
+                let scope = key.map(|key| Scope::new(tenant.clone(), namespace.clone(), key));
                 async move {
+                    let scope = scope?;
                     let placement = Placement::of(&scope);
                     let mut invocation = script.prepare_invoke();
                     ClaimCall {
@@ -278,9 +282,9 @@ impl Redis {
                         scope: &scope,
                         placement: &placement,
                         now: Timestamp::now().0,
-                        fingerprint: preloaded_fingerprint().as_str(),
+                        fingerprint: &fingerprint,
                         lease_ms: 60_000,
-                        retention_ms: u64::try_from(RETENTION.as_millis())?,
+                        retention_ms,
                         run: "",
                         margin_ms: 60_000,
                         source: "draw",
