@@ -195,7 +195,7 @@ impl Guard {
     /// flight waits (at most `wait`) and claims again when the holder finishes or its lease
     /// passes, so the caller gets the replay (or the key, as a recovery) without polling. Every
     /// answer comes from one atomic store claim.
-    #[tracing::instrument(name = "guard.claim", skip_all, fields(tenant = %req.scope.tenant, namespace = %req.scope.namespace, fingerprint = %req.fingerprint, outcome))]
+    #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %req.scope.tenant, namespace = %req.scope.namespace, fingerprint = %req.fingerprint, outcome))]
     pub async fn claim(&self, req: &ClaimRequest, wait: Duration) -> Result<ClaimOutcome, GuardError> {
         let controls = self.controls().await?;
         let scope = &req.scope;
@@ -264,7 +264,7 @@ impl Guard {
     /// Applies a fenced call made by `actor` (an API key id), after checking its size limits,
     /// and wakes the key's waiters when it finished the attempt. A completion or failure refused
     /// as stale is written to the audit log.
-    #[tracing::instrument(name = "guard.mutate", skip_all, fields(tenant = %scope.tenant, namespace = %scope.namespace, fence = %fence, op = mutation.name(), outcome))]
+    #[tracing::instrument(level = "debug", name = "guard.mutate", skip_all, fields(tenant = %scope.tenant, namespace = %scope.namespace, fence = %fence, op = mutation.name(), outcome))]
     pub async fn mutate_as(
         &self,
         actor: &str,

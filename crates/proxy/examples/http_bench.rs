@@ -8,6 +8,8 @@
 //! `cargo run --release -p onceguard-proxy --example http_bench -- [requests] [concurrency] [store] [rounds]`
 //! with `store` (the proxy's) one of `sqlite` (default) or `memory`, and `rounds` (default 5).
 //!
+//! The process sets up its logs as `onceguard serve` does (`ONCEGUARD_LOG`, default `info`).
+//!
 //! Each row is measured `rounds` times, the rows taking turns (baseline, claims, replays, proxy,
 //! then again), so that a moment of other work on the machine falls on one round of each row
 //! rather than on one row. Each round sends `requests` POSTs. A row shows its median round, and
@@ -26,6 +28,7 @@ use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fingerprint, Guard, Key, MemoryStore, Mutation, Namespace, Outcome, OutcomeKind, Scope,
     Store, SystemClock, TenantId,
 };
+use onceguard_server::telemetry::{LogFormat, TraceSettings};
 use onceguard_server::{AppState, Config};
 use onceguard_store_sqlite::SqliteStore;
 
@@ -175,6 +178,10 @@ async fn main() {
     let concurrency: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(16);
     let store_kind = args.get(3).cloned().unwrap_or_else(|| "sqlite".into());
     let rounds: usize = args.get(4).and_then(|a| a.parse().ok()).unwrap_or(5).max(1);
+    // Logs set up as `onceguard serve` sets them up (JSON on stderr, filtered by `ONCEGUARD_LOG`,
+    // `info` by default; no trace export), so that each request pays what a served one pays.
+    let _telemetry = onceguard_server::telemetry::init(LogFormat::Json, &TraceSettings { export: false })
+        .expect("the logs are set up once");
 
     let trivial =
         serve(Router::new().route("/tickets", post(|| async { (axum::http::StatusCode::CREATED, r#"{"ok":true}"#) })))

@@ -55,7 +55,7 @@ impl Store for ObservedStore {
         self.kind
     }
 
-    #[tracing::instrument(name = "store.claim", skip_all, fields(store = self.kind, tenant = %req.scope.tenant, namespace = %req.scope.namespace, outcome, fence, error))]
+    #[tracing::instrument(level = "debug", name = "store.claim", skip_all, fields(store = self.kind, tenant = %req.scope.tenant, namespace = %req.scope.namespace, outcome, fence, error))]
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         let outcome = self.timed("claim", self.inner.claim(req, now)).await?;
         let span = Span::current();
@@ -68,7 +68,7 @@ impl Store for ObservedStore {
         Ok(outcome)
     }
 
-    #[tracing::instrument(name = "store.mutate", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, op = mutation.name(), fence = fence.0, outcome, error))]
+    #[tracing::instrument(level = "debug", name = "store.mutate", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, op = mutation.name(), fence = fence.0, outcome, error))]
     async fn mutate(
         &self,
         scope: &Scope,
@@ -86,7 +86,7 @@ impl Store for ObservedStore {
         Ok(outcome)
     }
 
-    #[tracing::instrument(name = "store.get", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, fence, error))]
+    #[tracing::instrument(level = "debug", name = "store.get", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, fence, error))]
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
         let record = self.timed("get", self.inner.get(scope, now)).await?;
         let span = Span::current();
@@ -97,24 +97,24 @@ impl Store for ObservedStore {
         Ok(record)
     }
 
-    #[tracing::instrument(name = "store.list", skip_all, fields(store = self.kind, tenant = %tenant, error))]
+    #[tracing::instrument(level = "debug", name = "store.list", skip_all, fields(store = self.kind, tenant = %tenant, error))]
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
         self.timed("list", self.inner.list(tenant, filter, now)).await
     }
 
-    #[tracing::instrument(name = "store.purge", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, error))]
+    #[tracing::instrument(level = "debug", name = "store.purge", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, error))]
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         let existed = self.timed("purge", self.inner.purge(scope)).await?;
         Span::current().record("outcome", if existed { "purged" } else { "absent" });
         Ok(existed)
     }
 
-    #[tracing::instrument(name = "store.sweep", skip_all, fields(store = self.kind, error))]
+    #[tracing::instrument(level = "debug", name = "store.sweep", skip_all, fields(store = self.kind, error))]
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         self.timed("sweep", self.inner.sweep(now, batch)).await
     }
 
-    #[tracing::instrument(name = "store.ping", skip_all, fields(store = self.kind, error))]
+    #[tracing::instrument(level = "debug", name = "store.ping", skip_all, fields(store = self.kind, error))]
     async fn ping(&self) -> Result<(), StoreError> {
         self.timed("ping", self.inner.ping()).await
     }
@@ -139,7 +139,7 @@ impl Store for ObservedStore {
         self.timed("auth", self.inner.create_api_key(key)).await
     }
 
-    #[tracing::instrument(name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
+    #[tracing::instrument(level = "debug", name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
     async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
         self.timed("auth", self.inner.get_api_key(id)).await
     }
@@ -183,7 +183,7 @@ impl Store for ObservedStore {
         self.timed("control", self.inner.list_control()).await
     }
 
-    #[tracing::instrument(name = "store.revoke_leases", skip_all, fields(store = self.kind, tenant = %tenant, target = %target, error))]
+    #[tracing::instrument(level = "debug", name = "store.revoke_leases", skip_all, fields(store = self.kind, tenant = %tenant, target = %target, error))]
     async fn revoke_leases(
         &self,
         tenant: &TenantId,
@@ -194,7 +194,7 @@ impl Store for ObservedStore {
         self.timed("revoke_leases", self.inner.revoke_leases(tenant, target, detail, now)).await
     }
 
-    #[tracing::instrument(name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
+    #[tracing::instrument(level = "debug", name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
     async fn take_rate(
         &self,
         tenant: &TenantId,

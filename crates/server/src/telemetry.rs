@@ -7,6 +7,10 @@
 //!   variables and off unless one of them asks for it (see [`TraceSettings::from_env`]). A
 //!   span per request (`http.request`, named `METHOD /route`) continues the caller's W3C
 //!   `traceparent`; below it are the guard's spans and one span per store operation.
+//! - Spans are at debug level: built for the trace exporter when it is on, and for the logs
+//!   only at `ONCEGUARD_LOG=debug` (where log lines carry their request's span). At the default
+//!   level nothing builds them: formatting a request's span fields for the logs cost more than
+//!   the claim itself (see docs/PERFORMANCE.md).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -130,28 +134,44 @@ impl Telemetry {
 /// propagator.
 pub fn init(format: LogFormat, traces: &TraceSettings) -> Result<Telemetry, TelemetryError> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEGUARD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=warn"));
-    let logs = match format {
-        LogFormat::Json => {
-            tracing_subscriber::fmt::layer().json().flatten_event(true).with_writer(std::io::stderr).boxed()
-        }
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_writer(std::io::stderr).boxed(),
-    };
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     let provider = traces.export.then(tracer_provider).transpose()?;
-    let spans = provider.as_ref().map(|provider| {
+    if provider.is_some() {
         opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
-        // Onceguard's own spans (requests, the guard, store operations) and the events in them.
-        let ours = tracing_subscriber::filter::filter_fn(|meta| {
-            meta.target().starts_with("onceguard") && *meta.level() <= tracing::Level::INFO
-        });
-        tracing_opentelemetry::layer().with_tracer(provider.tracer("onceguard")).with_filter(ours)
-    });
-    tracing_subscriber::registry()
-        .with(logs.with_filter(filter))
-        .with(spans)
+    }
+    subscriber(format, filter, std::io::stderr, provider.as_ref())
         .try_init()
         .map_err(|e| TelemetryError::AlreadySet(e.to_string()))?;
     Ok(Telemetry { provider })
+}
+
+/// The log filter when `ONCEGUARD_LOG` is not set.
+const DEFAULT_LOG_FILTER: &str = "info,tower_http=warn";
+
+/// Logs in `format` to `writer`, filtered by `filter`, and, with a `provider`, Onceguard's spans
+/// (debug level, so that logs at their default level do not build them) and the events in them
+/// to its tracer.
+fn subscriber<W>(
+    format: LogFormat,
+    filter: tracing_subscriber::EnvFilter,
+    writer: W,
+    provider: Option<&SdkTracerProvider>,
+) -> impl tracing::Subscriber + Send + Sync + 'static
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    let logs = match format {
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().flatten_event(true).with_writer(writer).boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer().with_writer(writer).boxed(),
+    };
+    let spans = provider.map(|provider| {
+        let ours = tracing_subscriber::filter::filter_fn(|meta| {
+            let most = if meta.is_span() { tracing::Level::DEBUG } else { tracing::Level::INFO };
+            meta.target().starts_with("onceguard") && *meta.level() <= most
+        });
+        tracing_opentelemetry::layer().with_tracer(provider.tracer("onceguard")).with_filter(ours)
+    });
+    tracing_subscriber::registry().with(logs.with_filter(filter)).with(spans)
 }
 
 fn tracer_provider() -> Result<SdkTracerProvider, TelemetryError> {
@@ -210,7 +230,7 @@ impl HttpClient for BlockingHttp {
 pub fn request_span<B>(request: &Request<B>) -> Span {
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", MatchedPath::as_str);
     let method = request.method().as_str();
-    let span = tracing::info_span!(
+    let span = tracing::debug_span!(
         "http.request",
         otel.name = %format_args!("{method} {route}"),
         otel.kind = "server",
@@ -223,11 +243,14 @@ pub fn request_span<B>(request: &Request<B>) -> Span {
         outcome = Empty,
         fence = Empty,
     );
-    let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
-        propagator.extract(&opentelemetry_http::HeaderExtractor(request.headers()))
-    });
-    // Without the OpenTelemetry layer (tracing off) there is nothing to continue.
-    let _ = span.set_parent(parent);
+    // A span nothing records (debug logs and traces both off) has no parent to continue.
+    if !span.is_disabled() {
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(&opentelemetry_http::HeaderExtractor(request.headers()))
+        });
+        // Without the OpenTelemetry layer (tracing off) there is nothing to continue.
+        let _ = span.set_parent(parent);
+    }
     span
 }
 
@@ -248,6 +271,25 @@ mod tests {
 
     fn settings(vars: &[(&str, &str)]) -> Result<TraceSettings, TelemetryError> {
         TraceSettings::from_lookup(|name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| (*v).to_owned()))
+    }
+
+    /// Whether a request's span is built under the subscriber `init` would install with
+    /// `filter`, exporting traces or not.
+    fn request_span_built(filter: &str, export: bool) -> bool {
+        let provider = export.then(|| SdkTracerProvider::builder().build());
+        let subscriber =
+            subscriber(LogFormat::Json, tracing_subscriber::EnvFilter::new(filter), std::io::sink, provider.as_ref());
+        let request = Request::post("/v1/claims").body(()).unwrap();
+        tracing::subscriber::with_default(subscriber, || !request_span(&request).is_disabled())
+    }
+
+    #[test]
+    fn spans_are_built_only_for_debug_logs_or_trace_export() {
+        assert!(!request_span_built(DEFAULT_LOG_FILTER, false), "the default logs build no span");
+        assert!(!request_span_built("warn", false));
+        assert!(request_span_built("debug", false), "debug logs show each request's span");
+        assert!(request_span_built("info,onceguard_server=debug", false));
+        assert!(request_span_built(DEFAULT_LOG_FILTER, true), "the trace exporter gets every request's span");
     }
 
     #[test]

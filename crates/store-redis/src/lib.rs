@@ -910,7 +910,7 @@ impl Store for RedisStore {
         if self.cluster { "redis-cluster" } else { "redis" }
     }
 
-    #[tracing::instrument(name = "redis.claim", skip_all)]
+    #[tracing::instrument(level = "debug", name = "redis.claim", skip_all)]
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         check_range(&[now.0, ms(req.lease), ms(req.retention)])?;
         let placement = Placement::of(&req.scope);
@@ -926,7 +926,7 @@ impl Store for RedisStore {
         .await
     }
 
-    #[tracing::instrument(name = "redis.mutate", skip_all, fields(op = mutation.name()))]
+    #[tracing::instrument(level = "debug", name = "redis.mutate", skip_all, fields(op = mutation.name()))]
     async fn mutate(
         &self,
         scope: &Scope,
