@@ -21,6 +21,7 @@ use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::{Clock, Guard, StoreError, SystemClock, TenantId};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tracing::Instrument as _;
 use utoipa::OpenApi;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 
@@ -227,31 +228,29 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             observe_request(req, next, metrics.clone(), timeout)
         }))
-        .layer(
-            tower_http::trace::TraceLayer::new_for_http()
-                .make_span_with(|req: &Request| telemetry::request_span(req))
-                .on_request(())
-                .on_response(|res: &Response, latency: Duration, span: &tracing::Span| {
-                    telemetry::record_response(res, latency, span)
-                }),
-        )
 }
 
-/// Bounds a request by `timeout` (answering 503 when it passes: a claim may have taken effect)
-/// and measures it, whatever it answered (also a panic's 500, which the layer inside makes).
+/// Runs a request in its span (see [`telemetry::request_span`]), bounded by `timeout`
+/// (answering 503 when it passes: a claim may have taken effect), then records and measures its
+/// answer, whatever it was (also a panic's 500, which the layer inside makes).
 async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeout: Duration) -> Response {
     let started = std::time::Instant::now();
+    let span = telemetry::request_span(&req);
     let method = req.method().clone();
     let route = req.extensions().get::<axum::extract::MatchedPath>().cloned();
-    let response = match tokio::time::timeout(timeout, next.run(req)).await {
+    let response = match tokio::time::timeout(timeout, next.run(req)).instrument(span.clone()).await {
         Ok(response) => response,
-        Err(_) => ApiError::StoreUnavailable(
-            "the request timed out; a claim may have taken effect, so retry the same request".into(),
-        )
-        .into_response(),
+        Err(_) => span.in_scope(|| {
+            ApiError::StoreUnavailable(
+                "the request timed out; a claim may have taken effect, so retry the same request".into(),
+            )
+            .into_response()
+        }),
     };
+    let took = started.elapsed();
+    telemetry::record_response(&response, took, &span);
     let route = route.as_ref().map(axum::extract::MatchedPath::as_str);
-    metrics.observe_http(method.as_str(), route, response.status().as_u16(), started.elapsed());
+    metrics.observe_http(method.as_str(), route, response.status().as_u16(), took);
     response
 }
 
