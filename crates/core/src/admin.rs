@@ -10,7 +10,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Mutex, RwLock};
+use arc_swap::ArcSwapOption;
+use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::control::{
@@ -31,11 +32,26 @@ pub const CONTROL_MAX_AGE: Duration = Duration::from_secs(2);
 /// Longest reason or explanation an operator may give, in bytes.
 pub const MAX_REASON_BYTES: usize = 1_024;
 
-/// The switches and settings last read from the store, and when.
+/// The switches and settings last read from the store, and when. Every claim reads it, so the
+/// read takes no lock.
 #[derive(Debug, Default)]
 pub(crate) struct ControlCache {
-    current: RwLock<Option<(Arc<Controls>, Instant)>>,
+    current: ArcSwapOption<Cached>,
     refreshing: Mutex<()>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    controls: Arc<Controls>,
+    read_at: Instant,
+}
+
+impl ControlCache {
+    /// The cached switches and settings, unless they are older than [`CONTROL_MAX_AGE`].
+    fn fresh(&self) -> Option<Arc<Controls>> {
+        let current = self.current.load();
+        current.as_ref().filter(|c| c.read_at.elapsed() < CONTROL_MAX_AGE).map(|c| c.controls.clone())
+    }
 }
 
 fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
@@ -52,16 +68,12 @@ fn check_why(why: Option<&str>) -> Result<(), InvalidInput> {
 impl Guard {
     /// The switches and settings in force: the cached ones if fresh, else read now.
     pub(crate) async fn controls(&self) -> Result<Arc<Controls>, GuardError> {
-        if let Some((controls, at)) = self.controls.current.read().await.as_ref()
-            && at.elapsed() < CONTROL_MAX_AGE
-        {
-            return Ok(controls.clone());
+        if let Some(controls) = self.controls.fresh() {
+            return Ok(controls);
         }
         let _one_at_a_time = self.controls.refreshing.lock().await;
-        if let Some((controls, at)) = self.controls.current.read().await.as_ref()
-            && at.elapsed() < CONTROL_MAX_AGE
-        {
-            return Ok(controls.clone());
+        if let Some(controls) = self.controls.fresh() {
+            return Ok(controls);
         }
         self.refresh_controls().await
     }
@@ -70,7 +82,7 @@ impl Guard {
     pub async fn refresh_controls(&self) -> Result<Arc<Controls>, GuardError> {
         let docs = self.store().list_control().await?;
         let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);
-        *self.controls.current.write().await = Some((controls.clone(), Instant::now()));
+        self.controls.current.store(Some(Arc::new(Cached { controls: controls.clone(), read_at: Instant::now() })));
         Ok(controls)
     }
 

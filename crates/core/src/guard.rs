@@ -217,12 +217,15 @@ impl Guard {
             limited = ClaimRequest { max_in_flight: effective.max_in_flight, ..req.clone() };
             &limited
         };
-        let deadline = Instant::now() + wait;
+        // Only a claim that may wait reads the monotonic clock.
+        let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
         loop {
-            let mut changes = (!wait.is_zero()).then(|| self.notifier.subscribe(&req.scope));
+            let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
             let outcome = self.store.claim(req, self.clock.now()).await?;
-            let retry_after = match (&outcome, changes.as_mut()) {
-                (ClaimOutcome::InFlight(in_flight), Some(_)) if Instant::now() < deadline => in_flight.retry_after,
+            let (retry_after, deadline) = match (&outcome, deadline) {
+                (ClaimOutcome::InFlight(in_flight), Some(deadline)) if Instant::now() < deadline => {
+                    (in_flight.retry_after, deadline)
+                }
                 _ => {
                     tracing::Span::current().record("outcome", outcome.name());
                     return Ok(outcome);
