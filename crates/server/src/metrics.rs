@@ -292,9 +292,10 @@ impl Metrics {
 
     /// A claim's answer.
     pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome) {
-        let tenant = scope.tenant.to_string();
         let name = outcome.name();
-        self.claims.get_or_create(&ClaimLabels { tenant: tenant.clone(), outcome: name }).inc();
+        let labels = ClaimLabels { tenant: scope.tenant.to_string(), outcome: name };
+        self.claims.get_or_create(&labels).inc();
+        let tenant = &labels.tenant;
         let mut cost_saved = 0;
         match outcome {
             ClaimOutcome::Replay(replay) => {
@@ -308,11 +309,11 @@ impl Metrics {
                         onceguard_core::RecoveryReason::ReportedUnknown { .. } => "reported_unknown",
                     };
                     self.recoveries.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
-                    self.live.push_event(&tenant, Event::new("recovery", scope, Some(acquired.fence.0), reason));
+                    self.live.push_event(tenant, Event::new("recovery", scope, Some(acquired.fence.0), reason));
                 }
             }
             ClaimOutcome::Mismatch => {
-                self.live.push_event(&tenant, Event::new("mismatch", scope, None, "fingerprint differs"));
+                self.live.push_event(tenant, Event::new("mismatch", scope, None, "fingerprint differs"));
             }
             ClaimOutcome::Denied(denial) => {
                 let reason = match denial {
@@ -325,7 +326,7 @@ impl Metrics {
             ClaimOutcome::InFlight(_) => {}
         }
         let index = OUTCOMES.iter().position(|o| *o == name).unwrap_or(0);
-        self.live.record_claim(&tenant, index, cost_saved);
+        self.live.record_claim(tenant, index, cost_saved);
     }
 
     /// A fenced call refused as stale.
