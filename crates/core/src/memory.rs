@@ -14,7 +14,7 @@ use crate::auth::{ApiKey, ApiKeyId, Tenant};
 use crate::control::{
     self, Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
 };
-use crate::domain::{Fence, RunId, Scope, TenantId, Timestamp};
+use crate::domain::{Fence, Key, Namespace, RunId, Scope, TenantId, Timestamp};
 use crate::protocol::{self, ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
 use crate::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
@@ -27,10 +27,9 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Boxed, so that a B-tree insert moves pointers rather than whole records. Written and
-    /// removed through [`State::put`] and [`State::remove`]; the revocation alone changes
-    /// records in place, and keeps `in_progress` itself.
-    records: BTreeMap<Scope, Box<Record>>,
+    /// Written and removed through [`State::put`] and [`State::remove`]; the revocation alone
+    /// changes records in place, and keeps `in_progress` itself.
+    records: Records,
     /// From the first claim under an in-flight quota on: the in-progress records of each
     /// tenant, each with the time until which it holds its lease (`None`: it holds none, its
     /// outcome being reported unknown or its lease revoked), so that the quota counts those
@@ -51,14 +50,14 @@ impl State {
         if let Some(index) = &mut self.in_progress {
             track(index, &record);
         }
-        self.records.insert(record.scope.clone(), Box::new(record));
+        self.records.insert(record);
     }
 
     fn remove(&mut self, scope: &Scope) -> bool {
         if let Some(scopes) = self.in_progress.as_mut().and_then(|index| index.get_mut(&scope.tenant)) {
             scopes.remove(scope);
         }
-        self.records.remove(scope).is_some()
+        self.records.remove(scope)
     }
 
     /// How many of `tenant`'s records hold a lease at `now` (`control::holds_lease`); the index
@@ -67,7 +66,7 @@ impl State {
         let records = &self.records;
         let index = self.in_progress.get_or_insert_with(|| {
             let mut index = BTreeMap::new();
-            for r in records.values().filter(|r| r.state == RecordState::InProgress) {
+            for r in records.all().filter(|r| r.state == RecordState::InProgress) {
                 track(&mut index, r);
             }
             index
@@ -78,6 +77,72 @@ impl State {
 
     fn run_mut(&mut self, tenant: &TenantId, run: &RunId, now: Timestamp) -> &mut Run {
         self.runs.entry((tenant.clone(), run.clone())).or_insert_with(|| Run::new(tenant.clone(), run.clone(), now))
+    }
+}
+
+/// The records by tenant, namespace and key, in that order. A lookup compares keys, not whole
+/// scopes, and a record's tenant and namespace are kept once per tenant and namespace rather
+/// than once more per record. Records are boxed, so that a B-tree insert moves pointers rather
+/// than whole records.
+#[derive(Debug, Default)]
+struct Records(BTreeMap<TenantId, BTreeMap<Namespace, BTreeMap<Key, Box<Record>>>>);
+
+impl Records {
+    fn get(&self, scope: &Scope) -> Option<&Record> {
+        self.0.get(&scope.tenant)?.get(&scope.namespace)?.get(&scope.key).map(|r| &**r)
+    }
+
+    /// Stores `record` in place of the one of its scope, if any.
+    fn insert(&mut self, record: Record) {
+        let scope = &record.scope;
+        if !self.0.contains_key(&scope.tenant) {
+            self.0.insert(scope.tenant.clone(), BTreeMap::new());
+        }
+        let namespaces = self.0.get_mut(&scope.tenant).expect("the tenant's map was just made");
+        if !namespaces.contains_key(&scope.namespace) {
+            namespaces.insert(scope.namespace.clone(), BTreeMap::new());
+        }
+        let keys = namespaces.get_mut(&scope.namespace).expect("the namespace's map was just made");
+        match keys.get_mut(&scope.key) {
+            Some(stored) => **stored = record,
+            None => {
+                keys.insert(scope.key.clone(), Box::new(record));
+            }
+        }
+    }
+
+    /// Removes the record of `scope`, and the maps it leaves empty; answers whether it existed.
+    fn remove(&mut self, scope: &Scope) -> bool {
+        let Some(namespaces) = self.0.get_mut(&scope.tenant) else { return false };
+        let Some(keys) = namespaces.get_mut(&scope.namespace) else { return false };
+        let existed = keys.remove(&scope.key).is_some();
+        if keys.is_empty() {
+            namespaces.remove(&scope.namespace);
+            if namespaces.is_empty() {
+                self.0.remove(&scope.tenant);
+            }
+        }
+        existed
+    }
+
+    /// Every record, in scope order.
+    fn all(&self) -> impl Iterator<Item = &Record> {
+        self.0.values().flat_map(BTreeMap::values).flat_map(BTreeMap::values).map(|r| &**r)
+    }
+
+    /// `tenant`'s records, in (namespace, key) order.
+    fn of(&self, tenant: &TenantId) -> impl Iterator<Item = &Record> {
+        self.0.get(tenant).into_iter().flat_map(BTreeMap::values).flat_map(BTreeMap::values).map(|r| &**r)
+    }
+
+    /// `tenant`'s records, to change in place.
+    fn of_mut(&mut self, tenant: &TenantId) -> impl Iterator<Item = &mut Record> {
+        self.0
+            .get_mut(tenant)
+            .into_iter()
+            .flat_map(BTreeMap::values_mut)
+            .flat_map(BTreeMap::values_mut)
+            .map(|r| &mut **r)
     }
 }
 
@@ -133,7 +198,7 @@ impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         let mut state = self.lock();
         let state = &mut *state;
-        let existing = state.records.get(&req.scope).map(|r| Record::clone(r));
+        let existing = state.records.get(&req.scope).cloned();
         let (outcome, write) = protocol::claim(existing, req, now, || {
             state.last_fence += 1;
             Fence(state.last_fence)
@@ -169,7 +234,7 @@ impl Store for MemoryStore {
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
         let mut state = self.lock();
-        let existing = state.records.get(scope).map(|r| Record::clone(r));
+        let existing = state.records.get(scope).cloned();
         let cost = control::reported_cost(&mutation);
         let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
         if let Some(record) = write {
@@ -182,7 +247,7 @@ impl Store for MemoryStore {
     }
 
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        Ok(self.lock().records.get(scope).filter(|r| r.is_live(now)).map(|r| Record::clone(r)))
+        Ok(self.lock().records.get(scope).filter(|r| r.is_live(now)).cloned())
     }
 
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
@@ -190,12 +255,11 @@ impl Store for MemoryStore {
         let state = self.lock();
         let records: Vec<Record> = state
             .records
-            .values()
-            .filter(|r| &r.scope.tenant == tenant)
+            .of(tenant)
             .filter(|r| filter.after.as_ref().is_none_or(|(ns, key)| (&r.scope.namespace, &r.scope.key) > (ns, key)))
             .filter(|r| matches_filter(r, filter, now))
             .take(limit + 1)
-            .map(|r| Record::clone(r))
+            .cloned()
             .collect();
         Ok(Page::from_overfetch(records, limit))
     }
@@ -207,7 +271,7 @@ impl Store for MemoryStore {
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         let mut state = self.lock();
         let expired: Vec<Scope> =
-            state.records.values().filter(|r| !r.is_live(now)).take(batch).map(|r| r.scope.clone()).collect();
+            state.records.all().filter(|r| !r.is_live(now)).take(batch).map(|r| r.scope.clone()).collect();
         for scope in &expired {
             state.remove(scope);
         }
@@ -307,8 +371,8 @@ impl Store for MemoryStore {
         let mut state = self.lock();
         let state = &mut *state;
         let mut revoked = 0;
-        for record in state.records.values_mut() {
-            if &record.scope.tenant == tenant && control::revocable(record, target, detail, now) {
+        for record in state.records.of_mut(tenant) {
+            if control::revocable(record, target, detail, now) {
                 state.last_fence += 1;
                 control::revoke(record, Fence(state.last_fence), detail, now);
                 if let Some(index) = &mut state.in_progress {
@@ -397,6 +461,30 @@ mod tests {
             ClaimOutcome::Acquired(a) => Some(a.fence),
             _ => None,
         }
+    }
+
+    /// A purge or a sweep leaves no empty map behind, and a record written again replaces the
+    /// one of its scope.
+    #[tokio::test]
+    async fn records_are_kept_by_tenant_namespace_and_key_without_empty_maps() {
+        let store = MemoryStore::new();
+        let t = Timestamp(1_000_000);
+        let fence = acquire(&store, "a", None, t).await.unwrap();
+        acquire(&store, "b", None, t).await.unwrap();
+        let done = Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: b"1".to_vec(),
+            cost: None,
+        };
+        store.mutate(&scope("a"), fence, Mutation::Complete(done), t, 8).await.unwrap();
+        let a = store.get(&scope("a"), t).await.unwrap().unwrap();
+        assert_eq!(a.state, RecordState::Completed, "the completion replaced the claimed record");
+        assert_eq!(store.lock().records.all().count(), 2);
+        assert!(store.purge(&scope("a")).await.unwrap());
+        assert!(!store.purge(&scope("a")).await.unwrap(), "purged already");
+        assert_eq!(store.sweep(t.plus(Duration::from_secs(2 * 3600)), 100).await.unwrap(), 1);
+        assert!(store.lock().records.0.is_empty(), "no tenant's map is left empty");
     }
 
     /// The in-flight count follows every way a lease ends, including for records written
