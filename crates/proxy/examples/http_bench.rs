@@ -151,9 +151,18 @@ fn median(runs: &[Run]) -> &Run {
 
 /// A row: its median round, and the median and range of its rounds' ratios to the baseline's
 /// rounds.
-fn row(name: &str, runs: &[Run], base: &[Run]) {
+/// The target: the claim API at least this many times the trivial handler's rate.
+const TARGET: f64 = 0.7;
+
+/// A row's ratios to the baseline's rounds, one per round, in ascending order.
+fn ratios(runs: &[Run], base: &[Run]) -> Vec<f64> {
     let mut ratios: Vec<f64> = runs.iter().zip(base).map(|(r, b)| r.rate / b.rate).collect();
     ratios.sort_by(f64::total_cmp);
+    ratios
+}
+
+fn row(name: &str, runs: &[Run], base: &[Run]) {
+    let ratios = ratios(runs, base);
     let (r, b) = (median(runs), median(base));
     let added = |a: Duration, b: Duration| a.saturating_sub(b);
     println!(
@@ -244,6 +253,11 @@ async fn main() {
     row("trivial axum handler", &baseline, &baseline);
     row("POST /v1/claims, new key (acquired)", &claims, &baseline);
     row("POST /v1/claims, same key (replay)", &replays, &baseline);
+    for (what, runs) in [("new keys", &claims), ("replays", &replays)] {
+        let median = ratios(runs, &baseline)[rounds / 2];
+        let verdict = if median >= TARGET { "met" } else { "NOT met" };
+        println!("target: claim API ({what}) vs trivial handler: {median:.2}x, target >= {TARGET}x: {verdict}");
+    }
     println!("\nproxy (store {store_kind}) against its upstream called directly");
     header();
     row("direct to the upstream", &baseline, &baseline);
