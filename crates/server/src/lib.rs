@@ -250,7 +250,18 @@ async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeou
     let took = started.elapsed();
     telemetry::record_response(&response, took, &span);
     let route = route.as_ref().map(axum::extract::MatchedPath::as_str);
-    metrics.observe_http(method.as_str(), route, response.status().as_u16(), took);
+    let status = response.status().as_u16();
+    if response.status().is_server_error() {
+        // At the default log level no span gives the request's context: this line does.
+        tracing::warn!(
+            method = method.as_str(),
+            route = route.unwrap_or("unmatched"),
+            status,
+            latency_ms = took.as_secs_f64() * 1000.0,
+            "answered with a server error"
+        );
+    }
+    metrics.observe_http(method.as_str(), route, status, took);
     response
 }
 

@@ -146,7 +146,7 @@ pub fn init(format: LogFormat, traces: &TraceSettings) -> Result<Telemetry, Tele
 }
 
 /// The log filter when `ONCEGUARD_LOG` is not set.
-const DEFAULT_LOG_FILTER: &str = "info,tower_http=warn";
+const DEFAULT_LOG_FILTER: &str = "info";
 
 /// Logs in `format` to `writer`, filtered by `filter`, and, with a `provider`, Onceguard's spans
 /// (debug level, so that logs at their default level do not build them) and the events in them

@@ -1,6 +1,7 @@
 //! `/metrics` and the dashboard's JSON, after traffic through the API.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use reqwest::StatusCode;
@@ -9,6 +10,29 @@ use serde_json::{Value, json};
 use crate::helpers::{Backing, TestApp, assert_problem, spawn_app_with};
 
 /// The samples of an OpenMetrics text: `name{labels}` → value.
+/// Log lines written to memory.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Captured {
+    /// The lines so far, each a JSON object.
+    fn lines(&self) -> Vec<Value> {
+        let bytes = self.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn samples(text: &str) -> HashMap<String, f64> {
     text.lines()
         .filter(|l| !l.starts_with('#') && !l.is_empty())
@@ -277,6 +301,16 @@ async fn a_store_that_does_not_answer_shows_in_the_metrics() {
 #[tokio::test]
 async fn a_request_the_store_never_answers_times_out_with_503_and_is_measured() {
     use std::sync::atomic::Ordering;
+    // The logs of this test's thread (the runtime and the server run on it), at info level.
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _logs = tracing::subscriber::set_default(subscriber);
     let app = spawn_app_with(Backing::Breakable, |c| {
         c.limits.max_wait = Duration::from_millis(100);
         c.http.request_timeout = Duration::from_millis(300);
@@ -293,6 +327,14 @@ async fn a_request_the_store_never_answers_times_out_with_503_and_is_measured() 
         value(&m, r#"onceguard_http_request_duration_seconds_count{method="POST",route="/v1/claims",status="503"}"#),
         1.0,
         "the timed-out request is measured with the answer it got"
+    );
+    let lines = logs.lines();
+    let logged = lines.iter().find(|l| l["message"] == "answered with a server error");
+    let logged = logged.unwrap_or_else(|| panic!("no line for the 503 among {lines:?}"));
+    assert_eq!(logged["level"], "WARN");
+    assert_eq!(
+        (&logged["method"], &logged["route"], &logged["status"]),
+        (&json!("POST"), &json!("/v1/claims"), &json!(503))
     );
 
     app.store_stalled.store(false, Ordering::SeqCst);
