@@ -68,6 +68,18 @@ async fn span(received: &Received, trace: &str, name: &str) -> (String, Span) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
+    spans_arrive(Some("debug")).await;
+}
+
+/// With the logs at their default level the spans are built for the exporter alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_arrive_over_otlp_whatever_the_log_level() {
+    spans_arrive(None).await;
+}
+
+/// Sends a claim and a completion to a server exporting traces, with `log` as `ONCEGUARD_LOG`
+/// (or none), and checks the spans that arrive and the logs it wrote.
+async fn spans_arrive(log: Option<&str>) {
     let received: Received = Arc::default();
     let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", collector.local_addr().unwrap());
@@ -75,11 +87,9 @@ async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
     let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
 
     let dir = tempfile::tempdir().unwrap();
-    let server = start_with(
-        dir.path(),
-        &[],
-        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100"), ("ONCEGUARD_LOG", "debug")],
-    );
+    let mut env = vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
+    env.extend(log.map(|log| ("ONCEGUARD_LOG", log)));
+    let server = start_with(dir.path(), &[], &env);
     let token = admin_key(dir.path());
     let client = reqwest::Client::new();
 
@@ -162,10 +172,12 @@ async fn spans_arrive_over_otlp_with_tenant_namespace_outcome_and_fence() {
         assert!(!everything.contains(leaked), "'{leaked}' was exported in a span");
     }
     let logs = server.logs.lock().unwrap().clone();
-    assert!(
-        logs.iter().any(|l| l.contains(r#""message":"answered""#) && l.contains(r#""outcome":"acquired""#)),
-        "at debug level each answer is logged with its request's fields: {logs:?}"
-    );
+    let answered = logs.iter().any(|l| l.contains(r#""message":"answered""#) && l.contains(r#""outcome":"acquired""#));
+    if log == Some("debug") {
+        assert!(answered, "at debug level each answer is logged with its request's fields: {logs:?}");
+    } else {
+        assert!(!answered, "at the default level answers are not logged: {logs:?}");
+    }
     for line in &logs {
         let event: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}"));
         assert!(event["level"].is_string() && event["timestamp"].is_string(), "{line}");
