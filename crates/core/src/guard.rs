@@ -217,7 +217,7 @@ impl Guard {
             limited = ClaimRequest { max_in_flight: effective.max_in_flight, ..req.clone() };
             &limited
         };
-        // Only a claim that may wait reads the monotonic clock.
+        // Only a claim that may wait has a deadline.
         let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
         loop {
             let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
