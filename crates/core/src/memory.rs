@@ -463,6 +463,11 @@ mod tests {
         }
     }
 
+    /// A successful outcome to complete a key with.
+    fn done() -> Outcome {
+        Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: b"1".to_vec(), cost: None }
+    }
+
     /// A purge or a sweep leaves no empty map behind, and a record written again replaces the
     /// one of its scope.
     #[tokio::test]
@@ -471,13 +476,7 @@ mod tests {
         let t = Timestamp(1_000_000);
         let fence = acquire(&store, "a", None, t).await.unwrap();
         acquire(&store, "b", None, t).await.unwrap();
-        let done = Outcome {
-            kind: OutcomeKind::Success,
-            content_type: "application/json".into(),
-            body: b"1".to_vec(),
-            cost: None,
-        };
-        store.mutate(&scope("a"), fence, Mutation::Complete(done), t, 8).await.unwrap();
+        store.mutate(&scope("a"), fence, Mutation::Complete(done()), t, 8).await.unwrap();
         let a = store.get(&scope("a"), t).await.unwrap().unwrap();
         assert_eq!(a.state, RecordState::Completed, "the completion replaced the claimed record");
         assert_eq!(store.lock().records.all().count(), 2);
@@ -500,13 +499,7 @@ mod tests {
 
         assert!(store.purge(&scope("a")).await.unwrap());
         assert!(acquire(&store, "c", quota, t).await.is_some(), "a purged");
-        let done = Outcome {
-            kind: OutcomeKind::Success,
-            content_type: "application/json".into(),
-            body: b"1".to_vec(),
-            cost: None,
-        };
-        store.mutate(&scope("b"), b, Mutation::Complete(done), t, 8).await.unwrap();
+        store.mutate(&scope("b"), b, Mutation::Complete(done()), t, 8).await.unwrap();
         assert!(acquire(&store, "d", quota, t).await.is_some(), "b completed");
         assert_eq!(acquire(&store, "e", quota, t).await, None, "c and d hold leases");
 
