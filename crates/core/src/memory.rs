@@ -94,19 +94,19 @@ impl Records {
 
     /// Stores `record` in place of the one of its scope, if any.
     fn insert(&mut self, record: Record) {
-        let scope = &record.scope;
-        if !self.0.contains_key(&scope.tenant) {
-            self.0.insert(scope.tenant.clone(), BTreeMap::new());
-        }
-        let namespaces = self.0.get_mut(&scope.tenant).expect("the tenant's map was just made");
-        if !namespaces.contains_key(&scope.namespace) {
-            namespaces.insert(scope.namespace.clone(), BTreeMap::new());
-        }
-        let keys = namespaces.get_mut(&scope.namespace).expect("the namespace's map was just made");
-        match keys.get_mut(&scope.key) {
+        let Scope { tenant, namespace, key } = &record.scope;
+        let namespaces = match self.0.get_mut(tenant) {
+            Some(namespaces) => namespaces,
+            None => self.0.entry(tenant.clone()).or_default(),
+        };
+        let keys = match namespaces.get_mut(namespace) {
+            Some(keys) => keys,
+            None => namespaces.entry(namespace.clone()).or_default(),
+        };
+        match keys.get_mut(key) {
             Some(stored) => **stored = record,
             None => {
-                keys.insert(scope.key.clone(), Box::new(record));
+                keys.insert(key.clone(), Box::new(record));
             }
         }
     }
