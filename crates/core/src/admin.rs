@@ -43,6 +43,7 @@ pub(crate) struct ControlCache {
 #[derive(Debug)]
 struct Cached {
     controls: Arc<Controls>,
+    /// When the store read began: what was read is at least this fresh.
     read_at: Instant,
 }
 
@@ -51,6 +52,19 @@ impl ControlCache {
     fn fresh(&self) -> Option<Arc<Controls>> {
         let current = self.current.load();
         current.as_ref().filter(|c| c.read_at.elapsed() < CONTROL_MAX_AGE).map(|c| c.controls.clone())
+    }
+
+    /// Caches `read` unless the cache holds a read that began later: a slow read (the
+    /// background refresh's) must not put back what a later one (after a switch was engaged)
+    /// replaced. Answers the switches and settings the cache then holds.
+    fn offer(&self, read: Cached) -> Arc<Controls> {
+        let read = Arc::new(read);
+        let kept = |current: &Option<Arc<Cached>>| match current {
+            Some(current) if current.read_at > read.read_at => current.clone(),
+            _ => read.clone(),
+        };
+        let before = self.current.rcu(|current| Some(kept(current)));
+        kept(&before).controls.clone()
     }
 }
 
@@ -80,10 +94,10 @@ impl Guard {
 
     /// Reads switches and settings from the store into the cache.
     pub async fn refresh_controls(&self) -> Result<Arc<Controls>, GuardError> {
+        let read_at = Instant::now();
         let docs = self.store().list_control().await?;
         let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);
-        self.controls.current.store(Some(Arc::new(Cached { controls: controls.clone(), read_at: Instant::now() })));
-        Ok(controls)
+        Ok(self.controls.offer(Cached { controls, read_at }))
     }
 
     /// A task that refreshes the cached switches and settings every [`CONTROL_REFRESH`]. The
@@ -264,5 +278,34 @@ impl Guard {
             controls.settings.iter().filter(|e| &e.tenant == tenant).cloned().collect();
         entries.sort_by(|a, b| a.namespace_prefix.cmp(&b.namespace_prefix));
         Ok(entries)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn controls(by: &str) -> Arc<Controls> {
+        let settings = vec![crate::control::SettingsEntry {
+            tenant: TenantId::parse("acme").unwrap(),
+            namespace_prefix: None,
+            settings: Default::default(),
+            updated_by: by.to_owned(),
+            updated_at: crate::domain::Timestamp(0),
+        }];
+        Arc::new(Controls { switches: vec![], settings })
+    }
+
+    /// Of two reads that overlap, the one that began later is kept, whichever finishes last.
+    #[test]
+    fn a_slower_earlier_read_does_not_replace_a_later_one() {
+        let cache = ControlCache::default();
+        let (early, late) = (Instant::now(), Instant::now() + Duration::from_millis(1));
+        assert_eq!(cache.offer(Cached { controls: controls("later"), read_at: late }), controls("later"));
+        assert_eq!(cache.offer(Cached { controls: controls("earlier"), read_at: early }), controls("later"));
+        assert_eq!(cache.fresh(), Some(controls("later")));
+        let latest = late + Duration::from_millis(1);
+        assert_eq!(cache.offer(Cached { controls: controls("latest"), read_at: latest }), controls("latest"));
+        assert_eq!(cache.fresh(), Some(controls("latest")));
     }
 }
