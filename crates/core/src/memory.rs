@@ -4,6 +4,7 @@
 //! is never reset.
 
 use std::collections::BTreeMap;
+use std::ops::Bound::{Excluded, Included, Unbounded};
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -130,9 +131,17 @@ impl Records {
         self.0.values().flat_map(BTreeMap::values).flat_map(BTreeMap::values).map(|r| &**r)
     }
 
-    /// `tenant`'s records, in (namespace, key) order.
-    fn of(&self, tenant: &TenantId) -> impl Iterator<Item = &Record> {
-        self.0.get(tenant).into_iter().flat_map(BTreeMap::values).flat_map(BTreeMap::values).map(|r| &**r)
+    /// `tenant`'s records in (namespace, key) order, from just after `after` if given.
+    fn of<'a>(&'a self, tenant: &TenantId, after: Option<&'a (Namespace, Key)>) -> impl Iterator<Item = &'a Record> {
+        let first = after.map_or(Unbounded, |(namespace, _)| Included(namespace));
+        let namespaces = self.0.get(tenant).into_iter().flat_map(move |n| n.range::<Namespace, _>((first, Unbounded)));
+        namespaces.flat_map(move |(namespace, keys)| {
+            let from = match after {
+                Some((after_namespace, key)) if after_namespace == namespace => Excluded(key),
+                _ => Unbounded,
+            };
+            keys.range::<Key, _>((from, Unbounded)).map(|(_, r)| &**r)
+        })
     }
 
     /// `tenant`'s records, to change in place.
@@ -255,8 +264,7 @@ impl Store for MemoryStore {
         let state = self.lock();
         let records: Vec<Record> = state
             .records
-            .of(tenant)
-            .filter(|r| filter.after.as_ref().is_none_or(|(ns, key)| (&r.scope.namespace, &r.scope.key) > (ns, key)))
+            .of(tenant, filter.after.as_ref())
             .filter(|r| matches_filter(r, filter, now))
             .take(limit + 1)
             .cloned()
@@ -484,6 +492,34 @@ mod tests {
         assert!(!store.purge(&scope("a")).await.unwrap(), "purged already");
         assert_eq!(store.sweep(t.plus(Duration::from_secs(2 * 3600)), 100).await.unwrap(), 1);
         assert!(store.lock().records.0.is_empty(), "no tenant's map is left empty");
+    }
+
+    /// A page starts just after its cursor, also when the cursor's namespace or key is gone.
+    #[tokio::test]
+    async fn a_page_starts_just_after_its_cursor() {
+        let store = MemoryStore::new();
+        let t = Timestamp(1_000_000);
+        let tenant = TenantId::parse("acme").unwrap();
+        for (namespace, key) in [("a", "k1"), ("a", "k2"), ("b", "k1")] {
+            let at = Scope::new(tenant.clone(), Namespace::parse(namespace).unwrap(), Key::parse(key).unwrap());
+            let claim = ClaimRequest { scope: at, ..request(key, None) };
+            assert!(matches!(store.claim(&claim, t).await.unwrap(), ClaimOutcome::Acquired(_)));
+        }
+        let page_after = |namespace: &str, key: &str| {
+            let after = Some((Namespace::parse(namespace).unwrap(), Key::parse(key).unwrap()));
+            let filter = ListFilter { limit: 10, after, ..ListFilter::default() };
+            let (store, tenant) = (&store, &tenant);
+            async move {
+                let page = store.list(tenant, &filter, t).await.unwrap();
+                page.records.iter().map(|r| format!("{}/{}", r.scope.namespace, r.scope.key)).collect::<Vec<_>>()
+            }
+        };
+        assert_eq!(page_after("a", "k0").await, ["a/k1", "a/k2", "b/k1"]);
+        assert_eq!(page_after("a", "k1").await, ["a/k2", "b/k1"]);
+        assert_eq!(page_after("a", "k2").await, ["b/k1"]);
+        assert_eq!(page_after("a", "zz").await, ["b/k1"], "a key past the namespace's last");
+        assert_eq!(page_after("aa", "k1").await, ["b/k1"], "a namespace that holds nothing");
+        assert!(page_after("b", "k1").await.is_empty());
     }
 
     /// The in-flight count follows every way a lease ends, including for records written
