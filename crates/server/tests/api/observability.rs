@@ -9,7 +9,6 @@ use serde_json::{Value, json};
 
 use crate::helpers::{Backing, TestApp, assert_problem, spawn_app_with};
 
-/// The samples of an OpenMetrics text: `name{labels}` → value.
 /// Log lines written to memory.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -33,6 +32,7 @@ impl std::io::Write for Captured {
     }
 }
 
+/// The samples of an OpenMetrics text: `name{labels}` → value.
 fn samples(text: &str) -> HashMap<String, f64> {
     text.lines()
         .filter(|l| !l.starts_with('#') && !l.is_empty())
