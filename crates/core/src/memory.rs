@@ -445,7 +445,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::domain::{Fingerprint, Key, Namespace};
+    use crate::domain::Fingerprint;
     use crate::record::{Outcome, OutcomeKind};
 
     fn scope(key: &str) -> Scope {
