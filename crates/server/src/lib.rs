@@ -255,7 +255,7 @@ async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeou
         // At the default log level no span gives the request's context: this line does.
         tracing::warn!(
             method = method.as_str(),
-            route = route.unwrap_or("unmatched"),
+            route = route.unwrap_or(telemetry::UNMATCHED),
             status,
             latency_ms = took.as_secs_f64() * 1000.0,
             "answered with a server error"

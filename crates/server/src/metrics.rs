@@ -362,7 +362,7 @@ impl Metrics {
             "OPTIONS" => "OPTIONS",
             _ => "other",
         };
-        let route = route.unwrap_or("unmatched");
+        let route = route.unwrap_or(crate::telemetry::UNMATCHED);
         if route.starts_with("/v1/claims") {
             self.live.record_claim_latency(took);
         }

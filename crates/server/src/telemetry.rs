@@ -224,11 +224,14 @@ impl HttpClient for BlockingHttp {
     }
 }
 
+/// The route of a request that matched none (in spans, logs and metrics).
+pub const UNMATCHED: &str = "unmatched";
+
 /// The span of one HTTP request: `http.request`, exported as `METHOD /route`, continuing the
 /// caller's `traceparent` when tracing is on. Handlers record `tenant`, `namespace`, `outcome`
 /// and `fence` on it.
 pub fn request_span<B>(request: &Request<B>) -> Span {
-    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", MatchedPath::as_str);
+    let route = request.extensions().get::<MatchedPath>().map_or(UNMATCHED, MatchedPath::as_str);
     let method = request.method().as_str();
     let span = tracing::debug_span!(
         "http.request",
