@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use onceguard_core::{
-    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits, Mutation, Namespace, Outcome,
+    Claim, ClaimOutcome, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits, Mutation, Namespace, Outcome,
     OutcomeKind, Record, RecordState, Scope, Store, SystemClock, TenantId, Timestamp,
 };
 
@@ -118,16 +118,8 @@ pub fn scope(namespace: &str, key: &str) -> Scope {
 }
 
 /// The claim of the fresh key `scope` for operation `i`, with a fingerprint of its own.
-pub fn fresh_claim(scope: Scope, i: usize) -> ClaimRequest {
-    ClaimRequest {
-        scope,
-        fingerprint: Fingerprint::sha256(&i.to_le_bytes()),
-        lease: LEASE,
-        retention: RETENTION,
-        run: None,
-        cost: 0,
-        max_in_flight: None,
-    }
+pub fn fresh_claim(scope: Scope, i: usize) -> Claim {
+    Claim { lease: Some(LEASE), retention: Some(RETENTION), ..Claim::new(scope, Fingerprint::sha256(&i.to_le_bytes())) }
 }
 
 /// The outcome stored by a benchmark pair: a small JSON body.
@@ -141,25 +133,27 @@ fn outcome(i: usize) -> Outcome {
 }
 
 /// One claim that must acquire; answers the fence.
-pub async fn acquire(guard: &Guard, req: &ClaimRequest) -> Result<Fence> {
-    match guard.claim(req, Duration::ZERO).await? {
+pub async fn acquire(guard: &Guard, req: Claim) -> Result<Fence> {
+    let key = req.scope.key.clone();
+    match guard.claim(req).await? {
         ClaimOutcome::Acquired(a) => Ok(a.fence),
-        other => bail!("key {} was not acquired: {}", req.scope.key, other.name()),
+        other => bail!("key {key} was not acquired: {}", other.name()),
     }
 }
 
 /// One claim+complete pair: the claim must acquire and the completion must apply.
-pub async fn claim_and_complete(guard: &Guard, req: &ClaimRequest, i: usize) -> Result<()> {
+pub async fn claim_and_complete(guard: &Guard, req: Claim, i: usize) -> Result<()> {
+    let scope = req.scope.clone();
     let fence = acquire(guard, req).await?;
-    match guard.mutate(&req.scope, fence, Mutation::Complete(outcome(i))).await? {
+    match guard.mutate(&scope, fence, Mutation::Complete(outcome(i))).await? {
         FencedOutcome::Applied(_) => Ok(()),
-        FencedOutcome::Stale(why) => bail!("the completion of key {} was stale: {why:?}", req.scope.key),
+        FencedOutcome::Stale(why) => bail!("the completion of key {} was stale: {why:?}", scope.key),
     }
 }
 
 /// One claim+complete pair on the fresh key `key-<i>` in `namespace`.
 pub async fn pair(guard: &Guard, namespace: &str, i: usize) -> Result<()> {
-    claim_and_complete(guard, &fresh_claim(scope(namespace, &format!("key-{i}")), i), i).await
+    claim_and_complete(guard, fresh_claim(scope(namespace, &format!("key-{i}")), i), i).await
 }
 
 /// Namespace of the preloaded records (and of the workloads measured among them).
@@ -214,16 +208,12 @@ pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
 
 /// One claim of preloaded record `i`, which must replay its stored outcome.
 pub async fn replay(guard: &Guard, i: usize) -> Result<()> {
-    let req = ClaimRequest {
-        scope: preloaded_scope(i),
-        fingerprint: preloaded_fingerprint(),
-        lease: LEASE,
-        retention: RETENTION,
-        run: None,
-        cost: 0,
-        max_in_flight: None,
+    let req = Claim {
+        lease: Some(LEASE),
+        retention: Some(RETENTION),
+        ..Claim::new(preloaded_scope(i), preloaded_fingerprint())
     };
-    match guard.claim(&req, Duration::ZERO).await? {
+    match guard.claim(req).await? {
         ClaimOutcome::Replay(r) if r.outcome.body == PRELOADED_BODY => Ok(()),
         other => bail!("preloaded key {i} did not replay its outcome: {}", other.name()),
     }

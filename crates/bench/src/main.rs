@@ -239,7 +239,7 @@ async fn redis_guarded(redis: &mut Redis, ops: usize, c: usize, pairs: bool) -> 
     } else {
         measure(ops, c, warmup_for(ops, c), move |i| {
             let guard = guard.clone();
-            async move { acquire(&guard, &fresh_claim(scope("bench/claims", &format!("key-{i}")), i)).await.map(drop) }
+            async move { acquire(&guard, fresh_claim(scope("bench/claims", &format!("key-{i}")), i)).await.map(drop) }
         })
         .await
     };

@@ -142,7 +142,7 @@ async fn figures(guard: &Guard, stored: usize, round: usize, workload: Workload)
             let guard = guard.clone();
             async move {
                 let key = format!("pre-{}-{tag}{round}-{i}", spread(i, stored));
-                claim_and_complete(&guard, &fresh_claim(scope(SCALE_NAMESPACE, &key), i), i).await
+                claim_and_complete(&guard, fresh_claim(scope(SCALE_NAMESPACE, &key), i), i).await
             }
         }
     };

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
-use onceguard_core::control::{AuditEntry, AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
+use onceguard_core::auth::{ApiKeyId, Role};
+use onceguard_core::control::{AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
 use onceguard_server::config::{McpNoKey, McpOverrides, ProxyOverrides};
@@ -494,40 +494,32 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
         Command::Migrate => println!("the {} store is migrated", store.kind()),
         Command::Tenants(TenantCommand::Create { id }) => {
             let id = TenantId::parse(&id)?;
-            if !store.create_tenant(&Tenant { id: id.clone(), created_at: now }).await? {
+            if guard.create_tenant(&cli_actor(), &id).await?.is_none() {
                 bail!("tenant '{id}' exists");
             }
-            guard.audit(AuditEntry::new(id.clone(), now, cli_actor(), "tenant.create", id.as_str())).await?;
             println!("created tenant {id}");
         }
         Command::Tenants(TenantCommand::List) => {
-            for t in store.list_tenants().await? {
+            for t in guard.tenants().await? {
                 println!("{}\t{}", t.id, t.created_at.to_rfc3339());
             }
         }
         Command::ApiKeys(ApiKeyCommand::Create { tenant, role, label }) => {
             let tenant = TenantId::parse(&tenant)?;
-            if store.get_tenant(&tenant).await?.is_none() {
+            let Some(new) = guard.create_api_key(&cli_actor(), &tenant, Role::parse(&role)?, &label).await? else {
                 bail!("no tenant '{tenant}'; create it with `onceguard tenants create {tenant}`");
-            }
-            let new = ApiKey::generate(tenant, Role::parse(&role)?, &label, now);
-            store.create_api_key(&new.key).await?;
-            let details = serde_json::json!({ "role": new.key.role.as_str(), "label": new.key.label });
-            let entry =
-                AuditEntry::new(new.key.tenant.clone(), now, cli_actor(), "api_key.create", new.key.id.as_str());
-            guard.audit(entry.details(details)).await?;
+            };
             print_json(&api::api_key_view(&new.key, Some(new.token)))?;
         }
         Command::ApiKeys(ApiKeyCommand::List { tenant }) => {
-            let keys = store.list_api_keys(&TenantId::parse(&tenant)?).await?;
+            let keys = guard.api_keys(&TenantId::parse(&tenant)?).await?;
             print_json(&keys.iter().map(|k| api::api_key_view(k, None)).collect::<Vec<_>>())?;
         }
         Command::ApiKeys(ApiKeyCommand::Revoke { tenant, id }) => {
             let (tenant, id) = (TenantId::parse(&tenant)?, ApiKeyId::parse(&id)?);
-            if !store.revoke_api_key(&tenant, &id, now).await? {
+            if !guard.revoke_api_key(&cli_actor(), &tenant, &id).await? {
                 bail!("no API key {id} in tenant {tenant}");
             }
-            guard.audit(AuditEntry::new(tenant, now, cli_actor(), "api_key.revoke", id.as_str())).await?;
             println!("revoked {id}");
         }
         Command::Keys(KeyCommand::Get { tenant, namespace, key }) => {

@@ -20,8 +20,8 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use clap::Args;
 use onceguard_client::{Claim, ClaimAnswer, Client, DenialKind, Fenced};
-use onceguard_core::auth::{ApiKey, Role, Tenant};
-use onceguard_core::{TenantId, Timestamp};
+use onceguard_core::TenantId;
+use onceguard_core::auth::Role;
 use serde_json::{Value, json};
 
 /// Options of `onceguard smoke`.
@@ -122,10 +122,9 @@ fn name(answer: &ClaimAnswer) -> &'static str {
 async fn local_server(config: &onceguard_server::Config) -> Result<(String, String)> {
     let guard = onceguard_server::open_guard(config).await.context("opening the store")?;
     let tenant = TenantId::parse(&format!("smoke-{:08x}", rand::random::<u32>()))?;
-    let now = Timestamp::now();
-    guard.store().create_tenant(&Tenant { id: tenant.clone(), created_at: now }).await?;
-    let admin = ApiKey::generate(tenant, Role::Admin, "smoke", now);
-    guard.store().create_api_key(&admin.key).await?;
+    guard.create_tenant("cli:smoke", &tenant).await?;
+    let admin =
+        guard.create_api_key("cli:smoke", &tenant, Role::Admin, "smoke").await?.context("the tenant was just made")?;
     let state = onceguard_server::AppState::new(guard, config)?;
     Ok((serve(onceguard_server::router(state, config)).await?, admin.token))
 }

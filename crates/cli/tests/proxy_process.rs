@@ -46,6 +46,7 @@ async fn kill_9_and_restart_replays_without_running_again() {
         async move {
             client
                 .post(format!("{base}/tickets"))
+                .bearer_auth("agent-a")
                 .header("Idempotency-Key", "ticket-42")
                 .body("open")
                 .send()

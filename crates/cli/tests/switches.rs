@@ -201,8 +201,19 @@ async fn switches_and_budgets_survive_a_restart_and_the_cli_operates_them() {
     let actions: Vec<&str> = entries.iter().map(|e| e["action"].as_str().unwrap()).collect();
     assert_eq!(
         actions,
-        ["settings.set", "budget.set", "switch.release", "switch.engage", "budget.set", "switch.engage"]
+        [
+            "settings.set",
+            "budget.set",
+            "switch.release",
+            "switch.engage",
+            "budget.set",
+            "switch.engage",
+            "api_key.create",
+            "tenant.create"
+        ]
     );
+    assert_eq!((entries[6]["actor"].as_str(), entries[7]["actor"].as_str()), (Some("system"), Some("system")));
+    assert_eq!(entries[6]["details"]["label"], "bootstrap", "the first start's admin key is audited");
     let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
     assert_eq!(entries[0]["actor"], format!("cli:{user}"));
     assert_eq!(entries[2]["why"], "fixed");

@@ -126,14 +126,19 @@ pub struct Admission<'a> {
 /// be written in the same atomic step as the claim; answers whether the run changed. On `Err`,
 /// nothing is written and the claim answers `denied`.
 ///
-/// Order: the in-flight quota, then the run's deadline, then (for a key not yet charged) its
-/// effects and cost limits. A denied claim charges nothing.
+/// Order: a kill switch on the record's run ([`ClaimRequest::refused_runs`]: the run a record
+/// keeps across attempts may not be the one the claim names), the in-flight quota, then the
+/// run's deadline, then (for a key not yet charged) its effects and cost limits. A denied claim
+/// charges nothing.
 pub fn admit(
     record: &mut Record,
     req: &ClaimRequest,
     admission: Admission<'_>,
     now: Timestamp,
 ) -> Result<bool, Denial> {
+    if let Some(denial) = record.run.as_ref().and_then(|run| refusal_of_run(req, run)) {
+        return Err(denial);
+    }
     if let (Some(max), Some(in_flight)) = (req.max_in_flight, admission.in_flight)
         && in_flight >= max
     {
@@ -152,6 +157,13 @@ pub fn admit(
     run.add_cost(req.cost, now);
     record.charged = true;
     Ok(true)
+}
+
+/// The refusal of an engaged switch on `run`, if the claim carries one
+/// ([`ClaimRequest::refused_runs`]). Stores that decide outside [`admit`] (the Redis scripts)
+/// ask it when they learn the record's run.
+pub fn refusal_of_run(req: &ClaimRequest, run: &RunId) -> Option<Denial> {
+    req.refused_runs.iter().find(|(r, _)| r == run).map(|(_, denial)| denial.clone())
 }
 
 /// Whether a record holds a live lease at `now` (counts against the in-flight quota).
@@ -283,7 +295,6 @@ pub fn revoke(record: &mut Record, fence: Fence, detail: &str, now: Timestamp) {
     record.fence = fence;
     record.lease_expires_at = Some(now);
     record.unknown = Some(detail.to_owned());
-    record.expires_at = now.plus(record.retention);
     record.updated_at = now;
 }
 
@@ -514,6 +525,19 @@ impl Controls {
     /// The first engaged switch covering a key in `namespace` of `tenant` claimed for `run`.
     pub fn switch_for(&self, tenant: &TenantId, namespace: &Namespace, run: Option<&RunId>) -> Option<&Switch> {
         self.switches.iter().find(|s| &s.tenant == tenant && s.target.covers(namespace, run))
+    }
+
+    /// The tenant's runs under an engaged switch, each with its refusal (for
+    /// [`ClaimRequest::refused_runs`]); empty (no allocation) when there are none.
+    pub fn refused_runs(&self, tenant: &TenantId) -> Vec<(RunId, Denial)> {
+        self.switches
+            .iter()
+            .filter(|s| &s.tenant == tenant)
+            .filter_map(|s| match &s.target {
+                SwitchTarget::Run { run } => Some((run.clone(), s.denial())),
+                _ => None,
+            })
+            .collect()
     }
 
     /// The settings in force for a key of `scope`.

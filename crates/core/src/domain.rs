@@ -325,6 +325,10 @@ impl Timestamp {
     /// The last instant RFC 3339 can write (9999-12-31T23:59:59.999Z).
     pub const LAST_RFC3339: Timestamp = Timestamp(253_402_300_799_999);
 
+    /// "Never": the expiry of a record in progress, which no retention erases (see
+    /// [`crate::Record::expires_at`]). Below 2^53, so Lua's numbers and JSON hold it exactly.
+    pub const NEVER: Timestamp = Self::LAST_RFC3339;
+
     /// RFC 3339 with milliseconds, in UTC; times after the year 9999 (which no lease or
     /// retention reaches) are written as its last instant.
     pub fn to_rfc3339(self) -> String {

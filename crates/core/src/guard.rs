@@ -1,9 +1,13 @@
-//! The guard: the one entry point that the HTTP API, the CLI and embedding applications use.
+//! The guard: the one door that every front end passes (the HTTP API, the proxy, the MCP
+//! gateway, the CLI and embedding applications).
 //!
-//! It owns the store, the clock, the limits and the in-process waiters. It bounds what callers
-//! ask for (lease, retention, wait, outcome size), turns a claim that may wait into a loop of
-//! atomic store claims woken by completions, and notifies waiters after every finishing call.
-//! It knows nothing of HTTP.
+//! It owns the store, the clock, the limits, the cache of switches and settings, the
+//! in-process waiters and the observer. A front end parses its input into a [`Claim`] (or a
+//! fenced call) and hands it over; the guard applies the settings, bounds what callers ask for
+//! (lease, retention, wait, cost, outcome size), refuses what a switch or the claim rate
+//! refuses, turns a claim that may wait into a loop of atomic store claims woken by
+//! completions (re-checking switches on every pass), notifies waiters after every finishing
+//! call and reports every answer to its observer. It knows nothing of HTTP.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,12 +17,14 @@ use tokio::time::Instant;
 
 use crate::admin::ControlCache;
 use crate::clock::Clock;
-use crate::control::{AuditEntry, Effective};
-use crate::domain::{Fence, InvalidInput, Scope, TenantId, check_bounds};
+use crate::control::{AuditEntry, Effective, check_units};
+use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId, check_bounds};
 use crate::notify::Notifier;
+use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, Denial, FencedOutcome, Record, RecordState, StaleReason};
 use crate::store::{ListFilter, Page, Store, StoreError};
+use crate::vocabulary::FencedOp;
 
 /// Bounds on what callers may ask for, and defaults when they ask for nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,6 +139,34 @@ pub enum GuardError {
     Store(#[from] StoreError),
 }
 
+/// A claim as a front end parsed it: the key, what the request means, and what the caller
+/// asked for. Everything else (settings, bounds, switches, quotas, budgets) the guard decides
+/// in [`Guard::claim`]; a front end never builds the store's [`ClaimRequest`] itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The key.
+    pub scope: Scope,
+    /// What the request means.
+    pub fingerprint: Fingerprint,
+    /// The lease asked for (the default in force if none).
+    pub lease: Option<Duration>,
+    /// The retention asked for (the default in force if none).
+    pub retention: Option<Duration>,
+    /// How long to wait for a key in flight (none if none).
+    pub wait: Option<Duration>,
+    /// The run the key belongs to.
+    pub run: Option<RunId>,
+    /// Cost units the call declares (checked against [`crate::control::MAX_UNITS`]).
+    pub cost: Option<u64>,
+}
+
+impl Claim {
+    /// A claim of `scope` meaning `fingerprint`, asking for nothing else.
+    pub fn new(scope: Scope, fingerprint: Fingerprint) -> Self {
+        Self { scope, fingerprint, lease: None, retention: None, wait: None, run: None, cost: None }
+    }
+}
+
 /// The guard. Cheap to clone; clones share everything.
 #[derive(Clone)]
 pub struct Guard {
@@ -141,6 +175,7 @@ pub struct Guard {
     limits: Arc<Limits>,
     notifier: Arc<Notifier>,
     pub(crate) controls: Arc<ControlCache>,
+    observer: Arc<dyn Observer>,
 }
 
 impl std::fmt::Debug for Guard {
@@ -153,19 +188,19 @@ impl Guard {
     /// A guard over `store`, with time from `clock`.
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, limits: Limits) -> Self {
         let controls = Arc::new(ControlCache::default());
-        Self { store, clock, limits: Arc::new(limits), notifier: Arc::new(Notifier::default()), controls }
+        let notifier = Arc::new(Notifier::default());
+        Self { store, clock, limits: Arc::new(limits), notifier, controls, observer: Arc::new(Unobserved) }
+    }
+
+    /// The same guard, reporting its decisions to `observer` (see [`crate::observer`]).
+    pub fn with_observer(&self, observer: Arc<dyn Observer>) -> Self {
+        Self { observer, ..self.clone() }
     }
 
     /// The same guard (clock, limits, waiters) over another store: used to wrap the store, e.g.
     /// to measure every store operation, without losing the waiters already subscribed.
     pub fn with_store(&self, store: Arc<dyn Store>) -> Self {
-        Self {
-            store,
-            clock: self.clock.clone(),
-            limits: self.limits.clone(),
-            notifier: self.notifier.clone(),
-            controls: self.controls.clone(),
-        }
+        Self { store, ..self.clone() }
     }
 
     /// The limits in force.
@@ -184,52 +219,66 @@ impl Guard {
     }
 
     /// What is in force for a key: the limits narrowed by its tenant's and namespace's settings,
-    /// and the tenant's quotas. Callers build a claim's lease and retention from these limits.
+    /// and the tenant's quotas. [`Guard::claim`] applies them itself; front ends read them only
+    /// to size what they do around a claim (e.g. how long an extend may ask for).
     pub async fn effective(&self, scope: &Scope) -> Result<Effective, GuardError> {
         Ok(self.controls().await?.effective(&self.limits, scope))
     }
 
-    /// Claims a key. A kill switch covering the key, or the tenant's claim rate, refuses it
-    /// before the records are touched; the tenant's in-flight quota and the run's budget are
-    /// checked by the store's atomic claim. With a non-zero `wait`, a claim that finds the key in
-    /// flight waits (at most `wait`) and claims again when the holder finishes or its lease
-    /// passes, so the caller gets the replay (or the key, as a recovery) without polling. Every
-    /// answer comes from one atomic store claim.
-    #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %req.scope.tenant, namespace = %req.scope.namespace, fingerprint = %req.fingerprint, outcome))]
-    pub async fn claim(&self, req: &ClaimRequest, wait: Duration) -> Result<ClaimOutcome, GuardError> {
+    /// Claims a key: the one door every front end passes. From what the caller asked for, the
+    /// guard takes the settings in force for the key (the server's limits narrowed by the
+    /// tenant's and the namespace's), bounds the lease, retention, wait and cost, refuses the
+    /// claim if a kill switch covers it or the tenant's claim rate is spent, and asks the store
+    /// for one atomic claim, which checks the in-flight quota, the run's budget and deadline,
+    /// and a switch on the run the record keeps. With a wait, a claim that finds the key in
+    /// flight waits (at most that long) and claims again when the holder finishes or its lease
+    /// passes, re-checking the switches before every pass, so the caller gets the replay (or
+    /// the key, as a recovery) without polling. The answer is reported to the observer.
+    #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %claim.scope.tenant, namespace = %claim.scope.namespace, fingerprint = %claim.fingerprint, outcome))]
+    pub async fn claim(&self, claim: Claim) -> Result<ClaimOutcome, GuardError> {
+        let (outcome, scope) = self.decide(claim).await?;
+        tracing::Span::current().record("outcome", outcome.name());
+        self.observer.claimed(&scope, &outcome);
+        Ok(outcome)
+    }
+
+    /// Decides a claim; answers the outcome and the claim's scope (for the observer).
+    async fn decide(&self, claim: Claim) -> Result<(ClaimOutcome, Scope), GuardError> {
         let controls = self.controls().await?;
+        let effective = controls.effective(&self.limits, &claim.scope);
+        let limits = &effective.limits;
+        let (lease, retention, wait) =
+            (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
+        let mut req = ClaimRequest {
+            refused_runs: controls.refused_runs(&claim.scope.tenant),
+            scope: claim.scope,
+            fingerprint: claim.fingerprint,
+            lease,
+            retention,
+            run: claim.run,
+            cost: check_units("cost", claim.cost)?.unwrap_or(0),
+            max_in_flight: effective.max_in_flight,
+        };
         let scope = &req.scope;
         if let Some(switch) = controls.switch_for(&scope.tenant, &scope.namespace, req.run.as_ref()) {
-            tracing::Span::current().record("outcome", "denied");
-            return Ok(ClaimOutcome::Denied(switch.denial()));
+            return Ok((ClaimOutcome::Denied(switch.denial()), req.scope));
         }
-        let effective = controls.effective(&self.limits, scope);
         if let Some(rate) = &effective.claim_rate
             && let Err(retry_after) = self.store.take_rate(&scope.tenant, rate, self.clock.now()).await?
         {
-            tracing::Span::current().record("outcome", "denied");
-            return Ok(ClaimOutcome::Denied(Denial::QuotaExceeded { quota: "rate".to_owned(), retry_after }));
+            let denial = Denial::QuotaExceeded { quota: "rate".to_owned(), retry_after };
+            return Ok((ClaimOutcome::Denied(denial), req.scope));
         }
-        let limited;
-        let req = if req.max_in_flight == effective.max_in_flight {
-            req
-        } else {
-            limited = ClaimRequest { max_in_flight: effective.max_in_flight, ..req.clone() };
-            &limited
-        };
         // Only a claim that may wait has a deadline.
         let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
         loop {
             let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
-            let outcome = self.store.claim(req, self.clock.now()).await?;
+            let outcome = self.store.claim(&req, self.clock.now()).await?;
             let (retry_after, deadline) = match (&outcome, deadline) {
                 (ClaimOutcome::InFlight(in_flight), Some(deadline)) if Instant::now() < deadline => {
                     (in_flight.retry_after, deadline)
                 }
-                _ => {
-                    tracing::Span::current().record("outcome", outcome.name());
-                    return Ok(outcome);
-                }
+                _ => return Ok((outcome, req.scope)),
             };
             // Wake on a change, when the holder's lease should have passed, at the poll interval,
             // or at the deadline, whichever comes first; then claim again.
@@ -238,6 +287,13 @@ impl Guard {
             if let Some(changes) = changes.as_mut() {
                 let _ = tokio::time::timeout_at(until, changes.changed()).await;
             }
+            // A switch engaged while the claim waited refuses it (a replay included), and the
+            // next pass carries the runs switched off since.
+            let controls = self.controls().await?;
+            if let Some(switch) = controls.switch_for(&req.scope.tenant, &req.scope.namespace, req.run.as_ref()) {
+                return Ok((ClaimOutcome::Denied(switch.denial()), req.scope));
+            }
+            req.refused_runs = controls.refused_runs(&req.scope.tenant);
         }
     }
 
@@ -275,7 +331,7 @@ impl Guard {
         fence: Fence,
         mutation: Mutation,
     ) -> Result<FencedOutcome, GuardError> {
-        let op = mutation.name();
+        let op = mutation.op();
         match &mutation {
             Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => {
                 self.check_size("outcome", o.body.len(), self.limits.max_outcome_bytes)?;
@@ -297,8 +353,11 @@ impl Guard {
         if applied && finishes {
             self.notifier.notify(scope);
         }
-        if let (FencedOutcome::Stale(reason), "complete" | "fail") = (&outcome, op) {
-            self.audit_stale(actor, scope, fence, op, *reason).await?;
+        if let FencedOutcome::Stale(reason) = &outcome {
+            self.observer.stale(scope, op, fence, *reason);
+            if matches!(op, FencedOp::Complete | FencedOp::Fail) {
+                self.audit_stale(actor, scope, fence, op.as_str(), *reason).await?;
+            }
         }
         Ok(outcome)
     }

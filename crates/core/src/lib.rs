@@ -4,7 +4,9 @@
 //! - [`record`]: what a store keeps for a key, and the answers of the protocol.
 //! - [`protocol`]: the state machine, as pure functions every store runs atomically.
 //! - [`store`]: the `Store` trait and its contract; [`memory`] is the in-memory store.
-//! - [`guard`]: the entry point callers use: limits, bounded waits, wake-ups.
+//! - [`guard`]: the one door every front end passes: settings, limits, switches, rates, bounded
+//!   waits, wake-ups; [`observer`]: what it reports of each decision.
+//! - [`vocabulary`]: the label vocabularies (answers, reasons, operations) every layer names.
 //! - [`auth`]: tenants and hashed API keys.
 //! - [`control`]: runs and budgets, quotas, kill switches, settings and the audit log.
 //!
@@ -20,17 +22,21 @@ pub mod domain;
 pub mod guard;
 pub mod memory;
 pub mod notify;
+pub mod observer;
 pub mod protocol;
 pub mod record;
 pub mod store;
+pub mod vocabulary;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use domain::{CheckpointName, Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
-pub use guard::{Guard, GuardError, Limits};
+pub use guard::{Claim, Guard, GuardError, Limits};
 pub use memory::MemoryStore;
+pub use observer::Observer;
 pub use protocol::{ClaimRequest, Mutation};
 pub use record::{
     Acquired, Checkpoint, ClaimOutcome, Denial, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState,
     Recovery, RecoveryReason, Replay, StaleReason,
 };
 pub use store::{ListFilter, Page, Store, StoreError};
+pub use vocabulary::{Answer, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};

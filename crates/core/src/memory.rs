@@ -461,6 +461,7 @@ mod tests {
             run: None,
             cost: 0,
             max_in_flight: quota,
+            refused_runs: Vec::new(),
         }
     }
 
@@ -483,8 +484,9 @@ mod tests {
         let store = MemoryStore::new();
         let t = Timestamp(1_000_000);
         let fence = acquire(&store, "a", None, t).await.unwrap();
-        acquire(&store, "b", None, t).await.unwrap();
+        let b = acquire(&store, "b", None, t).await.unwrap();
         store.mutate(&scope("a"), fence, Mutation::Complete(done()), t, 8).await.unwrap();
+        store.mutate(&scope("b"), b, Mutation::Complete(done()), t, 8).await.unwrap();
         let a = store.get(&scope("a"), t).await.unwrap().unwrap();
         assert_eq!(a.state, RecordState::Completed, "the completion replaced the claimed record");
         assert_eq!(store.lock().records.all().count(), 2);
@@ -546,14 +548,14 @@ mod tests {
         assert!(acquire(&store, "e", quota, t).await.is_some(), "c and d revoked");
 
         let later = t.plus(Duration::from_secs(2 * 3600));
-        assert_eq!(store.sweep(later, 100).await.unwrap(), 4, "b, c, d and e expired");
-        assert!(acquire(&store, "f", quota, later).await.is_some());
+        assert_eq!(store.sweep(later, 100).await.unwrap(), 1, "b expired; c, d and e are unfinished: kept");
+        assert!(acquire(&store, "f", quota, later).await.is_some(), "stuck leases are not counted");
         assert!(acquire(&store, "g", quota, later).await.is_some());
         assert_eq!(acquire(&store, "h", quota, later).await, None);
         assert_eq!(
             store.lock().in_progress.as_ref().unwrap()[&TenantId::parse("acme").unwrap()].len(),
-            2,
-            "the index holds no swept record"
+            5,
+            "the index holds c, d and e (stuck) and f and g (held), not the swept b"
         );
     }
 }

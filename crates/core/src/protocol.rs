@@ -15,7 +15,10 @@
 //! - **Fences only grow**: a new holder gets a fence from the store's counter, which never
 //!   repeats and never decreases; it is drawn only when a claim acquires.
 //! - **Retention is checked when read**: a record whose `expires_at` has passed is treated as
-//!   absent even before the sweep deletes it.
+//!   absent even before the sweep deletes it. Retention runs from the end of an attempt
+//!   (completion or release): a record in progress, held or stuck, never expires
+//!   ([`Timestamp::NEVER`]), so it keeps its fence, attempt and checkpoints until it is claimed
+//!   again or purged.
 //! - **Mismatch changes nothing**: a claim whose fingerprint differs from a live record's
 //!   answers `mismatch` with no write (also while the key is in flight).
 
@@ -26,6 +29,7 @@ use crate::record::{
     Acquired, Checkpoint, ClaimOutcome, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState, Recovery,
     RecoveryReason, Replay, StaleReason,
 };
+use crate::vocabulary::FencedOp;
 
 /// A validated claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +48,10 @@ pub struct ClaimRequest {
     pub cost: u64,
     /// The tenant's in-flight quota in force, checked by the store when the claim acquires.
     pub max_in_flight: Option<u64>,
+    /// The tenant's runs under an engaged kill switch, each with its refusal. A claim that would
+    /// acquire a record of one of them (the run a record keeps may differ from the one the
+    /// claim names) is denied inside the store's atomic claim ([`crate::control::admit`]).
+    pub refused_runs: Vec<(RunId, crate::record::Denial)>,
 }
 
 /// A validated fenced call on a key.
@@ -73,15 +81,20 @@ pub enum Mutation {
 }
 
 impl Mutation {
+    /// Which fenced call this is.
+    pub fn op(&self) -> FencedOp {
+        match self {
+            Self::Complete(_) => FencedOp::Complete,
+            Self::Fail { .. } => FencedOp::Fail,
+            Self::Extend(_) => FencedOp::Extend,
+            Self::Checkpoint { .. } => FencedOp::Checkpoint,
+            Self::ReportUnknown(_) => FencedOp::ReportUnknown,
+        }
+    }
+
     /// The operation's name, for logs and metrics.
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::Complete(_) => "complete",
-            Self::Fail { .. } => "fail",
-            Self::Extend(_) => "extend",
-            Self::Checkpoint { .. } => "checkpoint",
-            Self::ReportUnknown(_) => "report_unknown",
-        }
+        self.op().as_str()
     }
 }
 
@@ -147,7 +160,8 @@ fn acquire(
         checkpoints: Vec::new(),
         created_at: now,
         updated_at: now,
-        expires_at: lease_expires_at.plus(req.retention),
+        // An unfinished attempt is never erased by retention: it waits for its recovery.
+        expires_at: Timestamp::NEVER,
     };
     let mut recovery = None;
     if let Some(prev) = previous {
@@ -221,9 +235,7 @@ pub fn apply(
             return (FencedOutcome::Stale(StaleReason::Finished), None);
         }
         Mutation::Extend(lease) => {
-            let until = now.plus(lease);
-            record.lease_expires_at = Some(until);
-            record.expires_at = until.plus(record.retention);
+            record.lease_expires_at = Some(now.plus(lease));
         }
         Mutation::Checkpoint { name, data } => {
             record.checkpoints.push(Checkpoint { name, data, fence, at: now });
@@ -233,7 +245,6 @@ pub fn apply(
         Mutation::ReportUnknown(detail) => {
             record.unknown = Some(detail);
             record.lease_expires_at = Some(now);
-            record.expires_at = now.plus(record.retention);
         }
     }
     record.updated_at = now;
@@ -282,6 +293,7 @@ mod tests {
             run: None,
             cost: 0,
             max_in_flight: None,
+            refused_runs: Vec::new(),
         }
     }
 

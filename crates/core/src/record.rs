@@ -101,7 +101,7 @@ pub struct Record {
     /// Set when the holder reported that it does not know whether the effect happened; the next
     /// claim is a recovery at once.
     pub unknown: Option<String>,
-    /// How long the record is kept once it is finished (and after a lease passes).
+    /// How long the record is kept once its attempt ended (completed or released).
     #[serde(with = "duration_ms")]
     pub retention: Duration,
     /// The stored outcome (completed only).
@@ -115,7 +115,8 @@ pub struct Record {
     /// When the record last changed.
     pub updated_at: Timestamp,
     /// When the record stops existing: a claim or read at or after this time sees the key as
-    /// absent, and the sweep deletes it.
+    /// absent, and the sweep deletes it. [`Timestamp::NEVER`] while in progress: retention
+    /// runs from completion or release, never over an unfinished attempt.
     pub expires_at: Timestamp,
 }
 
@@ -266,19 +267,6 @@ pub enum ClaimOutcome {
     Mismatch,
     /// Refused by a switch, a budget or a quota; nothing changed.
     Denied(Denial),
-}
-
-impl ClaimOutcome {
-    /// The answer's name, as used in the API and metrics.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Acquired(_) => "acquired",
-            Self::Replay(_) => "replay",
-            Self::InFlight(_) => "in_flight",
-            Self::Mismatch => "mismatch",
-            Self::Denied(_) => "denied",
-        }
-    }
 }
 
 /// Why a fenced call changed nothing.

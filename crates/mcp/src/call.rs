@@ -251,3 +251,41 @@ mod tests {
         assert!(Namespace::parse(&upstream_name(&reqwest::Url::parse("http://[::1]:9/").unwrap())).is_ok());
     }
 }
+
+/// Whether two request paths name the same resource as HTTP servers route them: percent-decoded
+/// (once), with empty and `.` segments dropped and `..` segments applied, so that `/m%63p`,
+/// `//mcp/` and `/x/../mcp` are all `/mcp`. The gateway reads every POST whose path is its
+/// endpoint's in this sense, so no spelling of the path slips a `tools/call` past it.
+pub fn same_path(path: &str, endpoint: &str) -> bool {
+    fn segments(path: &str) -> Vec<Vec<u8>> {
+        let decoded: Vec<u8> = percent_encoding::percent_decode_str(path).collect();
+        let mut out: Vec<Vec<u8>> = Vec::new();
+        for segment in decoded.split(|b| *b == b'/') {
+            match segment {
+                b"" | b"." => {}
+                b".." => {
+                    out.pop();
+                }
+                segment => out.push(segment.to_vec()),
+            }
+        }
+        out
+    }
+    segments(path) == segments(endpoint)
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::same_path;
+
+    #[test]
+    fn every_spelling_of_the_endpoint_is_the_endpoint() {
+        for path in ["/mcp", "/mcp/", "//mcp", "/m%63p", "/%6D%63%70", "/./mcp", "/x/../mcp", "/mcp%2F"] {
+            assert!(same_path(path, "/mcp"), "{path}");
+        }
+        for path in ["/", "/mcp/x", "/mcpx", "/mc", "/x/mcp", "/%2e%2e"] {
+            assert!(!same_path(path, "/mcp"), "{path}");
+        }
+        assert!(same_path("/api/v1/m%63p/", "/api/v1/mcp"));
+    }
+}

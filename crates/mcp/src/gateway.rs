@@ -24,14 +24,15 @@ use axum::response::IntoResponse;
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
 use onceguard_core::{
-    CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind,
-    RecordState, Scope, TenantId,
+    CheckpointName, Claim, ClaimOutcome, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind, RecordState,
+    Scope, TenantId,
 };
 use onceguard_proxy::{TransportFailure, Upstream};
 use onceguard_server::AppState;
 use onceguard_server::config::McpNoKey;
 use onceguard_server::problem::ApiError;
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 
 use crate::Options;
 use crate::call::{self, ToolCall};
@@ -122,7 +123,8 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
         Err(e) => return e.into_response(),
     };
     request.headers_mut().remove(&gateway.options.api_key_header);
-    if request.method() != Method::POST || request.uri().path() != gateway.options.endpoint {
+    // Every POST the upstream may route to its endpoint is read: the path as servers decode it.
+    if request.method() != Method::POST || !call::same_path(request.uri().path(), &gateway.options.endpoint) {
         return gateway.streams.forward(request).await;
     }
     let (parts, body) = request.into_parts();
@@ -130,7 +132,20 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
     let Ok(body) = axum::body::to_bytes(body, limit).await else {
         return ApiError::TooLarge(format!("the request body exceeds {limit} bytes")).into_response();
     };
-    match Posted::parse(&body) {
+    let posted = match Posted::parse(&body) {
+        Ok(posted) => posted,
+        Err(refused) => {
+            gateway.observe(&caller.tenant, "unclassified_refused");
+            tracing::warn!(
+                detail = refused.detail(),
+                "refused a body posted to the MCP endpoint that could not be classified"
+            );
+            let mut response = json_response(refused.message());
+            *response.status_mut() = StatusCode::BAD_REQUEST;
+            return response;
+        }
+    };
+    match posted {
         Posted::Request { id, method, params } if method == "tools/call" => {
             tool_call(gateway, caller, parts, body, id, params).await
         }
@@ -227,26 +242,22 @@ async fn tool_call(
     };
     gateway.observe(&tenant, decision);
     let scope = Scope::new(tenant, call::namespace(&gateway.options.upstream_name, &call.name), key);
-    // The lease and retention in force: `mcp.lease` and `mcp.retention`, unless the tenant's or
-    // a namespace prefix's settings (e.g. on `mcp/<upstream>/<tool>`) say otherwise.
-    let limits = match gateway.guard().effective(&scope).await {
-        Ok(effective) => effective.limits,
-        Err(e) => return rpc_error(Some(&id), &e.into()),
-    };
-    let claim = ClaimRequest {
-        scope,
-        fingerprint: call.fingerprint(),
-        lease: limits.default_lease,
-        retention: limits.default_retention,
-        run: call.run.clone(),
-        cost: call.cost,
-        max_in_flight: None,
-    };
+    // The lease and retention in force are the guard's: `mcp.lease` and `mcp.retention`, unless
+    // the tenant's or a namespace prefix's settings (e.g. on `mcp/<upstream>/<tool>`) say
+    // otherwise.
+    let claim = Claim { run: call.run.clone(), cost: Some(call.cost), ..Claim::new(scope, call.fingerprint()) };
     let outcome = match claim_or_resume(&gateway, &claim, call.continuation, &actor).await {
         Ok(outcome) => outcome,
         Err(e) => return rpc_error(Some(&id), &e),
     };
     match outcome {
+        ClaimOutcome::Replay(replay) if replay.outcome.content_type == NOT_STORED => {
+            let detail = String::from_utf8_lossy(&replay.outcome.body).into_owned();
+            rpc_error(
+                Some(&id),
+                &ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}")),
+            )
+        }
         ClaimOutcome::Replay(replay) => match jsonrpc::mark_replayed(&replay.outcome.body) {
             Ok(result) => json_response(jsonrpc::result_message(&id, &result)),
             Err(e) => rpc_error(Some(&id), &ApiError::Internal(format!("a stored result could not be read: {e}"))),
@@ -261,8 +272,14 @@ async fn tool_call(
             if let Ok(mut set) = gateway.in_flight.lock() {
                 set.insert(token.clone());
             }
-            let input_lease = gateway.options.input_lease.min(limits.max_lease);
-            let lease = claim.lease;
+            // The keep-alive extends by the lease the guard gave; an input_required answer holds
+            // the key for the input lease, within the longest lease in force.
+            let lease = gateway.guard().clock().now().until(acquired.lease_expires_at);
+            let max_lease = match gateway.guard().effective(&claim.scope).await {
+                Ok(effective) => effective.limits.max_lease,
+                Err(e) => return rpc_error(Some(&id), &e.into()),
+            };
+            let input_lease = gateway.options.input_lease.min(max_lease);
             let leg =
                 Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor, lease, input_lease };
             leg.start(Request::from_parts(parts, Body::from(body))).await
@@ -276,16 +293,14 @@ async fn tool_call(
 /// the key was charged once and is not charged again.
 async fn claim_or_resume(
     gateway: &Gateway,
-    claim: &ClaimRequest,
+    claim: &Claim,
     continuation: bool,
     actor: &str,
 ) -> Result<ClaimOutcome, ApiError> {
     let guard = gateway.guard();
-    let metrics = &gateway.state.metrics;
     // A continuation does not wait: the key it finds held is (usually) its own parked leg's.
-    let wait = if continuation { Duration::ZERO } else { gateway.options.wait };
-    let outcome = guard.claim(claim, wait).await?;
-    metrics.observe_claim(&claim.scope, &outcome);
+    let waiting = Claim { wait: (!continuation).then_some(gateway.options.wait), ..claim.clone() };
+    let outcome = guard.claim(waiting).await?;
     if !continuation || !matches!(outcome, ClaimOutcome::InFlight(_)) {
         return Ok(outcome);
     }
@@ -302,9 +317,7 @@ async fn claim_or_resume(
     if !matches!(released, FencedOutcome::Applied(_)) {
         return Ok(outcome);
     }
-    let resumed = guard.claim(claim, Duration::ZERO).await?;
-    metrics.observe_claim(&claim.scope, &resumed);
-    Ok(resumed)
+    Ok(guard.claim(claim.clone()).await?)
 }
 
 fn release_mutation(why: &str) -> Mutation {
@@ -333,10 +346,57 @@ pub enum Settlement {
     /// The call provably never ran (an HTTP 4xx, or a JSON-RPC parse, request, method, params
     /// or protocol error): the key is released, the next call with it runs.
     Release(String),
-    /// The upstream answered, but not with a result (an HTTP 5xx, another JSON-RPC error, a
-    /// result too large to store): the outcome is unknown, and the next call with the key is a
-    /// recovery that runs again.
+    /// The upstream answered, but not with a result (an HTTP 5xx, another JSON-RPC error): the
+    /// outcome is unknown, and the next call with the key is a recovery that runs again.
     Unknown(String),
+    /// The call ran and its answer went to the caller, but it was too large to store: the key
+    /// completes with the answer's size and SHA-256 ([`NOT_STORED`]), and every later call with
+    /// it is told so (`response-not-stored`): it never runs again.
+    NotStored {
+        /// The answer's size in bytes.
+        size: u64,
+        /// Its SHA-256, in hex.
+        sha256: String,
+    },
+}
+
+/// The media type of the outcome stored for an answer too large to store (its size and digest,
+/// as JSON).
+pub const NOT_STORED: &str = "application/vnd.onceguard.not-stored+json";
+
+/// The size and SHA-256 of an answer as it passes.
+#[derive(Default)]
+struct Seen {
+    size: u64,
+    digest: Sha256,
+}
+
+impl Seen {
+    fn add(&mut self, bytes: &[u8]) {
+        self.size += bytes.len() as u64;
+        self.digest.update(bytes);
+    }
+
+    fn not_stored(self) -> Settlement {
+        Settlement::NotStored { size: self.size, sha256: hex::encode(self.digest.finalize()) }
+    }
+}
+
+/// Sends a body's remaining chunks on, seeing each; answers whether it ended whole.
+async fn pump_seeing(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, seen: &mut Seen) -> bool {
+    while let Some(chunk) = chunks.next().await {
+        match chunk {
+            Ok(chunk) => {
+                seen.add(&chunk);
+                let _ = out.send(Ok(chunk)).await;
+            }
+            Err(e) => {
+                let _ = out.send(Err(io::Error::other(e))).await;
+                return false;
+            }
+        }
+    }
+    true
 }
 
 impl Settlement {
@@ -461,11 +521,13 @@ impl Leg {
         let mut chunks = body.into_data_stream();
         let mut settled = false;
         let mut broken = false;
+        let mut seen = Seen::default();
         while let Some(chunk) = chunks.next().await {
             let Ok(chunk) = chunk else {
                 broken = true;
                 break;
             };
+            seen.add(&chunk);
             for block in reader.push(&chunk) {
                 if !settled
                     && let Some(message) =
@@ -484,7 +546,9 @@ impl Leg {
         if !settled {
             extender.abort();
             if reader.overflowed() && !broken {
-                self.settle(Settlement::Unknown("the answer was too large to read".into())).await;
+                // The answer went to the caller, too large to read: the call ran, and its key
+                // records the stream's size and digest so that it never runs again.
+                self.settle(seen.not_stored()).await;
             } else {
                 // No answer seen: the upstream may still act. The key stays in flight until its
                 // lease passes, then the next call is a recovery.
@@ -502,14 +566,22 @@ impl Leg {
             match chunk {
                 Ok(chunk) if bytes.len() + chunk.len() <= limit => bytes.extend_from_slice(&chunk),
                 Ok(chunk) => {
-                    // Too large to store: it goes to the caller as it comes, and the key's outcome is unknown.
-                    extender.abort();
-                    self.settle(Settlement::Unknown("the answer was too large to store".into())).await;
+                    // Too large to store: it goes to the caller as it comes; once it passed
+                    // whole, the key records its size and digest, so the call never runs again.
                     let (response, mut out) = streamed(parts);
                     let _ = reply.send(response);
-                    let _ = out.send(Ok(Bytes::from(bytes))).await;
-                    let _ = out.send(Ok(chunk)).await;
-                    pump(Body::from_stream(chunks), &mut out).await;
+                    let mut seen = Seen::default();
+                    for part in [Bytes::from(bytes), chunk] {
+                        seen.add(&part);
+                        let _ = out.send(Ok(part)).await;
+                    }
+                    let whole = pump_seeing(chunks, &mut out, &mut seen).await;
+                    extender.abort();
+                    if whole {
+                        self.settle(seen.not_stored()).await;
+                    } else {
+                        tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
+                    }
                     return;
                 }
                 Err(e) => {
@@ -538,9 +610,25 @@ impl Leg {
     async fn settle(&self, settlement: Settlement) {
         let guard = self.gateway.guard();
         let max_outcome = guard.limits().max_outcome_bytes;
-        let mutation = match settlement {
+        let settlement = match settlement {
             Settlement::Store { result, .. } if result.len() > max_outcome => {
-                Mutation::ReportUnknown(format!("the result ({} bytes) was too large to store", result.len()))
+                let mut seen = Seen::default();
+                seen.add(&result);
+                seen.not_stored()
+            }
+            other => other,
+        };
+        let mutation = match settlement {
+            Settlement::NotStored { size, sha256 } => {
+                tracing::warn!(scope = %self.scope, size, "a result too large to store went to the caller; its key records the size and digest, and its replays say the result was not kept");
+                self.gateway.state.metrics.observe_unstored_response(&self.scope.tenant);
+                let body = serde_json::json!({ "size": size, "sha256": sha256 }).to_string().into_bytes();
+                Mutation::Complete(Outcome {
+                    kind: OutcomeKind::Success,
+                    content_type: NOT_STORED.into(),
+                    body,
+                    cost: None,
+                })
             }
             Settlement::Store { result, failure } => {
                 let kind = if failure { OutcomeKind::Failure } else { OutcomeKind::Success };
@@ -568,7 +656,6 @@ impl Leg {
             match guard.mutate_as(&self.actor, &self.scope, self.fence, mutation.clone()).await {
                 Ok(FencedOutcome::Applied(_)) => return true,
                 Ok(FencedOutcome::Stale(reason)) => {
-                    self.gateway.state.metrics.observe_stale(&self.scope, op, self.fence.0, reason);
                     tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
                     return false;
                 }

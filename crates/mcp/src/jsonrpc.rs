@@ -52,26 +52,151 @@ pub enum Posted {
     Other,
 }
 
+/// Why a body posted to the endpoint could not be classified. The gateway refuses it (HTTP 400
+/// with a JSON-RPC error) and never forwards it: an upstream whose parser is more lenient could
+/// read a `tools/call` in it that the gateway did not guard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unclassified {
+    /// Not JSON as RFC 8259 defines it, or an object with a member twice (RFC 7493): a UTF-8
+    /// byte-order mark, `NaN`, `Infinity`, a number out of range, a lone surrogate escape.
+    /// JSON-RPC `-32700`.
+    Parse(String),
+    /// A `tools/call` the gateway cannot guard: a notification, or an id that is neither a
+    /// string nor a number. JSON-RPC `-32600`.
+    Invalid(String),
+}
+
+impl Unclassified {
+    /// The JSON-RPC error code.
+    pub fn code(&self) -> i64 {
+        match self {
+            Self::Parse(_) => -32700,
+            Self::Invalid(_) => -32600,
+        }
+    }
+
+    /// What is wrong.
+    pub fn detail(&self) -> &str {
+        match self {
+            Self::Parse(detail) | Self::Invalid(detail) => detail,
+        }
+    }
+
+    /// The JSON-RPC error message (no id: none could be read).
+    pub fn message(&self) -> Vec<u8> {
+        let message = serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": Value::Null,
+            "error": { "code": self.code(), "message": self.detail() },
+        });
+        serde_json::to_vec(&message).unwrap_or_default()
+    }
+}
+
 impl Posted {
-    /// Reads a posted body; bodies that are not JSON are [`Posted::Other`] (the upstream answers
-    /// them).
-    pub fn parse(body: &[u8]) -> Self {
-        let Ok(value) = serde_json::from_slice::<Value>(body) else { return Self::Other };
-        match value {
+    /// Classifies a body posted to the endpoint. What is not strict JSON, and a `tools/call`
+    /// that cannot be guarded, is [`Unclassified`]; everything else is a request, a
+    /// notification, a batch or [`Posted::Other`] (a response to a server's request, or JSON
+    /// that is not JSON-RPC, which the upstream answers).
+    pub fn parse(body: &[u8]) -> Result<Self, Unclassified> {
+        let value = strict_json(body).map_err(|e| Unclassified::Parse(format!("the body is not strict JSON: {e}")))?;
+        let tool_call = |method: &str| method == "tools/call";
+        Ok(match value {
             Value::Array(items) => Self::Batch {
-                has_tool_call: items.iter().any(|m| m.get("method").and_then(Value::as_str) == Some("tools/call")),
+                has_tool_call: items.iter().any(|m| m.get("method").and_then(Value::as_str).is_some_and(tool_call)),
             },
             Value::Object(mut map) => {
-                let Some(Value::String(method)) = map.remove("method") else { return Self::Other };
+                let Some(Value::String(method)) = map.remove("method") else { return Ok(Self::Other) };
                 let params = map.remove("params");
                 match map.remove("id") {
                     Some(id @ (Value::String(_) | Value::Number(_))) => Self::Request { id, method, params },
+                    _ if tool_call(&method) => {
+                        return Err(Unclassified::Invalid(
+                            "a tools/call needs an id that is a string or a number (a notification is not guarded)"
+                                .into(),
+                        ));
+                    }
                     Some(_) => Self::Other,
                     None => Self::Notification { method, params },
                 }
             }
             _ => Self::Other,
+        })
+    }
+}
+
+/// Parses `bytes` as JSON, refusing an object that names a member twice (which parsers read
+/// differently: the first, the last, or both).
+pub fn strict_json(bytes: &[u8]) -> Result<Value, serde_json::Error> {
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let value = serde::de::DeserializeSeed::deserialize(Strict, &mut deserializer)?;
+    deserializer.end()?;
+    Ok(value)
+}
+
+/// A JSON value whose objects have distinct member names.
+struct Strict;
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(Strict)
+    }
+}
+
+impl<'de> Visitor<'de> for Strict {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+        serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom("a number out of range"))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element_seed(Strict)? {
+            items.push(item);
         }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut members = serde_json::Map::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let value = map.next_value_seed(Strict)?;
+            if members.insert(name.clone(), value).is_some() {
+                return Err(serde::de::Error::custom(format!("the member \"{name}\" appears twice")));
+            }
+        }
+        Ok(Value::Object(members))
     }
 }
 
@@ -231,6 +356,7 @@ pub fn error_code(error: &ApiError) -> i64 {
         ApiError::BadGateway(_) => 50201,
         ApiError::StoreUnavailable(_) => 50301,
         ApiError::GatewayTimeout(_) => 50401,
+        ApiError::NotStored(_) => 41001,
     }
 }
 
@@ -260,21 +386,49 @@ mod tests {
         let call = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"x"}}"#;
         assert_eq!(
             Posted::parse(call),
-            Posted::Request { id: json!(7), method: "tools/call".into(), params: Some(json!({"name":"x"})) }
+            Ok(Posted::Request { id: json!(7), method: "tools/call".into(), params: Some(json!({"name":"x"})) })
         );
         let note = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":7}}"#;
         assert!(
-            matches!(Posted::parse(note), Posted::Notification { method, .. } if method == "notifications/cancelled")
+            matches!(Posted::parse(note), Ok(Posted::Notification { method, .. }) if method == "notifications/cancelled")
         );
         let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"method":"tools/call"}]"#;
-        assert_eq!(Posted::parse(batch), Posted::Batch { has_tool_call: true });
+        assert_eq!(Posted::parse(batch), Ok(Posted::Batch { has_tool_call: true }));
         assert_eq!(
             Posted::parse(br#"[{"jsonrpc":"2.0","id":1,"method":"ping"}]"#),
-            Posted::Batch { has_tool_call: false }
+            Ok(Posted::Batch { has_tool_call: false })
         );
-        for other in [&b"not json"[..], br#"{"jsonrpc":"2.0","id":1,"result":{}}"#, b"42", br#"{"id":{},"method":"x"}"#]
-        {
-            assert_eq!(Posted::parse(other), Posted::Other, "{}", String::from_utf8_lossy(other));
+        for other in [&br#"{"jsonrpc":"2.0","id":1,"result":{}}"#[..], b"42", br#"{"id":{},"method":"x"}"#] {
+            assert_eq!(Posted::parse(other), Ok(Posted::Other), "{}", String::from_utf8_lossy(other));
+        }
+    }
+
+    /// What a lenient parser might read as a tools/call is refused, never passed on.
+    #[test]
+    fn what_cannot_be_classified_is_refused() {
+        let parse_errors: [&[u8]; 8] = [
+            b"not json",
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","arguments":{"a":NaN}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","arguments":{"a":Infinity}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","arguments":{"a":1e400}}}"#,
+            b"\xef\xbb\xbf{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{\"name\":\"x\"}}",
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","arguments":{"a":"\ud800"}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"ping","method":"tools/call","params":{"name":"x"}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}} trailing"#,
+        ];
+        for body in parse_errors {
+            let refused = Posted::parse(body).expect_err(&String::from_utf8_lossy(body));
+            assert_eq!(refused.code(), -32700, "{}", String::from_utf8_lossy(body));
+            let message: Value = serde_json::from_slice(&refused.message()).unwrap();
+            assert_eq!(message["error"]["code"], -32700);
+            assert_eq!(message["id"], Value::Null);
+        }
+        for body in [
+            &br#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"x"}}"#[..],
+            br#"{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{"name":"x"}}"#,
+            br#"{"jsonrpc":"2.0","id":{"a":1},"method":"tools/call","params":{"name":"x"}}"#,
+        ] {
+            assert_eq!(Posted::parse(body).map_err(|e| e.code()), Err(-32600), "{}", String::from_utf8_lossy(body));
         }
     }
 

@@ -21,6 +21,8 @@ use serde_json::{Value, json};
 #[derive(Default)]
 struct Seen {
     runs: HashMap<String, usize>,
+    /// Bodies that spell `tools/call` anywhere, as a lenient parser might read them.
+    lenient_tool_calls: usize,
     cancellations: usize,
     headers: Vec<HeaderMap>,
 }
@@ -49,6 +51,9 @@ fn json_answer(id: &Value, result: Value) -> Response {
 /// GET event streams.
 async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::http::Method, body: Bytes) -> Response {
     seen.lock().unwrap().headers.push(headers.clone());
+    if body.windows(10).any(|w| w == b"tools/call") {
+        seen.lock().unwrap().lenient_tool_calls += 1;
+    }
     if method == axum::http::Method::GET {
         let last = headers.get("last-event-id").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned();
         let stream = format!("id: 7\r\ndata: {{\"resumed_after\":\"{last}\"}}\r\n\r\n");
@@ -140,7 +145,8 @@ const TENANT: &str = "anon";
 
 async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
     let seen = Upstream::default();
-    let upstream = Router::new().route("/mcp", any(mcp)).with_state(seen.clone());
+    // Like common servers, the upstream serves its endpoint under every spelling of the path.
+    let upstream = Router::new().route("/mcp", any(mcp)).fallback(mcp).with_state(seen.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_url = format!("http://{}/mcp", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, upstream).await.unwrap() });
@@ -597,16 +603,74 @@ async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
     assert_eq!(record.attempt, 2);
 }
 
+/// A result too large to store goes to the caller whole; the key records its size and digest,
+/// and every later call with it is told so: the tool never runs again.
 #[tokio::test]
-async fn a_result_too_large_to_store_passes_through_and_recovers() {
+async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
     let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
     let answer = app.rpc(&call(json!(1), "big", json!({}), Some("k"))).await;
     assert_eq!(answer["result"]["content"][0]["text"].as_str().unwrap().len(), 100_000, "the caller gets it whole");
     let record = app.guard.get(&app.scope("big", "k")).await.unwrap().unwrap();
-    assert_eq!(record.state, RecordState::InProgress);
-    assert!(record.unknown.is_some(), "not stored: outcome unknown");
+    assert_eq!(record.state, RecordState::Completed, "recorded, not left to a recovery");
+    let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
+    assert!(stored["size"].as_u64().unwrap() > 100_000, "{stored}");
+    assert_eq!(stored["sha256"].as_str().unwrap().len(), 64);
+    tokio::time::sleep(Duration::from_millis(2_300)).await; // the test's lease is 2 s
     let again = app.rpc(&call(json!(2), "big", json!({}), Some("k"))).await;
-    assert_eq!(again["result"]["n"], 2, "the next call is a recovery");
+    assert_eq!(again["id"], 2);
+    assert_eq!(again["error"]["code"], 41001, "{again}");
+    assert_eq!(again["error"]["data"]["type"], "https://onceguard.dev/problems/response-not-stored");
+    assert_eq!(runs(&app.seen, "big"), 1, "the tool ran once");
+}
+
+/// What the gateway cannot classify, posted to its endpoint under any spelling of the path,
+/// is refused with a JSON-RPC error and never reaches the upstream; a guarded call under an
+/// encoded spelling of the path is guarded.
+#[tokio::test]
+async fn what_cannot_be_classified_is_refused_never_forwarded() {
+    let app = spawn_app(|_| {}).await;
+    let bodies: [(&[u8], i64); 7] = [
+        (br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"n":NaN},"_meta":{"dev.onceguard/idempotency-key":"k"}}}"#, -32700),
+        (br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"n":Infinity}}}"#, -32700),
+        (br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"n":1e400}}}"#, -32700),
+        (b"\xef\xbb\xbf{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{\"name\":\"echo\"}}", -32700),
+        (br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"s":"\udc00"}}}"#, -32700),
+        (br#"{"jsonrpc":"2.0","id":1,"method":"ping","method":"tools/call","params":{"name":"echo"}}"#, -32700),
+        (br#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"echo"}}"#, -32600),
+    ];
+    for path in ["/mcp", "/m%63p", "//mcp/"] {
+        for (body, code) in bodies {
+            let response = app
+                .http
+                .post(format!("{}{path}", app.base))
+                .header("content-type", "application/json")
+                .header("accept", "application/json, text/event-stream")
+                .body(body.to_vec())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 400, "{path} {}", String::from_utf8_lossy(body));
+            let answer: Value = response.json().await.unwrap();
+            assert_eq!(answer["error"]["code"], code, "{path} {}", String::from_utf8_lossy(body));
+        }
+    }
+    assert_eq!(app.seen.lock().unwrap().lenient_tool_calls, 0, "nothing reached the upstream");
+    for id in 1..=2 {
+        let response = app
+            .http
+            .post(format!("{}/m%63p", app.base))
+            .header("accept", "application/json, text/event-stream")
+            .json(&call(json!(id), "echo", json!({"n": 1}), Some("encoded")))
+            .send()
+            .await
+            .unwrap();
+        let answer: Value = response.json().await.unwrap();
+        assert_eq!(answer["result"]["content"][0]["text"], "echo 1", "{answer}");
+    }
+    assert_eq!(runs(&app.seen, "echo"), 1, "the call under an encoded path was guarded");
+    let metrics = app.http.get(format!("{}/_onceguard/metrics", app.base)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"decision="unclassified_refused"} 21"#), "{metrics}");
+    assert!(metrics.contains(r#"onceguard_claims_total{tenant="anon",outcome="replay"} 1"#), "{metrics}");
 }
 
 #[tokio::test]

@@ -2,7 +2,8 @@
 //! `Idempotency-Key`; retries get the stored response.
 //!
 //! `cargo run -p onceguard-proxy --example axum_layer`, then
-//! `curl -i -X POST -H 'Idempotency-Key: r-1' localhost:3000/refunds` twice.
+//! `curl -i -X POST -H 'Authorization: Bearer me' -H 'Idempotency-Key: r-1' localhost:3000/refunds`
+//! twice (a guarded request names its caller: keys are scoped by the `Authorization` header).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::routing::post;
 use onceguard_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Guard, Key, MemoryStore, Mutation, Namespace, Outcome, OutcomeKind, Scope,
-    Store, SystemClock, TenantId,
+    Claim, ClaimOutcome, Fingerprint, Guard, Key, MemoryStore, Mutation, Namespace, Outcome, OutcomeKind, Scope, Store,
+    SystemClock, TenantId,
 };
 use onceguard_server::telemetry::{LogFormat, TraceSettings};
 use onceguard_server::{AppState, Config};
@@ -60,6 +60,10 @@ fn cpu_used() -> Duration {
     Duration::from_millis(ticks.unwrap_or(0) * 10)
 }
 
+/// The header naming the benchmark's one caller to the proxy (which refuses guarded requests
+/// without an identity); the claim API ignores it.
+const CALLER_HEADER: &str = "x-bench-caller";
+
 /// `requests` POSTs from `concurrency` tasks; request `i` uses key `key-{first + i}` (as the
 /// `Idempotency-Key` header for the proxy, in the JSON body for the claim API).
 async fn run(
@@ -82,6 +86,7 @@ async fn run(
                     let r = client
                         .post(&url)
                         .header("Idempotency-Key", format!("key-{i}"))
+                        .header(CALLER_HEADER, "bench")
                         .header("Content-Type", "application/json")
                         .body(format!(r#"{{"namespace":"bench","key":"key-{i}","request":{{"ticket":{i}}}}}"#))
                         .send()
@@ -115,16 +120,9 @@ async fn complete_all(guard: &Guard, requests: usize) {
             Namespace::parse("bench").unwrap(),
             Key::parse(&format!("key-{i}")).unwrap(),
         );
-        let req = ClaimRequest {
-            scope: scope.clone(),
-            fingerprint: Fingerprint::of_json(&serde_json::json!({ "ticket": i })),
-            lease: Duration::from_secs(60),
-            retention: Duration::from_secs(3600),
-            run: None,
-            cost: 0,
-            max_in_flight: None,
-        };
-        let ClaimOutcome::Acquired(a) = guard.claim(&req, Duration::ZERO).await.unwrap() else { panic!("acquired") };
+        let fingerprint = Fingerprint::of_json(&serde_json::json!({ "ticket": i }));
+        let req = Claim { lease: Some(Duration::from_secs(60)), ..Claim::new(scope.clone(), fingerprint) };
+        let ClaimOutcome::Acquired(a) = guard.claim(req).await.unwrap() else { panic!("acquired") };
         let outcome = Outcome {
             kind: OutcomeKind::Success,
             content_type: "application/json".into(),
@@ -212,6 +210,7 @@ async fn main() {
     };
     let mut config = Config::default();
     config.proxy.upstream = trivial.clone();
+    config.proxy.identity_header = CALLER_HEADER.into();
     let guard = Guard::new(store, Arc::new(SystemClock), onceguard_proxy::limits(&config));
     let proxy = serve(onceguard_proxy::app(&config, guard).unwrap()).await;
 

@@ -11,10 +11,13 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use axum::response::IntoResponse;
+use bytes::{Bytes, BytesMut};
+use futures::{SinkExt, StreamExt};
 use onceguard_core::{
-    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Guard, Key, Mutation, Namespace, Outcome,
+    Claim, ClaimOutcome, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, Mutation, Namespace, Outcome,
     OutcomeKind, Scope, TenantId,
 };
+use onceguard_server::Metrics;
 use onceguard_server::problem::ApiError;
 use sha2::{Digest, Sha256};
 use tower::{Layer, Service, ServiceExt};
@@ -39,8 +42,12 @@ pub enum TransportFailure {
 pub struct IdempotencyOptions {
     /// The tenant holding the records.
     pub tenant: TenantId,
-    /// The header identifying the caller (keys are scoped by a digest of its value).
+    /// The header identifying the caller (keys are scoped by a digest of its value). A
+    /// guarded request without it is refused (401) unless `shared_scope` is set.
     pub identity_header: HeaderName,
+    /// The key space of callers without the identity header (`proxy/shared/<name>`), if the
+    /// operator allows them; what is stored there keeps no per-caller header.
+    pub shared_scope: Option<Namespace>,
     /// How long a key may be held without extending (the layer extends while the inner
     /// service works).
     pub lease: Duration,
@@ -50,7 +57,8 @@ pub struct IdempotencyOptions {
     pub store_5xx: bool,
     /// Largest request body, in bytes (413 beyond it).
     pub max_request_bytes: usize,
-    /// Largest response stored, in bytes.
+    /// Largest response body stored, in bytes: a larger one goes to the caller whole and is
+    /// recorded by its status, headers, size and SHA-256, never sent upstream again.
     pub max_response_bytes: usize,
 }
 
@@ -60,6 +68,7 @@ impl IdempotencyOptions {
         Self {
             tenant,
             identity_header: header::AUTHORIZATION,
+            shared_scope: None,
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3_600),
             store_5xx: false,
@@ -74,14 +83,28 @@ impl IdempotencyOptions {
 /// store; other methods pass through.
 #[derive(Debug, Clone)]
 pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+/// What every request of a layer shares.
+#[derive(Debug, Clone)]
+struct Shared {
     guard: Guard,
-    options: Arc<IdempotencyOptions>,
+    options: IdempotencyOptions,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl IdempotencyLayer {
     /// A layer storing in `guard`'s store.
     pub fn new(guard: Guard, options: IdempotencyOptions) -> Self {
-        Self { guard, options: Arc::new(options) }
+        Self { shared: Arc::new(Shared { guard, options, metrics: None }) }
+    }
+
+    /// The same layer, counting what only it knows (responses too large to store) in `metrics`.
+    /// Claims are counted by the guard's observer.
+    pub fn with_metrics(self, metrics: Arc<Metrics>) -> Self {
+        let Shared { guard, options, .. } = Arc::unwrap_or_clone(self.shared);
+        Self { shared: Arc::new(Shared { guard, options, metrics: Some(metrics) }) }
     }
 }
 
@@ -89,7 +112,7 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService { inner, guard: self.guard.clone(), options: self.options.clone() }
+        IdempotencyService { inner, shared: self.shared.clone() }
     }
 }
 
@@ -97,8 +120,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
-    guard: Guard,
-    options: Arc<IdempotencyOptions>,
+    shared: Arc<Shared>,
 }
 
 impl<S> Service<Request<Body>> for IdempotencyService<S>
@@ -117,12 +139,12 @@ where
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let inner = self.inner.clone();
-        let (guard, options) = (self.guard.clone(), self.options.clone());
+        let shared = self.shared.clone();
         if request.method() != Method::POST && request.method() != Method::PATCH {
             return Box::pin(inner.oneshot(request));
         }
         Box::pin(async move {
-            Ok(match guarded(guard, options, inner, request).await {
+            Ok(match guarded(shared, inner, request).await {
                 Ok(response) => response,
                 Err(problem) => problem.into_response(),
             })
@@ -151,11 +173,28 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<Key, ApiError> {
 }
 
 /// The namespace of a caller: `proxy/` and the first 32 hex digits of the SHA-256 of its
-/// identity header (empty when absent).
-fn caller_namespace(headers: &HeaderMap, identity: &HeaderName) -> Namespace {
-    let value = headers.get(identity).map(HeaderValue::as_bytes).unwrap_or_default();
-    let digest = hex::encode(Sha256::digest(value));
-    Namespace::parse(&format!("proxy/{}", &digest[..32])).expect("a hex digest is a valid segment")
+/// identity header; `proxy/shared/<name>` for a caller without one when the operator set a
+/// shared scope. A caller without one is refused otherwise: two callers never share a key by
+/// accident.
+fn caller_namespace(headers: &HeaderMap, options: &IdempotencyOptions) -> Result<Namespace, ApiError> {
+    let identity = &options.identity_header;
+    match headers.get(identity).map(HeaderValue::as_bytes).filter(|v| !v.is_empty()) {
+        Some(value) => {
+            let digest = hex::encode(Sha256::digest(value));
+            Ok(Namespace::parse(&format!("proxy/{}", &digest[..32])).expect("a hex digest is a valid segment"))
+        }
+        None => options.shared_scope.clone().ok_or_else(|| {
+            ApiError::Unauthenticated(format!(
+                "POST and PATCH through the proxy need the '{identity}' header, which scopes their idempotency keys \
+                 to the caller; nothing was forwarded"
+            ))
+        }),
+    }
+}
+
+/// The shared scope `name` (`proxy/shared/<name>`).
+pub fn shared_scope(name: &str) -> Result<Namespace, InvalidInput> {
+    Namespace::parse(&format!("proxy/shared/{name}"))
 }
 
 /// What the request means: method, path with query, and body bytes.
@@ -169,33 +208,26 @@ fn fingerprint(method: &Method, path_and_query: &str, body: &[u8]) -> Fingerprin
     Fingerprint::parse(&format!("sha256:{}", hex::encode(hasher.finalize()))).expect("a sha256 digest is valid")
 }
 
-async fn guarded<S>(
-    guard: Guard,
-    options: Arc<IdempotencyOptions>,
-    inner: S,
-    request: Request<Body>,
-) -> Result<Response<Body>, ApiError>
+async fn guarded<S>(shared: Arc<Shared>, inner: S, request: Request<Body>) -> Result<Response<Body>, ApiError>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
 {
+    let options = &shared.options;
     let key = idempotency_key(request.headers())?;
-    let namespace = caller_namespace(request.headers(), &options.identity_header);
+    let namespace = caller_namespace(request.headers(), options)?;
     let (parts, body) = request.into_parts();
     let body = axum::body::to_bytes(body, options.max_request_bytes)
         .await
         .map_err(|_| ApiError::TooLarge(format!("the request body exceeds {} bytes", options.max_request_bytes)))?;
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let claim = ClaimRequest {
-        scope: Scope::new(options.tenant.clone(), namespace, key),
-        fingerprint: fingerprint(&parts.method, path, &body),
-        lease: options.lease,
-        retention: options.retention,
-        run: None,
-        cost: 0,
-        max_in_flight: None,
+    let claim = Claim {
+        lease: Some(options.lease),
+        retention: Some(options.retention),
+        ..Claim::new(Scope::new(options.tenant.clone(), namespace, key), fingerprint(&parts.method, path, &body))
     };
-    match guard.claim(&claim, Duration::ZERO).await? {
+    let scope = claim.scope.clone();
+    match shared.guard.claim(claim).await? {
         ClaimOutcome::Replay(replay) => {
             let stored = stored::decode(&replay.outcome.body)
                 .map_err(|e| ApiError::Internal(format!("a stored response could not be read: {e}")))?;
@@ -210,64 +242,144 @@ where
             let request = Request::from_parts(parts, Body::from(body));
             // The upstream call and the storing of its outcome run in a task of their own: a
             // caller that disconnects never cancels them, and its retry gets the replay.
-            let task = tokio::spawn(execute(guard, options, inner, request, claim.scope, acquired.fence));
+            let held = Held { shared: shared.clone(), scope, fence: acquired.fence };
+            let task = tokio::spawn(held.execute(inner, request));
             task.await.map_err(|e| ApiError::Internal(format!("the request task failed: {e}")))?
         }
     }
 }
 
-/// Runs the request while keeping the lease alive, then stores, releases or leaves the key as
-/// the outcome says.
-async fn execute<S>(
-    guard: Guard,
-    options: Arc<IdempotencyOptions>,
-    inner: S,
-    request: Request<Body>,
+/// A key this request holds, and what it needs to settle it.
+struct Held {
+    shared: Arc<Shared>,
     scope: Scope,
     fence: Fence,
-) -> Result<Response<Body>, ApiError>
-where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
-{
-    let extender = tokio::spawn(keep_alive(guard.clone(), scope.clone(), fence, options.lease));
-    let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
-    let failure = response.extensions().get::<TransportFailure>().copied();
-    let (parts, body) = response.into_parts();
-    let outcome = match failure {
-        Some(failure) => Err(failure),
-        None => match axum::body::to_bytes(body, options.max_response_bytes).await {
-            Ok(bytes) => Ok((parts, bytes)),
-            Err(_) => Err(TransportFailure::MaybeSent),
-        },
-    };
-    extender.abort();
-    match outcome {
-        Err(TransportFailure::NotSent) => {
-            release(&guard, &scope, fence).await;
-            Err(ApiError::BadGateway("the upstream could not be reached; the request was not sent".into()))
+}
+
+impl Held {
+    /// Runs the request while keeping the lease alive, then stores, releases or leaves the key
+    /// as the outcome says. A body larger than the store takes goes to the caller as it comes
+    /// and is recorded by its digest once it has passed whole.
+    async fn execute<S>(self, inner: S, request: Request<Body>) -> Result<Response<Body>, ApiError>
+    where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+    {
+        let guard = &self.shared.guard;
+        let options = &self.shared.options;
+        let extender = tokio::spawn(keep_alive(guard.clone(), self.scope.clone(), self.fence, options.lease));
+        let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
+        let failure = response.extensions().get::<TransportFailure>().copied();
+        let (parts, body) = response.into_parts();
+        if let Some(failure) = failure {
+            extender.abort();
+            return Err(self.transport_failed(failure).await);
         }
-        // The upstream may have acted: the key stays in flight until its lease passes, so a
-        // retry inside the lease is told so (409) and one after it runs again.
-        Err(TransportFailure::MaybeSent) => Err(ApiError::BadGateway(
-            "the upstream failed after the request was sent; the key is held until its lease passes".into(),
-        )),
-        Err(TransportFailure::TimedOut) => Err(ApiError::GatewayTimeout(
-            "the upstream did not answer in time; the key is held until its lease passes".into(),
-        )),
-        Ok((parts, body)) => {
-            let status = parts.status;
-            let stored = StoredResponse::from_parts(status, &parts.headers, body);
-            if releases_key(status, options.store_5xx) {
-                release(&guard, &scope, fence).await;
-            } else {
-                complete(&guard, &scope, fence, &stored).await;
+        let mut chunks = body.into_data_stream();
+        let mut bytes = BytesMut::new();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(chunk) if bytes.len() + chunk.len() <= options.max_response_bytes => bytes.extend_from_slice(&chunk),
+                Ok(chunk) => {
+                    bytes.extend_from_slice(&chunk);
+                    return Ok(self.pass_unstored(parts, bytes.freeze(), chunks, extender));
+                }
+                Err(_) => {
+                    extender.abort();
+                    return Err(self.transport_failed(TransportFailure::MaybeSent).await);
+                }
             }
-            let mut response = Response::from_parts(parts, Body::from(stored.body.clone()));
-            response.headers_mut().remove(header::TRANSFER_ENCODING);
-            Ok(response)
+        }
+        extender.abort();
+        let stored = StoredResponse::from_parts(parts.status, &parts.headers, bytes.freeze());
+        self.settle(stored.clone()).await;
+        let mut response = Response::from_parts(parts, Body::from(stored.body));
+        response.headers_mut().remove(header::TRANSFER_ENCODING);
+        Ok(response)
+    }
+
+    /// What a transport failure does to the key, and the caller's answer.
+    async fn transport_failed(&self, failure: TransportFailure) -> ApiError {
+        match failure {
+            TransportFailure::NotSent => {
+                release(&self.shared.guard, &self.scope, self.fence).await;
+                ApiError::BadGateway("the upstream could not be reached; the request was not sent".into())
+            }
+            // The upstream may have acted: the key stays in flight until its lease passes, so a
+            // retry inside the lease is told so (409) and one after it runs again.
+            TransportFailure::MaybeSent => ApiError::BadGateway(
+                "the upstream failed after the request was sent; the key is held until its lease passes".into(),
+            ),
+            TransportFailure::TimedOut => ApiError::GatewayTimeout(
+                "the upstream did not answer in time; the key is held until its lease passes".into(),
+            ),
         }
     }
+
+    /// Stores the response (releases the key for a status that is not stored).
+    async fn settle(&self, stored: StoredResponse) {
+        let options = &self.shared.options;
+        if releases_key(stored.status, options.store_5xx) {
+            release(&self.shared.guard, &self.scope, self.fence).await;
+            return;
+        }
+        // In the shared scope every caller may replay it: nothing meant for one caller is kept.
+        let shared_caller = options.shared_scope.as_ref() == Some(&self.scope.namespace);
+        let stored = if shared_caller { stored.without_per_caller_headers() } else { stored };
+        complete(&self.shared.guard, &self.scope, self.fence, &stored).await;
+    }
+
+    /// A response whose body passed the limit: the caller gets it whole, streamed (`head` is
+    /// what was read, `rest` the remainder); once it has passed, the key is completed with the
+    /// status, headers, size and SHA-256 (never the body), so no retry sends the request again.
+    /// A body that breaks off leaves the key in flight until its lease passes.
+    fn pass_unstored(
+        self,
+        parts: axum::http::response::Parts,
+        head: Bytes,
+        mut rest: BodyStream,
+        extender: tokio::task::JoinHandle<()>,
+    ) -> Response<Body> {
+        let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        let (status, headers) = (parts.status, parts.headers.clone());
+        tokio::spawn(async move {
+            let mut hasher = Sha256::new();
+            let mut size = head.len() as u64;
+            hasher.update(&head);
+            // A caller that left does not stop the reading.
+            let _ = tx.send(Ok(head)).await;
+            while let Some(chunk) = rest.next().await {
+                match chunk {
+                    Ok(chunk) => {
+                        size += chunk.len() as u64;
+                        hasher.update(&chunk);
+                        let _ = tx.send(Ok(chunk)).await;
+                    }
+                    Err(e) => {
+                        extender.abort();
+                        tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
+                        let _ = tx.send(Err(std::io::Error::other(e))).await;
+                        return;
+                    }
+                }
+            }
+            extender.abort();
+            let limit = self.shared.options.max_response_bytes;
+            tracing::warn!(
+                scope = %self.scope, status = status.as_u16(), size, limit,
+                "a response too large to store was passed on and recorded by its size and digest; its replays carry no body"
+            );
+            if let Some(metrics) = &self.shared.metrics {
+                metrics.observe_unstored_response(&self.scope.tenant);
+            }
+            self.settle(StoredResponse::omitted(status, &headers, size, hex::encode(hasher.finalize()))).await;
+        });
+        let mut response = Response::from_parts(parts, Body::from_stream(rx));
+        response.headers_mut().remove(header::TRANSFER_ENCODING);
+        response
+    }
 }
+
+type BodyStream = axum::body::BodyDataStream;
 
 /// Extends the lease every third of it, until aborted or the key is taken over.
 async fn keep_alive(guard: Guard, scope: Scope, fence: Fence, lease: Duration) {

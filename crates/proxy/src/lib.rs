@@ -16,11 +16,16 @@
 //! | upstream unreachable (connection refused) | 502, the key released |
 //! | upstream reset or broken after the request was sent | 502, the key stays in flight until its lease passes |
 //! | upstream timeout | 504, the key stays in flight until its lease passes |
+//! | a response body over `max_response_bytes` | passed on whole; recorded by status, headers, size and SHA-256; replays say so (`response-not-stored`) and nothing is forwarded again |
+//! | POST/PATCH without the identity header | 401, nothing forwarded (unless a shared scope is configured) |
 //! | the store cannot answer | 503, nothing forwarded |
 //!
 //! Keys are scoped by the caller's identity (a digest of the `Authorization` header by
-//! default), so two callers never share a key. A caller that disconnects never cancels the
-//! upstream request: it runs to its end in a task of its own and its outcome is stored.
+//! default), so two callers never share a key; a caller without one is refused unless the
+//! operator configured a shared scope, whose stored responses keep no per-caller header
+//! (`Set-Cookie`). A caller that disconnects never cancels the upstream request: it runs to its
+//! end in a task of its own and its outcome is stored. Every claim passes the guard, so
+//! `/_onceguard/metrics` counts the proxy's claims like the API's.
 //!
 //! The same semantics are a tower layer, [`IdempotencyLayer`], for Rust services:
 //!
@@ -50,17 +55,20 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, header};
 use axum::response::IntoResponse;
+use axum::routing::get;
 use futures::TryStreamExt;
 use onceguard_core::{Guard, InvalidInput, Limits, TenantId};
 use onceguard_server::problem::ApiError;
-use onceguard_server::{Config, StartError};
+use onceguard_server::{AppState, Config, StartError};
 use tokio::net::TcpListener;
 use tower::Layer;
 
 mod layer;
 pub mod stored;
 
-pub use layer::{IdempotencyLayer, IdempotencyOptions, IdempotencyService, TransportFailure, idempotency_key};
+pub use layer::{
+    IdempotencyLayer, IdempotencyOptions, IdempotencyService, TransportFailure, idempotency_key, shared_scope,
+};
 
 /// Forwards requests to the upstream, streaming bodies both ways. A transport failure becomes
 /// a 502/504 problem carrying a [`TransportFailure`] extension, which the layer acts on.
@@ -146,6 +154,7 @@ pub fn options(config: &Config) -> Result<IdempotencyOptions, InvalidInput> {
         tenant: TenantId::parse(&p.tenant)?,
         identity_header: HeaderName::from_bytes(p.identity_header.as_bytes())
             .map_err(|_| InvalidInput::new("proxy.identity_header", "is not a header name"))?,
+        shared_scope: (!p.shared_scope.is_empty()).then(|| shared_scope(&p.shared_scope)).transpose()?,
         lease: p.lease,
         retention: p.retention,
         store_5xx: p.store_5xx,
@@ -164,15 +173,21 @@ pub fn limits(config: &Config) -> Limits {
     limits
 }
 
-/// The proxy as an axum app: every path, every method, through the layer to the upstream.
+/// The proxy as an axum app: `/_onceguard/metrics` (its Prometheus metrics: the claims its
+/// guard answered, and responses too large to store), and every other path, every method,
+/// through the layer to the upstream.
 pub fn app(config: &Config, guard: Guard) -> Result<Router, InvalidInput> {
+    let state = AppState::new(guard, config)?;
     let upstream = Upstream::new(&config.proxy.upstream, config.proxy.upstream_timeout)?;
     let forward = tower::service_fn(move |request: Request<Body>| {
         let upstream = upstream.clone();
         async move { Ok::<_, Infallible>(upstream.forward(request).await) }
     });
-    let service = IdempotencyLayer::new(guard, options(config)?).layer(forward);
-    Ok(Router::new().fallback_service(service))
+    let layer = IdempotencyLayer::new(state.guard.clone(), options(config)?).with_metrics(state.metrics.clone());
+    Ok(Router::new()
+        .route("/_onceguard/metrics", get(onceguard_server::api::metrics))
+        .with_state(state)
+        .fallback_service(layer.layer(forward)))
 }
 
 /// Serves the proxy on `listener` until `shutdown`, then lets requests in flight finish (at

@@ -1,12 +1,16 @@
-//! A stored HTTP response: status, end-to-end headers and body bytes, replayed byte for byte.
+//! A stored HTTP response: status, end-to-end headers and body bytes, replayed byte for byte;
+//! or, for a body too large to store, its status, headers, size and SHA-256, replayed as a
+//! plain statement that the body was not kept.
 //!
 //! Encoding: a 4-byte big-endian length, that many bytes of JSON
-//! (`{"status":201,"headers":[["name","base64 value"],…]}`), then the body as it is.
+//! (`{"status":201,"headers":[["name","base64 value"],…]}`, with `"omitted":{"size":…,
+//! "sha256":"…"}` for a body not kept), then the body as it is.
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use onceguard_server::problem::ApiError;
 use serde::{Deserialize, Serialize};
 
 /// The media type of a stored response in the store.
@@ -26,6 +30,24 @@ pub const HOP_BY_HOP: &[&str] = &[
     "content-length",
 ];
 
+/// Headers meant for one caller only: never replayed to a caller in a shared scope.
+pub const PER_CALLER: &[&str] = &["set-cookie", "set-cookie2", "authentication-info", "proxy-authentication-info"];
+
+/// Headers that describe the body: left out of the replay of a body that was not kept.
+const REPRESENTATION: &[&str] = &[
+    "content-type",
+    "content-encoding",
+    "content-language",
+    "content-range",
+    "content-digest",
+    "repr-digest",
+    "etag",
+    "digest",
+];
+
+/// The header a replay of a body that was not kept carries: `size=<bytes>, sha-256=<hex>`.
+pub const OMITTED_HEADER: &str = "onceguard-body-omitted";
+
 /// Whether `name` is a hop-by-hop header.
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(&name.as_str())
@@ -38,14 +60,27 @@ pub struct StoredResponse {
     pub status: StatusCode,
     /// End-to-end headers, in order, values as bytes.
     pub headers: Vec<(String, Vec<u8>)>,
-    /// The body.
+    /// The body (empty when it was not kept).
     pub body: Bytes,
+    /// Set when the body was too large to store: what is known of it.
+    pub omitted: Option<Omitted>,
+}
+
+/// What is kept of a body too large to store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Omitted {
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its SHA-256, in hex.
+    pub sha256: String,
 }
 
 #[derive(Serialize, Deserialize)]
 struct Head {
     status: u16,
     headers: Vec<(String, String)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    omitted: Option<Omitted>,
 }
 
 impl StoredResponse {
@@ -56,7 +91,19 @@ impl StoredResponse {
             .filter(|(name, _)| !is_hop_by_hop(name))
             .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
             .collect();
-        Self { status, headers, body }
+        Self { status, headers, body, omitted: None }
+    }
+
+    /// The record of a response whose body (`size` bytes with SHA-256 `sha256`) was too large
+    /// to store.
+    pub fn omitted(status: StatusCode, headers: &HeaderMap, size: u64, sha256: String) -> Self {
+        Self { omitted: Some(Omitted { size, sha256 }), ..Self::from_parts(status, headers, Bytes::new()) }
+    }
+
+    /// Without the headers meant for one caller ([`PER_CALLER`]).
+    pub fn without_per_caller_headers(mut self) -> Self {
+        self.headers.retain(|(name, _)| !PER_CALLER.contains(&name.as_str()));
+        self
     }
 
     /// The bytes kept in the store.
@@ -64,6 +111,7 @@ impl StoredResponse {
         let head = Head {
             status: self.status.as_u16(),
             headers: self.headers.iter().map(|(n, v)| (n.clone(), STANDARD.encode(v))).collect(),
+            omitted: self.omitted.clone(),
         };
         let head = serde_json::to_vec(&head).expect("a head always serializes");
         let mut out = Vec::with_capacity(4 + head.len() + self.body.len());
@@ -73,17 +121,46 @@ impl StoredResponse {
         out
     }
 
-    /// The response to send.
+    /// The response to send: the stored one; for a body that was not kept, its status and
+    /// headers with a problem document saying so (type `response-not-stored`, its size and
+    /// digest also in [`OMITTED_HEADER`]) instead of the body.
     pub fn into_response(self) -> Response<Body> {
-        let mut response = Response::new(Body::from(self.body));
+        let body = match &self.omitted {
+            None => Body::from(self.body),
+            Some(omitted) => Body::from(omitted_problem(self.status, omitted)),
+        };
+        let mut response = Response::new(body);
         *response.status_mut() = self.status;
         for (name, value) in self.headers {
+            if self.omitted.is_some() && REPRESENTATION.contains(&name.as_str()) {
+                continue;
+            }
             if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(&value)) {
                 response.headers_mut().append(name, value);
             }
         }
+        if let Some(omitted) = &self.omitted {
+            let headers = response.headers_mut();
+            headers.insert("content-type", HeaderValue::from_static("application/problem+json"));
+            let value = format!("size={}, sha-256={}", omitted.size, omitted.sha256);
+            headers.insert(OMITTED_HEADER, HeaderValue::from_str(&value).expect("digits and hex are a header value"));
+        }
         response
     }
+}
+
+/// The problem document a replay of a body that was not kept carries: `response-not-stored`
+/// with the upstream's status, and the body's size and SHA-256 as its `reason`.
+fn omitted_problem(status: StatusCode, omitted: &Omitted) -> Vec<u8> {
+    let detail = format!(
+        "the upstream answered {status} with a body of {} bytes, more than the proxy stores; the request ran once \
+         and is not sent again: this replay carries its status, headers and digest, not its body",
+        omitted.size
+    );
+    let mut problem = ApiError::NotStored(detail).problem();
+    problem.status = status.as_u16();
+    problem.reason = Some(serde_json::json!({ "size": omitted.size, "sha256": omitted.sha256 }));
+    serde_json::to_vec(&problem).expect("a problem always serializes")
 }
 
 /// Reads what [`StoredResponse::encode`] wrote.
@@ -101,6 +178,7 @@ pub fn decode(bytes: &[u8]) -> Result<StoredResponse, String> {
         status: StatusCode::from_u16(head.status).map_err(|e| e.to_string())?,
         headers,
         body: Bytes::copy_from_slice(&bytes[4 + len..]),
+        omitted: head.omitted,
     })
 }
 
@@ -122,5 +200,25 @@ mod tests {
         let decoded = decode(&stored.encode()).unwrap();
         assert_eq!(decoded, stored);
         assert!(decode(b"\0\0\0\x09{}").is_err());
+        let kept = stored.clone().without_per_caller_headers();
+        assert_eq!(kept.headers, vec![("x-id".to_owned(), b"1".to_vec())]);
+    }
+
+    #[test]
+    fn a_body_not_kept_replays_as_a_plain_statement() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-id", HeaderValue::from_static("1"));
+        headers.append("content-type", HeaderValue::from_static("application/octet-stream"));
+        let stored = StoredResponse::omitted(StatusCode::CREATED, &headers, 9_437_184, "ab".repeat(32));
+        let decoded = decode(&stored.encode()).unwrap();
+        assert_eq!(decoded, stored);
+        let response = decoded.into_response();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        assert_eq!(response.headers()["content-type"], "application/problem+json");
+        assert_eq!(response.headers()["x-id"], "1");
+        assert_eq!(response.headers()[OMITTED_HEADER], format!("size=9437184, sha-256={}", "ab".repeat(32)));
+        // A stored response of the earlier format (no "omitted") still decodes.
+        let old = StoredResponse::from_parts(StatusCode::OK, &HeaderMap::new(), Bytes::from_static(b"x"));
+        assert_eq!(decode(&old.encode()).unwrap().omitted, None);
     }
 }

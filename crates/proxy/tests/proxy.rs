@@ -465,12 +465,109 @@ async fn the_store_unreachable_is_503_and_nothing_is_forwarded() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     let client = reqwest::Client::new();
-    let post = || client.post(format!("{base}/charge")).header("Idempotency-Key", "k").body("{}").send();
+    let post =
+        || client.post(format!("{base}/charge")).bearer_auth("a").header("Idempotency-Key", "k").body("{}").send();
     assert_eq!(post().await.unwrap().status(), 201);
     redis.kill().unwrap();
     redis.wait().unwrap();
     problem(post().await.unwrap(), 503, "store-unavailable").await;
-    let other = client.post(format!("{base}/charge")).header("Idempotency-Key", "k2").body("{}").send().await.unwrap();
+    let other = client
+        .post(format!("{base}/charge"))
+        .bearer_auth("a")
+        .header("Idempotency-Key", "k2")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
     problem(other, 503, "store-unavailable").await;
     assert_eq!(executed(&counts, "charge"), 1, "nothing was forwarded while the store was down");
+}
+
+/// An answer larger than the proxy stores went to the caller whole; the key is completed with
+/// its status, headers, size and digest, and no retry, however late, reaches the upstream again.
+#[tokio::test]
+async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
+    use sha2::Digest;
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |c| c.proxy.max_response_bytes = 1024 * 1024).await;
+    let expected = pattern(2 * 1024 * 1024, 7);
+    let first = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
+    assert_eq!(first.status(), 200, "the caller gets the upstream's answer");
+    assert!(first.bytes().await.unwrap() == expected, "whole");
+    let mut retry = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
+    // The key is settled once the body has passed: until then a retry is told it is in flight.
+    for _ in 0..100 {
+        if retry.status() != 409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
+    }
+    assert_eq!(retry.status(), 200, "the replay carries the upstream's status");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let digest = hex::encode(sha2::Sha256::digest(&expected));
+    assert_eq!(retry.headers()["onceguard-body-omitted"], format!("size=2097152, sha-256={digest}"));
+    let problem: serde_json::Value = retry.json().await.unwrap();
+    assert_eq!(problem["type"], "https://onceguard.dev/problems/response-not-stored");
+    assert_eq!(problem["reason"]["size"], 2_097_152);
+    assert_eq!(problem["reason"]["sha256"], digest);
+    // Long after the lease (2 s here) the key still never runs again.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let late = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
+    assert_eq!(late.headers()["idempotent-replayed"], "true");
+    assert_eq!(executed(&counts, "large"), 1, "the upstream ran the request once");
+    let metrics = proxy.client.get(format!("{}/_onceguard/metrics", proxy.base)).send().await.unwrap();
+    let metrics = metrics.text().await.unwrap();
+    assert!(metrics.contains(r#"onceguard_proxy_responses_not_stored_total{tenant="proxy"} 1"#), "{metrics}");
+}
+
+/// A guarded request without the identity header is refused and never forwarded, so callers
+/// without one never share keys; an operator's shared scope lets them in, and what it stores
+/// keeps no per-caller header (`Set-Cookie`), so none is replayed to another caller.
+#[tokio::test]
+async fn callers_without_an_identity_are_refused_unless_a_shared_scope_is_set() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let anonymous =
+        |proxy: &Proxy| proxy.client.post(format!("{}/charge", proxy.base)).header("Idempotency-Key", "k").body("{}");
+    problem(anonymous(&proxy).send().await.unwrap(), 401, "unauthenticated").await;
+    problem(anonymous(&proxy).header("authorization", "").send().await.unwrap(), 401, "unauthenticated").await;
+    // Another header than the one identifying callers identifies nobody.
+    let other_header = anonymous(&proxy).header("x-api-key", "caller-b").send().await.unwrap();
+    problem(other_header, 401, "unauthenticated").await;
+    assert_eq!(executed(&counts, "charge"), 0, "nothing was forwarded");
+
+    let shared = start_proxy(&upstream, |c| c.proxy.shared_scope = "public".into()).await;
+    let first = anonymous(&shared).send().await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.headers().get_all("set-cookie").iter().count(), 2, "the first caller gets its cookies");
+    let first = first.text().await.unwrap();
+    let again = anonymous(&shared).send().await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert!(again.headers().get("set-cookie").is_none(), "no cookie is replayed to another caller");
+    assert_eq!(again.headers()["x-upstream"], "yes");
+    assert_eq!(again.text().await.unwrap(), first);
+    assert_eq!(executed(&counts, "charge"), 1);
+    // A caller with an identity has its own keys, and its replays keep its cookies.
+    let identified = shared.post("/charge", "k", "{}").await;
+    assert!(identified.headers().get("idempotent-replayed").is_none());
+    assert_eq!(executed(&counts, "charge"), 2);
+    let replay = shared.post("/charge", "k", "{}").await;
+    assert_eq!(replay.headers().get_all("set-cookie").iter().count(), 2);
+}
+
+/// The proxy's claims pass the guard like the API's, and its metrics count them by outcome.
+#[tokio::test]
+async fn the_proxys_metrics_count_its_claims_by_outcome() {
+    let (upstream, _) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    proxy.post("/charge", "m", "{}").await;
+    proxy.post("/charge", "m", "{}").await;
+    problem(proxy.post("/charge", "m", "other").await, 422, "fingerprint-mismatch").await;
+    let metrics = proxy.client.get(format!("{}/_onceguard/metrics", proxy.base)).send().await.unwrap();
+    let metrics = metrics.text().await.unwrap();
+    for (outcome, n) in [("acquired", 1), ("replay", 1), ("mismatch", 1)] {
+        let line = format!(r#"onceguard_claims_total{{tenant="proxy",outcome="{outcome}"}} {n}"#);
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
 }

@@ -9,11 +9,11 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
-use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
-use onceguard_core::control::{AuditEntry, check_units};
+use onceguard_core::auth::{ApiKey, ApiKeyId, Role};
+use onceguard_core::control::check_units;
 use onceguard_core::{
-    CheckpointName, ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, ListFilter, Mutation,
-    Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope, TenantId, Timestamp,
+    CheckpointName, Claim, ClaimOutcome, Fence, FencedOutcome, Fingerprint, Key, ListFilter, Mutation, Namespace,
+    Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope, TenantId, Timestamp,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -231,26 +231,16 @@ pub async fn claim(
         (None, Some(fp)) => Fingerprint::parse(fp)?,
         _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
     };
-    let scope = scope_of(&caller, &body.namespace, &body.key)?;
-    let (lease, retention, wait) = (
-        parse_duration_field("lease", body.lease.as_deref())?,
-        parse_duration_field("retention", body.retention.as_deref())?,
-        parse_duration_field("wait", body.wait.as_deref())?,
-    );
-    let effective = state.guard.effective(&scope).await?;
-    let limits = &effective.limits;
-    let req = ClaimRequest {
-        scope,
+    let claim = Claim {
+        scope: scope_of(&caller, &body.namespace, &body.key)?,
         fingerprint,
-        lease: limits.lease(lease)?,
-        retention: limits.retention(retention)?,
+        lease: parse_duration_field("lease", body.lease.as_deref())?,
+        retention: parse_duration_field("retention", body.retention.as_deref())?,
+        wait: parse_duration_field("wait", body.wait.as_deref())?,
         run: body.run.as_deref().map(RunId::parse).transpose()?,
-        cost: check_units("cost", body.cost)?.unwrap_or(0),
-        max_in_flight: effective.max_in_flight,
+        cost: body.cost,
     };
-    let wait = limits.wait(wait)?;
-    let outcome = state.guard.claim(&req, wait).await?;
-    state.metrics.observe_claim(&req.scope, &outcome);
+    let outcome = state.guard.claim(claim).await?;
     let fence = match &outcome {
         ClaimOutcome::Acquired(a) => Some(a.fence),
         ClaimOutcome::Replay(r) => Some(r.fence),
@@ -332,8 +322,9 @@ pub struct RecordView {
     pub created_at: String,
     /// When it last changed.
     pub updated_at: String,
-    /// When it stops existing (retention).
-    pub expires_at: String,
+    /// When it stops existing (retention, from completion or release); `null` while in progress:
+    /// no retention erases an unfinished attempt.
+    pub expires_at: Option<String>,
     /// Recovery points, oldest first.
     pub checkpoints: Vec<CheckpointView>,
     /// The stored outcome (only when reading one record).
@@ -357,7 +348,7 @@ pub fn record_view(r: &Record, now: Timestamp, with_result: bool) -> RecordView 
         completed_at: r.completed_at.map(Timestamp::to_rfc3339),
         created_at: r.created_at.to_rfc3339(),
         updated_at: r.updated_at.to_rfc3339(),
-        expires_at: r.expires_at.to_rfc3339(),
+        expires_at: (r.expires_at != Timestamp::NEVER).then(|| r.expires_at.to_rfc3339()),
         checkpoints: r.checkpoints.iter().map(checkpoint_view).collect(),
         stored: if with_result { r.outcome.as_ref().map(stored_view) } else { None },
     }
@@ -372,7 +363,6 @@ async fn fenced(
     m: Mutation,
 ) -> ApiResult<Json<RecordView>> {
     let scope = scope_of(caller, namespace, key)?;
-    let op = m.name();
     match state.guard.mutate_as(&caller.actor(), &scope, Fence(fence), m).await? {
         FencedOutcome::Applied(record) => {
             record_answer("applied", Some(Fence(fence)));
@@ -380,7 +370,6 @@ async fn fenced(
         }
         FencedOutcome::Stale(reason) => {
             record_answer("stale", Some(Fence(fence)));
-            state.metrics.observe_stale(&scope, op, fence, reason);
             Err(ApiError::Stale(reason))
         }
     }
@@ -778,17 +767,12 @@ pub(crate) fn admin_tenant(state: &AppState, caller: &Caller, asked: Option<&str
     }
 }
 
-/// Writes an admin action to the audit log.
-pub(crate) async fn audit(state: &AppState, entry: AuditEntry) -> ApiResult<()> {
-    Ok(state.guard.audit(entry).await?)
-}
-
 /// List tenants (operator tenant's admins).
 #[utoipa::path(get, path = "/v1/tenants", tag = "admin", security(("bearer" = [])),
     responses((status = 200, description = "Tenants", body = [TenantView]), (status = 403, description = "Not an operator admin", body = Problem, content_type = "application/problem+json")))]
 pub async fn list_tenants(State(state): State<AppState>, caller: Caller) -> ApiResult<Json<Vec<TenantView>>> {
     require_operator(&state, &caller)?;
-    let tenants = state.guard.store().list_tenants().await?;
+    let tenants = state.guard.tenants().await?;
     Ok(Json(
         tenants
             .into_iter()
@@ -806,16 +790,11 @@ pub async fn create_tenant(
     ApiJson(b): ApiJson<TenantBody>,
 ) -> ApiResult<Response> {
     require_operator(&state, &caller)?;
-    let tenant = Tenant { id: TenantId::parse(&b.id)?, created_at: state.guard.clock().now() };
-    if !state.guard.store().create_tenant(&tenant).await? {
-        return Err(ApiError::Conflict(format!("tenant '{}' exists", tenant.id)));
-    }
+    let id = TenantId::parse(&b.id)?;
+    let Some(tenant) = state.guard.create_tenant(&caller.actor(), &id).await? else {
+        return Err(ApiError::Conflict(format!("tenant '{id}' exists")));
+    };
     tracing::info!(tenant = %tenant.id, by = ?caller.key_id.as_ref().map(ApiKeyId::as_str), "tenant created");
-    audit(
-        &state,
-        AuditEntry::new(tenant.id.clone(), tenant.created_at, caller.actor(), "tenant.create", tenant.id.as_str()),
-    )
-    .await?;
     let view = TenantView { id: tenant.id.to_string(), created_at: tenant.created_at.to_rfc3339() };
     Ok((StatusCode::CREATED, Json(view)).into_response())
 }
@@ -875,24 +854,11 @@ pub async fn create_api_key(
     ApiJson(b): ApiJson<ApiKeyBody>,
 ) -> ApiResult<Response> {
     let tenant = admin_tenant(&state, &caller, b.tenant.as_deref())?;
-    if state.guard.store().get_tenant(&tenant).await?.is_none() {
+    let role = Role::parse(&b.role)?;
+    let Some(new) = state.guard.create_api_key(&caller.actor(), &tenant, role, &b.label).await? else {
         return Err(ApiError::NotFound(format!("no tenant '{tenant}'")));
-    }
-    if b.label.len() > 128 {
-        return Err(ApiError::Invalid("label: at most 128 bytes".into()));
-    }
-    let new = ApiKey::generate(tenant, Role::parse(&b.role)?, &b.label, state.guard.clock().now());
-    state.guard.store().create_api_key(&new.key).await?;
+    };
     tracing::info!(tenant = %new.key.tenant, id = %new.key.id, role = new.key.role.as_str(), "api key created");
-    let entry = AuditEntry::new(
-        new.key.tenant.clone(),
-        new.key.created_at,
-        caller.actor(),
-        "api_key.create",
-        new.key.id.as_str(),
-    )
-    .details(serde_json::json!({ "role": new.key.role.as_str(), "label": new.key.label }));
-    audit(&state, entry).await?;
     Ok((StatusCode::CREATED, Json(api_key_view(&new.key, Some(new.token)))).into_response())
 }
 
@@ -901,7 +867,7 @@ pub async fn create_api_key(
     responses((status = 200, description = "Keys, newest first", body = [ApiKeyView])))]
 pub async fn list_api_keys(State(state): State<AppState>, caller: Caller) -> ApiResult<Json<Vec<ApiKeyView>>> {
     caller.require_admin()?;
-    let keys = state.guard.store().list_api_keys(&caller.tenant).await?;
+    let keys = state.guard.api_keys(&caller.tenant).await?;
     Ok(Json(keys.iter().map(|k| api_key_view(k, None)).collect()))
 }
 
@@ -916,14 +882,12 @@ pub async fn revoke_api_key(
 ) -> ApiResult<StatusCode> {
     caller.require_admin()?;
     let id = ApiKeyId::parse(&id)?;
-    let revoked = state.guard.store().revoke_api_key(&caller.tenant, &id, state.guard.clock().now()).await?;
+    let revoked = state.guard.revoke_api_key(&caller.actor(), &caller.tenant, &id).await?;
     state.api_keys.forget(&id);
     if !revoked {
         return Err(ApiError::NotFound("no such API key in your tenant".into()));
     }
     tracing::info!(tenant = %caller.tenant, id = %id, "api key revoked");
-    let now = state.guard.clock().now();
-    audit(&state, AuditEntry::new(caller.tenant.clone(), now, caller.actor(), "api_key.revoke", id.as_str())).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

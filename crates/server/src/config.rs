@@ -56,8 +56,14 @@ pub struct ProxyConfig {
     pub retention: Duration,
     /// Store 5xx responses too (by default they release the key, so a retry runs again).
     pub store_5xx: bool,
-    /// The header that identifies the caller; keys are scoped by its digest.
+    /// The header that identifies the caller; keys are scoped by its digest. A guarded request
+    /// without it (or with it empty) is refused (401), unless `shared_scope` is set.
     pub identity_header: String,
+    /// Empty (the default): callers without the identity header are refused. A name (a
+    /// namespace segment): such callers share the key space `proxy/shared/<name>`, and what is
+    /// stored for them keeps no per-caller header (`Set-Cookie`, `Authentication-Info`), so
+    /// none is replayed to another caller.
+    pub shared_scope: String,
     /// The tenant that holds the proxy's records.
     pub tenant: String,
     /// Largest request body forwarded, in bytes (413 beyond it).
@@ -79,6 +85,7 @@ impl Default for ProxyConfig {
             retention: Duration::from_secs(24 * 3_600),
             store_5xx: false,
             identity_header: "authorization".into(),
+            shared_scope: String::new(),
             tenant: "proxy".into(),
             max_request_bytes: 8 * 1024 * 1024,
             max_response_bytes: 8 * 1024 * 1024,
@@ -485,6 +492,14 @@ impl Config {
         }
         if axum::http::HeaderName::from_bytes(p.identity_header.as_bytes()).is_err() {
             return Err(InvalidInput::new("proxy.identity_header", "is not a header name"));
+        }
+        if !p.shared_scope.is_empty()
+            && onceguard_core::Namespace::parse(&p.shared_scope).map_or(true, |n| n.as_str().contains('/'))
+        {
+            return Err(InvalidInput::new(
+                "proxy.shared_scope",
+                "must be empty or one namespace segment ([A-Za-z0-9._-], 1 to 64)",
+            ));
         }
         self.mcp.validate()
     }

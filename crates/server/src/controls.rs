@@ -508,7 +508,7 @@ pub struct AuditView {
     pub target: String,
     /// Why, when given.
     pub why: Option<String>,
-    /// More about it.
+    /// More about it (an empty object when there is nothing more).
     #[schema(value_type = Object)]
     pub details: serde_json::Value,
 }
@@ -531,7 +531,8 @@ pub fn audit_view(e: AuditEntry) -> AuditView {
         action: e.action,
         target: e.target,
         why: e.why,
-        details: e.details,
+        // Entries of actions that say nothing more (a tenant created, a key revoked) keep none.
+        details: if e.details.is_null() { serde_json::json!({}) } else { e.details },
     }
 }
 

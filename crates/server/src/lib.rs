@@ -17,7 +17,8 @@ use axum::extract::Request;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::auth::{ApiKey, Role};
+use onceguard_core::control::AuditEntry;
 use onceguard_core::{Clock, Guard, StoreError, SystemClock, TenantId};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -80,7 +81,7 @@ impl AppState {
         let metrics = Arc::new(Metrics::new());
         let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
         Ok(Self(Arc::new(SharedState {
-            guard: guard.with_store(store),
+            guard: guard.with_store(store).with_observer(metrics.clone()),
             metrics,
             metrics_config: config.metrics.clone(),
             operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,
@@ -265,26 +266,32 @@ async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeou
     response
 }
 
+/// The actor of what the server does by itself, in the audit log.
+const SYSTEM: &str = "system";
+
 /// Makes the operator tenant and, if no API key exists in it yet and `key_file` is set, an
 /// admin key written to `key_file` (mode 0600). Answers the file written, if any.
 pub async fn bootstrap(guard: &Guard, config: &Config) -> Result<Option<std::path::PathBuf>, StartError> {
-    let store = guard.store();
     let tenant = TenantId::parse(&config.auth.operator_tenant)?;
-    let now = guard.clock().now();
-    if store.create_tenant(&Tenant { id: tenant.clone(), created_at: now }).await? {
+    if guard.create_tenant(SYSTEM, &tenant).await?.is_some() {
         tracing::info!(tenant = %tenant, "created the operator tenant");
     }
     if config.auth.allow_anonymous {
-        let anonymous = TenantId::parse(&config.auth.anonymous_tenant)?;
-        store.create_tenant(&Tenant { id: anonymous, created_at: now }).await?;
+        guard.create_tenant(SYSTEM, &TenantId::parse(&config.auth.anonymous_tenant)?).await?;
     }
     let file = &config.auth.bootstrap_key_file;
-    if file.as_os_str().is_empty() || !store.list_api_keys(&tenant).await?.is_empty() {
+    if file.as_os_str().is_empty() || !guard.api_keys(&tenant).await?.is_empty() {
         return Ok(None);
     }
-    let new = ApiKey::generate(tenant, Role::Admin, "bootstrap", now);
+    // The secret is written before the key is stored: a key whose secret nobody could read
+    // would stop the next start from making one.
+    let new = ApiKey::generate(tenant, Role::Admin, "bootstrap", guard.clock().now());
     write_secret(file, &new.token)?;
-    store.create_api_key(&new.key).await?;
+    guard.store().create_api_key(&new.key).await?;
+    let audit =
+        AuditEntry::new(new.key.tenant.clone(), new.key.created_at, SYSTEM, "api_key.create", new.key.id.as_str())
+            .details(serde_json::json!({ "role": "admin", "label": "bootstrap" }));
+    guard.audit(audit).await?;
     Ok(Some(file.clone()))
 }
 
@@ -300,6 +307,18 @@ pub enum StartError {
     /// A file or socket.
     #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+impl From<onceguard_core::GuardError> for StartError {
+    fn from(e: onceguard_core::GuardError) -> Self {
+        match e {
+            onceguard_core::GuardError::Store(e) => Self::Store(e),
+            onceguard_core::GuardError::Invalid(e) => Self::Invalid(e),
+            e @ onceguard_core::GuardError::TooLarge { .. } => {
+                Self::Invalid(onceguard_core::InvalidInput::new("bootstrap", e.to_string()))
+            }
+        }
+    }
 }
 
 fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {

@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use onceguard_core::{Scope, Timestamp};
+use onceguard_core::{Answer, Scope, StoreOp, Timestamp};
 use serde::Serialize;
 
 use crate::metrics::LATENCY_BUCKETS;
@@ -71,7 +71,7 @@ impl Buckets {
 
 #[derive(Debug, Default)]
 struct TenantSlot {
-    claims: [u64; 5],
+    claims: [u64; Answer::ALL.len()],
     cost_saved: u64,
 }
 
@@ -86,7 +86,7 @@ struct Slot {
     index: u64,
     tenants: HashMap<String, TenantSlot>,
     claim_latency: Buckets,
-    store: HashMap<&'static str, OpSlot>,
+    store: HashMap<StoreOp, OpSlot>,
 }
 
 /// A notable event of a tenant, for the dashboard's list.
@@ -222,15 +222,15 @@ impl Live {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A claim answered with the outcome at `outcome` (index into `metrics::OUTCOMES`).
-    pub fn record_claim(&self, tenant: &str, outcome: usize, cost_saved: u64) {
+    /// A claim answered with `answer`.
+    pub fn record_claim(&self, tenant: &str, answer: Answer, cost_saved: u64) {
         let mut inner = self.lock();
         let slot = inner.slot();
         let entry = match slot.tenants.get_mut(tenant) {
             Some(entry) => entry,
             None => slot.tenants.entry(tenant.to_owned()).or_default(),
         };
-        entry.claims[outcome.min(4)] += 1;
+        entry.claims[answer.index()] += 1;
         entry.cost_saved += cost_saved;
     }
 
@@ -240,7 +240,7 @@ impl Live {
     }
 
     /// A store operation.
-    pub fn record_store_op(&self, op: &'static str, took: Duration, ok: bool) {
+    pub fn record_store_op(&self, op: StoreOp, took: Duration, ok: bool) {
         let mut inner = self.lock();
         let entry = inner.slot().store.entry(op).or_default();
         entry.latency.observe(took);
@@ -265,11 +265,10 @@ impl Live {
         let inner = self.lock();
         let (start, slots) = inner.last(SLOTS);
         let mut claims: HashMap<&'static str, Vec<u64>> = HashMap::new();
-        for (i, outcome) in crate::metrics::OUTCOMES.iter().enumerate() {
-            claims.insert(
-                outcome,
-                slots.iter().map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.claims[i])).collect(),
-            );
+        for answer in Answer::ALL {
+            let counts =
+                slots.iter().map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.claims[answer.index()]));
+            claims.insert(answer.as_str(), counts.collect());
         }
         SeriesView {
             slot_seconds: SLOT_SECS,
@@ -297,7 +296,7 @@ impl Live {
     /// Store operations over the last [`LATENCY_SLOTS`] slots, by operation.
     pub fn store_ops(&self) -> Vec<StoreOpView> {
         let inner = self.lock();
-        let mut by_op: Vec<(&'static str, Buckets, u64)> = Vec::new();
+        let mut by_op: Vec<(StoreOp, Buckets, u64)> = Vec::new();
         for slot in inner.last(LATENCY_SLOTS).1.into_iter().flatten() {
             for (op, s) in &slot.store {
                 match by_op.iter_mut().find(|(o, ..)| o == op) {
@@ -305,12 +304,15 @@ impl Live {
                         buckets.add(&s.latency);
                         *errors += s.errors;
                     }
-                    None => by_op.push((op, s.latency.clone(), s.errors)),
+                    None => by_op.push((*op, s.latency.clone(), s.errors)),
                 }
             }
         }
-        by_op.sort_by_key(|(op, ..)| crate::metrics::STORE_OPS.iter().position(|o| o == op));
-        by_op.into_iter().map(|(op, b, errors)| StoreOpView { op, latency: latency_view(&b), errors }).collect()
+        by_op.sort_by_key(|(op, ..)| op.index());
+        by_op
+            .into_iter()
+            .map(|(op, b, errors)| StoreOpView { op: op.as_str(), latency: latency_view(&b), errors })
+            .collect()
     }
 }
 
@@ -351,9 +353,9 @@ mod tests {
     #[test]
     fn series_and_latency_count_what_was_recorded() {
         let live = Live::default();
-        live.record_claim("t", 0, 0);
-        live.record_claim("t", 1, 250);
-        live.record_claim("u", 1, 7);
+        live.record_claim("t", Answer::Acquired, 0);
+        live.record_claim("t", Answer::Replay, 250);
+        live.record_claim("u", Answer::Replay, 7);
         live.record_claim_latency(Duration::from_millis(3));
         let series = live.series("t");
         assert_eq!(series.claims["acquired"].iter().sum::<u64>(), 1);

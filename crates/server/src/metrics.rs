@@ -9,7 +9,10 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use onceguard_core::{ClaimOutcome, Guard, Scope, StaleReason, StoreError, TenantId, Timestamp};
+use onceguard_core::{
+    Answer, ClaimOutcome, DenialReason, Fence, FencedOp, Guard, RecoveryKind, Scope, StaleKind, StaleReason,
+    StoreError, StoreOp, TenantId, Timestamp,
+};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -20,17 +23,9 @@ use prometheus_client::registry::Registry;
 use crate::config::MetricsConfig;
 use crate::live::{Event, Live};
 
-/// The claim outcomes, in the order the dashboard shows them.
-pub const OUTCOMES: [&str; 5] = ["acquired", "replay", "in_flight", "mismatch", "denied"];
-
-/// Why a claim was a recovery.
-pub const RECOVERY_REASONS: [&str; 2] = ["lease_expired", "reported_unknown"];
-
-/// Why a claim was denied (switches, budgets and quotas; none exist in this version).
-pub const DENIAL_REASONS: [&str; 3] = ["switch_engaged", "budget_exhausted", "quota_exceeded"];
-
-/// The store operations measured.
-pub const STORE_OPS: [&str; 8] = ["claim", "mutate", "get", "list", "purge", "sweep", "ping", "auth"];
+// The label values come from `onceguard_core::vocabulary`: claim answers ([`Answer`]),
+// recovery and denial reasons ([`RecoveryKind`], [`DenialReason`]), stale calls ([`FencedOp`],
+// [`StaleKind`]) and store operations ([`StoreOp`]), each declared once there.
 
 /// Upper bounds (seconds) of the latency buckets, for requests and store operations.
 pub const LATENCY_BUCKETS: [f64; 16] =
@@ -48,7 +43,7 @@ pub struct TenantLabels {
 pub struct ClaimLabels {
     /// The tenant id.
     pub tenant: String,
-    /// One of [`OUTCOMES`].
+    /// An [`Answer`].
     pub outcome: &'static str,
 }
 
@@ -66,9 +61,9 @@ pub struct ReasonLabels {
 pub struct StaleLabels {
     /// The tenant id.
     pub tenant: String,
-    /// `complete`, `fail`, `extend`, `checkpoint` or `report_unknown`.
+    /// A [`FencedOp`].
     pub op: &'static str,
-    /// `superseded`, `no_record` or `finished`.
+    /// A [`StaleKind`].
     pub reason: &'static str,
 }
 
@@ -84,7 +79,7 @@ pub struct StoreLabels {
 pub struct StoreOpLabels {
     /// The store kind.
     pub store: &'static str,
-    /// One of [`STORE_OPS`] (tenant and API key reads are `auth`).
+    /// A [`StoreOp`].
     pub op: &'static str,
     /// `ok`, `unavailable` or `corrupt`.
     pub result: &'static str,
@@ -113,8 +108,15 @@ pub struct McpCallLabels {
 }
 
 /// What the MCP gateway did with a `tools/call`.
-pub const MCP_DECISIONS: [&str; 6] =
-    ["guarded", "guarded_derived", "read_only", "unguarded_tool", "no_key_passed", "no_key_refused"];
+pub const MCP_DECISIONS: [&str; 7] = [
+    "guarded",
+    "guarded_derived",
+    "read_only",
+    "unguarded_tool",
+    "no_key_passed",
+    "no_key_refused",
+    "unclassified_refused",
+];
 
 /// `version`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -158,6 +160,7 @@ pub struct Metrics {
     store_latency: LatencyFamily<StoreOpLabels>,
     http_latency: LatencyFamily<HttpLabels>,
     mcp_calls: Family<McpCallLabels, Counter>,
+    unstored_responses: Family<TenantLabels, Counter>,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -210,8 +213,8 @@ impl Metrics {
         let denials = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "denials",
-            "Claims refused by a switch, budget or quota, by tenant and reason (switch_engaged, budget_exhausted, \
-             quota_exceeded). This version has no switches, budgets or quotas, so it stays at zero",
+            "Claims refused by a kill switch, a run's budget or a tenant quota, by tenant and reason: \
+             switch_engaged, budget_exhausted or quota_exceeded",
             denials.clone(),
         );
         let keys_in_flight = Family::<TenantLabels, Gauge>::default();
@@ -247,8 +250,18 @@ impl Metrics {
             "MCP tools/call requests seen by the MCP gateway, by tenant, upstream and decision: guarded (a key \
              was given), guarded_derived (no key; derived from the run, tool and arguments), read_only (the tool \
              is annotated readOnlyHint: passed through), unguarded_tool (configured guard = never), \
-             no_key_passed (no key; the tool's no_key policy is pass) or no_key_refused (no key; refused)",
+             no_key_passed (no key; the tool's no_key policy is pass), no_key_refused (no key; refused) or \
+             unclassified_refused (a body posted to the endpoint that is not strict JSON, or a tools/call that \
+             cannot be guarded; refused, never forwarded)",
             mcp_calls.clone(),
+        );
+        let unstored_responses = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "proxy_responses_not_stored",
+            "Upstream responses the proxy passed on but could not store because their body was larger than \
+             proxy.max_response_bytes, by tenant: recorded by status, headers, size and SHA-256, and never \
+             forwarded again (their replays say the body was not kept)",
+            unstored_responses.clone(),
         );
         let build = Family::<BuildLabels, Gauge>::default();
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
@@ -266,6 +279,7 @@ impl Metrics {
             store_latency,
             http_latency,
             mcp_calls,
+            unstored_responses,
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
@@ -290,10 +304,10 @@ impl Metrics {
         text
     }
 
-    /// A claim's answer.
+    /// A claim's answer (reported by the guard: see the [`onceguard_core::Observer`] below).
     pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome) {
-        let name = outcome.name();
-        let labels = ClaimLabels { tenant: scope.tenant.to_string(), outcome: name };
+        let answer = outcome.answer();
+        let labels = ClaimLabels { tenant: scope.tenant.to_string(), outcome: answer.as_str() };
         self.claims.get_or_create(&labels).inc();
         let tenant = &labels.tenant;
         let mut cost_saved = 0;
@@ -304,10 +318,7 @@ impl Metrics {
             }
             ClaimOutcome::Acquired(acquired) => {
                 if let Some(recovery) = &acquired.recovery {
-                    let reason = match recovery.reason {
-                        onceguard_core::RecoveryReason::LeaseExpired => "lease_expired",
-                        onceguard_core::RecoveryReason::ReportedUnknown { .. } => "reported_unknown",
-                    };
+                    let reason = recovery.reason.kind().as_str();
                     self.recoveries.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
                     self.live.push_event(tenant, Event::new("recovery", scope, Some(acquired.fence.0), reason));
                 }
@@ -316,23 +327,18 @@ impl Metrics {
                 self.live.push_event(tenant, Event::new("mismatch", scope, None, "fingerprint differs"));
             }
             ClaimOutcome::Denied(denial) => {
-                let reason = match denial {
-                    onceguard_core::Denial::SwitchEngaged { .. } => "switch_engaged",
-                    onceguard_core::Denial::BudgetExhausted { .. } => "budget_exhausted",
-                    onceguard_core::Denial::QuotaExceeded { .. } => "quota_exceeded",
-                };
+                let reason = denial.reason().as_str();
                 self.denials.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
             }
             ClaimOutcome::InFlight(_) => {}
         }
-        let index = OUTCOMES.iter().position(|o| *o == name).unwrap_or(0);
-        self.live.record_claim(tenant, index, cost_saved);
+        self.live.record_claim(tenant, answer, cost_saved);
     }
 
-    /// A fenced call refused as stale.
-    pub fn observe_stale(&self, scope: &Scope, op: &'static str, fence: u64, reason: StaleReason) {
+    /// A fenced call refused as stale (reported by the guard).
+    pub fn observe_stale(&self, scope: &Scope, op: FencedOp, fence: u64, reason: StaleReason) {
         let tenant = scope.tenant.to_string();
-        let reason = stale_reason(reason);
+        let (op, reason) = (op.as_str(), reason.kind().as_str());
         self.stale_calls.get_or_create(&StaleLabels { tenant: tenant.clone(), op, reason }).inc();
         if matches!(op, "complete" | "fail") {
             self.live.push_event(&tenant, Event::new("stale_completion", scope, Some(fence), reason).with_op(op));
@@ -340,13 +346,14 @@ impl Metrics {
     }
 
     /// One store operation.
-    pub fn observe_store(&self, store: &'static str, op: &'static str, took: Duration, error: Option<&StoreError>) {
+    pub fn observe_store(&self, store: &'static str, op: StoreOp, took: Duration, error: Option<&StoreError>) {
         let result = match error {
             None => "ok",
             Some(StoreError::Unavailable(_)) => "unavailable",
             Some(StoreError::Corrupt(_)) => "corrupt",
         };
-        self.store_latency.get_or_create(&StoreOpLabels { store, op, result }).observe(took.as_secs_f64());
+        let labels = StoreOpLabels { store, op: op.as_str(), result };
+        self.store_latency.get_or_create(&labels).observe(took.as_secs_f64());
         self.live.record_store_op(op, took, error.is_none());
     }
 
@@ -377,21 +384,28 @@ impl Metrics {
         self.mcp_calls.get_or_create(&labels).inc();
     }
 
-    /// Counts since this instance started, for the dashboard: claims by outcome (in the order
-    /// of [`OUTCOMES`]), cost saved, recoveries by reason, stale calls, denials.
+    /// A response the proxy (or the MCP gateway) passed on without storing its body, too large.
+    pub fn observe_unstored_response(&self, tenant: &TenantId) {
+        self.unstored_responses.get_or_create(&TenantLabels { tenant: tenant.to_string() }).inc();
+    }
+
+    /// Counts since this instance started, for the dashboard: claims by answer, cost saved,
+    /// recoveries by reason, stale calls, denials by reason (each in its vocabulary's order).
     pub fn totals(&self, tenant: &TenantId) -> Totals {
         let t = tenant.to_string();
-        let claims =
-            OUTCOMES.map(|outcome| self.claims.get(&ClaimLabels { tenant: t.clone(), outcome }).map_or(0, |c| c.get()));
-        let recoveries = RECOVERY_REASONS
-            .map(|reason| self.recoveries.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get()));
-        let denials = DENIAL_REASONS
-            .map(|reason| self.denials.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get()));
+        let claims = Answer::ALL.map(|answer| {
+            self.claims.get(&ClaimLabels { tenant: t.clone(), outcome: answer.as_str() }).map_or(0, |c| c.get())
+        });
+        let reasons = |family: &Family<ReasonLabels, Counter>, reason: &'static str| {
+            family.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get())
+        };
+        let recoveries = RecoveryKind::ALL.map(|kind| reasons(&self.recoveries, kind.as_str()));
+        let denials = DenialReason::ALL.map(|reason| reasons(&self.denials, reason.as_str()));
         let mut stale_calls = 0;
-        for op in ["complete", "fail", "extend", "checkpoint", "report_unknown"] {
-            for reason in ["superseded", "no_record", "finished"] {
-                stale_calls +=
-                    self.stale_calls.get(&StaleLabels { tenant: t.clone(), op, reason }).map_or(0, |c| c.get());
+        for op in FencedOp::ALL {
+            for reason in StaleKind::ALL {
+                let labels = StaleLabels { tenant: t.clone(), op: op.as_str(), reason: reason.as_str() };
+                stale_calls += self.stale_calls.get(&labels).map_or(0, |c| c.get());
             }
         }
         let cost_saved = self.replay_cost_saved.get(&TenantLabels { tenant: t }).map_or(0, |c| c.get());
@@ -457,39 +471,42 @@ impl Metrics {
     /// `increase()` work) before the first event of each kind.
     fn initialize(&self, tenant: &str) {
         let t = || tenant.to_owned();
-        for outcome in OUTCOMES {
-            let _ = self.claims.get_or_create(&ClaimLabels { tenant: t(), outcome });
+        for answer in Answer::ALL {
+            let _ = self.claims.get_or_create(&ClaimLabels { tenant: t(), outcome: answer.as_str() });
         }
-        for reason in RECOVERY_REASONS {
-            let _ = self.recoveries.get_or_create(&ReasonLabels { tenant: t(), reason });
+        for kind in RecoveryKind::ALL {
+            let _ = self.recoveries.get_or_create(&ReasonLabels { tenant: t(), reason: kind.as_str() });
         }
-        for reason in DENIAL_REASONS {
-            let _ = self.denials.get_or_create(&ReasonLabels { tenant: t(), reason });
+        for reason in DenialReason::ALL {
+            let _ = self.denials.get_or_create(&ReasonLabels { tenant: t(), reason: reason.as_str() });
         }
         let _ = self.replay_cost_saved.get_or_create(&TenantLabels { tenant: t() });
+    }
+}
+
+/// The guard reports every claim's answer and every stale fenced call here, whichever front end
+/// made it (the API, the proxy, the MCP gateway).
+impl onceguard_core::Observer for Metrics {
+    fn claimed(&self, scope: &Scope, outcome: &ClaimOutcome) {
+        self.observe_claim(scope, outcome);
+    }
+
+    fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason) {
+        self.observe_stale(scope, op, fence.0, reason);
     }
 }
 
 /// Counts since this instance started, for one tenant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Totals {
-    /// Claims by outcome, in the order of [`OUTCOMES`].
-    pub claims: [u64; 5],
+    /// Claims by answer, in the order of [`Answer::ALL`].
+    pub claims: [u64; Answer::ALL.len()],
     /// Cost units saved by replays.
     pub cost_saved: u64,
-    /// Recoveries by reason, in the order of [`RECOVERY_REASONS`].
-    pub recoveries: [u64; 2],
+    /// Recoveries by reason, in the order of [`RecoveryKind::ALL`].
+    pub recoveries: [u64; RecoveryKind::ALL.len()],
     /// Stale fenced calls.
     pub stale_calls: u64,
-    /// Denials by reason, in the order of [`DENIAL_REASONS`].
-    pub denials: [u64; 3],
-}
-
-/// The name of a stale reason, as in the API and the metrics.
-pub fn stale_reason(reason: StaleReason) -> &'static str {
-    match reason {
-        StaleReason::NoRecord => "no_record",
-        StaleReason::Superseded => "superseded",
-        StaleReason::Finished => "finished",
-    }
+    /// Denials by reason, in the order of [`DenialReason::ALL`].
+    pub denials: [u64; DenialReason::ALL.len()],
 }

@@ -15,7 +15,7 @@ use onceguard_core::control::{
 };
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
-    StoreError, TenantId, Timestamp,
+    StoreError, StoreOp, TenantId, Timestamp,
 };
 use tracing::Span;
 
@@ -34,11 +34,7 @@ impl ObservedStore {
         Self { kind: inner.kind(), inner, metrics }
     }
 
-    async fn timed<T>(
-        &self,
-        op: &'static str,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
+    async fn timed<T>(&self, op: StoreOp, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let start = Instant::now();
         let result = call.await;
         self.metrics.observe_store(self.kind, op, start.elapsed(), result.as_ref().err());
@@ -57,7 +53,7 @@ impl Store for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.claim", skip_all, fields(store = self.kind, tenant = %req.scope.tenant, namespace = %req.scope.namespace, outcome, fence, error))]
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
-        let outcome = self.timed("claim", self.inner.claim(req, now)).await?;
+        let outcome = self.timed(StoreOp::Claim, self.inner.claim(req, now)).await?;
         let span = Span::current();
         span.record("outcome", outcome.name());
         match &outcome {
@@ -77,7 +73,8 @@ impl Store for ObservedStore {
         now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
-        let outcome = self.timed("mutate", self.inner.mutate(scope, fence, mutation, now, max_checkpoints)).await?;
+        let outcome =
+            self.timed(StoreOp::Mutate, self.inner.mutate(scope, fence, mutation, now, max_checkpoints)).await?;
         let name = match &outcome {
             FencedOutcome::Applied(_) => "applied",
             FencedOutcome::Stale(_) => "stale",
@@ -88,7 +85,7 @@ impl Store for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.get", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, fence, error))]
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        let record = self.timed("get", self.inner.get(scope, now)).await?;
+        let record = self.timed(StoreOp::Get, self.inner.get(scope, now)).await?;
         let span = Span::current();
         match &record {
             Some(r) => span.record("outcome", r.state.as_str()).record("fence", r.fence.0),
@@ -99,24 +96,24 @@ impl Store for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.list", skip_all, fields(store = self.kind, tenant = %tenant, error))]
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
-        self.timed("list", self.inner.list(tenant, filter, now)).await
+        self.timed(StoreOp::List, self.inner.list(tenant, filter, now)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.purge", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, error))]
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
-        let existed = self.timed("purge", self.inner.purge(scope)).await?;
+        let existed = self.timed(StoreOp::Purge, self.inner.purge(scope)).await?;
         Span::current().record("outcome", if existed { "purged" } else { "absent" });
         Ok(existed)
     }
 
     #[tracing::instrument(level = "debug", name = "store.sweep", skip_all, fields(store = self.kind, error))]
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.timed("sweep", self.inner.sweep(now, batch)).await
+        self.timed(StoreOp::Sweep, self.inner.sweep(now, batch)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.ping", skip_all, fields(store = self.kind, error))]
     async fn ping(&self) -> Result<(), StoreError> {
-        self.timed("ping", self.inner.ping()).await
+        self.timed(StoreOp::Ping, self.inner.ping()).await
     }
 
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
@@ -124,32 +121,32 @@ impl Store for ObservedStore {
     }
 
     async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        self.timed("auth", self.inner.create_tenant(tenant)).await
+        self.timed(StoreOp::Auth, self.inner.create_tenant(tenant)).await
     }
 
     async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
-        self.timed("auth", self.inner.get_tenant(id)).await
+        self.timed(StoreOp::Auth, self.inner.get_tenant(id)).await
     }
 
     async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
-        self.timed("auth", self.inner.list_tenants()).await
+        self.timed(StoreOp::Auth, self.inner.list_tenants()).await
     }
 
     async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.timed("auth", self.inner.create_api_key(key)).await
+        self.timed(StoreOp::Auth, self.inner.create_api_key(key)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
     async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        self.timed("auth", self.inner.get_api_key(id)).await
+        self.timed(StoreOp::Auth, self.inner.get_api_key(id)).await
     }
 
     async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
-        self.timed("auth", self.inner.list_api_keys(tenant)).await
+        self.timed(StoreOp::Auth, self.inner.list_api_keys(tenant)).await
     }
 
     async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        self.timed("auth", self.inner.revoke_api_key(tenant, id, now)).await
+        self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now)).await
     }
 
     async fn put_budget(
@@ -159,15 +156,15 @@ impl Store for ObservedStore {
         budget: &Budget,
         now: Timestamp,
     ) -> Result<Run, StoreError> {
-        self.timed("control", self.inner.put_budget(tenant, run, budget, now)).await
+        self.timed(StoreOp::Control, self.inner.put_budget(tenant, run, budget, now)).await
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        self.timed("control", self.inner.get_run(tenant, run)).await
+        self.timed(StoreOp::Control, self.inner.get_run(tenant, run)).await
     }
 
     async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.timed("control", self.inner.put_control(doc)).await
+        self.timed(StoreOp::Control, self.inner.put_control(doc)).await
     }
 
     async fn delete_control(
@@ -176,11 +173,11 @@ impl Store for ObservedStore {
         tenant: &TenantId,
         id: &str,
     ) -> Result<Option<ControlDoc>, StoreError> {
-        self.timed("control", self.inner.delete_control(kind, tenant, id)).await
+        self.timed(StoreOp::Control, self.inner.delete_control(kind, tenant, id)).await
     }
 
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        self.timed("control", self.inner.list_control()).await
+        self.timed(StoreOp::Control, self.inner.list_control()).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.revoke_leases", skip_all, fields(store = self.kind, tenant = %tenant, target = %target, error))]
@@ -191,7 +188,7 @@ impl Store for ObservedStore {
         detail: &str,
         now: Timestamp,
     ) -> Result<u64, StoreError> {
-        self.timed("revoke_leases", self.inner.revoke_leases(tenant, target, detail, now)).await
+        self.timed(StoreOp::RevokeLeases, self.inner.revoke_leases(tenant, target, detail, now)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
@@ -201,18 +198,18 @@ impl Store for ObservedStore {
         rate: &Rate,
         now: Timestamp,
     ) -> Result<Result<(), std::time::Duration>, StoreError> {
-        self.timed("take_rate", self.inner.take_rate(tenant, rate, now)).await
+        self.timed(StoreOp::TakeRate, self.inner.take_rate(tenant, rate, now)).await
     }
 
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        self.timed("audit", self.inner.append_audit(entry)).await
+        self.timed(StoreOp::Audit, self.inner.append_audit(entry)).await
     }
 
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        self.timed("audit", self.inner.list_audit(tenant, filter)).await
+        self.timed(StoreOp::Audit, self.inner.list_audit(tenant, filter)).await
     }
 
     async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.timed("audit", self.inner.prune_audit(tenant, before, batch)).await
+        self.timed(StoreOp::Audit, self.inner.prune_audit(tenant, before, batch)).await
     }
 }

@@ -70,6 +70,10 @@ pub enum ApiError {
     /// The proxy's upstream did not answer in time.
     #[error("{0}")]
     GatewayTimeout(String),
+    /// The call ran once, but its outcome was too large to store: replays say so and never
+    /// run it again (410). Not retryable: the same key never runs again.
+    #[error("{0}")]
+    NotStored(String),
     /// A bug.
     #[error("{0}")]
     Internal(String),
@@ -138,6 +142,9 @@ impl ApiError {
             }
             Self::GatewayTimeout(_) => {
                 (S::GATEWAY_TIMEOUT, "upstream-timeout", "The upstream did not answer in time", true)
+            }
+            Self::NotStored(_) => {
+                (S::GONE, "response-not-stored", "The call ran once; its outcome was too large to store", false)
             }
             Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal", "Internal error", false),
         }

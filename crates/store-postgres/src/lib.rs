@@ -2155,6 +2155,7 @@ mod tests {
             run: None,
             cost: 0,
             max_in_flight: Some(1),
+            refused_runs: Vec::new(),
         };
         let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
         let mut columns = RecordColumns::default();

@@ -73,6 +73,7 @@ fn request(key: &str, lease: Duration) -> ClaimRequest {
         run: None,
         cost: 0,
         max_in_flight: None,
+        refused_runs: Vec::new(),
     }
 }
 
@@ -103,7 +104,7 @@ async fn a_slow_network_to_the_store_stays_exactly_once() {
             let executions = executions.clone();
             tasks.push(tokio::spawn(async move {
                 let req = request(&format!("k{key}"), Duration::from_secs(30));
-                match guard.claim(&req, Duration::from_secs(20)).await.unwrap() {
+                match guard.claim(onceguard_testkit::through_the_door(&req, Duration::from_secs(20))).await.unwrap() {
                     ClaimOutcome::Acquired(a) => {
                         *executions.lock().unwrap().entry(key).or_default() += 1;
                         let done =
@@ -160,24 +161,45 @@ async fn clock_skew_within_the_lease_keeps_a_key_held() {
     // The instance whose clock is behind holds the key; the one ahead sees it held until its
     // own clock passes the lease end, which is `skew` early in real time.
     let req = request("skewed", lease);
-    let ClaimOutcome::Acquired(held) = a.claim(&req, Duration::ZERO).await.unwrap() else { panic!("acquired") };
+    let ClaimOutcome::Acquired(held) =
+        a.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap()
+    else {
+        panic!("acquired")
+    };
     advance(lease - skew - Duration::from_millis(1));
-    assert!(matches!(b.claim(&req, Duration::ZERO).await.unwrap(), ClaimOutcome::InFlight(_)));
+    assert!(matches!(
+        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap(),
+        ClaimOutcome::InFlight(_)
+    ));
     // A holder that extends at a third of its lease (as the proxy and the clients do) never
     // loses the key to a clock up to two thirds of a lease ahead.
     a.mutate(&req.scope, held.fence, Mutation::Extend(lease)).await.unwrap();
     advance(lease - skew - Duration::from_millis(1));
-    assert!(matches!(b.claim(&req, Duration::ZERO).await.unwrap(), ClaimOutcome::InFlight(_)));
+    assert!(matches!(
+        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap(),
+        ClaimOutcome::InFlight(_)
+    ));
     let done = a.mutate(&req.scope, held.fence, Mutation::Complete(outcome("once".into()))).await.unwrap();
     assert!(matches!(done, onceguard_core::FencedOutcome::Applied(_)));
-    assert!(matches!(b.claim(&req, Duration::ZERO).await.unwrap(), ClaimOutcome::Replay(_)));
+    assert!(matches!(
+        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap(),
+        ClaimOutcome::Replay(_)
+    ));
 
     // Past the margin the clock ahead takes a key over early: the documented limit, and the
     // fence still refuses the late holder.
     let req = request("too-skewed", lease);
-    let ClaimOutcome::Acquired(first) = a.claim(&req, Duration::ZERO).await.unwrap() else { panic!("acquired") };
+    let ClaimOutcome::Acquired(first) =
+        a.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap()
+    else {
+        panic!("acquired")
+    };
     advance(lease - skew);
-    let ClaimOutcome::Acquired(second) = b.claim(&req, Duration::ZERO).await.unwrap() else { panic!("taken over") };
+    let ClaimOutcome::Acquired(second) =
+        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap()
+    else {
+        panic!("taken over")
+    };
     assert!(second.fence > first.fence);
     let late = a.mutate(&req.scope, first.fence, Mutation::Complete(outcome("late".into()))).await.unwrap();
     assert!(matches!(late, onceguard_core::FencedOutcome::Stale(_)));

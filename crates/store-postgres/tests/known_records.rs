@@ -41,6 +41,7 @@ fn request(key: &str) -> ClaimRequest {
         run: None,
         cost: 0,
         max_in_flight: None,
+        refused_runs: Vec::new(),
     }
 }
 

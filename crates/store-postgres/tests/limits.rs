@@ -45,6 +45,7 @@ fn request(tenant_name: &str, key: &str) -> ClaimRequest {
         run: None,
         cost: 0,
         max_in_flight: None,
+        refused_runs: Vec::new(),
     }
 }
 

@@ -126,6 +126,12 @@ impl RedisStore {
                     break;
                 }
                 Ok(Claimed::NeedFence { mark, run, charged }) => {
+                    // The run the record would keep: a switch on it refuses (what was reserved
+                    // for another run is settled below).
+                    if let Some(denial) = run.as_ref().and_then(|r| onceguard_core::control::refusal_of_run(req, r)) {
+                        decided = Some((ClaimOutcome::Denied(denial), false));
+                        break;
+                    }
                     let prepared = self.prepare(conn, req, now, placement, &mut holds, &mut fence, mark, run, charged);
                     if let Err(e) = prepared.await {
                         failure = Some(e);

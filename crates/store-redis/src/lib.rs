@@ -671,7 +671,13 @@ impl RedisStore {
         for _ in 0..MAX_RUN_CHANGES {
             match self.run_claim(conn, req, now, placement, "draw", run.as_ref(), &Holds::default()).await? {
                 Claimed::Outcome { outcome, .. } => return Ok(outcome),
-                Claimed::NeedRun(other) => run = Some(other),
+                Claimed::NeedRun(other) => {
+                    // The record keeps a run the request did not name: a switch on it refuses.
+                    if let Some(denial) = onceguard_core::control::refusal_of_run(req, &other) {
+                        return Ok(ClaimOutcome::Denied(denial));
+                    }
+                    run = Some(other)
+                }
                 Claimed::NeedFence { .. } => return Err(corrupt("the claim script asked for a fence it draws itself")),
             }
         }

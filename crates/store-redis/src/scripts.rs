@@ -61,6 +61,9 @@ end
 
 local function int(x) return string.format('%.0f', x) end
 
+-- Timestamp::NEVER: the expiry of a record in progress (see the test below)
+local NEVER = '253402300799999'
+
 -- Record::is_live
 local function is_live(r, now) return tonumber(r.ex) > now end
 
@@ -113,7 +116,12 @@ end
 -- that the caller's and the server's clocks need not agree); the expiry index finds it for the
 -- sweep before that.
 local function keep_until(key, expiry_index, member, ex, now, margin)
-  redis.call('PEXPIRE', key, int(tonumber(ex) - now + margin))
+  if ex == NEVER then
+    -- In progress: no retention erases an unfinished attempt.
+    redis.call('PERSIST', key)
+  else
+    redis.call('PEXPIRE', key, int(tonumber(ex) - now + margin))
+  end
   redis.call('ZADD', expiry_index, ex, member)
 end
 
@@ -274,7 +282,7 @@ local le = now + lease
 -- Times given as arguments are kept as given (the decimal digits int() would write).
 local n = {
   t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, at = '1',
-  le = int(le), re = ARGV[4], ca = ARGV[1], up = ARGV[1], ex = int(le + retention),
+  le = int(le), re = ARGV[4], ca = ARGV[1], up = ARGV[1], ex = NEVER,
 }
 if run ~= '' then n.run = run end
 local answer = { 'acquired', '', '1', int(le), '' }
@@ -533,9 +541,7 @@ elseif r.un ~= nil then
   -- Once the holder reported the outcome unknown it may finish, but not carry on working.
   return { 'stale', 'finished' }
 elseif op == 'extend' then
-  local until_ = now + tonumber(ARGV[9])
-  set(w, 'le', int(until_))
-  set(w, 'ex', int(until_ + retention))
+  set(w, 'le', int(now + tonumber(ARGV[9])))
 elseif op == 'checkpoint' then
   local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
   set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[9] .. '\n' .. ARGV[10])
@@ -549,7 +555,6 @@ elseif op == 'checkpoint' then
 elseif op == 'unknown' then
   set(w, 'un', ARGV[9])
   set(w, 'le', int(now))
-  set(w, 'ex', int(now + retention))
   finishes = true
 else
   return redis.error_reply('onceguard: unknown operation ' .. op)
@@ -657,7 +662,6 @@ local w = change(r)
 set(w, 'fe', int(fence))
 set(w, 'le', int(now))
 set(w, 'un', detail)
-set(w, 'ex', int(now + tonumber(r.re)))
 set(w, 'up', int(now))
 local token = r.q or ''
 if token ~= '' then
@@ -895,3 +899,15 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         revoke_api_key: Script::new(REVOKE_API_KEY),
     }
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scripts' `NEVER` is the core's: a record in progress never expires in Redis either.
+    #[test]
+    fn never_is_the_cores() {
+        let never = format!("local NEVER = '{}'", onceguard_core::Timestamp::NEVER.0);
+        assert!(PRELUDE.contains(&never), "{never}");
+    }
+}

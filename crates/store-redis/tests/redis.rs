@@ -37,8 +37,9 @@ async fn a_change_made_through_one_instance_reaches_another() {
     common::changes_reach_other_instances(&a, &b, &elsewhere).await;
 }
 
-/// Records carry a Redis TTL of their retention plus the margin, measured from the caller's
-/// `now` (here far in the past); fence counters and indexes carry none, and outlive a purge.
+/// A record in progress carries no Redis TTL (no retention erases an unfinished attempt); a
+/// finished one carries its retention plus the margin, measured from the caller's `now` (here
+/// far in the past); fence counters and indexes carry none, and outlive a purge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_expire_in_redis_and_fence_counters_never_do() {
     if !common::single_available() {
@@ -56,9 +57,12 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
         let mut conn = conn.clone();
         async move { redis::cmd("PTTL").arg(key).query_async::<i64>(&mut conn).await.unwrap() }
     };
-    // lease 10 s + retention 100 s + margin 60 s
+    assert_eq!(pttl(keys.record(&placement)).await, -1, "a record in progress must not expire");
+    let now = Timestamp(1_700_000_000_000);
+    store.mutate(&s, fence, Mutation::Complete(common::outcome()), now, 8).await.unwrap();
+    // retention 100 s + margin 60 s
     let ttl = pttl(keys.record(&placement)).await;
-    assert!((160_000..=170_000).contains(&ttl), "the record's TTL is {ttl} ms");
+    assert!((150_000..=160_000).contains(&ttl), "the completed record's TTL is {ttl} ms");
     for key in [
         keys.fence_counter(),
         keys.fence_mark(placement.slot),

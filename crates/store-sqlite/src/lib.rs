@@ -1002,6 +1002,7 @@ mod tests {
             run: None,
             cost: 0,
             max_in_flight: Some(1),
+            refused_runs: Vec::new(),
         }
     }
 

@@ -47,6 +47,7 @@ fn request(scope: &Scope, meaning: &str) -> ClaimRequest {
         run: None,
         cost: 0,
         max_in_flight: None,
+        refused_runs: Vec::new(),
     }
 }
 
@@ -72,7 +73,7 @@ fn checkpoint(name: &str, data: &str) -> Mutation {
 
 impl Case {
     async fn claim(&self, req: &ClaimRequest) -> ClaimOutcome {
-        self.guard.claim(req, Duration::ZERO).await.expect("the store answers")
+        self.guard.claim(crate::through_the_door(req, Duration::ZERO)).await.expect("the store answers")
     }
 
     async fn acquire(&self, req: &ClaimRequest) -> Fence {
@@ -332,6 +333,93 @@ pub async fn retention_expiry_makes_the_key_new(store: Arc<dyn Store>) {
     assert!(a.recovery.is_none());
 }
 
+/// Retention never erases an unfinished attempt: a key stuck after its lease passed, or after
+/// its holder reported the outcome unknown, keeps its fence, attempt and checkpoints long past
+/// lease and retention, survives the sweep, and its next claim is a recovery (the key charged
+/// once). Once finished, its retention runs from completion.
+pub async fn an_unfinished_attempt_outlives_its_retention(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let short = |s: &Scope| ClaimRequest { retention: Duration::from_secs(1), ..in_run(s, "a", "long", 1) };
+    let (stuck, unknown) = (scope("stuck"), scope("unknown"));
+    let f1 = c.acquire(&short(&stuck)).await;
+    c.applied(&stuck, f1, checkpoint("charged-card", r#"{"charge":"ch_1"}"#)).await;
+    let f2 = c.acquire(&short(&unknown)).await;
+    c.applied(&unknown, f2, Mutation::ReportUnknown("timed out".into())).await;
+    c.clock.advance(Duration::from_secs(30 * 24 * 3_600));
+    assert_eq!(c.guard.sweep(100, 10).await.unwrap(), 0, "nothing unfinished is swept");
+    let record = c.get(&stuck).await.expect("the stuck record is kept");
+    assert_eq!((record.fence, record.attempt, record.checkpoints.len()), (f1, 1, 1));
+    let ClaimOutcome::Acquired(a) = c.claim(&short(&stuck)).await else { panic!("no recovery of the stuck key") };
+    assert_eq!(a.attempt, 2);
+    let recovery = a.recovery.expect("a recovery, not a fresh key");
+    assert_eq!(recovery.previous_fence, f1);
+    assert_eq!(recovery.last_checkpoint.expect("the checkpoint is kept").name.as_str(), "charged-card");
+    let ClaimOutcome::Acquired(b) = c.claim(&short(&unknown)).await else { panic!("no recovery of the unknown key") };
+    assert!(matches!(b.recovery.map(|r| r.reason), Some(RecoveryReason::ReportedUnknown { .. })));
+    assert_eq!(usage(&store, "acme", "long").await, (2, 2), "each key charged once");
+    c.applied(&stuck, a.fence, Mutation::Complete(success("ok"))).await;
+    c.clock.advance(Duration::from_secs(2));
+    assert!(c.get(&stuck).await.is_none(), "finished, it expires with its retention");
+}
+
+/// A kill switch on a run refuses a claim that would take over a key of that run, whatever run
+/// the claim names (none, or another): a record keeps its run across attempts. Nothing
+/// changes; a switch on another run does not refuse it.
+pub async fn a_switch_on_the_records_run_refuses_its_takeover(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let s = scope("k");
+    let first = c.acquire(&in_run(&s, "a", "batch-7", 0)).await;
+    c.clock.advance(LEASE);
+    let denial = Denial::SwitchEngaged { target: "run:batch-7".into(), why: "runaway".into() };
+    let refusing = |run: &str, req: ClaimRequest| ClaimRequest {
+        refused_runs: vec![(RunId::parse(run).unwrap(), denial.clone())],
+        ..req
+    };
+    let now = c.guard.clock().now();
+    for req in [request(&s, "a"), in_run(&s, "a", "other-run", 0)] {
+        let outcome = store.claim(&refusing("batch-7", req), now).await.unwrap();
+        assert_eq!(outcome, ClaimOutcome::Denied(denial.clone()));
+    }
+    let record = c.get(&s).await.unwrap();
+    assert_eq!((record.fence, record.attempt, record.run.as_ref().map(RunId::as_str)), (first, 1, Some("batch-7")));
+    let ClaimOutcome::Acquired(a) = store.claim(&refusing("other-run", request(&s, "a")), now).await.unwrap() else {
+        panic!("a switch on another run refused the key")
+    };
+    assert_eq!(a.recovery.map(|r| r.previous_fence), Some(first));
+}
+
+/// A switch engaged while a claim waits refuses the waiter on its next pass: it never acquires
+/// the key when the holder's lease passes. Also when the switch is on the run the record keeps
+/// and the waiter names none.
+pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Arc<dyn Store>) {
+    let limits = Limits { wait_poll: Duration::from_millis(10), ..Limits::default() };
+    let c = case_with(store, limits);
+    let tenant = TenantId::parse("acme").unwrap();
+    let (held, in_run_key) = (scope("held"), scope_in("acme", "staging/ingest", "in-run"));
+    c.acquire(&request(&held, "a")).await;
+    c.acquire(&in_run(&in_run_key, "a", "batch-9", 0)).await;
+    let wait = |req: ClaimRequest| {
+        let guard = c.guard.clone();
+        tokio::spawn(async move { guard.claim(crate::through_the_door(&req, Duration::from_secs(20))).await.unwrap() })
+    };
+    let (namespace_waiter, run_waiter) = (wait(request(&held, "a")), wait(request(&in_run_key, "a")));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let prefix = Namespace::parse("prod").unwrap();
+    let run = RunId::parse("batch-9").unwrap();
+    for target in [SwitchTarget::Namespace { prefix }, SwitchTarget::Run { run }] {
+        c.guard.engage_switch("test", &tenant, target, "incident".into(), false).await.unwrap();
+    }
+    c.clock.advance(LEASE);
+    for (what, waiter) in [("namespace", namespace_waiter), ("run", run_waiter)] {
+        match waiter.await.unwrap() {
+            ClaimOutcome::Denied(Denial::SwitchEngaged { .. }) => {}
+            other => panic!("the {what} switch did not refuse the waiter: {other:?}"),
+        }
+    }
+    assert_eq!(c.get(&held).await.unwrap().attempt, 1, "the waiter never acquired");
+    assert_eq!(c.get(&in_run_key).await.unwrap().attempt, 1, "the waiter never acquired");
+}
+
 /// A key's fence keeps growing across retention expiry, the sweep and a purge.
 pub async fn fences_grow_across_expiry_sweep_and_purge(store: Arc<dyn Store>) {
     let c = case(store);
@@ -411,7 +499,7 @@ pub async fn concurrent_claims_acquire_exactly_once(store: Arc<dyn Store>) {
         let claims = (0..64).map(|_| {
             let guard = c.guard.clone();
             let req = req.clone();
-            tokio::spawn(async move { guard.claim(&req, Duration::ZERO).await.unwrap() })
+            tokio::spawn(async move { guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() })
         });
         let outcomes = futures::future::join_all(claims).await;
         let acquired = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::Acquired(_)))).count();
@@ -462,7 +550,9 @@ pub async fn waiting_claim_receives_the_replay(store: Arc<dyn Store>) {
     let waiters: Vec<_> = (0..4)
         .map(|_| {
             let (guard, req) = (c.guard.clone(), req.clone());
-            tokio::spawn(async move { guard.claim(&req, Duration::from_secs(20)).await.unwrap() })
+            tokio::spawn(
+                async move { guard.claim(crate::through_the_door(&req, Duration::from_secs(20))).await.unwrap() },
+            )
         })
         .collect();
     tokio::task::yield_now().await;
@@ -480,7 +570,7 @@ pub async fn waiting_claim_is_bounded(store: Arc<dyn Store>) {
     let c = case(store);
     let req = request(&scope("k"), "a");
     c.acquire(&req).await;
-    let outcome = c.guard.claim(&req, Duration::from_millis(150)).await.unwrap();
+    let outcome = c.guard.claim(crate::through_the_door(&req, Duration::from_millis(150))).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::InFlight(_)), "{outcome:?}");
 }
 
@@ -492,7 +582,7 @@ pub async fn waiting_claim_recovers_when_the_lease_passes(store: Arc<dyn Store>)
     let first = c.acquire(&req).await;
     let waiter = {
         let (guard, req) = (c.guard.clone(), req.clone());
-        tokio::spawn(async move { guard.claim(&req, Duration::from_secs(20)).await.unwrap() })
+        tokio::spawn(async move { guard.claim(crate::through_the_door(&req, Duration::from_secs(20))).await.unwrap() })
     };
     tokio::task::yield_now().await;
     c.clock.advance(LEASE);
@@ -662,7 +752,7 @@ pub async fn concurrent_claims_never_exceed_the_budget(store: Arc<dyn Store>) {
     let claims = (0..64).map(|i| {
         let guard = c.guard.clone();
         let req = in_run(&scope(&format!("fan-{i}")), "x", "fan-out", 1);
-        tokio::spawn(async move { guard.claim(&req, Duration::ZERO).await.unwrap() })
+        tokio::spawn(async move { guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() })
     });
     let outcomes = futures::future::join_all(claims).await;
     let acquired = outcomes.iter().filter(|o| matches!(o, Ok(ClaimOutcome::Acquired(_)))).count();

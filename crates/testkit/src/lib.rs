@@ -64,6 +64,21 @@ impl IntoTestStore for Option<TestStore> {
     }
 }
 
+/// The claim a front end hands the guard for the store request `req`, waiting up to `wait`
+/// (the guard builds the store's request from it again: the lease, retention, run and cost
+/// must be within the guard's limits; an in-flight quota comes from the tenant's settings).
+pub fn through_the_door(req: &onceguard_core::ClaimRequest, wait: std::time::Duration) -> onceguard_core::Claim {
+    onceguard_core::Claim {
+        scope: req.scope.clone(),
+        fingerprint: req.fingerprint.clone(),
+        lease: Some(req.lease),
+        retention: Some(req.retention),
+        wait: Some(wait),
+        run: req.run.clone(),
+        cost: Some(req.cost),
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance case, each on a fresh store from `$make`
 /// (an `async` closure returning a [`TestStore`], or `Option<TestStore>` to skip).
 #[macro_export]
@@ -81,6 +96,9 @@ macro_rules! conformance_tests {
             permanent_failure_replays,
             extend_pushes_the_lease_out,
             retention_expiry_makes_the_key_new,
+            an_unfinished_attempt_outlives_its_retention,
+            a_switch_on_the_records_run_refuses_its_takeover,
+            a_switch_engaged_during_a_wait_refuses_the_waiter,
             fences_grow_across_expiry_sweep_and_purge,
             sweep_deletes_only_expired_records_in_batches,
             tenants_are_isolated,

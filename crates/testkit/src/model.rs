@@ -140,7 +140,8 @@ impl Model {
             attempt: 1,
             lease_until: now + LEASE_MS,
             unknown: false,
-            expires_at: now + LEASE_MS + RETENTION_MS,
+            // An unfinished attempt never expires: retention runs from completion or release.
+            expires_at: u64::MAX,
             checkpoints: vec![],
         };
         let mut recovery = None;
@@ -188,7 +189,6 @@ impl Model {
             _ if r.unknown => return Answer::Stale,
             Op::Extend { .. } => {
                 r.lease_until = now + LEASE_MS;
-                r.expires_at = r.lease_until + RETENTION_MS;
             }
             Op::Checkpoint { step, .. } => {
                 r.checkpoints.push(format!("step-{step}"));
@@ -199,7 +199,6 @@ impl Model {
             Op::ReportUnknown { .. } => {
                 r.unknown = true;
                 r.lease_until = now;
-                r.expires_at = now + RETENTION_MS;
             }
             _ => unreachable!("only fenced operations reach here"),
         }
@@ -262,6 +261,7 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
                     run: None,
                     cost: 0,
                     max_in_flight: None,
+                    refused_runs: Vec::new(),
                 };
                 let got = answer_of_claim(store.claim(&req, now).await.map_err(fail)?, now);
                 let want = model.claim(key, meaning, model_now);

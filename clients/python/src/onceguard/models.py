@@ -252,7 +252,9 @@ class Record:
     completed_at: datetime | None
     created_at: datetime
     updated_at: datetime
-    expires_at: datetime
+    #: When the record stops existing; ``None`` while in progress (retention runs from
+    #: completion or release, never over an unfinished attempt).
+    expires_at: datetime | None
     checkpoints: tuple[Checkpoint, ...] = ()
     #: The stored outcome (only from :meth:`Client.get_record`).
     stored: StoredOutcome | None = None
@@ -274,7 +276,7 @@ class Record:
             completed_at=parse_optional_time(d.get("completed_at")),
             created_at=parse_time(d["created_at"]),
             updated_at=parse_time(d["updated_at"]),
-            expires_at=parse_time(d["expires_at"]),
+            expires_at=parse_optional_time(d.get("expires_at")),
             checkpoints=tuple(Checkpoint.from_json(c) for c in d.get("checkpoints") or ()),
             stored=StoredOutcome.from_json(stored, stored_raw) if stored else None,
         )

@@ -114,6 +114,14 @@ async fn admins_manage_keys_and_revoked_keys_stop_working() {
     let revoke_other =
         app.client.delete(app.url(&format!("/v1/api-keys/{id}"))).bearer_auth(&initech_admin).send().await.unwrap();
     assert_problem(revoke_other, StatusCode::NOT_FOUND, "not-found").await;
+    // Both actions are in the new tenant's audit log; one that says nothing more has empty
+    // details (an object, as the OpenAPI document says), never null.
+    let audit: serde_json::Value = app.get(&initech_admin, "/v1/audit").await.json().await.unwrap();
+    let entries = audit["entries"].as_array().unwrap();
+    let actions: Vec<&str> = entries.iter().map(|e| e["action"].as_str().unwrap()).collect();
+    assert_eq!(actions, ["api_key.create", "tenant.create"]);
+    assert_eq!(entries[0]["details"]["role"], "admin");
+    assert_eq!(entries[1]["details"], json!({}));
 }
 
 #[tokio::test]

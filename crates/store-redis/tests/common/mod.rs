@@ -202,6 +202,7 @@ pub fn request(scope: &Scope) -> ClaimRequest {
         run: None,
         cost: 0,
         max_in_flight: None,
+        refused_runs: Vec::new(),
     }
 }
 

@@ -1,0 +1,28 @@
+//! What the guard tells whoever watches it (the server's metrics, a test): every claim's
+//! answer and every fenced call refused as stale, whichever front end made the call. Because
+//! the guard reports them, the HTTP API, the proxy, the MCP gateway and an embedding
+//! application are counted alike, and no front end has to remember to.
+
+use crate::domain::{Fence, Scope};
+use crate::record::{ClaimOutcome, StaleReason};
+use crate::vocabulary::FencedOp;
+
+/// Watches the guard's decisions. Called on the caller's task, after the decision: keep it
+/// cheap and never block.
+pub trait Observer: Send + Sync + 'static {
+    /// A claim's final answer (after any wait), once per claim.
+    fn claimed(&self, scope: &Scope, outcome: &ClaimOutcome);
+
+    /// A fenced call that changed nothing because its fence is not the holder's.
+    fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason);
+}
+
+/// Watches nothing: the guard's observer until one is given.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Unobserved;
+
+impl Observer for Unobserved {
+    fn claimed(&self, _: &Scope, _: &ClaimOutcome) {}
+
+    fn stale(&self, _: &Scope, _: FencedOp, _: Fence, _: StaleReason) {}
+}

@@ -1,0 +1,223 @@
+//! The label vocabularies: what a claim answered, why it was denied or is a recovery, which
+//! fenced call was refused as stale and why, which store operation ran. The API, the metrics,
+//! the dashboard and the docs all use these names, and each list is declared once: a new
+//! variant has its name and its place in `ALL` in the same line, and every exhaustive `match`
+//! on it fails to compile until it is handled.
+
+use crate::record::{ClaimOutcome, Denial, RecoveryReason, StaleReason};
+
+/// Declares a label vocabulary: an enum, its names, and `ALL` in declaration order (the order
+/// the dashboard shows them in).
+macro_rules! vocabulary {
+    ($(#[$meta:meta])* pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident => $label:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: [Self; [$($label),+].len()] = [$(Self::$variant),+];
+
+            /// The name used in the API, metrics labels and the dashboard.
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $label,)+
+                }
+            }
+
+            /// The position in [`Self::ALL`].
+            pub const fn index(self) -> usize {
+                self as usize
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+vocabulary! {
+    /// What a claim answered (see [`ClaimOutcome`]).
+    pub enum Answer {
+        /// The claimant holds the key.
+        Acquired => "acquired",
+        /// The stored outcome replays.
+        Replay => "replay",
+        /// Someone holds a live lease.
+        InFlight => "in_flight",
+        /// The key was used with another fingerprint.
+        Mismatch => "mismatch",
+        /// A switch, budget or quota refused it.
+        Denied => "denied",
+    }
+}
+
+vocabulary! {
+    /// Why a claim was denied (see [`Denial`]).
+    pub enum DenialReason {
+        /// A kill switch is engaged.
+        SwitchEngaged => "switch_engaged",
+        /// A run's budget is spent.
+        BudgetExhausted => "budget_exhausted",
+        /// A tenant quota is spent.
+        QuotaExceeded => "quota_exceeded",
+    }
+}
+
+vocabulary! {
+    /// Why a claim is a recovery (see [`RecoveryReason`]).
+    pub enum RecoveryKind {
+        /// The previous holder's lease passed.
+        LeaseExpired => "lease_expired",
+        /// The previous holder reported the outcome unknown.
+        ReportedUnknown => "reported_unknown",
+    }
+}
+
+vocabulary! {
+    /// Why a fenced call was refused as stale (see [`StaleReason`]).
+    pub enum StaleKind {
+        /// No live record.
+        NoRecord => "no_record",
+        /// Another claim took the key over.
+        Superseded => "superseded",
+        /// The attempt finished differently.
+        Finished => "finished",
+    }
+}
+
+vocabulary! {
+    /// The fenced calls (see [`crate::Mutation`]).
+    pub enum FencedOp {
+        /// Store a successful outcome.
+        Complete => "complete",
+        /// Store a permanent failure or release the key.
+        Fail => "fail",
+        /// Push the lease out.
+        Extend => "extend",
+        /// Save a recovery point.
+        Checkpoint => "checkpoint",
+        /// The holder does not know whether the effect happened.
+        ReportUnknown => "report_unknown",
+    }
+}
+
+vocabulary! {
+    /// The store operations, as measured (tenant and API key calls are `auth`; runs, budgets,
+    /// switches and settings are `control`; the audit log's calls are `audit`).
+    pub enum StoreOp {
+        /// [`crate::Store::claim`].
+        Claim => "claim",
+        /// [`crate::Store::mutate`].
+        Mutate => "mutate",
+        /// [`crate::Store::get`].
+        Get => "get",
+        /// [`crate::Store::list`].
+        List => "list",
+        /// [`crate::Store::purge`].
+        Purge => "purge",
+        /// [`crate::Store::sweep`].
+        Sweep => "sweep",
+        /// [`crate::Store::ping`].
+        Ping => "ping",
+        /// Tenants and API keys.
+        Auth => "auth",
+        /// Runs, budgets, switches and settings.
+        Control => "control",
+        /// [`crate::Store::revoke_leases`].
+        RevokeLeases => "revoke_leases",
+        /// [`crate::Store::take_rate`].
+        TakeRate => "take_rate",
+        /// The audit log.
+        Audit => "audit",
+    }
+}
+
+impl ClaimOutcome {
+    /// What kind of answer this is.
+    pub fn answer(&self) -> Answer {
+        match self {
+            Self::Acquired(_) => Answer::Acquired,
+            Self::Replay(_) => Answer::Replay,
+            Self::InFlight(_) => Answer::InFlight,
+            Self::Mismatch => Answer::Mismatch,
+            Self::Denied(_) => Answer::Denied,
+        }
+    }
+
+    /// The answer's name, as used in the API and metrics.
+    pub fn name(&self) -> &'static str {
+        self.answer().as_str()
+    }
+}
+
+impl Denial {
+    /// Why, as a label.
+    pub fn reason(&self) -> DenialReason {
+        match self {
+            Self::SwitchEngaged { .. } => DenialReason::SwitchEngaged,
+            Self::BudgetExhausted { .. } => DenialReason::BudgetExhausted,
+            Self::QuotaExceeded { .. } => DenialReason::QuotaExceeded,
+        }
+    }
+}
+
+impl RecoveryReason {
+    /// Why, as a label.
+    pub fn kind(&self) -> RecoveryKind {
+        match self {
+            Self::LeaseExpired => RecoveryKind::LeaseExpired,
+            Self::ReportedUnknown { .. } => RecoveryKind::ReportedUnknown,
+        }
+    }
+}
+
+impl StaleReason {
+    /// Why, as a label.
+    pub fn kind(self) -> StaleKind {
+        match self {
+            Self::NoRecord => StaleKind::NoRecord,
+            Self::Superseded => StaleKind::Superseded,
+            Self::Finished => StaleKind::Finished,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_list_is_in_declaration_order_with_distinct_names() {
+        fn check<T: Copy + std::fmt::Debug>(all: &[T], index: fn(T) -> usize, name: fn(T) -> &'static str) {
+            let mut names = std::collections::HashSet::new();
+            for (i, v) in all.iter().enumerate() {
+                assert_eq!(index(*v), i, "{v:?}");
+                assert!(names.insert(name(*v)), "{} twice", name(*v));
+            }
+        }
+        check(&Answer::ALL, Answer::index, Answer::as_str);
+        check(&DenialReason::ALL, DenialReason::index, DenialReason::as_str);
+        check(&RecoveryKind::ALL, RecoveryKind::index, RecoveryKind::as_str);
+        check(&StaleKind::ALL, StaleKind::index, StaleKind::as_str);
+        check(&FencedOp::ALL, FencedOp::index, FencedOp::as_str);
+        check(&StoreOp::ALL, StoreOp::index, StoreOp::as_str);
+        assert_eq!(StoreOp::ALL.len(), 12);
+    }
+
+    #[test]
+    fn names_match_the_serialized_forms() {
+        for reason in [StaleReason::NoRecord, StaleReason::Superseded, StaleReason::Finished] {
+            assert_eq!(serde_json::to_value(reason).unwrap(), reason.kind().as_str());
+        }
+        let denial = Denial::BudgetExhausted { limit: "effects".into() };
+        assert_eq!(serde_json::to_value(&denial).unwrap()["reason"], denial.reason().as_str());
+        let recovery = RecoveryReason::ReportedUnknown { detail: "?".into() };
+        assert_eq!(serde_json::to_value(&recovery).unwrap()["reason"], recovery.kind().as_str());
+    }
+}
