@@ -662,6 +662,8 @@ async fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. });
     let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
+    // The store URL is checked with the rest of the configuration, before anything starts.
+    onceguard_server::StoreUrl::parse(&config.store)?;
     let result = match cli.command {
         Command::Serve { .. } => serve(config, telemetry.exporting()).await,
         Command::Proxy { .. } => proxy(config).await,

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use onceguard_core::{Guard, MemoryStore, SystemClock};
-use onceguard_server::Config;
+use onceguard_http::Config;
 use serde_json::json;
 
 struct Killed(Child);

@@ -4,7 +4,7 @@
 
 use axum::http::HeaderMap;
 use onceguard_core::{Fingerprint, Key, Namespace, RunId};
-use onceguard_server::problem::ApiError;
+use onceguard_http::problem::ApiError;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 

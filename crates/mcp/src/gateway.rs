@@ -27,10 +27,10 @@ use onceguard_core::{
     CheckpointName, Claim, ClaimOutcome, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind, RecordState,
     Scope, TenantId,
 };
+use onceguard_http::AppState;
+use onceguard_http::config::McpNoKey;
+use onceguard_http::problem::ApiError;
 use onceguard_proxy::{TransportFailure, Upstream};
-use onceguard_server::AppState;
-use onceguard_server::config::McpNoKey;
-use onceguard_server::problem::ApiError;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -100,7 +100,7 @@ impl Gateway {
         };
         let token = value.to_str().map_err(|_| wrong())?.trim();
         let token = token.strip_prefix("Bearer ").unwrap_or(token);
-        match onceguard_server::auth::verified_key(&self.state, token).await? {
+        match onceguard_http::auth::verified_key(&self.state, token).await? {
             Some(key) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
             None => Err(wrong()),
         }
@@ -114,7 +114,7 @@ impl Gateway {
 /// The handler of every request.
 pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Body>) -> Response<Body> {
     match request.uri().path() {
-        "/_onceguard/metrics" => return onceguard_server::api::metrics(State(gateway.state.clone())).await,
+        "/_onceguard/metrics" => return onceguard_http::metrics_endpoint(State(gateway.state.clone())).await,
         "/_onceguard/healthz" => return (StatusCode::OK, "ok").into_response(),
         _ => {}
     }

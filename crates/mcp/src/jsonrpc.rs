@@ -9,7 +9,7 @@
 use std::fmt;
 
 use onceguard_core::Denial;
-use onceguard_server::problem::ApiError;
+use onceguard_http::problem::ApiError;
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};

@@ -35,8 +35,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::HeaderName;
 use onceguard_core::{Guard, InvalidInput, Limits};
+use onceguard_http::{AppState, Config, StartError};
 use onceguard_proxy::Upstream;
-use onceguard_server::{AppState, Config, StartError};
 use tokio::net::TcpListener;
 
 pub mod call;
@@ -144,19 +144,19 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
     let app = app(config, guard.clone())?;
-    onceguard_server::serve_with_background(config, guard, listener, app, shutdown).await
+    onceguard_http::serve_with_background(config, guard, listener, app, shutdown).await
 }
 
 #[cfg(test)]
 mod tests {
     use std::io::Write;
 
-    use onceguard_server::Overrides;
-    use onceguard_server::config::{McpGuard, McpNoKey};
+    use onceguard_http::Overrides;
+    use onceguard_http::config::{McpGuard, McpNoKey};
 
     use super::*;
 
-    fn load(toml: &str) -> Result<Config, onceguard_server::ConfigError> {
+    fn load(toml: &str) -> Result<Config, onceguard_http::ConfigError> {
         let mut file = tempfile::NamedTempFile::new().unwrap();
         file.write_all(toml.as_bytes()).unwrap();
         Config::load(Some(file.path()), &Overrides::default())

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::RwLock;
 
-use onceguard_server::config::{McpGuard, McpNoKey, McpToolConfig};
+use onceguard_http::config::{McpGuard, McpNoKey, McpToolConfig};
 use serde_json::Value;
 
 /// Most tools whose annotations are remembered (a listing beyond it is not learned from).

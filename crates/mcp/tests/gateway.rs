@@ -14,7 +14,7 @@ use axum::routing::any;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::{Guard, Key, MemoryStore, Namespace, RecordState, RunId, Scope, SystemClock, TenantId};
-use onceguard_server::Config;
+use onceguard_http::Config;
 use serde_json::{Value, json};
 
 /// What the upstream saw.
@@ -266,11 +266,11 @@ async fn keys_come_from_meta_field_or_header_and_must_agree() {
 #[tokio::test]
 async fn calls_without_a_key_derive_or_pass_as_configured() {
     let app = spawn_app(|c| {
-        c.mcp.no_key = onceguard_server::config::McpNoKey::Derive;
+        c.mcp.no_key = onceguard_http::config::McpNoKey::Derive;
         c.mcp.tools.insert(
             "free".into(),
-            onceguard_server::config::McpToolConfig {
-                no_key: Some(onceguard_server::config::McpNoKey::Pass),
+            onceguard_http::config::McpToolConfig {
+                no_key: Some(onceguard_http::config::McpNoKey::Pass),
                 ..Default::default()
             },
         );

@@ -17,8 +17,8 @@ use onceguard_core::{
     Claim, ClaimOutcome, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, Mutation, Namespace, Outcome,
     OutcomeKind, Scope, TenantId,
 };
-use onceguard_server::Metrics;
-use onceguard_server::problem::ApiError;
+use onceguard_http::Metrics;
+use onceguard_http::problem::ApiError;
 use sha2::{Digest, Sha256};
 use tower::{Layer, Service, ServiceExt};
 

@@ -58,8 +58,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use futures::TryStreamExt;
 use onceguard_core::{Guard, InvalidInput, Limits, TenantId};
-use onceguard_server::problem::ApiError;
-use onceguard_server::{AppState, Config, StartError};
+use onceguard_http::problem::ApiError;
+use onceguard_http::{AppState, Config, StartError};
 use tokio::net::TcpListener;
 use tower::Layer;
 
@@ -185,7 +185,7 @@ pub fn app(config: &Config, guard: Guard) -> Result<Router, InvalidInput> {
     });
     let layer = IdempotencyLayer::new(state.guard.clone(), options(config)?).with_metrics(state.metrics.clone());
     Ok(Router::new()
-        .route("/_onceguard/metrics", get(onceguard_server::api::metrics))
+        .route("/_onceguard/metrics", get(onceguard_http::metrics_endpoint))
         .with_state(state)
         .fallback_service(layer.layer(forward)))
 }
@@ -199,5 +199,5 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
     let app = app(config, guard.clone())?;
-    onceguard_server::serve_with_background(config, guard, listener, app, shutdown).await
+    onceguard_http::serve_with_background(config, guard, listener, app, shutdown).await
 }

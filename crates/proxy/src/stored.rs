@@ -10,7 +10,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use onceguard_server::problem::ApiError;
+use onceguard_http::problem::ApiError;
 use serde::{Deserialize, Serialize};
 
 /// The media type of a stored response in the store.

@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
 use onceguard_core::{Guard, SystemClock};
-use onceguard_server::Config;
+use onceguard_http::Config;
 use onceguard_store_sqlite::SqliteStore;
 use reqwest::Method;
 

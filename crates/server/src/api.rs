@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{FromRequest, Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
@@ -923,12 +923,6 @@ pub async fn readyz(State(state): State<AppState>) -> ApiResult<Json<HealthView>
 /// flight and stuck as of the last scan of the store.
 #[utoipa::path(get, path = "/metrics", tag = "observability",
     responses((status = 200, description = "The metrics", content_type = "application/openmetrics-text", body = String)))]
-pub async fn metrics(State(state): State<AppState>) -> Response {
-    state.metrics.scan_keys(&state.guard, &state.metrics_config).await;
-    let mut response = state.metrics.encode().into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-    );
-    response
+pub async fn metrics(state: State<AppState>) -> Response {
+    onceguard_http::metrics_endpoint(state).await
 }

@@ -225,7 +225,7 @@ impl HttpClient for BlockingHttp {
 }
 
 /// The route of a request that matched none (in spans, logs and metrics).
-pub const UNMATCHED: &str = "unmatched";
+pub use onceguard_http::metrics::UNMATCHED;
 
 /// The span of one HTTP request: `http.request`, exported as `METHOD /route`, continuing the
 /// caller's `traceparent` when tracing is on. Handlers record `tenant`, `namespace`, `outcome`

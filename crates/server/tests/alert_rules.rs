@@ -68,7 +68,7 @@ fn metric_names(expr: &str) -> Vec<String> {
 fn every_alert_uses_exported_metrics_and_links_to_its_runbook_section() {
     let rules = read("deploy/prometheus/onceguard-alerts.yml");
     let runbook = read("docs/RUNBOOK.md");
-    let declared = read("crates/server/src/metrics.rs");
+    let declared = read("crates/http/src/metrics.rs");
     let sections: Vec<String> = runbook.lines().filter_map(|l| l.strip_prefix("## ")).map(anchor).collect();
     let alerts = alerts(&rules);
     assert!(alerts.len() >= 5, "stuck keys, mismatches, stale completions, store, denials at least");

@@ -450,10 +450,10 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks every value and their consistency.
+    /// Checks every value and their consistency (the store URL is parsed where the store is
+    /// opened: `onceguard_server::StoreUrl`, which knows every store).
     pub fn validate(&self) -> Result<(), InvalidInput> {
         self.limits.validate()?;
-        crate::store_url::StoreUrl::parse(&self.store)?;
         TenantId::parse(&self.auth.operator_tenant)
             .map_err(|_| InvalidInput::new("auth.operator_tenant", "is not a valid tenant id"))?;
         TenantId::parse(&self.auth.anonymous_tenant)

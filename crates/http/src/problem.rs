@@ -12,7 +12,6 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use onceguard_core::{Denial, GuardError, InvalidInput, StaleReason, StoreError};
 use serde::Serialize;
-use utoipa::ToSchema;
 
 /// The prefix of every problem type.
 pub const TYPE_PREFIX: &str = "https://onceguard.dev/problems/";
@@ -80,7 +79,8 @@ pub enum ApiError {
 }
 
 /// The body of a problem, as documented in the OpenAPI document.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Problem {
     /// A stable URI per kind of problem.
     #[serde(rename = "type")]
@@ -101,7 +101,7 @@ pub struct Problem {
     pub retry_after_ms: Option<u64>,
     /// For `in_flight`: the holder's attempt; for `stale`: why.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<Value>)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Value>))]
     pub reason: Option<serde_json::Value>,
 }
 

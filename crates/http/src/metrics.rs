@@ -27,6 +27,9 @@ use crate::live::{Event, Live};
 // recovery and denial reasons ([`RecoveryKind`], [`DenialReason`]), stale calls ([`FencedOp`],
 // [`StaleKind`]) and store operations ([`StoreOp`]), each declared once there.
 
+/// The route label (and span route) of a request that matched no route.
+pub const UNMATCHED: &str = "unmatched";
+
 /// Upper bounds (seconds) of the latency buckets, for requests and store operations.
 pub const LATENCY_BUCKETS: [f64; 16] =
     [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -369,7 +372,7 @@ impl Metrics {
             "OPTIONS" => "OPTIONS",
             _ => "other",
         };
-        let route = route.unwrap_or(crate::telemetry::UNMATCHED);
+        let route = route.unwrap_or(UNMATCHED);
         if route.starts_with("/v1/claims") {
             self.live.record_claim_latency(took);
         }

@@ -1,0 +1,196 @@
+//! What every HTTP front end of Onceguard shares: the server's API, the proxy and the MCP
+//! gateway. It holds no PostgreSQL, Redis, OpenTelemetry or OpenAPI code, so that the tower
+//! layer a Rust service embeds compiles only this and the core.
+//!
+//! - [`config`]: the typed configuration, in layers (defaults, TOML, `ONCEGUARD_*`, flags).
+//! - [`problem`]: errors as `application/problem+json`, mapped from their causes in one table.
+//! - [`metrics`]: every metric, named and described (the guard's [`onceguard_core::Observer`]);
+//!   [`live`]: the recent window the dashboard draws; [`observed_store`]: every store
+//!   operation measured and traced.
+//! - [`auth`]: who is calling (API keys, cached).
+//! - [`AppState`]: what handlers share; [`serve_with_background`]: serving an app with the
+//!   guard's background tasks; [`metrics_endpoint`]: `/metrics`.
+//!
+//! The `openapi` feature derives the OpenAPI schema of the problem document (the server enables
+//! it; the proxy and the gateway do not).
+
+#![forbid(unsafe_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use onceguard_core::{Guard, StoreError, TenantId};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub mod auth;
+pub mod config;
+pub mod live;
+pub mod metrics;
+pub mod observed_store;
+pub mod problem;
+
+pub use config::{Config, ConfigError, Overrides};
+pub use metrics::Metrics;
+
+/// What every handler shares. Cloned for every request (by each extractor that reads it), so
+/// a clone is one reference count.
+#[derive(Clone)]
+pub struct AppState(Arc<SharedState>);
+
+impl std::ops::Deref for AppState {
+    type Target = SharedState;
+
+    fn deref(&self) -> &SharedState {
+        &self.0
+    }
+}
+
+/// The contents of [`AppState`].
+pub struct SharedState {
+    /// The guard (store, clock, limits, waiters); its store is measured (see
+    /// [`observed_store`]).
+    pub guard: Guard,
+    /// The metrics and the dashboard's recent window.
+    pub metrics: Arc<Metrics>,
+    /// How keys in flight are counted for `/metrics` and the dashboard.
+    pub metrics_config: config::MetricsConfig,
+    /// The tenant whose admins manage tenants.
+    pub operator_tenant: TenantId,
+    /// The tenant of requests without an API key, when anonymous access is allowed.
+    pub anonymous_tenant: Option<TenantId>,
+    /// API keys read recently (see `auth.key_cache_ttl`).
+    pub api_keys: auth::KeyCache,
+}
+
+impl AppState {
+    /// The state for `guard` under `config`, with fresh metrics: the guard's store is wrapped so
+    /// that every store operation is measured and traced.
+    pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
+        let metrics = Arc::new(Metrics::new());
+        let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
+        Ok(Self(Arc::new(SharedState {
+            guard: guard.with_store(store).with_observer(metrics.clone()),
+            metrics,
+            metrics_config: config.metrics.clone(),
+            operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,
+            anonymous_tenant: config
+                .auth
+                .allow_anonymous
+                .then(|| TenantId::parse(&config.auth.anonymous_tenant))
+                .transpose()?,
+            api_keys: auth::KeyCache::new(config.auth.key_cache_ttl),
+        })))
+    }
+}
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The store could not be opened or did not answer.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A configured value is not valid.
+    #[error(transparent)]
+    Invalid(#[from] onceguard_core::InvalidInput),
+    /// A file or socket.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl From<onceguard_core::GuardError> for StartError {
+    fn from(e: onceguard_core::GuardError) -> Self {
+        match e {
+            onceguard_core::GuardError::Store(e) => Self::Store(e),
+            onceguard_core::GuardError::Invalid(e) => Self::Invalid(e),
+            e @ onceguard_core::GuardError::TooLarge { .. } => {
+                Self::Invalid(onceguard_core::InvalidInput::new("bootstrap", e.to_string()))
+            }
+        }
+    }
+}
+
+/// Prometheus metrics (OpenMetrics text): counts since this instance started, and the keys in
+/// flight and stuck as of the last scan of the store (at most one scan per
+/// `metrics.refresh_interval`).
+pub async fn metrics_endpoint(State(state): State<AppState>) -> Response {
+    state.metrics.scan_keys(&state.guard, &state.metrics_config).await;
+    let mut response = state.metrics.encode().into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    response
+}
+
+/// Serves `app` with the guard's background tasks (the sweep of expired records, the refresh of
+/// switches and settings, and the feed of keys finished by other instances), which it owns and
+/// stops at shutdown.
+pub async fn serve_with_background(
+    config: &Config,
+    guard: Guard,
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let forwarder = guard.forward_changes().map(tokio::spawn);
+    let controls = tokio::spawn(guard.refresh_controls_task());
+    let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));
+    let grace = config.http.shutdown_grace;
+    let mut grace_rx = stop_rx;
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: finishing requests in flight");
+        let _ = stop_tx.send(true);
+    };
+    let serve = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let served = tokio::select! {
+        served = serve => served,
+        _ = async {
+            let _ = grace_rx.wait_for(|stop| *stop).await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("requests still in flight after the shutdown grace; stopping anyway");
+            Ok(())
+        }
+    };
+    sweeper.abort();
+    let _ = sweeper.await;
+    controls.abort();
+    let _ = controls.await;
+    if let Some(forwarder) = forwarder {
+        forwarder.abort();
+        let _ = forwarder.await;
+    }
+    served?;
+    Ok(())
+}
+
+async fn sweep_loop(guard: Guard, config: config::SweepConfig, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(config.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match guard.sweep(config.batch, config.max_batches).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(deleted = n, "swept expired records"),
+            Err(e) => tracing::warn!(error = %e, "sweep failed; will retry"),
+        }
+        if config.audit_retention.is_zero() {
+            continue;
+        }
+        match guard.prune_audit(config.audit_retention, config.batch, config.max_batches).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(deleted = n, "deleted audit entries past their retention"),
+            Err(e) => tracing::warn!(error = %e, "pruning the audit log failed; will retry"),
+        }
+    }
+}
