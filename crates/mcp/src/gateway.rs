@@ -382,23 +382,6 @@ impl Seen {
     }
 }
 
-/// Sends a body's remaining chunks on, seeing each; answers whether it ended whole.
-async fn pump_seeing(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, seen: &mut Seen) -> bool {
-    while let Some(chunk) = chunks.next().await {
-        match chunk {
-            Ok(chunk) => {
-                seen.add(&chunk);
-                let _ = out.send(Ok(chunk)).await;
-            }
-            Err(e) => {
-                let _ = out.send(Err(io::Error::other(e))).await;
-                return false;
-            }
-        }
-    }
-    true
-}
-
 impl Settlement {
     /// What the upstream's response message to the call means.
     pub fn of(message: &ResponseMessage) -> Self {
@@ -498,7 +481,7 @@ impl Leg {
                 self.settle(Settlement::of_status(parts.status)).await;
                 let (response, mut out) = streamed(parts);
                 let _ = reply.send(response);
-                pump(body, &mut out).await;
+                pump(body.into_data_stream(), &mut out, None).await;
             }
             None if is_event_stream(&parts.headers) => {
                 let (response, mut out) = streamed(parts);
@@ -575,7 +558,7 @@ impl Leg {
                         seen.add(&part);
                         let _ = out.send(Ok(part)).await;
                     }
-                    let whole = pump_seeing(chunks, &mut out, &mut seen).await;
+                    let whole = pump(chunks, &mut out, Some(&mut seen)).await;
                     extender.abort();
                     if whole {
                         self.settle(seen.not_stored()).await;
@@ -678,20 +661,24 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
     headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
-/// Sends a body's chunks on, until it ends; a caller that left does not stop the reading.
-async fn pump(body: Body, out: &mut BodySender) {
-    let mut chunks = body.into_data_stream();
+/// Sends a body's chunks on, until it ends, adding each to `seen` if given; answers whether it
+/// ended whole. A caller that left does not stop the reading.
+async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, mut seen: Option<&mut Seen>) -> bool {
     while let Some(chunk) = chunks.next().await {
         match chunk {
             Ok(chunk) => {
+                if let Some(seen) = seen.as_mut() {
+                    seen.add(&chunk);
+                }
                 let _ = out.send(Ok(chunk)).await;
             }
             Err(e) => {
                 let _ = out.send(Err(io::Error::other(e))).await;
-                return;
+                return false;
             }
         }
     }
+    true
 }
 
 /// Extends the lease every third of it, until aborted or the key is taken over.
