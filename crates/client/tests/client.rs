@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, DenialKind, Fenced};
 use onceguard_core::auth::{ApiKey, Role, Tenant};
-use onceguard_core::{Guard, MemoryStore, Store, SystemClock, TenantId, Timestamp};
+use onceguard_core::store::TenantStore;
+use onceguard_core::{Guard, MemoryStore, SystemClock, TenantId, Timestamp};
 use onceguard_server::Config;
 use serde_json::json;
 

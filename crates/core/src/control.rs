@@ -9,7 +9,7 @@
 //!   remembers that it was charged ([`Record::charged`]), so replays, waits, retries of a
 //!   released key and recoveries never charge again while the record lives.
 //! - The tenant's **claim rate** is a GCRA ([`gcra`]) whose one number (the theoretical arrival
-//!   time) the store keeps per tenant and updates atomically ([`crate::Store::take_rate`]) before
+//!   time) the store keeps per tenant and updates atomically ([`crate::store::RunStore::take_rate`]) before
 //!   the claim: it counts claim requests, whatever their answer.
 //! - **Switches** and **settings** are small documents ([`ControlDoc`]) that every server
 //!   instance reads whole and caches, refreshing them several times a second; the guard refuses
@@ -277,7 +277,7 @@ impl Switch {
     }
 }
 
-/// Whether [`crate::Store::revoke_leases`] revokes `record`: live, in progress (its lease live or
+/// Whether [`crate::store::ControlStore::revoke_leases`] revokes `record`: live, in progress (its lease live or
 /// passed: a holder whose lease passed may still complete while nobody took over), covered by
 /// `target`, and not already revoked with the same `detail` (so a second pass counts only what
 /// the first missed).

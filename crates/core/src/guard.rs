@@ -298,7 +298,7 @@ impl Guard {
     }
 
     /// A task that wakes this process's waiters for keys finished through other processes (see
-    /// [`Store::changes`]); `None` if the store has no such feed. The caller owns the task and
+    /// [`crate::store::ClaimStore::changes`]); `None` if the store has no such feed. The caller owns the task and
     /// stops it at shutdown.
     pub fn forward_changes(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
         let mut changes = self.store.changes()?;

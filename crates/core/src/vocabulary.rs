@@ -111,27 +111,27 @@ vocabulary! {
     /// The store operations, as measured (tenant and API key calls are `auth`; runs, budgets,
     /// switches and settings are `control`; the audit log's calls are `audit`).
     pub enum StoreOp {
-        /// [`crate::Store::claim`].
+        /// [`crate::store::ClaimStore::claim`].
         Claim => "claim",
-        /// [`crate::Store::mutate`].
+        /// [`crate::store::ClaimStore::mutate`].
         Mutate => "mutate",
-        /// [`crate::Store::get`].
+        /// [`crate::store::ClaimStore::get`].
         Get => "get",
-        /// [`crate::Store::list`].
+        /// [`crate::store::ClaimStore::list`].
         List => "list",
-        /// [`crate::Store::purge`].
+        /// [`crate::store::ClaimStore::purge`].
         Purge => "purge",
-        /// [`crate::Store::sweep`].
+        /// [`crate::store::ClaimStore::sweep`].
         Sweep => "sweep",
-        /// [`crate::Store::ping`].
+        /// [`crate::store::ClaimStore::ping`].
         Ping => "ping",
         /// Tenants and API keys.
         Auth => "auth",
         /// Runs, budgets, switches and settings.
         Control => "control",
-        /// [`crate::Store::revoke_leases`].
+        /// [`crate::store::ControlStore::revoke_leases`].
         RevokeLeases => "revoke_leases",
-        /// [`crate::Store::take_rate`].
+        /// [`crate::store::RunStore::take_rate`].
         TakeRate => "take_rate",
         /// The audit log.
         Audit => "audit",

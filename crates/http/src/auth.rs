@@ -165,6 +165,7 @@ impl KeyCache {
 mod tests {
     use std::sync::Arc;
 
+    use onceguard_core::store::TenantStore;
     use onceguard_core::{MemoryStore, Timestamp};
 
     use super::*;

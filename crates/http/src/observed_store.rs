@@ -13,6 +13,7 @@ use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{
     AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
 };
+use onceguard_core::store::{ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
     StoreError, StoreOp, TenantId, Timestamp,
@@ -46,7 +47,7 @@ impl ObservedStore {
 }
 
 #[async_trait]
-impl Store for ObservedStore {
+impl ClaimStore for ObservedStore {
     fn kind(&self) -> &'static str {
         self.kind
     }
@@ -119,36 +120,10 @@ impl Store for ObservedStore {
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
         self.inner.changes()
     }
+}
 
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.create_tenant(tenant)).await
-    }
-
-    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.get_tenant(id)).await
-    }
-
-    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.list_tenants()).await
-    }
-
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.timed(StoreOp::Auth, self.inner.create_api_key(key)).await
-    }
-
-    #[tracing::instrument(level = "debug", name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
-    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.get_api_key(id)).await
-    }
-
-    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.list_api_keys(tenant)).await
-    }
-
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now)).await
-    }
-
+#[async_trait]
+impl RunStore for ObservedStore {
     async fn put_budget(
         &self,
         tenant: &TenantId,
@@ -163,6 +138,19 @@ impl Store for ObservedStore {
         self.timed(StoreOp::Control, self.inner.get_run(tenant, run)).await
     }
 
+    #[tracing::instrument(level = "debug", name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), std::time::Duration>, StoreError> {
+        self.timed(StoreOp::TakeRate, self.inner.take_rate(tenant, rate, now)).await
+    }
+}
+
+#[async_trait]
+impl ControlStore for ObservedStore {
     async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
         self.timed(StoreOp::Control, self.inner.put_control(doc)).await
     }
@@ -191,16 +179,6 @@ impl Store for ObservedStore {
         self.timed(StoreOp::RevokeLeases, self.inner.revoke_leases(tenant, target, detail, now)).await
     }
 
-    #[tracing::instrument(level = "debug", name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
-    async fn take_rate(
-        &self,
-        tenant: &TenantId,
-        rate: &Rate,
-        now: Timestamp,
-    ) -> Result<Result<(), std::time::Duration>, StoreError> {
-        self.timed(StoreOp::TakeRate, self.inner.take_rate(tenant, rate, now)).await
-    }
-
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
         self.timed(StoreOp::Audit, self.inner.append_audit(entry)).await
     }
@@ -211,5 +189,37 @@ impl Store for ObservedStore {
 
     async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
         self.timed(StoreOp::Audit, self.inner.prune_audit(tenant, before, batch)).await
+    }
+}
+
+#[async_trait]
+impl TenantStore for ObservedStore {
+    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.create_tenant(tenant)).await
+    }
+
+    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.get_tenant(id)).await
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.list_tenants()).await
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        self.timed(StoreOp::Auth, self.inner.create_api_key(key)).await
+    }
+
+    #[tracing::instrument(level = "debug", name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
+    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.get_api_key(id)).await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.list_api_keys(tenant)).await
+    }
+
+    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now)).await
     }
 }

@@ -43,7 +43,7 @@
 //!   within `NOTIFY_WINDOW` (5 ms) in one statement, on a connection of its own (a `NOTIFY`
 //!   takes a database-wide lock while its transaction commits, so it is kept out of the
 //!   batches, and each notifying transaction waits for a WAL flush). A `LISTEN` connection
-//!   feeds [`Store::changes`]. Waiters also poll, so a lost notification only delays a replay.
+//!   feeds [`onceguard_core::store::ClaimStore::changes`]. Waiters also poll, so a lost notification only delays a replay.
 //! - **Fail closed**: every statement runs under `statement_timeout`, and taking a connection
 //!   from the pool times out; both answer `Unavailable` (HTTP 503), never a decision. The pool
 //!   reconnects by itself when the server comes back.
@@ -107,7 +107,7 @@ use onceguard_core::control::{
     SwitchTarget,
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
-use onceguard_core::store::{ListFilter, MAX_PAGE, Page, Store, StoreError};
+use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 use onceguard_core::{
     ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RecordState, RunId, Scope, TenantId, Timestamp,
 };
@@ -1677,7 +1677,7 @@ fn api_key_from_row(row: &Row) -> Result<ApiKey, StoreError> {
 }
 
 #[async_trait]
-impl Store for PgStore {
+impl ClaimStore for PgStore {
     fn kind(&self) -> &'static str {
         "postgres"
     }
@@ -1800,7 +1800,217 @@ impl Store for PgStore {
     fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
         Some(self.changes.subscribe())
     }
+}
 
+#[async_trait]
+impl RunStore for PgStore {
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // The run's lock, as a batch that charges it takes it: read, change, write.
+        let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
+        let h = class_lock(&[tenant.as_str(), run.as_str()]);
+        let row = tx.query_opt(&lock_run, &[&h, &tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        let mut stored = match row {
+            Some(row) => decode_run(tenant, run, &row)?,
+            None => Run::new(tenant.clone(), run.clone(), now),
+        };
+        stored.budget = budget.clone();
+        stored.updated_at = now;
+        let (t, r, b, effects, cost, created, updated) = run_params(&stored).map_err(corrupt)?;
+        let upsert_run = tx.prepare_cached(UPSERT_RUN).await.map_err(unavailable)?;
+        tx.execute(&upsert_run, &[&t, &r, &b, &effects, &cost, &created, &updated]).await.map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(stored)
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM og_runs WHERE tenant = $1 AND run = $2"))
+            .await
+            .map_err(unavailable)?;
+        let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        row.map(|row| decode_run(tenant, run, &row)).transpose()
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // Reads the tenant's theoretical arrival time with its row locked (created at 0, which
+        // `gcra` reads as never stored), so that concurrent takes queue up on it.
+        let take = tx
+            .prepare_cached(
+                "INSERT INTO og_rates (tenant, tat_us) VALUES ($1, 0)
+                 ON CONFLICT (tenant) DO UPDATE SET tat_us = og_rates.tat_us
+                 RETURNING tat_us",
+            )
+            .await
+            .map_err(unavailable)?;
+        let tat: i64 = tx.query_one(&take, &[&tenant.as_str()]).await.map_err(unavailable)?.get(0);
+        let tat = u64::try_from(tat).map_err(corrupt)?;
+        match control::gcra(Some(tat), now, rate) {
+            Ok(next) => {
+                tx.execute("UPDATE og_rates SET tat_us = $2 WHERE tenant = $1", &[&tenant.as_str(), &to_sql_u64(next)])
+                    .await
+                    .map_err(unavailable)?;
+                tx.commit().await.map_err(unavailable)?;
+                Ok(Ok(()))
+            }
+            Err(wait) => {
+                tx.rollback().await.map_err(unavailable)?;
+                Ok(Err(wait))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl ControlStore for PgStore {
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
+                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                "DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body",
+                &[&kind.as_str(), &tenant.as_str(), &id],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(row.map(|row| ControlDoc { kind, tenant: tenant.clone(), id: id.to_owned(), body: row.get(0) }))
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached("SELECT kind, tenant, id, body FROM og_control ORDER BY kind, tenant, id")
+            .await
+            .map_err(unavailable)?;
+        let rows = client.query(&st, &[]).await.map_err(unavailable)?;
+        rows.iter()
+            .map(|row| {
+                let kind: &str = row.get(0);
+                Ok(ControlDoc {
+                    kind: ControlKind::parse(kind)
+                        .ok_or_else(|| corrupt(format!("unknown control document kind '{kind}'")))?,
+                    tenant: TenantId::parse(row.get::<_, &str>(1)).map_err(corrupt)?,
+                    id: row.get(2),
+                    body: row.get(3),
+                })
+            })
+            .collect()
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut revoked = 0;
+        let mut after = None;
+        loop {
+            let (n, next) =
+                revoke_chunk(&self.pool, tenant, target, detail, now, after.as_ref()).await.map_err(|e| match e {
+                    BatchError::Data(e) => corrupt(e),
+                    e => unavailable(e),
+                })?;
+            revoked += n;
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(revoked),
+            }
+        }
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let doc = serde_json::to_string(entry).map_err(corrupt)?;
+        // An entry is written once: a retried append of the same entry changes nothing.
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO og_audit (tenant, id, at, actor, action, doc) VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (tenant, id) DO NOTHING",
+                &[&entry.tenant.as_str(), &entry.id, &to_i64(entry.at), &entry.actor, &entry.action, &doc],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
+        // Only the filters given are in the statement, so that each shape reads its index
+        // backwards: (tenant, id), (tenant, action, id) or (tenant, actor, id).
+        let tenant = tenant.as_str();
+        let mut sql = "SELECT doc FROM og_audit WHERE tenant = $1".to_owned();
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&tenant];
+        for (column, value) in [("action = ", &filter.action), ("actor = ", &filter.actor), ("id < ", &filter.before)] {
+            if let Some(value) = value {
+                params.push(value);
+                sql.push_str(&format!(" AND {column}${}", params.len()));
+            }
+        }
+        params.push(&overfetch);
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", params.len()));
+        let client = self.client().await?;
+        let st = client.prepare_cached(&sql).await.map_err(unavailable)?;
+        let rows = client.query(&st, &params).await.map_err(unavailable)?;
+        let entries = rows
+            .iter()
+            .map(|row| serde_json::from_str::<AuditEntry>(row.get(0)).map_err(corrupt))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(AuditPage::from_overfetch(entries, limit))
+    }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM og_audit WHERE tenant = $1 AND id IN
+                   (SELECT id FROM og_audit WHERE tenant = $1 AND id < $2 ORDER BY id LIMIT $3)",
+                &[&tenant.as_str(), &AuditEntry::id_floor(before), &i64::try_from(batch).unwrap_or(i64::MAX)],
+            )
+            .await
+            .map_err(unavailable)?;
+        usize::try_from(n).map_err(corrupt)
+    }
+}
+
+#[async_trait]
+impl TenantStore for PgStore {
     async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
         let n = self
             .client()
@@ -1888,207 +2098,6 @@ impl Store for PgStore {
             .await
             .map_err(unavailable)?;
         Ok(n > 0)
-    }
-
-    async fn put_budget(
-        &self,
-        tenant: &TenantId,
-        run: &RunId,
-        budget: &Budget,
-        now: Timestamp,
-    ) -> Result<Run, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        // The run's lock, as a batch that charges it takes it: read, change, write.
-        let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
-        let h = class_lock(&[tenant.as_str(), run.as_str()]);
-        let row = tx.query_opt(&lock_run, &[&h, &tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
-        let mut stored = match row {
-            Some(row) => decode_run(tenant, run, &row)?,
-            None => Run::new(tenant.clone(), run.clone(), now),
-        };
-        stored.budget = budget.clone();
-        stored.updated_at = now;
-        let (t, r, b, effects, cost, created, updated) = run_params(&stored).map_err(corrupt)?;
-        let upsert_run = tx.prepare_cached(UPSERT_RUN).await.map_err(unavailable)?;
-        tx.execute(&upsert_run, &[&t, &r, &b, &effects, &cost, &created, &updated]).await.map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
-        Ok(stored)
-    }
-
-    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM og_runs WHERE tenant = $1 AND run = $2"))
-            .await
-            .map_err(unavailable)?;
-        let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
-        row.map(|row| decode_run(tenant, run, &row)).transpose()
-    }
-
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
-                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    async fn delete_control(
-        &self,
-        kind: ControlKind,
-        tenant: &TenantId,
-        id: &str,
-    ) -> Result<Option<ControlDoc>, StoreError> {
-        let row = self
-            .client()
-            .await?
-            .query_opt(
-                "DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body",
-                &[&kind.as_str(), &tenant.as_str(), &id],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(row.map(|row| ControlDoc { kind, tenant: tenant.clone(), id: id.to_owned(), body: row.get(0) }))
-    }
-
-    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached("SELECT kind, tenant, id, body FROM og_control ORDER BY kind, tenant, id")
-            .await
-            .map_err(unavailable)?;
-        let rows = client.query(&st, &[]).await.map_err(unavailable)?;
-        rows.iter()
-            .map(|row| {
-                let kind: &str = row.get(0);
-                Ok(ControlDoc {
-                    kind: ControlKind::parse(kind)
-                        .ok_or_else(|| corrupt(format!("unknown control document kind '{kind}'")))?,
-                    tenant: TenantId::parse(row.get::<_, &str>(1)).map_err(corrupt)?,
-                    id: row.get(2),
-                    body: row.get(3),
-                })
-            })
-            .collect()
-    }
-
-    async fn revoke_leases(
-        &self,
-        tenant: &TenantId,
-        target: &SwitchTarget,
-        detail: &str,
-        now: Timestamp,
-    ) -> Result<u64, StoreError> {
-        let mut revoked = 0;
-        let mut after = None;
-        loop {
-            let (n, next) =
-                revoke_chunk(&self.pool, tenant, target, detail, now, after.as_ref()).await.map_err(|e| match e {
-                    BatchError::Data(e) => corrupt(e),
-                    e => unavailable(e),
-                })?;
-            revoked += n;
-            match next {
-                Some(next) => after = Some(next),
-                None => return Ok(revoked),
-            }
-        }
-    }
-
-    async fn take_rate(
-        &self,
-        tenant: &TenantId,
-        rate: &Rate,
-        now: Timestamp,
-    ) -> Result<Result<(), Duration>, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        // Reads the tenant's theoretical arrival time with its row locked (created at 0, which
-        // `gcra` reads as never stored), so that concurrent takes queue up on it.
-        let take = tx
-            .prepare_cached(
-                "INSERT INTO og_rates (tenant, tat_us) VALUES ($1, 0)
-                 ON CONFLICT (tenant) DO UPDATE SET tat_us = og_rates.tat_us
-                 RETURNING tat_us",
-            )
-            .await
-            .map_err(unavailable)?;
-        let tat: i64 = tx.query_one(&take, &[&tenant.as_str()]).await.map_err(unavailable)?.get(0);
-        let tat = u64::try_from(tat).map_err(corrupt)?;
-        match control::gcra(Some(tat), now, rate) {
-            Ok(next) => {
-                tx.execute("UPDATE og_rates SET tat_us = $2 WHERE tenant = $1", &[&tenant.as_str(), &to_sql_u64(next)])
-                    .await
-                    .map_err(unavailable)?;
-                tx.commit().await.map_err(unavailable)?;
-                Ok(Ok(()))
-            }
-            Err(wait) => {
-                tx.rollback().await.map_err(unavailable)?;
-                Ok(Err(wait))
-            }
-        }
-    }
-
-    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        let doc = serde_json::to_string(entry).map_err(corrupt)?;
-        // An entry is written once: a retried append of the same entry changes nothing.
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO og_audit (tenant, id, at, actor, action, doc) VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (tenant, id) DO NOTHING",
-                &[&entry.tenant.as_str(), &entry.id, &to_i64(entry.at), &entry.actor, &entry.action, &doc],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "DELETE FROM og_audit WHERE tenant = $1 AND id IN
-                   (SELECT id FROM og_audit WHERE tenant = $1 AND id < $2 ORDER BY id LIMIT $3)",
-                &[&tenant.as_str(), &AuditEntry::id_floor(before), &i64::try_from(batch).unwrap_or(i64::MAX)],
-            )
-            .await
-            .map_err(unavailable)?;
-        usize::try_from(n).map_err(corrupt)
-    }
-
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        let limit = filter.limit.clamp(1, MAX_PAGE);
-        let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
-        // Only the filters given are in the statement, so that each shape reads its index
-        // backwards: (tenant, id), (tenant, action, id) or (tenant, actor, id).
-        let tenant = tenant.as_str();
-        let mut sql = "SELECT doc FROM og_audit WHERE tenant = $1".to_owned();
-        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&tenant];
-        for (column, value) in [("action = ", &filter.action), ("actor = ", &filter.actor), ("id < ", &filter.before)] {
-            if let Some(value) = value {
-                params.push(value);
-                sql.push_str(&format!(" AND {column}${}", params.len()));
-            }
-        }
-        params.push(&overfetch);
-        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", params.len()));
-        let client = self.client().await?;
-        let st = client.prepare_cached(&sql).await.map_err(unavailable)?;
-        let rows = client.query(&st, &params).await.map_err(unavailable)?;
-        let entries = rows
-            .iter()
-            .map(|row| serde_json::from_str::<AuditEntry>(row.get(0)).map_err(corrupt))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(AuditPage::from_overfetch(entries, limit))
     }
 }
 

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use onceguard_core::store::ClaimStore;
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fingerprint, Guard, Key, Limits, ManualClock, Mutation, Namespace, Outcome,
     OutcomeKind, Scope, Store, TenantId, Timestamp,

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceguard_core::control::SwitchTarget;
+use onceguard_core::store::{ClaimStore, ControlStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace, Outcome, OutcomeKind,
-    RecordState, Scope, StaleReason, Store, TenantId, Timestamp,
+    RecordState, Scope, StaleReason, TenantId, Timestamp,
 };
 use onceguard_store_postgres::{PgOptions, PgStore};
 

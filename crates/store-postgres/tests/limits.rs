@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceguard_core::control::{Budget, Rate, SwitchTarget};
+use onceguard_core::store::{ClaimStore, ControlStore, RunStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace, Outcome, OutcomeKind,
-    RunId, Scope, StaleReason, Store, TenantId, Timestamp,
+    RunId, Scope, StaleReason, TenantId, Timestamp,
 };
 use onceguard_store_postgres::{PgOptions, PgStore};
 

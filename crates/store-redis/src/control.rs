@@ -7,7 +7,7 @@ use futures::{StreamExt, TryStreamExt};
 use onceguard_core::control::{
     AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
 };
-use onceguard_core::store::{ListFilter, MAX_PAGE, Store, StoreError};
+use onceguard_core::store::{ClaimStore, ListFilter, MAX_PAGE, StoreError};
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
 

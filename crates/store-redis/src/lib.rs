@@ -31,7 +31,7 @@
 //!   clock is never read. So that Redis reclaims memory by itself, each write also sets the
 //!   record's TTL to `expires_at - now` plus [`RedisOptions::expiry_margin`] (relative to the
 //!   caller's `now`, so the caller's and the server's clocks need not agree); until then an
-//!   expired record is still there for [`Store::sweep`], which deletes it in bounded batches and
+//!   expired record is still there for [`onceguard_core::store::ClaimStore::sweep`], which deletes it in bounded batches and
 //!   answers how many it deleted. (The index entries of a record that Redis reclaimed first are
 //!   skipped by listings, and removed by the sweep without being counted.)
 //! - **Isolation**: every key name is derived from the tenant, namespace and key, and listing
@@ -124,7 +124,7 @@
 //!   runs again, it still would acquire (a duplicate that lost the race answers in flight).
 //! - Duplicates sharing a pending charge are charged the declared cost of the first of them
 //!   (more or less than the acquirer's own, if duplicates declare different costs).
-//! - A run's usage as read ([`Store::get_run`]) includes pending charges.
+//! - A run's usage as read ([`onceguard_core::store::RunStore::get_run`]) includes pending charges.
 //! - A finished lease's place leaves the set just after the record was written (a second
 //!   script): for that moment it still counts.
 //! - A claim whose process stops, or whose answer is lost (Redis or the network failing), after
@@ -141,9 +141,9 @@
 //! # Switches, settings, the claim rate and the audit log
 //!
 //! - **Control documents** (switches, settings) are one hash, `P c:{control}`, read whole by
-//!   [`Store::list_control`] (one `HGETALL`; they are few).
+//!   [`onceguard_core::store::ControlStore::list_control`] (one `HGETALL`; they are few).
 //! - **Revoking leases** finds the tenant's in-progress records in the listing indexes (as
-//!   [`Store::list`] does, filtered by the switch's namespace prefix or run) and revokes each
+//!   [`onceguard_core::store::ClaimStore::list`] does, filtered by the switch's namespace prefix or run) and revokes each
 //!   with a script ([`scripts::REVOKE`]) that checks it is still live, in progress and covered
 //!   (and not revoked already with the same detail, so a second pass counts only what the first
 //!   missed), and gives it a fresh fence from the counter: drawn in the script on one server; on a
@@ -204,7 +204,7 @@
 //! Every finishing call (complete, fail, report-unknown) that changed a record, and every purge,
 //! publishes the key on the channel `P changes`, from inside its script. Each store subscribes
 //! to that channel (on a Cluster, at one node: every node hears every message) and hands the
-//! keys finished through *other* store instances to [`Store::changes`], so that a server can
+//! keys finished through *other* store instances to [`onceguard_core::store::ClaimStore::changes`], so that a server can
 //! wake its waiters at once. Pub/sub delivers at most once: a message published while the
 //! subscription is reconnecting is lost, and waiters fall back to polling.
 //!
@@ -257,7 +257,9 @@ use onceguard_core::control::{
 };
 use onceguard_core::memory::matches_filter;
 use onceguard_core::protocol::{ClaimRequest, Mutation};
-use onceguard_core::store::{DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, Store, StoreError};
+use onceguard_core::store::{
+    ClaimStore, ControlStore, DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore,
+};
 use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, RunId, Scope, TenantId, Timestamp};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -911,7 +913,7 @@ fn digest_of(member: &[u8]) -> String {
 }
 
 #[async_trait]
-impl Store for RedisStore {
+impl ClaimStore for RedisStore {
     fn kind(&self) -> &'static str {
         if self.cluster { "redis-cluster" } else { "redis" }
     }
@@ -1098,7 +1100,79 @@ impl Store for RedisStore {
     fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
         Some(self.changes.subscribe())
     }
+}
 
+#[async_trait]
+impl RunStore for RedisStore {
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        self.bounded("set a budget", self.set_budget(tenant, run, budget, now)).await
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        self.bounded("get a run", self.read_run(tenant, run)).await
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate, now)).await
+    }
+}
+
+#[async_trait]
+impl ControlStore for RedisStore {
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.bounded("put a control document", self.store_control(doc)).await
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        self.bounded("delete a control document", self.remove_control(kind, tenant, id)).await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.bounded("list control documents", self.read_controls()).await
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        check_range(&[now.0])?;
+        self.revoke_covered(tenant, target, detail, now).await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.bounded("append to the audit log", self.store_audit(entry)).await
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        self.bounded("list the audit log", self.read_audit(tenant, filter)).await
+    }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.bounded("prune the audit log", self.delete_old_audit(tenant, before, batch)).await
+    }
+}
+
+#[async_trait]
+impl TenantStore for RedisStore {
     async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
         self.bounded("create tenant", async {
             let mut conn = self.conn.clone();
@@ -1213,69 +1287,6 @@ impl Store for RedisStore {
             Ok(revoked > 0)
         })
         .await
-    }
-
-    async fn put_budget(
-        &self,
-        tenant: &TenantId,
-        run: &RunId,
-        budget: &Budget,
-        now: Timestamp,
-    ) -> Result<Run, StoreError> {
-        self.bounded("set a budget", self.set_budget(tenant, run, budget, now)).await
-    }
-
-    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        self.bounded("get a run", self.read_run(tenant, run)).await
-    }
-
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.bounded("put a control document", self.store_control(doc)).await
-    }
-
-    async fn delete_control(
-        &self,
-        kind: ControlKind,
-        tenant: &TenantId,
-        id: &str,
-    ) -> Result<Option<ControlDoc>, StoreError> {
-        self.bounded("delete a control document", self.remove_control(kind, tenant, id)).await
-    }
-
-    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        self.bounded("list control documents", self.read_controls()).await
-    }
-
-    async fn revoke_leases(
-        &self,
-        tenant: &TenantId,
-        target: &SwitchTarget,
-        detail: &str,
-        now: Timestamp,
-    ) -> Result<u64, StoreError> {
-        check_range(&[now.0])?;
-        self.revoke_covered(tenant, target, detail, now).await
-    }
-
-    async fn take_rate(
-        &self,
-        tenant: &TenantId,
-        rate: &Rate,
-        now: Timestamp,
-    ) -> Result<Result<(), Duration>, StoreError> {
-        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate, now)).await
-    }
-
-    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        self.bounded("append to the audit log", self.store_audit(entry)).await
-    }
-
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        self.bounded("list the audit log", self.read_audit(tenant, filter)).await
-    }
-
-    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.bounded("prune the audit log", self.delete_old_audit(tenant, before, batch)).await
     }
 }
 

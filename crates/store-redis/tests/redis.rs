@@ -7,8 +7,9 @@ mod common;
 use std::time::Duration;
 
 use onceguard_core::control::{self, Budget, Rate};
+use onceguard_core::store::{ClaimStore, RunStore};
 use onceguard_core::{
-    ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, RunId, Scope, Store, StoreError, TenantId, Timestamp,
+    ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, RunId, Scope, StoreError, TenantId, Timestamp,
 };
 use onceguard_store_redis::layout::{Keys, Placement, RunPlacement};
 use onceguard_store_redis::scripts::{ClaimCall, SCRIPTS};

@@ -9,6 +9,7 @@ use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
     AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
 };
+use onceguard_core::store::{ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, ListFilter, ManualClock, MemoryStore, Mutation, Page,
     Record, RunId, Scope, Store, StoreError, TenantId, Timestamp,
@@ -124,16 +125,18 @@ impl BreakableStore {
 }
 
 #[async_trait::async_trait]
-impl Store for BreakableStore {
+impl ClaimStore for BreakableStore {
     fn kind(&self) -> &'static str {
         "memory"
     }
+
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         if self.stalled.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
         self.up()?.claim(req, now).await
     }
+
     async fn mutate(
         &self,
         scope: &Scope,
@@ -144,71 +147,102 @@ impl Store for BreakableStore {
     ) -> Result<FencedOutcome, StoreError> {
         self.up()?.mutate(scope, fence, mutation, now, max_checkpoints).await
     }
+
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
         self.up()?.get(scope, now).await
     }
+
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
         self.up()?.list(tenant, filter, now).await
     }
+
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         self.up()?.purge(scope).await
     }
+
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         self.up()?.sweep(now, batch).await
     }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.up()?.ping().await
     }
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        self.up()?.create_tenant(tenant).await
-    }
-    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
-        self.up()?.get_tenant(id).await
-    }
-    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
-        self.up()?.list_tenants().await
-    }
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.up()?.create_api_key(key).await
-    }
-    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        self.up()?.get_api_key(id).await
-    }
-    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
-        self.up()?.list_api_keys(tenant).await
-    }
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        self.up()?.revoke_api_key(tenant, id, now).await
-    }
+}
+
+#[async_trait::async_trait]
+impl RunStore for BreakableStore {
     async fn put_budget(&self, tenant: &TenantId, run: &RunId, b: &Budget, now: Timestamp) -> Result<Run, StoreError> {
         self.up()?.put_budget(tenant, run, b, now).await
     }
+
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
         self.up()?.get_run(tenant, run).await
     }
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.up()?.put_control(doc).await
-    }
-    async fn delete_control(&self, k: ControlKind, t: &TenantId, id: &str) -> Result<Option<ControlDoc>, StoreError> {
-        self.up()?.delete_control(k, t, id).await
-    }
-    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        self.up()?.list_control().await
-    }
-    async fn revoke_leases(&self, t: &TenantId, s: &SwitchTarget, d: &str, now: Timestamp) -> Result<u64, StoreError> {
-        self.up()?.revoke_leases(t, s, d, now).await
-    }
+
     async fn take_rate(&self, t: &TenantId, r: &Rate, now: Timestamp) -> Result<Result<(), Duration>, StoreError> {
         self.up()?.take_rate(t, r, now).await
     }
+}
+
+#[async_trait::async_trait]
+impl ControlStore for BreakableStore {
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.up()?.put_control(doc).await
+    }
+
+    async fn delete_control(&self, k: ControlKind, t: &TenantId, id: &str) -> Result<Option<ControlDoc>, StoreError> {
+        self.up()?.delete_control(k, t, id).await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.up()?.list_control().await
+    }
+
+    async fn revoke_leases(&self, t: &TenantId, s: &SwitchTarget, d: &str, now: Timestamp) -> Result<u64, StoreError> {
+        self.up()?.revoke_leases(t, s, d, now).await
+    }
+
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
         self.up()?.append_audit(entry).await
     }
+
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
         self.up()?.list_audit(tenant, filter).await
     }
+
     async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
         self.up()?.prune_audit(tenant, before, batch).await
+    }
+}
+
+#[async_trait::async_trait]
+impl TenantStore for BreakableStore {
+    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+        self.up()?.create_tenant(tenant).await
+    }
+
+    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
+        self.up()?.get_tenant(id).await
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.up()?.list_tenants().await
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        self.up()?.create_api_key(key).await
+    }
+
+    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
+        self.up()?.get_api_key(id).await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
+        self.up()?.list_api_keys(tenant).await
+    }
+
+    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+        self.up()?.revoke_api_key(tenant, id, now).await
     }
 }
 

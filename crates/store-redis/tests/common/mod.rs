@@ -20,9 +20,10 @@ use std::sync::{Once, OnceLock};
 use std::time::Duration;
 
 use onceguard_core::control::{Budget, RunUsage, SwitchTarget};
+use onceguard_core::store::{ClaimStore, ControlStore, RunStore};
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace,
-    Outcome, OutcomeKind, RunId, Scope, Store, TenantId, Timestamp,
+    Outcome, OutcomeKind, RunId, Scope, TenantId, Timestamp,
 };
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;

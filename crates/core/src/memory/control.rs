@@ -1,0 +1,81 @@
+//! The memory store's control documents, lease revocation and audit log.
+
+use super::*;
+
+#[async_trait]
+impl ControlStore for MemoryStore {
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.lock().control.insert((doc.kind, doc.tenant.clone(), doc.id.clone()), doc.clone());
+        Ok(())
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        Ok(self.lock().control.remove(&(kind, tenant.clone(), id.to_owned())))
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        Ok(self.lock().control.values().cloned().collect())
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut state = self.lock();
+        let state = &mut *state;
+        let mut revoked = 0;
+        for record in state.records.of_mut(tenant) {
+            if crate::control::revocable(record, target, detail, now) {
+                state.last_fence += 1;
+                crate::control::revoke(record, Fence(state.last_fence), detail, now);
+                if let Some(index) = &mut state.in_progress {
+                    track(index, record);
+                }
+                revoked += 1;
+            }
+        }
+        Ok(revoked)
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.lock().audit.insert((entry.tenant.clone(), entry.id.clone()), entry.clone());
+        Ok(())
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let state = self.lock();
+        let tenants: Vec<&AuditEntry> = state
+            .audit
+            .range((tenant.clone(), String::new())..)
+            .take_while(|((t, _), _)| t == tenant)
+            .map(|(_, e)| e)
+            .collect();
+        let entries: Vec<AuditEntry> =
+            tenants.into_iter().rev().filter(|e| filter.matches(e)).take(limit + 1).cloned().collect();
+        Ok(AuditPage::from_overfetch(entries, limit))
+    }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let floor = AuditEntry::id_floor(before);
+        let mut state = self.lock();
+        let old: Vec<(TenantId, String)> = state
+            .audit
+            .range((tenant.clone(), String::new())..(tenant.clone(), floor))
+            .take(batch)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &old {
+            state.audit.remove(k);
+        }
+        Ok(old.len())
+    }
+}

@@ -1,0 +1,46 @@
+//! Control documents (switches, settings), the revocation of leases, and the audit log.
+
+use async_trait::async_trait;
+
+use crate::control::{AuditEntry, AuditFilter, AuditPage, ControlDoc, ControlKind, SwitchTarget};
+use crate::domain::{TenantId, Timestamp};
+use crate::store::StoreError;
+
+/// Switches and settings (small documents every instance caches), revoking leases, the audit log.
+#[async_trait]
+pub trait ControlStore: Send + Sync + 'static {
+    /// Stores a control document, replacing the one with the same (kind, tenant, id).
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError>;
+
+    /// Deletes a control document; answers it if it existed.
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError>;
+
+    /// Every control document of every tenant (they are few and small; every instance caches
+    /// them).
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError>;
+
+    /// Revokes the records of `tenant` that [`crate::control::revocable`] selects (see the module
+    /// documentation), with `detail` as their unknown-outcome report; answers how many.
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError>;
+
+    /// Appends an entry to the audit log.
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError>;
+
+    /// A tenant's audit entries, newest first (by id), filtered.
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError>;
+
+    /// Deletes up to `batch` of the tenant's audit entries made before `before` (ids below
+    /// [`AuditEntry::id_floor`] of it), oldest first; answers how many it deleted.
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError>;
+}
