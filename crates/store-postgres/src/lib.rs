@@ -103,8 +103,7 @@ use deadpool_postgres::{ClientWrapper, Manager, ManagerConfig, Pool, RecyclingMe
 use futures::StreamExt;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
-    self, Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage,
-    SwitchTarget,
+    Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
@@ -115,6 +114,11 @@ use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
+
+mod claims;
+mod control;
+mod runs;
+mod tenants;
 
 /// The most jobs committed in one transaction.
 pub const MAX_BATCH: usize = 256;
@@ -811,7 +815,7 @@ impl Guess {
                 let (answer, record) =
                     protocol::apply(Some(known.record.clone()), *fence, mutation.clone(), now, *max_checkpoints);
                 let record = record?;
-                if control::reported_cost(mutation) > 0 && record.run.is_some() {
+                if onceguard_core::control::reported_cost(mutation) > 0 && record.run.is_some() {
                     return None;
                 }
                 let (doc, body) = record.clone().into_doc().ok()?;
@@ -1022,9 +1026,10 @@ impl Needs {
                     }
                 }
                 Op::Mutate { scope, mutation, .. } => {
-                    if let (true, Some(run)) =
-                        (control::reported_cost(mutation) > 0, record.as_ref().and_then(|r| r.run.as_ref()))
-                    {
+                    if let (true, Some(run)) = (
+                        onceguard_core::control::reported_cost(mutation) > 0,
+                        record.as_ref().and_then(|r| r.run.as_ref()),
+                    ) {
                         needs.runs.insert((scope.tenant.clone(), run.clone()));
                     }
                 }
@@ -1102,7 +1107,7 @@ impl Ledger {
             Some(id) => Some(self.run(tenant, id, now)?),
             None => None,
         };
-        match control::admit(&mut record, req, Admission { in_flight, run }, now) {
+        match onceguard_core::control::admit(&mut record, req, Admission { in_flight, run }, now) {
             Err(denial) => Ok((ClaimOutcome::Denied(denial), None)),
             Ok(charged) => {
                 if let (true, Some(id)) = (charged, id) {
@@ -1474,7 +1479,7 @@ async fn decide_batch(
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
                 let finishes =
                     matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
-                let cost = control::reported_cost(mutation);
+                let cost = onceguard_core::control::reported_cost(mutation);
                 let (outcome, write) = protocol::apply(record, *fence, mutation.clone(), job.now, *max_checkpoints);
                 if finishes && write.is_some() {
                     finished.push(scope.clone());
@@ -1500,96 +1505,6 @@ async fn decide_batch(
         runs.push(run_params(run).map_err(|e| BatchError::Data(e.to_string()))?);
     }
     Ok(Decided { answers, writes, runs, finished, known, committed })
-}
-
-/// Revokes the leases of at most [`MAX_BATCH`] in-progress records of `tenant` that `target`
-/// covers, the first ones after `after` in (namespace, key) order, in one transaction: their
-/// keys' locks in ascending order (as a batch takes them, so the two never deadlock), each
-/// record read again under its lock and revoked if it still qualifies, with a fence drawn once
-/// the locks are held. Answers how many it revoked and where the next chunk starts, if any.
-async fn revoke_chunk(
-    pool: &Pool,
-    tenant: &TenantId,
-    target: &SwitchTarget,
-    detail: &str,
-    now: Timestamp,
-    after: Option<&(String, String)>,
-) -> Result<(u64, Option<(String, String)>), BatchError> {
-    let client = pool.get().await.map_err(|e| BatchError::Pool(with_causes(&e)))?;
-    let (prefix, run) = match target {
-        SwitchTarget::Tenant => (None, None),
-        SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
-        SwitchTarget::Run { run } => (None, Some(run.as_str())),
-    };
-    let chunk = i64::try_from(MAX_BATCH).unwrap_or(i64::MAX);
-    // The candidates are read before the transaction: each is read again under its lock.
-    let candidates = client
-        .query(
-            "SELECT namespace, key FROM og_records
-             WHERE tenant = $1 AND state = 'in_progress' AND expires_at > $2
-               AND ($3::text IS NULL OR namespace = $3 OR starts_with(namespace, $3 || '/'))
-               AND ($4::text IS NULL OR run = $4)
-               AND ($5::text IS NULL OR (namespace, key) > ($5::text COLLATE \"C\", $6::text COLLATE \"C\"))
-             ORDER BY namespace, key
-             LIMIT $7",
-            &[
-                &tenant.as_str(),
-                &to_i64(now),
-                &prefix,
-                &run,
-                &after.map(|(ns, _)| ns.as_str()),
-                &after.map(|(_, key)| key.as_str()),
-                &chunk,
-            ],
-        )
-        .await?;
-    let next = match candidates.last() {
-        Some(last) if candidates.len() == MAX_BATCH => Some((last.get(0), last.get(1))),
-        _ => None,
-    };
-    let bad = |e: onceguard_core::InvalidInput| BatchError::Data(e.to_string());
-    let mut scopes = candidates
-        .iter()
-        .map(|row| {
-            Ok(Scope::new(
-                tenant.clone(),
-                Namespace::parse(row.get(0)).map_err(bad)?,
-                Key::parse(row.get(1)).map_err(bad)?,
-            ))
-        })
-        .collect::<Result<Vec<Scope>, BatchError>>()?;
-    if scopes.is_empty() {
-        return Ok((0, next));
-    }
-    scopes.sort_by_key(lock_key);
-    let result = async {
-        let scopes: Vec<&Scope> = scopes.iter().collect();
-        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()], &[], false, None).await?;
-        let covered: Vec<Record> = reads
-            .into_iter()
-            .filter_map(|read| read.record)
-            .filter(|record| control::revocable(record, target, detail, now))
-            .collect();
-        let mut writes = RecordColumns::default();
-        if !covered.is_empty() {
-            let (_, mut fences) = lock_needs(&client, &Needs { fences: covered.len(), ..Needs::default() }).await?;
-            for mut record in covered {
-                let fence = fences.pop_front().ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
-                control::revoke(&mut record, fence, detail, now);
-                let _ = writes.push(record)?;
-            }
-        }
-        write_and_commit(&client, &writes, &[]).await?;
-        Ok(writes.key.len() as u64)
-    }
-    .await;
-    match result {
-        Ok(revoked) => Ok((revoked, next)),
-        Err(e) => {
-            abandon(client).await;
-            Err(e)
-        }
-    }
 }
 
 /// How long the notifier gathers finished keys before it notifies them: each notification is
@@ -1655,449 +1570,6 @@ async fn listen_loop(config: tokio_postgres::Config, channel: String, changes: b
             driver.abort();
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
-fn tenant_from_row(row: &Row) -> Result<Tenant, StoreError> {
-    Ok(Tenant { id: TenantId::parse(row.get::<_, &str>(0)).map_err(corrupt)?, created_at: timestamp(row.get(1))? })
-}
-
-const API_KEY_COLUMNS: &str = "id, tenant, role, label, secret_sha256, created_at, revoked_at";
-
-fn api_key_from_row(row: &Row) -> Result<ApiKey, StoreError> {
-    Ok(ApiKey {
-        id: ApiKeyId::parse(row.get::<_, &str>(0)).map_err(corrupt)?,
-        tenant: TenantId::parse(row.get::<_, &str>(1)).map_err(corrupt)?,
-        role: Role::parse(row.get::<_, &str>(2)).map_err(corrupt)?,
-        label: row.get(3),
-        secret_sha256: row.get(4),
-        created_at: timestamp(row.get(5))?,
-        revoked_at: row.get::<_, Option<i64>>(6).map(timestamp).transpose()?,
-    })
-}
-
-#[async_trait]
-impl ClaimStore for PgStore {
-    fn kind(&self) -> &'static str {
-        "postgres"
-    }
-
-    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
-        match self.submit(Op::Claim(req.clone()), now).await? {
-            Answer::Claim(outcome) => Ok(outcome),
-            Answer::Mutate(_) => Err(corrupt("a claim was answered as a mutation")),
-        }
-    }
-
-    async fn mutate(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        mutation: Mutation,
-        now: Timestamp,
-        max_checkpoints: usize,
-    ) -> Result<FencedOutcome, StoreError> {
-        let op = Op::Mutate { scope: scope.clone(), fence, mutation, max_checkpoints };
-        match self.submit(op, now).await? {
-            Answer::Mutate(outcome) => Ok(outcome),
-            Answer::Claim(_) => Err(corrupt("a mutation was answered as a claim")),
-        }
-    }
-
-    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached("SELECT doc, body FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3")
-            .await
-            .map_err(unavailable)?;
-        let row = client
-            .query_opt(&st, &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()])
-            .await
-            .map_err(unavailable)?;
-        let record = row.as_ref().map(decode_row).transpose().map_err(corrupt)?;
-        Ok(record.filter(|r| r.is_live(now)))
-    }
-
-    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
-        let limit = filter.limit.clamp(1, MAX_PAGE);
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached(
-                "SELECT doc, body FROM og_records
-                 WHERE tenant = $1 AND expires_at > $2
-                   AND ($3::text IS NULL OR state = $3)
-                   AND (NOT $4 OR (state = 'in_progress' AND lease_expires_at <= $2))
-                   AND ($5::text IS NULL OR run = $5)
-                   AND ($6::text IS NULL OR namespace = $6 OR starts_with(namespace, $6 || '/'))
-                   AND ($7::text IS NULL OR (namespace, key) > ($7::text COLLATE \"C\", $8::text COLLATE \"C\"))
-                 ORDER BY namespace, key
-                 LIMIT $9",
-            )
-            .await
-            .map_err(unavailable)?;
-        let (after_ns, after_key) = match &filter.after {
-            Some((ns, key)) => (Some(ns.as_str()), Some(key.as_str())),
-            None => (None, None),
-        };
-        let rows = client
-            .query(
-                &st,
-                &[
-                    &tenant.as_str(),
-                    &to_i64(now),
-                    &filter.state.map(|s| s.as_str()),
-                    &filter.stuck,
-                    &filter.run.as_ref().map(|r| r.as_str()),
-                    &filter.namespace_prefix.as_ref().map(|p| p.as_str()),
-                    &after_ns,
-                    &after_key,
-                    &i64::try_from(limit + 1).unwrap_or(i64::MAX),
-                ],
-            )
-            .await
-            .map_err(unavailable)?;
-        let records: Vec<Record> = rows.iter().map(decode_row).collect::<Result<_, _>>().map_err(corrupt)?;
-        Ok(Page::from_overfetch(records, limit))
-    }
-
-    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
-        // Under the key's lock, as every batch that reads and writes the key: a batch that read
-        // the record before the purge has written it by the time the lock is granted, so the
-        // purge deletes what it wrote instead of being undone by it.
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(scope)]).await.map_err(unavailable)?;
-        let n = tx
-            .execute(
-                "DELETE FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3",
-                &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()],
-            )
-            .await
-            .map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
-        self.writers.known.forget(std::iter::once(scope));
-        let _ = self.finished.send(scope.clone());
-        Ok(n > 0)
-    }
-
-    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        let client = self.client().await?;
-        let n = client
-            .execute(
-                "DELETE FROM og_records WHERE ctid IN
-                   (SELECT ctid FROM og_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
-                &[&to_i64(now), &i64::try_from(batch).unwrap_or(i64::MAX)],
-            )
-            .await
-            .map_err(unavailable)?;
-        usize::try_from(n).map_err(corrupt)
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.client().await?.simple_query("SELECT 1").await.map(drop).map_err(unavailable)
-    }
-
-    fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
-        Some(self.changes.subscribe())
-    }
-}
-
-#[async_trait]
-impl RunStore for PgStore {
-    async fn put_budget(
-        &self,
-        tenant: &TenantId,
-        run: &RunId,
-        budget: &Budget,
-        now: Timestamp,
-    ) -> Result<Run, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        // The run's lock, as a batch that charges it takes it: read, change, write.
-        let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
-        let h = class_lock(&[tenant.as_str(), run.as_str()]);
-        let row = tx.query_opt(&lock_run, &[&h, &tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
-        let mut stored = match row {
-            Some(row) => decode_run(tenant, run, &row)?,
-            None => Run::new(tenant.clone(), run.clone(), now),
-        };
-        stored.budget = budget.clone();
-        stored.updated_at = now;
-        let (t, r, b, effects, cost, created, updated) = run_params(&stored).map_err(corrupt)?;
-        let upsert_run = tx.prepare_cached(UPSERT_RUN).await.map_err(unavailable)?;
-        tx.execute(&upsert_run, &[&t, &r, &b, &effects, &cost, &created, &updated]).await.map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
-        Ok(stored)
-    }
-
-    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM og_runs WHERE tenant = $1 AND run = $2"))
-            .await
-            .map_err(unavailable)?;
-        let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
-        row.map(|row| decode_run(tenant, run, &row)).transpose()
-    }
-
-    async fn take_rate(
-        &self,
-        tenant: &TenantId,
-        rate: &Rate,
-        now: Timestamp,
-    ) -> Result<Result<(), Duration>, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        // Reads the tenant's theoretical arrival time with its row locked (created at 0, which
-        // `gcra` reads as never stored), so that concurrent takes queue up on it.
-        let take = tx
-            .prepare_cached(
-                "INSERT INTO og_rates (tenant, tat_us) VALUES ($1, 0)
-                 ON CONFLICT (tenant) DO UPDATE SET tat_us = og_rates.tat_us
-                 RETURNING tat_us",
-            )
-            .await
-            .map_err(unavailable)?;
-        let tat: i64 = tx.query_one(&take, &[&tenant.as_str()]).await.map_err(unavailable)?.get(0);
-        let tat = u64::try_from(tat).map_err(corrupt)?;
-        match control::gcra(Some(tat), now, rate) {
-            Ok(next) => {
-                tx.execute("UPDATE og_rates SET tat_us = $2 WHERE tenant = $1", &[&tenant.as_str(), &to_sql_u64(next)])
-                    .await
-                    .map_err(unavailable)?;
-                tx.commit().await.map_err(unavailable)?;
-                Ok(Ok(()))
-            }
-            Err(wait) => {
-                tx.rollback().await.map_err(unavailable)?;
-                Ok(Err(wait))
-            }
-        }
-    }
-}
-
-#[async_trait]
-impl ControlStore for PgStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
-                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    async fn delete_control(
-        &self,
-        kind: ControlKind,
-        tenant: &TenantId,
-        id: &str,
-    ) -> Result<Option<ControlDoc>, StoreError> {
-        let row = self
-            .client()
-            .await?
-            .query_opt(
-                "DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body",
-                &[&kind.as_str(), &tenant.as_str(), &id],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(row.map(|row| ControlDoc { kind, tenant: tenant.clone(), id: id.to_owned(), body: row.get(0) }))
-    }
-
-    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached("SELECT kind, tenant, id, body FROM og_control ORDER BY kind, tenant, id")
-            .await
-            .map_err(unavailable)?;
-        let rows = client.query(&st, &[]).await.map_err(unavailable)?;
-        rows.iter()
-            .map(|row| {
-                let kind: &str = row.get(0);
-                Ok(ControlDoc {
-                    kind: ControlKind::parse(kind)
-                        .ok_or_else(|| corrupt(format!("unknown control document kind '{kind}'")))?,
-                    tenant: TenantId::parse(row.get::<_, &str>(1)).map_err(corrupt)?,
-                    id: row.get(2),
-                    body: row.get(3),
-                })
-            })
-            .collect()
-    }
-
-    async fn revoke_leases(
-        &self,
-        tenant: &TenantId,
-        target: &SwitchTarget,
-        detail: &str,
-        now: Timestamp,
-    ) -> Result<u64, StoreError> {
-        let mut revoked = 0;
-        let mut after = None;
-        loop {
-            let (n, next) =
-                revoke_chunk(&self.pool, tenant, target, detail, now, after.as_ref()).await.map_err(|e| match e {
-                    BatchError::Data(e) => corrupt(e),
-                    e => unavailable(e),
-                })?;
-            revoked += n;
-            match next {
-                Some(next) => after = Some(next),
-                None => return Ok(revoked),
-            }
-        }
-    }
-
-    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        let doc = serde_json::to_string(entry).map_err(corrupt)?;
-        // An entry is written once: a retried append of the same entry changes nothing.
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO og_audit (tenant, id, at, actor, action, doc) VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (tenant, id) DO NOTHING",
-                &[&entry.tenant.as_str(), &entry.id, &to_i64(entry.at), &entry.actor, &entry.action, &doc],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        let limit = filter.limit.clamp(1, MAX_PAGE);
-        let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
-        // Only the filters given are in the statement, so that each shape reads its index
-        // backwards: (tenant, id), (tenant, action, id) or (tenant, actor, id).
-        let tenant = tenant.as_str();
-        let mut sql = "SELECT doc FROM og_audit WHERE tenant = $1".to_owned();
-        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&tenant];
-        for (column, value) in [("action = ", &filter.action), ("actor = ", &filter.actor), ("id < ", &filter.before)] {
-            if let Some(value) = value {
-                params.push(value);
-                sql.push_str(&format!(" AND {column}${}", params.len()));
-            }
-        }
-        params.push(&overfetch);
-        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", params.len()));
-        let client = self.client().await?;
-        let st = client.prepare_cached(&sql).await.map_err(unavailable)?;
-        let rows = client.query(&st, &params).await.map_err(unavailable)?;
-        let entries = rows
-            .iter()
-            .map(|row| serde_json::from_str::<AuditEntry>(row.get(0)).map_err(corrupt))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(AuditPage::from_overfetch(entries, limit))
-    }
-
-    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "DELETE FROM og_audit WHERE tenant = $1 AND id IN
-                   (SELECT id FROM og_audit WHERE tenant = $1 AND id < $2 ORDER BY id LIMIT $3)",
-                &[&tenant.as_str(), &AuditEntry::id_floor(before), &i64::try_from(batch).unwrap_or(i64::MAX)],
-            )
-            .await
-            .map_err(unavailable)?;
-        usize::try_from(n).map_err(corrupt)
-    }
-}
-
-#[async_trait]
-impl TenantStore for PgStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "INSERT INTO og_tenants (id, created_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING",
-                &[&tenant.id.as_str(), &to_i64(tenant.created_at)],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(n > 0)
-    }
-
-    async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
-        let row = self
-            .client()
-            .await?
-            .query_opt("SELECT id, created_at FROM og_tenants WHERE id = $1", &[&id.as_str()])
-            .await
-            .map_err(unavailable)?;
-        row.as_ref().map(tenant_from_row).transpose()
-    }
-
-    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
-        let rows = self
-            .client()
-            .await?
-            .query("SELECT id, created_at FROM og_tenants ORDER BY id COLLATE \"C\"", &[])
-            .await
-            .map_err(unavailable)?;
-        rows.iter().map(tenant_from_row).collect()
-    }
-
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                &format!("INSERT INTO og_api_keys ({API_KEY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"),
-                &[
-                    &key.id.as_str(),
-                    &key.tenant.as_str(),
-                    &key.role.as_str(),
-                    &key.label,
-                    &key.secret_sha256,
-                    &to_i64(key.created_at),
-                    &key.revoked_at.map(to_i64),
-                ],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        let client = self.client().await?;
-        let st = client
-            .prepare_cached(&format!("SELECT {API_KEY_COLUMNS} FROM og_api_keys WHERE id = $1"))
-            .await
-            .map_err(unavailable)?;
-        let row = client.query_opt(&st, &[&id.as_str()]).await.map_err(unavailable)?;
-        row.as_ref().map(api_key_from_row).transpose()
-    }
-
-    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
-        let rows = self
-            .client()
-            .await?
-            .query(
-                &format!("SELECT {API_KEY_COLUMNS} FROM og_api_keys WHERE tenant = $1 ORDER BY created_at DESC, id"),
-                &[&tenant.as_str()],
-            )
-            .await
-            .map_err(unavailable)?;
-        rows.iter().map(api_key_from_row).collect()
-    }
-
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "UPDATE og_api_keys SET revoked_at = coalesce(revoked_at, $3) WHERE id = $1 AND tenant = $2",
-                &[&id.as_str(), &tenant.as_str(), &to_i64(now)],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(n > 0)
     }
 }
 

@@ -1,20 +1,17 @@
-//! Runs and their budgets, control documents, lease revocation, the claim rate and the audit
-//! log (see the crate documentation for where each lives).
+//! Control documents (switches, settings), lease revocation and the audit log on Redis (see
+//! the crate documentation for where each lives).
 
-use std::time::Duration;
-
+use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
-use onceguard_core::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
-};
-use onceguard_core::store::{ClaimStore, ListFilter, MAX_PAGE, StoreError};
+use onceguard_core::control::{AuditEntry, AuditFilter, AuditPage, ControlDoc, ControlKind, SwitchTarget};
+use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, StoreError};
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
 
 use crate::codec::{self, corrupt, strings};
-use crate::layout::{Placement, RunPlacement};
+use crate::layout::Placement;
 use crate::scripts::SCRIPTS;
-use crate::{Conn, MAX_DRAWS, RedisStore, ms, unavailable};
+use crate::{MAX_DRAWS, RedisStore, check_range, ms, unavailable};
 
 /// How many records a revocation works on at once.
 const REVOKE_CONCURRENCY: usize = 32;
@@ -40,57 +37,6 @@ fn control_doc(field: &[u8], body: Vec<u8>) -> Result<ControlDoc, StoreError> {
 }
 
 impl RedisStore {
-    pub(crate) async fn set_budget(
-        &self,
-        tenant: &TenantId,
-        run: &RunId,
-        budget: &Budget,
-        now: Timestamp,
-    ) -> Result<Run, StoreError> {
-        let mut conn = self.conn.clone();
-        let text = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
-        let mut invocation = SCRIPTS.put_budget.prepare_invoke();
-        invocation
-            .key(self.keys.run(&RunPlacement::of(tenant, run)))
-            .arg(now.0)
-            .arg(tenant.as_str())
-            .arg(run.as_str())
-            .arg(text(budget.max_effects))
-            .arg(text(budget.max_cost))
-            .arg(text(budget.deadline.map(|d| d.0)));
-        let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("set a budget"))?;
-        codec::run(tenant, run, strings(answer)?)?.ok_or_else(|| corrupt("a budget was set on no run"))
-    }
-
-    pub(crate) async fn read_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        let mut conn = self.conn.clone();
-        let answer: Value = redis::cmd("HGETALL")
-            .arg(self.keys.run(&RunPlacement::of(tenant, run)))
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable("get a run"))?;
-        codec::run(tenant, run, strings(answer)?)
-    }
-
-    /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).
-    pub(crate) async fn add_cost(
-        &self,
-        mut conn: Conn,
-        tenant: &TenantId,
-        run: &RunId,
-        cost: u64,
-        now: Timestamp,
-    ) -> Result<(), StoreError> {
-        let mut invocation = SCRIPTS.add_cost.prepare_invoke();
-        invocation
-            .key(self.keys.run(&RunPlacement::of(tenant, run)))
-            .arg(now.0)
-            .arg(tenant.as_str())
-            .arg(run.as_str())
-            .arg(cost);
-        invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("add a reported cost"))
-    }
-
     pub(crate) async fn store_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         redis::cmd("HSET")
@@ -224,36 +170,6 @@ impl RedisStore {
         )))
     }
 
-    /// `control::gcra` in one script on the tenant's slot, with the numbers it derives from
-    /// the rate computed here as it does.
-    pub(crate) async fn take_from_rate(
-        &self,
-        tenant: &TenantId,
-        rate: &Rate,
-        now: Timestamp,
-    ) -> Result<Result<(), Duration>, StoreError> {
-        let interval = (1_000_000 / u64::from(rate.per_second.max(1))).max(1);
-        let tolerance = interval.saturating_mul(u64::from(rate.burst.max(1)));
-        let mut conn = self.conn.clone();
-        let mut invocation = SCRIPTS.rate.prepare_invoke();
-        invocation
-            .key(self.keys.rate(tenant))
-            .arg(now.0.saturating_mul(1_000))
-            .arg(interval)
-            .arg(tolerance)
-            .arg(ms(self.options.expiry_margin));
-        let answer: Value =
-            invocation.invoke_async(&mut conn).await.map_err(unavailable("take from the claim rate"))?;
-        match codec::tagged(strings(answer)?)? {
-            (head, _) if head == "ok" => Ok(Ok(())),
-            (head, rest) if head == "wait" && rest.len() == 1 => {
-                let wait: u64 = rest[0].parse().map_err(|_| corrupt("a rate's wait is not a number"))?;
-                Ok(Err(Duration::from_micros(wait)))
-            }
-            (head, _) => Err(corrupt(format!("unknown rate answer {head:?}"))),
-        }
-    }
-
     pub(crate) async fn store_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
         let doc = serde_json::to_string(entry).map_err(corrupt)?;
         let mut conn = self.conn.clone();
@@ -323,6 +239,49 @@ impl RedisStore {
             }
         }
         Ok(AuditPage::from_overfetch(entries, limit))
+    }
+}
+
+#[async_trait]
+impl ControlStore for RedisStore {
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.bounded("put a control document", self.store_control(doc)).await
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        self.bounded("delete a control document", self.remove_control(kind, tenant, id)).await
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        self.bounded("list control documents", self.read_controls()).await
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        check_range(&[now.0])?;
+        self.revoke_covered(tenant, target, detail, now).await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.bounded("append to the audit log", self.store_audit(entry)).await
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        self.bounded("list the audit log", self.read_audit(tenant, filter)).await
+    }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.bounded("prune the audit log", self.delete_old_audit(tenant, before, batch)).await
     }
 }
 

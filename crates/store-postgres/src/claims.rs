@@ -1,0 +1,130 @@
+//! The claim path on PostgreSQL: claims and fenced calls are jobs of the group commit (the writers
+//! in lib.rs), reads and listings are plain queries, a purge takes the key's lock.
+
+use super::*;
+
+#[async_trait]
+impl ClaimStore for PgStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        match self.submit(Op::Claim(req.clone()), now).await? {
+            Answer::Claim(outcome) => Ok(outcome),
+            Answer::Mutate(_) => Err(corrupt("a claim was answered as a mutation")),
+        }
+    }
+
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        let op = Op::Mutate { scope: scope.clone(), fence, mutation, max_checkpoints };
+        match self.submit(op, now).await? {
+            Answer::Mutate(outcome) => Ok(outcome),
+            Answer::Claim(_) => Err(corrupt("a mutation was answered as a claim")),
+        }
+    }
+
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached("SELECT doc, body FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3")
+            .await
+            .map_err(unavailable)?;
+        let row = client
+            .query_opt(&st, &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()])
+            .await
+            .map_err(unavailable)?;
+        let record = row.as_ref().map(decode_row).transpose().map_err(corrupt)?;
+        Ok(record.filter(|r| r.is_live(now)))
+    }
+
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached(
+                "SELECT doc, body FROM og_records
+                 WHERE tenant = $1 AND expires_at > $2
+                   AND ($3::text IS NULL OR state = $3)
+                   AND (NOT $4 OR (state = 'in_progress' AND lease_expires_at <= $2))
+                   AND ($5::text IS NULL OR run = $5)
+                   AND ($6::text IS NULL OR namespace = $6 OR starts_with(namespace, $6 || '/'))
+                   AND ($7::text IS NULL OR (namespace, key) > ($7::text COLLATE \"C\", $8::text COLLATE \"C\"))
+                 ORDER BY namespace, key
+                 LIMIT $9",
+            )
+            .await
+            .map_err(unavailable)?;
+        let (after_ns, after_key) = match &filter.after {
+            Some((ns, key)) => (Some(ns.as_str()), Some(key.as_str())),
+            None => (None, None),
+        };
+        let rows = client
+            .query(
+                &st,
+                &[
+                    &tenant.as_str(),
+                    &to_i64(now),
+                    &filter.state.map(|s| s.as_str()),
+                    &filter.stuck,
+                    &filter.run.as_ref().map(|r| r.as_str()),
+                    &filter.namespace_prefix.as_ref().map(|p| p.as_str()),
+                    &after_ns,
+                    &after_key,
+                    &i64::try_from(limit + 1).unwrap_or(i64::MAX),
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        let records: Vec<Record> = rows.iter().map(decode_row).collect::<Result<_, _>>().map_err(corrupt)?;
+        Ok(Page::from_overfetch(records, limit))
+    }
+
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        // Under the key's lock, as every batch that reads and writes the key: a batch that read
+        // the record before the purge has written it by the time the lock is granted, so the
+        // purge deletes what it wrote instead of being undone by it.
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(scope)]).await.map_err(unavailable)?;
+        let n = tx
+            .execute(
+                "DELETE FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3",
+                &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()],
+            )
+            .await
+            .map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        self.writers.known.forget(std::iter::once(scope));
+        let _ = self.finished.send(scope.clone());
+        Ok(n > 0)
+    }
+
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let client = self.client().await?;
+        let n = client
+            .execute(
+                "DELETE FROM og_records WHERE ctid IN
+                   (SELECT ctid FROM og_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+                &[&to_i64(now), &i64::try_from(batch).unwrap_or(i64::MAX)],
+            )
+            .await
+            .map_err(unavailable)?;
+        usize::try_from(n).map_err(corrupt)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.client().await?.simple_query("SELECT 1").await.map(drop).map_err(unavailable)
+    }
+
+    fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
+        Some(self.changes.subscribe())
+    }
+}

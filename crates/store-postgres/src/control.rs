@@ -1,0 +1,227 @@
+//! Control documents, lease revocation (by chunks under the keys' locks) and the audit log on
+//! PostgreSQL (og_control, og_audit).
+
+use super::*;
+
+/// Revokes the leases of at most [`MAX_BATCH`] in-progress records of `tenant` that `target`
+/// covers, the first ones after `after` in (namespace, key) order, in one transaction: their
+/// keys' locks in ascending order (as a batch takes them, so the two never deadlock), each
+/// record read again under its lock and revoked if it still qualifies, with a fence drawn once
+/// the locks are held. Answers how many it revoked and where the next chunk starts, if any.
+async fn revoke_chunk(
+    pool: &Pool,
+    tenant: &TenantId,
+    target: &SwitchTarget,
+    detail: &str,
+    now: Timestamp,
+    after: Option<&(String, String)>,
+) -> Result<(u64, Option<(String, String)>), BatchError> {
+    let client = pool.get().await.map_err(|e| BatchError::Pool(with_causes(&e)))?;
+    let (prefix, run) = match target {
+        SwitchTarget::Tenant => (None, None),
+        SwitchTarget::Namespace { prefix } => (Some(prefix.as_str()), None),
+        SwitchTarget::Run { run } => (None, Some(run.as_str())),
+    };
+    let chunk = i64::try_from(MAX_BATCH).unwrap_or(i64::MAX);
+    // The candidates are read before the transaction: each is read again under its lock.
+    let candidates = client
+        .query(
+            "SELECT namespace, key FROM og_records
+             WHERE tenant = $1 AND state = 'in_progress' AND expires_at > $2
+               AND ($3::text IS NULL OR namespace = $3 OR starts_with(namespace, $3 || '/'))
+               AND ($4::text IS NULL OR run = $4)
+               AND ($5::text IS NULL OR (namespace, key) > ($5::text COLLATE \"C\", $6::text COLLATE \"C\"))
+             ORDER BY namespace, key
+             LIMIT $7",
+            &[
+                &tenant.as_str(),
+                &to_i64(now),
+                &prefix,
+                &run,
+                &after.map(|(ns, _)| ns.as_str()),
+                &after.map(|(_, key)| key.as_str()),
+                &chunk,
+            ],
+        )
+        .await?;
+    let next = match candidates.last() {
+        Some(last) if candidates.len() == MAX_BATCH => Some((last.get(0), last.get(1))),
+        _ => None,
+    };
+    let bad = |e: onceguard_core::InvalidInput| BatchError::Data(e.to_string());
+    let mut scopes = candidates
+        .iter()
+        .map(|row| {
+            Ok(Scope::new(
+                tenant.clone(),
+                Namespace::parse(row.get(0)).map_err(bad)?,
+                Key::parse(row.get(1)).map_err(bad)?,
+            ))
+        })
+        .collect::<Result<Vec<Scope>, BatchError>>()?;
+    if scopes.is_empty() {
+        return Ok((0, next));
+    }
+    scopes.sort_by_key(lock_key);
+    let result = async {
+        let scopes: Vec<&Scope> = scopes.iter().collect();
+        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()], &[], false, None).await?;
+        let covered: Vec<Record> = reads
+            .into_iter()
+            .filter_map(|read| read.record)
+            .filter(|record| onceguard_core::control::revocable(record, target, detail, now))
+            .collect();
+        let mut writes = RecordColumns::default();
+        if !covered.is_empty() {
+            let (_, mut fences) = lock_needs(&client, &Needs { fences: covered.len(), ..Needs::default() }).await?;
+            for mut record in covered {
+                let fence = fences.pop_front().ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
+                onceguard_core::control::revoke(&mut record, fence, detail, now);
+                let _ = writes.push(record)?;
+            }
+        }
+        write_and_commit(&client, &writes, &[]).await?;
+        Ok(writes.key.len() as u64)
+    }
+    .await;
+    match result {
+        Ok(revoked) => Ok((revoked, next)),
+        Err(e) => {
+            abandon(client).await;
+            Err(e)
+        }
+    }
+}
+
+#[async_trait]
+impl ControlStore for PgStore {
+    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
+                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn delete_control(
+        &self,
+        kind: ControlKind,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                "DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body",
+                &[&kind.as_str(), &tenant.as_str(), &id],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(row.map(|row| ControlDoc { kind, tenant: tenant.clone(), id: id.to_owned(), body: row.get(0) }))
+    }
+
+    async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached("SELECT kind, tenant, id, body FROM og_control ORDER BY kind, tenant, id")
+            .await
+            .map_err(unavailable)?;
+        let rows = client.query(&st, &[]).await.map_err(unavailable)?;
+        rows.iter()
+            .map(|row| {
+                let kind: &str = row.get(0);
+                Ok(ControlDoc {
+                    kind: ControlKind::parse(kind)
+                        .ok_or_else(|| corrupt(format!("unknown control document kind '{kind}'")))?,
+                    tenant: TenantId::parse(row.get::<_, &str>(1)).map_err(corrupt)?,
+                    id: row.get(2),
+                    body: row.get(3),
+                })
+            })
+            .collect()
+    }
+
+    async fn revoke_leases(
+        &self,
+        tenant: &TenantId,
+        target: &SwitchTarget,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<u64, StoreError> {
+        let mut revoked = 0;
+        let mut after = None;
+        loop {
+            let (n, next) =
+                revoke_chunk(&self.pool, tenant, target, detail, now, after.as_ref()).await.map_err(|e| match e {
+                    BatchError::Data(e) => corrupt(e),
+                    e => unavailable(e),
+                })?;
+            revoked += n;
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(revoked),
+            }
+        }
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let doc = serde_json::to_string(entry).map_err(corrupt)?;
+        // An entry is written once: a retried append of the same entry changes nothing.
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO og_audit (tenant, id, at, actor, action, doc) VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (tenant, id) DO NOTHING",
+                &[&entry.tenant.as_str(), &entry.id, &to_i64(entry.at), &entry.actor, &entry.action, &doc],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
+        // Only the filters given are in the statement, so that each shape reads its index
+        // backwards: (tenant, id), (tenant, action, id) or (tenant, actor, id).
+        let tenant = tenant.as_str();
+        let mut sql = "SELECT doc FROM og_audit WHERE tenant = $1".to_owned();
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&tenant];
+        for (column, value) in [("action = ", &filter.action), ("actor = ", &filter.actor), ("id < ", &filter.before)] {
+            if let Some(value) = value {
+                params.push(value);
+                sql.push_str(&format!(" AND {column}${}", params.len()));
+            }
+        }
+        params.push(&overfetch);
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", params.len()));
+        let client = self.client().await?;
+        let st = client.prepare_cached(&sql).await.map_err(unavailable)?;
+        let rows = client.query(&st, &params).await.map_err(unavailable)?;
+        let entries = rows
+            .iter()
+            .map(|row| serde_json::from_str::<AuditEntry>(row.get(0)).map_err(corrupt))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(AuditPage::from_overfetch(entries, limit))
+    }
+
+    async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM og_audit WHERE tenant = $1 AND id IN
+                   (SELECT id FROM og_audit WHERE tenant = $1 AND id < $2 ORDER BY id LIMIT $3)",
+                &[&tenant.as_str(), &AuditEntry::id_floor(before), &i64::try_from(batch).unwrap_or(i64::MAX)],
+            )
+            .await
+            .map_err(unavailable)?;
+        usize::try_from(n).map_err(corrupt)
+    }
+}

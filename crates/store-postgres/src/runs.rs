@@ -1,0 +1,77 @@
+//! Runs, budgets and claim rates on PostgreSQL (og_runs, og_rates).
+
+use super::*;
+
+#[async_trait]
+impl RunStore for PgStore {
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // The run's lock, as a batch that charges it takes it: read, change, write.
+        let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
+        let h = class_lock(&[tenant.as_str(), run.as_str()]);
+        let row = tx.query_opt(&lock_run, &[&h, &tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        let mut stored = match row {
+            Some(row) => decode_run(tenant, run, &row)?,
+            None => Run::new(tenant.clone(), run.clone(), now),
+        };
+        stored.budget = budget.clone();
+        stored.updated_at = now;
+        let (t, r, b, effects, cost, created, updated) = run_params(&stored).map_err(corrupt)?;
+        let upsert_run = tx.prepare_cached(UPSERT_RUN).await.map_err(unavailable)?;
+        tx.execute(&upsert_run, &[&t, &r, &b, &effects, &cost, &created, &updated]).await.map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(stored)
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM og_runs WHERE tenant = $1 AND run = $2"))
+            .await
+            .map_err(unavailable)?;
+        let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        row.map(|row| decode_run(tenant, run, &row)).transpose()
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // Reads the tenant's theoretical arrival time with its row locked (created at 0, which
+        // `gcra` reads as never stored), so that concurrent takes queue up on it.
+        let take = tx
+            .prepare_cached(
+                "INSERT INTO og_rates (tenant, tat_us) VALUES ($1, 0)
+                 ON CONFLICT (tenant) DO UPDATE SET tat_us = og_rates.tat_us
+                 RETURNING tat_us",
+            )
+            .await
+            .map_err(unavailable)?;
+        let tat: i64 = tx.query_one(&take, &[&tenant.as_str()]).await.map_err(unavailable)?.get(0);
+        let tat = u64::try_from(tat).map_err(corrupt)?;
+        match onceguard_core::control::gcra(Some(tat), now, rate) {
+            Ok(next) => {
+                tx.execute("UPDATE og_rates SET tat_us = $2 WHERE tenant = $1", &[&tenant.as_str(), &to_sql_u64(next)])
+                    .await
+                    .map_err(unavailable)?;
+                tx.commit().await.map_err(unavailable)?;
+                Ok(Ok(()))
+            }
+            Err(wait) => {
+                tx.rollback().await.map_err(unavailable)?;
+                Ok(Err(wait))
+            }
+        }
+    }
+}

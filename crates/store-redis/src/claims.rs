@@ -1,0 +1,194 @@
+//! The claim path on Redis: claims and fenced calls as scripts (on a Cluster with the reservations
+//! of holds.rs), reads, listings, purges and the sweep.
+
+use super::*;
+
+#[async_trait]
+impl ClaimStore for RedisStore {
+    fn kind(&self) -> &'static str {
+        if self.cluster { "redis-cluster" } else { "redis" }
+    }
+
+    #[tracing::instrument(level = "debug", name = "redis.claim", skip_all)]
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        check_range(&[now.0, ms(req.lease), ms(req.retention)])?;
+        let placement = Placement::of(&req.scope);
+        self.bounded("claim", async {
+            let mut conn = self.conn.clone();
+            self.register_slot(&mut conn, placement.slot).await?;
+            if self.cluster {
+                self.claim_on_cluster(&mut conn, req, now, &placement).await
+            } else {
+                self.claim_on_one_server(&mut conn, req, now, &placement).await
+            }
+        })
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", name = "redis.mutate", skip_all, fields(op = mutation.name()))]
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        check_range(&[now.0])?;
+        if let Mutation::Extend(lease) = &mutation {
+            check_range(&[ms(*lease)])?;
+        }
+        let placement = Placement::of(scope);
+        let cost = reported_cost(&mutation);
+        let finishes = matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+        self.bounded("fenced call", async {
+            let mut conn = self.conn.clone();
+            let (mut run, mut raised) = (None, false);
+            for _ in 0..MAX_RUN_CHANGES {
+                let invocation =
+                    self.fenced_call(scope, &placement, fence, &mutation, now, max_checkpoints, run.as_ref(), raised);
+                let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("fenced call"))?;
+                match codec::fenced_answer(strings(answer)?)? {
+                    Fenced::Done { outcome, wrote, token } => {
+                        if let (true, true, FencedOutcome::Applied(record)) = (self.cluster, wrote, &outcome) {
+                            self.after_fenced_call(&conn, record, token, finishes, cost, now).await;
+                        }
+                        return Ok(outcome);
+                    }
+                    Fenced::NeedRun(other) => run = Some(other),
+                    Fenced::NeedQuota { token, until } => {
+                        self.raise_in_flight(conn.clone(), &scope.tenant, &placement.member, &token, until).await?;
+                        raised = true;
+                    }
+                }
+            }
+            Err(StoreError::Unavailable("redis fenced call: the key's record kept changing".into()))
+        })
+        .await
+    }
+
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let placement = Placement::of(scope);
+        self.bounded("get", async {
+            let mut conn = self.conn.clone();
+            Ok(self.read_record(&mut conn, &placement).await?.filter(|r| r.is_live(now)))
+        })
+        .await
+    }
+
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        // The tenant's members lie in [tenant NUL, tenant \x01); with a namespace prefix `p`,
+        // in [tenant NUL p NUL, tenant NUL p '0'), which holds `p` and `p/...` (and a few
+        // neighbours such as `p-x`, which the filter drops).
+        let mut start = tenant.as_str().as_bytes().to_vec();
+        let mut end = start.clone();
+        start.push(0);
+        end.push(1);
+        if let Some(prefix) = &filter.namespace_prefix {
+            start.extend_from_slice(prefix.as_str().as_bytes());
+            end = start.clone();
+            start.push(0);
+            end.push(b'0');
+        }
+        let mut from = lex(true, &start);
+        if let Some((namespace, key)) = &filter.after {
+            let after = member(&Scope::new(tenant.clone(), namespace.clone(), key.clone()));
+            if after >= start {
+                from = lex(false, &after);
+            }
+        }
+        let until = lex(false, &end);
+        let chunk = (2 * (limit + 1) / usize::from(SHARDS)).max(16);
+        let mut shards: Vec<Shard> = tenant_slots(tenant)
+            .into_iter()
+            .map(|slot| Shard { slot, from: from.clone(), seen: None, done: false, found: VecDeque::new() })
+            .collect();
+        self.bounded("list", async {
+            let mut records = Vec::new();
+            while records.len() <= limit {
+                self.refill(tenant, &mut shards, &until, chunk, filter, now).await?;
+                // Every shard still being read has been examined up to its last member; the
+                // smallest of those is as far as the merge may go.
+                let frontier = shards.iter().filter(|s| !s.done).filter_map(|s| s.seen.clone()).min();
+                while records.len() <= limit {
+                    let next = shards
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, s)| s.found.front().map(|(m, _)| (i, m)))
+                        .min_by(|a, b| a.1.cmp(b.1))
+                        .map(|(i, m)| (i, frontier.as_ref().is_none_or(|f| m <= f)));
+                    match next {
+                        Some((i, true)) => records.extend(shards[i].found.pop_front().map(|(_, r)| r)),
+                        _ => break,
+                    }
+                }
+                if shards.iter().all(|s| s.done && s.found.is_empty()) {
+                    break;
+                }
+            }
+            Ok(Page::from_overfetch(records, limit))
+        })
+        .await
+    }
+
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        let placement = Placement::of(scope);
+        self.bounded("purge", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.purge.prepare_invoke();
+            invocation
+                .key(self.keys.record(&placement))
+                .key(self.keys.expiry(placement.slot))
+                .key(self.keys.listing(placement.slot));
+            if !self.cluster {
+                invocation.key(self.keys.in_flight(&scope.tenant));
+            }
+            invocation.arg(placement.member.as_slice()).arg(self.keys.changes()).arg(self.message(scope));
+            let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("purge"))?;
+            let (existed, token) = codec::tagged(strings(answer)?)?;
+            if let (true, Some(token)) = (self.cluster, token.first().filter(|t| !t.is_empty())) {
+                self.release_in_flight(conn.clone(), &scope.tenant, &placement.member, token).await?;
+            }
+            Ok(existed != "0")
+        })
+        .await
+    }
+
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        if batch == 0 {
+            return Ok(0);
+        }
+        self.bounded("sweep", async {
+            let mut conn = self.conn.clone();
+            let used: Vec<u16> = redis::cmd("SMEMBERS")
+                .arg(self.keys.used_slots())
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("sweep"))?;
+            let mut used: Vec<u16> = used.into_iter().filter(|&s| s < SLOTS).collect();
+            used.sort_unstable();
+            let mut deleted = 0;
+            for slots in used.chunks(512) {
+                deleted += self.sweep_slots(slots, now, batch - deleted).await?;
+                if deleted >= batch {
+                    break;
+                }
+            }
+            Ok(deleted)
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.bounded_by(self.options.timeout.min(PING_TIMEOUT), "ping", async {
+            let mut conn = self.conn.clone();
+            redis::cmd("PING").query_async::<String>(&mut conn).await.map(drop).map_err(unavailable("ping"))
+        })
+        .await
+    }
+
+    fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
+        Some(self.changes.subscribe())
+    }
+}

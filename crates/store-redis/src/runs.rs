@@ -1,0 +1,112 @@
+//! Runs, budgets and claim rates on Redis (see the crate documentation for where each lives).
+
+use super::*;
+
+impl RedisStore {
+    pub(crate) async fn set_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        let mut conn = self.conn.clone();
+        let text = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
+        let mut invocation = SCRIPTS.put_budget.prepare_invoke();
+        invocation
+            .key(self.keys.run(&RunPlacement::of(tenant, run)))
+            .arg(now.0)
+            .arg(tenant.as_str())
+            .arg(run.as_str())
+            .arg(text(budget.max_effects))
+            .arg(text(budget.max_cost))
+            .arg(text(budget.deadline.map(|d| d.0)));
+        let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("set a budget"))?;
+        codec::run(tenant, run, strings(answer)?)?.ok_or_else(|| corrupt("a budget was set on no run"))
+    }
+
+    pub(crate) async fn read_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        let mut conn = self.conn.clone();
+        let answer: Value = redis::cmd("HGETALL")
+            .arg(self.keys.run(&RunPlacement::of(tenant, run)))
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("get a run"))?;
+        codec::run(tenant, run, strings(answer)?)
+    }
+
+    /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).
+    pub(crate) async fn add_cost(
+        &self,
+        mut conn: Conn,
+        tenant: &TenantId,
+        run: &RunId,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let mut invocation = SCRIPTS.add_cost.prepare_invoke();
+        invocation
+            .key(self.keys.run(&RunPlacement::of(tenant, run)))
+            .arg(now.0)
+            .arg(tenant.as_str())
+            .arg(run.as_str())
+            .arg(cost);
+        invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("add a reported cost"))
+    }
+
+    /// `control::gcra` in one script on the tenant's slot, with the numbers it derives from
+    /// the rate computed here as it does.
+    pub(crate) async fn take_from_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        let interval = (1_000_000 / u64::from(rate.per_second.max(1))).max(1);
+        let tolerance = interval.saturating_mul(u64::from(rate.burst.max(1)));
+        let mut conn = self.conn.clone();
+        let mut invocation = SCRIPTS.rate.prepare_invoke();
+        invocation
+            .key(self.keys.rate(tenant))
+            .arg(now.0.saturating_mul(1_000))
+            .arg(interval)
+            .arg(tolerance)
+            .arg(ms(self.options.expiry_margin));
+        let answer: Value =
+            invocation.invoke_async(&mut conn).await.map_err(unavailable("take from the claim rate"))?;
+        match codec::tagged(strings(answer)?)? {
+            (head, _) if head == "ok" => Ok(Ok(())),
+            (head, rest) if head == "wait" && rest.len() == 1 => {
+                let wait: u64 = rest[0].parse().map_err(|_| corrupt("a rate's wait is not a number"))?;
+                Ok(Err(Duration::from_micros(wait)))
+            }
+            (head, _) => Err(corrupt(format!("unknown rate answer {head:?}"))),
+        }
+    }
+}
+
+#[async_trait]
+impl RunStore for RedisStore {
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        budget: &Budget,
+        now: Timestamp,
+    ) -> Result<Run, StoreError> {
+        self.bounded("set a budget", self.set_budget(tenant, run, budget, now)).await
+    }
+
+    async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
+        self.bounded("get a run", self.read_run(tenant, run)).await
+    }
+
+    async fn take_rate(
+        &self,
+        tenant: &TenantId,
+        rate: &Rate,
+        now: Timestamp,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate, now)).await
+    }
+}

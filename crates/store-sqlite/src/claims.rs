@@ -1,0 +1,173 @@
+//! The claim path on SQLite: each claim and fenced call is a job of the writer's group commit;
+//! reads use the reading connection.
+
+use super::*;
+use crate::runs::{run_or_new, save_run};
+
+/// Claims a key (see the module documentation): the protocol's decision, then, when it
+/// acquires, the tenant's in-flight quota and the run's budget ([`onceguard_core::control::admit`]), and the
+/// writes, all in the caller's job.
+fn claim_in(conn: &Connection, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+    let existing = load(conn, &req.scope)?;
+    let mut fence_error = None;
+    let (outcome, write) = protocol::claim(existing, req, now, || {
+        next_fence(conn).unwrap_or_else(|e| {
+            fence_error = Some(e);
+            Fence(0)
+        })
+    });
+    if let Some(e) = fence_error {
+        return Err(e);
+    }
+    let Some(mut record) = write else { return Ok(outcome) };
+    let tenant = &req.scope.tenant;
+    let in_flight = req.max_in_flight.map(|_| count_in_flight(conn, tenant, now)).transpose()?;
+    let mut run = record.run.as_ref().map(|id| run_or_new(conn, tenant, id, now)).transpose()?;
+    match onceguard_core::control::admit(&mut record, req, Admission { in_flight, run: run.as_mut() }, now) {
+        Err(denial) => {
+            // Not even the fence drawn for it is kept.
+            discard_job(conn)?;
+            Ok(ClaimOutcome::Denied(denial))
+        }
+        Ok(charged) => {
+            if let (true, Some(run)) = (charged, &run) {
+                save_run(conn, run)?;
+            }
+            save(conn, record)?;
+            Ok(outcome)
+        }
+    }
+}
+
+fn count_in_flight(conn: &Connection, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {
+    let n: i64 = conn
+        .prepare_cached(COUNT_IN_FLIGHT)
+        .and_then(|mut st| st.query_row(params![tenant.as_str(), to_i64(now)], |r| r.get(0)))
+        .map_err(unavailable)?;
+    from_sql_u64(n)
+}
+
+#[async_trait]
+impl ClaimStore for SqliteStore {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        let req = req.clone();
+        self.write(move |conn| claim_in(conn, &req, now)).await
+    }
+
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        let scope = scope.clone();
+        self.write(move |conn| {
+            let existing = load(conn, &scope)?;
+            let cost = onceguard_core::control::reported_cost(&mutation);
+            let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
+            if let Some(record) = write {
+                if let (true, Some(id)) = (cost > 0, &record.run) {
+                    let mut run = run_or_new(conn, &scope.tenant, id, now)?;
+                    run.add_cost(cost, now);
+                    save_run(conn, &run)?;
+                }
+                save(conn, record)?;
+            }
+            Ok(outcome)
+        })
+        .await
+    }
+
+    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let scope = scope.clone();
+        self.read(move |conn| Ok(load(conn, &scope)?.filter(|r| r.is_live(now)))).await
+    }
+
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+        let tenant = tenant.clone();
+        let filter = filter.clone();
+        self.read(move |conn| {
+            let limit = filter.limit.clamp(1, MAX_PAGE);
+            let prefix = filter.namespace_prefix.as_ref().map(|p| p.as_str().to_owned());
+            let (after_ns, after_key) = match &filter.after {
+                Some((ns, key)) => (Some(ns.as_str().to_owned()), Some(key.as_str().to_owned())),
+                None => (None, None),
+            };
+            let sql = format!(
+                "SELECT {RECORD_COLUMNS} FROM records
+                 WHERE tenant = ?1 AND expires_at > ?2
+                   AND (?3 IS NULL OR state = ?3)
+                   AND (?4 = 0 OR (state = 'in_progress' AND lease_expires_at <= ?2))
+                   AND (?5 IS NULL OR run = ?5)
+                   AND (?6 IS NULL OR namespace = ?6 OR substr(namespace, 1, length(?6) + 1) = ?6 || '/')
+                   AND (?7 IS NULL OR (namespace, key) > (?7, ?8))
+                 ORDER BY namespace, key
+                 LIMIT ?9"
+            );
+            let mut st = conn.prepare_cached(&sql).map_err(unavailable)?;
+            let rows = st
+                .query_map(
+                    params![
+                        tenant.as_str(),
+                        to_i64(now),
+                        filter.state.map(|s| s.as_str()),
+                        filter.stuck,
+                        filter.run.as_ref().map(|r| r.as_str()),
+                        prefix,
+                        after_ns,
+                        after_key,
+                        i64::try_from(limit + 1).unwrap_or(i64::MAX),
+                    ],
+                    row_parts,
+                )
+                .map_err(unavailable)?;
+            let mut records = Vec::with_capacity(limit + 1);
+            for row in rows {
+                records.push(decode(row.map_err(unavailable)?)?);
+            }
+            Ok(Page::from_overfetch(records, limit))
+        })
+        .await
+    }
+
+    async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
+        let scope = scope.clone();
+        self.write(move |conn| {
+            let n = conn
+                .execute(
+                    "DELETE FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3",
+                    params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()],
+                )
+                .map_err(unavailable)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.write(move |conn| {
+            conn.execute(
+                "DELETE FROM records WHERE (tenant, namespace, key) IN
+                   (SELECT tenant, namespace, key FROM records WHERE expires_at <= ?1 LIMIT ?2)",
+                params![to_i64(now), i64::try_from(batch).unwrap_or(i64::MAX)],
+            )
+            .map_err(unavailable)
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.read(|conn| {
+            conn.query_row("SELECT value FROM meta WHERE name = 'fence'", [], |r| r.get::<_, i64>(0))
+                .map(drop)
+                .map_err(unavailable)
+        })
+        .await
+    }
+}
