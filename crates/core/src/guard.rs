@@ -315,6 +315,19 @@ impl Guard {
         })
     }
 
+    /// Keeps a lease alive for a holder that works longer than it: extends it (by `lease`) every
+    /// third of `lease`, until the future is dropped (abort its task when the work is done) or
+    /// the fence is no longer the holder's. A store that does not answer is tried again at the
+    /// next third. The proxy and the MCP gateway run it beside every upstream call.
+    pub async fn keep_alive(self, scope: Scope, fence: Fence, lease: Duration) {
+        loop {
+            tokio::time::sleep(lease / 3).await;
+            if let Ok(FencedOutcome::Stale(_)) = self.mutate(&scope, fence, Mutation::Extend(lease)).await {
+                return;
+            }
+        }
+    }
+
     /// Applies a fenced call for an embedding application (see [`Guard::mutate_as`]).
     pub async fn mutate(&self, scope: &Scope, fence: Fence, mutation: Mutation) -> Result<FencedOutcome, GuardError> {
         self.mutate_as("embedded", scope, fence, mutation).await

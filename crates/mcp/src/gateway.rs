@@ -452,7 +452,7 @@ impl Leg {
     async fn run(self, mut request: Request<Body>, reply: Reply) {
         let gateway = self.gateway.clone();
         let lease = self.lease;
-        let extender = tokio::spawn(keep_alive(gateway.guard().clone(), self.scope.clone(), self.fence, lease));
+        let extender = tokio::spawn(gateway.guard().clone().keep_alive(self.scope.clone(), self.fence, lease));
         // The answer is read, so it must come as it is: no compression.
         request.headers_mut().remove(ACCEPT_ENCODING);
         let response = gateway.calls.forward(request).await;
@@ -679,16 +679,6 @@ async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, mut 
         }
     }
     true
-}
-
-/// Extends the lease every third of it, until aborted or the key is taken over.
-async fn keep_alive(guard: Guard, scope: Scope, fence: Fence, lease: Duration) {
-    loop {
-        tokio::time::sleep(lease / 3).await;
-        if let Ok(FencedOutcome::Stale(_)) = guard.mutate(&scope, fence, Mutation::Extend(lease)).await {
-            return;
-        }
-    }
 }
 
 /// Most pages of `tools/list` the gateway reads when it lists the tools itself.

@@ -24,7 +24,7 @@
 //! - [`jsonrpc`]: message shapes, error codes, replays.
 //! - [`sse`]: reading an event stream while forwarding it byte for byte.
 //! - [`tools`]: which tools are guarded.
-//! - [`gateway`]: the handler.
+//! - [`gateway`](mod@gateway): the handler.
 
 #![forbid(unsafe_code)]
 

@@ -266,7 +266,7 @@ impl Held {
     {
         let guard = &self.shared.guard;
         let options = &self.shared.options;
-        let extender = tokio::spawn(keep_alive(guard.clone(), self.scope.clone(), self.fence, options.lease));
+        let extender = tokio::spawn(guard.clone().keep_alive(self.scope.clone(), self.fence, options.lease));
         let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
         let failure = response.extensions().get::<TransportFailure>().copied();
         let (parts, body) = response.into_parts();
@@ -380,16 +380,6 @@ impl Held {
 }
 
 type BodyStream = axum::body::BodyDataStream;
-
-/// Extends the lease every third of it, until aborted or the key is taken over.
-async fn keep_alive(guard: Guard, scope: Scope, fence: Fence, lease: Duration) {
-    loop {
-        tokio::time::sleep(lease / 3).await;
-        if let Ok(FencedOutcome::Stale(_)) = guard.mutate(&scope, fence, Mutation::Extend(lease)).await {
-            return;
-        }
-    }
-}
 
 /// 5xx (unless stored), 408 and 429 are not stored: the key is released and a retry runs again.
 fn releases_key(status: StatusCode, store_5xx: bool) -> bool {

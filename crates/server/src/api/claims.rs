@@ -1,0 +1,168 @@
+//! `POST /v1/claims`: a claim, handed to the guard's one door, and its answer.
+
+use super::*;
+
+/// Claim a key.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimBody {
+    /// A path inside your tenant, e.g. `prod/payments-agent`.
+    #[schema(
+        example = "prod/payments-agent",
+        max_length = 255,
+        pattern = r"^[A-Za-z0-9._-]{1,64}(/[A-Za-z0-9._-]{1,64})*$"
+    )]
+    pub namespace: String,
+    /// The idempotency key: 1 to 255 bytes of printable ASCII.
+    #[schema(example = "refund-order-1234", min_length = 1, max_length = 255, pattern = r"^[ -~]+$")]
+    pub key: String,
+    /// What the request means (e.g. the tool call's arguments). Its fingerprint is the SHA-256
+    /// of its canonical JSON (RFC 8785). Give this or `fingerprint`.
+    #[schema(value_type = Option<Value>)]
+    #[serde(default, deserialize_with = "present")]
+    pub request: Option<serde_json::Value>,
+    /// A fingerprint you computed, `algorithm:hex`. Give this or `request`.
+    pub fingerprint: Option<String>,
+    /// How long you may hold the key without extending, e.g. `30s` (default from limits).
+    pub lease: Option<String>,
+    /// How long the outcome replays once stored, e.g. `24h` (default from limits).
+    pub retention: Option<String>,
+    /// The run this key belongs to.
+    pub run: Option<String>,
+    /// Cost units this call declares (e.g. a token or money estimate): charged to the run's
+    /// budget with the key, once per key.
+    pub cost: Option<u64>,
+    /// Wait up to this long (e.g. `10s`) if the key is in flight, and answer with its replay.
+    pub wait: Option<String>,
+}
+
+/// Why this claim is a recovery.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecoveryView {
+    /// The fence of the attempt that did not finish.
+    pub previous_fence: u64,
+    /// Its attempt number.
+    pub previous_attempt: u32,
+    /// `lease_expired` or `reported_unknown`.
+    pub reason: &'static str,
+    /// What the previous holder reported, for `reported_unknown`.
+    pub detail: Option<String>,
+    /// The last checkpoint saved before.
+    pub last_checkpoint: Option<CheckpointView>,
+}
+
+/// `201`: you hold the key.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AcquiredView {
+    /// Always `acquired`.
+    #[schema(example = "acquired")]
+    pub outcome: &'static str,
+    /// Carry it on every later call; hand it downstream.
+    pub fence: u64,
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    /// Until when the lease runs (RFC 3339).
+    pub lease_expires_at: String,
+    /// Present when an earlier attempt may have done part of the work.
+    pub recovery: Option<RecoveryView>,
+}
+
+/// `200`: the key completed; its stored outcome.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplayView {
+    /// Always `replay`.
+    #[schema(example = "replay")]
+    pub outcome: &'static str,
+    /// The fence of the attempt that completed it.
+    pub fence: u64,
+    /// Which attempt completed it.
+    pub attempt: u32,
+    /// When it completed (RFC 3339).
+    pub completed_at: String,
+    /// What was stored.
+    #[serde(flatten)]
+    pub stored: StoredResultView,
+}
+
+/// Claim a key: one atomic step answering `acquired` (201), `replay` (200), `in_flight` (409),
+/// `mismatch` (422) or `denied` (423/429).
+#[utoipa::path(post, path = "/v1/claims", tag = "claims", request_body = ClaimBody,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "Acquired: you hold the key", body = AcquiredView),
+        (status = 200, description = "Replay: the stored outcome", body = ReplayView, headers(("Idempotent-Replayed" = String))),
+        (status = 409, description = "In flight: someone holds a live lease", body = Problem, content_type = "application/problem+json", headers(("Retry-After" = u64))),
+        (status = 422, description = "Mismatch: the key was used with a different request", body = Problem, content_type = "application/problem+json"),
+        (status = 423, description = "Denied by a kill switch", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "Denied by a budget or quota", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "No valid API key", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The store cannot answer; nothing was decided", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn claim(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<ClaimBody>,
+) -> ApiResult<Response> {
+    let fingerprint = match (&body.request, &body.fingerprint) {
+        (Some(request), None) => Fingerprint::of_json(request),
+        (None, Some(fp)) => Fingerprint::parse(fp)?,
+        _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
+    };
+    let claim = Claim {
+        scope: scope_of(&caller, &body.namespace, &body.key)?,
+        fingerprint,
+        lease: parse_duration_field("lease", body.lease.as_deref())?,
+        retention: parse_duration_field("retention", body.retention.as_deref())?,
+        wait: parse_duration_field("wait", body.wait.as_deref())?,
+        run: body.run.as_deref().map(RunId::parse).transpose()?,
+        cost: body.cost,
+    };
+    let outcome = state.guard.claim(claim).await?;
+    let fence = match &outcome {
+        ClaimOutcome::Acquired(a) => Some(a.fence),
+        ClaimOutcome::Replay(r) => Some(r.fence),
+        _ => None,
+    };
+    record_answer(outcome.name(), fence);
+    match outcome {
+        ClaimOutcome::Acquired(a) => {
+            let recovery = a.recovery.map(|r| {
+                let (reason, detail) = match r.reason {
+                    RecoveryReason::LeaseExpired => ("lease_expired", None),
+                    RecoveryReason::ReportedUnknown { detail } => ("reported_unknown", Some(detail)),
+                };
+                RecoveryView {
+                    previous_fence: r.previous_fence.0,
+                    previous_attempt: r.previous_attempt,
+                    reason,
+                    detail,
+                    last_checkpoint: r.last_checkpoint.as_ref().map(checkpoint_view),
+                }
+            });
+            let view = AcquiredView {
+                outcome: "acquired",
+                fence: a.fence.0,
+                attempt: a.attempt,
+                lease_expires_at: a.lease_expires_at.to_rfc3339(),
+                recovery,
+            };
+            Ok((StatusCode::CREATED, Json(view)).into_response())
+        }
+        ClaimOutcome::Replay(r) => {
+            let view = ReplayView {
+                outcome: "replay",
+                fence: r.fence.0,
+                attempt: r.attempt,
+                completed_at: r.completed_at.to_rfc3339(),
+                stored: stored_view(&r.outcome),
+            };
+            let mut response = Json(view).into_response();
+            response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(response)
+        }
+        ClaimOutcome::InFlight(f) => Err(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }),
+        ClaimOutcome::Mismatch => Err(ApiError::Mismatch),
+        ClaimOutcome::Denied(d) => Err(ApiError::Denied(d)),
+    }
+}

@@ -1,0 +1,35 @@
+//! Liveness, readiness and `/metrics`.
+
+use super::*;
+
+/// A health answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HealthView {
+    /// `ok`.
+    pub status: &'static str,
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "Up", body = HealthView)))]
+pub async fn healthz() -> Json<HealthView> {
+    Json(HealthView { status: "ok" })
+}
+
+/// The store answers: ready to serve.
+#[utoipa::path(get, path = "/readyz", tag = "health",
+    responses((status = 200, description = "Ready", body = HealthView), (status = 503, description = "The store does not answer", body = Problem, content_type = "application/problem+json")))]
+pub async fn readyz(State(state): State<AppState>) -> ApiResult<Json<HealthView>> {
+    match tokio::time::timeout(Duration::from_secs(2), state.guard.store().ping()).await {
+        Ok(pinged) => pinged?,
+        Err(_) => return Err(ApiError::StoreUnavailable("the store did not answer within 2s".into())),
+    }
+    Ok(Json(HealthView { status: "ok" }))
+}
+
+/// Prometheus metrics (OpenMetrics text): counts since this instance started, and the keys in
+/// flight and stuck as of the last scan of the store.
+#[utoipa::path(get, path = "/metrics", tag = "observability",
+    responses((status = 200, description = "The metrics", content_type = "application/openmetrics-text", body = String)))]
+pub async fn metrics(state: State<AppState>) -> Response {
+    onceguard_http::metrics_endpoint(state).await
+}
