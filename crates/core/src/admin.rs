@@ -1,78 +1,22 @@
 //! Operator actions on the guard: tenants and API keys, kill switches, run budgets, settings and
 //! the audit log. Each action is written to the audit log with who did it and why; the HTTP API
-//! and the CLI call these, never the store. Also the cache of control
-//! documents (switches, settings) that every claim consults.
-//!
-//! Every instance refreshes its cache from the store every [`CONTROL_REFRESH`], and a claim
-//! never decides on a cache whose read began [`CONTROL_MAX_AGE`] (one second) ago or more: it
-//! reads the store first, and fails closed ("store unavailable") if it cannot. So a switch
-//! engaged through any instance refuses claims on every instance within one second (the
-//! instance that engaged it, at once).
-
-use std::sync::Arc;
-use std::time::Duration;
-
-use arc_swap::ArcSwapOption;
-use tokio::sync::Mutex;
-use tokio::time::Instant;
+//! and the CLI call these, never the store. (The cache of switches and settings that every
+//! claim consults is [`crate::control_cache`].)
 
 use crate::auth::{ApiKey, ApiKeyId, NewApiKey, Role, Tenant};
 use crate::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Controls, Run, SettingsEntry, Switch,
-    SwitchTarget,
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Run, SettingsEntry, Switch, SwitchTarget,
 };
+use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId};
 use crate::guard::{Guard, GuardError};
 use crate::store::StoreError;
-
-/// How often each instance re-reads switches and settings from the store.
-pub const CONTROL_REFRESH: Duration = Duration::from_millis(250);
-
-/// How old the cached switches and settings may grow before a claim reads them from the store
-/// itself (failing closed if it cannot): the contract's "within one second on every instance".
-pub const CONTROL_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// Longest reason or explanation an operator may give, in bytes.
 pub const MAX_REASON_BYTES: usize = 1_024;
 
 /// Longest label of an API key, in bytes.
 pub const MAX_LABEL_BYTES: usize = 128;
-
-/// The switches and settings last read from the store, and when. Every claim reads it, so the
-/// read takes no lock.
-#[derive(Debug, Default)]
-pub(crate) struct ControlCache {
-    current: ArcSwapOption<Cached>,
-    refreshing: Mutex<()>,
-}
-
-#[derive(Debug)]
-struct Cached {
-    controls: Arc<Controls>,
-    /// When the store read began: what was read is at least this fresh.
-    read_at: Instant,
-}
-
-impl ControlCache {
-    /// The cached switches and settings, unless they are older than [`CONTROL_MAX_AGE`].
-    fn fresh(&self) -> Option<Arc<Controls>> {
-        let current = self.current.load();
-        current.as_ref().filter(|c| c.read_at.elapsed() < CONTROL_MAX_AGE).map(|c| c.controls.clone())
-    }
-
-    /// Caches `read` unless the cache holds a read that began later: a slow read (the
-    /// background refresh's) must not put back what a later one (after a switch was engaged)
-    /// replaced. Answers the switches and settings the cache then holds.
-    fn offer(&self, read: Cached) -> Arc<Controls> {
-        let read = Arc::new(read);
-        let kept = |current: &Option<Arc<Cached>>| match current {
-            Some(current) if current.read_at > read.read_at => current.clone(),
-            _ => read.clone(),
-        };
-        let before = self.current.rcu(|current| Some(kept(current)));
-        kept(&before).controls.clone()
-    }
-}
 
 fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
     if text.trim().is_empty() || text.len() > MAX_REASON_BYTES {
@@ -86,42 +30,6 @@ fn check_why(why: Option<&str>) -> Result<(), InvalidInput> {
 }
 
 impl Guard {
-    /// The switches and settings in force: the cached ones if fresh, else read now.
-    pub(crate) async fn controls(&self) -> Result<Arc<Controls>, GuardError> {
-        if let Some(controls) = self.controls.fresh() {
-            return Ok(controls);
-        }
-        let _one_at_a_time = self.controls.refreshing.lock().await;
-        if let Some(controls) = self.controls.fresh() {
-            return Ok(controls);
-        }
-        self.refresh_controls().await
-    }
-
-    /// Reads switches and settings from the store into the cache.
-    pub async fn refresh_controls(&self) -> Result<Arc<Controls>, GuardError> {
-        let read_at = Instant::now();
-        let docs = self.store().list_control().await?;
-        let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);
-        Ok(self.controls.offer(Cached { controls, read_at }))
-    }
-
-    /// A task that refreshes the cached switches and settings every [`CONTROL_REFRESH`]. The
-    /// caller owns it and stops it at shutdown.
-    pub fn refresh_controls_task(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let guard = self.clone();
-        async move {
-            let mut tick = tokio::time::interval(CONTROL_REFRESH);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                if let Err(error) = guard.refresh_controls().await {
-                    tracing::warn!(%error, "could not refresh switches and settings");
-                }
-            }
-        }
-    }
-
     /// Appends an entry to the audit log.
     pub async fn audit(&self, entry: AuditEntry) -> Result<(), GuardError> {
         Ok(self.store().append_audit(&entry).await?)
@@ -346,34 +254,5 @@ impl Guard {
             controls.settings.iter().filter(|e| &e.tenant == tenant).cloned().collect();
         entries.sort_by(|a, b| a.namespace_prefix.cmp(&b.namespace_prefix));
         Ok(entries)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn controls(by: &str) -> Arc<Controls> {
-        let settings = vec![crate::control::SettingsEntry {
-            tenant: TenantId::parse("acme").unwrap(),
-            namespace_prefix: None,
-            settings: Default::default(),
-            updated_by: by.to_owned(),
-            updated_at: crate::domain::Timestamp(0),
-        }];
-        Arc::new(Controls { switches: vec![], settings })
-    }
-
-    /// Of two reads that overlap, the one that began later is kept, whichever finishes last.
-    #[test]
-    fn a_slower_earlier_read_does_not_replace_a_later_one() {
-        let cache = ControlCache::default();
-        let (early, late) = (Instant::now(), Instant::now() + Duration::from_millis(1));
-        assert_eq!(cache.offer(Cached { controls: controls("later"), read_at: late }), controls("later"));
-        assert_eq!(cache.offer(Cached { controls: controls("earlier"), read_at: early }), controls("later"));
-        assert_eq!(cache.fresh(), Some(controls("later")));
-        let latest = late + Duration::from_millis(1);
-        assert_eq!(cache.offer(Cached { controls: controls("latest"), read_at: latest }), controls("latest"));
-        assert_eq!(cache.fresh(), Some(controls("latest")));
     }
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::{Fence, InvalidInput, Namespace, RunId, Scope, TenantId, Timestamp};
-use crate::guard::Limits;
+use crate::limits::Limits;
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{Denial, Record, RecordState};
 

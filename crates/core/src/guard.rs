@@ -12,111 +12,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::admin::ControlCache;
 use crate::clock::Clock;
-use crate::control::{AuditEntry, Effective, check_units};
-use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId, check_bounds};
+use crate::control::{AuditEntry, Controls, Effective, check_units};
+use crate::control_cache::{CONTROL_REFRESH, ControlCache};
+use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId};
+use crate::limits::Limits;
 use crate::notify::Notifier;
 use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, Denial, FencedOutcome, Record, RecordState, StaleReason};
 use crate::store::{ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
-
-/// Bounds on what callers may ask for, and defaults when they ask for nothing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Limits {
-    /// Lease when a claim names none.
-    #[serde(with = "humantime_serde")]
-    pub default_lease: Duration,
-    /// Shortest lease a claim or extend may ask for.
-    #[serde(with = "humantime_serde")]
-    pub min_lease: Duration,
-    /// Longest lease a claim or extend may ask for.
-    #[serde(with = "humantime_serde")]
-    pub max_lease: Duration,
-    /// Retention when a claim names none.
-    #[serde(with = "humantime_serde")]
-    pub default_retention: Duration,
-    /// Shortest retention a claim may ask for.
-    #[serde(with = "humantime_serde")]
-    pub min_retention: Duration,
-    /// Longest retention a claim may ask for.
-    #[serde(with = "humantime_serde")]
-    pub max_retention: Duration,
-    /// Longest a claim may wait for an in-flight key.
-    #[serde(with = "humantime_serde")]
-    pub max_wait: Duration,
-    /// While waiting, re-claim at least this often (covers lease expiry and changes made by
-    /// other processes).
-    #[serde(with = "humantime_serde")]
-    pub wait_poll: Duration,
-    /// Largest stored outcome, in bytes.
-    pub max_outcome_bytes: usize,
-    /// Largest checkpoint data, in bytes.
-    pub max_checkpoint_bytes: usize,
-    /// Most checkpoints kept per key (oldest dropped first).
-    pub max_checkpoints: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            default_lease: Duration::from_secs(30),
-            min_lease: Duration::from_millis(100),
-            max_lease: Duration::from_secs(3_600),
-            default_retention: Duration::from_secs(24 * 3_600),
-            min_retention: Duration::from_secs(1),
-            max_retention: Duration::from_secs(30 * 24 * 3_600),
-            max_wait: Duration::from_secs(30),
-            wait_poll: Duration::from_millis(500),
-            max_outcome_bytes: 1024 * 1024,
-            max_checkpoint_bytes: 16 * 1024,
-            max_checkpoints: 64,
-        }
-    }
-}
-
-impl Limits {
-    /// Checks that the limits make sense together.
-    pub fn validate(&self) -> Result<(), InvalidInput> {
-        let order = |field, lo: Duration, mid: Duration, hi: Duration| {
-            if lo <= mid && mid <= hi && !lo.is_zero() {
-                Ok(())
-            } else {
-                Err(InvalidInput::new(field, "must lie between its (non-zero) minimum and its maximum"))
-            }
-        };
-        order("limits.default_lease", self.min_lease, self.default_lease, self.max_lease)?;
-        order("limits.default_retention", self.min_retention, self.default_retention, self.max_retention)?;
-        if self.wait_poll.is_zero() {
-            return Err(InvalidInput::new("limits.wait_poll", "must be more than zero"));
-        }
-        if self.max_outcome_bytes == 0 || self.max_checkpoint_bytes == 0 || self.max_checkpoints == 0 {
-            return Err(InvalidInput::new("limits", "byte and count limits must be more than zero"));
-        }
-        Ok(())
-    }
-
-    /// The lease to use for `asked` (or the default), within bounds.
-    pub fn lease(&self, asked: Option<Duration>) -> Result<Duration, InvalidInput> {
-        check_bounds("lease", asked.unwrap_or(self.default_lease), self.min_lease, self.max_lease)
-    }
-
-    /// The retention to use for `asked` (or the default), within bounds.
-    pub fn retention(&self, asked: Option<Duration>) -> Result<Duration, InvalidInput> {
-        check_bounds("retention", asked.unwrap_or(self.default_retention), self.min_retention, self.max_retention)
-    }
-
-    /// The wait to use for `asked` (none by default), within bounds.
-    pub fn wait(&self, asked: Option<Duration>) -> Result<Duration, InvalidInput> {
-        check_bounds("wait", asked.unwrap_or(Duration::ZERO), Duration::ZERO, self.max_wait)
-    }
-}
 
 /// Why the guard refused or could not do a call.
 #[derive(Debug, thiserror::Error)]
@@ -216,6 +124,32 @@ impl Guard {
     /// The clock.
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.clock
+    }
+
+    /// The switches and settings in force: the cached ones if fresh, else read now.
+    pub(crate) async fn controls(&self) -> Result<Arc<Controls>, GuardError> {
+        Ok(self.controls.get(self.store.as_ref()).await?)
+    }
+
+    /// Reads switches and settings from the store into the cache.
+    pub async fn refresh_controls(&self) -> Result<Arc<Controls>, GuardError> {
+        Ok(self.controls.refresh(self.store.as_ref()).await?)
+    }
+
+    /// A task that refreshes the cached switches and settings every [`CONTROL_REFRESH`]. The
+    /// caller owns it and stops it at shutdown.
+    pub fn refresh_controls_task(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let guard = self.clone();
+        async move {
+            let mut tick = tokio::time::interval(CONTROL_REFRESH);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(error) = guard.refresh_controls().await {
+                    tracing::warn!(%error, "could not refresh switches and settings");
+                }
+            }
+        }
     }
 
     /// What is in force for a key: the limits narrowed by its tenant's and namespace's settings,

@@ -13,8 +13,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use onceguard_core::{Answer, Scope, StoreOp, Timestamp};
 use serde::Serialize;
 
-use crate::metrics::LATENCY_BUCKETS;
-
 /// Seconds per slot.
 pub const SLOT_SECS: u64 = 10;
 /// Slots kept (15 minutes).
@@ -23,6 +21,10 @@ pub const SLOTS: usize = 90;
 pub const LATENCY_SLOTS: usize = 30;
 /// Events kept per tenant.
 pub const EVENTS_PER_TENANT: usize = 50;
+
+/// Upper bounds (seconds) of the latency buckets, for requests and store operations (the Prometheus histograms and this window share them).
+pub const LATENCY_BUCKETS: [f64; 16] =
+    [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
 /// Counts per latency bucket (the last one is beyond the largest bound).
 #[derive(Debug, Clone, Default)]

@@ -21,7 +21,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::config::MetricsConfig;
-use crate::live::{Event, Live};
+use crate::live::{Event, LATENCY_BUCKETS, Live};
 
 // The label values come from `onceguard_core::vocabulary`: claim answers ([`Answer`]),
 // recovery and denial reasons ([`RecoveryKind`], [`DenialReason`]), stale calls ([`FencedOp`],
@@ -29,10 +29,6 @@ use crate::live::{Event, Live};
 
 /// The route label (and span route) of a request that matched no route.
 pub const UNMATCHED: &str = "unmatched";
-
-/// Upper bounds (seconds) of the latency buckets, for requests and store operations.
-pub const LATENCY_BUCKETS: [f64; 16] =
-    [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
 /// `tenant`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

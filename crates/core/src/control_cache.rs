@@ -1,0 +1,111 @@
+//! The cache of control documents (switches and settings) that every claim consults.
+//!
+//! Every instance refreshes it from the store every [`CONTROL_REFRESH`], and a claim never
+//! decides on a copy whose read began [`CONTROL_MAX_AGE`] (one second) ago or more: it reads
+//! the store first, and fails closed ("store unavailable") if it cannot. So a switch engaged
+//! through any instance refuses claims on every instance within one second (the instance that
+//! engaged it, at once).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::control::Controls;
+use crate::store::{Store, StoreError};
+
+/// How often each instance re-reads switches and settings from the store.
+pub const CONTROL_REFRESH: Duration = Duration::from_millis(250);
+
+/// How old the cached switches and settings may grow before a claim reads them from the store
+/// itself (failing closed if it cannot): the contract's "within one second on every instance".
+pub const CONTROL_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// The switches and settings last read from the store, and when. Every claim reads it, so the
+/// read takes no lock.
+#[derive(Debug, Default)]
+pub(crate) struct ControlCache {
+    current: ArcSwapOption<Cached>,
+    refreshing: Mutex<()>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    controls: Arc<Controls>,
+    /// When the store read began: what was read is at least this fresh.
+    read_at: Instant,
+}
+
+impl ControlCache {
+    /// The switches and settings in force: the cached ones if fresh, else read from `store` now
+    /// (one reader at a time; the others wait for its read).
+    pub(crate) async fn get(&self, store: &dyn Store) -> Result<Arc<Controls>, StoreError> {
+        if let Some(controls) = self.fresh() {
+            return Ok(controls);
+        }
+        let _one_at_a_time = self.refreshing.lock().await;
+        if let Some(controls) = self.fresh() {
+            return Ok(controls);
+        }
+        self.refresh(store).await
+    }
+
+    /// Reads switches and settings from `store` into the cache.
+    pub(crate) async fn refresh(&self, store: &dyn Store) -> Result<Arc<Controls>, StoreError> {
+        let read_at = Instant::now();
+        let docs = store.list_control().await?;
+        let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);
+        Ok(self.offer(Cached { controls, read_at }))
+    }
+
+    /// The cached switches and settings, unless they are older than [`CONTROL_MAX_AGE`].
+    fn fresh(&self) -> Option<Arc<Controls>> {
+        let current = self.current.load();
+        current.as_ref().filter(|c| c.read_at.elapsed() < CONTROL_MAX_AGE).map(|c| c.controls.clone())
+    }
+
+    /// Caches `read` unless the cache holds a read that began later: a slow read (the
+    /// background refresh's) must not put back what a later one (after a switch was engaged)
+    /// replaced. Answers the switches and settings the cache then holds.
+    fn offer(&self, read: Cached) -> Arc<Controls> {
+        let read = Arc::new(read);
+        let kept = |current: &Option<Arc<Cached>>| match current {
+            Some(current) if current.read_at > read.read_at => current.clone(),
+            _ => read.clone(),
+        };
+        let before = self.current.rcu(|current| Some(kept(current)));
+        kept(&before).controls.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::TenantId;
+
+    fn controls(by: &str) -> Arc<Controls> {
+        let settings = vec![crate::control::SettingsEntry {
+            tenant: TenantId::parse("acme").unwrap(),
+            namespace_prefix: None,
+            settings: Default::default(),
+            updated_by: by.to_owned(),
+            updated_at: crate::domain::Timestamp(0),
+        }];
+        Arc::new(Controls { switches: vec![], settings })
+    }
+
+    /// Of two reads that overlap, the one that began later is kept, whichever finishes last.
+    #[test]
+    fn a_slower_earlier_read_does_not_replace_a_later_one() {
+        let cache = ControlCache::default();
+        let (early, late) = (Instant::now(), Instant::now() + Duration::from_millis(1));
+        assert_eq!(cache.offer(Cached { controls: controls("later"), read_at: late }), controls("later"));
+        assert_eq!(cache.offer(Cached { controls: controls("earlier"), read_at: early }), controls("later"));
+        assert_eq!(cache.fresh(), Some(controls("later")));
+        let latest = late + Duration::from_millis(1);
+        assert_eq!(cache.offer(Cached { controls: controls("latest"), read_at: latest }), controls("latest"));
+        assert_eq!(cache.fresh(), Some(controls("latest")));
+    }
+}
