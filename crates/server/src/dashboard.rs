@@ -419,7 +419,10 @@ fn timeline(r: &Record, now: Timestamp) -> Vec<TimelineEntry> {
             entries.push((r.updated_at, format!("released by a retryable failure of fence {}", r.fence)));
         }
     }
-    entries.push((r.expires_at, "the record expires (retention)".into()));
+    // A record in progress never expires: only a finished one has a retention to show.
+    if r.expires_at != Timestamp::NEVER {
+        entries.push((r.expires_at, "the record expires (retention)".into()));
+    }
     entries.sort_by_key(|(at, _)| *at);
     entries.into_iter().map(|(at, what)| TimelineEntry { at: at.to_rfc3339(), what }).collect()
 }

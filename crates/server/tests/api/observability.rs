@@ -208,9 +208,13 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
     let r: Value = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=stuck").await.json().await.unwrap();
     assert_eq!((r["state"].as_str(), r["stuck"].as_bool()), (Some("in_progress"), Some(true)));
     assert_eq!(r["checkpoints"][0]["name"], "step-1");
-    assert!(r["timeline"].as_array().unwrap().len() >= 4, "{r}");
+    let timeline: Vec<&str> = r["timeline"].as_array().unwrap().iter().filter_map(|e| e["what"].as_str()).collect();
+    assert_eq!(timeline.len(), 3, "claimed, checkpoint, lease passed: {r}");
+    assert!(timeline.iter().all(|what| !what.contains("expires")), "a key in progress never expires: {r}");
     assert!(!r.to_string().contains("private"));
     let done: Value = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=paid").await.json().await.unwrap();
+    let last = done["timeline"].as_array().unwrap().last().unwrap()["what"].as_str().unwrap().to_owned();
+    assert_eq!(last, "the record expires (retention)", "a finished key shows its retention");
     assert_eq!(
         done["stored"],
         json!({"status": "success", "content_type": "application/json", "bytes": 11, "cost": 1200})
