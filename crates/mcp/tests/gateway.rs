@@ -13,7 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
-use onceguard_core::{Guard, Key, MemoryStore, Namespace, RecordState, RunId, Scope, SystemClock, TenantId};
+use onceguard_core::{
+    Clock, Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, RunId, Scope, SystemClock, TenantId,
+};
 use onceguard_http::Config;
 use serde_json::{Value, json};
 
@@ -144,6 +146,11 @@ struct App {
 const TENANT: &str = "anon";
 
 async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
+    spawn_app_on(configure, Arc::new(SystemClock)).await
+}
+
+/// A gateway whose guard takes its time from `clock`.
+async fn spawn_app_on(configure: impl FnOnce(&mut Config), clock: Arc<dyn Clock>) -> App {
     let seen = Upstream::default();
     // Like common servers, the upstream serves its endpoint under every spelling of the path.
     let upstream = Router::new().route("/mcp", any(mcp)).fallback(mcp).with_state(seen.clone());
@@ -158,7 +165,7 @@ async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
     config.auth.allow_anonymous = true;
     config.auth.anonymous_tenant = TENANT.into();
     configure(&mut config);
-    let guard = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), onceguard_mcp::limits(&config));
+    let guard = Guard::new(Arc::new(MemoryStore::new()), clock, onceguard_mcp::limits(&config));
     let app = onceguard_mcp::app(&config, guard.clone()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -607,7 +614,8 @@ async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
 /// and every later call with it is told so: the tool never runs again.
 #[tokio::test]
 async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
-    let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
+    let clock = Arc::new(ManualClock::new(onceguard_core::Timestamp::now()));
+    let app = spawn_app_on(|c| c.mcp.max_result_bytes = 1_000, clock.clone()).await;
     let answer = app.rpc(&call(json!(1), "big", json!({}), Some("k"))).await;
     assert_eq!(answer["result"]["content"][0]["text"].as_str().unwrap().len(), 100_000, "the caller gets it whole");
     let record = app.guard.get(&app.scope("big", "k")).await.unwrap().unwrap();
@@ -615,7 +623,7 @@ async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
     let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
     assert!(stored["size"].as_u64().unwrap() > 100_000, "{stored}");
     assert_eq!(stored["sha256"].as_str().unwrap().len(), 64);
-    tokio::time::sleep(Duration::from_millis(2_300)).await; // the test's lease is 2 s
+    clock.advance(Duration::from_secs(3_600)); // far past the test's 2 s lease
     let again = app.rpc(&call(json!(2), "big", json!({}), Some("k"))).await;
     assert_eq!(again["id"], 2);
     assert_eq!(again["error"]["code"], 41001, "{again}");

@@ -11,7 +11,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
-use onceguard_core::{Guard, SystemClock};
+use onceguard_core::{Clock, Guard, ManualClock, SystemClock};
 use onceguard_http::Config;
 use onceguard_store_sqlite::SqliteStore;
 use reqwest::Method;
@@ -138,6 +138,11 @@ struct Proxy {
 }
 
 async fn start_proxy(upstream: &str, configure: impl FnOnce(&mut Config)) -> Proxy {
+    start_proxy_on(upstream, configure, Arc::new(SystemClock)).await
+}
+
+/// A proxy whose guard takes its time from `clock`.
+async fn start_proxy_on(upstream: &str, configure: impl FnOnce(&mut Config), clock: Arc<dyn Clock>) -> Proxy {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::default();
     config.proxy.upstream = upstream.to_owned();
@@ -146,7 +151,7 @@ async fn start_proxy(upstream: &str, configure: impl FnOnce(&mut Config)) -> Pro
     configure(&mut config);
     config.validate().unwrap();
     let store = Arc::new(SqliteStore::open(dir.path().join("proxy.db")).unwrap());
-    let guard = Guard::new(store, Arc::new(SystemClock), onceguard_proxy::limits(&config));
+    let guard = Guard::new(store, clock, onceguard_proxy::limits(&config));
     let app = onceguard_proxy::app(&config, guard).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -489,7 +494,8 @@ async fn the_store_unreachable_is_503_and_nothing_is_forwarded() {
 async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
     use sha2::Digest;
     let (upstream, counts) = start_upstream().await;
-    let proxy = start_proxy(&upstream, |c| c.proxy.max_response_bytes = 1024 * 1024).await;
+    let clock = Arc::new(ManualClock::new(onceguard_core::Timestamp::now()));
+    let proxy = start_proxy_on(&upstream, |c| c.proxy.max_response_bytes = 1024 * 1024, clock.clone()).await;
     let expected = pattern(2 * 1024 * 1024, 7);
     let first = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
     assert_eq!(first.status(), 200, "the caller gets the upstream's answer");
@@ -512,7 +518,7 @@ async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
     assert_eq!(problem["reason"]["size"], 2_097_152);
     assert_eq!(problem["reason"]["sha256"], digest);
     // Long after the lease (2 s here) the key still never runs again.
-    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    clock.advance(Duration::from_secs(3_600));
     let late = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
     assert_eq!(late.headers()["idempotent-replayed"], "true");
     assert_eq!(executed(&counts, "large"), 1, "the upstream ran the request once");
