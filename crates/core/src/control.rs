@@ -527,6 +527,19 @@ impl Controls {
         self.switches.iter().find(|s| &s.tenant == tenant && s.target.covers(namespace, run))
     }
 
+    /// Applies the switches to a claim about to be tried: the refusal of a switch covering its
+    /// key (tenant, namespace prefix) or the run it names, if any; otherwise the claim carries
+    /// the tenant's switched-off runs into the store's atomic claim
+    /// ([`ClaimRequest::refused_runs`]), which refuses taking over a record of one of them.
+    pub fn apply_switches(&self, req: &mut ClaimRequest) -> Option<Denial> {
+        let scope = &req.scope;
+        if let Some(switch) = self.switch_for(&scope.tenant, &scope.namespace, req.run.as_ref()) {
+            return Some(switch.denial());
+        }
+        req.refused_runs = self.refused_runs(&scope.tenant);
+        None
+    }
+
     /// The tenant's runs under an engaged switch, each with its refusal (for
     /// [`ClaimRequest::refused_runs`]); empty (no allocation) when there are none.
     pub fn refused_runs(&self, tenant: &TenantId) -> Vec<(RunId, Denial)> {

@@ -184,7 +184,7 @@ impl Guard {
         let (lease, retention, wait) =
             (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
         let mut req = ClaimRequest {
-            refused_runs: controls.refused_runs(&claim.scope.tenant),
+            refused_runs: Vec::new(),
             scope: claim.scope,
             fingerprint: claim.fingerprint,
             lease,
@@ -193,12 +193,11 @@ impl Guard {
             cost: check_units("cost", claim.cost)?.unwrap_or(0),
             max_in_flight: effective.max_in_flight,
         };
-        let scope = &req.scope;
-        if let Some(switch) = controls.switch_for(&scope.tenant, &scope.namespace, req.run.as_ref()) {
-            return Ok((ClaimOutcome::Denied(switch.denial()), req.scope));
+        if let Some(denial) = controls.apply_switches(&mut req) {
+            return Ok((ClaimOutcome::Denied(denial), req.scope));
         }
         if let Some(rate) = &effective.claim_rate
-            && let Err(retry_after) = self.store.take_rate(&scope.tenant, rate, self.clock.now()).await?
+            && let Err(retry_after) = self.store.take_rate(&req.scope.tenant, rate, self.clock.now()).await?
         {
             let denial = Denial::QuotaExceeded { quota: "rate".to_owned(), retry_after };
             return Ok((ClaimOutcome::Denied(denial), req.scope));
@@ -223,11 +222,9 @@ impl Guard {
             }
             // A switch engaged while the claim waited refuses it (a replay included), and the
             // next pass carries the runs switched off since.
-            let controls = self.controls().await?;
-            if let Some(switch) = controls.switch_for(&req.scope.tenant, &req.scope.namespace, req.run.as_ref()) {
-                return Ok((ClaimOutcome::Denied(switch.denial()), req.scope));
+            if let Some(denial) = self.controls().await?.apply_switches(&mut req) {
+                return Ok((ClaimOutcome::Denied(denial), req.scope));
             }
-            req.refused_runs = controls.refused_runs(&req.scope.tenant);
         }
     }
 

@@ -108,7 +108,7 @@ impl From<onceguard_core::GuardError> for StartError {
             onceguard_core::GuardError::Store(e) => Self::Store(e),
             onceguard_core::GuardError::Invalid(e) => Self::Invalid(e),
             e @ onceguard_core::GuardError::TooLarge { .. } => {
-                Self::Invalid(onceguard_core::InvalidInput::new("bootstrap", e.to_string()))
+                Self::Invalid(onceguard_core::InvalidInput::new("guard", e.to_string()))
             }
         }
     }

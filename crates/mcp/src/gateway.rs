@@ -30,9 +30,9 @@ use onceguard_core::{
 use onceguard_http::AppState;
 use onceguard_http::config::McpNoKey;
 use onceguard_http::problem::ApiError;
+use onceguard_proxy::stored::{BodyDigest, Omitted};
 use onceguard_proxy::{TransportFailure, Upstream};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 use crate::Options;
 use crate::call::{self, ToolCall};
@@ -352,35 +352,12 @@ pub enum Settlement {
     /// The call ran and its answer went to the caller, but it was too large to store: the key
     /// completes with the answer's size and SHA-256 ([`NOT_STORED`]), and every later call with
     /// it is told so (`response-not-stored`): it never runs again.
-    NotStored {
-        /// The answer's size in bytes.
-        size: u64,
-        /// Its SHA-256, in hex.
-        sha256: String,
-    },
+    NotStored(Omitted),
 }
 
 /// The media type of the outcome stored for an answer too large to store (its size and digest,
 /// as JSON).
 pub const NOT_STORED: &str = "application/vnd.onceguard.not-stored+json";
-
-/// The size and SHA-256 of an answer as it passes.
-#[derive(Default)]
-struct Seen {
-    size: u64,
-    digest: Sha256,
-}
-
-impl Seen {
-    fn add(&mut self, bytes: &[u8]) {
-        self.size += bytes.len() as u64;
-        self.digest.update(bytes);
-    }
-
-    fn not_stored(self) -> Settlement {
-        Settlement::NotStored { size: self.size, sha256: hex::encode(self.digest.finalize()) }
-    }
-}
 
 impl Settlement {
     /// What the upstream's response message to the call means.
@@ -504,7 +481,7 @@ impl Leg {
         let mut chunks = body.into_data_stream();
         let mut settled = false;
         let mut broken = false;
-        let mut seen = Seen::default();
+        let mut seen = BodyDigest::default();
         while let Some(chunk) = chunks.next().await {
             let Ok(chunk) = chunk else {
                 broken = true;
@@ -531,7 +508,7 @@ impl Leg {
             if reader.overflowed() && !broken {
                 // The answer went to the caller, too large to read: the call ran, and its key
                 // records the stream's size and digest so that it never runs again.
-                self.settle(seen.not_stored()).await;
+                self.settle(Settlement::NotStored(seen.finish())).await;
             } else {
                 // No answer seen: the upstream may still act. The key stays in flight until its
                 // lease passes, then the next call is a recovery.
@@ -553,7 +530,7 @@ impl Leg {
                     // whole, the key records its size and digest, so the call never runs again.
                     let (response, mut out) = streamed(parts);
                     let _ = reply.send(response);
-                    let mut seen = Seen::default();
+                    let mut seen = BodyDigest::default();
                     for part in [Bytes::from(bytes), chunk] {
                         seen.add(&part);
                         let _ = out.send(Ok(part)).await;
@@ -561,7 +538,7 @@ impl Leg {
                     let whole = pump(chunks, &mut out, Some(&mut seen)).await;
                     extender.abort();
                     if whole {
-                        self.settle(seen.not_stored()).await;
+                        self.settle(Settlement::NotStored(seen.finish())).await;
                     } else {
                         tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
                     }
@@ -595,14 +572,14 @@ impl Leg {
         let max_outcome = guard.limits().max_outcome_bytes;
         let settlement = match settlement {
             Settlement::Store { result, .. } if result.len() > max_outcome => {
-                let mut seen = Seen::default();
+                let mut seen = BodyDigest::default();
                 seen.add(&result);
-                seen.not_stored()
+                Settlement::NotStored(seen.finish())
             }
             other => other,
         };
         let mutation = match settlement {
-            Settlement::NotStored { size, sha256 } => {
+            Settlement::NotStored(Omitted { size, sha256 }) => {
                 tracing::warn!(scope = %self.scope, size, "a result too large to store went to the caller; its key records the size and digest, and its replays say the result was not kept");
                 self.gateway.state.metrics.observe_unstored_response(&self.scope.tenant);
                 let body = serde_json::json!({ "size": size, "sha256": sha256 }).to_string().into_bytes();
@@ -663,7 +640,7 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 
 /// Sends a body's chunks on, until it ends, adding each to `seen` if given; answers whether it
 /// ended whole. A caller that left does not stop the reading.
-async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, mut seen: Option<&mut Seen>) -> bool {
+async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, mut seen: Option<&mut BodyDigest>) -> bool {
     while let Some(chunk) = chunks.next().await {
         match chunk {
             Ok(chunk) => {

@@ -22,7 +22,7 @@ use onceguard_http::problem::ApiError;
 use sha2::{Digest, Sha256};
 use tower::{Layer, Service, ServiceExt};
 
-use crate::stored::{self, StoredResponse};
+use crate::stored::{self, BodyDigest, StoredResponse};
 
 /// How the inner service says that the upstream call failed in transport, as an extension of
 /// the response it returns (the proxy's forwarding service sets it; other services never do).
@@ -291,7 +291,7 @@ impl Held {
         }
         extender.abort();
         let stored = StoredResponse::from_parts(parts.status, &parts.headers, bytes.freeze());
-        self.settle(stored.clone()).await;
+        self.settle(&stored).await;
         let mut response = Response::from_parts(parts, Body::from(stored.body));
         response.headers_mut().remove(header::TRANSFER_ENCODING);
         Ok(response)
@@ -316,16 +316,18 @@ impl Held {
     }
 
     /// Stores the response (releases the key for a status that is not stored).
-    async fn settle(&self, stored: StoredResponse) {
+    async fn settle(&self, stored: &StoredResponse) {
         let options = &self.shared.options;
         if releases_key(stored.status, options.store_5xx) {
             release(&self.shared.guard, &self.scope, self.fence).await;
             return;
         }
         // In the shared scope every caller may replay it: nothing meant for one caller is kept.
-        let shared_caller = options.shared_scope.as_ref() == Some(&self.scope.namespace);
-        let stored = if shared_caller { stored.without_per_caller_headers() } else { stored };
-        complete(&self.shared.guard, &self.scope, self.fence, &stored).await;
+        if options.shared_scope.as_ref() == Some(&self.scope.namespace) {
+            complete(&self.shared.guard, &self.scope, self.fence, &stored.clone().without_per_caller_headers()).await;
+        } else {
+            complete(&self.shared.guard, &self.scope, self.fence, stored).await;
+        }
     }
 
     /// A response whose body passed the limit: the caller gets it whole, streamed (`head` is
@@ -342,16 +344,14 @@ impl Held {
         let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let (status, headers) = (parts.status, parts.headers.clone());
         tokio::spawn(async move {
-            let mut hasher = Sha256::new();
-            let mut size = head.len() as u64;
-            hasher.update(&head);
+            let mut digest = BodyDigest::default();
+            digest.add(&head);
             // A caller that left does not stop the reading.
             let _ = tx.send(Ok(head)).await;
             while let Some(chunk) = rest.next().await {
                 match chunk {
                     Ok(chunk) => {
-                        size += chunk.len() as u64;
-                        hasher.update(&chunk);
+                        digest.add(&chunk);
                         let _ = tx.send(Ok(chunk)).await;
                     }
                     Err(e) => {
@@ -363,15 +363,15 @@ impl Held {
                 }
             }
             extender.abort();
-            let limit = self.shared.options.max_response_bytes;
+            let (limit, omitted) = (self.shared.options.max_response_bytes, digest.finish());
             tracing::warn!(
-                scope = %self.scope, status = status.as_u16(), size, limit,
+                scope = %self.scope, status = status.as_u16(), size = omitted.size, limit,
                 "a response too large to store was passed on and recorded by its size and digest; its replays carry no body"
             );
             if let Some(metrics) = &self.shared.metrics {
                 metrics.observe_unstored_response(&self.scope.tenant);
             }
-            self.settle(StoredResponse::omitted(status, &headers, size, hex::encode(hasher.finalize()))).await;
+            self.settle(&StoredResponse::omitted(status, &headers, omitted)).await;
         });
         let mut response = Response::from_parts(parts, Body::from_stream(rx));
         response.headers_mut().remove(header::TRANSFER_ENCODING);

@@ -12,6 +12,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use onceguard_http::problem::ApiError;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 /// The media type of a stored response in the store.
 pub const CONTENT_TYPE: &str = "application/vnd.onceguard.http-response";
@@ -44,6 +45,26 @@ const REPRESENTATION: &[&str] = &[
     "etag",
     "digest",
 ];
+
+/// The size and SHA-256 of a body as it passes (to record one too large to store).
+#[derive(Debug, Default)]
+pub struct BodyDigest {
+    size: u64,
+    sha256: Sha256,
+}
+
+impl BodyDigest {
+    /// Adds the next bytes of the body.
+    pub fn add(&mut self, bytes: &[u8]) {
+        self.size += bytes.len() as u64;
+        self.sha256.update(bytes);
+    }
+
+    /// What is kept of the body seen.
+    pub fn finish(self) -> Omitted {
+        Omitted { size: self.size, sha256: hex::encode(self.sha256.finalize()) }
+    }
+}
 
 /// The header a replay of a body that was not kept carries: `size=<bytes>, sha-256=<hex>`.
 pub const OMITTED_HEADER: &str = "onceguard-body-omitted";
@@ -94,10 +115,9 @@ impl StoredResponse {
         Self { status, headers, body, omitted: None }
     }
 
-    /// The record of a response whose body (`size` bytes with SHA-256 `sha256`) was too large
-    /// to store.
-    pub fn omitted(status: StatusCode, headers: &HeaderMap, size: u64, sha256: String) -> Self {
-        Self { omitted: Some(Omitted { size, sha256 }), ..Self::from_parts(status, headers, Bytes::new()) }
+    /// The record of a response whose body was too large to store: what is known of it.
+    pub fn omitted(status: StatusCode, headers: &HeaderMap, body: Omitted) -> Self {
+        Self { omitted: Some(body), ..Self::from_parts(status, headers, Bytes::new()) }
     }
 
     /// Without the headers meant for one caller ([`PER_CALLER`]).
@@ -209,7 +229,8 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.append("x-id", HeaderValue::from_static("1"));
         headers.append("content-type", HeaderValue::from_static("application/octet-stream"));
-        let stored = StoredResponse::omitted(StatusCode::CREATED, &headers, 9_437_184, "ab".repeat(32));
+        let omitted = Omitted { size: 9_437_184, sha256: "ab".repeat(32) };
+        let stored = StoredResponse::omitted(StatusCode::CREATED, &headers, omitted);
         let decoded = decode(&stored.encode()).unwrap();
         assert_eq!(decoded, stored);
         let response = decoded.into_response();
