@@ -246,6 +246,12 @@ async fn tool_call(
     // the tenant's or a namespace prefix's settings (e.g. on `mcp/<upstream>/<tool>`) say
     // otherwise.
     let claim = Claim { run: call.run.clone(), cost: Some(call.cost), ..Claim::new(scope, call.fingerprint()) };
+    // An input_required answer holds the key for the input lease, within the longest lease in
+    // force (read before the claim: a key once acquired is never left without its leg).
+    let max_lease = match gateway.guard().effective(&claim.scope).await {
+        Ok(effective) => effective.limits.max_lease,
+        Err(e) => return rpc_error(Some(&id), &e.into()),
+    };
     let outcome = match claim_or_resume(&gateway, &claim, call.continuation, &actor).await {
         Ok(outcome) => outcome,
         Err(e) => return rpc_error(Some(&id), &e),
@@ -272,13 +278,8 @@ async fn tool_call(
             if let Ok(mut set) = gateway.in_flight.lock() {
                 set.insert(token.clone());
             }
-            // The keep-alive extends by the lease the guard gave; an input_required answer holds
-            // the key for the input lease, within the longest lease in force.
+            // The keep-alive extends by the lease the guard gave.
             let lease = gateway.guard().clock().now().until(acquired.lease_expires_at);
-            let max_lease = match gateway.guard().effective(&claim.scope).await {
-                Ok(effective) => effective.limits.max_lease,
-                Err(e) => return rpc_error(Some(&id), &e.into()),
-            };
             let input_lease = gateway.options.input_lease.min(max_lease);
             let leg =
                 Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor, lease, input_lease };
