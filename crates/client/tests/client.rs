@@ -2,34 +2,30 @@
 //! and of a fenced call, the blast-radius calls, and transport errors after the retries.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, DenialKind, Fenced};
-use onceguard_core::auth::{ApiKey, Role, Tenant};
-use onceguard_core::store::TenantStore;
-use onceguard_core::{Guard, MemoryStore, SystemClock, TenantId, Timestamp};
+use onceguard_core::MemoryStore;
+use onceguard_core::auth::Role;
 use onceguard_server::Config;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
 use serde_json::json;
 
-/// Serves a memory store on 127.0.0.1:0; answers its base URL and an admin token of `default`.
-async fn server() -> (String, String) {
-    let store = Arc::new(MemoryStore::new());
-    let tenant = TenantId::parse("default").unwrap();
-    store.create_tenant(&Tenant { id: tenant.clone(), created_at: Timestamp::now() }).await.unwrap();
-    let admin = ApiKey::generate(tenant, Role::Admin, "test", Timestamp::now());
-    store.create_api_key(&admin.key).await.unwrap();
+/// The API over a memory store, through the one harness, and an admin token of `default`.
+async fn server() -> (Harness, String) {
     let config = Config { store: "memory://".into(), ..Config::default() };
-    let guard = Guard::new(store, Arc::new(SystemClock), config.limits.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { onceguard_server::run(&config, guard, listener, std::future::pending()).await });
-    (base, admin.token)
+    let limits = config.limits.clone();
+    let harness = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_server::app).await;
+    let token = harness.key("default", Role::Admin).await;
+    (harness, token)
 }
 
 #[tokio::test]
 async fn every_answer_is_typed() {
-    let (base, token) = server().await;
-    let client = Client::new(&base, &token).unwrap();
+    let (server, token) = server().await;
+    let client = Client::new(&server.base, &token).unwrap();
     let claim = Claim { lease: Some(Duration::from_secs(5)), ..Claim::new("ns", "k 1/&?#%", json!({"a": 1})) };
     let ClaimAnswer::Acquired(held) = client.claim(&claim).await.unwrap() else { panic!("acquired") };
     assert_eq!(held.attempt, 1);
@@ -72,8 +68,8 @@ async fn every_answer_is_typed() {
 
 #[tokio::test]
 async fn budgets_switches_and_the_audit_log() {
-    let (base, token) = server().await;
-    let client = Client::new(&base, &token).unwrap();
+    let (server, token) = server().await;
+    let client = Client::new(&server.base, &token).unwrap();
     let run = client.set_budget("run/1", &json!({"max_effects": 1})).await.unwrap();
     assert_eq!(run["run"], "run/1");
     let claim = |key: &str| Claim { run: Some("run/1".into()), cost: Some(2), ..Claim::new("ns", key, json!(key)) };
@@ -98,13 +94,22 @@ async fn budgets_switches_and_the_audit_log() {
 
 #[tokio::test]
 async fn transport_errors_surface_after_the_retries() {
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
+    // A server that takes every connection and closes it unanswered, counting them.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicUsize::new(0));
+    tokio::spawn({
+        let connections = connections.clone();
+        async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                connections.fetch_add(1, Ordering::SeqCst);
+                drop(socket);
+            }
+        }
+    });
     let client = Client::with_options(&base, Some("og_x_y"), Duration::from_secs(1), 2).unwrap();
-    let started = std::time::Instant::now();
     let error = client.claim(&Claim::new("ns", "k", json!(1))).await.unwrap_err();
     assert!(matches!(error, ClientError::Transport(_)), "{error}");
-    assert!(started.elapsed() >= Duration::from_millis(150), "it backed off twice (50 ms, then 100 ms)");
+    assert_eq!(connections.load(Ordering::SeqCst), 3, "the call, then two retries");
     assert!(matches!(Client::new("ftp://x", "t"), Err(ClientError::Config(_))));
 }

@@ -108,4 +108,29 @@ mod tests {
         assert_eq!(cache.offer(Cached { controls: controls("latest"), read_at: latest }), controls("latest"));
         assert_eq!(cache.fresh(), Some(controls("latest")));
     }
+
+    /// The contract's "within one second on every instance": a switch engaged in the store by
+    /// another instance is not seen while the cached read is younger than `CONTROL_MAX_AGE`,
+    /// and is seen by the first claim after, with no refresh task running.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_never_decides_on_switches_read_a_second_ago_or_more() {
+        use crate::store::ControlStore;
+        let store = crate::MemoryStore::new();
+        let cache = ControlCache::default();
+        assert!(cache.get(&store).await.unwrap().switches.is_empty());
+        let switch = crate::control::Switch {
+            tenant: TenantId::parse("acme").unwrap(),
+            target: crate::control::SwitchTarget::Tenant,
+            reason: "drill".into(),
+            revoke_leases: false,
+            revoked: 0,
+            engaged_by: "another instance".into(),
+            engaged_at: crate::domain::Timestamp(0),
+        };
+        store.put_control(&crate::control::ControlDoc::of_switch(&switch)).await.unwrap();
+        tokio::time::advance(CONTROL_MAX_AGE - Duration::from_millis(1)).await;
+        assert!(cache.get(&store).await.unwrap().switches.is_empty(), "a read younger than a second is used");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(cache.get(&store).await.unwrap().switches.len(), 1, "a second old: the store is read again");
+    }
 }

@@ -1,15 +1,16 @@
 //! Who is calling: the bearer API key, checked before any handler runs.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::FromRequestParts;
 use axum::http::header;
 use axum::http::request::Parts;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, parse_token};
-use onceguard_core::{Store, StoreError, TenantId};
+use onceguard_core::{Clock, Store, StoreError, TenantId, Timestamp};
 
 use crate::AppState;
 use crate::problem::ApiError;
@@ -95,19 +96,21 @@ const MAX_REMEMBERED_KEYS: usize = 10_000;
 /// stored one.
 pub struct KeyCache {
     ttl: Duration,
-    keys: Mutex<HashMap<ApiKeyId, (ApiKey, Instant)>>,
+    /// The guard's clock: a test moves it past the time to live.
+    clock: Arc<dyn Clock>,
+    keys: Mutex<HashMap<ApiKeyId, (ApiKey, Timestamp)>>,
     /// Raised by every [`KeyCache::forget`], so that a read that began before a revocation is
     /// not remembered after it.
     forgotten: AtomicU64,
 }
 
 impl KeyCache {
-    /// A cache that remembers a key for `ttl` (zero: never).
-    pub fn new(ttl: Duration) -> Self {
-        Self { ttl, keys: Mutex::new(HashMap::new()), forgotten: AtomicU64::new(0) }
+    /// A cache that remembers a key for `ttl` (zero: never) as `clock` tells time.
+    pub fn new(ttl: Duration, clock: Arc<dyn Clock>) -> Self {
+        Self { ttl, clock, keys: Mutex::new(HashMap::new()), forgotten: AtomicU64::new(0) }
     }
 
-    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<ApiKeyId, (ApiKey, Instant)>> {
+    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<ApiKeyId, (ApiKey, Timestamp)>> {
         // The map holds no invariant a panic elsewhere could break.
         self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -126,12 +129,13 @@ impl KeyCache {
         if self.ttl.is_zero() {
             return read_store().await;
         }
+        let now = self.clock.now();
         if let Some((key, read)) = self.keys().get(id)
-            && read.elapsed() < self.ttl
+            && now < read.plus(self.ttl)
         {
             return Ok(Some(key.clone()));
         }
-        let (read, generation) = (Instant::now(), self.forgotten.load(Ordering::Acquire));
+        let (read, generation) = (now, self.forgotten.load(Ordering::Acquire));
         let key = read_store().await?;
         let mut keys = self.keys();
         match &key {
@@ -139,7 +143,7 @@ impl KeyCache {
             Some(_) if self.forgotten.load(Ordering::Acquire) != generation => {}
             Some(key) => {
                 if keys.len() >= MAX_REMEMBERED_KEYS && !keys.contains_key(id) {
-                    let mut ages: Vec<Instant> = keys.values().map(|(_, at)| *at).collect();
+                    let mut ages: Vec<Timestamp> = keys.values().map(|(_, at)| *at).collect();
                     ages.sort_unstable();
                     let cut = ages[ages.len() / 2];
                     keys.retain(|_, (_, at)| *at > cut);
@@ -163,10 +167,8 @@ impl KeyCache {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use onceguard_core::store::TenantStore;
-    use onceguard_core::{MemoryStore, Timestamp};
+    use onceguard_core::{MemoryStore, SystemClock};
 
     use super::*;
 
@@ -176,7 +178,7 @@ mod tests {
         let tenant = TenantId::parse("acme").unwrap();
         let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
         store.create_api_key(&new.key).await.unwrap();
-        let cache = KeyCache::new(Duration::from_secs(60));
+        let cache = KeyCache::new(Duration::from_secs(60), Arc::new(SystemClock));
         let id = new.key.id.clone();
         assert_eq!(cache.get(&store, &id).await.unwrap().map(|k| k.id), Some(id.clone()));
         // Revoked in the store only: this instance still answers from its memory...
@@ -199,7 +201,7 @@ mod tests {
         let tenant = TenantId::parse("acme").unwrap();
         let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
         store.create_api_key(&new.key).await.unwrap();
-        let cache = Arc::new(KeyCache::new(Duration::from_secs(60)));
+        let cache = Arc::new(KeyCache::new(Duration::from_secs(60), Arc::new(SystemClock)));
         let id = new.key.id.clone();
         // A request reads the key from the store (not revoked yet), and is held up before the
         // cache takes the answer in.

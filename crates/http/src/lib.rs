@@ -72,6 +72,7 @@ impl AppState {
     /// that every store operation is measured and traced.
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
         let metrics = Arc::new(Metrics::new());
+        let clock = guard.clock().clone();
         let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
         Ok(Self(Arc::new(SharedState {
             guard: guard.with_store(store).with_observer(metrics.clone()),
@@ -83,7 +84,7 @@ impl AppState {
                 .allow_anonymous
                 .then(|| TenantId::parse(&config.auth.anonymous_tenant))
                 .transpose()?,
-            api_keys: auth::KeyCache::new(config.auth.key_cache_ttl),
+            api_keys: auth::KeyCache::new(config.auth.key_cache_ttl, clock),
         })))
     }
 }

@@ -13,10 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
-use onceguard_core::{
-    Clock, Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, RunId, Scope, SystemClock, TenantId,
-};
+use onceguard_core::{Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, RunId, Scope, TenantId};
 use onceguard_http::Config;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
 use serde_json::{Value, json};
 
 /// What the upstream saw.
@@ -29,13 +29,65 @@ struct Seen {
     headers: Vec<HeaderMap>,
 }
 
-type Upstream = Arc<Mutex<Seen>>;
+/// The upstream's state: what it saw, and a gate that holds the tool `held` until the test
+/// opens it.
+#[derive(Clone)]
+struct Upstream(Arc<UpstreamState>);
+
+struct UpstreamState {
+    seen: Mutex<Seen>,
+    changed: tokio::sync::Notify,
+    gate: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Self(Arc::new(UpstreamState {
+            seen: Mutex::default(),
+            changed: tokio::sync::Notify::new(),
+            gate: tokio::sync::watch::channel(false).0,
+        }))
+    }
+}
+
+impl std::ops::Deref for Upstream {
+    type Target = Mutex<Seen>;
+
+    fn deref(&self) -> &Mutex<Seen> {
+        &self.0.seen
+    }
+}
+
+impl Upstream {
+    /// Lets every held call go on.
+    fn open(&self) {
+        self.0.gate.send_replace(true);
+    }
+
+    /// Waits (at most 30 s) until `tool` has run `n` times.
+    async fn until(&self, tool: &str, n: usize) {
+        let reached = async {
+            loop {
+                let changed = self.0.changed.notified();
+                if runs(self, tool) >= n {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), reached).await.expect("the upstream was reached");
+    }
+}
 
 fn ran(seen: &Upstream, tool: &str) -> usize {
-    let mut seen = seen.lock().unwrap();
-    let n = seen.runs.entry(tool.to_owned()).or_default();
-    *n += 1;
-    *n
+    let n = {
+        let mut seen = seen.lock().unwrap();
+        let n = seen.runs.entry(tool.to_owned()).or_default();
+        *n += 1;
+        *n
+    };
+    seen.0.changed.notify_waiters();
+    n
 }
 
 fn runs(seen: &Upstream, tool: &str) -> usize {
@@ -48,7 +100,7 @@ fn json_answer(id: &Value, result: Value) -> Response {
     ([("content-type", "application/json"), ("mcp-session-id", "s-1")], body).into_response()
 }
 
-/// A fake MCP endpoint: tools `echo`, `stream` (SSE with progress), `slow`, `bad_params`,
+/// A fake MCP endpoint: tools `echo`, `stream` (SSE with progress), `slow`, `held` (until the test opens the gate), `bad_params`,
 /// `boom` (HTTP 500), `ask` (input_required until answered), `lookup` (listed read-only), and
 /// GET event streams.
 async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::http::Method, body: Bytes) -> Response {
@@ -119,6 +171,11 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
                     });
                     ([("content-type", "text/event-stream")], Body::from_stream(rx)).into_response()
                 }
+                "held" => {
+                    let n = ran(&seen, &name);
+                    let _ = seen.0.gate.subscribe().wait_for(|open| *open).await;
+                    json_answer(&id, json!({"content":[{"type":"text","text":format!("held {n}")}]}))
+                }
                 _ => {
                     if name == "slow" {
                         tokio::time::sleep(Duration::from_millis(600)).await;
@@ -140,17 +197,16 @@ struct App {
     base: String,
     seen: Upstream,
     guard: Guard,
+    clock: Arc<ManualClock>,
     http: reqwest::Client,
+    _harness: Harness,
 }
 
 const TENANT: &str = "anon";
 
+/// A gateway over a fresh memory store (a lease of 2 s on its manual clock), through the one
+/// harness, in front of the test's upstream.
 async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
-    spawn_app_on(configure, Arc::new(SystemClock)).await
-}
-
-/// A gateway whose guard takes its time from `clock`.
-async fn spawn_app_on(configure: impl FnOnce(&mut Config), clock: Arc<dyn Clock>) -> App {
     let seen = Upstream::default();
     // Like common servers, the upstream serves its endpoint under every spelling of the path.
     let upstream = Router::new().route("/mcp", any(mcp)).fallback(mcp).with_state(seen.clone());
@@ -165,14 +221,16 @@ async fn spawn_app_on(configure: impl FnOnce(&mut Config), clock: Arc<dyn Clock>
     config.auth.allow_anonymous = true;
     config.auth.anonymous_tenant = TENANT.into();
     configure(&mut config);
-    let guard = Guard::new(Arc::new(MemoryStore::new()), clock, onceguard_mcp::limits(&config));
-    let app = onceguard_mcp::app(&config, guard.clone()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let refresher = guard.refresh_controls_task();
-    tokio::spawn(refresher);
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    App { base, seen, guard, http: reqwest::Client::new() }
+    let limits = onceguard_mcp::limits(&config);
+    let harness = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_mcp::app).await;
+    App {
+        base: harness.base.clone(),
+        seen,
+        guard: harness.guard.clone(),
+        clock: harness.clock.clone(),
+        http: reqwest::Client::new(),
+        _harness: harness,
+    }
 }
 
 fn call(id: Value, name: &str, arguments: Value, key: Option<&str>) -> Value {
@@ -314,15 +372,16 @@ async fn duplicates_in_flight_are_refused_or_wait_for_the_result() {
     let app = Arc::new(spawn_app(|_| {}).await);
     let first = tokio::spawn({
         let app = app.clone();
-        async move { app.rpc(&call(json!(1), "slow", json!({}), Some("k"))).await }
+        async move { app.rpc(&call(json!(1), "held", json!({}), Some("k"))).await }
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let busy = app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await;
+    app.seen.until("held", 1).await;
+    let busy = app.rpc(&call(json!(2), "held", json!({}), Some("k"))).await;
     assert_eq!(busy["error"]["code"], 40901);
     assert_eq!(busy["error"]["data"]["type"], "https://onceguard.dev/problems/in-flight");
     assert!(busy["error"]["data"]["retry_after_ms"].as_u64().is_some());
+    app.seen.open();
     first.await.unwrap();
-    assert_eq!(runs(&app.seen, "slow"), 1);
+    assert_eq!(runs(&app.seen, "held"), 1);
 
     let waiting = Arc::new(spawn_app(|c| c.mcp.wait = Duration::from_secs(5)).await);
     let calls: Vec<_> = (0..8)
@@ -376,19 +435,23 @@ async fn a_call_that_never_ran_releases_and_an_unknown_outcome_recovers() {
 
 #[tokio::test]
 async fn a_caller_that_leaves_does_not_cancel_the_call() {
-    let app = spawn_app(|_| {}).await;
-    let slow = call(json!(1), "slow", json!({}), Some("k"));
-    let gone = tokio::time::timeout(Duration::from_millis(150), app.post(&slow)).await;
-    assert!(gone.is_err(), "the caller gave up");
+    // The retry waits for the call in flight instead of being told to come back.
+    let app = spawn_app(|c| c.mcp.wait = Duration::from_secs(30)).await;
+    let held = call(json!(1), "held", json!({}), Some("k"));
+    let gone = tokio::select! {
+        _ = app.post(&held) => false,
+        () = app.seen.until("held", 1) => true,
+    };
+    assert!(gone, "the caller gave up while the tool ran");
     // Its cancellation is swallowed while the guarded call is in flight.
     let cancel = json!({"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}});
     assert_eq!(app.post(&cancel).await.status(), 202);
     assert_eq!(app.seen.lock().unwrap().cancellations, 0);
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let replay = app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await;
-    assert_eq!(replay["result"]["content"][0]["text"], "slow 1");
+    app.seen.open();
+    let replay = app.rpc(&call(json!(2), "held", json!({}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "held 1");
     assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
-    assert_eq!(runs(&app.seen, "slow"), 1);
+    assert_eq!(runs(&app.seen, "held"), 1);
     // Other cancellations pass.
     assert_eq!(app.post(&cancel).await.status(), 202);
     assert_eq!(app.seen.lock().unwrap().cancellations, 1);
@@ -564,12 +627,12 @@ async fn an_unreachable_upstream_releases_the_key() {
 
 #[tokio::test]
 async fn a_caller_that_leaves_an_event_stream_does_not_cancel_the_call() {
-    let app = spawn_app(|_| {}).await;
+    // The retry waits for the call in flight instead of being told to come back.
+    let app = spawn_app(|c| c.mcp.wait = Duration::from_secs(30)).await;
     let mut response = app.post(&call(json!(1), "stream", json!({}), Some("k"))).await;
     let first = response.chunk().await.unwrap().unwrap();
     assert!(String::from_utf8_lossy(&first).contains("notifications/progress"), "progress comes first, alone");
     drop(response); // the caller leaves before the result
-    tokio::time::sleep(Duration::from_millis(400)).await;
     let replay = app.rpc(&call(json!(2), "stream", json!({}), Some("k"))).await;
     assert_eq!(replay["result"]["content"][0]["text"], "stream 1");
     assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
@@ -603,7 +666,7 @@ async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
     assert!(response.text().await.unwrap().contains("notifications/progress"));
     let held = app.rpc(&call(json!(2), "lost", json!({}), Some("k"))).await;
     assert_eq!(held["error"]["code"], 40901, "the upstream may still act: held");
-    tokio::time::sleep(Duration::from_millis(2_300)).await; // the test's lease is 2 s
+    app.clock.advance(Duration::from_millis(2_300)); // the test's lease is 2 s
     app.post(&call(json!(3), "lost", json!({}), Some("k"))).await.text().await.unwrap();
     assert_eq!(runs(&app.seen, "lost"), 2, "after the lease, a recovery runs it again");
     let record = app.guard.get(&app.scope("lost", "k")).await.unwrap().unwrap();
@@ -614,8 +677,7 @@ async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
 /// and every later call with it is told so: the tool never runs again.
 #[tokio::test]
 async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
-    let clock = Arc::new(ManualClock::new(onceguard_core::Timestamp::now()));
-    let app = spawn_app_on(|c| c.mcp.max_result_bytes = 1_000, clock.clone()).await;
+    let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
     let answer = app.rpc(&call(json!(1), "big", json!({}), Some("k"))).await;
     assert_eq!(answer["result"]["content"][0]["text"].as_str().unwrap().len(), 100_000, "the caller gets it whole");
     let record = app.guard.get(&app.scope("big", "k")).await.unwrap().unwrap();
@@ -623,7 +685,7 @@ async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
     let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
     assert!(stored["size"].as_u64().unwrap() > 100_000, "{stored}");
     assert_eq!(stored["sha256"].as_str().unwrap().len(), 64);
-    clock.advance(Duration::from_secs(3_600)); // far past the test's 2 s lease
+    app.clock.advance(Duration::from_secs(3_600)); // far past the test's 2 s lease
     let again = app.rpc(&call(json!(2), "big", json!({}), Some("k"))).await;
     assert_eq!(again["id"], 2);
     assert_eq!(again["error"]["code"], 41001, "{again}");
@@ -698,7 +760,7 @@ async fn settings_on_a_tool_set_its_retention() {
         app.rpc(&call(json!(3), "echo", json!({}), Some("k"))).await["result"]["_meta"]["dev.onceguard/replayed"],
         true
     );
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    app.clock.advance(Duration::from_millis(1_300));
     let after = app.rpc(&call(json!(4), "echo", json!({}), Some("k"))).await;
     assert_eq!(after["result"]["content"][0]["text"], "echo 2", "retained 1 s, then the key is new");
     let other = app.rpc(&call(json!(5), "slow", json!({}), Some("k"))).await;

@@ -11,28 +11,72 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
-use onceguard_core::{Clock, Guard, ManualClock, SystemClock};
+use onceguard_core::ManualClock;
 use onceguard_http::Config;
 use onceguard_store_sqlite::SqliteStore;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
 use reqwest::Method;
 
-type Counts = Arc<Mutex<HashMap<String, usize>>>;
+/// What the upstream ran, and a gate that holds requests sent with `?hold=1` until the test
+/// opens it.
+#[derive(Clone)]
+struct Counts {
+    ran: Arc<Mutex<HashMap<String, usize>>>,
+    changed: Arc<tokio::sync::Notify>,
+    gate: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Counts {
+    fn default() -> Self {
+        Self { ran: Arc::default(), changed: Arc::default(), gate: tokio::sync::watch::channel(false).0 }
+    }
+}
+
+impl Counts {
+    /// Lets every held request go on.
+    fn open(&self) {
+        self.gate.send_replace(true);
+    }
+
+    /// Waits (at most 30 s) until the upstream has run `what` `n` times.
+    async fn until(&self, what: &str, n: usize) {
+        let reached = async {
+            loop {
+                let changed = self.changed.notified();
+                if executed(self, what) >= n {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), reached).await.expect("the upstream was reached");
+    }
+}
 
 fn count(counts: &Counts, what: &str) -> usize {
-    let mut counts = counts.lock().unwrap();
-    let n = counts.entry(what.to_owned()).or_default();
-    *n += 1;
-    *n
+    let n = {
+        let mut ran = counts.ran.lock().unwrap();
+        let n = ran.entry(what.to_owned()).or_default();
+        *n += 1;
+        *n
+    };
+    counts.changed.notify_waiters();
+    n
 }
 
 #[derive(serde::Deserialize)]
 struct Delay {
     delay_ms: Option<u64>,
+    hold: Option<u8>,
     mib: Option<usize>,
 }
 
 async fn charge(State(c): State<Counts>, Query(q): Query<Delay>, body: Bytes) -> Response {
     let n = count(&c, "charge");
+    if q.hold.is_some() {
+        let _ = c.gate.subscribe().wait_for(|open| *open).await;
+    }
     tokio::time::sleep(Duration::from_millis(q.delay_ms.unwrap_or(0))).await;
     let mut headers = HeaderMap::new();
     headers.insert("x-upstream", "yes".parse().unwrap());
@@ -134,30 +178,27 @@ async fn start_resetting_upstream() -> String {
 struct Proxy {
     base: String,
     client: reqwest::Client,
-    _dir: tempfile::TempDir,
+    clock: Arc<ManualClock>,
+    _harness: Harness,
 }
 
+/// A proxy over a fresh SQLite store (a lease of 2 s on its manual clock, an upstream timeout
+/// of 1 s), through the one harness.
 async fn start_proxy(upstream: &str, configure: impl FnOnce(&mut Config)) -> Proxy {
-    start_proxy_on(upstream, configure, Arc::new(SystemClock)).await
+    let dir = tempfile::tempdir().unwrap();
+    let store = TestStore::with(SqliteStore::open(dir.path().join("proxy.db")).unwrap(), dir);
+    start_proxy_over(upstream, configure, store).await
 }
 
-/// A proxy whose guard takes its time from `clock`.
-async fn start_proxy_on(upstream: &str, configure: impl FnOnce(&mut Config), clock: Arc<dyn Clock>) -> Proxy {
-    let dir = tempfile::tempdir().unwrap();
+async fn start_proxy_over(upstream: &str, configure: impl FnOnce(&mut Config), store: TestStore) -> Proxy {
     let mut config = Config::default();
     config.proxy.upstream = upstream.to_owned();
     config.proxy.lease = Duration::from_secs(2);
     config.proxy.upstream_timeout = Duration::from_secs(1);
     configure(&mut config);
-    config.validate().unwrap();
-    let store = Arc::new(SqliteStore::open(dir.path().join("proxy.db")).unwrap());
-    let guard = Guard::new(store, clock, onceguard_proxy::limits(&config));
-    let app = onceguard_proxy::app(&config, guard).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
-    Proxy { base: format!("http://{addr}"), client, _dir: dir }
+    let limits = onceguard_proxy::limits(&config);
+    let harness = Harness::start(config, limits, store, onceguard_proxy::app).await;
+    Proxy { base: harness.base.clone(), client: harness.http.clone(), clock: harness.clock.clone(), _harness: harness }
 }
 
 impl Proxy {
@@ -172,6 +213,21 @@ impl Proxy {
     async fn post(&self, path: &str, key: &str, body: &'static str) -> reqwest::Response {
         self.request(Method::POST, path, Some(key)).body(body).send().await.unwrap()
     }
+
+    /// Sends `key` again until the request in flight under it has settled (the answer is no
+    /// longer 409); gives up after 30 s.
+    async fn settled(&self, method: Method, path: &str, key: &str) -> reqwest::Response {
+        let settled = async {
+            loop {
+                let response = self.request(method.clone(), path, Some(key)).send().await.unwrap();
+                if response.status() != StatusCode::CONFLICT {
+                    return response;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), settled).await.expect("the key settled")
+    }
 }
 
 async fn problem(response: reqwest::Response, status: u16, kind: &str) -> serde_json::Value {
@@ -183,7 +239,7 @@ async fn problem(response: reqwest::Response, status: u16, kind: &str) -> serde_
 }
 
 fn executed(counts: &Counts, what: &str) -> usize {
-    counts.lock().unwrap().get(what).copied().unwrap_or(0)
+    counts.ran.lock().unwrap().get(what).copied().unwrap_or(0)
 }
 
 #[tokio::test]
@@ -271,16 +327,17 @@ async fn another_request_under_the_same_key_is_422_also_in_flight_and_a_duplicat
     let proxy = Arc::new(start_proxy(&upstream, |_| {}).await);
     let first = {
         let proxy = proxy.clone();
-        tokio::spawn(async move { proxy.post("/charge?delay_ms=700", "k", "one").await.text().await.unwrap() })
+        tokio::spawn(async move { proxy.post("/charge?hold=1", "k", "one").await.text().await.unwrap() })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    problem(proxy.post("/charge?delay_ms=700", "k", "two").await, 422, "fingerprint-mismatch").await;
-    let dup = proxy.post("/charge?delay_ms=700", "k", "one").await;
+    counts.until("charge", 1).await;
+    problem(proxy.post("/charge?hold=1", "k", "two").await, 422, "fingerprint-mismatch").await;
+    let dup = proxy.post("/charge?hold=1", "k", "one").await;
     assert!(dup.headers().contains_key("retry-after"));
     problem(dup, 409, "in-flight").await;
+    counts.open();
     let original = first.await.unwrap();
     problem(proxy.post("/charge?other=1", "k", "one").await, 422, "fingerprint-mismatch").await;
-    assert_eq!(proxy.post("/charge?delay_ms=700", "k", "one").await.text().await.unwrap(), original);
+    assert_eq!(proxy.post("/charge?hold=1", "k", "one").await.text().await.unwrap(), original);
     assert_eq!(executed(&counts, "charge"), 1);
 }
 
@@ -352,7 +409,7 @@ async fn an_upstream_timeout_holds_the_key_until_its_lease_passes() {
     let proxy = start_proxy(&upstream, |_| {}).await;
     problem(proxy.post("/slow", "t", "").await, 504, "upstream-timeout").await;
     problem(proxy.post("/slow", "t", "").await, 409, "in-flight").await;
-    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    proxy.clock.advance(Duration::from_millis(2_100));
     problem(proxy.post("/slow", "t", "").await, 504, "upstream-timeout").await;
     assert_eq!(executed(&counts, "slow"), 2, "after the lease the request ran again");
 }
@@ -398,12 +455,14 @@ async fn a_hundred_parallel_duplicates_execute_once() {
 async fn a_caller_that_disconnects_does_not_cancel_the_upstream_call() {
     let (upstream, counts) = start_upstream().await;
     let proxy = start_proxy(&upstream, |_| {}).await;
-    let impatient =
-        proxy.request(Method::POST, "/charge?delay_ms=600", Some("d")).timeout(Duration::from_millis(100)).send().await;
-    assert!(impatient.is_err(), "the caller gave up");
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    assert_eq!(executed(&counts, "charge"), 1);
-    let retry = proxy.request(Method::POST, "/charge?delay_ms=600", Some("d")).send().await.unwrap();
+    let impatient = proxy.request(Method::POST, "/charge?hold=1", Some("d")).send();
+    let gone = tokio::select! {
+        _ = impatient => false,
+        () = counts.until("charge", 1) => true,
+    };
+    assert!(gone, "the caller gave up while the upstream held the request");
+    counts.open();
+    let retry = proxy.settled(Method::POST, "/charge?hold=1", "d").await;
     assert_eq!((retry.status().as_u16(), retry.headers()["idempotent-replayed"].to_str().unwrap()), (201, "true"));
     assert_eq!(executed(&counts, "charge"), 1);
 }
@@ -459,32 +518,16 @@ async fn the_store_unreachable_is_503_and_nothing_is_forwarded() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (upstream, counts) = start_upstream().await;
-    let mut config = Config::default();
-    config.proxy.upstream = upstream;
     let store = onceguard_store_redis::RedisStore::connect(&format!("redis://127.0.0.1:{port}"), "og-proxy-test:")
         .await
         .unwrap();
-    let guard = Guard::new(Arc::new(store), Arc::new(SystemClock), onceguard_proxy::limits(&config));
-    let app = onceguard_proxy::app(&config, guard).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = reqwest::Client::new();
-    let post =
-        || client.post(format!("{base}/charge")).bearer_auth("a").header("Idempotency-Key", "k").body("{}").send();
-    assert_eq!(post().await.unwrap().status(), 201);
+    let proxy = start_proxy_over(&upstream, |_| {}, TestStore::new(store)).await;
+    let post = || proxy.post("/charge", "k", "{}");
+    assert_eq!(post().await.status(), 201);
     redis.kill().unwrap();
     redis.wait().unwrap();
-    problem(post().await.unwrap(), 503, "store-unavailable").await;
-    let other = client
-        .post(format!("{base}/charge"))
-        .bearer_auth("a")
-        .header("Idempotency-Key", "k2")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    problem(other, 503, "store-unavailable").await;
+    problem(post().await, 503, "store-unavailable").await;
+    problem(proxy.post("/charge", "k2", "{}").await, 503, "store-unavailable").await;
     assert_eq!(executed(&counts, "charge"), 1, "nothing was forwarded while the store was down");
 }
 
@@ -494,21 +537,13 @@ async fn the_store_unreachable_is_503_and_nothing_is_forwarded() {
 async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
     use sha2::Digest;
     let (upstream, counts) = start_upstream().await;
-    let clock = Arc::new(ManualClock::new(onceguard_core::Timestamp::now()));
-    let proxy = start_proxy_on(&upstream, |c| c.proxy.max_response_bytes = 1024 * 1024, clock.clone()).await;
+    let proxy = start_proxy(&upstream, |c| c.proxy.max_response_bytes = 1024 * 1024).await;
     let expected = pattern(2 * 1024 * 1024, 7);
     let first = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
     assert_eq!(first.status(), 200, "the caller gets the upstream's answer");
     assert!(first.bytes().await.unwrap() == expected, "whole");
-    let mut retry = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
     // The key is settled once the body has passed: until then a retry is told it is in flight.
-    for _ in 0..100 {
-        if retry.status() != 409 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        retry = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
-    }
+    let retry = proxy.settled(Method::POST, "/large?mib=2", "huge").await;
     assert_eq!(retry.status(), 200, "the replay carries the upstream's status");
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     let digest = hex::encode(sha2::Sha256::digest(&expected));
@@ -518,7 +553,7 @@ async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
     assert_eq!(problem["reason"]["size"], 2_097_152);
     assert_eq!(problem["reason"]["sha256"], digest);
     // Long after the lease (2 s here) the key still never runs again.
-    clock.advance(Duration::from_secs(3_600));
+    proxy.clock.advance(Duration::from_secs(3_600));
     let late = proxy.request(Method::POST, "/large?mib=2", Some("huge")).send().await.unwrap();
     assert_eq!(late.headers()["idempotent-replayed"], "true");
     assert_eq!(executed(&counts, "large"), 1, "the upstream ran the request once");

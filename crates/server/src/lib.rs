@@ -131,6 +131,11 @@ async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
 }
 
+/// The API as an axum app over `guard` (its store measured, as under [`run`]).
+pub fn app(config: &Config, guard: Guard) -> Result<Router, onceguard_core::InvalidInput> {
+    Ok(router(AppState::new(guard, config)?, config))
+}
+
 /// The axum app for `state`, with the body limit and request timeout of `config`.
 pub fn router(state: AppState, config: &Config) -> Router {
     let timeout = config.http.request_timeout;
@@ -278,8 +283,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
+    // The background tasks run on the measured guard: the sweep's store calls are metrics too.
     let state = AppState::new(guard, config)?;
     let guard = state.guard.clone();
-    let app = router(state, config);
-    serve_with_background(config, guard, listener, app, shutdown).await
+    serve_with_background(config, guard, listener, router(state, config), shutdown).await
 }

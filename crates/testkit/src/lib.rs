@@ -21,6 +21,8 @@ use onceguard_core::Store;
 pub use proptest;
 
 pub mod conformance;
+#[cfg(feature = "harness")]
+pub mod harness;
 pub mod model;
 pub mod redis_process;
 pub mod services;

@@ -1,5 +1,6 @@
-//! The one harness of the API tests: `spawn_app` starts a server on `127.0.0.1:0` over a fresh
-//! store with a manual clock, and hands back a client with API keys of each role.
+//! The API tests' side of the one harness ([`onceguard_testkit::harness::Harness`]): `spawn_app`
+//! starts the API through its real start-up on `127.0.0.1:0` over a fresh store with a manual
+//! clock, and hands back a client with API keys of each role.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,11 +12,13 @@ use onceguard_core::control::{
 };
 use onceguard_core::store::{ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
-    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, Guard, ListFilter, ManualClock, MemoryStore, Mutation, Page,
-    Record, RunId, Scope, Store, StoreError, TenantId, Timestamp,
+    ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, ManualClock, MemoryStore, Mutation, Page, Record,
+    RunId, Scope, Store, StoreError, TenantId, Timestamp,
 };
-use onceguard_server::{AppState, Config};
+use onceguard_server::Config;
 use onceguard_store_sqlite::SqliteStore;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
 use reqwest::{Response, StatusCode};
 use serde_json::Value;
 
@@ -44,8 +47,7 @@ pub struct TestApp {
     pub store_stalled: Arc<AtomicBool>,
     /// The store under the server, for changes made beside it (as the CLI makes them).
     pub store: Arc<dyn Store>,
-    _dir: tempfile::TempDir,
-    _server: tokio::task::JoinHandle<()>,
+    _harness: Harness,
 }
 
 pub async fn spawn_app(backing: Backing) -> TestApp {
@@ -53,57 +55,35 @@ pub async fn spawn_app(backing: Backing) -> TestApp {
 }
 
 pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config)) -> TestApp {
-    let dir = tempfile::tempdir().unwrap();
     let (store_down, store_stalled) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-    let store: Arc<dyn Store> = match backing {
-        Backing::Memory => Arc::new(MemoryStore::new()),
-        Backing::Sqlite => Arc::new(SqliteStore::open(dir.path().join("og.db")).unwrap()),
-        Backing::Breakable => Arc::new(BreakableStore {
+    let store = match backing {
+        Backing::Memory => TestStore::new(MemoryStore::new()),
+        Backing::Sqlite => {
+            let dir = tempfile::tempdir().unwrap();
+            TestStore::with(SqliteStore::open(dir.path().join("og.db")).unwrap(), dir)
+        }
+        Backing::Breakable => TestStore::new(BreakableStore {
             inner: MemoryStore::new(),
             down: store_down.clone(),
             stalled: store_stalled.clone(),
         }),
     };
-    let clock = Arc::new(ManualClock::new(Timestamp::now()));
     let mut config = Config { store: "memory://".into(), ..Config::default() };
     config.auth.operator_tenant = "acme".into();
     configure(&mut config);
-    config.validate().unwrap();
-    let guard = Guard::new(store.clone(), clock.clone(), config.limits.clone());
-
-    let now = Timestamp::now();
-    let token = |tenant: &str, role| {
-        let new = ApiKey::generate(TenantId::parse(tenant).unwrap(), role, "test", now);
-        (new.key, new.token)
-    };
-    let (admin_key, admin) = token("acme", Role::Admin);
-    let (agent_key, agent) = token("acme", Role::Agent);
-    let (other_key, other_agent) = token("globex", Role::Agent);
-    for tenant in ["acme", "globex"] {
-        store.create_tenant(&Tenant { id: TenantId::parse(tenant).unwrap(), created_at: now }).await.unwrap();
-    }
-    for key in [admin_key, agent_key, other_key] {
-        store.create_api_key(&key).await.unwrap();
-    }
-
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = onceguard_server::router(AppState::new(guard.clone(), &config).unwrap(), &config);
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
+    let limits = config.limits.clone();
+    let harness = Harness::start(config, limits, store, onceguard_server::app).await;
     TestApp {
-        base: format!("http://{addr}"),
-        client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap(),
-        clock,
-        admin,
-        agent,
-        other_agent,
+        base: harness.base.clone(),
+        client: harness.http.clone(),
+        clock: harness.clock.clone(),
+        admin: harness.key("acme", Role::Admin).await,
+        agent: harness.key("acme", Role::Agent).await,
+        other_agent: harness.key("globex", Role::Agent).await,
         store_down,
         store_stalled,
-        store,
-        _dir: dir,
-        _server: server,
+        store: harness.store.clone(),
+        _harness: harness,
     }
 }
 

@@ -1,0 +1,126 @@
+//! The one harness of the integration tests of every front end (the API server, the proxy, the
+//! MCP gateway): it starts the front end's app the way its `run` does, through
+//! [`onceguard_http::serve_with_background`], so the control refresh, the sweep and the change
+//! feed run under every test, on a fresh store, on `127.0.0.1:0`, with a [`ManualClock`] the
+//! test moves. Dropping the harness shuts the server down gracefully.
+//!
+//! ```text
+//! let h = Harness::start(config, limits, store, onceguard_proxy::app).await;
+//! let token = h.key("acme", Role::Agent).await;
+//! h.http.post(h.url("/v1/claims")).bearer_auth(token)…
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::store::prelude::*;
+use onceguard_core::{Clock, Guard, InvalidInput, Limits, ManualClock, TenantId, Timestamp};
+use onceguard_http::Config;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::TestStore;
+
+/// A front end served for one test.
+pub struct Harness {
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    /// A client that follows no redirects and gives up after a minute.
+    pub http: reqwest::Client,
+    /// The guard's clock: nothing in a test waits for time to pass, it moves this.
+    pub clock: Arc<ManualClock>,
+    /// The guard the front end serves.
+    pub guard: Guard,
+    /// The store under the guard, for changes made beside the server (as the CLI makes them).
+    pub store: Arc<dyn Store>,
+    /// The configuration the front end was started with.
+    pub config: Config,
+    stop: Option<oneshot::Sender<()>>,
+    served: Option<JoinHandle<()>>,
+    _store: TestStore,
+}
+
+impl Harness {
+    /// Serves the app that `app` builds from `config` and a guard over `store` (with `limits`),
+    /// as the front end's `run` serves it.
+    pub async fn start(
+        config: Config,
+        limits: Limits,
+        store: TestStore,
+        app: impl FnOnce(&Config, Guard) -> Result<Router, InvalidInput>,
+    ) -> Self {
+        config.validate().expect("the test's configuration is valid");
+        let clock = Arc::new(ManualClock::new(Timestamp::now()));
+        let guard = Guard::new(store.store.clone(), clock.clone(), limits);
+        let app = app(&config, guard.clone()).expect("the app starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a loopback port");
+        let base = format!("http://{}", listener.local_addr().expect("a bound listener"));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = tokio::spawn({
+            let (config, guard) = (config.clone(), guard.clone());
+            async move {
+                let shutdown = async move {
+                    let _ = stopped.await;
+                };
+                onceguard_http::serve_with_background(&config, guard, listener, app, shutdown)
+                    .await
+                    .expect("the server ran");
+            }
+        });
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(Duration::from_secs(60))
+            .build()
+            .expect("an HTTP client");
+        Self {
+            base,
+            http,
+            clock,
+            guard,
+            store: store.store.clone(),
+            config,
+            stop: Some(stop),
+            served: Some(served),
+            _store: store,
+        }
+    }
+
+    /// The URL of `path` on the server.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// A new API key of `role` in `tenant` (made if absent), written to the store as a fixture
+    /// (not audited), and its token.
+    pub async fn key(&self, tenant: &str, role: Role) -> String {
+        let tenant = TenantId::parse(tenant).expect("a valid tenant id");
+        let now = self.clock.now();
+        if self.store.get_tenant(&tenant).await.expect("the store answers").is_none() {
+            let made = Tenant { id: tenant.clone(), created_at: now };
+            self.store.create_tenant(&made).await.expect("the tenant is made");
+        }
+        let new = ApiKey::generate(tenant, role, "test", now);
+        self.store.create_api_key(&new.key).await.expect("the key is stored");
+        new.token
+    }
+
+    /// Stops the server as a signal would: requests in flight finish, the background tasks stop.
+    pub async fn shut_down(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(served) = self.served.take() {
+            served.await.expect("the server stopped cleanly");
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
