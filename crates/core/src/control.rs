@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::{Fence, InvalidInput, Namespace, RunId, Scope, TenantId, Timestamp};
 use crate::limits::Limits;
-use crate::protocol::{ClaimRequest, Mutation};
-use crate::record::{Denial, Record, RecordState};
+use crate::protocol::{self, ClaimRequest, Mutation};
+use crate::record::{Denial, FencedOutcome, Record, RecordState};
 
 /// What a run may spend. Every field is optional: an absent one does not limit.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -306,6 +306,35 @@ pub fn reported_cost(mutation: &Mutation) -> u64 {
         Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => o.cost.unwrap_or(0),
         _ => 0,
     }
+}
+
+/// What a fenced call writes: the record, and the cost to add to the record's run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FencedWrite {
+    /// The record as the call leaves it.
+    pub record: Record,
+    /// The run to charge and the cost the call reported, when the call reported a cost and the
+    /// record belongs to a run.
+    pub charge: Option<(RunId, u64)>,
+}
+
+/// A fenced call, decided as every store decides it: [`protocol::apply`], and the
+/// [`reported_cost`] to add to the record's run in the same atomic step when the call writes
+/// (the first time it takes effect: an identical repeat writes nothing and charges nothing).
+pub fn apply_fenced(
+    existing: Option<Record>,
+    fence: Fence,
+    mutation: Mutation,
+    now: Timestamp,
+    max_checkpoints: usize,
+) -> (FencedOutcome, Option<FencedWrite>) {
+    let cost = reported_cost(&mutation);
+    let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
+    let write = write.map(|record| {
+        let charge = record.run.clone().filter(|_| cost > 0).map(|run| (run, cost));
+        FencedWrite { record, charge }
+    });
+    (outcome, write)
 }
 
 /// Settings of a tenant (or of a namespace prefix inside it). Absent fields inherit: from the

@@ -1479,16 +1479,19 @@ async fn decide_batch(
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
                 let finishes =
                     matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
-                let cost = onceguard_core::control::reported_cost(mutation);
-                let (outcome, write) = protocol::apply(record, *fence, mutation.clone(), job.now, *max_checkpoints);
+                let (outcome, write) =
+                    onceguard_core::control::apply_fenced(record, *fence, mutation.clone(), job.now, *max_checkpoints);
                 if finishes && write.is_some() {
                     finished.push(scope.clone());
                 }
-                if let (true, Some(id)) = (cost > 0, write.as_ref().and_then(|r| r.run.as_ref())) {
-                    ledger.run(&scope.tenant, id, job.now)?.add_cost(cost, job.now);
-                    ledger.charged.insert((scope.tenant.clone(), id.clone()));
-                }
-                (Answer::Mutate(outcome), write)
+                let write = write.map(|write| -> Result<Record, BatchError> {
+                    if let Some((id, cost)) = &write.charge {
+                        ledger.run(&scope.tenant, id, job.now)?.add_cost(*cost, job.now);
+                        ledger.charged.insert((scope.tenant.clone(), id.clone()));
+                    }
+                    Ok(write.record)
+                });
+                (Answer::Mutate(outcome), write.transpose()?)
             }
         };
         answers[i] = Some(answer);

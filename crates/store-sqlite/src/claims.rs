@@ -1,41 +1,43 @@
 //! The claim path on SQLite: each claim and fenced call is a job of the writer's group commit;
 //! reads use the reading connection.
 
+use onceguard_core::store::{ClaimSection, claim_in};
+
 use super::*;
 use crate::runs::{run_or_new, save_run};
 
-/// Claims a key (see the module documentation): the protocol's decision, then, when it
-/// acquires, the tenant's in-flight quota and the run's budget ([`onceguard_core::control::admit`]), and the
-/// writes, all in the caller's job.
-fn claim_in(conn: &Connection, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
-    let existing = load(conn, &req.scope)?;
-    let mut fence_error = None;
-    let (outcome, write) = protocol::claim(existing, req, now, || {
-        next_fence(conn).unwrap_or_else(|e| {
-            fence_error = Some(e);
-            Fence(0)
-        })
-    });
-    if let Some(e) = fence_error {
-        return Err(e);
+/// A SQLite store's atomic section for the claim transaction ([`claim_in`]): the caller's job
+/// in the writer's group commit.
+struct Section<'c>(&'c Connection);
+
+impl ClaimSection for Section<'_> {
+    fn load(&mut self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        load(self.0, scope)
     }
-    let Some(mut record) = write else { return Ok(outcome) };
-    let tenant = &req.scope.tenant;
-    let in_flight = req.max_in_flight.map(|_| count_in_flight(conn, tenant, now)).transpose()?;
-    let mut run = record.run.as_ref().map(|id| run_or_new(conn, tenant, id, now)).transpose()?;
-    match onceguard_core::control::admit(&mut record, req, Admission { in_flight, run: run.as_mut() }, now) {
-        Err(denial) => {
-            // Not even the fence drawn for it is kept.
-            discard_job(conn)?;
-            Ok(ClaimOutcome::Denied(denial))
-        }
-        Ok(charged) => {
-            if let (true, Some(run)) = (charged, &run) {
-                save_run(conn, run)?;
-            }
-            save(conn, record)?;
-            Ok(outcome)
-        }
+
+    fn next_fence(&mut self) -> Result<Fence, StoreError> {
+        next_fence(self.0)
+    }
+
+    fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {
+        count_in_flight(self.0, tenant, now)
+    }
+
+    fn run(&mut self, tenant: &TenantId, id: &RunId, now: Timestamp) -> Result<Run, StoreError> {
+        run_or_new(self.0, tenant, id, now)
+    }
+
+    fn save_run(&mut self, run: Run) -> Result<(), StoreError> {
+        save_run(self.0, &run)
+    }
+
+    fn save(&mut self, record: Record) -> Result<(), StoreError> {
+        save(self.0, record)
+    }
+
+    /// Rolls the job back: not even the fence drawn for the denied claim is kept.
+    fn discard(&mut self) -> Result<(), StoreError> {
+        discard_job(self.0)
     }
 }
 
@@ -55,7 +57,7 @@ impl ClaimStore for SqliteStore {
 
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         let req = req.clone();
-        self.write(move |conn| claim_in(conn, &req, now)).await
+        self.write(move |conn| claim_in(&mut Section(conn), &req, now)).await
     }
 
     async fn mutate(
@@ -69,15 +71,15 @@ impl ClaimStore for SqliteStore {
         let scope = scope.clone();
         self.write(move |conn| {
             let existing = load(conn, &scope)?;
-            let cost = onceguard_core::control::reported_cost(&mutation);
-            let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
-            if let Some(record) = write {
-                if let (true, Some(id)) = (cost > 0, &record.run) {
+            let (outcome, write) =
+                onceguard_core::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
+            if let Some(write) = write {
+                if let Some((id, cost)) = &write.charge {
                     let mut run = run_or_new(conn, &scope.tenant, id, now)?;
-                    run.add_cost(cost, now);
+                    run.add_cost(*cost, now);
                     save_run(conn, &run)?;
                 }
-                save(conn, record)?;
+                save(conn, write.record)?;
             }
             Ok(outcome)
         })

@@ -46,9 +46,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
-    Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
-use onceguard_core::protocol::{self, ClaimRequest, Mutation};
+use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, RunId, Scope, TenantId, Timestamp};
 use rusqlite::{Connection, OptionalExtension, params};
@@ -465,7 +465,9 @@ mod tests {
             tx.execute_batch(MIGRATIONS[0]).unwrap();
             tx.pragma_update(None, "user_version", 1).unwrap();
             tx.commit().unwrap();
-            let (_, Some(record)) = protocol::claim(None, &request("old"), now, || Fence(7)) else { panic!() };
+            let (_, Some(record)) = onceguard_core::protocol::claim(None, &request("old"), now, || Fence(7)) else {
+                panic!()
+            };
             let (doc, body) = record.into_doc().unwrap();
             let mut value: serde_json::Value = serde_json::from_str(&doc).unwrap();
             value.as_object_mut().unwrap().remove("charged");

@@ -2,6 +2,37 @@
 
 use super::*;
 
+/// The memory store's atomic section is its mutex: the claim transaction runs on its state.
+impl crate::store::ClaimSection for State {
+    fn load(&mut self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        Ok(self.records.get(scope).cloned())
+    }
+
+    fn next_fence(&mut self) -> Result<Fence, StoreError> {
+        self.last_fence += 1;
+        Ok(Fence(self.last_fence))
+    }
+
+    fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {
+        Ok(State::leases_held(self, tenant, now))
+    }
+
+    fn run(&mut self, tenant: &TenantId, id: &RunId, now: Timestamp) -> Result<Run, StoreError> {
+        let stored = self.runs.get(&(tenant.clone(), id.clone())).cloned();
+        Ok(stored.unwrap_or_else(|| Run::new(tenant.clone(), id.clone(), now)))
+    }
+
+    fn save_run(&mut self, run: Run) -> Result<(), StoreError> {
+        self.runs.insert((run.tenant.clone(), run.run.clone()), run);
+        Ok(())
+    }
+
+    fn save(&mut self, record: Record) -> Result<(), StoreError> {
+        self.put(record);
+        Ok(())
+    }
+}
+
 #[async_trait]
 impl ClaimStore for MemoryStore {
     fn kind(&self) -> &'static str {
@@ -9,33 +40,7 @@ impl ClaimStore for MemoryStore {
     }
 
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
-        let mut state = self.lock();
-        let state = &mut *state;
-        let existing = state.records.get(&req.scope).cloned();
-        let (outcome, write) = protocol::claim(existing, req, now, || {
-            state.last_fence += 1;
-            Fence(state.last_fence)
-        });
-        let Some(mut record) = write else { return Ok(outcome) };
-        let tenant = &req.scope.tenant;
-        let in_flight = req.max_in_flight.map(|_| state.leases_held(tenant, now));
-        let mut run = record.run.as_ref().map(|id| {
-            state
-                .runs
-                .get(&(tenant.clone(), id.clone()))
-                .cloned()
-                .unwrap_or_else(|| Run::new(tenant.clone(), id.clone(), now))
-        });
-        match crate::control::admit(&mut record, req, Admission { in_flight, run: run.as_mut() }, now) {
-            Err(denial) => Ok(ClaimOutcome::Denied(denial)),
-            Ok(charged) => {
-                if let (true, Some(run)) = (charged, run) {
-                    state.runs.insert((run.tenant.clone(), run.run.clone()), run);
-                }
-                state.put(record);
-                Ok(outcome)
-            }
-        }
+        crate::store::claim_in(&mut *self.lock(), req, now)
     }
 
     async fn mutate(
@@ -48,13 +53,12 @@ impl ClaimStore for MemoryStore {
     ) -> Result<FencedOutcome, StoreError> {
         let mut state = self.lock();
         let existing = state.records.get(scope).cloned();
-        let cost = crate::control::reported_cost(&mutation);
-        let (outcome, write) = protocol::apply(existing, fence, mutation, now, max_checkpoints);
-        if let Some(record) = write {
-            if let (true, Some(run)) = (cost > 0, &record.run) {
-                state.run_mut(&scope.tenant, run, now).add_cost(cost, now);
+        let (outcome, write) = crate::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
+        if let Some(write) = write {
+            if let Some((run, cost)) = &write.charge {
+                state.run_mut(&scope.tenant, run, now).add_cost(*cost, now);
             }
-            state.put(record);
+            state.put(write.record);
         }
         Ok(outcome)
     }

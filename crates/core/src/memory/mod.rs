@@ -12,11 +12,9 @@ use async_trait::async_trait;
 use std::time::Duration;
 
 use crate::auth::{ApiKey, ApiKeyId, Tenant};
-use crate::control::{
-    Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
-};
+use crate::control::{AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use crate::domain::{Fence, Key, Namespace, RunId, Scope, TenantId, Timestamp};
-use crate::protocol::{self, ClaimRequest, Mutation};
+use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
 use crate::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 

@@ -3,10 +3,72 @@
 
 use async_trait::async_trait;
 
-use crate::domain::{Fence, Scope, TenantId, Timestamp};
-use crate::protocol::{ClaimRequest, Mutation};
+use crate::control::{Admission, Run};
+use crate::domain::{Fence, RunId, Scope, TenantId, Timestamp};
+use crate::protocol::{self, ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, FencedOutcome, Record};
 use crate::store::{ListFilter, Page, StoreError};
+
+/// What a store's atomic section (a mutex, a SQLite transaction) offers [`claim_in`], the
+/// claim transaction a store runs in Rust. Everything it does happens inside that one section.
+pub trait ClaimSection {
+    /// The key's record, if any (live or not: the protocol decides).
+    fn load(&mut self, scope: &Scope) -> Result<Option<Record>, StoreError>;
+    /// A fence from the store-wide counter, greater than every fence drawn before.
+    fn next_fence(&mut self) -> Result<Fence, StoreError>;
+    /// The tenant's live leases (read only when the claim carries an in-flight quota).
+    fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError>;
+    /// The run `id` as stored, or [`Run::new`] if unseen.
+    fn run(&mut self, tenant: &TenantId, id: &RunId, now: Timestamp) -> Result<Run, StoreError>;
+    /// Writes a run that a claim charged.
+    fn save_run(&mut self, run: Run) -> Result<(), StoreError>;
+    /// Writes the record.
+    fn save(&mut self, record: Record) -> Result<(), StoreError>;
+    /// The claim was denied: nothing it did is kept (not even the fence it drew).
+    fn discard(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// The claim transaction: [`protocol::claim`] on the key's record, then, if it would write,
+/// [`crate::control::admit`] with the tenant's live leases and the record's run; a denial writes
+/// nothing, an admission writes the record and the charged run. Stores whose atomic section is
+/// Rust code (memory, SQLite) run exactly this; the others run the same steps in their own
+/// language (PostgreSQL's batch, Redis's script) under the same conformance suite.
+pub fn claim_in(
+    section: &mut impl ClaimSection,
+    req: &ClaimRequest,
+    now: Timestamp,
+) -> Result<ClaimOutcome, StoreError> {
+    let existing = section.load(&req.scope)?;
+    let mut fence_error = None;
+    let (outcome, write) = protocol::claim(existing, req, now, || {
+        section.next_fence().unwrap_or_else(|e| {
+            fence_error = Some(e);
+            Fence(0)
+        })
+    });
+    if let Some(e) = fence_error {
+        return Err(e);
+    }
+    let Some(mut record) = write else { return Ok(outcome) };
+    let tenant = &req.scope.tenant;
+    let in_flight = req.max_in_flight.map(|_| section.leases_held(tenant, now)).transpose()?;
+    let mut run = record.run.as_ref().map(|id| section.run(tenant, id, now)).transpose()?;
+    match crate::control::admit(&mut record, req, Admission { in_flight, run: run.as_mut() }, now) {
+        Err(denial) => {
+            section.discard()?;
+            Ok(ClaimOutcome::Denied(denial))
+        }
+        Ok(charged) => {
+            if let (true, Some(run)) = (charged, run) {
+                section.save_run(run)?;
+            }
+            section.save(record)?;
+            Ok(outcome)
+        }
+    }
+}
 
 /// Records: what every claim and fenced call reads and writes.
 #[async_trait]

@@ -30,8 +30,8 @@
 //!   Redis store does, which differs only while a newly set quota meets older leases), loads the record's run (only if it names one; [`crate::control::Run::new`] if unseen), and
 //!   runs [`crate::control::admit`]. Denied: nothing is written and the claim answers `denied`.
 //!   Admitted: the record and the run (if it changed) are written in the same atomic step. A
-//!   fenced call that writes adds [`crate::control::reported_cost`] to the record's run in its
-//!   atomic step too.
+//!   fenced call is decided by [`crate::control::apply_fenced`]: what it writes, and the
+//!   reported cost to add to the record's run in its atomic step too.
 //! - **Revoking leases** gives each covered in-progress record a fresh fence from the counter
 //!   ([`crate::control::revoke`]), so its holder's later calls are stale wherever they arrive.
 
@@ -45,7 +45,7 @@ mod control;
 mod runs;
 mod tenants;
 
-pub use claims::ClaimStore;
+pub use claims::{ClaimSection, ClaimStore, claim_in};
 pub use control::ControlStore;
 pub use runs::RunStore;
 pub use tenants::TenantStore;
