@@ -128,6 +128,21 @@ pub async fn metrics_endpoint(State(state): State<AppState>) -> Response {
     response
 }
 
+/// Serves a front end until `shutdown`, as every `run` does: the state over `guard` (its store
+/// measured), the app `app` builds on it, and the background tasks on the measured guard.
+pub async fn run(
+    config: &Config,
+    guard: Guard,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    app: impl FnOnce(&Config, AppState) -> Result<Router, onceguard_core::InvalidInput>,
+) -> Result<(), StartError> {
+    let state = AppState::new(guard, config)?;
+    let guard = state.guard.clone();
+    let app = app(config, state)?;
+    serve_with_background(config, guard, listener, app, shutdown).await
+}
+
 /// Serves `app` with the guard's background tasks (the sweep of expired records, the refresh of
 /// switches and settings, and the feed of keys finished by other instances), which it owns and
 /// stops at shutdown.

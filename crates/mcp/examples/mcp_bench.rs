@@ -209,11 +209,9 @@ async fn gateway_in_front_of(upstream: &str) -> String {
     config.mcp.upstream = upstream.to_owned();
     config.auth.allow_anonymous = true;
     let guard = Guard::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock), onceguard_mcp::limits(&config));
-    tokio::spawn(guard.refresh_controls_task());
-    let app = onceguard_mcp::app(&config, guard).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/mcp", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    tokio::spawn(async move { onceguard_mcp::run(&config, guard, listener, std::future::pending()).await.unwrap() });
     url
 }
 

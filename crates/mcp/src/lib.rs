@@ -117,20 +117,19 @@ pub fn limits(config: &Config) -> Limits {
     limits
 }
 
-/// The gateway as an axum app, over `guard` (whose store it measures).
-pub fn app(config: &Config, guard: Guard) -> Result<Router, InvalidInput> {
-    Ok(gateway::service(gateway(config, guard)?))
+/// The gateway as an axum app on `state` (what [`run`] serves).
+pub fn app(config: &Config, state: AppState) -> Result<Router, InvalidInput> {
+    Ok(gateway::service(gateway(config, state)?))
 }
 
 /// The gateway itself (for embedding and tests).
-pub fn gateway(config: &Config, guard: Guard) -> Result<Arc<Gateway>, InvalidInput> {
+pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, InvalidInput> {
     let options = options(config)?;
     let url = upstream_url(&config.mcp.upstream)?;
     let origin = url.origin().ascii_serialization();
     let calls = Upstream::new(&origin, config.mcp.upstream_timeout)?;
     let streams = Upstream::new(&origin, config.mcp.stream_timeout)?;
     let tools = tools::ToolPolicy::new(config.mcp.tools.clone(), config.mcp.no_key);
-    let state = AppState::new(guard, config)?;
     Ok(Arc::new(Gateway::new(state, options, calls, streams, tools)))
 }
 
@@ -143,8 +142,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let app = app(config, guard.clone())?;
-    onceguard_http::serve_with_background(config, guard, listener, app, shutdown).await
+    onceguard_http::run(config, guard, listener, shutdown, app).await
 }
 
 #[cfg(test)]

@@ -212,7 +212,7 @@ async fn main() {
     config.proxy.upstream = trivial.clone();
     config.proxy.identity_header = CALLER_HEADER.into();
     let guard = Guard::new(store, Arc::new(SystemClock), onceguard_proxy::limits(&config));
-    let proxy = serve(onceguard_proxy::app(&config, guard).unwrap()).await;
+    let proxy = serve(onceguard_proxy::app(&config, AppState::new(guard, &config).unwrap()).unwrap()).await;
 
     let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build().unwrap();
     let (upstream, claims_url, replays_url, proxied) = (

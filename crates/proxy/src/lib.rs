@@ -176,8 +176,7 @@ pub fn limits(config: &Config) -> Limits {
 /// The proxy as an axum app: `/_onceguard/metrics` (its Prometheus metrics: the claims its
 /// guard answered, and responses too large to store), and every other path, every method,
 /// through the layer to the upstream.
-pub fn app(config: &Config, guard: Guard) -> Result<Router, InvalidInput> {
-    let state = AppState::new(guard, config)?;
+pub fn app(config: &Config, state: AppState) -> Result<Router, InvalidInput> {
     let upstream = Upstream::new(&config.proxy.upstream, config.proxy.upstream_timeout)?;
     let forward = tower::service_fn(move |request: Request<Body>| {
         let upstream = upstream.clone();
@@ -198,6 +197,5 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let app = app(config, guard.clone())?;
-    onceguard_http::serve_with_background(config, guard, listener, app, shutdown).await
+    onceguard_http::run(config, guard, listener, shutdown, app).await
 }

@@ -131,9 +131,9 @@ async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
 }
 
-/// The API as an axum app over `guard` (its store measured, as under [`run`]).
-pub fn app(config: &Config, guard: Guard) -> Result<Router, onceguard_core::InvalidInput> {
-    Ok(router(AppState::new(guard, config)?, config))
+/// The API as an axum app on `state` (what [`run`] serves).
+pub fn app(config: &Config, state: AppState) -> Result<Router, onceguard_core::InvalidInput> {
+    Ok(router(state, config))
 }
 
 /// The axum app for `state`, with the body limit and request timeout of `config`.
@@ -283,8 +283,5 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    // The background tasks run on the measured guard: the sweep's store calls are metrics too.
-    let state = AppState::new(guard, config)?;
-    let guard = state.guard.clone();
-    serve_with_background(config, guard, listener, router(state, config), shutdown).await
+    onceguard_http::run(config, guard, listener, shutdown, app).await
 }

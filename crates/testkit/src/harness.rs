@@ -1,7 +1,6 @@
 //! The one harness of the integration tests of every front end (the API server, the proxy, the
-//! MCP gateway): it starts the front end's app the way its `run` does, through
-//! [`onceguard_http::serve_with_background`], so the control refresh, the sweep and the change
-//! feed run under every test, on a fresh store, on `127.0.0.1:0`, with a [`ManualClock`] the
+//! MCP gateway): it starts the front end's app through [`onceguard_http::run`], the start-up of
+//! every `run`, so the control refresh, the sweep and the change feed run under every test, on a fresh store, on `127.0.0.1:0`, with a [`ManualClock`] the
 //! test moves. Dropping the harness shuts the server down gracefully.
 //!
 //! ```text
@@ -17,7 +16,7 @@ use axum::Router;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::store::prelude::*;
 use onceguard_core::{Clock, Guard, InvalidInput, Limits, ManualClock, TenantId, Timestamp};
-use onceguard_http::Config;
+use onceguard_http::{AppState, Config};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -43,18 +42,18 @@ pub struct Harness {
 }
 
 impl Harness {
-    /// Serves the app that `app` builds from `config` and a guard over `store` (with `limits`),
-    /// as the front end's `run` serves it.
+    /// Serves the app that `app` builds on the state of a guard over `store` (with `limits`),
+    /// as the front end's `run` serves it. The harness's `guard` is that guard before the
+    /// state measures its store: what a test does through it is not counted in the metrics.
     pub async fn start(
         config: Config,
         limits: Limits,
         store: TestStore,
-        app: impl FnOnce(&Config, Guard) -> Result<Router, InvalidInput>,
+        app: impl FnOnce(&Config, AppState) -> Result<Router, InvalidInput> + Send + 'static,
     ) -> Self {
         config.validate().expect("the test's configuration is valid");
         let clock = Arc::new(ManualClock::new(Timestamp::now()));
         let guard = Guard::new(store.store.clone(), clock.clone(), limits);
-        let app = app(&config, guard.clone()).expect("the app starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a loopback port");
         let base = format!("http://{}", listener.local_addr().expect("a bound listener"));
         let (stop, stopped) = oneshot::channel::<()>();
@@ -64,9 +63,7 @@ impl Harness {
                 let shutdown = async move {
                     let _ = stopped.await;
                 };
-                onceguard_http::serve_with_background(&config, guard, listener, app, shutdown)
-                    .await
-                    .expect("the server ran");
+                onceguard_http::run(&config, guard, listener, shutdown, app).await.expect("the server ran");
             }
         });
         let http = reqwest::Client::builder()
