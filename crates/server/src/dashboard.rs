@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::AppState;
-use crate::api::{ApiQuery, admin_tenant, require_operator};
+use crate::api::{ApiQuery, RecordHead, admin_tenant, outcome_status, record_head, require_operator};
 use crate::auth::Caller;
 use crate::live::{Event, LatencyView, SeriesView, StoreOpView};
 use crate::problem::ApiError;
@@ -360,24 +360,9 @@ pub struct TimelineEntry {
 /// A key as the inspector shows it.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct InspectView {
-    /// The namespace.
-    pub namespace: String,
-    /// The key.
-    pub key: String,
-    /// `in_progress`, `completed` or `released`.
-    pub state: &'static str,
-    /// In progress with no live lease.
-    pub stuck: bool,
-    /// The request fingerprint.
-    pub fingerprint: String,
-    /// The current (or last) holder's fence.
-    pub fence: u64,
-    /// How many times the key was acquired.
-    pub attempt: u32,
-    /// The run.
-    pub run: Option<String>,
-    /// Until when the lease runs.
-    pub lease_expires_at: Option<String>,
+    /// The key, its state, fence and attempt, as the API shows them.
+    #[serde(flatten)]
+    pub head: RecordHead,
     /// Whether the holder reported the outcome unknown.
     pub reported_unknown: bool,
     /// Checkpoints, oldest first (never their data).
@@ -446,22 +431,11 @@ pub async fn dashboard_record(
     let r = state.guard.get(&scope).await?.ok_or_else(|| ApiError::NotFound("no live record for this key".into()))?;
     let now = state.guard.clock().now();
     Ok(Json(InspectView {
-        namespace: r.scope.namespace.to_string(),
-        key: r.scope.key.to_string(),
-        state: r.state.as_str(),
-        stuck: r.is_stuck(now),
-        fingerprint: r.fingerprint.to_string(),
-        fence: r.fence.0,
-        attempt: r.attempt,
-        run: r.run.as_ref().map(ToString::to_string),
-        lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
+        head: record_head(&r, now),
         reported_unknown: r.unknown.is_some(),
         checkpoints: r.checkpoints.iter().map(checkpoint_summary).collect(),
         stored: r.outcome.as_ref().map(|o| StoredSummary {
-            status: match o.kind {
-                onceguard_core::OutcomeKind::Success => "success",
-                onceguard_core::OutcomeKind::Failure => "failure",
-            },
+            status: outcome_status(o.kind),
             content_type: o.content_type.clone(),
             bytes: o.body.len(),
             cost: o.cost,

@@ -44,14 +44,19 @@ pub(crate) fn checkpoint_view(cp: &onceguard_core::Checkpoint) -> CheckpointView
     }
 }
 
+/// How a stored outcome's kind is named in every view.
+pub(crate) fn outcome_status(kind: OutcomeKind) -> &'static str {
+    match kind {
+        OutcomeKind::Success => "success",
+        OutcomeKind::Failure => "failure",
+    }
+}
+
 pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
     let json = o.content_type == "application/json";
     let as_json = json.then(|| std::str::from_utf8(&o.body).ok().and_then(raw_json)).flatten();
     StoredResultView {
-        status: match o.kind {
-            OutcomeKind::Success => "success",
-            OutcomeKind::Failure => "failure",
-        },
+        status: outcome_status(o.kind),
         content_type: o.content_type.clone(),
         result_base64: as_json.is_none().then(|| STANDARD.encode(&o.body)),
         result: as_json,
@@ -59,9 +64,9 @@ pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
     }
 }
 
-/// A record as the API shows it.
+/// What every view of a record (the API's, the dashboard inspector's) shows first.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct RecordView {
+pub struct RecordHead {
     /// The namespace.
     pub namespace: String,
     /// The key.
@@ -80,6 +85,29 @@ pub struct RecordView {
     pub run: Option<String>,
     /// Until when the lease runs (in progress).
     pub lease_expires_at: Option<String>,
+}
+
+/// The head of every view of `r`.
+pub fn record_head(r: &Record, now: Timestamp) -> RecordHead {
+    RecordHead {
+        namespace: r.scope.namespace.to_string(),
+        key: r.scope.key.to_string(),
+        state: r.state.as_str(),
+        stuck: r.is_stuck(now),
+        fingerprint: r.fingerprint.to_string(),
+        fence: r.fence.0,
+        attempt: r.attempt,
+        run: r.run.as_ref().map(ToString::to_string),
+        lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
+    }
+}
+
+/// A record as the API shows it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecordView {
+    /// The key, its state, fence and attempt.
+    #[serde(flatten)]
+    pub head: RecordHead,
     /// What the holder reported when it did not know the outcome.
     pub unknown: Option<String>,
     /// When it completed.
@@ -101,15 +129,7 @@ pub struct RecordView {
 /// Renders a record (with its stored outcome when `with_result`).
 pub fn record_view(r: &Record, now: Timestamp, with_result: bool) -> RecordView {
     RecordView {
-        namespace: r.scope.namespace.to_string(),
-        key: r.scope.key.to_string(),
-        state: r.state.as_str(),
-        stuck: r.is_stuck(now),
-        fingerprint: r.fingerprint.to_string(),
-        fence: r.fence.0,
-        attempt: r.attempt,
-        run: r.run.as_ref().map(ToString::to_string),
-        lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
+        head: record_head(r, now),
         unknown: r.unknown.clone(),
         completed_at: r.completed_at.map(Timestamp::to_rfc3339),
         created_at: r.created_at.to_rfc3339(),
