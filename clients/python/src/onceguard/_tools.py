@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Union
 
+from ._async import guard as _async_guard
+from ._policy import Policy
+from ._sync import guard as _sync_guard
 from .client import AsyncClient, Client
-from .guard import AsyncGuarded, Guarded, Policy
 from .keys import check_key, digest, jsonable
 
 _PRINTABLE_NAME = frozenset(chr(c) for c in range(0x21, 0x7F)) - {":"}
@@ -43,24 +45,14 @@ def tool_key(call: ToolCall, key_fn: KeyFn | None) -> str:
 
 def run_guarded_sync(client: Client, policy: Policy, key: str, call: ToolCall, run: Callable[[], Any]) -> Any:
     """Run ``run()`` once per ``key`` (the tool call's arguments are the request)."""
-    with Guarded(client, policy, key, request=call.arguments, run=call.run) as attempt:
-        if not attempt.replayed:
-            value = run()
-            if not attempt.completed:
-                attempt.result = value
-    return attempt.result
+    return _sync_guard.run_guarded(client, policy, key, run, request=call.arguments, run=call.run)
 
 
 async def run_guarded_async(
     client: AsyncClient, policy: Policy, key: str, call: ToolCall, run: Callable[[], Awaitable[Any]]
 ) -> Any:
     """Run ``await run()`` once per ``key``."""
-    async with AsyncGuarded(client, policy, key, request=call.arguments, run=call.run) as attempt:
-        if not attempt.replayed:
-            value = await run()
-            if not attempt.completed:
-                attempt.result = value
-    return attempt.result
+    return await _async_guard.run_guarded(client, policy, key, run, request=call.arguments, run=call.run)
 
 
 def arguments_of(value: Mapping[str, Any] | None) -> dict[str, Any]:

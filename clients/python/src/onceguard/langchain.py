@@ -22,10 +22,10 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
 
+from ._policy import ExceptionClasses, Policy
 from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client
-from .guard import ExceptionClasses, Policy
 
 __all__ = ["guard_tool", "ToolCall"]
 

@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional, Union
 from agents import FunctionTool
 from agents.tool_context import ToolContext
 
+from ._policy import ExceptionClasses, Policy
 from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client
-from .guard import ExceptionClasses, Policy
 
 __all__ = ["guard_function_tool", "ToolCall"]
 

@@ -1,0 +1,45 @@
+"""What the async flavour does its own way: sleeping, and the heartbeat's asyncio task.
+
+``_sync/_backend.py`` has the same names for the sync flavour (a thread); the other modules of
+``_async`` are turned into those of ``_sync`` by ``scripts/unasync.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+#: A function run under a guard: here a coroutine function, called and awaited.
+Job = Callable[[], Awaitable[Any]]
+
+
+async def sleep(seconds: float) -> None:
+    """Wait ``seconds``, letting the loop run."""
+    await asyncio.sleep(seconds)
+
+
+class Periodic:
+    """An asyncio task that awaits ``beat()`` every ``interval`` seconds, until ``beat`` answers
+    ``False`` or :meth:`stop` cancels it (and waits for it)."""
+
+    def __init__(self, beat: Callable[[], Awaitable[bool]], interval: float, *, name: str) -> None:
+        self._beat = beat
+        self._interval = interval
+        self._name = name
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the task in the running loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            if not await self._beat():
+                return
+
+    async def stop(self) -> None:
+        """Cancel the task and wait until it has ended."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # never raises: the caller's own cancellation stays its own

@@ -1,0 +1,191 @@
+"""What the sync and async guards share: the policy, reading a claim's answer, the state of an
+attempt, and the attempt running in this context. No I/O: see :mod:`onceguard.guard`."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable, Sequence, Union
+
+from ._wire import Duration, dumps, duration_seconds
+from .errors import DeniedError, InFlightError, KeyConflict, PermanentFailure, StaleFence
+from .keys import jsonable
+from .models import Acquired, ClaimAnswer, Denied, InFlight, Mismatch, Recovery, Replay
+
+ExceptionClasses = Union[type[BaseException], Sequence[type[BaseException]]]
+
+
+def _classes(value: ExceptionClasses) -> tuple[type[BaseException], ...]:
+    return (value,) if isinstance(value, type) else tuple(value)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a guard claims, runs and stores (shared by ``once``, ``guarded`` and the helpers)."""
+
+    namespace: str
+    lease: float = 30.0
+    retention: Duration | None = None
+    wait: Duration | None = 10.0
+    cost: int | None = None
+    permanent: tuple[type[BaseException], ...] = ()
+    unknown: tuple[type[BaseException], ...] = ()
+    encode: Callable[[Any], Any] = jsonable
+    decode: Callable[[Any], Any] = field(default=lambda value: value)
+    heartbeat: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        namespace: str,
+        *,
+        lease: Duration = 30.0,
+        retention: Duration | None = None,
+        wait: Duration | None = 10.0,
+        cost: int | None = None,
+        permanent: ExceptionClasses = (),
+        unknown: ExceptionClasses = (),
+        encode: Callable[[Any], Any] | None = None,
+        decode: Callable[[Any], Any] | None = None,
+        heartbeat: bool = True,
+    ) -> Policy:
+        return cls(
+            namespace=namespace,
+            lease=duration_seconds(lease),
+            retention=retention,
+            wait=wait,
+            cost=cost,
+            permanent=_classes(permanent),
+            unknown=_classes(unknown),
+            encode=encode or jsonable,
+            decode=decode or (lambda value: value),
+            heartbeat=heartbeat,
+        )
+
+    def classify(self, exc: BaseException) -> str:
+        """``permanent``, ``unknown`` or ``retryable``."""
+        if isinstance(exc, self.permanent):
+            return "permanent"
+        if isinstance(exc, self.unknown) or not isinstance(exc, Exception):
+            return "unknown"
+        return "retryable"
+
+
+def failure_of(exc: BaseException) -> dict[str, str]:
+    """The stored JSON of a permanent failure."""
+    cls = type(exc)
+    return {"type": f"{cls.__module__}.{cls.__qualname__}", "message": str(exc)}
+
+
+@dataclass
+class Replayed:
+    """A replayed claim, with its value decoded."""
+
+    replay: Replay
+    value: Any
+
+
+def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Replayed:
+    """An acquired claim, or the replayed value; raises for the other answers."""
+    ns = policy.namespace
+    if isinstance(answer, Acquired):
+        return answer
+    if isinstance(answer, Replay):
+        if answer.status != "success":
+            raise PermanentFailure(answer.result, namespace=ns, key=key, replayed=True)
+        return Replayed(answer, policy.decode(answer.result))
+    if isinstance(answer, InFlight):
+        raise InFlightError(namespace=ns, key=key, retry_after=answer.retry_after, attempt=answer.attempt)
+    if isinstance(answer, Mismatch):
+        raise KeyConflict(namespace=ns, key=key, detail=answer.detail)
+    if isinstance(answer, Denied):
+        raise DeniedError(answer, namespace=ns, key=key)
+    raise TypeError(f"not a claim answer: {answer!r}")  # pragma: no cover
+
+
+class AttemptBase:
+    """What sync and async attempts share: the claim's facts and the result."""
+
+    def __init__(self, policy: Policy, key: str, found: Acquired | Replayed) -> None:
+        self.namespace = policy.namespace
+        self.key = key
+        self._policy = policy
+        self._completed = False
+        #: complete() was called: the effect happened, so a failure to store it must not release
+        #: the key (it is reported unknown instead).
+        self._effect_done = False
+        self._result: Any = None
+        #: Cost units to report when the attempt completes or fails (optional).
+        self.cost: int | None = None
+        self.recovery: Recovery | None
+        self.lease_expires_at: datetime | None
+        if isinstance(found, Replayed):
+            self.replayed = True
+            self.fence = found.replay.fence
+            self.attempt = found.replay.attempt
+            self.recovery = None
+            self.lease_expires_at = None
+            self._result = found.value
+            self._completed = True
+        else:
+            self.replayed = False
+            self.fence = found.fence
+            self.attempt = found.attempt
+            self.recovery = found.recovery
+            self.lease_expires_at = found.lease_expires_at
+        self._lost: StaleFence | None = None
+
+    @property
+    def result(self) -> Any:
+        """The replayed value; or, in a block, the value to complete with when it ends (default
+        ``None``); after completion, the value decoded from the stored bytes."""
+        return self._result
+
+    @result.setter
+    def result(self, value: Any) -> None:
+        if self._completed:
+            raise RuntimeError("the outcome is stored already")
+        self._result = value
+
+    @property
+    def completed(self) -> bool:
+        """Whether the outcome is stored (always, for a replay)."""
+        return self._completed
+
+    @property
+    def lease_lost(self) -> bool:
+        """Whether the heartbeat found the lease taken over (completing will raise StaleFence)."""
+        return self._lost is not None
+
+    def _serialize(self, value: Any) -> str:
+        return dumps(self._policy.encode(value))
+
+    def _stored(self, text: str) -> Any:
+        self._completed = True
+        self._result = self._policy.decode(json.loads(text))
+        return self._result
+
+    def _require_holder(self) -> None:
+        if self.replayed:
+            raise RuntimeError("this key replayed: there is no attempt to checkpoint or complete")
+
+    def __repr__(self) -> str:
+        state = "replayed" if self.replayed else f"attempt {self.attempt}"
+        return f"<{type(self).__name__} {self.namespace}/{self.key} fence={self.fence} {state}>"
+
+
+#: The attempt of the guarded function (or block) running in this context (see
+#: :func:`onceguard.current`).
+running: contextvars.ContextVar[AttemptBase | None] = contextvars.ContextVar("onceguard_attempt", default=None)
+
+
+def interval(lease: float) -> float:
+    """Seconds between two heartbeats: a third of the lease."""
+    return max(lease / 3, 0.03)
+
+
+def detail_of(exc: BaseException) -> str:
+    """The detail of an unknown outcome that ``exc`` caused."""
+    return f"{type(exc).__qualname__}: {exc}"[:1000]

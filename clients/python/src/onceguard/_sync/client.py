@@ -1,0 +1,357 @@
+# Generated from src/onceguard/_async/client.py by `python scripts/unasync.py` (in clients/python).
+# Do not edit it: change the async source and run the script again.
+""":class:`Client`: every call of the HTTP API, sent through one keep-alive connection pool
+with the retries of :class:`onceguard.Retry` (which calls may be sent again: see
+:mod:`onceguard.client`)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Iterator, Mapping, TypeVar
+
+import httpx
+
+from .. import _calls
+from .._calls import MISSING, Call
+from .._http import NO_RETRY, ClientBase, Retry, headers_of, may_retry, retry_after_header, with_extra
+from .._wire import Duration
+from ..errors import TransportError
+from ..models import (
+    ApiKey,
+    AuditEntry,
+    AuditPage,
+    ClaimAnswer,
+    Record,
+    RecordPage,
+    Run,
+    Settings,
+    SettingsEntry,
+    Switch,
+    SwitchTarget,
+    Tenant,
+)
+from . import _backend
+
+__all__ = ["Client"]
+
+T = TypeVar("T")
+log = logging.getLogger("onceguard")
+
+
+class Client(ClientBase):
+    """The sync client. Use it as a context manager, or call :meth:`close`.
+
+    ``base_url`` defaults to ``$ONCEGUARD_URL`` (else ``http://127.0.0.1:8080``), ``api_key`` to
+    ``$ONCEGUARD_API_KEY``. ``timeout`` is seconds per request (a claim that waits gets its
+    ``wait`` on top) or an ``httpx.Timeout``.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 10.0,
+        retry: Retry = Retry(),
+        headers: Mapping[str, str] | None = None,
+        limits: httpx.Limits | None = None,
+        verify: bool | str = True,
+    ) -> None:
+        super().__init__(base_url, api_key, timeout, retry)
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers_of(self.api_key, headers),
+            timeout=self.timeout,
+            limits=limits or httpx.Limits(max_connections=100, max_keepalive_connections=20),
+            verify=verify,
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def send(self, call: Call[T], *, retry: Retry | None = None) -> T:
+        """Send one call, retrying as the client's :class:`Retry` (or ``retry``) allows."""
+        policy = retry or self.retry
+        timeout = with_extra(self.timeout, call.extra_time)
+        headers = {"content-type": "application/json"} if call.body is not None else None
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                response = self._http.request(
+                    call.method, call.path, params=call.params, content=call.body, headers=headers, timeout=timeout
+                )
+            except httpx.TransportError as e:
+                if tries < policy.attempts and may_retry(e, call):
+                    delay = policy.delay(tries)
+                    log.debug("onceguard: %s %s failed (%r); retry %d in %.2fs", call.method, call.path, e, tries, delay)
+                    _backend.sleep(delay)
+                    continue
+                raise TransportError(
+                    f"{call.method} {self.base_url}{call.path} failed after {tries} tries: {e!r}", attempts=tries
+                ) from e
+            if response.status_code == 503 and tries < policy.attempts:
+                delay = policy.delay(tries, retry_after_header(response))
+                log.debug("onceguard: %s %s answered 503; retry %d in %.2fs", call.method, call.path, tries, delay)
+                _backend.sleep(delay)
+                continue
+            return call.read(response)
+
+    # -- claims ----------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        request: Any = MISSING,
+        fingerprint: str | None = None,
+        lease: Duration | None = None,
+        retention: Duration | None = None,
+        run: str | None = None,
+        wait: Duration | None = None,
+        cost: int | None = None,
+    ) -> ClaimAnswer:
+        """Claim a key: one atomic step answering :class:`Acquired`, :class:`Replay`,
+        :class:`InFlight`, :class:`Mismatch` or :class:`Denied`.
+
+        Give ``request`` (what the request means, any JSON: its fingerprint is the SHA-256 of its
+        RFC 8785 canonical form) or ``fingerprint`` (``algorithm:hex``). ``lease`` (default 30s),
+        ``retention`` (default 24h) and ``wait`` (if in flight, wait up to this long for its
+        replay; at most 30s) are durations. ``run`` groups the key for budgets; ``cost`` declares
+        the cost units charged to the run once per key.
+        """
+        return self.send(
+            _calls.claim(
+                namespace,
+                key,
+                request=request,
+                fingerprint=fingerprint,
+                lease=lease,
+                retention=retention,
+                run=run,
+                wait=wait,
+                cost=cost,
+            )
+        )
+
+    def complete(
+        self,
+        namespace: str,
+        key: str,
+        fence: int,
+        result: Any = None,
+        *,
+        raw: bytes | None = None,
+        content_type: str | None = None,
+        cost: int | None = None,
+    ) -> Record:
+        """Store a successful outcome: ``result`` (JSON; a :class:`RawJson` is sent verbatim) or
+        ``raw`` bytes with their ``content_type``. Every later claim replays it byte for byte.
+
+        Raises :class:`onceguard.StaleFence` if ``fence`` is not the holder's (nothing stored).
+        Repeating a completion that took effect, identically, answers as the first time.
+        """
+        return self.send(
+            _calls.complete(namespace, key, fence, result, raw=raw, content_type=content_type, cost=cost)
+        )
+
+    def fail(
+        self, namespace: str, key: str, fence: int, *, retryable: bool, error: Any = None, cost: int | None = None
+    ) -> Record:
+        """Report a failure: ``retryable=True`` releases the key (the next claim runs again);
+        ``False`` stores ``error`` (JSON) as a failure that replays. Raises ``StaleFence``."""
+        return self.send(_calls.fail(namespace, key, fence, retryable=retryable, error=error, cost=cost))
+
+    def extend(self, namespace: str, key: str, fence: int, lease: Duration | None = None) -> Record:
+        """Push the lease out to now + ``lease``. Raises ``StaleFence``."""
+        return self.send(_calls.extend(namespace, key, fence, lease))
+
+    def checkpoint(self, namespace: str, key: str, fence: int, name: str, data: Any = None) -> Record:
+        """Save a named recovery point with small JSON ``data``; a recovering attempt receives the
+        last one in ``Acquired.recovery.last_checkpoint``. Raises ``StaleFence``."""
+        return self.send(_calls.checkpoint(namespace, key, fence, name, data))
+
+    def report_unknown(self, namespace: str, key: str, fence: int, detail: str) -> Record:
+        """You do not know whether the effect happened: your lease ends now and the next claim is
+        a recovery carrying ``detail``. Raises ``StaleFence``."""
+        return self.send(_calls.report_unknown(namespace, key, fence, detail))
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def get_record(self, namespace: str, key: str) -> Record | None:
+        """One live record with its stored outcome, or ``None``."""
+        return self.send(_calls.get_record(namespace, key))
+
+    def list_records(
+        self,
+        *,
+        namespace_prefix: str | None = None,
+        state: str | None = None,
+        stuck: bool | None = None,
+        run: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> RecordPage:
+        """One page of records by namespace and key; see :meth:`iter_records` for all of them."""
+        return self.send(
+            _calls.list_records(
+                namespace_prefix=namespace_prefix, state=state, stuck=stuck, run=run, limit=limit, cursor=cursor
+            )
+        )
+
+    def iter_records(
+        self,
+        *,
+        namespace_prefix: str | None = None,
+        state: str | None = None,
+        stuck: bool | None = None,
+        run: str | None = None,
+        page_size: int = 100,
+    ) -> Iterator[Record]:
+        """Every matching record, fetching pages through the cursor as it goes."""
+        cursor: str | None = None
+        while True:
+            page = self.list_records(
+                namespace_prefix=namespace_prefix, state=state, stuck=stuck, run=run, limit=page_size, cursor=cursor
+            )
+            for record in page.records:
+                yield record
+            if not page.next:
+                return
+            cursor = page.next
+
+    def purge(self, namespace: str, key: str, *, why: str | None = None) -> bool:
+        """Delete a record whatever its state (admin; audited with ``why``); ``True`` if one
+        existed. The next claim of the key runs again, with a greater fence."""
+        return self.send(_calls.purge(namespace, key, why))
+
+    # -- runs, switches, settings, audit ---------------------------------------------------------
+
+    def set_run_budget(
+        self,
+        run: str,
+        *,
+        max_effects: int | None = None,
+        max_cost: int | None = None,
+        deadline: datetime | str | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
+    ) -> Run:
+        """Set a run's budget (admin): at most ``max_effects`` acquired keys, ``max_cost`` cost
+        units, until ``deadline`` (absent limits do not limit; the run keeps what it spent).
+        Spent, claims of the run answer :class:`Denied` (``budget``)."""
+        return self.send(
+            _calls.set_run_budget(
+                run, max_effects=max_effects, max_cost=max_cost, deadline=deadline, why=why, tenant=tenant
+            )
+        )
+
+    def get_run(self, run: str) -> Run | None:
+        """A run's budget and usage, or ``None`` if it was never used nor budgeted."""
+        return self.send(_calls.get_run(run))
+
+    def engage_switch(
+        self,
+        target: SwitchTarget | Mapping[str, Any],
+        reason: str,
+        *,
+        revoke_leases: bool = False,
+        tenant: str | None = None,
+    ) -> Switch:
+        """Engage a kill switch (admin): claims under ``target`` are denied (replays included);
+        with ``revoke_leases`` the live leases it covers are revoked, so that their holders'
+        later calls answer stale. Engaging an engaged switch replaces its reason."""
+        return self.send(_calls.engage_switch(target, reason, revoke_leases=revoke_leases, tenant=tenant))
+
+    def release_switch(
+        self, target: SwitchTarget | Mapping[str, Any], why: str | None = None, *, tenant: str | None = None
+    ) -> Switch:
+        """Release an engaged switch (admin); raises :class:`onceguard.NotFound` if none is."""
+        return self.send(_calls.release_switch(target, why, tenant=tenant))
+
+    def list_switches(self, *, tenant: str | None = None) -> list[Switch]:
+        """The engaged switches."""
+        return self.send(_calls.list_switches(tenant))
+
+    def put_settings(
+        self,
+        settings: Settings | Mapping[str, Any],
+        *,
+        namespace_prefix: str | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
+    ) -> SettingsEntry:
+        """Set (replace) the settings of the tenant, or of ``namespace_prefix`` (admin)."""
+        return self.send(_calls.put_settings(settings, namespace_prefix=namespace_prefix, why=why, tenant=tenant))
+
+    def list_settings(self, *, tenant: str | None = None) -> list[SettingsEntry]:
+        """The tenant's settings (its own entry first), admin."""
+        return self.send(_calls.list_settings(tenant))
+
+    def delete_settings(
+        self, *, namespace_prefix: str | None = None, why: str | None = None, tenant: str | None = None
+    ) -> SettingsEntry:
+        """Delete settings (admin): what they set is inherited again. ``NotFound`` if none."""
+        return self.send(_calls.delete_settings(namespace_prefix=namespace_prefix, why=why, tenant=tenant))
+
+    def list_audit(
+        self,
+        *,
+        action: str | None = None,
+        actor: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        tenant: str | None = None,
+    ) -> AuditPage:
+        """One page of the audit log (admin), newest first."""
+        return self.send(_calls.list_audit(action=action, actor=actor, limit=limit, cursor=cursor, tenant=tenant))
+
+    def iter_audit(
+        self, *, action: str | None = None, actor: str | None = None, page_size: int = 100, tenant: str | None = None
+    ) -> Iterator[AuditEntry]:
+        """Every matching audit entry, newest first, through the cursor."""
+        cursor: str | None = None
+        while True:
+            page = self.list_audit(action=action, actor=actor, limit=page_size, cursor=cursor, tenant=tenant)
+            for entry in page.entries:
+                yield entry
+            if not page.next:
+                return
+            cursor = page.next
+
+    # -- tenants and API keys --------------------------------------------------------------------
+
+    def create_api_key(self, role: str, label: str = "", *, tenant: str | None = None) -> ApiKey:
+        """Create an API key (admin); its ``token`` is in this answer only."""
+        return self.send(_calls.create_api_key(role, label, tenant))
+
+    def list_api_keys(self) -> list[ApiKey]:
+        return self.send(_calls.list_api_keys())
+
+    def revoke_api_key(self, key_id: str) -> None:
+        self.send(_calls.revoke_api_key(key_id))
+
+    def create_tenant(self, tenant_id: str) -> Tenant:
+        return self.send(_calls.create_tenant(tenant_id))
+
+    def list_tenants(self) -> list[Tenant]:
+        return self.send(_calls.list_tenants())
+
+    def ready(self) -> bool:
+        """Whether the server answers and its store is reachable (``/readyz``); no retries."""
+        try:
+            return self.send(_calls.ready(), retry=NO_RETRY)
+        except TransportError:
+            return False

@@ -1,0 +1,193 @@
+# Generated from src/onceguard/_async/guard.py by `python scripts/unasync.py` (in clients/python).
+# Do not edit it: change the async source and run the script again.
+""":class:`Attempt`, the heartbeat, the block :class:`Guarded` and how it settles a
+failure: the guards of :class:`Client` calls. The protocol is told in
+:mod:`onceguard.guard`; :func:`onceguard.once` and :func:`onceguard.guarded` pick these or the
+others by the client's type."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from types import TracebackType
+from typing import Any
+
+from .. import _calls
+from .._http import NO_RETRY
+from .._policy import AttemptBase, Policy, Replayed, detail_of, failure_of, interpret, interval, running
+from .._wire import RawJson
+from ..errors import OnceguardError, PermanentFailure, StaleFence
+from ..keys import check_key, jsonable
+from ..models import Acquired
+from . import _backend
+from .client import Client
+
+__all__ = ["Attempt", "Guarded", "run_guarded"]
+
+log = logging.getLogger("onceguard")
+
+
+class Attempt(AttemptBase):
+    """The handle of a sync guarded call: ``fence``, ``attempt``, ``recovery``, ``checkpoint()``."""
+
+    def __init__(self, client: Client, policy: Policy, key: str, found: Acquired | Replayed) -> None:
+        super().__init__(policy, key, found)
+        self._client = client
+
+    def checkpoint(self, name: str, data: Any = None) -> None:
+        """Save a recovery point: if this attempt crashes, the next one receives it in
+        ``recovery.last_checkpoint``. Raises ``StaleFence`` if the attempt is over."""
+        self._require_holder()
+        self._client.checkpoint(self.namespace, self.key, self.fence, name, jsonable(data))
+
+    def complete(self, value: Any = None) -> Any:
+        """Store ``value`` now (instead of when the block ends); returns it as every caller
+        will see it. Raises ``StaleFence`` if the lease was taken over (nothing stored). Once it
+        was called, the effect counts as done: if storing fails, the key is reported unknown,
+        never released."""
+        self._require_holder()
+        if self._completed:
+            raise RuntimeError("the outcome is stored already")
+        self._effect_done = True
+        text = self._serialize(value)
+        self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost)
+        return self._stored(text)
+
+
+class _Heartbeat:
+    """Extends the lease every third of it, in the background (``_backend.Periodic``), until
+    stopped (and waited for)."""
+
+    def __init__(self, client: Client, attempt: Attempt, lease: float) -> None:
+        self._client = client
+        self._attempt = attempt
+        self._call = _calls.extend(attempt.namespace, attempt.key, attempt.fence, lease)
+        self._periodic = _backend.Periodic(self._beat, interval(lease), name=f"onceguard-heartbeat {attempt.key[:48]}")
+
+    def start(self) -> None:
+        self._periodic.start()
+
+    def _beat(self) -> bool:
+        """Extend the lease once; ``False`` (no more beats) if it was taken over."""
+        a = self._attempt
+        try:
+            self._client.send(self._call, retry=NO_RETRY)
+        except StaleFence as e:
+            a._lost = e
+            log.warning("onceguard: lease of %s/%s (fence %d) was taken over: %s", a.namespace, a.key, a.fence, e)
+            return False
+        except OnceguardError as e:  # the next beat tries again
+            log.warning("onceguard: could not extend the lease of %s/%s: %s", a.namespace, a.key, e)
+        return True
+
+    def stop(self) -> None:
+        self._periodic.stop()
+
+
+class Guarded:
+    """``with guarded(client, …) as attempt:`` — see :func:`guarded`."""
+
+    def __init__(
+        self,
+        client: Client,
+        policy: Policy,
+        key: str,
+        *,
+        request: Any = None,
+        fingerprint: str | None = None,
+        run: str | None = None,
+    ) -> None:
+        self._client = client
+        self._policy = policy
+        self._key = check_key(key)
+        self._request = _calls.MISSING if fingerprint is not None else request
+        self._fingerprint = fingerprint
+        self._run = run
+        self._attempt: Attempt | None = None
+        self._beat: _Heartbeat | None = None
+        self._token: contextvars.Token[AttemptBase | None] | None = None
+
+    def __enter__(self) -> Attempt:
+        p = self._policy
+        answer = self._client.claim(
+            p.namespace,
+            self._key,
+            request=self._request,
+            fingerprint=self._fingerprint,
+            lease=p.lease,
+            retention=p.retention,
+            run=self._run,
+            wait=p.wait,
+            cost=p.cost,
+        )
+        attempt = Attempt(self._client, p, self._key, interpret(answer, p, self._key))
+        self._attempt = attempt
+        if not attempt.replayed and p.heartbeat:
+            self._beat = _Heartbeat(self._client, attempt, p.lease)
+            self._beat.start()
+        self._token = running.set(attempt)
+        return attempt
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        a = self._attempt
+        assert a is not None and self._token is not None
+        running.reset(self._token)
+        if self._beat is not None:
+            self._beat.stop()
+        if a.replayed or (a.completed and exc is None):
+            return
+        if exc is None:
+            self._complete(a)
+            return
+        if a.completed:
+            return  # the outcome was stored before the block raised: it stands
+        _settle_failure(self._client, a, self._policy, exc)
+
+    def _complete(self, a: Attempt) -> None:
+        try:
+            text = a._serialize(a.result)
+        except (TypeError, ValueError) as e:
+            _report_unknown(self._client, a, f"the result could not be stored: {e}")
+            raise
+        self._client.complete(a.namespace, a.key, a.fence, RawJson(text), cost=a.cost)
+        a._stored(text)
+
+
+def _report_unknown(client: Client, a: Attempt, detail: str) -> None:
+    try:
+        client.report_unknown(a.namespace, a.key, a.fence, detail)
+    except OnceguardError as e:
+        log.warning("onceguard: could not report %s/%s unknown: %s", a.namespace, a.key, e)
+
+
+def _settle_failure(client: Client, a: Attempt, policy: Policy, exc: BaseException) -> None:
+    """Store, report or release after the block raised ``exc``; raises ``PermanentFailure`` for
+    a stored failure, else returns so that ``exc`` propagates."""
+    kind = "unknown" if a._effect_done else policy.classify(exc)
+    if kind == "permanent":
+        error = failure_of(exc)
+        client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost)
+        raise PermanentFailure(error, namespace=a.namespace, key=a.key, replayed=False) from exc
+    if kind == "unknown":
+        _report_unknown(client, a, detail_of(exc))
+        return
+    try:
+        client.fail(a.namespace, a.key, a.fence, retryable=True, error=failure_of(exc), cost=a.cost)
+    except OnceguardError as e:  # the lease will pass; the next claim is then a recovery
+        log.warning("onceguard: could not release %s/%s: %s", a.namespace, a.key, e)
+
+
+def run_guarded(
+    client: Client, policy: Policy, key: str, job: _backend.Job, *, request: Any = None, run: str | None = None
+) -> Any:
+    """Run ``job()`` once per ``key``, with ``request`` as the claim's request, and
+    return its value as stored, or the stored value of an earlier run: what :func:`once` and
+    the framework helpers do for each call."""
+    with Guarded(client, policy, key, request=request, run=run) as attempt:
+        if not attempt.replayed:
+            value = job()
+            if not attempt.completed:  # unless it completed early through current()
+                attempt.result = value
+    return attempt.result
