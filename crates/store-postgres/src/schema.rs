@@ -1,0 +1,139 @@
+//! The schema: its migrations, applied once each, one instance at a time.
+
+use super::*;
+
+/// The migrations, in order; each runs once, recorded in `og_migrations`.
+pub(crate) const MIGRATIONS: &[&str] = &[
+    r#"
+    CREATE SEQUENCE og_fence;
+    CREATE TABLE og_records (
+        tenant text NOT NULL,
+        namespace text COLLATE "C" NOT NULL,
+        key text COLLATE "C" NOT NULL,
+        state text NOT NULL,
+        run text,
+        lease_expires_at bigint,
+        expires_at bigint NOT NULL,
+        doc text NOT NULL,
+        body bytea,
+        PRIMARY KEY (tenant, namespace, key)
+    );
+    CREATE INDEX og_records_expiry ON og_records (expires_at);
+    CREATE INDEX og_records_state ON og_records (tenant, state, lease_expires_at);
+    CREATE TABLE og_tenants (id text PRIMARY KEY, created_at bigint NOT NULL);
+    CREATE TABLE og_api_keys (
+        id text PRIMARY KEY,
+        tenant text NOT NULL,
+        role text NOT NULL,
+        label text NOT NULL,
+        secret_sha256 text NOT NULL,
+        created_at bigint NOT NULL,
+        revoked_at bigint
+    );
+    CREATE INDEX og_api_keys_tenant ON og_api_keys (tenant, created_at);
+    CREATE FUNCTION og_lock_get(h bigint, t text, n text, k text) RETURNS TABLE (doc text, body bytea)
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(h);
+        RETURN QUERY SELECT r.doc, r.body FROM og_records r WHERE r.tenant = t AND r.namespace = n AND r.key = k;
+    END $$;
+"#,
+    r#"
+    CREATE TABLE og_runs (
+        tenant text NOT NULL,
+        run text NOT NULL,
+        budget text NOT NULL,
+        effects bigint NOT NULL,
+        cost bigint NOT NULL,
+        created_at bigint NOT NULL,
+        updated_at bigint NOT NULL,
+        PRIMARY KEY (tenant, run)
+    );
+    CREATE TABLE og_control (
+        kind text NOT NULL,
+        tenant text NOT NULL,
+        id text NOT NULL,
+        body text NOT NULL,
+        PRIMARY KEY (kind, tenant, id)
+    );
+    CREATE TABLE og_rates (tenant text PRIMARY KEY, tat_us bigint NOT NULL);
+    CREATE TABLE og_audit (
+        tenant text NOT NULL,
+        id text COLLATE "C" NOT NULL,
+        at bigint NOT NULL,
+        actor text NOT NULL,
+        action text NOT NULL,
+        doc text NOT NULL,
+        PRIMARY KEY (tenant, id)
+    );
+    CREATE INDEX og_audit_action ON og_audit (tenant, action, id);
+    CREATE INDEX og_audit_actor ON og_audit (tenant, actor, id);
+    -- Takes the tenant's quota lock (class 1), then reads the leases that have not passed at
+    -- `since` (on og_records_state); the caller counts those live at each claim's time.
+    CREATE FUNCTION og_lock_leases(h integer, t text, since bigint)
+    RETURNS TABLE (lease_namespace text, lease_key text, lease_until bigint, live_until bigint)
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(1, h);
+        RETURN QUERY SELECT r.namespace::text, r.key::text, r.lease_expires_at, r.expires_at FROM og_records r
+            WHERE r.tenant = t AND r.state = 'in_progress' AND r.lease_expires_at > since AND r.expires_at > since
+              AND (r.doc::json ->> 'unknown') IS NULL;
+    END $$;
+    -- Takes a run's lock (class 2), then reads the run.
+    CREATE FUNCTION og_lock_run(h integer, t text, r text)
+    RETURNS TABLE (run_budget text, run_effects bigint, run_cost bigint, run_created_at bigint, run_updated_at bigint)
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(2, h);
+        RETURN QUERY SELECT u.budget, u.effects, u.cost, u.created_at, u.updated_at FROM og_runs u
+            WHERE u.tenant = t AND u.run = r;
+    END $$;
+"#,
+];
+
+/// Serializes migrations of all instances (a session advisory lock key).
+pub(crate) const MIGRATION_LOCK: i64 = 0x6f6e_6365_6775_6172; // "onceguar"
+
+/// Creates the schema and applies pending migrations, one instance at a time.
+pub(crate) async fn migrate(config: &tokio_postgres::Config, schema: &str) -> Result<(), StoreError> {
+    let (mut client, connection) = config.connect(NoTls).await.map_err(unavailable)?;
+    let driver = tokio::spawn(connection);
+    let result = async {
+        client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]).await.map_err(unavailable)?;
+        let applied = async {
+            client.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}")).await.map_err(unavailable)?;
+            client
+                .batch_execute(&format!(
+                    "CREATE TABLE IF NOT EXISTS {schema}.og_migrations (version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+                ))
+                .await
+                .map_err(unavailable)?;
+            let done: i32 = client
+                .query_one(&format!("SELECT coalesce(max(version), 0) FROM {schema}.og_migrations"), &[])
+                .await
+                .map_err(unavailable)?
+                .get(0);
+            let done = usize::try_from(done).map_err(corrupt)?;
+            if done > MIGRATIONS.len() {
+                return Err(corrupt(format!("schema {schema} is at version {done}, newer than this onceguard knows")));
+            }
+            for (i, sql) in MIGRATIONS.iter().enumerate().skip(done) {
+                let tx = client.transaction().await.map_err(unavailable)?;
+                tx.batch_execute(&format!("SET LOCAL search_path = {schema}")).await.map_err(unavailable)?;
+                tx.batch_execute(sql).await.map_err(unavailable)?;
+                let version = i32::try_from(i + 1).map_err(corrupt)?;
+                tx.execute("INSERT INTO og_migrations (version) VALUES ($1)", &[&version]).await.map_err(unavailable)?;
+                tx.commit().await.map_err(unavailable)?;
+                tracing::info!(schema, version, "applied a migration");
+            }
+            Ok(())
+        }
+        .await;
+        let _ = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK]).await;
+        applied
+    }
+    .await;
+    drop(client);
+    let _ = driver.await;
+    result
+}
