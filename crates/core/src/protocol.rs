@@ -135,6 +135,22 @@ pub fn claim(
     }
 }
 
+/// The answer of a claim that writes nothing (a replay, a holder in flight, a mismatch), decided
+/// on `existing` as [`claim`] decides it; `None` when the claim would write (acquire), which only
+/// the store's atomic step may do, on the record as it is there.
+///
+/// A store may answer from a read with it and skip its atomic step: the record read was the
+/// key's state at a moment within the call, and a claim that writes nothing changes nothing a
+/// later call could tell from the order of the two.
+pub fn answer_without_write(existing: Option<Record>, req: &ClaimRequest, now: Timestamp) -> Option<ClaimOutcome> {
+    let mut acquires = false;
+    let (outcome, write) = claim(existing, req, now, || {
+        acquires = true;
+        Fence(0)
+    });
+    (!acquires && write.is_none()).then_some(outcome)
+}
+
 /// Makes the claimant the holder. `previous` is a live released record (a fresh start that
 /// keeps counting attempts) or a stuck in-progress one (a recovery).
 fn acquire(
@@ -299,6 +315,26 @@ mod tests {
 
     fn ok(body: &str) -> Outcome {
         Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: body.into(), cost: None }
+    }
+
+    /// Only claims that write nothing are answered without the atomic step.
+    #[test]
+    fn a_claim_is_answered_without_a_write_only_when_it_writes_nothing() {
+        let now = Timestamp(1_000);
+        assert_eq!(answer_without_write(None, &req("a"), now), None, "a new key is acquired");
+        let (_, held) = claim(None, &req("a"), now, || Fence(1));
+        let held = held.unwrap();
+        assert!(matches!(answer_without_write(Some(held.clone()), &req("a"), now), Some(ClaimOutcome::InFlight(_))));
+        assert_eq!(answer_without_write(Some(held.clone()), &req("b"), now), Some(ClaimOutcome::Mismatch));
+        let later = now.plus(Duration::from_secs(11));
+        assert_eq!(answer_without_write(Some(held.clone()), &req("a"), later), None, "a stuck key is recovered");
+        let (_, done) = apply(Some(held.clone()), Fence(1), Mutation::Complete(ok("1")), now, 10);
+        let done = done.unwrap();
+        assert!(matches!(answer_without_write(Some(done.clone()), &req("a"), now), Some(ClaimOutcome::Replay(_))));
+        let expired = now.plus(Duration::from_secs(101));
+        assert_eq!(answer_without_write(Some(done), &req("a"), expired), None, "an expired key is new");
+        let (_, released) = apply(Some(held), Fence(1), Mutation::Fail { outcome: ok("e"), retryable: true }, now, 10);
+        assert_eq!(answer_without_write(released, &req("a"), now), None, "a released key is acquired again");
     }
 
     #[test]

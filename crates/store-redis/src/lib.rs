@@ -9,6 +9,9 @@
 //!   claim and fenced-call scripts are translations of `protocol::claim` and `protocol::apply`,
 //!   held to them by the same conformance suite and property test as every store. They are sent
 //!   by digest (`EVALSHA`), and in full (`EVAL`) only when the server does not know them yet.
+//!   A claim first reads the record (`HGETALL`, itself atomic): if it would write nothing (a
+//!   replay, a holder in flight, a mismatch: `protocol::answer_without_write`) that read is its
+//!   answer, as of a moment within the call; only a claim that acquires runs the script.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's two indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
