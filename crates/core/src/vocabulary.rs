@@ -115,6 +115,10 @@ vocabulary! {
         Claim => "claim",
         /// [`crate::store::ClaimStore::mutate`].
         Mutate => "mutate",
+        /// [`crate::store::ClaimStore::claim_batch`].
+        ClaimBatch => "claim_batch",
+        /// [`crate::store::ClaimStore::mutate_batch`].
+        MutateBatch => "mutate_batch",
         /// [`crate::store::ClaimStore::get`].
         Get => "get",
         /// [`crate::store::ClaimStore::list`].

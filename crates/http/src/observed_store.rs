@@ -84,6 +84,21 @@ impl ClaimStore for ObservedStore {
         Ok(outcome)
     }
 
+    #[tracing::instrument(level = "debug", name = "store.claim_batch", skip_all, fields(store = self.kind, claims = reqs.len(), error))]
+    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.timed(StoreOp::ClaimBatch, self.inner.claim_batch(reqs, now)).await
+    }
+
+    #[tracing::instrument(level = "debug", name = "store.mutate_batch", skip_all, fields(store = self.kind, calls = calls.len(), error))]
+    async fn mutate_batch(
+        &self,
+        calls: &[onceguard_core::store::FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError> {
+        self.timed(StoreOp::MutateBatch, self.inner.mutate_batch(calls, now, max_checkpoints)).await
+    }
+
     #[tracing::instrument(level = "debug", name = "store.get", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, fence, error))]
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
         let record = self.timed(StoreOp::Get, self.inner.get(scope, now)).await?;

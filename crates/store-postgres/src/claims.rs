@@ -31,6 +31,46 @@ impl ClaimStore for PgStore {
         }
     }
 
+    /// Every claim submitted at once to the group commit: one transaction for up to
+    /// [`MAX_BATCH`] distinct keys.
+    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let ops = reqs.iter().cloned().map(Op::Claim).collect();
+        self.submit_all(ops, now)
+            .await?
+            .into_iter()
+            .map(|answer| match answer {
+                Answer::Claim(outcome) => Ok(outcome),
+                Answer::Mutate(_) => Err(corrupt("a claim was answered as a mutation")),
+            })
+            .collect()
+    }
+
+    /// Every call submitted at once to the group commit, as [`ClaimStore::claim_batch`].
+    async fn mutate_batch(
+        &self,
+        calls: &[onceguard_core::store::FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError> {
+        let ops = calls
+            .iter()
+            .map(|c| Op::Mutate {
+                scope: c.scope.clone(),
+                fence: c.fence,
+                mutation: c.mutation.clone(),
+                max_checkpoints,
+            })
+            .collect();
+        self.submit_all(ops, now)
+            .await?
+            .into_iter()
+            .map(|answer| match answer {
+                Answer::Mutate(outcome) => Ok(outcome),
+                Answer::Claim(_) => Err(corrupt("a mutation was answered as a claim")),
+            })
+            .collect()
+    }
+
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
         let client = self.client().await?;
         let st = client

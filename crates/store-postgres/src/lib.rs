@@ -356,6 +356,24 @@ impl PgStore {
         answer.await.map_err(|_| stopped("the writer dropped the operation"))?
     }
 
+    /// Submits every op at once, so that they are taken into the same batch of the group commit
+    /// (up to [`MAX_BATCH`] keys a transaction; a key given twice goes into a later one), and
+    /// answers each op's answer in order.
+    async fn submit_all(&self, ops: Vec<Op>, now: Timestamp) -> Result<Vec<Answer>, StoreError> {
+        let mut answers = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (reply, answer) = oneshot::channel();
+            let guess = Guess::of(&op, now, &self.writers.known);
+            self.jobs.send(Job { op, now, guess, reply }).await.map_err(|_| stopped("the writers stopped"))?;
+            answers.push(answer);
+        }
+        let mut out = Vec::with_capacity(answers.len());
+        for answer in answers {
+            out.push(answer.await.map_err(|_| stopped("the writer dropped the operation"))??);
+        }
+        Ok(out)
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.pool.get().await.map_err(unavailable)
     }

@@ -1,43 +1,91 @@
-//! The claim path on SQLite: each claim and fenced call is a job of the writer's group commit;
-//! reads use the reading connection.
+//! The claim path on SQLite: each claim and fenced call is a job of the writer's group commit
+//! (a batch of them is one job: one transaction, each call in a savepoint of its own); reads use
+//! the reading connection.
 
-use onceguard_core::store::{ClaimSection, claim_in};
+use onceguard_core::store::{ClaimSection, FencedCall, claim_in};
 
 use super::*;
 use crate::runs::{run_or_new, save_run};
 
 /// A SQLite store's atomic section for the claim transaction ([`claim_in`]): the caller's job
-/// in the writer's group commit.
-struct Section<'c>(&'c Connection);
+/// in the writer's group commit, or one claim's savepoint in a batch's job.
+struct Section<'c> {
+    conn: &'c Connection,
+    /// Rolls back what the claim wrote.
+    discard: &'static str,
+}
+
+impl<'c> Section<'c> {
+    /// The whole job.
+    fn job(conn: &'c Connection) -> Self {
+        Self { conn, discard: "ROLLBACK TO job" }
+    }
+}
+
+/// Each claim of a batch in a savepoint of its own inside the batch's job, so that a denied
+/// claim rolls back only what it wrote.
+fn claim_batch_in(conn: &Connection, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+    reqs.iter()
+        .map(|req| {
+            run(conn, "SAVEPOINT item")?;
+            let outcome = claim_in(&mut Section { conn, discard: "ROLLBACK TO item" }, req, now);
+            run(conn, "RELEASE item")?;
+            outcome
+        })
+        .collect()
+}
+
+/// A fenced call in the caller's job: [`onceguard_core::control::apply_fenced`], its write and
+/// the reported cost added to the record's run.
+fn mutate_in(
+    conn: &Connection,
+    scope: &Scope,
+    fence: Fence,
+    mutation: Mutation,
+    now: Timestamp,
+    max_checkpoints: usize,
+) -> Result<FencedOutcome, StoreError> {
+    let existing = load(conn, scope)?;
+    let (outcome, write) = onceguard_core::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
+    if let Some(write) = write {
+        if let Some((id, cost)) = &write.charge {
+            let mut run = run_or_new(conn, &scope.tenant, id, now)?;
+            run.add_cost(*cost, now);
+            save_run(conn, &run)?;
+        }
+        save(conn, write.record)?;
+    }
+    Ok(outcome)
+}
 
 impl ClaimSection for Section<'_> {
     fn load(&mut self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-        load(self.0, scope)
+        load(self.conn, scope)
     }
 
     fn next_fence(&mut self) -> Result<Fence, StoreError> {
-        next_fence(self.0)
+        next_fence(self.conn)
     }
 
     fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {
-        count_in_flight(self.0, tenant, now)
+        count_in_flight(self.conn, tenant, now)
     }
 
     fn run(&mut self, tenant: &TenantId, id: &RunId, now: Timestamp) -> Result<Run, StoreError> {
-        run_or_new(self.0, tenant, id, now)
+        run_or_new(self.conn, tenant, id, now)
     }
 
     fn save_run(&mut self, run: Run) -> Result<(), StoreError> {
-        save_run(self.0, &run)
+        save_run(self.conn, &run)
     }
 
     fn save(&mut self, record: Record) -> Result<(), StoreError> {
-        save(self.0, record)
+        save(self.conn, record)
     }
 
-    /// Rolls the job back: not even the fence drawn for the denied claim is kept.
+    /// Rolls the claim back: not even the fence drawn for the denied claim is kept.
     fn discard(&mut self) -> Result<(), StoreError> {
-        discard_job(self.0)
+        run(self.conn, self.discard)
     }
 }
 
@@ -57,7 +105,7 @@ impl ClaimStore for SqliteStore {
 
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         let req = req.clone();
-        self.write(move |conn| claim_in(&mut Section(conn), &req, now)).await
+        self.write(move |conn| claim_in(&mut Section::job(conn), &req, now)).await
     }
 
     async fn mutate(
@@ -69,19 +117,25 @@ impl ClaimStore for SqliteStore {
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
         let scope = scope.clone();
+        self.write(move |conn| mutate_in(conn, &scope, fence, mutation, now, max_checkpoints)).await
+    }
+
+    /// One job of the group commit: one transaction.
+    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let reqs = reqs.to_vec();
+        self.write(move |conn| claim_batch_in(conn, &reqs, now)).await
+    }
+
+    /// One job of the group commit: one transaction.
+    async fn mutate_batch(
+        &self,
+        calls: &[FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError> {
+        let calls = calls.to_vec();
         self.write(move |conn| {
-            let existing = load(conn, &scope)?;
-            let (outcome, write) =
-                onceguard_core::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
-            if let Some(write) = write {
-                if let Some((id, cost)) = &write.charge {
-                    let mut run = run_or_new(conn, &scope.tenant, id, now)?;
-                    run.add_cost(*cost, now);
-                    save_run(conn, &run)?;
-                }
-                save(conn, write.record)?;
-            }
-            Ok(outcome)
+            calls.into_iter().map(|c| mutate_in(conn, &c.scope, c.fence, c.mutation, now, max_checkpoints)).collect()
         })
         .await
     }

@@ -277,13 +277,6 @@ fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> Result<T, S
     result
 }
 
-/// Undoes everything the running job wrote so far (its savepoint stays open, and is released
-/// by [`in_savepoint`] when the job answers): a job that decides to change nothing after it
-/// already wrote, such as a denied claim that drew a fence, leaves the database as it found it.
-fn discard_job(conn: &Connection) -> Result<(), StoreError> {
-    run(conn, "ROLLBACK TO job")
-}
-
 fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = jobs.blocking_recv() {

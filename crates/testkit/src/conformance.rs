@@ -5,8 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use onceguard_core::Clock as _;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Switch, SwitchTarget};
+use onceguard_core::store::FencedCall;
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits,
     ListFilter, ManualClock, Mutation, Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId,
@@ -973,4 +975,100 @@ pub async fn audit_log_pages_newest_first(store: Arc<dyn Store>) {
     let by_x = AuditFilter { limit: 10, actor: Some("x".into()), ..AuditFilter::default() };
     assert!(store.list_audit(&acme, &by_x).await.unwrap().entries.is_empty());
     assert_eq!(store.list_audit(&other, &by_x).await.unwrap().entries.len(), 1);
+}
+
+/// A batch of claims answers each exactly as the claim alone would, in order: a new key is
+/// acquired, a completed one replays, a held one is in flight, another fingerprint is a
+/// mismatch, a key past its run's budget is denied (and writes nothing), and a key given twice
+/// is in flight the second time. What the batch acquired is held as any claim's acquisition.
+pub async fn a_batch_answers_as_its_claims_one_by_one(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let (done, held, new) = (scope("b-done"), scope("b-held"), scope("b-new"));
+    let f = c.acquire(&request(&done, "d")).await;
+    c.applied(&done, f, Mutation::Complete(success("stored"))).await;
+    let held_fence = c.acquire(&request(&held, "h")).await;
+    set_budget(&store, "acme", "b-run", Budget { max_effects: Some(1), ..Budget::default() }).await;
+    c.acquire(&in_run(&scope("b-spent"), "s", "b-run", 0)).await;
+    let batch = [
+        request(&new, "n"),
+        request(&done, "d"),
+        request(&held, "h"),
+        request(&done, "another request"),
+        in_run(&scope("b-over"), "o", "b-run", 0),
+        request(&new, "n"),
+    ];
+    let answers = store.claim_batch(&batch, c.clock.now()).await.expect("the store answers");
+    assert_eq!(answers.len(), batch.len());
+    let ClaimOutcome::Acquired(acquired) = &answers[0] else { panic!("a new key: {:?}", answers[0]) };
+    assert!(acquired.fence > held_fence, "fences grow across a batch too");
+    let ClaimOutcome::Replay(replay) = &answers[1] else { panic!("a completed key: {:?}", answers[1]) };
+    assert_eq!(replay.outcome.body, b"stored");
+    assert!(matches!(answers[2], ClaimOutcome::InFlight(_)), "{:?}", answers[2]);
+    assert_eq!(answers[3], ClaimOutcome::Mismatch);
+    assert_eq!(denied_because(&answers[4]), "budget:effects");
+    assert!(matches!(answers[5], ClaimOutcome::InFlight(_)), "the same key again: {:?}", answers[5]);
+    // What the batch wrote is what the claims alone write.
+    assert!(c.get(&scope("b-over")).await.is_none(), "a denied claim writes nothing");
+    assert_eq!(usage(&store, "acme", "b-run").await, (1, 0));
+    assert!(matches!(c.claim(&request(&new, "n")).await, ClaimOutcome::InFlight(_)));
+    c.applied(&new, acquired.fence, Mutation::Complete(success("fresh"))).await;
+    assert!(matches!(c.claim(&request(&new, "n")).await, ClaimOutcome::Replay(_)));
+    assert!(store.claim_batch(&[], c.clock.now()).await.unwrap().is_empty());
+}
+
+/// Four batches at once, overlapping in their keys, acquire every key exactly once.
+pub async fn concurrent_batches_overlapping_in_keys_acquire_each_key_once(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let now = c.clock.now();
+    let batches = (0..4).map(|b| {
+        let store = store.clone();
+        let reqs: Vec<ClaimRequest> =
+            (b * 10..b * 10 + 30).map(|k| request(&scope(&format!("overlap-{k}")), "same")).collect();
+        tokio::spawn(async move { (reqs.clone(), store.claim_batch(&reqs, now).await.unwrap()) })
+    });
+    let mut acquired = std::collections::HashMap::<Scope, usize>::new();
+    for batch in futures::future::join_all(batches).await {
+        let (reqs, answers) = batch.unwrap();
+        assert_eq!(answers.len(), reqs.len());
+        for (req, answer) in reqs.iter().zip(&answers) {
+            match answer {
+                ClaimOutcome::Acquired(_) => *acquired.entry(req.scope.clone()).or_default() += 1,
+                ClaimOutcome::InFlight(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(acquired.len(), 60, "every key acquired");
+    assert!(acquired.values().all(|n| *n == 1), "none twice: {acquired:?}");
+}
+
+/// A batch of fenced calls applies each exactly as the call alone would, in order: a current
+/// fence completes, a stale one changes nothing, a checkpoint then a completion of one key both
+/// apply, and a repeated completion is idempotent; the reported cost is charged to the run.
+pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    set_budget(&store, "acme", "m-run", Budget::default()).await;
+    let (one, two, three) = (scope("m-1"), scope("m-2"), scope("m-3"));
+    let f1 = c.acquire(&in_run(&one, "1", "m-run", 0)).await;
+    let f2 = c.acquire(&request(&two, "2")).await;
+    let f3 = c.acquire(&request(&three, "3")).await;
+    let call = |scope: &Scope, fence: Fence, mutation: Mutation| FencedCall { scope: scope.clone(), fence, mutation };
+    let calls = [
+        call(&one, f1, Mutation::Complete(success("one"))),
+        call(&two, Fence(f2.0 + 1_000), Mutation::Complete(success("two"))),
+        call(&three, f3, checkpoint("step", "{}")),
+        call(&three, f3, Mutation::Complete(success("three"))),
+        call(&one, f1, Mutation::Complete(success("one"))),
+    ];
+    let answers = store.mutate_batch(&calls, c.clock.now(), 16).await.expect("the store answers");
+    assert_eq!(answers.len(), calls.len());
+    assert!(matches!(&answers[0], FencedOutcome::Applied(r) if r.state == RecordState::Completed));
+    assert!(matches!(answers[1], FencedOutcome::Stale(_)), "{:?}", answers[1]);
+    assert!(matches!(&answers[2], FencedOutcome::Applied(r) if r.checkpoints.len() == 1));
+    assert!(matches!(&answers[3], FencedOutcome::Applied(r) if r.state == RecordState::Completed));
+    assert!(matches!(&answers[4], FencedOutcome::Applied(r) if r.state == RecordState::Completed));
+    assert!(matches!(c.claim(&request(&two, "2")).await, ClaimOutcome::InFlight(_)), "the stale call changed nothing");
+    let ClaimOutcome::Replay(replay) = c.claim(&request(&three, "3")).await else { panic!("three completed") };
+    assert_eq!(replay.outcome.body, b"three");
+    assert_eq!(usage(&store, "acme", "m-run").await, (1, 42), "the cost is charged once");
 }

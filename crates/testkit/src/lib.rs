@@ -122,7 +122,10 @@ macro_rules! conformance_tests {
             control_documents,
             revoked_leases_make_holders_stale,
             audit_log_pages_newest_first,
-            audit_log_prunes_old_entries
+            audit_log_prunes_old_entries,
+            a_batch_answers_as_its_claims_one_by_one,
+            concurrent_batches_overlapping_in_keys_acquire_each_key_once,
+            a_batch_of_fenced_calls_answers_as_its_calls_one_by_one
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

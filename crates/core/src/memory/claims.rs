@@ -33,6 +33,28 @@ impl crate::store::ClaimSection for State {
     }
 }
 
+impl State {
+    /// A fenced call, in the mutex.
+    fn mutate(
+        &mut self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> FencedOutcome {
+        let existing = self.records.get(scope).cloned();
+        let (outcome, write) = crate::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
+        if let Some(write) = write {
+            if let Some((run, cost)) = &write.charge {
+                self.run_mut(&scope.tenant, run, now).add_cost(*cost, now);
+            }
+            self.put(write.record);
+        }
+        outcome
+    }
+}
+
 #[async_trait]
 impl ClaimStore for MemoryStore {
     fn kind(&self) -> &'static str {
@@ -51,16 +73,24 @@ impl ClaimStore for MemoryStore {
         now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
+        Ok(self.lock().mutate(scope, fence, mutation, now, max_checkpoints))
+    }
+
+    /// Under one hold of the mutex.
+    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
         let mut state = self.lock();
-        let existing = state.records.get(scope).cloned();
-        let (outcome, write) = crate::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
-        if let Some(write) = write {
-            if let Some((run, cost)) = &write.charge {
-                state.run_mut(&scope.tenant, run, now).add_cost(*cost, now);
-            }
-            state.put(write.record);
-        }
-        Ok(outcome)
+        reqs.iter().map(|req| crate::store::claim_in(&mut *state, req, now)).collect()
+    }
+
+    /// Under one hold of the mutex.
+    async fn mutate_batch(
+        &self,
+        calls: &[crate::store::FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError> {
+        let mut state = self.lock();
+        Ok(calls.iter().map(|c| state.mutate(&c.scope, c.fence, c.mutation.clone(), now, max_checkpoints)).collect())
     }
 
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {

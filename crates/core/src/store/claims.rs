@@ -70,6 +70,17 @@ pub fn claim_in(
     }
 }
 
+/// One fenced call of a batch ([`ClaimStore::mutate_batch`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FencedCall {
+    /// The key.
+    pub scope: Scope,
+    /// The caller's fence.
+    pub fence: Fence,
+    /// What the call does.
+    pub mutation: Mutation,
+}
+
 /// Records: what every claim and fenced call reads and writes.
 #[async_trait]
 pub trait ClaimStore: Send + Sync + 'static {
@@ -89,6 +100,23 @@ pub trait ClaimStore: Send + Sync + 'static {
         now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError>;
+
+    /// Claims many keys: each answered exactly as [`ClaimStore::claim`] answers it alone, in the
+    /// order given (a key given twice: the second claim sees the first), each one atomic on its
+    /// own, all in one round trip or transaction of the store as far as the store allows (each
+    /// store's documentation says how). An error answers the whole batch: claims of it may have
+    /// taken effect, as a claim whose answer was lost (their keys are in flight until their
+    /// leases pass).
+    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError>;
+
+    /// Applies many fenced calls, each exactly as [`ClaimStore::mutate`] applies it alone, in the
+    /// order given, as [`ClaimStore::claim_batch`] does claims.
+    async fn mutate_batch(
+        &self,
+        calls: &[FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError>;
 
     /// The live record of a key, if any.
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError>;

@@ -45,7 +45,7 @@ mod control;
 mod runs;
 mod tenants;
 
-pub use claims::{ClaimSection, ClaimStore, claim_in};
+pub use claims::{ClaimSection, ClaimStore, FencedCall, claim_in};
 pub use control::ControlStore;
 pub use runs::RunStore;
 pub use tenants::TenantStore;

@@ -117,6 +117,19 @@ impl ClaimStore for BreakableStore {
         self.up()?.claim(req, now).await
     }
 
+    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.up()?.claim_batch(reqs, now).await
+    }
+
+    async fn mutate_batch(
+        &self,
+        calls: &[onceguard_core::store::FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError> {
+        self.up()?.mutate_batch(calls, now, max_checkpoints).await
+    }
+
     async fn mutate(
         &self,
         scope: &Scope,
