@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::clock::Clock;
-use crate::control::{AuditEntry, Controls, Effective, check_units};
+use crate::control::{AuditEntry, Controls, Effective, Rate, check_units};
 use crate::control_cache::{CONTROL_REFRESH, ControlCache};
 use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId};
 use crate::limits::Limits;
@@ -23,7 +23,7 @@ use crate::notify::Notifier;
 use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, Denial, FencedOutcome, Record, RecordState, StaleReason};
-use crate::store::{ListFilter, Page, Store, StoreError};
+use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
 /// Why the guard refused or could not do a call.
@@ -45,6 +45,17 @@ pub enum GuardError {
     /// The store could not answer; no decision was made. Retrying later is safe.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl GuardError {
+    /// The same error, said of the batch's item `i` (items count from 0) when it is an invalid
+    /// value.
+    fn at(self, i: usize) -> Self {
+        match self {
+            Self::Invalid(e) => Self::Invalid(InvalidInput::new(e.field, format!("item {i}: {}", e.rule))),
+            other => other,
+        }
+    }
 }
 
 /// A claim as a front end parsed it: the key, what the request means, and what the caller
@@ -179,27 +190,8 @@ impl Guard {
     /// Decides a claim; answers the outcome and the claim's scope (for the observer).
     async fn decide(&self, claim: Claim) -> Result<(ClaimOutcome, Scope), GuardError> {
         let controls = self.controls().await?;
-        let effective = controls.effective(&self.limits, &claim.scope);
-        let limits = &effective.limits;
-        let (lease, retention, wait) =
-            (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
-        let mut req = ClaimRequest {
-            refused_runs: Vec::new(),
-            scope: claim.scope,
-            fingerprint: claim.fingerprint,
-            lease,
-            retention,
-            run: claim.run,
-            cost: check_units("cost", claim.cost)?.unwrap_or(0),
-            max_in_flight: effective.max_in_flight,
-        };
-        if let Some(denial) = controls.apply_switches(&mut req) {
-            return Ok((ClaimOutcome::Denied(denial), req.scope));
-        }
-        if let Some(rate) = &effective.claim_rate
-            && let Err(retry_after) = self.store.take_rate(&req.scope.tenant, rate, self.clock.now()).await?
-        {
-            let denial = Denial::QuotaExceeded { quota: "rate".to_owned(), retry_after };
+        let (mut req, wait, rate) = self.request(&controls, claim)?;
+        if let Some(denial) = self.refusal(&controls, &mut req, rate.as_ref()).await? {
             return Ok((ClaimOutcome::Denied(denial), req.scope));
         }
         // Only a claim that may wait has a deadline.
@@ -226,6 +218,121 @@ impl Guard {
                 return Ok((ClaimOutcome::Denied(denial), req.scope));
             }
         }
+    }
+
+    /// The store's request for `claim` under the settings in force, its wait, and the tenant's
+    /// claim rate: the bounds checked, nothing asked of the store.
+    fn request(&self, controls: &Controls, claim: Claim) -> Result<(ClaimRequest, Duration, Option<Rate>), GuardError> {
+        let effective = controls.effective(&self.limits, &claim.scope);
+        let limits = &effective.limits;
+        let (lease, retention, wait) =
+            (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
+        let req = ClaimRequest {
+            refused_runs: Vec::new(),
+            scope: claim.scope,
+            fingerprint: claim.fingerprint,
+            lease,
+            retention,
+            run: claim.run,
+            cost: check_units("cost", claim.cost)?.unwrap_or(0),
+            max_in_flight: effective.max_in_flight,
+        };
+        Ok((req, wait, effective.claim_rate))
+    }
+
+    /// What refuses `req` before the store's atomic claim: a kill switch (and the runs switched
+    /// off, carried into the claim), then the tenant's claim rate (a token taken).
+    async fn refusal(
+        &self,
+        controls: &Controls,
+        req: &mut ClaimRequest,
+        rate: Option<&Rate>,
+    ) -> Result<Option<Denial>, GuardError> {
+        if let Some(denial) = controls.apply_switches(req) {
+            return Ok(Some(denial));
+        }
+        if let Some(rate) = rate
+            && let Err(retry_after) = self.store.take_rate(&req.scope.tenant, rate, self.clock.now()).await?
+        {
+            return Ok(Some(Denial::QuotaExceeded { quota: "rate".to_owned(), retry_after }));
+        }
+        Ok(None)
+    }
+
+    /// Claims many keys through the same door as [`Guard::claim`]: each claim bounded, refused
+    /// by a switch or the claim rate, and answered exactly as alone, in order; the claims that
+    /// reach the store go to it as one [`crate::store::ClaimStore::claim_batch`]. A batch never
+    /// waits (a claim asking to wait is refused), holds at most `limits.max_batch` claims, and
+    /// is refused whole if one of its claims is invalid (before any is decided). Under a claim
+    /// rate each key takes a token, one store call each.
+    #[tracing::instrument(level = "debug", name = "guard.claim_batch", skip_all, fields(claims = claims.len()))]
+    pub async fn claim_batch(&self, claims: Vec<Claim>) -> Result<Vec<ClaimOutcome>, GuardError> {
+        self.check_batch(claims.len())?;
+        let controls = self.controls().await?;
+        let mut prepared = Vec::with_capacity(claims.len());
+        for (i, claim) in claims.into_iter().enumerate() {
+            if claim.wait.is_some_and(|w| !w.is_zero()) {
+                return Err(InvalidInput::new("wait", format!("claim {i}: a batch does not wait")).into());
+            }
+            prepared.push(self.request(&controls, claim).map_err(|e| e.at(i))?);
+        }
+        let mut answers: Vec<Option<(ClaimOutcome, Scope)>> = Vec::with_capacity(prepared.len());
+        let (mut places, mut reqs) = (Vec::new(), Vec::new());
+        for (i, (mut req, _, rate)) in prepared.into_iter().enumerate() {
+            match self.refusal(&controls, &mut req, rate.as_ref()).await? {
+                Some(denial) => answers.push(Some((ClaimOutcome::Denied(denial), req.scope))),
+                None => {
+                    answers.push(None);
+                    places.push(i);
+                    reqs.push(req);
+                }
+            }
+        }
+        if !reqs.is_empty() {
+            let outcomes = self.store.claim_batch(&reqs, self.clock.now()).await?;
+            if outcomes.len() != reqs.len() {
+                return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
+            }
+            for ((i, req), outcome) in places.into_iter().zip(reqs).zip(outcomes) {
+                answers[i] = Some((outcome, req.scope));
+            }
+        }
+        Ok(answers
+            .into_iter()
+            .flatten()
+            .map(|(outcome, scope)| {
+                self.observer.claimed(&scope, &outcome);
+                outcome
+            })
+            .collect())
+    }
+
+    /// Applies many fenced calls made by `actor`, each checked and answered exactly as
+    /// [`Guard::mutate_as`] answers it alone, in order, as one
+    /// [`crate::store::ClaimStore::mutate_batch`].
+    #[tracing::instrument(level = "debug", name = "guard.mutate_batch", skip_all, fields(calls = calls.len()))]
+    pub async fn mutate_batch(&self, actor: &str, calls: Vec<FencedCall>) -> Result<Vec<FencedOutcome>, GuardError> {
+        self.check_batch(calls.len())?;
+        for (i, call) in calls.iter().enumerate() {
+            self.check_mutation(&call.scope, &call.mutation).await.map_err(|e| e.at(i))?;
+        }
+        let outcomes = self.store.mutate_batch(&calls, self.clock.now(), self.limits.max_checkpoints).await?;
+        if outcomes.len() != calls.len() {
+            return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
+        }
+        for (call, outcome) in calls.iter().zip(&outcomes) {
+            self.after_mutation(actor, call, outcome).await?;
+        }
+        Ok(outcomes)
+    }
+
+    fn check_batch(&self, size: usize) -> Result<(), GuardError> {
+        if size > self.limits.max_batch {
+            return Err(
+                InvalidInput::new("batch", format!("at most {} a batch, not {size}", self.limits.max_batch)).into()
+            );
+        }
+        Ok(())
     }
 
     /// A task that wakes this process's waiters for keys finished through other processes (see
@@ -275,8 +382,21 @@ impl Guard {
         fence: Fence,
         mutation: Mutation,
     ) -> Result<FencedOutcome, GuardError> {
-        let op = mutation.op();
-        match &mutation {
+        self.check_mutation(scope, &mutation).await?;
+        let call = FencedCall { scope: scope.clone(), fence, mutation };
+        let outcome = self
+            .store
+            .mutate(scope, fence, call.mutation.clone(), self.clock.now(), self.limits.max_checkpoints)
+            .await?;
+        tracing::Span::current()
+            .record("outcome", if matches!(outcome, FencedOutcome::Applied(_)) { "applied" } else { "stale" });
+        self.after_mutation(actor, &call, &outcome).await?;
+        Ok(outcome)
+    }
+
+    /// The size limits of a fenced call, and the lease bounds of an extend.
+    async fn check_mutation(&self, scope: &Scope, mutation: &Mutation) -> Result<(), GuardError> {
+        match mutation {
             Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => {
                 self.check_size("outcome", o.body.len(), self.limits.max_outcome_bytes)?;
             }
@@ -290,20 +410,25 @@ impl Guard {
                 self.check_size("detail", detail.len(), self.limits.max_checkpoint_bytes)?;
             }
         }
-        let finishes = matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
-        let outcome = self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?;
-        let applied = matches!(outcome, FencedOutcome::Applied(_));
-        tracing::Span::current().record("outcome", if applied { "applied" } else { "stale" });
-        if applied && finishes {
-            self.notifier.notify(scope);
+        Ok(())
+    }
+
+    /// What follows a fenced call: its key's waiters woken when it finished the attempt; a stale
+    /// call reported, and a stale completion or failure audited.
+    async fn after_mutation(&self, actor: &str, call: &FencedCall, outcome: &FencedOutcome) -> Result<(), GuardError> {
+        let finishes =
+            matches!(call.mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+        if matches!(outcome, FencedOutcome::Applied(_)) && finishes {
+            self.notifier.notify(&call.scope);
         }
-        if let FencedOutcome::Stale(reason) = &outcome {
-            self.observer.stale(scope, op, fence, *reason);
+        if let FencedOutcome::Stale(reason) = outcome {
+            let op = call.mutation.op();
+            self.observer.stale(&call.scope, op, call.fence, *reason);
             if matches!(op, FencedOp::Complete | FencedOp::Fail) {
-                self.audit_stale(actor, scope, fence, op.as_str(), *reason).await?;
+                self.audit_stale(actor, &call.scope, call.fence, op.as_str(), *reason).await?;
             }
         }
-        Ok(outcome)
+        Ok(())
     }
 
     async fn audit_stale(

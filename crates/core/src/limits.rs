@@ -43,6 +43,8 @@ pub struct Limits {
     pub max_checkpoint_bytes: usize,
     /// Most checkpoints kept per key (oldest dropped first).
     pub max_checkpoints: usize,
+    /// Most claims (or fenced calls) in one batch.
+    pub max_batch: usize,
 }
 
 impl Default for Limits {
@@ -59,6 +61,7 @@ impl Default for Limits {
             max_outcome_bytes: 1024 * 1024,
             max_checkpoint_bytes: 16 * 1024,
             max_checkpoints: 64,
+            max_batch: 1_000,
         }
     }
 }

@@ -150,6 +150,15 @@ impl ApiError {
         }
     }
 
+    /// The same error, said of the batch's item `i` (items count from 0) when the item was
+    /// invalid; other errors are the batch's own.
+    pub fn at(self, i: usize) -> Self {
+        match self {
+            Self::Invalid(detail) => Self::Invalid(format!("item {i}: {detail}")),
+            other => other,
+        }
+    }
+
     /// The problem body.
     pub fn problem(&self) -> Problem {
         let (status, kind, title, retryable) = self.parts();

@@ -45,7 +45,7 @@ use problem::ApiError;
 #[openapi(
     info(title = "Onceguard", description = "Workflow idempotency keys for AI agents and RAG pipelines: atomic claims with leases and fences, stored outcomes that replay byte for byte, fingerprints that catch a reused key."),
     paths(
-        api::claim, api::complete, api::fail, api::extend, api::checkpoint, api::report_unknown,
+        api::claim, api::claim_batch, api::complete, api::complete_batch, api::fail, api::extend, api::checkpoint, api::report_unknown,
         api::get_record, api::purge_record, api::list_records,
         api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
         controls::set_budget, controls::get_run, controls::engage_switch, controls::release_switch,
@@ -142,7 +142,9 @@ pub fn router(state: AppState, config: &Config) -> Router {
     let metrics = state.metrics.clone();
     Router::new()
         .route("/v1/claims", post(api::claim))
+        .route("/v1/claims/batch", post(api::claim_batch))
         .route("/v1/claims/complete", post(api::complete))
+        .route("/v1/claims/complete/batch", post(api::complete_batch))
         .route("/v1/claims/fail", post(api::fail))
         .route("/v1/claims/extend", post(api::extend))
         .route("/v1/claims/checkpoint", post(api::checkpoint))

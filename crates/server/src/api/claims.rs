@@ -104,21 +104,47 @@ pub async fn claim(
     caller: Caller,
     ApiJson(body): ApiJson<ClaimBody>,
 ) -> ApiResult<Response> {
-    let fingerprint = match (&body.request, &body.fingerprint) {
-        (Some(request), None) => Fingerprint::of_json(request),
-        (None, Some(fp)) => Fingerprint::parse(fp)?,
-        _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
-    };
-    let claim = Claim {
-        scope: scope_of(&caller, &body.namespace, &body.key)?,
-        fingerprint,
-        lease: parse_duration_field("lease", body.lease.as_deref())?,
-        retention: parse_duration_field("retention", body.retention.as_deref())?,
-        wait: parse_duration_field("wait", body.wait.as_deref())?,
-        run: body.run.as_deref().map(RunId::parse).transpose()?,
-        cost: body.cost,
-    };
-    let outcome = state.guard.claim(claim).await?;
+    let outcome = state.guard.claim(body.claim(&caller)?).await?;
+    match answer(outcome) {
+        Answer::Acquired(view) => Ok((StatusCode::CREATED, Json(view)).into_response()),
+        Answer::Replay(view) => {
+            let mut response = Json(view).into_response();
+            response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(response)
+        }
+        Answer::Refused(error) => Err(error),
+    }
+}
+
+impl ClaimBody {
+    /// The claim the guard decides, for `caller`.
+    pub(crate) fn claim(self, caller: &Caller) -> ApiResult<Claim> {
+        let fingerprint = match (&self.request, &self.fingerprint) {
+            (Some(request), None) => Fingerprint::of_json(request),
+            (None, Some(fp)) => Fingerprint::parse(fp)?,
+            _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
+        };
+        Ok(Claim {
+            scope: scope_of(caller, &self.namespace, &self.key)?,
+            fingerprint,
+            lease: parse_duration_field("lease", self.lease.as_deref())?,
+            retention: parse_duration_field("retention", self.retention.as_deref())?,
+            wait: parse_duration_field("wait", self.wait.as_deref())?,
+            run: self.run.as_deref().map(RunId::parse).transpose()?,
+            cost: self.cost,
+        })
+    }
+}
+
+/// A claim's answer as the API gives it: a view (201, 200) or a problem.
+pub(crate) enum Answer {
+    Acquired(AcquiredView),
+    Replay(ReplayView),
+    Refused(ApiError),
+}
+
+/// The API's answer for `outcome` (recorded on the request's span).
+pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
     let fence = match &outcome {
         ClaimOutcome::Acquired(a) => Some(a.fence),
         ClaimOutcome::Replay(r) => Some(r.fence),
@@ -140,29 +166,25 @@ pub async fn claim(
                     last_checkpoint: r.last_checkpoint.as_ref().map(checkpoint_view),
                 }
             });
-            let view = AcquiredView {
+            Answer::Acquired(AcquiredView {
                 outcome: "acquired",
                 fence: a.fence.0,
                 attempt: a.attempt,
                 lease_expires_at: a.lease_expires_at.to_rfc3339(),
                 recovery,
-            };
-            Ok((StatusCode::CREATED, Json(view)).into_response())
+            })
         }
-        ClaimOutcome::Replay(r) => {
-            let view = ReplayView {
-                outcome: "replay",
-                fence: r.fence.0,
-                attempt: r.attempt,
-                completed_at: r.completed_at.to_rfc3339(),
-                stored: stored_view(&r.outcome),
-            };
-            let mut response = Json(view).into_response();
-            response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
-            Ok(response)
+        ClaimOutcome::Replay(r) => Answer::Replay(ReplayView {
+            outcome: "replay",
+            fence: r.fence.0,
+            attempt: r.attempt,
+            completed_at: r.completed_at.to_rfc3339(),
+            stored: stored_view(&r.outcome),
+        }),
+        ClaimOutcome::InFlight(f) => {
+            Answer::Refused(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt })
         }
-        ClaimOutcome::InFlight(f) => Err(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }),
-        ClaimOutcome::Mismatch => Err(ApiError::Mismatch),
-        ClaimOutcome::Denied(d) => Err(ApiError::Denied(d)),
+        ClaimOutcome::Mismatch => Answer::Refused(ApiError::Mismatch),
+        ClaimOutcome::Denied(d) => Answer::Refused(ApiError::Denied(d)),
     }
 }

@@ -24,7 +24,7 @@ async fn fenced(
 }
 
 /// The outcome to store, from `result` (JSON, stored verbatim) or `result_base64`.
-fn outcome_of(
+pub(crate) fn outcome_of(
     kind: OutcomeKind,
     result: Option<Box<RawValue>>,
     result_base64: Option<String>,

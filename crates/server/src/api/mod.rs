@@ -67,6 +67,7 @@ fn raw_json(text: &str) -> Option<Box<RawValue>> {
     RawValue::from_string(text.to_owned()).ok()
 }
 
+mod batch;
 mod claims;
 mod fenced;
 mod health;
@@ -74,6 +75,7 @@ mod records;
 mod tenants;
 mod views;
 
+pub use batch::*;
 pub use claims::*;
 pub use fenced::*;
 pub use health::*;

@@ -2,6 +2,7 @@
 
 mod admin;
 mod bad_input;
+mod batch;
 mod blast_radius;
 mod claims;
 mod concurrency;
