@@ -104,6 +104,19 @@ pub struct Target {
     pub key: String,
 }
 
+/// A completion of a batch ([`Client::complete_batch`]).
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The key.
+    pub target: Target,
+    /// The fence the claim returned.
+    pub fence: u64,
+    /// The result, stored as JSON.
+    pub result: Value,
+    /// Cost units the effect consumed.
+    pub cost: Option<u64>,
+}
+
 /// A claim to send.
 #[derive(Debug, Clone, Serialize)]
 pub struct Claim {
@@ -325,27 +338,41 @@ impl Client {
     pub async fn claim(&self, claim: &Claim) -> Result<ClaimAnswer, ClientError> {
         let body = serde_json::to_value(claim).map_err(|e| ClientError::Config(e.to_string()))?;
         let (status, text) = self.send(Method::POST, "/v1/claims", Some(&body)).await?;
-        let decode = |text: &str| -> Result<Value, ClientError> {
-            serde_json::from_str(text).map_err(|_| unexpected(status, text))
-        };
-        match status.as_u16() {
-            201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
-            200 => Ok(ClaimAnswer::Replay(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
-            _ => {
-                let value = decode(&text)?;
-                let problem = problem_of(status, &value, &text)?;
-                let retry_after = value["retry_after_ms"].as_u64().map(Duration::from_millis);
-                let denied = |kind| ClaimAnswer::Denied { kind, reason: value["reason"].clone(), retry_after };
-                match problem.short_kind() {
-                    "in-flight" => Ok(ClaimAnswer::InFlight { retry_after: retry_after.unwrap_or_default() }),
-                    "fingerprint-mismatch" => Ok(ClaimAnswer::Mismatch),
-                    "switch-engaged" => Ok(denied(DenialKind::Switch)),
-                    "budget-exhausted" => Ok(denied(DenialKind::Budget)),
-                    "quota-exceeded" => Ok(denied(DenialKind::Quota)),
-                    _ => Err(ClientError::Problem(problem)),
-                }
-            }
-        }
+        claim_answer(status, &text)
+    }
+
+    /// Claims many keys in one request (`POST /v1/claims/batch`, at most the server's
+    /// `limits.max_batch`): each answered as [`Client::claim`] answers it alone, in order. A
+    /// batch never waits: leave [`Claim::wait`] unset.
+    pub async fn claim_batch(&self, claims: &[Claim]) -> Result<Vec<ClaimAnswer>, ClientError> {
+        let body = serde_json::json!({ "claims": claims });
+        let (status, text) = self.send(Method::POST, "/v1/claims/batch", Some(&body)).await?;
+        batch_items(status, &text)?.iter().map(|item| claim_answer(item.status()?, item.body.get())).collect()
+    }
+
+    /// Stores many JSON results in one request (`POST /v1/claims/complete/batch`): each
+    /// answered as [`Client::complete`] answers it alone, in order.
+    pub async fn complete_batch(&self, completions: &[Completion]) -> Result<Vec<Fenced>, ClientError> {
+        let completions: Vec<Value> = completions
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "namespace": c.target.namespace, "key": c.target.key, "fence": c.fence,
+                    "result": c.result, "cost": c.cost,
+                })
+            })
+            .collect();
+        let body = serde_json::json!({ "completions": completions });
+        let (status, text) = self.send(Method::POST, "/v1/claims/complete/batch", Some(&body)).await?;
+        batch_items(status, &text)?
+            .iter()
+            .map(|item| {
+                let status = item.status()?;
+                let value: Value =
+                    serde_json::from_str(item.body.get()).map_err(|_| unexpected(status, item.body.get()))?;
+                fenced_answer(status, value)
+            })
+            .collect()
     }
 
     async fn fenced(&self, op: &str, target: &Target, fence: u64, extra: Value) -> Result<Fenced, ClientError> {
@@ -354,14 +381,7 @@ impl Client {
             body.extend(extra);
         }
         let (status, value) = self.call(Method::POST, &format!("/v1/claims/{op}"), Some(&body)).await?;
-        if status == StatusCode::OK {
-            return Ok(Fenced::Applied(value));
-        }
-        let problem = problem_of(status, &value, &value.to_string())?;
-        if problem.short_kind() == "stale-fence" {
-            return Ok(Fenced::Stale { reason: value["reason"].as_str().unwrap_or_default().to_owned() });
-        }
-        Err(ClientError::Problem(problem))
+        fenced_answer(status, value)
     }
 
     /// Stores a JSON result; every later claim replays it.
@@ -486,4 +506,66 @@ fn problem_of(status: StatusCode, value: &Value, text: &str) -> Result<Problem, 
 fn encode(value: &str) -> String {
     const RESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
     utf8_percent_encode(value, RESERVED).to_string()
+}
+
+/// A claim's answer from its status and body.
+fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientError> {
+    let decode =
+        |text: &str| -> Result<Value, ClientError> { serde_json::from_str(text).map_err(|_| unexpected(status, text)) };
+    match status.as_u16() {
+        201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
+        200 => Ok(ClaimAnswer::Replay(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
+        _ => {
+            let value = decode(&text)?;
+            let problem = problem_of(status, &value, &text)?;
+            let retry_after = value["retry_after_ms"].as_u64().map(Duration::from_millis);
+            let denied = |kind| ClaimAnswer::Denied { kind, reason: value["reason"].clone(), retry_after };
+            match problem.short_kind() {
+                "in-flight" => Ok(ClaimAnswer::InFlight { retry_after: retry_after.unwrap_or_default() }),
+                "fingerprint-mismatch" => Ok(ClaimAnswer::Mismatch),
+                "switch-engaged" => Ok(denied(DenialKind::Switch)),
+                "budget-exhausted" => Ok(denied(DenialKind::Budget)),
+                "quota-exceeded" => Ok(denied(DenialKind::Quota)),
+                _ => Err(ClientError::Problem(problem)),
+            }
+        }
+    }
+}
+
+/// A fenced call's answer from its status and body.
+fn fenced_answer(status: StatusCode, value: Value) -> Result<Fenced, ClientError> {
+    if status == StatusCode::OK {
+        return Ok(Fenced::Applied(value));
+    }
+    let problem = problem_of(status, &value, &value.to_string())?;
+    if problem.short_kind() == "stale-fence" {
+        return Ok(Fenced::Stale { reason: value["reason"].as_str().unwrap_or_default().to_owned() });
+    }
+    Err(ClientError::Problem(problem))
+}
+
+/// One answer of a batch, as the server sent it.
+#[derive(Deserialize)]
+struct BatchItem {
+    status: u16,
+    body: Box<RawValue>,
+}
+
+impl BatchItem {
+    fn status(&self) -> Result<StatusCode, ClientError> {
+        StatusCode::from_u16(self.status).map_err(|_| unexpected(StatusCode::OK, self.body.get()))
+    }
+}
+
+/// The items of a batch's answer, or the problem that refused the batch.
+fn batch_items(status: StatusCode, text: &str) -> Result<Vec<BatchItem>, ClientError> {
+    #[derive(Deserialize)]
+    struct Batch {
+        results: Vec<BatchItem>,
+    }
+    if status != StatusCode::OK {
+        let value: Value = serde_json::from_str(text).map_err(|_| unexpected(status, text))?;
+        return Err(ClientError::Problem(problem_of(status, &value, text)?));
+    }
+    Ok(serde_json::from_str::<Batch>(text).map_err(|_| unexpected(status, text))?.results)
 }

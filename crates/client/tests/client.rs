@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, DenialKind, Fenced};
+use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, Completion, DenialKind, Fenced};
 use onceguard_core::MemoryStore;
 use onceguard_core::auth::Role;
 use onceguard_server::Config;
@@ -90,6 +90,41 @@ async fn budgets_switches_and_the_audit_log() {
     let engaged = client.audit(Some("switch.engage"), 10).await.unwrap();
     assert_eq!(engaged.len(), 1);
     assert_eq!(engaged[0]["why"], "drill");
+}
+
+#[tokio::test]
+async fn batches_answer_each_claim_and_completion_as_alone() {
+    let (server, token) = server().await;
+    let client = Client::new(&server.base, &token).unwrap();
+    let claims: Vec<Claim> = (0..3).map(|i| Claim::new("rag", &format!("chunk-{i}"), json!({"i": i}))).collect();
+    let mut batch = claims.clone();
+    batch.push(Claim::new("rag", "chunk-0", json!({"i": 0})));
+    let answers = client.claim_batch(&batch).await.unwrap();
+    let fences: Vec<u64> = answers[..3]
+        .iter()
+        .map(|a| match a {
+            ClaimAnswer::Acquired(held) => held.fence,
+            other => panic!("acquired: {other:?}"),
+        })
+        .collect();
+    assert!(matches!(answers[3], ClaimAnswer::InFlight { .. }), "{:?}", answers[3]);
+    let completions: Vec<Completion> = claims
+        .iter()
+        .zip(&fences)
+        .map(|(c, f)| Completion { target: c.target(), fence: *f, result: json!({"v": [2.50]}), cost: Some(3) })
+        .chain([Completion { target: claims[0].target(), fence: 999_999, result: json!(1), cost: None }])
+        .collect();
+    let done = client.complete_batch(&completions).await.unwrap();
+    assert!(done[..3].iter().all(|d| matches!(d, Fenced::Applied(_))), "{done:?}");
+    assert!(matches!(done[3], Fenced::Stale { .. }), "{:?}", done[3]);
+    let replays = client.claim_batch(&claims).await.unwrap();
+    for replay in &replays {
+        let ClaimAnswer::Replay(r) = replay else { panic!("replay: {replay:?}") };
+        assert_eq!(r.result.as_ref().unwrap().get(), r#"{"v":[2.5]}"#);
+    }
+    let too_many: Vec<Claim> = (0..1_001).map(|i| Claim::new("rag", &format!("k-{i}"), json!(i))).collect();
+    let error = client.claim_batch(&too_many).await.unwrap_err();
+    assert_eq!(error.problem_kind(), Some("invalid-request"), "{error}");
 }
 
 #[tokio::test]
