@@ -14,64 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 
 import onceguard
-
-
-def find_binary() -> Path:
-    if os.environ.get("ONCEGUARD_BIN"):
-        return Path(os.environ["ONCEGUARD_BIN"])
-    repo = Path(__file__).resolve().parents[3]
-    for candidate in (
-        Path(os.environ["CARGO_TARGET_DIR"]) / "debug" / "onceguard" if os.environ.get("CARGO_TARGET_DIR") else None,
-        repo / "target" / "debug" / "onceguard",
-    ):
-        if candidate is not None and candidate.is_file():
-            return candidate
-    sys.exit("no onceguard binary: run `cargo build -p onceguard` (or set ONCEGUARD_BIN)")
-
-
-def serve(store: str) -> tuple[subprocess.Popen[bytes], str, str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = Path(tempfile.mkdtemp(prefix="onceguard-bench-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ONCEGUARD_")}
-    env["ONCEGUARD_LOG"] = "warn"
-    proc = subprocess.Popen(
-        [str(find_binary()), "serve", "--store", store, "--listen", f"127.0.0.1:{port}", "--log-format", "json"],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        sys.exit("onceguard serve did not become ready")
-    return proc, url, (workdir / "onceguard-data" / "admin.key").read_text().strip(), workdir
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+from _shared import fmt, percentile, serve
 
 
 def main() -> None:
@@ -153,12 +104,6 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
     print(f"  first execution / replay            {first_p50 / replay_p50:10.2f}x  (claim + complete vs one claim)")
     print(f"  replay / client.claim alone         {replay_p50 / claim_p50:10.2f}x  (the decorator's own work on a replay)")
     print(f"  first / first without heartbeat     {first_p50 / nohb_p50:10.2f}x  (starting and joining the heartbeat thread)")
-
-
-def fmt(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f}µs"
-    return f"{seconds * 1e3:.2f}ms"
 
 
 if __name__ == "__main__":
