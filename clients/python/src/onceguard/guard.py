@@ -7,7 +7,7 @@ The protocol, the same for both and for the framework helpers:
 2. the claim answers
    - ``replay``: the stored outcome is returned (decoded from the stored JSON) without running
      anything; a stored permanent failure raises :class:`PermanentFailure` again;
-   - ``acquired``: the function runs while a **heartbeat** (a thread, or an asyncio task)
+   - ``acquired``: the function runs while a **heartbeat** (on shared threads, or an asyncio task)
      extends the lease every third of it; the handle :func:`current` gives the fence, the
      attempt number, the ``recovery`` of a crashed earlier attempt and ``checkpoint()``;
    - ``in_flight`` after the wait: :class:`InFlightError`; ``mismatch``: :class:`KeyConflict`;

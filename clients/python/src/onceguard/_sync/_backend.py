@@ -1,17 +1,31 @@
-"""What the sync flavour does its own way: sleeping, and the heartbeat's thread.
+"""What the sync flavour does its own way: sleeping, and the heartbeats' threads.
 
 Written by hand, with the names of ``_async/_backend.py`` (which uses asyncio); the other
 modules of ``_sync`` are generated from ``_async`` by ``scripts/unasync.py``.
+
+The heartbeats of every guarded call of the process share one timing thread and a few worker
+threads (started on the first heartbeat, again after a fork): starting and joining a thread for
+each call cost a first execution about half a millisecond on a busy machine.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+log = logging.getLogger("onceguard")
 
 #: A function run under a guard: here a plain function, called.
 Job = Callable[[], Any]
+
+#: How many beats may run at once (each is one HTTP call of at most the client's timeout).
+WORKERS = 4
 
 
 def sleep(seconds: float) -> None:
@@ -19,27 +33,76 @@ def sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+class _Scheduler:
+    """One daemon thread that waits for the next beat due and hands it to the workers."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Periodic]] = []
+        self._order = itertools.count()
+        self._changed = threading.Condition()
+        self._pid = -1
+        self._workers: ThreadPoolExecutor | None = None
+
+    def add(self, periodic: Periodic, at: float) -> None:
+        """Run ``periodic``'s beat at ``at`` (``time.monotonic()``)."""
+        with self._changed:
+            if self._pid != os.getpid():  # first use, or a forked child: the threads are not here
+                self._pid = os.getpid()
+                self._due.clear()
+                self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="onceguard-heartbeat")
+                threading.Thread(target=self._run, name="onceguard-heartbeats", daemon=True).start()
+            heapq.heappush(self._due, (at, next(self._order), periodic))
+            self._changed.notify()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while True:
+            with self._changed:
+                if self._pid != pid:
+                    return
+                now = time.monotonic()
+                if not self._due or self._due[0][0] > now:
+                    self._changed.wait(self._due[0][0] - now if self._due else None)
+                    continue
+                _, _, periodic = heapq.heappop(self._due)
+                workers = self._workers
+            if not periodic.stopped and workers is not None:
+                workers.submit(periodic.fire)
+
+
+_SCHEDULER = _Scheduler()
+
+
 class Periodic:
-    """A daemon thread that calls ``beat()`` every ``interval`` seconds, until ``beat`` answers
-    ``False`` or :meth:`stop` stops it (and joins it)."""
+    """Calls ``beat()`` every ``interval`` seconds on a heartbeat worker thread, until ``beat``
+    answers ``False`` or :meth:`stop` stops it (waiting for a beat under way)."""
 
     def __init__(self, beat: Callable[[], bool], interval: float, *, name: str) -> None:
         self._beat = beat
         self._interval = interval
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._beating = threading.Lock()
+        self.stopped = False
 
     def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
+        """Schedule the first beat."""
+        _SCHEDULER.add(self, time.monotonic() + self._interval)
 
-    def _run(self) -> None:
-        while not self._stopped.wait(self._interval):
-            if not self._beat():
+    def fire(self) -> None:
+        """One beat (on a worker), and the next one scheduled unless it was the last."""
+        with self._beating:
+            if self.stopped:
                 return
+            try:
+                again = self._beat()
+            except Exception:  # a beat that failed unexpectedly: the next one tries again
+                log.exception("onceguard: %s failed", self._name)
+                again = True
+            if again and not self.stopped:
+                _SCHEDULER.add(self, time.monotonic() + self._interval)
 
     def stop(self) -> None:
-        """Stop the thread and join it."""
-        self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        """Stop the beats; when it returns, no beat is under way and none will start."""
+        self.stopped = True
+        with self._beating:
+            pass
