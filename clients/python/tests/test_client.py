@@ -206,3 +206,36 @@ def test_api_keys_and_readiness(admin: onceguard.Client, server: object) -> None
         with pytest.raises(onceguard.Unauthenticated):
             revoked.get_record("a", "b")
     assert admin.ready()
+
+
+def test_a_batch_answers_each_claim_and_completion_as_alone(client: onceguard.Client, ns: str) -> None:
+    from onceguard import ClaimItem, CompleteItem
+
+    done = acquired(client.claim(ns, "done", request={"chunk": 0}))
+    client.complete(ns, "done", done.fence, RawJson('{"v": [0.10]}'))
+    items = [ClaimItem(ns, f"chunk-{i}", request={"chunk": i}) for i in range(1, 4)]
+    answers = client.claim_batch(
+        [*items, ClaimItem(ns, "done", request={"chunk": 0}), ClaimItem(ns, "done", request={"other": 1}), items[0]]
+    )
+    fences = [acquired(a).fence for a in answers[:3]]
+    assert isinstance(answers[3], Replay) and answers[3].raw == b'{"v": [0.10]}', answers[3]
+    assert isinstance(answers[4], Mismatch)
+    assert isinstance(answers[5], InFlight), "the same key again sees the first claim"
+    stored = client.complete_batch(
+        [CompleteItem(ns, i.key, f, RawJson('{"v": [2.50]}'), cost=3) for i, f in zip(items, fences)]
+        + [CompleteItem(ns, "chunk-1", fences[0] + 1000, 1)]
+    )
+    assert [getattr(r, "state", None) for r in stored[:3]] == ["completed"] * 3
+    assert isinstance(stored[3], onceguard.StaleFence)
+    replays = client.claim_batch(items)
+    assert [r.raw for r in replays if isinstance(r, Replay)] == [b'{"v": [2.50]}'] * 3
+    with pytest.raises(onceguard.InvalidRequest, match="item 1"):
+        client.claim_batch([ClaimItem(ns, "x", request=1), ClaimItem("bad namespace!", "y", request=1)])
+    assert client.claim_batch([]) == []
+
+
+async def test_an_async_batch_answers_as_the_sync_one(aclient: onceguard.AsyncClient, ns: str) -> None:
+    from onceguard import ClaimItem
+
+    first = await aclient.claim_batch([ClaimItem(ns, "a", request=1), ClaimItem(ns, "a", request=1)])
+    assert isinstance(first[0], Acquired) and isinstance(first[1], InFlight)

@@ -8,6 +8,7 @@
   the tools of LangChain / LangGraph and of the OpenAI Agents SDK.
 """
 
+from ._calls import ClaimItem, CompleteItem
 from ._wire import RawJson
 from .client import NO_RETRY, AsyncClient, Client, Retry
 from .errors import (
@@ -67,6 +68,8 @@ from .models import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClaimItem",
+    "CompleteItem",
     "Acquired",
     "ApiKey",
     "AsyncAttempt",

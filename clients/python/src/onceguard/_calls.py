@@ -7,16 +7,16 @@ happens here, once, with no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Generic, Mapping, TypeVar
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from . import _wire
 from ._wire import Duration, RawJson
-from .errors import OnceguardError, ProblemError, UnexpectedResponse, problem_error
+from .errors import OnceguardError, ProblemError, StaleFence, UnexpectedResponse, problem_error
 from .models import (
     Acquired,
     ApiKey,
@@ -462,3 +462,87 @@ def list_tenants() -> Call[list[Tenant]]:
 
 def ready() -> Call[bool]:
     return Call("GET", "/readyz", read_ready)
+
+
+@dataclass(frozen=True)
+class ClaimItem:
+    """One claim of :meth:`Client.claim_batch`: the arguments of :meth:`Client.claim` (a batch
+    never waits)."""
+
+    namespace: str
+    key: str
+    request: Any = field(default=MISSING)
+    fingerprint: str | None = None
+    lease: Duration | None = None
+    retention: Duration | None = None
+    run: str | None = None
+    cost: int | None = None
+
+
+@dataclass(frozen=True)
+class CompleteItem:
+    """One completion of :meth:`Client.complete_batch`: the arguments of :meth:`Client.complete`."""
+
+    namespace: str
+    key: str
+    fence: int
+    result: Any = None
+    raw: bytes | None = None
+    content_type: str | None = None
+    cost: int | None = None
+
+
+def _batch_answers(response: httpx.Response, read: Callable[[httpx.Response], T]) -> list[T]:
+    """Each item of a batch's answer read as its own request's answer (its ``status`` and the
+    exact bytes of its ``body``), or the error that refused the batch."""
+    text = _text(response)
+    if response.status_code != 200:
+        raise error_of(response)
+    try:
+        results = _wire.member_spans(text)["results"]
+        answers = []
+        for start, end in _wire.element_spans(text, results[0]):
+            item = _wire.member_spans(text, start)
+            status = int(text[slice(*item["status"])])
+            body = text[slice(*item["body"])].encode("utf-8")
+            media = "application/problem+json" if status >= 400 else "application/json"
+            answers.append(read(httpx.Response(status, content=body, headers={"content-type": media})))
+        return answers
+    except (KeyError, ValueError) as e:
+        raise UnexpectedResponse(response.status_code, text) from e
+
+
+def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
+    parts = [
+        claim(
+            i.namespace,
+            i.key,
+            request=i.request,
+            fingerprint=i.fingerprint,
+            lease=i.lease,
+            retention=i.retention,
+            run=i.run,
+            cost=i.cost,
+        ).body
+        or b"{}"
+        for i in items
+    ]
+    body = b'{"claims":[' + b",".join(parts) + b"]}"
+    return Call("POST", "/v1/claims/batch", lambda r: _batch_answers(r, read_claim), body=body)
+
+
+def _record_or_stale(response: httpx.Response) -> Record | StaleFence:
+    try:
+        return read_record(response)
+    except StaleFence as stale:
+        return stale
+
+
+def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFence]]:
+    parts = [
+        complete(i.namespace, i.key, i.fence, i.result, raw=i.raw, content_type=i.content_type, cost=i.cost).body
+        or b"{}"
+        for i in items
+    ]
+    body = b'{"completions":[' + b",".join(parts) + b"]}"
+    return Call("POST", "/v1/claims/complete/batch", lambda r: _batch_answers(r, _record_or_stale), body=body)

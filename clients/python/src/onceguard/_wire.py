@@ -143,6 +143,28 @@ def member_spans(s: str, i: int = 0) -> dict[str, tuple[int, int]]:
         raise ValueError("expected ',' or '}'")
 
 
+def element_spans(s: str, i: int = 0) -> list[tuple[int, int]]:
+    """Where each element of the JSON array starting at ``s[i]`` lies in ``s`` (as
+    :func:`member_spans` for an object)."""
+    i = _skip(s, i)
+    if s[i : i + 1] != "[":
+        raise ValueError("not a JSON array")
+    spans: list[tuple[int, int]] = []
+    i = _skip(s, i + 1)
+    if s[i : i + 1] == "]":
+        return spans
+    while True:
+        _, end = _DECODER.raw_decode(s, i)
+        spans.append((i, end))
+        i = _skip(s, end)
+        if s[i : i + 1] == ",":
+            i = _skip(s, i + 1)
+            continue
+        if s[i : i + 1] == "]":
+            return spans
+        raise ValueError("expected ',' or ']'")
+
+
 def raw_member(text: str, *path: str) -> bytes | None:
     """The exact UTF-8 bytes of the value at ``path`` (object members) in the JSON ``text``."""
     start, end = 0, len(text)

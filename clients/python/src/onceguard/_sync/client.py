@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Iterator, Mapping, TypeVar
+from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
 import httpx
 
 from .. import _calls
-from .._calls import MISSING, Call
+from .._calls import MISSING, Call, ClaimItem, CompleteItem
 from .._http import NO_RETRY, ClientBase, Retry, headers_of, may_retry, retry_after_header, with_extra
 from .._wire import Duration
-from ..errors import TransportError
+from ..errors import StaleFence, TransportError
 from ..models import (
     ApiKey,
     AuditEntry,
@@ -166,6 +166,19 @@ class Client(ClientBase):
         return self.send(
             _calls.complete(namespace, key, fence, result, raw=raw, content_type=content_type, cost=cost)
         )
+
+    def claim_batch(self, items: Sequence[ClaimItem]) -> list[ClaimAnswer]:
+        """Claim many keys in one request (at most the server's ``limits.max_batch``, 1,000 by
+        default): each answered exactly as :meth:`claim` answers it alone, in order. A key given
+        twice is :class:`InFlight` the second time. An invalid item refuses the whole batch
+        (:class:`onceguard.InvalidRequest`) before anything is decided."""
+        return self.send(_calls.claim_batch(items))
+
+    def complete_batch(self, items: Sequence[CompleteItem]) -> list[Record | StaleFence]:
+        """Store many outcomes in one request, each as :meth:`complete` alone, in order: the
+        record, or for a completion with a stale fence (nothing stored) the
+        :class:`onceguard.StaleFence` that :meth:`complete` would have raised."""
+        return self.send(_calls.complete_batch(items))
 
     def fail(
         self, namespace: str, key: str, fence: int, *, retryable: bool, error: Any = None, cost: int | None = None
