@@ -36,6 +36,8 @@ from .errors import (
     UpstreamFailed,
     UpstreamTimeout,
 )
+from ._async.ingest import once_each as once_each_async
+from ._sync.ingest import once_each
 from .guard import AsyncAttempt, AsyncGuarded, Attempt, Guarded, current, guarded, once
 from .keys import canonical_json, derive_key
 from .models import (
@@ -68,6 +70,8 @@ from .models import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "once_each",
+    "once_each_async",
     "ClaimItem",
     "CompleteItem",
     "Acquired",

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 #: A function run under a guard: here a coroutine function, called and awaited.
 Job = Callable[[], Awaitable[Any]]
@@ -43,3 +43,8 @@ class Periodic:
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])  # never raises: the caller's own cancellation stays its own
+
+
+#: The work of :func:`onceguard.once_each` over the items still to do: here a coroutine
+#: function, called with the items and awaited, answering one result per item.
+Work = Callable[[list[Any]], Awaitable[Sequence[Any]]]

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger("onceguard")
 
@@ -106,3 +106,8 @@ class Periodic:
         self.stopped = True
         with self._beating:
             pass
+
+
+#: The work of :func:`onceguard.once_each` over the items still to do: here a plain function,
+#: called with the items, answering one result per item.
+Work = Callable[[list[Any]], Sequence[Any]]

@@ -1,0 +1,144 @@
+"""``once_each``: many items, each done once per key, in batches: the helper of ingestion
+pipelines (embed, index, summarise) whose re-runs must not pay again for what is stored."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from .._calls import ClaimItem, CompleteItem
+from .._wire import Duration
+from ..errors import DeniedError, InFlightError, KeyConflict, OnceguardError, PermanentFailure
+from ..models import Acquired, Denied, InFlight, Mismatch, Replay
+from . import _backend
+from .client import AsyncClient
+
+
+async def once_each(
+    client: AsyncClient,
+    namespace: str,
+    items: Sequence[Any],
+    key: Callable[[Any], str],
+    work: _backend.Work,
+    *,
+    request: Callable[[Any], Any] | None = None,
+    cost: Callable[[Any], int | None] | None = None,
+    lease: Duration | None = None,
+    retention: Duration | None = None,
+    run: str | None = None,
+    batch_size: int = 1_000,
+    wait: float = 60.0,
+) -> list[Any]:
+    """Every item's result, in order: stored ones replayed, the others done by ``work`` once.
+
+    Items are claimed ``batch_size`` at a time (``claim_batch``), each under ``key(item)`` with
+    the fingerprint of ``request(item)`` (default: the key itself). ``work`` is called once per
+    batch with the items this worker acquired, and answers their results (JSON values) in the
+    same order; they are stored (``complete_batch``, with ``cost(result)`` if given), so a
+    re-run, or another worker, replays them. Items another worker holds are waited for (up to
+    ``wait`` seconds, then :class:`onceguard.InFlightError` for the first of them) and
+    replayed, or done here if that worker gave them up: two workers over the same items never
+    do one twice. A replayed result is the stored JSON, decoded.
+
+    If ``work`` raises, the batch's keys are released (a retry does them again) and the error
+    propagates. A key used before with another request raises :class:`onceguard.KeyConflict`,
+    a denial (budget, quota, switch) :class:`onceguard.DeniedError`, a stored failure (stored
+    under the key by other code) :class:`onceguard.PermanentFailure`. Choose a ``lease`` longer
+    than ``work`` takes for one batch: nothing extends it meanwhile.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size is at least 1")
+    results: list[Any] = [None] * len(items)
+    for start in range(0, len(items), batch_size):
+        places = list(range(start, min(start + batch_size, len(items))))
+        await _each_batch(client, namespace, items, places, results, key, work, request, cost, lease, retention, run, wait)
+    return results
+
+
+async def _each_batch(
+    client: AsyncClient,
+    namespace: str,
+    items: Sequence[Any],
+    places: list[int],
+    results: list[Any],
+    key: Callable[[Any], str],
+    work: _backend.Work,
+    request: Callable[[Any], Any] | None,
+    cost: Callable[[Any], int | None] | None,
+    lease: Duration | None,
+    retention: Duration | None,
+    run: str | None,
+    wait: float,
+) -> None:
+    claims = {
+        i: ClaimItem(
+            namespace,
+            key(items[i]),
+            request=key(items[i]) if request is None else request(items[i]),
+            lease=lease,
+            retention=retention,
+            run=run,
+        )
+        for i in places
+    }
+    deadline = time.monotonic() + wait
+    pending = places
+    while pending:
+        answers = await client.claim_batch([claims[i] for i in pending])
+        acquired: list[tuple[int, Acquired]] = []
+        waiting: list[int] = []
+        nap = 0.5
+        for i, answer in zip(pending, answers):
+            if isinstance(answer, Replay):
+                if not answer.succeeded:
+                    raise PermanentFailure(answer.result, namespace=namespace, key=claims[i].key, replayed=True)
+                results[i] = answer.result
+            elif isinstance(answer, Acquired):
+                acquired.append((i, answer))
+            elif isinstance(answer, InFlight):
+                waiting.append(i)
+                nap = min(nap, max(answer.retry_after, 0.05))
+            elif isinstance(answer, Mismatch):
+                raise KeyConflict(namespace=namespace, key=claims[i].key, detail=answer.detail)
+            elif isinstance(answer, Denied):
+                raise DeniedError(answer, namespace=namespace, key=claims[i].key)
+        if acquired:
+            await _work_and_store(client, namespace, items, acquired, results, claims, work, cost)
+        pending = waiting
+        if pending:
+            if time.monotonic() >= deadline:
+                raise InFlightError(namespace=namespace, key=claims[pending[0]].key, retry_after=nap, attempt=None)
+            await _backend.sleep(nap)
+
+
+async def _work_and_store(
+    client: AsyncClient,
+    namespace: str,
+    items: Sequence[Any],
+    acquired: list[tuple[int, Acquired]],
+    results: list[Any],
+    claims: dict[int, ClaimItem],
+    work: _backend.Work,
+    cost: Callable[[Any], int | None] | None,
+) -> None:
+    try:
+        done = list(await work([items[i] for i, _ in acquired]))
+        if len(done) != len(acquired):
+            raise ValueError(f"work answered {len(done)} results for {len(acquired)} items")
+    except BaseException:
+        for i, held in acquired:  # released: a retry does them again
+            try:
+                await client.fail(namespace, claims[i].key, held.fence, retryable=True)
+            except OnceguardError:
+                pass  # the lease passes by itself
+        raise
+    stored = await client.complete_batch(
+        [
+            CompleteItem(namespace, claims[i].key, held.fence, value, cost=None if cost is None else cost(value))
+            for (i, held), value in zip(acquired, done)
+        ]
+    )
+    for (i, _), value, record in zip(acquired, done, stored):
+        if isinstance(record, OnceguardError):
+            raise record  # the lease passed and another worker took the key over
+        results[i] = value
