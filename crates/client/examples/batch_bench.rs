@@ -34,7 +34,7 @@ async fn row(base: &str, concurrency: usize, seconds: u64, batch: usize, tag: &s
                     let claims: Vec<Claim> = (0..batch)
                         .map(|_| {
                             n += 1;
-                            Claim::new("bench/batch", &format!("{tag}-{t}-{n}"), json!({"n": n}))
+                            Claim::new("bench/batch", format!("{tag}-{t}-{n}"), json!({"n": n}))
                         })
                         .collect();
                     let answers = if batch == 1 {

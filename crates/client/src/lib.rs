@@ -513,11 +513,11 @@ fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientErr
     let decode =
         |text: &str| -> Result<Value, ClientError> { serde_json::from_str(text).map_err(|_| unexpected(status, text)) };
     match status.as_u16() {
-        201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
-        200 => Ok(ClaimAnswer::Replay(serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?)),
+        201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(text).map_err(|_| unexpected(status, text))?)),
+        200 => Ok(ClaimAnswer::Replay(serde_json::from_str(text).map_err(|_| unexpected(status, text))?)),
         _ => {
-            let value = decode(&text)?;
-            let problem = problem_of(status, &value, &text)?;
+            let value = decode(text)?;
+            let problem = problem_of(status, &value, text)?;
             let retry_after = value["retry_after_ms"].as_u64().map(Duration::from_millis);
             let denied = |kind| ClaimAnswer::Denied { kind, reason: value["reason"].clone(), retry_after };
             match problem.short_kind() {

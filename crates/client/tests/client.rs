@@ -96,7 +96,7 @@ async fn budgets_switches_and_the_audit_log() {
 async fn batches_answer_each_claim_and_completion_as_alone() {
     let (server, token) = server().await;
     let client = Client::new(&server.base, &token).unwrap();
-    let claims: Vec<Claim> = (0..3).map(|i| Claim::new("rag", &format!("chunk-{i}"), json!({"i": i}))).collect();
+    let claims: Vec<Claim> = (0..3).map(|i| Claim::new("rag", format!("chunk-{i}"), json!({"i": i}))).collect();
     let mut batch = claims.clone();
     batch.push(Claim::new("rag", "chunk-0", json!({"i": 0})));
     let answers = client.claim_batch(&batch).await.unwrap();
@@ -122,7 +122,7 @@ async fn batches_answer_each_claim_and_completion_as_alone() {
         let ClaimAnswer::Replay(r) = replay else { panic!("replay: {replay:?}") };
         assert_eq!(r.result.as_ref().unwrap().get(), r#"{"v":[2.5]}"#);
     }
-    let too_many: Vec<Claim> = (0..1_001).map(|i| Claim::new("rag", &format!("k-{i}"), json!(i))).collect();
+    let too_many: Vec<Claim> = (0..1_001).map(|i| Claim::new("rag", format!("k-{i}"), json!(i))).collect();
     let error = client.claim_batch(&too_many).await.unwrap_err();
     assert_eq!(error.problem_kind(), Some("invalid-request"), "{error}");
 }
