@@ -10,24 +10,32 @@ often the model re-emits the call or the graph re-runs the node.
                         run_id=lambda config: config["configurable"]["thread_id"])
     agent = create_react_agent(model, [refund])
 
+``OnceEmbeddings`` wraps any LangChain ``Embeddings`` for ingestion: each text is embedded once
+per (model, text digest), across re-runs and across workers running at once; the rest replays.
+
 Needs the ``langchain`` extra (``pip install 'onceguard[langchain]'``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
 from typing import Any, Callable, Mapping, Optional, Union
 
 from langchain_core.callbacks import Callbacks
+from langchain_core.embeddings import Embeddings
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
 
 from ._policy import ExceptionClasses, Policy
 from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
+from ._async.ingest import once_each as once_each_async
+from ._sync.ingest import once_each
 from .client import AsyncClient, Client
 
-__all__ = ["guard_tool", "ToolCall"]
+__all__ = ["guard_tool", "OnceEmbeddings", "ToolCall"]
 
 RunId = Union[str, Callable[[RunnableConfig], Optional[str]], None]
 
@@ -135,3 +143,93 @@ def guard_tool(
         metadata=tool.metadata,
         verbose=tool.verbose,
     )
+
+
+class OnceEmbeddings(Embeddings):
+    """LangChain ``Embeddings`` that embeds each document text once per (model, SHA-256 of the
+    text) and replays it after: a re-run, a redeploy or a backfill over the same corpus embeds
+    only the texts it has not seen, in batches, and two ingestion workers running at once never
+    embed the same text twice (one waits for the other's vectors). Queries pass through: each
+    is usually new.
+
+    ``model`` names the embedding model in the key (default: the wrapped object's ``model`` or
+    ``model_name``, else its class name): another model is another key. ``tokens`` counts a
+    text's tokens (default: its length in characters / 4); :attr:`texts_saved` and
+    :attr:`tokens_saved` add up what replays did not pay for. Give ``aclient`` for
+    ``aembed_documents`` to run on the event loop (else it runs the sync path in a thread).
+    """
+
+    def __init__(
+        self,
+        embeddings: Embeddings,
+        client: Client,
+        namespace: str = "rag/embeddings",
+        *,
+        model: str | None = None,
+        aclient: AsyncClient | None = None,
+        batch_size: int = 1_000,
+        lease: Duration = "5m",
+        tokens: Callable[[str], int] | None = None,
+    ) -> None:
+        self.embeddings = embeddings
+        self.client = client
+        self.aclient = aclient
+        self.namespace = namespace
+        name = model or getattr(embeddings, "model", None) or getattr(embeddings, "model_name", None)
+        self.model = str(name or type(embeddings).__name__)
+        self.batch_size = batch_size
+        self.lease = lease
+        self.tokens = tokens or (lambda text: max(1, len(text) // 4))
+        self.texts_saved = 0
+        self.tokens_saved = 0
+        self._lock = threading.Lock()
+
+    def key(self, text: str) -> str:
+        """The key of ``text``: the model and the text's digest (what the vector depends on)."""
+        return f"{self.model}:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
+
+    def _saved(self, texts: list[str], embedded: list[str]) -> None:
+        left = list(embedded)
+        replayed = []
+        for text in texts:
+            if text in left:
+                left.remove(text)
+            else:
+                replayed.append(text)
+        with self._lock:
+            self.texts_saved += len(replayed)
+            self.tokens_saved += sum(self.tokens(t) for t in replayed)
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        embedded: list[str] = []
+
+        def work(todo: list[str]) -> list[list[float]]:
+            embedded.extend(todo)
+            return self.embeddings.embed_documents(todo)
+
+        vectors = once_each(
+            self.client, self.namespace, texts, key=self.key, work=work, batch_size=self.batch_size, lease=self.lease
+        )
+        self._saved(texts, embedded)
+        return vectors
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        if self.aclient is None:
+            return await asyncio.to_thread(self.embed_documents, texts)
+        embedded: list[str] = []
+
+        async def work(todo: list[str]) -> list[list[float]]:
+            embedded.extend(todo)
+            return await self.embeddings.aembed_documents(todo)
+
+        vectors = await once_each_async(
+            self.aclient, self.namespace, texts, key=self.key, work=work, batch_size=self.batch_size, lease=self.lease
+        )
+        self._saved(texts, embedded)
+        return vectors
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embeddings.embed_query(text)
+
+    async def aembed_query(self, text: str) -> list[float]:
+        return await self.embeddings.aembed_query(text)
