@@ -7,6 +7,7 @@ happens here, once, with no I/O.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
@@ -110,23 +111,36 @@ def _retry_after(response: httpx.Response, problem: Mapping[str, Any]) -> float 
 
 def read_claim(response: httpx.Response) -> ClaimAnswer:
     """A claim's answer: one of the five, by status for the successes and by problem type."""
-    if response.status_code == 201:
-        return Acquired.from_json(response.json())
-    if response.status_code == 200:
+    status = response.status_code
+    if status in (200, 201):
         text = _text(response)
         body = response.json()
-        raw = _wire.raw_member(text, "result") if "result" in body else None
-        return Replay.from_json(body, raw)
+        raw = _wire.raw_member(text, "result") if status == 200 and "result" in body else None
+        return claim_answer(status, body, raw)
     problem = problem_of(response)
     if problem is None:
-        raise UnexpectedResponse(response.status_code, _text(response))
-    error = problem_error(problem, response.status_code)
+        raise UnexpectedResponse(status, _text(response))
+    return claim_answer(status, problem, None, _retry_after(response, problem))
+
+
+def claim_answer(status: int, body: Any, raw: bytes | None, retry_after: float | None = None) -> ClaimAnswer:
+    """A claim's answer from its status and decoded body (``raw``: a replay's result as sent)."""
+    if status == 201:
+        return Acquired.from_json(body)
+    if status == 200:
+        return Replay.from_json(body, raw)
+    if not isinstance(body, dict) or "type" not in body:
+        raise UnexpectedResponse(status, str(body))
+    problem: Mapping[str, Any] = body
+    if retry_after is None and isinstance(problem.get("retry_after_ms"), (int, float)):
+        retry_after = problem["retry_after_ms"] / 1000
+    error = problem_error(problem, status)
     assert isinstance(error, ProblemError)
     kind = error.kind
     if kind == "in-flight":
         reason = problem.get("reason")
         attempt = reason.get("attempt") if isinstance(reason, dict) else None
-        return InFlight(retry_after=_retry_after(response, problem) or 0.0, attempt=attempt, detail=error.detail)
+        return InFlight(retry_after=retry_after or 0.0, attempt=attempt, detail=error.detail)
     if kind == "fingerprint-mismatch":
         return Mismatch(detail=error.detail)
     denied = Denied.kind_of(kind)
@@ -135,7 +149,7 @@ def read_claim(response: httpx.Response) -> ClaimAnswer:
         return Denied(
             kind=denied,
             reason=dict(reason) if isinstance(reason, dict) else {"reason": reason},
-            retry_after=_retry_after(response, problem),
+            retry_after=retry_after,
             detail=error.detail,
             retryable=error.retryable,
         )
@@ -492,24 +506,53 @@ class CompleteItem:
     cost: int | None = None
 
 
-def _batch_answers(response: httpx.Response, read: Callable[[httpx.Response], T]) -> list[T]:
-    """Each item of a batch's answer read as its own request's answer (its ``status`` and the
-    exact bytes of its ``body``), or the error that refused the batch."""
+def _batch_results(response: httpx.Response) -> tuple[str, list[Any]]:
+    """The text of a batch's answer and its decoded ``results``, or the error that refused it."""
     text = _text(response)
     if response.status_code != 200:
         raise error_of(response)
     try:
-        results = _wire.member_spans(text)["results"]
-        answers = []
-        for start, end in _wire.element_spans(text, results[0]):
-            item = _wire.member_spans(text, start)
-            status = int(text[slice(*item["status"])])
-            body = text[slice(*item["body"])].encode("utf-8")
-            media = "application/problem+json" if status >= 400 else "application/json"
-            answers.append(read(httpx.Response(status, content=body, headers={"content-type": media})))
-        return answers
-    except (KeyError, ValueError) as e:
+        results = json.loads(text)["results"]
+        if not isinstance(results, list):
+            raise ValueError("results is not a list")
+        return text, results
+    except (KeyError, TypeError, ValueError) as e:
         raise UnexpectedResponse(response.status_code, text) from e
+
+
+def _read_claim_batch(response: httpx.Response) -> list[ClaimAnswer]:
+    """Each claim's answer, read from its status and body; a replay's result is cut out of the
+    answer's text, where the server wrote its stored bytes (found only if the batch has one)."""
+    text, results = _batch_results(response)
+    spans: list[tuple[int, int]] | None = None
+    answers: list[ClaimAnswer] = []
+    for n, item in enumerate(results):
+        status, body = int(item["status"]), item["body"]
+        raw = None
+        if status == 200 and isinstance(body, dict) and "result" in body:
+            if spans is None:
+                spans = _wire.element_spans(text, _wire.member_spans(text)["results"][0])
+            item_text = text[spans[n][0] : spans[n][1]]
+            body_span = _wire.member_spans(item_text)["body"]
+            raw = _wire.raw_member(item_text[body_span[0] : body_span[1]], "result")
+        answers.append(claim_answer(status, body, raw))
+    return answers
+
+
+def _read_complete_batch(response: httpx.Response) -> list[Record | StaleFence]:
+    _, results = _batch_results(response)
+    answers: list[Record | StaleFence] = []
+    for item in results:
+        status, body = int(item["status"]), item["body"]
+        if status == 200:
+            answers.append(Record.from_json(body))
+            continue
+        error = problem_error(body, status) if isinstance(body, dict) else UnexpectedResponse(status, str(body))
+        if isinstance(error, StaleFence):
+            answers.append(error)
+        else:
+            raise error
+    return answers
 
 
 def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
@@ -528,14 +571,7 @@ def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
         for i in items
     ]
     body = b'{"claims":[' + b",".join(parts) + b"]}"
-    return Call("POST", "/v1/claims/batch", lambda r: _batch_answers(r, read_claim), body=body)
-
-
-def _record_or_stale(response: httpx.Response) -> Record | StaleFence:
-    try:
-        return read_record(response)
-    except StaleFence as stale:
-        return stale
+    return Call("POST", "/v1/claims/batch", _read_claim_batch, body=body)
 
 
 def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFence]]:
@@ -545,4 +581,4 @@ def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFen
         for i in items
     ]
     body = b'{"completions":[' + b",".join(parts) + b"]}"
-    return Call("POST", "/v1/claims/complete/batch", lambda r: _batch_answers(r, _record_or_stale), body=body)
+    return Call("POST", "/v1/claims/complete/batch", _read_complete_batch, body=body)
