@@ -3,6 +3,23 @@
 
 use super::*;
 
+/// Runs `call` for every place of a batch, the places of a round at once, the rounds in turn
+/// ([`rounds`]); answers each place's answer in order.
+async fn in_rounds<T, F, Fut>(scopes: &[&Scope], call: F) -> Result<Vec<T>, StoreError>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut answers: Vec<Option<T>> = (0..scopes.len()).map(|_| None).collect();
+    for round in rounds(scopes) {
+        let done = futures::future::try_join_all(round.iter().map(|&i| call(i))).await?;
+        for (i, answer) in round.into_iter().zip(done) {
+            answers[i] = Some(answer);
+        }
+    }
+    Ok(answers.into_iter().flatten().collect())
+}
+
 /// The places of a batch in rounds that each name a key at most once, in order: a key's second
 /// call goes in the round after its first, so that it sees what the first did.
 fn rounds(scopes: &[&Scope]) -> Vec<Vec<usize>> {
@@ -94,14 +111,7 @@ impl ClaimStore for RedisStore {
     /// given twice waits for its earlier claim.
     async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
         let scopes: Vec<&Scope> = reqs.iter().map(|r| &r.scope).collect();
-        let mut answers: Vec<Option<ClaimOutcome>> = vec![None; reqs.len()];
-        for round in rounds(&scopes) {
-            let done = futures::future::try_join_all(round.iter().map(|&i| self.claim(&reqs[i], now))).await?;
-            for (i, outcome) in round.into_iter().zip(done) {
-                answers[i] = Some(outcome);
-            }
-        }
-        Ok(answers.into_iter().flatten().collect())
+        in_rounds(&scopes, |i| self.claim(&reqs[i], now)).await
     }
 
     /// As [`ClaimStore::claim_batch`].
@@ -112,18 +122,11 @@ impl ClaimStore for RedisStore {
         max_checkpoints: usize,
     ) -> Result<Vec<FencedOutcome>, StoreError> {
         let scopes: Vec<&Scope> = calls.iter().map(|c| &c.scope).collect();
-        let mut answers: Vec<Option<FencedOutcome>> = vec![None; calls.len()];
-        for round in rounds(&scopes) {
-            let done = futures::future::try_join_all(round.iter().map(|&i| {
-                let c = &calls[i];
-                self.mutate(&c.scope, c.fence, c.mutation.clone(), now, max_checkpoints)
-            }))
-            .await?;
-            for (i, outcome) in round.into_iter().zip(done) {
-                answers[i] = Some(outcome);
-            }
-        }
-        Ok(answers.into_iter().flatten().collect())
+        in_rounds(&scopes, |i| {
+            let c = &calls[i];
+            self.mutate(&c.scope, c.fence, c.mutation.clone(), now, max_checkpoints)
+        })
+        .await
     }
 
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
