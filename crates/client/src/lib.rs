@@ -347,7 +347,10 @@ impl Client {
     pub async fn claim_batch(&self, claims: &[Claim]) -> Result<Vec<ClaimAnswer>, ClientError> {
         let body = serde_json::json!({ "claims": claims });
         let (status, text) = self.send(Method::POST, "/v1/claims/batch", Some(&body)).await?;
-        batch_items(status, &text)?.iter().map(|item| claim_answer(item.status()?, item.body.get())).collect()
+        batch_items(status, &text, claims.len())?
+            .iter()
+            .map(|item| claim_answer(item.status()?, item.body.get()))
+            .collect()
     }
 
     /// Stores many JSON results in one request (`POST /v1/claims/complete/batch`): each
@@ -364,7 +367,7 @@ impl Client {
             .collect();
         let body = serde_json::json!({ "completions": completions });
         let (status, text) = self.send(Method::POST, "/v1/claims/complete/batch", Some(&body)).await?;
-        batch_items(status, &text)?
+        batch_items(status, &text, completions.len())?
             .iter()
             .map(|item| {
                 let status = item.status()?;
@@ -557,8 +560,9 @@ impl BatchItem {
     }
 }
 
-/// The items of a batch's answer, or the problem that refused the batch.
-fn batch_items(status: StatusCode, text: &str) -> Result<Vec<BatchItem>, ClientError> {
+/// The `sent` items of a batch's answer, or the problem that refused the batch; an answer with
+/// another number of items is refused as unexpected (never read as answers of other items).
+fn batch_items(status: StatusCode, text: &str, sent: usize) -> Result<Vec<BatchItem>, ClientError> {
     #[derive(Deserialize)]
     struct Batch {
         results: Vec<BatchItem>,
@@ -567,5 +571,9 @@ fn batch_items(status: StatusCode, text: &str) -> Result<Vec<BatchItem>, ClientE
         let value: Value = serde_json::from_str(text).map_err(|_| unexpected(status, text))?;
         return Err(ClientError::Problem(problem_of(status, &value, text)?));
     }
-    Ok(serde_json::from_str::<Batch>(text).map_err(|_| unexpected(status, text))?.results)
+    let results = serde_json::from_str::<Batch>(text).map_err(|_| unexpected(status, text))?.results;
+    if results.len() != sent {
+        return Err(unexpected(status, text));
+    }
+    Ok(results)
 }

@@ -321,7 +321,8 @@ impl Guard {
             return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
         }
         for (call, outcome) in calls.iter().zip(&outcomes) {
-            self.after_mutation(actor, call, outcome).await?;
+            let (op, finishes) = (call.mutation.op(), call.mutation.finishes());
+            self.after_mutation(actor, &call.scope, call.fence, op, finishes, outcome).await?;
         }
         Ok(outcomes)
     }
@@ -383,14 +384,11 @@ impl Guard {
         mutation: Mutation,
     ) -> Result<FencedOutcome, GuardError> {
         self.check_mutation(scope, &mutation).await?;
-        let call = FencedCall { scope: scope.clone(), fence, mutation };
-        let outcome = self
-            .store
-            .mutate(scope, fence, call.mutation.clone(), self.clock.now(), self.limits.max_checkpoints)
-            .await?;
-        tracing::Span::current()
-            .record("outcome", if matches!(outcome, FencedOutcome::Applied(_)) { "applied" } else { "stale" });
-        self.after_mutation(actor, &call, &outcome).await?;
+        let (op, finishes) = (mutation.op(), mutation.finishes());
+        let outcome = self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?;
+        let applied = matches!(outcome, FencedOutcome::Applied(_));
+        tracing::Span::current().record("outcome", if applied { "applied" } else { "stale" });
+        self.after_mutation(actor, scope, fence, op, finishes, &outcome).await?;
         Ok(outcome)
     }
 
@@ -415,17 +413,22 @@ impl Guard {
 
     /// What follows a fenced call: its key's waiters woken when it finished the attempt; a stale
     /// call reported, and a stale completion or failure audited.
-    async fn after_mutation(&self, actor: &str, call: &FencedCall, outcome: &FencedOutcome) -> Result<(), GuardError> {
-        let finishes =
-            matches!(call.mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+    async fn after_mutation(
+        &self,
+        actor: &str,
+        scope: &Scope,
+        fence: Fence,
+        op: FencedOp,
+        finishes: bool,
+        outcome: &FencedOutcome,
+    ) -> Result<(), GuardError> {
         if matches!(outcome, FencedOutcome::Applied(_)) && finishes {
-            self.notifier.notify(&call.scope);
+            self.notifier.notify(scope);
         }
         if let FencedOutcome::Stale(reason) = outcome {
-            let op = call.mutation.op();
-            self.observer.stale(&call.scope, op, call.fence, *reason);
+            self.observer.stale(scope, op, fence, *reason);
             if matches!(op, FencedOp::Complete | FencedOp::Fail) {
-                self.audit_stale(actor, &call.scope, call.fence, op.as_str(), *reason).await?;
+                self.audit_stale(actor, scope, fence, op.as_str(), *reason).await?;
             }
         }
         Ok(())

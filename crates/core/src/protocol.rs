@@ -92,6 +92,12 @@ impl Mutation {
         }
     }
 
+    /// Whether the call ends the attempt when it takes effect (complete, fail, report-unknown):
+    /// the key's waiters are woken.
+    pub fn finishes(&self) -> bool {
+        matches!(self, Self::Complete(_) | Self::Fail { .. } | Self::ReportUnknown(_))
+    }
+
     /// The operation's name, for logs and metrics.
     pub fn name(&self) -> &'static str {
         self.op().as_str()

@@ -787,7 +787,7 @@ pub(crate) async fn decide_batch(
                 (Answer::Claim(answer), record, doc)
             }
             (Op::Mutate { scope, mutation, .. }, Some(_)) => {
-                if matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_)) {
+                if mutation.finishes() {
                     finished.push(scope.clone());
                 }
                 (guess.answer, guess.record, guess.doc)
@@ -841,8 +841,7 @@ pub(crate) async fn decide_batch(
                 (Answer::Claim(outcome), write)
             }
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
-                let finishes =
-                    matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+                let finishes = mutation.finishes();
                 let (outcome, write) =
                     onceguard_core::control::apply_fenced(record, *fence, mutation.clone(), job.now, *max_checkpoints);
                 if finishes && write.is_some() {

@@ -79,7 +79,7 @@ impl ClaimStore for RedisStore {
         }
         let placement = Placement::of(scope);
         let cost = reported_cost(&mutation);
-        let finishes = matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. } | Mutation::ReportUnknown(_));
+        let finishes = mutation.finishes();
         self.bounded("fenced call", async {
             let mut conn = self.conn.clone();
             let (mut run, mut raised) = (None, false);

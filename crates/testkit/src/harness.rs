@@ -18,7 +18,6 @@ use onceguard_core::store::prelude::*;
 use onceguard_core::{Clock, Guard, InvalidInput, Limits, ManualClock, TenantId, Timestamp};
 use onceguard_http::{AppState, Config};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 use crate::TestStore;
 
@@ -34,10 +33,7 @@ pub struct Harness {
     pub guard: Guard,
     /// The store under the guard, for changes made beside the server (as the CLI makes them).
     pub store: Arc<dyn Store>,
-    /// The configuration the front end was started with.
-    pub config: Config,
     stop: Option<oneshot::Sender<()>>,
-    served: Option<JoinHandle<()>>,
     _store: TestStore,
 }
 
@@ -57,8 +53,8 @@ impl Harness {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a loopback port");
         let base = format!("http://{}", listener.local_addr().expect("a bound listener"));
         let (stop, stopped) = oneshot::channel::<()>();
-        let served = tokio::spawn({
-            let (config, guard) = (config.clone(), guard.clone());
+        tokio::spawn({
+            let guard = guard.clone();
             async move {
                 let shutdown = async move {
                     let _ = stopped.await;
@@ -71,17 +67,7 @@ impl Harness {
             .timeout(Duration::from_secs(60))
             .build()
             .expect("an HTTP client");
-        Self {
-            base,
-            http,
-            clock,
-            guard,
-            store: store.store.clone(),
-            config,
-            stop: Some(stop),
-            served: Some(served),
-            _store: store,
-        }
+        Self { base, http, clock, guard, store: store.store.clone(), stop: Some(stop), _store: store }
     }
 
     /// The URL of `path` on the server.
@@ -101,16 +87,6 @@ impl Harness {
         let new = ApiKey::generate(tenant, role, "test", now);
         self.store.create_api_key(&new.key).await.expect("the key is stored");
         new.token
-    }
-
-    /// Stops the server as a signal would: requests in flight finish, the background tasks stop.
-    pub async fn shut_down(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(served) = self.served.take() {
-            served.await.expect("the server stopped cleanly");
-        }
     }
 }
 

@@ -506,28 +506,30 @@ class CompleteItem:
     cost: int | None = None
 
 
-def _batch_results(response: httpx.Response) -> tuple[str, list[Any]]:
-    """The text of a batch's answer and its decoded ``results``, or the error that refused it."""
+def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple[int, Any]]]:
+    """The text of a batch's answer and each of its ``sent`` items' status and body, or the
+    error that refused it. An answer of another shape or with another number of items is
+    :class:`UnexpectedResponse`, never read as the answers of other items."""
     text = _text(response)
     if response.status_code != 200:
         raise error_of(response)
     try:
         results = json.loads(text)["results"]
-        if not isinstance(results, list):
-            raise ValueError("results is not a list")
-        return text, results
+        items = [(int(item["status"]), item["body"]) for item in results]
     except (KeyError, TypeError, ValueError) as e:
         raise UnexpectedResponse(response.status_code, text) from e
+    if len(items) != sent:
+        raise UnexpectedResponse(response.status_code, text)
+    return text, items
 
 
-def _read_claim_batch(response: httpx.Response) -> list[ClaimAnswer]:
+def _read_claim_batch(response: httpx.Response, sent: int) -> list[ClaimAnswer]:
     """Each claim's answer, read from its status and body; a replay's result is cut out of the
     answer's text, where the server wrote its stored bytes (found only if the batch has one)."""
-    text, results = _batch_results(response)
+    text, items = _batch_results(response, sent)
     spans: list[tuple[int, int]] | None = None
     answers: list[ClaimAnswer] = []
-    for n, item in enumerate(results):
-        status, body = int(item["status"]), item["body"]
+    for n, (status, body) in enumerate(items):
         raw = None
         if status == 200 and isinstance(body, dict) and "result" in body:
             if spans is None:
@@ -539,11 +541,10 @@ def _read_claim_batch(response: httpx.Response) -> list[ClaimAnswer]:
     return answers
 
 
-def _read_complete_batch(response: httpx.Response) -> list[Record | StaleFence]:
-    _, results = _batch_results(response)
+def _read_complete_batch(response: httpx.Response, sent: int) -> list[Record | StaleFence]:
+    _, items = _batch_results(response, sent)
     answers: list[Record | StaleFence] = []
-    for item in results:
-        status, body = int(item["status"]), item["body"]
+    for status, body in items:
         if status == 200:
             answers.append(Record.from_json(body))
             continue
@@ -571,7 +572,7 @@ def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
         for i in items
     ]
     body = b'{"claims":[' + b",".join(parts) + b"]}"
-    return Call("POST", "/v1/claims/batch", _read_claim_batch, body=body)
+    return Call("POST", "/v1/claims/batch", lambda r: _read_claim_batch(r, len(parts)), body=body)
 
 
 def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFence]]:
@@ -581,4 +582,4 @@ def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFen
         for i in items
     ]
     body = b'{"completions":[' + b",".join(parts) + b"]}"
-    return Call("POST", "/v1/claims/complete/batch", _read_complete_batch, body=body)
+    return Call("POST", "/v1/claims/complete/batch", lambda r: _read_complete_batch(r, len(parts)), body=body)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+from collections import Counter
 from typing import Any, Callable, Mapping, Optional, Union
 
 from langchain_core.callbacks import Callbacks
@@ -189,11 +190,11 @@ class OnceEmbeddings(Embeddings):
         return f"{self.model}:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
 
     def _saved(self, texts: list[str], embedded: list[str]) -> None:
-        left = list(embedded)
+        left = Counter(embedded)
         replayed = []
         for text in texts:
-            if text in left:
-                left.remove(text)
+            if left[text] > 0:
+                left[text] -= 1
             else:
                 replayed.append(text)
         with self._lock:
