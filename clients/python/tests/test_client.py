@@ -23,7 +23,7 @@ def test_acquired_then_replay_byte_for_byte(client: onceguard.Client, ns: str) -
     assert a.lease_expires_at > datetime.now(timezone.utc)
 
     stored = '{"z":1, "a" : [1.50, "é"]}'  # spacing and number spelling kept exactly
-    record = client.complete(ns, "refund-1", a.fence, RawJson(stored), cost=7)
+    record = client.complete(ns, "refund-1", a.fence, RawJson(stored), cost=7, tokens=310)
     assert record.state == "completed" and record.fence == a.fence
 
     replay = client.claim(ns, "refund-1", request={"amount": 25, "order": 1})  # key order does not matter
@@ -31,6 +31,7 @@ def test_acquired_then_replay_byte_for_byte(client: onceguard.Client, ns: str) -
     assert replay.raw == stored.encode()
     assert replay.result == {"z": 1, "a": [1.5, "é"]}
     assert (replay.status, replay.fence, replay.attempt, replay.cost) == ("success", a.fence, 1, 7)
+    assert replay.tokens == 310, "a replay says the tokens it saved"
     assert replay.succeeded and replay.completed_at <= datetime.now(timezone.utc)
 
 

@@ -237,6 +237,17 @@ def test_guarded_block_runs_once(client: onceguard.Client, ns: str) -> None:
     assert effects.n == 1
 
 
+def test_the_cost_and_tokens_an_attempt_reports_are_what_its_replays_save(client: onceguard.Client, ns: str) -> None:
+    with guarded(client, ns, "answer-1", request={"q": "refund policy"}) as attempt:
+        attempt.result = {"answer": "30 days"}
+        attempt.cost, attempt.tokens = 2, 1_850
+    replay = client.claim(ns, "answer-1", request={"q": "refund policy"})
+    assert isinstance(replay, Replay)
+    assert (replay.cost, replay.tokens) == (2, 1_850)
+    with pytest.raises(ValueError, match="tokens is a whole number"):
+        client.complete(ns, "answer-1", replay.fence, 1, tokens=-1)
+
+
 def test_guarded_block_may_complete_early_and_a_later_error_keeps_the_outcome(
     client: onceguard.Client, ns: str
 ) -> None:

@@ -129,6 +129,7 @@ fn outcome(i: usize) -> Outcome {
         content_type: "application/json".into(),
         body: format!(r#"{{"i":{i}}}"#).into_bytes(),
         cost: None,
+        tokens: None,
     }
 }
 
@@ -197,6 +198,7 @@ pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
             content_type: "application/json".into(),
             body: PRELOADED_BODY.to_vec(),
             cost: None,
+            tokens: None,
         }),
         completed_at: Some(now),
         checkpoints: Vec::new(),

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use onceguard_client::{Claim, ClaimAnswer, Client, Fenced};
+use onceguard_client::{Claim, ClaimAnswer, Client, Fenced, Spent};
 use serde_json::{Value, json};
 
 use crate::harness::{
@@ -148,7 +148,7 @@ impl Served {
                     ClaimAnswer::Acquired(a) => a.fence,
                     other => bail!("key {} was not acquired over HTTP: {other:?}", claim.key),
                 };
-                match client.complete(&claim.target(), fence, &json!({ "i": i }), None).await? {
+                match client.complete(&claim.target(), fence, &json!({ "i": i }), Spent::NOTHING).await? {
                     Fenced::Applied(_) => Ok(()),
                     Fenced::Stale { reason } => bail!("the completion of {} was stale: {reason}", claim.key),
                 }

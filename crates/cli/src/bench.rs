@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use onceguard_client::{Claim, ClaimAnswer, Fenced};
+use onceguard_client::{Claim, ClaimAnswer, Fenced, Spent};
 use rand::Rng;
 use serde_json::json;
 use tokio::sync::{Mutex, Semaphore};
@@ -139,7 +139,7 @@ impl Client {
     async fn execute(&self, tally: &Tally, key: u64, fence: u64) -> Result<()> {
         *tally.executions.lock().await.entry(key).or_default() += 1;
         let target = self.claim_of(key, 0).target();
-        let done = self.api.complete(&target, fence, &json!({"done": key}), None).await;
+        let done = self.api.complete(&target, fence, &json!({"done": key}), Spent::NOTHING).await;
         tally.completions.fetch_add(1, Ordering::Relaxed);
         if !matches!(done, Ok(Fenced::Applied(_))) {
             tally.unexpected.fetch_add(1, Ordering::Relaxed);

@@ -19,7 +19,7 @@ use anyhow::{Context, Result, bail, ensure};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use clap::Args;
-use onceguard_client::{Claim, ClaimAnswer, Client, DenialKind, Fenced};
+use onceguard_client::{Claim, ClaimAnswer, Client, DenialKind, Fenced, Spent};
 use onceguard_core::TenantId;
 use onceguard_core::auth::Role;
 use serde_json::{Value, json};
@@ -95,7 +95,8 @@ impl Agent {
         let answer = self.api.claim(&claim).await?;
         if let ClaimAnswer::Acquired(held) = &answer {
             ensure!(self.effect(effect, held.fence).await?, "the service refused a live holder's fence");
-            let done = self.api.complete(&claim.target(), held.fence, &json!({"effect": effect}), None).await?;
+            let done =
+                self.api.complete(&claim.target(), held.fence, &json!({"effect": effect}), Spent::NOTHING).await?;
             ensure!(matches!(done, Fenced::Applied(_)), "completion refused: {done:?}");
         }
         Ok(answer)
@@ -163,8 +164,8 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
     let ClaimAnswer::Acquired(held) = agent.api.claim(&claim).await? else { bail!("charge not acquired") };
     ensure!(agent.effect("charge:25", held.fence).await?);
     let result = json!({"charge": "ch_1"});
-    let sent = agent.api.complete(&claim.target(), held.fence, &result, None).await?;
-    let resent = agent.api.complete(&claim.target(), held.fence, &result, None).await?;
+    let sent = agent.api.complete(&claim.target(), held.fence, &result, Spent::NOTHING).await?;
+    let resent = agent.api.complete(&claim.target(), held.fence, &result, Spent::NOTHING).await?;
     ensure!(sent == resent, "a resent completion answers as the first did");
     ensure!(name(&agent.api.claim(&claim).await?) == "replay");
     once.push("charge:25");
@@ -182,7 +183,7 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
         let answer = answer?;
         if let ClaimAnswer::Acquired(held) = &answer {
             ensure!(agent.effect("room:7", held.fence).await?);
-            agent.api.complete(&race.target(), held.fence, &json!({"booked": 7}), None).await?;
+            agent.api.complete(&race.target(), held.fence, &json!({"booked": 7}), Spent::NOTHING).await?;
         }
         answers.push(name(&answer));
         if answers.len() == 2 {
@@ -206,27 +207,31 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
     ensure!(last == "money-sent", "the recovery sees the last checkpoint: {:?}", recovery.recovery);
     // Resume after the last step known to have happened: only the notification is left.
     ensure!(agent.effect("refund:9:notice", recovery.fence).await?);
-    agent.api.complete(&refund.target(), recovery.fence, &json!({"refunded": 9}), None).await?;
+    agent.api.complete(&refund.target(), recovery.fence, &json!({"refunded": 9}), Spent::NOTHING).await?;
     once.extend(["refund:9:money", "refund:9:notice"]);
     agent.note("4. crash mid-call, recovery", "resumed from checkpoint 'money-sent': money once, notice once");
 
     // 5. The zombie wakes up: downstream and completion both refuse its old fence.
     let downstream = agent.effect("refund:9:notice", zombie.fence).await?;
-    let late = agent.api.complete(&refund.target(), zombie.fence, &json!({"refunded": "twice?"}), None).await?;
+    let late =
+        agent.api.complete(&refund.target(), zombie.fence, &json!({"refunded": "twice?"}), Spent::NOTHING).await?;
     ensure!(!downstream, "the service refuses the zombie's lower fence");
     ensure!(matches!(late, Fenced::Stale { ref reason } if reason == "superseded"), "{late:?}");
     agent.note("5. zombie's late completion", "stale (superseded); the service refused its fence");
 
-    // 6. A RAG step (embedding, 1,200 tokens) re-run by a retry: replayed, tokens saved.
-    let embed = Claim { cost: Some(1_200), ..agent.claim("embed-doc-42", json!({"doc": 42, "model": "e5"})) };
+    // 6. A RAG step (embedding, 1,200 tokens, 3 cost units) re-run by a retry: replayed, its
+    // tokens and cost saved.
+    let embed = Claim { cost: Some(3), ..agent.claim("embed-doc-42", json!({"doc": 42, "model": "e5"})) };
     let ClaimAnswer::Acquired(held) = agent.api.claim(&embed).await? else { bail!("embed not acquired") };
     ensure!(agent.effect("embed:42", held.fence).await?);
-    agent.api.complete(&embed.target(), held.fence, &json!({"vector": [0.1, 0.2]}), Some(1_200)).await?;
+    let spent = Spent { cost: Some(3), tokens: Some(1_200) };
+    agent.api.complete(&embed.target(), held.fence, &json!({"vector": [0.1, 0.2]}), spent).await?;
     let ClaimAnswer::Replay(replay) = agent.api.claim(&embed).await? else { bail!("embedding not replayed") };
-    let saved = replay.cost.unwrap_or(0);
-    ensure!(saved == 1_200, "the replay says what it saved: {saved}");
+    let saved = Spent { cost: replay.cost, tokens: replay.tokens };
+    ensure!(saved == spent, "the replay says what it saved: {saved:?}");
     once.push("embed:42");
-    agent.note("6. RAG step replayed", format!("{saved} tokens saved"));
+    let (tokens, cost) = (saved.tokens.unwrap_or(0), saved.cost.unwrap_or(0));
+    agent.note("6. RAG step replayed", format!("{tokens} tokens and {cost} cost units saved"));
 
     // 7. The same key with other arguments.
     let reused = agent.tool_call("send-email", json!({"to": "eve@example.com"}), "email:eve").await?;
@@ -268,7 +273,7 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
     println!("  never happened:   {} (refused on purpose: mismatch, budget, switch)", never.join(", "));
     println!("  partially:        refund:9 (crashed after 'money-sent'; recovered from that checkpoint)");
     println!("  zombie fences refused downstream: {}", effects.refused_fences);
-    println!("  tokens saved by replays: {saved}");
+    println!("  tokens saved by replays: {tokens} ({cost} cost units)");
     if !twice.is_empty() || !missing.is_empty() || !wrongly.is_empty() {
         bail!("exactly-once violated: twice {twice:?}, missing {missing:?}, performed though refused {wrongly:?}");
     }

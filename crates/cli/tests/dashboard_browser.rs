@@ -213,6 +213,21 @@ async fn traffic(api: &Api) {
             assert_eq!(api.claim(&format!("refund-{i}"), json!({})).await.0, 200);
         }
     }
+    // Embeddings and answers that report the tokens they cost: their replays save them, in
+    // their own namespaces.
+    for (namespace, tokens, replays) in [("rag/ingest", 1_500, 3), ("rag/answers", 400, 1)] {
+        let claim = json!({"namespace": namespace, "key": "doc-1", "request": {}});
+        let (status, acquired) = api.post("/v1/claims", claim.clone()).await;
+        assert_eq!(status, 201);
+        let body = json!({"namespace": namespace, "key": "doc-1", "fence": acquired["fence"],
+                          "result": [0.1, 0.2], "tokens": tokens});
+        assert_eq!(api.post("/v1/claims/complete", body).await.0, 200);
+        for _ in 0..replays {
+            let (status, replay) = api.post("/v1/claims", claim.clone()).await;
+            assert_eq!(status, 200);
+            assert_eq!(replay["tokens"], tokens, "a replay shows the tokens the stored outcome cost");
+        }
+    }
     for i in 0..2 {
         let body = json!({"namespace": "prod/payments-agent", "key": format!("refund-{i}"), "request": {"other": i}});
         assert_eq!(api.post("/v1/claims", body).await.0, 422);
@@ -308,6 +323,7 @@ async fn the_dashboard_shows_what_the_api_says() {
         "claims-mismatch": count(&data["claims"]["mismatch"]),
         "claims-denied": count(&data["claims"]["denied"]),
         "cost-saved": count(&data["cost_saved"]),
+        "tokens-saved": count(&data["tokens_saved"]),
         "stale-calls": count(&data["stale_calls"]),
         "recoveries": (data["recoveries"]["lease_expired"].as_u64().unwrap() + data["recoveries"]["reported_unknown"].as_u64().unwrap()).to_string(),
         "keys-in-flight": count(&data["keys"]["in_flight"]),
@@ -330,14 +346,24 @@ async fn the_dashboard_shows_what_the_api_says() {
     };
 
     // …and they are what the traffic did, and what /metrics says.
-    assert_eq!(shown["claims-acquired"], "11", "6 completed, held, zombie twice, stuck-1, unknown-1");
-    assert_eq!(shown["claims-replay"], "8");
+    assert_eq!(shown["claims-acquired"], "13", "6 refunds, 2 RAG keys, held, zombie twice, stuck-1, unknown-1");
+    assert_eq!(shown["claims-replay"], "12");
     assert_eq!(shown["claims-mismatch"], "2");
     assert_eq!(shown["claims-in-flight"], "1");
     assert_eq!(shown["cost-saved"], "2,000", "two replays each of completions that cost 100, 200, 300 and 400");
     let metrics = reqwest::get(format!("{}/metrics", server.base)).await.unwrap().text().await.unwrap();
-    assert_eq!(metric(&metrics, r#"onceguard_claims_total{tenant="default",outcome="replay"}"#), 8);
+    assert_eq!(metric(&metrics, r#"onceguard_claims_total{tenant="default",outcome="replay"}"#), 12);
     assert_eq!(metric(&metrics, r#"onceguard_replay_cost_saved_total{tenant="default"}"#), 2 * (100 + 200 + 300 + 400));
+    assert_eq!(shown["tokens-saved"], "4,900", "three replays of 1,500 tokens, one of 400");
+    assert_eq!(metric(&metrics, r#"onceguard_replay_tokens_saved_total{tenant="default"}"#), 4_900);
+    let by_namespace = &data["series"]["tokens_saved_by_namespace"]["namespaces"];
+    assert_eq!(by_namespace[0]["namespace"], "rag/ingest");
+    assert_eq!(by_namespace[0]["total"], 4_500);
+    assert_eq!(by_namespace[1]["namespace"], "rag/answers");
+    assert_eq!(by_namespace[1]["total"], 400);
+    assert_eq!(shown["legend-tokens"], "rag/ingest\nrag/answers", "the tokens chart names each namespace");
+    let bars = browser.script("return document.querySelectorAll('#chart-tokens rect').length;").await;
+    assert!(bars.as_u64().unwrap() >= 2, "a bar per namespace that saved tokens: {bars}");
     assert_eq!(shown["keys-in-flight"], "4", "held, zombie (recovered), stuck-1, unknown-1");
     assert_eq!(shown["keys-stuck"], "2", "stuck-1 (lease passed) and unknown-1 (reported unknown)");
     assert_eq!(shown["stale-calls"], "1");

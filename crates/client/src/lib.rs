@@ -13,13 +13,13 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), onceguard_client::ClientError> {
-//! use onceguard_client::{Claim, ClaimAnswer, Client};
+//! use onceguard_client::{Claim, ClaimAnswer, Client, Spent};
 //! let client = Client::new("http://127.0.0.1:8080", "og_…")?;
 //! let claim = Claim::new("prod/payments-agent", "refund-1234", serde_json::json!({"order": 1234}));
 //! match client.claim(&claim).await? {
 //!     ClaimAnswer::Acquired(held) => {
-//!         // … do the effect, passing held.fence downstream …
-//!         client.complete(&claim.target(), held.fence, &serde_json::json!({"refund": "r_1"}), None).await?;
+//!         let result = serde_json::json!({"refund": "r_1"});
+//!         client.complete(&claim.target(), held.fence, &result, Spent::cost(1)).await?;
 //!     }
 //!     ClaimAnswer::Replay(replay) => println!("already done: {:?}", replay.result),
 //!     other => println!("not now: {other:?}"),
@@ -113,8 +113,34 @@ pub struct Completion {
     pub fence: u64,
     /// The result, stored as JSON.
     pub result: Value,
-    /// Cost units the effect consumed.
+    /// What the effect cost.
+    pub spent: Spent,
+}
+
+/// What an effect cost, reported when it completes or fails: counted as saved by every replay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Spent {
+    /// Cost units (money), also charged to the record's run.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cost: Option<u64>,
+    /// Model tokens (an embedding, a generation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+}
+
+impl Spent {
+    /// Nothing reported.
+    pub const NOTHING: Spent = Spent { cost: None, tokens: None };
+
+    /// `cost` cost units.
+    pub fn cost(cost: u64) -> Self {
+        Self { cost: Some(cost), tokens: None }
+    }
+
+    /// `tokens` model tokens.
+    pub fn tokens(tokens: u64) -> Self {
+        Self { cost: None, tokens: Some(tokens) }
+    }
 }
 
 /// A claim to send.
@@ -201,8 +227,10 @@ pub struct Replay {
     pub result: Option<Box<RawValue>>,
     /// The stored bytes in base64, if it is not.
     pub result_base64: Option<String>,
-    /// Cost units reported at completion.
+    /// Cost units (money) reported at completion.
     pub cost: Option<u64>,
+    /// Model tokens reported at completion.
+    pub tokens: Option<u64>,
 }
 
 /// Which limit refused a claim.
@@ -361,7 +389,7 @@ impl Client {
             .map(|c| {
                 serde_json::json!({
                     "namespace": c.target.namespace, "key": c.target.key, "fence": c.fence,
-                    "result": c.result, "cost": c.cost,
+                    "result": c.result, "cost": c.spent.cost, "tokens": c.spent.tokens,
                 })
             })
             .collect();
@@ -387,15 +415,16 @@ impl Client {
         fenced_answer(status, value)
     }
 
-    /// Stores a JSON result; every later claim replays it.
+    /// Stores a JSON result, with what it cost; every later claim replays it.
     pub async fn complete(
         &self,
         target: &Target,
         fence: u64,
         result: &Value,
-        cost: Option<u64>,
+        spent: Spent,
     ) -> Result<Fenced, ClientError> {
-        self.fenced("complete", target, fence, serde_json::json!({"result": result, "cost": cost})).await
+        let extra = serde_json::json!({"result": result, "cost": spent.cost, "tokens": spent.tokens});
+        self.fenced("complete", target, fence, extra).await
     }
 
     /// Fails the attempt: `retryable` releases the key, else the failure is stored and replays.
@@ -405,9 +434,10 @@ impl Client {
         fence: u64,
         retryable: bool,
         error: &Value,
-        cost: Option<u64>,
+        spent: Spent,
     ) -> Result<Fenced, ClientError> {
-        let extra = serde_json::json!({"retryable": retryable, "error": error, "cost": cost});
+        let extra =
+            serde_json::json!({"retryable": retryable, "error": error, "cost": spent.cost, "tokens": spent.tokens});
         self.fenced("fail", target, fence, extra).await
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, Completion, DenialKind, Fenced};
+use onceguard_client::{Claim, ClaimAnswer, Client, ClientError, Completion, DenialKind, Fenced, Spent};
 use onceguard_core::MemoryStore;
 use onceguard_core::auth::Role;
 use onceguard_server::Config;
@@ -40,21 +40,27 @@ async fn every_answer_is_typed() {
         Fenced::Applied(_)
     ));
     assert!(matches!(client.extend(&target, held.fence, Duration::from_secs(10)).await.unwrap(), Fenced::Applied(_)));
-    let done = client.complete(&target, held.fence, &json!({"b": [1, 2.50]}), Some(9)).await.unwrap();
+    let done = client
+        .complete(&target, held.fence, &json!({"b": [1, 2.50]}), Spent { cost: Some(9), tokens: Some(700) })
+        .await
+        .unwrap();
     assert!(matches!(done, Fenced::Applied(ref record) if record["state"] == "completed"), "{done:?}");
     let ClaimAnswer::Replay(replay) = client.claim(&claim).await.unwrap() else { panic!("replay") };
     assert_eq!(replay.result.unwrap().get(), r#"{"b":[1,2.5]}"#, "as the client sent it, byte for byte");
-    assert_eq!((replay.status.as_str(), replay.cost, replay.fence), ("success", Some(9), held.fence));
-    let late = client.complete(&target, held.fence + 100, &json!(1), None).await.unwrap();
+    assert_eq!(
+        (replay.status.as_str(), replay.cost, replay.tokens, replay.fence),
+        ("success", Some(9), Some(700), held.fence)
+    );
+    let late = client.complete(&target, held.fence + 100, &json!(1), Spent::NOTHING).await.unwrap();
     assert_eq!(late, Fenced::Stale { reason: "superseded".into() });
     let record = client.record(&target).await.unwrap().expect("a record");
-    assert_eq!(record["stored"]["cost"], 9);
+    assert_eq!((&record["stored"]["cost"], &record["stored"]["tokens"]), (&json!(9), &json!(700)));
     assert_eq!(client.record(&Claim::new("ns", "absent", json!(1)).target()).await.unwrap(), None);
 
     // Failure and recovery.
     let flaky = Claim { lease: Some(Duration::from_millis(200)), ..Claim::new("ns", "flaky", json!(1)) };
     let ClaimAnswer::Acquired(first) = client.claim(&flaky).await.unwrap() else { panic!("acquired") };
-    client.fail(&flaky.target(), first.fence, true, &json!({"error": "timeout"}), None).await.unwrap();
+    client.fail(&flaky.target(), first.fence, true, &json!({"error": "timeout"}), Spent::NOTHING).await.unwrap();
     let ClaimAnswer::Acquired(second) = client.claim(&flaky).await.unwrap() else { panic!("acquired again") };
     assert_eq!(second.attempt, 2);
     client.report_unknown(&flaky.target(), second.fence, "connection dropped").await.unwrap();
@@ -111,8 +117,13 @@ async fn batches_answer_each_claim_and_completion_as_alone() {
     let completions: Vec<Completion> = claims
         .iter()
         .zip(&fences)
-        .map(|(c, f)| Completion { target: c.target(), fence: *f, result: json!({"v": [2.50]}), cost: Some(3) })
-        .chain([Completion { target: claims[0].target(), fence: 999_999, result: json!(1), cost: None }])
+        .map(|(c, f)| Completion {
+            target: c.target(),
+            fence: *f,
+            result: json!({"v": [2.50]}),
+            spent: Spent::tokens(3),
+        })
+        .chain([Completion { target: claims[0].target(), fence: 999_999, result: json!(1), spent: Spent::NOTHING }])
         .collect();
     let done = client.complete_batch(&completions).await.unwrap();
     assert!(done[..3].iter().all(|d| matches!(d, Fenced::Applied(_))), "{done:?}");
@@ -121,6 +132,7 @@ async fn batches_answer_each_claim_and_completion_as_alone() {
     for replay in &replays {
         let ClaimAnswer::Replay(r) = replay else { panic!("replay: {replay:?}") };
         assert_eq!(r.result.as_ref().unwrap().get(), r#"{"v":[2.5]}"#);
+        assert_eq!((r.cost, r.tokens), (None, Some(3)), "each completion's tokens, saved by its replay");
     }
     let too_many: Vec<Claim> = (0..1_001).map(|i| Claim::new("rag", format!("k-{i}"), json!(i))).collect();
     let error = client.claim_batch(&too_many).await.unwrap_err();

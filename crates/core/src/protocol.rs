@@ -294,6 +294,7 @@ fn is_repeat(record: &Record, mutation: &Mutation) -> bool {
                     && stored.content_type == outcome.content_type
                     && stored.body == outcome.body
                     && stored.cost == outcome.cost
+                    && stored.tokens == outcome.tokens
             })
         }
         (RecordState::Released, Mutation::Fail { retryable: true, .. }) => true,
@@ -320,7 +321,13 @@ mod tests {
     }
 
     fn ok(body: &str) -> Outcome {
-        Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: body.into(), cost: None }
+        Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: body.into(),
+            cost: None,
+            tokens: None,
+        }
     }
 
     /// Only claims that write nothing are answered without the atomic step.

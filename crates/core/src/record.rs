@@ -59,10 +59,14 @@ pub struct Outcome {
     /// The bytes, exactly as given at completion.
     #[serde(with = "base64_bytes")]
     pub body: Vec<u8>,
-    /// Cost units the effect consumed (tokens, money units), as reported; counted as saved by
-    /// every replay.
+    /// Cost units (money) the effect consumed, as reported; counted as saved by every replay,
+    /// and charged to the record's run budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<u64>,
+    /// Model tokens the effect consumed (an embedding, a generation), as reported; counted as
+    /// saved by every replay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
 }
 
 /// A named recovery point saved by an attempt, with small data (JSON text).

@@ -1,9 +1,11 @@
 //! The recent window the dashboard draws: this instance's last 15 minutes in 10-second slots
-//! (claims by outcome and cost saved per tenant, claim latency, store operations), and the last
-//! notable events of each tenant (mismatches, stale completions, recoveries).
+//! (claims by outcome, cost and tokens saved per tenant, tokens saved per namespace, claim
+//! latency, store operations), and the last notable events of each tenant (mismatches, stale
+//! completions, recoveries).
 //!
-//! Bounded: at most [`SLOTS`] slots, [`EVENTS_PER_TENANT`] events per tenant, one latency
-//! histogram per slot and store operation. Prometheus keeps the long history; this is what a
+//! Bounded: at most [`SLOTS`] slots, [`EVENTS_PER_TENANT`] events per tenant,
+//! [`NAMESPACES_PER_SLOT`] namespaces per tenant and slot (the tokens saved in any further
+//! namespace are counted as `others`), one latency histogram per slot and store operation. Prometheus keeps the long history; this is what a
 //! page can show without one.
 
 use std::collections::{HashMap, VecDeque};
@@ -21,6 +23,10 @@ pub const SLOTS: usize = 90;
 pub const LATENCY_SLOTS: usize = 30;
 /// Events kept per tenant.
 pub const EVENTS_PER_TENANT: usize = 50;
+/// Namespaces whose tokens saved are kept apart, per tenant and slot.
+pub const NAMESPACES_PER_SLOT: usize = 64;
+/// Namespaces a tenant's series names (those that saved the most tokens in the window).
+pub const NAMESPACES_SHOWN: usize = 8;
 
 /// Upper bounds (seconds) of the latency buckets, for requests and store operations (the Prometheus histograms and this window share them).
 pub const LATENCY_BUCKETS: [f64; 16] =
@@ -75,6 +81,20 @@ impl Buckets {
 struct TenantSlot {
     claims: [u64; Answer::ALL.len()],
     cost_saved: u64,
+    tokens_saved: u64,
+    /// Tokens saved by namespace, at most [`NAMESPACES_PER_SLOT`] of them.
+    tokens_by_namespace: HashMap<String, u64>,
+    /// Tokens saved in namespaces beyond those.
+    tokens_elsewhere: u64,
+}
+
+/// What a claim saved: the cost and tokens its replay did not spend again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Saved {
+    /// Cost units (money).
+    pub cost: u64,
+    /// Model tokens.
+    pub tokens: u64,
 }
 
 #[derive(Debug, Default)]
@@ -179,10 +199,68 @@ pub struct SeriesView {
     pub claims: HashMap<&'static str, Vec<u64>>,
     /// Cost units saved by replays per slot.
     pub cost_saved: Vec<u64>,
+    /// Tokens saved by replays per slot.
+    pub tokens_saved: Vec<u64>,
+    /// Tokens saved per slot in the namespaces that saved the most in the window (at most
+    /// [`NAMESPACES_SHOWN`], most first), and in all others together.
+    pub tokens_saved_by_namespace: NamespaceSeries,
     /// Claim latency (all tenants) per slot: 50th percentile in ms, `null` without requests.
     pub p50_ms: Vec<Option<f64>>,
     /// Claim latency (all tenants) per slot: 99th percentile in ms.
     pub p99_ms: Vec<Option<f64>>,
+}
+
+/// Tokens saved per slot, by namespace.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NamespaceSeries {
+    /// The namespaces named, most tokens saved first.
+    pub namespaces: Vec<NamespaceTokens>,
+    /// Every other namespace together, per slot.
+    pub others: Vec<u64>,
+}
+
+/// One namespace's tokens saved per slot.
+#[derive(Debug, Clone, Serialize)]
+pub struct NamespaceTokens {
+    /// The namespace.
+    pub namespace: String,
+    /// Tokens saved in the window.
+    pub total: u64,
+    /// Tokens saved per slot, oldest first.
+    pub per_slot: Vec<u64>,
+}
+
+/// The namespaces that saved the most tokens over `slots`, each per slot, and the rest together.
+fn by_namespace(slots: &[Option<&TenantSlot>]) -> NamespaceSeries {
+    let mut totals: HashMap<&str, u64> = HashMap::new();
+    for slot in slots.iter().flatten() {
+        for (namespace, tokens) in &slot.tokens_by_namespace {
+            *totals.entry(namespace).or_default() += tokens;
+        }
+    }
+    let mut ranked: Vec<(&str, u64)> = totals.into_iter().collect();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    ranked.truncate(NAMESPACES_SHOWN);
+    let per_slot = |namespace: &str| -> Vec<u64> {
+        slots.iter().map(|s| s.and_then(|s| s.tokens_by_namespace.get(namespace)).copied().unwrap_or(0)).collect()
+    };
+    let namespaces: Vec<NamespaceTokens> = ranked
+        .iter()
+        .map(|(namespace, total)| NamespaceTokens {
+            namespace: (*namespace).to_owned(),
+            total: *total,
+            per_slot: per_slot(namespace),
+        })
+        .collect();
+    let others = slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let named: u64 = namespaces.iter().map(|n| n.per_slot[i]).sum();
+            s.map_or(0, |s| s.tokens_saved - named)
+        })
+        .collect();
+    NamespaceSeries { namespaces, others }
 }
 
 /// Latency percentiles over the last [`LATENCY_SLOTS`] slots.
@@ -224,8 +302,8 @@ impl Live {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A claim answered with `answer`.
-    pub fn record_claim(&self, tenant: &str, answer: Answer, cost_saved: u64) {
+    /// A claim in `namespace` of `tenant` answered with `answer`, saving `saved`.
+    pub fn record_claim(&self, tenant: &str, namespace: &str, answer: Answer, saved: Saved) {
         let mut inner = self.lock();
         let slot = inner.slot();
         let entry = match slot.tenants.get_mut(tenant) {
@@ -233,7 +311,17 @@ impl Live {
             None => slot.tenants.entry(tenant.to_owned()).or_default(),
         };
         entry.claims[answer.index()] += 1;
-        entry.cost_saved += cost_saved;
+        entry.cost_saved += saved.cost;
+        if saved.tokens > 0 {
+            entry.tokens_saved += saved.tokens;
+            if let Some(n) = entry.tokens_by_namespace.get_mut(namespace) {
+                *n += saved.tokens;
+            } else if entry.tokens_by_namespace.len() < NAMESPACES_PER_SLOT {
+                entry.tokens_by_namespace.insert(namespace.to_owned(), saved.tokens);
+            } else {
+                entry.tokens_elsewhere += saved.tokens;
+            }
+        }
     }
 
     /// A claim or fenced call's latency.
@@ -272,14 +360,14 @@ impl Live {
                 slots.iter().map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.claims[answer.index()]));
             claims.insert(answer.as_str(), counts.collect());
         }
+        let of_tenant: Vec<Option<&TenantSlot>> = slots.iter().map(|s| s.and_then(|s| s.tenants.get(tenant))).collect();
         SeriesView {
             slot_seconds: SLOT_SECS,
             start: Timestamp(start * SLOT_SECS * 1000).to_rfc3339(),
             claims,
-            cost_saved: slots
-                .iter()
-                .map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.cost_saved))
-                .collect(),
+            cost_saved: of_tenant.iter().map(|t| t.map_or(0, |t| t.cost_saved)).collect(),
+            tokens_saved: of_tenant.iter().map(|t| t.map_or(0, |t| t.tokens_saved)).collect(),
+            tokens_saved_by_namespace: by_namespace(&of_tenant),
             p50_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.quantile_ms(0.5))).collect(),
             p99_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.quantile_ms(0.99))).collect(),
         }
@@ -355,9 +443,9 @@ mod tests {
     #[test]
     fn series_and_latency_count_what_was_recorded() {
         let live = Live::default();
-        live.record_claim("t", Answer::Acquired, 0);
-        live.record_claim("t", Answer::Replay, 250);
-        live.record_claim("u", Answer::Replay, 7);
+        live.record_claim("t", "ns", Answer::Acquired, Saved::default());
+        live.record_claim("t", "ns", Answer::Replay, Saved { cost: 250, tokens: 0 });
+        live.record_claim("u", "ns", Answer::Replay, Saved { cost: 7, tokens: 0 });
         live.record_claim_latency(Duration::from_millis(3));
         let series = live.series("t");
         assert_eq!(series.claims["acquired"].iter().sum::<u64>(), 1);
@@ -365,5 +453,44 @@ mod tests {
         assert_eq!(series.cost_saved.iter().sum::<u64>(), 250);
         assert_eq!(series.cost_saved.len(), SLOTS);
         assert_eq!(live.claim_latency().count, 1);
+    }
+
+    #[test]
+    fn tokens_saved_are_shown_by_namespace_most_first_and_the_rest_together() {
+        let live = Live::default();
+        let replay =
+            |namespace: &str, tokens: u64| live.record_claim("t", namespace, Answer::Replay, Saved { cost: 0, tokens });
+        replay("ingest/a", 10);
+        replay("ingest/b", 300);
+        replay("ingest/a", 15);
+        for i in 0..NAMESPACES_SHOWN {
+            replay(&format!("small/{i}"), 1);
+        }
+        live.record_claim("other-tenant", "ingest/a", Answer::Replay, Saved { cost: 0, tokens: 1_000 });
+        let series = live.series("t");
+        let total = 10 + 300 + 15 + NAMESPACES_SHOWN as u64;
+        assert_eq!(series.tokens_saved.iter().sum::<u64>(), total);
+        let named = &series.tokens_saved_by_namespace.namespaces;
+        assert_eq!(named.len(), NAMESPACES_SHOWN);
+        assert_eq!((named[0].namespace.as_str(), named[0].total), ("ingest/b", 300));
+        assert_eq!((named[1].namespace.as_str(), named[1].total), ("ingest/a", 25));
+        assert_eq!(named[1].per_slot.iter().sum::<u64>(), 25);
+        assert_eq!(named[1].per_slot.len(), SLOTS);
+        let shown: u64 = named.iter().map(|n| n.total).sum();
+        assert_eq!(series.tokens_saved_by_namespace.others.iter().sum::<u64>(), total - shown);
+        assert_eq!(total - shown, 2, "two of the small namespaces are not named");
+    }
+
+    #[test]
+    fn namespaces_beyond_the_bound_are_counted_together() {
+        let live = Live::default();
+        for i in 0..NAMESPACES_PER_SLOT + 5 {
+            live.record_claim("t", &format!("n/{i}"), Answer::Replay, Saved { cost: 0, tokens: 2 });
+        }
+        let series = live.series("t");
+        let total = 2 * (NAMESPACES_PER_SLOT as u64 + 5);
+        assert_eq!(series.tokens_saved.iter().sum::<u64>(), total);
+        let shown: u64 = series.tokens_saved_by_namespace.namespaces.iter().map(|n| n.total).sum();
+        assert_eq!(shown + series.tokens_saved_by_namespace.others.iter().sum::<u64>(), total);
     }
 }

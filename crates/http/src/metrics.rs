@@ -21,7 +21,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::config::MetricsConfig;
-use crate::live::{Event, LATENCY_BUCKETS, Live};
+use crate::live::{Event, LATENCY_BUCKETS, Live, Saved};
 
 // The label values come from `onceguard_core::vocabulary`: claim answers ([`Answer`]),
 // recovery and denial reasons ([`RecoveryKind`], [`DenialReason`]), stale calls ([`FencedOp`],
@@ -150,6 +150,7 @@ pub struct Metrics {
     registry: Registry,
     claims: Family<ClaimLabels, Counter>,
     replay_cost_saved: Family<TenantLabels, Counter>,
+    replay_tokens_saved: Family<TenantLabels, Counter>,
     recoveries: Family<ReasonLabels, Counter>,
     stale_calls: Family<StaleLabels, Counter>,
     denials: Family<ReasonLabels, Counter>,
@@ -191,9 +192,16 @@ impl Metrics {
         let replay_cost_saved = Family::<TenantLabels, Counter>::default();
         registry.register(
             "replay_cost_saved",
-            "Cost units (tokens, money units; as reported at completion) of the stored outcomes that replays \
-             returned instead of running the effect again, by tenant",
+            "Cost units (money; as reported at completion) of the stored outcomes that replays returned \
+             instead of running the effect again, by tenant",
             replay_cost_saved.clone(),
+        );
+        let replay_tokens_saved = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "replay_tokens_saved",
+            "Model tokens (as reported at completion) of the stored outcomes that replays returned instead of \
+             embedding or generating again, by tenant",
+            replay_tokens_saved.clone(),
         );
         let recoveries = Family::<ReasonLabels, Counter>::default();
         registry.register(
@@ -269,6 +277,7 @@ impl Metrics {
             registry,
             claims,
             replay_cost_saved,
+            replay_tokens_saved,
             recoveries,
             stale_calls,
             denials,
@@ -309,11 +318,13 @@ impl Metrics {
         let labels = ClaimLabels { tenant: scope.tenant.to_string(), outcome: answer.as_str() };
         self.claims.get_or_create(&labels).inc();
         let tenant = &labels.tenant;
-        let mut cost_saved = 0;
+        let mut saved = Saved::default();
         match outcome {
             ClaimOutcome::Replay(replay) => {
-                cost_saved = replay.outcome.cost.unwrap_or(0);
-                self.replay_cost_saved.get_or_create(&TenantLabels { tenant: tenant.clone() }).inc_by(cost_saved);
+                saved = Saved { cost: replay.outcome.cost.unwrap_or(0), tokens: replay.outcome.tokens.unwrap_or(0) };
+                let labels = TenantLabels { tenant: tenant.clone() };
+                self.replay_cost_saved.get_or_create(&labels).inc_by(saved.cost);
+                self.replay_tokens_saved.get_or_create(&labels).inc_by(saved.tokens);
             }
             ClaimOutcome::Acquired(acquired) => {
                 if let Some(recovery) = &acquired.recovery {
@@ -331,7 +342,7 @@ impl Metrics {
             }
             ClaimOutcome::InFlight(_) => {}
         }
-        self.live.record_claim(tenant, answer, cost_saved);
+        self.live.record_claim(tenant, scope.namespace.as_str(), answer, saved);
     }
 
     /// A fenced call refused as stale (reported by the guard).
@@ -388,7 +399,7 @@ impl Metrics {
         self.unstored_responses.get_or_create(&TenantLabels { tenant: tenant.to_string() }).inc();
     }
 
-    /// Counts since this instance started, for the dashboard: claims by answer, cost saved,
+    /// Counts since this instance started, for the dashboard: claims by answer, cost and tokens saved,
     /// recoveries by reason, stale calls, denials by reason (each in its vocabulary's order).
     pub fn totals(&self, tenant: &TenantId) -> Totals {
         let t = tenant.to_string();
@@ -407,8 +418,10 @@ impl Metrics {
                 stale_calls += self.stale_calls.get(&labels).map_or(0, |c| c.get());
             }
         }
-        let cost_saved = self.replay_cost_saved.get(&TenantLabels { tenant: t }).map_or(0, |c| c.get());
-        Totals { claims, cost_saved, recoveries, stale_calls, denials }
+        let labels = TenantLabels { tenant: t };
+        let cost_saved = self.replay_cost_saved.get(&labels).map_or(0, |c| c.get());
+        let tokens_saved = self.replay_tokens_saved.get(&labels).map_or(0, |c| c.get());
+        Totals { claims, cost_saved, tokens_saved, recoveries, stale_calls, denials }
     }
 
     /// Counts the keys in flight and stuck of every tenant (at most `scan_max_pages` pages of
@@ -480,6 +493,7 @@ impl Metrics {
             let _ = self.denials.get_or_create(&ReasonLabels { tenant: t(), reason: reason.as_str() });
         }
         let _ = self.replay_cost_saved.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.replay_tokens_saved.get_or_create(&TenantLabels { tenant: t() });
     }
 }
 
@@ -502,6 +516,8 @@ pub struct Totals {
     pub claims: [u64; Answer::ALL.len()],
     /// Cost units saved by replays.
     pub cost_saved: u64,
+    /// Tokens saved by replays.
+    pub tokens_saved: u64,
     /// Recoveries by reason, in the order of [`RecoveryKind::ALL`].
     pub recoveries: [u64; RecoveryKind::ALL.len()],
     /// Stale fenced calls.

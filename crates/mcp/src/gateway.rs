@@ -327,6 +327,7 @@ fn release_mutation(why: &str) -> Mutation {
         content_type: "text/plain".into(),
         body: why.as_bytes().to_vec(),
         cost: None,
+        tokens: None,
     };
     Mutation::Fail { retryable: true, outcome }
 }
@@ -589,11 +590,13 @@ impl Leg {
                     content_type: NOT_STORED.into(),
                     body,
                     cost: None,
+                    tokens: None,
                 })
             }
             Settlement::Store { result, failure } => {
                 let kind = if failure { OutcomeKind::Failure } else { OutcomeKind::Success };
-                let outcome = Outcome { kind, content_type: "application/json".into(), body: result, cost: None };
+                let outcome =
+                    Outcome { kind, content_type: "application/json".into(), body: result, cost: None, tokens: None };
                 if failure { Mutation::Fail { retryable: false, outcome } } else { Mutation::Complete(outcome) }
             }
             Settlement::Park => {

@@ -128,6 +128,7 @@ async fn complete_all(guard: &Guard, requests: usize) {
             content_type: "application/json".into(),
             body: b"{}".to_vec(),
             cost: None,
+            tokens: None,
         };
         guard.mutate(&scope, a.fence, Mutation::Complete(outcome)).await.unwrap();
     }

@@ -389,8 +389,13 @@ fn releases_key(status: StatusCode, store_5xx: bool) -> bool {
 }
 
 async fn release(guard: &Guard, scope: &Scope, fence: Fence) {
-    let outcome =
-        Outcome { kind: OutcomeKind::Failure, content_type: "text/plain".into(), body: Vec::new(), cost: None };
+    let outcome = Outcome {
+        kind: OutcomeKind::Failure,
+        content_type: "text/plain".into(),
+        body: Vec::new(),
+        cost: None,
+        tokens: None,
+    };
     if let Err(e) = guard.mutate(scope, fence, Mutation::Fail { retryable: true, outcome }).await {
         tracing::warn!(error = %e, "could not release a key; it is held until its lease passes");
     }
@@ -404,6 +409,7 @@ async fn complete(guard: &Guard, scope: &Scope, fence: Fence, stored: &StoredRes
         content_type: stored::CONTENT_TYPE.into(),
         body: stored.encode(),
         cost: None,
+        tokens: None,
     };
     for attempt in 0..5u32 {
         match guard.mutate(scope, fence, Mutation::Complete(outcome.clone())).await {

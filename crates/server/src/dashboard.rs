@@ -188,6 +188,8 @@ pub struct DashboardView {
     pub claims: ClaimCounts,
     /// Cost units saved by replays since this instance started.
     pub cost_saved: u64,
+    /// Tokens saved by replays since this instance started.
+    pub tokens_saved: u64,
     /// Recoveries since this instance started, by reason.
     pub recoveries: RecoveryCounts,
     /// Stale fenced calls since this instance started.
@@ -278,6 +280,7 @@ pub async fn dashboard_data(
         instance: InstanceView { version: env!("CARGO_PKG_VERSION"), started_at: metrics.started_at().to_rfc3339() },
         claims: ClaimCounts { acquired, replay, in_flight: in_flight_claims, mismatch, denied },
         cost_saved: totals.cost_saved,
+        tokens_saved: totals.tokens_saved,
         recoveries: RecoveryCounts { lease_expired: totals.recoveries[0], reported_unknown: totals.recoveries[1] },
         stale_calls: totals.stale_calls,
         denied: totals.denials.iter().sum(),
@@ -344,8 +347,10 @@ pub struct StoredSummary {
     pub content_type: String,
     /// Its size in bytes.
     pub bytes: usize,
-    /// Cost units reported at completion.
+    /// Cost units (money) reported at completion.
     pub cost: Option<u64>,
+    /// Model tokens reported at completion.
+    pub tokens: Option<u64>,
 }
 
 /// A moment in a key's life, from the record's timestamps.
@@ -439,6 +444,7 @@ pub async fn dashboard_record(
             content_type: o.content_type.clone(),
             bytes: o.body.len(),
             cost: o.cost,
+            tokens: o.tokens,
         }),
         timeline: timeline(&r, now),
     }))

@@ -79,7 +79,13 @@ fn request(key: &str, lease: Duration) -> ClaimRequest {
 }
 
 fn outcome(body: String) -> Outcome {
-    Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: body.into_bytes(), cost: None }
+    Outcome {
+        kind: OutcomeKind::Success,
+        content_type: "application/json".into(),
+        body: body.into_bytes(),
+        cost: None,
+        tokens: None,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

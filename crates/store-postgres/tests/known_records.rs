@@ -52,6 +52,7 @@ fn done(body: &str) -> Mutation {
         content_type: "application/json".into(),
         body: body.as_bytes().to_vec(),
         cost: None,
+        tokens: None,
     })
 }
 

@@ -56,6 +56,7 @@ fn done(cost: u64) -> Mutation {
         content_type: "application/json".into(),
         body: b"{}".to_vec(),
         cost: Some(cost),
+        tokens: None,
     })
 }
 

@@ -48,8 +48,9 @@ fn kind(bytes: &[u8]) -> Result<OutcomeKind, StoreError> {
     }
 }
 
-fn cost(bytes: &[u8]) -> Result<Option<u64>, StoreError> {
-    if bytes.is_empty() { Ok(None) } else { number(bytes, "cost").map(Some) }
+/// A cost or a token count: absent when empty.
+fn units(bytes: &[u8], what: &str) -> Result<Option<u64>, StoreError> {
+    if bytes.is_empty() { Ok(None) } else { number(bytes, what).map(Some) }
 }
 
 /// The fields of a stored record, by name.
@@ -108,7 +109,8 @@ impl Fields {
                 kind: kind(k)?,
                 content_type: self.text("oc")?.to_owned(),
                 body: self.need("ob")?.to_vec(),
-                cost: self.get("ocost").map(cost).transpose()?.flatten(),
+                cost: self.get("ocost").map(|v| units(v, "cost")).transpose()?.flatten(),
+                tokens: self.get("otok").map(|v| units(v, "tokens")).transpose()?.flatten(),
             }),
             None => None,
         };
@@ -218,7 +220,8 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
                 kind: kind(field(4)?)?,
                 content_type: text(field(5)?)?.to_owned(),
                 body: field(6)?.to_vec(),
-                cost: cost(field(7)?)?,
+                cost: units(field(7)?, "cost")?,
+                tokens: units(field(8)?, "tokens")?,
             },
         })),
         b"acquired" => {

@@ -740,7 +740,8 @@ impl RedisStore {
                     .arg(kind)
                     .arg(outcome.content_type.as_str())
                     .arg(outcome.body.as_slice())
-                    .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default());
+                    .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default())
+                    .arg(outcome.tokens.map(|t| t.to_string()).unwrap_or_default());
             }
             Mutation::Fail { retryable: true, .. } => {}
             Mutation::Extend(lease) => {

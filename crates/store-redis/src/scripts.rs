@@ -21,7 +21,7 @@
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
-//! | `ok` `oc` `ob` `ocost` | outcome kind, content type, body (bytes), cost (absent if none) |
+//! | `ok` `oc` `ob` `ocost` `otok` | outcome kind, content type, body (bytes), cost and tokens (each absent if none) |
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
 //! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
 //!
@@ -267,7 +267,7 @@ if r ~= nil then
   if r.st ~= 'released' and r.fp ~= fp then return { 'mismatch' } end
   if r.st == 'completed' then
     if r.ok ~= nil and r.co ~= nil then
-      return { 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '' }
+      return { 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '', r.otok or '' }
     end
     -- A completed record without its outcome is treated as absent.
     r = nil
@@ -470,7 +470,7 @@ pub const MUTATE: &str = r#"
 -- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
 --       (with a run named below)
 -- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
---   complete, fail: kind, content type, body, cost ('' if none)
+--   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none)
 --   release: nothing
 --   extend: lease ms
 --   checkpoint: name, data
@@ -481,7 +481,7 @@ local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local base = 8
 if op == 'complete' or op == 'fail' then
-  base = 12
+  base = 13
 elseif op == 'extend' or op == 'unknown' then
   base = 9
 elseif op == 'checkpoint' then
@@ -499,6 +499,7 @@ if r.st ~= 'in_progress' then
   local again = false
   if r.st == 'completed' and r.ok ~= nil and (op == 'complete' or op == 'fail') then
     local same = (r.oc or '') == ARGV[10] and (r.ob or '') == ARGV[11] and (r.ocost or '') == ARGV[12]
+      and (r.otok or '') == ARGV[13]
     if op == 'complete' then
       again = ARGV[9] == 'success' and r.ok == 'success' and same
     else
@@ -525,6 +526,7 @@ if op == 'complete' or op == 'fail' then
   set(w, 'oc', ARGV[10])
   set(w, 'ob', ARGV[11])
   if ARGV[12] ~= '' then set(w, 'ocost', ARGV[12]) else unset(w, 'ocost') end
+  if ARGV[13] ~= '' then set(w, 'otok', ARGV[13]) else unset(w, 'otok') end
   set(w, 'co', int(now))
   unset(w, 'le')
   unset(w, 'un')

@@ -66,7 +66,13 @@ fn denied_because(outcome: &ClaimOutcome) -> String {
 }
 
 fn success(body: impl Into<Vec<u8>>) -> Outcome {
-    Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: body.into(), cost: Some(42) }
+    Outcome {
+        kind: OutcomeKind::Success,
+        content_type: "application/json".into(),
+        body: body.into(),
+        cost: Some(42),
+        tokens: Some(1_234),
+    }
 }
 
 fn checkpoint(name: &str, data: &str) -> Mutation {
@@ -608,7 +614,13 @@ pub async fn repeated_completion_is_idempotent(store: Arc<dyn Store>) {
         c.mutate(&s, fence, Mutation::Complete(success("two"))).await,
         FencedOutcome::Stale(StaleReason::Finished)
     );
-    assert_eq!(c.get(&s).await.and_then(|r| r.outcome).map(|o| o.body), Some(b"one".to_vec()));
+    let other_tokens = Outcome { tokens: Some(1), ..success("one") };
+    assert_eq!(
+        c.mutate(&s, fence, Mutation::Complete(other_tokens)).await,
+        FencedOutcome::Stale(StaleReason::Finished),
+        "a completion reporting other tokens is another completion"
+    );
+    assert_eq!(c.get(&s).await.and_then(|r| r.outcome), Some(success("one")));
 }
 
 /// Listing filters by state, stuck leases, run and namespace prefix, and pages in

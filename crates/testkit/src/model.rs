@@ -246,8 +246,13 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
     let start = clock_now(&clock);
     let mut model = Model::default();
     let mut fences = [[0u64; KEYS]; WORKERS];
-    let outcome =
-        |kind, body: Vec<u8>| Outcome { kind, content_type: "application/octet-stream".into(), body, cost: None };
+    let outcome = |kind, body: Vec<u8>| Outcome {
+        kind,
+        content_type: "application/octet-stream".into(),
+        body,
+        cost: None,
+        tokens: None,
+    };
     for (i, op) in ops.iter().enumerate() {
         let now = clock_now(&clock);
         let model_now = now.0 - start.0;

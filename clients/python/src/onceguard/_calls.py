@@ -254,10 +254,18 @@ def _query(**params: Any) -> dict[str, str]:
     return out
 
 
+def _units(value: int | None, what: str = "cost", unit: str = "cost units") -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{what} is a whole number of {unit}, at least 0")
+    return value
+
+
 def _cost(cost: int | None) -> int | None:
-    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 0):
-        raise ValueError("cost is a whole number of cost units, at least 0")
-    return cost
+    return _units(cost)
+
+
+def _tokens(tokens: int | None) -> int | None:
+    return _units(tokens, "tokens", "model tokens")
 
 
 def claim(
@@ -303,6 +311,7 @@ def complete(
     raw: bytes | None = None,
     content_type: str | None = None,
     cost: int | None = None,
+    tokens: int | None = None,
 ) -> Call[Record]:
     if raw is not None:
         import base64
@@ -315,18 +324,34 @@ def complete(
             result_base64=base64.b64encode(raw).decode("ascii"),
             content_type=content_type or "application/octet-stream",
             cost=_cost(cost),
+            tokens=_tokens(tokens),
         )
     if content_type is not None and content_type != "application/json":
         raise ValueError("a 'result' is JSON; send other media types as raw bytes with content_type")
     return _fenced(
-        "complete", namespace, key, fence, result=RawJson("null") if result is None else result, cost=_cost(cost)
+        "complete",
+        namespace,
+        key,
+        fence,
+        result=RawJson("null") if result is None else result,
+        cost=_cost(cost),
+        tokens=_tokens(tokens),
     )
 
 
 def fail(
-    namespace: str, key: str, fence: int, *, retryable: bool, error: Any = None, cost: int | None = None
+    namespace: str,
+    key: str,
+    fence: int,
+    *,
+    retryable: bool,
+    error: Any = None,
+    cost: int | None = None,
+    tokens: int | None = None,
 ) -> Call[Record]:
-    return _fenced("fail", namespace, key, fence, retryable=retryable, error=error, cost=_cost(cost))
+    return _fenced(
+        "fail", namespace, key, fence, retryable=retryable, error=error, cost=_cost(cost), tokens=_tokens(tokens)
+    )
 
 
 def extend(namespace: str, key: str, fence: int, lease: Duration | None = None) -> Call[Record]:
@@ -504,6 +529,7 @@ class CompleteItem:
     raw: bytes | None = None
     content_type: str | None = None
     cost: int | None = None
+    tokens: int | None = None
 
 
 def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple[int, Any]]]:
@@ -577,7 +603,9 @@ def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
 
 def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFence]]:
     parts = [
-        complete(i.namespace, i.key, i.fence, i.result, raw=i.raw, content_type=i.content_type, cost=i.cost).body
+        complete(
+            i.namespace, i.key, i.fence, i.result, raw=i.raw, content_type=i.content_type, cost=i.cost, tokens=i.tokens
+        ).body
         or b"{}"
         for i in items
     ]

@@ -117,8 +117,11 @@ class AttemptBase:
         #: the key (it is reported unknown instead).
         self._effect_done = False
         self._result: Any = None
-        #: Cost units to report when the attempt completes or fails (optional).
+        #: Cost units (money) to report when the attempt completes or fails (optional).
         self.cost: int | None = None
+        #: Model tokens to report when the attempt completes or fails (optional): every replay
+        #: counts them as saved.
+        self.tokens: int | None = None
         self.recovery: Recovery | None
         self.lease_expires_at: datetime | None
         if isinstance(found, Replayed):

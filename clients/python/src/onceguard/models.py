@@ -104,7 +104,10 @@ class StoredOutcome:
     status: str
     content_type: str
     raw: bytes
+    #: Cost units (money) reported at completion.
     cost: int | None = None
+    #: Model tokens reported at completion.
+    tokens: int | None = None
 
     @property
     def result(self) -> Any:
@@ -118,6 +121,7 @@ class StoredOutcome:
             content_type=str(d["content_type"]),
             raw=_raw_of(d, raw),
             cost=d.get("cost"),
+            tokens=d.get("tokens"),
         )
 
 
@@ -143,7 +147,10 @@ class Replay:
     content_type: str
     #: The outcome's bytes exactly as given at completion.
     raw: bytes
+    #: Cost units (money) reported at completion: what this replay saved.
     cost: int | None = None
+    #: Model tokens reported at completion: what this replay saved.
+    tokens: int | None = None
     outcome: ClassVar[Literal["replay"]] = "replay"
 
     @property
@@ -165,6 +172,7 @@ class Replay:
             content_type=str(d["content_type"]),
             raw=_raw_of(d, raw),
             cost=d.get("cost"),
+            tokens=d.get("tokens"),
         )
 
 

@@ -235,7 +235,13 @@ mod tests {
 
     /// A successful outcome to complete a key with.
     fn done() -> Outcome {
-        Outcome { kind: OutcomeKind::Success, content_type: "application/json".into(), body: b"1".to_vec(), cost: None }
+        Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: b"1".to_vec(),
+            cost: None,
+            tokens: None,
+        }
     }
 
     /// A purge or a sweep leaves no empty map behind, and a record written again replaces the

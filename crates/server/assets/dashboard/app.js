@@ -6,6 +6,9 @@ const KEY_STORAGE = "onceguard.adminKey";
 const REFRESH_MS = 2000;
 const OUTCOMES = ["acquired", "replay", "in_flight", "mismatch", "denied"];
 const COLORS = { acquired: "#3b6fd8", replay: "#2e9d62", in_flight: "#d9a21b", mismatch: "#d2542c", denied: "#7a4bc4" };
+// One colour per namespace named in the tokens chart (at most eight), and one for the others.
+const NAMESPACE_COLORS = ["#2e9d62", "#3b6fd8", "#d9a21b", "#7a4bc4", "#d2542c", "#1f9bb0", "#b0417a", "#6b7a2a"];
+const OTHERS_COLOR = "#9aa3ad";
 const SVG_NS = "http://www.w3.org/2000/svg";
 
 const state = { key: sessionStorage.getItem(KEY_STORAGE) || "", tenant: "", timer: null, updated: null };
@@ -180,6 +183,21 @@ function renderTenants(d) {
   select.disabled = d.tenants.length < 2;
 }
 
+function renderTokens(byNamespace) {
+  const layers = {};
+  const colors = {};
+  byNamespace.namespaces.forEach((n, i) => {
+    layers[n.namespace] = n.per_slot;
+    colors[n.namespace] = NAMESPACE_COLORS[i % NAMESPACE_COLORS.length];
+  });
+  if (byNamespace.others.some((v) => v > 0)) {
+    layers["(other namespaces)"] = byNamespace.others;
+    colors["(other namespaces)"] = OTHERS_COLOR;
+  }
+  stackedBars($("chart-tokens"), Object.keys(layers).length ? layers : { saved: byNamespace.others }, colors, 1);
+  legend($("legend-tokens"), colors, {});
+}
+
 function render(d) {
   renderTenants(d);
   setText("instance", `v${d.instance.version} · ${d.store.kind} store · tenant ${d.tenant}`);
@@ -190,6 +208,7 @@ function render(d) {
   setText("claims-mismatch", count(d.claims.mismatch));
   setText("claims-denied", count(d.claims.denied));
   setText("cost-saved", count(d.cost_saved));
+  setText("tokens-saved", count(d.tokens_saved));
   setText("stale-calls", count(d.stale_calls));
   setText("recoveries", count(d.recoveries.lease_expired + d.recoveries.reported_unknown));
   setText("recoveries-detail", `${count(d.recoveries.lease_expired)} lease expired · ${count(d.recoveries.reported_unknown)} reported unknown`);
@@ -213,6 +232,7 @@ function render(d) {
   stackedBars($("chart-claims"), Object.fromEntries(OUTCOMES.map((o) => [o, d.series.claims[o]])), colors, 1 / slotSeconds);
   legend($("legend-claims"), colors, { in_flight: "in flight" });
   stackedBars($("chart-cost"), { saved: d.series.cost_saved }, { saved: COLORS.replay }, 1);
+  renderTokens(d.series.tokens_saved_by_namespace);
   const latencyColors = { p50: "#3b6fd8", p99: "#d2542c" };
   lines($("chart-latency"), { p50: d.series.p50_ms, p99: d.series.p99_ms }, latencyColors);
   legend($("legend-latency"), latencyColors, {});

@@ -127,7 +127,8 @@ pub async fn complete_batch(
         .map(|(i, b)| {
             let at = |e: ApiError| e.at(i);
             let outcome =
-                outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, b.cost).map_err(at)?;
+                outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, (b.cost, b.tokens))
+                    .map_err(at)?;
             let scope = scope_of(&caller, &b.namespace, &b.key).map_err(at)?;
             Ok(FencedCall { scope, fence: Fence(b.fence), mutation: Mutation::Complete(outcome) })
         })

@@ -29,7 +29,7 @@ pub(crate) fn outcome_of(
     result: Option<Box<RawValue>>,
     result_base64: Option<String>,
     content_type: Option<String>,
-    cost: Option<u64>,
+    (cost, tokens): (Option<u64>, Option<u64>),
 ) -> ApiResult<Outcome> {
     let (content_type, body) = match (result, result_base64) {
         (Some(_), Some(_)) => return Err(ApiError::Invalid("give 'result' or 'result_base64', not both".into())),
@@ -51,7 +51,7 @@ pub(crate) fn outcome_of(
     {
         return Err(ApiError::Invalid("content_type must be 1 to 255 bytes of printable ASCII".into()));
     }
-    Ok(Outcome { kind, content_type, body, cost: check_units("cost", cost)? })
+    Ok(Outcome { kind, content_type, body, cost: check_units("cost", cost)?, tokens: check_units("tokens", tokens)? })
 }
 
 /// Store a successful outcome.
@@ -71,8 +71,12 @@ pub struct CompleteBody {
     pub result_base64: Option<String>,
     /// The media type of `result_base64` (default `application/octet-stream`).
     pub content_type: Option<String>,
-    /// Cost units the effect consumed (counted as saved by every replay).
+    /// Cost units (money) the effect consumed: charged to the record's run, and counted as
+    /// saved by every replay.
     pub cost: Option<u64>,
+    /// Model tokens the effect consumed (an embedding, a generation): counted as saved by
+    /// every replay.
+    pub tokens: Option<u64>,
 }
 
 /// Complete: store the outcome; every later claim replays it. Repeating the same completion
@@ -89,7 +93,7 @@ pub async fn complete(
     caller: Caller,
     ApiJson(b): ApiJson<CompleteBody>,
 ) -> ApiResult<Json<RecordView>> {
-    let outcome = outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, b.cost)?;
+    let outcome = outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, (b.cost, b.tokens))?;
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Complete(outcome)).await
 }
 
@@ -109,8 +113,12 @@ pub struct FailBody {
     /// What went wrong (any JSON), stored for a permanent failure.
     #[schema(value_type = Option<Value>)]
     pub error: Option<Box<RawValue>>,
-    /// Cost units the attempt consumed.
+    /// Cost units (money) the attempt consumed: charged to the record's run; for a permanent
+    /// failure also counted as saved by every replay.
     pub cost: Option<u64>,
+    /// Model tokens the attempt consumed; for a permanent failure counted as saved by every
+    /// replay.
+    pub tokens: Option<u64>,
 }
 
 /// Fail: release the key (`retryable`) or store a permanent failure that replays.
@@ -125,7 +133,7 @@ pub async fn fail(
     caller: Caller,
     ApiJson(b): ApiJson<FailBody>,
 ) -> ApiResult<Json<RecordView>> {
-    let outcome = outcome_of(OutcomeKind::Failure, b.error, None, None, b.cost)?;
+    let outcome = outcome_of(OutcomeKind::Failure, b.error, None, None, (b.cost, b.tokens))?;
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Fail { retryable: b.retryable, outcome }).await
 }
 

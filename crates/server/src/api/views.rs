@@ -30,9 +30,12 @@ pub struct StoredResultView {
     /// The result's bytes in base64, when it is not JSON.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result_base64: Option<String>,
-    /// Cost units reported at completion.
+    /// Cost units (money) reported at completion.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cost: Option<u64>,
+    /// Model tokens reported at completion.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
 }
 
 pub(crate) fn checkpoint_view(cp: &onceguard_core::Checkpoint) -> CheckpointView {
@@ -61,6 +64,7 @@ pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
         result_base64: as_json.is_none().then(|| STANDARD.encode(&o.body)),
         result: as_json,
         cost: o.cost,
+        tokens: o.tokens,
     }
 }
 

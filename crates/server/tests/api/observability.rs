@@ -57,12 +57,12 @@ fn value(samples: &HashMap<String, f64>, name: &str) -> f64 {
     *samples.get(name).unwrap_or_else(|| panic!("no sample {name}"))
 }
 
-/// Traffic of tenant `acme` in namespace `demo`: 2 completions (cost 1200 and none), 3
+/// Traffic of tenant `acme` in namespace `demo`: 2 completions (cost 1200 and 900 tokens, and none), 3
 /// replays, 1 mismatch, 1 in-flight answer, a lease expiry recovered and its zombie's stale
 /// completion, an outcome reported unknown and recovered, one key left stuck, one held.
 async fn traffic(app: &TestApp) {
     let (_, a) = app.claim_key("paid", json!({"n": 1})).await;
-    let body = json!({"namespace": "demo", "key": "paid", "fence": a["fence"], "result": {"ok": true}, "cost": 1200});
+    let body = json!({"namespace": "demo", "key": "paid", "fence": a["fence"], "result": {"ok": true}, "cost": 1200, "tokens": 900});
     assert_eq!(app.fenced("complete", body).await.0, StatusCode::OK);
     let (_, b) = app.claim_key("free", json!({"n": 2})).await;
     let body = json!({"namespace": "demo", "key": "free", "fence": b["fence"], "result": null});
@@ -118,6 +118,8 @@ async fn metrics_count_claims_replays_cost_recoveries_stale_calls_and_keys() {
         assert_eq!(acme("in_flight"), 1.0);
         assert_eq!(value(&m, r#"onceguard_claims_total{tenant="globex",outcome="acquired"}"#), 1.0);
         assert_eq!(value(&m, r#"onceguard_replay_cost_saved_total{tenant="acme"}"#), 2400.0, "2 replays × 1200");
+        assert_eq!(value(&m, r#"onceguard_replay_tokens_saved_total{tenant="acme"}"#), 1800.0, "2 replays × 900");
+        assert_eq!(value(&m, r#"onceguard_replay_tokens_saved_total{tenant="globex"}"#), 0.0);
         assert_eq!(value(&m, r#"onceguard_recoveries_total{tenant="acme",reason="lease_expired"}"#), 1.0);
         assert_eq!(value(&m, r#"onceguard_recoveries_total{tenant="acme",reason="reported_unknown"}"#), 1.0);
         assert_eq!(value(&m, r#"onceguard_stale_calls_total{tenant="acme",op="complete",reason="superseded"}"#), 1.0);
@@ -153,6 +155,7 @@ async fn metrics_count_claims_replays_cost_recoveries_stale_calls_and_keys() {
         for name in [
             "claims",
             "replay_cost_saved",
+            "replay_tokens_saved",
             "recoveries",
             "stale_calls",
             "denials",
@@ -195,6 +198,11 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
     assert_eq!(d["controls"]["switches"], json!([]));
     assert_eq!(d["controls"]["summary"], "No kill switch is engaged: claims flow.");
     assert_eq!(d["series"]["cost_saved"].as_array().unwrap().iter().filter_map(Value::as_u64).sum::<u64>(), 2400);
+    assert_eq!(d["tokens_saved"], 1800);
+    let by_namespace = &d["series"]["tokens_saved_by_namespace"];
+    assert_eq!(by_namespace["namespaces"][0]["namespace"], "demo");
+    assert_eq!(by_namespace["namespaces"][0]["total"], 1800);
+    assert_eq!(by_namespace["others"].as_array().unwrap().iter().filter_map(Value::as_u64).sum::<u64>(), 0);
     assert!(d["latency"]["count"].as_u64().unwrap() >= 18, "{}", d["latency"]);
     let stuck = &d["stuck"][0];
     assert_eq!((stuck["key"].as_str(), stuck["run"].as_str()), (Some("stuck"), Some("run-9")));
@@ -217,7 +225,7 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
     assert_eq!(last, "the record expires (retention)", "a finished key shows its retention");
     assert_eq!(
         done["stored"],
-        json!({"status": "success", "content_type": "application/json", "bytes": 11, "cost": 1200})
+        json!({"status": "success", "content_type": "application/json", "bytes": 11, "cost": 1200, "tokens": 900})
     );
     let missing = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=nothing").await;
     assert_problem(missing, StatusCode::NOT_FOUND, "not-found").await;

@@ -209,7 +209,13 @@ pub fn request(scope: &Scope) -> ClaimRequest {
 
 /// A small successful outcome.
 pub fn outcome() -> Outcome {
-    Outcome { kind: OutcomeKind::Success, content_type: "text/plain".into(), body: b"ok".to_vec(), cost: None }
+    Outcome {
+        kind: OutcomeKind::Success,
+        content_type: "text/plain".into(),
+        body: b"ok".to_vec(),
+        cost: None,
+        tokens: None,
+    }
 }
 
 /// Claims `scope` and answers the fence.
@@ -227,8 +233,13 @@ pub async fn changes_reach_other_instances(a: &RedisStore, b: &RedisStore, elsew
         (a.changes().expect("a feed"), b.changes().expect("a feed"), elsewhere.changes().expect("a feed"));
     let now = Timestamp(1_700_000_000_000);
     let s = scope("notified");
-    let outcome =
-        Outcome { kind: OutcomeKind::Success, content_type: "text/plain".into(), body: b"ok".to_vec(), cost: None };
+    let outcome = Outcome {
+        kind: OutcomeKind::Success,
+        content_type: "text/plain".into(),
+        body: b"ok".to_vec(),
+        cost: None,
+        tokens: None,
+    };
 
     // A checkpoint announces nothing; a completion and a purge do.
     let fence = acquire(a, &s, now).await;

@@ -48,7 +48,7 @@ class AsyncAttempt(AttemptBase):
             raise RuntimeError("the outcome is stored already")
         self._effect_done = True
         text = self._serialize(value)
-        await self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost)
+        await self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost, tokens=self.tokens)
         return self._stored(text)
 
 
@@ -149,7 +149,7 @@ class AsyncGuarded:
         except (TypeError, ValueError) as e:
             await _report_unknown(self._client, a, f"the result could not be stored: {e}")
             raise
-        await self._client.complete(a.namespace, a.key, a.fence, RawJson(text), cost=a.cost)
+        await self._client.complete(a.namespace, a.key, a.fence, RawJson(text), cost=a.cost, tokens=a.tokens)
         a._stored(text)
 
 
@@ -166,13 +166,13 @@ async def _settle_failure(client: AsyncClient, a: AsyncAttempt, policy: Policy, 
     kind = "unknown" if a._effect_done else policy.classify(exc)
     if kind == "permanent":
         error = failure_of(exc)
-        await client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost)
+        await client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost, tokens=a.tokens)
         raise PermanentFailure(error, namespace=a.namespace, key=a.key, replayed=False) from exc
     if kind == "unknown":
         await _report_unknown(client, a, detail_of(exc))
         return
     try:
-        await client.fail(a.namespace, a.key, a.fence, retryable=True, error=failure_of(exc), cost=a.cost)
+        await client.fail(a.namespace, a.key, a.fence, retryable=True, error=failure_of(exc), cost=a.cost, tokens=a.tokens)
     except OnceguardError as e:  # the lease will pass; the next claim is then a recovery
         log.warning("onceguard: could not release %s/%s: %s", a.namespace, a.key, e)
 

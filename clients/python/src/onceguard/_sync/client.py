@@ -156,15 +156,18 @@ class Client(ClientBase):
         raw: bytes | None = None,
         content_type: str | None = None,
         cost: int | None = None,
+        tokens: int | None = None,
     ) -> Record:
         """Store a successful outcome: ``result`` (JSON; a :class:`RawJson` is sent verbatim) or
         ``raw`` bytes with their ``content_type``. Every later claim replays it byte for byte.
+        ``cost`` (cost units, charged to the run) and ``tokens`` (model tokens) say what the
+        effect cost; every replay counts them as saved.
 
         Raises :class:`onceguard.StaleFence` if ``fence`` is not the holder's (nothing stored).
         Repeating a completion that took effect, identically, answers as the first time.
         """
         return self.send(
-            _calls.complete(namespace, key, fence, result, raw=raw, content_type=content_type, cost=cost)
+            _calls.complete(namespace, key, fence, result, raw=raw, content_type=content_type, cost=cost, tokens=tokens)
         )
 
     def claim_batch(self, items: Sequence[ClaimItem]) -> list[ClaimAnswer]:
@@ -181,11 +184,20 @@ class Client(ClientBase):
         return self.send(_calls.complete_batch(items))
 
     def fail(
-        self, namespace: str, key: str, fence: int, *, retryable: bool, error: Any = None, cost: int | None = None
+        self,
+        namespace: str,
+        key: str,
+        fence: int,
+        *,
+        retryable: bool,
+        error: Any = None,
+        cost: int | None = None,
+        tokens: int | None = None,
     ) -> Record:
         """Report a failure: ``retryable=True`` releases the key (the next claim runs again);
         ``False`` stores ``error`` (JSON) as a failure that replays. Raises ``StaleFence``."""
-        return self.send(_calls.fail(namespace, key, fence, retryable=retryable, error=error, cost=cost))
+        call = _calls.fail(namespace, key, fence, retryable=retryable, error=error, cost=cost, tokens=tokens)
+        return self.send(call)
 
     def extend(self, namespace: str, key: str, fence: int, lease: Duration | None = None) -> Record:
         """Push the lease out to now + ``lease``. Raises ``StaleFence``."""

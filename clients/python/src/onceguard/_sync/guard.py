@@ -50,7 +50,7 @@ class Attempt(AttemptBase):
             raise RuntimeError("the outcome is stored already")
         self._effect_done = True
         text = self._serialize(value)
-        self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost)
+        self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost, tokens=self.tokens)
         return self._stored(text)
 
 
@@ -151,7 +151,7 @@ class Guarded:
         except (TypeError, ValueError) as e:
             _report_unknown(self._client, a, f"the result could not be stored: {e}")
             raise
-        self._client.complete(a.namespace, a.key, a.fence, RawJson(text), cost=a.cost)
+        self._client.complete(a.namespace, a.key, a.fence, RawJson(text), cost=a.cost, tokens=a.tokens)
         a._stored(text)
 
 
@@ -168,13 +168,13 @@ def _settle_failure(client: Client, a: Attempt, policy: Policy, exc: BaseExcepti
     kind = "unknown" if a._effect_done else policy.classify(exc)
     if kind == "permanent":
         error = failure_of(exc)
-        client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost)
+        client.fail(a.namespace, a.key, a.fence, retryable=False, error=error, cost=a.cost, tokens=a.tokens)
         raise PermanentFailure(error, namespace=a.namespace, key=a.key, replayed=False) from exc
     if kind == "unknown":
         _report_unknown(client, a, detail_of(exc))
         return
     try:
-        client.fail(a.namespace, a.key, a.fence, retryable=True, error=failure_of(exc), cost=a.cost)
+        client.fail(a.namespace, a.key, a.fence, retryable=True, error=failure_of(exc), cost=a.cost, tokens=a.tokens)
     except OnceguardError as e:  # the lease will pass; the next claim is then a recovery
         log.warning("onceguard: could not release %s/%s: %s", a.namespace, a.key, e)
 
