@@ -33,43 +33,79 @@ pub(crate) struct Job {
     pub(crate) reply: oneshot::Sender<Result<Answer, StoreError>>,
 }
 
-/// Where writers take their batches from, one writer at a time: the queue of submitted jobs,
-/// and the jobs put off to a later batch.
+/// Where writers take their batches from, one writer at a time: the queue of submissions (one
+/// job, or the jobs of a batch call, which go into one transaction together), the submission
+/// that did not fit in the last batch, and the jobs put off to a later batch.
 pub(crate) struct Intake {
-    pub(crate) queue: mpsc::Receiver<Job>,
+    pub(crate) queue: mpsc::Receiver<Vec<Job>>,
+    /// A submission that would have made the last batch larger than [`MAX_BATCH`]: the next
+    /// batch starts with it.
+    pub(crate) held: Option<Vec<Job>>,
     /// Jobs on a key that the batch being taken already had.
     pub(crate) deferred: VecDeque<Job>,
 }
 
+/// A batch being taken: its jobs, one per key, and the jobs on a key it has already.
+struct Taking {
+    batch: Vec<Job>,
+    keys: HashSet<Scope>,
+    put_off: VecDeque<Job>,
+}
+
+impl Taking {
+    fn take(&mut self, job: Job) {
+        if self.keys.insert(job.op.scope().clone()) {
+            self.batch.push(job);
+        } else {
+            self.put_off.push_back(job);
+        }
+    }
+}
+
 impl Intake {
-    /// Waits for a job, then takes every job waiting, up to [`MAX_BATCH`] and one per key
-    /// (a second job on a key goes in a later batch, so each key is read and written once per
-    /// transaction), sorted by [`lock_key`]. `None` once the store is gone.
+    /// Takes the jobs put off before (one per key, up to [`MAX_BATCH`]); then, if that is
+    /// nothing, waits for a submission. Then takes every submission waiting, in order and each
+    /// whole, while the batch stays within [`MAX_BATCH`] jobs (a larger submission is a batch
+    /// of its own), and one job per key: a second job on a key goes in a later batch, so each key
+    /// is read and written once per transaction. Sorted by [`lock_key`]. `None` once the store
+    /// is gone.
     pub(crate) async fn next_batch(&mut self) -> Option<Vec<Job>> {
-        let mut batch = Vec::with_capacity(MAX_BATCH);
-        let mut keys = HashSet::new();
-        let mut put_off = VecDeque::new();
+        let mut t = Taking { batch: Vec::with_capacity(MAX_BATCH), keys: HashSet::new(), put_off: VecDeque::new() };
         for job in std::mem::take(&mut self.deferred) {
-            if batch.len() < MAX_BATCH && keys.insert(job.op.scope().clone()) {
-                batch.push(job);
+            if t.batch.len() < MAX_BATCH && !t.keys.contains(job.op.scope()) {
+                t.take(job);
             } else {
-                put_off.push_back(job);
+                t.put_off.push_back(job);
             }
         }
-        if batch.is_empty() {
-            let job = self.queue.recv().await?;
-            keys.insert(job.op.scope().clone());
-            batch.push(job);
-        }
-        while batch.len() < MAX_BATCH {
-            let Ok(job) = self.queue.try_recv() else { break };
-            if keys.insert(job.op.scope().clone()) {
-                batch.push(job);
-            } else {
-                put_off.push_back(job);
+        if t.batch.is_empty() {
+            let first = match self.held.take() {
+                Some(held) => held,
+                None => self.queue.recv().await?,
+            };
+            for job in first {
+                t.take(job);
             }
         }
-        self.deferred = put_off;
+        loop {
+            let next = match self.held.take() {
+                Some(held) => held,
+                None if t.batch.len() < MAX_BATCH => match self.queue.try_recv() {
+                    Ok(submission) => submission,
+                    Err(_) => break,
+                },
+                None => break,
+            };
+            if t.batch.len() + next.len() > MAX_BATCH {
+                self.held = Some(next);
+                break;
+            }
+            for job in next {
+                t.take(job);
+            }
+        }
+        self.deferred = t.put_off;
+        let mut batch = t.batch;
         batch.sort_by_key(|job| lock_key(job.op.scope()));
         Some(batch)
     }

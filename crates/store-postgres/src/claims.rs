@@ -31,8 +31,8 @@ impl ClaimStore for PgStore {
         }
     }
 
-    /// Every claim submitted at once to the group commit: one transaction for up to
-    /// [`MAX_BATCH`] distinct keys.
+    /// Every claim submitted together to the group commit: one transaction for up to
+    /// [`MAX_GROUP`] distinct keys.
     async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
         let ops = reqs.iter().cloned().map(Op::Claim).collect();
         self.submit_all(ops, now)

@@ -8,7 +8,9 @@
 //!   record it returns. Another instance's operation on the same key waits for the lock, so
 //!   read-decide-write is never interleaved, also for keys that have no row yet.
 //! - **Group commit**: writer tasks take every job waiting (up to [`MAX_BATCH`], at most one job
-//!   per key) into one transaction. `BEGIN`, the batch's key locks (one statement, in ascending
+//!   per key) into one transaction. The jobs of a batch call are submitted together and taken
+//!   whole into one transaction (up to [`MAX_GROUP`] of them; a larger call goes in groups of
+//!   that many, and a key given twice has its second job in a later transaction). `BEGIN`, the batch's key locks (one statement, in ascending
 //!   lock order, so batches of different instances never deadlock) and its reads (one
 //!   statement) are sent together; the jobs are decided in Rust; then the writes (one multi-row
 //!   upsert) and `COMMIT` are sent together: two round trips, whatever the batch's size. One
@@ -131,6 +133,12 @@ use schema::*;
 
 /// The most jobs committed in one transaction.
 pub const MAX_BATCH: usize = 256;
+
+/// The most claims or fenced calls of one batch call ([`ClaimStore::claim_batch`],
+/// [`ClaimStore::mutate_batch`]) decided in one transaction; a larger call is decided in groups
+/// of this many, each a transaction. (It bounds the advisory locks one transaction holds, well
+/// within PostgreSQL's default lock table.)
+pub const MAX_GROUP: usize = 1_024;
 
 /// How the store's writers have batched claims and fenced calls since it started (see
 /// [`PgStore::batch_stats`]).
@@ -258,7 +266,7 @@ fn to_sql_u64(v: u64) -> i64 {
 pub struct PgStore {
     pool: Pool,
     schema: String,
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Vec<Job>>,
     changes: broadcast::Sender<Scope>,
     finished: mpsc::UnboundedSender<Scope>,
     writers: Arc<Writers>,
@@ -320,7 +328,7 @@ impl PgStore {
         let (finished, finished_rx) = mpsc::unbounded_channel();
         let writers = Arc::new(Writers {
             pool: pool.clone(),
-            intake: Mutex::new(Intake { queue, deferred: VecDeque::new() }),
+            intake: Mutex::new(Intake { queue, held: None, deferred: VecDeque::new() }),
             known: Known::default(),
             finished: finished.clone(),
             counters: BatchCounters::default(),
@@ -352,20 +360,25 @@ impl PgStore {
         let (reply, answer) = oneshot::channel();
         let guess = Guess::of(&op, now, &self.writers.known);
         let job = Job { op, now, guess, reply };
-        self.jobs.send(job).await.map_err(|_| stopped("the writers stopped"))?;
+        self.jobs.send(vec![job]).await.map_err(|_| stopped("the writers stopped"))?;
         answer.await.map_err(|_| stopped("the writer dropped the operation"))?
     }
 
-    /// Submits every op at once, so that they are taken into the same batch of the group commit
-    /// (up to [`MAX_BATCH`] keys a transaction; a key given twice goes into a later one), and
-    /// answers each op's answer in order.
+    /// Submits the ops together, [`MAX_GROUP`] at a time: each group is taken whole into one
+    /// batch of the group commit, so it is one transaction (a key given twice in it goes into a
+    /// later one, which sees the first). Answers each op's answer in order.
     async fn submit_all(&self, ops: Vec<Op>, now: Timestamp) -> Result<Vec<Answer>, StoreError> {
         let mut answers = Vec::with_capacity(ops.len());
-        for op in ops {
-            let (reply, answer) = oneshot::channel();
-            let guess = Guess::of(&op, now, &self.writers.known);
-            self.jobs.send(Job { op, now, guess, reply }).await.map_err(|_| stopped("the writers stopped"))?;
-            answers.push(answer);
+        let mut ops = ops.into_iter().peekable();
+        while ops.peek().is_some() {
+            let mut group = Vec::with_capacity(MAX_GROUP);
+            for op in ops.by_ref().take(MAX_GROUP) {
+                let (reply, answer) = oneshot::channel();
+                let guess = Guess::of(&op, now, &self.writers.known);
+                group.push(Job { op, now, guess, reply });
+                answers.push(answer);
+            }
+            self.jobs.send(group).await.map_err(|_| stopped("the writers stopped"))?;
         }
         let mut out = Vec::with_capacity(answers.len());
         for answer in answers {
