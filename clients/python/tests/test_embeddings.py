@@ -47,6 +47,9 @@ def test_a_reingestion_embeds_only_new_texts_and_counts_what_it_saved(client: on
     assert again[:30] == first
     assert model.embedded[30:] == ["a new page"], "only the new text was embedded"
     assert once.texts_saved == 30 and once.tokens_saved == sum(max(1, len(t) // 4) for t in corpus)
+    # The server was told each text's tokens: its replays count them as saved.
+    replay = client.claim(ns, once.key(corpus[0]), request=once.key(corpus[0]))
+    assert isinstance(replay, onceguard.Replay) and replay.tokens == max(1, len(corpus[0]) // 4)
     # Another model is another key: embedded again.
     OnceEmbeddings(model, client, ns, model="fake-8-v2").embed_documents(corpus[:2])
     assert model.embedded[31:] == corpus[:2]

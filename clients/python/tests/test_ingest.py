@@ -40,6 +40,23 @@ def test_a_rerun_replays_every_item_and_pays_for_none(client: onceguard.Client, 
     assert model.texts[25:] == ["a new chunk"]
 
 
+def test_the_cost_and_tokens_of_each_item_are_stored_and_replays_say_them(client: onceguard.Client, ns: str) -> None:
+    corpus = ["short", "a longer chunk of text"]
+    onceguard.once_each(
+        client,
+        ns,
+        corpus,
+        key=lambda t: t,
+        work=Embedder(),
+        cost=lambda text, vector: 1,
+        tokens=lambda text, vector: len(text) + int(vector[1] * 2),
+    )
+    for text in corpus:
+        replay = client.claim(ns, text, request=text)
+        assert isinstance(replay, onceguard.Replay)
+        assert (replay.cost, replay.tokens) == (1, len(text) + 1)
+
+
 def test_two_workers_at_once_never_do_an_item_twice(client: onceguard.Client, ns: str) -> None:
     corpus = [f"text {i}" for i in range(40)]
     model = Embedder(delay=0.2)

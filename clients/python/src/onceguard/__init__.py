@@ -6,6 +6,9 @@
   attempt (fence, attempt number, recovery, checkpoints).
 - ``onceguard.langchain.guard_tool`` and ``onceguard.openai_agents.guard_function_tool``: guard
   the tools of LangChain / LangGraph and of the OpenAI Agents SDK.
+- :func:`once_each`: many items, each done once per key, in batches; on it,
+  ``onceguard.langchain.OnceEmbeddings`` and ``onceguard.llamaindex.OnceEmbedding`` embed each
+  chunk of an ingestion once per (model, text digest).
 """
 
 from ._calls import ClaimItem, CompleteItem

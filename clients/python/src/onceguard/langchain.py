@@ -19,9 +19,6 @@ Needs the ``langchain`` extra (``pip install 'onceguard[langchain]'``).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import threading
-from collections import Counter
 from typing import Any, Callable, Mapping, Optional, Union
 
 from langchain_core.callbacks import Callbacks
@@ -29,11 +26,10 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
 
+from ._embeddings import OnceTexts, model_name
 from ._policy import ExceptionClasses, Policy
 from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
-from ._async.ingest import once_each as once_each_async
-from ._sync.ingest import once_each
 from .client import AsyncClient, Client
 
 __all__ = ["guard_tool", "OnceEmbeddings", "ToolCall"]
@@ -173,61 +169,40 @@ class OnceEmbeddings(Embeddings):
         tokens: Callable[[str], int] | None = None,
     ) -> None:
         self.embeddings = embeddings
-        self.client = client
-        self.aclient = aclient
-        self.namespace = namespace
-        name = model or getattr(embeddings, "model", None) or getattr(embeddings, "model_name", None)
-        self.model = str(name or type(embeddings).__name__)
-        self.batch_size = batch_size
-        self.lease = lease
-        self.tokens = tokens or (lambda text: max(1, len(text) // 4))
-        self.texts_saved = 0
-        self.tokens_saved = 0
-        self._lock = threading.Lock()
+        self._once = OnceTexts(
+            client,
+            namespace,
+            model_name(embeddings, model),
+            aclient=aclient,
+            batch_size=batch_size,
+            lease=lease,
+            tokens=tokens,
+        )
+
+    @property
+    def model(self) -> str:
+        """The model's name in the keys."""
+        return self._once.model
+
+    @property
+    def texts_saved(self) -> int:
+        """Texts replayed instead of embedded, since this object was made."""
+        return self._once.texts_saved
+
+    @property
+    def tokens_saved(self) -> int:
+        """The tokens of :attr:`texts_saved`."""
+        return self._once.tokens_saved
 
     def key(self, text: str) -> str:
         """The key of ``text``: the model and the text's digest (what the vector depends on)."""
-        return f"{self.model}:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
-
-    def _saved(self, texts: list[str], embedded: list[str]) -> None:
-        left = Counter(embedded)
-        replayed = []
-        for text in texts:
-            if left[text] > 0:
-                left[text] -= 1
-            else:
-                replayed.append(text)
-        with self._lock:
-            self.texts_saved += len(replayed)
-            self.tokens_saved += sum(self.tokens(t) for t in replayed)
+        return self._once.key(text)
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        embedded: list[str] = []
-
-        def work(todo: list[str]) -> list[list[float]]:
-            embedded.extend(todo)
-            return self.embeddings.embed_documents(todo)
-
-        vectors = once_each(
-            self.client, self.namespace, texts, key=self.key, work=work, batch_size=self.batch_size, lease=self.lease
-        )
-        self._saved(texts, embedded)
-        return vectors
+        return self._once.embed(texts, self.embeddings.embed_documents)
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
-        if self.aclient is None:
-            return await asyncio.to_thread(self.embed_documents, texts)
-        embedded: list[str] = []
-
-        async def work(todo: list[str]) -> list[list[float]]:
-            embedded.extend(todo)
-            return await self.embeddings.aembed_documents(todo)
-
-        vectors = await once_each_async(
-            self.aclient, self.namespace, texts, key=self.key, work=work, batch_size=self.batch_size, lease=self.lease
-        )
-        self._saved(texts, embedded)
-        return vectors
+        return await self._once.aembed(texts, self.embeddings.aembed_documents, self.embeddings.embed_documents)
 
     def embed_query(self, text: str) -> list[float]:
         return self.embeddings.embed_query(text)

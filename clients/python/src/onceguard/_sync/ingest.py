@@ -15,6 +15,9 @@ from ..models import Acquired, Denied, InFlight, Mismatch, Replay
 from . import _backend
 from .client import Client
 
+#: What an item's work cost, from the item and its result: cost units, or model tokens.
+Spent = Callable[[Any, Any], int | None]
+
 
 def once_each(
     client: Client,
@@ -24,7 +27,8 @@ def once_each(
     work: _backend.Work,
     *,
     request: Callable[[Any], Any] | None = None,
-    cost: Callable[[Any], int | None] | None = None,
+    cost: Spent | None = None,
+    tokens: Spent | None = None,
     lease: Duration | None = None,
     retention: Duration | None = None,
     run: str | None = None,
@@ -36,7 +40,8 @@ def once_each(
     Items are claimed ``batch_size`` at a time (``claim_batch``), each under ``key(item)`` with
     the fingerprint of ``request(item)`` (default: the key itself). ``work`` is called once per
     batch with the items this worker acquired, and answers their results (JSON values) in the
-    same order; they are stored (``complete_batch``, with ``cost(result)`` if given), so a
+    same order; they are stored (``complete_batch``, with ``cost(item, result)`` cost units and
+    ``tokens(item, result)`` model tokens if given, which every replay counts as saved), so a
     re-run, or another worker, replays them. Items another worker holds are waited for (up to
     ``wait`` seconds, then :class:`onceguard.InFlightError` for the first of them) and
     replayed, or done here if that worker gave them up: two workers over the same items never
@@ -53,7 +58,9 @@ def once_each(
     results: list[Any] = [None] * len(items)
     for start in range(0, len(items), batch_size):
         places = list(range(start, min(start + batch_size, len(items))))
-        _each_batch(client, namespace, items, places, results, key, work, request, cost, lease, retention, run, wait)
+        _each_batch(
+            client, namespace, items, places, results, key, work, request, (cost, tokens), lease, retention, run, wait
+        )
     return results
 
 
@@ -66,7 +73,7 @@ def _each_batch(
     key: Callable[[Any], str],
     work: _backend.Work,
     request: Callable[[Any], Any] | None,
-    cost: Callable[[Any], int | None] | None,
+    spent: tuple[Spent | None, Spent | None],
     lease: Duration | None,
     retention: Duration | None,
     run: str | None,
@@ -105,7 +112,7 @@ def _each_batch(
             elif isinstance(answer, Denied):
                 raise DeniedError(answer, namespace=namespace, key=claims[i].key)
         if acquired:
-            _work_and_store(client, namespace, items, acquired, results, claims, work, cost)
+            _work_and_store(client, namespace, items, acquired, results, claims, work, spent)
         pending = waiting
         if pending:
             if time.monotonic() >= deadline:
@@ -121,7 +128,7 @@ def _work_and_store(
     results: list[Any],
     claims: dict[int, ClaimItem],
     work: _backend.Work,
-    cost: Callable[[Any], int | None] | None,
+    spent: tuple[Spent | None, Spent | None],
 ) -> None:
     try:
         done = list(work([items[i] for i, _ in acquired]))
@@ -134,9 +141,17 @@ def _work_and_store(
             except OnceguardError:
                 pass  # the lease passes by itself
         raise
+    cost, tokens = spent
     stored = client.complete_batch(
         [
-            CompleteItem(namespace, claims[i].key, held.fence, value, cost=None if cost is None else cost(value))
+            CompleteItem(
+                namespace,
+                claims[i].key,
+                held.fence,
+                value,
+                cost=None if cost is None else cost(items[i], value),
+                tokens=None if tokens is None else tokens(items[i], value),
+            )
             for (i, held), value in zip(acquired, done)
         ]
     )
