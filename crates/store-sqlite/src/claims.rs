@@ -8,31 +8,49 @@ use super::*;
 use crate::runs::{run_or_new, save_run};
 
 /// A SQLite store's atomic section for the claim transaction ([`claim_in`]): the caller's job
-/// in the writer's group commit, or one claim's savepoint in a batch's job.
+/// in the writer's group commit, or one claim of a batch's job.
 struct Section<'c> {
     conn: &'c Connection,
-    /// Rolls back what the claim wrote.
-    discard: &'static str,
+    /// In a batch's job, the fences it draws, counted here and stored once at its end; else
+    /// each fence is drawn from the stored counter, and a denial rolls the job back.
+    counter: Option<FenceCounter>,
+}
+
+/// The fences a batch's job has drawn so far.
+struct FenceCounter {
+    /// The last one.
+    last: u64,
+    /// Whether the claim being decided drew it (a denial gives it back).
+    drawn_now: bool,
 }
 
 impl<'c> Section<'c> {
     /// The whole job.
     fn job(conn: &'c Connection) -> Self {
-        Self { conn, discard: "ROLLBACK TO job" }
+        Self { conn, counter: None }
     }
 }
 
-/// Each claim of a batch in a savepoint of its own inside the batch's job, so that a denied
-/// claim rolls back only what it wrote.
+/// The claims of a batch in one job, one after the other. Only an admission writes (a denial
+/// happens before any write but the fence's), so no claim needs a savepoint of its own: the
+/// fences are counted in memory from the stored counter, a denied claim gives its fence back,
+/// and the counter is stored once, at the end.
 fn claim_batch_in(conn: &Connection, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
-    reqs.iter()
-        .map(|req| {
-            run(conn, "SAVEPOINT item")?;
-            let outcome = claim_in(&mut Section { conn, discard: "ROLLBACK TO item" }, req, now);
-            run(conn, "RELEASE item")?;
-            outcome
-        })
-        .collect()
+    let stored = current_fence(conn)?;
+    let mut section = Section { conn, counter: Some(FenceCounter { last: stored, drawn_now: false }) };
+    let mut outcomes = Vec::with_capacity(reqs.len());
+    for req in reqs {
+        if let Some(counter) = &mut section.counter {
+            counter.drawn_now = false;
+        }
+        outcomes.push(claim_in(&mut section, req, now)?);
+    }
+    if let Some(counter) = section.counter
+        && counter.last != stored
+    {
+        store_fence(conn, counter.last)?;
+    }
+    Ok(outcomes)
 }
 
 /// A fenced call in the caller's job: [`onceguard_core::control::apply_fenced`], its write and
@@ -64,7 +82,14 @@ impl ClaimSection for Section<'_> {
     }
 
     fn next_fence(&mut self) -> Result<Fence, StoreError> {
-        next_fence(self.conn)
+        match &mut self.counter {
+            Some(counter) => {
+                counter.last += 1;
+                counter.drawn_now = true;
+                Ok(Fence(counter.last))
+            }
+            None => next_fence(self.conn),
+        }
     }
 
     fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {
@@ -83,9 +108,18 @@ impl ClaimSection for Section<'_> {
         save(self.conn, record)
     }
 
-    /// Rolls the claim back: not even the fence drawn for the denied claim is kept.
+    /// Undoes the claim: not even the fence drawn for the denied claim is kept (in a batch,
+    /// the only thing it changed).
     fn discard(&mut self) -> Result<(), StoreError> {
-        run(self.conn, self.discard)
+        match &mut self.counter {
+            Some(counter) => {
+                if std::mem::take(&mut counter.drawn_now) {
+                    counter.last -= 1;
+                }
+                Ok(())
+            }
+            None => run(self.conn, "ROLLBACK TO job"),
+        }
     }
 }
 

@@ -22,7 +22,9 @@
 //!   the count costs as many rows as there are leases that have not passed), reads the record's
 //!   run from `runs`, and runs `control::admit`. Admitted: the record and the charged run are
 //!   written in the job. Denied: the job undoes its savepoint, so not even the fence it drew is
-//!   kept. A fenced call that writes adds the cost it reports to the run in its job too. A key
+//!   kept. A batch of claims is one job that counts its fences in memory from `meta.fence` and
+//!   stores the counter once at its end: a denial, which writes nothing before it is decided,
+//!   gives back only its fence, and no claim needs a savepoint of its own. A fenced call that writes adds the cost it reports to the run in its job too. A key
 //!   is charged once because the record remembers it (`charged`, in its JSON document).
 //! - **Revoking leases** is one job: it reads the tenant's live in-progress records the switch
 //!   covers and gives each a fence from `meta.fence` (`control::revoke`).
@@ -173,6 +175,11 @@ fn connect(path: &Path) -> Result<Connection, StoreError> {
     // reads its pages without a system call each.
     conn.pragma_update(None, "cache_size", -32_768).map_err(unavailable)?;
     conn.pragma_update(None, "mmap_size", 2_000_000_000_i64).map_err(unavailable)?;
+    // Each job runs in a savepoint: the first change
+    // of a page under a savepoint copies the page to a statement journal, a temporary file by
+    // default. Kept in memory, it costs a copy instead of a write; it is never needed after a
+    // crash (the WAL is what makes a commit durable).
+    conn.pragma_update(None, "temp_store", "MEMORY").map_err(unavailable)?;
     Ok(conn)
 }
 
@@ -311,6 +318,24 @@ fn next_fence(conn: &Connection) -> Result<Fence, StoreError> {
         .and_then(|mut st| st.query_row([], |r| r.get(0)))
         .map_err(unavailable)?;
     u64::try_from(value).map(Fence).map_err(corrupt)
+}
+
+/// The store-wide fence counter: the last fence drawn.
+fn current_fence(conn: &Connection) -> Result<u64, StoreError> {
+    let value: i64 = conn
+        .prepare_cached("SELECT value FROM meta WHERE name = 'fence'")
+        .and_then(|mut st| st.query_row([], |r| r.get(0)))
+        .map_err(unavailable)?;
+    u64::try_from(value).map_err(corrupt)
+}
+
+/// Sets the fence counter to `last`, which a batch's job drew up to ([`current_fence`] onward).
+fn store_fence(conn: &Connection, last: u64) -> Result<(), StoreError> {
+    let last = i64::try_from(last).map_err(corrupt)?;
+    conn.prepare_cached("UPDATE meta SET value = ?1 WHERE name = 'fence'")
+        .and_then(|mut st| st.execute([last]))
+        .map(drop)
+        .map_err(unavailable)
 }
 
 const RECORD_COLUMNS: &str = "doc, body";

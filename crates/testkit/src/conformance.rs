@@ -1008,6 +1008,7 @@ pub async fn a_batch_answers_as_its_claims_one_by_one(store: Arc<dyn Store>) {
         request(&done, "another request"),
         in_run(&scope("b-over"), "o", "b-run", 0),
         request(&new, "n"),
+        request(&scope("b-after"), "a"),
     ];
     let answers = store.claim_batch(&batch, c.clock.now()).await.expect("the store answers");
     assert_eq!(answers.len(), batch.len());
@@ -1019,6 +1020,10 @@ pub async fn a_batch_answers_as_its_claims_one_by_one(store: Arc<dyn Store>) {
     assert_eq!(answers[3], ClaimOutcome::Mismatch);
     assert_eq!(denied_because(&answers[4]), "budget:effects");
     assert!(matches!(answers[5], ClaimOutcome::InFlight(_)), "the same key again: {:?}", answers[5]);
+    let ClaimOutcome::Acquired(after) = &answers[6] else { panic!("a new key: {:?}", answers[6]) };
+    assert!(after.fence > held_fence && after.fence != acquired.fence, "a claim after a denial has a fence of its own");
+    let next = c.acquire(&request(&scope("b-next"), "x")).await;
+    assert!(next > after.fence.max(acquired.fence), "the next claim's fence is above every fence the batch drew");
     // What the batch wrote is what the claims alone write.
     assert!(c.get(&scope("b-over")).await.is_none(), "a denied claim writes nothing");
     assert_eq!(usage(&store, "acme", "b-run").await, (1, 0));
