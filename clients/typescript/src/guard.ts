@@ -1,0 +1,635 @@
+/**
+ * Run a function once per key: {@link once} and {@link guarded}.
+ *
+ * The protocol, the same for both and for the framework helpers:
+ *
+ * 1. **claim** the key (with the request, so that a key reused for another request is caught),
+ *    waiting up to `wait` on the server if another caller holds it;
+ * 2. the claim answers
+ *    - `replay`: the stored outcome is returned (decoded from the stored JSON) without running
+ *      anything; a stored permanent failure throws {@link PermanentFailure} again;
+ *    - `acquired`: the function runs while a **heartbeat** extends the lease every third of
+ *      it; the {@link Attempt} (passed to a `guarded` function, `this` and {@link current} in a
+ *      `once` function) gives the fence, the attempt number, the `recovery` of a crashed
+ *      earlier attempt and `checkpoint()`;
+ *    - `in_flight` after the wait: {@link InFlightError}; `mismatch`: {@link KeyConflict};
+ *      `denied`: {@link DeniedError};
+ * 3. the heartbeat is stopped (and waited for), then
+ *    - a return value is serialized as JSON and **completed**; every caller, the first
+ *      included, gets the value decoded from those stored bytes; a `stale` answer (the lease
+ *      was taken over meanwhile) throws {@link StaleFence}: the result is **not** stored;
+ *    - an error that is {@link Permanent} or of a class in `permanent` is stored as a failure
+ *      (`{"type": "<error name>", "message": "…"}`) and thrown as {@link PermanentFailure}, now
+ *      and on every replay;
+ *    - an error that is {@link OutcomeUnknown} or of a class in `unknown`, or an abort (the
+ *      call's `signal`), is **reported unknown**: the effect may have happened; the next claim
+ *      is a recovery that is told so;
+ *    - any other error **releases** the key (`fail` retryable) and propagates: the next call
+ *      runs again.
+ *
+ * @module
+ */
+
+import { applied, type Client } from "./client.js";
+import {
+  DeniedError,
+  InFlightError,
+  KeyConflict,
+  OnceguardError,
+  OutcomeUnknown,
+  Permanent,
+  PermanentFailure,
+  StaleFence,
+} from "./errors.js";
+import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
+import type { Acquired, ClaimAnswer, Recovery } from "./models.js";
+import { RawJson, dumps, durationSeconds, type Duration } from "./wire.js";
+
+/** Error classes (`[CardDeclined]`) or a predicate over the error. */
+export type ErrorMatcher = ReadonlyArray<abstract new (...args: never[]) => unknown> | ((error: unknown) => boolean);
+
+/** How a guard claims, runs and stores: the options `once`, `guarded` and the helpers share. */
+export interface GuardOptions {
+  /** How long the key is held without a heartbeat (default 30s); the heartbeat extends it. */
+  readonly lease?: Duration;
+  /** How long the outcome replays once stored (default: the server's, 24h). */
+  readonly retention?: Duration;
+  /**
+   * How long a call waits on the server for another caller holding the key (default 10s, at
+   * most 30s); `null` not to wait.
+   */
+  readonly wait?: Duration | null;
+  /** Cost units declared to the run's budget with the claim, once per key. */
+  readonly cost?: number;
+  /** Errors stored as a permanent failure, besides {@link Permanent}. */
+  readonly permanent?: ErrorMatcher;
+  /** Errors after which the outcome is unknown, besides {@link OutcomeUnknown} and aborts. */
+  readonly unknown?: ErrorMatcher;
+  /** The JSON value stored for a result (default: {@link toJsonValue}). */
+  readonly encode?: (value: unknown) => unknown;
+  /** The value every caller gets, from the stored JSON (default: the JSON itself). */
+  readonly decode?: (value: unknown) => unknown;
+  /** Extend the lease while the function runs (default on). */
+  readonly heartbeat?: boolean;
+}
+
+/** A guard's settled policy. */
+export interface Policy {
+  readonly namespace: string;
+  readonly lease: number;
+  readonly retention: Duration | undefined;
+  readonly wait: Duration | undefined;
+  readonly cost: number | undefined;
+  readonly permanent: ErrorMatcher;
+  readonly unknown: ErrorMatcher;
+  readonly encode: (value: unknown) => unknown;
+  readonly decode: (value: unknown) => unknown;
+  readonly heartbeat: boolean;
+}
+
+/** The {@link Policy} of `options` for `namespace`. */
+export function policyOf(namespace: string, options: GuardOptions = {}): Policy {
+  return {
+    namespace,
+    lease: durationSeconds(options.lease ?? 30),
+    retention: options.retention,
+    wait: options.wait === null ? undefined : (options.wait ?? 10),
+    cost: options.cost,
+    permanent: options.permanent ?? [],
+    unknown: options.unknown ?? [],
+    encode: options.encode ?? toJsonValue,
+    decode: options.decode ?? ((value) => value),
+    heartbeat: options.heartbeat ?? true,
+  };
+}
+
+function matches(matcher: ErrorMatcher, error: unknown): boolean {
+  if (typeof matcher === "function") return matcher(error);
+  return matcher.some((cls) => error instanceof cls);
+}
+
+function isAbort(error: unknown): boolean {
+  return error instanceof Error && (error.name === "AbortError" || error.name === "TimeoutError");
+}
+
+/** `permanent`, `unknown` or `retryable`. */
+export function classify(policy: Policy, error: unknown): "permanent" | "unknown" | "retryable" {
+  if (error instanceof Permanent || matches(policy.permanent, error)) return "permanent";
+  if (error instanceof OutcomeUnknown || isAbort(error) || matches(policy.unknown, error)) return "unknown";
+  return "retryable";
+}
+
+function errorName(error: unknown): string {
+  if (!(error instanceof Error)) return typeof error;
+  if (error.name && error.name !== "Error") return error.name;
+  return error.constructor?.name || "Error";
+}
+
+/** The stored JSON of a permanent failure: `{"type": "<error name>", "message": "…"}`. */
+export function failureOf(error: unknown): { type: string; message: string } {
+  return { type: errorName(error), message: error instanceof Error ? error.message : String(error) };
+}
+
+function detailOf(error: unknown): string {
+  return `${errorName(error)}: ${error instanceof Error ? error.message : String(error)}`.slice(0, 1000);
+}
+
+// -- the attempt running in this context -----------------------------------------------------
+
+interface Storage {
+  run<R>(store: Attempt, fn: () => R): R;
+  getStore(): Attempt | undefined;
+}
+
+let storage: Storage | null | undefined;
+let loading: Promise<Storage | null> | undefined;
+
+/** An `AsyncLocalStorage` where the runtime has one (Node, Bun, Deno, Workers with Node compatibility). */
+function loadStorage(): Promise<Storage | null> {
+  if (storage !== undefined) return Promise.resolve(storage);
+  loading ??= (async (): Promise<Storage | null> => {
+    type Als = new () => Storage;
+    let cls = (globalThis as { AsyncLocalStorage?: Als }).AsyncLocalStorage;
+    if (cls === undefined) {
+      const specifier = "node:async_hooks";
+      try {
+        cls = ((await import(specifier)) as { AsyncLocalStorage?: Als }).AsyncLocalStorage;
+      } catch {
+        cls = undefined;
+      }
+    }
+    storage = cls === undefined ? null : new cls();
+    return storage;
+  })();
+  return loading;
+}
+
+/**
+ * The attempt of the guarded function running in this async context. Throws outside of one, and
+ * on a runtime without `AsyncLocalStorage` (there, use the attempt passed to the function).
+ */
+export function current(): Attempt {
+  const attempt = storage?.getStore();
+  if (attempt === undefined) {
+    throw new OnceguardError("current() is only available inside a function guarded by once() or guarded()");
+  }
+  return attempt;
+}
+
+// -- the attempt ---------------------------------------------------------------------------
+
+/** A replayed claim's value. */
+interface Replayed {
+  readonly replayed: true;
+  readonly fence: number;
+  readonly attempt: number;
+  readonly value: unknown;
+}
+
+/**
+ * The handle of a guarded call: the claim's facts (`fence` to hand downstream, `attempt`,
+ * `recovery`), `checkpoint()`, and the outcome.
+ */
+export class Attempt {
+  readonly namespace: string;
+  readonly key: string;
+  /** The claim's fence: hand it to the downstream system so that it can refuse a stale writer. */
+  readonly fence: number;
+  /** 1 for the first attempt. */
+  readonly attempt: number;
+  /** Set when an earlier attempt may have done part of the work (with its last checkpoint). */
+  readonly recovery: Recovery | null;
+  /** Whether the outcome came from the store (nothing ran). */
+  readonly replayed: boolean;
+  readonly leaseExpiresAt: Date | null;
+  /** Cost units (money) to report when the attempt completes or fails. */
+  cost: number | undefined;
+  /** Tokens to report when the attempt completes. */
+  tokens: number | undefined;
+  readonly #client: Client;
+  readonly #policy: Policy;
+  readonly #lost = new AbortController();
+  #lostError: StaleFence | undefined;
+  #completed = false;
+  #effectDone = false;
+  #result: unknown;
+
+  /** @internal */
+  constructor(client: Client, policy: Policy, key: string, found: Acquired | Replayed) {
+    this.#client = client;
+    this.#policy = policy;
+    this.namespace = policy.namespace;
+    this.key = key;
+    this.fence = found.fence;
+    this.attempt = found.attempt;
+    if ("replayed" in found) {
+      this.replayed = true;
+      this.recovery = null;
+      this.leaseExpiresAt = null;
+      this.#result = found.value;
+      this.#completed = true;
+    } else {
+      this.replayed = false;
+      this.recovery = found.recovery;
+      this.leaseExpiresAt = found.leaseExpiresAt;
+    }
+  }
+
+  /**
+   * Aborted when the call's signal aborts, or when the heartbeat finds the lease taken over
+   * (then the outcome will not be stored): hand it to the work that can stop.
+   */
+  get signal(): AbortSignal {
+    return this.#lost.signal;
+  }
+
+  /** Whether the heartbeat found the lease taken over (storing the outcome will throw `StaleFence`). */
+  get leaseLost(): boolean {
+    return this.#lostError !== undefined;
+  }
+
+  /** Whether the outcome is stored (always, for a replay). */
+  get completed(): boolean {
+    return this.#completed;
+  }
+
+  /** The replayed value; after completion, the value decoded from the stored bytes. */
+  get result(): unknown {
+    return this.#result;
+  }
+
+  /**
+   * Save a recovery point: if this attempt crashes, the next one receives it in
+   * `recovery.lastCheckpoint`. Throws {@link StaleFence} if the attempt is over.
+   */
+  async checkpoint(name: string, data?: unknown): Promise<void> {
+    this.#requireHolder();
+    applied(await this.#client.checkpoint(this.namespace, this.key, this.fence, name, data === undefined ? null : toJsonValue(data)));
+  }
+
+  /**
+   * Store `value` now, before the function returns; returns it as every caller will see it.
+   * From then on the effect counts as done: if storing fails, the key is reported unknown,
+   * never released. Throws {@link StaleFence} if the lease was taken over (nothing stored).
+   */
+  async complete(value?: unknown): Promise<unknown> {
+    this.#requireHolder();
+    if (this.#completed) throw new OnceguardError("the outcome is stored already");
+    this.#effectDone = true;
+    const text = this.#serialize(value);
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), this.#amounts()));
+    return this.#stored(text);
+  }
+
+  #amounts(): { cost?: number; tokens?: number } {
+    return {
+      ...(this.cost !== undefined ? { cost: this.cost } : {}),
+      ...(this.tokens !== undefined ? { tokens: this.tokens } : {}),
+    };
+  }
+
+  #requireHolder(): void {
+    if (this.replayed) throw new OnceguardError("this key replayed: there is no attempt to checkpoint or complete");
+  }
+
+  #serialize(value: unknown): string {
+    return dumps(this.#policy.encode(value));
+  }
+
+  #stored(text: string): unknown {
+    this.#completed = true;
+    this.#result = this.#policy.decode(JSON.parse(text));
+    return this.#result;
+  }
+
+  /** @internal abort this attempt's signal with the call's */
+  follow(signal: AbortSignal | undefined): () => void {
+    if (signal === undefined) return () => undefined;
+    const onAbort = (): void => this.#lost.abort(signal.reason);
+    if (signal.aborted) onAbort();
+    else signal.addEventListener("abort", onAbort, { once: true });
+    return () => signal.removeEventListener("abort", onAbort);
+  }
+
+  /** @internal the heartbeat found the lease taken over */
+  loseLease(error: StaleFence): void {
+    this.#lostError = error;
+    this.#lost.abort(error);
+  }
+
+  /** @internal store the function's value (unless it completed early) */
+  async settleSuccess(value: unknown): Promise<unknown> {
+    if (this.#completed) return this.#result;
+    let text: string;
+    try {
+      text = this.#serialize(value);
+    } catch (error) {
+      await this.#reportUnknown(`the result could not be stored: ${detailOf(error)}`);
+      throw error;
+    }
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), this.#amounts()));
+    return this.#stored(text);
+  }
+
+  /**
+   * @internal after the function threw `error`: store, report or release; throws
+   * `PermanentFailure` for a stored failure, else returns so that `error` propagates.
+   */
+  async settleFailure(error: unknown): Promise<void> {
+    if (this.#completed) return; // the outcome was stored before the function threw: it stands
+    const kind = this.#effectDone ? "unknown" : classify(this.#policy, error);
+    if (kind === "permanent") {
+      const failure = failureOf(error);
+      const spent = this.#amounts();
+      applied(await this.#client.fail(this.namespace, this.key, this.fence, { retryable: false, error: failure, ...spent }));
+      throw new PermanentFailure(failure, this.namespace, this.key, false, error);
+    }
+    if (kind === "unknown") {
+      await this.#reportUnknown(detailOf(error));
+      return;
+    }
+    try {
+      const spent = this.#amounts();
+      await this.#client.fail(this.namespace, this.key, this.fence, { retryable: true, error: failureOf(error), ...spent });
+    } catch {
+      // the lease will pass; the next claim is then a recovery
+    }
+  }
+
+  async #reportUnknown(detail: string): Promise<void> {
+    try {
+      await this.#client.reportUnknown(this.namespace, this.key, this.fence, detail);
+    } catch {
+      // the lease will pass; the next claim is then a recovery
+    }
+  }
+}
+
+/** Seconds between two heartbeats: a third of the lease. */
+function interval(lease: number): number {
+  return Math.max(lease / 3, 0.03);
+}
+
+/** Extends the lease every third of it, in the background, until stopped (and waited for). */
+class Heartbeat {
+  readonly #client: Client;
+  readonly #attempt: Attempt;
+  readonly #lease: number;
+  #timer: ReturnType<typeof setTimeout> | undefined;
+  #beat: Promise<void> | undefined;
+  #stopped = false;
+
+  constructor(client: Client, attempt: Attempt, lease: number) {
+    this.#client = client;
+    this.#attempt = attempt;
+    this.#lease = lease;
+  }
+
+  start(): void {
+    if (this.#stopped) return;
+    this.#timer = setTimeout(() => {
+      this.#beat = this.#once().then((again) => {
+        this.#beat = undefined;
+        if (again) this.start();
+      });
+    }, interval(this.#lease) * 1000);
+    // A heartbeat never keeps a process alive by itself.
+    (this.#timer as { unref?: () => void }).unref?.();
+  }
+
+  /** Extend once; `false` (no more beats) if the lease was taken over. */
+  async #once(): Promise<boolean> {
+    const a = this.#attempt;
+    try {
+      const answer = await this.#client.extendOnce(a.namespace, a.key, a.fence, this.#lease);
+      if (answer.outcome === "stale") {
+        a.loseLease(StaleFence.of(answer));
+        return false;
+      }
+    } catch {
+      // the next beat tries again
+    }
+    return !this.#stopped;
+  }
+
+  async stop(): Promise<void> {
+    this.#stopped = true;
+    clearTimeout(this.#timer);
+    await this.#beat;
+  }
+}
+
+/** An acquired claim, or the replayed value; throws for the other answers. */
+function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired | Replayed {
+  const ns = policy.namespace;
+  switch (answer.outcome) {
+    case "acquired":
+      return answer;
+    case "replay":
+      if (answer.status !== "success") throw new PermanentFailure(answer.result, ns, key, true);
+      return { replayed: true, fence: answer.fence, attempt: answer.attempt, value: policy.decode(answer.result) };
+    case "in_flight":
+      throw new InFlightError(ns, key, answer.retryAfter, answer.attempt);
+    case "mismatch":
+      throw new KeyConflict(ns, key, answer.detail);
+    case "denied":
+      throw new DeniedError(answer, ns, key);
+  }
+}
+
+/** What a guarded call claims with besides its key. */
+export interface ClaimOf {
+  /** What the effect means (JSON; its fingerprint catches a key reused for another request). */
+  readonly request?: unknown;
+  /** Or a fingerprint you computed, `algorithm:hex`. */
+  readonly fingerprint?: string | undefined;
+  /** The run the key is charged to. */
+  readonly run?: string | null | undefined;
+  /** Abort the call (the claim, or the function: then the outcome is reported unknown). */
+  readonly signal?: AbortSignal | undefined;
+}
+
+/**
+ * Run `job(attempt)` once per `key` and return its value as stored, or the stored value of an
+ * earlier run: what {@link once}, {@link guarded} and the framework helpers do for each call.
+ */
+export async function runGuarded<T>(
+  client: Client,
+  policy: Policy,
+  key: string,
+  job: (attempt: Attempt) => T | PromiseLike<T>,
+  claim: ClaimOf = {},
+): Promise<Awaited<T>> {
+  checkKey(key);
+  const answer = await client.claim(policy.namespace, key, {
+    ...(claim.fingerprint !== undefined ? { fingerprint: claim.fingerprint } : { request: claim.request ?? null }),
+    lease: policy.lease,
+    retention: policy.retention,
+    run: claim.run ?? undefined,
+    wait: policy.wait,
+    cost: policy.cost,
+    signal: claim.signal,
+  });
+  const found = interpret(answer, policy, key);
+  const attempt = new Attempt(client, policy, key, found);
+  if (attempt.replayed) return attempt.result as Awaited<T>;
+  const als = await loadStorage();
+  if (claim.signal?.aborted) {
+    // aborted before anything ran: release the key for the next call
+    await client.fail(policy.namespace, key, attempt.fence, { retryable: true }).catch(() => undefined);
+    throw claim.signal.reason;
+  }
+  const unfollow = attempt.follow(claim.signal);
+  const beat = policy.heartbeat ? new Heartbeat(client, attempt, policy.lease) : undefined;
+  beat?.start();
+  let value: Awaited<T>;
+  try {
+    value = await (als ? als.run(attempt, () => job(attempt)) : job(attempt));
+  } catch (error) {
+    await beat?.stop();
+    unfollow();
+    await attempt.settleFailure(error);
+    throw error;
+  }
+  await beat?.stop();
+  unfollow();
+  return (await attempt.settleSuccess(value)) as Awaited<T>;
+}
+
+/** The options of {@link guarded}. */
+export interface GuardedOptions extends GuardOptions, ClaimOf {}
+
+/**
+ * Run `fn` once per `key`: the first call claims the key, runs `fn(attempt)` and stores its
+ * value; every later call (another task, process or machine) gets the stored value without
+ * running `fn`.
+ *
+ * ```ts
+ * const ticket = await guarded(client, "prod/tickets", `ticket-${alert.id}`, { request: { alert: alert.id } },
+ *   async (attempt) => tickets.open(alert, { fence: attempt.fence }));
+ * ```
+ *
+ * `request` is what the effect means (JSON; default `null`), or give `fingerprint`. Throws
+ * {@link InFlightError}, {@link KeyConflict}, {@link DeniedError}, {@link PermanentFailure}
+ * (a stored failure), or {@link StaleFence} if the lease was taken over before the value was
+ * stored.
+ */
+export function guarded<T>(client: Client, namespace: string, key: string, fn: (attempt: Attempt) => T | Promise<T>): Promise<Awaited<T>>;
+export function guarded<T>(
+  client: Client,
+  namespace: string,
+  key: string,
+  options: GuardedOptions,
+  fn: (attempt: Attempt) => T | Promise<T>,
+): Promise<Awaited<T>>;
+export function guarded<T>(
+  client: Client,
+  namespace: string,
+  key: string,
+  optionsOrFn: GuardedOptions | ((attempt: Attempt) => T | Promise<T>),
+  maybeFn?: (attempt: Attempt) => T | Promise<T>,
+): Promise<Awaited<T>> {
+  const [options, fn] = typeof optionsOrFn === "function" ? [{}, optionsOrFn] : [optionsOrFn, maybeFn];
+  if (fn === undefined) throw new TypeError("guarded() needs the function to run");
+  return runGuarded(client, policyOf(namespace, options), key, fn, options);
+}
+
+/** The options of {@link once}. */
+export type OnceOptions<A extends unknown[]> = GuardOptions & {
+  readonly client: Client;
+  readonly namespace: string;
+  /** Part of derived keys: change it when the function's effect changes meaning. Default `"v1"`. */
+  readonly version?: string;
+  /**
+   * The names of the positional parameters: the arguments become the object
+   * `{name: argument}` (as the Python client binds them), so that `deriveKey` and a Python
+   * function with those parameters make the same keys. Without it, the arguments are the array
+   * of the call's arguments.
+   */
+  readonly params?: readonly string[];
+  /** Arguments left out of the key and the request: names (with `params`) or positions. */
+  readonly ignore?: ReadonlyArray<string | number>;
+  /** The run the key is charged to: a string, or a function of the arguments. */
+  readonly run?: string | ((...args: A) => string | null | undefined);
+  /** Abort every call (or pass a signal per call with {@link withSignal}). */
+  readonly signal?: AbortSignal;
+} & (
+    | {
+        /** Part of derived keys: pin it (bundlers rename functions). */
+        readonly name: string;
+        /** A fixed key, or a function of the arguments returning one. Default: derived. */
+        readonly key?: string | ((...args: A) => string | Promise<string>);
+      }
+    | { readonly name?: string; readonly key: string | ((...args: A) => string | Promise<string>) }
+  );
+
+/** The JSON arguments of a call, as `once` makes them for the key and the request. */
+export function argumentsOf(args: readonly unknown[], params?: readonly string[], ignore: ReadonlyArray<string | number> = []): unknown {
+  const skip = new Set(ignore);
+  if (params === undefined) {
+    return toJsonValue(args.filter((_, i) => !skip.has(i)));
+  }
+  if (args.length > params.length) {
+    throw new TypeError(`${args.length} arguments given for the ${params.length} parameters ${params.join(", ")}`);
+  }
+  const out: Record<string, unknown> = {};
+  params.forEach((name, i) => {
+    if (!skip.has(name) && !skip.has(i)) out[name] = args[i];
+  });
+  return toJsonValue(out);
+}
+
+/**
+ * Make an async function run once per key:
+ *
+ * ```ts
+ * const refund = once(async (order: number, amount: number) => payments.refund(order, amount, { fence: current().fence }),
+ *   { client, namespace: "prod/payments-agent", name: "refund", version: "v1", params: ["order", "amount"] });
+ * await refund(1234, 25);   // runs: claim → run → complete
+ * await refund(1234, 25);   // replays the stored result
+ * ```
+ *
+ * The key is derived from `name`, `version` and the canonical JSON of the arguments (see
+ * {@link deriveKey}), or given (`key`). The arguments (as JSON) are the claim's request, so a
+ * fixed or computed key reused with other arguments throws {@link KeyConflict}. In the
+ * function, the {@link Attempt} is `this` (for a `function`) and {@link current}().
+ */
+export function once<A extends unknown[], R>(
+  fn: (this: Attempt, ...args: A) => R | Promise<R>,
+  options: OnceOptions<A>,
+): (...args: A) => Promise<Awaited<R>> {
+  const policy = policyOf(options.namespace, options);
+  const version = checkLabel("version", options.version ?? "v1", 32);
+  const name = options.name === undefined ? undefined : checkLabel("name", options.name, 128);
+  if (name === undefined && options.key === undefined) throw new TypeError("once() needs a name (or a key)");
+  if (typeof options.key === "string") checkKey(options.key);
+  const guardedFn = async (signal: AbortSignal | undefined, args: A): Promise<Awaited<R>> => {
+    const request = argumentsOf(args, options.params, options.ignore);
+    let key: string;
+    if (options.key === undefined) key = await deriveKey(name as string, version, request);
+    else if (typeof options.key === "string") key = options.key;
+    else key = checkKey(await options.key(...args));
+    const run = typeof options.run === "function" ? options.run(...args) : options.run;
+    return runGuarded(options.client, policy, key, (attempt) => fn.apply(attempt, args), {
+      request,
+      run,
+      signal,
+    });
+  };
+  const wrapper = (...args: A): Promise<Awaited<R>> => guardedFn(options.signal, args);
+  SIGNALLED.set(wrapper, guardedFn as (signal: AbortSignal | undefined, args: unknown[]) => Promise<unknown>);
+  return wrapper;
+}
+
+const SIGNALLED = new WeakMap<object, (signal: AbortSignal | undefined, args: unknown[]) => Promise<unknown>>();
+
+/**
+ * The function `once` made, called with `signal` for this call: aborting it cancels the claim,
+ * or, once the function runs, aborts `current().signal`-aware work and reports the outcome
+ * unknown.
+ */
+export function withSignal<A extends unknown[], R>(guardedFn: (...args: A) => Promise<R>, signal: AbortSignal): (...args: A) => Promise<R> {
+  const inner = SIGNALLED.get(guardedFn);
+  if (inner === undefined) throw new TypeError("withSignal() takes a function made by once()");
+  return (...args: A) => inner(signal, args) as Promise<R>;
+}

@@ -1,0 +1,36 @@
+/**
+ * Onceguard: workflow idempotency keys for AI agents. Every side effect of an agent or a RAG
+ * pipeline happens once, however often the call is retried, duplicated, replayed or crashed
+ * half-way.
+ *
+ * - {@link Client}: every call of the HTTP API, with typed answers.
+ * - {@link once} and {@link guarded}: run a function once per key.
+ * - The framework helpers live in their own entry points: `onceguard/ai` (Vercel AI SDK),
+ *   `onceguard/openai-agents` (OpenAI Agents SDK), `onceguard/langchain` (LangChain.js
+ *   tools and LangGraph.js tasks).
+ *
+ * @module
+ */
+
+export { Client, DEFAULT_URL, TimeoutError, applied } from "./client.js";
+export type {
+  AuditFilter,
+  CallOptions,
+  ClaimItem,
+  ClaimOptions,
+  ClientOptions,
+  CompleteItem,
+  CompleteOptions,
+  RecordFilter,
+  TenantOption,
+} from "./client.js";
+export { NO_RETRY, Retry } from "./retry.js";
+export type { RetryOptions } from "./retry.js";
+export * from "./errors.js";
+export type * from "./models.js";
+export { Attempt, argumentsOf, current, guarded, once, withSignal } from "./guard.js";
+export type { ClaimOf, ErrorMatcher, GuardOptions, GuardedOptions, OnceOptions } from "./guard.js";
+export { canonicalJson, checkKey, deriveKey, digest, fingerprint, toJsonValue, toolKey } from "./keys.js";
+export type { JsonValue, ToolCall } from "./keys.js";
+export { RawJson, formatDuration } from "./wire.js";
+export type { Duration } from "./wire.js";

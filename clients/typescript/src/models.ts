@@ -1,0 +1,470 @@
+/**
+ * The typed answers of the API.
+ *
+ * A claim answers exactly one of {@link Acquired}, {@link Replay}, {@link InFlight},
+ * {@link Mismatch} or {@link Denied} (the union {@link ClaimAnswer}), told apart by `outcome`:
+ *
+ * ```ts
+ * const answer = await client.claim("prod/payments-agent", "refund-1234", { request: args });
+ * switch (answer.outcome) {
+ *   case "acquired": ... // do the effect, then client.complete(..., answer.fence, result)
+ *   case "replay":   ... // answer.result: the stored outcome
+ *   case "in_flight": ... // retry after answer.retryAfter seconds
+ *   case "mismatch": ... // the key was used with another request
+ *   case "denied":   ... // a switch, budget or quota refused it (answer.kind)
+ * }
+ * ```
+ *
+ * A fenced call (complete, fail, extend, checkpoint, report-unknown) answers {@link Applied}
+ * with the record as it now is, or {@link Stale} when the fence is no longer the holder's.
+ *
+ * Durations in answers are seconds; times are `Date`s.
+ *
+ * @module
+ */
+
+import { fromBase64, parseOptionalTime, parseTime, utf8, type Duration } from "./wire.js";
+
+type Json = Record<string, unknown>;
+
+const JSON_MEDIA_TYPE = "application/json";
+
+function isJsonMedia(contentType: string): boolean {
+  return (contentType.split(";")[0] ?? "").trim().toLowerCase() === JSON_MEDIA_TYPE;
+}
+
+function int(value: unknown): number {
+  return Number(value);
+}
+
+function optionalInt(value: unknown): number | null {
+  return value === null || value === undefined ? null : Number(value);
+}
+
+function optionalString(value: unknown): string | null {
+  return value === null || value === undefined ? null : String(value);
+}
+
+/** A recovery point saved by an attempt. */
+export interface Checkpoint {
+  readonly name: string;
+  readonly data: unknown;
+  /** The fence of the attempt that saved it. */
+  readonly fence: number;
+  readonly at: Date;
+}
+
+function checkpointOf(d: Json): Checkpoint {
+  return { name: String(d["name"]), data: d["data"] ?? null, fence: int(d["fence"]), at: parseTime(d["at"]) };
+}
+
+/** Why an acquired claim is a recovery: an earlier attempt may have done part of the work. */
+export interface Recovery {
+  readonly previousFence: number;
+  readonly previousAttempt: number;
+  /** `lease_expired` or `reported_unknown`. */
+  readonly reason: "lease_expired" | "reported_unknown" | (string & {});
+  /** What the previous holder reported, for `reported_unknown`. */
+  readonly detail: string | null;
+  /** The last checkpoint the previous attempts saved, if any. */
+  readonly lastCheckpoint: Checkpoint | null;
+}
+
+function recoveryOf(d: Json): Recovery {
+  const cp = d["last_checkpoint"];
+  return {
+    previousFence: int(d["previous_fence"]),
+    previousAttempt: int(d["previous_attempt"]),
+    reason: String(d["reason"]),
+    detail: optionalString(d["detail"]),
+    lastCheckpoint: cp ? checkpointOf(cp as Json) : null,
+  };
+}
+
+/** `201 acquired`: you hold the key. Do the effect, then complete or fail with `fence`. */
+export interface Acquired {
+  readonly outcome: "acquired";
+  readonly fence: number;
+  readonly attempt: number;
+  readonly leaseExpiresAt: Date;
+  /** Set when an earlier attempt may have done part of the work. */
+  readonly recovery: Recovery | null;
+}
+
+export function acquiredOf(d: Json): Acquired {
+  const rec = d["recovery"];
+  return {
+    outcome: "acquired",
+    fence: int(d["fence"]),
+    attempt: int(d["attempt"]),
+    leaseExpiresAt: parseTime(d["lease_expires_at"]),
+    recovery: rec ? recoveryOf(rec as Json) : null,
+  };
+}
+
+/** An outcome as stored: `raw` is its bytes exactly as given at completion. */
+export interface StoredOutcome {
+  /** `success`, or `failure` for a stored permanent failure. */
+  readonly status: "success" | "failure" | (string & {});
+  readonly contentType: string;
+  /** The outcome's bytes exactly as given at completion. */
+  readonly raw: Uint8Array;
+  /** The outcome: the decoded JSON for `application/json`, else the raw bytes. */
+  readonly result: unknown;
+  /** Cost units (money) reported at completion: what a replay saved. */
+  readonly cost: number | null;
+  /** Model tokens reported at completion: what a replay saved. */
+  readonly tokens: number | null;
+}
+
+/** The bytes and the value of a stored outcome in `d` (`text`: the JSON result as sent). */
+function storedOf(d: Json, text: string | undefined): StoredOutcome {
+  const contentType = String(d["content_type"]);
+  let raw: Uint8Array;
+  if (typeof d["result_base64"] === "string") raw = fromBase64(d["result_base64"]);
+  else raw = utf8(text ?? JSON.stringify(d["result"] ?? null));
+  let result: unknown = raw;
+  if (isJsonMedia(contentType)) result = "result" in d ? d["result"] : JSON.parse(new TextDecoder().decode(raw));
+  const spent = { cost: optionalInt(d["cost"]), tokens: optionalInt(d["tokens"]) };
+  return { status: String(d["status"]), contentType, raw, result, ...spent };
+}
+
+/** `200 replay`: the key completed; its stored outcome, byte for byte. */
+export interface Replay extends StoredOutcome {
+  readonly outcome: "replay";
+  /** The fence of the attempt that completed it. */
+  readonly fence: number;
+  readonly attempt: number;
+  readonly completedAt: Date;
+}
+
+export function replayOf(d: Json, text: string | undefined): Replay {
+  return {
+    outcome: "replay",
+    fence: int(d["fence"]),
+    attempt: int(d["attempt"]),
+    completedAt: parseTime(d["completed_at"]),
+    ...storedOf(d, text),
+  };
+}
+
+/** `409 in-flight`: someone holds a live lease; retry after `retryAfter` seconds. */
+export interface InFlight {
+  readonly outcome: "in_flight";
+  /** Seconds left on the holder's lease. */
+  readonly retryAfter: number;
+  /** The holder's attempt, when the server says. */
+  readonly attempt: number | null;
+  readonly detail: string;
+}
+
+/** `422 fingerprint-mismatch`: the key was used with a different request; nothing changed. */
+export interface Mismatch {
+  readonly outcome: "mismatch";
+  readonly detail: string;
+}
+
+/** What refused a claim: a kill switch, a run's budget, or the tenant's quota. */
+export type DeniedKind = "switch" | "budget" | "quota";
+
+/** The denial kind of each problem kind. */
+export const DENIED_KINDS: Readonly<Record<string, DeniedKind>> = {
+  "switch-engaged": "switch",
+  "budget-exhausted": "budget",
+  "quota-exceeded": "quota",
+};
+
+/**
+ * `423 / 429 denied`: a kill switch, a run's budget or the tenant's quota refused the claim;
+ * nothing was written and nothing charged.
+ */
+export interface Denied {
+  readonly outcome: "denied";
+  readonly kind: DeniedKind;
+  /**
+   * The server's reason, e.g. `{"reason": "switch_engaged", "target": "…", "why": "…"}`,
+   * `{"reason": "budget_exhausted", "limit": "effects"}` or `{"reason": "quota_exceeded",
+   * "quota": "rate", …}`.
+   */
+  readonly reason: Readonly<Record<string, unknown>>;
+  /** Seconds until a retry may succeed (quotas); `null` otherwise. */
+  readonly retryAfter: number | null;
+  readonly detail: string;
+  /** Whether the same claim may succeed later (a quota refills, a switch is released). */
+  readonly retryable: boolean;
+}
+
+/** The one answer of a claim. */
+export type ClaimAnswer = Acquired | Replay | InFlight | Mismatch | Denied;
+
+/** A key's record as the API shows it. */
+export interface KeyRecord {
+  readonly namespace: string;
+  readonly key: string;
+  /** `in_progress`, `completed` or `released`. */
+  readonly state: "in_progress" | "completed" | "released" | (string & {});
+  /** In progress with no live lease: the next claim is a recovery. */
+  readonly stuck: boolean;
+  readonly fingerprint: string;
+  readonly fence: number;
+  readonly attempt: number;
+  readonly run: string | null;
+  readonly leaseExpiresAt: Date | null;
+  /** What the holder reported when it did not know the outcome. */
+  readonly unknown: string | null;
+  readonly completedAt: Date | null;
+  readonly createdAt: Date;
+  readonly updatedAt: Date;
+  /** When the record stops existing; `null` while in progress. */
+  readonly expiresAt: Date | null;
+  /** Recovery points, oldest first. */
+  readonly checkpoints: readonly Checkpoint[];
+  /** The stored outcome (only from {@link Client.getRecord}). */
+  readonly stored: StoredOutcome | null;
+}
+
+
+export function recordOf(d: Json, storedText?: string): KeyRecord {
+  const stored = d["stored"];
+  return {
+    namespace: String(d["namespace"]),
+    key: String(d["key"]),
+    state: String(d["state"]),
+    stuck: Boolean(d["stuck"]),
+    fingerprint: String(d["fingerprint"]),
+    fence: int(d["fence"]),
+    attempt: int(d["attempt"]),
+    run: optionalString(d["run"]),
+    leaseExpiresAt: parseOptionalTime(d["lease_expires_at"]),
+    unknown: optionalString(d["unknown"]),
+    completedAt: parseOptionalTime(d["completed_at"]),
+    createdAt: parseTime(d["created_at"]),
+    updatedAt: parseTime(d["updated_at"]),
+    expiresAt: parseOptionalTime(d["expires_at"]),
+    checkpoints: Array.isArray(d["checkpoints"]) ? (d["checkpoints"] as Json[]).map(checkpointOf) : [],
+    stored: stored ? storedOf(stored as Json, storedText) : null,
+  };
+}
+
+/** A fenced call took effect: the record as it now is. */
+export interface Applied {
+  readonly outcome: "applied";
+  readonly record: KeyRecord;
+}
+
+/** Why a fenced call changed nothing. */
+export type StaleReason = "superseded" | "no_record" | "finished" | (string & {});
+
+/**
+ * A fenced call changed nothing: the fence is not the current holder's. `superseded`: another
+ * claim took the key over (your lease passed, or a switch revoked it); `no_record`: no live
+ * record; `finished`: your attempt already finished differently. A result you tried to store
+ * is **not** stored.
+ */
+export interface Stale {
+  readonly outcome: "stale";
+  readonly reason: StaleReason;
+  readonly detail: string;
+}
+
+/** The answer of a fenced call. */
+export type FencedAnswer = Applied | Stale;
+
+/** A page of records; pass `next` as `cursor` for the next page (`null` on the last). */
+export interface RecordPage {
+  readonly records: readonly KeyRecord[];
+  readonly next: string | null;
+}
+
+/** An API key; `token` only in the answer that created it. */
+export interface ApiKey {
+  readonly id: string;
+  readonly tenant: string;
+  readonly role: "agent" | "admin" | (string & {});
+  readonly label: string;
+  readonly createdAt: Date;
+  readonly revokedAt: Date | null;
+  readonly token: string | null;
+}
+
+export function apiKeyOf(d: Json): ApiKey {
+  return {
+    id: String(d["id"]),
+    tenant: String(d["tenant"]),
+    role: String(d["role"]),
+    label: String(d["label"] ?? ""),
+    createdAt: parseTime(d["created_at"]),
+    revokedAt: parseOptionalTime(d["revoked_at"]),
+    token: optionalString(d["token"]),
+  };
+}
+
+/** A tenant. */
+export interface Tenant {
+  readonly id: string;
+  readonly createdAt: Date;
+}
+
+export function tenantOf(d: Json): Tenant {
+  return { id: String(d["id"]), createdAt: parseTime(d["created_at"]) };
+}
+
+/** A run's limits; `null` means unlimited. */
+export interface Budget {
+  readonly maxEffects: number | null;
+  readonly maxCost: number | null;
+  readonly deadline: Date | null;
+}
+
+/** What a run has spent: acquired effects (each key once) and cost units. */
+export interface Usage {
+  readonly effects: number;
+  readonly cost: number;
+}
+
+/** A run with its budget and usage. */
+export interface Run {
+  readonly run: string;
+  readonly budget: Budget;
+  readonly usage: Usage;
+  readonly createdAt: Date | null;
+  readonly updatedAt: Date | null;
+}
+
+export function runOf(d: Json): Run {
+  const b = (d["budget"] ?? {}) as Json;
+  const u = (d["usage"] ?? {}) as Json;
+  return {
+    run: String(d["run"]),
+    budget: {
+      maxEffects: optionalInt(b["max_effects"]),
+      maxCost: optionalInt(b["max_cost"]),
+      deadline: parseOptionalTime(b["deadline"]),
+    },
+    usage: { effects: int(u["effects"] ?? 0), cost: int(u["cost"] ?? 0) },
+    createdAt: parseOptionalTime(d["created_at"]),
+    updatedAt: parseOptionalTime(d["updated_at"]),
+  };
+}
+
+/** What a kill switch covers: the whole tenant, a namespace prefix (and below), or one run. */
+export type SwitchTarget =
+  | { readonly kind: "tenant" }
+  | { readonly kind: "namespace"; readonly prefix: string }
+  | { readonly kind: "run"; readonly run: string };
+
+/** An engaged (or just released) kill switch. */
+export interface Switch {
+  readonly target: SwitchTarget;
+  readonly reason: string;
+  readonly revokeLeases: boolean;
+  /** How many live leases were revoked when it was engaged. */
+  readonly revoked: number;
+  /** The id of the API key that engaged it. */
+  readonly engagedBy: string | null;
+  readonly engagedAt: Date | null;
+}
+
+function targetOf(d: unknown): SwitchTarget {
+  const t = (d ?? {}) as Json;
+  if (t["kind"] === "namespace") return { kind: "namespace", prefix: String(t["prefix"]) };
+  if (t["kind"] === "run") return { kind: "run", run: String(t["run"]) };
+  return { kind: "tenant" };
+}
+
+export function switchOf(d: Json): Switch {
+  return {
+    target: targetOf(d["target"]),
+    reason: String(d["reason"] ?? ""),
+    revokeLeases: Boolean(d["revoke_leases"]),
+    revoked: int(d["revoked"] ?? 0),
+    engagedBy: optionalString(d["engaged_by"]),
+    engagedAt: parseOptionalTime(d["engaged_at"]),
+  };
+}
+
+/** A tenant's claim rate: `perSecond` on average, bursts of up to `burst`. */
+export interface ClaimRate {
+  readonly perSecond: number;
+  readonly burst: number;
+}
+
+/**
+ * Settings of a tenant or of a namespace prefix; an absent field inherits (from the tenant for
+ * a prefix, from the server's limits for the tenant).
+ */
+export interface Settings {
+  readonly defaultLease?: Duration;
+  readonly maxLease?: Duration;
+  readonly defaultRetention?: Duration;
+  readonly maxRetention?: Duration;
+  /** Tenant only: at most this many keys in flight at once. */
+  readonly maxInFlight?: number;
+  /** Tenant only: the claim rate. */
+  readonly claimRate?: ClaimRate;
+}
+
+function settingsOf(d: unknown): Settings {
+  const s = (d ?? {}) as Json;
+  const out: { -readonly [K in keyof Settings]: Settings[K] } = {};
+  for (const [wire, name] of [
+    ["default_lease", "defaultLease"],
+    ["max_lease", "maxLease"],
+    ["default_retention", "defaultRetention"],
+    ["max_retention", "maxRetention"],
+  ] as const) {
+    if (typeof s[wire] === "string") out[name] = s[wire];
+  }
+  if (s["max_in_flight"] !== null && s["max_in_flight"] !== undefined) out.maxInFlight = int(s["max_in_flight"]);
+  const rate = s["claim_rate"] as Json | null | undefined;
+  if (rate) out.claimRate = { perSecond: int(rate["per_second"]), burst: int(rate["burst"]) };
+  return out;
+}
+
+/** The settings of the tenant (`namespacePrefix` `null`) or of a namespace prefix. */
+export interface SettingsEntry {
+  readonly namespacePrefix: string | null;
+  readonly settings: Settings;
+  /** Who set them: an API key id, `cli:<user>` or `embedded`. */
+  readonly updatedBy: string | null;
+  readonly updatedAt: Date | null;
+}
+
+export function settingsEntryOf(d: Json): SettingsEntry {
+  return {
+    namespacePrefix: optionalString(d["namespace_prefix"]),
+    settings: settingsOf(d["settings"]),
+    updatedBy: optionalString(d["updated_by"]),
+    updatedAt: parseOptionalTime(d["updated_at"]),
+  };
+}
+
+/** One admin action: who, when, what, why. */
+export interface AuditEntry {
+  readonly id: string;
+  readonly at: Date;
+  readonly actor: string;
+  readonly action: string;
+  readonly target: string | null;
+  readonly why: string | null;
+  readonly details: Readonly<Record<string, unknown>>;
+}
+
+export function auditEntryOf(d: Json): AuditEntry {
+  const target = d["target"];
+  return {
+    id: String(d["id"]),
+    at: parseTime(d["at"]),
+    actor: String(d["actor"] ?? ""),
+    action: String(d["action"]),
+    target: target === null || target === undefined ? null : typeof target === "string" ? target : JSON.stringify(target),
+    why: optionalString(d["why"]),
+    details: (d["details"] ?? {}) as Record<string, unknown>,
+  };
+}
+
+/** A page of the audit log, newest first; `next` is the cursor of the next page. */
+export interface AuditPage {
+  readonly entries: readonly AuditEntry[];
+  readonly next: string | null;
+}

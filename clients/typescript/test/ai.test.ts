@@ -1,0 +1,137 @@
+/**
+ * Vercel AI SDK: guarded tools in `generateText` with a scripted model (`MockLanguageModelV3`
+ * from `ai/test`): the model re-emits a tool call with a new `toolCallId`; the effect happens once.
+ */
+
+import assert from "node:assert/strict";
+import { describe, it } from "node:test";
+import { generateText, stepCountIs, tool } from "ai";
+import { MockLanguageModelV3 } from "ai/test";
+import { PermanentFailure } from "onceguard";
+import { guardTool, guardTools } from "onceguard/ai";
+import { z } from "zod";
+import { ns, useServer } from "./server.js";
+
+const fx = useServer();
+
+type GenerateResult = Awaited<ReturnType<MockLanguageModelV3["doGenerate"]>>;
+
+const usage = {
+  inputTokens: { total: 10, noCache: 10, cacheRead: undefined, cacheWrite: undefined },
+  outputTokens: { total: 5, text: 5, reasoning: undefined },
+};
+
+function toolCall(toolCallId: string, toolName: string, input: unknown): GenerateResult {
+  return {
+    content: [{ type: "tool-call", toolCallId, toolName, input: JSON.stringify(input) }],
+    finishReason: { unified: "tool-calls", raw: "tool_calls" },
+    usage,
+    warnings: [],
+  };
+}
+
+function text(value: string): GenerateResult {
+  return { content: [{ type: "text", text: value }], finishReason: { unified: "stop", raw: "stop" }, usage, warnings: [] };
+}
+
+/** A model that answers each step from `script`, in order. */
+function scripted(...script: GenerateResult[]): MockLanguageModelV3 {
+  return new MockLanguageModelV3({ doGenerate: [...script] });
+}
+
+function invoiceTool(sent: Array<{ customer: string; amount: number }>) {
+  return tool({
+    description: "Send an invoice to a customer",
+    inputSchema: z.object({ customer: z.string(), amount: z.number() }),
+    execute: async ({ customer, amount }) => {
+      sent.push({ customer, amount });
+      return { invoice: `inv_${sent.length}`, customer, amount };
+    },
+  });
+}
+
+describe("Vercel AI SDK", () => {
+  it("a re-emitted tool call (new toolCallId) replays the first call's output", async () => {
+    const namespace = ns("ai-sdk");
+    const sent: Array<{ customer: string; amount: number }> = [];
+    const conversation = "conv-1";
+    const tools = guardTools({ sendInvoice: invoiceTool(sent) }, { client: fx.client, namespace, runId: () => conversation });
+
+    const first = await generateText({
+      model: scripted(toolCall("call_1", "sendInvoice", { customer: "c_1", amount: 100 }), text("sent")),
+      tools,
+      prompt: "invoice c_1 for 100",
+      stopWhen: stepCountIs(3),
+    });
+    assert.equal(first.text, "sent");
+    const firstOutput = first.steps[0]?.toolResults[0]?.output;
+    assert.deepEqual(firstOutput, { invoice: "inv_1", customer: "c_1", amount: 100 });
+
+    // The model, resumed, emits the same call again with another id (and the keys in another order).
+    const second = await generateText({
+      model: scripted(toolCall("call_2", "sendInvoice", { amount: 100, customer: "c_1" }), text("sent again")),
+      tools,
+      prompt: "invoice c_1 for 100",
+      stopWhen: stepCountIs(3),
+    });
+    assert.deepEqual(second.steps[0]?.toolResults[0]?.output, firstOutput);
+    assert.equal(sent.length, 1, "the invoice was sent once");
+
+    // Another conversation is another run: its own effect.
+    const other = guardTools({ sendInvoice: invoiceTool(sent) }, { client: fx.client, namespace, runId: "conv-2" });
+    await generateText({
+      model: scripted(toolCall("call_3", "sendInvoice", { customer: "c_1", amount: 100 }), text("ok")),
+      tools: other,
+      prompt: "invoice c_1 for 100",
+      stopWhen: stepCountIs(3),
+    });
+    assert.equal(sent.length, 2);
+    const run = await fx.client.getRun(conversation);
+    assert.equal(run?.usage.effects, 1);
+  });
+
+  it("the run id can come from experimental_context; failures reach the model after the guard", async () => {
+    const namespace = ns("ai-sdk-context");
+    let calls = 0;
+    class Declined extends Error {
+      override name = "Declined";
+    }
+    const charge = guardTool(
+      tool({
+        description: "Charge a card",
+        inputSchema: z.object({ card: z.string() }),
+        execute: async ({ card }): Promise<string> => {
+          calls++;
+          throw new Declined(`card ${card} declined`);
+        },
+      }),
+      {
+        name: "charge",
+        client: fx.client,
+        namespace,
+        runId: (options) => (options.experimental_context as { runId: string }).runId,
+        permanent: [Declined],
+      },
+    );
+    for (const id of ["call_a", "call_b"]) {
+      const result = await generateText({
+        model: scripted(toolCall(id, "charge", { card: "4242" }), text("could not charge")),
+        tools: { charge },
+        prompt: "charge 4242",
+        experimental_context: { runId: "ctx-run-7" },
+        stopWhen: stepCountIs(3),
+      });
+      const error = result.steps[0]?.content.find((part) => part.type === "tool-error");
+      assert.ok(error && error.type === "tool-error", "the model is told the tool failed");
+      assert.ok(error.error instanceof PermanentFailure);
+      assert.equal(error.error.errorType, "Declined");
+    }
+    assert.equal(calls, 1, "the stored failure replays: the card is charged once");
+    assert.ok(await fx.client.getRun("ctx-run-7"));
+  });
+
+  it("a tool without execute is left as it is", () => {
+    const clientSide = tool({ description: "ask the user", inputSchema: z.object({ q: z.string() }) });
+    assert.equal(guardTool(clientSide, { name: "ask", client: fx.client, namespace: "ai/x" }), clientSide);
+  });
+});

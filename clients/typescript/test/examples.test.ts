@@ -1,0 +1,70 @@
+/**
+ * The examples (examples/*.ts) run as written against a real server, and docs/TYPESCRIPT.md
+ * shows them verbatim.
+ */
+
+import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { describe, it } from "node:test";
+import { promisify } from "node:util";
+import { REPO, useServer } from "./server.js";
+
+const fx = useServer();
+const run = promisify(execFile);
+const PACKAGE = join(REPO, "clients", "typescript");
+
+async function example(name: string): Promise<string> {
+  const script = join(PACKAGE, "dist", "examples", `${name}.js`);
+  const env = { ...process.env, ONCEGUARD_URL: fx.server.url, ONCEGUARD_API_KEY: fx.agentKey };
+  const { stdout } = await run(process.execPath, [script], { env, cwd: PACKAGE, timeout: 60_000 });
+  return stdout;
+}
+
+describe("examples", () => {
+  it("quickstart: the refund happens once, and not again on the next run", async () => {
+    const first = await example("quickstart");
+    assert.match(first, /^same result/m);
+    assert.match(first, /refunds made by this run: 1$/m);
+    assert.match(await example("quickstart"), /refunds made by this run: 0$/m);
+  });
+
+  it("claims: acquired and completed, then replayed", async () => {
+    assert.match(await example("claims"), /^opened \{ ticket: 'T-1'/m);
+    assert.match(await example("claims"), /^replayed \{ ticket: 'T-1'/m);
+  });
+
+  it("ai-sdk: two tool calls, one invoice", async () => {
+    const out = await example("ai-sdk");
+    const outputs = [...out.matchAll(/^call_\d (.*)$/gm)].map((m) => m[1]);
+    assert.equal(outputs.length, 2);
+    assert.equal(outputs[0], outputs[1]);
+    assert.match(out, /invoices sent by this run: 1$/m);
+  });
+
+  it("openai-agents: two tool calls, one invoice", async () => {
+    const out = await example("openai-agents");
+    assert.match(out, /^Invoice sent\.$/m);
+    assert.match(out, /invoices sent by this run: 1$/m);
+  });
+
+  it("langgraph: one refund for two calls, one charge across a crash", async () => {
+    const out = await example("langgraph");
+    assert.match(out, /^first run: the worker died after charging$/m);
+    assert.match(out, /^second run: \{ charge: 'ch_1', order: 'o-1' \}$/m);
+    assert.match(out, /refunds made by this run: 1, charges: 1$/m);
+  });
+
+  it("docs/TYPESCRIPT.md shows each example verbatim", () => {
+    const doc = readFileSync(join(REPO, "docs", "TYPESCRIPT.md"), "utf8");
+    const shown = [...doc.matchAll(/<!-- example: (\S+) -->\n```ts\n([\s\S]*?)```/g)];
+    const names = shown.map((m) => m[1]);
+    assert.deepEqual(names.sort(), ["ai-sdk.ts", "claims.ts", "langgraph.ts", "openai-agents.ts", "quickstart.ts"]);
+    for (const [, name, code] of shown) {
+      const file = readFileSync(join(PACKAGE, "examples", name as string), "utf8");
+      assert.equal(code, file, `docs/TYPESCRIPT.md shows examples/${name} as it is`);
+    }
+  });
+});
+

@@ -1,0 +1,119 @@
+/**
+ * LangChain.js tools through LangGraph's `ToolNode` (a call the model re-emits with another
+ * id), and a guarded LangGraph `task` inside an `entrypoint` re-run on the same thread.
+ */
+
+import assert from "node:assert/strict";
+import { describe, it } from "node:test";
+import { AIMessage, ToolMessage } from "@langchain/core/messages";
+import { tool } from "@langchain/core/tools";
+import { MemorySaver, entrypoint } from "@langchain/langgraph";
+import { ToolNode } from "@langchain/langgraph/prebuilt";
+import { guardTask, guardTool, threadId } from "onceguard/langchain";
+import { z } from "zod";
+import { ns, useServer } from "./server.js";
+
+const fx = useServer();
+
+function modelTurn(id: string, args: Record<string, unknown>): AIMessage {
+  return new AIMessage({ content: "", tool_calls: [{ id, name: "refund", args, type: "tool_call" }] });
+}
+
+describe("LangChain tools", () => {
+  it("a ToolNode re-running the model's call (another id) replays the stored result", async () => {
+    const namespace = ns("langchain-tool");
+    const refunds: number[] = [];
+    const refund = tool(
+      async ({ order, amount }: { order: number; amount: number }) => {
+        refunds.push(order);
+        return `refunded ${amount} on order ${order} (re_${refunds.length})`;
+      },
+      { name: "refund", description: "Refund an order", schema: z.object({ order: z.number(), amount: z.number() }) },
+    );
+    const guardedRefund = guardTool(refund, { client: fx.client, namespace, runId: threadId });
+    assert.equal(guardedRefund.name, "refund");
+    const node = new ToolNode([guardedRefund]);
+    const config = { configurable: { thread_id: "thread-7" } };
+
+    const first = (await node.invoke({ messages: [modelTurn("call_1", { order: 1234, amount: 25 })] }, config)) as { messages: ToolMessage[] };
+    const second = (await node.invoke({ messages: [modelTurn("call_2", { amount: 25, order: 1234 })] }, config)) as { messages: ToolMessage[] };
+    assert.equal(first.messages[0]?.content, "refunded 25 on order 1234 (re_1)");
+    assert.equal(first.messages[0]?.tool_call_id, "call_1");
+    assert.equal(second.messages[0]?.content, first.messages[0]?.content);
+    assert.equal(second.messages[0]?.tool_call_id, "call_2");
+    assert.deepEqual(refunds, [1234]);
+
+    await node.invoke({ messages: [modelTurn("call_3", { order: 1234, amount: 25 })] }, { configurable: { thread_id: "thread-8" } });
+    assert.deepEqual(refunds, [1234, 1234], "another thread is another run");
+    assert.equal((await fx.client.getRun("thread-7"))?.usage.effects, 1);
+  });
+
+  it("a failing tool: the ToolNode's error message is not stored, the next call runs again", async () => {
+    const namespace = ns("langchain-error");
+    let calls = 0;
+    const flaky = tool(
+      async ({ order }: { order: number }) => {
+        calls++;
+        if (calls === 1) throw new Error("payments API 502");
+        return `refunded ${order}`;
+      },
+      { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
+    );
+    const node = new ToolNode([guardTool(flaky, { client: fx.client, namespace, runId: "fixed-run" })]);
+    const failed = (await node.invoke({ messages: [modelTurn("a", { order: 1 })] })) as { messages: ToolMessage[] };
+    assert.match(String(failed.messages[0]?.content), /payments API 502/);
+    const retried = (await node.invoke({ messages: [modelTurn("b", { order: 1 })] })) as { messages: ToolMessage[] };
+    assert.equal(retried.messages[0]?.content, "refunded 1");
+    assert.equal(calls, 2);
+  });
+
+  it("a content-and-artifact tool replays both", async () => {
+    const namespace = ns("langchain-artifact");
+    let calls = 0;
+    const search = tool(
+      async ({ q }: { q: string }) => {
+        calls++;
+        return [`found ${q}`, { hits: [1, 2, 3] }];
+      },
+      { name: "search", description: "Search", schema: z.object({ q: z.string() }), responseFormat: "content_and_artifact" },
+    );
+    const guardedSearch = guardTool(search, { client: fx.client, namespace, runId: "r" });
+    for (const id of ["s1", "s2"]) {
+      const message = (await guardedSearch.invoke({ type: "tool_call", id, name: "search", args: { q: "x" } })) as ToolMessage;
+      assert.equal(message.content, "found x");
+      assert.deepEqual(message.artifact, { hits: [1, 2, 3] });
+      assert.equal(message.tool_call_id, id);
+    }
+    assert.equal(calls, 1);
+  });
+});
+
+describe("LangGraph tasks", () => {
+  it("a guarded task in an entrypoint runs once per thread, even when the workflow crashed after it", async () => {
+    const namespace = ns("langgraph-task");
+    const charges: string[] = [];
+    const charge = guardTask(
+      "charge-card",
+      async (order: string, amount: number) => {
+        charges.push(order);
+        return { charge: `ch_${charges.length}`, order, amount };
+      },
+      { client: fx.client, namespace, runId: threadId },
+    );
+    let crash = true;
+    const checkout = entrypoint({ name: "checkout", checkpointer: new MemorySaver() }, async (order: string) => {
+      const receipt = await charge(order, 25);
+      if (crash) throw new Error("the worker died after charging");
+      return receipt;
+    });
+    const config = { configurable: { thread_id: "checkout-1" } };
+    await assert.rejects(checkout.invoke("o-1", config), /died after charging/);
+    crash = false;
+    const receipt = await checkout.invoke("o-1", config);
+    assert.deepEqual(receipt, { charge: "ch_1", order: "o-1", amount: 25 });
+    assert.deepEqual(charges, ["o-1"], "the card was charged once");
+
+    const other = await checkout.invoke("o-1", { configurable: { thread_id: "checkout-2" } });
+    assert.equal((other as { charge: string }).charge, "ch_2");
+  });
+});

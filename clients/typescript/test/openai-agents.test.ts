@@ -1,0 +1,87 @@
+/**
+ * OpenAI Agents SDK: guarded function tools run by the SDK's `Runner` with its scripted model
+ * (`ScriptedModel` from `@openai/agents/testing`): a re-emitted call runs the effect once.
+ */
+
+import assert from "node:assert/strict";
+import { describe, it } from "node:test";
+import { Agent, Runner, type RunContext } from "@openai/agents";
+import { ScriptedModel, assistantMessage, functionCall } from "@openai/agents/testing";
+import { guardedTool } from "onceguard/openai-agents";
+import { z } from "zod";
+import { ns, useServer } from "./server.js";
+
+const fx = useServer();
+const runner = new Runner({ tracingDisabled: true });
+
+interface Ctx {
+  readonly runId: string;
+}
+
+describe("OpenAI Agents SDK", () => {
+  it("a call the model re-emits (another call id) replays the stored result", async () => {
+    const namespace = ns("openai-agents");
+    const sent: string[] = [];
+    const sendInvoice = guardedTool(
+      {
+        name: "send_invoice",
+        description: "Send an invoice",
+        parameters: z.object({ customer: z.string(), amount: z.number() }),
+        execute: async ({ customer, amount }) => {
+          sent.push(customer);
+          return `invoice inv_${sent.length} for ${customer}: ${amount}`;
+        },
+      },
+      { client: fx.client, namespace, runId: (ctx: RunContext<Ctx>) => ctx.context.runId },
+    );
+    assert.equal(sendInvoice.name, "send_invoice");
+
+    const outputs: unknown[] = [];
+    for (const callId of ["call_1", "call_2"]) {
+      const model = new ScriptedModel([
+        [functionCall("send_invoice", { customer: "c_1", amount: 100 }, { callId })],
+        [assistantMessage("done")],
+      ]);
+      const agent = new Agent<Ctx>({ name: "billing", instructions: "bill", model, tools: [sendInvoice] });
+      const result = await runner.run(agent, "invoice c_1 for 100", { context: { runId: "agents-run-1" } });
+      assert.equal(result.finalOutput, "done");
+      const output = result.newItems.find((item) => item.type === "tool_call_output_item");
+      assert.ok(output, "the tool's output went back to the model");
+      outputs.push((output as unknown as { output: unknown }).output);
+      model.assertComplete();
+    }
+    assert.deepEqual(sent, ["c_1"], "the invoice was sent once");
+    assert.equal(outputs[0], "invoice inv_1 for c_1: 100");
+    assert.deepEqual(outputs[1], outputs[0]);
+    assert.equal((await fx.client.getRun("agents-run-1"))?.usage.effects, 1);
+  });
+
+  it("the tool's error function applies after the guard released the key", async () => {
+    const namespace = ns("openai-agents-error");
+    let attempts = 0;
+    const flaky = guardedTool(
+      {
+        name: "flaky",
+        description: "Fails the first time",
+        parameters: z.object({ id: z.string() }),
+        execute: async ({ id }) => {
+          attempts++;
+          if (attempts === 1) throw new Error("upstream 502");
+          return `ok ${id}`;
+        },
+      },
+      { client: fx.client, namespace, runId: "agents-run-2" },
+    );
+    const outputs: unknown[] = [];
+    for (const callId of ["c1", "c2"]) {
+      const model = new ScriptedModel([[functionCall("flaky", { id: "x" }, { callId })], [assistantMessage("end")]]);
+      const agent = new Agent({ name: "a", instructions: "i", model, tools: [flaky] });
+      const result = await runner.run(agent, "go");
+      const output = result.newItems.find((item) => item.type === "tool_call_output_item") as unknown as { output: unknown };
+      outputs.push(output.output);
+    }
+    assert.match(String(outputs[0]), /error/i, "the model was told the tool failed");
+    assert.equal(outputs[1], "ok x", "the failure was not stored: the next call ran again");
+    assert.equal(attempts, 2);
+  });
+});
