@@ -97,6 +97,7 @@ pub fn run_view(run: &Run) -> RunView {
 
 /// Which tenant an admin call acts on.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct TenantQuery {
     /// Another tenant (operator tenant's admins only); default: your own.
@@ -384,7 +385,7 @@ pub struct SettingsView {
     pub namespace_prefix: Option<String>,
     /// The settings.
     pub settings: SettingsBody,
-    /// The API key id that set them.
+    /// Who set them: the API key id, `cli:<user>` from the operator CLI, or `embedded`.
     pub updated_by: String,
     /// When (RFC 3339).
     pub updated_at: String,
@@ -431,6 +432,7 @@ pub async fn put_settings(
 
 /// Which settings to delete.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct DeleteSettingsQuery {
     /// The namespace prefix; absent for the tenant's own settings.
@@ -479,6 +481,7 @@ pub async fn list_settings(
 
 /// Which audit entries to list.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// Only this action, e.g. `switch.engage`, `budget.set`, `completion.stale`.

@@ -59,6 +59,7 @@ pub async fn asset(Path(name): Path<String>) -> Response {
 
 /// Which tenant the dashboard shows.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct DashboardQuery {
     /// The tenant (default: the API key's; another one needs an operator admin key).
@@ -194,7 +195,7 @@ pub struct DashboardView {
     pub recoveries: RecoveryCounts,
     /// Stale fenced calls since this instance started.
     pub stale_calls: u64,
-    /// Denied claims since this instance started (none in this version).
+    /// Denied claims since this instance started (switches, budgets, quotas).
     pub denied: u64,
     /// Claim and fenced-call latency over the last 5 minutes (all tenants, this instance).
     #[schema(value_type = Object)]
@@ -328,6 +329,7 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
 
 /// One key, for the inspector.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct InspectQuery {
     /// The tenant (default: the API key's; another one needs an operator admin key).

@@ -4,6 +4,7 @@ use super::*;
 
 /// One record's address.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct RecordQuery {
     /// The namespace.
@@ -14,6 +15,7 @@ pub struct RecordQuery {
 
 /// Which record to purge, and why (kept in the audit log).
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PurgeQuery {
     /// The namespace.
@@ -71,6 +73,7 @@ pub async fn purge_record(
 
 /// Which records to list.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Only this namespace and those below it.

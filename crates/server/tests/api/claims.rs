@@ -258,4 +258,25 @@ async fn health_and_openapi() {
     }
     assert!(doc["components"]["schemas"].get("Problem").is_some());
     assert!(doc["components"]["securitySchemes"].get("bearer").is_some());
+    // A path parameter is one the path names; every other parameter is in the query (a
+    // generated client builds its URLs from this).
+    let mut queries = 0;
+    for (path, operations) in doc["paths"].as_object().unwrap() {
+        for (method, operation) in operations.as_object().unwrap() {
+            for p in operation["parameters"].as_array().into_iter().flatten() {
+                let name = p["name"].as_str().unwrap();
+                match p["in"].as_str().unwrap() {
+                    "path" => {
+                        assert!(path.contains(&format!("{{{name}}}")), "{method} {path}: '{name}' is not in the path")
+                    }
+                    "query" => queries += 1,
+                    other => panic!("{method} {path}: '{name}' in {other}"),
+                }
+            }
+        }
+    }
+    assert!(queries >= 10, "the records', audit's, settings' and dashboard's filters are query parameters");
+    let list = &doc["paths"]["/v1/records"]["get"]["parameters"];
+    let state = list.as_array().unwrap().iter().find(|p| p["name"] == "state").expect("a state filter");
+    assert_eq!(state["required"], json!(false), "an optional filter is not required");
 }
