@@ -121,3 +121,32 @@ def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Serv
         finally:
             resume.join()
         assert e.value.attempts == 1 and isinstance(e.value.__cause__, httpx.ReadTimeout)
+
+
+def _batch_answer(*items: str) -> httpx.Response:
+    return httpx.Response(200, text='{"results":[' + ",".join(items) + "]}")
+
+
+REPLAY = '{{"status":200,"body":{{"outcome":"replay","fence":{f},"attempt":1,"completed_at":"2026-12-01T00:00:00Z","status":"success","content_type":"application/json","result":{r}}}}}'
+
+
+def test_a_batch_of_replays_gives_each_its_stored_bytes() -> None:
+    from onceguard._calls import _read_claim_batch
+
+    results = ['{"v":[1.50, 2e0]}', "[0.10,0.2]", '"result\\":x"', "1.0"]
+    answers = _read_claim_batch(_batch_answer(*(REPLAY.format(f=i, r=r) for i, r in enumerate(results))), 4)
+    assert [a.raw for a in answers if isinstance(a, Replay)] == [r.encode() for r in results]
+
+
+def test_a_batch_with_an_acquisition_whose_checkpoint_names_a_result_gives_each_replay_its_own_bytes() -> None:
+    from onceguard._calls import _read_claim_batch
+
+    acquired = (
+        '{"status":201,"body":{"outcome":"acquired","fence":9,"attempt":2,"lease_expires_at":"2026-12-01T00:00:00Z",'
+        '"recovery":{"previous_fence":8,"previous_attempt":1,"reason":"lease_expired","detail":null,'
+        '"last_checkpoint":{"name":"n","data":{"result":1.00},"fence":8,"at":"2026-12-01T00:00:00Z"}}}}'
+    )
+    in_flight = '{"status":409,"body":{"type":"https://onceguard.dev/problems/in-flight","title":"t","status":409,"detail":"\\"result\\": held","retry_after_ms":5}}'
+    answers = _read_claim_batch(_batch_answer(acquired, in_flight, REPLAY.format(f=3, r="1.0")), 3)
+    assert isinstance(answers[0], Acquired)
+    assert isinstance(answers[2], Replay) and answers[2].raw == b"1.0", "the replay's own bytes, not the checkpoint's"

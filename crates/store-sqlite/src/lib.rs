@@ -36,7 +36,11 @@
 //!   applied one is never edited, a change of schema is a new entry.
 //!
 //! Reads (`get`, `list`, `ping`, runs, control documents, the audit log) use a separate
-//! connection, which WAL lets run beside writes.
+//! connection, which WAL lets run beside writes. So does the first step of a batch of claims:
+//! a claim that writes nothing (a replay, a holder in flight, a mismatch;
+//! `protocol::answer_without_write`) is answered from the committed record it reads there,
+//! without waiting for the writer's next commit; the claims that would write go to the writer,
+//! which decides them again in its transaction.
 
 #![forbid(unsafe_code)]
 

@@ -551,20 +551,58 @@ def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple
 
 def _read_claim_batch(response: httpx.Response, sent: int) -> list[ClaimAnswer]:
     """Each claim's answer, read from its status and body; a replay's result is cut out of the
-    answer's text, where the server wrote its stored bytes (found only if the batch has one)."""
+    answer's text, where the server wrote its stored bytes."""
     text, items = _batch_results(response, sent)
-    spans: list[tuple[int, int]] | None = None
-    answers: list[ClaimAnswer] = []
-    for n, (status, body) in enumerate(items):
-        raw = None
-        if status == 200 and isinstance(body, dict) and "result" in body:
-            if spans is None:
-                spans = _wire.element_spans(text, _wire.member_spans(text)["results"][0])
-            item_text = text[spans[n][0] : spans[n][1]]
-            body_span = _wire.member_spans(item_text)["body"]
-            raw = _wire.raw_member(item_text[body_span[0] : body_span[1]], "result")
-        answers.append(claim_answer(status, body, raw))
-    return answers
+    return [claim_answer(status, body, raw) for (status, body), raw in zip(items, _raw_results(text, items))]
+
+
+_RESULT_MEMBER = '"result":'
+
+
+def _raw_results(text: str, items: list[tuple[int, Any]]) -> list[bytes | None]:
+    """Each replay's stored result as the server wrote it in ``text``; ``None`` for the others.
+
+    The server writes each view compactly with its members in a fixed order: in a replay's view
+    the stored result is the first member named ``result``, and nothing before it is raw JSON
+    (strings escape their quotes). So when no item is an acquisition (whose recovery carries a
+    checkpoint's data, raw JSON that could hold that name), the results are found by searching
+    the text in order, each checked against the decoded answer; otherwise, or if a check
+    fails, each item's members are read one by one."""
+    wanted = [status == 200 and isinstance(body, dict) and "result" in body for status, body in items]
+    if not any(wanted):
+        return [None] * len(items)
+    if all(status != 201 for status, _ in items):
+        found = _search_results(text, items, wanted)
+        if found is not None:
+            return found
+    spans = _wire.element_spans(text, _wire.member_spans(text)["results"][0])
+    raws: list[bytes | None] = []
+    for (start, end), want in zip(spans, wanted):
+        if not want:
+            raws.append(None)
+            continue
+        item_text = text[start:end]
+        body_span = _wire.member_spans(item_text)["body"]
+        raws.append(_wire.raw_member(item_text[body_span[0] : body_span[1]], "result"))
+    return raws
+
+
+def _search_results(text: str, items: list[tuple[int, Any]], wanted: list[bool]) -> list[bytes | None] | None:
+    raws: list[bytes | None] = []
+    at = 0
+    for (_, body), want in zip(items, wanted):
+        if not want:
+            raws.append(None)
+            continue
+        at = text.find(_RESULT_MEMBER, at)
+        if at < 0:
+            return None
+        start = at + len(_RESULT_MEMBER)
+        value, at = _wire.DECODER.raw_decode(text, start)
+        if value != body["result"]:
+            return None
+        raws.append(text[start:at].encode("utf-8"))
+    return raws
 
 
 def _read_complete_batch(response: httpx.Response, sent: int) -> list[Record | StaleFence]:
