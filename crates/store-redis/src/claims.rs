@@ -1,6 +1,8 @@
 //! The claim path on Redis: claims and fenced calls as scripts (on a Cluster with the reservations
 //! of holds.rs), reads, listings, purges and the sweep.
 
+use std::collections::HashSet;
+
 use super::*;
 
 /// Runs `call` for every place of a batch, the places of a round at once, the rounds in turn
@@ -47,7 +49,6 @@ impl ClaimStore for RedisStore {
         let placement = Placement::of(&req.scope);
         self.bounded("claim", async {
             let mut conn = self.conn.clone();
-            self.register_slot(&mut conn, placement.slot).await?;
             // A claim that writes nothing (a replay, a holder in flight, a mismatch) is answered
             // from one HGETALL: it costs Redis a few microseconds where the claim script costs
             // several times that. Only a claim that acquires runs the script.
@@ -55,11 +56,7 @@ impl ClaimStore for RedisStore {
             if let Some(answer) = onceguard_core::protocol::answer_without_write(existing, req, now) {
                 return Ok(answer);
             }
-            if self.cluster {
-                self.claim_on_cluster(&mut conn, req, now, &placement).await
-            } else {
-                self.claim_on_one_server(&mut conn, req, now, &placement).await
-            }
+            self.claim_writing(&mut conn, req, now, &placement).await
         })
         .await
     }
@@ -106,12 +103,44 @@ impl ClaimStore for RedisStore {
         .await
     }
 
-    /// The claims go out together over the multiplexed connection (pipelined: a batch costs
-    /// about the round trips of one claim, on a Cluster those of each node it reaches); a key
-    /// given twice waits for its earlier claim.
+    /// First every record is read, in one pipeline per slot (on a Cluster each goes to its
+    /// slot's node; the slots' pipelines go out together), and each claim that writes nothing
+    /// (a replay, a holder in flight, a mismatch) is answered from that read, as
+    /// [`ClaimStore::claim`] does. The claims that write then run their scripts together over
+    /// the multiplexed connection (pipelined), a key given twice after its earlier claim.
     async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
-        let scopes: Vec<&Scope> = reqs.iter().map(|r| &r.scope).collect();
-        in_rounds(&scopes, |i| self.claim(&reqs[i], now)).await
+        for req in reqs {
+            check_range(&[now.0, ms(req.lease), ms(req.retention)])?;
+        }
+        let placements: Vec<Placement> = reqs.iter().map(|r| Placement::of(&r.scope)).collect();
+        let records = self.bounded("claim", self.read_records(&placements)).await?;
+        let mut writing: HashSet<&Scope> = HashSet::new();
+        let mut answers: Vec<Option<ClaimOutcome>> = Vec::with_capacity(reqs.len());
+        for (req, record) in reqs.iter().zip(records) {
+            let answer = if writing.contains(&req.scope) {
+                None
+            } else {
+                onceguard_core::protocol::answer_without_write(record, req, now)
+            };
+            if answer.is_none() {
+                writing.insert(&req.scope);
+            }
+            answers.push(answer);
+        }
+        let to_write: Vec<usize> = (0..reqs.len()).filter(|&i| answers[i].is_none()).collect();
+        let scopes: Vec<&Scope> = to_write.iter().map(|&i| &reqs[i].scope).collect();
+        let written = in_rounds(&scopes, |n| {
+            let (req, placement) = (&reqs[to_write[n]], &placements[to_write[n]]);
+            self.bounded("claim", async move {
+                let mut conn = self.conn.clone();
+                self.claim_writing(&mut conn, req, now, placement).await
+            })
+        })
+        .await?;
+        for (i, answer) in to_write.into_iter().zip(written) {
+            answers[i] = Some(answer);
+        }
+        answers.into_iter().map(|a| a.ok_or_else(|| corrupt("a claim of the batch was not answered"))).collect()
     }
 
     /// As [`ClaimStore::claim_batch`].

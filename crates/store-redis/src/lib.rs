@@ -666,6 +666,23 @@ impl RedisStore {
     /// Claims a key on one server: one script decides, checks the quota and the budget and
     /// writes the record and the charge, asked again only if the record names a run the
     /// request did not.
+    /// A claim that may write (its read said it would acquire): its slot registered, then the
+    /// claim script, on a Cluster with the reservations of holds.rs.
+    async fn claim_writing(
+        &self,
+        conn: &mut Conn,
+        req: &ClaimRequest,
+        now: Timestamp,
+        placement: &Placement,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.register_slot(conn, placement.slot).await?;
+        if self.cluster {
+            self.claim_on_cluster(conn, req, now, placement).await
+        } else {
+            self.claim_on_one_server(conn, req, now, placement).await
+        }
+    }
+
     async fn claim_on_one_server(
         &self,
         conn: &mut Conn,
@@ -805,6 +822,41 @@ impl RedisStore {
             .query_async(conn)
             .await
             .map_err(unavailable("read"))?;
+        self.decode_record(flat, placement)
+    }
+
+    /// The records at `placements`, in order: one pipeline of `HGETALL`s per slot, the slots'
+    /// pipelines sent together.
+    async fn read_records(&self, placements: &[Placement]) -> Result<Vec<Option<Record>>, StoreError> {
+        let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
+        for (i, placement) in placements.iter().enumerate() {
+            by_slot.entry(placement.slot).or_default().push(i);
+        }
+        let reads = by_slot.into_values().map(|places| async move {
+            let mut pipe = redis::pipe();
+            for &i in &places {
+                pipe.cmd("HGETALL").arg(self.keys.record(&placements[i]));
+            }
+            let mut conn = self.conn.clone();
+            let flats: Vec<Value> = pipe.query_async(&mut conn).await.map_err(unavailable("read"))?;
+            if flats.len() != places.len() {
+                return Err(corrupt("a pipeline of reads answered another number of replies"));
+            }
+            places
+                .into_iter()
+                .zip(flats)
+                .map(|(i, flat)| Ok((i, self.decode_record(flat, &placements[i])?)))
+                .collect::<Result<Vec<_>, StoreError>>()
+        });
+        let mut records: Vec<Option<Record>> = (0..placements.len()).map(|_| None).collect();
+        for (i, record) in try_join_all(reads).await?.into_iter().flatten() {
+            records[i] = record;
+        }
+        Ok(records)
+    }
+
+    /// The record an `HGETALL` of `placement`'s key answered, if any.
+    fn decode_record(&self, flat: Value, placement: &Placement) -> Result<Option<Record>, StoreError> {
         let fields = Fields::from_flat(strings(flat)?)?;
         if fields.is_empty() {
             return Ok(None);
