@@ -10,7 +10,7 @@ use onceguard_core::auth::{ApiKeyId, Role};
 use onceguard_core::control::{AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
-use onceguard_server::config::{McpNoKey, McpOverrides, ProxyOverrides};
+use onceguard_server::config::{McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides};
 use onceguard_server::controls;
 use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
@@ -45,6 +45,13 @@ struct Global {
     /// Log format: `text` or `json` (default: text on a terminal, json otherwise).
     #[arg(long, global = true)]
     log_format: Option<String>,
+    /// serve, proxy, mcp: the listener's TLS certificate chain (PEM); with --tls-key, the
+    /// listener speaks TLS 1.3 and 1.2 only. Read again when the file changes or on SIGHUP.
+    #[arg(long, global = true)]
+    tls_cert: Option<PathBuf>,
+    /// serve, proxy, mcp: the private key of --tls-cert (PEM).
+    #[arg(long, global = true)]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -633,7 +640,11 @@ async fn operator(config: &Config, command: Command) -> Result<()> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    let mut overrides = Overrides { store: cli.global.store.clone(), ..Overrides::default() };
+    let mut overrides = Overrides {
+        store: cli.global.store.clone(),
+        tls: TlsOverrides { cert: cli.global.tls_cert.clone(), key: cli.global.tls_key.clone() },
+        ..Overrides::default()
+    };
     match &cli.command {
         Command::Serve { listen } => overrides.listen = *listen,
         Command::Smoke(_) if overrides.store.is_none() => overrides.store = Some("memory://".into()),

@@ -37,6 +37,28 @@ pub struct Config {
     pub proxy: ProxyConfig,
     /// `onceguard mcp`: the guard in front of an MCP server's `tools/call`.
     pub mcp: McpConfig,
+    /// TLS on the listener of `serve`, `proxy` and `mcp` (off unless a certificate is given).
+    pub tls: TlsConfig,
+}
+
+/// TLS on the listener (see `onceguard_http::tls`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The certificate chain (PEM), the server's certificate first. With `key`, the listener
+    /// speaks TLS 1.3 and 1.2 only.
+    pub cert: Option<PathBuf>,
+    /// The certificate's private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<PathBuf>,
+    /// How often the two files are checked for a change (they are also read again on SIGHUP).
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
+}
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        Self { cert: None, key: None, reload_interval: Duration::from_secs(10) }
+    }
 }
 
 /// Settings of `onceguard proxy`.
@@ -285,6 +307,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             proxy: ProxyConfig::default(),
             mcp: McpConfig::default(),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -348,6 +371,26 @@ pub struct Overrides {
     /// `onceguard mcp` flags.
     #[serde(skip_serializing_if = "McpOverrides::is_empty")]
     pub mcp: McpOverrides,
+    /// `--tls-cert` and `--tls-key`.
+    #[serde(skip_serializing_if = "TlsOverrides::is_empty")]
+    pub tls: TlsOverrides,
+}
+
+/// `--tls-cert` and `--tls-key`, applied over file and environment (only those set).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TlsOverrides {
+    /// `--tls-cert`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert: Option<PathBuf>,
+    /// `--tls-key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<PathBuf>,
+}
+
+impl TlsOverrides {
+    fn is_empty(&self) -> bool {
+        self.cert.is_none() && self.key.is_none()
+    }
 }
 
 /// `onceguard mcp` flags, applied over file and environment (only those set).
@@ -419,7 +462,7 @@ impl ProxyOverrides {
 }
 
 /// The top-level fields, which `ONCEGUARD_*` variables may set.
-const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics", "mcp"];
+const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics", "mcp", "tls"];
 
 impl Config {
     /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then
@@ -454,6 +497,9 @@ impl Config {
     /// opened: `onceguard_server::StoreUrl`, which knows every store).
     pub fn validate(&self) -> Result<(), InvalidInput> {
         self.limits.validate()?;
+        if self.tls.cert.is_some() != self.tls.key.is_some() {
+            return Err(InvalidInput::new("tls", "give both tls.cert and tls.key (--tls-cert, --tls-key), or neither"));
+        }
         TenantId::parse(&self.auth.operator_tenant)
             .map_err(|_| InvalidInput::new("auth.operator_tenant", "is not a valid tenant id"))?;
         TenantId::parse(&self.auth.anonymous_tenant)

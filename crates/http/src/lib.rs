@@ -33,6 +33,7 @@ pub mod live;
 pub mod metrics;
 pub mod observed_store;
 pub mod problem;
+pub mod tls;
 
 pub use config::{Config, ConfigError, Overrides};
 pub use metrics::Metrics;
@@ -101,6 +102,9 @@ pub enum StartError {
     /// A file or socket.
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// The TLS certificate or key.
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
 }
 
 impl From<onceguard_core::GuardError> for StartError {
@@ -164,7 +168,13 @@ pub async fn serve_with_background(
         tracing::info!("shutting down: finishing requests in flight");
         let _ = stop_tx.send(true);
     };
-    let serve = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let listener = tls::TlsListener::wrap(listener, &config.tls)?;
+    let serve = async move {
+        match listener {
+            Ok(tls) => axum::serve(tls, app).with_graceful_shutdown(signal).await,
+            Err(plain) => axum::serve(plain, app).with_graceful_shutdown(signal).await,
+        }
+    };
     let served = tokio::select! {
         served = serve => served,
         _ = async {

@@ -1,0 +1,209 @@
+//! TLS on the listener, through the real binary: a handshake with a test CA, a plaintext
+//! connection refused, and the certificate replaced under load (by a change of its files, and
+//! on SIGHUP) without a failed request.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{admin_key, start_with};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use serde_json::json;
+
+/// A test certificate authority.
+struct Ca {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Ca {
+    fn new(name: &str) -> Self {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        Self { issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
+    }
+
+    fn root(&self) -> reqwest::Certificate {
+        reqwest::Certificate::from_pem(self.issuer.pem().as_bytes()).unwrap()
+    }
+
+    /// Writes a certificate for 127.0.0.1 and localhost, and its key, to `cert` and `key`
+    /// (each replaced at once, by a rename).
+    fn issue(&self, cert: &Path, key: &Path) {
+        let leaf_key = KeyPair::generate().unwrap();
+        let params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+        let leaf = params.signed_by(&leaf_key, &self.issuer).unwrap();
+        for (path, text) in [(key, leaf_key.serialize_pem()), (cert, leaf.pem())] {
+            let temporary = path.with_extension("new");
+            std::fs::write(&temporary, text).unwrap();
+            std::fs::rename(&temporary, path).unwrap();
+        }
+    }
+}
+
+/// A client that trusts only `roots` and opens a new connection for every request (so every
+/// request is a handshake).
+fn client(roots: &[&Ca]) -> reqwest::Client {
+    let mut builder = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .https_only(true)
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(10));
+    for ca in roots {
+        builder = builder.add_root_certificate(ca.root());
+    }
+    builder.build().unwrap()
+}
+
+fn https(base: &str) -> String {
+    base.replacen("http://", "https://", 1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_speaks_tls_and_refuses_plaintext() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("onceguard test ca");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    ca.issue(&cert, &key);
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    let server = start_with(dir.path(), &args, &[]);
+    let base = https(&server.base);
+
+    let trusted = client(&[&ca]);
+    assert_eq!(trusted.get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
+    let claim = json!({"namespace": "tls/demo", "key": "k-1", "request": {"n": 1}});
+    let answer =
+        trusted.post(format!("{base}/v1/claims")).bearer_auth(admin_key(dir.path())).json(&claim).send().await.unwrap();
+    assert_eq!(answer.status(), 201, "a claim over TLS");
+
+    let plain = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
+    let refused = plain.get(format!("{}/healthz", server.base)).send().await;
+    assert!(refused.is_err(), "a plaintext request is never served: {refused:?}");
+    let other = client(&[&Ca::new("another ca")]);
+    assert!(other.get(format!("{base}/healthz")).send().await.is_err(), "a certificate of another CA is refused");
+    // The server still serves after those.
+    assert_eq!(trusted.get(format!("{base}/readyz")).send().await.unwrap().status(), 200);
+}
+
+/// Sends requests, each on a new connection, until `stop`; counts successes in `ok` and keeps
+/// the failures.
+fn load(
+    base: &str,
+    client: reqwest::Client,
+    ok: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<String>> {
+    let url = format!("{base}/healthz");
+    tokio::spawn(async move {
+        let mut failures = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            match client.get(&url).send().await {
+                Ok(r) if r.status() == 200 => {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                }
+                other => failures.push(format!("{other:?}")),
+            }
+        }
+        failures
+    })
+}
+
+/// Waits until `ok` reaches `n`.
+async fn until(ok: &AtomicU64, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ok.load(Ordering::Relaxed) < n {
+        assert!(Instant::now() < deadline, "the load did not get {n} answers");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Replaces the certificate with one of a second CA while two tasks send requests, each a new
+/// TLS connection (100 answered before, 100 more after the new certificate is served): none
+/// fails, and from then on a client that trusts only the first CA is refused.
+async fn replaced_under_load(server: &common::Server, cert: &Path, key: &Path, first: &Ca, nudge: impl Fn()) {
+    let base = https(&server.base);
+    assert_eq!(client(&[first]).get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
+    let second = Ca::new("second ca");
+    let (ok, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+    let tasks: Vec<_> = (0..2).map(|_| load(&base, client(&[first, &second]), ok.clone(), stop.clone())).collect();
+    until(&ok, 100).await;
+    second.issue(cert, key);
+    nudge();
+    let only_second = client(&[&second]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while only_second.get(format!("{base}/healthz")).send().await.is_err() {
+        assert!(Instant::now() < deadline, "the new certificate was never served");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let switched = ok.load(Ordering::Relaxed);
+    until(&ok, switched + 100).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        let failures = task.await.unwrap();
+        assert!(failures.is_empty(), "requests failed while the certificate was replaced: {failures:?}");
+    }
+    println!("{} requests, each a new TLS connection, none failed", ok.load(Ordering::Relaxed));
+    assert!(client(&[first]).get(format!("{base}/healthz")).send().await.is_err(), "the old certificate is gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_certificate_is_served_without_a_failed_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Ca::new("first ca");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    first.issue(&cert, &key);
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    let server = start_with(dir.path(), &args, &[("ONCEGUARD_TLS__RELOAD_INTERVAL", "100ms")]);
+    replaced_under_load(&server, &cert, &key, &first, || {}).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reads_the_certificate_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Ca::new("first ca");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    first.issue(&cert, &key);
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    // Files checked once an hour: only the signal can make the server read them again.
+    let server = start_with(dir.path(), &args, &[("ONCEGUARD_TLS__RELOAD_INTERVAL", "1h")]);
+    let pid = server.child.id().to_string();
+    replaced_under_load(&server, &cert, &key, &first, || {
+        let sent = std::process::Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+        assert!(sent.success());
+    })
+    .await;
+    assert!(server.logs.lock().unwrap().iter().any(|l| l.contains("certificate read again")));
+}
+
+#[test]
+fn a_certificate_without_its_key_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Ca::new("ca");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    first.issue(&cert, &key);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_onceguard"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert", cert.to_str().unwrap()])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tls"), "{}", String::from_utf8_lossy(&out.stderr));
+    // A key that is not the certificate's.
+    let other = KeyPair::generate().unwrap();
+    std::fs::write(&key, other.serialize_pem()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_onceguard"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert", cert.to_str().unwrap()])
+        .args(["--tls-key", key.to_str().unwrap()])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("do not belong together"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
