@@ -287,11 +287,38 @@ pub struct MetricsConfig {
     /// Longest a count may take before the last one is kept and the store reported down.
     #[serde(with = "humantime_serde")]
     pub scan_timeout: Duration,
+    /// A file holding the bearer token `/metrics` requires (the first line; at least 16
+    /// characters); absent: `/metrics` is open.
+    pub token_file: Option<PathBuf>,
+    /// Serve `/metrics` on this address only (plain HTTP, or TLS with the listener's
+    /// certificate), and no longer on the front end's own listener.
+    pub listen: Option<SocketAddr>,
+    /// How tenants appear as label values: `name` (their ids) or `digest` (`t-` and 12 hex
+    /// digits of the id's SHA-256: series stay per tenant, the ids stay out of the metrics).
+    pub tenant_labels: TenantLabels,
+}
+
+/// How tenants appear as label values of the metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TenantLabels {
+    /// The tenant id.
+    #[default]
+    Name,
+    /// `t-` and the first 12 hex digits of the SHA-256 of the tenant id.
+    Digest,
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        Self { refresh_interval: Duration::from_secs(15), scan_max_pages: 10, scan_timeout: Duration::from_secs(5) }
+        Self {
+            refresh_interval: Duration::from_secs(15),
+            scan_max_pages: 10,
+            scan_timeout: Duration::from_secs(5),
+            token_file: None,
+            listen: None,
+            tenant_labels: TenantLabels::Name,
+        }
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{HeaderValue, header};
+use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use onceguard_core::{Guard, StoreError, TenantId};
 use tokio::net::TcpListener;
@@ -66,13 +66,16 @@ pub struct SharedState {
     pub anonymous_tenant: Option<TenantId>,
     /// API keys read recently (see `auth.key_cache_ttl`).
     pub api_keys: auth::KeyCache,
+    /// The SHA-256 of the token `/metrics` requires (`metrics.token_file`), if any.
+    pub metrics_token: Option<onceguard_core::Fingerprint>,
 }
 
 impl AppState {
     /// The state for `guard` under `config`, with fresh metrics: the guard's store is wrapped so
     /// that every store operation is measured and traced.
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::with_tenant_labels(config.metrics.tenant_labels));
+        let metrics_token = config.metrics.token_file.as_deref().map(read_metrics_token).transpose()?;
         let clock = guard.clock().clone();
         let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
         Ok(Self(Arc::new(SharedState {
@@ -86,8 +89,24 @@ impl AppState {
                 .then(|| TenantId::parse(&config.auth.anonymous_tenant))
                 .transpose()?,
             api_keys: auth::KeyCache::new(config.auth.key_cache_ttl, clock),
+            metrics_token,
         })))
     }
+}
+
+/// The digest of the token in the first line of `path`.
+fn read_metrics_token(path: &std::path::Path) -> Result<onceguard_core::Fingerprint, onceguard_core::InvalidInput> {
+    let field = "metrics.token_file";
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| onceguard_core::InvalidInput::new(field, format!("{}: {e}", path.display())))?;
+    let token = text.lines().next().unwrap_or_default().trim();
+    if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(onceguard_core::InvalidInput::new(
+            field,
+            "the token (the file's first line) must be at least 16 printable characters, without spaces",
+        ));
+    }
+    Ok(onceguard_core::Fingerprint::sha256(token.as_bytes()))
 }
 
 /// Why the server could not start or stopped with an error.
@@ -122,7 +141,37 @@ impl From<onceguard_core::GuardError> for StartError {
 /// Prometheus metrics (OpenMetrics text): counts since this instance started, and the keys in
 /// flight and stuck as of the last scan of the store (at most one scan per
 /// `metrics.refresh_interval`).
-pub async fn metrics_endpoint(State(state): State<AppState>) -> Response {
+///
+/// With `metrics.listen` set they are served only there (404 here); with `metrics.token_file`,
+/// only to a request with that bearer token (401 otherwise).
+pub async fn metrics_endpoint(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if state.metrics_config.listen.is_some() {
+        return problem::ApiError::NotFound("metrics are served on metrics.listen".into()).into_response();
+    }
+    metrics_answer(&state, &headers).await
+}
+
+/// `/metrics` on its own listener (`metrics.listen`).
+async fn metrics_only(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    metrics_answer(&state, &headers).await
+}
+
+async fn metrics_answer(state: &AppState, headers: &HeaderMap) -> Response {
+    if let Some(want) = &state.metrics_token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|token| onceguard_core::Fingerprint::sha256(token.trim().as_bytes()));
+        // Digests are compared, not the tokens: how long a comparison takes says nothing of
+        // the token.
+        if given.as_ref() != Some(want) {
+            let mut refused =
+                problem::ApiError::Unauthenticated("/metrics needs its bearer token".into()).into_response();
+            refused.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return refused;
+        }
+    }
     state.metrics.scan_keys(&state.guard, &state.metrics_config).await;
     let mut response = state.metrics.encode().into_response();
     response.headers_mut().insert(
@@ -143,8 +192,31 @@ pub async fn run(
 ) -> Result<(), StartError> {
     let state = AppState::new(guard, config)?;
     let guard = state.guard.clone();
+    let metrics = match config.metrics.listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr).await?;
+            tracing::info!(addr = %listener.local_addr()?, "serving /metrics on its own listener");
+            let app = Router::new().route("/metrics", axum::routing::get(metrics_only)).with_state(state.clone());
+            let listener = tls::TlsListener::wrap(listener, &config.tls)?;
+            Some(tokio::spawn(async move {
+                let served = match listener {
+                    Ok(tls) => axum::serve(tls, app).await,
+                    Err(plain) => axum::serve(plain, app).await,
+                };
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "the metrics listener stopped");
+                }
+            }))
+        }
+        None => None,
+    };
     let app = app(config, state)?;
-    serve_with_background(config, guard, listener, app, shutdown).await
+    let served = serve_with_background(config, guard, listener, app, shutdown).await;
+    if let Some(metrics) = metrics {
+        metrics.abort();
+        let _ = metrics.await;
+    }
+    served
 }
 
 /// Serves `app` with the guard's background tasks (the sweep of expired records, the refresh of

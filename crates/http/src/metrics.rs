@@ -20,7 +20,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::config::MetricsConfig;
+use crate::config::{MetricsConfig, TenantLabels as TenantLabelMode};
 use crate::live::{Event, LATENCY_BUCKETS, Live, Saved};
 
 // The label values come from `onceguard_core::vocabulary`: claim answers ([`Answer`]),
@@ -164,6 +164,7 @@ pub struct Metrics {
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
+    tenant_labels: TenantLabelMode,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -179,6 +180,23 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Every metric, with tenants as label values as `mode` says.
+    pub fn with_tenant_labels(mode: TenantLabelMode) -> Self {
+        Self { tenant_labels: mode, ..Self::new() }
+    }
+
+    /// The label value of `tenant`: its id, or `t-` and 12 hex digits of its SHA-256.
+    pub fn tenant_label(&self, tenant: &str) -> String {
+        match self.tenant_labels {
+            TenantLabelMode::Name => tenant.to_owned(),
+            TenantLabelMode::Digest => {
+                let digest = onceguard_core::Fingerprint::sha256(tenant.as_bytes());
+                let hex = digest.as_str().rsplit(':').next().unwrap_or_default();
+                format!("t-{}", &hex[..12.min(hex.len())])
+            }
+        }
+    }
+
     /// Registers every metric, described.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("onceguard");
@@ -291,6 +309,7 @@ impl Metrics {
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
+            tenant_labels: TenantLabelMode::Name,
         }
     }
 
@@ -315,21 +334,22 @@ impl Metrics {
     /// A claim's answer (reported by the guard: see the [`onceguard_core::Observer`] below).
     pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome) {
         let answer = outcome.answer();
-        let labels = ClaimLabels { tenant: scope.tenant.to_string(), outcome: answer.as_str() };
+        let name = scope.tenant.to_string();
+        let labels = ClaimLabels { tenant: self.tenant_label(&name), outcome: answer.as_str() };
         self.claims.get_or_create(&labels).inc();
-        let tenant = &labels.tenant;
+        let (tenant, label) = (&name, &labels.tenant);
         let mut saved = Saved::default();
         match outcome {
             ClaimOutcome::Replay(replay) => {
                 saved = Saved { cost: replay.outcome.cost.unwrap_or(0), tokens: replay.outcome.tokens.unwrap_or(0) };
-                let labels = TenantLabels { tenant: tenant.clone() };
+                let labels = TenantLabels { tenant: label.clone() };
                 self.replay_cost_saved.get_or_create(&labels).inc_by(saved.cost);
                 self.replay_tokens_saved.get_or_create(&labels).inc_by(saved.tokens);
             }
             ClaimOutcome::Acquired(acquired) => {
                 if let Some(recovery) = &acquired.recovery {
                     let reason = recovery.reason.kind().as_str();
-                    self.recoveries.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
+                    self.recoveries.get_or_create(&ReasonLabels { tenant: label.clone(), reason }).inc();
                     self.live.push_event(tenant, Event::new("recovery", scope, Some(acquired.fence.0), reason));
                 }
             }
@@ -338,7 +358,7 @@ impl Metrics {
             }
             ClaimOutcome::Denied(denial) => {
                 let reason = denial.reason().as_str();
-                self.denials.get_or_create(&ReasonLabels { tenant: tenant.clone(), reason }).inc();
+                self.denials.get_or_create(&ReasonLabels { tenant: label.clone(), reason }).inc();
             }
             ClaimOutcome::InFlight(_) => {}
         }
@@ -349,7 +369,7 @@ impl Metrics {
     pub fn observe_stale(&self, scope: &Scope, op: FencedOp, fence: u64, reason: StaleReason) {
         let tenant = scope.tenant.to_string();
         let (op, reason) = (op.as_str(), reason.kind().as_str());
-        self.stale_calls.get_or_create(&StaleLabels { tenant: tenant.clone(), op, reason }).inc();
+        self.stale_calls.get_or_create(&StaleLabels { tenant: self.tenant_label(&tenant), op, reason }).inc();
         if matches!(op, "complete" | "fail") {
             self.live.push_event(&tenant, Event::new("stale_completion", scope, Some(fence), reason).with_op(op));
         }
@@ -390,19 +410,20 @@ impl Metrics {
     /// A `tools/call` seen by the MCP gateway, and what it did with it (one of
     /// [`MCP_DECISIONS`]).
     pub fn observe_mcp_call(&self, tenant: &TenantId, upstream: &str, decision: &'static str) {
-        let labels = McpCallLabels { tenant: tenant.to_string(), upstream: upstream.to_owned(), decision };
+        let labels =
+            McpCallLabels { tenant: self.tenant_label(tenant.as_str()), upstream: upstream.to_owned(), decision };
         self.mcp_calls.get_or_create(&labels).inc();
     }
 
     /// A response the proxy (or the MCP gateway) passed on without storing its body, too large.
     pub fn observe_unstored_response(&self, tenant: &TenantId) {
-        self.unstored_responses.get_or_create(&TenantLabels { tenant: tenant.to_string() }).inc();
+        self.unstored_responses.get_or_create(&TenantLabels { tenant: self.tenant_label(tenant.as_str()) }).inc();
     }
 
     /// Counts since this instance started, for the dashboard: claims by answer, cost and tokens saved,
     /// recoveries by reason, stale calls, denials by reason (each in its vocabulary's order).
     pub fn totals(&self, tenant: &TenantId) -> Totals {
-        let t = tenant.to_string();
+        let t = self.tenant_label(tenant.as_str());
         let claims = Answer::ALL.map(|answer| {
             self.claims.get(&ClaimLabels { tenant: t.clone(), outcome: answer.as_str() }).map_or(0, |c| c.get())
         });
@@ -449,7 +470,7 @@ impl Metrics {
             Ok(Ok((counts, complete))) => {
                 for (tenant, (in_flight, stuck)) in &counts {
                     self.initialize(tenant);
-                    let labels = TenantLabels { tenant: tenant.clone() };
+                    let labels = TenantLabels { tenant: self.tenant_label(tenant) };
                     self.keys_in_flight.get_or_create(&labels).set(i64::try_from(*in_flight).unwrap_or(i64::MAX));
                     self.keys_stuck.get_or_create(&labels).set(i64::try_from(*stuck).unwrap_or(i64::MAX));
                 }
@@ -482,7 +503,8 @@ impl Metrics {
     /// Creates the tenant's counters at zero, so that they are exported (and `rate()` and
     /// `increase()` work) before the first event of each kind.
     fn initialize(&self, tenant: &str) {
-        let t = || tenant.to_owned();
+        let label = self.tenant_label(tenant);
+        let t = || label.clone();
         for answer in Answer::ALL {
             let _ = self.claims.get_or_create(&ClaimLabels { tenant: t(), outcome: answer.as_str() });
         }

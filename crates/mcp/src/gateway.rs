@@ -114,7 +114,10 @@ impl Gateway {
 /// The handler of every request.
 pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Body>) -> Response<Body> {
     match request.uri().path() {
-        "/_onceguard/metrics" => return onceguard_http::metrics_endpoint(State(gateway.state.clone())).await,
+        "/_onceguard/metrics" => {
+            let headers = request.headers().clone();
+            return onceguard_http::metrics_endpoint(State(gateway.state.clone()), headers).await;
+        }
         "/_onceguard/healthz" => return (StatusCode::OK, "ok").into_response(),
         _ => {}
     }

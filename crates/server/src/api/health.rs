@@ -27,9 +27,14 @@ pub async fn readyz(State(state): State<AppState>) -> ApiResult<Json<HealthView>
 }
 
 /// Prometheus metrics (OpenMetrics text): counts since this instance started, and the keys in
-/// flight and stuck as of the last scan of the store.
+/// flight and stuck as of the last scan of the store. With `metrics.token_file` only with that
+/// bearer token; with `metrics.listen` only on that address.
 #[utoipa::path(get, path = "/metrics", tag = "observability",
-    responses((status = 200, description = "The metrics", content_type = "application/openmetrics-text", body = String)))]
-pub async fn metrics(state: State<AppState>) -> Response {
-    onceguard_http::metrics_endpoint(state).await
+    responses(
+        (status = 200, description = "The metrics", content_type = "application/openmetrics-text", body = String),
+        (status = 401, description = "`metrics.token_file` is set and the request has not its token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "`metrics.listen` is set: the metrics are served there", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn metrics(state: State<AppState>, headers: HeaderMap) -> Response {
+    onceguard_http::metrics_endpoint(state, headers).await
 }

@@ -370,3 +370,67 @@ async fn the_dashboard_page_is_served_with_a_strict_policy() {
     let missing = app.client.get(app.url("/dashboard/other.js")).send().await.unwrap();
     assert_eq!(missing.status(), StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn metrics_with_a_token_file_answer_only_that_bearer_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("metrics.token");
+    std::fs::write(&token_file, "scrape-0123456789-secret\n").unwrap();
+    let app = spawn_app_with(Backing::Memory, |c| c.metrics.token_file = Some(token_file.clone())).await;
+    let metrics = app.url("/metrics");
+    let open = app.client.get(&metrics).send().await.unwrap();
+    assert_eq!(open.headers()["www-authenticate"], "Bearer");
+    assert_problem(open, StatusCode::UNAUTHORIZED, "unauthenticated").await;
+    for wrong in ["scrape-0123456789-secreT", "scrape-0123456789", &app.admin] {
+        let refused = app.client.get(&metrics).bearer_auth(wrong).send().await.unwrap();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED, "{wrong}");
+    }
+    let scraped = app.client.get(&metrics).bearer_auth("scrape-0123456789-secret").send().await.unwrap();
+    assert_eq!(scraped.status(), StatusCode::OK);
+    assert!(scraped.text().await.unwrap().contains("onceguard_claims_total"));
+}
+
+#[tokio::test]
+async fn metrics_on_their_own_listener_are_no_longer_on_the_api() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let app = spawn_app_with(Backing::Memory, |c| c.metrics.listen = Some(addr)).await;
+    app.claim_key("k", json!(1)).await;
+    assert_problem(app.client.get(app.url("/metrics")).send().await.unwrap(), StatusCode::NOT_FOUND, "not-found").await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        match app.client.get(format!("http://{addr}/metrics")).send().await {
+            Ok(r) if r.status() == StatusCode::OK => break r.text().await.unwrap(),
+            other => assert!(std::time::Instant::now() < deadline, "no metrics on {addr}: {other:?}"),
+        }
+        tokio::task::yield_now().await;
+    };
+    assert!(text.contains(r#"onceguard_claims_total{tenant="acme",outcome="acquired"} 1"#), "{text}");
+    let other = app.client.get(format!("http://{addr}/v1/records")).send().await.unwrap();
+    assert_eq!(other.status(), StatusCode::NOT_FOUND, "the metrics listener serves the metrics only");
+}
+
+#[tokio::test]
+async fn tenant_labels_as_digests_keep_the_ids_out_of_the_metrics() {
+    let app = spawn_app_with(Backing::Memory, |c| {
+        c.metrics.tenant_labels = onceguard_server::config::TenantLabels::Digest;
+        c.metrics.refresh_interval = Duration::ZERO;
+    })
+    .await;
+    traffic(&app).await;
+    let (text, m) = scrape(&app).await;
+    for id in ["acme", "globex"] {
+        assert!(!text.contains(&format!("\"{id}\"")), "the tenant id {id} is a label value: {text}");
+    }
+    let digest = |id: &str| {
+        let fingerprint = onceguard_core::Fingerprint::sha256(id.as_bytes());
+        let hex = &fingerprint.as_str()["sha256:".len()..];
+        format!("t-{}", &hex[..12])
+    };
+    let acme = digest("acme");
+    assert_eq!(value(&m, &format!(r#"onceguard_claims_total{{tenant="{acme}",outcome="replay"}}"#)), 3.0);
+    assert_eq!(value(&m, &format!(r#"onceguard_keys_in_flight{{tenant="{}"}}"#, digest("globex"))), 1.0);
+    // The dashboard still counts per tenant.
+    let d: Value = app.get(&app.admin, "/v1/dashboard").await.json().await.unwrap();
+    assert_eq!(d["claims"]["replay"], 3);
+}
