@@ -18,13 +18,16 @@ pub enum StoreUrl {
     Sqlite(PathBuf),
     /// `postgres://user@host:port/db?schema=onceguard&pool_size=16&writers=4&statement_timeout_ms=5000`.
     Postgres(String),
-    /// `redis://host:port/db` or `redis+cluster://host:port,host:port`, with `?prefix=` for the
-    /// key prefix (default `onceguard:`).
+    /// `redis://host:port/db` or `redis+cluster://host:port,host:port` (`rediss://` and
+    /// `rediss+cluster://` for TLS), with `?prefix=` for the key prefix (default `onceguard:`)
+    /// and `?tls_ca=PATH` for the certificate authority (PEM) of a TLS server.
     Redis {
         /// Where.
         target: RedisTarget,
         /// The key prefix.
         prefix: String,
+        /// The certificate authority TLS servers are checked against (else the system's).
+        tls_ca: Option<PathBuf>,
     },
 }
 
@@ -42,14 +45,18 @@ impl StoreUrl {
             onceguard_store_postgres::parse_url(url).map_err(invalid)?;
             return Ok(Self::Postgres(url.to_owned()));
         }
-        if url.starts_with("redis://") || url.starts_with("redis+cluster://") {
-            let (base, prefix) = split_prefix(url);
+        if ["redis://", "redis+cluster://", "rediss://", "rediss+cluster://"].iter().any(|s| url.starts_with(s)) {
+            let (base, prefix) = take_param(url, "prefix");
+            let (base, tls_ca) = take_param(&base, "tls_ca");
+            if tls_ca.is_some() && !base.starts_with("rediss") {
+                return Err(invalid("tls_ca is for a TLS server: use rediss:// (or rediss+cluster://)".into()));
+            }
             let target = RedisTarget::parse(&base).ok_or_else(|| invalid(format!("'{url}' is not a Redis URL")))?;
             let prefix = prefix.unwrap_or_else(|| RedisOptions::default().prefix);
             if prefix.contains(['{', '}']) {
                 return Err(invalid("the Redis prefix must not contain '{' or '}'".into()));
             }
-            return Ok(Self::Redis { target, prefix });
+            return Ok(Self::Redis { target, prefix, tls_ca: tls_ca.map(PathBuf::from) });
         }
         Err(invalid(format!(
             "'{url}' is not a store URL: use sqlite://PATH, memory://, postgres://…, redis://… or redis+cluster://h:p,h:p"
@@ -62,30 +69,37 @@ impl StoreUrl {
             Self::Memory => Arc::new(MemoryStore::new()),
             Self::Sqlite(path) => Arc::new(SqliteStore::open(path)?),
             Self::Postgres(url) => Arc::new(PgStore::connect(url).await?),
-            Self::Redis { target, prefix } => {
-                let options = RedisOptions { prefix: prefix.clone(), ..RedisOptions::default() };
+            Self::Redis { target, prefix, tls_ca } => {
+                let tls_ca = tls_ca
+                    .as_ref()
+                    .map(|path| {
+                        std::fs::read(path)
+                            .map_err(|e| StoreError::Unavailable(format!("redis tls_ca {}: {e}", path.display())))
+                    })
+                    .transpose()?;
+                let options = RedisOptions { prefix: prefix.clone(), tls_ca, ..RedisOptions::default() };
                 Arc::new(RedisStore::connect_with(target, options).await?)
             }
         })
     }
 }
 
-/// Takes `prefix=…` out of a URL's query.
-fn split_prefix(url: &str) -> (String, Option<String>) {
+/// Takes `name=…` out of a URL's query.
+fn take_param(url: &str, name: &str) -> (String, Option<String>) {
     let Some((base, query)) = url.split_once('?') else { return (url.to_owned(), None) };
-    let mut prefix = None;
+    let mut value = None;
     let kept: Vec<&str> = query
         .split('&')
-        .filter(|pair| match pair.strip_prefix("prefix=") {
-            Some(p) => {
-                prefix = Some(p.to_owned());
+        .filter(|pair| match pair.strip_prefix(name).and_then(|rest| rest.strip_prefix('=')) {
+            Some(v) => {
+                value = Some(v.to_owned());
                 false
             }
             None => !pair.is_empty(),
         })
         .collect();
     let base = if kept.is_empty() { base.to_owned() } else { format!("{base}?{}", kept.join("&")) };
-    (base, prefix)
+    (base, value)
 }
 
 #[cfg(test)]
@@ -98,7 +112,7 @@ mod tests {
         assert_eq!(StoreUrl::parse("sqlite://og.db").unwrap(), StoreUrl::Sqlite("og.db".into()));
         assert!(matches!(StoreUrl::parse("postgres://u@h/db?schema=og").unwrap(), StoreUrl::Postgres(_)));
         match StoreUrl::parse("redis://127.0.0.1:6379/0?prefix=og-a:").unwrap() {
-            StoreUrl::Redis { target: RedisTarget::Single(url), prefix } => {
+            StoreUrl::Redis { target: RedisTarget::Single(url), prefix, tls_ca: None } => {
                 assert_eq!((url.as_str(), prefix.as_str()), ("redis://127.0.0.1:6379/0", "og-a:"));
             }
             other => panic!("{other:?}"),
@@ -107,7 +121,27 @@ mod tests {
             StoreUrl::Redis { target: RedisTarget::Cluster(nodes), .. } => assert_eq!(nodes.len(), 2),
             other => panic!("{other:?}"),
         }
-        for bad in ["mysql://h/db", "postgres://h/db?schema=Bad-Name", "redis://h?prefix={x}", "sqlite://", ""] {
+        match StoreUrl::parse("rediss://localhost:6380/0?tls_ca=/etc/og/ca.pem&prefix=og:").unwrap() {
+            StoreUrl::Redis { target: RedisTarget::Single(url), prefix, tls_ca } => {
+                assert_eq!((url.as_str(), prefix.as_str()), ("rediss://localhost:6380/0", "og:"));
+                assert_eq!(tls_ca, Some(PathBuf::from("/etc/og/ca.pem")));
+            }
+            other => panic!("{other:?}"),
+        }
+        match StoreUrl::parse("rediss+cluster://a:7000,b:7001").unwrap() {
+            StoreUrl::Redis { target: RedisTarget::Cluster(nodes), .. } => {
+                assert_eq!(nodes, ["rediss://a:7000", "rediss://b:7001"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        for bad in [
+            "mysql://h/db",
+            "postgres://h/db?schema=Bad-Name",
+            "redis://h?prefix={x}",
+            "redis://h?tls_ca=/ca.pem",
+            "sqlite://",
+            "",
+        ] {
             assert!(StoreUrl::parse(bad).is_err(), "{bad}");
         }
     }

@@ -115,7 +115,7 @@ use onceguard_core::{
 use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{AsyncMessage, NoTls, Row};
+use tokio_postgres::{AsyncMessage, Row};
 
 mod batch;
 mod claims;
@@ -125,6 +125,7 @@ mod notify;
 mod runs;
 mod schema;
 mod tenants;
+mod tls;
 
 use batch::*;
 use known::*;
@@ -175,16 +176,26 @@ pub struct PgOptions {
     pub writers: usize,
     /// Longest any statement may run, and longest to wait for a connection.
     pub statement_timeout: Duration,
+    /// With `sslmode=require` (or `verify-ca`, `verify-full`): the certificate authority (PEM)
+    /// the server's certificate is checked against (`sslrootcert=PATH`); else Mozilla's roots.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for PgOptions {
     fn default() -> Self {
-        Self { schema: "onceguard".into(), pool_size: 16, writers: 4, statement_timeout: Duration::from_secs(5) }
+        Self {
+            schema: "onceguard".into(),
+            pool_size: 16,
+            writers: 4,
+            statement_timeout: Duration::from_secs(5),
+            tls_ca: None,
+        }
     }
 }
 
 /// Splits a `postgres://` URL into the connection URL and the store's own options
-/// (`schema`, `pool_size`, `writers`, `statement_timeout` as query parameters).
+/// (`schema`, `pool_size`, `writers`, `statement_timeout`, `sslrootcert` as query parameters;
+/// `sslmode=verify-ca` and `verify-full` become `require`, which checks as much: see tls.rs).
 pub fn parse_url(url: &str) -> Result<(String, PgOptions), String> {
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         return Err(format!("'{url}' is not a postgres:// URL"));
@@ -200,6 +211,9 @@ pub fn parse_url(url: &str) -> Result<(String, PgOptions), String> {
             "pool_size" => options.pool_size = number()?.clamp(1, 1024),
             "writers" => options.writers = number()?.clamp(1, 64),
             "statement_timeout_ms" => options.statement_timeout = Duration::from_millis(number()? as u64),
+            "sslrootcert" => options.tls_ca = Some(value.into()),
+            // Every mode that uses TLS checks the certificate and the host name (see tls.rs).
+            "sslmode" if matches!(value, "verify-ca" | "verify-full") => kept.push("sslmode=require"),
             _ => kept.push(pair),
         }
     }
@@ -306,14 +320,21 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("onceguard");
         }
-        migrate(&config, &options.schema).await?;
+        let tls = match config.get_ssl_mode() {
+            tokio_postgres::config::SslMode::Require => {
+                tls::Tls::on(options.tls_ca.as_deref()).map_err(StoreError::Unavailable)?
+            }
+            _ => tls::Tls::Off,
+        };
+        migrate(&config, &tls, &options.schema).await?;
         config.options(format!(
             "-c search_path={} -c statement_timeout={}",
             options.schema,
             options.statement_timeout.as_millis()
         ));
+        let manager_config = || ManagerConfig { recycling_method: RecyclingMethod::Fast };
         let manager =
-            Manager::from_config(config.clone(), NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+            tls::with_tls!(&tls, |connector| Manager::from_config(config.clone(), connector, manager_config()));
         let pool = Pool::builder(manager)
             .max_size(options.pool_size)
             .wait_timeout(Some(options.statement_timeout))
@@ -336,7 +357,7 @@ impl PgStore {
         let mut tasks: Vec<JoinHandle<()>> =
             (0..options.writers).map(|_| tokio::spawn(write_loop(writers.clone()))).collect();
         tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
-        tasks.push(tokio::spawn(listen_loop(config, channel, changes.clone())));
+        tasks.push(tokio::spawn(listen_loop(config, tls, channel, changes.clone())));
         Ok(Self { pool, schema: options.schema, jobs, changes, finished, writers, tasks })
     }
 
@@ -457,7 +478,7 @@ mod tests {
             return;
         }
         let schema = format!("og_upgrade_{:08x}", rand::random::<u32>());
-        let (client, connection) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
         let driver = tokio::spawn(connection);
         // A schema as instances of the first version left it: one record in flight, whose
         // document has no `charged`.

@@ -46,9 +46,24 @@ pub(crate) async fn notify(
 
 /// Keeps a `LISTEN` connection open (reconnecting after a second when it drops) and forwards
 /// notified keys to `changes`.
-pub(crate) async fn listen_loop(config: tokio_postgres::Config, channel: String, changes: broadcast::Sender<Scope>) {
+pub(crate) async fn listen_loop(
+    config: tokio_postgres::Config,
+    tls: crate::tls::Tls,
+    channel: String,
+    changes: broadcast::Sender<Scope>,
+) {
+    crate::tls::with_tls!(&tls, |connector| listen_with(config, connector, channel, changes).await)
+}
+
+async fn listen_with<T>(config: tokio_postgres::Config, tls: T, channel: String, changes: broadcast::Sender<Scope>)
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket> + Clone + Send + Sync + 'static,
+    T::Stream: Send + 'static,
+    T::TlsConnect: Send,
+    <T::TlsConnect as tokio_postgres::tls::TlsConnect<tokio_postgres::Socket>>::Future: Send,
+{
     loop {
-        if let Ok((client, mut connection)) = config.connect(NoTls).await {
+        if let Ok((client, mut connection)) = config.connect(tls.clone()).await {
             let (tx, mut rx) = mpsc::unbounded_channel();
             let driver = tokio::spawn(async move {
                 let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));

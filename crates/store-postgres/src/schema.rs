@@ -95,9 +95,15 @@ pub(crate) const MIGRATIONS: &[&str] = &[
 pub(crate) const MIGRATION_LOCK: i64 = 0x6f6e_6365_6775_6172; // "onceguar"
 
 /// Creates the schema and applies pending migrations, one instance at a time.
-pub(crate) async fn migrate(config: &tokio_postgres::Config, schema: &str) -> Result<(), StoreError> {
-    let (mut client, connection) = config.connect(NoTls).await.map_err(unavailable)?;
-    let driver = tokio::spawn(connection);
+pub(crate) async fn migrate(
+    config: &tokio_postgres::Config,
+    tls: &crate::tls::Tls,
+    schema: &str,
+) -> Result<(), StoreError> {
+    let (mut client, driver) = crate::tls::with_tls!(tls, |connector| {
+        let (client, connection) = config.connect(connector).await.map_err(unavailable)?;
+        (client, tokio::spawn(async move { connection.await.map(drop) }))
+    });
     let result = async {
         client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]).await.map_err(unavailable)?;
         let applied = async {

@@ -18,6 +18,7 @@ pub(crate) fn message(origin: &str, scope: &Scope) -> String {
 /// the first subscription worked.
 pub(crate) async fn listen(
     urls: Vec<String>,
+    tls_ca: Option<Vec<u8>>,
     channel: String,
     origin: String,
     changes: broadcast::Sender<Scope>,
@@ -31,7 +32,7 @@ pub(crate) async fn listen(
         let mut subscribed = None;
         for _ in 0..urls.len() {
             let url = &urls[next % urls.len()];
-            match subscribe(url, &channel, timeout).await {
+            match subscribe(url, tls_ca.as_deref(), &channel, timeout).await {
                 Ok(pubsub) => {
                     subscribed = Some(pubsub);
                     break;
@@ -69,9 +70,14 @@ pub(crate) async fn listen(
     }
 }
 
-async fn subscribe(url: &str, channel: &str, timeout: Duration) -> Result<redis::aio::PubSub, String> {
+async fn subscribe(
+    url: &str,
+    tls_ca: Option<&[u8]>,
+    channel: &str,
+    timeout: Duration,
+) -> Result<redis::aio::PubSub, String> {
     let attempt = async {
-        let client = redis::Client::open(url)?;
+        let client = crate::client_of(url, tls_ca)?;
         let mut pubsub = client.get_async_pubsub().await?;
         pubsub.subscribe(channel).await?;
         Ok::<_, RedisError>(pubsub)

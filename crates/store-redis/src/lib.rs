@@ -291,17 +291,20 @@ impl RedisTarget {
     /// seeds; a password may be given as `redis+cluster://:password@host1:port1,...`).
     /// Answers `None` for any other URL.
     pub fn parse(url: &str) -> Option<Self> {
-        if url.starts_with("redis://") {
+        if url.starts_with("redis://") || url.starts_with("rediss://") {
             return Some(Self::Single(url.to_owned()));
         }
-        let rest = url.strip_prefix("redis+cluster://")?;
+        let (scheme, rest) = match url.strip_prefix("rediss+cluster://") {
+            Some(rest) => ("rediss", rest),
+            None => ("redis", url.strip_prefix("redis+cluster://")?),
+        };
         let (auth, hosts) = match rest.rsplit_once('@') {
             Some((auth, hosts)) => (format!("{auth}@"), hosts),
             None => (String::new(), rest),
         };
         let hosts = hosts.trim_end_matches('/');
         let nodes: Vec<String> =
-            hosts.split(',').filter(|h| !h.is_empty()).map(|h| format!("redis://{auth}{h}")).collect();
+            hosts.split(',').filter(|h| !h.is_empty()).map(|h| format!("{scheme}://{auth}{h}")).collect();
         (!nodes.is_empty()).then_some(Self::Cluster(nodes))
     }
 
@@ -346,11 +349,30 @@ pub struct RedisOptions {
     pub timeout: Duration,
     /// How long after its `expires_at` Redis itself deletes a record that the sweep did not.
     pub expiry_margin: Duration,
+    /// For `rediss://` servers: the certificate authority (PEM) their certificates are checked
+    /// against, instead of the system's. Host names are always checked.
+    pub tls_ca: Option<Vec<u8>>,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        Self { prefix: "onceguard:".into(), timeout: DEFAULT_STORE_TIMEOUT, expiry_margin: Duration::from_secs(600) }
+        Self {
+            prefix: "onceguard:".into(),
+            timeout: DEFAULT_STORE_TIMEOUT,
+            expiry_margin: Duration::from_secs(600),
+            tls_ca: None,
+        }
+    }
+}
+
+/// A client of `url`, trusting `tls_ca` (else the system's authorities) for a `rediss://` URL.
+pub(crate) fn client_of(url: &str, tls_ca: Option<&[u8]>) -> redis::RedisResult<redis::Client> {
+    match tls_ca {
+        Some(ca) if url.starts_with("rediss://") => redis::Client::build_with_tls(
+            url,
+            redis::TlsCertificates { client_tls: None, root_cert: Some(ca.to_vec()) },
+        ),
+        _ => redis::Client::open(url),
     }
 }
 
@@ -527,7 +549,7 @@ impl RedisStore {
         let timeout = options.timeout;
         let (conn, cluster) = match target {
             RedisTarget::Single(url) => {
-                let client = redis::Client::open(url.as_str()).map_err(unavailable("connect"))?;
+                let client = client_of(url, options.tls_ca.as_deref()).map_err(unavailable("connect"))?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
                     .set_response_timeout(Some(timeout))
@@ -536,7 +558,11 @@ impl RedisStore {
                 (Conn::Single(within(timeout, "connect", connect).await?), false)
             }
             RedisTarget::Cluster(nodes) => {
-                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone());
+                if let Some(ca) = &options.tls_ca {
+                    builder = builder.certs(redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) });
+                }
+                let client = builder
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     .retries(2)
@@ -550,6 +576,7 @@ impl RedisStore {
         let (ready_tx, ready_rx) = oneshot::channel();
         let listener = tokio::spawn(changes::listen(
             target.subscribe_urls(),
+            options.tls_ca.clone(),
             keys.changes(),
             origin.clone(),
             changes.clone(),

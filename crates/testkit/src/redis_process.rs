@@ -93,6 +93,50 @@ impl RedisProcess {
         None
     }
 
+    /// Starts a server that speaks TLS only, on a free port, with the certificate `cert` and
+    /// key `key` (PEM; clients need no certificate of their own); `None` if it did not come up.
+    pub fn start_tls(dir: &Path, cert: &Path, key: &Path, ca: &Path) -> Option<Self> {
+        let port = free_port(&[])?;
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", "0", "--tls-port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no", "--shutdown-on-sigterm", "nosave"])
+            .arg("--tls-cert-file")
+            .arg(cert)
+            .arg("--tls-key-file")
+            .arg(key)
+            .arg("--tls-ca-cert-file")
+            .arg(ca)
+            .args(["--tls-auth-clients", "no"])
+            .arg("--dir")
+            .arg(dir)
+            .arg("--logfile")
+            .arg(dir.join(format!("redis-tls-{port}.log")));
+        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().ok()?;
+        watch(child.id(), dir);
+        let mut server = Self { port, child };
+        let ping = || {
+            Command::new("redis-cli")
+                .args(["--tls", "--cacert"])
+                .arg(ca)
+                .args(["-h", "127.0.0.1", "-p", &port.to_string(), "PING"])
+                .output()
+                .ok()
+                .is_some_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if server.child.try_wait().ok().flatten().is_some() {
+                return None;
+            }
+            if ping() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server.stop();
+        None
+    }
+
     /// Starts a plain (non-cluster) server, trying a few ports.
     pub fn standalone(dir: &Path) -> Self {
         (0..5).find_map(|_| Self::start(dir, false, &[])).expect("a redis-server starts")
