@@ -95,6 +95,7 @@ pub struct Guard {
     notifier: Arc<Notifier>,
     pub(crate) controls: Arc<ControlCache>,
     observer: Arc<dyn Observer>,
+    stale_audits: Arc<crate::stale_audits::StaleAudits>,
 }
 
 impl std::fmt::Debug for Guard {
@@ -108,7 +109,15 @@ impl Guard {
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, limits: Limits) -> Self {
         let controls = Arc::new(ControlCache::default());
         let notifier = Arc::new(Notifier::default());
-        Self { store, clock, limits: Arc::new(limits), notifier, controls, observer: Arc::new(Unobserved) }
+        Self {
+            store,
+            clock,
+            limits: Arc::new(limits),
+            notifier,
+            controls,
+            observer: Arc::new(Unobserved),
+            stale_audits: Arc::default(),
+        }
     }
 
     /// The same guard, reporting its decisions to `observer` (see [`crate::observer`]).
@@ -428,7 +437,12 @@ impl Guard {
         if let FencedOutcome::Stale(reason) = outcome {
             self.observer.stale(scope, op, fence, *reason);
             if matches!(op, FencedOp::Complete | FencedOp::Fail) {
-                self.audit_stale(actor, scope, fence, op.as_str(), *reason).await?;
+                let per_minute = self.limits.stale_audits_per_minute;
+                if self.stale_audits.admit(&scope.tenant, actor, self.clock.now(), per_minute) {
+                    self.audit_stale(actor, scope, fence, op.as_str(), *reason).await?;
+                } else {
+                    self.observer.stale_audit_dropped(scope);
+                }
             }
         }
         Ok(())

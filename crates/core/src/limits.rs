@@ -45,6 +45,9 @@ pub struct Limits {
     pub max_checkpoints: usize,
     /// Most claims (or fenced calls) in one batch.
     pub max_batch: usize,
+    /// Most refused (stale) completions and failures of one API key audited per minute; those
+    /// beyond are counted, not written (see [`crate::stale_audits`]).
+    pub stale_audits_per_minute: u32,
 }
 
 impl Default for Limits {
@@ -62,6 +65,7 @@ impl Default for Limits {
             max_checkpoint_bytes: 16 * 1024,
             max_checkpoints: 64,
             max_batch: 1_000,
+            stale_audits_per_minute: 60,
         }
     }
 }

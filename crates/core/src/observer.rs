@@ -15,6 +15,10 @@ pub trait Observer: Send + Sync + 'static {
 
     /// A fenced call that changed nothing because its fence is not the holder's.
     fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason);
+
+    /// A stale completion or failure that was not audited: its key had had
+    /// `limits.stale_audits_per_minute` audited this minute.
+    fn stale_audit_dropped(&self, _scope: &Scope) {}
 }
 
 /// Watches nothing: the guard's observer until one is given.

@@ -161,6 +161,7 @@ pub struct Metrics {
     http_latency: LatencyFamily<HttpLabels>,
     mcp_calls: Family<McpCallLabels, Counter>,
     unstored_responses: Family<TenantLabels, Counter>,
+    stale_audits_dropped: Family<TenantLabels, Counter>,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -288,6 +289,14 @@ impl Metrics {
              forwarded again (their replays say the body was not kept)",
             unstored_responses.clone(),
         );
+        let stale_audits_dropped = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "stale_audits_dropped",
+            "Refused (stale) completions and failures not written to the audit log because their API key had \
+             limits.stale_audits_per_minute audited that minute, by tenant (every stale call is still counted in \
+             stale_calls)",
+            stale_audits_dropped.clone(),
+        );
         let build = Family::<BuildLabels, Gauge>::default();
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         registry.register("build_info", "The running server's version (always 1)", build);
@@ -306,6 +315,7 @@ impl Metrics {
             http_latency,
             mcp_calls,
             unstored_responses,
+            stale_audits_dropped,
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
@@ -528,6 +538,11 @@ impl onceguard_core::Observer for Metrics {
 
     fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason) {
         self.observe_stale(scope, op, fence.0, reason);
+    }
+
+    fn stale_audit_dropped(&self, scope: &Scope) {
+        let labels = TenantLabels { tenant: self.tenant_label(scope.tenant.as_str()) };
+        self.stale_audits_dropped.get_or_create(&labels).inc();
     }
 }
 

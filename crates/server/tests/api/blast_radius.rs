@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use onceguard_core::Clock;
 
-use crate::helpers::{Backing, TestApp, assert_problem, key_id, spawn_app};
+use crate::helpers::{Backing, TestApp, assert_problem, key_id, spawn_app, spawn_app_with};
 
 const BACKINGS: [Backing; 2] = [Backing::Memory, Backing::Sqlite];
 
@@ -332,4 +332,31 @@ async fn counts_and_costs_beyond_two_to_the_53_are_refused() {
     .await;
     let fine = json!({"namespace": "ns", "key": "k2", "fence": held["fence"], "result": 1, "cost": too_big - 1});
     assert_eq!(app.post(&app.agent, "/v1/claims/complete", &fine).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn an_agent_key_cannot_fill_the_audit_log_with_stale_completions() {
+    let app = spawn_app_with(Backing::Sqlite, |c| c.limits.stale_audits_per_minute = 5).await;
+    let (_, held) = claim_in(&app, &app.agent, "prod/pay", "k", None).await;
+    let stale = |fence: u64| json!({"namespace": "prod/pay", "key": "k", "fence": fence, "result": 1});
+    let fence = held["fence"].as_u64().unwrap();
+    for i in 0..12 {
+        let refused = app.post(&app.agent, "/v1/claims/complete", &stale(fence + 100 + i)).await;
+        assert_eq!(refused.status(), StatusCode::CONFLICT, "every stale call is still refused");
+    }
+    async fn audited(app: &TestApp) -> usize {
+        let audit = ok_json(app.get(&app.admin, "/v1/audit?action=completion.stale&limit=100").await, StatusCode::OK);
+        audit.await["entries"].as_array().unwrap().len()
+    }
+    assert_eq!(audited(&app).await, 5, "at most limits.stale_audits_per_minute of one key a minute");
+    let metrics = app.client.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"onceguard_stale_audits_dropped_total{tenant="acme"} 7"#), "{metrics}");
+    assert!(metrics.contains(r#"onceguard_stale_calls_total{tenant="acme",op="complete",reason="superseded"} 12"#));
+    // Another key of the tenant has its own allowance, and the next minute a new one.
+    let other = app.post(&app.admin, "/v1/claims/complete", &stale(fence + 1_000)).await;
+    assert_eq!(other.status(), StatusCode::CONFLICT);
+    assert_eq!(audited(&app).await, 6);
+    app.clock.advance(Duration::from_secs(60));
+    app.post(&app.agent, "/v1/claims/complete", &stale(fence + 2_000)).await;
+    assert_eq!(audited(&app).await, 7);
 }
