@@ -281,8 +281,10 @@ fn count(v: &Value) -> String {
     out
 }
 
+/// Milliseconds as the page shows them: JavaScript's `toFixed(2)` rounds a half up (0.625 →
+/// 0.63) where Rust's `{:.2}` rounds it to even (0.62).
 fn ms(v: &Value) -> String {
-    v.as_f64().map_or_else(|| "–".to_owned(), |v| format!("{v:.2} ms"))
+    v.as_f64().map_or_else(|| "–".to_owned(), |v| format!("{:.2} ms", (v * 100.0).round() / 100.0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
