@@ -10,7 +10,7 @@ use onceguard_core::auth::{ApiKeyId, Role};
 use onceguard_core::control::{AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
-use onceguard_server::config::{McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides};
+use onceguard_server::config::{EncryptionOverrides, McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides};
 use onceguard_server::controls;
 use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides, api};
@@ -52,6 +52,10 @@ struct Global {
     /// serve, proxy, mcp: the private key of --tls-cert (PEM).
     #[arg(long, global = true)]
     tls_key: Option<PathBuf>,
+    /// Encrypt stored results and checkpoint data (AES-256-GCM) with the keys of this file:
+    /// lines `<id> <base64 of 32 bytes>`, the first sealing, every one opening.
+    #[arg(long, global = true)]
+    encryption_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -643,6 +647,7 @@ async fn main() -> Result<()> {
     let mut overrides = Overrides {
         store: cli.global.store.clone(),
         tls: TlsOverrides { cert: cli.global.tls_cert.clone(), key: cli.global.tls_key.clone() },
+        encryption: EncryptionOverrides { key_file: cli.global.encryption_key_file.clone() },
         ..Overrides::default()
     };
     match &cli.command {

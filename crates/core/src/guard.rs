@@ -23,6 +23,7 @@ use crate::notify::Notifier;
 use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, Denial, FencedOutcome, Record, RecordState, StaleReason};
+use crate::sealing::Sealer;
 use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
@@ -96,6 +97,7 @@ pub struct Guard {
     pub(crate) controls: Arc<ControlCache>,
     observer: Arc<dyn Observer>,
     stale_audits: Arc<crate::stale_audits::StaleAudits>,
+    sealer: Option<Arc<Sealer>>,
 }
 
 impl std::fmt::Debug for Guard {
@@ -117,7 +119,14 @@ impl Guard {
             controls,
             observer: Arc::new(Unobserved),
             stale_audits: Arc::default(),
+            sealer: None,
         }
+    }
+
+    /// The same guard, sealing stored outcomes and checkpoint data with `sealer` before they
+    /// reach the store and opening them on the way out (see [`crate::sealing`]).
+    pub fn with_sealer(&self, sealer: Option<Arc<Sealer>>) -> Self {
+        Self { sealer, ..self.clone() }
     }
 
     /// The same guard, reporting its decisions to `observer` (see [`crate::observer`]).
@@ -191,6 +200,7 @@ impl Guard {
     #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %claim.scope.tenant, namespace = %claim.scope.namespace, fingerprint = %claim.fingerprint, outcome))]
     pub async fn claim(&self, claim: Claim) -> Result<ClaimOutcome, GuardError> {
         let (outcome, scope) = self.decide(claim).await?;
+        let outcome = self.open_claim(&scope, outcome)?;
         tracing::Span::current().record("outcome", outcome.name());
         self.observer.claimed(&scope, &outcome);
         Ok(outcome)
@@ -303,7 +313,7 @@ impl Guard {
                 return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
             }
             for ((i, req), outcome) in places.into_iter().zip(reqs).zip(outcomes) {
-                answers[i] = Some((outcome, req.scope));
+                answers[i] = Some((self.open_claim(&req.scope, outcome)?, req.scope));
             }
         }
         Ok(answers
@@ -325,15 +335,26 @@ impl Guard {
         for (i, call) in calls.iter().enumerate() {
             self.check_mutation(&call.scope, &call.mutation).await.map_err(|e| e.at(i))?;
         }
-        let outcomes = self.store.mutate_batch(&calls, self.clock.now(), self.limits.max_checkpoints).await?;
+        let sealed: Vec<FencedCall> = match &self.sealer {
+            Some(_) => calls
+                .iter()
+                .map(|c| FencedCall { mutation: self.seal(&c.scope, c.mutation.clone()), ..c.clone() })
+                .collect(),
+            None => Vec::new(),
+        };
+        let sent = if self.sealer.is_some() { &sealed } else { &calls };
+        let outcomes = self.store.mutate_batch(sent, self.clock.now(), self.limits.max_checkpoints).await?;
         if outcomes.len() != calls.len() {
             return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
         }
-        for (call, outcome) in calls.iter().zip(&outcomes) {
+        let mut answers = Vec::with_capacity(outcomes.len());
+        for (call, outcome) in calls.iter().zip(outcomes) {
+            let outcome = self.opened_fenced(&call.scope, call.fence, &call.mutation, outcome).await?;
             let (op, finishes) = (call.mutation.op(), call.mutation.finishes());
-            self.after_mutation(actor, &call.scope, call.fence, op, finishes, outcome).await?;
+            self.after_mutation(actor, &call.scope, call.fence, op, finishes, &outcome).await?;
+            answers.push(outcome);
         }
-        Ok(outcomes)
+        Ok(answers)
     }
 
     fn check_batch(&self, size: usize) -> Result<(), GuardError> {
@@ -394,7 +415,14 @@ impl Guard {
     ) -> Result<FencedOutcome, GuardError> {
         self.check_mutation(scope, &mutation).await?;
         let (op, finishes) = (mutation.op(), mutation.finishes());
-        let outcome = self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?;
+        let outcome = match &self.sealer {
+            None => self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?,
+            Some(_) => {
+                let sealed = self.seal(scope, mutation.clone());
+                let outcome = self.store.mutate(scope, fence, sealed, self.clock.now(), self.limits.max_checkpoints);
+                self.opened_fenced(scope, fence, &mutation, outcome.await?).await?
+            }
+        };
         let applied = matches!(outcome, FencedOutcome::Applied(_));
         tracing::Span::current().record("outcome", if applied { "applied" } else { "stale" });
         self.after_mutation(actor, scope, fence, op, finishes, &outcome).await?;
@@ -468,12 +496,89 @@ impl Guard {
 
     /// The live record of a key.
     pub async fn get(&self, scope: &Scope) -> Result<Option<Record>, GuardError> {
-        Ok(self.store.get(scope, self.clock.now()).await?)
+        self.store.get(scope, self.clock.now()).await?.map(|r| self.open_record(r)).transpose()
     }
 
     /// Lists a tenant's live records.
     pub async fn list(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, GuardError> {
-        Ok(self.store.list(tenant, filter, self.clock.now()).await?)
+        let mut page = self.store.list(tenant, filter, self.clock.now()).await?;
+        page.records = page.records.into_iter().map(|r| self.open_record(r)).collect::<Result<_, _>>()?;
+        Ok(page)
+    }
+
+    /// `mutation` with what it stores sealed (see [`Guard::with_sealer`]).
+    fn seal(&self, scope: &Scope, mutation: Mutation) -> Mutation {
+        let Some(sealer) = &self.sealer else { return mutation };
+        match mutation {
+            Mutation::Complete(mut o) => {
+                o.body = sealer.seal_bytes(scope, &o.body);
+                Mutation::Complete(o)
+            }
+            Mutation::Fail { retryable: false, mut outcome } => {
+                outcome.body = sealer.seal_bytes(scope, &outcome.body);
+                Mutation::Fail { retryable: false, outcome }
+            }
+            Mutation::Checkpoint { name, data } => Mutation::Checkpoint { data: sealer.seal_text(scope, &data), name },
+            other => other,
+        }
+    }
+
+    /// `record` with what it stores opened.
+    fn open_record(&self, mut record: Record) -> Result<Record, GuardError> {
+        let Some(sealer) = &self.sealer else { return Ok(record) };
+        let scope = record.scope.clone();
+        let corrupt = |e: crate::sealing::OpenError| GuardError::Store(StoreError::Corrupt(e.to_string()));
+        if let Some(o) = &mut record.outcome {
+            o.body = sealer.open_bytes(&scope, std::mem::take(&mut o.body)).map_err(corrupt)?;
+        }
+        for cp in &mut record.checkpoints {
+            cp.data = sealer.open_text(&scope, std::mem::take(&mut cp.data)).map_err(corrupt)?;
+        }
+        Ok(record)
+    }
+
+    /// A claim's answer with what it carries (a replay's outcome, a recovery's checkpoint) opened.
+    fn open_claim(&self, scope: &Scope, outcome: ClaimOutcome) -> Result<ClaimOutcome, GuardError> {
+        let Some(sealer) = &self.sealer else { return Ok(outcome) };
+        let corrupt = |e: crate::sealing::OpenError| GuardError::Store(StoreError::Corrupt(e.to_string()));
+        Ok(match outcome {
+            ClaimOutcome::Replay(mut r) => {
+                r.outcome.body = sealer.open_bytes(scope, std::mem::take(&mut r.outcome.body)).map_err(corrupt)?;
+                ClaimOutcome::Replay(r)
+            }
+            ClaimOutcome::Acquired(mut a) => {
+                if let Some(cp) = a.recovery.as_mut().and_then(|r| r.last_checkpoint.as_mut()) {
+                    cp.data = sealer.open_text(scope, std::mem::take(&mut cp.data)).map_err(corrupt)?;
+                }
+                ClaimOutcome::Acquired(a)
+            }
+            other => other,
+        })
+    }
+
+    /// A sealed fenced call's answer, opened; a completion refused as `finished` that repeats,
+    /// once opened, what the record holds (it was sealed under a key since rotated) is answered
+    /// as the repeat it is.
+    async fn opened_fenced(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        plain: &Mutation,
+        outcome: FencedOutcome,
+    ) -> Result<FencedOutcome, GuardError> {
+        match outcome {
+            FencedOutcome::Applied(record) => Ok(FencedOutcome::Applied(Box::new(self.open_record(*record)?))),
+            FencedOutcome::Stale(StaleReason::Finished) if plain.finishes() => {
+                let stored = self.get(scope).await?;
+                match stored {
+                    Some(record) if record.fence == fence && crate::protocol::is_repeat(&record, plain) => {
+                        Ok(FencedOutcome::Applied(Box::new(record)))
+                    }
+                    _ => Ok(FencedOutcome::Stale(StaleReason::Finished)),
+                }
+            }
+            stale => Ok(stale),
+        }
     }
 
     /// Deletes a key's record (an operator's action, audited), and wakes its waiters.

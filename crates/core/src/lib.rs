@@ -27,6 +27,7 @@ pub mod notify;
 pub mod observer;
 pub mod protocol;
 pub mod record;
+pub mod sealing;
 pub mod stale_audits;
 pub mod store;
 pub mod vocabulary;

@@ -283,7 +283,7 @@ fn finish(record: &mut Record, outcome: Outcome, now: Timestamp) {
 }
 
 /// Whether `mutation` repeats, identically, the call that finished `record` with the same fence.
-fn is_repeat(record: &Record, mutation: &Mutation) -> bool {
+pub(crate) fn is_repeat(record: &Record, mutation: &Mutation) -> bool {
     match (record.state, mutation) {
         (RecordState::Completed, Mutation::Complete(o)) => {
             o.kind == OutcomeKind::Success && record.outcome.as_ref() == Some(o)

@@ -39,6 +39,17 @@ pub struct Config {
     pub mcp: McpConfig,
     /// TLS on the listener of `serve`, `proxy` and `mcp` (off unless a certificate is given).
     pub tls: TlsConfig,
+    /// Encryption at rest of stored outcomes and checkpoint data.
+    pub encryption: EncryptionConfig,
+}
+
+/// Encryption at rest (see `onceguard_core::sealing`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EncryptionConfig {
+    /// A file of lines `<id> <base64 of 32 random bytes>`: the first key seals what is stored
+    /// from now on, every key opens what it sealed. Absent: nothing is encrypted.
+    pub key_file: Option<PathBuf>,
 }
 
 /// TLS on the listener (see `onceguard_http::tls`).
@@ -335,6 +346,7 @@ impl Default for Config {
             proxy: ProxyConfig::default(),
             mcp: McpConfig::default(),
             tls: TlsConfig::default(),
+            encryption: EncryptionConfig::default(),
         }
     }
 }
@@ -401,6 +413,23 @@ pub struct Overrides {
     /// `--tls-cert` and `--tls-key`.
     #[serde(skip_serializing_if = "TlsOverrides::is_empty")]
     pub tls: TlsOverrides,
+    /// `--encryption-key-file`.
+    #[serde(skip_serializing_if = "EncryptionOverrides::is_empty")]
+    pub encryption: EncryptionOverrides,
+}
+
+/// `--encryption-key-file`, applied over file and environment when set.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EncryptionOverrides {
+    /// `--encryption-key-file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
+}
+
+impl EncryptionOverrides {
+    fn is_empty(&self) -> bool {
+        self.key_file.is_none()
+    }
 }
 
 /// `--tls-cert` and `--tls-key`, applied over file and environment (only those set).
@@ -489,7 +518,8 @@ impl ProxyOverrides {
 }
 
 /// The top-level fields, which `ONCEGUARD_*` variables may set.
-const SECTIONS: &[&str] = &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics", "mcp", "tls"];
+const SECTIONS: &[&str] =
+    &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics", "mcp", "tls", "encryption"];
 
 impl Config {
     /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then

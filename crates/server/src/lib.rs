@@ -271,9 +271,10 @@ pub async fn open_guard(config: &Config) -> Result<Guard, StartError> {
 
 /// Opens the store of `config` and builds the guard with `limits`.
 pub async fn open_guard_with(config: &Config, limits: onceguard_core::Limits) -> Result<Guard, StartError> {
+    let sealer = config.encryption.key_file.as_deref().map(onceguard_core::sealing::Sealer::from_file).transpose()?;
     let store = StoreUrl::parse(&config.store)?.open().await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    Ok(Guard::new(store, clock, limits))
+    Ok(Guard::new(store, clock, limits).with_sealer(sealer.map(Arc::new)))
 }
 
 /// Serves `guard` on `listener` until `shutdown` resolves, then lets requests in flight finish

@@ -6,6 +6,7 @@ mod batch;
 mod blast_radius;
 mod claims;
 mod concurrency;
+mod encryption;
 mod helpers;
 mod isolation;
 mod observability;

@@ -1,0 +1,173 @@
+//! Encryption at rest: with `encryption.key_file`, the SQLite file and a PostgreSQL dump hold
+//! no stored result and no checkpoint data in clear, while every answer (replays, records,
+//! recoveries) shows them as given; a rotated key still opens what it sealed, and a completion
+//! repeated after the rotation is still answered as the repeat it is.
+
+use std::path::{Path, PathBuf};
+
+use base64::Engine;
+use onceguard_core::auth::Role;
+use onceguard_server::Config;
+use onceguard_store_postgres::PgStore;
+use onceguard_store_sqlite::SqliteStore;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+const RESULT_MARKER: &str = "MARKER-result-4111";
+const CHECKPOINT_MARKER: &str = "MARKER-checkpoint-ch9";
+
+fn key_file(dir: &Path, name: &str, keys: &[(&str, u8)]) -> PathBuf {
+    let path = dir.join(name);
+    let lines: String = keys
+        .iter()
+        .map(|(id, byte)| format!("{id} {}\n", base64::engine::general_purpose::STANDARD.encode([*byte; 32])))
+        .collect();
+    std::fs::write(&path, lines).unwrap();
+    path
+}
+
+async fn serve(store: TestStore, key_file: Option<PathBuf>) -> (Harness, String) {
+    let mut config = Config { store: "memory://".into(), ..Config::default() };
+    config.encryption.key_file = key_file;
+    let limits = config.limits.clone();
+    let harness = Harness::start(config, limits, store, onceguard_server::app).await;
+    let agent = harness.key("acme", Role::Agent).await;
+    (harness, agent)
+}
+
+async fn post(h: &Harness, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
+    let r = h.http.post(h.url(path)).bearer_auth(token).json(&body).send().await.unwrap();
+    (r.status(), r.json().await.unwrap_or(Value::Null))
+}
+
+/// Claims `key`, saves a checkpoint and completes it, each with a marker; answers the fence.
+async fn write_markers(h: &Harness, token: &str, key: &str) -> u64 {
+    let claim = json!({"namespace": "pii/cards", "key": key, "request": {"k": key}});
+    let (status, held) = post(h, token, "/v1/claims", claim.clone()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let fence = held["fence"].as_u64().unwrap();
+    let checkpoint = json!({"namespace": "pii/cards", "key": key, "fence": fence, "name": "charged", "data": {"charge": CHECKPOINT_MARKER}});
+    assert_eq!(post(h, token, "/v1/claims/checkpoint", checkpoint).await.0, StatusCode::OK);
+    let done = json!({"namespace": "pii/cards", "key": key, "fence": fence, "result": {"card": RESULT_MARKER}});
+    assert_eq!(post(h, token, "/v1/claims/complete", done).await.0, StatusCode::OK);
+    let (status, replay) = post(h, token, "/v1/claims", claim).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(replay["result"]["card"], RESULT_MARKER, "a replay shows the result as given");
+    let record: Value = h
+        .http
+        .get(h.url(&format!("/v1/record?namespace=pii/cards&key={key}")))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(record["stored"]["result"]["card"], RESULT_MARKER);
+    assert_eq!(record["checkpoints"][0]["data"]["charge"], CHECKPOINT_MARKER, "{record}");
+    fence
+}
+
+/// Whether any file of `dir` (the database, its WAL) holds `marker`.
+fn files_hold(dir: &Path, marker: &str) -> bool {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.unwrap().path()).ok())
+        .any(|bytes| bytes.windows(marker.len()).any(|w| w == marker.as_bytes()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlite_file_holds_no_result_or_checkpoint_in_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = key_file(dir.path(), "keys", &[("k-2026", 7)]);
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(data.join("og.db")).unwrap()), Some(keys)).await;
+    write_markers(&h, &agent, "card-1").await;
+    // A recovery is handed the last checkpoint as it was given.
+    let claim = json!({"namespace": "pii/cards", "key": "card-r", "request": 1});
+    let fence = post(&h, &agent, "/v1/claims", claim.clone()).await.1["fence"].as_u64().unwrap();
+    let checkpoint = json!({"namespace": "pii/cards", "key": "card-r", "fence": fence, "name": "charged", "data": {"charge": CHECKPOINT_MARKER}});
+    assert_eq!(post(&h, &agent, "/v1/claims/checkpoint", checkpoint).await.0, StatusCode::OK);
+    let unknown = json!({"namespace": "pii/cards", "key": "card-r", "fence": fence, "detail": "timed out"});
+    assert_eq!(post(&h, &agent, "/v1/claims/report-unknown", unknown).await.0, StatusCode::OK);
+    let (_, recovered) = post(&h, &agent, "/v1/claims", claim).await;
+    assert_eq!(recovered["recovery"]["last_checkpoint"]["data"]["charge"], CHECKPOINT_MARKER, "{recovered}");
+    drop(h);
+    for marker in [RESULT_MARKER, CHECKPOINT_MARKER] {
+        assert!(!files_hold(&data, marker), "{marker} is in the SQLite files");
+    }
+
+    // The same without a key file: the markers are there (the search finds what is there).
+    let plain = dir.path().join("plain");
+    std::fs::create_dir(&plain).unwrap();
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(plain.join("og.db")).unwrap()), None).await;
+    write_markers(&h, &agent, "card-1").await;
+    drop(h);
+    assert!(files_hold(&plain, RESULT_MARKER) && files_hold(&plain, CHECKPOINT_MARKER));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_key_opens_what_it_sealed_and_new_values_take_the_new_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("og.db");
+    let old = key_file(dir.path(), "old", &[("k-2026", 7)]);
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(old)).await;
+    let fence = write_markers(&h, &agent, "card-1").await;
+    drop(h);
+
+    let rotated = key_file(dir.path(), "rotated", &[("k-2027", 9), ("k-2026", 7)]);
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(rotated)).await;
+    let claim = json!({"namespace": "pii/cards", "key": "card-1", "request": {"k": "card-1"}});
+    let (status, replay) = post(&h, &agent, "/v1/claims", claim).await;
+    assert_eq!((status, &replay["result"]["card"]), (StatusCode::OK, &json!(RESULT_MARKER)), "sealed with the old key");
+    let again = json!({"namespace": "pii/cards", "key": "card-1", "fence": fence, "result": {"card": RESULT_MARKER}});
+    assert_eq!(post(&h, &agent, "/v1/claims/complete", again).await.0, StatusCode::OK, "still a repeat");
+    let other = json!({"namespace": "pii/cards", "key": "card-1", "fence": fence, "result": {"card": "another"}});
+    assert_eq!(post(&h, &agent, "/v1/claims/complete", other).await.0, StatusCode::CONFLICT, "another result is not");
+    write_markers(&h, &agent, "card-2").await;
+    drop(h);
+    assert!(files_hold(dir.path(), "k-2027"), "new values name the new key");
+
+    // Without the old key, what it sealed does not open: an error, never the ciphertext.
+    let only_new = key_file(dir.path(), "only-new", &[("k-2027", 9)]);
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(only_new)).await;
+    let claim = json!({"namespace": "pii/cards", "key": "card-1", "request": {"k": "card-1"}});
+    let (status, problem) = post(&h, &agent, "/v1/claims", claim).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("key 'k-2026' is not in the key file"), "{problem}");
+    assert!(!problem.to_string().contains(RESULT_MARKER));
+    let claim = json!({"namespace": "pii/cards", "key": "card-2", "request": {"k": "card-2"}});
+    assert_eq!(post(&h, &agent, "/v1/claims", claim).await.0, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgresql_dump_holds_no_result_or_checkpoint_in_clear() {
+    let url =
+        std::env::var("ONCEGUARD_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let addr = onceguard_testkit::services::addr_of_url(&url, 5432);
+    if !onceguard_testkit::services::available("PostgreSQL encryption test", &addr, "start PostgreSQL") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let keys = key_file(dir.path(), "keys", &[("k-2026", 7)]);
+    let schema = format!("og_enc_{:08x}", rand::random::<u32>());
+    let store = PgStore::connect(&format!("{url}?schema={schema}")).await.unwrap();
+    let (h, agent) = serve(TestStore::new(store), Some(keys)).await;
+    write_markers(&h, &agent, "card-1").await;
+    drop(h);
+    let dump = std::process::Command::new("pg_dump").args(["--schema", &schema, &url]).output().unwrap();
+    assert!(dump.status.success(), "{}", String::from_utf8_lossy(&dump.stderr));
+    let text = String::from_utf8_lossy(&dump.stdout);
+    assert!(text.contains("card-1"), "the dump holds the record");
+    for marker in [RESULT_MARKER, CHECKPOINT_MARKER] {
+        assert!(!text.contains(marker), "{marker} is in the dump");
+    }
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    let driver = tokio::spawn(connection);
+    client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await.unwrap();
+    drop(client);
+    let _ = driver.await;
+}
