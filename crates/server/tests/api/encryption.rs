@@ -171,3 +171,47 @@ async fn a_postgresql_dump_holds_no_result_or_checkpoint_in_clear() {
     drop(client);
     let _ = driver.await;
 }
+
+/// What `DUMP` gives for every key under `prefix` (then deleted).
+fn dump_and_delete(port: &str, prefix: &str) -> Vec<u8> {
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli").args(["-p", port]).args(args).output().unwrap();
+        out.stdout
+    };
+    let names = String::from_utf8(cli(&["--scan", "--pattern", &format!("{prefix}*")])).unwrap();
+    let names: Vec<&str> = names.lines().filter(|l| !l.is_empty()).collect();
+    assert!(!names.is_empty(), "the store wrote keys under {prefix}");
+    let mut dumped = Vec::new();
+    for name in &names {
+        dumped.extend(cli(&["--no-raw", "DUMP", name]));
+    }
+    for name in names {
+        cli(&["DEL", name]);
+    }
+    dumped
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_dump_holds_no_result_or_checkpoint_in_clear() {
+    let url = std::env::var("ONCEGUARD_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let addr = onceguard_testkit::services::addr_of_url(&url, 6379);
+    if !onceguard_testkit::services::available("Redis encryption test", &addr, "start Redis") {
+        return;
+    }
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    let dir = tempfile::tempdir().unwrap();
+    let keys = key_file(dir.path(), "keys", &[("k-2026", 7)]);
+    let holds = |bytes: &[u8], marker: &str| bytes.windows(marker.len()).any(|w| w == marker.as_bytes());
+    for sealed in [true, false] {
+        let prefix = format!("og-enc-{:08x}:", rand::random::<u32>());
+        let store = onceguard_store_redis::RedisStore::connect(&url, &prefix).await.unwrap();
+        let (h, agent) = serve(TestStore::new(store), sealed.then(|| keys.clone())).await;
+        write_markers(&h, &agent, "card-1").await;
+        drop(h);
+        let dumped = dump_and_delete(&port, &prefix);
+        for marker in [RESULT_MARKER, CHECKPOINT_MARKER] {
+            // Without a key file the markers are there: the search finds what is there.
+            assert_eq!(holds(&dumped, marker), !sealed, "{marker} in a DUMP, sealed: {sealed}");
+        }
+    }
+}
