@@ -178,6 +178,38 @@ async fn sighup_reads_the_certificate_again() {
     assert!(server.logs.lock().unwrap().iter().any(|l| l.contains("certificate read again")));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_client_ca_only_clients_with_its_certificate_get_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let server_ca = Ca::new("server ca");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    server_ca.issue(&cert, &key);
+    let clients = Ca::new("client ca");
+    let client_ca = dir.path().join("client-ca.pem");
+    std::fs::write(&client_ca, clients.issuer.pem()).unwrap();
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    let server = start_with(dir.path(), &args, &[("ONCEGUARD_TLS__CLIENT_CA", client_ca.to_str().unwrap())]);
+    let base = https(&server.base);
+
+    let anonymous = client(&[&server_ca]);
+    assert!(anonymous.get(format!("{base}/healthz")).send().await.is_err(), "no client certificate: refused");
+    let with = |ca: &Ca| {
+        let (cert, key) = (dir.path().join("client.pem"), dir.path().join("client.key"));
+        ca.issue(&cert, &key);
+        let pem = [std::fs::read(&cert).unwrap(), std::fs::read(&key).unwrap()].concat();
+        reqwest::Client::builder()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(server_ca.root())
+            .identity(reqwest::Identity::from_pem(&pem).unwrap())
+            .build()
+            .unwrap()
+    };
+    let stranger = with(&Ca::new("another client ca"));
+    assert!(stranger.get(format!("{base}/healthz")).send().await.is_err(), "a certificate of another CA: refused");
+    let known = with(&clients);
+    assert_eq!(known.get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
+}
+
 #[test]
 fn a_certificate_without_its_key_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();

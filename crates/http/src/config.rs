@@ -64,11 +64,15 @@ pub struct TlsConfig {
     /// How often the two files are checked for a change (they are also read again on SIGHUP).
     #[serde(with = "humantime_serde")]
     pub reload_interval: Duration,
+    /// Certificate authorities (PEM) a client's certificate must come from: with it, a client
+    /// without such a certificate is refused during the handshake (e.g. in front of the proxy,
+    /// whose callers then need a certificate as well as their identity header).
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for TlsConfig {
     fn default() -> Self {
-        Self { cert: None, key: None, reload_interval: Duration::from_secs(10) }
+        Self { cert: None, key: None, reload_interval: Duration::from_secs(10), client_ca: None }
     }
 }
 
@@ -556,6 +560,12 @@ impl Config {
         self.limits.validate()?;
         if self.tls.cert.is_some() != self.tls.key.is_some() {
             return Err(InvalidInput::new("tls", "give both tls.cert and tls.key (--tls-cert, --tls-key), or neither"));
+        }
+        if self.tls.client_ca.is_some() && self.tls.cert.is_none() {
+            return Err(InvalidInput::new(
+                "tls.client_ca",
+                "needs tls.cert and tls.key: client certificates are checked by TLS",
+            ));
         }
         TenantId::parse(&self.auth.operator_tenant)
             .map_err(|_| InvalidInput::new("auth.operator_tenant", "is not a valid tenant id"))?;

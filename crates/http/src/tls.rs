@@ -106,14 +106,31 @@ impl Served {
     }
 }
 
-/// The rustls server configuration over `served`: TLS 1.3 and 1.2, HTTP/2 and HTTP/1.1.
-fn server_config(served: Arc<Served>) -> Result<rustls::ServerConfig, TlsError> {
+/// The rustls server configuration over `served`: TLS 1.3 and 1.2, HTTP/2 and HTTP/1.1, and
+/// client certificates from `client_ca` required if given.
+fn server_config(served: Arc<Served>, client_ca: Option<&Path>) -> Result<rustls::ServerConfig, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-        .map_err(|e| TlsError(e.to_string()))?
-        .with_no_client_auth()
-        .with_cert_resolver(served);
+        .map_err(|e| TlsError(e.to_string()))?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect())
+                .map_err(|e| TlsError(format!("tls.client_ca {}: {e}", path.display())))?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(TlsError(format!("tls.client_ca {}: no certificate in the file", path.display())));
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| TlsError(format!("tls.client_ca: {e}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_cert_resolver(served);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }
@@ -135,7 +152,7 @@ impl TlsListener {
     /// `listener` with TLS from `config`, or `None` when `config` names no certificate.
     pub fn wrap(listener: TcpListener, config: &TlsConfig) -> Result<Result<Self, TcpListener>, TlsError> {
         let Some(served) = Served::open(config)? else { return Ok(Err(listener)) };
-        let acceptor = TlsAcceptor::from(Arc::new(server_config(served.clone())?));
+        let acceptor = TlsAcceptor::from(Arc::new(server_config(served.clone(), config.client_ca.as_deref())?));
         let local = listener.local_addr().map_err(|e| TlsError(e.to_string()))?;
         let (tx, handshaken) = mpsc::channel(64);
         // SIGHUP is taken over before the first connection is served, so from then on it reads
