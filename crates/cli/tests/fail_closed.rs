@@ -192,6 +192,15 @@ async fn redis_down_means_503_and_the_server_recovers_by_itself() {
         move || *restore.lock().unwrap() = Some(redis_server(port, &restore_dir)),
     )
     .await;
+    // Each 503 is logged, as a JSON line with the request's method, route and status (no
+    // span carries them at the default level).
+    let logs = server.logs.lock().unwrap().clone();
+    let logged = logs
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|l| l["message"] == "answered with a server error" && l["route"] == "/v1/claims" && l["status"] == 503);
+    let logged = logged.unwrap_or_else(|| panic!("no line for a 503 among {logs:?}"));
+    assert_eq!((&logged["level"], &logged["method"]), (&json!("WARN"), &json!("POST")));
     if let Some(mut child) = redis.lock().unwrap().take() {
         let _ = child.kill();
         let _ = child.wait();

@@ -168,3 +168,21 @@ fn bench_verifies_exactly_once_on_a_short_run() {
     assert!(stdout.contains(" 0 more than once, 0 of "), "{stdout}");
     assert!(stdout.contains("0 unexpected"), "{stdout}");
 }
+
+/// Under systemd (`Type=notify`), the server says it is ready once it listens and its store
+/// answered: `READY=1` on the socket named by `NOTIFY_SOCKET`.
+#[cfg(unix)]
+#[test]
+fn it_tells_the_service_manager_when_it_is_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
+    socket.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let server = common::start_with(dir.path(), &[], &[("NOTIFY_SOCKET", socket_path.to_str().unwrap())]);
+    let mut buf = [0u8; 256];
+    let n = socket.recv(&mut buf).expect("a notification arrives");
+    let said = String::from_utf8_lossy(&buf[..n]);
+    assert!(said.lines().any(|l| l == "READY=1"), "{said}");
+    let health = reqwest::blocking::get(format!("{}/readyz", server.base)).unwrap();
+    assert_eq!(health.status(), 200, "ready means it answers");
+}

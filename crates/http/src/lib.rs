@@ -244,6 +244,11 @@ pub async fn serve_with_background(
         let _ = stop_tx.send(true);
     };
     let listener = tls::TlsListener::wrap(listener, &config.tls)?;
+    // Listening, the store open, TLS set up: ready (under systemd's Type=notify; nothing
+    // without NOTIFY_SOCKET).
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        tracing::warn!(error = %e, "could not tell the service manager that it is ready");
+    }
     let serve = async move {
         match listener {
             Ok(tls) => axum::serve(tls, app).with_graceful_shutdown(signal).await,
