@@ -393,3 +393,53 @@ async fn tenant_labels_as_digests_keep_the_ids_out_of_the_metrics() {
     let d: Value = app.get(&app.admin, "/v1/dashboard").await.json().await.unwrap();
     assert_eq!(d["claims"]["replay"], 3);
 }
+
+/// Every metric the Grafana dashboard (deploy/grafana/onceguard-dashboard.json) queries is one
+/// the server exports (its queries' syntax is checked by promtool in scripts/deploy-check).
+#[tokio::test]
+async fn the_grafana_dashboard_queries_only_exported_metrics() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/grafana/onceguard-dashboard.json");
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            queries.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    for variable in dashboard["templating"]["list"].as_array().unwrap() {
+        if let Some(query) = variable["query"]["query"].as_str() {
+            queries.push(query.to_owned());
+        }
+    }
+    let app = spawn_app_with(Backing::Memory, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    traffic(&app).await;
+    let (mut text, _) = scrape(&app).await;
+    // The families the API server leaves empty (they count the MCP gateway's calls, the proxy's
+    // unstored responses, stale audits dropped), exported once they count something.
+    let others = onceguard_server::Metrics::new();
+    let tenant = onceguard_core::TenantId::parse("acme").unwrap();
+    others.observe_mcp_call(&tenant, "tools", "guarded");
+    others.observe_unstored_response(&tenant);
+    let scope = onceguard_core::Scope::new(
+        tenant,
+        onceguard_core::Namespace::parse("n").unwrap(),
+        onceguard_core::Key::parse("k").unwrap(),
+    );
+    onceguard_core::Observer::stale_audit_dropped(&others, &scope);
+    text.push_str(&others.encode());
+    let mut named = std::collections::BTreeSet::new();
+    for query in &queries {
+        let mut rest = query.as_str();
+        while let Some(at) = rest.find("onceguard_") {
+            let name: String = rest[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            rest = &rest[at + name.len()..];
+            named.insert(name);
+        }
+    }
+    assert!(named.len() >= 12, "{named:?}");
+    for name in &named {
+        let family =
+            ["_bucket", "_count", "_sum", "_total"].iter().find_map(|suffix| name.strip_suffix(suffix)).unwrap_or(name);
+        assert!(text.contains(&format!("# TYPE {family} ")), "the dashboard queries {name}, which is not exported");
+    }
+}
