@@ -189,3 +189,101 @@ async fn spans_arrive(log: Option<&str>) {
     drop(server);
     collector.abort();
 }
+
+/// A tiny MCP server: `tools/call` of any tool answers a text result.
+async fn mcp_upstream(body: Bytes) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let message: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let answer =
+        json!({"jsonrpc": "2.0", "id": message["id"], "result": {"content": [{"type": "text", "text": "sent"}]}});
+    ([("content-type", "application/json")], answer.to_string()).into_response()
+}
+
+/// The MCP gateway's spans follow the OpenTelemetry conventions for MCP and tool execution,
+/// continue the caller's `params._meta` trace context, say what Onceguard did
+/// (`onceguard.outcome`: a replay is never an execution), and carry no idempotency key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_tool_calls_are_execute_tool_spans_without_keys() {
+    let received: Received = Arc::default();
+    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", collector.local_addr().unwrap());
+    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
+    let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_url = format!("http://{}/mcp", upstream.local_addr().unwrap());
+    let upstream = tokio::spawn(async move {
+        axum::serve(upstream, axum::Router::new().route("/mcp", post(mcp_upstream))).await.unwrap()
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("ONCEGUARD_AUTH__ALLOW_ANONYMOUS", "true"),
+    ];
+    let args = ["mcp", "--listen", "127.0.0.1:0", "--upstream", &upstream_url, "--store", "memory://"];
+    let gateway = common::spawn(dir.path(), &args, &env);
+    let client = reqwest::Client::new();
+    let key = "idem-SeCrEt-key-42";
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let caller_span = "b7ad6b7169203331";
+    let call = |id: u64, with_key: bool| {
+        let mut meta = json!({"traceparent": format!("00-{trace}-{caller_span}-01")});
+        if with_key {
+            meta["dev.onceguard/idempotency-key"] = json!(key);
+        }
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+               "params": {"name": "send_email", "arguments": {"to": "a@example.com"}, "_meta": meta}})
+    };
+    for (id, with_key) in [(1, true), (2, true), (3, false)] {
+        let answer: serde_json::Value = client
+            .post(format!("{}/mcp", gateway.base))
+            .header("accept", "application/json, text/event-stream")
+            .json(&call(id, with_key))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(answer["id"], id, "{answer}");
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let spans = loop {
+        let spans: Vec<Span> = received
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, s)| s.clone())
+            .filter(|s| s.name == "execute_tool send_email")
+            .collect();
+        if spans.len() == 3 {
+            break spans;
+        }
+        assert!(Instant::now() < deadline, "{} execute_tool spans arrived", spans.len());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let by_id =
+        |id: &str| spans.iter().find(|s| attr(&s.attributes, "jsonrpc.request.id").as_deref() == Some(id)).unwrap();
+    for (id, outcome) in [("1", "executed"), ("2", "replayed"), ("3", "refused")] {
+        let s = by_id(id);
+        assert_eq!(hex(&s.trace_id), trace, "the caller's trace, from params._meta");
+        assert_eq!(hex(&s.parent_span_id), caller_span);
+        for (name, want) in [
+            ("gen_ai.operation.name", "execute_tool"),
+            ("gen_ai.tool.name", "send_email"),
+            ("mcp.method.name", "tools/call"),
+            ("onceguard.outcome", outcome),
+        ] {
+            assert_eq!(attr(&s.attributes, name).as_deref(), Some(want), "call {id}: {name}");
+        }
+    }
+    assert_eq!(attr(&by_id("3").attributes, "error.type").as_deref(), Some("refused"));
+    assert_eq!(attr(&by_id("1").attributes, "error.type"), None, "an execution is no error");
+    let everything = format!("{:?}", received.lock().unwrap());
+    assert!(!everything.contains(key), "the idempotency key is in no span");
+    drop(gateway);
+    collector.abort();
+    upstream.abort();
+}

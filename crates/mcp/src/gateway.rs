@@ -197,17 +197,72 @@ fn json_response(body: Vec<u8>) -> Response<Body> {
     response
 }
 
+/// The span of a `tools/call`, as the OpenTelemetry semantic conventions for MCP and GenAI tool
+/// execution name it (`execute_tool <tool>`), continuing the trace context the caller sent in
+/// `params._meta` (`traceparent`, `tracestate`). What Onceguard did is `onceguard.outcome`
+/// (`executed`, `replayed`, `in_flight`, `mismatch`, `denied`, `refused`, `passed`): a replay is
+/// never reported as an execution. No idempotency key, nor anything derived from one, goes into
+/// an attribute.
+fn tool_span(name: &str, id: &Value, params: Option<&Value>, headers: &HeaderMap) -> tracing::Span {
+    let session = headers.get("mcp-session-id").and_then(|v| v.to_str().ok());
+    let span = tracing::debug_span!(
+        "mcp.tools_call",
+        otel.name = %format_args!("execute_tool {name}"),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        mcp.method.name = "tools/call",
+        mcp.session.id = session,
+        jsonrpc.request.id = %id,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = name,
+        onceguard.outcome = tracing::field::Empty,
+        onceguard.decision = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    );
+    if !span.is_disabled() {
+        let meta = params.and_then(|p| p.get("_meta"));
+        let carrier: std::collections::HashMap<String, String> = ["traceparent", "tracestate"]
+            .into_iter()
+            .filter_map(|k| meta.and_then(|m| m.get(k)).and_then(Value::as_str).map(|v| (k.to_owned(), v.to_owned())))
+            .collect();
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&carrier));
+        let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
+    }
+    span
+}
+
 async fn tool_call(
+    gateway: Arc<Gateway>,
+    caller: Caller,
+    parts: axum::http::request::Parts,
+    body: Bytes,
+    id: Value,
+    params: Option<Value>,
+) -> Response<Body> {
+    let name = params.as_ref().and_then(|p| p.get("name")).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let span = tool_span(&name, &id, params.as_ref(), &parts.headers);
+    let answer = tracing::Instrument::instrument(guarded_call(gateway, caller, parts, body, id, params), span.clone());
+    let (response, outcome) = answer.await;
+    span.record("onceguard.outcome", outcome);
+    if !matches!(outcome, "executed" | "replayed" | "passed") {
+        span.record("error.type", outcome);
+        span.record("otel.status_code", "ERROR");
+    }
+    response
+}
+
+/// A `tools/call` through the guard: the answer, and what Onceguard did (see [`tool_span`]).
+async fn guarded_call(
     gateway: Arc<Gateway>,
     Caller { tenant, actor }: Caller,
     parts: axum::http::request::Parts,
     body: Bytes,
     id: Value,
     params: Option<Value>,
-) -> Response<Body> {
+) -> (Response<Body>, &'static str) {
     let call = match ToolCall::parse(id.clone(), params.as_ref(), &parts.headers) {
         Ok(call) => call,
-        Err(e) => return rpc_error(Some(&id), &e),
+        Err(e) => return (rpc_error(Some(&id), &e), "refused"),
     };
     if call.key.is_none() && gateway.tools.needs_listing(&call.name) {
         gateway.list_tools_for(&parts, params.as_ref()).await;
@@ -235,15 +290,18 @@ async fn tool_call(
     let (key, decision) = match route {
         Err(passed) => {
             gateway.observe(&tenant, passed);
-            return gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await;
+            tracing::Span::current().record("onceguard.decision", passed);
+            return (gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await, "passed");
         }
         Ok(Err(detail)) => {
             gateway.observe(&tenant, "no_key_refused");
-            return rpc_error(Some(&id), &ApiError::Invalid(detail));
+            tracing::Span::current().record("onceguard.decision", "no_key_refused");
+            return (rpc_error(Some(&id), &ApiError::Invalid(detail)), "refused");
         }
         Ok(Ok(guarded)) => guarded,
     };
     gateway.observe(&tenant, decision);
+    tracing::Span::current().record("onceguard.decision", decision);
     let scope = Scope::new(tenant, call::namespace(&gateway.options.upstream_name, &call.name), key);
     // The lease and retention in force are the guard's: `mcp.lease` and `mcp.retention`, unless
     // the tenant's or a namespace prefix's settings (e.g. on `mcp/<upstream>/<tool>`) say
@@ -253,29 +311,31 @@ async fn tool_call(
     // force (read before the claim: a key once acquired is never left without its leg).
     let max_lease = match gateway.guard().effective(&claim.scope).await {
         Ok(effective) => effective.limits.max_lease,
-        Err(e) => return rpc_error(Some(&id), &e.into()),
+        Err(e) => return (rpc_error(Some(&id), &e.into()), "refused"),
     };
     let outcome = match claim_or_resume(&gateway, &claim, call.continuation, &actor).await {
         Ok(outcome) => outcome,
-        Err(e) => return rpc_error(Some(&id), &e),
+        Err(e) => return (rpc_error(Some(&id), &e), "refused"),
     };
     match outcome {
         ClaimOutcome::Replay(replay) if replay.outcome.content_type == NOT_STORED => {
             let detail = String::from_utf8_lossy(&replay.outcome.body).into_owned();
-            rpc_error(
-                Some(&id),
-                &ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}")),
-            )
+            let error = ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}"));
+            (rpc_error(Some(&id), &error), "replayed")
         }
         ClaimOutcome::Replay(replay) => match jsonrpc::mark_replayed(&replay.outcome.body) {
-            Ok(result) => json_response(jsonrpc::result_message(&id, &result)),
-            Err(e) => rpc_error(Some(&id), &ApiError::Internal(format!("a stored result could not be read: {e}"))),
+            Ok(result) => (json_response(jsonrpc::result_message(&id, &result)), "replayed"),
+            Err(e) => {
+                let error = ApiError::Internal(format!("a stored result could not be read: {e}"));
+                (rpc_error(Some(&id), &error), "refused")
+            }
         },
         ClaimOutcome::InFlight(f) => {
-            rpc_error(Some(&id), &ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt })
+            let error = ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt };
+            (rpc_error(Some(&id), &error), "in_flight")
         }
-        ClaimOutcome::Mismatch => rpc_error(Some(&id), &ApiError::Mismatch),
-        ClaimOutcome::Denied(denial) => rpc_error(Some(&id), &ApiError::Denied(denial)),
+        ClaimOutcome::Mismatch => (rpc_error(Some(&id), &ApiError::Mismatch), "mismatch"),
+        ClaimOutcome::Denied(denial) => (rpc_error(Some(&id), &ApiError::Denied(denial)), "denied"),
         ClaimOutcome::Acquired(acquired) => {
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
             if let Ok(mut set) = gateway.in_flight.lock() {
@@ -286,7 +346,7 @@ async fn tool_call(
             let input_lease = gateway.options.input_lease.min(max_lease);
             let leg =
                 Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor, lease, input_lease };
-            leg.start(Request::from_parts(parts, Body::from(body))).await
+            (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")
         }
     }
 }
