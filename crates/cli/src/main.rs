@@ -676,6 +676,11 @@ async fn main() -> Result<()> {
         _ => {}
     }
     let serving = matches!(cli.command, Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. });
+    // SIGHUP (`systemctl reload`) reads a TLS certificate again when there is one; from the
+    // start and without TLS it must not end the process, as its default action would.
+    #[cfg(unix)]
+    let _hangup =
+        serving.then(|| tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())).transpose()?;
     let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
     // The store URL is checked with the rest of the configuration, before anything starts.

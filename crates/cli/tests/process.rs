@@ -186,3 +186,17 @@ fn it_tells_the_service_manager_when_it_is_ready() {
     let health = reqwest::blocking::get(format!("{}/readyz", server.base)).unwrap();
     assert_eq!(health.status(), 200, "ready means it answers");
 }
+
+/// `systemctl reload` sends SIGHUP: without TLS (nothing to read again) it must not end the
+/// server, as SIGHUP's default action would.
+#[cfg(unix)]
+#[test]
+fn sighup_without_tls_leaves_the_server_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+    let health = reqwest::blocking::get(format!("{}/healthz", server.base)).unwrap();
+    assert_eq!(health.status(), 200);
+    assert!(server.child.try_wait().unwrap().is_none(), "the server is still running");
+}

@@ -568,7 +568,9 @@ impl Guard {
     ) -> Result<FencedOutcome, GuardError> {
         match outcome {
             FencedOutcome::Applied(record) => Ok(FencedOutcome::Applied(Box::new(self.open_record(*record)?))),
-            FencedOutcome::Stale(StaleReason::Finished) if plain.finishes() => {
+            FencedOutcome::Stale(StaleReason::Finished)
+                if matches!(plain, Mutation::Complete(_) | Mutation::Fail { retryable: false, .. }) =>
+            {
                 let stored = self.get(scope).await?;
                 match stored {
                     Some(record) if record.fence == fence && crate::protocol::is_repeat(&record, plain) => {

@@ -74,9 +74,11 @@ impl AppState {
     /// The state for `guard` under `config`, with fresh metrics: the guard's store is wrapped so
     /// that every store operation is measured and traced.
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
-        let sealer =
-            config.encryption.key_file.as_deref().map(onceguard_core::sealing::Sealer::from_file).transpose()?;
-        let guard = guard.with_sealer(sealer.map(Arc::new));
+        // A key file in the configuration seals; without one, the guard keeps what it was given.
+        let guard = match config.encryption.key_file.as_deref() {
+            Some(file) => guard.with_sealer(Some(Arc::new(onceguard_core::sealing::Sealer::from_file(file)?))),
+            None => guard,
+        };
         let metrics = Arc::new(Metrics::with_tenant_labels(config.metrics.tenant_labels));
         let metrics_token = config.metrics.token_file.as_deref().map(read_metrics_token).transpose()?;
         let clock = guard.clock().clone();
