@@ -48,6 +48,14 @@ pub enum GuardError {
     Store(#[from] StoreError),
 }
 
+/// A stored value that does not open is the store's data being wrong for this guard (a key
+/// taken out of the key file, or tampering): never answered as if it were the value.
+impl From<crate::sealing::OpenError> for GuardError {
+    fn from(e: crate::sealing::OpenError) -> Self {
+        Self::Store(StoreError::Corrupt(e.to_string()))
+    }
+}
+
 impl GuardError {
     /// The same error, said of the batch's item `i` (items count from 0) when it is an invalid
     /// value.
@@ -127,6 +135,11 @@ impl Guard {
     /// reach the store and opening them on the way out (see [`crate::sealing`]).
     pub fn with_sealer(&self, sealer: Option<Arc<Sealer>>) -> Self {
         Self { sealer, ..self.clone() }
+    }
+
+    /// Whether it seals what it stores (see [`Guard::with_sealer`]).
+    pub fn seals(&self) -> bool {
+        self.sealer.is_some()
     }
 
     /// The same guard, reporting its decisions to `observer` (see [`crate::observer`]).
@@ -527,12 +540,11 @@ impl Guard {
     fn open_record(&self, mut record: Record) -> Result<Record, GuardError> {
         let Some(sealer) = &self.sealer else { return Ok(record) };
         let scope = record.scope.clone();
-        let corrupt = |e: crate::sealing::OpenError| GuardError::Store(StoreError::Corrupt(e.to_string()));
         if let Some(o) = &mut record.outcome {
-            o.body = sealer.open_bytes(&scope, std::mem::take(&mut o.body)).map_err(corrupt)?;
+            o.body = sealer.open_bytes(&scope, std::mem::take(&mut o.body))?;
         }
         for cp in &mut record.checkpoints {
-            cp.data = sealer.open_text(&scope, std::mem::take(&mut cp.data)).map_err(corrupt)?;
+            cp.data = sealer.open_text(&scope, std::mem::take(&mut cp.data))?;
         }
         Ok(record)
     }
@@ -540,15 +552,14 @@ impl Guard {
     /// A claim's answer with what it carries (a replay's outcome, a recovery's checkpoint) opened.
     fn open_claim(&self, scope: &Scope, outcome: ClaimOutcome) -> Result<ClaimOutcome, GuardError> {
         let Some(sealer) = &self.sealer else { return Ok(outcome) };
-        let corrupt = |e: crate::sealing::OpenError| GuardError::Store(StoreError::Corrupt(e.to_string()));
         Ok(match outcome {
             ClaimOutcome::Replay(mut r) => {
-                r.outcome.body = sealer.open_bytes(scope, std::mem::take(&mut r.outcome.body)).map_err(corrupt)?;
+                r.outcome.body = sealer.open_bytes(scope, std::mem::take(&mut r.outcome.body))?;
                 ClaimOutcome::Replay(r)
             }
             ClaimOutcome::Acquired(mut a) => {
                 if let Some(cp) = a.recovery.as_mut().and_then(|r| r.last_checkpoint.as_mut()) {
-                    cp.data = sealer.open_text(scope, std::mem::take(&mut cp.data)).map_err(corrupt)?;
+                    cp.data = sealer.open_text(scope, std::mem::take(&mut cp.data))?;
                 }
                 ClaimOutcome::Acquired(a)
             }

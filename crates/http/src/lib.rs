@@ -74,10 +74,13 @@ impl AppState {
     /// The state for `guard` under `config`, with fresh metrics: the guard's store is wrapped so
     /// that every store operation is measured and traced.
     pub fn new(guard: Guard, config: &Config) -> Result<Self, onceguard_core::InvalidInput> {
-        // A key file in the configuration seals; without one, the guard keeps what it was given.
+        // A key file in the configuration seals, unless the guard seals already (it was opened
+        // with the same configuration); without one, the guard keeps what it was given.
         let guard = match config.encryption.key_file.as_deref() {
-            Some(file) => guard.with_sealer(Some(Arc::new(onceguard_core::sealing::Sealer::from_file(file)?))),
-            None => guard,
+            Some(file) if !guard.seals() => {
+                guard.with_sealer(Some(Arc::new(onceguard_core::sealing::Sealer::from_file(file)?)))
+            }
+            _ => guard,
         };
         let metrics = Arc::new(Metrics::with_tenant_labels(config.metrics.tenant_labels));
         let metrics_token = config.metrics.token_file.as_deref().map(read_metrics_token).transpose()?;
@@ -204,11 +207,8 @@ pub async fn run(
             let app = Router::new().route("/metrics", axum::routing::get(metrics_only)).with_state(state.clone());
             let listener = tls::TlsListener::wrap(listener, &config.tls)?;
             Some(tokio::spawn(async move {
-                let served = match listener {
-                    Ok(tls) => axum::serve(tls, app).await,
-                    Err(plain) => axum::serve(plain, app).await,
-                };
-                if let Err(e) = served {
+                // Stopped by the abort below, once the front end has stopped.
+                if let Err(e) = tls::serve(listener, app, std::future::pending()).await {
                     tracing::error!(error = %e, "the metrics listener stopped");
                 }
             }))
@@ -251,12 +251,7 @@ pub async fn serve_with_background(
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         tracing::warn!(error = %e, "could not tell the service manager that it is ready");
     }
-    let serve = async move {
-        match listener {
-            Ok(tls) => axum::serve(tls, app).with_graceful_shutdown(signal).await,
-            Err(plain) => axum::serve(plain, app).with_graceful_shutdown(signal).await,
-        }
-    };
+    let serve = tls::serve(listener, app, signal);
     let served = tokio::select! {
         served = serve => served,
         _ = async {

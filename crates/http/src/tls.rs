@@ -56,15 +56,20 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
+/// The certificates of a PEM file (at least one).
+fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect())
+        .map_err(|e| TlsError(format!("{}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(TlsError(format!("{}: no certificate in the file", path.display())));
+    }
+    Ok(certs)
+}
+
 /// Reads a certificate chain and its private key (PEM).
 fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| TlsError(format!("{}: {e}", cert.display())))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| TlsError(format!("{}: {e}", cert.display())))?;
-    if chain.is_empty() {
-        return Err(TlsError(format!("{}: no certificate in the file", cert.display())));
-    }
+    let chain = certificates(cert)?;
     let private = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError(format!("{}: {e}", key.display())))?;
     let signing = any_supported_type(&private).map_err(|e| TlsError(format!("{}: {e}", key.display())))?;
     let certified = CertifiedKey::new(chain, signing);
@@ -117,9 +122,7 @@ fn server_config(served: Arc<Served>, client_ca: Option<&Path>) -> Result<rustls
         None => builder.with_no_client_auth(),
         Some(path) => {
             let mut roots = rustls::RootCertStore::empty();
-            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-                .and_then(|certs| certs.collect())
-                .map_err(|e| TlsError(format!("tls.client_ca {}: {e}", path.display())))?;
+            let certs = certificates(path).map_err(|e| TlsError(format!("tls.client_ca {}", e.0)))?;
             let (added, _) = roots.add_parsable_certificates(certs);
             if added == 0 {
                 return Err(TlsError(format!("tls.client_ca {}: no certificate in the file", path.display())));
@@ -173,6 +176,19 @@ impl Drop for TlsListener {
         for task in &self.tasks {
             task.abort();
         }
+    }
+}
+
+/// Serves `app` on `listener` (TLS, or the plain one [`TlsListener::wrap`] gave back) until
+/// `shutdown`.
+pub async fn serve(
+    listener: Result<TlsListener, TcpListener>,
+    app: axum::Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    match listener {
+        Ok(tls) => axum::serve(tls, app).with_graceful_shutdown(shutdown).await,
+        Err(plain) => axum::serve(plain, app).with_graceful_shutdown(shutdown).await,
     }
 }
 
