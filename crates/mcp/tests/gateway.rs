@@ -100,7 +100,7 @@ fn json_answer(id: &Value, result: Value) -> Response {
     ([("content-type", "application/json"), ("mcp-session-id", "s-1")], body).into_response()
 }
 
-/// A fake MCP endpoint: tools `echo`, `stream` (SSE with progress), `slow`, `held` (until the test opens the gate), `bad_params`,
+/// A fake MCP endpoint: tools `echo`, `stream` (SSE with progress), `write`, `held` (until the test opens the gate), `bad_params`,
 /// `boom` (HTTP 500), `ask` (input_required until answered), `lookup` (listed read-only), and
 /// GET event streams.
 async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::http::Method, body: Bytes) -> Response {
@@ -177,9 +177,6 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
                     json_answer(&id, json!({"content":[{"type":"text","text":format!("held {n}")}]}))
                 }
                 _ => {
-                    if name == "slow" {
-                        tokio::time::sleep(Duration::from_millis(600)).await;
-                    }
                     let n = ran(&seen, &name);
                     let is_error = name == "fails";
                     json_answer(
@@ -383,18 +380,20 @@ async fn duplicates_in_flight_are_refused_or_wait_for_the_result() {
     first.await.unwrap();
     assert_eq!(runs(&app.seen, "held"), 1);
 
-    let waiting = Arc::new(spawn_app(|c| c.mcp.wait = Duration::from_secs(5)).await);
+    let waiting = Arc::new(spawn_app(|c| c.mcp.wait = Duration::from_secs(30)).await);
     let calls: Vec<_> = (0..8)
         .map(|i| {
             let app = waiting.clone();
-            tokio::spawn(async move { app.rpc(&call(json!(i), "slow", json!({}), Some("k"))).await })
+            tokio::spawn(async move { app.rpc(&call(json!(i), "held", json!({}), Some("k"))).await })
         })
         .collect();
+    waiting.seen.until("held", 1).await;
+    waiting.seen.open();
     for c in calls {
         let answer = c.await.unwrap();
-        assert_eq!(answer["result"]["content"][0]["text"], "slow 1", "{answer}");
+        assert_eq!(answer["result"]["content"][0]["text"], "held 1", "{answer}");
     }
-    assert_eq!(runs(&waiting.seen, "slow"), 1);
+    assert_eq!(runs(&waiting.seen, "held"), 1);
 }
 
 #[tokio::test]
@@ -567,11 +566,14 @@ async fn switches_and_budgets_refuse() {
     let refused = app.rpc(&call(json!(1), "echo", json!({}), Some("k"))).await;
     assert_eq!(refused["error"]["code"], 42301);
     assert_eq!(refused["error"]["data"]["type"], "https://onceguard.dev/problems/switch-engaged");
-    assert_eq!(app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await["result"]["content"][0]["text"], "slow 1");
+    assert_eq!(
+        app.rpc(&call(json!(2), "write", json!({}), Some("k"))).await["result"]["content"][0]["text"],
+        "write 1"
+    );
     app.guard.release_switch("test", &tenant, &tool, None).await.unwrap();
     let upstream = SwitchTarget::Namespace { prefix: Namespace::parse("mcp/up").unwrap() };
     app.guard.engage_switch("test", &tenant, upstream.clone(), "stop the upstream".into(), false).await.unwrap();
-    assert_eq!(app.rpc(&call(json!(3), "slow", json!({}), Some("k2"))).await["error"]["code"], 42301);
+    assert_eq!(app.rpc(&call(json!(3), "write", json!({}), Some("k2"))).await["error"]["code"], 42301);
     app.guard.release_switch("test", &tenant, &upstream, None).await.unwrap();
 
     let run = RunId::parse("run-1").unwrap();
@@ -755,7 +757,7 @@ async fn settings_on_a_tool_set_its_retention() {
     };
     app.guard.put_settings(entry, None).await.unwrap();
     app.rpc(&call(json!(1), "echo", json!({}), Some("k"))).await;
-    app.rpc(&call(json!(2), "slow", json!({}), Some("k"))).await;
+    app.rpc(&call(json!(2), "write", json!({}), Some("k"))).await;
     assert_eq!(
         app.rpc(&call(json!(3), "echo", json!({}), Some("k"))).await["result"]["_meta"]["dev.onceguard/replayed"],
         true
@@ -763,6 +765,6 @@ async fn settings_on_a_tool_set_its_retention() {
     app.clock.advance(Duration::from_millis(1_300));
     let after = app.rpc(&call(json!(4), "echo", json!({}), Some("k"))).await;
     assert_eq!(after["result"]["content"][0]["text"], "echo 2", "retained 1 s, then the key is new");
-    let other = app.rpc(&call(json!(5), "slow", json!({}), Some("k"))).await;
+    let other = app.rpc(&call(json!(5), "write", json!({}), Some("k"))).await;
     assert_eq!(other["result"]["_meta"]["dev.onceguard/replayed"], true, "another tool keeps mcp.retention");
 }

@@ -120,10 +120,10 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// Never answers: the proxy's upstream timeout is what ends the request.
 async fn slow(State(c): State<Counts>) -> &'static str {
     count(&c, "slow");
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    "late"
+    std::future::pending::<&'static str>().await
 }
 
 async fn plain(State(c): State<Counts>, method: axum::http::Method) -> String {
@@ -406,7 +406,7 @@ async fn large_binary_bodies_are_forwarded_and_replayed_intact() {
 #[tokio::test]
 async fn an_upstream_timeout_holds_the_key_until_its_lease_passes() {
     let (upstream, counts) = start_upstream().await;
-    let proxy = start_proxy(&upstream, |_| {}).await;
+    let proxy = start_proxy(&upstream, |c| c.proxy.upstream_timeout = Duration::from_millis(100)).await;
     problem(proxy.post("/slow", "t", "").await, 504, "upstream-timeout").await;
     problem(proxy.post("/slow", "t", "").await, 409, "in-flight").await;
     proxy.clock.advance(Duration::from_millis(2_100));
