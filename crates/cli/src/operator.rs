@@ -5,7 +5,7 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use onceguard_core::auth::{ApiKeyId, Role};
-use onceguard_core::control::{AuditFilter, Budget, Rate, Settings, SettingsEntry, SwitchTarget};
+use onceguard_core::control::{AuditFilter, Budget, OutcomeKept, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
 use onceguard_server::{Config, api, controls};
@@ -253,6 +253,10 @@ pub(crate) enum SettingsCommand {
         /// Tenant only: claims allowed at once.
         #[arg(long, requires = "rate")]
         burst: Option<u32>,
+        /// What is kept of an outcome: full (the bytes) or digest (status, media type, size and
+        /// SHA-256 only; replays say the effect happened, with that digest).
+        #[arg(long, value_parser = parse_outcome_kept)]
+        outcome_kept: Option<OutcomeKept>,
         /// Why (kept in the audit log).
         #[arg(long)]
         why: Option<String>,
@@ -424,6 +428,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             max_in_flight,
             rate,
             burst,
+            outcome_kept,
             why,
         } => {
             let settings = Settings {
@@ -433,6 +438,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
                 max_retention,
                 max_in_flight,
                 claim_rate: rate.zip(burst).map(|(per_second, burst)| Rate { per_second, burst }),
+                outcome_kept,
             };
             let entry = SettingsEntry {
                 tenant: TenantId::parse(&tenant)?,
@@ -456,6 +462,10 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             }
         }
     }
+}
+
+fn parse_outcome_kept(s: &str) -> Result<OutcomeKept, String> {
+    OutcomeKept::parse(s).ok_or_else(|| format!("'{s}' is not full or digest"))
 }
 
 fn print_json(value: &impl serde::Serialize) -> Result<()> {

@@ -361,6 +361,40 @@ pub struct Settings {
     /// Tenant only: the claim rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_rate: Option<Rate>,
+    /// What is kept of an outcome: `full` (the bytes, replayed byte for byte) or `digest`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome_kept: Option<OutcomeKept>,
+}
+
+/// What a namespace keeps of its outcomes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeKept {
+    /// The bytes: a replay answers them byte for byte.
+    #[default]
+    Full,
+    /// Their status, media type, size and SHA-256 only, never the bytes: a replay answers that
+    /// the effect happened, with that digest, and the caller still never runs it twice.
+    Digest,
+}
+
+impl OutcomeKept {
+    /// Its name in settings.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Digest => "digest",
+        }
+    }
+
+    /// Parses `full` or `digest`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "full" => Some(Self::Full),
+            "digest" => Some(Self::Digest),
+            _ => None,
+        }
+    }
 }
 
 /// Settings stored for a tenant (`namespace_prefix` absent) or a namespace prefix.
@@ -423,6 +457,8 @@ pub struct Effective {
     pub max_in_flight: Option<u64>,
     /// The tenant's claim rate.
     pub claim_rate: Option<Rate>,
+    /// What is kept of the key's outcome.
+    pub outcome_kept: OutcomeKept,
 }
 
 /// Resolves the settings for a key in `namespace`: the server's `limits`, then the tenant's
@@ -436,7 +472,8 @@ pub fn effective<'a>(
     let mut matching: Vec<&SettingsEntry> =
         entries.into_iter().filter(|e| e.namespace_prefix.as_ref().is_none_or(|p| namespace.is_within(p))).collect();
     matching.sort_by_key(|e| e.namespace_prefix.as_ref().map_or(0, |p| p.as_str().len() + 1));
-    let mut out = Effective { limits: limits.clone(), max_in_flight: None, claim_rate: None };
+    let mut out =
+        Effective { limits: limits.clone(), max_in_flight: None, claim_rate: None, outcome_kept: OutcomeKept::Full };
     for entry in matching {
         let s = &entry.settings;
         let l = &mut out.limits;
@@ -451,6 +488,9 @@ pub fn effective<'a>(
         }
         if let Some(d) = s.default_retention {
             l.default_retention = d;
+        }
+        if let Some(kept) = s.outcome_kept {
+            out.outcome_kept = kept;
         }
         if entry.namespace_prefix.is_none() {
             out.max_in_flight = s.max_in_flight;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::clock::Clock;
-use crate::control::{AuditEntry, Controls, Effective, Rate, check_units};
+use crate::control::{AuditEntry, Controls, Effective, OutcomeKept, Rate, check_units};
 use crate::control_cache::{CONTROL_REFRESH, ControlCache};
 use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId};
 use crate::limits::Limits;
@@ -345,9 +345,13 @@ impl Guard {
     #[tracing::instrument(level = "debug", name = "guard.mutate_batch", skip_all, fields(calls = calls.len()))]
     pub async fn mutate_batch(&self, actor: &str, calls: Vec<FencedCall>) -> Result<Vec<FencedOutcome>, GuardError> {
         self.check_batch(calls.len())?;
-        for (i, call) in calls.iter().enumerate() {
+        let mut kept = Vec::with_capacity(calls.len());
+        for (i, call) in calls.into_iter().enumerate() {
             self.check_mutation(&call.scope, &call.mutation).await.map_err(|e| e.at(i))?;
+            let mutation = self.kept(&call.scope, call.mutation).await.map_err(|e| e.at(i))?;
+            kept.push(FencedCall { mutation, ..call });
         }
+        let calls = kept;
         let sealed: Vec<FencedCall> = match &self.sealer {
             Some(_) => calls
                 .iter()
@@ -427,6 +431,7 @@ impl Guard {
         mutation: Mutation,
     ) -> Result<FencedOutcome, GuardError> {
         self.check_mutation(scope, &mutation).await?;
+        let mutation = self.kept(scope, mutation).await?;
         let (op, finishes) = (mutation.op(), mutation.finishes());
         let outcome = match &self.sealer {
             None => self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?,
@@ -440,6 +445,25 @@ impl Guard {
         tracing::Span::current().record("outcome", if applied { "applied" } else { "stale" });
         self.after_mutation(actor, scope, fence, op, finishes, &outcome).await?;
         Ok(outcome)
+    }
+
+    /// `mutation` as the store keeps it: where the settings keep outcomes as a digest only
+    /// ([`OutcomeKept::Digest`]), a completion's or a permanent failure's bytes become their
+    /// digest, so the store never sees them. A digest a front end made itself (the proxy's, with
+    /// its status) is checked and kept as it is.
+    async fn kept(&self, scope: &Scope, mutation: Mutation) -> Result<Mutation, GuardError> {
+        let (Mutation::Complete(outcome) | Mutation::Fail { retryable: false, outcome }) = &mutation else {
+            return Ok(mutation);
+        };
+        outcome.check_digest()?;
+        if outcome.digest().is_some() || self.effective(scope).await?.outcome_kept == OutcomeKept::Full {
+            return Ok(mutation);
+        }
+        Ok(match mutation {
+            Mutation::Complete(o) => Mutation::Complete(o.digested()),
+            Mutation::Fail { retryable, outcome } => Mutation::Fail { retryable, outcome: outcome.digested() },
+            other => other,
+        })
     }
 
     /// The size limits of a fenced call, and the lease bounds of an extend.

@@ -40,8 +40,8 @@ pub use memory::MemoryStore;
 pub use observer::Observer;
 pub use protocol::{ClaimRequest, Mutation};
 pub use record::{
-    Acquired, Checkpoint, ClaimOutcome, Denial, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState,
-    Recovery, RecoveryReason, Replay, StaleReason,
+    Acquired, Checkpoint, ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, InFlight, Outcome, OutcomeDigest,
+    OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason,
 };
 pub use store::{ListFilter, Page, Store, StoreError};
 pub use vocabulary::{Answer, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};

@@ -69,6 +69,78 @@ pub struct Outcome {
     pub tokens: Option<u64>,
 }
 
+/// The media type of an outcome kept as a digest only: its body is an [`OutcomeDigest`] in JSON.
+/// No caller may complete with it; the guard and the front ends write it.
+pub const DIGEST_CONTENT_TYPE: &str = "application/vnd.onceguard.digest+json";
+
+/// What is kept of an outcome whose bytes are not (a namespace that keeps outcomes as a digest,
+/// or a result too large to store): the effect happened, and this is what it answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutcomeDigest {
+    /// The media type of the bytes that were not kept.
+    pub content_type: String,
+    /// Their size.
+    pub size: u64,
+    /// Their SHA-256, in lowercase hex.
+    pub sha256: String,
+    /// The HTTP status a front end answered with them (the proxy's), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+}
+
+impl OutcomeDigest {
+    /// The digest of `body` of media type `content_type`.
+    pub fn of(content_type: &str, body: &[u8]) -> Self {
+        use sha2::Digest as _;
+        let sha256 = hex::encode(sha2::Sha256::digest(body));
+        Self { content_type: content_type.to_owned(), size: body.len() as u64, sha256, status: None }
+    }
+
+    /// The outcome that keeps this digest in place of the bytes.
+    pub fn into_outcome(self, kind: OutcomeKind, cost: Option<u64>, tokens: Option<u64>) -> Outcome {
+        let body = serde_json::to_vec(&self).expect("a digest serializes");
+        Outcome { kind, content_type: DIGEST_CONTENT_TYPE.to_owned(), body, cost, tokens }
+    }
+
+    fn is_well_formed(&self) -> bool {
+        let hex = self.sha256.len() == 64 && self.sha256.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        let media = !self.content_type.is_empty()
+            && self.content_type.len() <= 255
+            && self.content_type.bytes().all(|b| (0x20..=0x7e).contains(&b));
+        hex && media && self.status.is_none_or(|s| (100..=999).contains(&s))
+    }
+}
+
+impl Outcome {
+    /// What is kept of it when it is a digest only ([`DIGEST_CONTENT_TYPE`]); `None` when its
+    /// bytes are kept (or the digest is malformed, which [`Outcome::check_digest`] refuses).
+    pub fn digest(&self) -> Option<OutcomeDigest> {
+        if self.content_type != DIGEST_CONTENT_TYPE {
+            return None;
+        }
+        serde_json::from_slice::<OutcomeDigest>(&self.body).ok().filter(OutcomeDigest::is_well_formed)
+    }
+
+    /// The same outcome kept as a digest: its kind, cost and tokens, and the digest of its bytes
+    /// (itself when it already is one).
+    pub fn digested(&self) -> Outcome {
+        if self.digest().is_some() {
+            return self.clone();
+        }
+        OutcomeDigest::of(&self.content_type, &self.body).into_outcome(self.kind, self.cost, self.tokens)
+    }
+
+    /// Refuses an outcome of the digest media type whose body is not a well-formed digest, and
+    /// nothing else.
+    pub fn check_digest(&self) -> Result<(), crate::InvalidInput> {
+        if self.content_type == DIGEST_CONTENT_TYPE && self.digest().is_none() {
+            return Err(crate::InvalidInput::new("outcome", "a digest outcome must hold a well-formed digest"));
+        }
+        Ok(())
+    }
+}
+
 /// A named recovery point saved by an attempt, with small data (JSON text).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Checkpoint {

@@ -24,8 +24,8 @@ use axum::response::IntoResponse;
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
 use onceguard_core::{
-    CheckpointName, Claim, ClaimOutcome, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind, RecordState,
-    Scope, TenantId,
+    CheckpointName, Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Guard, Mutation, Outcome,
+    OutcomeKind, RecordState, Scope, TenantId,
 };
 use onceguard_http::AppState;
 use onceguard_http::config::McpNoKey;
@@ -321,6 +321,17 @@ async fn guarded_call(
         ClaimOutcome::Replay(replay) if replay.outcome.content_type == NOT_STORED => {
             let detail = String::from_utf8_lossy(&replay.outcome.body).into_owned();
             let error = ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}"));
+            (rpc_error(Some(&id), &error), "replayed")
+        }
+        ClaimOutcome::Replay(replay) if replay.outcome.content_type == DIGEST_CONTENT_TYPE => {
+            let error = match replay.outcome.digest() {
+                Some(d) => ApiError::NotStored(format!(
+                    "the call ran once; this tool's namespace keeps a digest of results, never their bytes: {} bytes, \
+                     sha-256 {}",
+                    d.size, d.sha256
+                )),
+                None => ApiError::Internal("a stored digest is malformed".into()),
+            };
             (rpc_error(Some(&id), &error), "replayed")
         }
         ClaimOutcome::Replay(replay) => match jsonrpc::mark_replayed(&replay.outcome.body) {

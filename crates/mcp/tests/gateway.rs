@@ -768,3 +768,36 @@ async fn settings_on_a_tool_set_its_retention() {
     let other = app.rpc(&call(json!(5), "write", json!({}), Some("k"))).await;
     assert_eq!(other["result"]["_meta"]["dev.onceguard/replayed"], true, "another tool keeps mcp.retention");
 }
+
+#[tokio::test]
+async fn a_digest_namespace_answers_replays_that_the_tool_ran_without_its_result() {
+    use onceguard_core::control::{OutcomeKept, Settings, SettingsEntry};
+    let app = spawn_app(|_| {}).await;
+    let entry = SettingsEntry {
+        tenant: TenantId::parse(TENANT).unwrap(),
+        namespace_prefix: Some(Namespace::parse("mcp/up/echo").unwrap()),
+        settings: Settings { outcome_kept: Some(OutcomeKept::Digest), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    app.guard.put_settings(entry, None).await.unwrap();
+    let first = app.rpc(&call(json!(1), "echo", json!({"card": "4111"}), Some("k"))).await;
+    assert_eq!(first["result"]["content"][0]["text"], "echo 1", "the caller gets the result: {first}");
+    let again = app.rpc(&call(json!(2), "echo", json!({"card": "4111"}), Some("k"))).await;
+    assert_eq!(again["error"]["code"], 41001, "{again}");
+    assert_eq!(again["error"]["data"]["type"], "https://onceguard.dev/problems/response-not-stored");
+    assert!(again["error"]["data"]["detail"].as_str().unwrap().contains("sha-256"), "{again}");
+    assert_eq!(runs(&app.seen, "echo"), 1, "the tool ran once");
+    // Another tool keeps its results.
+    app.rpc(&call(json!(3), "write", json!({}), Some("k"))).await;
+    let replay = app.rpc(&call(json!(4), "write", json!({}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "write 1", "{replay}");
+    let scope = onceguard_core::Scope::new(
+        TenantId::parse(TENANT).unwrap(),
+        Namespace::parse("mcp/up/echo").unwrap(),
+        onceguard_core::Key::parse("k").unwrap(),
+    );
+    let outcome = app.guard.get(&scope).await.unwrap().unwrap().outcome.unwrap();
+    assert_eq!(outcome.content_type, onceguard_core::DIGEST_CONTENT_TYPE);
+    assert!(!String::from_utf8_lossy(&outcome.body).contains("echo 1"));
+}

@@ -13,9 +13,10 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, 
 use axum::response::IntoResponse;
 use bytes::{Bytes, BytesMut};
 use futures::{SinkExt, StreamExt};
+use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
-    Claim, ClaimOutcome, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, Mutation, Namespace, Outcome,
-    OutcomeKind, Scope, TenantId,
+    Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, Mutation,
+    Namespace, Outcome, OutcomeKind, Scope, TenantId,
 };
 use onceguard_http::Metrics;
 use onceguard_http::problem::ApiError;
@@ -228,6 +229,13 @@ where
     };
     let scope = claim.scope.clone();
     match shared.guard.claim(claim).await? {
+        ClaimOutcome::Replay(replay) if replay.outcome.content_type == DIGEST_CONTENT_TYPE => {
+            let digest =
+                replay.outcome.digest().ok_or_else(|| ApiError::Internal("a stored digest is malformed".into()))?;
+            let mut response = stored::digest_response(&digest);
+            response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(response)
+        }
         ClaimOutcome::Replay(replay) => {
             let stored = stored::decode(&replay.outcome.body)
                 .map_err(|e| ApiError::Internal(format!("a stored response could not be read: {e}")))?;
@@ -322,12 +330,19 @@ impl Held {
             release(&self.shared.guard, &self.scope, self.fence).await;
             return;
         }
-        // In the shared scope every caller may replay it: nothing meant for one caller is kept.
-        if options.shared_scope.as_ref() == Some(&self.scope.namespace) {
-            complete(&self.shared.guard, &self.scope, self.fence, &stored.clone().without_per_caller_headers()).await;
+        let guard = &self.shared.guard;
+        // Where outcomes are kept as a digest only, the status and the body's media type, size
+        // and SHA-256 are, never a header or a byte of the body. Settings that cannot be read
+        // leave the choice to the guard, which reads them again as it stores.
+        let outcome = if guard.effective(&self.scope).await.is_ok_and(|e| e.outcome_kept == OutcomeKept::Digest) {
+            stored.digest().into_outcome(OutcomeKind::Success, None, None)
+        } else if options.shared_scope.as_ref() == Some(&self.scope.namespace) {
+            // In the shared scope every caller may replay it: nothing meant for one caller is kept.
+            stored_outcome(&stored.clone().without_per_caller_headers())
         } else {
-            complete(&self.shared.guard, &self.scope, self.fence, stored).await;
-        }
+            stored_outcome(stored)
+        };
+        complete(guard, &self.scope, self.fence, outcome).await;
     }
 
     /// A response whose body passed the limit: the caller gets it whole, streamed (`head` is
@@ -401,16 +416,20 @@ async fn release(guard: &Guard, scope: &Scope, fence: Fence) {
     }
 }
 
-/// Stores the response, retrying a store that does not answer for a few seconds: the effect
-/// happened, and a key left in flight would run again after its lease.
-async fn complete(guard: &Guard, scope: &Scope, fence: Fence, stored: &StoredResponse) {
-    let outcome = Outcome {
+/// The outcome that keeps `stored` whole.
+fn stored_outcome(stored: &StoredResponse) -> Outcome {
+    Outcome {
         kind: OutcomeKind::Success,
         content_type: stored::CONTENT_TYPE.into(),
         body: stored.encode(),
         cost: None,
         tokens: None,
-    };
+    }
+}
+
+/// Stores the outcome, retrying a store that does not answer for a few seconds: the effect
+/// happened, and a key left in flight would run again after its lease.
+async fn complete(guard: &Guard, scope: &Scope, fence: Fence, outcome: Outcome) {
     for attempt in 0..5u32 {
         match guard.mutate(scope, fence, Mutation::Complete(outcome.clone())).await {
             Ok(FencedOutcome::Applied(_)) => return,

@@ -10,6 +10,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use onceguard_core::OutcomeDigest;
 use onceguard_http::problem::ApiError;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -126,6 +127,29 @@ impl StoredResponse {
         self
     }
 
+    /// What a namespace that keeps outcomes as a digest keeps of it: the status, the body's
+    /// media type, size and SHA-256 (of the whole body, also when it was too large to store).
+    pub fn digest(&self) -> OutcomeDigest {
+        let content_type = self
+            .headers
+            .iter()
+            .find(|(name, _)| name == "content-type")
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+            .filter(|v| !v.is_empty() && v.len() <= 255 && v.bytes().all(|b| (0x20..=0x7e).contains(&b)))
+            .unwrap_or("application/octet-stream");
+        let mut digest = match &self.omitted {
+            Some(o) => OutcomeDigest {
+                content_type: content_type.to_owned(),
+                size: o.size,
+                sha256: o.sha256.clone(),
+                status: None,
+            },
+            None => OutcomeDigest::of(content_type, &self.body),
+        };
+        digest.status = Some(self.status.as_u16());
+        digest
+    }
+
     /// The bytes kept in the store.
     pub fn encode(&self) -> Vec<u8> {
         let head = Head {
@@ -147,7 +171,15 @@ impl StoredResponse {
     pub fn into_response(self) -> Response<Body> {
         let body = match &self.omitted {
             None => Body::from(self.body),
-            Some(omitted) => Body::from(omitted_problem(self.status, omitted)),
+            Some(omitted) => Body::from(omitted_problem(
+                self.status,
+                omitted,
+                format!(
+                    "the upstream answered {} with a body of {} bytes, more than the proxy stores; the request ran \
+                     once and is not sent again: this replay carries its status, headers and digest, not its body",
+                    self.status, omitted.size
+                ),
+            )),
         };
         let mut response = Response::new(body);
         *response.status_mut() = self.status;
@@ -160,23 +192,41 @@ impl StoredResponse {
             }
         }
         if let Some(omitted) = &self.omitted {
-            let headers = response.headers_mut();
-            headers.insert("content-type", HeaderValue::from_static("application/problem+json"));
-            let value = format!("size={}, sha-256={}", omitted.size, omitted.sha256);
-            headers.insert(OMITTED_HEADER, HeaderValue::from_str(&value).expect("digits and hex are a header value"));
+            mark_omitted(&mut response, omitted);
         }
         response
     }
 }
 
+/// A replay without its body: a problem document's media type, and the body's size and digest
+/// in [`OMITTED_HEADER`].
+fn mark_omitted(response: &mut Response<Body>, omitted: &Omitted) {
+    let headers = response.headers_mut();
+    headers.insert("content-type", HeaderValue::from_static("application/problem+json"));
+    let value = format!("size={}, sha-256={}", omitted.size, omitted.sha256);
+    headers.insert(OMITTED_HEADER, HeaderValue::from_str(&value).expect("digits and hex are a header value"));
+}
+
+/// The replay of a response its namespace keeps as a digest only (`outcome_kept = digest`): the
+/// upstream's status with a `response-not-stored` problem carrying the digest, and no header or
+/// byte of the upstream's answer. The request ran once and is not sent again.
+pub fn digest_response(digest: &OutcomeDigest) -> Response<Body> {
+    let status = digest.status.and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::OK);
+    let omitted = Omitted { size: digest.size, sha256: digest.sha256.clone() };
+    let detail = format!(
+        "the upstream answered {status} with {} bytes of {}; this namespace keeps a digest of responses, never their \
+         bytes: the request ran once and is not sent again",
+        digest.size, digest.content_type
+    );
+    let mut response = Response::new(Body::from(omitted_problem(status, &omitted, detail)));
+    *response.status_mut() = status;
+    mark_omitted(&mut response, &omitted);
+    response
+}
+
 /// The problem document a replay of a body that was not kept carries: `response-not-stored`
 /// with the upstream's status, and the body's size and SHA-256 as its `reason`.
-fn omitted_problem(status: StatusCode, omitted: &Omitted) -> Vec<u8> {
-    let detail = format!(
-        "the upstream answered {status} with a body of {} bytes, more than the proxy stores; the request ran once \
-         and is not sent again: this replay carries its status, headers and digest, not its body",
-        omitted.size
-    );
+fn omitted_problem(status: StatusCode, omitted: &Omitted, detail: String) -> Vec<u8> {
     let mut problem = ApiError::NotStored(detail).problem();
     problem.status = status.as_u16();
     problem.reason = Some(serde_json::json!({ "size": omitted.size, "sha256": omitted.sha256 }));

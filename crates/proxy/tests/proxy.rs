@@ -179,6 +179,7 @@ struct Proxy {
     base: String,
     client: reqwest::Client,
     clock: Arc<ManualClock>,
+    guard: onceguard_core::Guard,
     _harness: Harness,
 }
 
@@ -198,7 +199,13 @@ async fn start_proxy_over(upstream: &str, configure: impl FnOnce(&mut Config), s
     configure(&mut config);
     let limits = onceguard_proxy::limits(&config);
     let harness = Harness::start(config, limits, store, onceguard_proxy::app).await;
-    Proxy { base: harness.base.clone(), client: harness.http.clone(), clock: harness.clock.clone(), _harness: harness }
+    Proxy {
+        base: harness.base.clone(),
+        client: harness.http.clone(),
+        clock: harness.clock.clone(),
+        guard: harness.guard.clone(),
+        _harness: harness,
+    }
 }
 
 impl Proxy {
@@ -611,4 +618,50 @@ async fn the_proxys_metrics_count_its_claims_by_outcome() {
         let line = format!(r#"onceguard_claims_total{{tenant="proxy",outcome="{outcome}"}} {n}"#);
         assert!(metrics.contains(&line), "{line} in {metrics}");
     }
+}
+
+#[tokio::test]
+async fn a_digest_namespace_replays_the_status_and_digest_never_the_response() {
+    use onceguard_core::control::{OutcomeKept, Settings, SettingsEntry};
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let entry = SettingsEntry {
+        tenant: onceguard_core::TenantId::parse("proxy").unwrap(),
+        namespace_prefix: None,
+        settings: Settings { outcome_kept: Some(OutcomeKept::Digest), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    proxy.guard.put_settings(entry, None).await.unwrap();
+    let first = proxy.post("/charge", "d-1", "{}").await;
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.headers()["x-upstream"], "yes");
+    let body = first.bytes().await.unwrap();
+    assert_eq!(&body[..], br#"{"charge":1,"body_bytes":2}"#);
+
+    let replay = proxy.post("/charge", "d-1", "{}").await;
+    assert_eq!(replay.status(), 201, "the upstream's status");
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let sha256 = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&body));
+    let omitted = replay.headers()["onceguard-body-omitted"].to_str().unwrap().to_owned();
+    assert_eq!(omitted, format!("size={}, sha-256={sha256}", body.len()));
+    assert!(replay.headers().get("x-upstream").is_none() && replay.headers().get("set-cookie").is_none());
+    assert_eq!(replay.headers()["content-type"], "application/problem+json");
+    let problem: serde_json::Value = replay.json().await.unwrap();
+    assert_eq!(problem["type"], "https://onceguard.dev/problems/response-not-stored", "{problem}");
+    assert_eq!(problem["reason"]["sha256"], sha256.as_str());
+    assert_eq!(executed(&counts, "charge"), 1, "the request ran once");
+
+    let records = proxy
+        .guard
+        .list(
+            &onceguard_core::TenantId::parse("proxy").unwrap(),
+            &onceguard_core::ListFilter { limit: 10, ..Default::default() },
+        )
+        .await
+        .unwrap();
+    let outcome = records.records[0].outcome.as_ref().unwrap();
+    assert_eq!(outcome.content_type, onceguard_core::DIGEST_CONTENT_TYPE);
+    assert!(!String::from_utf8_lossy(&outcome.body).contains("charge"), "no byte of the response is kept");
+    assert!(!String::from_utf8_lossy(&outcome.body).contains("a=1"), "no header is kept");
 }

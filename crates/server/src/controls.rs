@@ -9,7 +9,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use onceguard_core::control::{
-    AuditEntry, AuditFilter, Budget, Rate, Run, Settings, SettingsEntry, Switch, SwitchTarget, check_units,
+    AuditEntry, AuditFilter, Budget, OutcomeKept, Rate, Run, Settings, SettingsEntry, Switch, SwitchTarget, check_units,
 };
 use onceguard_core::domain::parse_duration;
 use onceguard_core::{Namespace, RunId, TenantId, Timestamp};
@@ -337,6 +337,37 @@ pub struct SettingsBody {
     pub max_in_flight: Option<u64>,
     /// Tenant only: the claim rate (429 `quota-exceeded` with `Retry-After` beyond).
     pub claim_rate: Option<RateBody>,
+    /// What is kept of an outcome: `full` (the bytes, replayed byte for byte) or `digest` (its
+    /// status, media type, size and SHA-256 only; a replay answers `result_digest`).
+    pub outcome_kept: Option<OutcomeKeptBody>,
+}
+
+/// What a namespace keeps of its outcomes.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeKeptBody {
+    /// The bytes.
+    Full,
+    /// A digest only, never the bytes.
+    Digest,
+}
+
+impl From<OutcomeKeptBody> for OutcomeKept {
+    fn from(b: OutcomeKeptBody) -> Self {
+        match b {
+            OutcomeKeptBody::Full => Self::Full,
+            OutcomeKeptBody::Digest => Self::Digest,
+        }
+    }
+}
+
+impl From<OutcomeKept> for OutcomeKeptBody {
+    fn from(k: OutcomeKept) -> Self {
+        match k {
+            OutcomeKept::Full => Self::Full,
+            OutcomeKept::Digest => Self::Digest,
+        }
+    }
 }
 
 impl SettingsBody {
@@ -349,6 +380,7 @@ impl SettingsBody {
             max_retention: d("max_retention", &self.max_retention)?,
             max_in_flight: self.max_in_flight,
             claim_rate: self.claim_rate.as_ref().map(|r| Rate { per_second: r.per_second, burst: r.burst }),
+            outcome_kept: self.outcome_kept.map(Into::into),
         })
     }
 
@@ -360,6 +392,7 @@ impl SettingsBody {
             max_retention: duration_text(s.max_retention),
             max_in_flight: s.max_in_flight,
             claim_rate: s.claim_rate.map(|r| RateBody { per_second: r.per_second, burst: r.burst }),
+            outcome_kept: s.outcome_kept.map(Into::into),
         }
     }
 }

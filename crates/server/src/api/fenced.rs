@@ -51,6 +51,11 @@ pub(crate) fn outcome_of(
     {
         return Err(ApiError::Invalid("content_type must be 1 to 255 bytes of printable ASCII".into()));
     }
+    if content_type == DIGEST_CONTENT_TYPE {
+        return Err(ApiError::Invalid(format!(
+            "content_type {DIGEST_CONTENT_TYPE} is kept for digests Onceguard makes"
+        )));
+    }
     Ok(Outcome { kind, content_type, body, cost: check_units("cost", cost)?, tokens: check_units("tokens", tokens)? })
 }
 

@@ -16,8 +16,8 @@ use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role};
 use onceguard_core::control::check_units;
 use onceguard_core::{
-    CheckpointName, Claim, ClaimOutcome, Fence, FencedOutcome, Fingerprint, Key, ListFilter, Mutation, Namespace,
-    Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope, TenantId, Timestamp,
+    CheckpointName, Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Key, ListFilter,
+    Mutation, Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId, Scope, TenantId, Timestamp,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;

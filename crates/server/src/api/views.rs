@@ -30,12 +30,25 @@ pub struct StoredResultView {
     /// The result's bytes in base64, when it is not JSON.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result_base64: Option<String>,
+    /// In place of `result` and `result_base64` where the namespace keeps outcomes as a digest
+    /// only (`outcome_kept: digest`): the effect happened, and this is what it answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result_digest: Option<DigestView>,
     /// Cost units (money) reported at completion.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cost: Option<u64>,
     /// Model tokens reported at completion.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+}
+
+/// What is kept of a result whose bytes are not.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DigestView {
+    /// The result's size in bytes.
+    pub size: u64,
+    /// Its SHA-256, in lowercase hex.
+    pub sha256: String,
 }
 
 pub(crate) fn checkpoint_view(cp: &onceguard_core::Checkpoint) -> CheckpointView {
@@ -56,6 +69,17 @@ pub(crate) fn outcome_status(kind: OutcomeKind) -> &'static str {
 }
 
 pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
+    if let Some(d) = o.digest() {
+        return StoredResultView {
+            status: outcome_status(o.kind),
+            content_type: d.content_type,
+            result: None,
+            result_base64: None,
+            result_digest: Some(DigestView { size: d.size, sha256: d.sha256 }),
+            cost: o.cost,
+            tokens: o.tokens,
+        };
+    }
     let json = o.content_type == "application/json";
     let as_json = json.then(|| std::str::from_utf8(&o.body).ok().and_then(raw_json)).flatten();
     StoredResultView {
@@ -63,6 +87,7 @@ pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
         content_type: o.content_type.clone(),
         result_base64: as_json.is_none().then(|| STANDARD.encode(&o.body)),
         result: as_json,
+        result_digest: None,
         cost: o.cost,
         tokens: o.tokens,
     }

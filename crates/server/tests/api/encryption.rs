@@ -15,6 +15,8 @@ use onceguard_testkit::harness::Harness;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::helpers::files_hold;
+
 const RESULT_MARKER: &str = "MARKER-result-4111";
 const CHECKPOINT_MARKER: &str = "MARKER-checkpoint-ch9";
 
@@ -68,14 +70,6 @@ async fn write_markers(h: &Harness, token: &str, key: &str) -> u64 {
     assert_eq!(record["stored"]["result"]["card"], RESULT_MARKER);
     assert_eq!(record["checkpoints"][0]["data"]["charge"], CHECKPOINT_MARKER, "{record}");
     fence
-}
-
-/// Whether any file of `dir` (the database, its WAL) holds `marker`.
-fn files_hold(dir: &Path, marker: &str) -> bool {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(|e| std::fs::read(e.unwrap().path()).ok())
-        .any(|bytes| bytes.windows(marker.len()).any(|w| w == marker.as_bytes()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

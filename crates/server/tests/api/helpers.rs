@@ -309,3 +309,11 @@ pub async fn assert_problem(response: Response, status: StatusCode, kind: &str) 
     assert!(body["detail"].as_str().is_some_and(|d| !d.is_empty()));
     body
 }
+
+/// Whether any file of `dir` (a database, its WAL) holds `marker`.
+pub fn files_hold(dir: &std::path::Path, marker: &str) -> bool {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.unwrap().path()).ok())
+        .any(|bytes| bytes.windows(marker.len()).any(|w| w == marker.as_bytes()))
+}

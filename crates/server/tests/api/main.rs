@@ -10,3 +10,4 @@ mod encryption;
 mod helpers;
 mod isolation;
 mod observability;
+mod outcomes_kept;
