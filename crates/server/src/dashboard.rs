@@ -347,8 +347,10 @@ pub struct StoredSummary {
     pub status: &'static str,
     /// Its media type.
     pub content_type: String,
-    /// Its size in bytes.
-    pub bytes: usize,
+    /// Its size in bytes (of the result, also when only its digest is kept).
+    pub bytes: u64,
+    /// Only its digest is kept (`outcome_kept = digest`), not the bytes.
+    pub digest_only: bool,
     /// Cost units (money) reported at completion.
     pub cost: Option<u64>,
     /// Model tokens reported at completion.
@@ -441,12 +443,16 @@ pub async fn dashboard_record(
         head: record_head(&r, now),
         reported_unknown: r.unknown.is_some(),
         checkpoints: r.checkpoints.iter().map(checkpoint_summary).collect(),
-        stored: r.outcome.as_ref().map(|o| StoredSummary {
-            status: outcome_status(o.kind),
-            content_type: o.content_type.clone(),
-            bytes: o.body.len(),
-            cost: o.cost,
-            tokens: o.tokens,
+        stored: r.outcome.as_ref().map(|o| {
+            let digest = o.digest();
+            StoredSummary {
+                status: outcome_status(o.kind),
+                content_type: digest.as_ref().map_or_else(|| o.content_type.clone(), |d| d.content_type.clone()),
+                bytes: digest.as_ref().map_or(o.body.len() as u64, |d| d.size),
+                digest_only: digest.is_some(),
+                cost: o.cost,
+                tokens: o.tokens,
+            }
         }),
         timeline: timeline(&r, now),
     }))

@@ -319,7 +319,7 @@ function renderRecord(r) {
     ["lease until", r.lease_expires_at ? clock(r.lease_expires_at) : null],
     ["reported unknown", r.reported_unknown ? "yes" : "no"],
     ["fingerprint", r.fingerprint],
-    ["stored outcome", r.stored ? `${r.stored.status}, ${r.stored.content_type}, ${count(r.stored.bytes)} bytes${r.stored.cost === null ? "" : `, cost ${count(r.stored.cost)}`}` : "none", "inspect-stored"],
+    ["stored outcome", r.stored ? `${r.stored.status}, ${r.stored.content_type}, ${count(r.stored.bytes)} bytes${r.stored.digest_only ? " (digest only)" : ""}${r.stored.cost === null ? "" : `, cost ${count(r.stored.cost)}`}` : "none", "inspect-stored"],
   ]);
   const checkpoints = document.createElement("div");
   const h = document.createElement("h4");

@@ -67,6 +67,15 @@ async fn a_digest_namespace_keeps_no_result_bytes_and_still_never_runs_twice() {
         send(&h, reqwest::Method::GET, &agent, "/v1/record?namespace=pii/cards&key=c-1", Value::Null).await;
     assert_eq!((status, &record["stored"]["result_digest"]["sha256"]), (StatusCode::OK, &json!(sha256)), "{record}");
     assert!(!record.to_string().contains(MARKER));
+    let path = "/v1/dashboard/record?namespace=pii/cards&key=c-1";
+    let (status, inspected) = send(&h, reqwest::Method::GET, &admin, path, Value::Null).await;
+    assert_eq!(status, StatusCode::OK, "{inspected}");
+    let shown = &inspected["stored"];
+    assert_eq!(
+        (&shown["bytes"], &shown["digest_only"], &shown["content_type"]),
+        (&json!(result.len()), &json!(true), &json!("application/json")),
+        "{inspected}"
+    );
     let scope = onceguard_core::Scope::new(
         onceguard_core::TenantId::parse("acme").unwrap(),
         onceguard_core::Namespace::parse("pii/cards").unwrap(),
