@@ -127,8 +127,11 @@ impl Guard {
             engaged_at: now,
         };
         // The switch first, so that no claim acquires behind the revocation; this instance's
-        // claims (waiting ones included) see it at once.
-        self.store().put_control(&ControlDoc::of_switch(&switch)).await?;
+        // claims (waiting ones included) see it at once. Its audit entry is written with it.
+        let entry = AuditEntry::new(tenant.clone(), now, actor, "switch.engage", switch.target.id())
+            .why(Some(switch.reason.clone()))
+            .details(serde_json::json!({ "revoke_leases": revoke_leases }));
+        self.store().put_control(&ControlDoc::of_switch(&switch), &entry).await?;
         self.refresh_controls().await?;
         if revoke_leases {
             let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
@@ -146,13 +149,11 @@ impl Guard {
             {
                 let later = self.clock().now();
                 switch.revoked += self.store().revoke_leases(tenant, &switch.target, &detail, later).await?;
-                self.store().put_control(&ControlDoc::of_switch(&switch)).await?;
+                let entry = AuditEntry::new(tenant.clone(), later, actor, "switch.revoke_leases", switch.target.id())
+                    .details(serde_json::json!({ "revoked": switch.revoked }));
+                self.store().put_control(&ControlDoc::of_switch(&switch), &entry).await?;
             }
         }
-        let entry = AuditEntry::new(tenant.clone(), now, actor, "switch.engage", switch.target.id())
-            .why(Some(switch.reason.clone()))
-            .details(serde_json::json!({ "revoke_leases": revoke_leases, "revoked": switch.revoked }));
-        self.audit(entry).await?;
         self.refresh_controls().await?;
         Ok(switch)
     }
@@ -166,12 +167,11 @@ impl Guard {
         why: Option<String>,
     ) -> Result<Option<Switch>, GuardError> {
         check_why(why.as_deref())?;
-        let Some(doc) = self.store().delete_control(ControlKind::Switch, tenant, &target.id()).await? else {
+        let entry = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "switch.release", target.id()).why(why);
+        let Some(doc) = self.store().delete_control(ControlKind::Switch, tenant, &target.id(), &entry).await? else {
             return Ok(None);
         };
         let switch: Switch = serde_json::from_str(&doc.body).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let entry = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "switch.release", target.id()).why(why);
-        self.audit(entry).await?;
         self.refresh_controls().await?;
         Ok(Some(switch))
     }
@@ -193,11 +193,9 @@ impl Guard {
     ) -> Result<Run, GuardError> {
         check_why(why.as_deref())?;
         let now = self.clock().now();
-        let stored = self.store().put_budget(tenant, run, &budget, now).await?;
         let details = serde_json::to_value(&budget).unwrap_or_default();
         let entry = AuditEntry::new(tenant.clone(), now, actor, "budget.set", run.as_str()).why(why).details(details);
-        self.audit(entry).await?;
-        Ok(stored)
+        Ok(self.store().put_budget(tenant, run, &budget, now, &entry).await?)
     }
 
     /// One run of a tenant.
@@ -214,13 +212,12 @@ impl Guard {
         check_why(why.as_deref())?;
         entry.validate(self.limits())?;
         entry.updated_at = self.clock().now();
-        self.store().put_control(&ControlDoc::of_settings(&entry)).await?;
         let target = entry.namespace_prefix.as_ref().map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
         let details = serde_json::to_value(&entry.settings).unwrap_or_default();
         let audit = AuditEntry::new(entry.tenant.clone(), entry.updated_at, &entry.updated_by, "settings.set", target)
             .why(why)
             .details(details);
-        self.audit(audit).await?;
+        self.store().put_control(&ControlDoc::of_settings(&entry), &audit).await?;
         self.refresh_controls().await?;
         Ok(entry)
     }
@@ -236,13 +233,12 @@ impl Guard {
     ) -> Result<Option<SettingsEntry>, GuardError> {
         check_why(why.as_deref())?;
         let id = prefix.map(|p| p.as_str().to_owned()).unwrap_or_default();
-        let Some(doc) = self.store().delete_control(ControlKind::Settings, tenant, &id).await? else {
+        let target = prefix.map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
+        let audit = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "settings.delete", target).why(why);
+        let Some(doc) = self.store().delete_control(ControlKind::Settings, tenant, &id, &audit).await? else {
             return Ok(None);
         };
         let entry: SettingsEntry = serde_json::from_str(&doc.body).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let target = prefix.map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
-        let audit = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "settings.delete", target).why(why);
-        self.audit(audit).await?;
         self.refresh_controls().await?;
         Ok(Some(entry))
     }

@@ -127,7 +127,9 @@ mod tests {
             engaged_by: "another instance".into(),
             engaged_at: crate::domain::Timestamp(0),
         };
-        store.put_control(&crate::control::ControlDoc::of_switch(&switch)).await.unwrap();
+        let entry =
+            crate::control::AuditEntry::new(switch.tenant.clone(), switch.engaged_at, "test", "switch.engage", "t");
+        store.put_control(&crate::control::ControlDoc::of_switch(&switch), &entry).await.unwrap();
         tokio::time::advance(CONTROL_MAX_AGE - Duration::from_millis(1)).await;
         assert!(cache.get(&store).await.unwrap().switches.is_empty(), "a read younger than a second is used");
         tokio::time::advance(Duration::from_millis(1)).await;

@@ -145,8 +145,9 @@ impl RunStore for ObservedStore {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
+        audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
-        self.timed(StoreOp::Control, self.inner.put_budget(tenant, run, budget, now)).await
+        self.timed(StoreOp::Control, self.inner.put_budget(tenant, run, budget, now, audit)).await
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
@@ -166,8 +167,8 @@ impl RunStore for ObservedStore {
 
 #[async_trait]
 impl ControlStore for ObservedStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.timed(StoreOp::Control, self.inner.put_control(doc)).await
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        self.timed(StoreOp::Control, self.inner.put_control(doc, audit)).await
     }
 
     async fn delete_control(
@@ -175,8 +176,9 @@ impl ControlStore for ObservedStore {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
-        self.timed(StoreOp::Control, self.inner.delete_control(kind, tenant, id)).await
+        self.timed(StoreOp::Control, self.inner.delete_control(kind, tenant, id, audit)).await
     }
 
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {

@@ -93,15 +93,31 @@ async fn revoke_chunk(
     }
 }
 
+/// The columns of an audit entry, as [`audit_params`] gives them.
+pub(crate) const AUDIT_COLUMNS: &str = "tenant, id, at, actor, action, doc";
+
+/// An audit entry's values for [`AUDIT_COLUMNS`].
+pub(crate) fn audit_params(entry: &AuditEntry) -> Result<(&str, &str, i64, &str, &str, String), StoreError> {
+    let doc = serde_json::to_string(entry).map_err(corrupt)?;
+    Ok((entry.tenant.as_str(), &entry.id, to_i64(entry.at), &entry.actor, &entry.action, doc))
+}
+
 #[async_trait]
 impl ControlStore for PgStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        let (t, i, at, actor, action, entry) = audit_params(audit)?;
+        // One statement: the document and its audit entry commit together or not at all.
         self.client()
             .await?
             .execute(
-                "INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body",
-                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body],
+                &format!(
+                    "WITH doc AS (
+                       INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
+                       ON CONFLICT (kind, tenant, id) DO UPDATE SET body = excluded.body RETURNING 1)
+                     INSERT INTO og_audit ({AUDIT_COLUMNS}) SELECT $5::text, $6::text, $7::bigint, $8::text, $9::text, $10::text FROM doc
+                     ON CONFLICT (tenant, id) DO NOTHING"
+                ),
+                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body, &t, &i, &at, &actor, &action, &entry],
             )
             .await
             .map_err(unavailable)?;
@@ -113,13 +129,23 @@ impl ControlStore for PgStore {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
+        let (t, i, at, actor, action, entry) = audit_params(audit)?;
+        // One statement: the entry is written if and only if a document was deleted.
         let row = self
             .client()
             .await?
             .query_opt(
-                "DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body",
-                &[&kind.as_str(), &tenant.as_str(), &id],
+                &format!(
+                    "WITH gone AS (
+                       DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 RETURNING body),
+                     logged AS (
+                       INSERT INTO og_audit ({AUDIT_COLUMNS}) SELECT $4::text, $5::text, $6::bigint, $7::text, $8::text, $9::text FROM gone
+                       ON CONFLICT (tenant, id) DO NOTHING)
+                     SELECT body FROM gone"
+                ),
+                &[&kind.as_str(), &tenant.as_str(), &id, &t, &i, &at, &actor, &action, &entry],
             )
             .await
             .map_err(unavailable)?;
@@ -171,14 +197,16 @@ impl ControlStore for PgStore {
     }
 
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        let doc = serde_json::to_string(entry).map_err(corrupt)?;
+        let (t, i, at, actor, action, doc) = audit_params(entry)?;
         // An entry is written once: a retried append of the same entry changes nothing.
         self.client()
             .await?
             .execute(
-                "INSERT INTO og_audit (tenant, id, at, actor, action, doc) VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (tenant, id) DO NOTHING",
-                &[&entry.tenant.as_str(), &entry.id, &to_i64(entry.at), &entry.actor, &entry.action, &doc],
+                &format!(
+                    "INSERT INTO og_audit ({AUDIT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)
+                     ON CONFLICT (tenant, id) DO NOTHING"
+                ),
+                &[&t, &i, &at, &actor, &action, &doc],
             )
             .await
             .map_err(unavailable)?;

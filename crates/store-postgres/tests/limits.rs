@@ -97,7 +97,16 @@ async fn quotas_and_budgets_are_exact_across_instances() {
 
     // 64 claims of distinct keys, declaring 1 cost unit each, against a budget of 10 effects.
     let budget = Budget { max_effects: Some(10), ..Budget::default() };
-    stores[0].put_budget(&tenant("budget"), &run("fan-out"), &budget, now).await.unwrap();
+    stores[0]
+        .put_budget(
+            &tenant("budget"),
+            &run("fan-out"),
+            &budget,
+            now,
+            &onceguard_core::control::AuditEntry::new(tenant("budget"), now, "test", "budget.set", "fan-out"),
+        )
+        .await
+        .unwrap();
     let fan_out =
         (0..64).map(|i| ClaimRequest { run: Some(run("fan-out")), cost: 1, ..request("budget", &format!("f{i}")) });
     let outcomes = claim_all(&stores, fan_out.collect(), now).await;
@@ -141,7 +150,16 @@ async fn operations_of_every_kind_at_once_never_deadlock() {
         match i % 12 {
             5 => tasks.spawn(async move {
                 let budget = Budget { max_effects: Some(100_000), ..Budget::default() };
-                store.put_budget(&tenant(t), &run(r), &budget, now).await.map(|_| (t, 0, 0))
+                store
+                    .put_budget(
+                        &tenant(t),
+                        &run(r),
+                        &budget,
+                        now,
+                        &onceguard_core::control::AuditEntry::new(tenant(t), now, "test", "budget.set", r),
+                    )
+                    .await
+                    .map(|_| (t, 0, 0))
             }),
             7 => tasks.spawn(async move {
                 let target = SwitchTarget::Run { run: run(r) };

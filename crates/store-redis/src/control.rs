@@ -37,16 +37,21 @@ fn control_doc(field: &[u8], body: Vec<u8>) -> Result<ControlDoc, StoreError> {
 }
 
 impl RedisStore {
-    pub(crate) async fn store_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
+    /// Stores a control document and its audit entry with one script (both in the control
+    /// slot: the entry waits in the outbox), then moves the entry to its tenant's log.
+    pub(crate) async fn store_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        let entry = serde_json::to_string(audit).map_err(corrupt)?;
         let mut conn = self.conn.clone();
-        redis::cmd("HSET")
-            .arg(self.keys.control())
+        let mut invocation = SCRIPTS.put_control.prepare_invoke();
+        invocation
+            .key(self.keys.control())
+            .key(self.keys.control_audit_outbox())
             .arg(control_field(doc.kind, &doc.tenant, &doc.id))
             .arg(doc.body.as_str())
-            .query_async::<i64>(&mut conn)
-            .await
-            .map(drop)
-            .map_err(unavailable("put a control document"))
+            .arg(audit.id.as_str())
+            .arg(entry);
+        invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("put a control document"))?;
+        self.deliver_control_audit(vec![(audit.id.clone().into_bytes(), Vec::new())], Some(audit)).await
     }
 
     pub(crate) async fn remove_control(
@@ -54,24 +59,71 @@ impl RedisStore {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
+        let entry = serde_json::to_string(audit).map_err(corrupt)?;
         let mut conn = self.conn.clone();
         let field = control_field(kind, tenant, id);
         let mut invocation = SCRIPTS.delete_control.prepare_invoke();
-        invocation.key(self.keys.control()).arg(field.as_slice());
+        invocation
+            .key(self.keys.control())
+            .key(self.keys.control_audit_outbox())
+            .arg(field.as_slice())
+            .arg(audit.id.as_str())
+            .arg(entry);
         let body: Option<Vec<u8>> =
             invocation.invoke_async(&mut conn).await.map_err(unavailable("delete a control document"))?;
-        body.map(|body| control_doc(&field, body)).transpose()
+        let Some(body) = body else { return Ok(None) };
+        self.deliver_control_audit(vec![(audit.id.clone().into_bytes(), Vec::new())], Some(audit)).await?;
+        control_doc(&field, body).map(Some)
     }
 
+    /// Every control document; entries a change left in the outbox (the process that made it
+    /// stopped before it moved them) are moved to their tenants' logs first.
     pub(crate) async fn read_controls(&self) -> Result<Vec<ControlDoc>, StoreError> {
         let mut conn = self.conn.clone();
+        let waiting: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
+            .arg(self.keys.control_audit_outbox())
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("read the control audit outbox"))?;
+        if !waiting.is_empty() {
+            self.deliver_control_audit(waiting, None).await?;
+        }
         let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
             .arg(self.keys.control())
             .query_async(&mut conn)
             .await
             .map_err(unavailable("list control documents"))?;
         all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
+    }
+
+    /// Moves audit entries from the control outbox to their tenants' logs, then out of the
+    /// outbox: `entries` are (id, JSON) pairs read from it, or the one entry `known` just
+    /// written (its JSON is not needed again). Appending is idempotent by id, so a move that
+    /// is repeated writes each entry once.
+    async fn deliver_control_audit(
+        &self,
+        entries: Vec<(Vec<u8>, Vec<u8>)>,
+        known: Option<&AuditEntry>,
+    ) -> Result<(), StoreError> {
+        let mut delivered = Vec::with_capacity(entries.len());
+        for (id, json) in entries {
+            let entry = match known {
+                Some(entry) => entry.clone(),
+                None => serde_json::from_slice::<AuditEntry>(&json).map_err(corrupt)?,
+            };
+            self.store_audit(&entry).await?;
+            delivered.push(id);
+        }
+        let mut conn = self.conn.clone();
+        redis::cmd("HDEL")
+            .arg(self.keys.control_audit_outbox())
+            .arg(delivered)
+            .query_async::<i64>(&mut conn)
+            .await
+            .map(drop)
+            .map_err(unavailable("clear the control audit outbox"))
     }
 
     /// Revokes the tenant's in-progress records that `target` covers, but those revoked
@@ -244,8 +296,8 @@ impl RedisStore {
 
 #[async_trait]
 impl ControlStore for RedisStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.bounded("put a control document", self.store_control(doc)).await
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        self.bounded("put a control document", self.store_control(doc, audit)).await
     }
 
     async fn delete_control(
@@ -253,8 +305,9 @@ impl ControlStore for RedisStore {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
-        self.bounded("delete a control document", self.remove_control(kind, tenant, id)).await
+        self.bounded("delete a control document", self.remove_control(kind, tenant, id, audit)).await
     }
 
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {

@@ -245,6 +245,13 @@ impl Keys {
         format!("{}c:{{control}}", self.prefix)
     }
 
+    /// Audit entries of control changes not yet in their tenant's log: a hash of entry id to
+    /// the entry as JSON, in the control documents' slot, so that a change and its entry are
+    /// written by one script.
+    pub fn control_audit_outbox(&self) -> String {
+        format!("{}c:{{control}}:audit-outbox", self.prefix)
+    }
+
     /// Tenants: a hash of id to `created_at`.
     pub fn tenants(&self) -> String {
         format!("{}a:{{auth}}:tenants", self.prefix)

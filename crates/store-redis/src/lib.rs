@@ -157,6 +157,12 @@
 //! - **The audit log** is, per tenant, a sorted set of entry ids (all scored 0, so in byte
 //!   order, which is time order) and a hash of the entries; listed newest first with
 //!   `ZREVRANGEBYLEX` a chunk at a time, filtered in process.
+//! - **An admin change and its audit entry** are written by one script, so on a Cluster in one
+//!   slot, which is not the tenant's log's: a switch's or a setting's entry goes into the outbox
+//!   `P c:{control}:audit-outbox` with the document; a budget's into its run's hash, as the
+//!   field `pa:<entry id>`. The entry is then appended to the tenant's log (idempotent by id) and
+//!   taken out. Should the process stop in between, the next read of the control documents (every
+//!   instance's refresh) or of the run moves it: no change is ever kept without its entry.
 //!
 //! # Keys
 //!
@@ -177,6 +183,7 @@
 //! | `P t:{<tenant>}:rate` | string | the tenant's claim rate: the GCRA's theoretical arrival time (µs) |
 //! | `P t:{<tenant>}:audit`, `:audit-entries` | sorted set, hash | the tenant's audit log: ids in byte (time) order, entries as JSON |
 //! | `P c:{control}` | hash | every tenant's switches and settings, by `kind NUL tenant NUL id` |
+//! | `P c:{control}:audit-outbox` | hash | audit entries of control changes not yet in their tenant's log, by id |
 //! | `P changes` | channel | finished and purged keys |
 //!
 //! # Costs
@@ -258,7 +265,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::try_join_all;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
-use onceguard_core::control::{Budget, Rate, Run, reported_cost};
+use onceguard_core::control::{AuditEntry, Budget, Rate, Run, reported_cost};
 use onceguard_core::memory::matches_filter;
 use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{

@@ -9,30 +9,64 @@ impl RedisStore {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
+        audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
         let mut conn = self.conn.clone();
         let text = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
+        let key = self.keys.run(&RunPlacement::of(tenant, run));
         let mut invocation = SCRIPTS.put_budget.prepare_invoke();
         invocation
-            .key(self.keys.run(&RunPlacement::of(tenant, run)))
+            .key(&key)
             .arg(now.0)
             .arg(tenant.as_str())
             .arg(run.as_str())
             .arg(text(budget.max_effects))
             .arg(text(budget.max_cost))
-            .arg(text(budget.deadline.map(|d| d.0)));
+            .arg(text(budget.deadline.map(|d| d.0)))
+            .arg(audit.id.as_str())
+            .arg(serde_json::to_string(audit).map_err(corrupt)?);
         let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("set a budget"))?;
-        codec::run(tenant, run, strings(answer)?)?.ok_or_else(|| corrupt("a budget was set on no run"))
+        let flat = strings(answer)?;
+        self.deliver_run_audit(&key, &flat).await?;
+        codec::run(tenant, run, flat)?.ok_or_else(|| corrupt("a budget was set on no run"))
     }
 
     pub(crate) async fn read_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
         let mut conn = self.conn.clone();
-        let answer: Value = redis::cmd("HGETALL")
-            .arg(self.keys.run(&RunPlacement::of(tenant, run)))
-            .query_async(&mut conn)
+        let key = self.keys.run(&RunPlacement::of(tenant, run));
+        let answer: Value =
+            redis::cmd("HGETALL").arg(&key).query_async(&mut conn).await.map_err(unavailable("get a run"))?;
+        let flat = strings(answer)?;
+        self.deliver_run_audit(&key, &flat).await?;
+        codec::run(tenant, run, flat)
+    }
+
+    /// Moves the audit entries a budget change left in its run (fields `pa:<id>`, written by
+    /// the same script as the budget) to the tenant's log, then out of the run. Appending is
+    /// idempotent by id, so an entry is logged once however often this runs.
+    async fn deliver_run_audit(&self, key: &str, flat: &[Vec<u8>]) -> Result<(), StoreError> {
+        let mut delivered = Vec::new();
+        for pair in flat.chunks_exact(2) {
+            if let Some(id) = pair[0].strip_prefix(b"pa:") {
+                let entry: AuditEntry = serde_json::from_slice(&pair[1]).map_err(corrupt)?;
+                if entry.id.as_bytes() != id {
+                    return Err(corrupt("a run's waiting audit entry is filed under another id"));
+                }
+                self.store_audit(&entry).await?;
+                delivered.push(pair[0].clone());
+            }
+        }
+        if delivered.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        redis::cmd("HDEL")
+            .arg(key)
+            .arg(delivered)
+            .query_async::<i64>(&mut conn)
             .await
-            .map_err(unavailable("get a run"))?;
-        codec::run(tenant, run, strings(answer)?)
+            .map(drop)
+            .map_err(unavailable("clear a run's audit entries"))
     }
 
     /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).
@@ -93,8 +127,9 @@ impl RunStore for RedisStore {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
+        audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
-        self.bounded("set a budget", self.set_budget(tenant, run, budget, now)).await
+        self.bounded("set a budget", self.set_budget(tenant, run, budget, now, audit)).await
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {

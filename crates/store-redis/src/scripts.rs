@@ -753,7 +753,8 @@ return 1
 /// Sets a run's budget, creating the run (`Run::new`) if unseen and keeping what it spent.
 /// Answers the run's fields.
 pub const PUT_BUDGET: &str = r#"
--- KEYS: run; ARGV: now, tenant, run, most effects, most cost, deadline ('' for none)
+-- KEYS: run; ARGV: now, tenant, run, most effects, most cost, deadline ('' for none),
+-- the audit entry's id, the entry (kept in the run as `pa:<id>` until it is in the log)
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 't', ARGV[2], 'r', ARGV[3], 'ue', '0', 'uc', '0', 'ca', ARGV[1])
 end
@@ -764,7 +765,7 @@ for i, field in ipairs({ 'me', 'mc', 'dl' }) do
     redis.call('HSET', KEYS[1], field, ARGV[3 + i])
   end
 end
-redis.call('HSET', KEYS[1], 'up', ARGV[1])
+redis.call('HSET', KEYS[1], 'up', ARGV[1], 'pa:' .. ARGV[7], ARGV[8])
 return redis.call('HGETALL', KEYS[1])
 "#;
 
@@ -804,11 +805,24 @@ end
 return #ids
 "#;
 
-/// Deletes a control document; answers its body, or nil if there was none.
+/// Stores a control document and, in the same slot, its audit entry in the outbox (moved to
+/// the tenant's log at once, and by every read of the control documents should that fail).
+pub const PUT_CONTROL: &str = r#"
+-- KEYS: control documents, the audit outbox; ARGV: field, body, entry id, entry
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"#;
+
+/// Deletes a control document, with its audit entry in the outbox if there was one (see
+/// [`PUT_CONTROL`]); answers its body, or nil if there was none.
 pub const DELETE_CONTROL: &str = r#"
--- KEYS: control documents; ARGV: field
+-- KEYS: control documents, the audit outbox; ARGV: field, entry id, entry
 local body = redis.call('HGET', KEYS[1], ARGV[1])
-if body then redis.call('HDEL', KEYS[1], ARGV[1]) end
+if body then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+end
 return body
 "#;
 
@@ -867,6 +881,8 @@ pub struct Scripts {
     pub append_audit: Script,
     /// See [`PRUNE_AUDIT`].
     pub prune_audit: Script,
+    /// See [`PUT_CONTROL`].
+    pub put_control: Script,
     /// See [`DELETE_CONTROL`].
     pub delete_control: Script,
     /// See [`CREATE_API_KEY`].
@@ -896,6 +912,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         rate: with_numbers(RATE),
         append_audit: Script::new(APPEND_AUDIT),
         prune_audit: Script::new(PRUNE_AUDIT),
+        put_control: Script::new(PUT_CONTROL),
         delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),

@@ -355,7 +355,13 @@ async fn pending_charges_are_shared_and_refunded_only_if_unused() {
         async move { redis::cmd("HLEN").arg(key).query_async::<u64>(&mut conn).await.unwrap() }
     };
     store
-        .put_budget(&tenant, &run, &Budget { max_effects: Some(2), ..Budget::default() }, Timestamp(now))
+        .put_budget(
+            &tenant,
+            &run,
+            &Budget { max_effects: Some(2), ..Budget::default() },
+            Timestamp(now),
+            &onceguard_core::control::AuditEntry::new(tenant.clone(), Timestamp(now), "test", "budget.set", "r"),
+        )
         .await
         .unwrap();
 
@@ -372,7 +378,13 @@ async fn pending_charges_are_shared_and_refunded_only_if_unused() {
     assert_eq!((spent().await, pending().await), (Some((2, 8)), 0));
     // At the limit, a new key is refused until a charge nobody used is refunded.
     store
-        .put_budget(&tenant, &run, &Budget { max_effects: Some(3), ..Budget::default() }, Timestamp(now))
+        .put_budget(
+            &tenant,
+            &run,
+            &Budget { max_effects: Some(3), ..Budget::default() },
+            Timestamp(now),
+            &onceguard_core::control::AuditEntry::new(tenant.clone(), Timestamp(now), "test", "budget.set", "r"),
+        )
         .await
         .unwrap();
     assert_eq!(reserve("c", now).await, "ok");
@@ -382,7 +394,16 @@ async fn pending_charges_are_shared_and_refunded_only_if_unused() {
     assert_eq!(reserve("d", now).await, "ok");
     // Left unsettled: shared while fresh, forgotten (its charge kept) once stale.
     assert_eq!(spent().await, Some((3, 12)));
-    store.put_budget(&tenant, &run, &Budget::default(), Timestamp(now)).await.unwrap();
+    store
+        .put_budget(
+            &tenant,
+            &run,
+            &Budget::default(),
+            Timestamp(now),
+            &onceguard_core::control::AuditEntry::new(tenant.clone(), Timestamp(now), "test", "budget.set", "r"),
+        )
+        .await
+        .unwrap();
     assert_eq!(reserve("d", now + 599_999).await, "ok");
     assert_eq!(spent().await, Some((3, 12)));
     assert_eq!(reserve("d", now + 1_300_000).await, "ok");
@@ -391,4 +412,59 @@ async fn pending_charges_are_shared_and_refunded_only_if_unused() {
     redis::cmd("DEL").arg(keys.run_pending(&at)).query_async::<()>(&mut conn.clone()).await.unwrap();
     assert_eq!(settle("d", false).await, 0);
     assert_eq!(spent().await, Some((4, 16)));
+}
+
+/// An admin change and its audit entry are written by one script; an entry a stopped process
+/// left on the way to the tenant's log (in the control outbox, or in its run) is moved by the
+/// next read of the control documents or of the run, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_entries_left_on_the_way_reach_the_log_once() {
+    use onceguard_core::control::{AuditEntry, AuditFilter};
+    use onceguard_core::store::ControlStore;
+    let Some((store, cleanup)) = fresh_store().await else { return };
+    let keys = Keys::new(&cleanup.prefix).unwrap();
+    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let tenant = TenantId::parse("acme").unwrap();
+    let logged = || {
+        let (store, tenant) = (&store, tenant.clone());
+        async move {
+            let page = store.list_audit(&tenant, &AuditFilter { limit: 100, ..AuditFilter::default() }).await.unwrap();
+            page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
+        }
+    };
+    // As a process that stopped after the script: the entry waits in the control outbox.
+    let stranded = AuditEntry::new(tenant.clone(), Timestamp(1_000), "cli:ops", "switch.engage", "tenant");
+    redis::cmd("HSET")
+        .arg(keys.control_audit_outbox())
+        .arg(&stranded.id)
+        .arg(serde_json::to_string(&stranded).unwrap())
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap();
+    assert!(logged().await.is_empty());
+    store.list_control().await.unwrap();
+    assert_eq!(logged().await, ["switch.engage"], "the refresh moved it");
+    store.list_control().await.unwrap();
+    assert_eq!(logged().await, ["switch.engage"], "once");
+    let left: u64 = redis::cmd("HLEN").arg(keys.control_audit_outbox()).query_async(&mut conn).await.unwrap();
+    assert_eq!(left, 0);
+
+    // A budget's entry waits in its run.
+    let run = RunId::parse("r-1").unwrap();
+    let budget = AuditEntry::new(tenant.clone(), Timestamp(2_000), "cli:ops", "budget.set", "r-1");
+    store.put_budget(&tenant, &run, &Budget::default(), Timestamp(2_000), &budget).await.unwrap();
+    assert_eq!(logged().await, ["budget.set", "switch.engage"]);
+    let again = AuditEntry::new(tenant.clone(), Timestamp(3_000), "cli:ops", "budget.set", "r-1");
+    let run_key = keys.run(&RunPlacement::of(&tenant, &run));
+    redis::cmd("HSET")
+        .arg(&run_key)
+        .arg(format!("pa:{}", again.id))
+        .arg(serde_json::to_string(&again).unwrap())
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap();
+    store.get_run(&tenant, &run).await.unwrap().expect("the run");
+    assert_eq!(logged().await, ["budget.set", "budget.set", "switch.engage"], "the read moved it");
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(&run_key).query_async(&mut conn).await.unwrap();
+    assert!(fields.iter().all(|f| !f.starts_with("pa:")), "{fields:?}");
 }

@@ -15,14 +15,30 @@ fn decode_control((kind, tenant, id, body): (String, String, String, String)) ->
     })
 }
 
+/// Appends `entry` to the audit log inside the caller's job (an entry is written once: a
+/// retried append of the same entry changes nothing).
+pub(crate) fn insert_audit(conn: &Connection, entry: &AuditEntry) -> Result<(), StoreError> {
+    let doc = serde_json::to_string(entry).map_err(corrupt)?;
+    conn.prepare_cached(
+        "INSERT INTO audit (tenant, id, at, actor, action, doc) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT (tenant, id) DO NOTHING",
+    )
+    .and_then(|mut st| {
+        st.execute(params![entry.tenant.as_str(), entry.id, to_i64(entry.at), entry.actor, entry.action, doc])
+    })
+    .map_err(unavailable)?;
+    Ok(())
+}
+
 fn decode_audit(doc: String) -> Result<AuditEntry, StoreError> {
     serde_json::from_str(&doc).map_err(corrupt)
 }
 
 #[async_trait]
 impl ControlStore for SqliteStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        let doc = doc.clone();
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        let (doc, audit) = (doc.clone(), audit.clone());
+        // One job: the document and its entry commit together or not at all.
         self.write(move |conn| {
             conn.prepare_cached(
                 "INSERT INTO control (kind, tenant, id, body) VALUES (?1, ?2, ?3, ?4)
@@ -30,7 +46,7 @@ impl ControlStore for SqliteStore {
             )
             .and_then(|mut st| st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body]))
             .map_err(unavailable)?;
-            Ok(())
+            insert_audit(conn, &audit)
         })
         .await
     }
@@ -40,16 +56,24 @@ impl ControlStore for SqliteStore {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
-        let (tenant, id) = (tenant.clone(), id.to_owned());
+        let (tenant, id, audit) = (tenant.clone(), id.to_owned(), audit.clone());
         self.write(move |conn| {
-            conn.prepare_cached(
-                "DELETE FROM control WHERE kind = ?1 AND tenant = ?2 AND id = ?3 RETURNING kind, tenant, id, body",
-            )
-            .and_then(|mut st| st.query_row(params![kind.as_str(), tenant.as_str(), id], control_from_row).optional())
-            .map_err(unavailable)?
-            .map(decode_control)
-            .transpose()
+            let deleted = conn
+                .prepare_cached(
+                    "DELETE FROM control WHERE kind = ?1 AND tenant = ?2 AND id = ?3 RETURNING kind, tenant, id, body",
+                )
+                .and_then(|mut st| {
+                    st.query_row(params![kind.as_str(), tenant.as_str(), id], control_from_row).optional()
+                })
+                .map_err(unavailable)?
+                .map(decode_control)
+                .transpose()?;
+            if deleted.is_some() {
+                insert_audit(conn, &audit)?;
+            }
+            Ok(deleted)
         })
         .await
     }
@@ -107,20 +131,7 @@ impl ControlStore for SqliteStore {
 
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
         let entry = entry.clone();
-        self.write(move |conn| {
-            let doc = serde_json::to_string(&entry).map_err(corrupt)?;
-            // An entry is written once: a retried append of the same entry changes nothing.
-            conn.prepare_cached(
-                "INSERT INTO audit (tenant, id, at, actor, action, doc) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                 ON CONFLICT (tenant, id) DO NOTHING",
-            )
-            .and_then(|mut st| {
-                st.execute(params![entry.tenant.as_str(), entry.id, to_i64(entry.at), entry.actor, entry.action, doc])
-            })
-            .map_err(unavailable)?;
-            Ok(())
-        })
-        .await
+        self.write(move |conn| insert_audit(conn, &entry)).await
     }
 
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {

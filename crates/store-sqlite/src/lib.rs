@@ -519,6 +519,10 @@ mod tests {
         assert!(!old.charged);
         // It holds a live lease, so the quota of 1 is spent.
         assert!(matches!(store.claim(&request("new"), now).await.unwrap(), ClaimOutcome::Denied(_)));
-        store.put_budget(&scope("x").tenant, &RunId::parse("r").unwrap(), &Budget::default(), now).await.unwrap();
+        let entry = onceguard_core::control::AuditEntry::new(scope("x").tenant, now, "test", "budget.set", "r");
+        store
+            .put_budget(&scope("x").tenant, &RunId::parse("r").unwrap(), &Budget::default(), now, &entry)
+            .await
+            .unwrap();
     }
 }

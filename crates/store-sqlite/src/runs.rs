@@ -66,13 +66,15 @@ impl RunStore for SqliteStore {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
+        audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
-        let (tenant, id, budget) = (tenant.clone(), run.clone(), budget.clone());
+        let (tenant, id, budget, audit) = (tenant.clone(), run.clone(), budget.clone(), audit.clone());
         self.write(move |conn| {
             let mut run = run_or_new(conn, &tenant, &id, now)?;
             run.budget = budget;
             run.updated_at = now;
             save_run(conn, &run)?;
+            crate::control::insert_audit(conn, &audit)?;
             Ok(run)
         })
         .await

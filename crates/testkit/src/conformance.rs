@@ -8,7 +8,7 @@ use std::time::Duration;
 use onceguard_core::Clock as _;
 use onceguard_core::auth::{ApiKey, Role, Tenant};
 use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Switch, SwitchTarget};
-use onceguard_core::store::FencedCall;
+use onceguard_core::store::{FencedCall, MAX_PAGE};
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Guard, Key, Limits,
     ListFilter, ManualClock, Mutation, Namespace, Outcome, OutcomeKind, Record, RecordState, RecoveryReason, RunId,
@@ -713,8 +713,11 @@ pub async fn tenants_and_api_keys(store: Arc<dyn Store>) {
 
 async fn set_budget(store: &Arc<dyn Store>, tenant: &str, run: &str, budget: Budget) {
     let (tenant, run) = (TenantId::parse(tenant).unwrap(), RunId::parse(run).unwrap());
-    let stored = store.put_budget(&tenant, &run, &budget, Timestamp(1)).await.unwrap();
+    let entry = AuditEntry::new(tenant.clone(), Timestamp(1), "ci", "budget.set", run.as_str());
+    let stored = store.put_budget(&tenant, &run, &budget, Timestamp(1), &entry).await.unwrap();
     assert_eq!(stored.budget, budget);
+    let logged = store.list_audit(&tenant, &AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() }).await.unwrap();
+    assert!(logged.entries.contains(&entry), "the budget's audit entry is written with it");
 }
 
 async fn usage(store: &Arc<dyn Store>, tenant: &str, run: &str) -> (u64, u64) {
@@ -852,7 +855,8 @@ pub async fn claim_rate_per_tenant(store: Arc<dyn Store>) {
     assert!(store.take_rate(&acme, &rate, later).await.unwrap().is_err());
 }
 
-/// Control documents are kept by (kind, tenant, id): replaced, listed whole, deleted.
+/// Control documents are kept by (kind, tenant, id): replaced, listed whole, deleted; each
+/// change writes its audit entry with it, and a deletion that finds nothing writes none.
 pub async fn control_documents(store: Arc<dyn Store>) {
     let switch = Switch {
         tenant: TenantId::parse("acme").unwrap(),
@@ -863,21 +867,39 @@ pub async fn control_documents(store: Arc<dyn Store>) {
         engaged_by: "0123456789abcdef".into(),
         engaged_at: Timestamp(5),
     };
+    let audit =
+        |doc: &ControlDoc, action: &str| AuditEntry::new(doc.tenant.clone(), Timestamp(5), "ci", action, &doc.id);
     let doc = ControlDoc::of_switch(&switch);
-    store.put_control(&doc).await.unwrap();
+    store.put_control(&doc, &audit(&doc, "switch.engage")).await.unwrap();
     let replaced = ControlDoc::of_switch(&Switch { reason: "still".into(), ..switch.clone() });
-    store.put_control(&replaced).await.unwrap();
+    store.put_control(&replaced, &audit(&replaced, "switch.engage")).await.unwrap();
     let other = ControlDoc::of_switch(&Switch { tenant: TenantId::parse("other").unwrap(), ..switch.clone() });
-    store.put_control(&other).await.unwrap();
+    store.put_control(&other, &audit(&other, "switch.engage")).await.unwrap();
     let settings = ControlDoc { kind: ControlKind::Settings, id: String::new(), ..replaced.clone() };
-    store.put_control(&settings).await.unwrap();
+    store.put_control(&settings, &audit(&settings, "settings.set")).await.unwrap();
     let mut all = store.list_control().await.unwrap();
     all.sort_by(|a, b| (a.kind, &a.tenant, &a.id).cmp(&(b.kind, &b.tenant, &b.id)));
     assert_eq!(all, [replaced.clone(), other.clone(), settings.clone()]);
     let acme = TenantId::parse("acme").unwrap();
-    assert_eq!(store.delete_control(ControlKind::Switch, &acme, &doc.id).await.unwrap(), Some(replaced));
-    assert_eq!(store.delete_control(ControlKind::Switch, &acme, &doc.id).await.unwrap(), None);
+    let released = audit(&doc, "switch.release");
+    assert_eq!(store.delete_control(ControlKind::Switch, &acme, &doc.id, &released).await.unwrap(), Some(replaced));
+    let nothing = audit(&doc, "switch.release");
+    assert_eq!(store.delete_control(ControlKind::Switch, &acme, &doc.id, &nothing).await.unwrap(), None);
     assert_eq!(store.list_control().await.unwrap().len(), 2);
+    let all_of = |tenant: &str| {
+        let (store, tenant) = (store.clone(), TenantId::parse(tenant).unwrap());
+        async move {
+            let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
+            let page = store.list_audit(&tenant, &filter).await.unwrap();
+            page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        all_of("acme").await,
+        ["switch.release", "settings.set", "switch.engage", "switch.engage"],
+        "one entry per change, newest first; none for the deletion that found nothing"
+    );
+    assert_eq!(all_of("other").await, ["switch.engage"]);
 }
 
 /// Revoking leases gives each covered in-progress record a new fence: its holder's calls are

@@ -4,8 +4,10 @@ use super::*;
 
 #[async_trait]
 impl ControlStore for MemoryStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.lock().control.insert((doc.kind, doc.tenant.clone(), doc.id.clone()), doc.clone());
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        state.control.insert((doc.kind, doc.tenant.clone(), doc.id.clone()), doc.clone());
+        state.audit.insert((audit.tenant.clone(), audit.id.clone()), audit.clone());
         Ok(())
     }
 
@@ -14,8 +16,14 @@ impl ControlStore for MemoryStore {
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
-        Ok(self.lock().control.remove(&(kind, tenant.clone(), id.to_owned())))
+        let mut state = self.lock();
+        let removed = state.control.remove(&(kind, tenant.clone(), id.to_owned()));
+        if removed.is_some() {
+            state.audit.insert((audit.tenant.clone(), audit.id.clone()), audit.clone());
+        }
+        Ok(removed)
     }
 
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {

@@ -10,12 +10,15 @@ impl RunStore for MemoryStore {
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
+        audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
         let mut state = self.lock();
         let stored = state.run_mut(tenant, run, now);
         stored.budget = budget.clone();
         stored.updated_at = now;
-        Ok(stored.clone())
+        let stored = stored.clone();
+        state.audit.insert((audit.tenant.clone(), audit.id.clone()), audit.clone());
+        Ok(stored)
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {

@@ -9,15 +9,19 @@ use crate::store::StoreError;
 /// Switches and settings (small documents every instance caches), revoking leases, the audit log.
 #[async_trait]
 pub trait ControlStore: Send + Sync + 'static {
-    /// Stores a control document, replacing the one with the same (kind, tenant, id).
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError>;
+    /// Stores a control document, replacing the one with the same (kind, tenant, id), and
+    /// appends `audit` to the audit log in the same atomic write: a switch or a setting is
+    /// never in force without its entry, nor an entry written for a change that did not happen.
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError>;
 
-    /// Deletes a control document; answers it if it existed.
+    /// Deletes a control document and appends `audit` in the same atomic write; answers the
+    /// document if it existed (and appends nothing if it did not).
     async fn delete_control(
         &self,
         kind: ControlKind,
         tenant: &TenantId,
         id: &str,
+        audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError>;
 
     /// Every control document of every tenant (they are few and small; every instance caches

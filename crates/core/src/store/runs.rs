@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::control::{Budget, Rate, Run};
+use crate::control::{AuditEntry, Budget, Rate, Run};
 use crate::domain::{RunId, TenantId, Timestamp};
 use crate::store::StoreError;
 
@@ -12,13 +12,15 @@ use crate::store::StoreError;
 /// ([`crate::store::ClaimStore::claim`]); this trait sets budgets and reads runs.
 #[async_trait]
 pub trait RunStore: Send + Sync + 'static {
-    /// Sets a run's budget (creating the run if unseen, keeping what it spent); answers the run.
+    /// Sets a run's budget (creating the run if unseen, keeping what it spent) and appends
+    /// `audit` to the audit log in the same atomic write; answers the run.
     async fn put_budget(
         &self,
         tenant: &TenantId,
         run: &RunId,
         budget: &Budget,
         now: Timestamp,
+        audit: &AuditEntry,
     ) -> Result<Run, StoreError>;
 
     /// One run, with its budget and what it spent.

@@ -164,8 +164,15 @@ impl ClaimStore for BreakableStore {
 
 #[async_trait::async_trait]
 impl RunStore for BreakableStore {
-    async fn put_budget(&self, tenant: &TenantId, run: &RunId, b: &Budget, now: Timestamp) -> Result<Run, StoreError> {
-        self.up()?.put_budget(tenant, run, b, now).await
+    async fn put_budget(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        b: &Budget,
+        now: Timestamp,
+        audit: &AuditEntry,
+    ) -> Result<Run, StoreError> {
+        self.up()?.put_budget(tenant, run, b, now, audit).await
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
@@ -179,12 +186,18 @@ impl RunStore for BreakableStore {
 
 #[async_trait::async_trait]
 impl ControlStore for BreakableStore {
-    async fn put_control(&self, doc: &ControlDoc) -> Result<(), StoreError> {
-        self.up()?.put_control(doc).await
+    async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
+        self.up()?.put_control(doc, audit).await
     }
 
-    async fn delete_control(&self, k: ControlKind, t: &TenantId, id: &str) -> Result<Option<ControlDoc>, StoreError> {
-        self.up()?.delete_control(k, t, id).await
+    async fn delete_control(
+        &self,
+        k: ControlKind,
+        t: &TenantId,
+        id: &str,
+        audit: &AuditEntry,
+    ) -> Result<Option<ControlDoc>, StoreError> {
+        self.up()?.delete_control(k, t, id, audit).await
     }
 
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {

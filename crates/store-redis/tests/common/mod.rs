@@ -317,7 +317,16 @@ pub async fn racing_duplicates_under_a_budget(store: std::sync::Arc<RedisStore>)
     let run = RunId::parse("duplicates").unwrap();
     let now = Timestamp(1_700_000_000_000);
     let budget = Budget { max_effects: Some(10), ..Budget::default() };
-    store.put_budget(&acme(), &run, &budget, now).await.unwrap();
+    store
+        .put_budget(
+            &acme(),
+            &run,
+            &budget,
+            now,
+            &onceguard_core::control::AuditEntry::new(acme(), now, "test", "budget.set", "r"),
+        )
+        .await
+        .unwrap();
     let claims = (0..64).map(|i| {
         let (store, run) = (store.clone(), run.clone());
         tokio::spawn(async move {
@@ -419,7 +428,16 @@ pub async fn a_record_keeps_its_run_and_its_charge(store: &RedisStore) {
     let now = Timestamp(1_700_000_000_000);
     let (first, other) = (RunId::parse("first").unwrap(), RunId::parse("other").unwrap());
     let budget = Budget { max_effects: Some(5), ..Budget::default() };
-    store.put_budget(&acme(), &first, &budget, now).await.unwrap();
+    store
+        .put_budget(
+            &acme(),
+            &first,
+            &budget,
+            now,
+            &onceguard_core::control::AuditEntry::new(acme(), now, "test", "budget.set", "r"),
+        )
+        .await
+        .unwrap();
     let k = scope("kept");
     let fence = match store.claim(&in_run(&k, &first, 2), now).await.unwrap() {
         ClaimOutcome::Acquired(a) => a.fence,
