@@ -375,6 +375,7 @@ function settingsJson(settings: Settings): Json {
   if (settings.claimRate !== undefined) {
     out["claim_rate"] = { per_second: settings.claimRate.perSecond, burst: settings.claimRate.burst };
   }
+  if (settings.outcomeKept !== undefined) out["outcome_kept"] = settings.outcomeKept;
   return out;
 }
 

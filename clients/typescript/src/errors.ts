@@ -14,6 +14,9 @@
  *   {@link InFlightError}, {@link KeyConflict}, {@link DeniedError}, {@link PermanentFailure};
  *   and {@link StaleFence} when storing the outcome was refused because the attempt's fence is
  *   no longer the holder's.
+ * - {@link ResultNotKeptError}: a replay whose namespace keeps only a digest of the outcome, so
+ *   there is no result to return (thrown by reading its `result` and by the guards, which never
+ *   run the function again for it).
  *
  * A claim's answers themselves, and a fenced call's `applied` / `stale`, are values that
  * {@link Client} returns, not errors.
@@ -24,7 +27,7 @@
  * @module
  */
 
-import type { Denied, DeniedKind, Stale, StaleReason } from "./models.js";
+import type { Denied, DeniedKind, ResultDigest, Stale, StaleReason } from "./models.js";
 
 /** The prefix of every problem type. */
 export const PROBLEM_PREFIX = "https://onceguard.dev/problems/";
@@ -304,6 +307,34 @@ export class PermanentFailure extends GuardError {
     this.replayed = replayed;
     this.errorType = errorType;
     this.errorMessage = errorMessage;
+  }
+}
+
+/**
+ * The effect ran once, and its namespace keeps only a digest of the outcome (`outcome_kept:
+ * digest` in its settings): the size and SHA-256 of its bytes, never the bytes. There is no
+ * result to return, and the function is not run again.
+ *
+ * Thrown by reading `result` of a {@link Replay} or {@link StoredOutcome} that has a `digest`,
+ * and by {@link once}, {@link guarded} and the framework guards on such a replay (those set
+ * `namespace` and `key`). `status` is `success`, or `failure` for a stored permanent failure.
+ */
+export class ResultNotKeptError extends OnceguardError {
+  /** The size and SHA-256 of the bytes stored at completion. */
+  readonly digest: ResultDigest;
+  readonly status: string;
+  readonly namespace: string | null;
+  readonly key: string | null;
+  constructor(digest: ResultDigest, status = "success", namespace: string | null = null, key: string | null = null) {
+    const what = key === null ? "the effect" : `the call of key ${JSON.stringify(key)} in ${namespace}`;
+    const failed = status === "failure" ? " and failed" : "";
+    super(
+      `${what} already ran once${failed}; its result is not kept: its namespace keeps only a digest (${digest.size} bytes, sha256 ${digest.sha256})`,
+    );
+    this.digest = digest;
+    this.status = status;
+    this.namespace = namespace;
+    this.key = key;
   }
 }
 

@@ -7,7 +7,9 @@
  *    waiting up to `wait` on the server if another caller holds it;
  * 2. the claim answers
  *    - `replay`: the stored outcome is returned (decoded from the stored JSON) without running
- *      anything; a stored permanent failure throws {@link PermanentFailure} again;
+ *      anything; a stored permanent failure throws {@link PermanentFailure} again; where the
+ *      namespace keeps only a digest of each outcome, {@link ResultNotKeptError} (it ran once,
+ *      and there is no result to return);
  *    - `acquired`: the function runs while a **heartbeat** extends the lease every third of
  *      it; the {@link Attempt} (passed to a `guarded` function, `this` and {@link current} in a
  *      `once` function) gives the fence, the attempt number, the `recovery` of a crashed
@@ -39,6 +41,7 @@ import {
   OutcomeUnknown,
   Permanent,
   PermanentFailure,
+  ResultNotKeptError,
   StaleFence,
 } from "./errors.js";
 import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
@@ -419,13 +422,17 @@ class Heartbeat {
   }
 }
 
-/** An acquired claim, or the replayed value; throws for the other answers. */
+/**
+ * An acquired claim, or the replayed value; throws for the other answers, and for a replay
+ * whose namespace keeps only a digest (there is no value, and it must not run again).
+ */
 function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired | Replayed {
   const ns = policy.namespace;
   switch (answer.outcome) {
     case "acquired":
       return answer;
     case "replay":
+      if (answer.digest !== null) throw new ResultNotKeptError(answer.digest, answer.status, ns, key);
       if (answer.status !== "success") throw new PermanentFailure(answer.result, ns, key, true);
       return { replayed: true, fence: answer.fence, attempt: answer.attempt, value: policy.decode(answer.result) };
     case "in_flight":
@@ -511,8 +518,8 @@ export interface GuardedOptions extends GuardOptions, ClaimOf {}
  *
  * `request` is what the effect means (JSON; default `null`), or give `fingerprint`. Throws
  * {@link InFlightError}, {@link KeyConflict}, {@link DeniedError}, {@link PermanentFailure}
- * (a stored failure), or {@link StaleFence} if the lease was taken over before the value was
- * stored.
+ * (a stored failure), {@link ResultNotKeptError} (it ran once, in a namespace that keeps only
+ * a digest), or {@link StaleFence} if the lease was taken over before the value was stored.
  */
 export function guarded<T>(client: Client, namespace: string, key: string, fn: (attempt: Attempt) => T | Promise<T>): Promise<Awaited<T>>;
 export function guarded<T>(

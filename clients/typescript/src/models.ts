@@ -23,6 +23,7 @@
  * @module
  */
 
+import { ResultNotKeptError } from "./errors.js";
 import { fromBase64, parseOptionalTime, parseTime, utf8, type Duration } from "./wire.js";
 
 type Json = Record<string, unknown>;
@@ -102,34 +103,70 @@ export function acquiredOf(d: Json): Acquired {
   };
 }
 
+/**
+ * What a namespace that keeps a digest only (`outcome_kept: digest` in its settings) keeps of
+ * an outcome, in place of its bytes.
+ */
+export interface ResultDigest {
+  /** The size of the outcome's bytes. */
+  readonly size: number;
+  /** The SHA-256 of the outcome's bytes, in lowercase hex. */
+  readonly sha256: string;
+}
+
 /** An outcome as stored: `raw` is its bytes exactly as given at completion. */
 export interface StoredOutcome {
   /** `success`, or `failure` for a stored permanent failure. */
   readonly status: "success" | "failure" | (string & {});
   readonly contentType: string;
-  /** The outcome's bytes exactly as given at completion. */
+  /** The outcome's bytes exactly as given at completion (empty where only `digest` is kept). */
   readonly raw: Uint8Array;
-  /** The outcome: the decoded JSON for `application/json`, else the raw bytes. */
+  /**
+   * The outcome: the decoded JSON for `application/json`, else the raw bytes. Where only a
+   * `digest` is kept, reading it throws {@link ResultNotKeptError} (and it is left out of
+   * copies and of `JSON.stringify`, as it is of the server's answer).
+   */
   readonly result: unknown;
   /** Cost units (money) reported at completion: what a replay saved. */
   readonly cost: number | null;
   /** Model tokens reported at completion: what a replay saved. */
   readonly tokens: number | null;
+  /**
+   * The size and SHA-256 of the outcome, where its namespace keeps a digest only (then there
+   * are no bytes); `null` where the outcome is kept.
+   */
+  readonly digest: ResultDigest | null;
 }
 
-/** The bytes and the value of a stored outcome in `d` (`text`: the JSON result as sent). */
-function storedOf(d: Json, text: string | undefined): StoredOutcome {
+/** `head` with the stored outcome in `d`: its bytes and value (`text`: the JSON result as sent). */
+function storedOf<T extends object>(head: T, d: Json, text: string | undefined): T & StoredOutcome {
+  const status = String(d["status"]);
   const contentType = String(d["content_type"]);
+  const spent = { cost: optionalInt(d["cost"]), tokens: optionalInt(d["tokens"]) };
+  const kept = d["result_digest"] as Json | null | undefined;
+  if (kept !== null && typeof kept === "object") {
+    // A namespace that keeps a digest only: no bytes, no `result`.
+    const digest: ResultDigest = { size: int(kept["size"]), sha256: String(kept["sha256"]) };
+    const out = { ...head, status, contentType, raw: new Uint8Array(0), ...spent, digest };
+    return Object.defineProperty(out, "result", {
+      get: (): never => {
+        throw new ResultNotKeptError(digest, status);
+      },
+      enumerable: false,
+    }) as T & StoredOutcome;
+  }
   let raw: Uint8Array;
   if (typeof d["result_base64"] === "string") raw = fromBase64(d["result_base64"]);
   else raw = utf8(text ?? JSON.stringify(d["result"] ?? null));
   let result: unknown = raw;
   if (isJsonMedia(contentType)) result = "result" in d ? d["result"] : JSON.parse(new TextDecoder().decode(raw));
-  const spent = { cost: optionalInt(d["cost"]), tokens: optionalInt(d["tokens"]) };
-  return { status: String(d["status"]), contentType, raw, result, ...spent };
+  return { ...head, status, contentType, raw, result, ...spent, digest: null };
 }
 
-/** `200 replay`: the key completed; its stored outcome, byte for byte. */
+/**
+ * `200 replay`: the key completed; its stored outcome, byte for byte, or only its `digest`
+ * where its namespace keeps no more.
+ */
 export interface Replay extends StoredOutcome {
   readonly outcome: "replay";
   /** The fence of the attempt that completed it. */
@@ -139,13 +176,13 @@ export interface Replay extends StoredOutcome {
 }
 
 export function replayOf(d: Json, text: string | undefined): Replay {
-  return {
+  const head = {
     outcome: "replay",
     fence: int(d["fence"]),
     attempt: int(d["attempt"]),
     completedAt: parseTime(d["completed_at"]),
-    ...storedOf(d, text),
-  };
+  } as const;
+  return storedOf(head, d, text);
 }
 
 /** `409 in-flight`: someone holds a live lease; retry after `retryAfter` seconds. */
@@ -242,7 +279,7 @@ export function recordOf(d: Json, storedText?: string): KeyRecord {
     updatedAt: parseTime(d["updated_at"]),
     expiresAt: parseOptionalTime(d["expires_at"]),
     checkpoints: Array.isArray(d["checkpoints"]) ? (d["checkpoints"] as Json[]).map(checkpointOf) : [],
-    stored: stored ? storedOf(stored as Json, storedText) : null,
+    stored: stored ? storedOf({}, stored as Json, storedText) : null,
   };
 }
 
@@ -402,6 +439,11 @@ export interface Settings {
   readonly maxInFlight?: number;
   /** Tenant only: the claim rate. */
   readonly claimRate?: ClaimRate;
+  /**
+   * `full` (the default) or `digest`: keep only the size and SHA-256 of each outcome, never its
+   * bytes (replays then carry a {@link ResultDigest}).
+   */
+  readonly outcomeKept?: "full" | "digest";
 }
 
 function settingsOf(d: unknown): Settings {
@@ -418,6 +460,7 @@ function settingsOf(d: unknown): Settings {
   if (s["max_in_flight"] !== null && s["max_in_flight"] !== undefined) out.maxInFlight = int(s["max_in_flight"]);
   const rate = s["claim_rate"] as Json | null | undefined;
   if (rate) out.claimRate = { perSecond: int(rate["per_second"]), burst: int(rate["burst"]) };
+  if (s["outcome_kept"] === "full" || s["outcome_kept"] === "digest") out.outcomeKept = s["outcome_kept"];
   return out;
 }
 

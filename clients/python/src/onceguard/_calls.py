@@ -560,7 +560,8 @@ _RESULT_MEMBER = '"result":'
 
 
 def _raw_results(text: str, items: list[tuple[int, Any]]) -> list[bytes | None]:
-    """Each replay's stored result as the server wrote it in ``text``; ``None`` for the others.
+    """Each replay's stored result as the server wrote it in ``text``; ``None`` for the others,
+    among them a replay that has only a ``result_digest`` (its namespace keeps no bytes).
 
     The server writes each view compactly with its members in a fixed order: in a replay's view
     the stored result is the first member named ``result``, and nothing before it is raw JSON

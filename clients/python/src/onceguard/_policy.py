@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any, Callable, Sequence, Union
 
 from ._wire import Duration, dumps, duration_seconds
-from .errors import DeniedError, InFlightError, KeyConflict, PermanentFailure, StaleFence
+from .errors import DeniedError, InFlightError, KeyConflict, PermanentFailure, ResultNotKept, StaleFence
 from .keys import jsonable
 from .models import Acquired, ClaimAnswer, Denied, InFlight, Mismatch, Recovery, Replay
 
@@ -88,11 +88,14 @@ class Replayed:
 
 
 def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Replayed:
-    """An acquired claim, or the replayed value; raises for the other answers."""
+    """An acquired claim, or the replayed value; raises for the other answers, and for a
+    replay whose namespace keeps only a digest (there is no value, and it must not run again)."""
     ns = policy.namespace
     if isinstance(answer, Acquired):
         return answer
     if isinstance(answer, Replay):
+        if answer.digest is not None:
+            raise ResultNotKept(answer.digest, status=answer.status, namespace=ns, key=key)
         if answer.status != "success":
             raise PermanentFailure(answer.result, namespace=ns, key=key, replayed=True)
         return Replayed(answer, policy.decode(answer.result))

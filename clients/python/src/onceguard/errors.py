@@ -13,6 +13,9 @@ Two families:
   :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`, :class:`PermanentFailure`;
   and :class:`StaleFence` when a fenced call (complete, fail, extend, checkpoint,
   report-unknown) was refused because the attempt's fence is no longer the holder's.
+- :class:`ResultNotKept`: a replay whose namespace keeps only a digest of the outcome, so
+  there is no result to return (raised by ``.result`` and by the guards, which never run the
+  function again for it).
 
 A claim's answers themselves (``Acquired``, ``Replay``, ``InFlight``, ``Mismatch``, ``Denied``)
 are return values of :meth:`onceguard.Client.claim`, not exceptions: see ``onceguard.models``.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .models import Denied, Stale
+from .models import Denied, ResultDigest, Stale
 
 #: The prefix of every problem type.
 PROBLEM_PREFIX = "https://onceguard.dev/problems/"
@@ -287,3 +290,29 @@ class PermanentFailure(GuardError):
             namespace=namespace,
             key=key,
         )
+
+
+class ResultNotKept(OnceguardError):
+    """The effect ran once, and its namespace keeps only a digest of the outcome
+    (``outcome_kept: digest`` in its settings): the size and SHA-256 of its bytes, never the
+    bytes. There is no result to return, and the function is not run again.
+
+    Raised by ``.result`` of a :class:`onceguard.Replay` or :class:`onceguard.StoredOutcome`
+    that has a ``digest``, and by ``once``, ``guarded``, ``once_each`` and the framework guards
+    on such a replay (those set ``namespace`` and ``key``). ``status`` is ``success``, or
+    ``failure`` for a stored permanent failure.
+    """
+
+    def __init__(
+        self, digest: ResultDigest, *, status: str = "success", namespace: str | None = None, key: str | None = None
+    ) -> None:
+        what = "the effect" if key is None else f"the call of key {key!r} in {namespace!r}"
+        failed = " and failed" if status == "failure" else ""
+        super().__init__(
+            f"{what} already ran once{failed}; its result is not kept: its namespace keeps only a digest "
+            f"({digest.size} bytes, sha256 {digest.sha256})"
+        )
+        self.digest = digest
+        self.status = status
+        self.namespace = namespace
+        self.key = key

@@ -6,7 +6,9 @@ The protocol, the same for both and for the framework helpers:
    waiting up to ``wait`` on the server if another caller holds it;
 2. the claim answers
    - ``replay``: the stored outcome is returned (decoded from the stored JSON) without running
-     anything; a stored permanent failure raises :class:`PermanentFailure` again;
+     anything; a stored permanent failure raises :class:`PermanentFailure` again; where the
+     namespace keeps only a digest of each outcome, :class:`ResultNotKept` (it ran once, and
+     there is no result to return);
    - ``acquired``: the function runs while a **heartbeat** (on shared threads, or an asyncio task)
      extends the lease every third of it; the handle :func:`current` gives the fence, the
      attempt number, the ``recovery`` of a crashed earlier attempt and ``checkpoint()``;
@@ -134,9 +136,10 @@ def guarded(
 
     ``request`` is what the block's effect means (JSON; its fingerprint catches a key reused for
     another request), or give ``fingerprint``. The other options are those of :func:`once`.
-    Entering raises :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`, or
-    :class:`PermanentFailure` (a stored failure); leaving raises :class:`StaleFence` if the
-    lease was taken over, and :class:`PermanentFailure` for an exception in ``permanent``.
+    Entering raises :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`,
+    :class:`PermanentFailure` (a stored failure), or :class:`ResultNotKept` (it ran once, in a
+    namespace that keeps only a digest); leaving raises :class:`StaleFence` if the lease was
+    taken over, and :class:`PermanentFailure` for an exception in ``permanent``.
     """
     policy = Policy.of(
         namespace,

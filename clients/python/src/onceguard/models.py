@@ -30,7 +30,31 @@ from ._wire import Duration, format_duration, parse_optional_time, parse_time
 JSON_MEDIA_TYPE = "application/json"
 
 
-def _decode_stored(content_type: str, raw: bytes) -> Any:
+@dataclass(frozen=True)
+class ResultDigest:
+    """What a namespace that keeps a digest only (``outcome_kept: digest`` in its settings)
+    keeps of an outcome, in place of its bytes."""
+
+    #: The size of the outcome's bytes.
+    size: int
+    #: The SHA-256 of the outcome's bytes, in lowercase hex.
+    sha256: str
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ResultDigest:
+        return cls(size=int(d["size"]), sha256=str(d["sha256"]))
+
+
+def _digest_of(d: Mapping[str, Any]) -> ResultDigest | None:
+    digest = d.get("result_digest")
+    return ResultDigest.from_json(digest) if digest is not None else None
+
+
+def _decode_stored(content_type: str, raw: bytes, digest: ResultDigest | None, status: str) -> Any:
+    if digest is not None:
+        from .errors import ResultNotKept  # errors imports this module
+
+        raise ResultNotKept(digest, status=status)
     if content_type.split(";")[0].strip().lower() == JSON_MEDIA_TYPE:
         return json.loads(raw)
     return raw
@@ -98,7 +122,8 @@ class Acquired:
 
 @dataclass(frozen=True)
 class StoredOutcome:
-    """An outcome as stored: ``raw`` is its bytes exactly as given at completion."""
+    """An outcome as stored: ``raw`` is its bytes exactly as given at completion (``b""`` where
+    only its ``digest`` is kept)."""
 
     #: ``success``, or ``failure`` for a stored permanent failure.
     status: str
@@ -108,11 +133,15 @@ class StoredOutcome:
     cost: int | None = None
     #: Model tokens reported at completion.
     tokens: int | None = None
+    #: The size and SHA-256 of the outcome, where its namespace keeps a digest only (then
+    #: there are no bytes); ``None`` where the outcome is kept.
+    digest: ResultDigest | None = None
 
     @property
     def result(self) -> Any:
-        """The outcome: the decoded JSON for ``application/json``, else the raw bytes."""
-        return _decode_stored(self.content_type, self.raw)
+        """The outcome: the decoded JSON for ``application/json``, else the raw bytes. Raises
+        :class:`onceguard.ResultNotKept` where only a ``digest`` is kept."""
+        return _decode_stored(self.content_type, self.raw, self.digest, self.status)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], raw: bytes | None) -> StoredOutcome:
@@ -122,10 +151,13 @@ class StoredOutcome:
             raw=_raw_of(d, raw),
             cost=d.get("cost"),
             tokens=d.get("tokens"),
+            digest=_digest_of(d),
         )
 
 
 def _raw_of(d: Mapping[str, Any], raw: bytes | None) -> bytes:
+    if "result_digest" in d:
+        return b""  # a namespace that keeps a digest only: no bytes, no `result`
     if "result_base64" in d:
         import base64
 
@@ -137,7 +169,8 @@ def _raw_of(d: Mapping[str, Any], raw: bytes | None) -> bytes:
 
 @dataclass(frozen=True)
 class Replay:
-    """``200 replay``: the key completed; its stored outcome, byte for byte."""
+    """``200 replay``: the key completed; its stored outcome, byte for byte, or only its
+    ``digest`` where its namespace keeps no more."""
 
     fence: int
     attempt: int
@@ -145,18 +178,22 @@ class Replay:
     #: ``success``, or ``failure`` for a stored permanent failure (``result`` is then the error).
     status: str
     content_type: str
-    #: The outcome's bytes exactly as given at completion.
+    #: The outcome's bytes exactly as given at completion (``b""`` where only ``digest`` is kept).
     raw: bytes
     #: Cost units (money) reported at completion: what this replay saved.
     cost: int | None = None
     #: Model tokens reported at completion: what this replay saved.
     tokens: int | None = None
+    #: The size and SHA-256 of the outcome, where its namespace keeps a digest only (then
+    #: there are no bytes); ``None`` where the outcome is kept.
+    digest: ResultDigest | None = None
     outcome: ClassVar[Literal["replay"]] = "replay"
 
     @property
     def result(self) -> Any:
-        """The outcome: the decoded JSON for ``application/json``, else the raw bytes."""
-        return _decode_stored(self.content_type, self.raw)
+        """The outcome: the decoded JSON for ``application/json``, else the raw bytes. Raises
+        :class:`onceguard.ResultNotKept` where only a ``digest`` is kept: the effect ran once."""
+        return _decode_stored(self.content_type, self.raw, self.digest, self.status)
 
     @property
     def succeeded(self) -> bool:
@@ -173,6 +210,7 @@ class Replay:
             raw=_raw_of(d, raw),
             cost=d.get("cost"),
             tokens=d.get("tokens"),
+            digest=_digest_of(d),
         )
 
 
@@ -483,6 +521,9 @@ class Settings:
     max_in_flight: int | None = None
     #: Tenant only: the claim rate.
     claim_rate: ClaimRate | None = None
+    #: ``full`` (the default) or ``digest``: keep only the size and SHA-256 of each outcome,
+    #: never its bytes (replays then carry a :class:`ResultDigest`).
+    outcome_kept: Literal["full", "digest"] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -494,6 +535,8 @@ class Settings:
             out["max_in_flight"] = self.max_in_flight
         if self.claim_rate is not None:
             out["claim_rate"] = {"per_second": self.claim_rate.per_second, "burst": self.claim_rate.burst}
+        if self.outcome_kept is not None:
+            out["outcome_kept"] = self.outcome_kept
         return out
 
     @classmethod
@@ -507,6 +550,7 @@ class Settings:
             max_retention=d.get("max_retention"),
             max_in_flight=d.get("max_in_flight"),
             claim_rate=ClaimRate(int(rate["per_second"]), int(rate["burst"])) if rate else None,
+            outcome_kept=d.get("outcome_kept"),
         )
 
 

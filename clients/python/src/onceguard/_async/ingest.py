@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from .._calls import ClaimItem, CompleteItem
 from .._wire import Duration
-from ..errors import DeniedError, InFlightError, KeyConflict, OnceguardError, PermanentFailure
+from ..errors import DeniedError, InFlightError, KeyConflict, OnceguardError, PermanentFailure, ResultNotKept
 from ..models import Acquired, Denied, InFlight, Mismatch, Replay
 from . import _backend
 from .client import AsyncClient
@@ -48,8 +48,10 @@ async def once_each(
     If ``work`` raises, the batch's keys are released (a retry does them again) and the error
     propagates. A key used before with another request raises :class:`onceguard.KeyConflict`,
     a denial (budget, quota, switch) :class:`onceguard.DeniedError`, a stored failure (stored
-    under the key by other code) :class:`onceguard.PermanentFailure`. Choose a ``lease`` longer
-    than ``work`` takes for one batch: nothing extends it meanwhile.
+    under the key by other code) :class:`onceguard.PermanentFailure`, a replay in a namespace
+    that keeps only a digest of each outcome :class:`onceguard.ResultNotKept` (its item is never
+    done again). Choose a ``lease`` longer than ``work`` takes for one batch: nothing extends
+    it meanwhile.
     """
     if batch_size < 1:
         raise ValueError("batch_size is at least 1")
@@ -97,6 +99,8 @@ async def _each_batch(
         nap = 0.5
         for i, answer in zip(pending, answers):
             if isinstance(answer, Replay):
+                if answer.digest is not None:
+                    raise ResultNotKept(answer.digest, status=answer.status, namespace=namespace, key=claims[i].key)
                 if not answer.succeeded:
                     raise PermanentFailure(answer.result, namespace=namespace, key=claims[i].key, replayed=True)
                 results[i] = answer.result
