@@ -172,9 +172,17 @@ impl Pg {
         if doc.matches(KEY_MARK).count() != 1 || doc.matches(&fence_mark).count() != 1 {
             bail!("the record document changed shape; the preload template cannot mark its key and fence: {doc}");
         }
+        // Every preloaded record is of one tenant: its fence sequence is raised past them.
+        let tenant = crate::harness::preloaded_scope(from).tenant;
+        self.admin.batch_execute(&format!("SET search_path = {schema}")).await?;
+        self.admin.execute("SELECT og_ensure_fence($1)", &[&tenant.as_str()]).await?;
+        let sequence: String = self.admin.query_one("SELECT og_fence_name($1)", &[&tenant.as_str()]).await?.get(0);
         let base: i64 = self
             .admin
-            .query_one(&format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {schema}.og_fence"), &[])
+            .query_one(
+                &format!("SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {schema}.{sequence}"),
+                &[],
+            )
             .await?
             .get(0);
         // Row `g` gets the fence base + (g - from) + 1.
@@ -227,7 +235,7 @@ impl Pg {
         }
         let loaded = started.elapsed();
         let top = base + i64::try_from(to - from)?;
-        self.admin.query_one(&format!("SELECT setval('{schema}.og_fence', $1)"), &[&top]).await?;
+        self.admin.query_one(&format!("SELECT setval('{schema}.{sequence}', $1)"), &[&top]).await?;
         let settle = Instant::now();
         self.admin.batch_execute(&format!("VACUUM (ANALYZE) {schema}.og_records")).await?;
         self.admin.batch_execute("CHECKPOINT").await?;

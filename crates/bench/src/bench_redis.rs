@@ -290,7 +290,7 @@ impl Redis {
                         source: "draw",
                     }
                     .add_to(&mut invocation);
-                    invocation.key(keys.fence_counter());
+                    invocation.key(keys.fence_counter(&scope.tenant));
                     let answer: redis::Value = invocation.invoke_async(&mut conn).await?;
                     if let Some(expect) = expect {
                         let first = match &answer {
@@ -367,8 +367,10 @@ impl Redis {
         let keys = Keys::new(prefix).map_err(anyhow::Error::msg)?;
         let margin = u64::try_from(RedisOptions::default().expiry_margin.as_millis())?;
         let conn = bulk_connection(url).await?;
+        // Every preloaded record is of one tenant: its counter and marks are raised past them.
+        let tenant = crate::harness::preloaded_scope(from).tenant;
         let base: u64 = redis::cmd("GET")
-            .arg(keys.fence_counter())
+            .arg(keys.fence_counter(&tenant))
             .query_async::<Option<u64>>(&mut conn.clone())
             .await?
             .unwrap_or(0);
@@ -445,10 +447,10 @@ impl Redis {
         slots.dedup();
         let top = base + (to - from) as u64;
         let mut pipe = redis::pipe();
-        pipe.cmd("SET").arg(keys.fence_counter()).arg(top).ignore();
+        pipe.cmd("SET").arg(keys.fence_counter(&tenant)).arg(top).ignore();
         for slot in &slots {
             // The counter was at least every mark; the new top is above both.
-            pipe.cmd("SET").arg(keys.fence_mark(*slot)).arg(top).ignore();
+            pipe.cmd("SET").arg(keys.fence_mark(*slot, &tenant)).arg(top).ignore();
             pipe.cmd("SADD").arg(keys.used_slots()).arg(*slot).ignore();
         }
         pipe.query_async::<()>(&mut conn.clone()).await?;

@@ -78,7 +78,13 @@ impl ScaleSqlite {
         let mut conn = open(&self.path)?;
         let tx = conn.transaction()?;
         {
-            let base: i64 = tx.query_row("SELECT value FROM meta WHERE name = 'fence'", [], |r| r.get(0))?;
+            // Every preloaded record is of one tenant: its fence counter is raised past them.
+            let tenant = preloaded_record(from, Fence(0), now).scope.tenant;
+            let base: i64 = tx.query_row(
+                "SELECT coalesce((SELECT last FROM fences WHERE tenant = ?1), (SELECT value FROM meta WHERE name = 'fence'))",
+                [tenant.as_str()],
+                |r| r.get(0),
+            )?;
             let mut insert = tx.prepare(
                 "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
                  VALUES (?1, ?2, ?3, 'completed', NULL, NULL, ?4, ?5, ?6)",
@@ -98,7 +104,10 @@ impl ScaleSqlite {
                     body
                 ])?;
             }
-            tx.execute("UPDATE meta SET value = ?1 WHERE name = 'fence'", [base + i64::try_from(to - from)?])?;
+            tx.execute(
+                "INSERT INTO fences (tenant, last) VALUES (?1, ?2) ON CONFLICT (tenant) DO UPDATE SET last = excluded.last",
+                params![tenant.as_str(), base + i64::try_from(to - from)?],
+            )?;
         }
         tx.commit()?;
         conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).context("checkpointing the WAL")?;

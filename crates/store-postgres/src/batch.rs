@@ -279,7 +279,7 @@ pub(crate) const LOCK_KEYS: &str = "SELECT pg_advisory_xact_lock(h) FROM unnest(
 /// fences are drawn under those locks. (`LATERAL … LIMIT 1` keeps the plan an index lookup per
 /// key, also when the statement was prepared while the table was empty.)
 pub(crate) const READ_KEYS: &str =
-    "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND u.d THEN nextval('og_fence') END
+    "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END
      FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) WITH ORDINALITY AS u (t, n, k, d, i)
      LEFT JOIN LATERAL (SELECT s.doc, s.body FROM og_records s
                         WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true";
@@ -293,7 +293,7 @@ pub(crate) const READ_KEYS: &str =
 /// its key was written (`w`), and carries the record read only if it was not. The rows read
 /// are those from before the writes (all parts of a statement see one snapshot).
 pub(crate) const READ_KEYS_WRITING_GUESSES: &str = "WITH cur AS MATERIALIZED (
-       SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval('og_fence') END AS fence
+       SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END AS fence
        FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::text[], $7::bigint[],
                    $8::bigint[], $9::text[], $10::bytea[], $11::text[], $12::bytea[]) WITH ORDINALITY
          AS u (t, n, k, d, g_state, g_run, g_lease, g_expires, g_doc, g_body, was_doc, was_body, i)
@@ -316,9 +316,9 @@ pub(crate) const READ_KEYS_WRITING_GUESSES: &str = "WITH cur AS MATERIALIZED (
                   OR c.i IN (SELECT i FROM updated) AS w
            FROM cur c) c";
 
-/// Draws fences, for the claims that acquire a key that had a record (a recovery); sent once
-/// the keys' locks are held.
-pub(crate) const NEXT_FENCES: &str = "SELECT nextval('og_fence') FROM generate_series(1, $1::bigint)";
+/// Draws fences, for the claims that acquire a key that had a record (a recovery): one from
+/// its tenant's sequence for each tenant in `$1`; sent once the keys' locks are held.
+pub(crate) const NEXT_FENCES: &str = "SELECT t, nextval(og_fence_of(t)) FROM unnest($1::text[]) AS t";
 
 /// Writes records whole, many in one statement (a batch holds at most one job per key, so no
 /// row is written twice); only a transaction holding their keys' locks writes them.
@@ -396,8 +396,8 @@ pub(crate) const RUN_COLUMNS: &str = "budget, effects, cost, created_at, updated
 /// What a batch must lock, read and draw once its keys are locked, besides the keys.
 #[derive(Debug, Default)]
 pub(crate) struct Needs {
-    /// Fences: one per claim that acquires a key for which [`READ_KEYS`] drew none.
-    pub(crate) fences: usize,
+    /// Fences, by tenant: one per claim that acquires a key for which [`READ_KEYS`] drew none.
+    pub(crate) fences: BTreeMap<TenantId, usize>,
     /// Tenants whose in-flight quota an acquiring claim checks, with the earliest time among
     /// those claims.
     pub(crate) quotas: BTreeMap<TenantId, Timestamp>,
@@ -415,7 +415,7 @@ impl Needs {
                 Op::Claim(req) => {
                     let Some(written) = protocol::claim(record.clone(), req, job.now, || Fence(0)).1 else { continue };
                     if fence.is_none() {
-                        needs.fences += 1;
+                        *needs.fences.entry(req.scope.tenant.clone()).or_default() += 1;
                     }
                     if req.max_in_flight.is_some() {
                         let since = needs.quotas.entry(req.scope.tenant.clone()).or_insert(job.now);
@@ -439,7 +439,7 @@ impl Needs {
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.fences == 0 && self.quotas.is_empty() && self.runs.is_empty()
+        self.fences.is_empty() && self.quotas.is_empty() && self.runs.is_empty()
     }
 }
 
@@ -703,7 +703,7 @@ pub(crate) async fn abandon(client: deadpool_postgres::Object) {
 /// Locks and reads what `needs` names, pipelined in one round trip, in the global lock order
 /// (see the module documentation): the tenants' quota locks with their leases, then the runs'
 /// locks with the runs, each class in ascending lock order; and draws the fences it names.
-pub(crate) async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<(Ledger, VecDeque<Fence>), BatchError> {
+pub(crate) async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<(Ledger, Fences), BatchError> {
     let mut quotas: Vec<(i32, &TenantId, i64)> =
         needs.quotas.iter().map(|(t, since)| (class_lock(&[t.as_str()]), t, to_i64(*since))).collect();
     quotas.sort();
@@ -720,8 +720,9 @@ pub(crate) async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<
     } else {
         Some(client.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await?)
     };
-    let next_fences = if needs.fences == 0 { None } else { Some(client.prepare_cached(NEXT_FENCES).await?) };
-    let count = i64::try_from(needs.fences).unwrap_or(i64::MAX);
+    let next_fences = if needs.fences.is_empty() { None } else { Some(client.prepare_cached(NEXT_FENCES).await?) };
+    let fence_tenants: Vec<&str> =
+        needs.fences.iter().flat_map(|(tenant, n)| std::iter::repeat_n(tenant.as_str(), *n)).collect();
     let lease_reads = lock_leases.iter().flat_map(|st| {
         quotas
             .iter()
@@ -733,7 +734,7 @@ pub(crate) async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<
     });
     let fence_read = async {
         match &next_fences {
-            Some(st) => client.query(st, &[&count]).await,
+            Some(st) => client.query(st, &[&fence_tenants]).await,
             None => Ok(Vec::new()),
         }
     };
@@ -756,9 +757,25 @@ pub(crate) async fn lock_needs(client: &ClientWrapper, needs: &Needs) -> Result<
         let run = row.map(|row| decode_run(tenant, id, &row)).transpose().map_err(data)?;
         ledger.runs.insert(((*tenant).clone(), (*id).clone()), run);
     }
-    let mut fences: Vec<i64> = fence_rows.iter().map(|r| r.get(0)).collect();
-    fences.sort_unstable();
-    Ok((ledger, fences.into_iter().map(|f| Fence(f as u64)).collect()))
+    let mut drawn: Vec<(&str, i64)> = fence_rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    drawn.sort_unstable();
+    let mut fences = Fences::default();
+    for (tenant, fence) in drawn {
+        let tenant = TenantId::parse(tenant).map_err(|e| BatchError::Data(e.to_string()))?;
+        fences.0.entry(tenant).or_default().push_back(Fence(fence as u64));
+    }
+    Ok((ledger, fences))
+}
+
+/// The fences a batch drew, by tenant, each tenant's in ascending order.
+#[derive(Debug, Default)]
+pub(crate) struct Fences(HashMap<TenantId, VecDeque<Fence>>);
+
+impl Fences {
+    /// The tenant's next fence.
+    pub(crate) fn next(&mut self, tenant: &TenantId) -> Option<Fence> {
+        self.0.get_mut(tenant).and_then(VecDeque::pop_front)
+    }
 }
 
 /// A batch decided under its locks, to be written and committed unless it already was.
@@ -859,14 +876,14 @@ pub(crate) async fn decide_batch(
     //    fences of claims that acquire a key that had a record.
     let needs = Needs::of(pending.iter().map(|(_, job, read)| (*job, read)));
     let (mut ledger, mut fences) =
-        if needs.is_empty() { (Ledger::default(), VecDeque::new()) } else { lock_needs(client, &needs).await? };
+        if needs.is_empty() { (Ledger::default(), Fences::default()) } else { lock_needs(client, &needs).await? };
 
     // 3. Decide the jobs read, in order, then write every changed record and charged run.
     let mut writes = RecordColumns::default();
     for (i, job, Read { record, fence, .. }) in pending {
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
-                let draw = || fence.or_else(|| fences.pop_front()).unwrap_or(Fence(0));
+                let draw = || fence.or_else(|| fences.next(&req.scope.tenant)).unwrap_or(Fence(0));
                 let (outcome, write) = protocol::claim(record, req, job.now, draw);
                 if let ClaimOutcome::Acquired(a) = &outcome
                     && a.fence == Fence(0)

@@ -10,6 +10,7 @@ impl ClaimStore for PgStore {
     }
 
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        self.ensure_fences([&req.scope.tenant]).await?;
         match self.submit(Op::Claim(req.clone()), now).await? {
             Answer::Claim(outcome) => Ok(outcome),
             Answer::Mutate(_) => Err(corrupt("a claim was answered as a mutation")),
@@ -34,6 +35,7 @@ impl ClaimStore for PgStore {
     /// Every claim submitted together to the group commit: one transaction for up to
     /// [`MAX_GROUP`] distinct keys.
     async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.ensure_fences(reqs.iter().map(|r| &r.scope.tenant)).await?;
         let ops = reqs.iter().cloned().map(Op::Claim).collect();
         self.submit_all(ops, now)
             .await?

@@ -73,9 +73,10 @@ async fn revoke_chunk(
             .collect();
         let mut writes = RecordColumns::default();
         if !covered.is_empty() {
-            let (_, mut fences) = lock_needs(&client, &Needs { fences: covered.len(), ..Needs::default() }).await?;
+            let needs = Needs { fences: [(tenant.clone(), covered.len())].into(), ..Needs::default() };
+            let (_, mut fences) = lock_needs(&client, &needs).await?;
             for mut record in covered {
-                let fence = fences.pop_front().ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
+                let fence = fences.next(tenant).ok_or_else(|| BatchError::Data("ran out of drawn fences".into()))?;
                 onceguard_core::control::revoke(&mut record, fence, detail, now);
                 let _ = writes.push(record)?;
             }
@@ -180,6 +181,7 @@ impl ControlStore for PgStore {
         detail: &str,
         now: Timestamp,
     ) -> Result<u64, StoreError> {
+        self.ensure_fences([tenant]).await?;
         let mut revoked = 0;
         let mut after = None;
         loop {

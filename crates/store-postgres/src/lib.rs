@@ -29,7 +29,9 @@
 //!   record read, as any other (in a batch that committed already, a job that must then write
 //!   runs again in a batch of its own). What is in memory is never taken as the record: it
 //!   only says what to write if the record is that.
-//! - **Fences** come from the sequence `og_fence`, drawn *after* the key's lock is held, so a
+//! - **Fences** come from the tenant's sequence (`og_fence_of(tenant)`, made by
+//!   `og_ensure_fence` before the tenant's first claim in a process, starting above `og_fence`,
+//!   the one sequence of earlier versions), drawn *after* the key's lock is held, so a
 //!   key's next fence is always greater than every fence it had; the sequence is never reset, so
 //!   fences keep growing after a record expired, was swept or purged. The read statement draws
 //!   one for each claim of a key that has no row (such a claim acquires unless a limit denies
@@ -81,7 +83,7 @@
 //! - **Revoking leases** runs in chunks of up to [`MAX_BATCH`] keys in (namespace, key) order,
 //!   each one transaction: the chunk's key locks in ascending order, each record read again under
 //!   its lock and, if it is still a live in-progress record the switch covers, given a fence
-//!   from `og_fence` drawn after the locks (`control::revoke`). (Chunks keep one transaction's
+//!   from the tenant's sequence drawn after the locks (`control::revoke`). (Chunks keep one transaction's
 //!   advisory locks within PostgreSQL's lock table when a switch covers many keys.)
 //! - **Claim rates**: one transaction locks the tenant's row of `og_rates` by an upsert that
 //!   returns its theoretical arrival time, runs `control::gcra`, and writes the new time and
@@ -285,6 +287,8 @@ pub struct PgStore {
     finished: mpsc::UnboundedSender<Scope>,
     writers: Arc<Writers>,
     tasks: Vec<JoinHandle<()>>,
+    /// The tenants whose fence sequence this process has made sure of.
+    fenced: std::sync::Mutex<std::collections::HashSet<TenantId>>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -303,6 +307,27 @@ impl Drop for PgStore {
 }
 
 impl PgStore {
+    /// Makes sure each of `tenants` has its fence sequence (`og_ensure_fence`), once per tenant
+    /// and process, before a claim or a revocation draws from it.
+    pub(crate) async fn ensure_fences<'a>(
+        &self,
+        tenants: impl IntoIterator<Item = &'a TenantId>,
+    ) -> Result<(), StoreError> {
+        let missing: std::collections::BTreeSet<TenantId> = {
+            let known = self.fenced.lock().expect("the fenced set is never poisoned");
+            tenants.into_iter().filter(|t| !known.contains(*t)).cloned().collect()
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let client = self.client().await?;
+        for tenant in &missing {
+            client.execute("SELECT og_ensure_fence($1)", &[&tenant.as_str()]).await.map_err(unavailable)?;
+        }
+        self.fenced.lock().expect("the fenced set is never poisoned").extend(missing);
+        Ok(())
+    }
+
     /// Connects to `url` (`postgres://…`, query options as in [`parse_url`]), creates the schema
     /// and runs pending migrations, and starts the writers and the `LISTEN` connection.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
@@ -358,7 +383,16 @@ impl PgStore {
             (0..options.writers).map(|_| tokio::spawn(write_loop(writers.clone()))).collect();
         tasks.push(tokio::spawn(notify_loop(pool.clone(), finished_rx, channel.clone())));
         tasks.push(tokio::spawn(listen_loop(config, tls, channel, changes.clone())));
-        Ok(Self { pool, schema: options.schema, jobs, changes, finished, writers, tasks })
+        Ok(Self {
+            pool,
+            schema: options.schema,
+            jobs,
+            changes,
+            finished,
+            writers,
+            tasks,
+            fenced: std::sync::Mutex::default(),
+        })
     }
 
     /// The schema holding the tables.
@@ -520,8 +554,12 @@ mod tests {
         assert_eq!(version as usize, MIGRATIONS.len());
         assert!(!store.get(&scope, now).await.unwrap().expect("the old record reads").charged);
         // Its lease counts against the quota of 1.
-        let other = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..scope }, ..req };
+        let other = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..scope.clone() }, ..req.clone() };
         assert!(matches!(store.claim(&other, now).await.unwrap(), ClaimOutcome::Denied(_)));
+        // Once its lease passed, its recovery draws from the tenant's sequence, which starts
+        // above the one sequence of the first version (at 7): the denied claim drew 8.
+        let recovered = store.claim(&req, Timestamp(20_000)).await.unwrap();
+        assert!(matches!(recovered, ClaimOutcome::Acquired(ref a) if a.fence == Fence(9)), "{recovered:?}");
         drop(store);
         client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await.unwrap();
         drop(client);

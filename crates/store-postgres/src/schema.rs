@@ -89,6 +89,30 @@ pub(crate) const MIGRATIONS: &[&str] = &[
             WHERE u.tenant = t AND u.run = r;
     END $$;
 "#,
+    // Fences per tenant: each tenant draws from a sequence of its own (og_fence_of), made by
+    // og_ensure_fence before its first claim, starting above og_fence, the one sequence of
+    // earlier versions, which is no longer drawn from. A key's fences keep growing across the
+    // upgrade, and one tenant's fences tell nothing of another's claims.
+    r#"
+    CREATE FUNCTION og_fence_name(t text) RETURNS text LANGUAGE sql IMMUTABLE
+        AS $$ SELECT 'og_fence_' || substr(md5(t), 1, 16) $$;
+    CREATE FUNCTION og_fence_of(t text) RETURNS regclass LANGUAGE sql STABLE
+        AS $$ SELECT og_fence_name(t)::regclass $$;
+    CREATE FUNCTION og_ensure_fence(t text) RETURNS void LANGUAGE plpgsql AS $$
+    DECLARE
+        floor bigint;
+    BEGIN
+        IF to_regclass(og_fence_name(t)) IS NOT NULL THEN
+            RETURN;
+        END IF;
+        SELECT CASE WHEN is_called THEN last_value ELSE 0 END INTO floor FROM og_fence;
+        BEGIN
+            EXECUTE format('CREATE SEQUENCE %I START WITH %s', og_fence_name(t), floor + 1);
+        EXCEPTION WHEN duplicate_table OR unique_violation THEN
+            NULL; -- another instance made it meanwhile
+        END;
+    END $$;
+"#,
 ];
 
 /// Serializes migrations of all instances (a session advisory lock key).

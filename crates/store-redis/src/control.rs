@@ -178,17 +178,21 @@ impl RedisStore {
         // On a Cluster the fence is drawn first, and again above the slot's mark if need be
         // (as for a claim); on one server the script draws it.
         let mut source = match self.cluster {
-            true => self.draw_fence(conn.clone(), Fence(0)).await?.0.to_string(),
-            false => "draw".to_owned(),
+            true => self.draw_fence(conn.clone(), &record.scope.tenant, Fence(0)).await?.0.to_string(),
+            false => {
+                self.floor_fences(&mut conn, &record.scope.tenant).await?;
+                "draw".to_owned()
+            }
         };
         for _ in 0..MAX_DRAWS {
             let mut invocation = SCRIPTS.revoke.prepare_invoke();
             invocation
                 .key(self.keys.record(&placement))
-                .key(self.keys.fence_mark(placement.slot))
+                .key(self.keys.fence_mark(placement.slot, &record.scope.tenant))
                 .key(self.keys.expiry(placement.slot));
             if !self.cluster {
-                invocation.key(self.keys.fence_counter()).key(self.keys.in_flight(&record.scope.tenant));
+                let tenant = &record.scope.tenant;
+                invocation.key(self.keys.fence_counter(tenant)).key(self.keys.in_flight(tenant));
             }
             invocation
                 .arg(now.0)
@@ -212,7 +216,7 @@ impl RedisStore {
                 }
                 ("need_fence", Some(mark)) => {
                     let mark = mark.parse().map_err(|_| corrupt("a fence mark is not a number"))?;
-                    source = self.draw_fence(conn.clone(), Fence(mark)).await?.0.to_string();
+                    source = self.draw_fence(conn.clone(), &record.scope.tenant, Fence(mark)).await?.0.to_string();
                 }
                 _ => return Err(corrupt(format!("unknown revocation answer {head:?}"))),
             }

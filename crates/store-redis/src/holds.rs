@@ -192,7 +192,7 @@ impl RedisStore {
         let (drawn, quota, admitted, settled) = tokio::join!(
             async {
                 match draw {
-                    true => self.draw_fence(conn.clone(), mark).await.map(Some),
+                    true => self.draw_fence(conn.clone(), tenant, mark).await.map(Some),
                     false => Ok(None),
                 }
             },
@@ -240,10 +240,11 @@ impl RedisStore {
         failed.or(settled.err()).map_or(Ok(()), Err)
     }
 
-    /// Draws a fence from the counter, raised first to at least `mark`.
-    pub(crate) async fn draw_fence(&self, mut conn: Conn, mark: Fence) -> Result<Fence, StoreError> {
+    /// Draws a fence from the tenant's counter, raised first to at least `mark` and to the
+    /// counter of earlier versions.
+    pub(crate) async fn draw_fence(&self, mut conn: Conn, tenant: &TenantId, mark: Fence) -> Result<Fence, StoreError> {
         let mut invocation = SCRIPTS.draw_fence.prepare_invoke();
-        invocation.key(self.keys.fence_counter()).arg(mark.0);
+        invocation.key(self.keys.fence_counter(tenant)).arg(mark.0.max(self.fence_floor));
         let fence: u64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("draw a fence"))?;
         crate::check_range(&[fence])?;
         Ok(Fence(fence))

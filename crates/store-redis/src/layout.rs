@@ -180,15 +180,21 @@ impl Keys {
         format!("{}r:{{{}}}:{}", self.prefix, slot_tag(placement.slot), placement.digest)
     }
 
-    /// The store's fence counter: never deleted, never expires.
-    pub fn fence_counter(&self) -> String {
+    /// A tenant's fence counter, in the tenant's slot: never deleted, never expires.
+    pub fn fence_counter(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:fence", self.prefix)
+    }
+
+    /// The one fence counter of earlier versions: no longer drawn from; every tenant's counter
+    /// starts above it, so a key's fences keep growing across the upgrade.
+    pub fn legacy_fence_counter(&self) -> String {
         format!("{}fence", self.prefix)
     }
 
-    /// A slot's fence mark, the highest fence acquired on the slot: never deleted, never
-    /// expires.
-    pub fn fence_mark(&self, slot: u16) -> String {
-        format!("{}f:{{{}}}", self.prefix, slot_tag(slot))
+    /// A tenant's fence mark on a slot, the highest fence acquired for the tenant on the slot:
+    /// never deleted, never expires.
+    pub fn fence_mark(&self, slot: u16, tenant: &TenantId) -> String {
+        format!("{}f:{{{}}}:{tenant}", self.prefix, slot_tag(slot))
     }
 
     /// A slot's expiry index: a sorted set of members scored by `expires_at`.
@@ -309,7 +315,7 @@ mod tests {
             let p = Placement::of(&s);
             let slot = key_slot(keys.record(&p).as_bytes());
             assert_eq!(slot, p.slot);
-            assert_eq!(key_slot(keys.fence_mark(p.slot).as_bytes()), slot);
+            assert_eq!(key_slot(keys.fence_mark(p.slot, &s.tenant).as_bytes()), slot);
             assert_eq!(key_slot(keys.expiry(p.slot).as_bytes()), slot);
             assert_eq!(key_slot(keys.listing(p.slot).as_bytes()), slot);
             assert!(tenant_slots(&s.tenant).contains(&slot));

@@ -16,12 +16,15 @@
 //!   record, its slot's fence mark and its slot's two indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
 //!   64 slots, 256 apart, so that one tenant's traffic reaches every master.
-//! - **Fences** come from one counter (`P fence`), as in every store: unique across keys,
-//!   handed out 1, 2, 3, … as claims acquire, never deleted and never expiring, so a key's fence
-//!   keeps growing after its record expired, was swept or was purged. Each slot also keeps its
-//!   *fence mark*, the highest fence acquired on it (never deleted either; at most 16,384 of
-//!   them, however many keys there are). On one server the claim script draws from the counter
-//!   itself. On a Cluster the counter lives on a slot of its own, so a claim that would acquire
+//! - **Fences** come from the tenant's counter (`P t:{<tenant>}:fence`), as in every store:
+//!   unique across the tenant's keys, handed out 1, 2, 3, … as its claims acquire, never deleted
+//!   and never expiring, so a key's fence keeps growing after its record expired, was swept or
+//!   was purged, and a tenant's fences tell nothing of another's claims. A counter starts above
+//!   `P fence`, the one counter of earlier versions (read at connect; on one server each
+//!   process raises a tenant's counter to it before its first draw). Each slot also keeps, per
+//!   tenant, a *fence mark*, the highest fence acquired on it for the tenant (never deleted
+//!   either). On one server the claim script draws from the counter
+//!   itself. On a Cluster the counter lives on the tenant's slot, so a claim that would acquire
 //!   takes three steps: the claim script answers that it needs a fence (changing nothing), a
 //!   second script draws one from the counter (raised first to at least the slot's mark), and
 //!   the claim script runs again with it: it decides afresh, and acquires only with a fence
@@ -171,8 +174,9 @@
 //! | key | type | holds |
 //! | --- | --- | --- |
 //! | `P r:{T}:<digest>` | hash | one record (fields in [`scripts`]); the digest is of tenant, namespace and key |
-//! | `P fence` | string | the fence counter |
-//! | `P f:{T}` | string | the slot's fence mark |
+//! | `P t:{<tenant>}:fence` | string | the tenant's fence counter |
+//! | `P fence` | string | the one fence counter of earlier versions: the floor of every tenant's |
+//! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot |
 //! | `P x:{T}` | sorted set | the slot's records by `expires_at` (for the sweep) |
 //! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
 //! | `P slots` | set | the slots that ever held a record (for the sweep) |
@@ -460,6 +464,11 @@ pub struct RedisStore {
     options: RedisOptions,
     cluster: bool,
     registered: SlotSet,
+    /// The last fence of the one counter of earlier versions (0 on a store that never had one):
+    /// every tenant's counter starts above it.
+    fence_floor: u64,
+    /// On one server, with a floor: the tenants whose counters this process raised to it.
+    floored: std::sync::Mutex<std::collections::HashSet<TenantId>>,
     /// Tells this instance's own messages from others'.
     origin: String,
     changes: broadcast::Sender<Scope>,
@@ -590,7 +599,24 @@ impl RedisStore {
             timeout,
             ready_tx,
         ));
-        let store = Self { conn, keys, options, cluster, registered: SlotSet::new(), origin, changes, listener };
+        let fence_floor: Option<u64> = within(
+            timeout,
+            "read the fence counter of earlier versions",
+            redis::cmd("GET").arg(keys.legacy_fence_counter()).query_async(&mut conn.clone()),
+        )
+        .await?;
+        let store = Self {
+            conn,
+            keys,
+            options,
+            cluster,
+            registered: SlotSet::new(),
+            fence_floor: fence_floor.unwrap_or(0),
+            floored: std::sync::Mutex::default(),
+            origin,
+            changes,
+            listener,
+        };
         match ready_rx.await {
             Ok(Ok(())) => Ok(store),
             Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis subscribe: {e}"))),
@@ -627,6 +653,20 @@ impl RedisStore {
     /// The message announcing that `scope` finished or was purged.
     fn message(&self, scope: &Scope) -> String {
         changes::message(&self.origin, scope)
+    }
+
+    /// On one server, where the scripts draw from the tenant's counter: raises the counter to the
+    /// floor of earlier versions before this process first draws from it (once per tenant).
+    async fn floor_fences(&self, conn: &mut Conn, tenant: &TenantId) -> Result<(), StoreError> {
+        if self.fence_floor == 0 || self.floored.lock().expect("the floored set is never poisoned").contains(tenant) {
+            return Ok(());
+        }
+        let mut invocation = SCRIPTS.draw_fence.prepare_invoke();
+        // Raised to the floor, then one drawn: that fence is never used, the counter only grows.
+        invocation.key(self.keys.fence_counter(tenant)).arg(self.fence_floor);
+        invocation.invoke_async::<u64>(conn).await.map_err(unavailable("raise a fence counter"))?;
+        self.floored.lock().expect("the floored set is never poisoned").insert(tenant.clone());
+        Ok(())
     }
 
     /// Adds `slot` to the used-slot set before its first record is written.
@@ -674,7 +714,7 @@ impl RedisStore {
         }
         .add_to(&mut invocation);
         if !self.cluster {
-            invocation.key(self.keys.fence_counter());
+            invocation.key(self.keys.fence_counter(&req.scope.tenant));
             if req.max_in_flight.is_some() {
                 invocation.key(self.keys.in_flight(&req.scope.tenant));
             }
@@ -724,6 +764,7 @@ impl RedisStore {
         now: Timestamp,
         placement: &Placement,
     ) -> Result<ClaimOutcome, StoreError> {
+        self.floor_fences(conn, &req.scope.tenant).await?;
         let mut run = req.run.clone();
         for _ in 0..MAX_RUN_CHANGES {
             match self.run_claim(conn, req, now, placement, "draw", run.as_ref(), &Holds::default()).await? {

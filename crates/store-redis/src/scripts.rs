@@ -438,7 +438,7 @@ impl ClaimCall<'_> {
     pub fn add_to(&self, invocation: &mut ScriptInvocation<'_>) {
         invocation
             .key(self.keys.record(self.placement))
-            .key(self.keys.fence_mark(self.placement.slot))
+            .key(self.keys.fence_mark(self.placement.slot, &self.scope.tenant))
             .key(self.keys.expiry(self.placement.slot))
             .key(self.keys.listing(self.placement.slot))
             .arg(self.now)
@@ -588,8 +588,9 @@ table.insert(answer, 1, 'applied')
 return answer
 "#;
 
-/// Draws a fence from the store's counter, raising the counter first to at least the given
-/// slot mark (so that a counter that went back, after a failover, catches up).
+/// Draws a fence from a tenant's counter, raising the counter first to at least the given
+/// floor (the tenant's slot mark, so that a counter that went back, after a failover, catches
+/// up; and the counter of earlier versions).
 pub const DRAW_FENCE: &str = r#"
 -- KEYS: fence counter; ARGV: at least
 local at_least = tonumber(ARGV[1])

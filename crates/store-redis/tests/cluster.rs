@@ -31,7 +31,7 @@ async fn record_keys_land_on_the_slot_redis_computes() {
         let placement = Placement::of(&scope);
         for key in [
             keys.record(&placement),
-            keys.fence_mark(placement.slot),
+            keys.fence_mark(placement.slot, &scope.tenant),
             keys.expiry(placement.slot),
             keys.listing(placement.slot),
         ] {

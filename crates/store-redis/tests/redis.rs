@@ -65,8 +65,8 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
     let ttl = pttl(keys.record(&placement)).await;
     assert!((150_000..=160_000).contains(&ttl), "the completed record's TTL is {ttl} ms");
     for key in [
-        keys.fence_counter(),
-        keys.fence_mark(placement.slot),
+        keys.fence_counter(&s.tenant),
+        keys.fence_mark(placement.slot, &s.tenant),
         keys.expiry(placement.slot),
         keys.listing(placement.slot),
     ] {
@@ -74,8 +74,9 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
     }
     assert!(store.purge(&s).await.unwrap());
     assert_eq!(pttl(keys.record(&placement)).await, -2, "the record is gone");
-    let counter: u64 = redis::cmd("GET").arg(keys.fence_counter()).query_async(&mut conn).await.unwrap();
-    let mark: u64 = redis::cmd("GET").arg(keys.fence_mark(placement.slot)).query_async(&mut conn).await.unwrap();
+    let counter: u64 = redis::cmd("GET").arg(keys.fence_counter(&s.tenant)).query_async(&mut conn).await.unwrap();
+    let mark: u64 =
+        redis::cmd("GET").arg(keys.fence_mark(placement.slot, &s.tenant)).query_async(&mut conn).await.unwrap();
     assert_eq!((counter, mark), (fence.0, fence.0));
     assert!(common::acquire(&store, &s, Timestamp(1_700_000_000_000)).await > fence);
 }
@@ -467,4 +468,28 @@ async fn audit_entries_left_on_the_way_reach_the_log_once() {
     assert_eq!(logged().await, ["budget.set", "budget.set", "switch.engage"], "the read moved it");
     let fields: Vec<String> = redis::cmd("HKEYS").arg(&run_key).query_async(&mut conn).await.unwrap();
     assert!(fields.iter().all(|f| !f.starts_with("pa:")), "{fields:?}");
+}
+
+/// Fences are counted per tenant, and every tenant's counter starts above the one counter of
+/// earlier versions: after an upgrade a key's fences keep growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_fence_counters_start_above_the_counter_of_earlier_versions() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let keys = Keys::new(&prefix).unwrap();
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("SET").arg(keys.legacy_fence_counter()).arg(500).query_async::<()>(&mut conn).await.unwrap();
+    let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    let now = Timestamp(1_700_000_000_000);
+    let first = common::acquire(&store, &scope("after-upgrade"), now).await;
+    assert!(first.0 > 500, "{first:?}");
+    let other =
+        Scope::new(TenantId::parse("globex").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap());
+    let theirs = common::acquire(&store, &other, now).await;
+    assert!(theirs.0 > 500, "{theirs:?}");
+    let second = common::acquire(&store, &scope("after-upgrade-2"), now).await;
+    assert_eq!(second.0, first.0 + 1, "globex's claim drew none of acme's fences");
 }

@@ -2,7 +2,7 @@
 //! (a batch of them is one job: one transaction, each call in a savepoint of its own); reads use
 //! the reading connection.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use onceguard_core::protocol::answer_without_write;
 use onceguard_core::store::{ClaimSection, FencedCall, claim_in};
@@ -19,12 +19,13 @@ struct Section<'c> {
     counter: Option<FenceCounter>,
 }
 
-/// The fences a batch's job has drawn so far.
+/// The fences a batch's job has drawn so far, per tenant.
+#[derive(Default)]
 struct FenceCounter {
-    /// The last one.
-    last: u64,
-    /// Whether the claim being decided drew it (a denial gives it back).
-    drawn_now: bool,
+    /// Each tenant's counter as stored, and the last fence drawn for it.
+    tenants: HashMap<TenantId, (u64, u64)>,
+    /// The tenant the claim being decided drew a fence for (a denial gives it back).
+    drawn_now: Option<TenantId>,
 }
 
 impl<'c> Section<'c> {
@@ -39,19 +40,18 @@ impl<'c> Section<'c> {
 /// fences are counted in memory from the stored counter, a denied claim gives its fence back,
 /// and the counter is stored once, at the end.
 fn claim_batch_in(conn: &Connection, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
-    let stored = current_fence(conn)?;
-    let mut section = Section { conn, counter: Some(FenceCounter { last: stored, drawn_now: false }) };
+    let mut section = Section { conn, counter: Some(FenceCounter::default()) };
     let mut outcomes = Vec::with_capacity(reqs.len());
     for req in reqs {
         if let Some(counter) = &mut section.counter {
-            counter.drawn_now = false;
+            counter.drawn_now = None;
         }
         outcomes.push(claim_in(&mut section, req, now)?);
     }
-    if let Some(counter) = section.counter
-        && counter.last != stored
-    {
-        store_fence(conn, counter.last)?;
+    for (tenant, (stored, last)) in section.counter.map(|c| c.tenants).unwrap_or_default() {
+        if last != stored {
+            store_fence(conn, &tenant, last)?;
+        }
     }
     Ok(outcomes)
 }
@@ -84,14 +84,22 @@ impl ClaimSection for Section<'_> {
         load(self.conn, scope)
     }
 
-    fn next_fence(&mut self) -> Result<Fence, StoreError> {
+    fn next_fence(&mut self, tenant: &TenantId) -> Result<Fence, StoreError> {
         match &mut self.counter {
             Some(counter) => {
-                counter.last += 1;
-                counter.drawn_now = true;
-                Ok(Fence(counter.last))
+                let (_, last) = match counter.tenants.entry(tenant.clone()) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        let stored = current_fence(self.conn, tenant)?;
+                        e.insert((stored, stored))
+                    }
+                };
+                *last += 1;
+                let fence = Fence(*last);
+                counter.drawn_now = Some(tenant.clone());
+                Ok(fence)
             }
-            None => next_fence(self.conn),
+            None => next_fence(self.conn, tenant),
         }
     }
 
@@ -116,8 +124,10 @@ impl ClaimSection for Section<'_> {
     fn discard(&mut self) -> Result<(), StoreError> {
         match &mut self.counter {
             Some(counter) => {
-                if std::mem::take(&mut counter.drawn_now) {
-                    counter.last -= 1;
+                if let Some(tenant) = counter.drawn_now.take()
+                    && let Some((_, last)) = counter.tenants.get_mut(&tenant)
+                {
+                    *last -= 1;
                 }
                 Ok(())
             }

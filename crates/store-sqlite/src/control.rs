@@ -121,7 +121,7 @@ impl ControlStore for SqliteStore {
             }
             let revoked = covered.len() as u64;
             for mut record in covered {
-                onceguard_core::control::revoke(&mut record, next_fence(conn)?, &detail, now);
+                onceguard_core::control::revoke(&mut record, next_fence(conn, &tenant)?, &detail, now);
                 save(conn, record)?;
             }
             Ok(revoked)

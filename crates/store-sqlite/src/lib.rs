@@ -12,8 +12,10 @@
 //!   that is waiting (up to [`MAX_BATCH`]) into one transaction, each job in its own savepoint
 //!   (a failing job is rolled back alone), commits once, and only then answers the callers. An
 //!   answer is never sent for a write that is not durable.
-//! - **Fences** come from one counter row (`meta.fence`) that only grows and is never deleted,
-//!   so a key's fence keeps growing after its record expired and was swept.
+//! - **Fences** come from one counter row per tenant (`fences`) that only grows and is never
+//!   deleted, so a key's fence keeps growing after its record expired and was swept, and a
+//!   tenant's fences tell nothing of another's claims. Each starts above `meta.fence`, the one
+//!   counter of earlier versions.
 //! - **Retention** is checked when read (`expires_at > now` in every query); the sweep deletes
 //!   expired rows in bounded batches.
 //! - **Budgets and quotas** are decided in the claim's job, on the writer thread, so nothing
@@ -22,12 +24,12 @@
 //!   the count costs as many rows as there are leases that have not passed), reads the record's
 //!   run from `runs`, and runs `control::admit`. Admitted: the record and the charged run are
 //!   written in the job. Denied: the job undoes its savepoint, so not even the fence it drew is
-//!   kept. A batch of claims is one job that counts its fences in memory from `meta.fence` and
+//!   kept. A batch of claims is one job that counts its fences in memory from the tenants' counters and
 //!   stores the counter once at its end: a denial, which writes nothing before it is decided,
 //!   gives back only its fence, and no claim needs a savepoint of its own. A fenced call that writes adds the cost it reports to the run in its job too. A key
 //!   is charged once because the record remembers it (`charged`, in its JSON document).
 //! - **Revoking leases** is one job: it reads the tenant's live in-progress records the switch
-//!   covers and gives each a fence from `meta.fence` (`control::revoke`).
+//!   covers and gives each a fence from the tenant's counter (`control::revoke`).
 //! - **Claim rates** (`rates`, one theoretical arrival time per tenant) are read, passed through
 //!   `control::gcra` and written in one job. Control documents (`control`) and the audit log
 //!   (`audit`, newest first by id from the indexes on (tenant, id), (tenant, action, id) and
@@ -129,6 +131,12 @@ const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     CREATE INDEX audit_action ON audit (tenant, action, id);
     CREATE INDEX audit_actor ON audit (tenant, actor, id);
+"#,
+    // Fences per tenant. `meta.fence`, the one counter of earlier versions, is no longer drawn
+    // from: it is the floor every tenant's counter starts above, so a key's fences keep growing
+    // across the upgrade.
+    r#"
+    CREATE TABLE fences (tenant TEXT PRIMARY KEY, last INTEGER NOT NULL) WITHOUT ROWID;
 "#,
 ];
 
@@ -316,30 +324,39 @@ fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
     }
 }
 
-fn next_fence(conn: &Connection) -> Result<Fence, StoreError> {
+/// The tenant's next fence: its counter in `fences`, which starts above `meta.fence`.
+fn next_fence(conn: &Connection, tenant: &TenantId) -> Result<Fence, StoreError> {
     let value: i64 = conn
-        .prepare_cached("UPDATE meta SET value = value + 1 WHERE name = 'fence' RETURNING value")
-        .and_then(|mut st| st.query_row([], |r| r.get(0)))
+        .prepare_cached(
+            "INSERT INTO fences (tenant, last) VALUES (?1, (SELECT value FROM meta WHERE name = 'fence') + 1)
+             ON CONFLICT (tenant) DO UPDATE SET last = last + 1 RETURNING last",
+        )
+        .and_then(|mut st| st.query_row([tenant.as_str()], |r| r.get(0)))
         .map_err(unavailable)?;
     u64::try_from(value).map(Fence).map_err(corrupt)
 }
 
-/// The store-wide fence counter: the last fence drawn.
-fn current_fence(conn: &Connection) -> Result<u64, StoreError> {
+/// The tenant's last fence (`meta.fence`, the floor, if it never drew one).
+fn current_fence(conn: &Connection, tenant: &TenantId) -> Result<u64, StoreError> {
     let value: i64 = conn
-        .prepare_cached("SELECT value FROM meta WHERE name = 'fence'")
-        .and_then(|mut st| st.query_row([], |r| r.get(0)))
+        .prepare_cached(
+            "SELECT coalesce((SELECT last FROM fences WHERE tenant = ?1), (SELECT value FROM meta WHERE name = 'fence'))",
+        )
+        .and_then(|mut st| st.query_row([tenant.as_str()], |r| r.get(0)))
         .map_err(unavailable)?;
     u64::try_from(value).map_err(corrupt)
 }
 
-/// Sets the fence counter to `last`, which a batch's job drew up to ([`current_fence`] onward).
-fn store_fence(conn: &Connection, last: u64) -> Result<(), StoreError> {
+/// Sets the tenant's fence counter to `last`, which a batch's job drew up to
+/// ([`current_fence`] onward).
+fn store_fence(conn: &Connection, tenant: &TenantId, last: u64) -> Result<(), StoreError> {
     let last = i64::try_from(last).map_err(corrupt)?;
-    conn.prepare_cached("UPDATE meta SET value = ?1 WHERE name = 'fence'")
-        .and_then(|mut st| st.execute([last]))
-        .map(drop)
-        .map_err(unavailable)
+    conn.prepare_cached(
+        "INSERT INTO fences (tenant, last) VALUES (?1, ?2) ON CONFLICT (tenant) DO UPDATE SET last = excluded.last",
+    )
+    .and_then(|mut st| st.execute(params![tenant.as_str(), last]))
+    .map(drop)
+    .map_err(unavailable)
 }
 
 const RECORD_COLUMNS: &str = "doc, body";
@@ -519,6 +536,9 @@ mod tests {
         assert!(!old.charged);
         // It holds a live lease, so the quota of 1 is spent.
         assert!(matches!(store.claim(&request("new"), now).await.unwrap(), ClaimOutcome::Denied(_)));
+        // Once its lease passed, its recovery's fence is above the earlier schema's one counter.
+        let later = Timestamp(20_000);
+        assert_eq!(fence_of(store.claim(&request("old"), later).await.unwrap()), Fence(8));
         let entry = onceguard_core::control::AuditEntry::new(scope("x").tenant, now, "test", "budget.set", "r");
         store
             .put_budget(&scope("x").tenant, &RunId::parse("r").unwrap(), &Budget::default(), now, &entry)

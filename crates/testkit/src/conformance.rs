@@ -470,19 +470,26 @@ pub async fn sweep_deletes_only_expired_records_in_batches(store: Arc<dyn Store>
 }
 
 /// The same namespace and key in two tenants are two keys: claims, reads, listings and purges
-/// of one never see or touch the other.
+/// of one never see or touch the other; and fences are counted per tenant, so one tenant's
+/// claims draw none of another's (its fences tell it nothing of theirs).
 pub async fn tenants_are_isolated(store: Arc<dyn Store>) {
     let c = case(store);
     let a = scope_in("tenant-a", "prod/agent", "k");
     let b = scope_in("tenant-b", "prod/agent", "k");
     let fa = c.acquire(&request(&a, "x")).await;
     let fb = c.acquire(&request(&b, "y")).await;
-    assert_eq!(c.mutate(&b, fa, Mutation::Complete(success("a"))).await, FencedOutcome::Stale(StaleReason::Superseded));
+    for i in 0..5 {
+        c.acquire(&request(&scope_in("tenant-a", "prod/agent", &format!("more-{i}")), "x")).await;
+    }
+    let b2 = scope_in("tenant-b", "prod/agent", "k2");
+    let fb2 = c.acquire(&request(&b2, "y")).await;
+    assert_eq!(fb2.0, fb.0 + 1, "tenant-a's six claims drew none of tenant-b's fences");
+    let a2 = scope_in("tenant-a", "prod/agent", "k2");
+    assert_eq!(c.acquire(&request(&a2, "x")).await.0, fa.0 + 6, "nor tenant-b's claims tenant-a's");
     c.applied(&a, fa, Mutation::Complete(success("a"))).await;
     assert_eq!(c.get(&b).await.map(|r| r.state), Some(RecordState::InProgress));
     let listed = c.guard.list(&b.tenant, &ListFilter { limit: 100, ..Default::default() }).await.unwrap();
-    assert_eq!(listed.records.len(), 1);
-    assert_eq!(listed.records[0].scope, b);
+    assert_eq!(listed.records.iter().map(|r| &r.scope).collect::<Vec<_>>(), [&b, &b2]);
     assert!(c.guard.purge("test", &a, None).await.unwrap());
     assert!(c.get(&b).await.is_some());
     c.applied(&b, fb, Mutation::Complete(success("b"))).await;

@@ -8,9 +8,8 @@ impl crate::store::ClaimSection for State {
         Ok(self.records.get(scope).cloned())
     }
 
-    fn next_fence(&mut self) -> Result<Fence, StoreError> {
-        self.last_fence += 1;
-        Ok(Fence(self.last_fence))
+    fn next_fence(&mut self, tenant: &TenantId) -> Result<Fence, StoreError> {
+        Ok(self.draw_fence(tenant))
     }
 
     fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError> {

@@ -42,8 +42,9 @@ impl ControlStore for MemoryStore {
         let mut revoked = 0;
         for record in state.records.of_mut(tenant) {
             if crate::control::revocable(record, target, detail, now) {
-                state.last_fence += 1;
-                crate::control::revoke(record, Fence(state.last_fence), detail, now);
+                let last = state.fences.entry(tenant.clone()).or_default();
+                *last += 1;
+                crate::control::revoke(record, Fence(*last), detail, now);
                 if let Some(index) = &mut state.in_progress {
                     track(index, record);
                 }

@@ -40,7 +40,8 @@ struct State {
     /// rather than every record. Kept by [`State::put`], [`State::remove`] and the revocation,
     /// the only ways records change.
     in_progress: Option<InProgress>,
-    last_fence: u64,
+    /// Each tenant's last fence.
+    fences: BTreeMap<TenantId, u64>,
     tenants: BTreeMap<TenantId, Tenant>,
     api_keys: BTreeMap<String, ApiKey>,
     runs: BTreeMap<(TenantId, RunId), Run>,
@@ -50,6 +51,13 @@ struct State {
 }
 
 impl State {
+    /// The tenant's next fence.
+    fn draw_fence(&mut self, tenant: &TenantId) -> Fence {
+        let last = self.fences.entry(tenant.clone()).or_default();
+        *last += 1;
+        Fence(*last)
+    }
+
     fn put(&mut self, record: Record) {
         if let Some(index) = &mut self.in_progress {
             track(index, &record);

@@ -14,8 +14,9 @@ use crate::store::{ListFilter, Page, StoreError};
 pub trait ClaimSection {
     /// The key's record, if any (live or not: the protocol decides).
     fn load(&mut self, scope: &Scope) -> Result<Option<Record>, StoreError>;
-    /// A fence from the store-wide counter, greater than every fence drawn before.
-    fn next_fence(&mut self) -> Result<Fence, StoreError>;
+    /// A fence from the tenant's counter, greater than every fence drawn for the tenant before
+    /// (so its fences tell nothing of other tenants' claims).
+    fn next_fence(&mut self, tenant: &TenantId) -> Result<Fence, StoreError>;
     /// The tenant's live leases (read only when the claim carries an in-flight quota).
     fn leases_held(&mut self, tenant: &TenantId, now: Timestamp) -> Result<u64, StoreError>;
     /// The run `id` as stored, or [`Run::new`] if unseen.
@@ -43,7 +44,7 @@ pub fn claim_in(
     let existing = section.load(&req.scope)?;
     let mut fence_error = None;
     let (outcome, write) = protocol::claim(existing, req, now, || {
-        section.next_fence().unwrap_or_else(|e| {
+        section.next_fence(&req.scope.tenant).unwrap_or_else(|e| {
             fence_error = Some(e);
             Fence(0)
         })

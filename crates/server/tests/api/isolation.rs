@@ -142,3 +142,27 @@ async fn another_tenants_key_is_indistinguishable_from_an_absent_one() {
         "A's key is untouched"
     );
 }
+
+/// A tenant's fences are its own: another tenant's claims draw none of them, so the fences an
+/// agent sees tell it nothing of how many claims other tenants made.
+#[tokio::test]
+async fn fences_tell_nothing_of_another_tenants_claims() {
+    for backing in [Backing::Memory, Backing::Sqlite] {
+        let app = spawn_app(backing).await;
+        let fence = |(status, body): (StatusCode, Value)| {
+            assert_eq!(status, StatusCode::CREATED, "{body}");
+            body["fence"].as_u64().unwrap()
+        };
+        let claim = |token: &str, key: &str| {
+            let body = json!({"namespace": "iso", "key": key, "request": 1});
+            let (app, token) = (&app, token.to_owned());
+            async move { app.claim(&token, body).await }
+        };
+        let first = fence(claim(&app.other_agent, "g-1").await);
+        for i in 0..20 {
+            fence(claim(&app.agent, &format!("a-{i}")).await);
+        }
+        let second = fence(claim(&app.other_agent, "g-2").await);
+        assert_eq!(second, first + 1, "{backing:?}: acme's 20 claims moved none of globex's fences");
+    }
+}
