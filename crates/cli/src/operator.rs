@@ -134,6 +134,14 @@ pub(crate) enum KeyCommand {
         /// The key.
         key: String,
     },
+    /// Seal again, with the first key of --encryption-key-file, every stored result and
+    /// checkpoint that an older key sealed or that was stored in clear; prints what it did per
+    /// tenant (audited as records.reseal).
+    Reseal {
+        /// Only these tenants (repeatable; default: every tenant the store knows).
+        #[arg(long)]
+        tenant: Vec<String>,
+    },
 }
 
 /// What a switch covers: the whole tenant unless a namespace prefix or a run is given.
@@ -373,6 +381,18 @@ async fn keys(guard: &Guard, command: KeyCommand) -> Result<()> {
             let existed = guard.purge(&cli_actor(), &scope, None).await?;
             println!("{}", if existed { "purged" } else { "there was no record" });
             Ok(())
+        }
+        KeyCommand::Reseal { tenant } => {
+            let tenants = match tenant.is_empty() {
+                true => guard.tenants().await?.into_iter().map(|t| t.id).collect(),
+                false => tenant.iter().map(|t| TenantId::parse(t)).collect::<Result<Vec<_>, _>>()?,
+            };
+            let mut done = serde_json::Map::new();
+            for tenant in tenants {
+                let counts = guard.reseal(&cli_actor(), &tenant).await?;
+                done.insert(tenant.to_string(), serde_json::to_value(counts)?);
+            }
+            print_json(&done)
         }
     }
 }

@@ -651,6 +651,56 @@ impl Guard {
         Ok(total)
     }
 
+    /// Seals again, with the current key of the key file, every stored result and checkpoint
+    /// of `tenant` that an older key sealed or that was stored before sealing was on (an
+    /// operator's action, audited as `records.reseal` with its counts). A record that changes
+    /// while it is read and rewritten is left as its writer left it (which sealed with the
+    /// current key). Without a sealer nothing can be sealed: an error.
+    pub async fn reseal(&self, actor: &str, tenant: &TenantId) -> Result<Resealed, GuardError> {
+        let Some(sealer) = &self.sealer else {
+            return Err(InvalidInput::new("encryption", "no key file: give --encryption-key-file to seal").into());
+        };
+        let now = self.clock.now();
+        let mut filter = ListFilter { limit: crate::store::MAX_PAGE, ..Default::default() };
+        let mut counts = Resealed::default();
+        loop {
+            let page = self.store.list(tenant, &filter, now).await?;
+            for old in &page.records {
+                counts.examined += 1;
+                let mut new = old.clone();
+                let mut changed = false;
+                if let Some(o) = &mut new.outcome
+                    && let Some(body) = sealer.reseal_bytes(&old.scope, &o.body)?
+                {
+                    o.body = body;
+                    changed = true;
+                }
+                for cp in &mut new.checkpoints {
+                    if let Some(data) = sealer.reseal_text(&old.scope, &cp.data)? {
+                        cp.data = data;
+                        changed = true;
+                    }
+                }
+                if !changed {
+                    continue;
+                }
+                if self.store.replace(old, &new).await? {
+                    counts.resealed += 1;
+                } else {
+                    counts.changed_meanwhile += 1;
+                }
+            }
+            match page.next {
+                Some(next) => filter.after = Some(next),
+                None => break,
+            }
+        }
+        let entry = AuditEntry::new(tenant.clone(), now, actor, "records.reseal", sealer.current())
+            .details(serde_json::to_value(counts).unwrap_or_default());
+        self.store.append_audit(&entry).await?;
+        Ok(counts)
+    }
+
     /// Counts a tenant's in-progress records and the stuck ones among them, reading at most
     /// `max_pages` pages.
     pub async fn count_in_progress(&self, tenant: &TenantId, max_pages: usize) -> Result<(usize, usize), GuardError> {
@@ -669,6 +719,17 @@ impl Guard {
         }
         Ok((in_progress, stuck))
     }
+}
+
+/// What [`Guard::reseal`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Resealed {
+    /// Records read.
+    pub examined: u64,
+    /// Records rewritten with every value sealed by the current key.
+    pub resealed: u64,
+    /// Records that changed between the read and the rewrite (left as their writer left them).
+    pub changed_meanwhile: u64,
 }
 
 /// Runs `step` (which deletes up to `batch` things and answers how many) until it deletes

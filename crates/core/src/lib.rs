@@ -34,7 +34,7 @@ pub mod vocabulary;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use domain::{CheckpointName, Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
-pub use guard::{Claim, Guard, GuardError};
+pub use guard::{Claim, Guard, GuardError, Resealed};
 pub use limits::Limits;
 pub use memory::MemoryStore;
 pub use observer::Observer;

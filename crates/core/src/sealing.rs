@@ -185,6 +185,34 @@ impl Sealer {
         self.open(scope, Kind::Outcome, id, nonce, sealed)
     }
 
+    /// `data` (an outcome's body as stored) sealed again with the current key, when it is
+    /// sealed with another key or not sealed at all; `None` when it is sealed with the current
+    /// key already.
+    pub fn reseal_bytes(&self, scope: &Scope, data: &[u8]) -> Result<Option<Vec<u8>>, OpenError> {
+        if self.sealed_with(data).is_some_and(|id| id == self.current.as_bytes()) {
+            return Ok(None);
+        }
+        let plain = self.open_bytes(scope, data.to_vec())?;
+        Ok(Some(self.seal_bytes(scope, &plain)))
+    }
+
+    /// A checkpoint's data as stored, sealed again with the current key (as
+    /// [`Sealer::reseal_bytes`]).
+    pub fn reseal_text(&self, scope: &Scope, text: &str) -> Result<Option<String>, OpenError> {
+        if text.starts_with(&format!("\"{TEXT_PREFIX}{}:", self.current)) {
+            return Ok(None);
+        }
+        let plain = self.open_text(scope, text.to_owned())?;
+        Ok(Some(self.seal_text(scope, &plain)))
+    }
+
+    /// The id of the key `data` is sealed with, if it is sealed.
+    fn sealed_with<'d>(&self, data: &'d [u8]) -> Option<&'d [u8]> {
+        let rest = data.strip_prefix(MAGIC)?;
+        let (&id_len, rest) = rest.split_first()?;
+        rest.get(..usize::from(id_len))
+    }
+
     /// The JSON text `text` sealed for `scope` as a JSON string (a checkpoint's data).
     pub fn seal_text(&self, scope: &Scope, text: &str) -> String {
         let (mut nonce, sealed) = self.seal(scope, Kind::Checkpoint, text.as_bytes());

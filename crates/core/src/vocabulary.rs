@@ -123,6 +123,8 @@ vocabulary! {
         Get => "get",
         /// [`crate::store::ClaimStore::list`].
         List => "list",
+        /// [`crate::store::ClaimStore::replace`].
+        Replace => "replace",
         /// [`crate::store::ClaimStore::purge`].
         Purge => "purge",
         /// [`crate::store::ClaimStore::sweep`].
@@ -211,7 +213,7 @@ mod tests {
         check(&StaleKind::ALL, StaleKind::index, StaleKind::as_str);
         check(&FencedOp::ALL, FencedOp::index, FencedOp::as_str);
         check(&StoreOp::ALL, StoreOp::index, StoreOp::as_str);
-        assert_eq!(StoreOp::ALL.len(), 14);
+        assert_eq!(StoreOp::ALL.len(), 15);
     }
 
     #[test]

@@ -115,6 +115,10 @@ impl ClaimStore for ObservedStore {
         self.timed(StoreOp::List, self.inner.list(tenant, filter, now)).await
     }
 
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Replace, self.inner.replace(old, new)).await
+    }
+
     #[tracing::instrument(level = "debug", name = "store.purge", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, error))]
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         let existed = self.timed(StoreOp::Purge, self.inner.purge(scope)).await?;

@@ -129,6 +129,35 @@ impl ClaimStore for PgStore {
         Ok(Page::from_overfetch(records, limit))
     }
 
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
+        if new.scope != old.scope {
+            return Ok(false);
+        }
+        let scope = &old.scope;
+        // Under the key's lock, as every batch that writes the key.
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(scope)]).await.map_err(unavailable)?;
+        let row = tx
+            .query_opt(
+                "SELECT doc, body FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3",
+                &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()],
+            )
+            .await
+            .map_err(unavailable)?;
+        let stored = row.as_ref().map(decode_row).transpose().map_err(corrupt)?;
+        if stored.as_ref() != Some(old) {
+            return Ok(false);
+        }
+        let mut columns = RecordColumns::default();
+        columns.push(new.clone()).map_err(corrupt)?;
+        tx.execute(UPSERT_RECORDS, &columns.as_sql()).await.map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        // What this instance remembers of the key is no longer what is stored.
+        self.writers.known.forget(std::iter::once(scope));
+        Ok(true)
+    }
+
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         // Under the key's lock, as every batch that reads and writes the key: a batch that read
         // the record before the purge has written it by the time the lock is granted, so the

@@ -223,6 +223,54 @@ impl ClaimStore for RedisStore {
         .await
     }
 
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
+        // Re-sealing changes the outcome's body and checkpoints' data, nothing else: any other
+        // difference is not a replacement this store makes.
+        let same_but_values = Record {
+            outcome: new.outcome.clone().map(|mut o| {
+                o.body = old.outcome.as_ref().map(|o| o.body.clone()).unwrap_or_default();
+                o
+            }),
+            checkpoints: new
+                .checkpoints
+                .iter()
+                .zip(&old.checkpoints)
+                .map(|(n, o)| onceguard_core::Checkpoint { data: o.data.clone(), ..n.clone() })
+                .collect(),
+            ..new.clone()
+        };
+        if &same_but_values != old || new.checkpoints.len() != old.checkpoints.len() {
+            return Ok(false);
+        }
+        let placement = Placement::of(&old.scope);
+        let body = |r: &Record| r.outcome.as_ref().map(|o| o.body.clone()).unwrap_or_default();
+        let (old_body, new_body) = (body(old), body(new));
+        let field = |c: &onceguard_core::Checkpoint| format!("{}\n{}\n{}\n{}", c.fence.0, c.at.0, c.name, c.data);
+        self.bounded("replace stored values", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.replace_values.prepare_invoke();
+            invocation
+                .key(self.keys.record(&placement))
+                .arg(old.fence.0)
+                .arg(old.state.as_str())
+                .arg(old.updated_at.0)
+                .arg(old.lease_expires_at.map(|t| t.0.to_string()).unwrap_or_default())
+                .arg(old.unknown.as_ref().map(|u| format!("+{u}")).unwrap_or_default())
+                .arg(old.checkpoints.len())
+                .arg(if old_body != new_body { "1" } else { "0" })
+                .arg(old_body.as_slice())
+                .arg(new_body.as_slice());
+            for (i, (o, n)) in old.checkpoints.iter().zip(&new.checkpoints).enumerate() {
+                if o.data != n.data {
+                    invocation.arg(i).arg(field(o)).arg(field(n));
+                }
+            }
+            let wrote: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("replace stored values"))?;
+            Ok(wrote == 1)
+        })
+        .await
+    }
+
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         let placement = Placement::of(scope);
         self.bounded("purge", async {

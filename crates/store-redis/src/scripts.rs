@@ -632,6 +632,38 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return { existed, token or '' }
 "#;
 
+/// `ClaimStore::replace` of what re-sealing changes: the outcome's body and checkpoints, each
+/// written only if the record still has the fence, state, update time, lease, unknown-outcome
+/// report and number of checkpoints (what every claim and fenced call changes), and every
+/// value replaced, that it had when read. Answers 1 if it wrote, 0 if the record changed
+/// meanwhile.
+pub const REPLACE_VALUES: &str = r#"
+-- KEYS: record; ARGV: fence, state, updated at, lease expiry ('' for none), unknown-outcome
+-- report ('' for none, else the detail after a '+'), number of checkpoints, whether the body
+-- changes ('1' or '0'), the body before, the body after, then for each checkpoint that
+-- changes: its place among the record's checkpoints (from 0), its field before, its field after
+local r = KEYS[1]
+local un = redis.call('HGET', r, 'un')
+if redis.call('HGET', r, 'fe') ~= ARGV[1] or redis.call('HGET', r, 'st') ~= ARGV[2]
+  or redis.call('HGET', r, 'up') ~= ARGV[3] or (redis.call('HGET', r, 'le') or '') ~= ARGV[4]
+  or (un and ('+' .. un) or '') ~= ARGV[5] then
+  return 0
+end
+local first = tonumber(redis.call('HGET', r, 'c0') or '0')
+if tonumber(redis.call('HGET', r, 'cn') or '0') - first ~= tonumber(ARGV[6]) then return 0 end
+if ARGV[7] == '1' and redis.call('HGET', r, 'ob') ~= ARGV[8] then return 0 end
+for i = 10, #ARGV, 3 do
+  if redis.call('HGET', r, 'c.' .. string.format('%.0f', first + tonumber(ARGV[i]))) ~= ARGV[i + 1] then
+    return 0
+  end
+end
+if ARGV[7] == '1' then redis.call('HSET', r, 'ob', ARGV[9]) end
+for i = 10, #ARGV, 3 do
+  redis.call('HSET', r, 'c.' .. string.format('%.0f', first + tonumber(ARGV[i])), ARGV[i + 2])
+end
+return 1
+"#;
+
 /// `control::revoke` on a record that is still live and in progress (and of the run, for a
 /// run's switch), unless it was revoked already with the same detail (so that a second pass
 /// counts only what the first missed): a new fence (drawn here on one server, else drawn beforehand and used only
@@ -884,6 +916,8 @@ pub struct Scripts {
     pub prune_audit: Script,
     /// See [`PUT_CONTROL`].
     pub put_control: Script,
+    /// See [`REPLACE_VALUES`].
+    pub replace_values: Script,
     /// See [`DELETE_CONTROL`].
     pub delete_control: Script,
     /// See [`CREATE_API_KEY`].
@@ -914,6 +948,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         append_audit: Script::new(APPEND_AUDIT),
         prune_audit: Script::new(PRUNE_AUDIT),
         put_control: Script::new(PUT_CONTROL),
+        replace_values: Script::new(REPLACE_VALUES),
         delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),

@@ -270,6 +270,18 @@ impl ClaimStore for SqliteStore {
         .await
     }
 
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
+        let (old, new) = (old.clone(), new.clone());
+        self.write(move |conn| {
+            if new.scope != old.scope || load(conn, &old.scope)?.as_ref() != Some(&old) {
+                return Ok(false);
+            }
+            save(conn, new)?;
+            Ok(true)
+        })
+        .await
+    }
+
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         let scope = scope.clone();
         self.write(move |conn| {

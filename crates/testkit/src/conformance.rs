@@ -1118,3 +1118,36 @@ pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Arc<
     assert_eq!(replay.outcome.body, b"three");
     assert_eq!(usage(&store, "acme", "m-run").await, (1, 42), "the cost is charged once");
 }
+
+/// `replace` writes a record in place of one that is still exactly as read (how re-sealing
+/// rewrites what is stored), and leaves a record that changed meanwhile as it is: one in
+/// progress that took a checkpoint, one completed since, one purged.
+pub async fn replace_writes_only_over_the_record_read(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let done = scope("replaced");
+    let f = c.acquire(&request(&done, "a")).await;
+    c.applied(&done, f, checkpoint("step-1", r#"{"n":1}"#)).await;
+    let old = c.applied(&done, f, Mutation::Complete(success("before"))).await;
+    let mut new = old.clone();
+    new.outcome.as_mut().unwrap().body = b"after".to_vec();
+    new.checkpoints[0].data = r#"{"n":"sealed"}"#.into();
+    assert!(store.replace(&old, &new).await.unwrap());
+    assert_eq!(c.get(&done).await.as_ref(), Some(&new));
+    assert!(matches!(c.claim(&request(&done, "a")).await, ClaimOutcome::Replay(r) if r.outcome.body == b"after"));
+    assert!(!store.replace(&old, &new).await.unwrap(), "the record is no longer the one read");
+
+    let busy = scope("moved-on");
+    let f = c.acquire(&request(&busy, "b")).await;
+    let read = c.applied(&busy, f, checkpoint("step-1", "1")).await;
+    c.applied(&busy, f, checkpoint("step-2", "2")).await;
+    let mut rewritten = read.clone();
+    rewritten.checkpoints[0].data = "\"x\"".into();
+    assert!(!store.replace(&read, &rewritten).await.unwrap(), "a checkpoint was taken since");
+    let kept = c.applied(&busy, f, Mutation::Complete(success("done"))).await;
+    assert_eq!(kept.checkpoints.iter().map(|cp| cp.data.as_str()).collect::<Vec<_>>(), ["1", "2"]);
+    let mut rewritten = kept.clone();
+    rewritten.outcome.as_mut().unwrap().body = b"x".to_vec();
+    assert!(c.guard.purge("test", &busy, None).await.unwrap());
+    assert!(!store.replace(&kept, &rewritten).await.unwrap(), "a purged record is not written back");
+    assert!(c.get(&busy).await.is_none());
+}

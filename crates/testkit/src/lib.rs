@@ -125,7 +125,8 @@ macro_rules! conformance_tests {
             audit_log_prunes_old_entries,
             a_batch_answers_as_its_claims_one_by_one,
             concurrent_batches_overlapping_in_keys_acquire_each_key_once,
-            a_batch_of_fenced_calls_answers_as_its_calls_one_by_one
+            a_batch_of_fenced_calls_answers_as_its_calls_one_by_one,
+            replace_writes_only_over_the_record_read
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

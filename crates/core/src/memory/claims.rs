@@ -109,6 +109,15 @@ impl ClaimStore for MemoryStore {
         Ok(Page::from_overfetch(records, limit))
     }
 
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        if state.records.get(&old.scope) != Some(old) || new.scope != old.scope {
+            return Ok(false);
+        }
+        state.put(new.clone());
+        Ok(true)
+    }
+
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         Ok(self.lock().remove(scope))
     }

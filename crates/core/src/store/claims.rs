@@ -125,6 +125,12 @@ pub trait ClaimStore: Send + Sync + 'static {
     /// Live records of a tenant, filtered, ordered by (namespace, key).
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError>;
 
+    /// Writes `new` in place of the key's record if that is still exactly `old` (an operator's
+    /// rewrite of what is stored, such as sealing it again with the current key: `new` differs
+    /// from `old` only in how its values are kept). Answers whether it wrote; a record changed
+    /// meanwhile (claimed, completed, expired, purged) is left as it is.
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError>;
+
     /// Deletes a key's record whatever its state (an operator's action). Its fence counter is
     /// unaffected, so a later claim still gets a greater fence. Answers whether a record existed.
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError>;

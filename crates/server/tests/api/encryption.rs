@@ -209,3 +209,55 @@ async fn a_redis_dump_holds_no_result_or_checkpoint_in_clear() {
         }
     }
 }
+
+/// `onceguard keys reseal` (Guard::reseal): after a rotation every value an older key sealed,
+/// and every value stored before sealing was on, is sealed again with the new key, so the old
+/// key can leave the key file and every record still opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resealing_lets_the_old_key_go() {
+    use std::sync::Arc;
+
+    use onceguard_core::sealing::{MAGIC, Sealer};
+    use onceguard_core::{Guard, Key, Limits, ManualClock, Namespace, Scope, TenantId, Timestamp};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("og.db");
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), None).await;
+    write_markers(&h, &agent, "in-clear").await;
+    drop(h);
+    let old = key_file(dir.path(), "old", &[("k-2026", 7)]);
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(old)).await;
+    write_markers(&h, &agent, "card-1").await;
+    drop(h);
+
+    let rotated = key_file(dir.path(), "rotated", &[("k-2027", 9), ("k-2026", 7)]);
+    let store: Arc<dyn onceguard_core::Store> = Arc::new(SqliteStore::open(&db).unwrap());
+    let clock = Arc::new(ManualClock::new(Timestamp::now()));
+    let sealer = Arc::new(Sealer::from_file(&rotated).unwrap());
+    let guard = Guard::new(store.clone(), clock, Limits::default()).with_sealer(Some(sealer));
+    let acme = TenantId::parse("acme").unwrap();
+    let done = guard.reseal("cli:ops", &acme).await.unwrap();
+    assert_eq!((done.examined, done.resealed, done.changed_meanwhile), (2, 2, 0), "{done:?}");
+    let again = guard.reseal("cli:ops", &acme).await.unwrap();
+    assert_eq!((again.examined, again.resealed), (2, 0), "what the current key sealed is left as it is");
+    let scope = |key: &str| Scope::new(acme.clone(), Namespace::parse("pii/cards").unwrap(), Key::parse(key).unwrap());
+    for key in ["in-clear", "card-1"] {
+        let raw = store.get(&scope(key), Timestamp::now()).await.unwrap().unwrap();
+        let body = &raw.outcome.as_ref().unwrap().body;
+        assert!(body.starts_with(MAGIC) && body[MAGIC.len() + 1..].starts_with(b"k-2027"), "{key} is sealed anew");
+        assert!(raw.checkpoints[0].data.contains("k-2027"), "{key}: {}", raw.checkpoints[0].data);
+    }
+    let filter = onceguard_core::control::AuditFilter { limit: 10, ..Default::default() };
+    let entries = guard.audit_log(&acme, &filter).await.unwrap().entries;
+    assert_eq!(entries[0].action, "records.reseal");
+    drop(guard);
+
+    // The old key can go: every record opens with the new one alone.
+    let only_new = key_file(dir.path(), "only-new", &[("k-2027", 9)]);
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(only_new)).await;
+    for key in ["in-clear", "card-1"] {
+        let claim = json!({"namespace": "pii/cards", "key": key, "request": {"k": key}});
+        let (status, replay) = post(&h, &agent, "/v1/claims", claim).await;
+        assert_eq!((status, &replay["result"]["card"]), (StatusCode::OK, &json!(RESULT_MARKER)), "{key}: {replay}");
+    }
+}

@@ -149,6 +149,10 @@ impl ClaimStore for BreakableStore {
         self.up()?.list(tenant, filter, now).await
     }
 
+    async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
+        self.up()?.replace(old, new).await
+    }
+
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         self.up()?.purge(scope).await
     }
