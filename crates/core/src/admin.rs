@@ -39,10 +39,10 @@ impl Guard {
     /// changes nothing).
     pub async fn create_tenant(&self, actor: &str, id: &TenantId) -> Result<Option<Tenant>, GuardError> {
         let tenant = Tenant { id: id.clone(), created_at: self.clock().now() };
-        if !self.store().create_tenant(&tenant).await? {
+        let entry = AuditEntry::new(id.clone(), tenant.created_at, actor, "tenant.create", id.as_str());
+        if !self.store().create_tenant(&tenant, Some(&entry)).await? {
             return Ok(None);
         }
-        self.audit(AuditEntry::new(id.clone(), tenant.created_at, actor, "tenant.create", id.as_str())).await?;
         Ok(Some(tenant))
     }
 
@@ -73,10 +73,9 @@ impl Guard {
             return Ok(None);
         }
         let new = ApiKey::generate(tenant.clone(), role, label, self.clock().now());
-        self.store().create_api_key(&new.key).await?;
         let entry = AuditEntry::new(tenant.clone(), new.key.created_at, actor, "api_key.create", new.key.id.as_str())
             .details(serde_json::json!({ "role": role.as_str(), "label": label }));
-        self.audit(entry).await?;
+        self.store().create_api_key(&new.key, Some(&entry)).await?;
         Ok(Some(new))
     }
 
@@ -89,11 +88,8 @@ impl Guard {
     /// existed in that tenant.
     pub async fn revoke_api_key(&self, actor: &str, tenant: &TenantId, id: &ApiKeyId) -> Result<bool, GuardError> {
         let now = self.clock().now();
-        if !self.store().revoke_api_key(tenant, id, now).await? {
-            return Ok(false);
-        }
-        self.audit(AuditEntry::new(tenant.clone(), now, actor, "api_key.revoke", id.as_str())).await?;
-        Ok(true)
+        let entry = AuditEntry::new(tenant.clone(), now, actor, "api_key.revoke", id.as_str());
+        Ok(self.store().revoke_api_key(tenant, id, now, Some(&entry)).await?)
     }
 
     /// A tenant's audit log, newest first.

@@ -177,12 +177,12 @@ mod tests {
         let store = MemoryStore::new();
         let tenant = TenantId::parse("acme").unwrap();
         let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
-        store.create_api_key(&new.key).await.unwrap();
+        store.create_api_key(&new.key, None).await.unwrap();
         let cache = KeyCache::new(Duration::from_secs(60), Arc::new(SystemClock));
         let id = new.key.id.clone();
         assert_eq!(cache.get(&store, &id).await.unwrap().map(|k| k.id), Some(id.clone()));
         // Revoked in the store only: this instance still answers from its memory...
-        assert!(store.revoke_api_key(&tenant, &id, Timestamp(2)).await.unwrap());
+        assert!(store.revoke_api_key(&tenant, &id, Timestamp(2), None).await.unwrap());
         assert!(cache.get(&store, &id).await.unwrap().unwrap().revoked_at.is_none());
         // ...until it forgets the key, as a revocation through it does; then it reads the store.
         cache.forget(&id);
@@ -191,7 +191,7 @@ mod tests {
         let unknown = ApiKey::generate(tenant.clone(), Role::Agent, "never stored", Timestamp(1)).key;
         assert!(cache.get(&store, &unknown.id).await.unwrap().is_none());
         assert!(!cache.keys().contains_key(&unknown.id), "an unknown id is not remembered");
-        store.create_api_key(&unknown).await.unwrap();
+        store.create_api_key(&unknown, None).await.unwrap();
         assert!(cache.get(&store, &unknown.id).await.unwrap().is_some(), "a key created later is found at once");
     }
 
@@ -200,7 +200,7 @@ mod tests {
         let store = Arc::new(MemoryStore::new());
         let tenant = TenantId::parse("acme").unwrap();
         let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
-        store.create_api_key(&new.key).await.unwrap();
+        store.create_api_key(&new.key, None).await.unwrap();
         let cache = Arc::new(KeyCache::new(Duration::from_secs(60), Arc::new(SystemClock)));
         let id = new.key.id.clone();
         // A request reads the key from the store (not revoked yet), and is held up before the
@@ -221,7 +221,7 @@ mod tests {
         });
         read_seen.await.unwrap();
         // Meanwhile the key is revoked through this instance.
-        assert!(store.revoke_api_key(&tenant, &id, Timestamp(2)).await.unwrap());
+        assert!(store.revoke_api_key(&tenant, &id, Timestamp(2), None).await.unwrap());
         cache.forget(&id);
         go_on.send(()).unwrap();
         let stale = slow.await.unwrap().unwrap().unwrap();

@@ -215,8 +215,8 @@ impl ControlStore for ObservedStore {
 
 #[async_trait]
 impl TenantStore for ObservedStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.create_tenant(tenant)).await
+    async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.create_tenant(tenant, audit)).await
     }
 
     async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
@@ -227,8 +227,8 @@ impl TenantStore for ObservedStore {
         self.timed(StoreOp::Auth, self.inner.list_tenants()).await
     }
 
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.timed(StoreOp::Auth, self.inner.create_api_key(key)).await
+    async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+        self.timed(StoreOp::Auth, self.inner.create_api_key(key, audit)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
@@ -240,7 +240,13 @@ impl TenantStore for ObservedStore {
         self.timed(StoreOp::Auth, self.inner.list_api_keys(tenant)).await
     }
 
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now)).await
+    async fn revoke_api_key(
+        &self,
+        tenant: &TenantId,
+        id: &ApiKeyId,
+        now: Timestamp,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now, audit)).await
     }
 }

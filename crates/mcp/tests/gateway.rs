@@ -527,9 +527,12 @@ async fn callers_are_scoped_by_their_api_key() {
     let mut tokens = Vec::new();
     for tenant in ["acme", "globex"] {
         let id = TenantId::parse(tenant).unwrap();
-        store.create_tenant(&Tenant { id: id.clone(), created_at: onceguard_core::Timestamp::now() }).await.unwrap();
+        store
+            .create_tenant(&Tenant { id: id.clone(), created_at: onceguard_core::Timestamp::now() }, None)
+            .await
+            .unwrap();
         let new = ApiKey::generate(id, Role::Agent, "agent", onceguard_core::Timestamp::now());
-        store.create_api_key(&new.key).await.unwrap();
+        store.create_api_key(&new.key, None).await.unwrap();
         tokens.push(new.token);
     }
     for (i, token) in tokens.iter().enumerate() {

@@ -239,11 +239,10 @@ pub async fn bootstrap(guard: &Guard, config: &Config) -> Result<Option<std::pat
     // would stop the next start from making one.
     let new = ApiKey::generate(tenant, Role::Admin, "bootstrap", guard.clock().now());
     write_secret(file, &new.token)?;
-    guard.store().create_api_key(&new.key).await?;
     let audit =
         AuditEntry::new(new.key.tenant.clone(), new.key.created_at, SYSTEM, "api_key.create", new.key.id.as_str())
             .details(serde_json::json!({ "role": "admin", "label": "bootstrap" }));
-    guard.audit(audit).await?;
+    guard.store().create_api_key(&new.key, Some(&audit)).await?;
     Ok(Some(file.clone()))
 }
 

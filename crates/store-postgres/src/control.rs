@@ -103,6 +103,16 @@ pub(crate) fn audit_params(entry: &AuditEntry) -> Result<(&str, &str, i64, &str,
     Ok((entry.tenant.as_str(), &entry.id, to_i64(entry.at), &entry.actor, &entry.action, doc))
 }
 
+/// Appends `entry` inside the caller's transaction (once: a retried append changes nothing).
+pub(crate) async fn insert_audit(tx: &tokio_postgres::Transaction<'_>, entry: &AuditEntry) -> Result<(), StoreError> {
+    let (t, i, at, actor, action, doc) = audit_params(entry)?;
+    let insert = format!(
+        "INSERT INTO og_audit ({AUDIT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant, id) DO NOTHING"
+    );
+    tx.execute(&insert, &[&t, &i, &at, &actor, &action, &doc]).await.map_err(unavailable)?;
+    Ok(())
+}
+
 #[async_trait]
 impl ControlStore for PgStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {

@@ -28,12 +28,7 @@ impl RunStore for PgStore {
         let upsert_run = tx.prepare_cached(UPSERT_RUN).await.map_err(unavailable)?;
         tx.execute(&upsert_run, &[&t, &r, &b, &effects, &cost, &created, &updated]).await.map_err(unavailable)?;
         // The budget and its audit entry commit together.
-        let (t, i, at, actor, action, doc) = crate::control::audit_params(audit)?;
-        let insert = format!(
-            "INSERT INTO og_audit ({}) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant, id) DO NOTHING",
-            crate::control::AUDIT_COLUMNS
-        );
-        tx.execute(&insert, &[&t, &i, &at, &actor, &action, &doc]).await.map_err(unavailable)?;
+        crate::control::insert_audit(&tx, audit).await?;
         tx.commit().await.map_err(unavailable)?;
         Ok(stored)
     }

@@ -22,16 +22,9 @@ fn api_key_from_row(row: &Row) -> Result<ApiKey, StoreError> {
 
 #[async_trait]
 impl TenantStore for PgStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "INSERT INTO og_tenants (id, created_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING",
-                &[&tenant.id.as_str(), &to_i64(tenant.created_at)],
-            )
-            .await
-            .map_err(unavailable)?;
+    async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
+        let sql = "INSERT INTO og_tenants (id, created_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING";
+        let n = self.audited(sql, &[&tenant.id.as_str(), &to_i64(tenant.created_at)], audit).await?;
         Ok(n > 0)
     }
 
@@ -55,24 +48,18 @@ impl TenantStore for PgStore {
         rows.iter().map(tenant_from_row).collect()
     }
 
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                &format!("INSERT INTO og_api_keys ({API_KEY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"),
-                &[
-                    &key.id.as_str(),
-                    &key.tenant.as_str(),
-                    &key.role.as_str(),
-                    &key.label,
-                    &key.secret_sha256,
-                    &to_i64(key.created_at),
-                    &key.revoked_at.map(to_i64),
-                ],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(())
+    async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+        let sql = format!("INSERT INTO og_api_keys ({API_KEY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)");
+        let params: [&(dyn ToSql + Sync); 7] = [
+            &key.id.as_str(),
+            &key.tenant.as_str(),
+            &key.role.as_str(),
+            &key.label,
+            &key.secret_sha256,
+            &to_i64(key.created_at),
+            &key.revoked_at.map(to_i64),
+        ];
+        self.audited(&sql, &params, audit).await.map(drop)
     }
 
     async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
@@ -98,16 +85,35 @@ impl TenantStore for PgStore {
         rows.iter().map(api_key_from_row).collect()
     }
 
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "UPDATE og_api_keys SET revoked_at = coalesce(revoked_at, $3) WHERE id = $1 AND tenant = $2",
-                &[&id.as_str(), &tenant.as_str(), &to_i64(now)],
-            )
-            .await
-            .map_err(unavailable)?;
+    async fn revoke_api_key(
+        &self,
+        tenant: &TenantId,
+        id: &ApiKeyId,
+        now: Timestamp,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
+        let sql = "UPDATE og_api_keys SET revoked_at = coalesce(revoked_at, $3) WHERE id = $1 AND tenant = $2";
+        let n = self.audited(sql, &[&id.as_str(), &tenant.as_str(), &to_i64(now)], audit).await?;
         Ok(n > 0)
+    }
+}
+
+impl PgStore {
+    /// Runs `sql` and, if it changed a row, appends `audit` in the same transaction; answers
+    /// the rows changed.
+    async fn audited(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        audit: Option<&AuditEntry>,
+    ) -> Result<u64, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        let n = tx.execute(sql, params).await.map_err(unavailable)?;
+        if let (true, Some(audit)) = (n > 0, audit) {
+            crate::control::insert_audit(&tx, audit).await?;
+        }
+        tx.commit().await.map_err(unavailable)?;
+        Ok(n)
     }
 }

@@ -51,7 +51,12 @@ impl RedisStore {
             .arg(audit.id.as_str())
             .arg(entry);
         invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("put a control document"))?;
-        self.deliver_control_audit(vec![(audit.id.clone().into_bytes(), Vec::new())], Some(audit)).await
+        self.deliver_audit(
+            &self.keys.control_audit_outbox(),
+            vec![(audit.id.clone().into_bytes(), Vec::new())],
+            Some(audit),
+        )
+        .await
     }
 
     pub(crate) async fn remove_control(
@@ -74,7 +79,12 @@ impl RedisStore {
         let body: Option<Vec<u8>> =
             invocation.invoke_async(&mut conn).await.map_err(unavailable("delete a control document"))?;
         let Some(body) = body else { return Ok(None) };
-        self.deliver_control_audit(vec![(audit.id.clone().into_bytes(), Vec::new())], Some(audit)).await?;
+        self.deliver_audit(
+            &self.keys.control_audit_outbox(),
+            vec![(audit.id.clone().into_bytes(), Vec::new())],
+            Some(audit),
+        )
+        .await?;
         control_doc(&field, body).map(Some)
     }
 
@@ -82,13 +92,15 @@ impl RedisStore {
     /// stopped before it moved them) are moved to their tenants' logs first.
     pub(crate) async fn read_controls(&self) -> Result<Vec<ControlDoc>, StoreError> {
         let mut conn = self.conn.clone();
-        let waiting: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
-            .arg(self.keys.control_audit_outbox())
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable("read the control audit outbox"))?;
-        if !waiting.is_empty() {
-            self.deliver_control_audit(waiting, None).await?;
+        for outbox in [self.keys.control_audit_outbox(), self.keys.auth_audit_outbox()] {
+            let waiting: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
+                .arg(&outbox)
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("read an audit outbox"))?;
+            if !waiting.is_empty() {
+                self.deliver_audit(&outbox, waiting, None).await?;
+            }
         }
         let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
             .arg(self.keys.control())
@@ -98,12 +110,13 @@ impl RedisStore {
         all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
     }
 
-    /// Moves audit entries from the control outbox to their tenants' logs, then out of the
-    /// outbox: `entries` are (id, JSON) pairs read from it, or the one entry `known` just
-    /// written (its JSON is not needed again). Appending is idempotent by id, so a move that
-    /// is repeated writes each entry once.
-    async fn deliver_control_audit(
+    /// Moves audit entries from an outbox (the control documents', or tenants' and API keys')
+    /// to their tenants' logs, then out of the outbox: `entries` are (id, JSON) pairs read from
+    /// it, or the one entry `known` just written (its JSON is not needed again). Appending is
+    /// idempotent by id, so a move that is repeated writes each entry once.
+    pub(crate) async fn deliver_audit(
         &self,
+        outbox: &str,
         entries: Vec<(Vec<u8>, Vec<u8>)>,
         known: Option<&AuditEntry>,
     ) -> Result<(), StoreError> {
@@ -118,12 +131,12 @@ impl RedisStore {
         }
         let mut conn = self.conn.clone();
         redis::cmd("HDEL")
-            .arg(self.keys.control_audit_outbox())
+            .arg(outbox)
             .arg(delivered)
             .query_async::<i64>(&mut conn)
             .await
             .map(drop)
-            .map_err(unavailable("clear the control audit outbox"))
+            .map_err(unavailable("clear an audit outbox"))
     }
 
     /// Revokes the tenant's in-progress records that `target` covers, but those revoked

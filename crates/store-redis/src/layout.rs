@@ -258,6 +258,12 @@ impl Keys {
         format!("{}c:{{control}}:audit-outbox", self.prefix)
     }
 
+    /// Audit entries of tenant and API key changes not yet in their tenant's log (as
+    /// [`Keys::control_audit_outbox`], in the slot of tenants and API keys).
+    pub fn auth_audit_outbox(&self) -> String {
+        format!("{}a:{{auth}}:audit-outbox", self.prefix)
+    }
+
     /// Tenants: a hash of id to `created_at`.
     pub fn tenants(&self) -> String {
         format!("{}a:{{auth}}:tenants", self.prefix)

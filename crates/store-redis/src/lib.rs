@@ -162,8 +162,8 @@
 //!   `ZREVRANGEBYLEX` a chunk at a time, filtered in process.
 //! - **An admin change and its audit entry** are written by one script, so on a Cluster in one
 //!   slot, which is not the tenant's log's: a switch's or a setting's entry goes into the outbox
-//!   `P c:{control}:audit-outbox` with the document; a budget's into its run's hash, as the
-//!   field `pa:<entry id>`. The entry is then appended to the tenant's log (idempotent by id) and
+//!   `P c:{control}:audit-outbox` with the document, a tenant's or an API key's into
+//!   `P a:{auth}:audit-outbox`; a budget's into its run's hash, as the field `pa:<entry id>`. The entry is then appended to the tenant's log (idempotent by id) and
 //!   taken out. Should the process stop in between, the next read of the control documents (every
 //!   instance's refresh) or of the run moves it: no change is ever kept without its entry.
 //!
@@ -188,6 +188,7 @@
 //! | `P t:{<tenant>}:audit`, `:audit-entries` | sorted set, hash | the tenant's audit log: ids in byte (time) order, entries as JSON |
 //! | `P c:{control}` | hash | every tenant's switches and settings, by `kind NUL tenant NUL id` |
 //! | `P c:{control}:audit-outbox` | hash | audit entries of control changes not yet in their tenant's log, by id |
+//! | `P a:{auth}:audit-outbox` | hash | the same for tenants and API keys |
 //! | `P changes` | channel | finished and purged keys |
 //!
 //! # Costs

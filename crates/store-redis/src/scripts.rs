@@ -861,19 +861,32 @@ return body
 
 /// Stores an API key (replacing one with the same id, and its revocation).
 pub const CREATE_API_KEY: &str = r#"
--- KEYS: api keys, revocations; ARGV: id, JSON
+-- KEYS: api keys, revocations, the auth audit outbox; ARGV: id, JSON, the audit entry's id and
+-- JSON ('' for none)
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[1])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) end
 return 1
+"#;
+
+/// Creates a tenant unless it exists, with its audit entry in the outbox if it was created.
+pub const CREATE_TENANT: &str = r#"
+-- KEYS: tenants, the auth audit outbox; ARGV: id, created at, the audit entry's id and JSON
+-- ('' for none)
+local created = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+if created == 1 and ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[3], ARGV[4]) end
+return created
 "#;
 
 /// Revokes an API key if it belongs to the tenant (keeping an earlier revocation time).
 pub const REVOKE_API_KEY: &str = r#"
--- KEYS: api keys, revocations; ARGV: id, tenant, now
+-- KEYS: api keys, revocations, the auth audit outbox; ARGV: id, tenant, now, the audit entry's
+-- id and JSON ('' for none)
 local doc = redis.call('HGET', KEYS[1], ARGV[1])
 if not doc then return 0 end
 if cjson.decode(doc)['tenant'] ~= ARGV[2] then return 0 end
 redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[4], ARGV[5]) end
 return 1
 "#;
 
@@ -924,6 +937,8 @@ pub struct Scripts {
     pub create_api_key: Script,
     /// See [`REVOKE_API_KEY`].
     pub revoke_api_key: Script,
+    /// See [`CREATE_TENANT`].
+    pub create_tenant: Script,
 }
 
 /// The scripts.
@@ -952,6 +967,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),
+        create_tenant: Script::new(CREATE_TENANT),
     }
 });
 

@@ -4,16 +4,22 @@ use super::*;
 
 #[async_trait]
 impl TenantStore for RedisStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+    async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
+        let (id, entry) = entry_args(audit)?;
         self.bounded("create tenant", async {
             let mut conn = self.conn.clone();
-            let created: i64 = redis::cmd("HSETNX")
-                .arg(self.keys.tenants())
+            let mut invocation = SCRIPTS.create_tenant.prepare_invoke();
+            invocation
+                .key(self.keys.tenants())
+                .key(self.keys.auth_audit_outbox())
                 .arg(tenant.id.as_str())
                 .arg(tenant.created_at.0)
-                .query_async(&mut conn)
-                .await
-                .map_err(unavailable("create tenant"))?;
+                .arg(id)
+                .arg(entry);
+            let created: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("create tenant"))?;
+            if created > 0 {
+                self.deliver_auth_audit(audit).await?;
+            }
             Ok(created > 0)
         })
         .await
@@ -51,13 +57,22 @@ impl TenantStore for RedisStore {
         .await
     }
 
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+    async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
         let doc = serde_json::to_string(key).map_err(corrupt)?;
+        let (id, entry) = entry_args(audit)?;
         self.bounded("create API key", async {
             let mut conn = self.conn.clone();
             let mut invocation = SCRIPTS.create_api_key.prepare_invoke();
-            invocation.key(self.keys.api_keys()).key(self.keys.revoked()).arg(key.id.as_str()).arg(doc);
-            invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("create API key"))
+            invocation
+                .key(self.keys.api_keys())
+                .key(self.keys.revoked())
+                .key(self.keys.auth_audit_outbox())
+                .arg(key.id.as_str())
+                .arg(doc)
+                .arg(id)
+                .arg(entry);
+            invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("create API key"))?;
+            self.deliver_auth_audit(audit).await
         })
         .await
     }
@@ -104,19 +119,49 @@ impl TenantStore for RedisStore {
         .await
     }
 
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+    async fn revoke_api_key(
+        &self,
+        tenant: &TenantId,
+        id: &ApiKeyId,
+        now: Timestamp,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
+        let (entry_id, entry) = entry_args(audit)?;
         self.bounded("revoke API key", async {
             let mut conn = self.conn.clone();
             let mut invocation = SCRIPTS.revoke_api_key.prepare_invoke();
             invocation
                 .key(self.keys.api_keys())
                 .key(self.keys.revoked())
+                .key(self.keys.auth_audit_outbox())
                 .arg(id.as_str())
                 .arg(tenant.as_str())
-                .arg(now.0);
+                .arg(now.0)
+                .arg(entry_id)
+                .arg(entry);
             let revoked: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("revoke API key"))?;
+            if revoked > 0 {
+                self.deliver_auth_audit(audit).await?;
+            }
             Ok(revoked > 0)
         })
         .await
+    }
+}
+
+/// An audit entry's id and JSON as script arguments (`''` for none).
+fn entry_args(audit: Option<&AuditEntry>) -> Result<(String, String), StoreError> {
+    Ok(match audit {
+        Some(entry) => (entry.id.clone(), serde_json::to_string(entry).map_err(corrupt)?),
+        None => (String::new(), String::new()),
+    })
+}
+
+impl RedisStore {
+    /// Moves the entry a tenant or API key change just left in the auth outbox to its log.
+    async fn deliver_auth_audit(&self, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+        let Some(entry) = audit else { return Ok(()) };
+        let outbox = self.keys.auth_audit_outbox();
+        self.deliver_audit(&outbox, vec![(entry.id.clone().into_bytes(), Vec::new())], Some(entry)).await
     }
 }

@@ -433,28 +433,34 @@ async fn audit_entries_left_on_the_way_reach_the_log_once() {
             page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
         }
     };
-    // As a process that stopped after the script: the entry waits in the control outbox.
+    // As processes that stopped after the script: the entries wait in the control outbox and
+    // in the outbox of tenants and API keys.
     let stranded = AuditEntry::new(tenant.clone(), Timestamp(1_000), "cli:ops", "switch.engage", "tenant");
-    redis::cmd("HSET")
-        .arg(keys.control_audit_outbox())
-        .arg(&stranded.id)
-        .arg(serde_json::to_string(&stranded).unwrap())
-        .query_async::<i64>(&mut conn)
-        .await
-        .unwrap();
+    let key_made = AuditEntry::new(tenant.clone(), Timestamp(1_500), "cli:ops", "api_key.create", "k");
+    for (outbox, entry) in [(keys.control_audit_outbox(), &stranded), (keys.auth_audit_outbox(), &key_made)] {
+        redis::cmd("HSET")
+            .arg(outbox)
+            .arg(&entry.id)
+            .arg(serde_json::to_string(entry).unwrap())
+            .query_async::<i64>(&mut conn)
+            .await
+            .unwrap();
+    }
     assert!(logged().await.is_empty());
     store.list_control().await.unwrap();
-    assert_eq!(logged().await, ["switch.engage"], "the refresh moved it");
+    assert_eq!(logged().await, ["api_key.create", "switch.engage"], "the refresh moved them");
     store.list_control().await.unwrap();
-    assert_eq!(logged().await, ["switch.engage"], "once");
-    let left: u64 = redis::cmd("HLEN").arg(keys.control_audit_outbox()).query_async(&mut conn).await.unwrap();
-    assert_eq!(left, 0);
+    assert_eq!(logged().await, ["api_key.create", "switch.engage"], "once");
+    for outbox in [keys.control_audit_outbox(), keys.auth_audit_outbox()] {
+        let left: u64 = redis::cmd("HLEN").arg(outbox).query_async(&mut conn).await.unwrap();
+        assert_eq!(left, 0);
+    }
 
     // A budget's entry waits in its run.
     let run = RunId::parse("r-1").unwrap();
     let budget = AuditEntry::new(tenant.clone(), Timestamp(2_000), "cli:ops", "budget.set", "r-1");
     store.put_budget(&tenant, &run, &Budget::default(), Timestamp(2_000), &budget).await.unwrap();
-    assert_eq!(logged().await, ["budget.set", "switch.engage"]);
+    assert_eq!(logged().await, ["budget.set", "api_key.create", "switch.engage"]);
     let again = AuditEntry::new(tenant.clone(), Timestamp(3_000), "cli:ops", "budget.set", "r-1");
     let run_key = keys.run(&RunPlacement::of(&tenant, &run));
     redis::cmd("HSET")
@@ -465,7 +471,7 @@ async fn audit_entries_left_on_the_way_reach_the_log_once() {
         .await
         .unwrap();
     store.get_run(&tenant, &run).await.unwrap().expect("the run");
-    assert_eq!(logged().await, ["budget.set", "budget.set", "switch.engage"], "the read moved it");
+    assert_eq!(logged().await, ["budget.set", "budget.set", "api_key.create", "switch.engage"], "the read moved it");
     let fields: Vec<String> = redis::cmd("HKEYS").arg(&run_key).query_async(&mut conn).await.unwrap();
     assert!(fields.iter().all(|f| !f.starts_with("pa:")), "{fields:?}");
 }

@@ -36,8 +36,8 @@ fn decode_api_key(
 
 #[async_trait]
 impl TenantStore for SqliteStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        let tenant = tenant.clone();
+    async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
+        let (tenant, audit) = (tenant.clone(), audit.cloned());
         self.write(move |conn| {
             let n = conn
                 .execute(
@@ -45,6 +45,11 @@ impl TenantStore for SqliteStore {
                     params![tenant.id.as_str(), to_i64(tenant.created_at)],
                 )
                 .map_err(unavailable)?;
+            if n > 0
+                && let Some(audit) = &audit
+            {
+                crate::control::insert_audit(conn, audit)?;
+            }
             Ok(n > 0)
         })
         .await
@@ -71,8 +76,8 @@ impl TenantStore for SqliteStore {
         .await
     }
 
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        let key = key.clone();
+    async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+        let (key, audit) = (key.clone(), audit.cloned());
         self.write(move |conn| {
             conn.execute(
                 &format!("INSERT INTO api_keys ({API_KEY_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"),
@@ -87,7 +92,7 @@ impl TenantStore for SqliteStore {
                 ],
             )
             .map_err(unavailable)?;
-            Ok(())
+            audit.as_ref().map_or(Ok(()), |audit| crate::control::insert_audit(conn, audit))
         })
         .await
     }
@@ -118,8 +123,14 @@ impl TenantStore for SqliteStore {
         .await
     }
 
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        let (tenant, id) = (tenant.clone(), id.clone());
+    async fn revoke_api_key(
+        &self,
+        tenant: &TenantId,
+        id: &ApiKeyId,
+        now: Timestamp,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
+        let (tenant, id, audit) = (tenant.clone(), id.clone(), audit.cloned());
         self.write(move |conn| {
             let n = conn
                 .execute(
@@ -127,6 +138,11 @@ impl TenantStore for SqliteStore {
                     params![id.as_str(), tenant.as_str(), to_i64(now)],
                 )
                 .map_err(unavailable)?;
+            if n > 0
+                && let Some(audit) = &audit
+            {
+                crate::control::insert_audit(conn, audit)?;
+            }
             Ok(n > 0)
         })
         .await

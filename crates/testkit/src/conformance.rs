@@ -692,30 +692,44 @@ pub async fn checkpoints_are_bounded_keeping_the_newest(store: Arc<dyn Store>) {
 }
 
 /// Tenants are created once; API keys are stored (digest only), found by id, listed per tenant
-/// and revoked only within their tenant.
+/// and revoked only within their tenant; each change writes its audit entry with it, and one
+/// that changes nothing (a tenant that exists, another tenant's key) writes none.
 pub async fn tenants_and_api_keys(store: Arc<dyn Store>) {
     let now = onceguard_core::Timestamp(1_000);
     let acme = TenantId::parse("acme").unwrap();
     let other = TenantId::parse("other").unwrap();
-    assert!(store.create_tenant(&Tenant { id: acme.clone(), created_at: now }).await.unwrap());
-    assert!(!store.create_tenant(&Tenant { id: acme.clone(), created_at: now }).await.unwrap());
-    assert!(store.create_tenant(&Tenant { id: other.clone(), created_at: now }).await.unwrap());
+    let entry = |tenant: &TenantId, action: &str| AuditEntry::new(tenant.clone(), now, "ci", action, "t");
+    let created = entry(&acme, "tenant.create");
+    assert!(store.create_tenant(&Tenant { id: acme.clone(), created_at: now }, Some(&created)).await.unwrap());
+    let again = entry(&acme, "tenant.create");
+    assert!(!store.create_tenant(&Tenant { id: acme.clone(), created_at: now }, Some(&again)).await.unwrap());
+    assert!(store.create_tenant(&Tenant { id: other.clone(), created_at: now }, None).await.unwrap());
     let ids: Vec<_> = store.list_tenants().await.unwrap().into_iter().map(|t| t.id.to_string()).collect();
     assert_eq!(ids, ["acme", "other"]);
     assert_eq!(store.get_tenant(&acme).await.unwrap().map(|t| t.created_at), Some(now));
 
     let new = ApiKey::generate(acme.clone(), Role::Admin, "ci", now);
-    store.create_api_key(&new.key).await.unwrap();
+    store.create_api_key(&new.key, Some(&entry(&acme, "api_key.create"))).await.unwrap();
     let found = store.get_api_key(&new.key.id).await.unwrap().expect("stored");
     assert_eq!(found, new.key);
     let (_, secret) = onceguard_core::auth::parse_token(&new.token).unwrap();
     assert!(found.verify(secret));
     assert_eq!(store.list_api_keys(&acme).await.unwrap().len(), 1);
     assert!(store.list_api_keys(&other).await.unwrap().is_empty());
-    assert!(!store.revoke_api_key(&other, &new.key.id, now).await.unwrap());
+    assert!(!store.revoke_api_key(&other, &new.key.id, now, Some(&entry(&other, "api_key.revoke"))).await.unwrap());
     assert!(store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
-    assert!(store.revoke_api_key(&acme, &new.key.id, now).await.unwrap());
+    assert!(store.revoke_api_key(&acme, &new.key.id, now, Some(&entry(&acme, "api_key.revoke"))).await.unwrap());
     assert!(!store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
+    let logged = |tenant: TenantId| {
+        let store = store.clone();
+        async move {
+            let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
+            let page = store.list_audit(&tenant, &filter).await.unwrap();
+            page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(logged(acme).await, ["api_key.revoke", "api_key.create", "tenant.create"]);
+    assert!(logged(other).await.is_empty(), "nothing changed in other with an entry");
 }
 
 async fn set_budget(store: &Arc<dyn Store>, tenant: &str, run: &str, budget: Budget) {
@@ -952,7 +966,7 @@ pub async fn revoked_leases_make_holders_stale(store: Arc<dyn Store>) {
 pub async fn audit_log_prunes_old_entries(store: Arc<dyn Store>) {
     let (acme, other) = (TenantId::parse("acme").unwrap(), TenantId::parse("other").unwrap());
     for tenant in [&acme, &other] {
-        store.create_tenant(&Tenant { id: tenant.clone(), created_at: Timestamp(0) }).await.unwrap();
+        store.create_tenant(&Tenant { id: tenant.clone(), created_at: Timestamp(0) }, None).await.unwrap();
     }
     for i in 0..10u64 {
         store

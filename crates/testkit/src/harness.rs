@@ -82,10 +82,10 @@ impl Harness {
         let now = self.clock.now();
         if self.store.get_tenant(&tenant).await.expect("the store answers").is_none() {
             let made = Tenant { id: tenant.clone(), created_at: now };
-            self.store.create_tenant(&made).await.expect("the tenant is made");
+            self.store.create_tenant(&made, None).await.expect("the tenant is made");
         }
         let new = ApiKey::generate(tenant, role, "test", now);
-        self.store.create_api_key(&new.key).await.expect("the key is stored");
+        self.store.create_api_key(&new.key, None).await.expect("the key is stored");
         new.token
     }
 }

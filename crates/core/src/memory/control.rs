@@ -7,7 +7,7 @@ impl ControlStore for MemoryStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
         let mut state = self.lock();
         state.control.insert((doc.kind, doc.tenant.clone(), doc.id.clone()), doc.clone());
-        state.audit.insert((audit.tenant.clone(), audit.id.clone()), audit.clone());
+        state.log(Some(audit));
         Ok(())
     }
 
@@ -21,7 +21,7 @@ impl ControlStore for MemoryStore {
         let mut state = self.lock();
         let removed = state.control.remove(&(kind, tenant.clone(), id.to_owned()));
         if removed.is_some() {
-            state.audit.insert((audit.tenant.clone(), audit.id.clone()), audit.clone());
+            state.log(Some(audit));
         }
         Ok(removed)
     }

@@ -51,6 +51,13 @@ struct State {
 }
 
 impl State {
+    /// Appends `entry` (if any) to the audit log, under the lock of the change it records.
+    fn log(&mut self, entry: Option<&AuditEntry>) {
+        if let Some(entry) = entry {
+            self.audit.insert((entry.tenant.clone(), entry.id.clone()), entry.clone());
+        }
+    }
+
     /// The tenant's next fence.
     fn draw_fence(&mut self, tenant: &TenantId) -> Fence {
         let last = self.fences.entry(tenant.clone()).or_default();

@@ -17,7 +17,7 @@ impl RunStore for MemoryStore {
         stored.budget = budget.clone();
         stored.updated_at = now;
         let stored = stored.clone();
-        state.audit.insert((audit.tenant.clone(), audit.id.clone()), audit.clone());
+        state.log(Some(audit));
         Ok(stored)
     }
 

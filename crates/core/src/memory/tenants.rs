@@ -4,12 +4,13 @@ use super::*;
 
 #[async_trait]
 impl TenantStore for MemoryStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
+    async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
         let mut state = self.lock();
         if state.tenants.contains_key(&tenant.id) {
             return Ok(false);
         }
         state.tenants.insert(tenant.id.clone(), tenant.clone());
+        state.log(audit);
         Ok(true)
     }
 
@@ -21,8 +22,10 @@ impl TenantStore for MemoryStore {
         Ok(self.lock().tenants.values().cloned().collect())
     }
 
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.lock().api_keys.insert(key.id.as_str().to_owned(), key.clone());
+    async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        state.api_keys.insert(key.id.as_str().to_owned(), key.clone());
+        state.log(audit);
         Ok(())
     }
 
@@ -36,11 +39,18 @@ impl TenantStore for MemoryStore {
         Ok(keys)
     }
 
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
+    async fn revoke_api_key(
+        &self,
+        tenant: &TenantId,
+        id: &ApiKeyId,
+        now: Timestamp,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
         let mut state = self.lock();
         match state.api_keys.get_mut(id.as_str()) {
             Some(key) if &key.tenant == tenant => {
                 key.revoked_at.get_or_insert(now);
+                state.log(audit);
                 Ok(true)
             }
             _ => Ok(false),

@@ -35,7 +35,8 @@ async fn keys_revoked_in_the_store_are_refused_within_the_cache_ttl() {
         let (status, _) = app.claim(&app.agent, claim("before")).await;
         assert_eq!(status, StatusCode::CREATED);
         let id = ApiKeyId::parse(key_id(&app.agent)).unwrap();
-        assert!(app.store.revoke_api_key(&TenantId::parse("acme").unwrap(), &id, Timestamp::now()).await.unwrap());
+        let acme = TenantId::parse("acme").unwrap();
+        assert!(app.store.revoke_api_key(&acme, &id, Timestamp::now(), None).await.unwrap());
         let (status, _) = app.claim(&app.agent, claim("just-after")).await;
         if ttl.is_zero() {
             assert_eq!(status, StatusCode::UNAUTHORIZED, "without the cache the revocation counts at once");

@@ -227,8 +227,8 @@ impl ControlStore for BreakableStore {
 
 #[async_trait::async_trait]
 impl TenantStore for BreakableStore {
-    async fn create_tenant(&self, tenant: &Tenant) -> Result<bool, StoreError> {
-        self.up()?.create_tenant(tenant).await
+    async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
+        self.up()?.create_tenant(tenant, audit).await
     }
 
     async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
@@ -239,8 +239,8 @@ impl TenantStore for BreakableStore {
         self.up()?.list_tenants().await
     }
 
-    async fn create_api_key(&self, key: &ApiKey) -> Result<(), StoreError> {
-        self.up()?.create_api_key(key).await
+    async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+        self.up()?.create_api_key(key, audit).await
     }
 
     async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
@@ -251,8 +251,14 @@ impl TenantStore for BreakableStore {
         self.up()?.list_api_keys(tenant).await
     }
 
-    async fn revoke_api_key(&self, tenant: &TenantId, id: &ApiKeyId, now: Timestamp) -> Result<bool, StoreError> {
-        self.up()?.revoke_api_key(tenant, id, now).await
+    async fn revoke_api_key(
+        &self,
+        tenant: &TenantId,
+        id: &ApiKeyId,
+        now: Timestamp,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
+        self.up()?.revoke_api_key(tenant, id, now, audit).await
     }
 }
 
