@@ -81,7 +81,7 @@ impl ScaleSqlite {
             // Every preloaded record is of one tenant: its fence counter is raised past them.
             let tenant = preloaded_record(from, Fence(0), now).scope.tenant;
             let base: i64 = tx.query_row(
-                "SELECT coalesce((SELECT last FROM fences WHERE tenant = ?1), (SELECT value FROM meta WHERE name = 'fence'))",
+                "SELECT coalesce((SELECT last FROM fences WHERE tenant = ?1), (SELECT value FROM meta WHERE name = 'fence_floor'))",
                 [tenant.as_str()],
                 |r| r.get(0),
             )?;

@@ -45,15 +45,28 @@ impl ControlCache {
         if let Some(controls) = self.fresh() {
             return Ok(controls);
         }
-        let _one_at_a_time = self.refreshing.lock().await;
+        let one_at_a_time = self.refreshing.lock().await;
         if let Some(controls) = self.fresh() {
             return Ok(controls);
         }
-        self.refresh(store).await
+        self.read(store, one_at_a_time).await
     }
 
     /// Reads switches and settings from `store` into the cache.
     pub(crate) async fn refresh(&self, store: &dyn Store) -> Result<Arc<Controls>, StoreError> {
+        let one_at_a_time = self.refreshing.lock().await;
+        self.read(store, one_at_a_time).await
+    }
+
+    /// One read, while no other runs: reads that overlapped could see the store in another
+    /// order than they began (one waits for a connection, the other does not), and the one
+    /// that began later but saw the store earlier would replace what the other saw, a switch
+    /// engaged in between included.
+    async fn read(
+        &self,
+        store: &dyn Store,
+        _one_at_a_time: tokio::sync::MutexGuard<'_, ()>,
+    ) -> Result<Arc<Controls>, StoreError> {
         let read_at = Instant::now();
         let docs = store.list_control().await?;
         let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);

@@ -347,8 +347,8 @@ impl Guard {
         self.check_batch(calls.len())?;
         let mut kept = Vec::with_capacity(calls.len());
         for (i, call) in calls.into_iter().enumerate() {
-            self.check_mutation(&call.scope, &call.mutation).await.map_err(|e| e.at(i))?;
             let mutation = self.kept(&call.scope, call.mutation).await.map_err(|e| e.at(i))?;
+            self.check_mutation(&call.scope, &mutation).await.map_err(|e| e.at(i))?;
             kept.push(FencedCall { mutation, ..call });
         }
         let calls = kept;
@@ -430,8 +430,9 @@ impl Guard {
         fence: Fence,
         mutation: Mutation,
     ) -> Result<FencedOutcome, GuardError> {
-        self.check_mutation(scope, &mutation).await?;
+        // What is kept is what is bounded: a result kept as its digest is never too large.
         let mutation = self.kept(scope, mutation).await?;
+        self.check_mutation(scope, &mutation).await?;
         let (op, finishes) = (mutation.op(), mutation.finishes());
         let outcome = match &self.sealer {
             None => self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?,
@@ -653,9 +654,11 @@ impl Guard {
 
     /// Seals again, with the current key of the key file, every stored result and checkpoint
     /// of `tenant` that an older key sealed or that was stored before sealing was on (an
-    /// operator's action, audited as `records.reseal` with its counts). A record that changes
-    /// while it is read and rewritten is left as its writer left it (which sealed with the
-    /// current key). Without a sealer nothing can be sealed: an error.
+    /// operator's action, audited as `records.reseal` with its counts, once the tenant is done).
+    /// A record that changes while it is read and rewritten is left as its writer left it and
+    /// counted (what its writer added is sealed with the current key, what it kept may not be:
+    /// run it again); one with a value no key opens is counted and left. Without a sealer
+    /// nothing can be sealed: an error.
     pub async fn reseal(&self, actor: &str, tenant: &TenantId) -> Result<Resealed, GuardError> {
         let Some(sealer) = &self.sealer else {
             return Err(InvalidInput::new("encryption", "no key file: give --encryption-key-file to seal").into());
@@ -667,23 +670,12 @@ impl Guard {
             let page = self.store.list(tenant, &filter, now).await?;
             for old in &page.records {
                 counts.examined += 1;
-                let mut new = old.clone();
-                let mut changed = false;
-                if let Some(o) = &mut new.outcome
-                    && let Some(body) = sealer.reseal_bytes(&old.scope, &o.body)?
-                {
-                    o.body = body;
-                    changed = true;
-                }
-                for cp in &mut new.checkpoints {
-                    if let Some(data) = sealer.reseal_text(&old.scope, &cp.data)? {
-                        cp.data = data;
-                        changed = true;
-                    }
-                }
-                if !changed {
+                let Ok(new) = resealed(sealer, old) else {
+                    // Sealed with a key the file lacks: left as it is, and counted.
+                    counts.unopened += 1;
                     continue;
-                }
+                };
+                let Some(new) = new else { continue };
                 if self.store.replace(old, &new).await? {
                     counts.resealed += 1;
                 } else {
@@ -728,8 +720,30 @@ pub struct Resealed {
     pub examined: u64,
     /// Records rewritten with every value sealed by the current key.
     pub resealed: u64,
-    /// Records that changed between the read and the rewrite (left as their writer left them).
+    /// Records that changed between the read and the rewrite (left as their writer left them;
+    /// run it again for those).
     pub changed_meanwhile: u64,
+    /// Records with a value no key of the file opens (left as they are).
+    pub unopened: u64,
+}
+
+/// `record` with every value sealed by the current key, or `None` if each is already.
+fn resealed(sealer: &Sealer, record: &Record) -> Result<Option<Record>, crate::sealing::OpenError> {
+    let mut new = record.clone();
+    let mut changed = false;
+    if let Some(o) = &mut new.outcome
+        && let Some(body) = sealer.reseal_bytes(&record.scope, &o.body)?
+    {
+        o.body = body;
+        changed = true;
+    }
+    for cp in &mut new.checkpoints {
+        if let Some(data) = sealer.reseal_text(&record.scope, &cp.data)? {
+            cp.data = data;
+            changed = true;
+        }
+    }
+    Ok(changed.then_some(new))
 }
 
 /// Runs `step` (which deletes up to `batch` things and answers how many) until it deletes

@@ -23,9 +23,10 @@ use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use axum::response::IntoResponse;
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
+use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
     CheckpointName, Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Guard, Mutation, Outcome,
-    OutcomeKind, RecordState, Scope, TenantId,
+    OutcomeDigest, OutcomeKind, RecordState, Scope, TenantId,
 };
 use onceguard_http::AppState;
 use onceguard_http::config::McpNoKey;
@@ -658,14 +659,21 @@ impl Leg {
             Settlement::NotStored(Omitted { size, sha256 }) => {
                 tracing::warn!(scope = %self.scope, size, "a result too large to store went to the caller; its key records the size and digest, and its replays say the result was not kept");
                 self.gateway.state.metrics.observe_unstored_response(&self.scope.tenant);
-                let body = serde_json::json!({ "size": size, "sha256": sha256 }).to_string().into_bytes();
-                Mutation::Complete(Outcome {
-                    kind: OutcomeKind::Success,
-                    content_type: NOT_STORED.into(),
-                    body,
-                    cost: None,
-                    tokens: None,
-                })
+                // Where the namespace keeps digests, the digest is the result's own (the guard
+                // would otherwise take one of this record of it).
+                if guard.effective(&self.scope).await.is_ok_and(|e| e.outcome_kept == OutcomeKept::Digest) {
+                    let digest = OutcomeDigest { content_type: "application/json".into(), size, sha256, status: None };
+                    Mutation::Complete(digest.into_outcome(OutcomeKind::Success, None, None))
+                } else {
+                    let body = serde_json::json!({ "size": size, "sha256": sha256 }).to_string().into_bytes();
+                    Mutation::Complete(Outcome {
+                        kind: OutcomeKind::Success,
+                        content_type: NOT_STORED.into(),
+                        body,
+                        cost: None,
+                        tokens: None,
+                    })
+                }
             }
             Settlement::Store { result, failure } => {
                 let kind = if failure { OutcomeKind::Failure } else { OutcomeKind::Success };

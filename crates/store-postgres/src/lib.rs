@@ -30,8 +30,9 @@
 //!   runs again in a batch of its own). What is in memory is never taken as the record: it
 //!   only says what to write if the record is that.
 //! - **Fences** come from the tenant's sequence (`og_fence_of(tenant)`, made by
-//!   `og_ensure_fence` before the tenant's first claim in a process, starting above `og_fence`,
-//!   the one sequence of earlier versions), drawn *after* the key's lock is held, so a
+//!   `og_ensure_fence` before the tenant's first claim in a process, starting above
+//!   `og_fence_floor`, the one sequence of earlier versions renamed so that an earlier version
+//!   left running fails to draw), drawn *after* the key's lock is held, so a
 //!   key's next fence is always greater than every fence it had; the sequence is never reset, so
 //!   fences keep growing after a record expired, was swept or purged. The read statement draws
 //!   one for each claim of a key that has no row (such a claim acquires unless a limit denies

@@ -90,10 +90,13 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     END $$;
 "#,
     // Fences per tenant: each tenant draws from a sequence of its own (og_fence_of), made by
-    // og_ensure_fence before its first claim, starting above og_fence, the one sequence of
-    // earlier versions, which is no longer drawn from. A key's fences keep growing across the
-    // upgrade, and one tenant's fences tell nothing of another's claims.
+    // og_ensure_fence before its first claim, starting above og_fence_floor, the one sequence of
+    // earlier versions renamed: no longer drawn from, and an earlier version's instance (during
+    // a rolling upgrade) fails to draw from og_fence instead of handing out a fence below one a
+    // tenant's sequence gave. A key's fences keep growing across the upgrade, and one tenant's
+    // fences tell nothing of another's claims.
     r#"
+    ALTER SEQUENCE og_fence RENAME TO og_fence_floor;
     CREATE FUNCTION og_fence_name(t text) RETURNS text LANGUAGE sql IMMUTABLE
         AS $$ SELECT 'og_fence_' || substr(md5(t), 1, 16) $$;
     CREATE FUNCTION og_fence_of(t text) RETURNS regclass LANGUAGE sql STABLE
@@ -105,7 +108,7 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         IF to_regclass(og_fence_name(t)) IS NOT NULL THEN
             RETURN;
         END IF;
-        SELECT CASE WHEN is_called THEN last_value ELSE 0 END INTO floor FROM og_fence;
+        SELECT CASE WHEN is_called THEN last_value ELSE 0 END INTO floor FROM og_fence_floor;
         BEGIN
             EXECUTE format('CREATE SEQUENCE %I START WITH %s', og_fence_name(t), floor + 1);
         EXCEPTION WHEN duplicate_table OR unique_violation THEN

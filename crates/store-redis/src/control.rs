@@ -51,12 +51,8 @@ impl RedisStore {
             .arg(audit.id.as_str())
             .arg(entry);
         invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("put a control document"))?;
-        self.deliver_audit(
-            &self.keys.control_audit_outbox(),
-            vec![(audit.id.clone().into_bytes(), Vec::new())],
-            Some(audit),
-        )
-        .await
+        self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
+        Ok(())
     }
 
     pub(crate) async fn remove_control(
@@ -79,17 +75,13 @@ impl RedisStore {
         let body: Option<Vec<u8>> =
             invocation.invoke_async(&mut conn).await.map_err(unavailable("delete a control document"))?;
         let Some(body) = body else { return Ok(None) };
-        self.deliver_audit(
-            &self.keys.control_audit_outbox(),
-            vec![(audit.id.clone().into_bytes(), Vec::new())],
-            Some(audit),
-        )
-        .await?;
+        self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
         control_doc(&field, body).map(Some)
     }
 
-    /// Every control document; entries a change left in the outbox (the process that made it
-    /// stopped before it moved them) are moved to their tenants' logs first.
+    /// Every control document; entries a change left in an outbox (the process that made it
+    /// stopped, or the log's slot did not answer, before they were moved) are moved to their
+    /// tenants' logs first, as far as that slot answers.
     pub(crate) async fn read_controls(&self) -> Result<Vec<ControlDoc>, StoreError> {
         let mut conn = self.conn.clone();
         for outbox in [self.keys.control_audit_outbox(), self.keys.auth_audit_outbox()] {
@@ -98,8 +90,12 @@ impl RedisStore {
                 .query_async(&mut conn)
                 .await
                 .map_err(unavailable("read an audit outbox"))?;
-            if !waiting.is_empty() {
-                self.deliver_audit(&outbox, waiting, None).await?;
+            // Entries that cannot be moved now stay for the next refresh: the documents (which
+            // every claim reads) are answered whatever the audit log's slot can take.
+            if !waiting.is_empty()
+                && let Err(e) = self.deliver_audit(&outbox, waiting, None).await
+            {
+                tracing::warn!(error = %e, outbox, "redis: audit entries wait in their outbox; moved at a later refresh");
             }
         }
         let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
@@ -108,6 +104,16 @@ impl RedisStore {
             .await
             .map_err(unavailable("list control documents"))?;
         all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
+    }
+
+    /// Moves the entry a change just wrote into `outbox` to its tenant's log. The change and
+    /// its entry are stored already (one script): should the move fail, the entry waits in the
+    /// outbox for the next control refresh, and the change is answered as done.
+    pub(crate) async fn deliver_soon(&self, outbox: &str, entry: &AuditEntry) {
+        let moved = self.deliver_audit(outbox, vec![(entry.id.clone().into_bytes(), Vec::new())], Some(entry)).await;
+        if let Err(e) = moved {
+            tracing::warn!(error = %e, outbox, action = entry.action, "redis: an audit entry waits in its outbox; moved at the next refresh");
+        }
     }
 
     /// Moves audit entries from an outbox (the control documents', or tenants' and API keys')

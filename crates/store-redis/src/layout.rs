@@ -185,10 +185,16 @@ impl Keys {
         format!("{}t:{{{tenant}}}:fence", self.prefix)
     }
 
-    /// The one fence counter of earlier versions: no longer drawn from; every tenant's counter
-    /// starts above it, so a key's fences keep growing across the upgrade.
+    /// The one fence counter of earlier versions. Turned into the text `floor:<n>` on the
+    /// first connect of this version ([`crate::scripts::RETIRE_FENCE_COUNTER`]): every tenant's
+    /// counter starts above `n`, and an earlier version's script, which increments it, fails.
     pub fn legacy_fence_counter(&self) -> String {
         format!("{}fence", self.prefix)
+    }
+
+    /// A slot's fence mark of earlier versions (one per slot, for every tenant).
+    pub fn legacy_fence_mark(&self, slot: u16) -> String {
+        format!("{}f:{{{}}}", self.prefix, slot_tag(slot))
     }
 
     /// A tenant's fence mark on a slot, the highest fence acquired for the tenant on the slot:

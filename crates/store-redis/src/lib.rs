@@ -20,8 +20,10 @@
 //!   unique across the tenant's keys, handed out 1, 2, 3, … as its claims acquire, never deleted
 //!   and never expiring, so a key's fence keeps growing after its record expired, was swept or
 //!   was purged, and a tenant's fences tell nothing of another's claims. A counter starts above
-//!   `P fence`, the one counter of earlier versions (read at connect; on one server each
-//!   process raises a tenant's counter to it before its first draw). Each slot also keeps, per
+//!   the floor the first connect of this version left in `P fence`, the one counter of earlier
+//!   versions, as `floor:<n>` (the counter or its slots' marks, whichever was higher); an
+//!   earlier version's script, which increments it, then fails (on one server each process
+//!   raises a tenant's counter to the floor before its first draw). Each slot also keeps, per
 //!   tenant, a *fence mark*, the highest fence acquired on it for the tenant (never deleted
 //!   either). On one server the claim script draws from the counter
 //!   itself. On a Cluster the counter lives on the tenant's slot, so a claim that would acquire
@@ -175,7 +177,7 @@
 //! | --- | --- | --- |
 //! | `P r:{T}:<digest>` | hash | one record (fields in [`scripts`]); the digest is of tenant, namespace and key |
 //! | `P t:{<tenant>}:fence` | string | the tenant's fence counter |
-//! | `P fence` | string | the one fence counter of earlier versions: the floor of every tenant's |
+//! | `P fence` | string | `floor:<n>`: the one fence counter of earlier versions, retired: the floor of every tenant's |
 //! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot |
 //! | `P x:{T}` | sorted set | the slot's records by `expires_at` (for the sweep) |
 //! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
@@ -493,6 +495,31 @@ fn unavailable(what: &'static str) -> impl Fn(RedisError) -> StoreError {
 }
 
 /// Awaits `op`, at most `limit`.
+/// Retires the one fence counter of earlier versions ([`scripts::RETIRE_FENCE_COUNTER`]) and
+/// answers the floor of every tenant's counter. The first connect of this version also reads
+/// the slot marks of earlier versions (they can be above the counter after a failover).
+async fn retire_fence_counter(conn: &mut Conn, keys: &Keys) -> Result<u64, RedisError> {
+    let current: Option<String> = redis::cmd("GET").arg(keys.legacy_fence_counter()).query_async(conn).await?;
+    let mut highest_mark = 0u64;
+    if current.as_deref().is_none_or(|v| !v.starts_with("floor:")) {
+        let slots: Vec<u16> = redis::cmd("SMEMBERS").arg(keys.used_slots()).query_async(conn).await?;
+        let marks = slots.iter().map(|slot| {
+            let mut conn = conn.clone();
+            let key = keys.legacy_fence_mark(*slot);
+            async move { redis::cmd("GET").arg(key).query_async::<Option<u64>>(&mut conn).await }
+        });
+        for mark in try_join_all(marks).await? {
+            highest_mark = highest_mark.max(mark.unwrap_or(0));
+        }
+    }
+    let mut invocation = SCRIPTS.retire_fence_counter.prepare_invoke();
+    invocation.key(keys.legacy_fence_counter()).arg(highest_mark);
+    let floor: String = invocation.invoke_async(conn).await?;
+    floor
+        .parse()
+        .map_err(|_| RedisError::from((redis::ErrorKind::UnexpectedReturnType, "a fence floor that is not a number")))
+}
+
 async fn within<T>(
     limit: Duration,
     what: &'static str,
@@ -600,11 +627,9 @@ impl RedisStore {
             timeout,
             ready_tx,
         ));
-        let fence_floor: Option<u64> = within(
-            timeout,
-            "read the fence counter of earlier versions",
-            redis::cmd("GET").arg(keys.legacy_fence_counter()).query_async(&mut conn.clone()),
-        )
+        let fence_floor = within(timeout, "retire the fence counter of earlier versions", async {
+            retire_fence_counter(&mut conn.clone(), &keys).await
+        })
         .await?;
         let store = Self {
             conn,
@@ -612,7 +637,7 @@ impl RedisStore {
             options,
             cluster,
             registered: SlotSet::new(),
-            fence_floor: fence_floor.unwrap_or(0),
+            fence_floor,
             floored: std::sync::Mutex::default(),
             origin,
             changes,

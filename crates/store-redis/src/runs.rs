@@ -27,7 +27,11 @@ impl RedisStore {
             .arg(serde_json::to_string(audit).map_err(corrupt)?);
         let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("set a budget"))?;
         let flat = strings(answer)?;
-        self.deliver_run_audit(&key, &flat).await?;
+        // The budget and its entry are stored (one script); an entry that cannot be moved now
+        // waits in the run for its next read.
+        if let Err(e) = self.deliver_run_audit(&key, &flat).await {
+            tracing::warn!(error = %e, "redis: a budget's audit entry waits in its run; moved at the run's next read");
+        }
         codec::run(tenant, run, flat)?.ok_or_else(|| corrupt("a budget was set on no run"))
     }
 

@@ -600,6 +600,19 @@ end
 return redis.call('INCR', KEYS[1])
 "#;
 
+/// Retires the one fence counter of earlier versions: answers the floor every tenant's counter
+/// starts above (the counter, or the highest slot mark of earlier versions given, whichever is
+/// higher), kept as the text `floor:<n>` in its place, so that an earlier version's scripts,
+/// which increment it, fail instead of handing out a fence below one a tenant's counter gave.
+pub const RETIRE_FENCE_COUNTER: &str = r#"
+-- KEYS: the counter of earlier versions; ARGV: the highest slot mark of earlier versions
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, 6) == 'floor:' then return string.sub(v, 7) end
+local floor = math.max(tonumber(v or '0'), tonumber(ARGV[1]))
+redis.call('SET', KEYS[1], 'floor:' .. string.format('%.0f', floor))
+return string.format('%.0f', floor)
+"#;
+
 /// Deletes one record found in the expiry index, if it expired at `now`. Answers 1 if it
 /// deleted a record, 0 if the record was gone already (reclaimed by Redis) or is live.
 pub const SWEEP_ONE: &str = r#"
@@ -929,6 +942,8 @@ pub struct Scripts {
     pub prune_audit: Script,
     /// See [`PUT_CONTROL`].
     pub put_control: Script,
+    /// See [`RETIRE_FENCE_COUNTER`].
+    pub retire_fence_counter: Script,
     /// See [`REPLACE_VALUES`].
     pub replace_values: Script,
     /// See [`DELETE_CONTROL`].
@@ -963,6 +978,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         append_audit: Script::new(APPEND_AUDIT),
         prune_audit: Script::new(PRUNE_AUDIT),
         put_control: Script::new(PUT_CONTROL),
+        retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),
         delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),

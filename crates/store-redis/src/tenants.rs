@@ -158,10 +158,12 @@ fn entry_args(audit: Option<&AuditEntry>) -> Result<(String, String), StoreError
 }
 
 impl RedisStore {
-    /// Moves the entry a tenant or API key change just left in the auth outbox to its log.
+    /// Moves the entry a tenant or API key change just left in the auth outbox to its log
+    /// (see [`RedisStore::deliver_soon`]).
     async fn deliver_auth_audit(&self, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
-        let Some(entry) = audit else { return Ok(()) };
-        let outbox = self.keys.auth_audit_outbox();
-        self.deliver_audit(&outbox, vec![(entry.id.clone().into_bytes(), Vec::new())], Some(entry)).await
+        if let Some(entry) = audit {
+            self.deliver_soon(&self.keys.auth_audit_outbox(), entry).await;
+        }
+        Ok(())
     }
 }

@@ -477,7 +477,8 @@ async fn audit_entries_left_on_the_way_reach_the_log_once() {
 }
 
 /// Fences are counted per tenant, and every tenant's counter starts above the one counter of
-/// earlier versions: after an upgrade a key's fences keep growing.
+/// earlier versions and their slot marks: after an upgrade a key's fences keep growing, and an
+/// earlier version's script that would draw from the old counter fails instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenant_fence_counters_start_above_the_counter_of_earlier_versions() {
     if !common::single_available() {
@@ -488,14 +489,24 @@ async fn tenant_fence_counters_start_above_the_counter_of_earlier_versions() {
     let keys = Keys::new(&prefix).unwrap();
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
     redis::cmd("SET").arg(keys.legacy_fence_counter()).arg(500).query_async::<()>(&mut conn).await.unwrap();
+    // A slot mark above the counter, as a failover can leave.
+    redis::cmd("SADD").arg(keys.used_slots()).arg(7).query_async::<()>(&mut conn).await.unwrap();
+    redis::cmd("SET").arg(keys.legacy_fence_mark(7)).arg(650).query_async::<()>(&mut conn).await.unwrap();
     let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    let retired: String = redis::cmd("GET").arg(keys.legacy_fence_counter()).query_async(&mut conn).await.unwrap();
+    assert_eq!(retired, "floor:650");
+    let old_draw = redis::cmd("INCR").arg(keys.legacy_fence_counter()).query_async::<i64>(&mut conn).await;
+    assert!(old_draw.is_err(), "an earlier version's draw fails: {old_draw:?}");
     let now = Timestamp(1_700_000_000_000);
     let first = common::acquire(&store, &scope("after-upgrade"), now).await;
-    assert!(first.0 > 500, "{first:?}");
+    assert!(first.0 > 650, "{first:?}");
     let other =
         Scope::new(TenantId::parse("globex").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap());
     let theirs = common::acquire(&store, &other, now).await;
-    assert!(theirs.0 > 500, "{theirs:?}");
+    assert!(theirs.0 > 650, "{theirs:?}");
     let second = common::acquire(&store, &scope("after-upgrade-2"), now).await;
     assert_eq!(second.0, first.0 + 1, "globex's claim drew none of acme's fences");
+    drop(store);
+    let again = RedisStore::connect(&url, &prefix).await.unwrap();
+    assert!(common::acquire(&again, &scope("after-reconnect"), now).await > second, "the floor stays");
 }

@@ -310,7 +310,7 @@ impl ClaimStore for SqliteStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.read(|conn| {
-            conn.query_row("SELECT value FROM meta WHERE name = 'fence'", [], |r| r.get::<_, i64>(0))
+            conn.query_row("SELECT value FROM meta WHERE name = 'fence_floor'", [], |r| r.get::<_, i64>(0))
                 .map(drop)
                 .map_err(unavailable)
         })

@@ -14,8 +14,9 @@
 //!   answer is never sent for a write that is not durable.
 //! - **Fences** come from one counter row per tenant (`fences`) that only grows and is never
 //!   deleted, so a key's fence keeps growing after its record expired and was swept, and a
-//!   tenant's fences tell nothing of another's claims. Each starts above `meta.fence`, the one
-//!   counter of earlier versions.
+//!   tenant's fences tell nothing of another's claims. Each starts above `meta.fence_floor`,
+//!   the one counter of earlier versions (renamed from `fence`, so that an earlier version's
+//!   binary on the same file fails to draw instead of drawing below).
 //! - **Retention** is checked when read (`expires_at > now` in every query); the sweep deletes
 //!   expired rows in bounded batches.
 //! - **Budgets and quotas** are decided in the claim's job, on the writer thread, so nothing
@@ -132,11 +133,14 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX audit_action ON audit (tenant, action, id);
     CREATE INDEX audit_actor ON audit (tenant, actor, id);
 "#,
-    // Fences per tenant. `meta.fence`, the one counter of earlier versions, is no longer drawn
-    // from: it is the floor every tenant's counter starts above, so a key's fences keep growing
-    // across the upgrade.
+    // Fences per tenant. The one counter of earlier versions is renamed `fence_floor`: no
+    // longer drawn from, it is the floor every tenant's counter starts above, so a key's fences
+    // keep growing across the upgrade; and an earlier version's binary, which draws from the
+    // row `fence`, finds none and fails closed instead of handing out a fence below one a new
+    // counter gave.
     r#"
     CREATE TABLE fences (tenant TEXT PRIMARY KEY, last INTEGER NOT NULL) WITHOUT ROWID;
+    UPDATE meta SET name = 'fence_floor' WHERE name = 'fence';
 "#,
 ];
 
@@ -324,11 +328,11 @@ fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
     }
 }
 
-/// The tenant's next fence: its counter in `fences`, which starts above `meta.fence`.
+/// The tenant's next fence: its counter in `fences`, which starts above `meta.fence_floor`.
 fn next_fence(conn: &Connection, tenant: &TenantId) -> Result<Fence, StoreError> {
     let value: i64 = conn
         .prepare_cached(
-            "INSERT INTO fences (tenant, last) VALUES (?1, (SELECT value FROM meta WHERE name = 'fence') + 1)
+            "INSERT INTO fences (tenant, last) VALUES (?1, (SELECT value FROM meta WHERE name = 'fence_floor') + 1)
              ON CONFLICT (tenant) DO UPDATE SET last = last + 1 RETURNING last",
         )
         .and_then(|mut st| st.query_row([tenant.as_str()], |r| r.get(0)))
@@ -336,11 +340,11 @@ fn next_fence(conn: &Connection, tenant: &TenantId) -> Result<Fence, StoreError>
     u64::try_from(value).map(Fence).map_err(corrupt)
 }
 
-/// The tenant's last fence (`meta.fence`, the floor, if it never drew one).
+/// The tenant's last fence (`meta.fence_floor` if it never drew one).
 fn current_fence(conn: &Connection, tenant: &TenantId) -> Result<u64, StoreError> {
     let value: i64 = conn
         .prepare_cached(
-            "SELECT coalesce((SELECT last FROM fences WHERE tenant = ?1), (SELECT value FROM meta WHERE name = 'fence'))",
+            "SELECT coalesce((SELECT last FROM fences WHERE tenant = ?1), (SELECT value FROM meta WHERE name = 'fence_floor'))",
         )
         .and_then(|mut st| st.query_row([tenant.as_str()], |r| r.get(0)))
         .map_err(unavailable)?;

@@ -237,7 +237,7 @@ async fn resealing_lets_the_old_key_go() {
     let guard = Guard::new(store.clone(), clock, Limits::default()).with_sealer(Some(sealer));
     let acme = TenantId::parse("acme").unwrap();
     let done = guard.reseal("cli:ops", &acme).await.unwrap();
-    assert_eq!((done.examined, done.resealed, done.changed_meanwhile), (2, 2, 0), "{done:?}");
+    assert_eq!((done.examined, done.resealed, done.changed_meanwhile, done.unopened), (2, 2, 0, 0), "{done:?}");
     let again = guard.reseal("cli:ops", &acme).await.unwrap();
     assert_eq!((again.examined, again.resealed), (2, 0), "what the current key sealed is left as it is");
     let scope = |key: &str| Scope::new(acme.clone(), Namespace::parse("pii/cards").unwrap(), Key::parse(key).unwrap());

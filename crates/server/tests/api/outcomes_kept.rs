@@ -122,3 +122,30 @@ async fn a_digest_namespace_keeps_no_result_bytes_and_still_never_runs_twice() {
     assert!(!files_hold(&data, MARKER), "{MARKER} is in the SQLite files");
     assert!(files_hold(&data, "MARKER-open-77"), "the search finds what is kept");
 }
+
+/// A result kept as its digest is never too large to keep: the size limit bounds what is
+/// stored, so a large answer in a digest namespace completes (the effect happened) where the
+/// same answer elsewhere is refused before anything is written.
+#[tokio::test]
+async fn a_result_kept_as_its_digest_is_never_too_large() {
+    let mut config = Config { store: "memory://".into(), ..Config::default() };
+    config.limits.max_outcome_bytes = 1_024;
+    let limits = config.limits.clone();
+    let h =
+        Harness::start(config, limits, TestStore::new(onceguard_core::MemoryStore::new()), onceguard_server::app).await;
+    let (admin, agent) = (h.key("acme", Role::Admin).await, h.key("acme", Role::Agent).await);
+    let set = json!({"namespace_prefix": "pii", "settings": {"outcome_kept": "digest"}});
+    assert_eq!(send(&h, reqwest::Method::PUT, &admin, "/v1/settings", set).await.0, StatusCode::OK);
+    let big = "x".repeat(4_000);
+    for (namespace, expected) in [("pii/docs", StatusCode::OK), ("open", StatusCode::PAYLOAD_TOO_LARGE)] {
+        let claim = json!({"namespace": namespace, "key": "big", "request": 1});
+        let fence =
+            send(&h, reqwest::Method::POST, &agent, "/v1/claims", claim.clone()).await.1["fence"].as_u64().unwrap();
+        let done = json!({"namespace": namespace, "key": "big", "fence": fence, "result": big});
+        let (status, body) = send(&h, reqwest::Method::POST, &agent, "/v1/claims/complete", done).await;
+        assert_eq!(status, expected, "{namespace}: {body}");
+    }
+    let claim = json!({"namespace": "pii/docs", "key": "big", "request": 1});
+    let (_, replay) = send(&h, reqwest::Method::POST, &agent, "/v1/claims", claim).await;
+    assert_eq!(replay["result_digest"]["size"], big.len() + 2, "{replay}");
+}
