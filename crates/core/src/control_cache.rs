@@ -13,7 +13,7 @@ use arc_swap::ArcSwapOption;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use crate::control::Controls;
+use crate::control::{ControlDoc, Controls};
 use crate::store::{Store, StoreError};
 
 /// How often each instance re-reads switches and settings from the store.
@@ -49,13 +49,22 @@ impl ControlCache {
         if let Some(controls) = self.fresh() {
             return Ok(controls);
         }
-        self.read(store, one_at_a_time).await
+        self.read(store.list_control(), one_at_a_time).await
     }
 
     /// Reads switches and settings from `store` into the cache.
     pub(crate) async fn refresh(&self, store: &dyn Store) -> Result<Arc<Controls>, StoreError> {
+        self.refresh_from(|| store.list_control()).await
+    }
+
+    /// Reads switches and settings with `list` (a store's `list_control`) into the cache.
+    async fn refresh_from<F, Fut>(&self, list: F) -> Result<Arc<Controls>, StoreError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<Vec<ControlDoc>, StoreError>>,
+    {
         let one_at_a_time = self.refreshing.lock().await;
-        self.read(store, one_at_a_time).await
+        self.read(list(), one_at_a_time).await
     }
 
     /// One read, while no other runs: reads that overlapped could see the store in another
@@ -64,11 +73,11 @@ impl ControlCache {
     /// engaged in between included.
     async fn read(
         &self,
-        store: &dyn Store,
+        list: impl std::future::Future<Output = Result<Vec<ControlDoc>, StoreError>>,
         _one_at_a_time: tokio::sync::MutexGuard<'_, ()>,
     ) -> Result<Arc<Controls>, StoreError> {
         let read_at = Instant::now();
-        let docs = store.list_control().await?;
+        let docs = list.await?;
         let controls = Arc::new(Controls::decode(&docs).map_err(StoreError::Corrupt)?);
         Ok(self.offer(Cached { controls, read_at }))
     }
@@ -147,5 +156,61 @@ mod tests {
         assert!(cache.get(&store).await.unwrap().switches.is_empty(), "a read younger than a second is used");
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.get(&store).await.unwrap().switches.len(), 1, "a second old: the store is read again");
+    }
+
+    /// Two refreshes that would overlap: the first waits (for a connection, say) before it
+    /// reads, the second reads at once, before a switch is engaged, and answers only after the
+    /// first. The second must not replace the first's read, which saw the switch: reads never
+    /// overlap, so the second reads after the first and sees the switch too.
+    #[tokio::test]
+    async fn a_read_that_saw_the_store_earlier_never_replaces_one_that_saw_it_later() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let engaged = Arc::new(AtomicBool::new(false));
+        let docs = |engaged: &AtomicBool| {
+            let switch = crate::control::Switch {
+                tenant: TenantId::parse("acme").unwrap(),
+                target: crate::control::SwitchTarget::Tenant,
+                reason: "drill".into(),
+                revoke_leases: false,
+                revoked: 0,
+                engaged_by: "ops".into(),
+                engaged_at: crate::domain::Timestamp(0),
+            };
+            if engaged.load(Ordering::SeqCst) { vec![ControlDoc::of_switch(&switch)] } else { vec![] }
+        };
+        let cache = Arc::new(ControlCache::default());
+        let (first_go, first_wait) = tokio::sync::oneshot::channel::<()>();
+        let (second_go, second_wait) = tokio::sync::oneshot::channel::<()>();
+        let first = tokio::spawn({
+            let (cache, engaged) = (cache.clone(), engaged.clone());
+            async move {
+                cache
+                    .refresh_from(|| async move {
+                        let _ = first_wait.await;
+                        Ok(docs(&engaged))
+                    })
+                    .await
+            }
+        });
+        tokio::task::yield_now().await;
+        let second = tokio::spawn({
+            let (cache, engaged) = (cache.clone(), engaged.clone());
+            async move {
+                cache
+                    .refresh_from(|| async move {
+                        let read = docs(&engaged);
+                        let _ = second_wait.await;
+                        Ok(read)
+                    })
+                    .await
+            }
+        });
+        tokio::task::yield_now().await;
+        engaged.store(true, Ordering::SeqCst);
+        first_go.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap().switches.len(), 1);
+        let _ = second_go.send(());
+        second.await.unwrap().unwrap();
+        assert_eq!(cache.fresh().expect("fresh").switches.len(), 1, "the switch is still in force");
     }
 }
