@@ -92,9 +92,18 @@ impl TenantStore for PgStore {
         now: Timestamp,
         audit: Option<&AuditEntry>,
     ) -> Result<bool, StoreError> {
-        let sql = "UPDATE og_api_keys SET revoked_at = coalesce(revoked_at, $3) WHERE id = $1 AND tenant = $2";
-        let n = self.audited(sql, &[&id.as_str(), &tenant.as_str(), &to_i64(now)], audit).await?;
-        Ok(n > 0)
+        // Only a revocation that happens is audited; one repeated changes nothing.
+        let sql = "UPDATE og_api_keys SET revoked_at = $3 WHERE id = $1 AND tenant = $2 AND revoked_at IS NULL";
+        if self.audited(sql, &[&id.as_str(), &tenant.as_str(), &to_i64(now)], audit).await? > 0 {
+            return Ok(true);
+        }
+        let row = self
+            .client()
+            .await?
+            .query_opt("SELECT 1 FROM og_api_keys WHERE id = $1 AND tenant = $2", &[&id.as_str(), &tenant.as_str()])
+            .await
+            .map_err(unavailable)?;
+        Ok(row.is_some())
     }
 }
 

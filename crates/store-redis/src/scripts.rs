@@ -891,15 +891,18 @@ if created == 1 and ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[3], ARGV
 return created
 "#;
 
-/// Revokes an API key if it belongs to the tenant (keeping an earlier revocation time).
+/// Revokes an API key if it belongs to the tenant (keeping an earlier revocation time): 0 if
+/// it does not, 2 if it was revoked now (its audit entry in the outbox), 1 if it was already.
 pub const REVOKE_API_KEY: &str = r#"
 -- KEYS: api keys, revocations, the auth audit outbox; ARGV: id, tenant, now, the audit entry's
 -- id and JSON ('' for none)
 local doc = redis.call('HGET', KEYS[1], ARGV[1])
 if not doc then return 0 end
 if cjson.decode(doc)['tenant'] ~= ARGV[2] then return 0 end
-redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[4], ARGV[5]) end
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3]) == 1 and ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
+  return 2
+end
 return 1
 "#;
 

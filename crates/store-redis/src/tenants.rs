@@ -140,7 +140,7 @@ impl TenantStore for RedisStore {
                 .arg(entry_id)
                 .arg(entry);
             let revoked: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("revoke API key"))?;
-            if revoked > 0 {
+            if revoked == 2 {
                 self.deliver_auth_audit(audit).await?;
             }
             Ok(revoked > 0)

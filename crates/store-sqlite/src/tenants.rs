@@ -132,18 +132,27 @@ impl TenantStore for SqliteStore {
     ) -> Result<bool, StoreError> {
         let (tenant, id, audit) = (tenant.clone(), id.clone(), audit.cloned());
         self.write(move |conn| {
-            let n = conn
+            let revoked = conn
                 .execute(
-                    "UPDATE api_keys SET revoked_at = coalesce(revoked_at, ?3) WHERE id = ?1 AND tenant = ?2",
+                    "UPDATE api_keys SET revoked_at = ?3 WHERE id = ?1 AND tenant = ?2 AND revoked_at IS NULL",
                     params![id.as_str(), tenant.as_str(), to_i64(now)],
                 )
                 .map_err(unavailable)?;
-            if n > 0
-                && let Some(audit) = &audit
-            {
-                crate::control::insert_audit(conn, audit)?;
+            if revoked > 0 {
+                // Only a revocation that happened is audited; one repeated changes nothing.
+                if let Some(audit) = &audit {
+                    crate::control::insert_audit(conn, audit)?;
+                }
+                return Ok(true);
             }
-            Ok(n > 0)
+            conn.query_row(
+                "SELECT 1 FROM api_keys WHERE id = ?1 AND tenant = ?2",
+                params![id.as_str(), tenant.as_str()],
+                |_| Ok(()),
+            )
+            .optional()
+            .map(|found| found.is_some())
+            .map_err(unavailable)
         })
         .await
     }

@@ -720,6 +720,10 @@ pub async fn tenants_and_api_keys(store: Arc<dyn Store>) {
     assert!(store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
     assert!(store.revoke_api_key(&acme, &new.key.id, now, Some(&entry(&acme, "api_key.revoke"))).await.unwrap());
     assert!(!store.get_api_key(&new.key.id).await.unwrap().unwrap().verify(secret));
+    let later = onceguard_core::Timestamp(2_000);
+    let repeated = AuditEntry::new(acme.clone(), later, "ci", "api_key.revoke", "again");
+    assert!(store.revoke_api_key(&acme, &new.key.id, later, Some(&repeated)).await.unwrap(), "it exists");
+    assert_eq!(store.get_api_key(&new.key.id).await.unwrap().unwrap().revoked_at, Some(now), "first revocation kept");
     let logged = |tenant: TenantId| {
         let store = store.clone();
         async move {

@@ -49,8 +49,10 @@ impl TenantStore for MemoryStore {
         let mut state = self.lock();
         match state.api_keys.get_mut(id.as_str()) {
             Some(key) if &key.tenant == tenant => {
-                key.revoked_at.get_or_insert(now);
-                state.log(audit);
+                if key.revoked_at.is_none() {
+                    key.revoked_at = Some(now);
+                    state.log(audit);
+                }
                 Ok(true)
             }
             _ => Ok(false),
