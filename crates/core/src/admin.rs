@@ -5,7 +5,8 @@
 
 use crate::auth::{ApiKey, ApiKeyId, NewApiKey, Role, Tenant};
 use crate::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Run, SettingsEntry, Switch, SwitchTarget,
+    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Controls, Run, SettingsEntry, Switch,
+    SwitchTarget,
 };
 use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId};
@@ -137,17 +138,26 @@ impl Guard {
             // a second pass then revokes those too.
             // (Unless the switch was released or engaged anew meanwhile.)
             tokio::time::sleep(CONTROL_MAX_AGE + CONTROL_REFRESH).await;
-            let controls = self.refresh_controls().await?;
-            if controls
-                .switches
-                .iter()
-                .any(|s| s.tenant == switch.tenant && s.target == switch.target && s.engaged_at == now)
-            {
+            let still_engaged = |controls: &Controls| {
+                controls
+                    .switches
+                    .iter()
+                    .any(|s| s.tenant == switch.tenant && s.target == switch.target && s.engaged_at == now)
+            };
+            if still_engaged(&*self.refresh_controls().await?) {
                 let later = self.clock().now();
                 switch.revoked += self.store().revoke_leases(tenant, &switch.target, &detail, later).await?;
-                let entry = AuditEntry::new(tenant.clone(), later, actor, "switch.revoke_leases", switch.target.id())
-                    .details(serde_json::json!({ "revoked": switch.revoked }));
+            }
+            // The count is written back into the switch only if it is still this engagement,
+            // read again after the passes (a release meanwhile must not be undone; the window
+            // left is between this read and the write); else it is only audited.
+            let later = self.clock().now();
+            let entry = AuditEntry::new(tenant.clone(), later, actor, "switch.revoke_leases", switch.target.id())
+                .details(serde_json::json!({ "revoked": switch.revoked }));
+            if still_engaged(&*self.refresh_controls().await?) {
                 self.store().put_control(&ControlDoc::of_switch(&switch), &entry).await?;
+            } else {
+                self.audit(entry).await?;
             }
         }
         self.refresh_controls().await?;
