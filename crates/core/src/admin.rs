@@ -128,7 +128,8 @@ impl Guard {
         let entry = AuditEntry::new(tenant.clone(), now, actor, "switch.engage", switch.target.id())
             .why(Some(switch.reason.clone()))
             .details(serde_json::json!({ "revoke_leases": revoke_leases }));
-        self.store().put_control(&ControlDoc::of_switch(&switch), &entry).await?;
+        let engaged = ControlDoc::of_switch(&switch);
+        self.store().put_control(&engaged, &entry).await?;
         self.refresh_controls().await?;
         if revoke_leases {
             let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
@@ -148,15 +149,13 @@ impl Guard {
                 let later = self.clock().now();
                 switch.revoked += self.store().revoke_leases(tenant, &switch.target, &detail, later).await?;
             }
-            // The count is written back into the switch only if it is still this engagement,
-            // read again after the passes (a release meanwhile must not be undone; the window
-            // left is between this read and the write); else it is only audited.
+            // The count is written into the switch only if it is still the document this call
+            // wrote (a release or a new engagement meanwhile is never undone); else it is only
+            // audited.
             let later = self.clock().now();
             let entry = AuditEntry::new(tenant.clone(), later, actor, "switch.revoke_leases", switch.target.id())
                 .details(serde_json::json!({ "revoked": switch.revoked }));
-            if still_engaged(&*self.refresh_controls().await?) {
-                self.store().put_control(&ControlDoc::of_switch(&switch), &entry).await?;
-            } else {
+            if !self.store().replace_control(&engaged, &ControlDoc::of_switch(&switch), &entry).await? {
                 self.audit(entry).await?;
             }
         }

@@ -175,6 +175,15 @@ impl ControlStore for ObservedStore {
         self.timed(StoreOp::Control, self.inner.put_control(doc, audit)).await
     }
 
+    async fn replace_control(
+        &self,
+        expected: &ControlDoc,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Control, self.inner.replace_control(expected, doc, audit)).await
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

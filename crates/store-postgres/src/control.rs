@@ -135,6 +135,31 @@ impl ControlStore for PgStore {
         Ok(())
     }
 
+    async fn replace_control(
+        &self,
+        expected: &ControlDoc,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError> {
+        if (expected.kind, &expected.tenant, &expected.id) != (doc.kind, &doc.tenant, &doc.id) {
+            return Ok(false);
+        }
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        let n = tx
+            .execute(
+                "UPDATE og_control SET body = $4 WHERE kind = $1 AND tenant = $2 AND id = $3 AND body = $5",
+                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body, &expected.body],
+            )
+            .await
+            .map_err(unavailable)?;
+        if n > 0 {
+            insert_audit(&tx, audit).await?;
+        }
+        tx.commit().await.map_err(unavailable)?;
+        Ok(n > 0)
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

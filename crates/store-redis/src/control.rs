@@ -323,6 +323,37 @@ impl ControlStore for RedisStore {
         self.bounded("put a control document", self.store_control(doc, audit)).await
     }
 
+    async fn replace_control(
+        &self,
+        expected: &ControlDoc,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError> {
+        if (expected.kind, &expected.tenant, &expected.id) != (doc.kind, &doc.tenant, &doc.id) {
+            return Ok(false);
+        }
+        let entry = serde_json::to_string(audit).map_err(corrupt)?;
+        self.bounded("replace a control document", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.replace_control.prepare_invoke();
+            invocation
+                .key(self.keys.control())
+                .key(self.keys.control_audit_outbox())
+                .arg(control_field(doc.kind, &doc.tenant, &doc.id))
+                .arg(expected.body.as_str())
+                .arg(doc.body.as_str())
+                .arg(audit.id.as_str())
+                .arg(entry);
+            let wrote: i64 =
+                invocation.invoke_async(&mut conn).await.map_err(unavailable("replace a control document"))?;
+            if wrote == 1 {
+                self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
+            }
+            Ok(wrote == 1)
+        })
+        .await
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

@@ -860,6 +860,16 @@ redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 return 1
 "#;
 
+/// Replaces a control document only if it still has the body given, with its audit entry in
+/// the outbox (see [`PUT_CONTROL`]); answers 1 if it wrote, 0 if not.
+pub const REPLACE_CONTROL: &str = r#"
+-- KEYS: control documents, the audit outbox; ARGV: field, expected body, body, entry id, entry
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+return 1
+"#;
+
 /// Deletes a control document, with its audit entry in the outbox if there was one (see
 /// [`PUT_CONTROL`]); answers its body, or nil if there was none.
 pub const DELETE_CONTROL: &str = r#"
@@ -945,6 +955,8 @@ pub struct Scripts {
     pub prune_audit: Script,
     /// See [`PUT_CONTROL`].
     pub put_control: Script,
+    /// See [`REPLACE_CONTROL`].
+    pub replace_control: Script,
     /// See [`RETIRE_FENCE_COUNTER`].
     pub retire_fence_counter: Script,
     /// See [`REPLACE_VALUES`].
@@ -981,6 +993,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         append_audit: Script::new(APPEND_AUDIT),
         prune_audit: Script::new(PRUNE_AUDIT),
         put_control: Script::new(PUT_CONTROL),
+        replace_control: Script::new(REPLACE_CONTROL),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),
         delete_control: Script::new(DELETE_CONTROL),

@@ -51,6 +51,33 @@ impl ControlStore for SqliteStore {
         .await
     }
 
+    async fn replace_control(
+        &self,
+        expected: &ControlDoc,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError> {
+        let (expected, doc, audit) = (expected.clone(), doc.clone(), audit.clone());
+        self.write(move |conn| {
+            if (expected.kind, &expected.tenant, &expected.id) != (doc.kind, &doc.tenant, &doc.id) {
+                return Ok(false);
+            }
+            let n = conn
+                .prepare_cached(
+                    "UPDATE control SET body = ?4 WHERE kind = ?1 AND tenant = ?2 AND id = ?3 AND body = ?5",
+                )
+                .and_then(|mut st| {
+                    st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body, expected.body])
+                })
+                .map_err(unavailable)?;
+            if n > 0 {
+                insert_audit(conn, &audit)?;
+            }
+            Ok(n > 0)
+        })
+        .await
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

@@ -1169,3 +1169,36 @@ pub async fn replace_writes_only_over_the_record_read(store: Arc<dyn Store>) {
     assert!(!store.replace(&kept, &rewritten).await.unwrap(), "a purged record is not written back");
     assert!(c.get(&busy).await.is_none());
 }
+
+/// `replace_control` writes over a control document only while it is exactly the one expected
+/// (how a switch's revocation count is written back): a document released or engaged anew
+/// meanwhile is left as it is, and only a write is audited.
+pub async fn replace_control_writes_only_over_the_document_expected(store: Arc<dyn Store>) {
+    let acme = TenantId::parse("acme").unwrap();
+    let switch = Switch {
+        tenant: acme.clone(),
+        target: SwitchTarget::Namespace { prefix: Namespace::parse("pay").unwrap() },
+        reason: "storm".into(),
+        revoke_leases: true,
+        revoked: 0,
+        engaged_by: "ops".into(),
+        engaged_at: Timestamp(5),
+    };
+    let audit = |action: &str| AuditEntry::new(acme.clone(), Timestamp(6), "ci", action, "namespace:pay");
+    let engaged = ControlDoc::of_switch(&switch);
+    store.put_control(&engaged, &audit("switch.engage")).await.unwrap();
+    let counted = ControlDoc::of_switch(&Switch { revoked: 3, ..switch.clone() });
+    assert!(store.replace_control(&engaged, &counted, &audit("switch.revoke_leases")).await.unwrap());
+    assert_eq!(store.list_control().await.unwrap(), [counted.clone()]);
+    assert!(
+        !store.replace_control(&engaged, &counted, &audit("switch.revoke_leases")).await.unwrap(),
+        "not the one expected"
+    );
+    store.delete_control(ControlKind::Switch, &acme, &engaged.id, &audit("switch.release")).await.unwrap();
+    assert!(!store.replace_control(&counted, &counted, &audit("switch.revoke_leases")).await.unwrap(), "released");
+    assert!(store.list_control().await.unwrap().is_empty(), "a released switch stays released");
+    let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
+    let actions: Vec<String> =
+        store.list_audit(&acme, &filter).await.unwrap().entries.into_iter().map(|e| e.action).collect();
+    assert_eq!(actions, ["switch.release", "switch.revoke_leases", "switch.engage"]);
+}

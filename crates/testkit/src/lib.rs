@@ -126,7 +126,8 @@ macro_rules! conformance_tests {
             a_batch_answers_as_its_claims_one_by_one,
             concurrent_batches_overlapping_in_keys_acquire_each_key_once,
             a_batch_of_fenced_calls_answers_as_its_calls_one_by_one,
-            replace_writes_only_over_the_record_read
+            replace_writes_only_over_the_record_read,
+            replace_control_writes_only_over_the_document_expected
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

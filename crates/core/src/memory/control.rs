@@ -11,6 +11,22 @@ impl ControlStore for MemoryStore {
         Ok(())
     }
 
+    async fn replace_control(
+        &self,
+        expected: &ControlDoc,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        let key = (doc.kind, doc.tenant.clone(), doc.id.clone());
+        if state.control.get(&key) != Some(expected) {
+            return Ok(false);
+        }
+        state.control.insert(key, doc.clone());
+        state.log(Some(audit));
+        Ok(true)
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

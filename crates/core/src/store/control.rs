@@ -14,6 +14,16 @@ pub trait ControlStore: Send + Sync + 'static {
     /// never in force without its entry, nor an entry written for a change that did not happen.
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError>;
 
+    /// Replaces a control document only if it is still exactly `expected` (same kind, tenant,
+    /// id and body), with `audit` in the same atomic write; answers whether it wrote (a
+    /// document released or replaced meanwhile is left as it is, and nothing is audited).
+    async fn replace_control(
+        &self,
+        expected: &ControlDoc,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError>;
+
     /// Deletes a control document and appends `audit` in the same atomic write; answers the
     /// document if it existed (and appends nothing if it did not).
     async fn delete_control(
