@@ -1189,7 +1189,7 @@ pub async fn replace_control_writes_only_over_the_document_expected(store: Arc<d
     store.put_control(&engaged, &audit("switch.engage")).await.unwrap();
     let counted = ControlDoc::of_switch(&Switch { revoked: 3, ..switch.clone() });
     assert!(store.replace_control(&engaged, &counted, &audit("switch.revoke_leases")).await.unwrap());
-    assert_eq!(store.list_control().await.unwrap(), [counted.clone()]);
+    assert_eq!(store.list_control().await.unwrap(), std::slice::from_ref(&counted));
     assert!(
         !store.replace_control(&engaged, &counted, &audit("switch.revoke_leases")).await.unwrap(),
         "not the one expected"
