@@ -547,6 +547,11 @@ pub struct ControlDoc {
 }
 
 impl ControlDoc {
+    /// Whether `other` is kept in the same place (kind, tenant and id), whatever its body.
+    pub fn same_place(&self, other: &ControlDoc) -> bool {
+        (self.kind, &self.tenant, &self.id) == (other.kind, &other.tenant, &other.id)
+    }
+
     /// The document of an engaged switch.
     pub fn of_switch(switch: &Switch) -> Self {
         Self {

@@ -22,7 +22,7 @@ use crate::limits::Limits;
 use crate::notify::Notifier;
 use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
-use crate::record::{ClaimOutcome, Denial, FencedOutcome, Record, RecordState, StaleReason};
+use crate::record::{ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, Record, RecordState, StaleReason};
 use crate::sealing::Sealer;
 use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
@@ -456,8 +456,13 @@ impl Guard {
         let (Mutation::Complete(outcome) | Mutation::Fail { retryable: false, outcome }) = &mutation else {
             return Ok(mutation);
         };
-        outcome.check_digest()?;
-        if outcome.digest().is_some() || self.effective(scope).await?.outcome_kept == OutcomeKept::Full {
+        if outcome.content_type == DIGEST_CONTENT_TYPE {
+            return match outcome.digest() {
+                Some(_) => Ok(mutation),
+                None => Err(InvalidInput::new("outcome", "a digest outcome must hold a well-formed digest").into()),
+            };
+        }
+        if self.effective(scope).await?.outcome_kept == OutcomeKept::Full {
             return Ok(mutation);
         }
         Ok(match mutation {

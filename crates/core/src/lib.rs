@@ -41,7 +41,7 @@ pub use observer::Observer;
 pub use protocol::{ClaimRequest, Mutation};
 pub use record::{
     Acquired, Checkpoint, ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, InFlight, Outcome, OutcomeDigest,
-    OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason,
+    OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason, is_media_type,
 };
 pub use store::{ListFilter, Page, Store, StoreError};
 pub use vocabulary::{Answer, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};

@@ -89,6 +89,11 @@ pub struct OutcomeDigest {
     pub status: Option<u16>,
 }
 
+/// Whether `s` is a media type as Onceguard keeps one: 1 to 255 bytes of printable ASCII.
+pub fn is_media_type(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 255 && s.bytes().all(|b| (0x20..=0x7e).contains(&b))
+}
+
 impl OutcomeDigest {
     /// The digest of `body` of media type `content_type`.
     pub fn of(content_type: &str, body: &[u8]) -> Self {
@@ -105,16 +110,13 @@ impl OutcomeDigest {
 
     fn is_well_formed(&self) -> bool {
         let hex = self.sha256.len() == 64 && self.sha256.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-        let media = !self.content_type.is_empty()
-            && self.content_type.len() <= 255
-            && self.content_type.bytes().all(|b| (0x20..=0x7e).contains(&b));
-        hex && media && self.status.is_none_or(|s| (100..=999).contains(&s))
+        hex && is_media_type(&self.content_type) && self.status.is_none_or(|s| (100..=999).contains(&s))
     }
 }
 
 impl Outcome {
     /// What is kept of it when it is a digest only ([`DIGEST_CONTENT_TYPE`]); `None` when its
-    /// bytes are kept (or the digest is malformed, which [`Outcome::check_digest`] refuses).
+    /// bytes are kept (or the digest is malformed: the guard refuses to store such an outcome).
     pub fn digest(&self) -> Option<OutcomeDigest> {
         if self.content_type != DIGEST_CONTENT_TYPE {
             return None;
@@ -129,15 +131,6 @@ impl Outcome {
             return self.clone();
         }
         OutcomeDigest::of(&self.content_type, &self.body).into_outcome(self.kind, self.cost, self.tokens)
-    }
-
-    /// Refuses an outcome of the digest media type whose body is not a well-formed digest, and
-    /// nothing else.
-    pub fn check_digest(&self) -> Result<(), crate::InvalidInput> {
-        if self.content_type == DIGEST_CONTENT_TYPE && self.digest().is_none() {
-            return Err(crate::InvalidInput::new("outcome", "a digest outcome must hold a well-formed digest"));
-        }
-        Ok(())
     }
 }
 

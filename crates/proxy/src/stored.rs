@@ -135,7 +135,7 @@ impl StoredResponse {
             .iter()
             .find(|(name, _)| name == "content-type")
             .and_then(|(_, v)| std::str::from_utf8(v).ok())
-            .filter(|v| !v.is_empty() && v.len() <= 255 && v.bytes().all(|b| (0x20..=0x7e).contains(&b)))
+            .filter(|v| onceguard_core::is_media_type(v))
             .unwrap_or("application/octet-stream");
         let mut digest = match &self.omitted {
             Some(o) => OutcomeDigest {

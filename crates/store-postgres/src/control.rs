@@ -141,7 +141,7 @@ impl ControlStore for PgStore {
         doc: &ControlDoc,
         audit: &AuditEntry,
     ) -> Result<bool, StoreError> {
-        if (expected.kind, &expected.tenant, &expected.id) != (doc.kind, &doc.tenant, &doc.id) {
+        if !expected.same_place(doc) {
             return Ok(false);
         }
         let mut client = self.client().await?;

@@ -92,9 +92,12 @@ impl RedisStore {
                 .map_err(unavailable("read an audit outbox"))?;
             // Entries that cannot be moved now stay for the next refresh: the documents (which
             // every claim reads) are answered whatever the audit log's slot can take.
-            if !waiting.is_empty()
-                && let Err(e) = self.deliver_audit(&outbox, waiting, None).await
-            {
+            let waiting = waiting
+                .into_iter()
+                .map(|(id, json)| serde_json::from_slice::<AuditEntry>(&json).map(|entry| (id, entry)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(corrupt);
+            if let Err(e) = async { self.deliver_audit(&outbox, waiting?).await }.await {
                 tracing::warn!(error = %e, outbox, "redis: audit entries wait in their outbox; moved at a later refresh");
             }
         }
@@ -110,39 +113,36 @@ impl RedisStore {
     /// its entry are stored already (one script): should the move fail, the entry waits in the
     /// outbox for the next control refresh, and the change is answered as done.
     pub(crate) async fn deliver_soon(&self, outbox: &str, entry: &AuditEntry) {
-        let moved = self.deliver_audit(outbox, vec![(entry.id.clone().into_bytes(), Vec::new())], Some(entry)).await;
-        if let Err(e) = moved {
+        let waiting = vec![(entry.id.clone().into_bytes(), entry.clone())];
+        if let Err(e) = self.deliver_audit(outbox, waiting).await {
             tracing::warn!(error = %e, outbox, action = entry.action, "redis: an audit entry waits in its outbox; moved at the next refresh");
         }
     }
 
-    /// Moves audit entries from an outbox (the control documents', or tenants' and API keys')
-    /// to their tenants' logs, then out of the outbox: `entries` are (id, JSON) pairs read from
-    /// it, or the one entry `known` just written (its JSON is not needed again). Appending is
+    /// Moves audit entries waiting in `holder` (an outbox, or a run's hash) to their tenants'
+    /// logs, then out of `holder`: each entry with the field it waits under. Appending is
     /// idempotent by id, so a move that is repeated writes each entry once.
     pub(crate) async fn deliver_audit(
         &self,
-        outbox: &str,
-        entries: Vec<(Vec<u8>, Vec<u8>)>,
-        known: Option<&AuditEntry>,
+        holder: &str,
+        waiting: Vec<(Vec<u8>, AuditEntry)>,
     ) -> Result<(), StoreError> {
-        let mut delivered = Vec::with_capacity(entries.len());
-        for (id, json) in entries {
-            let entry = match known {
-                Some(entry) => entry.clone(),
-                None => serde_json::from_slice::<AuditEntry>(&json).map_err(corrupt)?,
-            };
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        let mut delivered = Vec::with_capacity(waiting.len());
+        for (field, entry) in waiting {
             self.store_audit(&entry).await?;
-            delivered.push(id);
+            delivered.push(field);
         }
         let mut conn = self.conn.clone();
         redis::cmd("HDEL")
-            .arg(outbox)
+            .arg(holder)
             .arg(delivered)
             .query_async::<i64>(&mut conn)
             .await
             .map(drop)
-            .map_err(unavailable("clear an audit outbox"))
+            .map_err(unavailable("clear delivered audit entries"))
     }
 
     /// Revokes the tenant's in-progress records that `target` covers, but those revoked
@@ -329,7 +329,7 @@ impl ControlStore for RedisStore {
         doc: &ControlDoc,
         audit: &AuditEntry,
     ) -> Result<bool, StoreError> {
-        if (expected.kind, &expected.tenant, &expected.id) != (doc.kind, &doc.tenant, &doc.id) {
+        if !expected.same_place(doc) {
             return Ok(false);
         }
         let entry = serde_json::to_string(audit).map_err(corrupt)?;

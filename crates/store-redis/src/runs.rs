@@ -27,11 +27,7 @@ impl RedisStore {
             .arg(serde_json::to_string(audit).map_err(corrupt)?);
         let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("set a budget"))?;
         let flat = strings(answer)?;
-        // The budget and its entry are stored (one script); an entry that cannot be moved now
-        // waits in the run for its next read.
-        if let Err(e) = self.deliver_run_audit(&key, &flat).await {
-            tracing::warn!(error = %e, "redis: a budget's audit entry waits in its run; moved at the run's next read");
-        }
+        self.deliver_run_audit(&key, &flat).await;
         codec::run(tenant, run, flat)?.ok_or_else(|| corrupt("a budget was set on no run"))
     }
 
@@ -41,36 +37,27 @@ impl RedisStore {
         let answer: Value =
             redis::cmd("HGETALL").arg(&key).query_async(&mut conn).await.map_err(unavailable("get a run"))?;
         let flat = strings(answer)?;
-        self.deliver_run_audit(&key, &flat).await?;
+        self.deliver_run_audit(&key, &flat).await;
         codec::run(tenant, run, flat)
     }
 
     /// Moves the audit entries a budget change left in its run (fields `pa:<id>`, written by
-    /// the same script as the budget) to the tenant's log, then out of the run. Appending is
-    /// idempotent by id, so an entry is logged once however often this runs.
-    async fn deliver_run_audit(&self, key: &str, flat: &[Vec<u8>]) -> Result<(), StoreError> {
-        let mut delivered = Vec::new();
-        for pair in flat.chunks_exact(2) {
-            if let Some(id) = pair[0].strip_prefix(b"pa:") {
-                let entry: AuditEntry = serde_json::from_slice(&pair[1]).map_err(corrupt)?;
-                if entry.id.as_bytes() != id {
-                    return Err(corrupt("a run's waiting audit entry is filed under another id"));
-                }
-                self.store_audit(&entry).await?;
-                delivered.push(pair[0].clone());
-            }
+    /// the same script as the budget) to the tenant's log, then out of the run
+    /// ([`RedisStore::deliver_audit`]). The budget and its entries are stored already: an entry
+    /// that cannot be moved now waits in the run for its next read.
+    async fn deliver_run_audit(&self, key: &str, flat: &[Vec<u8>]) {
+        let waiting = flat
+            .chunks_exact(2)
+            .filter(|pair| pair[0].starts_with(b"pa:"))
+            .map(|pair| match serde_json::from_slice::<AuditEntry>(&pair[1]) {
+                Ok(entry) if entry.id.as_bytes() == &pair[0][3..] => Ok((pair[0].clone(), entry)),
+                Ok(_) => Err(corrupt("a run's waiting audit entry is filed under another id")),
+                Err(e) => Err(corrupt(e)),
+            })
+            .collect::<Result<Vec<_>, _>>();
+        if let Err(e) = async { self.deliver_audit(key, waiting?).await }.await {
+            tracing::warn!(error = %e, "redis: a budget's audit entry waits in its run; moved at the run's next read");
         }
-        if delivered.is_empty() {
-            return Ok(());
-        }
-        let mut conn = self.conn.clone();
-        redis::cmd("HDEL")
-            .arg(key)
-            .arg(delivered)
-            .query_async::<i64>(&mut conn)
-            .await
-            .map(drop)
-            .map_err(unavailable("clear a run's audit entries"))
     }
 
     /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).

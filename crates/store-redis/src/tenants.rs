@@ -18,7 +18,7 @@ impl TenantStore for RedisStore {
                 .arg(entry);
             let created: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("create tenant"))?;
             if created > 0 {
-                self.deliver_auth_audit(audit).await?;
+                self.deliver_auth_audit(audit).await;
             }
             Ok(created > 0)
         })
@@ -72,7 +72,8 @@ impl TenantStore for RedisStore {
                 .arg(id)
                 .arg(entry);
             invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("create API key"))?;
-            self.deliver_auth_audit(audit).await
+            self.deliver_auth_audit(audit).await;
+            Ok(())
         })
         .await
     }
@@ -141,7 +142,7 @@ impl TenantStore for RedisStore {
                 .arg(entry);
             let revoked: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("revoke API key"))?;
             if revoked == 2 {
-                self.deliver_auth_audit(audit).await?;
+                self.deliver_auth_audit(audit).await;
             }
             Ok(revoked > 0)
         })
@@ -160,10 +161,9 @@ fn entry_args(audit: Option<&AuditEntry>) -> Result<(String, String), StoreError
 impl RedisStore {
     /// Moves the entry a tenant or API key change just left in the auth outbox to its log
     /// (see [`RedisStore::deliver_soon`]).
-    async fn deliver_auth_audit(&self, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
+    async fn deliver_auth_audit(&self, audit: Option<&AuditEntry>) {
         if let Some(entry) = audit {
             self.deliver_soon(&self.keys.auth_audit_outbox(), entry).await;
         }
-        Ok(())
     }
 }

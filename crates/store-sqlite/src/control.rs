@@ -59,7 +59,7 @@ impl ControlStore for SqliteStore {
     ) -> Result<bool, StoreError> {
         let (expected, doc, audit) = (expected.clone(), doc.clone(), audit.clone());
         self.write(move |conn| {
-            if (expected.kind, &expected.tenant, &expected.id) != (doc.kind, &doc.tenant, &doc.id) {
+            if !expected.same_place(&doc) {
                 return Ok(false);
             }
             let n = conn

@@ -19,7 +19,7 @@ impl ControlStore for MemoryStore {
     ) -> Result<bool, StoreError> {
         let mut state = self.lock();
         let key = (doc.kind, doc.tenant.clone(), doc.id.clone());
-        if state.control.get(&key) != Some(expected) {
+        if !expected.same_place(doc) || state.control.get(&key) != Some(expected) {
             return Ok(false);
         }
         state.control.insert(key, doc.clone());

@@ -45,10 +45,7 @@ pub(crate) fn outcome_of(
             ("application/json".to_owned(), text.into_bytes())
         }
     };
-    if content_type.is_empty()
-        || content_type.len() > 255
-        || !content_type.bytes().all(|b| (0x21..=0x7e).contains(&b) || b == b' ')
-    {
+    if !onceguard_core::is_media_type(&content_type) {
         return Err(ApiError::Invalid("content_type must be 1 to 255 bytes of printable ASCII".into()));
     }
     if content_type == DIGEST_CONTENT_TYPE {
