@@ -130,6 +130,7 @@ fn outcome(i: usize) -> Outcome {
         body: format!(r#"{{"i":{i}}}"#).into_bytes(),
         cost: None,
         tokens: None,
+        reconciled: false,
     }
 }
 
@@ -199,6 +200,7 @@ pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
             body: PRELOADED_BODY.to_vec(),
             cost: None,
             tokens: None,
+            reconciled: false,
         }),
         completed_at: Some(now),
         checkpoints: Vec::new(),

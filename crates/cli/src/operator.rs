@@ -31,6 +31,9 @@ pub(crate) enum OperatorCommand {
     /// Settings of a tenant or a namespace prefix, and the tenant's quotas.
     #[command(subcommand)]
     Settings(SettingsCommand),
+    /// Approvals of keys that need a person's decision: list, show, approve, deny.
+    #[command(subcommand)]
+    Approvals(ApprovalCommand),
     /// The audit log, newest first.
     Audit {
         /// The tenant.
@@ -48,6 +51,49 @@ pub(crate) enum OperatorCommand {
     },
     /// Create or upgrade the store's schema (serve also does it on start), then exit.
     Migrate,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ApprovalCommand {
+    /// List a tenant's approvals (pending by default).
+    List {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// pending, approved, denied or all.
+        #[arg(long, default_value = "pending")]
+        state: String,
+    },
+    /// Show one approval.
+    Get {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The approval's id.
+        id: String,
+    },
+    /// Approve: the next claim of the key with the same request acquires it, once.
+    Approve {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The approval's id.
+        id: String,
+        /// Why (required; kept with the decision and in the audit log).
+        #[arg(long)]
+        why: String,
+    },
+    /// Deny: every claim of the key with the same request is refused while the decision is kept.
+    Deny {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The approval's id.
+        id: String,
+        /// Why (required; kept with the decision and in the audit log).
+        #[arg(long)]
+        why: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -265,6 +311,13 @@ pub(crate) enum SettingsCommand {
         /// SHA-256 only; replays say the effect happened, with that digest).
         #[arg(long, value_parser = parse_outcome_kept)]
         outcome_kept: Option<OutcomeKept>,
+        /// Whether a key needs a person's approval before its first claim acquires it (true or
+        /// false).
+        #[arg(long)]
+        approval_required: Option<bool>,
+        /// How long a pending approval waits for a decision, e.g. 4h (default 24h).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        approval_expiry: Option<std::time::Duration>,
         /// Why (kept in the audit log).
         #[arg(long)]
         why: Option<String>,
@@ -298,6 +351,7 @@ pub(crate) async fn run(config: &Config, command: OperatorCommand) -> Result<()>
         OperatorCommand::ApiKeys(command) => api_keys(&guard, command).await?,
         OperatorCommand::Keys(command) => keys(&guard, command).await?,
         OperatorCommand::Switch(command) => switches(&guard, command).await?,
+        OperatorCommand::Approvals(command) => approvals(&guard, command).await?,
         OperatorCommand::Runs(command) => runs(&guard, command).await?,
         OperatorCommand::Settings(command) => settings(&guard, command).await?,
         OperatorCommand::Audit { tenant, action, actor, limit } => {
@@ -449,6 +503,8 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             rate,
             burst,
             outcome_kept,
+            approval_required,
+            approval_expiry,
             why,
         } => {
             let settings = Settings {
@@ -459,6 +515,8 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
                 max_in_flight,
                 claim_rate: rate.zip(burst).map(|(per_second, burst)| Rate { per_second, burst }),
                 outcome_kept,
+                approval_required,
+                approval_expiry,
             };
             let entry = SettingsEntry {
                 tenant: TenantId::parse(&tenant)?,
@@ -482,6 +540,49 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             }
         }
     }
+}
+
+async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
+    use onceguard_core::approval::ApprovalState;
+    let now = || guard.clock().now();
+    match command {
+        ApprovalCommand::List { tenant, state } => {
+            let state = match state.as_str() {
+                "all" => None,
+                s => Some(
+                    ApprovalState::parse(s)
+                        .filter(|s| *s != ApprovalState::Expired)
+                        .with_context(|| format!("'{s}' is not pending, approved, denied or all"))?,
+                ),
+            };
+            let tenant = TenantId::parse(&tenant)?;
+            let mut filter = onceguard_core::store::ApprovalFilter { state, after: None, limit: MAX_PAGE };
+            let mut views = Vec::new();
+            loop {
+                let page = guard.list_approvals(&tenant, &filter).await?;
+                views.extend(page.iter().map(|a| api::approval_view(a, a.state(now()))));
+                match page.last() {
+                    Some(last) if page.len() == MAX_PAGE => filter.after = Some(last.id.clone()),
+                    _ => break,
+                }
+            }
+            print_json(&views)
+        }
+        ApprovalCommand::Get { tenant, id } => match guard.approval(&TenantId::parse(&tenant)?, &id).await? {
+            Some(a) => print_json(&api::approval_view(&a, a.state(now()))),
+            None => bail!("no approval {id} is kept in tenant {tenant}"),
+        },
+        ApprovalCommand::Approve { tenant, id, why } => decide(guard, &tenant, &id, true, why).await,
+        ApprovalCommand::Deny { tenant, id, why } => decide(guard, &tenant, &id, false, why).await,
+    }
+}
+
+async fn decide(guard: &Guard, tenant: &str, id: &str, approved: bool, why: String) -> Result<()> {
+    if why.trim().is_empty() {
+        bail!("say why (--why): it is kept with the decision and in the audit log");
+    }
+    let decided = guard.decide_approval(&TenantId::parse(tenant)?, id, approved, &cli_actor(), why).await?;
+    print_json(&api::approval_view(&decided, decided.state(guard.clock().now())))
 }
 
 fn parse_outcome_kept(s: &str) -> Result<OutcomeKept, String> {

@@ -364,6 +364,13 @@ pub struct Settings {
     /// What is kept of an outcome: `full` (the bytes, replayed byte for byte) or `digest`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome_kept: Option<OutcomeKept>,
+    /// Whether a key must be approved by a person before its first claim acquires it (see
+    /// [`crate::approval`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_required: Option<bool>,
+    /// How long a pending approval waits for a decision (default 24 h).
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub approval_expiry: Option<Duration>,
 }
 
 /// What a namespace keeps of its outcomes.
@@ -438,6 +445,7 @@ impl SettingsEntry {
         if let Some(rate) = &s.claim_rate {
             rate.validate()?;
         }
+        within("approval_expiry", s.approval_expiry, Duration::from_secs(1), Duration::from_secs(30 * 24 * 3600))?;
         Ok(())
     }
 
@@ -459,6 +467,9 @@ pub struct Effective {
     pub claim_rate: Option<Rate>,
     /// What is kept of the key's outcome.
     pub outcome_kept: OutcomeKept,
+    /// When a key needs an approval before its first claim acquires it: how long a pending
+    /// approval waits for a decision.
+    pub approval: Option<Duration>,
 }
 
 /// Resolves the settings for a key in `namespace`: the server's `limits`, then the tenant's
@@ -472,8 +483,14 @@ pub fn effective<'a>(
     let mut matching: Vec<&SettingsEntry> =
         entries.into_iter().filter(|e| e.namespace_prefix.as_ref().is_none_or(|p| namespace.is_within(p))).collect();
     matching.sort_by_key(|e| e.namespace_prefix.as_ref().map_or(0, |p| p.as_str().len() + 1));
-    let mut out =
-        Effective { limits: limits.clone(), max_in_flight: None, claim_rate: None, outcome_kept: OutcomeKept::Full };
+    let mut out = Effective {
+        limits: limits.clone(),
+        max_in_flight: None,
+        claim_rate: None,
+        outcome_kept: OutcomeKept::Full,
+        approval: None,
+    };
+    let mut approval_expiry = crate::approval::DEFAULT_APPROVAL_EXPIRY;
     for entry in matching {
         let s = &entry.settings;
         let l = &mut out.limits;
@@ -492,11 +509,18 @@ pub fn effective<'a>(
         if let Some(kept) = s.outcome_kept {
             out.outcome_kept = kept;
         }
+        if let Some(expiry) = s.approval_expiry {
+            approval_expiry = expiry;
+        }
+        if let Some(required) = s.approval_required {
+            out.approval = required.then_some(Duration::ZERO);
+        }
         if entry.namespace_prefix.is_none() {
             out.max_in_flight = s.max_in_flight;
             out.claim_rate = s.claim_rate;
         }
     }
+    out.approval = out.approval.map(|_| approval_expiry);
     let l = &mut out.limits;
     l.default_lease = l.default_lease.clamp(l.min_lease, l.max_lease);
     l.default_retention = l.default_retention.clamp(l.min_retention, l.max_retention);

@@ -8,6 +8,7 @@
 //!   waits, wake-ups; [`observer`]: what it reports of each decision.
 //! - [`vocabulary`]: the label vocabularies (answers, reasons, operations) every layer names.
 //! - [`auth`]: tenants and hashed API keys.
+//! - [`approval`]: human approvals bound to a key and its fingerprint.
 //! - [`control`]: runs and budgets, quotas, kill switches, settings and the audit log.
 //!
 //! This crate has no HTTP or database dependency: the server and the stores build on it.
@@ -15,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod approval;
 pub mod auth;
 pub mod clock;
 pub mod control;

@@ -19,6 +19,15 @@ pub trait Observer: Send + Sync + 'static {
     /// A stale completion or failure that was not audited: its key had had
     /// `limits.stale_audits_per_minute` audited this minute.
     fn stale_audit_dropped(&self, _scope: &Scope) {}
+
+    /// A claim recorded a new pending approval (once per approval, whichever claim wrote it).
+    fn approval_requested(&self, _approval: &crate::approval::Approval) {}
+
+    /// An approver decided an approval.
+    fn approval_decided(&self, _approval: &crate::approval::Approval) {}
+
+    /// A recovering attempt completed its key as reconciled, without running the effect again.
+    fn reconciled(&self, _scope: &Scope) {}
 }
 
 /// Watches nothing: the guard's observer until one is given.

@@ -327,6 +327,7 @@ mod tests {
             body: body.into(),
             cost: None,
             tokens: None,
+            reconciled: false,
         }
     }
 

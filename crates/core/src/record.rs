@@ -67,6 +67,10 @@ pub struct Outcome {
     /// saved by every replay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+    /// Whether a recovering attempt completed the key from what the downstream system said
+    /// happened (reconciliation) rather than by running the effect again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reconciled: bool,
 }
 
 /// The media type of an outcome kept as a digest only: its body is an [`OutcomeDigest`] in JSON.
@@ -105,7 +109,7 @@ impl OutcomeDigest {
     /// The outcome that keeps this digest in place of the bytes.
     pub fn into_outcome(self, kind: OutcomeKind, cost: Option<u64>, tokens: Option<u64>) -> Outcome {
         let body = serde_json::to_vec(&self).expect("a digest serializes");
-        Outcome { kind, content_type: DIGEST_CONTENT_TYPE.to_owned(), body, cost, tokens }
+        Outcome { kind, content_type: DIGEST_CONTENT_TYPE.to_owned(), body, cost, tokens, reconciled: false }
     }
 
     fn is_well_formed(&self) -> bool {
@@ -130,7 +134,9 @@ impl Outcome {
         if self.digest().is_some() {
             return self.clone();
         }
-        OutcomeDigest::of(&self.content_type, &self.body).into_outcome(self.kind, self.cost, self.tokens)
+        let digested =
+            OutcomeDigest::of(&self.content_type, &self.body).into_outcome(self.kind, self.cost, self.tokens);
+        Outcome { reconciled: self.reconciled, ..digested }
     }
 }
 
@@ -309,6 +315,16 @@ pub enum Denial {
         #[serde(with = "duration_ms")]
         retry_after: Duration,
     },
+    /// A person denied this call (this key with this fingerprint): a permanent refusal, answered
+    /// to every claim of it while the decision is kept.
+    ApprovalDenied {
+        /// The approval's id.
+        approval: String,
+        /// Who denied it.
+        by: String,
+        /// Why.
+        why: String,
+    },
 }
 
 impl std::fmt::Display for Denial {
@@ -319,6 +335,7 @@ impl std::fmt::Display for Denial {
             Self::QuotaExceeded { quota, retry_after } => {
                 write!(f, "the tenant's {quota} quota is spent; retry after {} ms", retry_after.as_millis())
             }
+            Self::ApprovalDenied { approval, by, why } => write!(f, "{by} denied approval {approval}: {why}"),
         }
     }
 }
@@ -334,8 +351,11 @@ pub enum ClaimOutcome {
     InFlight(InFlight),
     /// The key was used with a different fingerprint; nothing changed.
     Mismatch,
-    /// Refused by a switch, a budget or a quota; nothing changed.
+    /// Refused by a switch, a budget, a quota or an approver; nothing changed.
     Denied(Denial),
+    /// The key needs a person's approval, which nobody has given yet: nothing was acquired or
+    /// charged (see [`crate::approval`]).
+    PendingApproval(Box<crate::approval::PendingApproval>),
 }
 
 /// Why a fenced call changed nothing.

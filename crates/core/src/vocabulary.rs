@@ -52,8 +52,10 @@ vocabulary! {
         InFlight => "in_flight",
         /// The key was used with another fingerprint.
         Mismatch => "mismatch",
-        /// A switch, budget or quota refused it.
+        /// A switch, budget, quota or approver refused it.
         Denied => "denied",
+        /// It waits for a person's approval.
+        PendingApproval => "pending_approval",
     }
 }
 
@@ -66,6 +68,8 @@ vocabulary! {
         BudgetExhausted => "budget_exhausted",
         /// A tenant quota is spent.
         QuotaExceeded => "quota_exceeded",
+        /// A person denied the call.
+        ApprovalDenied => "approval_denied",
     }
 }
 
@@ -141,6 +145,8 @@ vocabulary! {
         TakeRate => "take_rate",
         /// The audit log.
         Audit => "audit",
+        /// Approvals ([`crate::store::ApprovalStore`]).
+        Approval => "approval",
     }
 }
 
@@ -153,6 +159,7 @@ impl ClaimOutcome {
             Self::InFlight(_) => Answer::InFlight,
             Self::Mismatch => Answer::Mismatch,
             Self::Denied(_) => Answer::Denied,
+            Self::PendingApproval(_) => Answer::PendingApproval,
         }
     }
 
@@ -169,6 +176,7 @@ impl Denial {
             Self::SwitchEngaged { .. } => DenialReason::SwitchEngaged,
             Self::BudgetExhausted { .. } => DenialReason::BudgetExhausted,
             Self::QuotaExceeded { .. } => DenialReason::QuotaExceeded,
+            Self::ApprovalDenied { .. } => DenialReason::ApprovalDenied,
         }
     }
 }

@@ -139,7 +139,7 @@ impl From<onceguard_core::GuardError> for StartError {
         match e {
             onceguard_core::GuardError::Store(e) => Self::Store(e),
             onceguard_core::GuardError::Invalid(e) => Self::Invalid(e),
-            e @ onceguard_core::GuardError::TooLarge { .. } => {
+            e @ (onceguard_core::GuardError::TooLarge { .. } | onceguard_core::GuardError::Approval(_)) => {
                 Self::Invalid(onceguard_core::InvalidInput::new("guard", e.to_string()))
             }
         }

@@ -128,6 +128,15 @@ fn latency_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// `tenant` and `decision` (`approved`, `denied`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// The tenant (see [`TenantLabels`]).
+    pub tenant: String,
+    /// The decision.
+    pub decision: &'static str,
+}
+
 /// What the last scan of the store found (keys in flight and stuck, store health).
 #[derive(Debug, Clone, Default)]
 pub struct KeyScan {
@@ -135,6 +144,8 @@ pub struct KeyScan {
     pub at: Option<Timestamp>,
     /// In-progress and stuck keys per tenant.
     pub tenants: BTreeMap<String, (usize, usize)>,
+    /// Pending approvals per tenant, and when the oldest of them was asked.
+    pub approvals: BTreeMap<String, (usize, Option<Timestamp>)>,
     /// Whether every tenant was read to the end (else the counts are lower bounds).
     pub complete: bool,
     /// Whether the store answered.
@@ -162,6 +173,11 @@ pub struct Metrics {
     mcp_calls: Family<McpCallLabels, Counter>,
     unstored_responses: Family<TenantLabels, Counter>,
     stale_audits_dropped: Family<TenantLabels, Counter>,
+    approvals_requested: Family<TenantLabels, Counter>,
+    approval_decisions: Family<DecisionLabels, Counter>,
+    approvals_pending: Family<TenantLabels, Gauge>,
+    approval_oldest_pending: Family<TenantLabels, Gauge>,
+    reconciled: Family<TenantLabels, Counter>,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -235,6 +251,38 @@ impl Metrics {
             "Fenced calls refused because their fence is not the current holder's (nothing changed), by tenant, \
              operation and reason: superseded, no_record or finished",
             stale_calls.clone(),
+        );
+        let approvals_requested = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "approvals_requested",
+            "Pending approvals recorded by claims of keys whose namespace needs a person's approval, by tenant",
+            approvals_requested.clone(),
+        );
+        let approval_decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "approval_decisions",
+            "Approvals decided by an approver, by tenant and decision: approved or denied",
+            approval_decisions.clone(),
+        );
+        let approvals_pending = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "approvals_pending",
+            "Approvals waiting for a decision, by tenant, as of the last scan of the store",
+            approvals_pending.clone(),
+        );
+        let approval_oldest_pending = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "approval_oldest_pending_seconds",
+            "How long the oldest pending approval has waited for a decision, by tenant (0: none pending), as of \
+             the last scan of the store",
+            approval_oldest_pending.clone(),
+        );
+        let reconciled = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "reconciled",
+            "Recoveries completed as reconciled (the downstream system said the effect had happened; it was not \
+             run again), by tenant",
+            reconciled.clone(),
         );
         let denials = Family::<ReasonLabels, Counter>::default();
         registry.register(
@@ -316,6 +364,11 @@ impl Metrics {
             mcp_calls,
             unstored_responses,
             stale_audits_dropped,
+            approvals_requested,
+            approval_decisions,
+            approvals_pending,
+            approval_oldest_pending,
+            reconciled,
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
@@ -370,7 +423,7 @@ impl Metrics {
                 let reason = denial.reason().as_str();
                 self.denials.get_or_create(&ReasonLabels { tenant: label.clone(), reason }).inc();
             }
-            ClaimOutcome::InFlight(_) => {}
+            ClaimOutcome::InFlight(_) | ClaimOutcome::PendingApproval(_) => {}
         }
         self.live.record_claim(tenant, scope.namespace.as_str(), answer, saved);
     }
@@ -467,17 +520,27 @@ impl Metrics {
         let mut result = KeyScan { at: Some(guard.clock().now()), complete: true, ..KeyScan::default() };
         let work = async {
             guard.store().ping().await?;
-            let mut counts = BTreeMap::new();
+            let (mut counts, mut approvals) = (BTreeMap::new(), BTreeMap::new());
             let mut complete = true;
             for tenant in guard.store().list_tenants().await? {
                 let (in_flight, stuck) = guard.count_in_progress(&tenant.id, config.scan_max_pages).await?;
                 complete &= in_flight < config.scan_max_pages * onceguard_core::store::MAX_PAGE;
                 counts.insert(tenant.id.to_string(), (in_flight, stuck));
+                let pending = guard.count_pending_approvals(&tenant.id, config.scan_max_pages).await?;
+                approvals.insert(tenant.id.to_string(), pending);
             }
-            Ok::<_, onceguard_core::GuardError>((counts, complete))
+            Ok::<_, onceguard_core::GuardError>((counts, approvals, complete))
         };
         match tokio::time::timeout(config.scan_timeout, work).await {
-            Ok(Ok((counts, complete))) => {
+            Ok(Ok((counts, approvals, complete))) => {
+                let now = guard.clock().now();
+                for (tenant, (pending, oldest)) in &approvals {
+                    let labels = TenantLabels { tenant: self.tenant_label(tenant) };
+                    self.approvals_pending.get_or_create(&labels).set(i64::try_from(*pending).unwrap_or(i64::MAX));
+                    let age = oldest.map_or(0, |at| at.until(now).as_secs());
+                    self.approval_oldest_pending.get_or_create(&labels).set(i64::try_from(age).unwrap_or(i64::MAX));
+                }
+                result.approvals = approvals;
                 for (tenant, (in_flight, stuck)) in &counts {
                     self.initialize(tenant);
                     let labels = TenantLabels { tenant: self.tenant_label(tenant) };
@@ -526,6 +589,11 @@ impl Metrics {
         }
         let _ = self.replay_cost_saved.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.replay_tokens_saved.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.approvals_requested.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.reconciled.get_or_create(&TenantLabels { tenant: t() });
+        for decision in ["approved", "denied"] {
+            let _ = self.approval_decisions.get_or_create(&DecisionLabels { tenant: t(), decision });
+        }
     }
 }
 
@@ -543,6 +611,28 @@ impl onceguard_core::Observer for Metrics {
     fn stale_audit_dropped(&self, scope: &Scope) {
         let labels = TenantLabels { tenant: self.tenant_label(scope.tenant.as_str()) };
         self.stale_audits_dropped.get_or_create(&labels).inc();
+    }
+
+    fn approval_requested(&self, approval: &onceguard_core::approval::Approval) {
+        let labels = TenantLabels { tenant: self.tenant_label(approval.scope.tenant.as_str()) };
+        self.approvals_requested.get_or_create(&labels).inc();
+        let event = Event::new("approval_pending", &approval.scope, None, "awaiting a person's decision");
+        self.live.push_event(approval.scope.tenant.as_str(), event);
+    }
+
+    fn approval_decided(&self, approval: &onceguard_core::approval::Approval) {
+        let approved = approval.decision.as_ref().is_some_and(|d| d.approved);
+        let decision = if approved { "approved" } else { "denied" };
+        let labels = DecisionLabels { tenant: self.tenant_label(approval.scope.tenant.as_str()), decision };
+        self.approval_decisions.get_or_create(&labels).inc();
+        self.live.push_event(approval.scope.tenant.as_str(), Event::new("approval", &approval.scope, None, decision));
+    }
+
+    fn reconciled(&self, scope: &Scope) {
+        let labels = TenantLabels { tenant: self.tenant_label(scope.tenant.as_str()) };
+        self.reconciled.get_or_create(&labels).inc();
+        self.live
+            .push_event(scope.tenant.as_str(), Event::new("reconciled", scope, None, "completed without re-running"));
     }
 }
 

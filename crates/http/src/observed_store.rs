@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
+use onceguard_core::approval::Approval;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{
     AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
 };
-use onceguard_core::store::{ClaimStore, ControlStore, RunStore, TenantStore};
+use onceguard_core::store::{ApprovalFilter, ApprovalStore, ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
     StoreError, StoreOp, TenantId, Timestamp,
@@ -257,5 +258,39 @@ impl TenantStore for ObservedStore {
         audit: Option<&AuditEntry>,
     ) -> Result<bool, StoreError> {
         self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now, audit)).await
+    }
+}
+
+#[async_trait]
+impl ApprovalStore for ObservedStore {
+    async fn approval_of(&self, scope: &Scope, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+        self.timed(StoreOp::Approval, self.inner.approval_of(scope, now)).await
+    }
+
+    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+        self.timed(StoreOp::Approval, self.inner.approval(tenant, id, now)).await
+    }
+
+    async fn put_approval(
+        &self,
+        expected: Option<&Approval>,
+        new: &Approval,
+        audit: Option<&AuditEntry>,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Approval, self.inner.put_approval(expected, new, audit, now)).await
+    }
+
+    async fn list_approvals(
+        &self,
+        tenant: &TenantId,
+        filter: &ApprovalFilter,
+        now: Timestamp,
+    ) -> Result<Vec<Approval>, StoreError> {
+        self.timed(StoreOp::Approval, self.inner.list_approvals(tenant, filter, now)).await
+    }
+
+    async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.timed(StoreOp::Approval, self.inner.sweep_approvals(now, batch)).await
     }
 }

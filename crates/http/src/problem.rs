@@ -69,6 +69,21 @@ pub enum ApiError {
     /// The proxy's upstream did not answer in time.
     #[error("{0}")]
     GatewayTimeout(String),
+    /// The key needs a person's approval, which nobody has given yet: nothing was forwarded,
+    /// acquired or charged (a front end that answers with a problem, as the proxy; the API's
+    /// claim answers 202 with a view).
+    #[error("the call awaits approval {approval} (decide before {expires_at})")]
+    PendingApproval {
+        /// The approval's id.
+        approval: String,
+        /// Decide before this (RFC 3339).
+        expires_at: String,
+        /// When to ask again.
+        retry_after: Duration,
+    },
+    /// An approval cannot be decided: it was decided already, or it expired undecided.
+    #[error("{0}")]
+    ApprovalClosed(String),
     /// The call ran once, but its outcome was too large to store: replays say so and never
     /// run it again (410). Not retryable: the same key never runs again.
     #[error("{0}")]
@@ -134,6 +149,15 @@ impl ApiError {
             Self::Denied(Denial::QuotaExceeded { .. }) => {
                 (S::TOO_MANY_REQUESTS, "quota-exceeded", "The tenant's quota is spent", true)
             }
+            Self::Denied(Denial::ApprovalDenied { .. }) => {
+                (S::FORBIDDEN, "approval-denied", "An approver denied this call", false)
+            }
+            Self::PendingApproval { .. } => {
+                (S::ACCEPTED, "approval-pending", "The call awaits a person's approval", true)
+            }
+            Self::ApprovalClosed(_) => {
+                (S::CONFLICT, "approval-closed", "The approval was decided already or expired", false)
+            }
             Self::StoreUnavailable(_) => {
                 (S::SERVICE_UNAVAILABLE, "store-unavailable", "The store cannot answer; nothing was decided", true)
             }
@@ -179,6 +203,11 @@ impl ApiError {
                 problem.reason = Some(serde_json::json!({ "attempt": attempt }));
             }
             Self::Mismatch => problem.outcome = Some("mismatch"),
+            Self::PendingApproval { approval, expires_at, retry_after } => {
+                problem.outcome = Some("pending_approval");
+                problem.retry_after_ms = Some(millis(*retry_after));
+                problem.reason = Some(serde_json::json!({ "approval": approval, "expires_at": expires_at }));
+            }
             Self::Stale(reason) => {
                 problem.outcome = Some("stale");
                 problem.reason = serde_json::to_value(reason).ok();
@@ -239,6 +268,10 @@ impl From<GuardError> for ApiError {
             GuardError::Invalid(e) => e.into(),
             GuardError::TooLarge { .. } => Self::TooLarge(e.to_string()),
             GuardError::Store(e) => e.into(),
+            GuardError::Approval(e @ onceguard_core::approval::DecideError::NotFound(_)) => {
+                Self::NotFound(e.to_string())
+            }
+            GuardError::Approval(e) => Self::ApprovalClosed(e.to_string()),
         }
     }
 }

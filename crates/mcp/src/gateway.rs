@@ -25,7 +25,7 @@ use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
 use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
-    CheckpointName, Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Guard, Mutation, Outcome,
+    CheckpointName, Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, Fence, FencedOutcome, Guard, Mutation, Outcome,
     OutcomeDigest, OutcomeKind, RecordState, Scope, TenantId,
 };
 use onceguard_http::AppState;
@@ -307,7 +307,11 @@ async fn guarded_call(
     // The lease and retention in force are the guard's: `mcp.lease` and `mcp.retention`, unless
     // the tenant's or a namespace prefix's settings (e.g. on `mcp/<upstream>/<tool>`) say
     // otherwise.
-    let claim = Claim { run: call.run.clone(), cost: Some(call.cost), ..Claim::new(scope, call.fingerprint()) };
+    // What an approver sees, where the tool's namespace needs approvals: the tool, never its
+    // arguments (they are bound by the fingerprint).
+    let summary = Some(format!("tools/call {}", call.name).chars().take(256).collect());
+    let claim =
+        Claim { run: call.run.clone(), cost: Some(call.cost), summary, ..Claim::new(scope, call.fingerprint()) };
     // An input_required answer holds the key for the input lease, within the longest lease in
     // force (read before the claim: a key once acquired is never left without its leg).
     let max_lease = match gateway.guard().effective(&claim.scope).await {
@@ -347,7 +351,27 @@ async fn guarded_call(
             (rpc_error(Some(&id), &error), "in_flight")
         }
         ClaimOutcome::Mismatch => (rpc_error(Some(&id), &ApiError::Mismatch), "mismatch"),
+        ClaimOutcome::Denied(Denial::ApprovalDenied { approval, by, why }) => {
+            let text = format!("A person ({by}) denied this tool call: {why}. It was not run and will not be run.");
+            let meta = serde_json::json!({ "id": approval, "state": "denied", "why": why });
+            (json_response(jsonrpc::tool_error_message(&id, &text, meta)), "denied")
+        }
         ClaimOutcome::Denied(denial) => (rpc_error(Some(&id), &ApiError::Denied(denial)), "denied"),
+        ClaimOutcome::PendingApproval(pending) => {
+            let a = &pending.approval;
+            let expires_at = a.expires_at.to_rfc3339();
+            let text = format!(
+                "This tool call awaits a person's approval (approval {}, to be decided before {expires_at}). It \
+                 was not run. Tell the user it awaits approval; call the tool again with the same arguments and \
+                 idempotency key once it is approved.",
+                a.id
+            );
+            let retry_after_ms = u64::try_from(pending.retry_after.as_millis()).unwrap_or(u64::MAX);
+            let meta = serde_json::json!({
+                "id": a.id, "state": "pending", "expires_at": expires_at, "retry_after_ms": retry_after_ms,
+            });
+            (json_response(jsonrpc::tool_error_message(&id, &text, meta)), "pending_approval")
+        }
         ClaimOutcome::Acquired(acquired) => {
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
             if let Ok(mut set) = gateway.in_flight.lock() {
@@ -403,6 +427,7 @@ fn release_mutation(why: &str) -> Mutation {
         body: why.as_bytes().to_vec(),
         cost: None,
         tokens: None,
+        reconciled: false,
     };
     Mutation::Fail { retryable: true, outcome }
 }
@@ -672,13 +697,20 @@ impl Leg {
                         body,
                         cost: None,
                         tokens: None,
+                        reconciled: false,
                     })
                 }
             }
             Settlement::Store { result, failure } => {
                 let kind = if failure { OutcomeKind::Failure } else { OutcomeKind::Success };
-                let outcome =
-                    Outcome { kind, content_type: "application/json".into(), body: result, cost: None, tokens: None };
+                let outcome = Outcome {
+                    kind,
+                    content_type: "application/json".into(),
+                    body: result,
+                    cost: None,
+                    tokens: None,
+                    reconciled: false,
+                };
                 if failure { Mutation::Fail { retryable: false, outcome } } else { Mutation::Complete(outcome) }
             }
             Settlement::Park => {

@@ -352,6 +352,9 @@ pub fn error_code(error: &ApiError) -> i64 {
         ApiError::Denied(Denial::SwitchEngaged { .. }) => 42301,
         ApiError::Denied(Denial::BudgetExhausted { .. }) => 42901,
         ApiError::Denied(Denial::QuotaExceeded { .. }) => 42902,
+        ApiError::Denied(Denial::ApprovalDenied { .. }) => 40302,
+        ApiError::PendingApproval { .. } => 20201,
+        ApiError::ApprovalClosed(_) => 40904,
         ApiError::Internal(_) => 50001,
         ApiError::BadGateway(_) => 50201,
         ApiError::StoreUnavailable(_) => 50301,
@@ -359,6 +362,21 @@ pub fn error_code(error: &ApiError) -> i64 {
         ApiError::NotStored(_) => 41001,
     }
 }
+
+/// A tool error result (`isError: true`) answering `id`, with `text` for the model to relay and
+/// `meta` under `_meta["dev.onceguard/approval"]`: how the gateway says that a call awaits a
+/// person's approval, or that a person denied it. Nothing ran.
+pub fn tool_error_message(id: &Value, text: &str, meta: Value) -> Vec<u8> {
+    let result = serde_json::json!({
+        "content": [{ "type": "text", "text": text }],
+        "isError": true,
+        "_meta": { APPROVAL_META: meta },
+    });
+    result_message(id, &serde_json::to_vec(&result).unwrap_or_default())
+}
+
+/// Where a tool error says which approval a call awaits or was denied by.
+pub const APPROVAL_META: &str = "dev.onceguard/approval";
 
 /// A JSON-RPC error message answering `id` (`null` when the request's id is not known) for
 /// `error`: its code from [`error_code`], its message the problem's detail, its data the same

@@ -129,6 +129,7 @@ async fn complete_all(guard: &Guard, requests: usize) {
             body: b"{}".to_vec(),
             cost: None,
             tokens: None,
+            reconciled: false,
         };
         guard.mutate(&scope, a.fence, Mutation::Complete(outcome)).await.unwrap();
     }

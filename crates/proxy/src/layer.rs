@@ -222,9 +222,13 @@ where
         .await
         .map_err(|_| ApiError::TooLarge(format!("the request body exceeds {} bytes", options.max_request_bytes)))?;
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    // What an approver sees, where the namespace needs approvals: the method and the path,
+    // never the query string (it may carry secrets) or the body.
+    let summary = format!("{} {}", parts.method, parts.uri.path());
     let claim = Claim {
         lease: Some(options.lease),
         retention: Some(options.retention),
+        summary: Some(summary.chars().take(onceguard_core::approval::MAX_SUMMARY / 4).collect()),
         ..Claim::new(Scope::new(options.tenant.clone(), namespace, key), fingerprint(&parts.method, path, &body))
     };
     let scope = claim.scope.clone();
@@ -246,6 +250,11 @@ where
         ClaimOutcome::InFlight(f) => Err(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }),
         ClaimOutcome::Mismatch => Err(ApiError::Mismatch),
         ClaimOutcome::Denied(d) => Err(ApiError::Denied(d)),
+        ClaimOutcome::PendingApproval(p) => Err(ApiError::PendingApproval {
+            approval: p.approval.id,
+            expires_at: p.approval.expires_at.to_rfc3339(),
+            retry_after: p.retry_after,
+        }),
         ClaimOutcome::Acquired(acquired) => {
             let request = Request::from_parts(parts, Body::from(body));
             // The upstream call and the storing of its outcome run in a task of their own: a
@@ -410,6 +419,7 @@ async fn release(guard: &Guard, scope: &Scope, fence: Fence) {
         body: Vec::new(),
         cost: None,
         tokens: None,
+        reconciled: false,
     };
     if let Err(e) = guard.mutate(scope, fence, Mutation::Fail { retryable: true, outcome }).await {
         tracing::warn!(error = %e, "could not release a key; it is held until its lease passes");
@@ -424,6 +434,7 @@ fn stored_outcome(stored: &StoredResponse) -> Outcome {
         body: stored.encode(),
         cost: None,
         tokens: None,
+        reconciled: false,
     }
 }
 

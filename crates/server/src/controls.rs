@@ -340,6 +340,12 @@ pub struct SettingsBody {
     /// What is kept of an outcome: `full` (the bytes, replayed byte for byte) or `digest` (its
     /// status, media type, size and SHA-256 only; a replay answers `result_digest`).
     pub outcome_kept: Option<OutcomeKeptBody>,
+    /// Whether a key needs a person's approval before its first claim acquires it (a claim
+    /// answers 202 `pending_approval` until it is approved).
+    pub approval_required: Option<bool>,
+    /// How long a pending approval waits for a decision, e.g. `4h` (1 s to 30 days; default
+    /// 24 h).
+    pub approval_expiry: Option<String>,
 }
 
 /// What a namespace keeps of its outcomes.
@@ -381,6 +387,8 @@ impl SettingsBody {
             max_in_flight: self.max_in_flight,
             claim_rate: self.claim_rate.as_ref().map(|r| Rate { per_second: r.per_second, burst: r.burst }),
             outcome_kept: self.outcome_kept.map(Into::into),
+            approval_required: self.approval_required,
+            approval_expiry: d("approval_expiry", &self.approval_expiry)?,
         })
     }
 
@@ -393,6 +401,8 @@ impl SettingsBody {
             max_in_flight: s.max_in_flight,
             claim_rate: s.claim_rate.map(|r| RateBody { per_second: r.per_second, burst: r.burst }),
             outcome_kept: s.outcome_kept.map(Into::into),
+            approval_required: s.approval_required,
+            approval_expiry: duration_text(s.approval_expiry),
         }
     }
 }

@@ -78,8 +78,10 @@ pub struct ClaimCounts {
     pub in_flight: u64,
     /// The key was used with another request.
     pub mismatch: u64,
-    /// A switch, budget or quota refused it.
+    /// A switch, budget, quota or approver refused it.
     pub denied: u64,
+    /// It waited for a person's approval.
+    pub pending_approval: u64,
 }
 
 /// Recoveries by reason.
@@ -273,13 +275,13 @@ pub async fn dashboard_data(
     stuck.truncate(STUCK_SHOWN);
     let totals = metrics.totals(&tenant);
     let (in_flight, stuck_count) = scan.tenants.get(tenant.as_str()).copied().unwrap_or((0, 0));
-    let [acquired, replay, in_flight_claims, mismatch, denied] = totals.claims;
+    let [acquired, replay, in_flight_claims, mismatch, denied, pending_approval] = totals.claims;
     Ok(Json(DashboardView {
         tenant: tenant.to_string(),
         tenants,
         now: now.to_rfc3339(),
         instance: InstanceView { version: env!("CARGO_PKG_VERSION"), started_at: metrics.started_at().to_rfc3339() },
-        claims: ClaimCounts { acquired, replay, in_flight: in_flight_claims, mismatch, denied },
+        claims: ClaimCounts { acquired, replay, in_flight: in_flight_claims, mismatch, denied, pending_approval },
         cost_saved: totals.cost_saved,
         tokens_saved: totals.tokens_saved,
         recoveries: RecoveryCounts { lease_expired: totals.recoveries[0], reported_unknown: totals.recoveries[1] },

@@ -51,6 +51,7 @@ use problem::ApiError;
         controls::set_budget, controls::get_run, controls::engage_switch, controls::release_switch,
         controls::list_switches, controls::put_settings, controls::list_settings, controls::delete_settings,
         controls::list_audit,
+        api::list_approvals, api::get_approval, api::approve, api::deny,
         api::healthz, api::readyz,
         api::metrics, dashboard::dashboard_data, dashboard::dashboard_record,
     ),
@@ -60,6 +61,7 @@ use problem::ApiError;
         (name = "claims", description = "Claim a key, then complete, fail, extend, checkpoint or report unknown with its fence"),
         (name = "records", description = "Read, list and purge records"),
         (name = "admin", description = "Tenants and API keys"),
+        (name = "approvals", description = "Approvals of keys (and fingerprints) that need a person's decision"),
         (name = "blast radius", description = "Runs and budgets, kill switches, settings and quotas, the audit log"),
         (name = "health", description = "Liveness and readiness"),
         (name = "observability", description = "Prometheus metrics and the dashboard's data"),
@@ -162,6 +164,10 @@ pub fn router(state: AppState, config: &Config) -> Router {
             get(controls::list_settings).put(controls::put_settings).delete(controls::delete_settings),
         )
         .route("/v1/audit", get(controls::list_audit))
+        .route("/v1/approvals", get(api::list_approvals))
+        .route("/v1/approvals/{id}", get(api::get_approval))
+        .route("/v1/approvals/{id}/approve", post(api::approve))
+        .route("/v1/approvals/{id}/deny", post(api::deny))
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(openapi_json))

@@ -120,6 +120,7 @@ use tokio::task::JoinHandle;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, Row};
 
+mod approvals;
 mod batch;
 mod claims;
 mod control;

@@ -115,6 +115,19 @@ pub(crate) const MIGRATIONS: &[&str] = &[
             NULL; -- another instance made it meanwhile
         END;
     END $$;
+"#, // Approvals: one kept per key; `kept_until` is `Approval::kept_until`.
+    r#"
+    CREATE TABLE og_approvals (
+        tenant text NOT NULL,
+        namespace text NOT NULL,
+        key text NOT NULL,
+        id text NOT NULL,
+        kept_until bigint NOT NULL,
+        doc text NOT NULL,
+        PRIMARY KEY (tenant, namespace, key)
+    );
+    CREATE UNIQUE INDEX og_approvals_id ON og_approvals (tenant, id);
+    CREATE INDEX og_approvals_kept ON og_approvals (kept_until);
 "#,
 ];
 

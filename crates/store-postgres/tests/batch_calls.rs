@@ -38,6 +38,7 @@ fn completion(req: &ClaimRequest, fence: Fence) -> FencedCall {
         body: b"[0.5]".to_vec(),
         cost: None,
         tokens: Some(12),
+        reconciled: false,
     };
     FencedCall { scope: req.scope.clone(), fence, mutation: Mutation::Complete(outcome) }
 }

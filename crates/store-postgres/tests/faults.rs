@@ -85,6 +85,7 @@ fn outcome(body: String) -> Outcome {
         body: body.into_bytes(),
         cost: None,
         tokens: None,
+        reconciled: false,
     }
 }
 

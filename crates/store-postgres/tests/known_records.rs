@@ -53,6 +53,7 @@ fn done(body: &str) -> Mutation {
         body: body.as_bytes().to_vec(),
         cost: None,
         tokens: None,
+        reconciled: false,
     })
 }
 

@@ -57,6 +57,7 @@ fn done(cost: u64) -> Mutation {
         body: b"{}".to_vec(),
         cost: Some(cost),
         tokens: None,
+        reconciled: false,
     })
 }
 

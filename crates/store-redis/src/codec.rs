@@ -111,6 +111,7 @@ impl Fields {
                 body: self.need("ob")?.to_vec(),
                 cost: self.get("ocost").map(|v| units(v, "cost")).transpose()?.flatten(),
                 tokens: self.get("otok").map(|v| units(v, "tokens")).transpose()?.flatten(),
+                reconciled: self.get("orec") == Some(b"1".as_slice()),
             }),
             None => None,
         };
@@ -222,6 +223,7 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
                 body: field(6)?.to_vec(),
                 cost: units(field(7)?, "cost")?,
                 tokens: units(field(8)?, "tokens")?,
+                reconciled: field(9).is_ok_and(|f| f == b"1"),
             },
         })),
         b"acquired" => {

@@ -264,6 +264,19 @@ impl Keys {
         format!("{}c:{{control}}:audit-outbox", self.prefix)
     }
 
+    /// Every tenant's approvals, one per key: a hash of `tenant NUL namespace NUL key` to
+    /// `kept_until NL id NL` and the approval as JSON, in the control documents' slot (a
+    /// decision and its audit entry are written by one script).
+    pub fn approvals(&self) -> String {
+        format!("{}c:{{control}}:approvals", self.prefix)
+    }
+
+    /// The key of each approval: a hash of `tenant NUL id` to its field in
+    /// [`Keys::approvals`].
+    pub fn approval_ids(&self) -> String {
+        format!("{}c:{{control}}:approval-ids", self.prefix)
+    }
+
     /// Audit entries of tenant and API key changes not yet in their tenant's log (as
     /// [`Keys::control_audit_outbox`], in the slot of tenants and API keys).
     pub fn auth_audit_outbox(&self) -> String {

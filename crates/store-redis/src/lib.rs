@@ -254,6 +254,7 @@
 
 #![forbid(unsafe_code)]
 
+mod approvals;
 mod changes;
 mod claims;
 mod codec;
@@ -859,7 +860,8 @@ impl RedisStore {
                     .arg(outcome.content_type.as_str())
                     .arg(outcome.body.as_slice())
                     .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default())
-                    .arg(outcome.tokens.map(|t| t.to_string()).unwrap_or_default());
+                    .arg(outcome.tokens.map(|t| t.to_string()).unwrap_or_default())
+                    .arg(if outcome.reconciled { "1" } else { "" });
             }
             Mutation::Fail { retryable: true, .. } => {}
             Mutation::Extend(lease) => {

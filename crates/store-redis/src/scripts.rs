@@ -21,7 +21,7 @@
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
-//! | `ok` `oc` `ob` `ocost` `otok` | outcome kind, content type, body (bytes), cost and tokens (each absent if none) |
+//! | `ok` `oc` `ob` `ocost` `otok` `orec` | outcome kind, content type, body (bytes), cost, tokens and `1` if reconciled (each absent if none) |
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
 //! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
 //!
@@ -223,7 +223,7 @@ end
 
 /// `protocol::claim` and `control::admit`. Answers one of:
 /// `{'mismatch'}`, `{'in_flight', retry_after_ms, attempt}`,
-/// `{'replay', fence, attempt, completed_at, kind, content_type, body, cost}`,
+/// `{'replay', fence, attempt, completed_at, kind, content_type, body, cost, tokens, reconciled}`,
 /// `{'acquired', fence, attempt, lease_expires_at, ''}` or, for a recovery,
 /// `{'acquired', fence, attempt, lease_expires_at, 'lease' | 'unknown', previous_fence,
 /// previous_attempt, unknown_detail, last_checkpoint}`, each followed by one more field, `'1'`,
@@ -267,7 +267,7 @@ if r ~= nil then
   if r.st ~= 'released' and r.fp ~= fp then return { 'mismatch' } end
   if r.st == 'completed' then
     if r.ok ~= nil and r.co ~= nil then
-      return { 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '', r.otok or '' }
+      return { 'replay', r.fe, r.at, r.co, r.ok, r.oc or '', r.ob or '', r.ocost or '', r.otok or '', r.orec or '' }
     end
     -- A completed record without its outcome is treated as absent.
     r = nil
@@ -470,7 +470,8 @@ pub const MUTATE: &str = r#"
 -- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
 --       (with a run named below)
 -- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
---   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none)
+--   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none),
+--     '1' if reconciled ('' if not)
 --   release: nothing
 --   extend: lease ms
 --   checkpoint: name, data
@@ -481,7 +482,7 @@ local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local base = 8
 if op == 'complete' or op == 'fail' then
-  base = 13
+  base = 14
 elseif op == 'extend' or op == 'unknown' then
   base = 9
 elseif op == 'checkpoint' then
@@ -499,7 +500,7 @@ if r.st ~= 'in_progress' then
   local again = false
   if r.st == 'completed' and r.ok ~= nil and (op == 'complete' or op == 'fail') then
     local same = (r.oc or '') == ARGV[10] and (r.ob or '') == ARGV[11] and (r.ocost or '') == ARGV[12]
-      and (r.otok or '') == ARGV[13]
+      and (r.otok or '') == ARGV[13] and (r.orec or '') == ARGV[14]
     if op == 'complete' then
       again = ARGV[9] == 'success' and r.ok == 'success' and same
     else
@@ -527,6 +528,7 @@ if op == 'complete' or op == 'fail' then
   set(w, 'ob', ARGV[11])
   if ARGV[12] ~= '' then set(w, 'ocost', ARGV[12]) else unset(w, 'ocost') end
   if ARGV[13] ~= '' then set(w, 'otok', ARGV[13]) else unset(w, 'otok') end
+  if ARGV[14] ~= '' then set(w, 'orec', ARGV[14]) else unset(w, 'orec') end
   set(w, 'co', int(now))
   unset(w, 'le')
   unset(w, 'un')
@@ -882,6 +884,39 @@ end
 return body
 "#;
 
+/// Writes an approval over the one kept for its key, if that is still `expected` (compared
+/// as stored; '' for none kept at `now`), with its audit entry (if any) in the control
+/// outbox; answers 1 if it wrote, 0 if not.
+pub const PUT_APPROVAL: &str = r#"
+-- KEYS: approvals, approval ids, the control audit outbox
+-- ARGV: field, expected value ('' for none kept), now, value, tenant, id, entry id, entry ('' for none)
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+local kept = ''
+local old_id = nil
+if current then
+  local first = string.find(current, '\n', 1, true)
+  local second = string.find(current, '\n', first + 1, true)
+  old_id = string.sub(current, first + 1, second - 1)
+  if tonumber(string.sub(current, 1, first - 1)) > tonumber(ARGV[3]) then kept = current end
+end
+if kept ~= ARGV[2] then return 0 end
+if old_id and old_id ~= ARGV[6] then redis.call('HDEL', KEYS[2], ARGV[5] .. '\0' .. old_id) end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[5] .. '\0' .. ARGV[6], ARGV[1])
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], ARGV[7], ARGV[8]) end
+return 1
+"#;
+
+/// Deletes an approval if it is still the value given (a sweep), and its id; answers 1 if it
+/// deleted.
+pub const DELETE_APPROVAL: &str = r#"
+-- KEYS: approvals, approval ids; ARGV: field, value, id field
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[3])
+return 1
+"#;
+
 /// Stores an API key (replacing one with the same id, and its revocation).
 pub const CREATE_API_KEY: &str = r#"
 -- KEYS: api keys, revocations, the auth audit outbox; ARGV: id, JSON, the audit entry's id and
@@ -955,6 +990,10 @@ pub struct Scripts {
     pub prune_audit: Script,
     /// See [`PUT_CONTROL`].
     pub put_control: Script,
+    /// See [`PUT_APPROVAL`].
+    pub put_approval: Script,
+    /// See [`DELETE_APPROVAL`].
+    pub delete_approval: Script,
     /// See [`REPLACE_CONTROL`].
     pub replace_control: Script,
     /// See [`RETIRE_FENCE_COUNTER`].
@@ -993,6 +1032,8 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         append_audit: Script::new(APPEND_AUDIT),
         prune_audit: Script::new(PRUNE_AUDIT),
         put_control: Script::new(PUT_CONTROL),
+        put_approval: Script::new(PUT_APPROVAL),
+        delete_approval: Script::new(DELETE_APPROVAL),
         replace_control: Script::new(REPLACE_CONTROL),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),

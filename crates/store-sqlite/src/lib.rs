@@ -63,6 +63,7 @@ use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, RunId, Scope, T
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
+mod approvals;
 mod claims;
 mod control;
 mod runs;
@@ -141,6 +142,20 @@ const MIGRATIONS: &[&str] = &[
     r#"
     CREATE TABLE fences (tenant TEXT PRIMARY KEY, last INTEGER NOT NULL) WITHOUT ROWID;
     UPDATE meta SET name = 'fence_floor' WHERE name = 'fence';
+"#,
+    // Approvals: one kept per key; `kept_until` is `Approval::kept_until`.
+    r#"
+    CREATE TABLE approvals (
+        tenant TEXT NOT NULL,
+        namespace TEXT NOT NULL,
+        key TEXT NOT NULL,
+        id TEXT NOT NULL,
+        kept_until INTEGER NOT NULL,
+        doc TEXT NOT NULL,
+        PRIMARY KEY (tenant, namespace, key)
+    ) WITHOUT ROWID;
+    CREATE UNIQUE INDEX approvals_id ON approvals (tenant, id);
+    CREATE INDEX approvals_kept ON approvals (kept_until);
 "#,
 ];
 

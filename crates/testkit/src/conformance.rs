@@ -15,6 +15,10 @@ use onceguard_core::{
     Scope, StaleReason, Store, TenantId, Timestamp,
 };
 
+mod approvals;
+
+pub use approvals::*;
+
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(3_600);
 
@@ -72,6 +76,7 @@ fn success(body: impl Into<Vec<u8>>) -> Outcome {
         body: body.into(),
         cost: Some(42),
         tokens: Some(1_234),
+        reconciled: false,
     }
 }
 

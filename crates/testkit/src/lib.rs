@@ -78,6 +78,7 @@ pub fn through_the_door(req: &onceguard_core::ClaimRequest, wait: std::time::Dur
         wait: Some(wait),
         run: req.run.clone(),
         cost: Some(req.cost),
+        summary: None,
     }
 }
 
@@ -127,7 +128,15 @@ macro_rules! conformance_tests {
             concurrent_batches_overlapping_in_keys_acquire_each_key_once,
             a_batch_of_fenced_calls_answers_as_its_calls_one_by_one,
             replace_writes_only_over_the_record_read,
-            replace_control_writes_only_over_the_document_expected
+            replace_control_writes_only_over_the_document_expected,
+            an_approved_call_acquires_once,
+            a_denied_call_is_refused_for_good,
+            an_undecided_approval_expires,
+            another_fingerprint_is_a_mismatch_and_keeps_the_approval,
+            a_switch_refuses_a_call_pending_approval,
+            a_waiting_claim_gets_the_decision,
+            approvals_are_written_over_the_one_read,
+            a_recovery_completes_as_reconciled
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

@@ -237,6 +237,7 @@ fn answer_of_claim(outcome: ClaimOutcome, now: Timestamp) -> Answer {
         ClaimOutcome::InFlight(f) => Answer::InFlight(u64::try_from(f.retry_after.as_millis()).unwrap_or(u64::MAX)),
         ClaimOutcome::Mismatch => Answer::Mismatch,
         ClaimOutcome::Denied(d) => panic!("no budgets here, yet denied at {now:?}: {d:?}"),
+        ClaimOutcome::PendingApproval(p) => panic!("no approvals here, yet pending at {now:?}: {p:?}"),
     }
 }
 
@@ -252,6 +253,7 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
         body,
         cost: None,
         tokens: None,
+        reconciled: false,
     };
     for (i, op) in ops.iter().enumerate() {
         let now = clock_now(&clock);

@@ -18,6 +18,7 @@ use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
 use crate::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 
+mod approvals;
 mod claims;
 mod control;
 mod runs;
@@ -48,6 +49,9 @@ struct State {
     control: BTreeMap<(ControlKind, TenantId, String), ControlDoc>,
     rates: BTreeMap<TenantId, u64>,
     audit: BTreeMap<(TenantId, String), AuditEntry>,
+    /// The approval of each key, and the key of each (tenant, approval id).
+    approvals: BTreeMap<Scope, crate::approval::Approval>,
+    approval_ids: BTreeMap<(TenantId, String), Scope>,
 }
 
 impl State {
@@ -256,6 +260,7 @@ mod tests {
             body: b"1".to_vec(),
             cost: None,
             tokens: None,
+            reconciled: false,
         }
     }
 

@@ -5,9 +5,10 @@
 //!   purged and swept;
 //! - [`RunStore`] (`runs.rs`): runs and budgets, and the claim rate's state;
 //! - [`ControlStore`] (`control.rs`): switches and settings, revoking leases, the audit log;
-//! - [`TenantStore`] (`tenants.rs`): tenants and API keys.
+//! - [`TenantStore`] (`tenants.rs`): tenants and API keys;
+//! - [`ApprovalStore`] (`approvals.rs`): approvals of keys and their decisions.
 //!
-//! A type that implements all four is a [`Store`]; callers hold an `Arc<dyn Store>`. Adding a
+//! A type that implements all five is a [`Store`]; callers hold an `Arc<dyn Store>`. Adding a
 //! store operation means adding it to the concern's trait: the compiler then points at every
 //! store (and the measuring wrapper, `onceguard_http::observed_store`) that must follow.
 //!
@@ -40,11 +41,13 @@ use std::time::Duration;
 use crate::domain::{Key, Namespace, RunId};
 use crate::record::{Record, RecordState};
 
+mod approvals;
 mod claims;
 mod control;
 mod runs;
 mod tenants;
 
+pub use approvals::{ApprovalFilter, ApprovalStore};
 pub use claims::{ClaimSection, ClaimStore, FencedCall, claim_in};
 pub use control::ControlStore;
 pub use runs::RunStore;
@@ -108,15 +111,15 @@ pub const MAX_PAGE: usize = 1_000;
 
 /// Storage for records, runs, control documents, the audit log, tenants and API keys: a store
 /// implements each concern's trait ([`ClaimStore`], [`RunStore`], [`ControlStore`],
-/// [`TenantStore`]), in a module of its own, and is then a `Store`. Callers hold an
+/// [`TenantStore`], [`ApprovalStore`]), in a module of its own, and is then a `Store`. Callers hold an
 /// `Arc<dyn Store>` and bring the concern's trait into scope (or use [`prelude`]).
-pub trait Store: ClaimStore + RunStore + ControlStore + TenantStore {}
+pub trait Store: ClaimStore + RunStore + ControlStore + TenantStore + ApprovalStore {}
 
-impl<T: ClaimStore + RunStore + ControlStore + TenantStore> Store for T {}
+impl<T: ClaimStore + RunStore + ControlStore + TenantStore + ApprovalStore> Store for T {}
 
 /// The store traits, to call any store operation on a `dyn Store`.
 pub mod prelude {
-    pub use super::{ClaimStore, ControlStore, RunStore, Store, TenantStore};
+    pub use super::{ApprovalStore, ClaimStore, ControlStore, RunStore, Store, TenantStore};
 }
 
 /// How long a store waits for its own backend before answering [`StoreError::Unavailable`].

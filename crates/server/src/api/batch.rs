@@ -50,6 +50,8 @@ pub enum ClaimView {
     Acquired(AcquiredView),
     /// `replay`.
     Replay(ReplayView),
+    /// `pending_approval`.
+    Pending(PendingApprovalView),
 }
 
 /// The answers of a claim batch, in the order of its claims.
@@ -100,6 +102,7 @@ pub async fn claim_batch(
         .map(|outcome| match answer(outcome) {
             Answer::Acquired(view) => BatchAnswer { status: 201, body: ViewOrProblem::View(ClaimView::Acquired(view)) },
             Answer::Replay(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Replay(view)) },
+            Answer::Pending(view) => BatchAnswer { status: 202, body: ViewOrProblem::View(ClaimView::Pending(view)) },
             Answer::Refused(error) => refused(&error),
         })
         .collect();
@@ -129,6 +132,7 @@ pub async fn complete_batch(
             let outcome =
                 outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, (b.cost, b.tokens))
                     .map_err(at)?;
+            let outcome = Outcome { reconciled: b.reconciled.unwrap_or(false), ..outcome };
             let scope = scope_of(&caller, &b.namespace, &b.key).map_err(at)?;
             Ok(FencedCall { scope, fence: Fence(b.fence), mutation: Mutation::Complete(outcome) })
         })

@@ -1,5 +1,7 @@
 //! `POST /v1/claims`: a claim, handed to the guard's one door, and its answer.
 
+use onceguard_core::approval::ApprovalState;
+
 use super::*;
 
 /// Claim a key.
@@ -32,8 +34,12 @@ pub struct ClaimBody {
     /// Cost units this call declares (e.g. a token or money estimate): charged to the run's
     /// budget with the key, once per key.
     pub cost: Option<u64>,
-    /// Wait up to this long (e.g. `10s`) if the key is in flight, and answer with its replay.
+    /// Wait up to this long (e.g. `10s`) if the key is in flight, and answer with its replay;
+    /// where the namespace needs approvals, also for a pending approval's decision.
     pub wait: Option<String>,
+    /// What the call does, in words, for an approver, where the namespace needs approvals (at
+    /// most 1024 bytes; stored as given, not sealed: say what an approver needs, no secrets).
+    pub summary: Option<String>,
 }
 
 /// Why this claim is a recovery.
@@ -85,14 +91,18 @@ pub struct ReplayView {
 }
 
 /// Claim a key: one atomic step answering `acquired` (201), `replay` (200), `in_flight` (409),
-/// `mismatch` (422) or `denied` (423/429).
+/// `mismatch` (422), `denied` (423/429, or 403 when an approver denied the call) or, where the
+/// namespace needs approvals, `pending_approval` (202: nothing acquired or charged; claim again
+/// once it is decided).
 #[utoipa::path(post, path = "/v1/claims", tag = "claims", request_body = ClaimBody,
     security(("bearer" = [])),
     responses(
         (status = 201, description = "Acquired: you hold the key", body = AcquiredView),
         (status = 200, description = "Replay: the stored outcome", body = ReplayView, headers(("Idempotent-Replayed" = String))),
+        (status = 202, description = "Pending approval: a person must approve this key and fingerprint first", body = PendingApprovalView, headers(("Retry-After" = u64))),
         (status = 409, description = "In flight: someone holds a live lease", body = Problem, content_type = "application/problem+json", headers(("Retry-After" = u64))),
         (status = 422, description = "Mismatch: the key was used with a different request", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "Denied by an approver (`approval-denied`), or the role may not", body = Problem, content_type = "application/problem+json"),
         (status = 423, description = "Denied by a kill switch", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "Denied by a budget or quota", body = Problem, content_type = "application/problem+json"),
         (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
@@ -112,8 +122,17 @@ pub async fn claim(
             response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(response)
         }
+        Answer::Pending(view) => Ok(pending_response(view)),
         Answer::Refused(error) => Err(error),
     }
+}
+
+/// `202` with the pending approval and a `Retry-After` in whole seconds.
+pub(crate) fn pending_response(view: PendingApprovalView) -> Response {
+    let secs = view.retry_after_ms.div_ceil(1000).max(1);
+    let mut response = (StatusCode::ACCEPTED, Json(view)).into_response();
+    response.headers_mut().insert(axum::http::header::RETRY_AFTER, HeaderValue::from(secs));
+    response
 }
 
 impl ClaimBody {
@@ -132,6 +151,7 @@ impl ClaimBody {
             wait: parse_duration_field("wait", self.wait.as_deref())?,
             run: self.run.as_deref().map(RunId::parse).transpose()?,
             cost: self.cost,
+            summary: self.summary,
         })
     }
 }
@@ -140,6 +160,7 @@ impl ClaimBody {
 pub(crate) enum Answer {
     Acquired(AcquiredView),
     Replay(ReplayView),
+    Pending(PendingApprovalView),
     Refused(ApiError),
 }
 
@@ -186,5 +207,10 @@ pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
         }
         ClaimOutcome::Mismatch => Answer::Refused(ApiError::Mismatch),
         ClaimOutcome::Denied(d) => Answer::Refused(ApiError::Denied(d)),
+        ClaimOutcome::PendingApproval(p) => Answer::Pending(PendingApprovalView {
+            outcome: "pending_approval",
+            retry_after_ms: u64::try_from(p.retry_after.as_millis()).unwrap_or(u64::MAX),
+            approval: approval_view(&p.approval, ApprovalState::Pending),
+        }),
     }
 }

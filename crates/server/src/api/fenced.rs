@@ -53,7 +53,14 @@ pub(crate) fn outcome_of(
             "content_type {DIGEST_CONTENT_TYPE} is kept for digests Onceguard makes"
         )));
     }
-    Ok(Outcome { kind, content_type, body, cost: check_units("cost", cost)?, tokens: check_units("tokens", tokens)? })
+    Ok(Outcome {
+        kind,
+        content_type,
+        body,
+        cost: check_units("cost", cost)?,
+        tokens: check_units("tokens", tokens)?,
+        reconciled: false,
+    })
 }
 
 /// Store a successful outcome.
@@ -79,6 +86,10 @@ pub struct CompleteBody {
     /// Model tokens the effect consumed (an embedding, a generation): counted as saved by
     /// every replay.
     pub tokens: Option<u64>,
+    /// `true` from a recovering attempt (attempt 2 or later) that did not run the effect: the
+    /// downstream system said it had happened, and `result` is what it said. The record then
+    /// says it was reconciled. A first attempt may not (400).
+    pub reconciled: Option<bool>,
 }
 
 /// Complete: store the outcome; every later claim replays it. Repeating the same completion
@@ -96,6 +107,7 @@ pub async fn complete(
     ApiJson(b): ApiJson<CompleteBody>,
 ) -> ApiResult<Json<RecordView>> {
     let outcome = outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, (b.cost, b.tokens))?;
+    let outcome = Outcome { reconciled: b.reconciled.unwrap_or(false), ..outcome };
     fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Complete(outcome)).await
 }
 

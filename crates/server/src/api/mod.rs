@@ -3,7 +3,8 @@
 //!
 //! - `claims.rs`: `POST /v1/claims`; `fenced.rs`: complete, fail, extend, checkpoint,
 //!   report-unknown; `records.rs`: read, list, purge; `tenants.rs`: tenants and API keys;
-//!   `health.rs`: `/healthz`, `/readyz`, `/metrics`; `views.rs`: how records and outcomes look.
+//!   `approvals.rs`: pending approvals and decisions; `health.rs`: `/healthz`, `/readyz`,
+//!   `/metrics`; `views.rs`: how records and outcomes look.
 
 use std::time::Duration;
 
@@ -67,6 +68,7 @@ fn raw_json(text: &str) -> Option<Box<RawValue>> {
     RawValue::from_string(text.to_owned()).ok()
 }
 
+mod approvals;
 mod batch;
 mod claims;
 mod fenced;
@@ -75,6 +77,7 @@ mod records;
 mod tenants;
 mod views;
 
+pub use approvals::*;
 pub use batch::*;
 pub use claims::*;
 pub use fenced::*;

@@ -40,6 +40,10 @@ pub struct StoredResultView {
     /// Model tokens reported at completion.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+    /// Present and `true` when a recovering attempt completed the key from what the downstream
+    /// system said happened, without running the effect again.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub reconciled: bool,
 }
 
 /// What is kept of a result whose bytes are not.
@@ -78,6 +82,7 @@ pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
             result_digest: Some(DigestView { size: d.size, sha256: d.sha256 }),
             cost: o.cost,
             tokens: o.tokens,
+            reconciled: o.reconciled,
         };
     }
     let json = o.content_type == "application/json";
@@ -90,6 +95,7 @@ pub(crate) fn stored_view(o: &Outcome) -> StoredResultView {
         result_digest: None,
         cost: o.cost,
         tokens: o.tokens,
+        reconciled: o.reconciled,
     }
 }
 
@@ -114,6 +120,9 @@ pub struct RecordHead {
     pub run: Option<String>,
     /// Until when the lease runs (in progress).
     pub lease_expires_at: Option<String>,
+    /// Whether its outcome was reconciled: a recovering attempt completed it from what the
+    /// downstream system said happened, without running the effect again.
+    pub reconciled: bool,
 }
 
 /// The head of every view of `r`.
@@ -128,6 +137,7 @@ pub fn record_head(r: &Record, now: Timestamp) -> RecordHead {
         attempt: r.attempt,
         run: r.run.as_ref().map(ToString::to_string),
         lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
+        reconciled: r.outcome.as_ref().is_some_and(|o| o.reconciled),
     }
 }
 

@@ -266,6 +266,49 @@ impl TenantStore for BreakableStore {
     }
 }
 
+#[async_trait::async_trait]
+impl onceguard_core::store::ApprovalStore for BreakableStore {
+    async fn approval_of(
+        &self,
+        scope: &Scope,
+        now: Timestamp,
+    ) -> Result<Option<onceguard_core::approval::Approval>, StoreError> {
+        self.up()?.approval_of(scope, now).await
+    }
+
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        now: Timestamp,
+    ) -> Result<Option<onceguard_core::approval::Approval>, StoreError> {
+        self.up()?.approval(tenant, id, now).await
+    }
+
+    async fn put_approval(
+        &self,
+        expected: Option<&onceguard_core::approval::Approval>,
+        new: &onceguard_core::approval::Approval,
+        audit: Option<&AuditEntry>,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.up()?.put_approval(expected, new, audit, now).await
+    }
+
+    async fn list_approvals(
+        &self,
+        tenant: &TenantId,
+        filter: &onceguard_core::store::ApprovalFilter,
+        now: Timestamp,
+    ) -> Result<Vec<onceguard_core::approval::Approval>, StoreError> {
+        self.up()?.list_approvals(tenant, filter, now).await
+    }
+
+    async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        self.up()?.sweep_approvals(now, batch).await
+    }
+}
+
 impl TestApp {
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)

@@ -215,6 +215,7 @@ pub fn outcome() -> Outcome {
         body: b"ok".to_vec(),
         cost: None,
         tokens: None,
+        reconciled: false,
     }
 }
 
@@ -239,6 +240,7 @@ pub async fn changes_reach_other_instances(a: &RedisStore, b: &RedisStore, elsew
         body: b"ok".to_vec(),
         cost: None,
         tokens: None,
+        reconciled: false,
     };
 
     // A checkpoint announces nothing; a completion and a purge do.

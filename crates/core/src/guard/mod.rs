@@ -27,6 +27,10 @@ use crate::sealing::Sealer;
 use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
+mod approvals;
+
+pub use approvals::PENDING_RETRY_AFTER;
+
 /// Why the guard refused or could not do a call.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
@@ -46,6 +50,9 @@ pub enum GuardError {
     /// The store could not answer; no decision was made. Retrying later is safe.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// An approval could not be decided (unknown, decided already, expired); nothing changed.
+    #[error(transparent)]
+    Approval(#[from] crate::approval::DecideError),
 }
 
 /// A stored value that does not open is the store's data being wrong for this guard (a key
@@ -86,13 +93,24 @@ pub struct Claim {
     pub run: Option<RunId>,
     /// Cost units the call declares (checked against [`crate::control::MAX_UNITS`]).
     pub cost: Option<u64>,
+    /// What the call does, in words, for an approver where the key's namespace needs approvals
+    /// (at most [`crate::approval::MAX_SUMMARY`] bytes; ignored elsewhere).
+    pub summary: Option<String>,
 }
 
 impl Claim {
     /// A claim of `scope` meaning `fingerprint`, asking for nothing else.
     pub fn new(scope: Scope, fingerprint: Fingerprint) -> Self {
-        Self { scope, fingerprint, lease: None, retention: None, wait: None, run: None, cost: None }
+        Self { scope, fingerprint, lease: None, retention: None, wait: None, run: None, cost: None, summary: None }
     }
+}
+
+/// A claim prepared under the settings in force (see `Guard::request`).
+struct Prepared {
+    req: ClaimRequest,
+    wait: Duration,
+    rate: Option<Rate>,
+    ask: Option<approvals::Ask>,
 }
 
 /// The guard. Cheap to clone; clones share everything.
@@ -222,7 +240,7 @@ impl Guard {
     /// Decides a claim; answers the outcome and the claim's scope (for the observer).
     async fn decide(&self, claim: Claim) -> Result<(ClaimOutcome, Scope), GuardError> {
         let controls = self.controls().await?;
-        let (mut req, wait, rate) = self.request(&controls, claim)?;
+        let Prepared { mut req, wait, rate, ask } = self.request(&controls, claim)?;
         if let Some(denial) = self.refusal(&controls, &mut req, rate.as_ref()).await? {
             return Ok((ClaimOutcome::Denied(denial), req.scope));
         }
@@ -230,10 +248,21 @@ impl Guard {
         let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
         loop {
             let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
-            let outcome = self.store.claim(&req, self.clock.now()).await?;
+            let gated = match &ask {
+                Some(ask) => self.approval_gate(&req, ask).await?,
+                None => None,
+            };
+            let outcome = match gated {
+                Some(answer) => answer,
+                None => self.store.claim(&req, self.clock.now()).await?,
+            };
+            // A key in flight, or one waiting for its approval, is waited for.
             let (retry_after, deadline) = match (&outcome, deadline) {
                 (ClaimOutcome::InFlight(in_flight), Some(deadline)) if Instant::now() < deadline => {
                     (in_flight.retry_after, deadline)
+                }
+                (ClaimOutcome::PendingApproval(pending), Some(deadline)) if Instant::now() < deadline => {
+                    (pending.retry_after, deadline)
                 }
                 _ => return Ok((outcome, req.scope)),
             };
@@ -252,10 +281,13 @@ impl Guard {
         }
     }
 
-    /// The store's request for `claim` under the settings in force, its wait, and the tenant's
-    /// claim rate: the bounds checked, nothing asked of the store.
-    fn request(&self, controls: &Controls, claim: Claim) -> Result<(ClaimRequest, Duration, Option<Rate>), GuardError> {
+    /// The store's request for `claim` under the settings in force, its wait, the tenant's
+    /// claim rate, and what an approval would ask: the bounds checked, nothing asked of the
+    /// store.
+    fn request(&self, controls: &Controls, claim: Claim) -> Result<Prepared, GuardError> {
         let effective = controls.effective(&self.limits, &claim.scope);
+        let summary = crate::approval::check_summary(claim.summary)?;
+        let ask = effective.approval.map(|expiry| approvals::Ask { expiry, summary, cost: claim.cost });
         let limits = &effective.limits;
         let (lease, retention, wait) =
             (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
@@ -269,7 +301,7 @@ impl Guard {
             cost: check_units("cost", claim.cost)?.unwrap_or(0),
             max_in_flight: effective.max_in_flight,
         };
-        Ok((req, wait, effective.claim_rate))
+        Ok(Prepared { req, wait, rate: effective.claim_rate, ask })
     }
 
     /// What refuses `req` before the store's atomic claim: a kill switch (and the runs switched
@@ -310,9 +342,16 @@ impl Guard {
         }
         let mut answers: Vec<Option<(ClaimOutcome, Scope)>> = Vec::with_capacity(prepared.len());
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
-        for (i, (mut req, _, rate)) in prepared.into_iter().enumerate() {
-            match self.refusal(&controls, &mut req, rate.as_ref()).await? {
-                Some(denial) => answers.push(Some((ClaimOutcome::Denied(denial), req.scope))),
+        for (i, Prepared { mut req, rate, ask, .. }) in prepared.into_iter().enumerate() {
+            let refused = match self.refusal(&controls, &mut req, rate.as_ref()).await? {
+                Some(denial) => Some(ClaimOutcome::Denied(denial)),
+                None => match &ask {
+                    Some(ask) => self.approval_gate(&req, ask).await?,
+                    None => None,
+                },
+            };
+            match refused {
+                Some(answer) => answers.push(Some((answer, req.scope))),
                 None => {
                     answers.push(None);
                     places.push(i);
@@ -346,9 +385,11 @@ impl Guard {
     pub async fn mutate_batch(&self, actor: &str, calls: Vec<FencedCall>) -> Result<Vec<FencedOutcome>, GuardError> {
         self.check_batch(calls.len())?;
         let mut kept = Vec::with_capacity(calls.len());
+        let mut reconciled = Vec::with_capacity(calls.len());
         for (i, call) in calls.into_iter().enumerate() {
             let mutation = self.kept(&call.scope, call.mutation).await.map_err(|e| e.at(i))?;
             self.check_mutation(&call.scope, &mutation).await.map_err(|e| e.at(i))?;
+            reconciled.push(self.check_reconciled(&call.scope, call.fence, &mutation).await.map_err(|e| e.at(i))?);
             kept.push(FencedCall { mutation, ..call });
         }
         let calls = kept;
@@ -365,8 +406,11 @@ impl Guard {
             return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
         }
         let mut answers = Vec::with_capacity(outcomes.len());
-        for (call, outcome) in calls.iter().zip(outcomes) {
+        for ((call, outcome), reconciled) in calls.iter().zip(outcomes).zip(reconciled) {
             let outcome = self.opened_fenced(&call.scope, call.fence, &call.mutation, outcome).await?;
+            if reconciled && matches!(outcome, FencedOutcome::Applied(_)) {
+                self.observer.reconciled(&call.scope);
+            }
             let (op, finishes) = (call.mutation.op(), call.mutation.finishes());
             self.after_mutation(actor, &call.scope, call.fence, op, finishes, &outcome).await?;
             answers.push(outcome);
@@ -433,6 +477,7 @@ impl Guard {
         // What is kept is what is bounded: a result kept as its digest is never too large.
         let mutation = self.kept(scope, mutation).await?;
         self.check_mutation(scope, &mutation).await?;
+        let reconciled = self.check_reconciled(scope, fence, &mutation).await?;
         let (op, finishes) = (mutation.op(), mutation.finishes());
         let outcome = match &self.sealer {
             None => self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?,
@@ -444,6 +489,9 @@ impl Guard {
         };
         let applied = matches!(outcome, FencedOutcome::Applied(_));
         tracing::Span::current().record("outcome", if applied { "applied" } else { "stale" });
+        if applied && reconciled {
+            self.observer.reconciled(scope);
+        }
         self.after_mutation(actor, scope, fence, op, finishes, &outcome).await?;
         Ok(outcome)
     }
@@ -470,6 +518,26 @@ impl Guard {
             Mutation::Fail { retryable, outcome } => Mutation::Fail { retryable, outcome: outcome.digested() },
             other => other,
         })
+    }
+
+    /// Whether `mutation` completes the key as reconciled: only the holder of a recovering
+    /// attempt (attempt 2 or later, whose earlier attempt may have done the work) may say the
+    /// effect happened without running it. A fence that is not the holder's is left for the
+    /// store to answer as stale.
+    async fn check_reconciled(&self, scope: &Scope, fence: Fence, mutation: &Mutation) -> Result<bool, GuardError> {
+        let Mutation::Complete(outcome) = mutation else { return Ok(false) };
+        if !outcome.reconciled {
+            return Ok(false);
+        }
+        let record = self.store.get(scope, self.clock.now()).await?;
+        if record.is_some_and(|r| r.fence == fence && r.attempt < 2) {
+            return Err(InvalidInput::new(
+                "reconciled",
+                "only a recovery (attempt 2 or later) may complete as reconciled; the first attempt runs the effect",
+            )
+            .into());
+        }
+        Ok(true)
     }
 
     /// The size limits of a fenced call, and the lease bounds of an extend.
@@ -636,9 +704,12 @@ impl Guard {
         Ok(existed)
     }
 
-    /// Deletes expired records until none is left or `max_batches` batches of `batch` ran.
+    /// Deletes expired records until none is left or `max_batches` batches of `batch` ran,
+    /// then approvals no longer kept the same way; answers how many records and approvals.
     pub async fn sweep(&self, batch: usize, max_batches: usize) -> Result<usize, GuardError> {
-        in_batches(batch, max_batches, || self.store.sweep(self.clock.now(), batch)).await
+        let records = in_batches(batch, max_batches, || self.store.sweep(self.clock.now(), batch)).await?;
+        let approvals = in_batches(batch, max_batches, || self.store.sweep_approvals(self.clock.now(), batch)).await?;
+        Ok(records + approvals)
     }
 
     /// Deletes every tenant's audit entries older than `retention`, `batch` at a time, at most

@@ -1,0 +1,54 @@
+//! Approvals: what a key's claim asked a person to approve, and the decision (see
+//! [`crate::approval`]).
+
+use async_trait::async_trait;
+
+use crate::approval::{Approval, ApprovalState};
+use crate::control::AuditEntry;
+use crate::domain::{Scope, TenantId, Timestamp};
+use crate::store::StoreError;
+
+/// Which approvals to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ApprovalFilter {
+    /// Only approvals in this state (at the listing's `now`).
+    pub state: Option<ApprovalState>,
+    /// Start after this id (the last of the previous page).
+    pub after: Option<String>,
+    /// At most this many (the store may cap it at [`crate::store::MAX_PAGE`]).
+    pub limit: usize,
+}
+
+/// Approvals, one kept per key at most. Approvals are few (a person decides each), so a store
+/// may keep them all in one place and list them by scanning.
+#[async_trait]
+pub trait ApprovalStore: Send + Sync + 'static {
+    /// The approval kept for a key at `now`, if any ([`Approval::is_kept`]).
+    async fn approval_of(&self, scope: &Scope, now: Timestamp) -> Result<Option<Approval>, StoreError>;
+
+    /// The tenant's approval `id`, if it is kept at `now`.
+    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError>;
+
+    /// Writes `new` as the approval of its key if the approval kept for the key at `now` is
+    /// still exactly `expected` (`None`: none is kept, though one no longer kept may still be
+    /// stored), with `audit` (if any) in the same atomic write; answers whether it wrote. This
+    /// compare-and-set is what makes a pending approval asked once and decided once.
+    async fn put_approval(
+        &self,
+        expected: Option<&Approval>,
+        new: &Approval,
+        audit: Option<&AuditEntry>,
+        now: Timestamp,
+    ) -> Result<bool, StoreError>;
+
+    /// The tenant's approvals kept at `now`, filtered, ordered by id.
+    async fn list_approvals(
+        &self,
+        tenant: &TenantId,
+        filter: &ApprovalFilter,
+        now: Timestamp,
+    ) -> Result<Vec<Approval>, StoreError>;
+
+    /// Deletes at most `batch` approvals no longer kept at `now`; answers how many.
+    async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError>;
+}

@@ -1,0 +1,215 @@
+//! Approvals: a claim's pending approval, and an approver's decision (see
+//! `onceguard_core::approval`).
+
+use onceguard_core::approval::{Approval, ApprovalState};
+use onceguard_core::store::ApprovalFilter;
+
+use super::*;
+
+/// A decision taken.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DecisionView {
+    /// `true` approved, `false` denied.
+    pub approved: bool,
+    /// Who decided (an admin API key id, or `cli:<user>`).
+    pub by: String,
+    /// Why.
+    pub why: String,
+    /// When (RFC 3339).
+    pub at: String,
+}
+
+/// What a claim asked a person to approve: this key with this fingerprint.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApprovalView {
+    /// The approval's id, to approve or deny it.
+    #[schema(example = "apr_6b1f0c2d9e8a7b6c5d4e3f20")]
+    pub id: String,
+    /// `pending`, `approved`, `denied` or `expired`.
+    pub state: &'static str,
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// What the request means: only a claim with this fingerprint is approved.
+    pub fingerprint: String,
+    /// The run the claim named.
+    pub run: Option<String>,
+    /// The cost units it declared.
+    pub cost: Option<u64>,
+    /// What the caller said the call does.
+    pub summary: Option<String>,
+    /// When the first claim asked (RFC 3339).
+    pub requested_at: String,
+    /// Decide before this (RFC 3339).
+    pub expires_at: String,
+    /// The decision, once taken.
+    pub decision: Option<DecisionView>,
+}
+
+/// `202`: the key needs a person's approval, which nobody has given yet. Nothing was acquired or
+/// charged; claim again (the same key and request) once it is decided, or claim with a `wait`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PendingApprovalView {
+    /// Always `pending_approval`.
+    #[schema(example = "pending_approval")]
+    pub outcome: &'static str,
+    /// When to claim again, in milliseconds (also as `Retry-After`, in seconds).
+    pub retry_after_ms: u64,
+    /// What is to be approved.
+    pub approval: ApprovalView,
+}
+
+/// How an approval looks (in the API's answers and the CLI's), in `state` (its state at the
+/// time of the answer).
+pub fn approval_view(a: &Approval, state: ApprovalState) -> ApprovalView {
+    ApprovalView {
+        id: a.id.clone(),
+        state: state.as_str(),
+        namespace: a.scope.namespace.to_string(),
+        key: a.scope.key.to_string(),
+        fingerprint: a.fingerprint.to_string(),
+        run: a.run.as_ref().map(ToString::to_string),
+        cost: a.cost,
+        summary: a.summary.clone(),
+        requested_at: a.requested_at.to_rfc3339(),
+        expires_at: a.expires_at.to_rfc3339(),
+        decision: a.decision.as_ref().map(|d| DecisionView {
+            approved: d.approved,
+            by: d.by.clone(),
+            why: d.why.clone(),
+            at: d.at.to_rfc3339(),
+        }),
+    }
+}
+
+/// Which approvals to list.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalQuery {
+    /// `pending`, `approved` or `denied` (approvals that expired undecided are not kept).
+    pub state: Option<String>,
+    /// At most this many (1 to 1000, default 100).
+    pub limit: Option<usize>,
+    /// The `next` cursor of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// A page of approvals.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApprovalPage {
+    /// The approvals, by id.
+    pub approvals: Vec<ApprovalView>,
+    /// Pass as `cursor` for the next page; absent on the last.
+    pub next: Option<String>,
+}
+
+/// List your tenant's approvals (pending, and decided ones while they are kept), by id.
+#[utoipa::path(get, path = "/v1/approvals", tag = "approvals", params(ApprovalQuery),
+    security(("bearer" = [])),
+    responses((status = 200, description = "A page", body = ApprovalPage)))]
+pub async fn list_approvals(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<ApprovalQuery>,
+) -> ApiResult<Json<ApprovalPage>> {
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=onceguard_core::store::MAX_PAGE).contains(&limit) {
+        return Err(ApiError::Invalid("limit must be 1 to 1000".into()));
+    }
+    let wanted = q
+        .state
+        .as_deref()
+        .map(|s| {
+            ApprovalState::parse(s)
+                .filter(|s| *s != ApprovalState::Expired)
+                .ok_or_else(|| ApiError::Invalid("state must be pending, approved or denied".into()))
+        })
+        .transpose()?;
+    let filter = ApprovalFilter { state: wanted, after: q.cursor, limit };
+    let found = state.guard.list_approvals(&caller.tenant, &filter).await?;
+    let now = state.guard.clock().now();
+    let next = (found.len() == limit).then(|| found.last().map(|a| a.id.clone())).flatten();
+    Ok(Json(ApprovalPage { approvals: found.iter().map(|a| approval_view(a, a.state(now))).collect(), next }))
+}
+
+/// Get one approval of your tenant.
+#[utoipa::path(get, path = "/v1/approvals/{id}", tag = "approvals",
+    params(("id" = String, Path, description = "The approval's id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The approval", body = ApprovalView),
+        (status = 404, description = "No such approval is kept", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_approval(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<ApprovalView>> {
+    let found = state.guard.approval(&caller.tenant, &id).await?;
+    let approval = found.ok_or_else(|| ApiError::NotFound(format!("no approval {id} is kept")))?;
+    Ok(Json(approval_view(&approval, approval.state(state.guard.clock().now()))))
+}
+
+/// An approver's decision.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DecideBody {
+    /// Why (kept with the decision and in the audit log); required.
+    pub why: String,
+}
+
+async fn decide(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    approved: bool,
+    why: String,
+) -> ApiResult<Json<ApprovalView>> {
+    caller.require_admin()?;
+    if why.trim().is_empty() || why.len() > 1024 {
+        return Err(ApiError::Invalid("why: say why, in 1 to 1024 bytes".into()));
+    }
+    let decided = state.guard.decide_approval(&caller.tenant, id, approved, &caller.actor(), why).await?;
+    tracing::info!(tenant = %caller.tenant, approval = id, approved, "approval decided");
+    Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
+}
+
+/// Approve a pending approval (admin): the next claim of its key with its fingerprint
+/// acquires, once. Audited as `approval.approve`.
+#[utoipa::path(post, path = "/v1/approvals/{id}/approve", tag = "approvals", request_body = DecideBody,
+    params(("id" = String, Path, description = "The approval's id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Approved", body = ApprovalView),
+        (status = 404, description = "No such approval is kept", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Decided already, or expired (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn approve(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<DecideBody>,
+) -> ApiResult<Json<ApprovalView>> {
+    decide(&state, &caller, &id, true, body.why).await
+}
+
+/// Deny a pending approval (admin): every claim of its key with its fingerprint is then refused
+/// (403 `approval-denied`) while the decision is kept. Audited as `approval.deny`.
+#[utoipa::path(post, path = "/v1/approvals/{id}/deny", tag = "approvals", request_body = DecideBody,
+    params(("id" = String, Path, description = "The approval's id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Denied", body = ApprovalView),
+        (status = 404, description = "No such approval is kept", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Decided already, or expired (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn deny(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<DecideBody>,
+) -> ApiResult<Json<ApprovalView>> {
+    decide(&state, &caller, &id, false, body.why).await
+}

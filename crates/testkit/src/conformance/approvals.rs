@@ -1,0 +1,290 @@
+//! Conformance cases of approvals (bound to a key and its fingerprint) and of reconciliation
+//! (a recovery completed without running the effect again), on every store.
+
+use onceguard_core::approval::{Approval, ApprovalState, DecideError};
+use onceguard_core::control::{Settings, SettingsEntry};
+use onceguard_core::store::ApprovalFilter;
+use onceguard_core::{Claim, GuardError};
+
+use super::*;
+
+/// The namespace of these cases needs approvals, with pending ones expiring after a minute.
+async fn needing_approvals(c: &Case) {
+    let entry = SettingsEntry {
+        tenant: TenantId::parse("acme").unwrap(),
+        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+        settings: Settings {
+            approval_required: Some(true),
+            approval_expiry: Some(Duration::from_secs(60)),
+            ..Settings::default()
+        },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.guard.put_settings(entry, None).await.unwrap();
+}
+
+fn claim_of(req: &ClaimRequest, summary: &str) -> Claim {
+    Claim { summary: Some(summary.into()), ..crate::through_the_door(req, Duration::ZERO) }
+}
+
+impl Case {
+    async fn pending(&self, req: &ClaimRequest) -> Approval {
+        match self.guard.claim(claim_of(req, "refund 20 EUR")).await.unwrap() {
+            ClaimOutcome::PendingApproval(p) => p.approval,
+            other => panic!("expected pending_approval, got {other:?}"),
+        }
+    }
+
+    async fn decide(&self, id: &str, approved: bool) -> Result<Approval, GuardError> {
+        let tenant = TenantId::parse("acme").unwrap();
+        self.guard.decide_approval(&tenant, id, approved, "admin-key", "checked the order".into()).await
+    }
+
+    async fn audit_actions(&self) -> Vec<String> {
+        let tenant = TenantId::parse("acme").unwrap();
+        let page = self.guard.audit_log(&tenant, &AuditFilter { limit: 100, ..AuditFilter::default() }).await.unwrap();
+        page.entries.into_iter().map(|e| e.action).collect()
+    }
+}
+
+/// A claim in a namespace that needs approvals records one pending approval of the key and its
+/// fingerprint, with what it asked, and acquires nothing; asking again answers the same
+/// approval. Approved, the next claims acquire exactly once (concurrent claims: one acquires,
+/// the others find it in flight), the key then replays, and the decision is audited once.
+pub async fn an_approved_call_acquires_once(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    needing_approvals(&c).await;
+    let s = scope("refund-1");
+    let req = in_run(&s, "refund order 7", "run-1", 5);
+    let first = c.pending(&req).await;
+    assert_eq!(first.state(c.clock.now()), ApprovalState::Pending);
+    assert_eq!((first.summary.as_deref(), first.cost), (Some("refund 20 EUR"), Some(5)));
+    assert_eq!(first.run.as_ref().map(|r| r.as_str()), Some("run-1"));
+    assert_eq!(first.expires_at, c.clock.now().plus(Duration::from_secs(60)));
+    assert!(c.get(&s).await.is_none(), "nothing was acquired");
+    assert!(c.guard.run(&s.tenant, &RunId::parse("run-1").unwrap()).await.unwrap().is_none(), "nothing charged");
+    assert_eq!(c.pending(&req).await.id, first.id, "asked once");
+    // Outside the prefix nothing needs approval.
+    c.acquire(&request(&scope_in("acme", "staging/pay", "refund-1"), "refund order 7")).await;
+
+    let approved = c.decide(&first.id, true).await.unwrap();
+    assert_eq!(approved.state(c.clock.now()), ApprovalState::Approved);
+    let claims = (0..8).map(|_| {
+        let (guard, claim) = (c.guard.clone(), crate::through_the_door(&req, Duration::ZERO));
+        tokio::spawn(async move { guard.claim(claim).await.unwrap() })
+    });
+    let mut acquired = Vec::new();
+    for claim in claims.collect::<Vec<_>>() {
+        match claim.await.unwrap() {
+            ClaimOutcome::Acquired(a) => acquired.push(a.fence),
+            ClaimOutcome::InFlight(_) => {}
+            other => panic!("an approved key answered {other:?}"),
+        }
+    }
+    assert_eq!(acquired.len(), 1, "exactly one claim acquired the approved key");
+    c.applied(&s, acquired[0], Mutation::Complete(success("refunded"))).await;
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)));
+    let run = c.guard.run(&s.tenant, &RunId::parse("run-1").unwrap()).await.unwrap().unwrap();
+    assert_eq!(run.usage.effects, 1, "charged once, when acquired");
+    assert!(matches!(c.decide(&first.id, false).await, Err(GuardError::Approval(DecideError::Decided(_)))));
+    let actions = c.audit_actions().await;
+    assert_eq!(actions.iter().filter(|a| *a == "approval.approve").count(), 1, "{actions:?}");
+    assert!(!actions.iter().any(|a| a == "approval.deny"), "{actions:?}");
+}
+
+/// A denied call is refused (`approval_denied`, with who and why) on every later claim of the
+/// key with the same fingerprint, and never acquired; the denial is audited.
+pub async fn a_denied_call_is_refused_for_good(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let s = scope("wire-1");
+    let req = request(&s, "wire 1M");
+    let asked = c.pending(&req).await;
+    c.decide(&asked.id, false).await.unwrap();
+    for _ in 0..2 {
+        match c.claim(&req).await {
+            ClaimOutcome::Denied(Denial::ApprovalDenied { approval, by, why }) => {
+                assert_eq!(
+                    (approval.as_str(), by.as_str(), why.as_str()),
+                    (asked.id.as_str(), "admin-key", "checked the order")
+                );
+            }
+            other => panic!("a denied call answered {other:?}"),
+        }
+    }
+    assert!(c.get(&s).await.is_none());
+    c.clock.advance(Duration::from_secs(600));
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Denied(Denial::ApprovalDenied { .. })), "the decision is kept");
+    assert!(c.audit_actions().await.contains(&"approval.deny".to_owned()));
+}
+
+/// A pending approval nobody decides expires: it can no longer be decided, and the next claim
+/// asks again with a new approval.
+pub async fn an_undecided_approval_expires(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let req = request(&scope("late"), "a");
+    let old = c.pending(&req).await;
+    c.clock.advance(Duration::from_secs(60));
+    assert!(matches!(c.decide(&old.id, true).await, Err(GuardError::Approval(DecideError::NotFound(_)))));
+    let new = c.pending(&req).await;
+    assert_ne!(new.id, old.id, "asked again");
+    assert!(c.guard.approval(&req.scope.tenant, &old.id).await.unwrap().is_none());
+    c.decide(&new.id, true).await.unwrap();
+    c.acquire(&req).await;
+    assert!(matches!(c.decide(&new.id, true).await, Err(GuardError::Approval(DecideError::Decided(_)))));
+}
+
+/// A claim of the key with another fingerprint is a mismatch, whether the approval is pending
+/// or given, and changes nothing: the approved request still acquires.
+pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let s = scope("pay-1");
+    let (meant, other) = (request(&s, "pay 10"), request(&s, "pay 10000"));
+    let asked = c.pending(&meant).await;
+    assert_eq!(c.claim(&other).await, ClaimOutcome::Mismatch);
+    c.decide(&asked.id, true).await.unwrap();
+    assert_eq!(c.claim(&other).await, ClaimOutcome::Mismatch, "the approval is of the other request");
+    let kept = c.guard.approval(&s.tenant, &asked.id).await.unwrap().unwrap();
+    assert_eq!(kept.state(c.clock.now()), ApprovalState::Approved);
+    let fence = c.acquire(&meant).await;
+    assert_eq!(c.claim(&other).await, ClaimOutcome::Mismatch, "now the record's fingerprint refuses it");
+    c.applied(&s, fence, Mutation::Complete(success("paid"))).await;
+}
+
+/// A switch engaged while an approval is pending refuses the key's claims (approved or not);
+/// released, the approved key acquires.
+pub async fn a_switch_refuses_a_call_pending_approval(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let tenant = TenantId::parse("acme").unwrap();
+    let req = request(&scope("send-1"), "email all customers");
+    let asked = c.pending(&req).await;
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() };
+    c.guard.engage_switch("test", &tenant, target.clone(), "runaway agent".into(), false).await.unwrap();
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })));
+    c.decide(&asked.id, true).await.unwrap();
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })));
+    c.guard.release_switch("test", &tenant, &target, None).await.unwrap();
+    c.acquire(&req).await;
+}
+
+/// A claim that may wait for a pending approval answers as soon as it is decided: acquired
+/// when approved (once, however many wait), denied when denied.
+pub async fn a_waiting_claim_gets_the_decision(store: Arc<dyn Store>) {
+    let limits = Limits { wait_poll: Duration::from_millis(20), ..Limits::default() };
+    let c = case_with(store, limits);
+    needing_approvals(&c).await;
+    for approved in [true, false] {
+        let req = request(&scope(&format!("waited-{approved}")), "a");
+        let asked = c.pending(&req).await;
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let (guard, claim) = (c.guard.clone(), crate::through_the_door(&req, Duration::from_secs(30)));
+                tokio::spawn(async move { guard.claim(claim).await.unwrap() })
+            })
+            .collect();
+        c.decide(&asked.id, approved).await.unwrap();
+        let mut answers = Vec::new();
+        for waiter in waiters {
+            answers.push(waiter.await.unwrap());
+        }
+        let acquired = answers.iter().filter(|a| matches!(a, ClaimOutcome::Acquired(_))).count();
+        if approved {
+            assert_eq!(acquired, 1, "{answers:?}");
+            assert!(answers.iter().all(|a| matches!(a, ClaimOutcome::Acquired(_) | ClaimOutcome::InFlight(_))));
+        } else {
+            assert!(answers.iter().all(|a| matches!(a, ClaimOutcome::Denied(Denial::ApprovalDenied { .. }))));
+        }
+    }
+}
+
+/// The store's approvals: one kept per key, written only over the one read (a decision is
+/// taken once however many try), listed by state, and swept once no longer kept.
+pub async fn approvals_are_written_over_the_one_read(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    let now = c.clock.now();
+    let s = scope("cas");
+    let a = Approval::new(s.clone(), Fingerprint::sha256(b"a"), now, Duration::from_secs(60), RETENTION);
+    assert!(store.put_approval(None, &a, None, now).await.unwrap());
+    let b = Approval::new(s.clone(), Fingerprint::sha256(b"b"), now, Duration::from_secs(60), RETENTION);
+    assert!(!store.put_approval(None, &b, None, now).await.unwrap(), "one kept per key");
+    assert_eq!(store.approval_of(&s, now).await.unwrap().as_ref(), Some(&a));
+    assert_eq!(store.approval(&s.tenant, &a.id, now).await.unwrap().as_ref(), Some(&a));
+    assert!(store.approval(&TenantId::parse("globex").unwrap(), &a.id, now).await.unwrap().is_none());
+    // Four deciders at once: one decision is written.
+    let deciders = (0..4).map(|i| {
+        let (store, a) = (store.clone(), a.clone());
+        tokio::spawn(async move {
+            let decision = onceguard_core::approval::Decision {
+                approved: i % 2 == 0,
+                by: format!("admin-{i}"),
+                why: "x".into(),
+                at: now,
+            };
+            store.put_approval(Some(&a), &a.decide(decision).unwrap(), None, now).await.unwrap()
+        })
+    });
+    let mut written = 0;
+    for d in deciders.collect::<Vec<_>>() {
+        written += usize::from(d.await.unwrap());
+    }
+    assert_eq!(written, 1);
+    let decided = store.approval_of(&s, now).await.unwrap().unwrap();
+    assert!(decided.decision.is_some());
+    let other = scope("pending");
+    let p = Approval::new(other.clone(), Fingerprint::sha256(b"p"), now, Duration::from_secs(60), RETENTION);
+    assert!(store.put_approval(None, &p, None, now).await.unwrap());
+    let ids = |found: Vec<Approval>| found.into_iter().map(|a| a.id).collect::<Vec<_>>();
+    let pending = ApprovalFilter { state: Some(ApprovalState::Pending), after: None, limit: 10 };
+    assert_eq!(ids(store.list_approvals(&s.tenant, &pending, now).await.unwrap()), vec![p.id.clone()]);
+    let mut all = vec![a.id.clone(), p.id.clone()];
+    all.sort();
+    let every = ApprovalFilter { limit: 10, ..ApprovalFilter::default() };
+    assert_eq!(ids(store.list_approvals(&s.tenant, &every, now).await.unwrap()), all);
+    let after_first = ApprovalFilter { after: Some(all[0].clone()), limit: 10, ..ApprovalFilter::default() };
+    assert_eq!(ids(store.list_approvals(&s.tenant, &after_first, now).await.unwrap()), all[1..].to_vec());
+    // Past its expiry the pending one is no longer kept; a new request may replace it.
+    let later = now.plus(Duration::from_secs(61));
+    assert!(store.approval_of(&other, later).await.unwrap().is_none());
+    assert_eq!(store.sweep_approvals(later, 100).await.unwrap(), 1);
+    assert!(store.approval(&s.tenant, &p.id, later).await.unwrap().is_none());
+    assert!(store.approval_of(&s, later).await.unwrap().is_some(), "a decision is kept for its retention");
+    let past = later.plus(RETENTION);
+    assert_eq!(store.sweep_approvals(past, 100).await.unwrap(), 1);
+    assert!(store.approval(&s.tenant, &a.id, now).await.unwrap().is_none(), "swept");
+}
+
+/// A recovering attempt may complete the key as reconciled (the downstream system said the
+/// effect happened): the record and its replays say so. A first attempt may not, and nothing
+/// changes.
+pub async fn a_recovery_completes_as_reconciled(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("charge-9");
+    let req = request(&s, "charge 9");
+    let first = c.acquire(&req).await;
+    let reconciled = Outcome { reconciled: true, ..success(r#"{"charge":"ch_9"}"#) };
+    match c.guard.mutate(&s, first, Mutation::Complete(reconciled.clone())).await {
+        Err(GuardError::Invalid(e)) => assert_eq!(e.field, "reconciled"),
+        other => panic!("a first attempt completed as reconciled: {other:?}"),
+    }
+    assert_eq!(c.get(&s).await.unwrap().state, RecordState::InProgress);
+    c.clock.advance(LEASE);
+    let recovery = match c.claim(&req).await {
+        ClaimOutcome::Acquired(a) if a.recovery.is_some() => a.fence,
+        other => panic!("expected a recovery, got {other:?}"),
+    };
+    let record = c.applied(&s, recovery, Mutation::Complete(reconciled.clone())).await;
+    assert!(record.outcome.as_ref().unwrap().reconciled);
+    assert!(c.get(&s).await.unwrap().outcome.unwrap().reconciled);
+    match c.claim(&req).await {
+        ClaimOutcome::Replay(r) => assert_eq!(r.outcome, reconciled),
+        other => panic!("expected a replay, got {other:?}"),
+    }
+    // The same completion again is answered as the first; one that is not reconciled is not.
+    c.applied(&s, recovery, Mutation::Complete(reconciled.clone())).await;
+    let plain = Outcome { reconciled: false, ..reconciled };
+    assert_eq!(c.mutate(&s, recovery, Mutation::Complete(plain)).await, FencedOutcome::Stale(StaleReason::Finished));
+}
