@@ -115,6 +115,24 @@ pub struct Approval {
     pub retention: Duration,
     /// The decision, once taken.
     pub decision: Option<Decision>,
+    /// The webhook's delivery of the pending approval, where a webhook is configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notice: Option<Notice>,
+}
+
+/// Where the webhook's notice of a pending approval stands. An instance takes a delivery by
+/// writing a later `leased_until` over the approval it read (compare and set), so one instance
+/// sends each attempt; a failed attempt is tried again once its lease passes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Notice {
+    /// Attempts begun.
+    pub attempts: u32,
+    /// No other attempt begins before this.
+    pub leased_until: Timestamp,
+    /// When the receiver answered 2xx: the notice is delivered, and never sent again.
+    pub delivered_at: Option<Timestamp>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
 }
 
 /// Why a decision was not taken.
@@ -146,6 +164,7 @@ impl Approval {
             expires_at: now.plus(expiry),
             retention,
             decision: None,
+            notice: None,
         }
     }
 

@@ -41,6 +41,40 @@ pub struct Config {
     pub tls: TlsConfig,
     /// Encryption at rest of stored outcomes and checkpoint data.
     pub encryption: EncryptionConfig,
+    /// Approvals: the webhook told of each pending approval.
+    pub approvals: ApprovalsConfig,
+}
+
+/// The webhook told of each pending approval (see `onceguard_http::approval_webhook`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApprovalsConfig {
+    /// Where a notice of each pending approval is POSTed (`http://` or `https://`); empty: no
+    /// webhook.
+    pub webhook_url: String,
+    /// A file holding the signing secret, `whsec_` and base64 (as Standard Webhooks gives
+    /// it). Required with `webhook_url`.
+    pub webhook_secret_file: Option<PathBuf>,
+    /// How often pending approvals are looked at for a notice to send.
+    #[serde(with = "humantime_serde")]
+    pub webhook_poll: Duration,
+    /// Longest the receiver may take to answer an attempt.
+    #[serde(with = "humantime_serde")]
+    pub webhook_timeout: Duration,
+    /// Attempts at most per notice (then it is logged as abandoned; the approval stays pending).
+    pub webhook_attempts: u32,
+}
+
+impl Default for ApprovalsConfig {
+    fn default() -> Self {
+        Self {
+            webhook_url: String::new(),
+            webhook_secret_file: None,
+            webhook_poll: Duration::from_secs(1),
+            webhook_timeout: Duration::from_secs(10),
+            webhook_attempts: 8,
+        }
+    }
 }
 
 /// Encryption at rest (see `onceguard_core::sealing`).
@@ -351,6 +385,7 @@ impl Default for Config {
             mcp: McpConfig::default(),
             tls: TlsConfig::default(),
             encryption: EncryptionConfig::default(),
+            approvals: ApprovalsConfig::default(),
         }
     }
 }
@@ -614,7 +649,32 @@ impl Config {
                 "must be empty or one namespace segment ([A-Za-z0-9._-], 1 to 64)",
             ));
         }
+        self.approvals.validate()?;
         self.mcp.validate()
+    }
+}
+
+impl ApprovalsConfig {
+    /// Checks the `[approvals]` section (the secret file is read when serving starts).
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        if self.webhook_url.is_empty() {
+            return Ok(());
+        }
+        if !(self.webhook_url.starts_with("http://") || self.webhook_url.starts_with("https://"))
+            || reqwest::Url::parse(&self.webhook_url).is_err()
+        {
+            return Err(InvalidInput::new("approvals.webhook_url", "must be an http:// or https:// URL"));
+        }
+        if self.webhook_secret_file.is_none() {
+            return Err(InvalidInput::new("approvals.webhook_secret_file", "is required with approvals.webhook_url"));
+        }
+        if self.webhook_poll.is_zero() || self.webhook_timeout.is_zero() || self.webhook_attempts == 0 {
+            return Err(InvalidInput::new(
+                "approvals",
+                "webhook_poll, webhook_timeout and webhook_attempts must be more than zero",
+            ));
+        }
+        Ok(())
     }
 }
 

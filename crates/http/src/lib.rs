@@ -27,6 +27,7 @@ use onceguard_core::{Guard, StoreError, TenantId};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+pub mod approval_webhook;
 pub mod auth;
 pub mod config;
 pub mod live;
@@ -132,6 +133,9 @@ pub enum StartError {
     /// The TLS certificate or key.
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
+    /// The approvals webhook (its URL or secret).
+    #[error(transparent)]
+    Webhook(#[from] approval_webhook::WebhookError),
 }
 
 impl From<onceguard_core::GuardError> for StartError {
@@ -237,6 +241,14 @@ pub async fn serve_with_background(
     let (stop_tx, stop_rx) = watch::channel(false);
     let forwarder = guard.forward_changes().map(tokio::spawn);
     let controls = tokio::spawn(guard.refresh_controls_task());
+    let webhook = approval_webhook::Webhook::from_config(&config.approvals)?.map(|webhook| {
+        tokio::spawn(approval_webhook::notify_loop(
+            webhook,
+            guard.clone(),
+            config.approvals.webhook_poll,
+            stop_rx.clone(),
+        ))
+    });
     let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));
     let grace = config.http.shutdown_grace;
     let mut grace_rx = stop_rx;
@@ -264,6 +276,10 @@ pub async fn serve_with_background(
     };
     sweeper.abort();
     let _ = sweeper.await;
+    if let Some(webhook) = webhook {
+        webhook.abort();
+        let _ = webhook.await;
+    }
     controls.abort();
     let _ = controls.await;
     if let Some(forwarder) = forwarder {

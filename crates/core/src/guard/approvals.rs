@@ -79,27 +79,27 @@ impl Guard {
         by: &str,
         why: String,
     ) -> Result<Approval, GuardError> {
-        let now = self.clock.now();
-        let kept = self.store.approval(tenant, id, now).await?;
-        let Some(current) = kept else { return Err(DecideError::NotFound(id.to_owned()).into()) };
-        let decided = current.decide(Decision { approved, by: by.to_owned(), why: why.clone(), at: now })?;
-        let action = if approved { "approval.approve" } else { "approval.deny" };
-        let target = format!("{}/{}", current.scope.namespace, current.scope.key);
-        let entry = AuditEntry::new(tenant.clone(), now, by, action, target).why(Some(why)).details(
-            serde_json::json!({ "approval": id, "fingerprint": current.fingerprint.as_str(), "run": current.run }),
-        );
-        if !self.store.put_approval(Some(&current), &decided, Some(&entry), now).await? {
-            // Decided (or swept) meanwhile by someone else: say what it is now.
-            let state = self.store.approval(tenant, id, now).await?.map(|a| a.state(now));
-            return Err(match state {
-                Some(state) => DecideError::Decided(state),
-                None => DecideError::NotFound(id.to_owned()),
+        // An approval changed under the decision (its webhook notice moved on) is read again;
+        // one decided or gone meanwhile says so.
+        for _ in 0..3 {
+            let now = self.clock.now();
+            let kept = self.store.approval(tenant, id, now).await?;
+            let Some(current) = kept else { return Err(DecideError::NotFound(id.to_owned()).into()) };
+            let decided = current.decide(Decision { approved, by: by.to_owned(), why: why.clone(), at: now })?;
+            let action = if approved { "approval.approve" } else { "approval.deny" };
+            let target = format!("{}/{}", current.scope.namespace, current.scope.key);
+            let details = serde_json::json!({
+                "approval": id, "fingerprint": current.fingerprint.as_str(), "run": current.run,
+            });
+            let entry =
+                AuditEntry::new(tenant.clone(), now, by, action, target).why(Some(why.clone())).details(details);
+            if self.store.put_approval(Some(&current), &decided, Some(&entry), now).await? {
+                self.notifier.notify(&decided.scope);
+                self.observer.approval_decided(&decided);
+                return Ok(decided);
             }
-            .into());
         }
-        self.notifier.notify(&decided.scope);
-        self.observer.approval_decided(&decided);
-        Ok(decided)
+        Err(StoreError::Unavailable("the approval changed under three reads in a row".into()).into())
     }
 
     /// The tenant's approval `id`, if kept.

@@ -45,6 +45,19 @@ pub struct ApprovalView {
     pub expires_at: String,
     /// The decision, once taken.
     pub decision: Option<DecisionView>,
+    /// The webhook's notice of it, where a webhook is configured and an attempt began.
+    pub notice: Option<NoticeView>,
+}
+
+/// Where the webhook's notice of a pending approval stands.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct NoticeView {
+    /// Attempts begun.
+    pub attempts: u32,
+    /// When the receiver answered 2xx (RFC 3339); absent until then.
+    pub delivered_at: Option<String>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
 }
 
 /// `202`: the key needs a person's approval, which nobody has given yet. Nothing was acquired or
@@ -79,6 +92,11 @@ pub fn approval_view(a: &Approval, state: ApprovalState) -> ApprovalView {
             by: d.by.clone(),
             why: d.why.clone(),
             at: d.at.to_rfc3339(),
+        }),
+        notice: a.notice.as_ref().map(|n| NoticeView {
+            attempts: n.attempts,
+            delivered_at: n.delivered_at.map(Timestamp::to_rfc3339),
+            last_error: n.last_error.clone(),
         }),
     }
 }

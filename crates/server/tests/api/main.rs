@@ -1,6 +1,7 @@
 //! The API tests: one binary, one harness (`helpers::spawn_app`).
 
 mod admin;
+mod approvals;
 mod bad_input;
 mod batch;
 mod blast_radius;

@@ -1,0 +1,226 @@
+//! The webhook told of each pending approval: a signed `POST` (Standard Webhooks: headers
+//! `webhook-id`, the approval's id, the same on every attempt; `webhook-timestamp`;
+//! `webhook-signature`, `v1,` and the base64 HMAC-SHA256 of `id.timestamp.body`).
+//!
+//! Every instance looks at the pending approvals every `approvals.webhook_poll`. An attempt is
+//! taken by writing the approval's notice, with a lease, over the approval as read (the store's
+//! compare-and-set): one instance sends it, whichever instances run, and however often the
+//! claim that asked was retried (it asked once). A receiver that answers 2xx has it: the
+//! notice is marked delivered and never sent again. Any other answer, a timeout or a crash
+//! before the mark leaves the lease to pass, and the next attempt goes out with the same
+//! `webhook-id` (so a receiver that did get it can drop the repeat), the lease doubling from
+//! 5 s up to an hour, at most `approvals.webhook_attempts` attempts. A notice is sent only while
+//! its approval is pending.
+
+use std::time::Duration;
+
+use onceguard_core::approval::{Approval, ApprovalState, Notice};
+use onceguard_core::store::{ApprovalFilter, MAX_PAGE};
+use onceguard_core::{Guard, GuardError, Timestamp};
+use tokio::sync::watch;
+
+use crate::config::ApprovalsConfig;
+
+/// The webhook, ready to send.
+pub struct Webhook {
+    url: reqwest::Url,
+    signer: standardwebhooks::Webhook,
+    client: reqwest::Client,
+    attempts: u32,
+    timeout: Duration,
+}
+
+/// The webhook could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("approvals webhook: {0}")]
+pub struct WebhookError(String);
+
+impl Webhook {
+    /// The webhook of `config`, its secret read from `approvals.webhook_secret_file`; `None`
+    /// when no URL is configured.
+    pub fn from_config(config: &ApprovalsConfig) -> Result<Option<Self>, WebhookError> {
+        if config.webhook_url.is_empty() {
+            return Ok(None);
+        }
+        let url = reqwest::Url::parse(&config.webhook_url).map_err(|e| WebhookError(e.to_string()))?;
+        let path = config.webhook_secret_file.as_ref().ok_or_else(|| WebhookError("no secret file".into()))?;
+        let secret = std::fs::read_to_string(path)
+            .map_err(|e| WebhookError(format!("reading the secret {}: {e}", path.display())))?;
+        Self::new(url, secret.trim(), config.webhook_timeout, config.webhook_attempts).map(Some)
+    }
+
+    /// A webhook to `url` signed with `secret` (`whsec_` and base64).
+    pub fn new(url: reqwest::Url, secret: &str, timeout: Duration, attempts: u32) -> Result<Self, WebhookError> {
+        if !secret.starts_with("whsec_") {
+            return Err(WebhookError("the secret must be whsec_ and base64".into()));
+        }
+        let signer = standardwebhooks::Webhook::new(secret).map_err(|e| WebhookError(format!("the secret: {e}")))?;
+        let client = reqwest::Client::builder().timeout(timeout).build().map_err(|e| WebhookError(e.to_string()))?;
+        Ok(Self { url, signer, client, attempts, timeout })
+    }
+
+    /// One pass over every tenant's pending approvals: sends each notice that is due and not
+    /// taken by another instance. Answers how many were delivered.
+    pub async fn notify_pending(&self, guard: &Guard) -> Result<usize, GuardError> {
+        let mut delivered = 0;
+        for tenant in guard.store().list_tenants().await? {
+            let mut filter = ApprovalFilter { state: Some(ApprovalState::Pending), after: None, limit: MAX_PAGE };
+            loop {
+                let page = guard.list_approvals(&tenant.id, &filter).await?;
+                for approval in &page {
+                    delivered += usize::from(self.notify(guard, approval).await?);
+                }
+                match page.last() {
+                    Some(last) if page.len() == MAX_PAGE => filter.after = Some(last.id.clone()),
+                    _ => break,
+                }
+            }
+        }
+        Ok(delivered)
+    }
+
+    /// Sends the notice of `approval` if it is due and this instance takes it; answers whether
+    /// the receiver has it now.
+    async fn notify(&self, guard: &Guard, approval: &Approval) -> Result<bool, GuardError> {
+        let now = guard.clock().now();
+        let notice = approval.notice.clone().unwrap_or(Notice {
+            attempts: 0,
+            leased_until: Timestamp(0),
+            delivered_at: None,
+            last_error: None,
+        });
+        if notice.delivered_at.is_some() || notice.leased_until > now || notice.attempts >= self.attempts {
+            return Ok(false);
+        }
+        let attempt = notice.attempts + 1;
+        let lease = self.timeout + backoff(attempt);
+        let taken = Approval {
+            notice: Some(Notice { attempts: attempt, leased_until: now.plus(lease), ..notice }),
+            ..approval.clone()
+        };
+        if !guard.store().put_approval(Some(approval), &taken, None, now).await? {
+            return Ok(false);
+        }
+        let result = self.send(approval, now).await;
+        let delivered = result.is_ok();
+        match &result {
+            Ok(()) => {
+                tracing::info!(tenant = %approval.scope.tenant, approval = approval.id, attempt, "approval webhook delivered")
+            }
+            Err(e) if attempt >= self.attempts => {
+                tracing::error!(tenant = %approval.scope.tenant, approval = approval.id, attempt, error = e, "approval webhook abandoned")
+            }
+            Err(e) => {
+                tracing::warn!(tenant = %approval.scope.tenant, approval = approval.id, attempt, error = e, "approval webhook failed; will retry")
+            }
+        }
+        self.settle(guard, &taken, result).await?;
+        Ok(delivered)
+    }
+
+    /// Writes what the attempt of `taken` gave over the approval as it now is (it may have been
+    /// decided meanwhile; the mark is then kept on the decided approval).
+    async fn settle(&self, guard: &Guard, taken: &Approval, result: Result<(), String>) -> Result<(), GuardError> {
+        for _ in 0..3 {
+            let now = guard.clock().now();
+            let Some(current) = guard.approval(&taken.scope.tenant, &taken.id).await? else { return Ok(()) };
+            let Some(mut notice) = current.notice.clone() else { return Ok(()) };
+            if notice.attempts != taken.notice.as_ref().map_or(0, |n| n.attempts) {
+                return Ok(());
+            }
+            match &result {
+                Ok(()) => notice.delivered_at = Some(now),
+                Err(e) => notice.last_error = Some(e.chars().take(256).collect()),
+            }
+            let settled = Approval { notice: Some(notice), ..current.clone() };
+            if guard.store().put_approval(Some(&current), &settled, None, now).await? {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// One attempt: the signed `POST` of the approval's notice.
+    async fn send(&self, approval: &Approval, now: Timestamp) -> Result<(), String> {
+        let body = serde_json::to_vec(&payload(approval, now)).map_err(|e| e.to_string())?;
+        let timestamp = i64::try_from(now.0 / 1000).unwrap_or(i64::MAX);
+        let signature = self.signer.sign(&approval.id, timestamp, &body).map_err(|e| e.to_string())?;
+        let response = self
+            .client
+            .post(self.url.clone())
+            .header("content-type", "application/json")
+            .header("webhook-id", &approval.id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| format!("the receiver could not be reached: {e}"))?;
+        if response.status().is_success() {
+            Ok(())
+        } else {
+            Err(format!("the receiver answered {}", response.status()))
+        }
+    }
+}
+
+/// How long after attempt `n` (counting from 1) the next may begin, beyond the timeout: 5 s,
+/// doubling, at most an hour.
+fn backoff(n: u32) -> Duration {
+    Duration::from_secs(5).saturating_mul(1 << n.saturating_sub(1).min(10)).min(Duration::from_secs(3600))
+}
+
+/// What a notice says: the approval as the API shows it, and its tenant.
+fn payload(a: &Approval, now: Timestamp) -> serde_json::Value {
+    serde_json::json!({
+        "type": "approval.pending",
+        "timestamp": now.to_rfc3339(),
+        "data": {
+            "tenant": a.scope.tenant.as_str(),
+            "id": a.id,
+            "namespace": a.scope.namespace.as_str(),
+            "key": a.scope.key.as_str(),
+            "fingerprint": a.fingerprint.as_str(),
+            "run": a.run.as_ref().map(|r| r.as_str()),
+            "cost": a.cost,
+            "summary": a.summary,
+            "requested_at": a.requested_at.to_rfc3339(),
+            "expires_at": a.expires_at.to_rfc3339(),
+        },
+    })
+}
+
+/// Sends due notices every `poll` until `stop` says so.
+pub async fn notify_loop(webhook: Webhook, guard: Guard, poll: Duration, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        if let Err(e) = webhook.notify_pending(&guard).await {
+            tracing::warn!(error = %e, "approval webhook: could not read pending approvals; will retry");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notices_are_signed_as_standard_webhooks_specify() {
+        // The specification's example.
+        let signer = standardwebhooks::Webhook::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let signature = signer.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, br#"{"test": 2432232314}"#).unwrap();
+        assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn attempts_back_off_from_five_seconds_to_an_hour() {
+        assert_eq!([1, 2, 3].map(backoff), [5, 10, 20].map(Duration::from_secs));
+        assert_eq!(backoff(12), Duration::from_secs(3600));
+        assert_eq!(backoff(u32::MAX), Duration::from_secs(3600));
+    }
+}
