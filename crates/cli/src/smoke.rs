@@ -116,6 +116,7 @@ fn name(answer: &ClaimAnswer) -> &'static str {
         ClaimAnswer::InFlight { .. } => "in_flight",
         ClaimAnswer::Mismatch => "mismatch",
         ClaimAnswer::Denied { .. } => "denied",
+        ClaimAnswer::PendingApproval { .. } => "pending_approval",
     }
 }
 

@@ -1,7 +1,10 @@
 //! A client of Onceguard's HTTP API (see `docs/API.md`).
 //!
 //! Every answer of a claim is a value of [`ClaimAnswer`]: `Acquired`, `Replay`, `InFlight`,
-//! `Mismatch` or `Denied`; a fenced call answers [`Fenced::Applied`] or [`Fenced::Stale`].
+//! `Mismatch`, `Denied` or `PendingApproval` (where the namespace needs a person's approval);
+//! a fenced call answers [`Fenced::Applied`] or [`Fenced::Stale`]. A recovering attempt that
+//! learns from the downstream system that the effect happened completes with
+//! [`Client::reconcile`] instead of running it again.
 //! Problems that are not answers of the protocol (bad input, a wrong key, the store down after
 //! the retries) are a [`ClientError`] carrying the problem's stable `type`.
 //!
@@ -164,9 +167,12 @@ pub struct Claim {
     /// Cost units declared (charged to the run once per key).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cost: Option<u64>,
-    /// Wait up to this long for an in-flight key's outcome.
+    /// Wait up to this long for an in-flight key's outcome (or a pending approval's decision).
     #[serde(skip_serializing_if = "Option::is_none", serialize_with = "duration_text")]
     pub wait: Option<Duration>,
+    /// What the call does, in words, for an approver where the namespace needs approvals.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
 }
 
 fn duration_text<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
@@ -188,6 +194,7 @@ impl Claim {
             run: None,
             cost: None,
             wait: None,
+            summary: None,
         }
     }
 
@@ -231,6 +238,37 @@ pub struct Replay {
     pub cost: Option<u64>,
     /// Model tokens reported at completion.
     pub tokens: Option<u64>,
+    /// Whether a recovering attempt completed it from what the downstream system said happened
+    /// ([`Client::reconcile`]), without running the effect again.
+    #[serde(default)]
+    pub reconciled: bool,
+}
+
+/// What a claim asked a person to approve, and their decision (the API's approval view).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Approval {
+    /// Its id, to approve or deny it.
+    pub id: String,
+    /// `pending`, `approved`, `denied` or `expired`.
+    pub state: String,
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// The fingerprint approved: only a claim meaning the same request acquires.
+    pub fingerprint: String,
+    /// The run the claim named.
+    pub run: Option<String>,
+    /// The cost it declared.
+    pub cost: Option<u64>,
+    /// What the caller said the call does.
+    pub summary: Option<String>,
+    /// When it was asked (RFC 3339).
+    pub requested_at: String,
+    /// Decide before this (RFC 3339).
+    pub expires_at: String,
+    /// The decision (`approved`, `by`, `why`, `at`), once taken.
+    pub decision: Option<Value>,
 }
 
 /// Which limit refused a claim.
@@ -242,6 +280,8 @@ pub enum DenialKind {
     Budget,
     /// A tenant quota (429).
     Quota,
+    /// An approver denied this call (403; `reason` names the approval, who and why).
+    Approval,
 }
 
 /// The answer of a claim.
@@ -266,6 +306,14 @@ pub enum ClaimAnswer {
         reason: Value,
         /// When to try again, for quotas.
         retry_after: Option<Duration>,
+    },
+    /// The namespace needs a person's approval of this call, which nobody has given yet:
+    /// nothing was acquired or charged. Claim again after `retry_after` (or with a wait).
+    PendingApproval {
+        /// What is to be approved.
+        approval: Approval,
+        /// When to ask again.
+        retry_after: Duration,
     },
 }
 
@@ -427,6 +475,21 @@ impl Client {
         self.fenced("complete", target, fence, extra).await
     }
 
+    /// Completes a recovering attempt (attempt 2 or later) with what the downstream system said
+    /// happened, without running the effect again: the record and its replays say
+    /// `reconciled`. The server refuses it for a first attempt (400).
+    pub async fn reconcile(
+        &self,
+        target: &Target,
+        fence: u64,
+        result: &Value,
+        spent: Spent,
+    ) -> Result<Fenced, ClientError> {
+        let extra =
+            serde_json::json!({"result": result, "cost": spent.cost, "tokens": spent.tokens, "reconciled": true});
+        self.fenced("complete", target, fence, extra).await
+    }
+
     /// Fails the attempt: `retryable` releases the key, else the failure is stored and replays.
     pub async fn fail(
         &self,
@@ -509,6 +572,49 @@ impl Client {
         Ok(page["entries"].as_array().cloned().unwrap_or_default())
     }
 
+    /// The tenant's approvals in `state` (`pending`, `approved`, `denied`; `None`: all kept),
+    /// every page.
+    pub async fn approvals(&self, state: Option<&str>) -> Result<Vec<Approval>, ClientError> {
+        let mut out = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut path = "/v1/approvals?limit=1000".to_owned();
+            if let Some(state) = state {
+                path.push_str(&format!("&state={}", encode(state)));
+            }
+            if let Some(cursor) = &cursor {
+                path.push_str(&format!("&cursor={}", encode(cursor)));
+            }
+            let page = self.expect(Method::GET, &path, None, StatusCode::OK).await?;
+            let approvals: Vec<Approval> = serde_json::from_value(page["approvals"].clone())
+                .map_err(|_| unexpected(StatusCode::OK, &page.to_string()))?;
+            out.extend(approvals);
+            match page["next"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => return Ok(out),
+            }
+        }
+    }
+
+    /// Approves a pending approval (admin key), saying why: the next claim of its key meaning
+    /// the same request acquires, once.
+    pub async fn approve(&self, id: &str, why: &str) -> Result<Approval, ClientError> {
+        self.decide(id, "approve", why).await
+    }
+
+    /// Denies a pending approval (admin key), saying why: claims of its key meaning the same
+    /// request are refused while the decision is kept.
+    pub async fn deny(&self, id: &str, why: &str) -> Result<Approval, ClientError> {
+        self.decide(id, "deny", why).await
+    }
+
+    async fn decide(&self, id: &str, decision: &str, why: &str) -> Result<Approval, ClientError> {
+        let path = format!("/v1/approvals/{}/{decision}", encode(id));
+        let body = serde_json::json!({ "why": why });
+        let view = self.expect(Method::POST, &path, Some(&body), StatusCode::OK).await?;
+        serde_json::from_value(view.clone()).map_err(|_| unexpected(StatusCode::OK, &view.to_string()))
+    }
+
     async fn expect(
         &self,
         method: Method,
@@ -548,6 +654,12 @@ fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientErr
     match status.as_u16() {
         201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(text).map_err(|_| unexpected(status, text))?)),
         200 => Ok(ClaimAnswer::Replay(serde_json::from_str(text).map_err(|_| unexpected(status, text))?)),
+        202 => {
+            let value = decode(text)?;
+            let approval = serde_json::from_value(value["approval"].clone()).map_err(|_| unexpected(status, text))?;
+            let retry_after = Duration::from_millis(value["retry_after_ms"].as_u64().unwrap_or(1000));
+            Ok(ClaimAnswer::PendingApproval { approval, retry_after })
+        }
         _ => {
             let value = decode(text)?;
             let problem = problem_of(status, &value, text)?;
@@ -559,6 +671,7 @@ fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientErr
                 "switch-engaged" => Ok(denied(DenialKind::Switch)),
                 "budget-exhausted" => Ok(denied(DenialKind::Budget)),
                 "quota-exceeded" => Ok(denied(DenialKind::Quota)),
+                "approval-denied" => Ok(denied(DenialKind::Approval)),
                 _ => Err(ClientError::Problem(problem)),
             }
         }

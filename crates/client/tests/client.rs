@@ -160,3 +160,54 @@ async fn transport_errors_surface_after_the_retries() {
     assert_eq!(connections.load(Ordering::SeqCst), 3, "the call, then two retries");
     assert!(matches!(Client::new("ftp://x", "t"), Err(ClientError::Config(_))));
 }
+
+#[tokio::test]
+async fn approvals_and_reconciled_recoveries() {
+    let (server, token) = server().await;
+    let admin = Client::new(&server.base, &token).unwrap();
+    let agent = Client::new(&server.base, &server.key("default", Role::Agent).await).unwrap();
+    let settings = json!({"namespace_prefix": "pay", "settings": {"approval_required": true}});
+    let set = server.http.put(server.url("/v1/settings")).bearer_auth(&token).json(&settings).send().await.unwrap();
+    assert_eq!(set.status(), 200);
+
+    let claim = Claim { summary: Some("refund 20 EUR".into()), ..Claim::new("pay", "r-1", json!({"amount": 20})) };
+    let ClaimAnswer::PendingApproval { approval, retry_after } = agent.claim(&claim).await.unwrap() else {
+        panic!("pending")
+    };
+    assert_eq!((approval.state.as_str(), approval.summary.as_deref()), ("pending", Some("refund 20 EUR")));
+    assert!(retry_after > Duration::ZERO);
+    let pending = admin.approvals(Some("pending")).await.unwrap();
+    assert_eq!(pending.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(), [approval.id.as_str()]);
+    assert_eq!(agent.approve(&approval.id, "ok").await.unwrap_err().problem_kind(), Some("forbidden"));
+    assert_eq!(admin.approve(&approval.id, "order returned").await.unwrap().state, "approved");
+    assert_eq!(admin.deny(&approval.id, "late").await.unwrap_err().problem_kind(), Some("approval-closed"));
+    let ClaimAnswer::Acquired(held) = agent.claim(&claim).await.unwrap() else { panic!("acquired once approved") };
+
+    // A denied call is a denial that names the approval.
+    let wire = Claim::new("pay", "w-1", json!({"amount": 1_000_000}));
+    let ClaimAnswer::PendingApproval { approval, .. } = agent.claim(&wire).await.unwrap() else { panic!("pending") };
+    admin.deny(&approval.id, "never").await.unwrap();
+    let ClaimAnswer::Denied { kind, reason, .. } = agent.claim(&wire).await.unwrap() else { panic!("denied") };
+    assert_eq!(
+        (kind, &reason["approval"], &reason["why"]),
+        (DenialKind::Approval, &json!(approval.id), &json!("never"))
+    );
+
+    // A recovery completed as reconciled; a first attempt may not.
+    let target = claim.target();
+    assert_eq!(
+        agent
+            .reconcile(&target, held.fence, &json!({"refund": "re_1"}), Spent::NOTHING)
+            .await
+            .unwrap_err()
+            .problem_kind(),
+        Some("invalid-request")
+    );
+    agent.report_unknown(&target, held.fence, "the provider timed out").await.unwrap();
+    let ClaimAnswer::Acquired(recovery) = agent.claim(&claim).await.unwrap() else { panic!("recovery") };
+    assert!(recovery.recovery.is_some());
+    let done = agent.reconcile(&target, recovery.fence, &json!({"refund": "re_1"}), Spent::NOTHING).await.unwrap();
+    assert!(matches!(done, Fenced::Applied(ref record) if record["reconciled"] == true), "{done:?}");
+    let ClaimAnswer::Replay(replay) = agent.claim(&claim).await.unwrap() else { panic!("replay") };
+    assert!(replay.reconciled);
+}
