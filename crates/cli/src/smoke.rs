@@ -7,8 +7,9 @@
 //! it exercises, in order: a tool call repeated by the model, a network retry, two workers
 //! racing on one key, a worker crash mid-call and its recovery from the checkpoint after the
 //! lease, the zombie worker's late completion refused as stale, a RAG step replayed with its
-//! token cost counted as saved, a key reused with other arguments refused, a budget exhausted
-//! and a kill switch engaged mid-run. It prints what happened twice, never and partially, and
+//! token cost counted as saved, a key reused with other arguments refused, a budget exhausted,
+//! a kill switch engaged mid-run, a payment that runs only once a person approved it, and a
+//! recovery reconciled from what the service says happened instead of paying twice. It prints what happened twice, never and partially, and
 //! fails if any effect happened more or less often than it should (once, or never when refused).
 
 use std::collections::BTreeMap;
@@ -44,6 +45,13 @@ struct Effects {
 }
 
 type Shared = Arc<Mutex<Effects>>;
+
+/// `GET /effects/{id}`: how often the effect was performed (what a recovering attempt asks
+/// before it runs the effect again).
+async fn performed(State(effects): State<Shared>, Path(id): Path<String>) -> axum::Json<u32> {
+    let effects = effects.lock().unwrap_or_else(|e| e.into_inner());
+    axum::Json(effects.performed.get(&id).copied().unwrap_or(0))
+}
 
 /// `POST /effects/{id}` with `X-Fence`: performs (counts) the effect unless the fence is lower
 /// than one already seen for it (a zombie), which answers 409.
@@ -109,6 +117,62 @@ impl Agent {
     }
 }
 
+/// Step 10: a payment in a namespace that needs a person's approval: asked (and retried) before
+/// anyone decides, it is not paid; approved, it is paid once; the same key with another amount
+/// is refused.
+async fn approved_payment(agent: &mut Agent, once: &mut Vec<&str>, never: &mut Vec<&str>) -> Result<()> {
+    let prefix = format!("smoke/approvals/{}", agent.run);
+    agent.api.put_settings(Some(&prefix), &json!({"approval_required": true, "approval_expiry": "10m"})).await?;
+    let pay = |amount: u64| Claim {
+        summary: Some(format!("pay supplier {amount} EUR")),
+        ..Claim::new(prefix.clone(), "pay-supplier", json!({"amount": amount}))
+    };
+    let mut asked = Vec::new();
+    for _ in 0..2 {
+        match agent.api.claim(&pay(400)).await? {
+            ClaimAnswer::PendingApproval { approval, .. } => asked.push(approval.id),
+            other => bail!("a payment needing approval answered {other:?}"),
+        }
+    }
+    ensure!(asked[0] == asked[1], "a retried claim asks once: {asked:?}");
+    let approval = agent.api.approve(&asked[0], "smoke: invoice checked").await?;
+    ensure!(approval.state == "approved", "{approval:?}");
+    let ClaimAnswer::Acquired(held) = agent.api.claim(&pay(400)).await? else { bail!("approved, not acquired") };
+    ensure!(agent.effect("pay:400", held.fence).await?);
+    agent.api.complete(&pay(400).target(), held.fence, &json!({"paid": 400}), Spent::NOTHING).await?;
+    ensure!(name(&agent.api.claim(&pay(400)).await?) == "replay");
+    let other = agent.api.claim(&pay(4000)).await?;
+    ensure!(matches!(other, ClaimAnswer::Mismatch), "another amount under the approved key: {other:?}");
+    agent.api.delete_settings(Some(&prefix)).await?;
+    once.push("pay:400");
+    never.push("pay:4000");
+    agent.note("10. payment needing approval", "pending (asked once) until approved, then paid once");
+    Ok(())
+}
+
+/// Step 11: a charge whose worker lost the provider's answer (reported unknown): the recovering
+/// attempt asks the service whether it happened, and completes the key as reconciled instead
+/// of charging again.
+async fn reconciled_recovery(agent: &mut Agent, once: &mut Vec<&str>) -> Result<()> {
+    let charge = Claim::new("smoke/agent", format!("{}-charge-40", agent.run), json!({"amount": 40}));
+    let ClaimAnswer::Acquired(first) = agent.api.claim(&charge).await? else { bail!("charge not acquired") };
+    ensure!(agent.effect("charge:40", first.fence).await?);
+    agent.api.report_unknown(&charge.target(), first.fence, "the provider timed out").await?;
+    let ClaimAnswer::Acquired(recovery) = agent.api.claim(&charge).await? else { bail!("no recovery") };
+    ensure!(recovery.recovery.is_some(), "the next claim is a recovery");
+    // verify: ask the service before running the effect again.
+    let url = format!("{}/effects/charge:40", agent.effects_url);
+    let happened: u32 = agent.http.get(url).send().await?.json().await?;
+    ensure!(happened == 1, "the service says the charge happened once: {happened}");
+    let done = agent.api.reconcile(&charge.target(), recovery.fence, &json!({"charged": 40}), Spent::NOTHING).await?;
+    ensure!(matches!(done, Fenced::Applied(ref r) if r["reconciled"] == true), "{done:?}");
+    let ClaimAnswer::Replay(replay) = agent.api.claim(&charge).await? else { bail!("not replayed") };
+    ensure!(replay.reconciled, "the replay says it was reconciled");
+    once.push("charge:40");
+    agent.note("11. recovery reconciled", "the service said it was charged: completed without charging again");
+    Ok(())
+}
+
 fn name(answer: &ClaimAnswer) -> &'static str {
     match answer {
         ClaimAnswer::Acquired(_) => "acquired",
@@ -138,9 +202,12 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
         None => local_server(config).await?,
     };
     let effects: Shared = Arc::default();
-    let effects_url =
-        serve(axum::Router::new().route("/effects/{id}", axum::routing::post(perform)).with_state(effects.clone()))
-            .await?;
+    let effects_url = serve(
+        axum::Router::new()
+            .route("/effects/{id}", axum::routing::post(perform).get(performed))
+            .with_state(effects.clone()),
+    )
+    .await?;
     let mut agent = Agent {
         api: Client::new(&url, &token)?,
         http: reqwest::Client::new(),
@@ -262,6 +329,9 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
     never.push("delete:prod");
     agent.note("9. kill switch mid-run", "next tool call refused (423); nothing deleted");
 
+    approved_payment(&mut agent, &mut once, &mut never).await?;
+    reconciled_recovery(&mut agent, &mut once).await?;
+
     // The report.
     let effects = effects.lock().unwrap_or_else(|e| e.into_inner());
     let count = |id: &str| effects.performed.get(id).copied().unwrap_or(0);
@@ -271,7 +341,7 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
     println!();
     println!("  effects performed exactly once: {} of {}", once.iter().filter(|id| count(id) == 1).count(), once.len());
     println!("  happened twice:   {}", if twice.is_empty() { "none".to_owned() } else { twice.join(", ") });
-    println!("  never happened:   {} (refused on purpose: mismatch, budget, switch)", never.join(", "));
+    println!("  never happened:   {} (refused on purpose: mismatches, budget, switch)", never.join(", "));
     println!("  partially:        refund:9 (crashed after 'money-sent'; recovered from that checkpoint)");
     println!("  zombie fences refused downstream: {}", effects.refused_fences);
     println!("  tokens saved by replays: {tokens} ({cost} cost units)");

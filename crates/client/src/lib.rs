@@ -572,6 +572,23 @@ impl Client {
         Ok(page["entries"].as_array().cloned().unwrap_or_default())
     }
 
+    /// Sets the settings of the tenant (`namespace_prefix` `None`) or of a namespace prefix
+    /// (admin key), e.g. `{"approval_required": true}`; answers the settings entry.
+    pub async fn put_settings(&self, namespace_prefix: Option<&str>, settings: &Value) -> Result<Value, ClientError> {
+        let body = serde_json::json!({ "namespace_prefix": namespace_prefix, "settings": settings });
+        self.expect(Method::PUT, "/v1/settings", Some(&body), StatusCode::OK).await
+    }
+
+    /// Deletes the settings of the tenant or of a namespace prefix (admin key); what they set is
+    /// inherited again.
+    pub async fn delete_settings(&self, namespace_prefix: Option<&str>) -> Result<Value, ClientError> {
+        let path = match namespace_prefix {
+            Some(prefix) => format!("/v1/settings?namespace_prefix={}", encode(prefix)),
+            None => "/v1/settings".to_owned(),
+        };
+        self.expect(Method::DELETE, &path, None, StatusCode::OK).await
+    }
+
     /// The tenant's approvals in `state` (`pending`, `approved`, `denied`; `None`: all kept),
     /// every page.
     pub async fn approvals(&self, state: Option<&str>) -> Result<Vec<Approval>, ClientError> {

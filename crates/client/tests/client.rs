@@ -166,9 +166,8 @@ async fn approvals_and_reconciled_recoveries() {
     let (server, token) = server().await;
     let admin = Client::new(&server.base, &token).unwrap();
     let agent = Client::new(&server.base, &server.key("default", Role::Agent).await).unwrap();
-    let settings = json!({"namespace_prefix": "pay", "settings": {"approval_required": true}});
-    let set = server.http.put(server.url("/v1/settings")).bearer_auth(&token).json(&settings).send().await.unwrap();
-    assert_eq!(set.status(), 200);
+    let set = admin.put_settings(Some("pay"), &json!({"approval_required": true})).await.unwrap();
+    assert_eq!(set["settings"]["approval_required"], json!(true));
 
     let claim = Claim { summary: Some("refund 20 EUR".into()), ..Claim::new("pay", "r-1", json!({"amount": 20})) };
     let ClaimAnswer::PendingApproval { approval, retry_after } = agent.claim(&claim).await.unwrap() else {
@@ -210,4 +209,9 @@ async fn approvals_and_reconciled_recoveries() {
     assert!(matches!(done, Fenced::Applied(ref record) if record["reconciled"] == true), "{done:?}");
     let ClaimAnswer::Replay(replay) = agent.claim(&claim).await.unwrap() else { panic!("replay") };
     assert!(replay.reconciled);
+
+    // Settings deleted: the namespace needs no approval any more.
+    admin.delete_settings(Some("pay")).await.unwrap();
+    let free = Claim::new("pay", "free-1", json!(1));
+    assert!(matches!(agent.claim(&free).await.unwrap(), ClaimAnswer::Acquired(_)));
 }
