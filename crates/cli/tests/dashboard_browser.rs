@@ -408,6 +408,33 @@ async fn the_dashboard_shows_what_the_api_says() {
     assert!(shown["inspect-timeline"].as_str().unwrap().contains("passed"), "{}", shown["inspect-timeline"]);
     assert!(!shown.to_string().contains("ch_1"), "checkpoint data is never shown");
 
+    // A call waiting for approval is listed, and approved from the page with a reason.
+    let set = json!({"namespace_prefix": "prod/approvals", "settings": {"approval_required": true}});
+    let r = api.http.put(format!("{}/v1/settings", api.base)).bearer_auth(&api.token).json(&set).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let wire =
+        json!({"namespace": "prod/approvals", "key": "wire-1", "request": {"amount": 900}, "summary": "wire 900 EUR"});
+    let (status, pending) = api.post("/v1/claims", wire.clone()).await;
+    assert_eq!(status, 202, "{pending}");
+    browser.wait_for("the pending approval", "return !!document.querySelector('[data-testid=approval-wire-1]');").await;
+    let shown = browser.shown().await;
+    assert_eq!(shown["approvals-pending"], "1");
+    assert!(shown["approval-wire-1"].as_str().unwrap().contains("wire 900 EUR"), "{}", shown["approval-wire-1"]);
+    browser.click("[data-testid=approve-wire-1]").await;
+    let refused =
+        "return document.querySelector('[data-testid=approval-result-wire-1]').innerText === 'say why first';";
+    browser.wait_for("a decision without a reason refused", refused).await;
+    browser.type_into("[data-testid=approval-why-wire-1]", "invoice checked").await;
+    browser.click("[data-testid=approve-wire-1]").await;
+    let approved = "return document.querySelector('[data-testid=approval-result-wire-1]')?.innerText.startsWith('approved') ?? false;";
+    browser.wait_for("the approval", approved).await;
+    let id = pending["approval"]["id"].as_str().unwrap();
+    let view = api.get(&format!("/v1/approvals/{id}")).await;
+    assert_eq!((&view["state"], &view["decision"]["why"]), (&json!("approved"), &json!("invoice checked")));
+    assert_eq!(api.post("/v1/claims", wire).await.0, 201, "approved from the page, the call acquires");
+    let gone = "return !document.querySelector('[data-testid=approval-wire-1]');";
+    browser.wait_for("the approval leaving the list", gone).await;
+
     // An engaged kill switch shows at the next refresh.
     let engage = json!({"target": {"kind": "namespace", "prefix": "prod"}, "reason": "refund loop"});
     assert_eq!(api.post("/v1/switches", engage).await.0, 201);

@@ -26,6 +26,9 @@ type ApiResult<T> = Result<T, ApiError>;
 /// Stuck keys listed on the dashboard, at most.
 pub const STUCK_SHOWN: usize = 20;
 
+/// Pending approvals listed on the dashboard, at most (the oldest first).
+pub const APPROVALS_SHOWN: usize = 20;
+
 const PAGE: &str = include_str!("../assets/dashboard/index.html");
 const SCRIPT: &str = include_str!("../assets/dashboard/app.js");
 const STYLE: &str = include_str!("../assets/dashboard/style.css");
@@ -167,6 +170,29 @@ pub struct StoreView {
     pub ops: Vec<StoreOpView>,
 }
 
+/// Approvals waiting for a person's decision, from the store.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApprovalsPanel {
+    /// How many are pending (of the first 1,000 kept).
+    pub pending: usize,
+    /// How long the oldest has waited, in seconds (0: none).
+    pub oldest_pending_seconds: u64,
+    /// The oldest ones (at most 20), oldest first, each with its age.
+    pub waiting: Vec<WaitingApproval>,
+}
+
+/// A pending approval as the dashboard lists it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WaitingApproval {
+    /// The approval, as the API shows it.
+    #[serde(flatten)]
+    pub approval: crate::api::ApprovalView,
+    /// Seconds since it was asked.
+    pub waiting_seconds: u64,
+    /// Seconds until it expires undecided.
+    pub expires_in_seconds: u64,
+}
+
 /// The kill switches engaged on the tenant.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ControlsView {
@@ -209,13 +235,16 @@ pub struct DashboardView {
     pub keys: KeysView,
     /// Stuck keys (at most 20), longest stuck first.
     pub stuck: Vec<StuckKeyView>,
-    /// Recent mismatches, stale completions and recoveries, newest first (at most 50).
+    /// Recent mismatches, stale completions, recoveries, reconciliations and approvals asked and
+    /// decided, newest first (at most 50).
     #[schema(value_type = Vec<Object>)]
     pub recent: Vec<Event>,
     /// The store's health.
     pub store: StoreView,
     /// Switches and budgets.
     pub controls: ControlsView,
+    /// Approvals waiting for a decision.
+    pub approvals: ApprovalsPanel,
 }
 
 fn checkpoint_summary(cp: &onceguard_core::Checkpoint) -> CheckpointSummary {
@@ -273,6 +302,7 @@ pub async fn dashboard_data(
         state.guard.list(&tenant, &filter).await?.records.iter().map(|r| stuck_view(r, now)).collect();
     stuck.sort_by_key(|k| std::cmp::Reverse(k.stuck_for_seconds));
     stuck.truncate(STUCK_SHOWN);
+    let approvals = approvals_panel(&state, &tenant, now).await?;
     let totals = metrics.totals(&tenant);
     let (in_flight, stuck_count) = scan.tenants.get(tenant.as_str()).copied().unwrap_or((0, 0));
     let [acquired, replay, in_flight_claims, mismatch, denied, pending_approval] = totals.claims;
@@ -305,7 +335,37 @@ pub async fn dashboard_data(
             ops: metrics.live().store_ops(),
         },
         controls,
+        approvals,
     }))
+}
+
+/// The tenant's pending approvals, oldest first.
+async fn approvals_panel(
+    state: &AppState,
+    tenant: &onceguard_core::TenantId,
+    now: Timestamp,
+) -> ApiResult<ApprovalsPanel> {
+    use onceguard_core::approval::ApprovalState;
+    let filter = onceguard_core::store::ApprovalFilter {
+        state: Some(ApprovalState::Pending),
+        after: None,
+        limit: onceguard_core::store::MAX_PAGE,
+    };
+    let mut pending = state.guard.list_approvals(tenant, &filter).await?;
+    pending.sort_by_key(|a| a.requested_at);
+    Ok(ApprovalsPanel {
+        pending: pending.len(),
+        oldest_pending_seconds: pending.first().map_or(0, |a| seconds(a.requested_at.until(now))),
+        waiting: pending
+            .iter()
+            .take(APPROVALS_SHOWN)
+            .map(|a| WaitingApproval {
+                approval: crate::api::approval_view(a, ApprovalState::Pending),
+                waiting_seconds: seconds(a.requested_at.until(now)),
+                expires_in_seconds: seconds(now.until(a.expires_at)),
+            })
+            .collect(),
+    })
 }
 
 /// The tenant's engaged switches, from this instance's cache of what the store holds (when the
@@ -357,6 +417,8 @@ pub struct StoredSummary {
     pub cost: Option<u64>,
     /// Model tokens reported at completion.
     pub tokens: Option<u64>,
+    /// A recovering attempt completed it from what the downstream system said happened.
+    pub reconciled: bool,
 }
 
 /// A moment in a key's life, from the record's timestamps.
@@ -403,9 +465,12 @@ fn timeline(r: &Record, now: Timestamp) -> Vec<TimelineEntry> {
         }
         RecordState::Completed => {
             if let (Some(at), Some(outcome)) = (r.completed_at, &r.outcome) {
-                let status = match outcome.kind {
-                    onceguard_core::OutcomeKind::Success => "completed",
-                    onceguard_core::OutcomeKind::Failure => "failed permanently",
+                let status = match (outcome.kind, outcome.reconciled) {
+                    (onceguard_core::OutcomeKind::Success, true) => {
+                        "reconciled (the downstream system said it had happened; not run again)"
+                    }
+                    (onceguard_core::OutcomeKind::Success, false) => "completed",
+                    (onceguard_core::OutcomeKind::Failure, _) => "failed permanently",
                 };
                 entries
                     .push((at, format!("{status} by fence {} (attempt {}); replays from now on", r.fence, r.attempt)));
@@ -454,6 +519,7 @@ pub async fn dashboard_record(
                 digest_only: digest.is_some(),
                 cost: o.cost,
                 tokens: o.tokens,
+                reconciled: o.reconciled,
             }
         }),
         timeline: timeline(&r, now),

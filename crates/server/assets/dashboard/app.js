@@ -4,14 +4,16 @@
 
 const KEY_STORAGE = "onceguard.adminKey";
 const REFRESH_MS = 2000;
-const OUTCOMES = ["acquired", "replay", "in_flight", "mismatch", "denied"];
-const COLORS = { acquired: "#3b6fd8", replay: "#2e9d62", in_flight: "#d9a21b", mismatch: "#d2542c", denied: "#7a4bc4" };
+const OUTCOMES = ["acquired", "replay", "in_flight", "mismatch", "denied", "pending_approval"];
+const COLORS = { acquired: "#3b6fd8", replay: "#2e9d62", in_flight: "#d9a21b", mismatch: "#d2542c", denied: "#7a4bc4", pending_approval: "#1f9bb0" };
 // One colour per namespace named in the tokens chart (at most eight), and one for the others.
 const NAMESPACE_COLORS = ["#2e9d62", "#3b6fd8", "#d9a21b", "#7a4bc4", "#d2542c", "#1f9bb0", "#b0417a", "#6b7a2a"];
 const OTHERS_COLOR = "#9aa3ad";
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-const state = { key: sessionStorage.getItem(KEY_STORAGE) || "", tenant: "", timer: null, updated: null };
+// `approvals`: the ids of the approvals listed (null: draw them at the next refresh), so that a
+// refresh does not redraw the rows (and the reasons being typed) while they stay the same.
+const state = { key: sessionStorage.getItem(KEY_STORAGE) || "", tenant: "", timer: null, updated: null, approvals: null };
 
 const $ = (id) => document.getElementById(id);
 const byTest = (id) => document.querySelector(`[data-testid="${id}"]`);
@@ -63,6 +65,18 @@ async function api(path, params) {
     throw error;
   }
   return body;
+}
+
+async function send(path, body) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: { Authorization: `Bearer ${state.key}`, "Content-Type": "application/json" },
+    body: JSON.stringify(body),
+    cache: "no-store",
+  });
+  const answer = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(answer.detail || `${response.status} ${response.statusText}`);
+  return answer;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -230,7 +244,7 @@ function render(d) {
   const slotSeconds = d.series.slot_seconds;
   const colors = Object.fromEntries(OUTCOMES.map((o) => [o, COLORS[o]]));
   stackedBars($("chart-claims"), Object.fromEntries(OUTCOMES.map((o) => [o, d.series.claims[o]])), colors, 1 / slotSeconds);
-  legend($("legend-claims"), colors, { in_flight: "in flight" });
+  legend($("legend-claims"), colors, { in_flight: "in flight", pending_approval: "awaiting approval" });
   stackedBars($("chart-cost"), { saved: d.series.cost_saved }, { saved: COLORS.replay }, 1);
   renderTokens(d.series.tokens_saved_by_namespace);
   const latencyColors = { p50: "#3b6fd8", p99: "#d2542c" };
@@ -283,6 +297,83 @@ function render(d) {
     return row;
   });
   $("store-rows").replaceChildren(...opRows);
+  renderApprovals(d.approvals);
+}
+
+function renderApprovals(panel) {
+  setText("approvals-pending", count(panel.pending));
+  setText("approvals-oldest", panel.pending ? `oldest waits ${duration(panel.oldest_pending_seconds)}` : "calls a person must approve");
+  setText("approvals-count", panel.pending > panel.waiting.length ? `(${panel.waiting.length} of ${count(panel.pending)} shown)` : "");
+  $("approvals-empty").hidden = panel.waiting.length > 0;
+  const listed = panel.waiting.map((a) => a.id).join(",");
+  // The ages move on; the rows (and any reason being typed) are redrawn only when the list does.
+  for (const a of panel.waiting) {
+    const row = document.querySelector(`#approval-rows tr[data-id="${a.id}"]`);
+    if (row) {
+      row.querySelector(".waiting").textContent = duration(a.waiting_seconds);
+      row.querySelector(".expires").textContent = duration(a.expires_in_seconds);
+      row.querySelector(".webhook").textContent = webhook(a.notice);
+    }
+  }
+  if (listed === state.approvals) return;
+  state.approvals = listed;
+  const rows = panel.waiting.map((a) => {
+    const row = document.createElement("tr");
+    row.dataset.id = a.id;
+    row.dataset.testid = `approval-${a.key}`;
+    cell(row, a.namespace);
+    cell(row, a.key);
+    cell(row, a.summary);
+    cell(row, a.run);
+    cell(row, a.cost, "num");
+    cell(row, duration(a.waiting_seconds), "num waiting");
+    cell(row, duration(a.expires_in_seconds), "num expires");
+    cell(row, webhook(a.notice), "webhook");
+    const decide = document.createElement("td");
+    const why = document.createElement("input");
+    why.placeholder = "why (required)";
+    why.className = "why";
+    why.dataset.testid = `approval-why-${a.key}`;
+    const approve = document.createElement("button");
+    approve.type = "button";
+    approve.textContent = "Approve";
+    approve.dataset.testid = `approve-${a.key}`;
+    const deny = document.createElement("button");
+    deny.type = "button";
+    deny.textContent = "Deny";
+    deny.className = "deny";
+    deny.dataset.testid = `deny-${a.key}`;
+    const decided = document.createElement("span");
+    decided.className = "muted";
+    decided.dataset.testid = `approval-result-${a.key}`;
+    const act = async (verdict) => {
+      if (!why.value.trim()) {
+        decided.textContent = "say why first";
+        return;
+      }
+      approve.disabled = deny.disabled = true;
+      try {
+        const view = await send(`/v1/approvals/${encodeURIComponent(a.id)}/${verdict}`, { why: why.value.trim(), tenant: state.tenant });
+        decided.textContent = `${view.state} by ${view.decision.by}`;
+        state.approvals = null;
+      } catch (e) {
+        decided.textContent = e.message;
+        approve.disabled = deny.disabled = false;
+      }
+    };
+    approve.addEventListener("click", () => act("approve"));
+    deny.addEventListener("click", () => act("deny"));
+    decide.append(why, " ", approve, " ", deny, " ", decided);
+    row.appendChild(decide);
+    return row;
+  });
+  $("approval-rows").replaceChildren(...rows);
+}
+
+function webhook(notice) {
+  if (!notice) return "–";
+  if (notice.delivered_at) return `delivered ${clock(notice.delivered_at)}`;
+  return `${notice.attempts} attempt${notice.attempts === 1 ? "" : "s"}${notice.last_error ? `: ${notice.last_error}` : ""}`;
 }
 
 function definitionList(pairs) {
@@ -319,7 +410,7 @@ function renderRecord(r) {
     ["lease until", r.lease_expires_at ? clock(r.lease_expires_at) : null],
     ["reported unknown", r.reported_unknown ? "yes" : "no"],
     ["fingerprint", r.fingerprint],
-    ["stored outcome", r.stored ? `${r.stored.status}, ${r.stored.content_type}, ${count(r.stored.bytes)} bytes${r.stored.digest_only ? " (digest only)" : ""}${r.stored.cost === null ? "" : `, cost ${count(r.stored.cost)}`}` : "none", "inspect-stored"],
+    ["stored outcome", r.stored ? `${r.stored.status}${r.stored.reconciled ? " (reconciled)" : ""}, ${r.stored.content_type}, ${count(r.stored.bytes)} bytes${r.stored.digest_only ? " (digest only)" : ""}${r.stored.cost === null ? "" : `, cost ${count(r.stored.cost)}`}` : "none", "inspect-stored"],
   ]);
   const checkpoints = document.createElement("div");
   const h = document.createElement("h4");
@@ -427,6 +518,7 @@ $("forget").addEventListener("click", () => {
 
 $("tenant").addEventListener("change", () => {
   state.tenant = $("tenant").value;
+  state.approvals = null;
   $("inspect-result").replaceChildren();
   refresh();
 });

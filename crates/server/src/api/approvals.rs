@@ -176,6 +176,9 @@ pub async fn get_approval(
 pub struct DecideBody {
     /// Why (kept with the decision and in the audit log); required.
     pub why: String,
+    /// Another tenant's approval (operator tenant's admins only, as the dashboard sends it);
+    /// default: your own.
+    pub tenant: Option<String>,
 }
 
 async fn decide(
@@ -183,14 +186,15 @@ async fn decide(
     caller: &Caller,
     id: &str,
     approved: bool,
-    why: String,
+    body: DecideBody,
 ) -> ApiResult<Json<ApprovalView>> {
-    caller.require_admin()?;
+    let tenant = admin_tenant(state, caller, body.tenant.as_deref())?;
+    let why = body.why;
     if why.trim().is_empty() || why.len() > 1024 {
         return Err(ApiError::Invalid("why: say why, in 1 to 1024 bytes".into()));
     }
-    let decided = state.guard.decide_approval(&caller.tenant, id, approved, &caller.actor(), why).await?;
-    tracing::info!(tenant = %caller.tenant, approval = id, approved, "approval decided");
+    let decided = state.guard.decide_approval(&tenant, id, approved, &caller.actor(), why).await?;
+    tracing::info!(%tenant, approval = id, approved, "approval decided");
     Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
 }
 
@@ -210,7 +214,7 @@ pub async fn approve(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<DecideBody>,
 ) -> ApiResult<Json<ApprovalView>> {
-    decide(&state, &caller, &id, true, body.why).await
+    decide(&state, &caller, &id, true, body).await
 }
 
 /// Deny a pending approval (admin): every claim of its key with its fingerprint is then refused
@@ -229,5 +233,5 @@ pub async fn deny(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<DecideBody>,
 ) -> ApiResult<Json<ApprovalView>> {
-    decide(&state, &caller, &id, false, body.why).await
+    decide(&state, &caller, &id, false, body).await
 }
