@@ -804,3 +804,47 @@ async fn a_digest_namespace_answers_replays_that_the_tool_ran_without_its_result
     assert_eq!(outcome.content_type, onceguard_core::DIGEST_CONTENT_TYPE);
     assert!(!String::from_utf8_lossy(&outcome.body).contains("echo 1"));
 }
+
+#[tokio::test]
+async fn a_tool_needing_approval_answers_a_tool_error_the_model_can_relay_until_approved() {
+    use onceguard_core::control::{Settings, SettingsEntry};
+    let app = spawn_app(|_| {}).await;
+    let tenant = TenantId::parse(TENANT).unwrap();
+    let entry = SettingsEntry {
+        tenant: tenant.clone(),
+        namespace_prefix: Some(Namespace::parse("mcp/up/write").unwrap()),
+        settings: Settings { approval_required: Some(true), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    app.guard.put_settings(entry, None).await.unwrap();
+    let pending = app.rpc(&call(json!(1), "write", json!({"row": 7}), Some("k"))).await;
+    assert_eq!(pending["result"]["isError"], true, "a tool error, not a JSON-RPC error: {pending}");
+    let text = pending["result"]["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains("awaits a person's approval") && text.contains("was not run"), "{text}");
+    let approval = &pending["result"]["_meta"]["dev.onceguard/approval"];
+    assert_eq!(approval["state"], "pending");
+    let id = approval["id"].as_str().unwrap().to_owned();
+    assert!(text.contains(&id), "the text names the approval: {text}");
+    assert_eq!(runs(&app.seen, "write"), 0);
+    // Another tool is not gated.
+    assert_eq!(app.rpc(&call(json!(2), "echo", json!({}), Some("k"))).await["result"]["content"][0]["text"], "echo 1");
+    let kept = app.guard.approval(&tenant, &id).await.unwrap().unwrap();
+    assert_eq!(kept.summary.as_deref(), Some("tools/call write"), "the tool, never its arguments");
+
+    app.guard.decide_approval(&tenant, &id, true, "admin", "row 7 may be written".into()).await.unwrap();
+    let ran = app.rpc(&call(json!(3), "write", json!({"row": 7}), Some("k"))).await;
+    assert_eq!(ran["result"]["content"][0]["text"], "write 1", "{ran}");
+    let replay = app.rpc(&call(json!(4), "write", json!({"row": 7}), Some("k"))).await;
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "write"), 1, "the approved call ran once");
+
+    let other = app.rpc(&call(json!(5), "write", json!({"row": 8}), Some("k2"))).await;
+    let id = other["result"]["_meta"]["dev.onceguard/approval"]["id"].as_str().unwrap().to_owned();
+    app.guard.decide_approval(&tenant, &id, false, "admin", "row 8 is frozen".into()).await.unwrap();
+    let denied = app.rpc(&call(json!(6), "write", json!({"row": 8}), Some("k2"))).await;
+    assert_eq!(denied["result"]["isError"], true, "{denied}");
+    assert!(denied["result"]["content"][0]["text"].as_str().unwrap().contains("row 8 is frozen"), "{denied}");
+    assert_eq!(denied["result"]["_meta"]["dev.onceguard/approval"]["state"], "denied");
+    assert_eq!(runs(&app.seen, "write"), 1, "the denied call never ran");
+}

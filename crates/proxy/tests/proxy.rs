@@ -665,3 +665,48 @@ async fn a_digest_namespace_replays_the_status_and_digest_never_the_response() {
     assert!(!String::from_utf8_lossy(&outcome.body).contains("charge"), "no byte of the response is kept");
     assert!(!String::from_utf8_lossy(&outcome.body).contains("a=1"), "no header is kept");
 }
+
+/// A request in a namespace that needs approvals is not forwarded until an admin approved it:
+/// 202 `approval-pending` (with the method and path for the approver), then the approved request
+/// runs once; another request under the key is a mismatch; a denied one answers 403.
+#[tokio::test]
+async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
+    use onceguard_core::control::{Settings, SettingsEntry};
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let tenant = onceguard_core::TenantId::parse("proxy").unwrap();
+    let entry = SettingsEntry {
+        tenant: tenant.clone(),
+        namespace_prefix: None,
+        settings: Settings { approval_required: Some(true), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    proxy.guard.put_settings(entry, None).await.unwrap();
+    let mut asked = Vec::new();
+    for _ in 0..2 {
+        let response = proxy.post("/charge?token=secret", "a-1", "{}").await;
+        assert_eq!(response.headers()["retry-after"], "5");
+        let body = problem(response, 202, "approval-pending").await;
+        assert_eq!(body["outcome"], "pending_approval");
+        asked.push(body["reason"]["approval"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(asked[0], asked[1], "asked once");
+    assert_eq!(executed(&counts, "charge"), 0, "nothing forwarded while pending");
+    let approval = proxy.guard.approval(&tenant, &asked[0]).await.unwrap().unwrap();
+    assert_eq!(approval.summary.as_deref(), Some("POST /charge"), "the method and path, never the query");
+
+    proxy.guard.decide_approval(&tenant, &asked[0], true, "admin", "expected".into()).await.unwrap();
+    assert_eq!(proxy.post("/charge?token=secret", "a-1", "{}").await.status(), 201);
+    let replay = proxy.post("/charge?token=secret", "a-1", "{}").await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    problem(proxy.post("/charge?token=secret", "a-1", "other").await, 422, "fingerprint-mismatch").await;
+    assert_eq!(executed(&counts, "charge"), 1, "the approved request ran once");
+
+    let pending = problem(proxy.post("/charge", "a-2", "{}").await, 202, "approval-pending").await;
+    let id = pending["reason"]["approval"].as_str().unwrap();
+    proxy.guard.decide_approval(&tenant, id, false, "admin", "not this one".into()).await.unwrap();
+    let denied = problem(proxy.post("/charge", "a-2", "{}").await, 403, "approval-denied").await;
+    assert_eq!(denied["reason"]["why"], "not this one");
+    assert_eq!(executed(&counts, "charge"), 1, "the denied request never ran");
+}
