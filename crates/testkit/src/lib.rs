@@ -136,6 +136,7 @@ macro_rules! conformance_tests {
             a_switch_refuses_a_call_pending_approval,
             a_waiting_claim_gets_the_decision,
             approvals_are_written_over_the_one_read,
+            a_batch_asks_each_key_needing_approval,
             a_recovery_completes_as_reconciled
         );
     };

@@ -288,3 +288,28 @@ pub async fn a_recovery_completes_as_reconciled(store: Arc<dyn Store>) {
     let plain = Outcome { reconciled: false, ..reconciled };
     assert_eq!(c.mutate(&s, recovery, Mutation::Complete(plain)).await, FencedOutcome::Stale(StaleReason::Finished));
 }
+
+/// A batch asks for each key that needs approval, and claims those approved, each answered as
+/// alone.
+pub async fn a_batch_asks_each_key_needing_approval(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let (a, b) = (request(&scope("batch-a"), "a"), request(&scope("batch-b"), "b"));
+    let outside = request(&scope_in("acme", "staging/x", "batch-c"), "c");
+    let batch = |reqs: &[&ClaimRequest]| {
+        reqs.iter().map(|r| crate::through_the_door(r, Duration::ZERO)).map(|c| Claim { wait: None, ..c }).collect()
+    };
+    let first = c.guard.claim_batch(batch(&[&a, &b, &outside])).await.unwrap();
+    let ids: Vec<String> = first[..2]
+        .iter()
+        .map(|o| match o {
+            ClaimOutcome::PendingApproval(p) => p.approval.id.clone(),
+            other => panic!("expected pending_approval, got {other:?}"),
+        })
+        .collect();
+    assert!(matches!(first[2], ClaimOutcome::Acquired(_)), "outside the prefix: {:?}", first[2]);
+    c.decide(&ids[0], true).await.unwrap();
+    let second = c.guard.claim_batch(batch(&[&a, &b])).await.unwrap();
+    assert!(matches!(second[0], ClaimOutcome::Acquired(_)), "{:?}", second[0]);
+    assert!(matches!(&second[1], ClaimOutcome::PendingApproval(p) if p.approval.id == ids[1]), "{:?}", second[1]);
+}
