@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use onceguard_core::approval::{Approval, ApprovalState, Notice};
+use onceguard_core::approval::{Approval, ApprovalState};
 use onceguard_core::store::{ApprovalFilter, MAX_PAGE};
 use onceguard_core::{Guard, GuardError, Timestamp};
 use tokio::sync::watch;
@@ -82,62 +82,24 @@ impl Webhook {
     /// Sends the notice of `approval` if it is due and this instance takes it; answers whether
     /// the receiver has it now.
     async fn notify(&self, guard: &Guard, approval: &Approval) -> Result<bool, GuardError> {
-        let now = guard.clock().now();
-        let notice = approval.notice.clone().unwrap_or(Notice {
-            attempts: 0,
-            leased_until: Timestamp(0),
-            delivered_at: None,
-            last_error: None,
-        });
-        if notice.delivered_at.is_some() || notice.leased_until > now || notice.attempts >= self.attempts {
+        let timeout = self.timeout;
+        let Some(taken) = guard.take_notice(approval, |attempt| timeout + backoff(attempt), self.attempts).await?
+        else {
             return Ok(false);
-        }
-        let attempt = notice.attempts + 1;
-        let lease = self.timeout + backoff(attempt);
-        let taken = Approval {
-            notice: Some(Notice { attempts: attempt, leased_until: now.plus(lease), ..notice }),
-            ..approval.clone()
         };
-        if !guard.store().put_approval(Some(approval), &taken, None, now).await? {
-            return Ok(false);
-        }
-        let result = self.send(approval, now).await;
-        let delivered = result.is_ok();
+        let attempt = taken.notice.as_ref().map_or(0, |n| n.attempts);
+        let result = self.send(&taken, guard.clock().now()).await;
+        let (tenant, id) = (&taken.scope.tenant, taken.id.as_str());
         match &result {
-            Ok(()) => {
-                tracing::info!(tenant = %approval.scope.tenant, approval = approval.id, attempt, "approval webhook delivered")
-            }
+            Ok(()) => tracing::info!(%tenant, approval = id, attempt, "approval webhook delivered"),
             Err(e) if attempt >= self.attempts => {
-                tracing::error!(tenant = %approval.scope.tenant, approval = approval.id, attempt, error = e, "approval webhook abandoned")
+                tracing::error!(%tenant, approval = id, attempt, error = e, "approval webhook abandoned")
             }
-            Err(e) => {
-                tracing::warn!(tenant = %approval.scope.tenant, approval = approval.id, attempt, error = e, "approval webhook failed; will retry")
-            }
+            Err(e) => tracing::warn!(%tenant, approval = id, attempt, error = e, "approval webhook failed; will retry"),
         }
-        self.settle(guard, &taken, result).await?;
+        let delivered = result.is_ok();
+        guard.settle_notice(&taken, result).await?;
         Ok(delivered)
-    }
-
-    /// Writes what the attempt of `taken` gave over the approval as it now is (it may have been
-    /// decided meanwhile; the mark is then kept on the decided approval).
-    async fn settle(&self, guard: &Guard, taken: &Approval, result: Result<(), String>) -> Result<(), GuardError> {
-        for _ in 0..3 {
-            let now = guard.clock().now();
-            let Some(current) = guard.approval(&taken.scope.tenant, &taken.id).await? else { return Ok(()) };
-            let Some(mut notice) = current.notice.clone() else { return Ok(()) };
-            if notice.attempts != taken.notice.as_ref().map_or(0, |n| n.attempts) {
-                return Ok(());
-            }
-            match &result {
-                Ok(()) => notice.delivered_at = Some(now),
-                Err(e) => notice.last_error = Some(e.chars().take(256).collect()),
-            }
-            let settled = Approval { notice: Some(notice), ..current.clone() };
-            if guard.store().put_approval(Some(&current), &settled, None, now).await? {
-                return Ok(());
-            }
-        }
-        Ok(())
     }
 
     /// One attempt: the signed `POST` of the approval's notice.

@@ -137,6 +137,7 @@ macro_rules! conformance_tests {
             a_waiting_claim_gets_the_decision,
             approvals_are_written_over_the_one_read,
             a_batch_asks_each_key_needing_approval,
+            a_notice_is_taken_once_per_attempt,
             a_recovery_completes_as_reconciled
         );
     };

@@ -3,7 +3,7 @@
 
 use super::*;
 
-use crate::approval::{Approval, ApprovalState, DecideError, Decision, PendingApproval};
+use crate::approval::{Approval, ApprovalState, DecideError, Decision, Notice, PendingApproval};
 use crate::domain::Timestamp;
 use crate::store::ApprovalFilter;
 
@@ -100,6 +100,58 @@ impl Guard {
             }
         }
         Err(StoreError::Unavailable("the approval changed under three reads in a row".into()).into())
+    }
+
+    /// Takes the next attempt at the webhook's notice of `approval` (as read, pending) for this
+    /// instance: answers the approval with the attempt written (its `notice` leased until `now +
+    /// lease`), or `None` when the notice is delivered, leased by another attempt, out of
+    /// attempts (`max_attempts`), or the approval changed since it was read. The write is a
+    /// compare-and-set over the approval read, so one instance takes each attempt.
+    pub async fn take_notice(
+        &self,
+        approval: &Approval,
+        lease: impl FnOnce(u32) -> Duration,
+        max_attempts: u32,
+    ) -> Result<Option<Approval>, GuardError> {
+        let now = self.clock.now();
+        let notice = approval.notice.clone().unwrap_or(Notice {
+            attempts: 0,
+            leased_until: Timestamp(0),
+            delivered_at: None,
+            last_error: None,
+        });
+        let due = approval.state(now) == ApprovalState::Pending
+            && notice.delivered_at.is_none()
+            && notice.leased_until <= now
+            && notice.attempts < max_attempts;
+        if !due {
+            return Ok(None);
+        }
+        let attempt = notice.attempts + 1;
+        let leased_until = now.plus(lease(attempt));
+        let taken = Approval { notice: Some(Notice { attempts: attempt, leased_until, ..notice }), ..approval.clone() };
+        Ok(self.store.put_approval(Some(approval), &taken, None, now).await?.then_some(taken))
+    }
+
+    /// Writes what the attempt at the notice of `taken` (from [`Guard::take_notice`]) gave:
+    /// delivered (`Ok`), or why not. Written over the approval as it now is (it may have been
+    /// decided meanwhile), unless another attempt began since.
+    pub async fn settle_notice(&self, taken: &Approval, result: Result<(), String>) -> Result<(), GuardError> {
+        let attempt = taken.notice.as_ref().map_or(0, |n| n.attempts);
+        for _ in 0..3 {
+            let now = self.clock.now();
+            let Some(current) = self.store.approval(&taken.scope.tenant, &taken.id, now).await? else { return Ok(()) };
+            let Some(mut notice) = current.notice.clone().filter(|n| n.attempts == attempt) else { return Ok(()) };
+            match &result {
+                Ok(()) => notice.delivered_at = Some(now),
+                Err(e) => notice.last_error = Some(e.chars().take(256).collect()),
+            }
+            let settled = Approval { notice: Some(notice), ..current.clone() };
+            if self.store.put_approval(Some(&current), &settled, None, now).await? {
+                return Ok(());
+            }
+        }
+        Ok(())
     }
 
     /// The tenant's approval `id`, if kept.

@@ -313,3 +313,58 @@ pub async fn a_batch_asks_each_key_needing_approval(store: Arc<dyn Store>) {
     assert!(matches!(second[0], ClaimOutcome::Acquired(_)), "{:?}", second[0]);
     assert!(matches!(&second[1], ClaimOutcome::PendingApproval(p) if p.approval.id == ids[1]), "{:?}", second[1]);
 }
+
+/// The webhook's notice of a pending approval is taken by one instance at a time, however many
+/// try at once: retried only after its lease passes, never once delivered, never for an
+/// approval decided meanwhile.
+pub async fn a_notice_is_taken_once_per_attempt(store: Arc<dyn Store>) {
+    let c = case(store.clone());
+    needing_approvals(&c).await;
+    let pending = c.pending(&request(&scope("notify-1"), "a")).await;
+    let lease = |_| Duration::from_secs(15);
+    let instances: Vec<Guard> = (0..4).map(|_| Guard::new(store.clone(), c.clock.clone(), Limits::default())).collect();
+    let take = |pending: Approval| {
+        let instances = instances.clone();
+        async move {
+            let tries = instances.iter().map(|g| {
+                let (g, a) = (g.clone(), pending.clone());
+                tokio::spawn(async move { g.take_notice(&a, lease, 3).await.unwrap() })
+            });
+            let mut taken = Vec::new();
+            for t in tries.collect::<Vec<_>>() {
+                taken.extend(t.await.unwrap());
+            }
+            taken
+        }
+    };
+    let first = take(pending.clone()).await;
+    assert_eq!(first.len(), 1, "one of four instances takes the attempt");
+    assert_eq!(first[0].notice.as_ref().unwrap().attempts, 1);
+    c.guard.settle_notice(&first[0], Err("the receiver answered 500".into())).await.unwrap();
+    let now_kept = c.guard.approval(&pending.scope.tenant, &pending.id).await.unwrap().unwrap();
+    assert_eq!(now_kept.notice.as_ref().unwrap().last_error.as_deref(), Some("the receiver answered 500"));
+    assert!(take(now_kept.clone()).await.is_empty(), "not again within the lease");
+    c.clock.advance(Duration::from_secs(15));
+    let second = take(now_kept).await;
+    assert_eq!(second.len(), 1);
+    assert_eq!(second[0].notice.as_ref().unwrap().attempts, 2);
+    c.guard.settle_notice(&second[0], Ok(())).await.unwrap();
+    c.clock.advance(Duration::from_secs(15));
+    let delivered = c.guard.approval(&pending.scope.tenant, &pending.id).await.unwrap().unwrap();
+    assert!(delivered.notice.as_ref().unwrap().delivered_at.is_some());
+    assert!(take(delivered).await.is_empty(), "never once delivered");
+    // Decided before any attempt: never announced.
+    let other = c.pending(&request(&scope("notify-2"), "b")).await;
+    let decided = c.decide(&other.id, true).await.unwrap();
+    assert!(take(decided).await.is_empty());
+    // Out of attempts: no more.
+    let third = c.pending(&request(&scope("notify-3"), "c")).await;
+    let mut current = third;
+    for _ in 0..3 {
+        let taken = c.guard.take_notice(&current, |_| Duration::from_secs(1), 3).await.unwrap().unwrap();
+        c.guard.settle_notice(&taken, Err("down".into())).await.unwrap();
+        c.clock.advance(Duration::from_secs(1));
+        current = c.guard.approval(&taken.scope.tenant, &taken.id).await.unwrap().unwrap();
+    }
+    assert!(c.guard.take_notice(&current, |_| Duration::from_secs(1), 3).await.unwrap().is_none());
+}
