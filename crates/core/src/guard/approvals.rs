@@ -154,6 +154,20 @@ impl Guard {
         Ok(())
     }
 
+    /// Makes the approval kept for `scope`, if any, no longer kept (a purge of the key's record
+    /// takes its approval with it).
+    pub(super) async fn retire_approval(&self, scope: &Scope) -> Result<(), GuardError> {
+        for _ in 0..3 {
+            let now = self.clock.now();
+            let Some(current) = self.store.approval_of(scope, now).await? else { return Ok(()) };
+            let retired = Approval { decision: None, expires_at: now, notice: None, ..current.clone() };
+            if self.store.put_approval(Some(&current), &retired, None, now).await? {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Unavailable("the key's approval changed under three reads in a row".into()).into())
+    }
+
     /// The tenant's approval `id`, if kept.
     pub async fn approval(&self, tenant: &TenantId, id: &str) -> Result<Option<Approval>, GuardError> {
         Ok(self.store.approval(tenant, id, self.clock.now()).await?)

@@ -692,9 +692,12 @@ impl Guard {
         }
     }
 
-    /// Deletes a key's record (an operator's action, audited), and wakes its waiters.
+    /// Deletes a key's record (an operator's action, audited), and wakes its waiters. An
+    /// approval kept for the key goes with it: where approvals are needed, the key's next claim
+    /// asks a person again.
     pub async fn purge(&self, actor: &str, scope: &Scope, why: Option<String>) -> Result<bool, GuardError> {
         let existed = self.store.purge(scope).await?;
+        self.retire_approval(scope).await?;
         self.notifier.notify(scope);
         let target = format!("{}/{}", scope.namespace, scope.key);
         let entry = AuditEntry::new(scope.tenant.clone(), self.clock.now(), actor, "record.purge", target)

@@ -91,6 +91,10 @@ pub async fn an_approved_call_acquires_once(store: Arc<dyn Store>) {
     let actions = c.audit_actions().await;
     assert_eq!(actions.iter().filter(|a| *a == "approval.approve").count(), 1, "{actions:?}");
     assert!(!actions.iter().any(|a| a == "approval.deny"), "{actions:?}");
+    // A purge of the key takes its approval with it: the next claim asks again.
+    assert!(c.guard.purge("test", &s, None).await.unwrap());
+    let asked_again = c.pending(&req).await;
+    assert_ne!(asked_again.id, first.id);
 }
 
 /// A denied call is refused (`approval_denied`, with who and why) on every later claim of the
