@@ -14,8 +14,9 @@
 //!   (concurrent claims: one acquires, the others find it in flight);
 //! - **denied** with the same fingerprint: `denied` (`approval_denied`), on every claim, for as
 //!   long as the decision is kept: a permanent refusal that replays;
-//! - any approval of *another* fingerprint: `mismatch`, which changes nothing (the approved or
-//!   pending request keeps its approval).
+//! - any approval of *another* call: `mismatch`, which changes nothing (the approved or pending
+//!   request keeps its approval). Another call is another fingerprint, another run, or more
+//!   cost declared than the approval shows: a person approves what they saw.
 //!
 //! A decision is taken only while the approval is pending and before its `expires_at`; it is
 //! kept for the namespace's retention from the decision ([`Approval::kept_until`]), then swept.

@@ -41,9 +41,7 @@ impl Guard {
             }
             let kept = self.store.approval_of(&req.scope, now).await?;
             let answer = match &kept {
-                Some(a) if a.fingerprint != req.fingerprint && a.state(now) != ApprovalState::Expired => {
-                    Some(ClaimOutcome::Mismatch)
-                }
+                Some(a) if !binds(a, req) && a.state(now) != ApprovalState::Expired => Some(ClaimOutcome::Mismatch),
                 Some(a) => match a.state(now) {
                     ApprovalState::Approved => return Ok(None),
                     ApprovalState::Pending => Some(pending(a.clone(), now)),
@@ -205,6 +203,12 @@ impl Guard {
         }
         Ok((count, oldest))
     }
+}
+
+/// Whether `approval` is of the call `req` makes: the same fingerprint, the same run, and no
+/// more cost declared than the approver saw (what a person approved is what may run).
+fn binds(approval: &Approval, req: &ClaimRequest) -> bool {
+    approval.fingerprint == req.fingerprint && approval.run == req.run && req.cost <= approval.cost.unwrap_or(0)
 }
 
 fn pending(approval: Approval, now: Timestamp) -> ClaimOutcome {

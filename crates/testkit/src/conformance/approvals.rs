@@ -153,6 +153,10 @@ pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Arc
     assert_eq!(c.claim(&other).await, ClaimOutcome::Mismatch, "the approval is of the other request");
     let kept = c.guard.approval(&s.tenant, &asked.id).await.unwrap().unwrap();
     assert_eq!(kept.state(c.clock.now()), ApprovalState::Approved);
+    // The approver saw no run and no cost: the same request in a run, or declaring a cost, is
+    // another call.
+    assert_eq!(c.claim(&in_run(&s, "pay 10", "run-9", 0)).await, ClaimOutcome::Mismatch, "another run");
+    assert_eq!(c.claim(&ClaimRequest { cost: 500, ..meant.clone() }).await, ClaimOutcome::Mismatch, "more cost");
     let fence = c.acquire(&meant).await;
     assert_eq!(c.claim(&other).await, ClaimOutcome::Mismatch, "now the record's fingerprint refuses it");
     c.applied(&s, fence, Mutation::Complete(success("paid"))).await;
