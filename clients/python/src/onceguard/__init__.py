@@ -3,7 +3,12 @@
 - :class:`Client` / :class:`AsyncClient`: every call of the HTTP API, with typed answers.
 - :func:`once`: a decorator that makes a function run once per key (derived from its
   arguments, or given); :func:`guarded`: the same for a block; :func:`current`: the running
-  attempt (fence, attempt number, recovery, checkpoints).
+  attempt (fence, attempt number, recovery, checkpoints); a ``verify`` hook answering
+  :class:`Happened` reconciles a recovery with what happened downstream instead of running
+  again.
+- Approvals: in a namespace that requires a person's approval, a claim answers
+  :class:`PendingApproval` (the guards raise :class:`AwaitingApproval`) until an admin calls
+  ``approve`` or ``deny`` (:class:`ApprovalDenied`).
 - ``onceguard.langchain.guard_tool`` and ``onceguard.openai_agents.guard_function_tool``: guard
   the tools of LangChain / LangGraph and of the OpenAI Agents SDK.
 - :func:`once_each`: many items, each done once per key, in batches; on it,
@@ -15,6 +20,9 @@ from ._calls import ClaimItem, CompleteItem
 from ._wire import RawJson
 from .client import NO_RETRY, AsyncClient, Client, Retry
 from .errors import (
+    ApprovalClosed,
+    ApprovalDenied,
+    AwaitingApproval,
     ClaimProblem,
     Conflict,
     DeniedError,
@@ -42,20 +50,24 @@ from .errors import (
 )
 from ._async.ingest import once_each as once_each_async
 from ._sync.ingest import once_each
-from .guard import AsyncAttempt, AsyncGuarded, Attempt, Guarded, current, guarded, once
+from .guard import AsyncAttempt, AsyncGuarded, Attempt, Guarded, Happened, current, guarded, once
 from .keys import canonical_json, derive_key
 from .models import (
     Acquired,
     ApiKey,
+    Approval,
+    ApprovalPage,
     AuditEntry,
     AuditPage,
     Budget,
     Checkpoint,
     ClaimAnswer,
     ClaimRate,
+    Decision,
     Denied,
     InFlight,
     Mismatch,
+    PendingApproval,
     Record,
     RecordPage,
     Recovery,
@@ -81,12 +93,17 @@ __all__ = [
     "CompleteItem",
     "Acquired",
     "ApiKey",
+    "Approval",
+    "ApprovalClosed",
+    "ApprovalDenied",
+    "ApprovalPage",
     "AsyncAttempt",
     "AsyncClient",
     "AsyncGuarded",
     "Attempt",
     "AuditEntry",
     "AuditPage",
+    "AwaitingApproval",
     "Budget",
     "Checkpoint",
     "ClaimAnswer",
@@ -94,11 +111,13 @@ __all__ = [
     "ClaimRate",
     "Client",
     "Conflict",
+    "Decision",
     "Denied",
     "DeniedError",
     "Forbidden",
     "GuardError",
     "Guarded",
+    "Happened",
     "InFlight",
     "InFlightError",
     "InternalServerError",
@@ -110,6 +129,7 @@ __all__ = [
     "NotFound",
     "OnceguardError",
     "PayloadTooLarge",
+    "PendingApproval",
     "PermanentFailure",
     "ProblemError",
     "RawJson",

@@ -21,12 +21,15 @@ from .errors import OnceguardError, ProblemError, StaleFence, UnexpectedResponse
 from .models import (
     Acquired,
     ApiKey,
+    Approval,
+    ApprovalPage,
     AuditEntry,
     AuditPage,
     ClaimAnswer,
     Denied,
     InFlight,
     Mismatch,
+    PendingApproval,
     Record,
     RecordPage,
     Replay,
@@ -110,8 +113,10 @@ def _retry_after(response: httpx.Response, problem: Mapping[str, Any]) -> float 
 
 
 def read_claim(response: httpx.Response) -> ClaimAnswer:
-    """A claim's answer: one of the five, by status for the successes and by problem type."""
+    """A claim's answer: one of the six, by status for the successes and by problem type."""
     status = response.status_code
+    if status == 202:
+        return PendingApproval.from_json(response.json(), _retry_after(response, {}))
     if status in (200, 201):
         text = _text(response)
         body = response.json()
@@ -129,6 +134,8 @@ def claim_answer(status: int, body: Any, raw: bytes | None, retry_after: float |
         return Acquired.from_json(body)
     if status == 200:
         return Replay.from_json(body, raw)
+    if status == 202:
+        return PendingApproval.from_json(body, retry_after)
     if not isinstance(body, dict) or "type" not in body:
         raise UnexpectedResponse(status, str(body))
     problem: Mapping[str, Any] = body
@@ -207,6 +214,21 @@ def read_audit(response: httpx.Response) -> AuditPage:
     return AuditPage(entries=tuple(AuditEntry.from_json(e) for e in body["entries"]), next=body.get("next"))
 
 
+def read_approval(response: httpx.Response) -> Approval:
+    return Approval.from_json(_expect(response, 200))
+
+
+def read_optional_approval(response: httpx.Response) -> Approval | None:
+    if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
+        return None
+    return read_approval(response)
+
+
+def read_approvals(response: httpx.Response) -> ApprovalPage:
+    body = _expect(response, 200)
+    return ApprovalPage(approvals=tuple(Approval.from_json(a) for a in body["approvals"]), next=body.get("next"))
+
+
 def read_api_key(response: httpx.Response) -> ApiKey:
     return ApiKey.from_json(_expect(response, 200, 201))
 
@@ -279,6 +301,7 @@ def claim(
     run: str | None = None,
     wait: Duration | None = None,
     cost: int | None = None,
+    summary: str | None = None,
 ) -> Call[ClaimAnswer]:
     if (request is MISSING) == (fingerprint is None):
         raise ValueError("give exactly one of 'request' (the request's meaning as JSON) and 'fingerprint'")
@@ -292,6 +315,7 @@ def claim(
         run=run,
         wait=_opt_duration(wait),
         cost=_cost(cost),
+        summary=summary,
     )
     extra = 0.0 if wait is None else _wire.duration_seconds(wait)
     return Call("POST", "/v1/claims", read_claim, body=_wire.body(fields), extra_time=extra)
@@ -312,7 +336,9 @@ def complete(
     content_type: str | None = None,
     cost: int | None = None,
     tokens: int | None = None,
+    reconciled: bool = False,
 ) -> Call[Record]:
+    flag = True if reconciled else None  # absent unless set: the body of a plain completion is as before
     if raw is not None:
         import base64
 
@@ -325,6 +351,7 @@ def complete(
             content_type=content_type or "application/octet-stream",
             cost=_cost(cost),
             tokens=_tokens(tokens),
+            reconciled=flag,
         )
     if content_type is not None and content_type != "application/json":
         raise ValueError("a 'result' is JSON; send other media types as raw bytes with content_type")
@@ -336,6 +363,7 @@ def complete(
         result=RawJson("null") if result is None else result,
         cost=_cost(cost),
         tokens=_tokens(tokens),
+        reconciled=flag,
     )
 
 
@@ -478,6 +506,25 @@ def list_audit(
     return Call("GET", "/v1/audit", read_audit, params=params)
 
 
+def _approval_path(approval_id: str, action: str = "") -> str:
+    return "/v1/approvals/" + quote(approval_id, safe="") + (f"/{action}" if action else "")
+
+
+def list_approvals(*, state: str | None = None, limit: int | None = None, cursor: str | None = None) -> Call[ApprovalPage]:
+    return Call("GET", "/v1/approvals", read_approvals, params=_query(state=state, limit=limit, cursor=cursor))
+
+
+def get_approval(approval_id: str) -> Call[Approval | None]:
+    return Call("GET", _approval_path(approval_id), read_optional_approval)
+
+
+def decide_approval(approval_id: str, *, approve: bool, why: str) -> Call[Approval]:
+    body = _wire.body({"why": why})
+    # Not sent twice: a decision whose answer was lost would answer approval-closed the second time.
+    path = _approval_path(approval_id, "approve" if approve else "deny")
+    return Call("POST", path, read_approval, body=body, idempotent=False)
+
+
 def create_api_key(role: str, label: str = "", tenant: str | None = None) -> Call[ApiKey]:
     body = _wire.body({"role": role, "label": label, "tenant": tenant})
     return Call("POST", "/v1/api-keys", read_api_key, body=body, idempotent=False)
@@ -516,6 +563,7 @@ class ClaimItem:
     retention: Duration | None = None
     run: str | None = None
     cost: int | None = None
+    summary: str | None = None
 
 
 @dataclass(frozen=True)
@@ -530,6 +578,7 @@ class CompleteItem:
     content_type: str | None = None
     cost: int | None = None
     tokens: int | None = None
+    reconciled: bool = False
 
 
 def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple[int, Any]]]:
@@ -632,6 +681,7 @@ def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
             retention=i.retention,
             run=i.run,
             cost=i.cost,
+            summary=i.summary,
         ).body
         or b"{}"
         for i in items
@@ -643,7 +693,15 @@ def claim_batch(items: Sequence[ClaimItem]) -> Call[list[ClaimAnswer]]:
 def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFence]]:
     parts = [
         complete(
-            i.namespace, i.key, i.fence, i.result, raw=i.raw, content_type=i.content_type, cost=i.cost, tokens=i.tokens
+            i.namespace,
+            i.key,
+            i.fence,
+            i.result,
+            raw=i.raw,
+            content_type=i.content_type,
+            cost=i.cost,
+            tokens=i.tokens,
+            reconciled=i.reconciled,
         ).body
         or b"{}"
         for i in items

@@ -10,11 +10,33 @@ from datetime import datetime
 from typing import Any, Callable, Sequence, Union
 
 from ._wire import Duration, dumps, duration_seconds
-from .errors import DeniedError, InFlightError, KeyConflict, PermanentFailure, ResultNotKept, StaleFence
+from .errors import AwaitingApproval, InFlightError, KeyConflict, PermanentFailure, ResultNotKept, StaleFence, denied_error
 from .keys import jsonable
-from .models import Acquired, ClaimAnswer, Denied, InFlight, Mismatch, Recovery, Replay
+from .models import Acquired, Checkpoint, ClaimAnswer, Denied, InFlight, Mismatch, PendingApproval, Recovery, Replay
 
 ExceptionClasses = Union[type[BaseException], Sequence[type[BaseException]]]
+
+#: The longest ``wait`` the server takes on one claim: a longer ``wait_for_approval`` is
+#: waited for by claiming again, each claim waiting at most this long.
+MAX_CLAIM_WAIT = 30.0
+
+
+@dataclass(frozen=True)
+class Happened:
+    """What a ``verify`` hook answers when the effect of an earlier attempt did happen: its
+    ``result`` (stored as the key's outcome, ``reconciled``, instead of running the function),
+    and what it cost (``cost`` units, model ``tokens``), counted as by a completion."""
+
+    result: Any
+    cost: int | None = None
+    tokens: int | None = None
+
+
+#: A ``verify`` hook: called with the key, the recovering attempt's fence and the last
+#: checkpoint of the earlier attempts (``None`` if they saved none); answers
+#: :class:`Happened` or ``None`` (it did not happen: run the function). A coroutine
+#: function for coroutines.
+Verify = Callable[[str, int, Union[Checkpoint, None]], Any]
 
 
 def _classes(value: ExceptionClasses) -> tuple[type[BaseException], ...]:
@@ -35,6 +57,9 @@ class Policy:
     encode: Callable[[Any], Any] = jsonable
     decode: Callable[[Any], Any] = field(default=lambda value: value)
     heartbeat: bool = True
+    #: Seconds to wait for a person's decision on a call pending approval; ``None``: none.
+    wait_for_approval: float | None = None
+    verify: Verify | None = None
 
     @classmethod
     def of(
@@ -50,7 +75,11 @@ class Policy:
         encode: Callable[[Any], Any] | None = None,
         decode: Callable[[Any], Any] | None = None,
         heartbeat: bool = True,
+        wait_for_approval: Duration | None = None,
+        verify: Verify | None = None,
     ) -> Policy:
+        if verify is not None and not callable(verify):
+            raise TypeError("verify is a function of (key, fence, last checkpoint)")
         return cls(
             namespace=namespace,
             lease=duration_seconds(lease),
@@ -62,6 +91,8 @@ class Policy:
             encode=encode or jsonable,
             decode=decode or (lambda value: value),
             heartbeat=heartbeat,
+            wait_for_approval=None if wait_for_approval is None else duration_seconds(wait_for_approval),
+            verify=verify,
         )
 
     def classify(self, exc: BaseException) -> str:
@@ -87,6 +118,12 @@ class Replayed:
     value: Any
 
 
+def still_waiting(answer: ClaimAnswer) -> bool:
+    """Whether a guard waiting for a person's decision claims again after ``answer``: still
+    pending, or in flight (approved, and another caller holds the key: its replay is waited for)."""
+    return isinstance(answer, (PendingApproval, InFlight))
+
+
 def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Replayed:
     """An acquired claim, or the replayed value; raises for the other answers, and for a
     replay whose namespace keeps only a digest (there is no value, and it must not run again)."""
@@ -104,7 +141,9 @@ def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Repla
     if isinstance(answer, Mismatch):
         raise KeyConflict(namespace=ns, key=key, detail=answer.detail)
     if isinstance(answer, Denied):
-        raise DeniedError(answer, namespace=ns, key=key)
+        raise denied_error(answer, namespace=ns, key=key)
+    if isinstance(answer, PendingApproval):
+        raise AwaitingApproval(answer.approval, namespace=ns, key=key, retry_after=answer.retry_after)
     raise TypeError(f"not a claim answer: {answer!r}")  # pragma: no cover
 
 
@@ -127,6 +166,9 @@ class AttemptBase:
         self.tokens: int | None = None
         self.recovery: Recovery | None
         self.lease_expires_at: datetime | None
+        #: The outcome was stored by a recovering attempt as what happened downstream (a
+        #: ``verify`` hook answered :class:`Happened`), without running the effect.
+        self.reconciled = False
         if isinstance(found, Replayed):
             self.replayed = True
             self.fence = found.replay.fence
@@ -135,6 +177,7 @@ class AttemptBase:
             self.lease_expires_at = None
             self._result = found.value
             self._completed = True
+            self.reconciled = found.replay.reconciled
         else:
             self.replayed = False
             self.fence = found.fence
@@ -145,8 +188,8 @@ class AttemptBase:
 
     @property
     def result(self) -> Any:
-        """The replayed value; or, in a block, the value to complete with when it ends (default
-        ``None``); after completion, the value decoded from the stored bytes."""
+        """The replayed (or reconciled) value; or, in a block, the value to complete with when
+        it ends (default ``None``); after completion, the value decoded from the stored bytes."""
         return self._result
 
     @result.setter
@@ -172,6 +215,13 @@ class AttemptBase:
         self._completed = True
         self._result = self._policy.decode(json.loads(text))
         return self._result
+
+    def _reconciled(self, text: str) -> Any:
+        """The outcome ``verify`` found is stored: the attempt is over, as for a replay (a block
+        that checks ``replayed`` does not do the effect)."""
+        self.replayed = True
+        self.reconciled = True
+        return self._stored(text)
 
     def _require_holder(self) -> None:
         if self.replayed:

@@ -1,9 +1,10 @@
-"""What the framework helpers share: the key of a tool call, and running it under a guard."""
+"""What the framework helpers share: the key and summary of a tool call, and running it under
+a guard."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Union
+from typing import Any, Awaitable, Callable, Mapping, Optional, Union
 
 from ._async import guard as _async_guard
 from ._policy import Policy
@@ -30,6 +31,10 @@ class ToolCall:
 
 #: A function from a tool call to its idempotency key.
 KeyFn = Callable[[ToolCall], str]
+#: What a tool call does, for the approver where its namespace requires approval: a string, or
+#: a function of the call (``None``: no summary). Never derived from the arguments by default:
+#: the server keeps a summary, while it keeps only the fingerprint of the arguments.
+Summary = Union[str, Callable[[ToolCall], Optional[str]], None]
 
 
 def default_key(call: ToolCall) -> str:
@@ -43,16 +48,29 @@ def tool_key(call: ToolCall, key_fn: KeyFn | None) -> str:
     return check_key(key_fn(call) if key_fn is not None else default_key(call))
 
 
-def run_guarded_sync(client: Client, policy: Policy, key: str, call: ToolCall, run: Callable[[], Any]) -> Any:
+def summary_of(call: ToolCall, summary: Summary) -> str | None:
+    return summary(call) if callable(summary) else summary
+
+
+def run_guarded_sync(
+    client: Client, policy: Policy, key: str, call: ToolCall, run: Callable[[], Any], summary: Summary = None
+) -> Any:
     """Run ``run()`` once per ``key`` (the tool call's arguments are the request)."""
-    return _sync_guard.run_guarded(client, policy, key, run, request=call.arguments, run=call.run)
+    about = summary_of(call, summary)
+    return _sync_guard.run_guarded(client, policy, key, run, request=call.arguments, run=call.run, summary=about)
 
 
 async def run_guarded_async(
-    client: AsyncClient, policy: Policy, key: str, call: ToolCall, run: Callable[[], Awaitable[Any]]
+    client: AsyncClient,
+    policy: Policy,
+    key: str,
+    call: ToolCall,
+    run: Callable[[], Awaitable[Any]],
+    summary: Summary = None,
 ) -> Any:
     """Run ``await run()`` once per ``key``."""
-    return await _async_guard.run_guarded(client, policy, key, run, request=call.arguments, run=call.run)
+    about = summary_of(call, summary)
+    return await _async_guard.run_guarded(client, policy, key, run, request=call.arguments, run=call.run, summary=about)
 
 
 def arguments_of(value: Mapping[str, Any] | None) -> dict[str, Any]:

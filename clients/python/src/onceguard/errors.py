@@ -10,22 +10,23 @@ Two families:
   client's own: the server could not be reached (after the retries).
 - **Guard outcomes** raised by :func:`onceguard.once` and :func:`onceguard.guarded`, which turn
   the claim's answers that are not "run it" or "here is the replay" into exceptions:
-  :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`, :class:`PermanentFailure`;
+  :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError` (:class:`ApprovalDenied`
+  when an approver refused the call), :class:`AwaitingApproval`, :class:`PermanentFailure`;
   and :class:`StaleFence` when a fenced call (complete, fail, extend, checkpoint,
   report-unknown) was refused because the attempt's fence is no longer the holder's.
 - :class:`ResultNotKept`: a replay whose namespace keeps only a digest of the outcome, so
   there is no result to return (raised by ``.result`` and by the guards, which never run the
   function again for it).
 
-A claim's answers themselves (``Acquired``, ``Replay``, ``InFlight``, ``Mismatch``, ``Denied``)
-are return values of :meth:`onceguard.Client.claim`, not exceptions: see ``onceguard.models``.
+A claim's answers themselves (``Acquired``, ``Replay``, ``InFlight``, ``Mismatch``, ``Denied``,
+``PendingApproval``) are return values of :meth:`onceguard.Client.claim`, not exceptions: see ``onceguard.models``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .models import Denied, ResultDigest, Stale
+from .models import Approval, Denied, ResultDigest, Stale
 
 #: The prefix of every problem type.
 PROBLEM_PREFIX = "https://onceguard.dev/problems/"
@@ -171,6 +172,13 @@ class StaleFence(ProblemError):
         return self.stale.reason
 
 
+class ApprovalClosed(ProblemError):
+    """409 ``approval-closed``: the approval was decided already, or expired; this decision
+    changed nothing. Read it (:meth:`Client.get_approval`) to see how it stands."""
+
+    kind_name = "approval-closed"
+
+
 class ClaimProblem(ProblemError):
     """A claim answer (``in-flight``, ``fingerprint-mismatch``, a denial) to a call that is not a
     claim. :meth:`Client.claim` returns these answers as values instead."""
@@ -192,6 +200,7 @@ PROBLEM_CLASSES: dict[str, type[ProblemError]] = {
         UpstreamFailed,
         UpstreamTimeout,
         StaleFence,
+        ApprovalClosed,
     )
 }
 
@@ -246,7 +255,8 @@ class KeyConflict(GuardError):
 
 
 class DeniedError(GuardError):
-    """A kill switch, a run's budget or the tenant's quota refused the claim (fail closed)."""
+    """A kill switch, a run's budget, the tenant's quota or an approver refused the claim
+    (fail closed). An approver's refusal is the subclass :class:`ApprovalDenied`."""
 
     def __init__(self, denied: Denied, *, namespace: str, key: str) -> None:
         super().__init__(
@@ -258,7 +268,7 @@ class DeniedError(GuardError):
 
     @property
     def kind(self) -> str:
-        """``switch``, ``budget`` or ``quota``."""
+        """``switch``, ``budget``, ``quota`` or ``approval``."""
         return self.denied.kind
 
     @property
@@ -270,6 +280,62 @@ class DeniedError(GuardError):
     def retry_after(self) -> float | None:
         """Seconds until a retry may succeed (quotas), else ``None``."""
         return self.denied.retry_after
+
+
+class ApprovalDenied(DeniedError):
+    """An approver denied this call (``kind`` ``approval``): every claim of the key with this
+    request is refused, now and later. Nothing was done. A new request (other arguments) is a
+    new call, which a key bound to this one refuses as a :class:`KeyConflict`."""
+
+    @property
+    def approval_id(self) -> str:
+        """The id of the denied approval (``apr_…``)."""
+        return str(self.reason.get("approval", ""))
+
+    @property
+    def by(self) -> str:
+        """The id of the admin API key that denied it."""
+        return str(self.reason.get("by", ""))
+
+    @property
+    def why(self) -> str:
+        """The approver's reason."""
+        return str(self.reason.get("why", ""))
+
+
+def denied_error(denied: Denied, *, namespace: str, key: str) -> DeniedError:
+    """The guard's exception for a denial: :class:`ApprovalDenied` for an approver's."""
+    cls = ApprovalDenied if denied.kind == "approval" else DeniedError
+    return cls(denied, namespace=namespace, key=key)
+
+
+class AwaitingApproval(GuardError):
+    """The call's namespace requires a person's approval, and none is given yet (still, after
+    the guard's ``wait_for_approval`` if it had one). Nothing was done, acquired or charged:
+    call again with the same arguments later (after ``retry_after`` seconds); once approved,
+    the call runs once.
+
+    ``approval`` is the server's :class:`onceguard.Approval` (its ``id``, ``summary``,
+    ``expires_at``…); :attr:`model_message` is what the framework tool guards tell a model.
+    """
+
+    def __init__(self, approval: Approval, *, namespace: str, key: str, retry_after: float) -> None:
+        super().__init__(
+            f"the call of key {key!r} in {namespace!r} awaits a person's approval ({approval.id}); "
+            f"nothing was done: call again with the same arguments later (retry after {retry_after:.3f}s)",
+            namespace=namespace,
+            key=key,
+        )
+        self.approval = approval
+        self.retry_after = retry_after
+
+    @property
+    def model_message(self) -> str:
+        """The refusal as a tool's answer to a model."""
+        return (
+            f"This call awaits a person's approval (approval {self.approval.id}). Nothing was done. "
+            "Call the tool again later with the same arguments: it runs once approved."
+        )
 
 
 class PermanentFailure(GuardError):

@@ -12,8 +12,13 @@ The protocol, the same for both and for the framework helpers:
    - ``acquired``: the function runs while a **heartbeat** (on shared threads, or an asyncio task)
      extends the lease every third of it; the handle :func:`current` gives the fence, the
      attempt number, the ``recovery`` of a crashed earlier attempt and ``checkpoint()``;
+     If the claim is a **recovery** and a ``verify`` hook is given, it is asked first whether
+     the earlier attempt's effect happened downstream: if it answers :class:`Happened`, its
+     result is stored as the outcome (``reconciled``) and returned, and the function does not
+     run; if ``None``, the function runs;
    - ``in_flight`` after the wait: :class:`InFlightError`; ``mismatch``: :class:`KeyConflict`;
-     ``denied``: :class:`DeniedError`;
+     ``denied``: :class:`DeniedError` (:class:`ApprovalDenied` for an approver's refusal);
+     ``pending_approval`` (after ``wait_for_approval``, if given): :class:`AwaitingApproval`;
 3. the heartbeat is stopped (and joined), then
    - a return value is serialized as JSON and **completed**; every caller, the first included,
      gets the value decoded from those stored bytes, so all callers see the same value; a
@@ -39,14 +44,14 @@ from typing import Any, Awaitable, Callable, ParamSpec, Sequence, TypeVar, Union
 # (scripts/unasync.py).
 from ._async import guard as _async_guard
 from ._async.guard import AsyncAttempt, AsyncGuarded
-from ._policy import ExceptionClasses, Policy, failure_of, running  # failure_of: importable here, as before
+from ._policy import ExceptionClasses, Happened, Policy, Verify, failure_of, running  # failure_of: as before
 from ._sync import guard as _sync_guard
 from ._sync.guard import Attempt, Guarded
 from ._wire import Duration
 from .client import AsyncClient, Client
 from .keys import bound_arguments, check_key, check_label, derive_key, function_name
 
-__all__ = ["Attempt", "AsyncAttempt", "Guarded", "AsyncGuarded", "current", "guarded", "once"]
+__all__ = ["Attempt", "AsyncAttempt", "Guarded", "AsyncGuarded", "Happened", "current", "guarded", "once"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -82,6 +87,9 @@ def guarded(
     encode: Callable[[Any], Any] | None = None,
     decode: Callable[[Any], Any] | None = None,
     heartbeat: bool = True,
+    summary: str | None = None,
+    wait_for_approval: Duration | None = None,
+    verify: Verify | None = None,
 ) -> Guarded: ...
 
 
@@ -103,6 +111,9 @@ def guarded(
     encode: Callable[[Any], Any] | None = None,
     decode: Callable[[Any], Any] | None = None,
     heartbeat: bool = True,
+    summary: str | None = None,
+    wait_for_approval: Duration | None = None,
+    verify: Verify | None = None,
 ) -> AsyncGuarded: ...
 
 
@@ -123,6 +134,9 @@ def guarded(
     encode: Callable[[Any], Any] | None = None,
     decode: Callable[[Any], Any] | None = None,
     heartbeat: bool = True,
+    summary: str | None = None,
+    wait_for_approval: Duration | None = None,
+    verify: Verify | None = None,
 ) -> Guarded | AsyncGuarded:
     """A block that runs once per ``key`` (``with`` for a :class:`Client`, ``async with`` for an
     :class:`AsyncClient`). The block always runs, so check ``replayed``:
@@ -135,11 +149,14 @@ def guarded(
         receipt = attempt.result                                  # the same for every caller
 
     ``request`` is what the block's effect means (JSON; its fingerprint catches a key reused for
-    another request), or give ``fingerprint``. The other options are those of :func:`once`.
-    Entering raises :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`,
-    :class:`PermanentFailure` (a stored failure), or :class:`ResultNotKept` (it ran once, in a
-    namespace that keeps only a digest); leaving raises :class:`StaleFence` if the lease was
-    taken over, and :class:`PermanentFailure` for an exception in ``permanent``.
+    another request), or give ``fingerprint``. ``summary`` is a string. The other options are
+    those of :func:`once`; where ``verify`` found the effect happened, the attempt is
+    ``replayed`` (and ``reconciled``), with its ``result``, so the block must not do it again.
+    Entering raises :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`
+    (:class:`ApprovalDenied`), :class:`AwaitingApproval`, :class:`PermanentFailure` (a stored
+    failure), or :class:`ResultNotKept` (it ran once, in a namespace that keeps only a digest);
+    leaving raises :class:`StaleFence` if the lease was taken over, and
+    :class:`PermanentFailure` for an exception in ``permanent``.
     """
     policy = Policy.of(
         namespace,
@@ -152,10 +169,14 @@ def guarded(
         encode=encode,
         decode=decode,
         heartbeat=heartbeat,
+        wait_for_approval=wait_for_approval,
+        verify=verify,
     )
     if isinstance(client, AsyncClient):
-        return AsyncGuarded(client, policy, key, request=request, fingerprint=fingerprint, run=run)
-    return Guarded(client, policy, key, request=request, fingerprint=fingerprint, run=run)
+        return AsyncGuarded(client, policy, key, request=request, fingerprint=fingerprint, run=run, summary=summary)
+    if verify is not None and inspect.iscoroutinefunction(verify):
+        raise TypeError("a block guarded with an onceguard.Client needs a verify that is not a coroutine function")
+    return Guarded(client, policy, key, request=request, fingerprint=fingerprint, run=run, summary=summary)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,6 +202,9 @@ def once(
     encode: Callable[[Any], Any] | None = None,
     decode: Callable[[Any], Any] | None = None,
     heartbeat: bool = True,
+    summary: str | Callable[..., str | None] | None = None,
+    wait_for_approval: Duration | None = None,
+    verify: Verify | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Make a function (sync, with a :class:`Client`; or ``async def``, with an
     :class:`AsyncClient`) run once per key:
@@ -210,6 +234,20 @@ def once(
       (default: :func:`onceguard.keys.jsonable` / as stored). Every caller, the first included,
       gets ``decode(stored JSON)``: the same value, whether run or replayed.
     - ``heartbeat``: extend the lease while the function runs (default on).
+    - ``summary``: what the call does, for the person who approves it where the namespace
+      requires approval (a string, or a function of the arguments; at most 1,024 bytes, no
+      control characters but newlines). A call pending approval raises
+      :class:`AwaitingApproval` (nothing was done); ``wait_for_approval`` (a duration) waits
+      for the decision instead, claiming again until then: approved, the function runs (once);
+      denied, :class:`ApprovalDenied`.
+    - ``verify``: a function of ``(key, fence, last_checkpoint)`` (``async def`` for a
+      coroutine), asked on a **recovery** only (an earlier attempt crashed, or its outcome was
+      reported unknown), before the function runs: did the effect happen downstream? It answers
+      ``Happened(result)`` (optionally with ``cost``, ``tokens``): the result is stored as the
+      outcome with ``reconciled=True`` and returned, and the function does not run; or ``None``:
+      the function runs. ``fence`` is the recovering attempt's; :func:`current` gives its whole
+      ``recovery``. A hook that raises or answers anything else (a ``TypeError``) leaves the
+      key reported unknown, so the next call verifies again.
     """
     policy = Policy.of(
         namespace,
@@ -222,6 +260,8 @@ def once(
         encode=encode,
         decode=decode,
         heartbeat=heartbeat,
+        wait_for_approval=wait_for_approval,
+        verify=verify,
     )
     check_label("version", version, 32)
     if isinstance(key, str):
@@ -235,8 +275,11 @@ def once(
             raise TypeError(f"{fname} is a coroutine function: guard it with an onceguard.AsyncClient")
         if not is_async and not isinstance(client, Client):
             raise TypeError(f"{fname} is not a coroutine function: guard it with an onceguard.Client")
+        if not is_async and verify is not None and inspect.iscoroutinefunction(verify):
+            raise TypeError(f"{fname} is not a coroutine function: its verify must not be one either")
 
-        def key_request_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any, str | None]:
+        def claim_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any, str | None, str | None]:
+            """The claim's key, request, run and summary for these arguments."""
             arguments = bound_arguments(signature, args, kwargs, ignore)
             if key is None:
                 k = derive_key(fname, version, arguments)
@@ -245,25 +288,32 @@ def once(
             else:
                 k = check_key(key(*args, **kwargs))
             r = run(*args, **kwargs) if callable(run) else run
-            return k, arguments, r
+            about = summary(*args, **kwargs) if callable(summary) else summary
+            return k, arguments, r, about
 
         if is_async:
             async_func = cast(Callable[..., Awaitable[Any]], func)
 
             @functools.wraps(func)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                k, request, r = key_request_run(args, kwargs)
+                k, request, r, about = claim_of(args, kwargs)
                 return await _async_guard.run_guarded(
-                    cast(AsyncClient, client), policy, k, lambda: async_func(*args, **kwargs), request=request, run=r
+                    cast(AsyncClient, client),
+                    policy,
+                    k,
+                    lambda: async_func(*args, **kwargs),
+                    request=request,
+                    run=r,
+                    summary=about,
                 )
 
             return cast(Callable[P, R], run_async)
 
         @functools.wraps(func)
         def run_sync(*args: Any, **kwargs: Any) -> Any:
-            k, request, r = key_request_run(args, kwargs)
+            k, request, r, about = claim_of(args, kwargs)
             return _sync_guard.run_guarded(
-                cast(Client, client), policy, k, lambda: func(*args, **kwargs), request=request, run=r
+                cast(Client, client), policy, k, lambda: func(*args, **kwargs), request=request, run=r, summary=about
             )
 
         return cast(Callable[P, R], run_sync)

@@ -24,17 +24,31 @@ from typing import Any, Callable, Mapping, Optional, Union
 from langchain_core.callbacks import Callbacks
 from langchain_core.embeddings import Embeddings
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import BaseTool, StructuredTool
+from langchain_core.tools import BaseTool, StructuredTool, ToolException
 
 from ._embeddings import OnceTexts, model_name
 from ._policy import ExceptionClasses, Policy
-from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
+from ._tools import KeyFn, Summary, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client
+from .errors import AwaitingApproval
 
-__all__ = ["guard_tool", "OnceEmbeddings", "ToolCall"]
+__all__ = ["guard_tool", "OnceEmbeddings", "ToolAwaitingApproval", "ToolCall"]
 
 RunId = Union[str, Callable[[RunnableConfig], Optional[str]], None]
+
+
+class ToolAwaitingApproval(AwaitingApproval, ToolException):
+    """:class:`onceguard.AwaitingApproval` raised by a guarded tool, as a ``ToolException``
+    too, whose message is the one for the model: the tool's ``handle_tool_error`` (e.g.
+    ``True``) turns it into the tool's answer, as LangChain does for a tool's refusals; without
+    it, it propagates like the other guard outcomes (catch ``AwaitingApproval``)."""
+
+    def __init__(self, awaiting: AwaitingApproval) -> None:
+        super().__init__(
+            awaiting.approval, namespace=awaiting.namespace, key=awaiting.key, retry_after=awaiting.retry_after
+        )
+        self.args = (self.model_message,)
 
 
 def _model_argument_names(tool: BaseTool) -> set[str] | None:
@@ -64,6 +78,7 @@ def guard_tool(
     cost: int | None = None,
     permanent: ExceptionClasses = (),
     unknown: ExceptionClasses = (),
+    summary: Summary = None,
 ) -> BaseTool:
     """A tool like ``tool`` (same name, description and arguments) whose every call is guarded.
 
@@ -80,6 +95,11 @@ def guard_tool(
       tool's own ``handle_tool_error`` applies outside the guard, so an error turned into a
       message for the model is never stored as the tool's result.
     - The result is stored as JSON: the tool should return JSON-able values (strings, dicts…).
+    - Where the namespace requires approval, ``summary`` (a string, or a function of the
+      :class:`ToolCall`) tells the approver what the call does; a call pending approval does
+      not run and raises :class:`ToolAwaitingApproval`, which the tool's ``handle_tool_error``
+      turns into a message telling the model the call awaits a person's approval (its id),
+      that nothing was done, and to call again later with the same arguments.
     """
     sync_client = client if isinstance(client, Client) else None
     aclient = client if isinstance(client, AsyncClient) else async_client
@@ -112,9 +132,12 @@ def guard_tool(
         if sync_client is None:
             raise RuntimeError(f"tool {tool.name!r} is guarded with an AsyncClient: call it with ainvoke")
         call, key = tool_call(config, kwargs)
-        return run_guarded_sync(
-            sync_client, policy, key, call, lambda: inner.invoke(kwargs, child_config(config, callbacks))
-        )
+        try:
+            return run_guarded_sync(
+                sync_client, policy, key, call, lambda: inner.invoke(kwargs, child_config(config, callbacks)), summary
+            )
+        except AwaitingApproval as e:
+            raise ToolAwaitingApproval(e) from None
 
     async def run_async(config: RunnableConfig, callbacks: Callbacks = None, **kwargs: Any) -> Any:
         if aclient is None:
@@ -124,7 +147,10 @@ def guard_tool(
         async def invoke() -> Any:
             return await inner.ainvoke(kwargs, child_config(config, callbacks))
 
-        return await run_guarded_async(aclient, policy, key, call, invoke)
+        try:
+            return await run_guarded_async(aclient, policy, key, call, invoke, summary)
+        except AwaitingApproval as e:
+            raise ToolAwaitingApproval(e) from None
 
     return StructuredTool(
         name=tool.name,

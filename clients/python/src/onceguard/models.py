@@ -1,7 +1,8 @@
 """The typed answers of the API.
 
 A claim answers exactly one of :class:`Acquired`, :class:`Replay`, :class:`InFlight`,
-:class:`Mismatch` or :class:`Denied` (the union :data:`ClaimAnswer`); match on the class:
+:class:`Mismatch`, :class:`Denied` or :class:`PendingApproval` (the union :data:`ClaimAnswer`);
+match on the class:
 
 .. code-block:: python
 
@@ -10,7 +11,8 @@ A claim answers exactly one of :class:`Acquired`, :class:`Replay`, :class:`InFli
         case Replay() as replay:      return replay.result
         case InFlight(retry_after=s): ...retry later
         case Mismatch():              ...the key was used with another request
-        case Denied(kind=kind):       ...a switch, budget or quota refused it
+        case Denied(kind=kind):       ...a switch, budget, quota or an approver refused it
+        case PendingApproval(approval=approval): ...a person decides first; claim again later
 
 A fenced call answers the :class:`Record` as it now is; a stale fence raises
 :class:`onceguard.StaleFence`, which carries a :class:`Stale`.
@@ -136,6 +138,9 @@ class StoredOutcome:
     #: The size and SHA-256 of the outcome, where its namespace keeps a digest only (then
     #: there are no bytes); ``None`` where the outcome is kept.
     digest: ResultDigest | None = None
+    #: Whether a recovering attempt stored it as what the downstream system said happened,
+    #: without running the effect (``complete(..., reconciled=True)``).
+    reconciled: bool = False
 
     @property
     def result(self) -> Any:
@@ -152,6 +157,7 @@ class StoredOutcome:
             cost=d.get("cost"),
             tokens=d.get("tokens"),
             digest=_digest_of(d),
+            reconciled=bool(d.get("reconciled", False)),
         )
 
 
@@ -187,6 +193,9 @@ class Replay:
     #: The size and SHA-256 of the outcome, where its namespace keeps a digest only (then
     #: there are no bytes); ``None`` where the outcome is kept.
     digest: ResultDigest | None = None
+    #: Whether the outcome was stored by a recovering attempt as what the downstream system
+    #: said happened, without running the effect again (``complete(..., reconciled=True)``).
+    reconciled: bool = False
     outcome: ClassVar[Literal["replay"]] = "replay"
 
     @property
@@ -211,6 +220,7 @@ class Replay:
             cost=d.get("cost"),
             tokens=d.get("tokens"),
             digest=_digest_of(d),
+            reconciled=bool(d.get("reconciled", False)),
         )
 
 
@@ -233,22 +243,25 @@ class Mismatch:
     outcome: ClassVar[Literal["mismatch"]] = "mismatch"
 
 
-DeniedKind = Literal["switch", "budget", "quota"]
+DeniedKind = Literal["switch", "budget", "quota", "approval"]
 
 _DENIED_KINDS: dict[str, DeniedKind] = {
     "switch-engaged": "switch",
     "budget-exhausted": "budget",
     "quota-exceeded": "quota",
+    "approval-denied": "approval",
 }
 
 
 @dataclass(frozen=True)
 class Denied:
-    """``423 / 429 denied``: a kill switch, a run's budget or the tenant's quota refused the claim.
+    """``423 / 429 / 403 denied``: a kill switch, a run's budget, the tenant's quota or an
+    approver (``approval``, in a namespace that requires approval) refused the claim.
 
     ``reason`` is the server's object, e.g. ``{"reason": "switch_engaged", "target": "…",
-    "why": "…"}``, ``{"reason": "budget_exhausted", "limit": "effects"}`` or
-    ``{"reason": "quota_exceeded", "quota": "rate", …}``.
+    "why": "…"}``, ``{"reason": "budget_exhausted", "limit": "effects"}``,
+    ``{"reason": "quota_exceeded", "quota": "rate", …}`` or ``{"reason": "approval_denied",
+    "approval": "apr_…", "by": "…", "why": "…"}``.
     """
 
     kind: DeniedKind
@@ -266,8 +279,89 @@ class Denied:
         return _DENIED_KINDS.get(problem_kind)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """An approver's decision on an :class:`Approval`."""
+
+    approved: bool
+    #: The id of the admin API key that decided.
+    by: str
+    why: str
+    at: datetime
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Decision:
+        return cls(approved=bool(d["approved"]), by=str(d["by"]), why=str(d["why"]), at=parse_time(d["at"]))
+
+
+@dataclass(frozen=True)
+class Approval:
+    """A call waiting for, or given, a person's decision, in a namespace that requires approval
+    (``approval_required`` in its settings). It is bound to the key and the request's
+    fingerprint: once approved, the next claim of that key with that request acquires (once);
+    once denied, every such claim is :class:`Denied` (``approval``)."""
+
+    id: str
+    #: ``pending``, ``approved`` or ``denied``.
+    state: str
+    namespace: str
+    key: str
+    fingerprint: str
+    #: The run and cost units of the claim that asked for it.
+    run: str | None
+    cost: int | None
+    #: What the call does, in the caller's words (``summary`` of the claim), shown to the approver.
+    summary: str | None
+    requested_at: datetime
+    #: When it lapses undecided (``approval_expiry`` of the namespace's settings, default 24h).
+    expires_at: datetime
+    decision: Decision | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Approval:
+        decision = d.get("decision")
+        return cls(
+            id=str(d["id"]),
+            state=str(d["state"]),
+            namespace=str(d["namespace"]),
+            key=str(d["key"]),
+            fingerprint=str(d["fingerprint"]),
+            run=d.get("run"),
+            cost=d.get("cost"),
+            summary=d.get("summary"),
+            requested_at=parse_time(d["requested_at"]),
+            expires_at=parse_time(d["expires_at"]),
+            decision=Decision.from_json(decision) if decision else None,
+        )
+
+
+@dataclass(frozen=True)
+class ApprovalPage:
+    """A page of approvals; pass ``next`` as ``cursor`` for the next page (``None`` on the last)."""
+
+    approvals: tuple[Approval, ...]
+    next: str | None
+
+
+@dataclass(frozen=True)
+class PendingApproval:
+    """``202 pending_approval``: the namespace requires a person's approval and it is not given
+    yet. Nothing was acquired or charged; claim again (the same key and request) after
+    ``retry_after`` seconds, or with ``wait`` to wait for the decision."""
+
+    approval: Approval
+    retry_after: float
+    outcome: ClassVar[Literal["pending_approval"]] = "pending_approval"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], retry_after: float | None = None) -> PendingApproval:
+        ms = d.get("retry_after_ms")
+        seconds = ms / 1000 if isinstance(ms, (int, float)) else retry_after
+        return cls(approval=Approval.from_json(d["approval"]), retry_after=seconds or 0.0)
+
+
 #: The one answer of a claim.
-ClaimAnswer = Union[Acquired, Replay, InFlight, Mismatch, Denied]
+ClaimAnswer = Union[Acquired, Replay, InFlight, Mismatch, Denied, PendingApproval]
 
 
 @dataclass(frozen=True)
@@ -304,6 +398,9 @@ class Record:
     checkpoints: tuple[Checkpoint, ...] = ()
     #: The stored outcome (only from :meth:`Client.get_record`).
     stored: StoredOutcome | None = None
+    #: Completed by a recovering attempt with what the downstream system said happened,
+    #: without running the effect (``complete(..., reconciled=True)``).
+    reconciled: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], stored_raw: bytes | None = None) -> Record:
@@ -325,6 +422,7 @@ class Record:
             expires_at=parse_optional_time(d.get("expires_at")),
             checkpoints=tuple(Checkpoint.from_json(c) for c in d.get("checkpoints") or ()),
             stored=StoredOutcome.from_json(stored, stored_raw) if stored else None,
+            reconciled=bool(d.get("reconciled", False)),
         )
 
 
@@ -524,10 +622,14 @@ class Settings:
     #: ``full`` (the default) or ``digest``: keep only the size and SHA-256 of each outcome,
     #: never its bytes (replays then carry a :class:`ResultDigest`).
     outcome_kept: Literal["full", "digest"] | None = None
+    #: Every first claim of a key waits for a person's decision (:class:`PendingApproval`).
+    approval_required: bool | None = None
+    #: How long an undecided approval stays open (default 24h).
+    approval_expiry: Duration | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name in ("default_lease", "max_lease", "default_retention", "max_retention"):
+        for name in ("default_lease", "max_lease", "default_retention", "max_retention", "approval_expiry"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = format_duration(value)
@@ -537,6 +639,8 @@ class Settings:
             out["claim_rate"] = {"per_second": self.claim_rate.per_second, "burst": self.claim_rate.burst}
         if self.outcome_kept is not None:
             out["outcome_kept"] = self.outcome_kept
+        if self.approval_required is not None:
+            out["approval_required"] = self.approval_required
         return out
 
     @classmethod
@@ -551,6 +655,8 @@ class Settings:
             max_in_flight=d.get("max_in_flight"),
             claim_rate=ClaimRate(int(rate["per_second"]), int(rate["burst"])) if rate else None,
             outcome_kept=d.get("outcome_kept"),
+            approval_required=d.get("approval_required"),
+            approval_expiry=d.get("approval_expiry"),
         )
 
 

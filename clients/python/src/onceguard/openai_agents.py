@@ -27,9 +27,10 @@ from agents import FunctionTool
 from agents.tool_context import ToolContext
 
 from ._policy import ExceptionClasses, Policy
-from ._tools import KeyFn, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
+from ._tools import KeyFn, Summary, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client
+from .errors import AwaitingApproval
 
 __all__ = ["guard_function_tool", "ToolCall"]
 
@@ -59,6 +60,15 @@ async def _as_model_message(tool: FunctionTool, ctx: ToolContext[Any], error: Ex
     return await maybe_invoke_function_tool_failure_error_function(function_tool=tool, context=ctx, error=error)
 
 
+def _answers_the_model(tool: FunctionTool, ctx: ToolContext[Any]) -> bool:
+    """Whether the tool's failure policy gives the model a message (rather than raising)."""
+    try:
+        from agents.tool import resolve_function_tool_failure_error_function
+    except ImportError:  # pragma: no cover - older SDKs
+        return getattr(tool, "_failure_error_function", True) is not None
+    return resolve_function_tool_failure_error_function(tool, ctx) is not None
+
+
 def guard_function_tool(
     tool: FunctionTool,
     client: Client | AsyncClient,
@@ -72,6 +82,7 @@ def guard_function_tool(
     cost: int | None = None,
     permanent: ExceptionClasses = (),
     unknown: ExceptionClasses = (),
+    summary: Summary = None,
 ) -> FunctionTool:
     """A tool like ``tool`` (same name, description and schema) whose every call is guarded.
 
@@ -85,6 +96,12 @@ def guard_function_tool(
     - Failures follow ``once`` (``permanent`` stored, ``unknown`` reported, others release the
       key); then the tool's own failure policy applies, outside the guard, so an error message
       for the model is never stored as the tool's result.
+    - Where the namespace requires approval, ``summary`` (a string, or a function of the
+      :class:`ToolCall`) tells the approver what the call does. A call pending approval does
+      not run: where the tool's failure policy answers the model (the default), the tool
+      answers that the call awaits a person's approval (its id), that nothing was done, and to
+      call again later with the same arguments (``AwaitingApproval.model_message``); a tool
+      without one (``failure_error_function=None``) raises :class:`onceguard.AwaitingApproval`.
     """
     inner = _raising_copy(tool)
     policy = Policy.of(
@@ -102,14 +119,18 @@ def guard_function_tool(
                 return await inner.on_invoke_tool(ctx, input)
 
             if isinstance(client, AsyncClient):
-                return await run_guarded_async(client, policy, key, call, invoke)
+                return await run_guarded_async(client, policy, key, call, invoke, summary)
 
             loop = asyncio.get_running_loop()
 
             def invoke_in_loop() -> Any:  # the guard runs in a worker thread, the tool in the loop
                 return asyncio.run_coroutine_threadsafe(invoke(), loop).result()
 
-            return await asyncio.to_thread(run_guarded_sync, client, policy, key, call, invoke_in_loop)
+            return await asyncio.to_thread(run_guarded_sync, client, policy, key, call, invoke_in_loop, summary)
+        except AwaitingApproval as e:
+            if not _answers_the_model(tool, ctx):
+                raise
+            return e.model_message
         except Exception as e:
             message = await _as_model_message(tool, ctx, e)
             if message is None:

@@ -1,4 +1,5 @@
-"""What the async flavour does its own way: sleeping, and the heartbeat's asyncio task.
+"""What the async flavour does its own way: sleeping, the heartbeat's asyncio task, and
+calling a ``verify`` hook (awaited when it is a coroutine function).
 
 ``_sync/_backend.py`` has the same names for the sync flavour (a thread); the other modules of
 ``_async`` are turned into those of ``_sync`` by ``scripts/unasync.py``.
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any, Awaitable, Callable, Sequence
 
 #: A function run under a guard: here a coroutine function, called and awaited.
@@ -16,6 +18,13 @@ Job = Callable[[], Awaitable[Any]]
 async def sleep(seconds: float) -> None:
     """Wait ``seconds``, letting the loop run."""
     await asyncio.sleep(seconds)
+
+
+async def verdict(verify: Callable[..., Any], *args: Any) -> Any:
+    """What a ``verify`` hook answers: a coroutine function's answer awaited, a plain
+    function's as it is."""
+    out = verify(*args)
+    return await out if inspect.isawaitable(out) else out
 
 
 class Periodic:

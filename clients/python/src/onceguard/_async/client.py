@@ -18,6 +18,8 @@ from .._wire import Duration
 from ..errors import StaleFence, TransportError
 from ..models import (
     ApiKey,
+    Approval,
+    ApprovalPage,
     AuditEntry,
     AuditPage,
     ClaimAnswer,
@@ -120,15 +122,18 @@ class AsyncClient(ClientBase):
         run: str | None = None,
         wait: Duration | None = None,
         cost: int | None = None,
+        summary: str | None = None,
     ) -> ClaimAnswer:
         """Claim a key: one atomic step answering :class:`Acquired`, :class:`Replay`,
-        :class:`InFlight`, :class:`Mismatch` or :class:`Denied`.
+        :class:`InFlight`, :class:`Mismatch`, :class:`Denied` or :class:`PendingApproval`.
 
         Give ``request`` (what the request means, any JSON: its fingerprint is the SHA-256 of its
         RFC 8785 canonical form) or ``fingerprint`` (``algorithm:hex``). ``lease`` (default 30s),
         ``retention`` (default 24h) and ``wait`` (if in flight, wait up to this long for its
-        replay; at most 30s) are durations. ``run`` groups the key for budgets; ``cost`` declares
-        the cost units charged to the run once per key.
+        replay; if pending approval, for the decision; at most 30s) are durations. ``run``
+        groups the key for budgets; ``cost`` declares the cost units charged to the run once per
+        key. ``summary`` (at most 1,024 bytes, no control characters but newlines) says what the
+        call does, for the approver of a namespace that requires approval.
         """
         return await self.send(
             _calls.claim(
@@ -141,6 +146,7 @@ class AsyncClient(ClientBase):
                 run=run,
                 wait=wait,
                 cost=cost,
+                summary=summary,
             )
         )
 
@@ -155,17 +161,32 @@ class AsyncClient(ClientBase):
         content_type: str | None = None,
         cost: int | None = None,
         tokens: int | None = None,
+        reconciled: bool = False,
     ) -> Record:
         """Store a successful outcome: ``result`` (JSON; a :class:`RawJson` is sent verbatim) or
         ``raw`` bytes with their ``content_type``. Every later claim replays it byte for byte.
         ``cost`` (cost units, charged to the run) and ``tokens`` (model tokens) say what the
         effect cost; every replay counts them as saved.
 
+        ``reconciled=True``: a recovering attempt (attempt 2 or later) stores what the
+        downstream system says happened, without running the effect; the record and every
+        replay say ``reconciled``. On attempt 1 it raises :class:`onceguard.InvalidRequest`.
+
         Raises :class:`onceguard.StaleFence` if ``fence`` is not the holder's (nothing stored).
         Repeating a completion that took effect, identically, answers as the first time.
         """
         return await self.send(
-            _calls.complete(namespace, key, fence, result, raw=raw, content_type=content_type, cost=cost, tokens=tokens)
+            _calls.complete(
+                namespace,
+                key,
+                fence,
+                result,
+                raw=raw,
+                content_type=content_type,
+                cost=cost,
+                tokens=tokens,
+                reconciled=reconciled,
+            )
         )
 
     async def claim_batch(self, items: Sequence[ClaimItem]) -> list[ClaimAnswer]:
@@ -353,6 +374,42 @@ class AsyncClient(ClientBase):
             if not page.next:
                 return
             cursor = page.next
+
+    # -- approvals -------------------------------------------------------------------------------
+
+    async def list_approvals(
+        self, *, state: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> ApprovalPage:
+        """One page of the tenant's approvals (``state``: ``pending``, ``approved`` or
+        ``denied``); see :meth:`iter_approvals` for all of them."""
+        return await self.send(_calls.list_approvals(state=state, limit=limit, cursor=cursor))
+
+    async def iter_approvals(self, *, state: str | None = None, page_size: int = 100) -> AsyncIterator[Approval]:
+        """Every matching approval, fetching pages through the cursor as it goes."""
+        cursor: str | None = None
+        while True:
+            page = await self.list_approvals(state=state, limit=page_size, cursor=cursor)
+            for approval in page.approvals:
+                yield approval
+            if not page.next:
+                return
+            cursor = page.next
+
+    async def get_approval(self, approval_id: str) -> Approval | None:
+        """One approval, or ``None`` if there is none with this id."""
+        return await self.send(_calls.get_approval(approval_id))
+
+    async def approve(self, approval_id: str, *, why: str) -> Approval:
+        """Approve a pending call (admin; ``why``, 1 to 1,024 bytes, is kept with the decision
+        and in the audit log): the next claim of its key with its request acquires, once.
+        Raises :class:`onceguard.ApprovalClosed` if it was decided already or expired, and
+        :class:`onceguard.NotFound` for an unknown id. Not sent twice after a lost answer."""
+        return await self.send(_calls.decide_approval(approval_id, approve=True, why=why))
+
+    async def deny(self, approval_id: str, *, why: str) -> Approval:
+        """Deny a pending call (admin): every claim of its key with its request is refused
+        (:class:`onceguard.Denied`, ``approval``). Raises as :meth:`approve`."""
+        return await self.send(_calls.decide_approval(approval_id, approve=False, why=why))
 
     # -- tenants and API keys --------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""What the sync flavour does its own way: sleeping, and the heartbeats' threads.
+"""What the sync flavour does its own way: sleeping, the heartbeats' threads, and calling a
+``verify`` hook (a plain function).
 
 Written by hand, with the names of ``_async/_backend.py`` (which uses asyncio); the other
 modules of ``_sync`` are generated from ``_async`` by ``scripts/unasync.py``.
@@ -11,6 +12,7 @@ each call cost a first execution about half a millisecond on a busy machine.
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import logging
 import os
@@ -31,6 +33,18 @@ WORKERS = 4
 def sleep(seconds: float) -> None:
     """Wait ``seconds``, blocking the thread."""
     time.sleep(seconds)
+
+
+def verdict(verify: Callable[..., Any], *args: Any) -> Any:
+    """What a ``verify`` hook answers; a coroutine (an async hook on a sync function) is
+    refused with ``TypeError``, never left unawaited."""
+    out = verify(*args)
+    if inspect.isawaitable(out):
+        close = getattr(out, "close", None)
+        if callable(close):
+            close()
+        raise TypeError("verify of a sync function is a plain function: it answered an awaitable")
+    return out
 
 
 class _Scheduler:

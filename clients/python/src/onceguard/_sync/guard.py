@@ -9,16 +9,30 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import time
 from types import TracebackType
 from typing import Any
 
 from .. import _calls
 from .._http import NO_RETRY
-from .._policy import AttemptBase, Policy, Replayed, detail_of, failure_of, interpret, interval, running
-from .._wire import RawJson
+from .._policy import (
+    MAX_CLAIM_WAIT,
+    AttemptBase,
+    Happened,
+    Policy,
+    Replayed,
+    Verify,
+    detail_of,
+    failure_of,
+    interpret,
+    interval,
+    running,
+    still_waiting,
+)
+from .._wire import Duration, RawJson
 from ..errors import OnceguardError, PermanentFailure, StaleFence
 from ..keys import check_key, jsonable
-from ..models import Acquired
+from ..models import Acquired, ClaimAnswer, InFlight, PendingApproval
 from . import _backend
 from .client import Client
 
@@ -96,6 +110,7 @@ class Guarded:
         request: Any = None,
         fingerprint: str | None = None,
         run: str | None = None,
+        summary: str | None = None,
     ) -> None:
         self._client = client
         self._policy = policy
@@ -103,13 +118,26 @@ class Guarded:
         self._request = _calls.MISSING if fingerprint is not None else request
         self._fingerprint = fingerprint
         self._run = run
+        self._summary = summary
         self._attempt: Attempt | None = None
         self._beat: _Heartbeat | None = None
         self._token: contextvars.Token[AttemptBase | None] | None = None
 
     def __enter__(self) -> Attempt:
         p = self._policy
-        answer = self._client.claim(
+        attempt = Attempt(self._client, p, self._key, interpret(self._answer(), p, self._key))
+        self._attempt = attempt
+        if not attempt.replayed and p.heartbeat:
+            self._beat = _Heartbeat(self._client, attempt, p.lease)
+            self._beat.start()
+        self._token = running.set(attempt)
+        if attempt.recovery is not None and p.verify is not None:
+            self._verify(attempt, p.verify)
+        return attempt
+
+    def _claim(self, wait: Duration | None) -> ClaimAnswer:
+        p = self._policy
+        return self._client.claim(
             p.namespace,
             self._key,
             request=self._request,
@@ -117,25 +145,68 @@ class Guarded:
             lease=p.lease,
             retention=p.retention,
             run=self._run,
-            wait=p.wait,
+            wait=wait,
             cost=p.cost,
+            summary=self._summary,
         )
-        attempt = Attempt(self._client, p, self._key, interpret(answer, p, self._key))
-        self._attempt = attempt
-        if not attempt.replayed and p.heartbeat:
-            self._beat = _Heartbeat(self._client, attempt, p.lease)
-            self._beat.start()
-        self._token = running.set(attempt)
-        return attempt
+
+    def _answer(self) -> ClaimAnswer:
+        """The claim's answer. The first claim does not wait: where the namespace requires
+        approval, the server would spend that wait on a person's decision, which only
+        ``wait_for_approval`` asks for. A key in flight is claimed again with ``wait``; a call
+        pending approval, with ``wait_for_approval``, claimed again (each claim waiting on the
+        server) until it is decided or the time is up."""
+        p = self._policy
+        answer = self._claim(None)
+        if isinstance(answer, InFlight) and p.wait:
+            answer = self._claim(p.wait)
+        if isinstance(answer, PendingApproval) and p.wait_for_approval:
+            deadline = time.monotonic() + p.wait_for_approval
+            while still_waiting(answer):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                answer = self._claim(min(left, MAX_CLAIM_WAIT))
+        return answer
+
+    def _verify(self, a: Attempt, verify: Verify) -> None:
+        """Ask ``verify`` whether the earlier attempts' effect happened downstream; if it did,
+        store what it found as the outcome (``reconciled``) and end the attempt as a replay.
+        A hook that raises, or answers neither :class:`Happened` nor ``None``, leaves the
+        outcome as unknown as it was: the key is reported unknown (the next claim is a recovery
+        again, and verifies again) and the error propagates."""
+        assert a.recovery is not None
+        try:
+            verdict = _backend.verdict(verify, a.key, a.fence, a.recovery.last_checkpoint)
+            if verdict is None:
+                return
+            if not isinstance(verdict, Happened):
+                raise TypeError(f"verify answers onceguard.Happened(result) or None, not {verdict!r}")
+            a.cost, a.tokens = verdict.cost, verdict.tokens
+            text = a._serialize(verdict.result)
+            self._client.complete(
+                a.namespace, a.key, a.fence, RawJson(text), cost=a.cost, tokens=a.tokens, reconciled=True
+            )
+        except BaseException as e:
+            self._leave()
+            if not isinstance(e, StaleFence):  # a stale fence: the attempt is over, nothing to report
+                _report_unknown(self._client, a, f"verify failed: {detail_of(e)}"[:1000])
+            raise
+        a._reconciled(text)
+
+    def _leave(self) -> None:
+        """Leave the attempt's context: ``current()`` no more, the heartbeat stopped."""
+        assert self._token is not None
+        running.reset(self._token)
+        if self._beat is not None:
+            self._beat.stop()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         a = self._attempt
-        assert a is not None and self._token is not None
-        running.reset(self._token)
-        if self._beat is not None:
-            self._beat.stop()
+        assert a is not None
+        self._leave()
         if a.replayed or (a.completed and exc is None):
             return
         if exc is None:
@@ -180,12 +251,19 @@ def _settle_failure(client: Client, a: Attempt, policy: Policy, exc: BaseExcepti
 
 
 def run_guarded(
-    client: Client, policy: Policy, key: str, job: _backend.Job, *, request: Any = None, run: str | None = None
+    client: Client,
+    policy: Policy,
+    key: str,
+    job: _backend.Job,
+    *,
+    request: Any = None,
+    run: str | None = None,
+    summary: str | None = None,
 ) -> Any:
     """Run ``job()`` once per ``key``, with ``request`` as the claim's request, and
-    return its value as stored, or the stored value of an earlier run: what :func:`once` and
-    the framework helpers do for each call."""
-    with Guarded(client, policy, key, request=request, run=run) as attempt:
+    return its value as stored, or the stored value of an earlier run (or the one the
+    policy's ``verify`` found): what :func:`once` and the framework helpers do for each call."""
+    with Guarded(client, policy, key, request=request, run=run, summary=summary) as attempt:
         if not attempt.replayed:
             value = job()
             if not attempt.completed:  # unless it completed early through current()

@@ -10,8 +10,16 @@ from typing import Any, Callable, Sequence
 
 from .._calls import ClaimItem, CompleteItem
 from .._wire import Duration
-from ..errors import DeniedError, InFlightError, KeyConflict, OnceguardError, PermanentFailure, ResultNotKept
-from ..models import Acquired, Denied, InFlight, Mismatch, Replay
+from ..errors import (
+    AwaitingApproval,
+    InFlightError,
+    KeyConflict,
+    OnceguardError,
+    PermanentFailure,
+    ResultNotKept,
+    denied_error,
+)
+from ..models import Acquired, Denied, InFlight, Mismatch, PendingApproval, Replay
 from . import _backend
 from .client import Client
 
@@ -27,6 +35,7 @@ def once_each(
     work: _backend.Work,
     *,
     request: Callable[[Any], Any] | None = None,
+    summary: Callable[[Any], str | None] | None = None,
     cost: Spent | None = None,
     tokens: Spent | None = None,
     lease: Duration | None = None,
@@ -47,9 +56,15 @@ def once_each(
     replayed, or done here if that worker gave them up: two workers over the same items never
     do one twice. A replayed result is the stored JSON, decoded.
 
+    Where the namespace requires approval, ``summary(item)`` tells the approver what the
+    item's work does; items pending approval are left undone (nothing acquired), every other
+    item is done and stored, then :class:`onceguard.AwaitingApproval` is raised for the first
+    pending one: a re-run once they are approved does only them.
+
     If ``work`` raises, the batch's keys are released (a retry does them again) and the error
     propagates. A key used before with another request raises :class:`onceguard.KeyConflict`,
-    a denial (budget, quota, switch) :class:`onceguard.DeniedError`, a stored failure (stored
+    a denial (budget, quota, switch) :class:`onceguard.DeniedError` (an approver's
+    :class:`onceguard.ApprovalDenied`), a stored failure (stored
     under the key by other code) :class:`onceguard.PermanentFailure`, a replay in a namespace
     that keeps only a digest of each outcome :class:`onceguard.ResultNotKept` (its item is never
     done again). Choose a ``lease`` longer than ``work`` takes for one batch: nothing extends
@@ -58,11 +73,25 @@ def once_each(
     if batch_size < 1:
         raise ValueError("batch_size is at least 1")
     results: list[Any] = [None] * len(items)
+    awaiting: list[tuple[str, PendingApproval]] = []
     for start in range(0, len(items), batch_size):
         places = list(range(start, min(start + batch_size, len(items))))
-        _each_batch(
-            client, namespace, items, places, results, key, work, request, (cost, tokens), lease, retention, run, wait
-        )
+        claims = {
+            i: ClaimItem(
+                namespace,
+                key(items[i]),
+                request=key(items[i]) if request is None else request(items[i]),
+                lease=lease,
+                retention=retention,
+                run=run,
+                summary=None if summary is None else summary(items[i]),
+            )
+            for i in places
+        }
+        awaiting += _each_batch(client, namespace, items, places, results, claims, work, (cost, tokens), wait)
+    if awaiting:
+        first, pending = awaiting[0]
+        raise AwaitingApproval(pending.approval, namespace=namespace, key=first, retry_after=pending.retry_after)
     return results
 
 
@@ -72,26 +101,13 @@ def _each_batch(
     items: Sequence[Any],
     places: list[int],
     results: list[Any],
-    key: Callable[[Any], str],
+    claims: dict[int, ClaimItem],
     work: _backend.Work,
-    request: Callable[[Any], Any] | None,
     spent: tuple[Spent | None, Spent | None],
-    lease: Duration | None,
-    retention: Duration | None,
-    run: str | None,
     wait: float,
-) -> None:
-    claims = {
-        i: ClaimItem(
-            namespace,
-            key(items[i]),
-            request=key(items[i]) if request is None else request(items[i]),
-            lease=lease,
-            retention=retention,
-            run=run,
-        )
-        for i in places
-    }
+) -> list[tuple[str, PendingApproval]]:
+    """Do the batch's items; answers the key and answer of each item pending approval."""
+    awaiting: list[tuple[str, PendingApproval]] = []
     deadline = time.monotonic() + wait
     pending = places
     while pending:
@@ -114,7 +130,9 @@ def _each_batch(
             elif isinstance(answer, Mismatch):
                 raise KeyConflict(namespace=namespace, key=claims[i].key, detail=answer.detail)
             elif isinstance(answer, Denied):
-                raise DeniedError(answer, namespace=namespace, key=claims[i].key)
+                raise denied_error(answer, namespace=namespace, key=claims[i].key)
+            elif isinstance(answer, PendingApproval):
+                awaiting.append((claims[i].key, answer))
         if acquired:
             _work_and_store(client, namespace, items, acquired, results, claims, work, spent)
         pending = waiting
@@ -122,6 +140,7 @@ def _each_batch(
             if time.monotonic() >= deadline:
                 raise InFlightError(namespace=namespace, key=claims[pending[0]].key, retry_after=nap, attempt=None)
             _backend.sleep(nap)
+    return awaiting
 
 
 def _work_and_store(
