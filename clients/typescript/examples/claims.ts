@@ -23,6 +23,9 @@ switch (answer.outcome) {
     console.log("the key was used with another request");
     break;
   case "denied":
-    console.log(`refused by a ${answer.kind}`, answer.reason);
+    console.log(`refused by a ${answer.kind}`, answer.reason); // kind "approval": an approver said no
+    break;
+  case "pending_approval":
+    console.log(`a person must approve ${answer.approval.id} first; claim again in ${answer.retryAfter}s`);
     break;
 }

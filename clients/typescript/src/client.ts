@@ -6,7 +6,7 @@
  * a dropped connection): claims (a lost claim's repeat answers `in_flight`, never a second
  * `acquired`), fenced calls (by key and fence), reads, purges, budgets, settings and engaging a
  * switch; not creating API keys or tenants, nor releasing a switch (the second release would
- * answer 404). A request that never left (the connection was refused) and a 503 are retried
+ * answer 404), nor approving or denying an approval (the second decision would answer 409). A request that never left (the connection was refused) and a 503 are retried
  * for every call.
  *
  * @module
@@ -24,7 +24,9 @@ import {
   DENIED_KINDS,
   acquiredOf,
   apiKeyOf,
+  approvalOf,
   auditEntryOf,
+  pendingApprovalOf,
   recordOf,
   replayOf,
   runOf,
@@ -32,6 +34,8 @@ import {
   switchOf,
   tenantOf,
   type ApiKey,
+  type Approval,
+  type ApprovalPage,
   type AuditEntry,
   type AuditPage,
   type ClaimAnswer,
@@ -151,6 +155,9 @@ function retryAfterOf(problem: Problem, headers?: Headers): number | null {
 function claimAnswer(status: number, value: unknown, resultText?: string, headers?: Headers): ClaimAnswer {
   if (status === 201) return acquiredOf(value as Json);
   if (status === 200) return replayOf(value as Json, resultText);
+  if (status === 202 && value !== null && typeof value === "object" && typeof (value as Json)["approval"] === "object") {
+    return pendingApprovalOf(value as Json);
+  }
   if (value === null || typeof value !== "object" || !("type" in value)) {
     throw new UnexpectedResponse(status, JSON.stringify(value));
   }
@@ -184,6 +191,7 @@ function claimAnswer(status: number, value: unknown, resultText?: string, header
 }
 
 function readClaim(answer: Answer): ClaimAnswer {
+  if (answer.status === 202) return claimAnswer(202, parse(answer));
   if (answer.status === 200 || answer.status === 201) {
     const value = parse(answer) as Json;
     const text = answer.status === 200 && "result" in value ? rawMember(answer.text, "result") : undefined;
@@ -293,6 +301,12 @@ export interface ClaimOptions extends CallOptions {
   readonly wait?: Duration | undefined;
   /** Cost units this call declares, charged to the run's budget with the key, once. */
   readonly cost?: number | undefined;
+  /**
+   * What the call does, in words, for the person who approves it where the namespace needs
+   * approvals (at most 1024 bytes, no control characters but newlines). Stored as given, not
+   * sealed: say what an approver needs, no secrets.
+   */
+  readonly summary?: string | undefined;
 }
 
 function claimFields(namespace: string, key: string, options: ClaimOptions, allowWait: boolean): Json {
@@ -311,6 +325,7 @@ function claimFields(namespace: string, key: string, options: ClaimOptions, allo
     run: options.run ?? undefined,
     wait: allowWait ? optionalDuration(options.wait) : undefined,
     cost: count("cost", options.cost),
+    summary: options.summary,
   };
 }
 
@@ -324,10 +339,23 @@ export interface CompleteOptions extends CallOptions {
   readonly cost?: number | undefined;
   /** Tokens the effect consumed; sent only when given. */
   readonly tokens?: number | undefined;
+  /**
+   * `true` from a recovering attempt (attempt 2 or later) that did not run the effect: the
+   * downstream system said it had happened, and `result` is what it said. The record and every
+   * replay then say `reconciled`. A first attempt may not ({@link InvalidRequest}).
+   */
+  readonly reconciled?: boolean | undefined;
 }
 
 function completeFields(namespace: string, key: string, fence: number, result: unknown, options: CompleteOptions): Json {
-  const common = { namespace, key, fence, cost: count("cost", options.cost), tokens: count("tokens", options.tokens) };
+  const common = {
+    namespace,
+    key,
+    fence,
+    cost: count("cost", options.cost),
+    tokens: count("tokens", options.tokens),
+    reconciled: options.reconciled,
+  };
   if (options.raw !== undefined) {
     return {
       ...common,
@@ -376,11 +404,23 @@ function settingsJson(settings: Settings): Json {
     out["claim_rate"] = { per_second: settings.claimRate.perSecond, burst: settings.claimRate.burst };
   }
   if (settings.outcomeKept !== undefined) out["outcome_kept"] = settings.outcomeKept;
+  if (settings.approvalRequired !== undefined) out["approval_required"] = settings.approvalRequired;
+  if (settings.approvalExpiry !== undefined) out["approval_expiry"] = formatDuration(settings.approvalExpiry);
   return out;
 }
 
 function runPath(run: string): string {
   return "/v1/runs/" + encodeURIComponent(run);
+}
+
+function approvalPath(id: string): string {
+  return "/v1/approvals/" + encodeURIComponent(id);
+}
+
+/** Filters of {@link Client.listApprovals}. */
+export interface ApprovalFilter {
+  /** `pending`, `approved` or `denied` (approvals that expired undecided are not kept). */
+  readonly state?: "pending" | "approved" | "denied";
 }
 
 /** Filters of {@link Client.listRecords}. */
@@ -496,8 +536,10 @@ export class Client {
   // -- claims ----------------------------------------------------------------------------
 
   /**
-   * Claim a key: one atomic step answering `acquired`, `replay`, `in_flight`, `mismatch` or
-   * `denied`. Give `request` (what the request means) or `fingerprint`.
+   * Claim a key: one atomic step answering `acquired`, `replay`, `in_flight`, `mismatch`,
+   * `denied` or, where the namespace needs approvals, `pending_approval`. Give `request` (what
+   * the request means) or `fingerprint`. A `wait` waits for an in-flight key's replay, and for a
+   * pending approval's decision.
    */
   claim(namespace: string, key: string, options: ClaimOptions): Promise<ClaimAnswer> {
     const fields = claimFields(namespace, key, options, true);
@@ -705,6 +747,59 @@ export class Client {
     const fields = { namespace_prefix: options.namespacePrefix, settings: settingsJson(settings), why: options.why, tenant: options.tenant };
     const read = (answer: Answer): SettingsEntry => settingsEntryOf(expect(answer, 200, 201));
     return this.#send({ method: "PUT", path: "/v1/settings", read, body: body(fields) }, options.signal);
+  }
+
+  // -- approvals ---------------------------------------------------------------------------
+
+  /** One page of your tenant's approvals, by id; see {@link iterApprovals} for all of them. */
+  listApprovals(options: ApprovalFilter & { readonly limit?: number; readonly cursor?: string } & CallOptions = {}): Promise<ApprovalPage> {
+    const params = { state: options.state, limit: options.limit, cursor: options.cursor };
+    const read = (answer: Answer): ApprovalPage => {
+      const value = expect(answer, 200);
+      return { approvals: (value["approvals"] as Json[]).map(approvalOf), next: (value["next"] as string | null | undefined) ?? null };
+    };
+    return this.#send({ method: "GET", path: "/v1/approvals", read, params }, options.signal);
+  }
+
+  /** Every matching approval, by id, fetching pages through the cursor as it goes. */
+  async *iterApprovals(options: ApprovalFilter & { readonly pageSize?: number } & CallOptions = {}): AsyncGenerator<Approval> {
+    let cursor: string | undefined;
+    for (;;) {
+      const page = await this.listApprovals({ ...options, limit: options.pageSize ?? 100, ...(cursor ? { cursor } : {}) });
+      yield* page.approvals;
+      if (!page.next) return;
+      cursor = page.next;
+    }
+  }
+
+  /** One approval of your tenant, or `null` if none of that id is kept. */
+  getApproval(id: string, options: CallOptions = {}): Promise<Approval | null> {
+    const read = (answer: Answer): Approval | null => (isNotFound(answer) ? null : approvalOf(expect(answer, 200)));
+    return this.#send({ method: "GET", path: approvalPath(id), read }, options.signal);
+  }
+
+  /**
+   * Approve a pending approval (admin; audited with `why`, required): the next claim of its key
+   * with its request acquires, once. Throws {@link NotFound} for an unknown id and
+   * {@link ApprovalClosed} if it was decided already or expired. Not retried once sent.
+   */
+  approve(id: string, options: { readonly why: string } & CallOptions): Promise<Approval> {
+    return this.#decide(id, "approve", options);
+  }
+
+  /**
+   * Deny a pending approval (admin; audited with `why`, required): every claim of its key with
+   * its request is then refused (`denied`, kind `approval`) while the decision is kept. Throws
+   * as {@link approve}. Not retried once sent.
+   */
+  deny(id: string, options: { readonly why: string } & CallOptions): Promise<Approval> {
+    return this.#decide(id, "deny", options);
+  }
+
+  #decide(id: string, decision: "approve" | "deny", options: { readonly why: string } & CallOptions): Promise<Approval> {
+    const read = (answer: Answer): Approval => approvalOf(expect(answer, 200));
+    const call = { method: "POST", path: `${approvalPath(id)}/${decision}`, read, body: body({ why: options.why }), idempotent: false };
+    return this.#send(call, options.signal);
   }
 
   /** The tenant's settings, its own entry first (admin). */

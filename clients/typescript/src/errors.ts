@@ -11,8 +11,9 @@
  *   (after the retries).
  * - **Guard outcomes**, thrown by {@link once} and {@link guarded}, which turn the claim's
  *   answers that are neither "run it" nor "here is the replay" into errors:
- *   {@link InFlightError}, {@link KeyConflict}, {@link DeniedError}, {@link PermanentFailure};
- *   and {@link StaleFence} when storing the outcome was refused because the attempt's fence is
+ *   {@link InFlightError}, {@link KeyConflict}, {@link DeniedError} (and its
+ *   {@link ApprovalDeniedError}), {@link AwaitingApprovalError}, {@link PermanentFailure}; and
+ *   {@link StaleFence} when storing the outcome was refused because the attempt's fence is
  *   no longer the holder's.
  * - {@link ResultNotKeptError}: a replay whose namespace keeps only a digest of the outcome, so
  *   there is no result to return (thrown by reading its `result` and by the guards, which never
@@ -27,7 +28,7 @@
  * @module
  */
 
-import type { Denied, DeniedKind, ResultDigest, Stale, StaleReason } from "./models.js";
+import type { Approval, Denied, DeniedKind, ResultDigest, Stale, StaleReason } from "./models.js";
 
 /** The prefix of every problem type. */
 export const PROBLEM_PREFIX = "https://onceguard.dev/problems/";
@@ -126,6 +127,13 @@ export class MethodNotAllowed extends ProblemError {
 export class Conflict extends ProblemError {
   static override readonly kind = "conflict";
 }
+/**
+ * 409 `approval-closed`: an approval cannot be decided: it was decided already, or it expired
+ * undecided (the next claim of its key then asks again). Nothing changed.
+ */
+export class ApprovalClosed extends ProblemError {
+  static override readonly kind = "approval-closed";
+}
 /** 413: the body, an outcome or a checkpoint is larger than the server allows. */
 export class PayloadTooLarge extends ProblemError {
   static override readonly kind = "payload-too-large";
@@ -198,6 +206,7 @@ const PROBLEM_CLASSES: ReadonlyMap<string, new (problem: Problem, status: number
     NotFound,
     MethodNotAllowed,
     Conflict,
+    ApprovalClosed,
     PayloadTooLarge,
     UnsupportedMediaType,
     StoreUnavailable,
@@ -255,7 +264,10 @@ export class KeyConflict extends GuardError {
   }
 }
 
-/** A kill switch, a run's budget or the tenant's quota refused the claim (fail closed). */
+/**
+ * A kill switch, a run's budget, the tenant's quota or an approver refused the claim (fail
+ * closed); nothing ran. An approver's denial is an {@link ApprovalDeniedError}.
+ */
 export class DeniedError extends GuardError {
   /** The claim's answer. */
   readonly denied: Denied;
@@ -267,7 +279,7 @@ export class DeniedError extends GuardError {
     );
     this.denied = denied;
   }
-  /** `switch`, `budget` or `quota`. */
+  /** `switch`, `budget`, `quota` or `approval`. */
   get kind(): DeniedKind {
     return this.denied.kind;
   }
@@ -278,6 +290,61 @@ export class DeniedError extends GuardError {
   /** Seconds until a retry may succeed (quotas), else `null`. */
   get retryAfter(): number | null {
     return this.denied.retryAfter;
+  }
+}
+
+/**
+ * A person denied the approval this call needed (its key with this request): nothing ran, and
+ * every later call with the same arguments is refused the same way while the decision is kept.
+ * Not retryable: do not call it again with the same arguments.
+ */
+export class ApprovalDeniedError extends DeniedError {
+  constructor(denied: Denied, namespace: string, key: string) {
+    super(denied, namespace, key);
+    const by = this.by ? ` by ${this.by}` : "";
+    const why = this.why ? `: ${this.why}` : "";
+    this.message =
+      `A person denied this call (approval ${this.approval}${by})${why}. Nothing was done; ` +
+      `do not call it again with the same arguments. (key ${JSON.stringify(key)} in ${namespace})`;
+  }
+  /** The id of the denied approval, `apr_…`. */
+  get approval(): string {
+    return String(this.denied.reason["approval"] ?? "");
+  }
+  /** Who denied it (an admin API key id, or `cli:<user>`). */
+  get by(): string {
+    return String(this.denied.reason["by"] ?? "");
+  }
+  /** Why, in the approver's words. */
+  get why(): string {
+    return String(this.denied.reason["why"] ?? "");
+  }
+}
+
+/**
+ * The call needs a person's approval, which nobody has given yet (after the wait): nothing ran
+ * and nothing was charged. Call again later with the same arguments: once `approval` is
+ * approved the call runs (once), once it is denied the call throws {@link ApprovalDeniedError}.
+ * `waitForApproval` makes the guard wait for the decision instead.
+ *
+ * The message says so in words a model can act on, since the framework helpers report it to
+ * the model as the tool's error.
+ */
+export class AwaitingApprovalError extends GuardError {
+  /** What is to be approved: its `id` is what an admin approves or denies. */
+  readonly approval: Approval;
+  /** Seconds until it is worth calling again. */
+  readonly retryAfter: number;
+  constructor(approval: Approval, retryAfter: number, namespace: string, key: string) {
+    super(
+      `This call awaits a person's approval (approval ${approval.id}). Nothing was done. Call again later ` +
+        `with the same arguments, in ${retryAfter}s or more. (key ${JSON.stringify(key)} in ${namespace}; ` +
+        `decide before ${approval.expiresAt.toISOString()})`,
+      namespace,
+      key,
+    );
+    this.approval = approval;
+    this.retryAfter = retryAfter;
   }
 }
 

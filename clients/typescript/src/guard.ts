@@ -4,18 +4,25 @@
  * The protocol, the same for both and for the framework helpers:
  *
  * 1. **claim** the key (with the request, so that a key reused for another request is caught),
- *    waiting up to `wait` on the server if another caller holds it;
+ *    waiting up to `wait` on the server if another caller holds it or a person's approval is
+ *    pending (with `waitForApproval`, claiming again until the approval is decided, up to that
+ *    long in all);
  * 2. the claim answers
  *    - `replay`: the stored outcome is returned (decoded from the stored JSON) without running
  *      anything; a stored permanent failure throws {@link PermanentFailure} again; where the
  *      namespace keeps only a digest of each outcome, {@link ResultNotKeptError} (it ran once,
  *      and there is no result to return);
+ *    - `acquired` as a **recovery** (an earlier attempt may have done the effect) with a
+ *      `verify` hook: `verify` asks the downstream system first; {@link happened}`(result)`
+ *      completes the key with that result, `reconciled`, without running the function;
+ *      `undefined` or `null` (it did not happen) goes on as a first attempt does;
  *    - `acquired`: the function runs while a **heartbeat** extends the lease every third of
  *      it; the {@link Attempt} (passed to a `guarded` function, `this` and {@link current} in a
  *      `once` function) gives the fence, the attempt number, the `recovery` of a crashed
  *      earlier attempt and `checkpoint()`;
  *    - `in_flight` after the wait: {@link InFlightError}; `mismatch`: {@link KeyConflict};
- *      `denied`: {@link DeniedError};
+ *      `denied`: {@link DeniedError} ({@link ApprovalDeniedError} when an approver denied it);
+ *      `pending_approval` after the wait: {@link AwaitingApprovalError} (nothing ran);
  * 3. the heartbeat is stopped (and waited for), then
  *    - a return value is serialized as JSON and **completed**; every caller, the first
  *      included, gets the value decoded from those stored bytes; a `stale` answer (the lease
@@ -27,13 +34,18 @@
  *      call's `signal`), is **reported unknown**: the effect may have happened; the next claim
  *      is a recovery that is told so;
  *    - any other error **releases** the key (`fail` retryable) and propagates: the next call
- *      runs again.
+ *      runs again. `verify` throwing, or returning anything but `happened(…)`, `undefined` or
+ *      `null` (a `TypeError`), propagates too, but the key is **reported unknown**, never
+ *      released: a released key's next claim is a plain attempt that would run the function
+ *      without asking `verify`, and the effect may have happened.
  *
  * @module
  */
 
 import { applied, type Client } from "./client.js";
 import {
+  ApprovalDeniedError,
+  AwaitingApprovalError,
   DeniedError,
   InFlightError,
   KeyConflict,
@@ -45,8 +57,62 @@ import {
   StaleFence,
 } from "./errors.js";
 import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
-import type { Acquired, ClaimAnswer, Recovery } from "./models.js";
+import type { Acquired, Checkpoint, ClaimAnswer, Recovery } from "./models.js";
 import { RawJson, dumps, durationSeconds, type Duration } from "./wire.js";
+
+/** The longest `wait` the server takes for one claim, in seconds. */
+const MAX_CLAIM_WAIT = 30;
+
+/**
+ * What `verify` returns when the downstream system says the effect happened: the result to
+ * store (as the function's value would be), and what the effect cost. Make it with
+ * {@link happened}.
+ */
+export class Happened {
+  /** The result every caller gets, as the function would have returned it. */
+  readonly result: unknown;
+  /** Cost units (money) the effect consumed, charged to the run. */
+  readonly cost: number | undefined;
+  /** Tokens the effect consumed. */
+  readonly tokens: number | undefined;
+  constructor(result: unknown, options: { readonly cost?: number; readonly tokens?: number } = {}) {
+    this.result = result;
+    this.cost = options.cost;
+    this.tokens = options.tokens;
+  }
+}
+
+/**
+ * The answer of a `verify` hook when the effect happened: `result` is stored as the key's
+ * outcome, marked `reconciled`, and returned without running the function.
+ */
+export function happened(result?: unknown, options: { readonly cost?: number; readonly tokens?: number } = {}): Happened {
+  return new Happened(result, options);
+}
+
+/** What a `verify` hook is told about the recovering attempt. */
+export interface VerifyContext {
+  readonly namespace: string;
+  readonly key: string;
+  /** This attempt's fence: the downstream system may know it from the earlier attempt's. */
+  readonly fence: number;
+  /** This attempt's number (2 or later). */
+  readonly attempt: number;
+  /** Why this attempt is a recovery: the earlier attempt's fence, reason and detail. */
+  readonly recovery: Recovery;
+  /** The last checkpoint the earlier attempts saved (e.g. a downstream id), if any. */
+  readonly checkpoint: Checkpoint | null;
+  /** The claim's request (the call's arguments as JSON); `null` where a fingerprint was given. */
+  readonly request: unknown;
+  /** Aborted when the call is, or when the lease was taken over. */
+  readonly signal: AbortSignal;
+}
+
+/**
+ * Ask the downstream system whether a recovering attempt's effect happened: `happened(result)`
+ * if it did, `undefined` or `null` if it did not (then the function runs).
+ */
+export type Verify = (context: VerifyContext) => Happened | null | undefined | PromiseLike<Happened | null | undefined>;
 
 /** Error classes (`[CardDeclined]`) or a predicate over the error. */
 export type ErrorMatcher = ReadonlyArray<abstract new (...args: never[]) => unknown> | ((error: unknown) => boolean);
@@ -74,6 +140,18 @@ export interface GuardOptions {
   readonly decode?: (value: unknown) => unknown;
   /** Extend the lease while the function runs (default on). */
   readonly heartbeat?: boolean;
+  /**
+   * Where the namespace needs a person's approval: how long a call waits in all for a pending
+   * approval's decision (claiming again, up to 30s at a time), then runs once approved or throws
+   * {@link ApprovalDeniedError}. Default: no longer than `wait`, then {@link AwaitingApprovalError}.
+   */
+  readonly waitForApproval?: Duration | null;
+  /**
+   * Called before the function on a **recovery** (an earlier attempt may have done the effect;
+   * never on a first attempt): ask the downstream system. `happened(result)` stores `result`
+   * as the outcome, `reconciled`, without running the function; `undefined` or `null` runs it.
+   */
+  readonly verify?: Verify;
 }
 
 /** A guard's settled policy. */
@@ -88,6 +166,9 @@ export interface Policy {
   readonly encode: (value: unknown) => unknown;
   readonly decode: (value: unknown) => unknown;
   readonly heartbeat: boolean;
+  /** Seconds a call waits in all for a pending approval's decision, if it does. */
+  readonly waitForApproval: number | undefined;
+  readonly verify: Verify | undefined;
 }
 
 /** The {@link Policy} of `options` for `namespace`. */
@@ -103,6 +184,9 @@ export function policyOf(namespace: string, options: GuardOptions = {}): Policy 
     encode: options.encode ?? toJsonValue,
     decode: options.decode ?? ((value) => value),
     heartbeat: options.heartbeat ?? true,
+    waitForApproval:
+      options.waitForApproval === undefined || options.waitForApproval === null ? undefined : durationSeconds(options.waitForApproval),
+    verify: options.verify,
   };
 }
 
@@ -320,6 +404,24 @@ export class Attempt {
     this.#lost.abort(error);
   }
 
+  /**
+   * @internal store what `verify` said happened, `reconciled` (the function did not run);
+   * returns it as every caller will see it
+   */
+  async settleReconciled(happened: Happened): Promise<unknown> {
+    let text: string;
+    try {
+      text = this.#serialize(happened.result);
+    } catch (error) {
+      await this.#reportUnknown(`the reconciled result could not be stored: ${detailOf(error)}`);
+      throw error;
+    }
+    const amounts = { ...this.#amounts(), ...(happened.cost !== undefined ? { cost: happened.cost } : {}) };
+    if (happened.tokens !== undefined) amounts.tokens = happened.tokens;
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...amounts, reconciled: true }));
+    return this.#stored(text);
+  }
+
   /** @internal store the function's value (unless it completed early) */
   async settleSuccess(value: unknown): Promise<unknown> {
     if (this.#completed) return this.#result;
@@ -440,7 +542,10 @@ function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired |
     case "mismatch":
       throw new KeyConflict(ns, key, answer.detail);
     case "denied":
+      if (answer.kind === "approval") throw new ApprovalDeniedError(answer, ns, key);
       throw new DeniedError(answer, ns, key);
+    case "pending_approval":
+      throw new AwaitingApprovalError(answer.approval, answer.retryAfter, ns, key);
   }
 }
 
@@ -452,8 +557,56 @@ export interface ClaimOf {
   readonly fingerprint?: string | undefined;
   /** The run the key is charged to. */
   readonly run?: string | null | undefined;
+  /** What the call does, for the person who approves it where the namespace needs approvals. */
+  readonly summary?: string | null | undefined;
   /** Abort the call (the claim, or the function: then the outcome is reported unknown). */
   readonly signal?: AbortSignal | undefined;
+}
+
+/**
+ * The claim's answer; with `waitForApproval`, a pending approval is claimed again (each claim
+ * waiting up to 30s on the server) until it is decided or that time has passed.
+ */
+async function claimKey(client: Client, policy: Policy, key: string, claim: ClaimOf): Promise<ClaimAnswer> {
+  const started = Date.now();
+  const ask = (wait: Duration | undefined): Promise<ClaimAnswer> =>
+    client.claim(policy.namespace, key, {
+      ...(claim.fingerprint !== undefined ? { fingerprint: claim.fingerprint } : { request: claim.request ?? null }),
+      lease: policy.lease,
+      retention: policy.retention,
+      run: claim.run ?? undefined,
+      wait,
+      cost: policy.cost,
+      summary: claim.summary ?? undefined,
+      signal: claim.signal,
+    });
+  let answer = await ask(policy.wait);
+  if (policy.waitForApproval === undefined) return answer;
+  const deadline = started + policy.waitForApproval * 1000;
+  while (answer.outcome === "pending_approval") {
+    const left = (deadline - Date.now()) / 1000;
+    if (left <= 0) break;
+    answer = await ask(Math.min(MAX_CLAIM_WAIT, left));
+  }
+  return answer;
+}
+
+/** What `verify` said of a recovery: `happened(…)`, or `undefined` (run the function). */
+async function verifyRecovery(attempt: Attempt, verify: Verify, recovery: Recovery, request: unknown): Promise<Happened | undefined> {
+  const verdict: unknown = await verify({
+    namespace: attempt.namespace,
+    key: attempt.key,
+    fence: attempt.fence,
+    attempt: attempt.attempt,
+    recovery,
+    checkpoint: recovery.lastCheckpoint,
+    request,
+    signal: attempt.signal,
+  });
+  if (verdict instanceof Happened) return verdict;
+  if (verdict === undefined || verdict === null) return undefined;
+  const what = typeof verdict === "object" ? (verdict.constructor?.name ?? "object") : typeof verdict;
+  throw new TypeError(`verify returns happened(result) when the effect happened, or undefined or null when it did not; not a ${what}`);
 }
 
 /**
@@ -468,15 +621,7 @@ export async function runGuarded<T>(
   claim: ClaimOf = {},
 ): Promise<Awaited<T>> {
   checkKey(key);
-  const answer = await client.claim(policy.namespace, key, {
-    ...(claim.fingerprint !== undefined ? { fingerprint: claim.fingerprint } : { request: claim.request ?? null }),
-    lease: policy.lease,
-    retention: policy.retention,
-    run: claim.run ?? undefined,
-    wait: policy.wait,
-    cost: policy.cost,
-    signal: claim.signal,
-  });
+  const answer = await claimKey(client, policy, key, claim);
   const found = interpret(answer, policy, key);
   const attempt = new Attempt(client, policy, key, found);
   if (attempt.replayed) return attempt.result as Awaited<T>;
@@ -489,17 +634,35 @@ export async function runGuarded<T>(
   const unfollow = attempt.follow(claim.signal);
   const beat = policy.heartbeat ? new Heartbeat(client, attempt, policy.lease) : undefined;
   beat?.start();
+  // A recovery with a verify hook asks the downstream system first (inside the attempt, as the
+  // function would run: its errors are the function's).
+  const verify = policy.verify;
+  const recovery = attempt.recovery;
+  let reconciled: Happened | undefined;
+  let verifying = false;
+  const work = async (): Promise<T> => {
+    if (verify !== undefined && recovery !== null) {
+      verifying = true;
+      reconciled = await verifyRecovery(attempt, verify, recovery, claim.fingerprint !== undefined ? null : (claim.request ?? null));
+      verifying = false;
+      if (reconciled !== undefined) return undefined as T;
+    }
+    return job(attempt);
+  };
   let value: Awaited<T>;
   try {
-    value = await (als ? als.run(attempt, () => job(attempt)) : job(attempt));
+    value = await (als ? als.run(attempt, work) : work());
   } catch (error) {
     await beat?.stop();
     unfollow();
-    await attempt.settleFailure(error);
+    // A verify that failed leaves the effect as unknown as it was: the key stays a recovery.
+    const settled = verifying ? new OutcomeUnknown(`verify failed: ${String(error)}`, { cause: error }) : error;
+    await attempt.settleFailure(settled);
     throw error;
   }
   await beat?.stop();
   unfollow();
+  if (reconciled !== undefined) return (await attempt.settleReconciled(reconciled)) as Awaited<T>;
   return (await attempt.settleSuccess(value)) as Awaited<T>;
 }
 
@@ -517,7 +680,8 @@ export interface GuardedOptions extends GuardOptions, ClaimOf {}
  * ```
  *
  * `request` is what the effect means (JSON; default `null`), or give `fingerprint`. Throws
- * {@link InFlightError}, {@link KeyConflict}, {@link DeniedError}, {@link PermanentFailure}
+ * {@link InFlightError}, {@link KeyConflict}, {@link DeniedError} (an approver's:
+ * {@link ApprovalDeniedError}), {@link AwaitingApprovalError}, {@link PermanentFailure}
  * (a stored failure), {@link ResultNotKeptError} (it ran once, in a namespace that keeps only
  * a digest), or {@link StaleFence} if the lease was taken over before the value was stored.
  */
@@ -558,6 +722,11 @@ export type OnceOptions<A extends unknown[]> = GuardOptions & {
   readonly ignore?: ReadonlyArray<string | number>;
   /** The run the key is charged to: a string, or a function of the arguments. */
   readonly run?: string | ((...args: A) => string | null | undefined);
+  /**
+   * What the call does, for the person who approves it where the namespace needs approvals: a
+   * string, or a function of the arguments (at most 1024 bytes; stored as given, no secrets).
+   */
+  readonly summary?: string | ((...args: A) => string | null | undefined);
   /** Abort every call (or pass a signal per call with {@link withSignal}). */
   readonly signal?: AbortSignal;
 } & (
@@ -617,9 +786,11 @@ export function once<A extends unknown[], R>(
     else if (typeof options.key === "string") key = options.key;
     else key = checkKey(await options.key(...args));
     const run = typeof options.run === "function" ? options.run(...args) : options.run;
+    const summary = typeof options.summary === "function" ? options.summary(...args) : options.summary;
     return runGuarded(options.client, policy, key, (attempt) => fn.apply(attempt, args), {
       request,
       run,
+      summary,
       signal,
     });
   };

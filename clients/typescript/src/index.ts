@@ -14,6 +14,7 @@
 
 export { Client, DEFAULT_URL, TimeoutError, applied } from "./client.js";
 export type {
+  ApprovalFilter,
   AuditFilter,
   CallOptions,
   ClaimItem,
@@ -28,8 +29,8 @@ export { NO_RETRY, Retry } from "./retry.js";
 export type { RetryOptions } from "./retry.js";
 export * from "./errors.js";
 export type * from "./models.js";
-export { Attempt, argumentsOf, current, guarded, once, withSignal } from "./guard.js";
-export type { ClaimOf, ErrorMatcher, GuardOptions, GuardedOptions, OnceOptions } from "./guard.js";
+export { Attempt, Happened, argumentsOf, current, guarded, happened, once, withSignal } from "./guard.js";
+export type { ClaimOf, ErrorMatcher, GuardOptions, GuardedOptions, OnceOptions, Verify, VerifyContext } from "./guard.js";
 export { canonicalJson, checkKey, deriveKey, digest, fingerprint, toJsonValue, toolKey } from "./keys.js";
 export type { JsonValue, ToolCall } from "./keys.js";
 export { RawJson, formatDuration } from "./wire.js";

@@ -2,7 +2,8 @@
  * The typed answers of the API.
  *
  * A claim answers exactly one of {@link Acquired}, {@link Replay}, {@link InFlight},
- * {@link Mismatch} or {@link Denied} (the union {@link ClaimAnswer}), told apart by `outcome`:
+ * {@link Mismatch}, {@link Denied} or, where the namespace needs a person's approval,
+ * {@link PendingApproval} (the union {@link ClaimAnswer}), told apart by `outcome`:
  *
  * ```ts
  * const answer = await client.claim("prod/payments-agent", "refund-1234", { request: args });
@@ -11,7 +12,8 @@
  *   case "replay":   ... // answer.result: the stored outcome
  *   case "in_flight": ... // retry after answer.retryAfter seconds
  *   case "mismatch": ... // the key was used with another request
- *   case "denied":   ... // a switch, budget or quota refused it (answer.kind)
+ *   case "denied":   ... // a switch, budget, quota or approver refused it (answer.kind)
+ *   case "pending_approval": ... // a person must approve answer.approval first; claim again later
  * }
  * ```
  *
@@ -136,13 +138,18 @@ export interface StoredOutcome {
    * are no bytes); `null` where the outcome is kept.
    */
   readonly digest: ResultDigest | null;
+  /**
+   * Whether a recovering attempt stored it from what the downstream system said had happened,
+   * without running the effect again (a completion with `reconciled: true`).
+   */
+  readonly reconciled: boolean;
 }
 
 /** `head` with the stored outcome in `d`: its bytes and value (`text`: the JSON result as sent). */
 function storedOf<T extends object>(head: T, d: Json, text: string | undefined): T & StoredOutcome {
   const status = String(d["status"]);
   const contentType = String(d["content_type"]);
-  const spent = { cost: optionalInt(d["cost"]), tokens: optionalInt(d["tokens"]) };
+  const spent = { cost: optionalInt(d["cost"]), tokens: optionalInt(d["tokens"]), reconciled: d["reconciled"] === true };
   const kept = d["result_digest"] as Json | null | undefined;
   if (kept !== null && typeof kept === "object") {
     // A namespace that keeps a digest only: no bytes, no `result`.
@@ -201,19 +208,24 @@ export interface Mismatch {
   readonly detail: string;
 }
 
-/** What refused a claim: a kill switch, a run's budget, or the tenant's quota. */
-export type DeniedKind = "switch" | "budget" | "quota";
+/**
+ * What refused a claim: a kill switch, a run's budget, the tenant's quota, or a person who
+ * denied the call's approval.
+ */
+export type DeniedKind = "switch" | "budget" | "quota" | "approval";
 
 /** The denial kind of each problem kind. */
 export const DENIED_KINDS: Readonly<Record<string, DeniedKind>> = {
   "switch-engaged": "switch",
   "budget-exhausted": "budget",
   "quota-exceeded": "quota",
+  "approval-denied": "approval",
 };
 
 /**
- * `423 / 429 denied`: a kill switch, a run's budget or the tenant's quota refused the claim;
- * nothing was written and nothing charged.
+ * `423 / 429 / 403 denied`: a kill switch, a run's budget, the tenant's quota, or an approver
+ * (`approval`, 403: every claim of the key with that request is refused while the decision is
+ * kept) refused the claim; nothing was written and nothing charged.
  */
 export interface Denied {
   readonly outcome: "denied";
@@ -221,7 +233,8 @@ export interface Denied {
   /**
    * The server's reason, e.g. `{"reason": "switch_engaged", "target": "…", "why": "…"}`,
    * `{"reason": "budget_exhausted", "limit": "effects"}` or `{"reason": "quota_exceeded",
-   * "quota": "rate", …}`.
+   * "quota": "rate", …}` or `{"reason": "approval_denied", "approval": "apr_…", "by": "…", "why":
+   * "…"}`.
    */
   readonly reason: Readonly<Record<string, unknown>>;
   /** Seconds until a retry may succeed (quotas); `null` otherwise. */
@@ -231,8 +244,98 @@ export interface Denied {
   readonly retryable: boolean;
 }
 
+/** A person's decision on an {@link Approval}. */
+export interface ApprovalDecision {
+  /** `true` approved, `false` denied. */
+  readonly approved: boolean;
+  /** Who decided: an admin API key id, or `cli:<user>`. */
+  readonly by: string;
+  /** Why, in the approver's words. */
+  readonly why: string;
+  readonly at: Date;
+}
+
+/**
+ * What a claim asked a person to approve: this key with this fingerprint (only a claim of the
+ * same request is approved).
+ */
+export interface Approval {
+  /** `apr_…`: what an admin approves or denies. */
+  readonly id: string;
+  /** `pending`, `approved`, `denied`, or `expired` (nobody decided before `expiresAt`). */
+  readonly state: "pending" | "approved" | "denied" | "expired" | (string & {});
+  readonly namespace: string;
+  readonly key: string;
+  /** The fingerprint of the request to approve. */
+  readonly fingerprint: string;
+  /** The run the claim named. */
+  readonly run: string | null;
+  /** The cost units the claim declared. */
+  readonly cost: number | null;
+  /** What the caller said the call does (the claim's `summary`). */
+  readonly summary: string | null;
+  /** When the first claim asked. */
+  readonly requestedAt: Date;
+  /** Decide before this; after it, undecided, the next claim asks again. */
+  readonly expiresAt: Date;
+  /** The decision, once taken. */
+  readonly decision: ApprovalDecision | null;
+}
+
+export function approvalOf(d: Json): Approval {
+  const decision = d["decision"] as Json | null | undefined;
+  return {
+    id: String(d["id"]),
+    state: String(d["state"]),
+    namespace: String(d["namespace"]),
+    key: String(d["key"]),
+    fingerprint: String(d["fingerprint"]),
+    run: optionalString(d["run"]),
+    cost: optionalInt(d["cost"]),
+    summary: optionalString(d["summary"]),
+    requestedAt: parseTime(d["requested_at"]),
+    expiresAt: parseTime(d["expires_at"]),
+    decision:
+      decision !== null && typeof decision === "object"
+        ? {
+            approved: Boolean(decision["approved"]),
+            by: String(decision["by"] ?? ""),
+            why: String(decision["why"] ?? ""),
+            at: parseTime(decision["at"]),
+          }
+        : null,
+  };
+}
+
+/**
+ * `202 pending_approval`: the key needs a person's approval, which nobody has given yet.
+ * Nothing was acquired or charged. Claim again (the same key and request) once it is decided,
+ * or with a `wait`, which waits for the decision.
+ */
+export interface PendingApproval {
+  readonly outcome: "pending_approval";
+  /** Seconds until it is worth claiming again. */
+  readonly retryAfter: number;
+  /** What is to be approved (its `id`, for an admin to approve or deny). */
+  readonly approval: Approval;
+}
+
+export function pendingApprovalOf(d: Json): PendingApproval {
+  return {
+    outcome: "pending_approval",
+    retryAfter: int(d["retry_after_ms"] ?? 0) / 1000,
+    approval: approvalOf((d["approval"] ?? {}) as Json),
+  };
+}
+
+/** A page of approvals, by id; pass `next` as `cursor` for the next page (`null` on the last). */
+export interface ApprovalPage {
+  readonly approvals: readonly Approval[];
+  readonly next: string | null;
+}
+
 /** The one answer of a claim. */
-export type ClaimAnswer = Acquired | Replay | InFlight | Mismatch | Denied;
+export type ClaimAnswer = Acquired | Replay | InFlight | Mismatch | Denied | PendingApproval;
 
 /** A key's record as the API shows it. */
 export interface KeyRecord {
@@ -249,6 +352,11 @@ export interface KeyRecord {
   readonly leaseExpiresAt: Date | null;
   /** What the holder reported when it did not know the outcome. */
   readonly unknown: string | null;
+  /**
+   * Whether its outcome was reconciled: a recovering attempt completed it from what the
+   * downstream system said had happened, without running the effect again.
+   */
+  readonly reconciled: boolean;
   readonly completedAt: Date | null;
   readonly createdAt: Date;
   readonly updatedAt: Date;
@@ -274,6 +382,7 @@ export function recordOf(d: Json, storedText?: string): KeyRecord {
     run: optionalString(d["run"]),
     leaseExpiresAt: parseOptionalTime(d["lease_expires_at"]),
     unknown: optionalString(d["unknown"]),
+    reconciled: d["reconciled"] === true,
     completedAt: parseOptionalTime(d["completed_at"]),
     createdAt: parseTime(d["created_at"]),
     updatedAt: parseTime(d["updated_at"]),
@@ -444,6 +553,13 @@ export interface Settings {
    * bytes (replays then carry a {@link ResultDigest}).
    */
   readonly outcomeKept?: "full" | "digest";
+  /**
+   * Whether a key needs a person's approval before its first claim acquires it: until then a
+   * claim answers {@link PendingApproval} (nothing acquired or charged).
+   */
+  readonly approvalRequired?: boolean;
+  /** How long a pending approval waits for a decision (1s to 30 days; default 24h). */
+  readonly approvalExpiry?: Duration;
 }
 
 function settingsOf(d: unknown): Settings {
@@ -454,9 +570,11 @@ function settingsOf(d: unknown): Settings {
     ["max_lease", "maxLease"],
     ["default_retention", "defaultRetention"],
     ["max_retention", "maxRetention"],
+    ["approval_expiry", "approvalExpiry"],
   ] as const) {
     if (typeof s[wire] === "string") out[name] = s[wire];
   }
+  if (typeof s["approval_required"] === "boolean") out.approvalRequired = s["approval_required"];
   if (s["max_in_flight"] !== null && s["max_in_flight"] !== undefined) out.maxInFlight = int(s["max_in_flight"]);
   const rate = s["claim_rate"] as Json | null | undefined;
   if (rate) out.claimRate = { perSecond: int(rate["per_second"]), burst: int(rate["burst"]) };

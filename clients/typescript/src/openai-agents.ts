@@ -14,9 +14,16 @@
  * ```
  *
  * `guardedTool(options, guard)` takes what `tool(options)` takes and guards its `execute`
- * inside the SDK's tool, so the tool's failure policy (`errorFunction`, by default the error as
- * a message for the model) applies outside the guard: after the key was released or the
- * failure stored, and never stored as the tool's result.
+ * inside the SDK's tool, so the tool's failure policy (`errorFunction`; by default a fixed
+ * "An error occurred…" message for the model) applies outside the guard: after the key was
+ * released or the failure stored, and never stored as the tool's result.
+ *
+ * A call that awaits a person's approval, or that an approver denied, answers the model with
+ * what {@link AwaitingApprovalError} / {@link ApprovalDeniedError} say (the approval's id,
+ * that nothing was done, whether to call again later with the same arguments) in place of the
+ * SDK's fixed message, which would tell it to try again at once. A tool with its own
+ * `errorFunction` receives those errors as any other; with `errorFunction: null`, or an
+ * `outputSchema`, they propagate as the SDK has every error do.
  *
  * Needs `@openai/agents`.
  *
@@ -24,6 +31,7 @@
  */
 
 import { tool, type RunContext, type ToolInputParameters, type ToolOptions, type ToolOutputSchema } from "@openai/agents";
+import { ApprovalDeniedError, AwaitingApprovalError } from "./errors.js";
 import { ToolGuard, type ToolGuardOptions } from "./tools.js";
 
 export type { KeyFn, RunId } from "./tools.js";
@@ -52,9 +60,16 @@ export function guardedTool<
   const toolGuard = new ToolGuard<RunContext<Context>>(guard);
   const execute = options.execute as (input: unknown, context?: RunContext<Context>, details?: Details) => unknown;
   let name = "";
-  const guardedExecute = (input: unknown, context?: RunContext<Context>, details?: Details): Promise<unknown> => {
+  // Where the SDK's default error function would hide it, an approval's answer is told to the model.
+  const toldToModel = options.errorFunction === undefined && options.outputSchema === undefined;
+  const guardedExecute = async (input: unknown, context?: RunContext<Context>, details?: Details): Promise<unknown> => {
     const call = toolGuard.call(name, input, context as RunContext<Context>, details?.toolCall?.callId);
-    return toolGuard.run(call, () => execute(input, context, details), details?.signal);
+    try {
+      return await toolGuard.run(call, () => execute(input, context, details), details?.signal);
+    } catch (error) {
+      if (toldToModel && (error instanceof AwaitingApprovalError || error instanceof ApprovalDeniedError)) return error.message;
+      throw error;
+    }
   };
   const built = tool<TParameters, Context, Result, TOutputSchema>({
     ...options,

@@ -29,6 +29,11 @@ export interface ToolGuardOptions<Context> extends GuardOptions {
   readonly runId?: RunId<Context>;
   /** The key of a call (default: {@link toolKey}: run, tool and arguments, never the call id). */
   readonly keyFn?: KeyFn;
+  /**
+   * What a call does, for the person who approves it where the namespace needs approvals: a
+   * string, or a function of the call (at most 1024 bytes; stored as given, no secrets).
+   */
+  readonly summary?: string | ((call: ToolCall) => string | null | undefined);
 }
 
 /** A guard for the calls of one tool. */
@@ -37,12 +42,14 @@ export class ToolGuard<Context> {
   readonly policy: Policy;
   readonly #runId: RunId<Context>;
   readonly #keyFn: KeyFn | undefined;
+  readonly #summary: ToolGuardOptions<Context>["summary"];
 
   constructor(options: ToolGuardOptions<Context>) {
     this.client = options.client;
     this.policy = policyOf(options.namespace, options);
     this.#runId = options.runId;
     this.#keyFn = options.keyFn;
+    this.#summary = options.summary;
   }
 
   /** The call of `tool` with `args` in `context`. */
@@ -51,9 +58,14 @@ export class ToolGuard<Context> {
     return { tool, arguments: toJsonValue(args ?? {}), run: run ?? null, callId };
   }
 
-  /** Run `job()` once per the call's key (the call's arguments are the claim's request). */
+  /**
+   * Run `job()` once per the call's key (the call's arguments are the claim's request). Throws
+   * as {@link runGuarded}: a refusal (in flight, denied, awaiting approval…) is an error whose
+   * message the framework reports to the model as the tool's error, and `job` does not run.
+   */
   async run<T>(call: ToolCall, job: (attempt: Attempt) => T | PromiseLike<T>, signal?: AbortSignal): Promise<Awaited<T>> {
     const key = checkKey(this.#keyFn !== undefined ? await this.#keyFn(call) : await toolKey(call));
-    return runGuarded(this.client, this.policy, key, job, { request: call.arguments, run: call.run, signal });
+    const summary = typeof this.#summary === "function" ? this.#summary(call) : this.#summary;
+    return runGuarded(this.client, this.policy, key, job, { request: call.arguments, run: call.run, summary, signal });
   }
 }

@@ -7,7 +7,7 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { generateText, stepCountIs, tool } from "ai";
 import { MockLanguageModelV3 } from "ai/test";
-import { PermanentFailure } from "onceguard";
+import { AwaitingApprovalError, PermanentFailure } from "onceguard";
 import { guardTool, guardTools } from "onceguard/ai";
 import { z } from "zod";
 import { ns, useServer } from "./server.js";
@@ -128,6 +128,29 @@ describe("Vercel AI SDK", () => {
     }
     assert.equal(calls, 1, "the stored failure replays: the card is charged once");
     assert.ok(await fx.client.getRun("ctx-run-7"));
+  });
+
+  it("a call that awaits approval reaches the model as the tool's error, and execute does not run", async () => {
+    const namespace = ns("ai-sdk-approval");
+    await fx.admin.putSettings({ approvalRequired: true }, { namespacePrefix: namespace, why: "test" });
+    const sent: Array<{ customer: string; amount: number }> = [];
+    const tools = guardTools(
+      { sendInvoice: invoiceTool(sent) },
+      { client: fx.client, namespace, runId: "conv-approval", wait: null, summary: (call) => `invoice ${JSON.stringify(call.arguments)}` },
+    );
+    const model = scripted(toolCall("call_1", "sendInvoice", { customer: "c_1", amount: 100 }), text("waiting for approval"));
+    const result = await generateText({ model, tools, prompt: "invoice c_1 for 100", stopWhen: stepCountIs(3) });
+    assert.equal(sent.length, 0, "the invoice was not sent");
+    const error = result.steps[0]?.content.find((part) => part.type === "tool-error");
+    assert.ok(error && error.type === "tool-error" && error.error instanceof AwaitingApprovalError);
+    const approval = error.error.approval;
+    assert.equal(approval.summary, 'invoice {"customer":"c_1","amount":100}');
+    // What the model read in its next step: the tool's answer says it awaits approval.
+    const told = JSON.stringify(model.doGenerateCalls[1]?.prompt.filter((m) => m.role === "tool"));
+    assert.match(told, /awaits a person's approval/);
+    assert.ok(told.includes(approval.id));
+    assert.match(told, /Nothing was done/);
+    assert.match(told, /Call again later with the same arguments/);
   });
 
   it("a tool without execute is left as it is", () => {

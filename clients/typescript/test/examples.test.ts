@@ -17,7 +17,7 @@ const PACKAGE = join(REPO, "clients", "typescript");
 
 async function example(name: string): Promise<string> {
   const script = join(PACKAGE, "dist", "examples", `${name}.js`);
-  const env = { ...process.env, ONCEGUARD_URL: fx.server.url, ONCEGUARD_API_KEY: fx.agentKey };
+  const env = { ...process.env, ONCEGUARD_URL: fx.server.url, ONCEGUARD_API_KEY: fx.agentKey, ONCEGUARD_ADMIN_KEY: fx.server.adminKey };
   const { stdout } = await run(process.execPath, [script], { env, cwd: PACKAGE, timeout: 60_000 });
   return stdout;
 }
@@ -33,6 +33,24 @@ describe("examples", () => {
   it("claims: acquired and completed, then replayed", async () => {
     assert.match(await example("claims"), /^opened \{ ticket: 'T-1'/m);
     assert.match(await example("claims"), /^replayed \{ ticket: 'T-1'/m);
+  });
+
+  it("approvals: awaiting approval, approved, refunded once; a later run replays", async () => {
+    const first = await example("approvals");
+    assert.match(first, /^awaiting approval apr_[0-9a-f]+: refund 25 EUR on order 1234$/m);
+    assert.match(first, /^refunded \{ refund: 're_1234', amount: 25 \}$/m);
+    assert.match(first, /^refunded again \{ refund: 're_1234', amount: 25 \}$/m);
+    assert.match(first, /refunds made by this run: 1$/m);
+    const again = await example("approvals");
+    assert.doesNotMatch(again, /awaiting approval/);
+    assert.match(again, /refunds made by this run: 0$/m);
+  });
+
+  it("verify: the recovery finds the charge and stores it reconciled, without charging again", async () => {
+    const out = await example("verify");
+    assert.match(out, /^first attempt: the payment API timed out after the request was sent$/m);
+    assert.match(out, /^second attempt: \{ charge: 'ch_1', amount: 25 \}$/m);
+    assert.match(out, /^reconciled: true, charges made: 1$/m);
   });
 
   it("ai-sdk: two tool calls, one invoice", async () => {
@@ -60,7 +78,15 @@ describe("examples", () => {
     const doc = readFileSync(join(REPO, "docs", "TYPESCRIPT.md"), "utf8");
     const shown = [...doc.matchAll(/<!-- example: (\S+) -->\n```ts\n([\s\S]*?)```/g)];
     const names = shown.map((m) => m[1]);
-    assert.deepEqual(names.sort(), ["ai-sdk.ts", "claims.ts", "langgraph.ts", "openai-agents.ts", "quickstart.ts"]);
+    assert.deepEqual(names.sort(), [
+      "ai-sdk.ts",
+      "approvals.ts",
+      "claims.ts",
+      "langgraph.ts",
+      "openai-agents.ts",
+      "quickstart.ts",
+      "verify.ts",
+    ]);
     for (const [, name, code] of shown) {
       const file = readFileSync(join(PACKAGE, "examples", name as string), "utf8");
       assert.equal(code, file, `docs/TYPESCRIPT.md shows examples/${name} as it is`);

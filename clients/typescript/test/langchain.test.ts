@@ -67,6 +67,30 @@ describe("LangChain tools", () => {
     assert.equal(calls, 2);
   });
 
+  it("a call that awaits approval: the ToolNode tells the model, and the tool does not run", async () => {
+    const namespace = ns("langchain-approval");
+    await fx.admin.putSettings({ approvalRequired: true }, { namespacePrefix: namespace, why: "test" });
+    let calls = 0;
+    const refund = tool(
+      async ({ order }: { order: number }) => {
+        calls++;
+        return `refunded ${order}`;
+      },
+      { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
+    );
+    const node = new ToolNode([guardTool(refund, { client: fx.client, namespace, runId: "approval-thread", wait: null })]);
+    const answer = (await node.invoke({ messages: [modelTurn("a", { order: 1 })] })) as { messages: ToolMessage[] };
+    assert.equal(calls, 0, "the refund did not run");
+    const told = String(answer.messages[0]?.content);
+    const [pending] = (await fx.admin.listApprovals({ state: "pending", limit: 1000 })).approvals.filter((a) => a.namespace === namespace);
+    assert.ok(pending, "the call asked for an approval");
+    assert.equal(answer.messages[0]?.tool_call_id, "a");
+    assert.match(told, /awaits a person's approval/);
+    assert.ok(told.includes(pending.id));
+    assert.match(told, /Nothing was done/);
+    assert.match(told, /Call again later with the same arguments/);
+  });
+
   it("a content-and-artifact tool replays both", async () => {
     const namespace = ns("langchain-artifact");
     let calls = 0;

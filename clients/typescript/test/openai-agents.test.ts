@@ -7,6 +7,7 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { Agent, Runner, type RunContext } from "@openai/agents";
 import { ScriptedModel, assistantMessage, functionCall } from "@openai/agents/testing";
+import { AwaitingApprovalError } from "onceguard";
 import { guardedTool } from "onceguard/openai-agents";
 import { z } from "zod";
 import { ns, useServer } from "./server.js";
@@ -19,6 +20,56 @@ interface Ctx {
 }
 
 describe("OpenAI Agents SDK", () => {
+  it("a call that awaits approval reaches the model as the tool's error, and execute does not run", async () => {
+    const namespace = ns("openai-agents-approval");
+    await fx.admin.putSettings({ approvalRequired: true }, { namespacePrefix: namespace, why: "test" });
+    let sent = 0;
+    const sendInvoice = guardedTool(
+      {
+        name: "send_invoice",
+        description: "Send an invoice",
+        parameters: z.object({ customer: z.string() }),
+        execute: async ({ customer }) => `invoice ${++sent} for ${customer}`,
+      },
+      { client: fx.client, namespace, runId: "agents-approval", wait: null },
+    );
+    const model = new ScriptedModel([[functionCall("send_invoice", { customer: "c_1" }, { callId: "call_1" })], [assistantMessage("waiting")]]);
+    const agent = new Agent({ name: "billing", instructions: "bill", model, tools: [sendInvoice] });
+    const result = await runner.run(agent, "invoice c_1");
+    assert.equal(sent, 0, "the invoice was not sent");
+    const output = result.newItems.find((item) => item.type === "tool_call_output_item") as unknown as { output: unknown };
+    const told = String(output.output);
+    const [pending] = (await fx.admin.listApprovals({ state: "pending", limit: 1000 })).approvals.filter((a) => a.namespace === namespace);
+    assert.ok(pending, "the call asked for an approval");
+    assert.match(told, /awaits a person's approval/);
+    assert.ok(told.includes(pending.id));
+    assert.match(told, /Nothing was done/);
+    assert.match(told, /Call again later with the same arguments/);
+
+    // A tool with its own error function gets the error itself, and says what it likes.
+    const errors: unknown[] = [];
+    const own = guardedTool(
+      {
+        name: "send_invoice",
+        description: "Send an invoice",
+        parameters: z.object({ customer: z.string() }),
+        execute: async ({ customer }) => `invoice ${++sent} for ${customer}`,
+        errorFunction: (_ctx, error) => {
+          errors.push(error);
+          return "not yet: a person must approve this first";
+        },
+      },
+      { client: fx.client, namespace, runId: "agents-approval", wait: null },
+    );
+    const again = new ScriptedModel([[functionCall("send_invoice", { customer: "c_1" }, { callId: "call_2" })], [assistantMessage("waiting")]]);
+    const second = await runner.run(new Agent({ name: "billing", instructions: "bill", model: again, tools: [own] }), "invoice c_1");
+    const reply = second.newItems.find((item) => item.type === "tool_call_output_item") as unknown as { output: unknown };
+    assert.equal(reply.output, "not yet: a person must approve this first");
+    assert.ok(errors[0] instanceof AwaitingApprovalError);
+    assert.equal(errors[0].approval.id, pending.id, "the same call asks for the same approval");
+    assert.equal(sent, 0);
+  });
+
   it("a call the model re-emits (another call id) replays the stored result", async () => {
     const namespace = ns("openai-agents");
     const sent: string[] = [];
