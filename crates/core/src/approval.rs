@@ -116,6 +116,11 @@ pub struct Approval {
     pub retention: Duration,
     /// The decision, once taken.
     pub decision: Option<Decision>,
+    /// The fence of the acquisition the approval let run: an approval lets its call run once
+    /// (its retries after a retryable failure are the same call; after that, a new record needs
+    /// a new approval).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used: Option<crate::domain::Fence>,
     /// The webhook's delivery of the pending approval, where a webhook is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<Notice>,
@@ -165,6 +170,7 @@ impl Approval {
             expires_at: now.plus(expiry),
             retention,
             decision: None,
+            used: None,
             notice: None,
         }
     }

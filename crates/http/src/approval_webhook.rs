@@ -68,7 +68,13 @@ impl Webhook {
             loop {
                 let page = guard.list_approvals(&tenant.id, &filter).await?;
                 for approval in &page {
-                    delivered += usize::from(self.notify(guard, approval).await?);
+                    // One approval's store write failing leaves the others to be sent.
+                    match self.notify(guard, approval).await {
+                        Ok(sent) => delivered += usize::from(sent),
+                        Err(e) => {
+                            tracing::warn!(approval = approval.id, error = %e, "approval webhook: could not take or settle a notice; will retry")
+                        }
+                    }
                 }
                 match page.last() {
                     Some(last) if page.len() == MAX_PAGE => filter.after = Some(last.id.clone()),

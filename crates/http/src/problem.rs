@@ -153,7 +153,9 @@ impl ApiError {
                 (S::FORBIDDEN, "approval-denied", "An approver denied this call", false)
             }
             Self::PendingApproval { .. } => {
-                (S::ACCEPTED, "approval-pending", "The call awaits a person's approval", true)
+                // Not a 2xx: a caller of a proxied tool API must never take it for the upstream's
+                // acceptance.
+                (S::CONFLICT, "approval-pending", "The call awaits a person's approval", true)
             }
             Self::ApprovalClosed(_) => {
                 (S::CONFLICT, "approval-closed", "The approval was decided already or expired", false)

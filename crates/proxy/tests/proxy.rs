@@ -668,7 +668,8 @@ async fn a_digest_namespace_replays_the_status_and_digest_never_the_response() {
 
 /// A request in a namespace that needs approvals is not forwarded until an admin approved it:
 /// 202 `approval-pending` (with the method and path for the approver), then the approved request
-/// runs once; another request under the key is a mismatch; a denied one answers 403.
+/// runs once; another request under the key is a mismatch; a denied one answers 403. The
+/// pending answer is a 409, never a 2xx a caller could take for the upstream's acceptance.
 #[tokio::test]
 async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
     use onceguard_core::control::{Settings, SettingsEntry};
@@ -687,7 +688,7 @@ async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
     for _ in 0..2 {
         let response = proxy.post("/charge?token=secret", "a-1", "{}").await;
         assert_eq!(response.headers()["retry-after"], "5");
-        let body = problem(response, 202, "approval-pending").await;
+        let body = problem(response, 409, "approval-pending").await;
         assert_eq!(body["outcome"], "pending_approval");
         asked.push(body["reason"]["approval"].as_str().unwrap().to_owned());
     }
@@ -703,7 +704,7 @@ async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
     problem(proxy.post("/charge?token=secret", "a-1", "other").await, 422, "fingerprint-mismatch").await;
     assert_eq!(executed(&counts, "charge"), 1, "the approved request ran once");
 
-    let pending = problem(proxy.post("/charge", "a-2", "{}").await, 202, "approval-pending").await;
+    let pending = problem(proxy.post("/charge", "a-2", "{}").await, 409, "approval-pending").await;
     let id = pending["reason"]["approval"].as_str().unwrap();
     proxy.guard.decide_approval(&tenant, id, false, "admin", "not this one".into()).await.unwrap();
     let denied = problem(proxy.post("/charge", "a-2", "{}").await, 403, "approval-denied").await;

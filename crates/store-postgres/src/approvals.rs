@@ -118,7 +118,9 @@ impl ApprovalStore for PgStore {
             .client()
             .await?
             .execute(
-                "DELETE FROM og_approvals WHERE (tenant, namespace, key) IN
+                // The outer condition again: a row rewritten meanwhile (a new approval over an
+                // expired one) is checked as it now is, and kept.
+                "DELETE FROM og_approvals WHERE kept_until <= $1 AND (tenant, namespace, key) IN
                    (SELECT tenant, namespace, key FROM og_approvals WHERE kept_until <= $1 LIMIT $2)",
                 &[&to_i64(now), &i64::try_from(batch).unwrap_or(i64::MAX)],
             )

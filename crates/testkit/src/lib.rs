@@ -138,6 +138,7 @@ macro_rules! conformance_tests {
             approvals_are_written_over_the_one_read,
             a_batch_asks_each_key_needing_approval,
             a_notice_is_taken_once_per_attempt,
+            an_approval_lets_its_call_run_once,
             a_recovery_completes_as_reconciled
         );
     };

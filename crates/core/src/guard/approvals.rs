@@ -22,36 +22,52 @@ pub(super) struct Ask {
     pub cost: Option<u64>,
 }
 
+/// What the approval gate decided for one claim.
+#[derive(Debug)]
+pub(super) enum Gate {
+    /// The key has a record in progress or completed: the store's claim decides (a replay, a
+    /// holder in flight, a mismatch, a recovery). Should that claim acquire a new record after
+    /// all (the record expired or was purged in between), the gate is asked again.
+    Record,
+    /// Claim it: the approval was given. `Some`: it was not used yet, and is marked used by the
+    /// claim that acquires (an approval lets its call run once).
+    Claim(Option<Box<Approval>>),
+    /// The claim's answer, without the store's claim.
+    Answer(ClaimOutcome),
+}
+
 impl Guard {
-    /// The gate of a namespace that needs approvals: `None` when the claim goes to the store
-    /// (the key has a live record, or its approval of this fingerprint was given), else the
-    /// claim's answer (pending, mismatch, denied), having recorded a pending approval when none
-    /// was kept. Nothing is acquired or charged here.
-    pub(super) async fn approval_gate(
-        &self,
-        req: &ClaimRequest,
-        ask: &Ask,
-    ) -> Result<Option<ClaimOutcome>, GuardError> {
+    /// The gate of a namespace that needs approvals (see [`crate::approval`]). Nothing is
+    /// acquired or charged here; a pending approval is recorded when none is kept.
+    pub(super) async fn approval_gate(&self, req: &ClaimRequest, ask: &Ask) -> Result<Gate, GuardError> {
         // Three compare-and-sets lost in a row to other claims and decisions of the same key:
         // something is wrong; no decision was made.
         for _ in 0..3 {
             let now = self.clock.now();
-            if self.store.get(&req.scope, now).await?.is_some() {
-                return Ok(None);
-            }
-            let kept = self.store.approval_of(&req.scope, now).await?;
-            let answer = match &kept {
-                Some(a) if !binds(a, req) && a.state(now) != ApprovalState::Expired => Some(ClaimOutcome::Mismatch),
-                Some(a) => match a.state(now) {
-                    ApprovalState::Approved => return Ok(None),
-                    ApprovalState::Pending => Some(pending(a.clone(), now)),
-                    ApprovalState::Denied => Some(ClaimOutcome::Denied(denial(a))),
-                    ApprovalState::Expired => None,
-                },
-                None => None,
+            let record = self.store.get(&req.scope, now).await?;
+            // A released record is claimed as if absent, whatever its fingerprint: it needs the
+            // approval of this call like an absent key.
+            let released = match record.map(|r| r.state) {
+                Some(RecordState::InProgress | RecordState::Completed) => return Ok(Gate::Record),
+                Some(RecordState::Released) => true,
+                None => false,
             };
-            if answer.is_some() {
-                return Ok(answer);
+            let kept = self.store.approval_of(&req.scope, now).await?;
+            match &kept {
+                Some(a) if !binds(a, req) && a.state(now) != ApprovalState::Expired => {
+                    return Ok(Gate::Answer(ClaimOutcome::Mismatch));
+                }
+                Some(a) => match a.state(now) {
+                    // Used by an acquisition whose record was released (a retryable failure):
+                    // its retry is the same approved call.
+                    ApprovalState::Approved if a.used.is_some() && released => return Ok(Gate::Claim(None)),
+                    ApprovalState::Approved if a.used.is_none() => return Ok(Gate::Claim(Some(Box::new(a.clone())))),
+                    // Used, and its record gone: the call ran; running it again needs a person.
+                    ApprovalState::Approved | ApprovalState::Expired => {}
+                    ApprovalState::Pending => return Ok(Gate::Answer(pending(a.clone(), now))),
+                    ApprovalState::Denied => return Ok(Gate::Answer(ClaimOutcome::Denied(denial(a)))),
+                },
+                None => {}
             }
             let retention = req.retention;
             let mut new = Approval::new(req.scope.clone(), req.fingerprint.clone(), now, ask.expiry, retention);
@@ -60,10 +76,87 @@ impl Guard {
             new.summary = ask.summary.clone();
             if self.store.put_approval(kept.as_ref(), &new, None, now).await? {
                 self.observer.approval_requested(&new);
-                return Ok(Some(pending(new, now)));
+                return Ok(Gate::Answer(pending(new, now)));
             }
         }
         Err(StoreError::Unavailable("the key's approval changed under three reads in a row".into()).into())
+    }
+
+    /// The store's claim behind the gate, and what follows it: an acquisition with an unused
+    /// approval marks it used; an acquisition of a new record where the gate saw one (it
+    /// expired or was purged meanwhile) is checked against the gate again, and released at once
+    /// (nothing ran) if no approval lets it run.
+    pub(super) async fn gated_claim(&self, req: &ClaimRequest, ask: &Ask) -> Result<ClaimOutcome, GuardError> {
+        let mut gate = self.approval_gate(req, ask).await?;
+        for round in 0..2 {
+            let saw_record = matches!(gate, Gate::Record);
+            let unused = match gate {
+                Gate::Answer(answer) => return Ok(answer),
+                Gate::Claim(unused) => unused,
+                Gate::Record => None,
+            };
+            let outcome = self.store.claim(req, self.clock.now()).await?;
+            let ClaimOutcome::Acquired(acquired) = &outcome else { return Ok(outcome) };
+            if saw_record && acquired.attempt == 1 && acquired.recovery.is_none() {
+                // A new record behind the gate's back: nothing ran yet. Let it go, ask again.
+                self.release_unapproved(&req.scope, acquired.fence).await?;
+                if round == 1 {
+                    return Err(StoreError::Unavailable("the key changed under two claims in a row".into()).into());
+                }
+                gate = self.approval_gate(req, ask).await?;
+                continue;
+            }
+            if let Some(approval) = unused
+                && let Err(e) = self.mark_used(&approval, acquired.fence).await
+            {
+                // The approval must not let a second run through: without the mark, the key
+                // is let go (nothing ran) and the claim answers the store's error.
+                self.release_unapproved(&req.scope, acquired.fence).await?;
+                return Err(e);
+            }
+            return Ok(outcome);
+        }
+        Err(StoreError::Unavailable("the key changed under two claims in a row".into()).into())
+    }
+
+    /// Marks `approval` used by the acquisition with `fence`.
+    async fn mark_used(&self, approval: &Approval, fence: Fence) -> Result<(), GuardError> {
+        let mut current = approval.clone();
+        for _ in 0..3 {
+            let now = self.clock.now();
+            let used = Approval { used: Some(fence), ..current.clone() };
+            if self.store.put_approval(Some(&current), &used, None, now).await? {
+                return Ok(());
+            }
+            match self.store.approval(&approval.scope.tenant, &approval.id, now).await? {
+                Some(read) if read.state(now) == ApprovalState::Approved && read.used.is_none() => current = read,
+                _ => break,
+            }
+        }
+        Err(StoreError::Unavailable("the approval changed while its claim acquired; the key was let go".into()).into())
+    }
+
+    /// Releases a key the gate's claim acquired but no approval lets run (nothing ran).
+    async fn release_unapproved(&self, scope: &Scope, fence: Fence) -> Result<(), GuardError> {
+        let outcome = crate::record::Outcome {
+            kind: crate::record::OutcomeKind::Failure,
+            content_type: "text/plain".into(),
+            body: b"acquired without an approval that lets it run; released before anything ran".to_vec(),
+            cost: None,
+            tokens: None,
+            reconciled: false,
+        };
+        self.store
+            .mutate(
+                scope,
+                fence,
+                Mutation::Fail { retryable: true, outcome },
+                self.clock.now(),
+                self.limits.max_checkpoints,
+            )
+            .await?;
+        self.notifier.notify(scope);
+        Ok(())
     }
 
     /// Approves (`approved`) or denies the tenant's pending approval `id` as `by`, saying why;
@@ -77,6 +170,9 @@ impl Guard {
         by: &str,
         why: String,
     ) -> Result<Approval, GuardError> {
+        if why.trim().is_empty() || why.len() > crate::approval::MAX_SUMMARY {
+            return Err(InvalidInput::new("why", "say why, in 1 to 1024 bytes").into());
+        }
         // An approval changed under the decision (its webhook notice moved on) is read again;
         // one decided or gone meanwhile says so.
         for _ in 0..3 {

@@ -94,7 +94,8 @@ pub struct Claim {
     /// Cost units the call declares (checked against [`crate::control::MAX_UNITS`]).
     pub cost: Option<u64>,
     /// What the call does, in words, for an approver where the key's namespace needs approvals
-    /// (at most [`crate::approval::MAX_SUMMARY`] bytes; ignored elsewhere).
+    /// (at most [`crate::approval::MAX_SUMMARY`] bytes, no control characters but newlines;
+    /// checked on every claim, kept only where an approval is asked).
     pub summary: Option<String>,
 }
 
@@ -248,12 +249,8 @@ impl Guard {
         let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
         loop {
             let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
-            let gated = match &ask {
-                Some(ask) => self.approval_gate(&req, ask).await?,
-                None => None,
-            };
-            let outcome = match gated {
-                Some(answer) => answer,
+            let outcome = match &ask {
+                Some(ask) => self.gated_claim(&req, ask).await?,
                 None => self.store.claim(&req, self.clock.now()).await?,
             };
             // A key in flight, or one waiting for its approval, is waited for.
@@ -343,10 +340,11 @@ impl Guard {
         let mut answers: Vec<Option<(ClaimOutcome, Scope)>> = Vec::with_capacity(prepared.len());
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
         for (i, Prepared { mut req, rate, ask, .. }) in prepared.into_iter().enumerate() {
+            // A key that needs approvals is claimed alone, behind the gate (in the batch's order).
             let refused = match self.refusal(&controls, &mut req, rate.as_ref()).await? {
                 Some(denial) => Some(ClaimOutcome::Denied(denial)),
                 None => match &ask {
-                    Some(ask) => self.approval_gate(&req, ask).await?,
+                    Some(ask) => Some(self.open_claim(&req.scope, self.gated_claim(&req, ask).await?)?),
                     None => None,
                 },
             };
@@ -696,8 +694,9 @@ impl Guard {
     /// approval kept for the key goes with it: where approvals are needed, the key's next claim
     /// asks a person again.
     pub async fn purge(&self, actor: &str, scope: &Scope, why: Option<String>) -> Result<bool, GuardError> {
-        let existed = self.store.purge(scope).await?;
+        // The approval first: a claim between the two must not find it still given.
         self.retire_approval(scope).await?;
+        let existed = self.store.purge(scope).await?;
         self.notifier.notify(scope);
         let target = format!("{}/{}", scope.namespace, scope.key);
         let entry = AuditEntry::new(scope.tenant.clone(), self.clock.now(), actor, "record.purge", target)

@@ -190,9 +190,6 @@ async fn decide(
 ) -> ApiResult<Json<ApprovalView>> {
     let tenant = admin_tenant(state, caller, body.tenant.as_deref())?;
     let why = body.why;
-    if why.trim().is_empty() || why.len() > 1024 {
-        return Err(ApiError::Invalid("why: say why, in 1 to 1024 bytes".into()));
-    }
     let decided = state.guard.decide_approval(&tenant, id, approved, &caller.actor(), why).await?;
     tracing::info!(%tenant, approval = id, approved, "approval decided");
     Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
@@ -205,8 +202,8 @@ async fn decide(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "Approved", body = ApprovalView),
-        (status = 404, description = "No such approval is kept", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Decided already, or expired (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such approval is kept (also one that expired undecided)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Decided already (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn approve(
     State(state): State<AppState>,
@@ -225,7 +222,7 @@ pub async fn approve(
     responses(
         (status = 200, description = "Denied", body = ApprovalView),
         (status = 404, description = "No such approval is kept", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Decided already, or expired (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Decided already (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn deny(
     State(state): State<AppState>,

@@ -201,7 +201,7 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
     assert_eq!(last, "the record expires (retention)", "a finished key shows its retention");
     assert_eq!(
         done["stored"],
-        json!({"status": "success", "content_type": "application/json", "bytes": 11, "digest_only": false, "cost": 1200, "tokens": 900})
+        json!({"status": "success", "content_type": "application/json", "bytes": 11, "digest_only": false, "cost": 1200, "tokens": 900, "reconciled": false})
     );
     let missing = app.get(&app.admin, "/v1/dashboard/record?namespace=demo&key=nothing").await;
     assert_problem(missing, StatusCode::NOT_FOUND, "not-found").await;

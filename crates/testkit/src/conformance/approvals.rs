@@ -194,7 +194,19 @@ pub async fn a_waiting_claim_gets_the_decision(store: Arc<dyn Store>) {
                 tokio::spawn(async move { guard.claim(claim).await.unwrap() })
             })
             .collect();
+        // The waiters are waiting (each polls every 20 ms) when the decision comes.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(waiters.iter().all(|w| !w.is_finished()), "the waiters wait for the decision");
         c.decide(&asked.id, approved).await.unwrap();
+        if approved {
+            // One waiter acquires; the others then wait for its outcome and receive the replay.
+            let mut held = None;
+            while held.is_none() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                held = c.get(&req.scope).await.map(|r| r.fence);
+            }
+            c.applied(&req.scope, held.unwrap(), Mutation::Complete(success("done"))).await;
+        }
         let mut answers = Vec::new();
         for waiter in waiters {
             answers.push(waiter.await.unwrap());
@@ -202,7 +214,8 @@ pub async fn a_waiting_claim_gets_the_decision(store: Arc<dyn Store>) {
         let acquired = answers.iter().filter(|a| matches!(a, ClaimOutcome::Acquired(_))).count();
         if approved {
             assert_eq!(acquired, 1, "{answers:?}");
-            assert!(answers.iter().all(|a| matches!(a, ClaimOutcome::Acquired(_) | ClaimOutcome::InFlight(_))));
+            let replays = answers.iter().filter(|a| matches!(a, ClaimOutcome::Replay(_))).count();
+            assert_eq!(replays, 2, "{answers:?}");
         } else {
             assert!(answers.iter().all(|a| matches!(a, ClaimOutcome::Denied(Denial::ApprovalDenied { .. }))));
         }
@@ -375,4 +388,35 @@ pub async fn a_notice_is_taken_once_per_attempt(store: Arc<dyn Store>) {
         current = c.guard.approval(&taken.scope.tenant, &taken.id).await.unwrap().unwrap();
     }
     assert!(c.guard.take_notice(&current, |_| Duration::from_secs(1), 3).await.unwrap().is_none());
+}
+
+/// An approval lets its call run once: a retry after a retryable failure is the same call and
+/// runs without a new approval, another request under the released key is a mismatch, and once
+/// the record is gone (its retention passed), the key needs a person again.
+pub async fn an_approval_lets_its_call_run_once(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let s = scope("once-only");
+    // Asked with the default retention (the approval is kept an hour from its decision), the
+    // call then claimed with a retention of a minute.
+    let asked = c.pending(&request(&s, "transfer 5")).await;
+    let req = ClaimRequest { retention: Duration::from_secs(60), ..request(&s, "transfer 5") };
+    c.decide(&asked.id, true).await.unwrap();
+    let first = c.acquire(&req).await;
+    let used = c.guard.approval(&s.tenant, &asked.id).await.unwrap().unwrap();
+    assert_eq!(used.used, Some(first), "the approval is marked used by the acquisition");
+    let failed = Outcome { kind: OutcomeKind::Failure, ..success("timeout before sending") };
+    c.applied(&s, first, Mutation::Fail { retryable: true, outcome: failed }).await;
+    // The released key: another request is refused; the same one runs again.
+    assert_eq!(c.claim(&request(&s, "transfer 5000")).await, ClaimOutcome::Mismatch);
+    let retry = c.acquire(&req).await;
+    c.applied(&s, retry, Mutation::Complete(success("sent"))).await;
+    // The record's retention passes (the approval is still kept): the call ran; running it
+    // again needs a person.
+    c.clock.advance(Duration::from_secs(61));
+    assert!(c.get(&s).await.is_none());
+    let kept = c.guard.approval(&s.tenant, &asked.id).await.unwrap().unwrap();
+    assert_eq!(kept.state(c.clock.now()), ApprovalState::Approved);
+    let again = c.pending(&req).await;
+    assert_ne!(again.id, asked.id);
 }
