@@ -293,8 +293,10 @@ describe("approvals: once and guarded", () => {
     const call = guarded(fx.client, namespace, key, { request: 1, waitForApproval: "20s" }, () => {
       ran = true;
     });
+    // The expectation is attached before the denial: the call may be refused before deny() answers.
+    const refused = assert.rejects(call, (e: unknown) => e instanceof ApprovalDeniedError && e.approval === id);
     await fx.admin.deny(id, { why: "no" });
-    await assert.rejects(call, (e: unknown) => e instanceof ApprovalDeniedError && e.approval === id);
+    await refused;
     assert.equal(ran, false);
   });
 

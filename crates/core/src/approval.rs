@@ -112,7 +112,7 @@ pub struct Approval {
     /// Decide before this; after it, undecided, the approval has expired.
     pub expires_at: Timestamp,
     /// How long a decision is kept (the namespace's retention when it was asked).
-    #[serde(with = "crate::record::duration_ms")]
+    #[serde(with = "crate::domain::duration_ms")]
     pub retention: Duration,
     /// The decision, once taken.
     pub decision: Option<Decision>,
@@ -230,7 +230,7 @@ mod tests {
             Namespace::try_from("prod/pay").unwrap(),
             Key::try_from("k").unwrap(),
         );
-        let fp = Fingerprint::try_from("sha256:00").unwrap();
+        let fp = Fingerprint::sha256(b"refund 7");
         Approval::new(scope, fp, now, Duration::from_secs(60), Duration::from_secs(3600))
     }
 

@@ -394,19 +394,5 @@ mod base64_bytes {
     }
 }
 
-/// Serializes a `Duration` as whole milliseconds.
-pub mod duration_ms {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    /// Writes `d` as milliseconds.
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-
-    /// Reads milliseconds.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
-    }
-}
+/// Serializes a `Duration` as whole milliseconds (kept in [`crate::domain`]).
+pub use crate::domain::duration_ms;
