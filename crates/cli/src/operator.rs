@@ -556,17 +556,8 @@ async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
                 ),
             };
             let tenant = TenantId::parse(&tenant)?;
-            let mut filter = onceguard_core::store::ApprovalFilter { state, after: None, limit: MAX_PAGE };
-            let mut views = Vec::new();
-            loop {
-                let page = guard.list_approvals(&tenant, &filter).await?;
-                views.extend(page.iter().map(|a| api::approval_view(a, a.state(now()))));
-                match page.last() {
-                    Some(last) if page.len() == MAX_PAGE => filter.after = Some(last.id.clone()),
-                    _ => break,
-                }
-            }
-            print_json(&views)
+            let all = guard.all_approvals(&tenant, state, usize::MAX).await?;
+            print_json(&all.iter().map(|a| api::approval_view(a, a.state(now()))).collect::<Vec<_>>())
         }
         ApprovalCommand::Get { tenant, id } => match guard.approval(&TenantId::parse(&tenant)?, &id).await? {
             Some(a) => print_json(&api::approval_view(&a, a.state(now()))),

@@ -15,7 +15,6 @@
 use std::time::Duration;
 
 use onceguard_core::approval::{Approval, ApprovalState};
-use onceguard_core::store::{ApprovalFilter, MAX_PAGE};
 use onceguard_core::{Guard, GuardError, Timestamp};
 use tokio::sync::watch;
 
@@ -64,21 +63,13 @@ impl Webhook {
     pub async fn notify_pending(&self, guard: &Guard) -> Result<usize, GuardError> {
         let mut delivered = 0;
         for tenant in guard.store().list_tenants().await? {
-            let mut filter = ApprovalFilter { state: Some(ApprovalState::Pending), after: None, limit: MAX_PAGE };
-            loop {
-                let page = guard.list_approvals(&tenant.id, &filter).await?;
-                for approval in &page {
-                    // One approval's store write failing leaves the others to be sent.
-                    match self.notify(guard, approval).await {
-                        Ok(sent) => delivered += usize::from(sent),
-                        Err(e) => {
-                            tracing::warn!(approval = approval.id, error = %e, "approval webhook: could not take or settle a notice; will retry")
-                        }
+            for approval in &guard.all_approvals(&tenant.id, Some(ApprovalState::Pending), usize::MAX).await? {
+                // One approval's store write failing leaves the others to be sent.
+                match self.notify(guard, approval).await {
+                    Ok(sent) => delivered += usize::from(sent),
+                    Err(e) => {
+                        tracing::warn!(approval = approval.id, error = %e, "approval webhook: could not take or settle a notice; will retry")
                     }
-                }
-                match page.last() {
-                    Some(last) if page.len() == MAX_PAGE => filter.after = Some(last.id.clone()),
-                    _ => break,
                 }
             }
         }

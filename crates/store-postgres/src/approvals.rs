@@ -103,9 +103,9 @@ impl ApprovalStore for PgStore {
         let mut out = Vec::new();
         for row in rows {
             let approval = decode(row.get(0))?;
-            if filter.state.is_none_or(|s| approval.state(now) == s) {
+            if filter.admits(&approval, now) {
                 out.push(approval);
-                if out.len() >= filter.limit.min(MAX_PAGE) {
+                if out.len() >= filter.page_size() {
                     break;
                 }
             }

@@ -6,7 +6,7 @@
 use async_trait::async_trait;
 use onceguard_core::approval::Approval;
 use onceguard_core::control::AuditEntry;
-use onceguard_core::store::{ApprovalFilter, ApprovalStore, MAX_PAGE, StoreError};
+use onceguard_core::store::{ApprovalFilter, ApprovalStore, StoreError};
 use onceguard_core::{Scope, TenantId, Timestamp};
 
 use crate::codec::corrupt;
@@ -141,13 +141,13 @@ impl ApprovalStore for RedisStore {
             if kept > now
                 && &approval.scope.tenant == tenant
                 && approval.id.as_str() > after
-                && filter.state.is_none_or(|s| approval.state(now) == s)
+                && filter.admits(&approval, now)
             {
                 out.push(approval);
             }
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
-        out.truncate(filter.limit.min(MAX_PAGE));
+        out.truncate(filter.page_size());
         Ok(out)
     }
 

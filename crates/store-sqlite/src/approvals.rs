@@ -104,9 +104,9 @@ impl ApprovalStore for SqliteStore {
             let mut out = Vec::new();
             for doc in rows {
                 let approval = decode(doc.map_err(unavailable)?)?;
-                if filter.state.is_none_or(|s| approval.state(now) == s) {
+                if filter.admits(&approval, now) {
                     out.push(approval);
-                    if out.len() >= filter.limit.min(MAX_PAGE) {
+                    if out.len() >= filter.page_size() {
                         break;
                     }
                 }

@@ -276,6 +276,28 @@ impl Guard {
         Ok(self.store.list_approvals(tenant, filter, self.clock.now()).await?)
     }
 
+    /// The tenant's kept approvals in `state` (all if `None`), by id, reading at most
+    /// `max_pages` pages of [`crate::store::MAX_PAGE`].
+    pub async fn all_approvals(
+        &self,
+        tenant: &TenantId,
+        state: Option<ApprovalState>,
+        max_pages: usize,
+    ) -> Result<Vec<Approval>, GuardError> {
+        let mut filter = ApprovalFilter { state, after: None, limit: crate::store::MAX_PAGE };
+        let mut all = Vec::new();
+        for _ in 0..max_pages {
+            let page = self.list_approvals(tenant, &filter).await?;
+            let full = page.len() == filter.limit;
+            filter.after = page.last().map(|a| a.id.clone());
+            all.extend(page);
+            if !full {
+                break;
+            }
+        }
+        Ok(all)
+    }
+
     /// How many of the tenant's approvals are pending, and since when the oldest waits (reading
     /// at most `max_pages` pages).
     pub async fn count_pending_approvals(
@@ -283,21 +305,8 @@ impl Guard {
         tenant: &TenantId,
         max_pages: usize,
     ) -> Result<(usize, Option<Timestamp>), GuardError> {
-        let mut filter =
-            ApprovalFilter { state: Some(ApprovalState::Pending), limit: crate::store::MAX_PAGE, ..Default::default() };
-        let (mut count, mut oldest) = (0, None::<Timestamp>);
-        for _ in 0..max_pages {
-            let page = self.list_approvals(tenant, &filter).await?;
-            count += page.len();
-            for a in &page {
-                oldest = Some(oldest.map_or(a.requested_at, |o| o.min(a.requested_at)));
-            }
-            match page.last() {
-                Some(last) if page.len() == filter.limit => filter.after = Some(last.id.clone()),
-                _ => break,
-            }
-        }
-        Ok((count, oldest))
+        let pending = self.all_approvals(tenant, Some(ApprovalState::Pending), max_pages).await?;
+        Ok((pending.len(), pending.iter().map(|a| a.requested_at).min()))
     }
 }
 

@@ -50,8 +50,8 @@ impl ApprovalStore for MemoryStore {
             .range((Excluded(start), Unbounded))
             .take_while(|((t, _), _)| t == tenant)
             .filter_map(|(_, scope)| state.approvals.get(scope))
-            .filter(|a| a.is_kept(now) && filter.state.is_none_or(|s| a.state(now) == s))
-            .take(filter.limit.min(MAX_PAGE))
+            .filter(|a| filter.admits(a, now))
+            .take(filter.page_size())
             .cloned()
             .collect())
     }

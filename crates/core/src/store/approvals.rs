@@ -19,6 +19,18 @@ pub struct ApprovalFilter {
     pub limit: usize,
 }
 
+impl ApprovalFilter {
+    /// Whether a listing at `now` holds `approval` (kept, and in the state asked for, if any).
+    pub fn admits(&self, approval: &Approval, now: Timestamp) -> bool {
+        approval.is_kept(now) && self.state.is_none_or(|s| approval.state(now) == s)
+    }
+
+    /// How many a page holds at most.
+    pub fn page_size(&self) -> usize {
+        self.limit.min(crate::store::MAX_PAGE)
+    }
+}
+
 /// Approvals, one kept per key at most. Approvals are few (a person decides each), so a store
 /// may keep them all in one place and list them by scanning.
 #[async_trait]
