@@ -12,22 +12,11 @@ import {
   Unauthenticated,
   applied,
   type Acquired,
-  type ClaimAnswer,
   type Replay,
 } from "onceguard";
-import { ns, useServer } from "./server.js";
+import { acquired, ns, replay, useServer } from "./server.js";
 
 const fx = useServer();
-
-function acquired(answer: ClaimAnswer): Acquired {
-  assert.equal(answer.outcome, "acquired", JSON.stringify(answer));
-  return answer as Acquired;
-}
-
-function replay(answer: ClaimAnswer): Replay {
-  assert.equal(answer.outcome, "replay", JSON.stringify(answer));
-  return answer as Replay;
-}
 
 describe("claims", () => {
   it("acquired, then in_flight, then replay with the stored bytes exactly", async () => {

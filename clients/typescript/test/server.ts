@@ -14,7 +14,8 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 import { after, before } from "node:test";
-import { Client } from "onceguard";
+import assert from "node:assert/strict";
+import { Client, type Acquired, type ClaimAnswer, type Replay } from "onceguard";
 
 /** The repository (this file runs as clients/typescript/dist/test/server.js). */
 export const REPO = resolve(fileURLToPath(new URL(".", import.meta.url)), "../../../..");
@@ -183,4 +184,16 @@ export function gate<T = void>(): { promise: Promise<T>; open: (value: T) => voi
   let open!: (value: T) => void;
   const promise = new Promise<T>((r) => (open = r));
   return { promise, open };
+}
+
+/** `answer`, asserted to be `acquired`. */
+export function acquired(answer: ClaimAnswer): Acquired {
+  assert.equal(answer.outcome, "acquired", JSON.stringify(answer));
+  return answer as Acquired;
+}
+
+/** `answer`, asserted to be a `replay`. */
+export function replay(answer: ClaimAnswer): Replay {
+  assert.equal(answer.outcome, "replay", JSON.stringify(answer));
+  return answer as Replay;
 }

@@ -18,24 +18,11 @@ import {
   guarded,
   happened,
   once,
-  type Acquired,
-  type ClaimAnswer,
-  type Replay,
   type VerifyContext,
 } from "onceguard";
-import { ns, useServer } from "./server.js";
+import { acquired, ns, replay, useServer } from "./server.js";
 
 const fx = useServer();
-
-function acquired(answer: ClaimAnswer): Acquired {
-  assert.equal(answer.outcome, "acquired", JSON.stringify(answer));
-  return answer as Acquired;
-}
-
-function replay(answer: ClaimAnswer): Replay {
-  assert.equal(answer.outcome, "replay", JSON.stringify(answer));
-  return answer as Replay;
-}
 
 /** Claim `key` and report the outcome unknown: the next claim is a recovery. Returns the first fence. */
 async function unknownFirstAttempt(namespace: string, key: string, request: unknown): Promise<number> {
