@@ -131,6 +131,7 @@ fn outcome(i: usize) -> Outcome {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     }
 }
 
@@ -201,6 +202,7 @@ pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
             cost: None,
             tokens: None,
             reconciled: false,
+            compensation: None,
         }),
         completed_at: Some(now),
         checkpoints: Vec::new(),

@@ -129,9 +129,8 @@ impl Client {
             Ok(ClaimAnswer::Replay(_)) => ("replay", &tally.replays, None),
             Ok(ClaimAnswer::InFlight { .. }) => ("in_flight", &tally.in_flight, None),
             Ok(ClaimAnswer::Mismatch) => ("mismatch", &tally.mismatches, None),
-            Ok(ClaimAnswer::Denied { .. } | ClaimAnswer::PendingApproval { .. }) | Err(_) => {
-                ("unexpected", &tally.unexpected, None)
-            }
+            Ok(ClaimAnswer::Denied { .. } | ClaimAnswer::PendingApproval { .. } | ClaimAnswer::Proceed { .. })
+            | Err(_) => ("unexpected", &tally.unexpected, None),
         };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok((name, fence))

@@ -5,7 +5,7 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use onceguard_core::auth::{ApiKeyId, Role};
-use onceguard_core::control::{AuditFilter, Budget, OutcomeKept, Rate, Settings, SettingsEntry, SwitchTarget};
+use onceguard_core::control::{AuditFilter, Budget, Mode, OutcomeKept, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
 use onceguard_server::{Config, api, controls};
@@ -266,13 +266,27 @@ pub(crate) enum RunCommand {
         #[arg(long)]
         why: Option<String>,
     },
-    /// Show a run: its budget and what it spent.
+    /// Show a run: its budget, what it spent, and its rollback's progress if it is being rolled
+    /// back.
     Get {
         /// The tenant.
         #[arg(long)]
         tenant: String,
         /// The run.
         run: String,
+    },
+    /// Roll a run back: switch it off, and turn each of its effects that registered a
+    /// compensation into a task that compensation workers run once, newest first. Prints the
+    /// rollback with its tasks; run it again to see the progress.
+    Rollback {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The run.
+        run: String,
+        /// Why (kept in the audit log, shown with the run's switch).
+        #[arg(long)]
+        why: String,
     },
 }
 
@@ -318,6 +332,10 @@ pub(crate) enum SettingsCommand {
         /// How long a pending approval waits for a decision, e.g. 4h (default 24h).
         #[arg(long, value_parser = humantime::parse_duration)]
         approval_expiry: Option<std::time::Duration>,
+        /// enforce (the default) or observe: claims are recorded as usual, but callers always
+        /// proceed (but for a kill switch), and what enforcement would have answered is counted.
+        #[arg(long, value_parser = parse_mode)]
+        mode: Option<Mode>,
         /// Why (kept in the audit log).
         #[arg(long)]
         why: Option<String>,
@@ -481,12 +499,20 @@ async fn runs(guard: &Guard, command: RunCommand) -> Result<()> {
             });
             let budget = Budget { max_effects, max_cost, deadline };
             let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&run)?);
-            print_json(&controls::run_view(&guard.set_budget(&cli_actor(), &tenant, &run, budget, why).await?))
+            let stored = guard.set_budget(&cli_actor(), &tenant, &run, budget, why).await?;
+            print_json(&controls::run_view(&stored, guard.rollback(&tenant, &run).await?.as_ref()))
         }
-        RunCommand::Get { tenant, run } => match guard.run(&TenantId::parse(&tenant)?, &RunId::parse(&run)?).await? {
-            Some(run) => print_json(&controls::run_view(&run)),
-            None => bail!("no run {run} in tenant {tenant}"),
-        },
+        RunCommand::Get { tenant, run: id } => {
+            let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&id)?);
+            let Some(found) = guard.run(&tenant, &run).await? else { bail!("no run {id} in tenant {tenant}") };
+            let rollback = guard.rollback(&tenant, &run).await?;
+            print_json(&controls::run_view(&found, rollback.as_ref()))
+        }
+        RunCommand::Rollback { tenant, run, why } => {
+            let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&run)?);
+            let (report, _) = guard.start_rollback(&cli_actor(), &tenant, &run, why).await?;
+            print_json(&api::rollback_view(&report, true))
+        }
     }
 }
 
@@ -505,6 +531,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             outcome_kept,
             approval_required,
             approval_expiry,
+            mode,
             why,
         } => {
             let settings = Settings {
@@ -517,6 +544,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
                 outcome_kept,
                 approval_required,
                 approval_expiry,
+                mode,
             };
             let entry = SettingsEntry {
                 tenant: TenantId::parse(&tenant)?,
@@ -571,6 +599,10 @@ async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
 async fn decide(guard: &Guard, tenant: &str, id: &str, approved: bool, why: String) -> Result<()> {
     let decided = guard.decide_approval(&TenantId::parse(tenant)?, id, approved, &cli_actor(), why).await?;
     print_json(&api::approval_view(&decided, decided.state(guard.clock().now())))
+}
+
+fn parse_mode(s: &str) -> Result<Mode, String> {
+    Mode::parse(s).ok_or_else(|| format!("'{s}' is not enforce or observe"))
 }
 
 fn parse_outcome_kept(s: &str) -> Result<OutcomeKept, String> {

@@ -181,6 +181,7 @@ fn name(answer: &ClaimAnswer) -> &'static str {
         ClaimAnswer::Mismatch => "mismatch",
         ClaimAnswer::Denied { .. } => "denied",
         ClaimAnswer::PendingApproval { .. } => "pending_approval",
+        ClaimAnswer::Proceed { .. } => "proceed",
     }
 }
 

@@ -354,7 +354,7 @@ async fn the_dashboard_shows_what_the_api_says() {
     assert_eq!(shown["claims-in-flight"], "1");
     assert_eq!(shown["cost-saved"], "2,000", "two replays each of completions that cost 100, 200, 300 and 400");
     let metrics = reqwest::get(format!("{}/metrics", server.base)).await.unwrap().text().await.unwrap();
-    assert_eq!(metric(&metrics, r#"onceguard_claims_total{tenant="default",outcome="replay"}"#), 12);
+    assert_eq!(metric(&metrics, r#"onceguard_claims_total{tenant="default",outcome="replay",mode="enforce"}"#), 12);
     assert_eq!(metric(&metrics, r#"onceguard_replay_cost_saved_total{tenant="default"}"#), 2 * (100 + 200 + 300 + 400));
     assert_eq!(shown["tokens-saved"], "4,900", "three replays of 1,500 tokens, one of 400");
     assert_eq!(metric(&metrics, r#"onceguard_replay_tokens_saved_total{tenant="default"}"#), 4_900);

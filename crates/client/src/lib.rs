@@ -315,6 +315,54 @@ pub enum ClaimAnswer {
         /// When to ask again.
         retry_after: Duration,
     },
+    /// The namespace is in observe mode: run the effect, holding nothing (no fence; do not
+    /// complete). Enforcement would have answered `would_have_been`.
+    Proceed {
+        /// `replay`, `in_flight`, `mismatch`, `denied` or `pending_approval`.
+        would_have_been: String,
+        /// Why it would have been denied.
+        reason: Option<String>,
+    },
+}
+
+/// A compensation task a worker holds (see [`Client::claim_compensation`]): run it, then
+/// complete or fail [`CompensationTask::target`] with the fence.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct CompensationTask {
+    /// The claim of the task's key.
+    #[serde(flatten)]
+    pub acquired: Acquired,
+    /// The task's namespace.
+    pub namespace: String,
+    /// The task's key.
+    pub key: String,
+    /// The effect to undo: its `namespace`, `key`, `fence` and `completed_at`.
+    pub effect: Value,
+    /// How: `name` and `data`, as registered at completion.
+    pub compensation: Value,
+}
+
+impl CompensationTask {
+    /// The task's key, for its fenced calls.
+    pub fn target(&self) -> Target {
+        Target { namespace: self.namespace.clone(), key: self.key.clone() }
+    }
+}
+
+/// What a worker asking for a compensation task gets.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CompensationAnswer {
+    /// A task, held.
+    Task(Box<CompensationTask>),
+    /// Nothing to take now; ask again after this.
+    Busy(Duration),
+    /// Nothing is left: how many tasks were compensated and how many failed.
+    Done {
+        /// Compensated.
+        compensated: u64,
+        /// Failed permanently.
+        failed: u64,
+    },
 }
 
 /// The answer of a fenced call.
@@ -473,6 +521,68 @@ impl Client {
     ) -> Result<Fenced, ClientError> {
         let extra = serde_json::json!({"result": result, "cost": spent.cost, "tokens": spent.tokens});
         self.fenced("complete", target, fence, extra).await
+    }
+
+    /// Stores a JSON result like [`Client::complete`], registering how to undo the effect
+    /// should its run be rolled back: a compensation `name` the workers know, and small `data`.
+    pub async fn complete_undoable(
+        &self,
+        target: &Target,
+        fence: u64,
+        result: &Value,
+        spent: Spent,
+        name: &str,
+        data: &Value,
+    ) -> Result<Fenced, ClientError> {
+        let extra = serde_json::json!({
+            "result": result, "cost": spent.cost, "tokens": spent.tokens,
+            "compensation": {"name": name, "data": data},
+        });
+        self.fenced("complete", target, fence, extra).await
+    }
+
+    /// Rolls a run back (admin key): answers the rollback with its progress and tasks.
+    pub async fn rollback(&self, run: &str, why: &str) -> Result<Value, ClientError> {
+        let path = format!("/v1/runs/{}/rollback", encode(run));
+        match self.call(Method::POST, &path, Some(&serde_json::json!({ "why": why }))).await? {
+            (StatusCode::CREATED | StatusCode::OK, value) => Ok(value),
+            (status, value) => Err(ClientError::Problem(problem_of(status, &value, &value.to_string())?)),
+        }
+    }
+
+    /// A run's rollback with its progress and tasks, or `None` if it is not being rolled back.
+    pub async fn rollback_status(&self, run: &str) -> Result<Option<Value>, ClientError> {
+        match self.call(Method::GET, &format!("/v1/runs/{}/rollback", encode(run)), None).await? {
+            (StatusCode::OK, value) => Ok(Some(value)),
+            (StatusCode::NOT_FOUND, _) => Ok(None),
+            (status, value) => Err(ClientError::Problem(problem_of(status, &value, &value.to_string())?)),
+        }
+    }
+
+    /// Takes the next compensation task of a run being rolled back, newest effect first.
+    pub async fn claim_compensation(
+        &self,
+        run: &str,
+        lease: Option<Duration>,
+    ) -> Result<CompensationAnswer, ClientError> {
+        let body = serde_json::json!({ "lease": lease.map(|l| format!("{}ms", l.as_millis().max(1))) });
+        let path = format!("/v1/runs/{}/compensations/claim", encode(run));
+        let (status, text) = self.send(Method::POST, &path, Some(&body)).await?;
+        let value: Value = serde_json::from_str(&text).map_err(|_| unexpected(status, &text))?;
+        match (status.as_u16(), value["outcome"].as_str()) {
+            (201, Some("acquired")) => {
+                Ok(CompensationAnswer::Task(serde_json::from_value(value).map_err(|_| unexpected(status, &text))?))
+            }
+            (200, Some("busy")) => {
+                Ok(CompensationAnswer::Busy(Duration::from_millis(value["retry_after_ms"].as_u64().unwrap_or(1000))))
+            }
+            (200, Some("done")) => Ok(CompensationAnswer::Done {
+                compensated: value["compensated"].as_u64().unwrap_or(0),
+                failed: value["failed"].as_u64().unwrap_or(0),
+            }),
+            (200..=299, _) => Err(unexpected(status, &text)),
+            _ => Err(ClientError::Problem(problem_of(status, &value, &text)?)),
+        }
     }
 
     /// Completes a recovering attempt (attempt 2 or later) with what the downstream system said
@@ -670,7 +780,15 @@ fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientErr
         |text: &str| -> Result<Value, ClientError> { serde_json::from_str(text).map_err(|_| unexpected(status, text)) };
     match status.as_u16() {
         201 => Ok(ClaimAnswer::Acquired(serde_json::from_str(text).map_err(|_| unexpected(status, text))?)),
-        200 => Ok(ClaimAnswer::Replay(serde_json::from_str(text).map_err(|_| unexpected(status, text))?)),
+        200 => {
+            let value = decode(text)?;
+            if value["outcome"] == "proceed" {
+                let would_have_been = value["would_have_been"].as_str().ok_or_else(|| unexpected(status, text))?;
+                let reason = value["reason"].as_str().map(str::to_owned);
+                return Ok(ClaimAnswer::Proceed { would_have_been: would_have_been.to_owned(), reason });
+            }
+            Ok(ClaimAnswer::Replay(serde_json::from_value(value).map_err(|_| unexpected(status, text))?))
+        }
         202 => {
             let value = decode(text)?;
             let approval = serde_json::from_value(value["approval"].clone()).map_err(|_| unexpected(status, text))?;

@@ -371,6 +371,46 @@ pub struct Settings {
     /// How long a pending approval waits for a decision (default 24 h).
     #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
     pub approval_expiry: Option<Duration>,
+    /// Whether the guard enforces its answers or only observes them (see [`Mode`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+}
+
+/// Whether a namespace's claims are enforced or only observed.
+///
+/// In `observe` mode a claim is decided and recorded exactly as in `enforce` mode, but where
+/// enforcement would have stopped the caller (a replay, a key in flight, a mismatch, a budget,
+/// quota or approval, a pending approval) the caller is told to proceed
+/// ([`crate::record::ClaimOutcome::Proceed`]) and what enforcement would have answered is
+/// reported. A kill switch refuses in both modes: it is never observe-only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Every answer is enforced.
+    #[default]
+    Enforce,
+    /// Callers always proceed (but for a kill switch); what enforcement would have answered is
+    /// counted.
+    Observe,
+}
+
+impl Mode {
+    /// Its name in settings and metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Observe => "observe",
+        }
+    }
+
+    /// Parses `enforce` or `observe`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "enforce" => Some(Self::Enforce),
+            "observe" => Some(Self::Observe),
+            _ => None,
+        }
+    }
 }
 
 /// What a namespace keeps of its outcomes.
@@ -470,6 +510,8 @@ pub struct Effective {
     /// When a key needs an approval before its first claim acquires it: how long a pending
     /// approval waits for a decision.
     pub approval: Option<Duration>,
+    /// Whether its claims are enforced or only observed.
+    pub mode: Mode,
 }
 
 /// Resolves the settings for a key in `namespace`: the server's `limits`, then the tenant's
@@ -489,6 +531,7 @@ pub fn effective<'a>(
         claim_rate: None,
         outcome_kept: OutcomeKept::Full,
         approval: None,
+        mode: Mode::Enforce,
     };
     let mut approval_expiry = crate::approval::DEFAULT_APPROVAL_EXPIRY;
     for entry in matching {
@@ -508,6 +551,9 @@ pub fn effective<'a>(
         }
         if let Some(kept) = s.outcome_kept {
             out.outcome_kept = kept;
+        }
+        if let Some(mode) = s.mode {
+            out.mode = mode;
         }
         if let Some(expiry) = s.approval_expiry {
             approval_expiry = expiry;
@@ -535,6 +581,8 @@ pub enum ControlKind {
     Switch,
     /// A [`SettingsEntry`]; its id is [`SettingsEntry::id`].
     Settings,
+    /// A run being rolled back ([`crate::rollback::Rollback`]); its id is the run.
+    Rollback,
 }
 
 impl ControlKind {
@@ -543,6 +591,7 @@ impl ControlKind {
         match self {
             Self::Switch => "switch",
             Self::Settings => "settings",
+            Self::Rollback => "rollback",
         }
     }
 
@@ -551,6 +600,7 @@ impl ControlKind {
         match s {
             "switch" => Some(Self::Switch),
             "settings" => Some(Self::Settings),
+            "rollback" => Some(Self::Rollback),
             _ => None,
         }
     }
@@ -586,6 +636,16 @@ impl ControlDoc {
         }
     }
 
+    /// The document of a rollback.
+    pub fn of_rollback(rollback: &crate::rollback::Rollback) -> Self {
+        Self {
+            kind: ControlKind::Rollback,
+            tenant: rollback.tenant.clone(),
+            id: rollback.run.to_string(),
+            body: serde_json::to_string(rollback).unwrap_or_default(),
+        }
+    }
+
     /// The document of settings.
     pub fn of_settings(entry: &SettingsEntry) -> Self {
         Self {
@@ -604,6 +664,8 @@ pub struct Controls {
     pub switches: Vec<Switch>,
     /// Settings entries.
     pub settings: Vec<SettingsEntry>,
+    /// Runs being rolled back.
+    pub rollbacks: Vec<crate::rollback::Rollback>,
 }
 
 impl Controls {
@@ -615,9 +677,15 @@ impl Controls {
             match doc.kind {
                 ControlKind::Switch => out.switches.push(serde_json::from_str(&doc.body).map_err(bad)?),
                 ControlKind::Settings => out.settings.push(serde_json::from_str(&doc.body).map_err(bad)?),
+                ControlKind::Rollback => out.rollbacks.push(serde_json::from_str(&doc.body).map_err(bad)?),
             }
         }
         Ok(out)
+    }
+
+    /// The rollback of `run` of `tenant`, if it is being rolled back.
+    pub fn rollback(&self, tenant: &TenantId, run: &RunId) -> Option<&crate::rollback::Rollback> {
+        self.rollbacks.iter().find(|r| &r.tenant == tenant && &r.run == run)
     }
 
     /// The first engaged switch covering a key in `namespace` of `tenant` claimed for `run`.

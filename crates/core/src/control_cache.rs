@@ -115,7 +115,7 @@ mod tests {
             updated_by: by.to_owned(),
             updated_at: crate::domain::Timestamp(0),
         }];
-        Arc::new(Controls { switches: vec![], settings })
+        Arc::new(Controls { settings, ..Controls::default() })
     }
 
     /// Of two reads that overlap, the one that began later is kept, whichever finishes last.

@@ -10,6 +10,7 @@
 //! - [`auth`]: tenants and hashed API keys.
 //! - [`approval`]: human approvals bound to a key and its fingerprint.
 //! - [`control`]: runs and budgets, quotas, kill switches, settings and the audit log.
+//! - [`rollback`]: compensations registered at completion, and rolling a run back.
 //!
 //! This crate has no HTTP or database dependency: the server and the stores build on it.
 
@@ -29,6 +30,7 @@ pub mod notify;
 pub mod observer;
 pub mod protocol;
 pub mod record;
+pub mod rollback;
 pub mod sealing;
 pub mod stale_audits;
 pub mod store;
@@ -42,8 +44,8 @@ pub use memory::MemoryStore;
 pub use observer::Observer;
 pub use protocol::{ClaimRequest, Mutation};
 pub use record::{
-    Acquired, Checkpoint, ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, InFlight, Outcome, OutcomeDigest,
-    OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason, is_media_type,
+    Acquired, Checkpoint, ClaimOutcome, Compensation, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, InFlight, Outcome,
+    OutcomeDigest, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason, is_media_type,
 };
 pub use store::{ListFilter, Page, Store, StoreError};
 pub use vocabulary::{Answer, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};

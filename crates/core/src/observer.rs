@@ -3,6 +3,7 @@
 //! the guard reports them, the HTTP API, the proxy, the MCP gateway and an embedding
 //! application are counted alike, and no front end has to remember to.
 
+use crate::control::Mode;
 use crate::domain::{Fence, Scope};
 use crate::record::{ClaimOutcome, StaleReason};
 use crate::vocabulary::FencedOp;
@@ -10,8 +11,10 @@ use crate::vocabulary::FencedOp;
 /// Watches the guard's decisions. Called on the caller's task, after the decision: keep it
 /// cheap and never block.
 pub trait Observer: Send + Sync + 'static {
-    /// A claim's final answer (after any wait), once per claim.
-    fn claimed(&self, scope: &Scope, outcome: &ClaimOutcome);
+    /// A claim's final answer (after any wait), once per claim, and the mode it was decided in
+    /// (in observe mode, an answer that would have stopped the caller comes as
+    /// [`ClaimOutcome::Proceed`] carrying it).
+    fn claimed(&self, scope: &Scope, outcome: &ClaimOutcome, mode: Mode);
 
     /// A fenced call that changed nothing because its fence is not the holder's.
     fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason);
@@ -35,7 +38,7 @@ pub trait Observer: Send + Sync + 'static {
 pub struct Unobserved;
 
 impl Observer for Unobserved {
-    fn claimed(&self, _: &Scope, _: &ClaimOutcome) {}
+    fn claimed(&self, _: &Scope, _: &ClaimOutcome, _: Mode) {}
 
     fn stale(&self, _: &Scope, _: FencedOp, _: Fence, _: StaleReason) {}
 }

@@ -328,6 +328,7 @@ mod tests {
             cost: None,
             tokens: None,
             reconciled: false,
+            compensation: None,
         }
     }
 

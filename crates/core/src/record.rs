@@ -71,6 +71,22 @@ pub struct Outcome {
     /// happened (reconciliation) rather than by running the effect again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reconciled: bool,
+    /// How to undo the effect, registered at completion (see [`Compensation`]); a rollback of
+    /// the record's run turns it into a compensation task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensation: Option<Compensation>,
+}
+
+/// How to undo a completed effect: a name a worker knows and small data (JSON text), never code
+/// or an address Onceguard would call itself. Registered with the completion; a rollback of the
+/// run turns it into a compensation task that workers claim and run once (see
+/// [`crate::rollback`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Compensation {
+    /// What undoes it, e.g. `refund-charge`: the worker's handler for it.
+    pub name: CheckpointName,
+    /// JSON text, as given (at most `limits.max_checkpoint_bytes`).
+    pub data: String,
 }
 
 /// The media type of an outcome kept as a digest only: its body is an [`OutcomeDigest`] in JSON.
@@ -109,7 +125,15 @@ impl OutcomeDigest {
     /// The outcome that keeps this digest in place of the bytes.
     pub fn into_outcome(self, kind: OutcomeKind, cost: Option<u64>, tokens: Option<u64>) -> Outcome {
         let body = serde_json::to_vec(&self).expect("a digest serializes");
-        Outcome { kind, content_type: DIGEST_CONTENT_TYPE.to_owned(), body, cost, tokens, reconciled: false }
+        Outcome {
+            kind,
+            content_type: DIGEST_CONTENT_TYPE.to_owned(),
+            body,
+            cost,
+            tokens,
+            reconciled: false,
+            compensation: None,
+        }
     }
 
     fn is_well_formed(&self) -> bool {
@@ -136,7 +160,7 @@ impl Outcome {
         }
         let digested =
             OutcomeDigest::of(&self.content_type, &self.body).into_outcome(self.kind, self.cost, self.tokens);
-        Outcome { reconciled: self.reconciled, ..digested }
+        Outcome { reconciled: self.reconciled, compensation: self.compensation.clone(), ..digested }
     }
 }
 
@@ -356,6 +380,11 @@ pub enum ClaimOutcome {
     /// The key needs a person's approval, which nobody has given yet: nothing was acquired or
     /// charged (see [`crate::approval`]).
     PendingApproval(Box<crate::approval::PendingApproval>),
+    /// Observe mode ([`crate::control::Mode::Observe`]): go ahead, holding nothing (no fence, no
+    /// lease: there is nothing to complete). Carries what enforcement would have answered
+    /// (never an acquisition, never a kill switch's refusal), which was decided and recorded
+    /// exactly as in enforce mode.
+    Proceed(Box<ClaimOutcome>),
 }
 
 /// Why a fenced call changed nothing.

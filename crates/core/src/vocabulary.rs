@@ -56,6 +56,8 @@ vocabulary! {
         Denied => "denied",
         /// It waits for a person's approval.
         PendingApproval => "pending_approval",
+        /// Observe mode: the caller proceeds; enforcement would have answered otherwise.
+        Proceed => "proceed",
     }
 }
 
@@ -160,6 +162,16 @@ impl ClaimOutcome {
             Self::Mismatch => Answer::Mismatch,
             Self::Denied(_) => Answer::Denied,
             Self::PendingApproval(_) => Answer::PendingApproval,
+            Self::Proceed(_) => Answer::Proceed,
+        }
+    }
+
+    /// What enforcement answered: the answer itself, or for [`ClaimOutcome::Proceed`] what it
+    /// would have answered.
+    pub fn enforced(&self) -> &ClaimOutcome {
+        match self {
+            Self::Proceed(would_have_been) => would_have_been.enforced(),
+            other => other,
         }
     }
 

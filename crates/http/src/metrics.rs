@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use onceguard_core::control::Mode;
 use onceguard_core::{
     Answer, ClaimOutcome, DenialReason, Fence, FencedOp, Guard, RecoveryKind, Scope, StaleKind, StaleReason,
     StoreError, StoreOp, TenantId, Timestamp,
@@ -42,8 +43,11 @@ pub struct TenantLabels {
 pub struct ClaimLabels {
     /// The tenant id.
     pub tenant: String,
-    /// An [`Answer`].
+    /// An [`Answer`]: what enforcement answered (in observe mode, also what it would have
+    /// answered where the caller proceeded).
     pub outcome: &'static str,
+    /// `enforce` or `observe` (see [`Mode`]).
+    pub mode: &'static str,
 }
 
 /// `tenant`, `reason`.
@@ -162,6 +166,8 @@ pub struct Metrics {
     claims: Family<ClaimLabels, Counter>,
     replay_cost_saved: Family<TenantLabels, Counter>,
     replay_tokens_saved: Family<TenantLabels, Counter>,
+    observe_cost_not_saved: Family<TenantLabels, Counter>,
+    observe_tokens_not_saved: Family<TenantLabels, Counter>,
     recoveries: Family<ReasonLabels, Counter>,
     stale_calls: Family<StaleLabels, Counter>,
     denials: Family<ReasonLabels, Counter>,
@@ -220,9 +226,25 @@ impl Metrics {
         let claims = Family::<ClaimLabels, Counter>::default();
         registry.register(
             "claims",
-            "Claims answered, by tenant and outcome: acquired, replay (an effect that did not happen twice), \
-             in_flight, mismatch (a key reused for another request; nothing changed) or denied",
+            "Claims answered, by tenant, outcome and mode: acquired, replay (an effect that did not happen \
+             twice), in_flight, mismatch (a key reused for another request; nothing changed), denied or \
+             pending_approval; in mode observe, the outcome is what enforcement would have answered, and every \
+             caller but an acquiring one proceeded anyway",
             claims.clone(),
+        );
+        let observe_cost_not_saved = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "observe_cost_not_saved",
+            "Cost units (as reported at completion) of stored outcomes that enforcement would have replayed but \
+             observe mode let the caller run again, by tenant: what enforcing would have saved",
+            observe_cost_not_saved.clone(),
+        );
+        let observe_tokens_not_saved = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "observe_tokens_not_saved",
+            "Model tokens (as reported at completion) of stored outcomes that enforcement would have replayed but \
+             observe mode let the caller run again, by tenant: what enforcing would have saved",
+            observe_tokens_not_saved.clone(),
         );
         let replay_cost_saved = Family::<TenantLabels, Counter>::default();
         registry.register(
@@ -353,6 +375,8 @@ impl Metrics {
             claims,
             replay_cost_saved,
             replay_tokens_saved,
+            observe_cost_not_saved,
+            observe_tokens_not_saved,
             recoveries,
             stale_calls,
             denials,
@@ -395,14 +419,22 @@ impl Metrics {
     }
 
     /// A claim's answer (reported by the guard: see the [`onceguard_core::Observer`] below).
-    pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome) {
-        let answer = outcome.answer();
+    pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome, mode: Mode) {
         let name = scope.tenant.to_string();
-        let labels = ClaimLabels { tenant: self.tenant_label(&name), outcome: answer.as_str() };
+        let enforced = outcome.enforced().answer().as_str();
+        let labels = ClaimLabels { tenant: self.tenant_label(&name), outcome: enforced, mode: mode.as_str() };
         self.claims.get_or_create(&labels).inc();
         let (tenant, label) = (&name, &labels.tenant);
         let mut saved = Saved::default();
         match outcome {
+            ClaimOutcome::Proceed(would_have_been) => {
+                if let ClaimOutcome::Replay(replay) = would_have_been.enforced() {
+                    let labels = TenantLabels { tenant: label.clone() };
+                    self.observe_cost_not_saved.get_or_create(&labels).inc_by(replay.outcome.cost.unwrap_or(0));
+                    self.observe_tokens_not_saved.get_or_create(&labels).inc_by(replay.outcome.tokens.unwrap_or(0));
+                }
+                self.live.push_event(tenant, Event::new("observed", scope, None, would_have_been.name()));
+            }
             ClaimOutcome::Replay(replay) => {
                 saved = Saved { cost: replay.outcome.cost.unwrap_or(0), tokens: replay.outcome.tokens.unwrap_or(0) };
                 let labels = TenantLabels { tenant: label.clone() };
@@ -425,7 +457,7 @@ impl Metrics {
             }
             ClaimOutcome::InFlight(_) | ClaimOutcome::PendingApproval(_) => {}
         }
-        self.live.record_claim(tenant, scope.namespace.as_str(), answer, saved);
+        self.live.record_claim(tenant, scope.namespace.as_str(), outcome.answer(), saved);
     }
 
     /// A fenced call refused as stale (reported by the guard).
@@ -487,9 +519,12 @@ impl Metrics {
     /// recoveries by reason, stale calls, denials by reason (each in its vocabulary's order).
     pub fn totals(&self, tenant: &TenantId) -> Totals {
         let t = self.tenant_label(tenant.as_str());
-        let claims = Answer::ALL.map(|answer| {
-            self.claims.get(&ClaimLabels { tenant: t.clone(), outcome: answer.as_str() }).map_or(0, |c| c.get())
-        });
+        let count = |answer: Answer, mode: Mode| {
+            let labels = ClaimLabels { tenant: t.clone(), outcome: answer.as_str(), mode: mode.as_str() };
+            self.claims.get(&labels).map_or(0, |c| c.get())
+        };
+        let claims = Answer::ALL.map(|answer| count(answer, Mode::Enforce));
+        let observed = Answer::ALL.map(|answer| count(answer, Mode::Observe));
         let reasons = |family: &Family<ReasonLabels, Counter>, reason: &'static str| {
             family.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get())
         };
@@ -505,7 +540,19 @@ impl Metrics {
         let labels = TenantLabels { tenant: t };
         let cost_saved = self.replay_cost_saved.get(&labels).map_or(0, |c| c.get());
         let tokens_saved = self.replay_tokens_saved.get(&labels).map_or(0, |c| c.get());
-        Totals { claims, cost_saved, tokens_saved, recoveries, stale_calls, denials }
+        let cost_not_saved = self.observe_cost_not_saved.get(&labels).map_or(0, |c| c.get());
+        let tokens_not_saved = self.observe_tokens_not_saved.get(&labels).map_or(0, |c| c.get());
+        Totals {
+            claims,
+            cost_saved,
+            tokens_saved,
+            recoveries,
+            stale_calls,
+            denials,
+            observed,
+            cost_not_saved,
+            tokens_not_saved,
+        }
     }
 
     /// Counts the keys in flight and stuck of every tenant (at most `scan_max_pages` pages of
@@ -578,8 +625,11 @@ impl Metrics {
     fn initialize(&self, tenant: &str) {
         let label = self.tenant_label(tenant);
         let t = || label.clone();
-        for answer in Answer::ALL {
-            let _ = self.claims.get_or_create(&ClaimLabels { tenant: t(), outcome: answer.as_str() });
+        // Every answer in enforce mode (proceed is never an enforced answer); observe mode's
+        // series appear with the first observed claim.
+        for answer in Answer::ALL.into_iter().filter(|a| *a != Answer::Proceed) {
+            let labels = ClaimLabels { tenant: t(), outcome: answer.as_str(), mode: Mode::Enforce.as_str() };
+            let _ = self.claims.get_or_create(&labels);
         }
         for kind in RecoveryKind::ALL {
             let _ = self.recoveries.get_or_create(&ReasonLabels { tenant: t(), reason: kind.as_str() });
@@ -589,6 +639,8 @@ impl Metrics {
         }
         let _ = self.replay_cost_saved.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.replay_tokens_saved.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.observe_cost_not_saved.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.observe_tokens_not_saved.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.approvals_requested.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.reconciled.get_or_create(&TenantLabels { tenant: t() });
         for decision in ["approved", "denied"] {
@@ -600,8 +652,8 @@ impl Metrics {
 /// The guard reports every claim's answer and every stale fenced call here, whichever front end
 /// made it (the API, the proxy, the MCP gateway).
 impl onceguard_core::Observer for Metrics {
-    fn claimed(&self, scope: &Scope, outcome: &ClaimOutcome) {
-        self.observe_claim(scope, outcome);
+    fn claimed(&self, scope: &Scope, outcome: &ClaimOutcome, mode: Mode) {
+        self.observe_claim(scope, outcome, mode);
     }
 
     fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason) {
@@ -639,8 +691,15 @@ impl onceguard_core::Observer for Metrics {
 /// Counts since this instance started, for one tenant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Totals {
-    /// Claims by answer, in the order of [`Answer::ALL`].
+    /// Claims by answer in enforce mode, in the order of [`Answer::ALL`].
     pub claims: [u64; Answer::ALL.len()],
+    /// Claims in observe mode by what enforcement answered or would have answered, in the
+    /// order of [`Answer::ALL`].
+    pub observed: [u64; Answer::ALL.len()],
+    /// Cost units observe mode let callers spend again where enforcement would have replayed.
+    pub cost_not_saved: u64,
+    /// Tokens likewise.
+    pub tokens_not_saved: u64,
     /// Cost units saved by replays.
     pub cost_saved: u64,
     /// Tokens saved by replays.

@@ -245,7 +245,7 @@ async fn tool_call(
     let answer = tracing::Instrument::instrument(guarded_call(gateway, caller, parts, body, id, params), span.clone());
     let (response, outcome) = answer.await;
     span.record("onceguard.outcome", outcome);
-    if !matches!(outcome, "executed" | "replayed" | "passed") {
+    if !matches!(outcome, "executed" | "replayed" | "passed" | "observed") {
         span.record("error.type", outcome);
         span.record("otel.status_code", "ERROR");
     }
@@ -372,6 +372,10 @@ async fn guarded_call(
             });
             (json_response(jsonrpc::tool_error_message(&id, &text, meta)), "pending_approval")
         }
+        // Observe mode: the call goes upstream holding nothing, and nothing is stored.
+        ClaimOutcome::Proceed(_) => {
+            (gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await, "observed")
+        }
         ClaimOutcome::Acquired(acquired) => {
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
             if let Ok(mut set) = gateway.in_flight.lock() {
@@ -428,6 +432,7 @@ fn release_mutation(why: &str) -> Mutation {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     };
     Mutation::Fail { retryable: true, outcome }
 }
@@ -698,6 +703,7 @@ impl Leg {
                         cost: None,
                         tokens: None,
                         reconciled: false,
+                        compensation: None,
                     })
                 }
             }
@@ -710,6 +716,7 @@ impl Leg {
                     cost: None,
                     tokens: None,
                     reconciled: false,
+                    compensation: None,
                 };
                 if failure { Mutation::Fail { retryable: false, outcome } } else { Mutation::Complete(outcome) }
             }

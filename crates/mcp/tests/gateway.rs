@@ -745,7 +745,10 @@ async fn what_cannot_be_classified_is_refused_never_forwarded() {
     assert_eq!(runs(&app.seen, "echo"), 1, "the call under an encoded path was guarded");
     let metrics = app.http.get(format!("{}/_onceguard/metrics", app.base)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains(r#"decision="unclassified_refused"} 21"#), "{metrics}");
-    assert!(metrics.contains(r#"onceguard_claims_total{tenant="anon",outcome="replay"} 1"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"onceguard_claims_total{tenant="anon",outcome="replay",mode="enforce"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

@@ -130,6 +130,7 @@ async fn complete_all(guard: &Guard, requests: usize) {
             cost: None,
             tokens: None,
             reconciled: false,
+            compensation: None,
         };
         guard.mutate(&scope, a.fence, Mutation::Complete(outcome)).await.unwrap();
     }

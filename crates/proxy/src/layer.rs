@@ -193,6 +193,10 @@ fn caller_namespace(headers: &HeaderMap, options: &IdempotencyOptions) -> Result
     }
 }
 
+/// The response header that says, in observe mode, what enforcement would have answered a request
+/// it let through (`replay`, `in_flight`, `mismatch`, `denied`, `pending_approval`).
+pub const WOULD_HAVE_BEEN: &str = "onceguard-would-have-been";
+
 /// The shared scope `name` (`proxy/shared/<name>`).
 pub fn shared_scope(name: &str) -> Result<Namespace, InvalidInput> {
     Namespace::parse(&format!("proxy/shared/{name}"))
@@ -255,6 +259,14 @@ where
             expires_at: p.approval.expires_at.to_rfc3339(),
             retry_after: p.retry_after,
         }),
+        ClaimOutcome::Proceed(would_have_been) => {
+            // Observe mode: the request goes upstream holding nothing, and nothing is stored;
+            // the caller is told what enforcement would have answered.
+            let request = Request::from_parts(parts, Body::from(body));
+            let mut response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
+            response.headers_mut().insert(WOULD_HAVE_BEEN, HeaderValue::from_static(would_have_been.name()));
+            Ok(response)
+        }
         ClaimOutcome::Acquired(acquired) => {
             let request = Request::from_parts(parts, Body::from(body));
             // The upstream call and the storing of its outcome run in a task of their own: a
@@ -420,6 +432,7 @@ async fn release(guard: &Guard, scope: &Scope, fence: Fence) {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     };
     if let Err(e) = guard.mutate(scope, fence, Mutation::Fail { retryable: true, outcome }).await {
         tracing::warn!(error = %e, "could not release a key; it is held until its lease passes");
@@ -435,6 +448,7 @@ fn stored_outcome(stored: &StoredResponse) -> Outcome {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     }
 }
 

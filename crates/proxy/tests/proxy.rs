@@ -615,7 +615,7 @@ async fn the_proxys_metrics_count_its_claims_by_outcome() {
     let metrics = proxy.client.get(format!("{}/_onceguard/metrics", proxy.base)).send().await.unwrap();
     let metrics = metrics.text().await.unwrap();
     for (outcome, n) in [("acquired", 1), ("replay", 1), ("mismatch", 1)] {
-        let line = format!(r#"onceguard_claims_total{{tenant="proxy",outcome="{outcome}"}} {n}"#);
+        let line = format!(r#"onceguard_claims_total{{tenant="proxy",outcome="{outcome}",mode="enforce"}} {n}"#);
         assert!(metrics.contains(&line), "{line} in {metrics}");
     }
 }

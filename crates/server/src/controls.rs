@@ -9,7 +9,8 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use onceguard_core::control::{
-    AuditEntry, AuditFilter, Budget, OutcomeKept, Rate, Run, Settings, SettingsEntry, Switch, SwitchTarget, check_units,
+    AuditEntry, AuditFilter, Budget, Mode, OutcomeKept, Rate, Run, Settings, SettingsEntry, Switch, SwitchTarget,
+    check_units,
 };
 use onceguard_core::domain::parse_duration;
 use onceguard_core::{Namespace, RunId, TenantId, Timestamp};
@@ -77,10 +78,13 @@ pub struct RunView {
     pub created_at: String,
     /// When its budget or usage last changed.
     pub updated_at: String,
+    /// Its rollback's progress, if it is being rolled back (the tasks: `GET
+    /// /v1/runs/{run}/rollback`).
+    pub rollback: Option<crate::api::RollbackView>,
 }
 
-/// The API's view of a run.
-pub fn run_view(run: &Run) -> RunView {
+/// The API's view of a run, with its rollback's progress if it is being rolled back.
+pub fn run_view(run: &Run, rollback: Option<&onceguard_core::rollback::RollbackReport>) -> RunView {
     RunView {
         run: run.run.to_string(),
         budget: BudgetBody {
@@ -92,6 +96,7 @@ pub fn run_view(run: &Run) -> RunView {
         usage: UsageView { effects: run.usage.effects, cost: run.usage.cost },
         created_at: run.created_at.to_rfc3339(),
         updated_at: run.updated_at.to_rfc3339(),
+        rollback: rollback.map(|r| crate::api::rollback_view(r, false)),
     }
 }
 
@@ -125,7 +130,8 @@ pub async fn set_budget(
         deadline: b.deadline.as_deref().map(|d| parse_time("deadline", d)).transpose()?,
     };
     let stored = state.guard.set_budget(&caller.actor(), &tenant, &run, budget, b.why).await?;
-    Ok(Json(run_view(&stored)))
+    let rollback = state.guard.rollback(&tenant, &run).await?;
+    Ok(Json(run_view(&stored, rollback.as_ref())))
 }
 
 /// A run: its budget and what it spent (any role, in its tenant).
@@ -143,7 +149,9 @@ pub async fn get_run(
 ) -> ApiResult<Json<RunView>> {
     let run = RunId::parse(&run)?;
     let found = state.guard.run(&caller.tenant, &run).await?;
-    found.map(|r| Json(run_view(&r))).ok_or_else(|| ApiError::NotFound("no such run in your tenant".into()))
+    let found = found.ok_or_else(|| ApiError::NotFound("no such run in your tenant".into()))?;
+    let rollback = state.guard.rollback(&caller.tenant, &run).await?;
+    Ok(Json(run_view(&found, rollback.as_ref())))
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -346,6 +354,39 @@ pub struct SettingsBody {
     /// How long a pending approval waits for a decision, e.g. `4h` (1 s to 30 days; default
     /// 24 h).
     pub approval_expiry: Option<String>,
+    /// `enforce` (the default) or `observe`: claims are decided and recorded as usual, but
+    /// the caller always proceeds (but for a kill switch), and what enforcement would have
+    /// answered is counted.
+    pub mode: Option<ModeBody>,
+}
+
+/// Whether claims are enforced or only observed.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ModeBody {
+    /// Every answer is enforced.
+    Enforce,
+    /// Callers always proceed (but for a kill switch); what enforcement would have answered is
+    /// counted.
+    Observe,
+}
+
+impl From<ModeBody> for Mode {
+    fn from(b: ModeBody) -> Self {
+        match b {
+            ModeBody::Enforce => Self::Enforce,
+            ModeBody::Observe => Self::Observe,
+        }
+    }
+}
+
+impl From<Mode> for ModeBody {
+    fn from(m: Mode) -> Self {
+        match m {
+            Mode::Enforce => Self::Enforce,
+            Mode::Observe => Self::Observe,
+        }
+    }
 }
 
 /// What a namespace keeps of its outcomes.
@@ -389,6 +430,7 @@ impl SettingsBody {
             outcome_kept: self.outcome_kept.map(Into::into),
             approval_required: self.approval_required,
             approval_expiry: d("approval_expiry", &self.approval_expiry)?,
+            mode: self.mode.map(Into::into),
         })
     }
 
@@ -403,6 +445,7 @@ impl SettingsBody {
             outcome_kept: s.outcome_kept.map(Into::into),
             approval_required: s.approval_required,
             approval_expiry: duration_text(s.approval_expiry),
+            mode: s.mode.map(Into::into),
         }
     }
 }

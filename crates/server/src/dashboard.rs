@@ -87,6 +87,31 @@ pub struct ClaimCounts {
     pub pending_approval: u64,
 }
 
+impl ClaimCounts {
+    /// The counts of `totals`, in the order of [`onceguard_core::Answer::ALL`] (proceed, never
+    /// an enforced answer, is left out).
+    fn of(totals: [u64; onceguard_core::Answer::ALL.len()]) -> Self {
+        let [acquired, replay, in_flight, mismatch, denied, pending_approval, _proceed] = totals;
+        Self { acquired, replay, in_flight, mismatch, denied, pending_approval }
+    }
+}
+
+/// What observe mode let through since this instance started: claims in namespaces in observe
+/// mode, by what enforcement answered or would have answered, and what enforcing would have
+/// saved.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ObservedView {
+    /// Claims in observe mode by the answer enforcement gave (`acquired`) or would have given
+    /// (every other: the caller proceeded).
+    pub claims: ClaimCounts,
+    /// Duplicates enforcement would have prevented: would-be replays and keys in flight.
+    pub duplicates_not_prevented: u64,
+    /// Cost units of the outcomes enforcement would have replayed.
+    pub cost_not_saved: u64,
+    /// Tokens likewise.
+    pub tokens_not_saved: u64,
+}
+
 /// Recoveries by reason.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RecoveryCounts {
@@ -245,6 +270,10 @@ pub struct DashboardView {
     pub controls: ControlsView,
     /// Approvals waiting for a decision.
     pub approvals: ApprovalsPanel,
+    /// What observe mode let through.
+    pub observed: ObservedView,
+    /// Runs being rolled back, newest first (at most 20), with their progress.
+    pub rollbacks: Vec<crate::api::RollbackView>,
 }
 
 fn checkpoint_summary(cp: &onceguard_core::Checkpoint) -> CheckpointSummary {
@@ -305,13 +334,20 @@ pub async fn dashboard_data(
     let approvals = approvals_panel(&state, &tenant, now).await?;
     let totals = metrics.totals(&tenant);
     let (in_flight, stuck_count) = scan.tenants.get(tenant.as_str()).copied().unwrap_or((0, 0));
-    let [acquired, replay, in_flight_claims, mismatch, denied, pending_approval] = totals.claims;
+    let observed = ClaimCounts::of(totals.observed);
+    let observed = ObservedView {
+        duplicates_not_prevented: observed.replay + observed.in_flight,
+        claims: observed,
+        cost_not_saved: totals.cost_not_saved,
+        tokens_not_saved: totals.tokens_not_saved,
+    };
+    let rollbacks = rollbacks_panel(&state, &tenant).await?;
     Ok(Json(DashboardView {
         tenant: tenant.to_string(),
         tenants,
         now: now.to_rfc3339(),
         instance: InstanceView { version: env!("CARGO_PKG_VERSION"), started_at: metrics.started_at().to_rfc3339() },
-        claims: ClaimCounts { acquired, replay, in_flight: in_flight_claims, mismatch, denied, pending_approval },
+        claims: ClaimCounts::of(totals.claims),
         cost_saved: totals.cost_saved,
         tokens_saved: totals.tokens_saved,
         recoveries: RecoveryCounts { lease_expired: totals.recoveries[0], reported_unknown: totals.recoveries[1] },
@@ -336,10 +372,29 @@ pub async fn dashboard_data(
         },
         controls,
         approvals,
+        observed,
+        rollbacks,
     }))
 }
 
 /// The tenant's pending approvals, oldest first.
+/// How many rollbacks the dashboard shows.
+const ROLLBACKS_SHOWN: usize = 20;
+
+/// The tenant's runs being rolled back, newest first, each with its progress.
+async fn rollbacks_panel(
+    state: &AppState,
+    tenant: &onceguard_core::TenantId,
+) -> ApiResult<Vec<crate::api::RollbackView>> {
+    let mut views = Vec::new();
+    for rollback in state.guard.rollbacks(tenant).await?.into_iter().take(ROLLBACKS_SHOWN) {
+        if let Some(report) = state.guard.rollback(tenant, &rollback.run).await? {
+            views.push(crate::api::rollback_view(&report, false));
+        }
+    }
+    Ok(views)
+}
+
 async fn approvals_panel(
     state: &AppState,
     tenant: &onceguard_core::TenantId,

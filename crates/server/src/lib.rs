@@ -52,6 +52,7 @@ use problem::ApiError;
         controls::list_switches, controls::put_settings, controls::list_settings, controls::delete_settings,
         controls::list_audit,
         api::list_approvals, api::get_approval, api::approve, api::deny,
+        api::start_rollback, api::get_rollback, api::claim_compensation,
         api::healthz, api::readyz,
         api::metrics, dashboard::dashboard_data, dashboard::dashboard_record,
     ),
@@ -63,6 +64,7 @@ use problem::ApiError;
         (name = "admin", description = "Tenants and API keys"),
         (name = "approvals", description = "Approvals of keys (and fingerprints) that need a person's decision"),
         (name = "blast radius", description = "Runs and budgets, kill switches, settings and quotas, the audit log"),
+        (name = "rollback", description = "Rolling a run back: compensation tasks that workers run once, newest first"),
         (name = "health", description = "Liveness and readiness"),
         (name = "observability", description = "Prometheus metrics and the dashboard's data"),
     )
@@ -157,6 +159,8 @@ pub fn router(state: AppState, config: &Config) -> Router {
         .route("/v1/api-keys", get(api::list_api_keys).post(api::create_api_key))
         .route("/v1/api-keys/{id}", delete(api::revoke_api_key))
         .route("/v1/runs/{run}", get(controls::get_run).put(controls::set_budget))
+        .route("/v1/runs/{run}/rollback", get(api::get_rollback).post(api::start_rollback))
+        .route("/v1/runs/{run}/compensations/claim", post(api::claim_compensation))
         .route("/v1/switches", get(controls::list_switches).post(controls::engage_switch))
         .route("/v1/switches/release", post(controls::release_switch))
         .route(

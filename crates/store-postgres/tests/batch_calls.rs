@@ -39,6 +39,7 @@ fn completion(req: &ClaimRequest, fence: Fence) -> FencedCall {
         cost: None,
         tokens: Some(12),
         reconciled: false,
+        compensation: None,
     };
     FencedCall { scope: req.scope.clone(), fence, mutation: Mutation::Complete(outcome) }
 }

@@ -86,6 +86,7 @@ fn outcome(body: String) -> Outcome {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     }
 }
 

@@ -54,6 +54,7 @@ fn done(body: &str) -> Mutation {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     })
 }
 

@@ -58,6 +58,7 @@ fn done(cost: u64) -> Mutation {
         cost: Some(cost),
         tokens: None,
         reconciled: false,
+        compensation: None,
     })
 }
 

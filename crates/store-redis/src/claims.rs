@@ -229,6 +229,11 @@ impl ClaimStore for RedisStore {
         let same_but_values = Record {
             outcome: new.outcome.clone().map(|mut o| {
                 o.body = old.outcome.as_ref().map(|o| o.body.clone()).unwrap_or_default();
+                if let (Some(new), Some(old)) =
+                    (&mut o.compensation, old.outcome.as_ref().and_then(|o| o.compensation.as_ref()))
+                {
+                    new.data = old.data.clone();
+                }
                 o
             }),
             checkpoints: new
@@ -245,6 +250,8 @@ impl ClaimStore for RedisStore {
         let placement = Placement::of(&old.scope);
         let body = |r: &Record| r.outcome.as_ref().map(|o| o.body.clone()).unwrap_or_default();
         let (old_body, new_body) = (body(old), body(new));
+        let compensation = |r: &Record| r.outcome.as_ref().map(crate::codec::compensation_field).unwrap_or_default();
+        let (old_compensation, new_compensation) = (compensation(old), compensation(new));
         let field = |c: &onceguard_core::Checkpoint| format!("{}\n{}\n{}\n{}", c.fence.0, c.at.0, c.name, c.data);
         self.bounded("replace stored values", async {
             let mut conn = self.conn.clone();
@@ -259,7 +266,10 @@ impl ClaimStore for RedisStore {
                 .arg(old.checkpoints.len())
                 .arg(if old_body != new_body { "1" } else { "0" })
                 .arg(old_body.as_slice())
-                .arg(new_body.as_slice());
+                .arg(new_body.as_slice())
+                .arg(if old_compensation != new_compensation { "1" } else { "0" })
+                .arg(old_compensation.as_str())
+                .arg(new_compensation.as_str());
             for (i, (o, n)) in old.checkpoints.iter().zip(&new.checkpoints).enumerate() {
                 if o.data != n.data {
                     invocation.arg(i).arg(field(o)).arg(field(n));

@@ -112,6 +112,7 @@ impl Fields {
                 cost: self.get("ocost").map(|v| units(v, "cost")).transpose()?.flatten(),
                 tokens: self.get("otok").map(|v| units(v, "tokens")).transpose()?.flatten(),
                 reconciled: self.get("orec") == Some(b"1".as_slice()),
+                compensation: self.get("ocmp").map(compensation).transpose()?,
             }),
             None => None,
         };
@@ -224,6 +225,7 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
                 cost: units(field(7)?, "cost")?,
                 tokens: units(field(8)?, "tokens")?,
                 reconciled: field(9).is_ok_and(|f| f == b"1"),
+                compensation: None,
             },
         })),
         b"acquired" => {
@@ -335,4 +337,14 @@ pub(crate) fn run(tenant: &TenantId, run: &RunId, flat: Vec<Vec<u8>>) -> Result<
         created_at: fields.time("ca")?,
         updated_at: fields.time("up")?,
     }))
+}
+
+/// A compensation as the record's `ocmp` field keeps it (its JSON).
+fn compensation(value: &[u8]) -> Result<onceguard_core::Compensation, StoreError> {
+    serde_json::from_slice(value).map_err(|e| corrupt(format!("ocmp: {e}")))
+}
+
+/// The `ocmp` field of an outcome's compensation (`""` if none).
+pub(crate) fn compensation_field(outcome: &onceguard_core::Outcome) -> String {
+    outcome.compensation.as_ref().map(|c| serde_json::to_string(c).unwrap_or_default()).unwrap_or_default()
 }

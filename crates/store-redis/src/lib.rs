@@ -861,7 +861,8 @@ impl RedisStore {
                     .arg(outcome.body.as_slice())
                     .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default())
                     .arg(outcome.tokens.map(|t| t.to_string()).unwrap_or_default())
-                    .arg(if outcome.reconciled { "1" } else { "" });
+                    .arg(if outcome.reconciled { "1" } else { "" })
+                    .arg(codec::compensation_field(outcome));
             }
             Mutation::Fail { retryable: true, .. } => {}
             Mutation::Extend(lease) => {

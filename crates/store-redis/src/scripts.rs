@@ -21,7 +21,7 @@
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
-//! | `ok` `oc` `ob` `ocost` `otok` `orec` | outcome kind, content type, body (bytes), cost, tokens and `1` if reconciled (each absent if none) |
+//! | `ok` `oc` `ob` `ocost` `otok` `orec` `ocmp` | outcome kind, content type, body (bytes), cost, tokens, `1` if reconciled, and the compensation registered (JSON) (each absent if none) |
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
 //! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
 //!
@@ -471,7 +471,7 @@ pub const MUTATE: &str = r#"
 --       (with a run named below)
 -- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none),
---     '1' if reconciled ('' if not)
+--     '1' if reconciled ('' if not), compensation JSON ('' if none)
 --   release: nothing
 --   extend: lease ms
 --   checkpoint: name, data
@@ -482,7 +482,7 @@ local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local base = 8
 if op == 'complete' or op == 'fail' then
-  base = 14
+  base = 15
 elseif op == 'extend' or op == 'unknown' then
   base = 9
 elseif op == 'checkpoint' then
@@ -500,7 +500,7 @@ if r.st ~= 'in_progress' then
   local again = false
   if r.st == 'completed' and r.ok ~= nil and (op == 'complete' or op == 'fail') then
     local same = (r.oc or '') == ARGV[10] and (r.ob or '') == ARGV[11] and (r.ocost or '') == ARGV[12]
-      and (r.otok or '') == ARGV[13] and (r.orec or '') == ARGV[14]
+      and (r.otok or '') == ARGV[13] and (r.orec or '') == ARGV[14] and (r.ocmp or '') == ARGV[15]
     if op == 'complete' then
       again = ARGV[9] == 'success' and r.ok == 'success' and same
     else
@@ -529,6 +529,7 @@ if op == 'complete' or op == 'fail' then
   if ARGV[12] ~= '' then set(w, 'ocost', ARGV[12]) else unset(w, 'ocost') end
   if ARGV[13] ~= '' then set(w, 'otok', ARGV[13]) else unset(w, 'otok') end
   if ARGV[14] ~= '' then set(w, 'orec', ARGV[14]) else unset(w, 'orec') end
+  if ARGV[15] ~= '' then set(w, 'ocmp', ARGV[15]) else unset(w, 'ocmp') end
   set(w, 'co', int(now))
   unset(w, 'le')
   unset(w, 'un')
@@ -655,8 +656,9 @@ return { existed, token or '' }
 pub const REPLACE_VALUES: &str = r#"
 -- KEYS: record; ARGV: fence, state, updated at, lease expiry ('' for none), unknown-outcome
 -- report ('' for none, else the detail after a '+'), number of checkpoints, whether the body
--- changes ('1' or '0'), the body before, the body after, then for each checkpoint that
--- changes: its place among the record's checkpoints (from 0), its field before, its field after
+-- changes ('1' or '0'), the body before, the body after, whether the compensation changes ('1'
+-- or '0'), its field before, its field after, then for each checkpoint that changes: its place
+-- among the record's checkpoints (from 0), its field before, its field after
 local r = KEYS[1]
 local un = redis.call('HGET', r, 'un')
 if redis.call('HGET', r, 'fe') ~= ARGV[1] or redis.call('HGET', r, 'st') ~= ARGV[2]
@@ -667,13 +669,15 @@ end
 local first = tonumber(redis.call('HGET', r, 'c0') or '0')
 if tonumber(redis.call('HGET', r, 'cn') or '0') - first ~= tonumber(ARGV[6]) then return 0 end
 if ARGV[7] == '1' and redis.call('HGET', r, 'ob') ~= ARGV[8] then return 0 end
-for i = 10, #ARGV, 3 do
+if ARGV[10] == '1' and redis.call('HGET', r, 'ocmp') ~= ARGV[11] then return 0 end
+for i = 13, #ARGV, 3 do
   if redis.call('HGET', r, 'c.' .. string.format('%.0f', first + tonumber(ARGV[i]))) ~= ARGV[i + 1] then
     return 0
   end
 end
 if ARGV[7] == '1' then redis.call('HSET', r, 'ob', ARGV[9]) end
-for i = 10, #ARGV, 3 do
+if ARGV[10] == '1' then redis.call('HSET', r, 'ocmp', ARGV[12]) end
+for i = 13, #ARGV, 3 do
   redis.call('HSET', r, 'c.' .. string.format('%.0f', first + tonumber(ARGV[i])), ARGV[i + 2])
 end
 return 1

@@ -16,8 +16,10 @@ use onceguard_core::{
 };
 
 mod approvals;
+mod rollback;
 
 pub use approvals::*;
+pub use rollback::*;
 
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(3_600);
@@ -77,6 +79,7 @@ fn success(body: impl Into<Vec<u8>>) -> Outcome {
         cost: Some(42),
         tokens: Some(1_234),
         reconciled: false,
+        compensation: None,
     }
 }
 

@@ -139,7 +139,11 @@ macro_rules! conformance_tests {
             a_batch_asks_each_key_needing_approval,
             a_notice_is_taken_once_per_attempt,
             an_approval_lets_its_call_run_once,
-            a_recovery_completes_as_reconciled
+            a_recovery_completes_as_reconciled,
+            a_rolled_back_run_compensates_each_effect_once,
+            a_compensation_failing_permanently_is_kept,
+            observe_mode_counts_each_would_be_outcome,
+            switching_modes_under_load_keeps_each_key_acquired_once
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

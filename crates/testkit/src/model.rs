@@ -238,6 +238,7 @@ fn answer_of_claim(outcome: ClaimOutcome, now: Timestamp) -> Answer {
         ClaimOutcome::Mismatch => Answer::Mismatch,
         ClaimOutcome::Denied(d) => panic!("no budgets here, yet denied at {now:?}: {d:?}"),
         ClaimOutcome::PendingApproval(p) => panic!("no approvals here, yet pending at {now:?}: {p:?}"),
+        ClaimOutcome::Proceed(p) => panic!("no observe mode here, yet told to proceed at {now:?}: {p:?}"),
     }
 }
 
@@ -254,6 +255,7 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     };
     for (i, op) in ops.iter().enumerate() {
         let now = clock_now(&clock);

@@ -145,6 +145,7 @@ impl Guard {
             cost: None,
             tokens: None,
             reconciled: false,
+            compensation: None,
         };
         self.store
             .mutate(

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::clock::Clock;
-use crate::control::{AuditEntry, Controls, Effective, OutcomeKept, Rate, check_units};
+use crate::control::{AuditEntry, Controls, Effective, Mode, OutcomeKept, Rate, check_units};
 use crate::control_cache::{CONTROL_REFRESH, ControlCache};
 use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId};
 use crate::limits::Limits;
@@ -28,8 +28,10 @@ use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
 mod approvals;
+mod rollback;
 
 pub use approvals::PENDING_RETRY_AFTER;
+pub use rollback::{CompensationClaim, TaskHeld};
 
 /// Why the guard refused or could not do a call.
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +114,7 @@ struct Prepared {
     wait: Duration,
     rate: Option<Rate>,
     ask: Option<approvals::Ask>,
+    mode: Mode,
 }
 
 /// The guard. Cheap to clone; clones share everything.
@@ -231,19 +234,42 @@ impl Guard {
     /// the key, as a recovery) without polling. The answer is reported to the observer.
     #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %claim.scope.tenant, namespace = %claim.scope.namespace, fingerprint = %claim.fingerprint, outcome))]
     pub async fn claim(&self, claim: Claim) -> Result<ClaimOutcome, GuardError> {
-        let (outcome, scope) = self.decide(claim).await?;
+        self.claim_in(claim, None).await
+    }
+
+    /// [`Guard::claim`], in `mode` whatever the settings say when one is given (a compensation
+    /// task is always enforced: it must run once).
+    async fn claim_in(&self, claim: Claim, mode: Option<Mode>) -> Result<ClaimOutcome, GuardError> {
+        let (outcome, scope, mode) = self.decide(claim, mode).await?;
         let outcome = self.open_claim(&scope, outcome)?;
         tracing::Span::current().record("outcome", outcome.name());
-        self.observer.claimed(&scope, &outcome);
+        self.report_claim(&scope, &outcome, mode);
         Ok(outcome)
     }
 
-    /// Decides a claim; answers the outcome and the claim's scope (for the observer).
-    async fn decide(&self, claim: Claim) -> Result<(ClaimOutcome, Scope), GuardError> {
+    /// Reports a claim's answer to the observer, and logs what observe mode let through.
+    fn report_claim(&self, scope: &Scope, outcome: &ClaimOutcome, mode: Mode) {
+        if let ClaimOutcome::Proceed(would_have_been) = outcome {
+            tracing::info!(
+                tenant = %scope.tenant,
+                namespace = %scope.namespace,
+                would_have_been = would_have_been.name(),
+                "observe mode: the caller proceeds where enforcement would not have let it"
+            );
+        }
+        self.observer.claimed(scope, outcome, mode);
+    }
+
+    /// Decides a claim; answers the outcome and the claim's scope (for the observer). In
+    /// observe mode the claim never waits, and an answer that would stop the caller is turned
+    /// into [`ClaimOutcome::Proceed`] (see [`observed`]).
+    async fn decide(&self, claim: Claim, mode: Option<Mode>) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         let controls = self.controls().await?;
-        let Prepared { mut req, wait, rate, ask } = self.request(&controls, claim)?;
+        let Prepared { mut req, wait, rate, ask, mode: in_force } = self.request(&controls, claim)?;
+        let mode = mode.unwrap_or(in_force);
+        let wait = if mode == Mode::Observe { Duration::ZERO } else { wait };
         if let Some(denial) = self.refusal(&controls, &mut req, rate.as_ref()).await? {
-            return Ok((ClaimOutcome::Denied(denial), req.scope));
+            return Ok((observed(mode, ClaimOutcome::Denied(denial)), req.scope, mode));
         }
         // Only a claim that may wait has a deadline.
         let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
@@ -261,7 +287,7 @@ impl Guard {
                 (ClaimOutcome::PendingApproval(pending), Some(deadline)) if Instant::now() < deadline => {
                     (pending.retry_after, deadline)
                 }
-                _ => return Ok((outcome, req.scope)),
+                _ => return Ok((observed(mode, outcome), req.scope, mode)),
             };
             // Wake on a change, when the holder's lease should have passed, at the poll interval,
             // or at the deadline, whichever comes first; then claim again.
@@ -273,7 +299,7 @@ impl Guard {
             // A switch engaged while the claim waited refuses it (a replay included), and the
             // next pass carries the runs switched off since.
             if let Some(denial) = self.controls().await?.apply_switches(&mut req) {
-                return Ok((ClaimOutcome::Denied(denial), req.scope));
+                return Ok((ClaimOutcome::Denied(denial), req.scope, mode));
             }
         }
     }
@@ -298,7 +324,7 @@ impl Guard {
             cost: check_units("cost", claim.cost)?.unwrap_or(0),
             max_in_flight: effective.max_in_flight,
         };
-        Ok(Prepared { req, wait, rate: effective.claim_rate, ask })
+        Ok(Prepared { req, wait, rate: effective.claim_rate, ask, mode: effective.mode })
     }
 
     /// What refuses `req` before the store's atomic claim: a kill switch (and the runs switched
@@ -338,6 +364,7 @@ impl Guard {
             prepared.push(self.request(&controls, claim).map_err(|e| e.at(i))?);
         }
         let mut answers: Vec<Option<(ClaimOutcome, Scope)>> = Vec::with_capacity(prepared.len());
+        let modes: Vec<Mode> = prepared.iter().map(|p| p.mode).collect();
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
         for (i, Prepared { mut req, rate, ask, .. }) in prepared.into_iter().enumerate() {
             // A key that needs approvals is claimed alone, behind the gate (in the batch's order).
@@ -369,8 +396,10 @@ impl Guard {
         Ok(answers
             .into_iter()
             .flatten()
-            .map(|(outcome, scope)| {
-                self.observer.claimed(&scope, &outcome);
+            .zip(modes)
+            .map(|((outcome, scope), mode)| {
+                let outcome = observed(mode, outcome);
+                self.report_claim(&scope, &outcome, mode);
                 outcome
             })
             .collect())
@@ -543,6 +572,9 @@ impl Guard {
         match mutation {
             Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => {
                 self.check_size("outcome", o.body.len(), self.limits.max_outcome_bytes)?;
+                if let Some(c) = &o.compensation {
+                    self.check_size("compensation data", c.data.len(), self.limits.max_checkpoint_bytes)?;
+                }
             }
             Mutation::Checkpoint { data, .. } => {
                 self.check_size("checkpoint data", data.len(), self.limits.max_checkpoint_bytes)?;
@@ -621,6 +653,9 @@ impl Guard {
         match mutation {
             Mutation::Complete(mut o) => {
                 o.body = sealer.seal_bytes(scope, &o.body);
+                if let Some(c) = &mut o.compensation {
+                    c.data = sealer.seal_text(scope, &c.data);
+                }
                 Mutation::Complete(o)
             }
             Mutation::Fail { retryable: false, mut outcome } => {
@@ -638,6 +673,9 @@ impl Guard {
         let scope = record.scope.clone();
         if let Some(o) = &mut record.outcome {
             o.body = sealer.open_bytes(&scope, std::mem::take(&mut o.body))?;
+            if let Some(c) = &mut o.compensation {
+                c.data = sealer.open_text(&scope, std::mem::take(&mut c.data))?;
+            }
         }
         for cp in &mut record.checkpoints {
             cp.data = sealer.open_text(&scope, std::mem::take(&mut cp.data))?;
@@ -658,6 +696,9 @@ impl Guard {
                     cp.data = sealer.open_text(scope, std::mem::take(&mut cp.data))?;
                 }
                 ClaimOutcome::Acquired(a)
+            }
+            ClaimOutcome::Proceed(would_have_been) => {
+                ClaimOutcome::Proceed(Box::new(self.open_claim(scope, *would_have_been)?))
             }
             other => other,
         })
@@ -809,11 +850,17 @@ pub struct Resealed {
 fn resealed(sealer: &Sealer, record: &Record) -> Result<Option<Record>, crate::sealing::OpenError> {
     let mut new = record.clone();
     let mut changed = false;
-    if let Some(o) = &mut new.outcome
-        && let Some(body) = sealer.reseal_bytes(&record.scope, &o.body)?
-    {
-        o.body = body;
-        changed = true;
+    if let Some(o) = &mut new.outcome {
+        if let Some(body) = sealer.reseal_bytes(&record.scope, &o.body)? {
+            o.body = body;
+            changed = true;
+        }
+        if let Some(c) = &mut o.compensation
+            && let Some(data) = sealer.reseal_text(&record.scope, &c.data)?
+        {
+            c.data = data;
+            changed = true;
+        }
     }
     for cp in &mut new.checkpoints {
         if let Some(data) = sealer.reseal_text(&record.scope, &cp.data)? {
@@ -822,6 +869,18 @@ fn resealed(sealer: &Sealer, record: &Record) -> Result<Option<Record>, crate::s
         }
     }
     Ok(changed.then_some(new))
+}
+
+/// What the caller is told in `mode`: in observe mode, an answer that would stop it (anything but
+/// an acquisition or a kill switch's refusal) becomes [`ClaimOutcome::Proceed`], carrying what
+/// enforcement would have answered; in enforce mode the answer itself.
+fn observed(mode: Mode, outcome: ClaimOutcome) -> ClaimOutcome {
+    match (mode, &outcome) {
+        (Mode::Enforce, _)
+        | (_, ClaimOutcome::Acquired(_) | ClaimOutcome::Proceed(_))
+        | (_, ClaimOutcome::Denied(crate::record::Denial::SwitchEngaged { .. })) => outcome,
+        (Mode::Observe, _) => ClaimOutcome::Proceed(Box::new(outcome)),
+    }
 }
 
 /// Runs `step` (which deletes up to `batch` things and answers how many) until it deletes

@@ -261,6 +261,7 @@ mod tests {
             cost: None,
             tokens: None,
             reconciled: false,
+            compensation: None,
         }
     }
 

@@ -52,6 +52,8 @@ pub enum ClaimView {
     Replay(ReplayView),
     /// `pending_approval`.
     Pending(PendingApprovalView),
+    /// `proceed` (observe mode).
+    Proceed(ProceedView),
 }
 
 /// The answers of a claim batch, in the order of its claims.
@@ -103,6 +105,7 @@ pub async fn claim_batch(
             Answer::Acquired(view) => BatchAnswer { status: 201, body: ViewOrProblem::View(ClaimView::Acquired(view)) },
             Answer::Replay(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Replay(view)) },
             Answer::Pending(view) => BatchAnswer { status: 202, body: ViewOrProblem::View(ClaimView::Pending(view)) },
+            Answer::Proceed(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Proceed(view)) },
             Answer::Refused(error) => refused(&error),
         })
         .collect();
@@ -129,12 +132,9 @@ pub async fn complete_batch(
         .enumerate()
         .map(|(i, b)| {
             let at = |e: ApiError| e.at(i);
-            let outcome =
-                outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, (b.cost, b.tokens))
-                    .map_err(at)?;
-            let outcome = Outcome { reconciled: b.reconciled.unwrap_or(false), ..outcome };
-            let scope = scope_of(&caller, &b.namespace, &b.key).map_err(at)?;
-            Ok(FencedCall { scope, fence: Fence(b.fence), mutation: Mutation::Complete(outcome) })
+            let (namespace, key, fence, outcome) = b.into_call().map_err(at)?;
+            let scope = scope_of(&caller, &namespace, &key).map_err(at)?;
+            Ok(FencedCall { scope, fence: Fence(fence), mutation: Mutation::Complete(outcome) })
         })
         .collect::<ApiResult<Vec<_>>>()?;
     let outcomes = state.guard.mutate_batch(&caller.actor(), calls).await?;

@@ -90,15 +90,36 @@ pub struct ReplayView {
     pub stored: StoredResultView,
 }
 
+/// `200` in observe mode: go ahead, holding nothing (no fence, no lease; do not complete). The
+/// claim was decided and recorded as in enforce mode; this is what enforcement would have
+/// answered.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProceedView {
+    /// Always `proceed`.
+    #[schema(example = "proceed")]
+    pub outcome: &'static str,
+    /// Always `observe`: the namespace's mode.
+    #[schema(example = "observe")]
+    pub mode: &'static str,
+    /// What enforcement would have answered: `replay`, `in_flight`, `mismatch`, `denied` or
+    /// `pending_approval`.
+    #[schema(example = "replay")]
+    pub would_have_been: &'static str,
+    /// Why it would have been denied (for `denied`).
+    pub reason: Option<String>,
+}
+
 /// Claim a key: one atomic step answering `acquired` (201), `replay` (200), `in_flight` (409),
 /// `mismatch` (422), `denied` (423/429, or 403 when an approver denied the call) or, where the
 /// namespace needs approvals, `pending_approval` (202: nothing acquired or charged; claim again
-/// once it is decided).
+/// once it is decided). In a namespace in observe mode, every answer but `acquired` and a kill
+/// switch's 423 is `proceed` (200): run the effect, holding nothing.
 #[utoipa::path(post, path = "/v1/claims", tag = "claims", request_body = ClaimBody,
     security(("bearer" = [])),
     responses(
         (status = 201, description = "Acquired: you hold the key", body = AcquiredView),
         (status = 200, description = "Replay: the stored outcome", body = ReplayView, headers(("Idempotent-Replayed" = String))),
+        (status = 200, description = "Observe mode: proceed, holding nothing; what enforcement would have answered", body = ProceedView, headers(("Onceguard-Would-Have-Been" = String))),
         (status = 202, description = "Pending approval: a person must approve this key and fingerprint first", body = PendingApprovalView, headers(("Retry-After" = u64))),
         (status = 409, description = "In flight: someone holds a live lease", body = Problem, content_type = "application/problem+json", headers(("Retry-After" = u64))),
         (status = 422, description = "Mismatch: the key was used with a different request", body = Problem, content_type = "application/problem+json"),
@@ -123,6 +144,12 @@ pub async fn claim(
             Ok(response)
         }
         Answer::Pending(view) => Ok(pending_response(view)),
+        Answer::Proceed(view) => {
+            let would_have_been = HeaderValue::from_static(view.would_have_been);
+            let mut response = Json(view).into_response();
+            response.headers_mut().insert("onceguard-would-have-been", would_have_been);
+            Ok(response)
+        }
         Answer::Refused(error) => Err(error),
     }
 }
@@ -161,7 +188,32 @@ pub(crate) enum Answer {
     Acquired(AcquiredView),
     Replay(ReplayView),
     Pending(PendingApprovalView),
+    Proceed(ProceedView),
     Refused(ApiError),
+}
+
+/// The API's view of an acquisition.
+pub(crate) fn acquired_view(a: onceguard_core::Acquired) -> AcquiredView {
+    let recovery = a.recovery.map(|r| {
+        let (reason, detail) = match r.reason {
+            RecoveryReason::LeaseExpired => ("lease_expired", None),
+            RecoveryReason::ReportedUnknown { detail } => ("reported_unknown", Some(detail)),
+        };
+        RecoveryView {
+            previous_fence: r.previous_fence.0,
+            previous_attempt: r.previous_attempt,
+            reason,
+            detail,
+            last_checkpoint: r.last_checkpoint.as_ref().map(checkpoint_view),
+        }
+    });
+    AcquiredView {
+        outcome: "acquired",
+        fence: a.fence.0,
+        attempt: a.attempt,
+        lease_expires_at: a.lease_expires_at.to_rfc3339(),
+        recovery,
+    }
 }
 
 /// The API's answer for `outcome` (recorded on the request's span).
@@ -173,28 +225,7 @@ pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
     };
     record_answer(outcome.name(), fence);
     match outcome {
-        ClaimOutcome::Acquired(a) => {
-            let recovery = a.recovery.map(|r| {
-                let (reason, detail) = match r.reason {
-                    RecoveryReason::LeaseExpired => ("lease_expired", None),
-                    RecoveryReason::ReportedUnknown { detail } => ("reported_unknown", Some(detail)),
-                };
-                RecoveryView {
-                    previous_fence: r.previous_fence.0,
-                    previous_attempt: r.previous_attempt,
-                    reason,
-                    detail,
-                    last_checkpoint: r.last_checkpoint.as_ref().map(checkpoint_view),
-                }
-            });
-            Answer::Acquired(AcquiredView {
-                outcome: "acquired",
-                fence: a.fence.0,
-                attempt: a.attempt,
-                lease_expires_at: a.lease_expires_at.to_rfc3339(),
-                recovery,
-            })
-        }
+        ClaimOutcome::Acquired(a) => Answer::Acquired(acquired_view(a)),
         ClaimOutcome::Replay(r) => Answer::Replay(ReplayView {
             outcome: "replay",
             fence: r.fence.0,
@@ -211,6 +242,15 @@ pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
             outcome: "pending_approval",
             retry_after_ms: u64::try_from(p.retry_after.as_millis()).unwrap_or(u64::MAX),
             approval: approval_view(&p.approval, ApprovalState::Pending),
+        }),
+        ClaimOutcome::Proceed(would_have_been) => Answer::Proceed(ProceedView {
+            outcome: "proceed",
+            mode: "observe",
+            would_have_been: would_have_been.name(),
+            reason: match *would_have_been {
+                ClaimOutcome::Denied(denial) => Some(denial.to_string()),
+                _ => None,
+            },
         }),
     }
 }

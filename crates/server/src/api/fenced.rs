@@ -60,6 +60,7 @@ pub(crate) fn outcome_of(
         cost: check_units("cost", cost)?,
         tokens: check_units("tokens", tokens)?,
         reconciled: false,
+        compensation: None,
     })
 }
 
@@ -90,6 +91,51 @@ pub struct CompleteBody {
     /// downstream system said it had happened, and `result` is what it said. The record then
     /// says it was reconciled. A first attempt may not (400).
     pub reconciled: Option<bool>,
+    /// How to undo the effect, should its run be rolled back: a name your compensation worker
+    /// knows and small data (at most `limits.max_checkpoint_bytes`). Onceguard never calls
+    /// anything itself.
+    pub compensation: Option<CompensationBody>,
+}
+
+/// How to undo an effect: a name and small data.
+#[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CompensationBody {
+    /// What undoes it, e.g. `refund-charge`: 1 to 128 bytes of printable ASCII.
+    #[schema(example = "refund-charge")]
+    pub name: String,
+    /// Small JSON data for it (default `null`).
+    #[schema(value_type = Option<Value>)]
+    pub data: Option<Box<RawValue>>,
+}
+
+impl CompensationBody {
+    /// The compensation to store.
+    pub(crate) fn parse(self) -> ApiResult<onceguard_core::Compensation> {
+        Ok(onceguard_core::Compensation {
+            name: CheckpointName::parse(&self.name).map_err(|e| ApiError::Invalid(format!("compensation.{e}")))?,
+            data: self.data.map_or_else(|| "null".to_owned(), |d| d.get().to_owned()),
+        })
+    }
+}
+
+impl CompleteBody {
+    /// The key's namespace and key, the fence, and the outcome to store.
+    pub(crate) fn into_call(self) -> ApiResult<(String, String, u64, Outcome)> {
+        let outcome = outcome_of(
+            OutcomeKind::Success,
+            self.result,
+            self.result_base64,
+            self.content_type,
+            (self.cost, self.tokens),
+        )?;
+        let outcome = Outcome {
+            reconciled: self.reconciled.unwrap_or(false),
+            compensation: self.compensation.map(CompensationBody::parse).transpose()?,
+            ..outcome
+        };
+        Ok((self.namespace, self.key, self.fence, outcome))
+    }
 }
 
 /// Complete: store the outcome; every later claim replays it. Repeating the same completion
@@ -106,9 +152,8 @@ pub async fn complete(
     caller: Caller,
     ApiJson(b): ApiJson<CompleteBody>,
 ) -> ApiResult<Json<RecordView>> {
-    let outcome = outcome_of(OutcomeKind::Success, b.result, b.result_base64, b.content_type, (b.cost, b.tokens))?;
-    let outcome = Outcome { reconciled: b.reconciled.unwrap_or(false), ..outcome };
-    fenced(&state, &caller, &b.namespace, &b.key, b.fence, Mutation::Complete(outcome)).await
+    let (namespace, key, fence, outcome) = b.into_call()?;
+    fenced(&state, &caller, &namespace, &key, fence, Mutation::Complete(outcome)).await
 }
 
 /// Report a failure.

@@ -3,7 +3,8 @@
 //!
 //! - `claims.rs`: `POST /v1/claims`; `fenced.rs`: complete, fail, extend, checkpoint,
 //!   report-unknown; `records.rs`: read, list, purge; `tenants.rs`: tenants and API keys;
-//!   `approvals.rs`: pending approvals and decisions; `health.rs`: `/healthz`, `/readyz`,
+//!   `approvals.rs`: pending approvals and decisions; `rollbacks.rs`: rolling a run back and
+//!   its compensation tasks; `health.rs`: `/healthz`, `/readyz`,
 //!   `/metrics`; `views.rs`: how records and outcomes look.
 
 use std::time::Duration;
@@ -74,6 +75,7 @@ mod claims;
 mod fenced;
 mod health;
 mod records;
+mod rollbacks;
 mod tenants;
 mod views;
 
@@ -83,5 +85,6 @@ pub use claims::*;
 pub use fenced::*;
 pub use health::*;
 pub use records::*;
+pub use rollbacks::*;
 pub use tenants::*;
 pub use views::*;

@@ -123,6 +123,8 @@ pub struct RecordHead {
     /// Whether its outcome was reconciled: a recovering attempt completed it from what the
     /// downstream system said happened, without running the effect again.
     pub reconciled: bool,
+    /// How to undo its effect, as registered at completion (if it was).
+    pub compensation: Option<super::CompensationView>,
 }
 
 /// The head of every view of `r`.
@@ -138,6 +140,7 @@ pub fn record_head(r: &Record, now: Timestamp) -> RecordHead {
         run: r.run.as_ref().map(ToString::to_string),
         lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
         reconciled: r.outcome.as_ref().is_some_and(|o| o.reconciled),
+        compensation: r.outcome.as_ref().and_then(|o| o.compensation.as_ref()).map(super::compensation_view),
     }
 }
 

@@ -101,7 +101,7 @@ async fn a_call_needing_approval_waits_for_an_admin_and_then_runs_once() {
     let m = metrics(&app).await;
     assert_eq!(m.get(r#"onceguard_approvals_requested_total{tenant="acme"}"#), Some(&1.0), "{m:?}");
     assert_eq!(m.get(r#"onceguard_approval_decisions_total{tenant="acme",decision="approved"}"#), Some(&1.0));
-    assert_eq!(m.get(r#"onceguard_claims_total{tenant="acme",outcome="pending_approval"}"#), Some(&2.0));
+    assert_eq!(m.get(r#"onceguard_claims_total{tenant="acme",outcome="pending_approval",mode="enforce"}"#), Some(&2.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

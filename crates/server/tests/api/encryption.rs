@@ -19,6 +19,7 @@ use crate::helpers::files_hold;
 
 const RESULT_MARKER: &str = "MARKER-result-4111";
 const CHECKPOINT_MARKER: &str = "MARKER-checkpoint-ch9";
+const COMPENSATION_MARKER: &str = "MARKER-compensation-re7";
 
 fn key_file(dir: &Path, name: &str, keys: &[(&str, u8)]) -> PathBuf {
     let path = dir.join(name);
@@ -52,7 +53,8 @@ async fn write_markers(h: &Harness, token: &str, key: &str) -> u64 {
     let fence = held["fence"].as_u64().unwrap();
     let checkpoint = json!({"namespace": "pii/cards", "key": key, "fence": fence, "name": "charged", "data": {"charge": CHECKPOINT_MARKER}});
     assert_eq!(post(h, token, "/v1/claims/checkpoint", checkpoint).await.0, StatusCode::OK);
-    let done = json!({"namespace": "pii/cards", "key": key, "fence": fence, "result": {"card": RESULT_MARKER}});
+    let done = json!({"namespace": "pii/cards", "key": key, "fence": fence, "result": {"card": RESULT_MARKER},
+                      "compensation": {"name": "refund", "data": {"card": COMPENSATION_MARKER}}});
     assert_eq!(post(h, token, "/v1/claims/complete", done).await.0, StatusCode::OK);
     let (status, replay) = post(h, token, "/v1/claims", claim).await;
     assert_eq!(status, StatusCode::OK);
@@ -69,6 +71,7 @@ async fn write_markers(h: &Harness, token: &str, key: &str) -> u64 {
         .unwrap();
     assert_eq!(record["stored"]["result"]["card"], RESULT_MARKER);
     assert_eq!(record["checkpoints"][0]["data"]["charge"], CHECKPOINT_MARKER, "{record}");
+    assert_eq!(record["compensation"]["data"]["card"], COMPENSATION_MARKER, "{record}");
     fence
 }
 
@@ -90,7 +93,7 @@ async fn the_sqlite_file_holds_no_result_or_checkpoint_in_clear() {
     let (_, recovered) = post(&h, &agent, "/v1/claims", claim).await;
     assert_eq!(recovered["recovery"]["last_checkpoint"]["data"]["charge"], CHECKPOINT_MARKER, "{recovered}");
     drop(h);
-    for marker in [RESULT_MARKER, CHECKPOINT_MARKER] {
+    for marker in [RESULT_MARKER, CHECKPOINT_MARKER, COMPENSATION_MARKER] {
         assert!(!files_hold(&data, marker), "{marker} is in the SQLite files");
     }
 
@@ -101,6 +104,7 @@ async fn the_sqlite_file_holds_no_result_or_checkpoint_in_clear() {
     write_markers(&h, &agent, "card-1").await;
     drop(h);
     assert!(files_hold(&plain, RESULT_MARKER) && files_hold(&plain, CHECKPOINT_MARKER));
+    assert!(files_hold(&plain, COMPENSATION_MARKER));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,7 +121,8 @@ async fn a_rotated_key_opens_what_it_sealed_and_new_values_take_the_new_key() {
     let claim = json!({"namespace": "pii/cards", "key": "card-1", "request": {"k": "card-1"}});
     let (status, replay) = post(&h, &agent, "/v1/claims", claim).await;
     assert_eq!((status, &replay["result"]["card"]), (StatusCode::OK, &json!(RESULT_MARKER)), "sealed with the old key");
-    let again = json!({"namespace": "pii/cards", "key": "card-1", "fence": fence, "result": {"card": RESULT_MARKER}});
+    let again = json!({"namespace": "pii/cards", "key": "card-1", "fence": fence, "result": {"card": RESULT_MARKER},
+                       "compensation": {"name": "refund", "data": {"card": COMPENSATION_MARKER}}});
     assert_eq!(post(&h, &agent, "/v1/claims/complete", again).await.0, StatusCode::OK, "still a repeat");
     let other = json!({"namespace": "pii/cards", "key": "card-1", "fence": fence, "result": {"card": "another"}});
     assert_eq!(post(&h, &agent, "/v1/claims/complete", other).await.0, StatusCode::CONFLICT, "another result is not");
@@ -156,7 +161,7 @@ async fn a_postgresql_dump_holds_no_result_or_checkpoint_in_clear() {
     assert!(dump.status.success(), "{}", String::from_utf8_lossy(&dump.stderr));
     let text = String::from_utf8_lossy(&dump.stdout);
     assert!(text.contains("card-1"), "the dump holds the record");
-    for marker in [RESULT_MARKER, CHECKPOINT_MARKER] {
+    for marker in [RESULT_MARKER, CHECKPOINT_MARKER, COMPENSATION_MARKER] {
         assert!(!text.contains(marker), "{marker} is in the dump");
     }
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
@@ -203,7 +208,7 @@ async fn a_redis_dump_holds_no_result_or_checkpoint_in_clear() {
         write_markers(&h, &agent, "card-1").await;
         drop(h);
         let dumped = dump_and_delete(&port, &prefix);
-        for marker in [RESULT_MARKER, CHECKPOINT_MARKER] {
+        for marker in [RESULT_MARKER, CHECKPOINT_MARKER, COMPENSATION_MARKER] {
             // Without a key file the markers are there: the search finds what is there.
             assert_eq!(holds(&dumped, marker), !sealed, "{marker} in a DUMP, sealed: {sealed}");
         }

@@ -12,3 +12,4 @@ mod helpers;
 mod isolation;
 mod observability;
 mod outcomes_kept;
+mod rollback;

@@ -85,14 +85,15 @@ async fn metrics_count_claims_replays_cost_recoveries_stale_calls_and_keys() {
         traffic(&app).await;
         let (text, m) = scrape(&app).await;
 
-        let acme =
-            |outcome: &str| value(&m, &format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}"}}"#));
+        let acme = |outcome: &str| {
+            value(&m, &format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}",mode="enforce"}}"#))
+        };
         // paid, free, held, zombie, stuck, unknown; unknown and zombie again (recoveries).
         assert_eq!(acme("acquired"), 8.0, "{text}");
         assert_eq!(acme("replay"), 3.0);
         assert_eq!(acme("mismatch"), 1.0);
         assert_eq!(acme("in_flight"), 1.0);
-        assert_eq!(value(&m, r#"onceguard_claims_total{tenant="globex",outcome="acquired"}"#), 1.0);
+        assert_eq!(value(&m, r#"onceguard_claims_total{tenant="globex",outcome="acquired",mode="enforce"}"#), 1.0);
         assert_eq!(value(&m, r#"onceguard_replay_cost_saved_total{tenant="acme"}"#), 2400.0, "2 replays × 1200");
         assert_eq!(value(&m, r#"onceguard_replay_tokens_saved_total{tenant="acme"}"#), 1800.0, "2 replays × 900");
         assert_eq!(value(&m, r#"onceguard_replay_tokens_saved_total{tenant="globex"}"#), 0.0);
@@ -159,7 +160,8 @@ async fn the_dashboard_data_matches_the_metrics_and_is_admin_only() {
     let d: Value = response.json().await.unwrap();
     let (_, m) = scrape(&app).await;
     for outcome in ["acquired", "replay", "in_flight", "mismatch", "denied"] {
-        let metric = m.get(&format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}"}}"#)).copied();
+        let metric =
+            m.get(&format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}",mode="enforce"}}"#)).copied();
         assert_eq!(d["claims"][outcome].as_f64(), Some(metric.unwrap_or(0.0)), "{outcome}");
     }
     assert_eq!(d["tenant"], "acme");
@@ -364,7 +366,7 @@ async fn metrics_on_their_own_listener_are_no_longer_on_the_api() {
         }
         tokio::task::yield_now().await;
     };
-    assert!(text.contains(r#"onceguard_claims_total{tenant="acme",outcome="acquired"} 1"#), "{text}");
+    assert!(text.contains(r#"onceguard_claims_total{tenant="acme",outcome="acquired",mode="enforce"} 1"#), "{text}");
     let other = app.client.get(format!("http://{addr}/v1/records")).send().await.unwrap();
     assert_eq!(other.status(), StatusCode::NOT_FOUND, "the metrics listener serves the metrics only");
 }
@@ -387,7 +389,10 @@ async fn tenant_labels_as_digests_keep_the_ids_out_of_the_metrics() {
         format!("t-{}", &hex[..12])
     };
     let acme = digest("acme");
-    assert_eq!(value(&m, &format!(r#"onceguard_claims_total{{tenant="{acme}",outcome="replay"}}"#)), 3.0);
+    assert_eq!(
+        value(&m, &format!(r#"onceguard_claims_total{{tenant="{acme}",outcome="replay",mode="enforce"}}"#)),
+        3.0
+    );
     assert_eq!(value(&m, &format!(r#"onceguard_keys_in_flight{{tenant="{}"}}"#, digest("globex"))), 1.0);
     // The dashboard still counts per tenant.
     let d: Value = app.get(&app.admin, "/v1/dashboard").await.json().await.unwrap();

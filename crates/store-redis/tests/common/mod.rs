@@ -216,6 +216,7 @@ pub fn outcome() -> Outcome {
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     }
 }
 
@@ -241,6 +242,7 @@ pub async fn changes_reach_other_instances(a: &RedisStore, b: &RedisStore, elsew
         cost: None,
         tokens: None,
         reconciled: false,
+        compensation: None,
     };
 
     // A checkpoint announces nothing; a completion and a purge do.

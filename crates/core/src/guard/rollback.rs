@@ -1,0 +1,201 @@
+//! Rolling a run back (see [`crate::rollback`]): starting it, reading its progress, and handing
+//! its compensation tasks to workers through the one door.
+
+use std::time::Duration;
+
+use crate::control::{AuditEntry, ControlDoc, Mode, SwitchTarget};
+use crate::domain::{RunId, TenantId};
+use crate::guard::{Claim, Guard, GuardError};
+use crate::record::{Acquired, ClaimOutcome, OutcomeKind, RecordState};
+use crate::rollback::{Progress, Rollback, RollbackReport, Task, TaskState};
+use crate::store::{ListFilter, MAX_PAGE};
+
+/// What a worker asking for a compensation task gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompensationClaim {
+    /// A task, held: run its compensation, then complete or fail the task's key with the fence.
+    Acquired(Box<TaskHeld>),
+    /// Nothing to take now: other workers hold the rest; ask again after `retry_after`.
+    Busy {
+        /// When the first held task's lease passes (or a second).
+        retry_after: Duration,
+        /// Tasks held.
+        in_progress: u64,
+    },
+    /// Nothing is left to run.
+    Done {
+        /// Tasks compensated.
+        compensated: u64,
+        /// Tasks that failed permanently.
+        failed: u64,
+    },
+    /// The task's claim was refused (a kill switch on its namespace or tenant, a quota, a
+    /// pending or denied approval): the claim's answer.
+    Refused(ClaimOutcome),
+}
+
+/// A compensation task a worker holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskHeld {
+    /// The task (its state as it was before this claim).
+    pub task: Task,
+    /// The claim of its key: the fence, attempt, lease and recovery.
+    pub acquired: Acquired,
+}
+
+/// How long a worker is told to wait when the held tasks' leases are unknown.
+const BUSY_RETRY: Duration = Duration::from_secs(1);
+
+/// The most pages of a run's records a rollback reads.
+const MAX_RUN_PAGES: usize = 100;
+
+impl Guard {
+    /// Starts rolling `run` back (an admin's action): a kill switch on the run (audited as
+    /// `switch.engage`), then the rollback itself (audited as `run.rollback` with why). Answers
+    /// the rollback as it now stands and whether this call started it: a run already being
+    /// rolled back is left as it is.
+    pub async fn start_rollback(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        run: &RunId,
+        why: String,
+    ) -> Result<(RollbackReport, bool), GuardError> {
+        crate::admin::check_reason("why", &why)?;
+        let controls = self.refresh_controls().await?;
+        if let Some(existing) = controls.rollback(tenant, run) {
+            return Ok((self.report(existing.clone()).await?, false));
+        }
+        let target = SwitchTarget::Run { run: run.clone() };
+        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
+        let now = self.clock().now();
+        let rollback =
+            Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
+        let entry =
+            AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
+        self.store().put_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
+        self.refresh_controls().await?;
+        Ok((self.report(rollback).await?, true))
+    }
+
+    /// The rollback of `run` as it now stands, if the run is being rolled back.
+    pub async fn rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<RollbackReport>, GuardError> {
+        match self.rollback_doc(tenant, run).await? {
+            Some(rollback) => Ok(Some(self.report(rollback).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The runs of `tenant` being rolled back, newest first.
+    pub async fn rollbacks(&self, tenant: &TenantId) -> Result<Vec<Rollback>, GuardError> {
+        let mut rollbacks: Vec<Rollback> =
+            self.controls().await?.rollbacks.iter().filter(|r| &r.tenant == tenant).cloned().collect();
+        rollbacks.sort_by_key(|r| std::cmp::Reverse(r.started_at));
+        Ok(rollbacks)
+    }
+
+    /// Hands a worker the next compensation task of `run`, newest effect first: the first task
+    /// not started, released, or whose holder's lease passed (a recovery), claimed through the
+    /// one door in enforce mode with the longest retention in force and `lease`. `None` if the
+    /// run is not being rolled back.
+    pub async fn claim_compensation(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+        lease: Option<Duration>,
+    ) -> Result<Option<CompensationClaim>, GuardError> {
+        if self.rollback_doc(tenant, run).await?.is_none() {
+            return Ok(None);
+        }
+        let (progress, tasks) = self.tasks(tenant, run).await?;
+        let now = self.clock().now();
+        let mut soonest: Option<Duration> = None;
+        let mut sooner = |d: Duration| soonest = Some(soonest.map_or(d, |s| s.min(d)));
+        for task in tasks {
+            match task.state {
+                TaskState::Pending => {}
+                TaskState::InProgress => match task.lease_expires_at {
+                    Some(until) if until > now && !task.stuck => {
+                        sooner(now.until(until));
+                        continue;
+                    }
+                    _ => {}
+                },
+                TaskState::Compensated | TaskState::Failed => continue,
+            }
+            let retention = self.effective(&task.scope).await?.limits.max_retention;
+            let claim =
+                Claim { lease, retention: Some(retention), ..Claim::new(task.scope.clone(), task.fingerprint.clone()) };
+            match self.claim_in(claim, Some(Mode::Enforce)).await? {
+                ClaimOutcome::Acquired(acquired) => {
+                    return Ok(Some(CompensationClaim::Acquired(Box::new(TaskHeld { task, acquired }))));
+                }
+                ClaimOutcome::InFlight(in_flight) => sooner(in_flight.retry_after),
+                // Taken and finished by another worker meanwhile, or its key taken by another request.
+                ClaimOutcome::Replay(_) | ClaimOutcome::Mismatch => {}
+                refused => return Ok(Some(CompensationClaim::Refused(refused))),
+            }
+        }
+        Ok(Some(match soonest {
+            Some(retry_after) => CompensationClaim::Busy { retry_after, in_progress: progress.in_progress.max(1) },
+            None if progress.in_progress > 0 => {
+                CompensationClaim::Busy { retry_after: BUSY_RETRY, in_progress: progress.in_progress }
+            }
+            None => CompensationClaim::Done { compensated: progress.compensated, failed: progress.failed },
+        }))
+    }
+
+    /// The rollback document of `run`: from the cache, else read again (another instance may
+    /// have started it within the last refresh).
+    async fn rollback_doc(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, GuardError> {
+        if let Some(found) = self.controls().await?.rollback(tenant, run) {
+            return Ok(Some(found.clone()));
+        }
+        Ok(self.refresh_controls().await?.rollback(tenant, run).cloned())
+    }
+
+    async fn report(&self, rollback: Rollback) -> Result<RollbackReport, GuardError> {
+        let (progress, tasks) = self.tasks(&rollback.tenant, &rollback.run).await?;
+        Ok(RollbackReport { rollback, progress, tasks })
+    }
+
+    /// The run's compensation tasks, newest effect first, each where its record says, and the
+    /// rollback's progress.
+    async fn tasks(&self, tenant: &TenantId, run: &RunId) -> Result<(Progress, Vec<Task>), GuardError> {
+        let mut progress = Progress::default();
+        let mut tasks = Vec::new();
+        let mut filter = ListFilter { run: Some(run.clone()), limit: MAX_PAGE, ..Default::default() };
+        for _ in 0..MAX_RUN_PAGES {
+            let page = self.list(tenant, &filter).await?;
+            for record in &page.records {
+                match record.state {
+                    RecordState::InProgress => progress.effects_in_flight += 1,
+                    RecordState::Completed
+                        if record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Success) =>
+                    {
+                        progress.effects += 1;
+                        match Task::of(record) {
+                            Some(Ok(task)) => tasks.push(task),
+                            Some(Err(_)) | None => progress.not_compensable += 1,
+                        }
+                    }
+                    RecordState::Completed | RecordState::Released => {}
+                }
+            }
+            match page.next {
+                Some(next) => filter.after = Some(next),
+                None => break,
+            }
+        }
+        tasks.sort_by_key(|t| std::cmp::Reverse((t.effect.completed_at, t.effect.fence)));
+        let now = self.clock().now();
+        let mut read = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            let record = self.store().get(&task.scope, now).await?;
+            let task = task.with_record(record.as_ref(), now);
+            progress.count(task.state);
+            read.push(task);
+        }
+        Ok((progress, read))
+    }
+}

@@ -1,0 +1,284 @@
+//! Rolling a run back: undoing what a runaway run already did.
+//!
+//! A completion may register a [`Compensation`]: a name and small data saying how to undo its
+//! effect. Rolling a run back ([`crate::Guard::start_rollback`]) switches the run off (a kill
+//! switch on it) and keeps a [`Rollback`] document; from then on every successful effect of the
+//! run that registered a compensation is a **compensation task**, and every other is *not
+//! compensable*.
+//!
+//! A task is an ordinary key, so it has every guarantee of a claim (lease, fence, recovery,
+//! checkpoints): the key [`task_key`] of the effect's attempt in the namespace
+//! `<effect namespace>/_undo` ([`task_namespace`]), claimed with a fingerprint of the effect and
+//! its compensation ([`task_fingerprint`]). Workers ask for the next task
+//! ([`crate::Guard::claim_compensation`]), newest effect first, run it, and complete or fail
+//! the task's key with its fence like any holder:
+//!
+//! - completed: *compensated*; failed permanently: *failed*, kept and shown, never handed out
+//!   again; failed retryably: handed out again; a worker that crashed: the task is handed out
+//!   again as a recovery once its lease passed.
+//!
+//! The progress ([`Progress`]) is read from the run's records and the tasks' records, never
+//! kept apart, so it cannot drift from what happened. It covers the effects whose records are
+//! still kept (their retention); a task's record is kept for the longest retention in force,
+//! so it outlives its effect's.
+//!
+//! A compensation task is always enforced, whatever the namespace's mode: it must run once.
+//! A kill switch on the tenant or on a namespace covering the task refuses it; the run's own
+//! switch does not (the task's claim names no run).
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::{Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
+use crate::record::{Compensation, OutcomeKind, Record, RecordState};
+
+/// The last segment of the namespace that holds an effect's compensation task.
+pub const TASK_SEGMENT: &str = "_undo";
+
+/// A run being rolled back, as kept (a control document of kind `rollback`, id the run).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rollback {
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The run.
+    pub run: RunId,
+    /// Why it was rolled back.
+    pub why: String,
+    /// Who started it (an API key id, `cli:<user>`).
+    pub started_by: String,
+    /// When.
+    pub started_at: Timestamp,
+}
+
+/// Where a compensation task stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    /// Not started yet, or released after a retryable failure.
+    Pending,
+    /// A worker holds it (or held it: its lease passed, and the next worker recovers it).
+    InProgress,
+    /// The compensation completed.
+    Compensated,
+    /// The compensation failed permanently (or the task's key was taken by another request):
+    /// kept and shown, never handed out again.
+    Failed,
+}
+
+impl TaskState {
+    /// Its name in the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::InProgress => "in_progress",
+            Self::Compensated => "compensated",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// Where the task whose record is `record` (none if never claimed) stands; `fingerprint` is
+    /// the task's: a record of the task's key with another one is a task that can never run.
+    pub fn of(record: Option<&Record>, fingerprint: &Fingerprint) -> Self {
+        let Some(record) = record else { return Self::Pending };
+        if record.state != RecordState::Released && &record.fingerprint != fingerprint {
+            return Self::Failed;
+        }
+        match (record.state, record.outcome.as_ref().map(|o| o.kind)) {
+            (RecordState::Released, _) => Self::Pending,
+            (RecordState::InProgress, _) => Self::InProgress,
+            (RecordState::Completed, Some(OutcomeKind::Success)) => Self::Compensated,
+            (RecordState::Completed, _) => Self::Failed,
+        }
+    }
+}
+
+/// The effect a task undoes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Effect {
+    /// Its key.
+    pub scope: Scope,
+    /// The fence of the attempt that completed it.
+    pub fence: Fence,
+    /// When it completed.
+    pub completed_at: Timestamp,
+}
+
+/// A compensation task: an effect, how to undo it, and the key that undoes it once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Task {
+    /// The effect it undoes.
+    pub effect: Effect,
+    /// How.
+    pub compensation: Compensation,
+    /// The task's own key.
+    pub scope: Scope,
+    /// The task's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Where it stands.
+    pub state: TaskState,
+    /// How many times it was acquired (0 if never).
+    pub attempt: u32,
+    /// Until when its holder's lease runs (in progress only).
+    pub lease_expires_at: Option<Timestamp>,
+    /// In progress, but nobody holds a live lease (it passed, or the holder reported the
+    /// outcome unknown): the next worker recovers it.
+    pub stuck: bool,
+}
+
+impl Task {
+    /// The task of `effect`, a completed record with a compensation (`None` for any other).
+    pub fn of(effect: &Record) -> Option<Result<Self, InvalidInput>> {
+        let outcome = effect.outcome.as_ref().filter(|o| o.kind == OutcomeKind::Success)?;
+        let compensation = outcome.compensation.clone()?;
+        let completed_at = effect.completed_at?;
+        let effect = Effect { scope: effect.scope.clone(), fence: effect.fence, completed_at };
+        Some((|| {
+            let scope = Scope::new(
+                effect.scope.tenant.clone(),
+                task_namespace(&effect.scope.namespace)?,
+                task_key(&effect.scope.key, effect.fence)?,
+            );
+            let fingerprint = task_fingerprint(&effect, &compensation);
+            Ok(Self {
+                effect,
+                compensation,
+                scope,
+                fingerprint,
+                state: TaskState::Pending,
+                attempt: 0,
+                lease_expires_at: None,
+                stuck: false,
+            })
+        })())
+    }
+
+    /// The same task, standing where its record (`None` if never claimed) says at `now`.
+    pub fn with_record(mut self, record: Option<&Record>, now: Timestamp) -> Self {
+        self.state = TaskState::of(record, &self.fingerprint);
+        self.attempt = record.map_or(0, |r| r.attempt);
+        self.lease_expires_at = record.and_then(|r| r.lease_expires_at);
+        self.stuck = record.is_some_and(|r| r.is_stuck(now));
+        self
+    }
+}
+
+/// The namespace of the compensation tasks of effects in `namespace`: `<namespace>/_undo` (so
+/// that settings and a kill switch on the effect's namespace cover its undoing too).
+pub fn task_namespace(namespace: &Namespace) -> Result<Namespace, InvalidInput> {
+    Namespace::parse(&format!("{namespace}/{TASK_SEGMENT}"))
+        .map_err(|_| InvalidInput::new("namespace", "too long to hold its compensation tasks (255 bytes with /_undo)"))
+}
+
+/// The key of the compensation task of the attempt `fence` of `key`: `<fence>.<key>`, or
+/// `<fence>.sha256-<hex of key>` where that would pass 255 bytes. The fence makes it unique for
+/// ever: a key completed again after its retention is another effect, with another task.
+pub fn task_key(key: &Key, fence: Fence) -> Result<Key, InvalidInput> {
+    let plain = format!("{}.{key}", fence.0);
+    if plain.len() <= 255 {
+        return Key::parse(&plain);
+    }
+    let digest = Fingerprint::sha256(key.as_str().as_bytes());
+    let hex = digest.as_str().rsplit(':').next().unwrap_or_default();
+    Key::parse(&format!("{}.sha256-{hex}", fence.0))
+}
+
+/// The fingerprint of a task: the effect's key and attempt, and the compensation registered.
+pub fn task_fingerprint(effect: &Effect, compensation: &Compensation) -> Fingerprint {
+    Fingerprint::of_json(&serde_json::json!({
+        "namespace": effect.scope.namespace.as_str(),
+        "key": effect.scope.key.as_str(),
+        "fence": effect.fence.0,
+        "compensation": compensation.name.as_str(),
+        "data": compensation.data,
+    }))
+}
+
+/// Where a rollback stands: counted from the run's records and the tasks' records.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Progress {
+    /// The run's effects that completed successfully (compensable or not).
+    pub effects: u64,
+    /// Tasks whose compensation completed.
+    pub compensated: u64,
+    /// Tasks a worker holds (or held, its lease passed).
+    pub in_progress: u64,
+    /// Tasks not started yet (or released after a retryable failure).
+    pub pending: u64,
+    /// Tasks that failed permanently: kept, never handed out again.
+    pub failed: u64,
+    /// Effects that registered no compensation (or whose namespace is too long for a task).
+    pub not_compensable: u64,
+    /// Keys of the run still in progress: whether their effects happened is not known yet.
+    pub effects_in_flight: u64,
+}
+
+impl Progress {
+    /// Whether nothing is left to run: no task pending or in progress.
+    pub fn done(&self) -> bool {
+        self.pending == 0 && self.in_progress == 0
+    }
+
+    /// Counts `task`.
+    pub fn count(&mut self, state: TaskState) {
+        match state {
+            TaskState::Pending => self.pending += 1,
+            TaskState::InProgress => self.in_progress += 1,
+            TaskState::Compensated => self.compensated += 1,
+            TaskState::Failed => self.failed += 1,
+        }
+    }
+}
+
+/// A rollback as read now: the document, its progress and its tasks, newest effect first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RollbackReport {
+    /// The rollback.
+    pub rollback: Rollback,
+    /// Its progress.
+    pub progress: Progress,
+    /// The compensation tasks, newest effect first.
+    pub tasks: Vec<Task>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::CheckpointName;
+
+    fn effect(key: &str, fence: u64) -> Effect {
+        let scope =
+            Scope::new(TenantId::parse("t").unwrap(), Namespace::parse("prod/pay").unwrap(), Key::parse(key).unwrap());
+        Effect { scope, fence: Fence(fence), completed_at: Timestamp(1) }
+    }
+
+    #[test]
+    fn a_task_key_is_unique_per_attempt_and_fits() {
+        let key = Key::parse("charge-1").unwrap();
+        assert_eq!(task_key(&key, Fence(3)).unwrap().as_str(), "3.charge-1");
+        assert_ne!(task_key(&key, Fence(3)).unwrap(), task_key(&key, Fence(4)).unwrap());
+        let long = Key::parse(&"k".repeat(255)).unwrap();
+        let task = task_key(&long, Fence(u64::MAX)).unwrap();
+        assert!(task.as_str().starts_with(&format!("{}.sha256-", u64::MAX)), "{task}");
+        assert!(task.as_str().len() <= 255);
+    }
+
+    #[test]
+    fn a_task_lives_under_its_effects_namespace() {
+        let ns = Namespace::parse("prod/pay").unwrap();
+        let task = task_namespace(&ns).unwrap();
+        assert_eq!(task.as_str(), "prod/pay/_undo");
+        assert!(task.is_within(&ns));
+        let long = Namespace::parse(&vec!["n".repeat(62); 4].join("/")).unwrap();
+        assert!(task_namespace(&long).is_err(), "251 bytes and /_undo pass 255");
+    }
+
+    #[test]
+    fn a_task_fingerprint_binds_the_effect_and_its_compensation() {
+        let undo = Compensation { name: CheckpointName::parse("refund").unwrap(), data: "{}".into() };
+        let other = Compensation { data: r#"{"x":1}"#.into(), ..undo.clone() };
+        let fp = task_fingerprint(&effect("a", 1), &undo);
+        assert_eq!(fp, task_fingerprint(&effect("a", 1), &undo));
+        assert_ne!(fp, task_fingerprint(&effect("a", 2), &undo));
+        assert_ne!(fp, task_fingerprint(&effect("b", 1), &undo));
+        assert_ne!(fp, task_fingerprint(&effect("a", 1), &other));
+    }
+}

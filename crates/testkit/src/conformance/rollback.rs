@@ -1,0 +1,336 @@
+//! Conformance cases of rolling a run back (compensation tasks run once, newest first, by
+//! concurrent workers, one of them crashing) and of observe mode (every caller proceeds, and
+//! what enforcement would have answered is counted exactly), on every store.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use onceguard_core::control::{Mode, Settings, SettingsEntry};
+use onceguard_core::guard::{CompensationClaim, TaskHeld};
+use onceguard_core::rollback::TaskState;
+use onceguard_core::{Answer, Compensation, Observer};
+
+use super::*;
+
+const RUN: &str = "run-rb";
+
+fn run_id() -> RunId {
+    RunId::parse(RUN).unwrap()
+}
+
+fn tenant() -> TenantId {
+    TenantId::parse("acme").unwrap()
+}
+
+fn undoable(body: &str, name: &str, data: &str) -> Outcome {
+    let compensation = Compensation { name: CheckpointName::parse(name).unwrap(), data: data.into() };
+    Outcome { compensation: Some(compensation), ..success(body) }
+}
+
+impl Case {
+    /// Runs `key` as an effect of the run, completing it with `outcome`; a second apart from the
+    /// last, so that effects complete in the order they are made.
+    async fn effect(&self, key: &str, outcome: Outcome) {
+        let s = scope(key);
+        let fence = self.acquire(&in_run(&s, key, RUN, 0)).await;
+        self.applied(&s, fence, Mutation::Complete(outcome)).await;
+        self.clock.advance(Duration::from_secs(1));
+    }
+
+    async fn next_task(&self) -> CompensationClaim {
+        let lease = Some(Duration::from_secs(10));
+        self.guard.claim_compensation(&tenant(), &run_id(), lease).await.unwrap().expect("the run is rolled back")
+    }
+}
+
+/// A rollback turns each effect of the run that registered a compensation into a task, and each
+/// other into *not compensable*; the run is switched off. Workers are handed the tasks newest
+/// first; four concurrent workers, one of which takes a task and crashes before running it, run
+/// every compensation exactly once (the crashed worker's task is recovered once its lease
+/// passed); the rollback is then done, the start audited once, and a second start changes
+/// nothing.
+pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store>) {
+    let c = case(store);
+    for i in 1..=6 {
+        c.effect(&format!("charge-{i}"), undoable("{}", "refund", &format!(r#"{{"charge":{i}}}"#))).await;
+    }
+    c.effect("log-line", success("{}")).await;
+    // A failed effect and an unfinished one are no effects to undo.
+    let failed = scope("failed-charge");
+    let fence = c.acquire(&in_run(&failed, "f", RUN, 0)).await;
+    let failure = Outcome { kind: OutcomeKind::Failure, ..success("{}") };
+    c.applied(&failed, fence, Mutation::Fail { retryable: false, outcome: failure }).await;
+    c.acquire(&in_run(&scope("in-flight"), "i", RUN, 0)).await;
+
+    let (report, started) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
+    assert!(started);
+    let p = report.progress;
+    assert_eq!((p.effects, p.pending, p.not_compensable, p.effects_in_flight), (7, 6, 1, 1), "{p:?}");
+    let order: Vec<&str> = report.tasks.iter().map(|t| t.effect.scope.key.as_str()).collect();
+    assert_eq!(order, ["charge-6", "charge-5", "charge-4", "charge-3", "charge-2", "charge-1"], "newest first");
+    assert!(report.tasks.iter().all(|t| t.scope.namespace.as_str() == "prod/payments-agent/_undo"));
+    // The run is switched off.
+    let after = c.claim(&in_run(&scope("charge-7"), "charge-7", RUN, 0)).await;
+    assert!(matches!(after, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })), "{after:?}");
+
+    // A worker takes the newest task and crashes before running it.
+    let CompensationClaim::Acquired(crashed) = c.next_task().await else { panic!("no task") };
+    assert_eq!(crashed.task.effect.scope.key.as_str(), "charge-6");
+    // Four workers run the rest concurrently, each compensation counted where it runs.
+    let ran: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let worker = |guard: Guard, ran: Arc<Mutex<BTreeMap<String, u32>>>| async move {
+        loop {
+            let claimed = guard.claim_compensation(&tenant(), &run_id(), None).await.unwrap().unwrap();
+            let held = match claimed {
+                CompensationClaim::Acquired(held) => held,
+                // Another worker is finishing a task: ask again.
+                CompensationClaim::Busy { in_progress, .. } if in_progress > 1 => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+                other => return other,
+            };
+            let TaskHeld { task, acquired } = *held;
+            assert_eq!(task.compensation.name.as_str(), "refund");
+            *ran.lock().unwrap().entry(task.compensation.data.clone()).or_default() += 1;
+            let done = guard.mutate(&task.scope, acquired.fence, Mutation::Complete(success("{}"))).await.unwrap();
+            assert!(matches!(done, FencedOutcome::Applied(_)), "{done:?}");
+        }
+    };
+    let workers: Vec<_> = (0..4).map(|_| tokio::spawn(worker(c.guard.clone(), ran.clone()))).collect();
+    for w in workers {
+        let last = w.await.unwrap();
+        assert!(matches!(last, CompensationClaim::Busy { in_progress: 1, .. }), "the crashed task is held: {last:?}");
+    }
+    assert_eq!(ran.lock().unwrap().len(), 5, "{ran:?}");
+    assert!(ran.lock().unwrap().values().all(|n| *n == 1), "each ran once: {ran:?}");
+    // The crashed worker's lease passes: the next worker recovers its task, and runs it once.
+    c.clock.advance(Duration::from_secs(11));
+    let CompensationClaim::Acquired(recovered) = c.next_task().await else { panic!("not recovered") };
+    assert_eq!(recovered.task.scope, crashed.task.scope);
+    let recovery = recovered.acquired.recovery.as_ref().expect("a recovery");
+    assert_eq!(recovery.previous_fence, crashed.acquired.fence);
+    let late = c.mutate(&crashed.task.scope, crashed.acquired.fence, Mutation::Complete(success("{}"))).await;
+    assert_eq!(late, FencedOutcome::Stale(StaleReason::Superseded), "the crashed worker is fenced off");
+    c.applied(&recovered.task.scope, recovered.acquired.fence, Mutation::Complete(success("{}"))).await;
+
+    assert_eq!(c.next_task().await, CompensationClaim::Done { compensated: 6, failed: 0 });
+    let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
+    assert!(report.tasks.iter().all(|t| t.state == TaskState::Compensated), "{:?}", report.tasks);
+    assert_eq!((report.progress.compensated, report.progress.done()), (6, true));
+    let (again, started) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "again".into()).await.unwrap();
+    assert!(!started);
+    assert_eq!(again.rollback.why, "runaway", "a second start changes nothing");
+    let page = c.guard.audit_log(&tenant(), &AuditFilter { limit: 100, ..AuditFilter::default() }).await.unwrap();
+    let rollbacks = page.entries.iter().filter(|e| e.action == "run.rollback").count();
+    assert_eq!(rollbacks, 1);
+}
+
+/// A compensation that fails permanently is kept and shown as failed, and never handed out
+/// again; one that fails retryably is handed out again. A kill switch on the effects'
+/// namespace refuses the tasks too; another run is not being rolled back.
+pub async fn a_compensation_failing_permanently_is_kept(store: Arc<dyn Store>) {
+    let c = case(store);
+    c.effect("ship-1", undoable("{}", "cancel-shipment", "{}")).await;
+    c.effect("ship-2", undoable("{}", "cancel-shipment", "{}")).await;
+    let other = RunId::parse("other-run").unwrap();
+    assert_eq!(c.guard.claim_compensation(&tenant(), &other, None).await.unwrap(), None);
+    c.guard.start_rollback("admin-key", &tenant(), &run_id(), "bad deploy".into()).await.unwrap();
+
+    let CompensationClaim::Acquired(newest) = c.next_task().await else { panic!("no task") };
+    assert_eq!(newest.task.effect.scope.key.as_str(), "ship-2");
+    let refusal = Outcome { kind: OutcomeKind::Failure, ..success(r#"{"error":"already delivered"}"#) };
+    let failed = Mutation::Fail { retryable: false, outcome: refusal };
+    c.applied(&newest.task.scope, newest.acquired.fence, failed).await;
+    let CompensationClaim::Acquired(older) = c.next_task().await else { panic!("no task") };
+    assert_eq!(older.task.effect.scope.key.as_str(), "ship-1");
+    let retry = Mutation::Fail { retryable: true, outcome: success("{}") };
+    c.applied(&older.task.scope, older.acquired.fence, retry).await;
+    let CompensationClaim::Acquired(again) = c.next_task().await else { panic!("a released task is handed out") };
+    assert_eq!((again.task.scope.clone(), again.acquired.attempt), (older.task.scope.clone(), 2));
+    c.applied(&again.task.scope, again.acquired.fence, Mutation::Complete(success("{}"))).await;
+
+    assert_eq!(c.next_task().await, CompensationClaim::Done { compensated: 1, failed: 1 });
+    let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
+    let states: Vec<TaskState> = report.tasks.iter().map(|t| t.state).collect();
+    assert_eq!(states, [TaskState::Failed, TaskState::Compensated]);
+    assert_eq!((report.progress.failed, report.progress.compensated, report.progress.done()), (1, 1, true));
+
+    // A switch on the namespace covers its tasks (the run's own switch does not).
+    c.effect_outside_the_run_then_roll_back().await;
+}
+
+impl Case {
+    async fn effect_outside_the_run_then_roll_back(&self) {
+        let run = RunId::parse("run-2").unwrap();
+        let s = scope("charge-9");
+        let fence = self.acquire(&in_run(&s, "charge-9", "run-2", 0)).await;
+        self.applied(&s, fence, Mutation::Complete(undoable("{}", "refund", "{}"))).await;
+        self.guard.start_rollback("admin-key", &tenant(), &run, "second".into()).await.unwrap();
+        let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() };
+        self.guard.engage_switch("admin-key", &tenant(), target, "freeze".into(), false).await.unwrap();
+        let refused = self.guard.claim_compensation(&tenant(), &run, None).await.unwrap().unwrap();
+        assert!(
+            matches!(refused, CompensationClaim::Refused(ClaimOutcome::Denied(Denial::SwitchEngaged { .. }))),
+            "{refused:?}"
+        );
+    }
+}
+
+/// Counts what the guard reports: per mode, per answer enforcement gave or would have given,
+/// and the callers told to proceed.
+#[derive(Default)]
+struct Counted(Mutex<BTreeMap<(&'static str, &'static str), u64>>);
+
+impl Observer for Counted {
+    fn claimed(&self, _: &Scope, outcome: &ClaimOutcome, mode: Mode) {
+        let mut counts = self.0.lock().unwrap();
+        *counts.entry((mode.as_str(), outcome.enforced().name())).or_default() += 1;
+        if matches!(outcome, ClaimOutcome::Proceed(_)) {
+            *counts.entry((mode.as_str(), PROCEEDED)).or_default() += 1;
+        }
+    }
+
+    fn stale(&self, _: &Scope, _: onceguard_core::FencedOp, _: Fence, _: StaleReason) {}
+}
+
+/// The entry of [`Counted`] for the callers told to proceed.
+const PROCEEDED: &str = "told to proceed";
+
+impl Counted {
+    fn told_to_proceed(&self, mode: Mode) -> u64 {
+        self.0.lock().unwrap().get(&(mode.as_str(), PROCEEDED)).copied().unwrap_or(0)
+    }
+
+    fn get(&self, mode: &str, answer: Answer) -> u64 {
+        self.0.lock().unwrap().iter().filter(|((m, a), _)| *m == mode && *a == answer.as_str()).map(|(_, n)| n).sum()
+    }
+}
+
+fn mode_of(c: &Case, prefix: &str, mode: Mode) -> SettingsEntry {
+    SettingsEntry {
+        tenant: tenant(),
+        namespace_prefix: Some(Namespace::parse(prefix).unwrap()),
+        settings: Settings { mode: Some(mode), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    }
+}
+
+/// In observe mode every claim is decided and recorded as in enforce mode, but the caller
+/// proceeds wherever enforcement would have stopped it (a duplicate in flight, a replay, a
+/// mismatch, a spent budget), holding nothing; what enforcement would have answered is
+/// reported exactly. A kill switch still refuses. Back in enforce mode the same key replays.
+pub async fn observe_mode_counts_each_would_be_outcome(store: Arc<dyn Store>) {
+    let counted = Arc::new(Counted::default());
+    let c = case(store);
+    let c = Case { guard: c.guard.with_observer(counted.clone()), clock: c.clock };
+    c.guard.put_settings(mode_of(&c, "prod", Mode::Observe), None).await.unwrap();
+    let s = scope("email-1");
+    let req = request(&s, "send the welcome email");
+    let fence = c.acquire(&req).await;
+    let proceeds = |o: &ClaimOutcome, would: Answer| matches!(o, ClaimOutcome::Proceed(w) if w.answer() == would);
+    let dup = c.claim(&req).await;
+    assert!(proceeds(&dup, Answer::InFlight), "{dup:?}");
+    // A claim asking to wait does not wait in observe mode.
+    let waited = c.guard.claim(crate::through_the_door(&req, Duration::from_secs(30))).await.unwrap();
+    assert!(proceeds(&waited, Answer::InFlight), "{waited:?}");
+    c.applied(&s, fence, Mutation::Complete(success("{}"))).await;
+    for _ in 0..3 {
+        let replay = c.claim(&req).await;
+        assert!(proceeds(&replay, Answer::Replay), "{replay:?}");
+    }
+    let other = c.claim(&request(&s, "send another email")).await;
+    assert!(proceeds(&other, Answer::Mismatch), "{other:?}");
+    // A spent budget proceeds too; the record keeps what enforcement decided.
+    let budget = Budget { max_effects: Some(1), ..Budget::default() };
+    c.guard.set_budget("admin-key", &tenant(), &RunId::parse("r").unwrap(), budget, None).await.unwrap();
+    c.acquire(&in_run(&scope("b-1"), "b-1", "r", 0)).await;
+    let spent = c.claim(&in_run(&scope("b-2"), "b-2", "r", 0)).await;
+    assert!(proceeds(&spent, Answer::Denied), "{spent:?}");
+    assert!(c.get(&scope("b-2")).await.is_none(), "nothing was acquired for it");
+    // A kill switch is never observe-only.
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod/payments-agent").unwrap() };
+    c.guard.engage_switch("admin-key", &tenant(), target.clone(), "stop".into(), false).await.unwrap();
+    let stopped = c.claim(&req).await;
+    assert!(matches!(stopped, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })), "{stopped:?}");
+    c.guard.release_switch("admin-key", &tenant(), &target, None).await.unwrap();
+
+    assert_eq!(counted.get("observe", Answer::Acquired), 2);
+    assert_eq!(counted.get("observe", Answer::InFlight), 2);
+    assert_eq!(counted.get("observe", Answer::Replay), 3);
+    assert_eq!(counted.get("observe", Answer::Mismatch), 1);
+    assert_eq!(counted.get("observe", Answer::Denied), 2, "the budget's and the switch's");
+    assert_eq!(counted.get("enforce", Answer::Acquired), 0);
+
+    c.guard.put_settings(mode_of(&c, "prod", Mode::Enforce), None).await.unwrap();
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)));
+    assert_eq!(counted.get("enforce", Answer::Replay), 1);
+}
+
+/// Switching a namespace between modes under load: workers claim the same keys while the mode
+/// flips under them. Whatever the mode, each key is acquired (and its effect recorded) once; a
+/// caller is told to proceed only by a claim decided in observe mode, every proceed is reported
+/// as what enforcement would have answered, and every claim is reported once. Once the
+/// namespace is enforced again, every key replays.
+pub async fn switching_modes_under_load_keeps_each_key_acquired_once(store: Arc<dyn Store>) {
+    const KEYS: usize = 8;
+    const PASSES: usize = 6;
+    const WORKERS: usize = 4;
+    let counted = Arc::new(Counted::default());
+    let c = case(store);
+    let c = Case { guard: c.guard.with_observer(counted.clone()), clock: c.clock };
+    c.guard.put_settings(mode_of(&c, "prod", Mode::Observe), None).await.unwrap();
+    let acquired: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let proceeded = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let (guard, acquired, proceeded) = (c.guard.clone(), acquired.clone(), proceeded.clone());
+            tokio::spawn(async move {
+                for _ in 0..PASSES {
+                    for k in 0..KEYS {
+                        let s = scope(&format!("doc-{k}"));
+                        let req = request(&s, &format!("embed doc {k}"));
+                        match guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() {
+                            ClaimOutcome::Acquired(a) => {
+                                *acquired.lock().unwrap().entry(s.key.to_string()).or_default() += 1;
+                                let done = guard.mutate(&s, a.fence, Mutation::Complete(success("{}"))).await;
+                                assert!(matches!(done.unwrap(), FencedOutcome::Applied(_)));
+                            }
+                            ClaimOutcome::Proceed(_) => {
+                                proceeded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            ClaimOutcome::Replay(_) | ClaimOutcome::InFlight(_) => {}
+                            other => panic!("unexpected {other:?}"),
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    // The mode flips while the workers claim.
+    for flip in 0..10 {
+        let mode = if flip % 2 == 0 { Mode::Enforce } else { Mode::Observe };
+        c.guard.put_settings(mode_of(&c, "prod", mode), None).await.unwrap();
+        tokio::task::yield_now().await;
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let acquired = acquired.lock().unwrap().clone();
+    assert_eq!(acquired.len(), KEYS, "{acquired:?}");
+    assert!(acquired.values().all(|n| *n == 1), "each key acquired once: {acquired:?}");
+    let proceeded = proceeded.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(counted.told_to_proceed(Mode::Enforce), 0, "a caller told to proceed by an enforced claim");
+    assert_eq!(counted.told_to_proceed(Mode::Observe), proceeded, "each proceed reported once");
+    let stopped_in_observe: u64 = [Answer::Replay, Answer::InFlight].iter().map(|a| counted.get("observe", *a)).sum();
+    assert_eq!(stopped_in_observe, proceeded, "each reported as what enforcement would have answered");
+    let all: u64 = Answer::ALL.iter().map(|a| counted.get("observe", *a) + counted.get("enforce", *a)).sum();
+    assert_eq!(all, (PASSES * WORKERS * KEYS) as u64, "every claim reported once");
+    c.guard.put_settings(mode_of(&c, "prod", Mode::Enforce), None).await.unwrap();
+    for k in 0..KEYS {
+        let req = request(&scope(&format!("doc-{k}")), &format!("embed doc {k}"));
+        assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)), "doc-{k} replays");
+    }
+}
