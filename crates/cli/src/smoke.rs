@@ -20,7 +20,7 @@ use anyhow::{Context, Result, bail, ensure};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use clap::Args;
-use onceguard_client::{Claim, ClaimAnswer, Client, DenialKind, Fenced, Spent};
+use onceguard_client::{Claim, ClaimAnswer, Client, CompensationAnswer, DenialKind, Fenced, Spent};
 use onceguard_core::TenantId;
 use onceguard_core::auth::Role;
 use serde_json::{Value, json};
@@ -170,6 +170,86 @@ async fn reconciled_recovery(agent: &mut Agent, once: &mut Vec<&str>) -> Result<
     ensure!(replay.reconciled, "the replay says it was reconciled");
     once.push("charge:40");
     agent.note("11. recovery reconciled", "the service said it was charged: completed without charging again");
+    Ok(())
+}
+
+/// Step 12: a run that shipped two orders (each registering how to cancel it) and wrote a log
+/// line is rolled back: it is switched off, and two workers cancel each order once, newest first,
+/// one of them crashing holding a task (recovered by the other once its lease passed); the log
+/// line is not compensable.
+async fn rolled_back_run(agent: &mut Agent, once: &mut Vec<&str>, never: &mut Vec<&str>) -> Result<()> {
+    let run = format!("{}-rollback", agent.run);
+    let step = |key: &str, args: Value| Claim {
+        run: Some(run.clone()),
+        ..Claim::new("smoke/orders", format!("{run}-{key}"), args)
+    };
+    for (key, effect, undo) in [("ship-1", "ship:1", Some(1)), ("ship-2", "ship:2", Some(2)), ("log", "log:1", None)] {
+        let claim = step(key, json!({}));
+        let ClaimAnswer::Acquired(held) = agent.api.claim(&claim).await? else { bail!("{key} not acquired") };
+        ensure!(agent.effect(effect, held.fence).await?);
+        let result = json!({"effect": effect});
+        let done = match undo {
+            Some(order) => {
+                let data = json!({"order": order});
+                agent
+                    .api
+                    .complete_undoable(&claim.target(), held.fence, &result, Spent::NOTHING, "cancel-order", &data)
+                    .await?
+            }
+            None => agent.api.complete(&claim.target(), held.fence, &result, Spent::NOTHING).await?,
+        };
+        ensure!(matches!(done, Fenced::Applied(_)), "{done:?}");
+        once.push(effect);
+    }
+    let started = agent.api.rollback(&run, "smoke: shipped to the wrong address").await?;
+    ensure!(started["pending"] == 2 && started["not_compensable"] == 1, "{started}");
+    let refused = agent.api.claim(&step("ship-3", json!({}))).await?;
+    ensure!(matches!(refused, ClaimAnswer::Denied { kind: DenialKind::Switch, .. }), "{refused:?}");
+    never.push("ship:3");
+    // A worker takes the newest task and crashes before cancelling.
+    let CompensationAnswer::Task(crashed) =
+        agent.api.claim_compensation(&run, Some(Duration::from_millis(200))).await?
+    else {
+        bail!("no compensation task")
+    };
+    ensure!(crashed.effect["key"] == format!("{run}-ship-2"), "newest first: {:?}", crashed.effect);
+    // Two workers cancel what is left; the crashed worker's task comes back once its lease passed.
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let (api, effects_url, http) = (agent.api.clone(), agent.effects_url.clone(), agent.http.clone());
+        let run = run.clone();
+        workers.push(tokio::spawn(async move {
+            for _ in 0..50 {
+                match api.claim_compensation(&run, None).await? {
+                    CompensationAnswer::Task(task) => {
+                        let order = &task.compensation["data"]["order"];
+                        let url = format!("{effects_url}/effects/cancel:{order}");
+                        let sent = http.post(url).header("x-fence", task.acquired.fence.to_string()).send().await?;
+                        ensure!(sent.status() == StatusCode::OK, "the service refused a live holder's fence");
+                        let done = api
+                            .complete(&task.target(), task.acquired.fence, &json!({"cancelled": order}), Spent::NOTHING)
+                            .await?;
+                        ensure!(matches!(done, Fenced::Applied(_)), "{done:?}");
+                    }
+                    CompensationAnswer::Busy(after) => tokio::time::sleep(after.min(Duration::from_millis(100))).await,
+                    CompensationAnswer::Done { compensated, failed } => {
+                        return Ok::<_, anyhow::Error>((compensated, failed));
+                    }
+                }
+            }
+            bail!("the rollback did not finish")
+        }));
+    }
+    for worker in workers {
+        let (compensated, failed) = worker.await??;
+        ensure!((compensated, failed) == (2, 0), "{compensated} compensated, {failed} failed");
+    }
+    let late = agent.api.complete(&crashed.target(), crashed.acquired.fence, &json!({}), Spent::NOTHING).await?;
+    ensure!(matches!(late, Fenced::Stale { .. }), "the crashed worker's late completion: {late:?}");
+    let status = agent.api.rollback_status(&run).await?.context("the rollback")?;
+    ensure!(status["done"] == true && status["compensated"] == 2, "{status}");
+    once.extend(["cancel:1", "cancel:2"]);
+    agent.note("12. run rolled back", "switched off; each order cancelled once, newest first, one worker crashed");
     Ok(())
 }
 
@@ -332,6 +412,7 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
 
     approved_payment(&mut agent, &mut once, &mut never).await?;
     reconciled_recovery(&mut agent, &mut once).await?;
+    rolled_back_run(&mut agent, &mut once, &mut never).await?;
 
     // The report.
     let effects = effects.lock().unwrap_or_else(|e| e.into_inner());

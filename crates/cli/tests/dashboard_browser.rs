@@ -169,6 +169,27 @@ impl Browser {
     }
 }
 
+/// What the page should show of the dashboard data `data`.
+fn figures(data: &Value) -> Value {
+    json!({
+        "claims-acquired": count(&data["claims"]["acquired"]),
+        "claims-replay": count(&data["claims"]["replay"]),
+        "claims-in-flight": count(&data["claims"]["in_flight"]),
+        "claims-mismatch": count(&data["claims"]["mismatch"]),
+        "claims-denied": count(&data["claims"]["denied"]),
+        "cost-saved": count(&data["cost_saved"]),
+        "tokens-saved": count(&data["tokens_saved"]),
+        "stale-calls": count(&data["stale_calls"]),
+        "recoveries": (data["recoveries"]["lease_expired"].as_u64().unwrap() + data["recoveries"]["reported_unknown"].as_u64().unwrap()).to_string(),
+        "keys-in-flight": count(&data["keys"]["in_flight"]),
+        "keys-stuck": count(&data["keys"]["stuck"]),
+        "latency-p50": ms(&data["latency"]["p50_ms"]),
+        "latency-p99": ms(&data["latency"]["p99_ms"]),
+        "store-status": "up",
+        "controls": data["controls"]["summary"],
+    })
+}
+
 /// A client of the server under test.
 struct Api {
     http: reqwest::Client,
@@ -317,31 +338,17 @@ async fn the_dashboard_shows_what_the_api_says() {
     assert!(!key_in_url.as_str().unwrap().contains("og_"), "the API key never goes in the URL");
 
     // The figures shown are the API's (the page refreshes every 2 s; traffic has stopped).
-    let data = api.get("/v1/dashboard").await;
-    let expected = json!({
-        "claims-acquired": count(&data["claims"]["acquired"]),
-        "claims-replay": count(&data["claims"]["replay"]),
-        "claims-in-flight": count(&data["claims"]["in_flight"]),
-        "claims-mismatch": count(&data["claims"]["mismatch"]),
-        "claims-denied": count(&data["claims"]["denied"]),
-        "cost-saved": count(&data["cost_saved"]),
-        "tokens-saved": count(&data["tokens_saved"]),
-        "stale-calls": count(&data["stale_calls"]),
-        "recoveries": (data["recoveries"]["lease_expired"].as_u64().unwrap() + data["recoveries"]["reported_unknown"].as_u64().unwrap()).to_string(),
-        "keys-in-flight": count(&data["keys"]["in_flight"]),
-        "keys-stuck": count(&data["keys"]["stuck"]),
-        "latency-p50": ms(&data["latency"]["p50_ms"]),
-        "latency-p99": ms(&data["latency"]["p99_ms"]),
-        "store-status": "up",
-        "controls": data["controls"]["summary"],
-    });
+    // The API is read again on each look: the last answers' latencies may be counted just after
+    // they were sent.
     let deadline = Instant::now() + Duration::from_secs(10);
-    let shown = loop {
+    let (data, shown) = loop {
+        let data = api.get("/v1/dashboard").await;
+        let expected = figures(&data);
         let shown = browser.shown().await;
         let mismatched: Vec<_> =
             expected.as_object().unwrap().iter().filter(|(id, want)| &shown[id.as_str()] != *want).collect();
         if mismatched.is_empty() {
-            break shown;
+            break (data, shown);
         }
         assert!(Instant::now() < deadline, "the page shows other figures than the API: {mismatched:?} vs {shown}");
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -435,12 +442,60 @@ async fn the_dashboard_shows_what_the_api_says() {
     let gone = "return !document.querySelector('[data-testid=approval-wire-1]');";
     browser.wait_for("the approval leaving the list", gone).await;
 
+    // Observe mode: the duplicates it let through and what they cost again; a run rolled back,
+    // with its progress.
+    let set = json!({"namespace_prefix": "staging", "settings": {"mode": "observe"}});
+    let r = api.http.put(format!("{}/v1/settings", api.base)).bearer_auth(&api.token).json(&set).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let welcome = json!({"namespace": "staging/emails", "key": "welcome-1", "request": {"to": "a"}});
+    let (status, held) = api.post("/v1/claims", welcome.clone()).await;
+    assert_eq!(status, 201);
+    let done =
+        json!({"namespace": "staging/emails", "key": "welcome-1", "fence": held["fence"], "result": {}, "cost": 25});
+    assert_eq!(api.post("/v1/claims/complete", done).await.0, 200);
+    for _ in 0..2 {
+        let (status, proceed) = api.post("/v1/claims", welcome.clone()).await;
+        assert_eq!((status, &proceed["would_have_been"]), (200, &json!("replay")));
+    }
+    for i in 0..3 {
+        let claim = json!({"namespace": "ops/refunds", "key": format!("r-{i}"), "request": {}, "run": "run-rb"});
+        let (status, held) = api.post("/v1/claims", claim).await;
+        assert_eq!(status, 201);
+        let mut done =
+            json!({"namespace": "ops/refunds", "key": format!("r-{i}"), "fence": held["fence"], "result": {}});
+        if i < 2 {
+            done["compensation"] = json!({"name": "reverse-refund", "data": {"refund": i}});
+        }
+        assert_eq!(api.post("/v1/claims/complete", done).await.0, 200);
+    }
+    assert_eq!(api.post("/v1/runs/run-rb/rollback", json!({"why": "duplicate refunds"})).await.0, 201);
+    let (status, task) = api.post("/v1/runs/run-rb/compensations/claim", json!({})).await;
+    assert_eq!(status, 201);
+    let undone = json!({"namespace": task["namespace"], "key": task["key"], "fence": task["fence"], "result": {}});
+    assert_eq!(api.post("/v1/claims/complete", undone).await.0, 200);
+    let shows = "return document.querySelector('[data-testid=observed-duplicates]').innerText === '2' \
+                 && !!document.querySelector('[data-testid=rollback-run-rb]');";
+    browser.wait_for("observe mode's figures and the rollback", shows).await;
+    let shown = browser.shown().await;
+    assert_eq!(shown["observed-cost"], "50", "two replays let through, of a completion that cost 25");
+    let row: Vec<String> = shown["rollback-run-rb"].as_str().unwrap().split('\t').map(str::to_owned).collect();
+    assert_eq!(row[2], "duplicate refunds", "{row:?}");
+    assert_eq!(
+        row[3..],
+        ["3", "1", "1", "0", "0", "1", "0"],
+        "effects, compensated, pending, in progress, failed, not compensable, in flight"
+    );
+
     // An engaged kill switch shows at the next refresh.
     let engage = json!({"target": {"kind": "namespace", "prefix": "prod"}, "reason": "refund loop"});
     assert_eq!(api.post("/v1/switches", engage).await.0, 201);
     let shows_switch = "return document.querySelector('[data-testid=controls]').innerText.includes('namespace:prod');";
     browser.wait_for("the engaged switch", shows_switch).await;
-    assert_eq!(browser.shown().await["controls"], "Claims refused (423) under: namespace:prod.");
+    assert_eq!(
+        browser.shown().await["controls"],
+        "Claims refused (423) under: namespace:prod, run:run-rb.",
+        "the rolled-back run is switched off too"
+    );
 
     let to = screenshot_path();
     browser.screenshot(&to).await;

@@ -298,6 +298,35 @@ function render(d) {
   });
   $("store-rows").replaceChildren(...opRows);
   renderApprovals(d.approvals);
+  renderObserved(d.observed);
+  renderRollbacks(d.rollbacks);
+}
+
+// What observe mode let through: duplicates enforcement would have stopped, and what they cost again.
+function renderObserved(o) {
+  setText("observed-duplicates", count(o.duplicates_not_prevented));
+  const c = o.claims;
+  setText("observed-detail", `${count(c.replay)} replays, ${count(c.in_flight)} in flight, ${count(c.mismatch)} mismatches, ${count(c.denied)} denials would have been`);
+  setText("observed-cost", count(o.cost_not_saved));
+  setText("observed-tokens", `and ${count(o.tokens_not_saved)} tokens enforcing would have saved`);
+}
+
+// Runs being rolled back, with their progress (a failed compensation is kept and shown).
+function renderRollbacks(rollbacks) {
+  const rows = rollbacks.map((r) => {
+    const row = document.createElement("tr");
+    row.dataset.testid = `rollback-${r.run}`;
+    if (r.failed > 0) row.className = "bad";
+    cell(row, r.run);
+    cell(row, clock(r.started_at));
+    cell(row, r.why);
+    for (const n of [r.effects, r.compensated, r.pending, r.in_progress, r.failed, r.not_compensable, r.effects_in_flight]) {
+      cell(row, count(n), "num");
+    }
+    return row;
+  });
+  $("rollback-rows").replaceChildren(...rows);
+  $("rollbacks-empty").hidden = rows.length > 0;
 }
 
 function renderApprovals(panel) {
