@@ -11,12 +11,20 @@
   ``approve`` or ``deny`` (:class:`ApprovalDenied`).
 - ``onceguard.langchain.guard_tool`` and ``onceguard.openai_agents.guard_function_tool``: guard
   the tools of LangChain / LangGraph and of the OpenAI Agents SDK.
+- Observe mode: in a namespace whose settings say ``mode: observe``, a claim that enforcing
+  would refuse answers :class:`Proceed` (``would_have_been``, ``reason``) and the guards run
+  the function anyway, holding and storing nothing.
+- Rollbacks: ``undo=`` on :func:`once` and :func:`guarded` registers each effect's
+  :class:`Compensation` when it completes (and the undo function in this process,
+  :func:`undo_handlers`); ``client.rollback(run, why)`` starts undoing a run, and
+  ``client.run_compensations(run)`` is the worker that runs its compensations, newest first.
 - :func:`once_each`: many items, each done once per key, in batches; on it,
   ``onceguard.langchain.OnceEmbeddings`` and ``onceguard.llamaindex.OnceEmbedding`` embed each
   chunk of an ingestion once per (model, text digest).
 """
 
 from ._calls import ClaimItem, CompleteItem
+from ._undo import register_undo, undo_handlers, undo_name
 from ._wire import RawJson
 from .client import NO_RETRY, AsyncClient, Client, Retry
 from .errors import (
@@ -63,16 +71,26 @@ from .models import (
     Checkpoint,
     ClaimAnswer,
     ClaimRate,
+    Compensation,
+    CompensationClaim,
+    CompensationReport,
+    CompensationsBusy,
+    CompensationsDone,
+    CompensationTask,
     Decision,
     Denied,
+    EffectRef,
     InFlight,
     Mismatch,
     PendingApproval,
+    Proceed,
     Record,
     RecordPage,
     Recovery,
     Replay,
     ResultDigest,
+    Rollback,
+    RollbackTask,
     Run,
     Settings,
     SettingsEntry,
@@ -110,10 +128,17 @@ __all__ = [
     "ClaimProblem",
     "ClaimRate",
     "Client",
+    "Compensation",
+    "CompensationClaim",
+    "CompensationReport",
+    "CompensationTask",
+    "CompensationsBusy",
+    "CompensationsDone",
     "Conflict",
     "Decision",
     "Denied",
     "DeniedError",
+    "EffectRef",
     "Forbidden",
     "GuardError",
     "Guarded",
@@ -132,6 +157,7 @@ __all__ = [
     "PendingApproval",
     "PermanentFailure",
     "ProblemError",
+    "Proceed",
     "RawJson",
     "Record",
     "RecordPage",
@@ -140,6 +166,8 @@ __all__ = [
     "ResultDigest",
     "ResultNotKept",
     "Retry",
+    "Rollback",
+    "RollbackTask",
     "Run",
     "Settings",
     "SettingsEntry",
@@ -162,4 +190,7 @@ __all__ = [
     "derive_key",
     "guarded",
     "once",
+    "register_undo",
+    "undo_handlers",
+    "undo_name",
 ]

@@ -26,13 +26,20 @@ from .models import (
     AuditEntry,
     AuditPage,
     ClaimAnswer,
+    Compensation,
+    CompensationClaim,
+    CompensationsBusy,
+    CompensationsDone,
+    CompensationTask,
     Denied,
     InFlight,
     Mismatch,
     PendingApproval,
+    Proceed,
     Record,
     RecordPage,
     Replay,
+    Rollback,
     Run,
     Settings,
     SettingsEntry,
@@ -133,6 +140,8 @@ def claim_answer(status: int, body: Any, raw: bytes | None, retry_after: float |
     if status == 201:
         return Acquired.from_json(body)
     if status == 200:
+        if isinstance(body, dict) and body.get("outcome") == "proceed":
+            return Proceed.from_json(body)
         return Replay.from_json(body, raw)
     if status == 202:
         return PendingApproval.from_json(body, retry_after)
@@ -188,6 +197,29 @@ def read_optional_run(response: httpx.Response) -> Run | None:
     if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
         return None
     return read_run(response)
+
+
+def read_rollback(response: httpx.Response) -> Rollback:
+    return Rollback.from_json(_expect(response, 200, 201))
+
+
+def read_optional_rollback(response: httpx.Response) -> Rollback | None:
+    if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
+        return None
+    return read_rollback(response)
+
+
+def read_compensation_claim(response: httpx.Response) -> CompensationClaim:
+    """A compensation claim's answer: a task (201), ``busy`` or ``done`` (200)."""
+    body = _expect(response, 200, 201)
+    if response.status_code == 201:
+        return CompensationTask.from_json(body)
+    outcome = body.get("outcome") if isinstance(body, dict) else None
+    if outcome == "busy":
+        return CompensationsBusy.from_json(body)
+    if outcome == "done":
+        return CompensationsDone.from_json(body)
+    raise UnexpectedResponse(response.status_code, _text(response))
 
 
 def read_switch(response: httpx.Response) -> Switch:
@@ -337,8 +369,10 @@ def complete(
     cost: int | None = None,
     tokens: int | None = None,
     reconciled: bool = False,
+    compensation: Compensation | tuple[str, Any] | None = None,
 ) -> Call[Record]:
     flag = True if reconciled else None  # absent unless set: the body of a plain completion is as before
+    undo = compensation_member(compensation)
     if raw is not None:
         import base64
 
@@ -352,6 +386,7 @@ def complete(
             cost=_cost(cost),
             tokens=_tokens(tokens),
             reconciled=flag,
+            compensation=undo,
         )
     if content_type is not None and content_type != "application/json":
         raise ValueError("a 'result' is JSON; send other media types as raw bytes with content_type")
@@ -364,7 +399,21 @@ def complete(
         cost=_cost(cost),
         tokens=_tokens(tokens),
         reconciled=flag,
+        compensation=undo,
     )
+
+
+def compensation_member(compensation: Compensation | tuple[str, Any] | None) -> RawJson | None:
+    """The ``compensation`` member of a completion: ``{"name": …, "data": …}``, a ``RawJson``
+    ``data`` spliced verbatim."""
+    if compensation is None:
+        return None
+    if not isinstance(compensation, Compensation):
+        name, data = compensation
+        compensation = Compensation(name, data)
+    data = compensation.data
+    text = data.text if isinstance(data, RawJson) else _wire.dumps(data)
+    return RawJson(f'{{"name":{_wire.dumps(compensation.name)},"data":{text}}}')
 
 
 def fail(
@@ -441,6 +490,23 @@ def set_run_budget(
 
 def get_run(run: str) -> Call[Run | None]:
     return Call("GET", _run_path(run), read_optional_run)
+
+
+def rollback(run: str, why: str, tenant: str | None = None) -> Call[Rollback]:
+    # Starting a started rollback answers the one under way: sending it again is harmless.
+    path = _run_path(run) + "/rollback"
+    return Call("POST", path, read_rollback, params=_query(tenant=tenant), body=_wire.body({"why": why}))
+
+
+def rollback_status(run: str) -> Call[Rollback | None]:
+    return Call("GET", _run_path(run) + "/rollback", read_optional_rollback)
+
+
+def claim_compensation(run: str, lease: Duration | None = None) -> Call[CompensationClaim]:
+    # As for a claim: a task whose answer was lost stays held until its lease passes, then the
+    # next claim recovers it.
+    body = _wire.body({"lease": _opt_duration(lease)})
+    return Call("POST", _run_path(run) + "/compensations/claim", read_compensation_claim, body=body)
 
 
 def _target(target: SwitchTarget | Mapping[str, Any]) -> dict[str, Any]:
@@ -579,6 +645,7 @@ class CompleteItem:
     cost: int | None = None
     tokens: int | None = None
     reconciled: bool = False
+    compensation: Compensation | tuple[str, Any] | None = None
 
 
 def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple[int, Any]]]:
@@ -702,6 +769,7 @@ def complete_batch(items: Sequence[CompleteItem]) -> Call[list[Record | StaleFen
             cost=i.cost,
             tokens=i.tokens,
             reconciled=i.reconciled,
+            compensation=i.compensation,
         ).body
         or b"{}"
         for i in items

@@ -1,5 +1,6 @@
-"""What the sync and async guards share: the policy, reading a claim's answer, the state of an
-attempt, and the attempt running in this context. No I/O: see :mod:`onceguard.guard`."""
+"""What the sync and async guards share: the policy (with the compensation an effect registers),
+reading a claim's answer, the state of an attempt, and the attempt running in this context. No
+I/O: see :mod:`onceguard.guard`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,23 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Sequence, Union
 
-from ._wire import Duration, dumps, duration_seconds
+from ._undo import check_undo_name, register_undo
+from ._wire import Duration, RawJson, dumps, duration_seconds
 from .errors import AwaitingApproval, InFlightError, KeyConflict, PermanentFailure, ResultNotKept, StaleFence, denied_error
 from .keys import jsonable
-from .models import Acquired, Checkpoint, ClaimAnswer, Denied, InFlight, Mismatch, PendingApproval, Recovery, Replay
+from .models import (
+    Acquired,
+    Checkpoint,
+    ClaimAnswer,
+    Compensation,
+    Denied,
+    InFlight,
+    Mismatch,
+    PendingApproval,
+    Proceed,
+    Recovery,
+    Replay,
+)
 
 ExceptionClasses = Union[type[BaseException], Sequence[type[BaseException]]]
 
@@ -39,8 +53,50 @@ class Happened:
 Verify = Callable[[str, int, Union[Checkpoint, None]], Any]
 
 
-def _classes(value: ExceptionClasses) -> tuple[type[BaseException], ...]:
+def exception_classes(value: ExceptionClasses) -> tuple[type[BaseException], ...]:
+    """The classes of a ``permanent=``, ``unknown=`` or ``retryable=`` argument."""
     return (value,) if isinstance(value, type) else tuple(value)
+
+
+#: The largest compensation ``data`` the server takes, serialized.
+MAX_COMPENSATION_DATA = 16 * 1024
+
+
+@dataclass(frozen=True)
+class Undo:
+    """The compensation a guarded effect registers when it completes: its ``name``, and its
+    data: ``data(result)`` if given, else the result as stored."""
+
+    name: str
+    data: Callable[[Any], Any] | None = None
+
+    @classmethod
+    def of(
+        cls, undo: Callable[..., Any] | None, name: str | None, data: Callable[[Any], Any] | None
+    ) -> Undo | None:
+        """The guard's compensation, its undo function registered (see :mod:`onceguard._undo`)."""
+        if undo is None and name is None:
+            if data is not None:
+                raise TypeError("undo_data= needs undo= (or undo_name=)")
+            return None
+        if data is not None and not callable(data):
+            raise TypeError("undo_data is a function of the result, answering the compensation's data")
+        if undo is None:
+            return cls(check_undo_name(str(name)), data)  # a worker elsewhere knows the name
+        return cls(register_undo(undo, name), data)
+
+    def compensation(self, value: Any, text: str) -> Compensation:
+        """The compensation of an effect whose result is ``value``, stored as ``text``. Raises
+        what ``data`` raises, ``TypeError`` for data that is not JSON, ``ValueError`` for data
+        larger than the server takes."""
+        data = text if self.data is None else dumps(jsonable(self.data(value)))
+        size = len(data.encode("utf-8"))
+        if size > MAX_COMPENSATION_DATA:
+            raise ValueError(
+                f"the data of the compensation {self.name!r} is {size} bytes, more than {MAX_COMPENSATION_DATA}: "
+                "give undo_data= a function answering less"
+            )
+        return Compensation(self.name, RawJson(data))
 
 
 @dataclass(frozen=True)
@@ -60,6 +116,8 @@ class Policy:
     #: Seconds to wait for a person's decision on a call pending approval; ``None``: none.
     wait_for_approval: float | None = None
     verify: Verify | None = None
+    #: The compensation a completion registers (``undo=``), if any.
+    undo: Undo | None = None
 
     @classmethod
     def of(
@@ -77,6 +135,9 @@ class Policy:
         heartbeat: bool = True,
         wait_for_approval: Duration | None = None,
         verify: Verify | None = None,
+        undo: Callable[..., Any] | None = None,
+        undo_name: str | None = None,
+        undo_data: Callable[[Any], Any] | None = None,
     ) -> Policy:
         if verify is not None and not callable(verify):
             raise TypeError("verify is a function of (key, fence, last checkpoint)")
@@ -86,13 +147,14 @@ class Policy:
             retention=retention,
             wait=wait,
             cost=cost,
-            permanent=_classes(permanent),
-            unknown=_classes(unknown),
+            permanent=exception_classes(permanent),
+            unknown=exception_classes(unknown),
             encode=encode or jsonable,
             decode=decode or (lambda value: value),
             heartbeat=heartbeat,
             wait_for_approval=None if wait_for_approval is None else duration_seconds(wait_for_approval),
             verify=verify,
+            undo=Undo.of(undo, undo_name, undo_data),
         )
 
     def classify(self, exc: BaseException) -> str:
@@ -124,11 +186,12 @@ def still_waiting(answer: ClaimAnswer) -> bool:
     return isinstance(answer, (PendingApproval, InFlight))
 
 
-def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Replayed:
-    """An acquired claim, or the replayed value; raises for the other answers, and for a
-    replay whose namespace keeps only a digest (there is no value, and it must not run again)."""
+def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Replayed | Proceed:
+    """An acquired claim, the replayed value, or observe mode's ``proceed`` (run, holding
+    nothing); raises for the other answers, and for a replay whose namespace keeps only a
+    digest (there is no value, and it must not run again)."""
     ns = policy.namespace
-    if isinstance(answer, Acquired):
+    if isinstance(answer, (Acquired, Proceed)):
         return answer
     if isinstance(answer, Replay):
         if answer.digest is not None:
@@ -150,7 +213,7 @@ def interpret(answer: ClaimAnswer, policy: Policy, key: str) -> Acquired | Repla
 class AttemptBase:
     """What sync and async attempts share: the claim's facts and the result."""
 
-    def __init__(self, policy: Policy, key: str, found: Acquired | Replayed) -> None:
+    def __init__(self, policy: Policy, key: str, found: Acquired | Replayed | Proceed) -> None:
         self.namespace = policy.namespace
         self.key = key
         self._policy = policy
@@ -169,7 +232,18 @@ class AttemptBase:
         #: The outcome was stored by a recovering attempt as what happened downstream (a
         #: ``verify`` hook answered :class:`Happened`), without running the effect.
         self.reconciled = False
-        if isinstance(found, Replayed):
+        #: Observe mode's answer where enforcing would not have let this call run
+        #: (``would_have_been``, ``reason``): the call runs holding nothing (``fence`` and
+        #: ``attempt`` are 0), and its result is returned (as a stored one would be), not stored.
+        self.observed: Proceed | None = None
+        if isinstance(found, Proceed):
+            self.replayed = False
+            self.observed = found
+            self.fence = 0
+            self.attempt = 0
+            self.recovery = None
+            self.lease_expires_at = None
+        elif isinstance(found, Replayed):
             self.replayed = True
             self.fence = found.replay.fence
             self.attempt = found.replay.attempt
@@ -227,8 +301,18 @@ class AttemptBase:
         if self.replayed:
             raise RuntimeError("this key replayed: there is no attempt to checkpoint or complete")
 
+    def _observed_result(self, value: Any) -> Any:
+        """Observe mode: the result is ``value`` as every caller gets a stored one (encoded,
+        then decoded), but nothing is stored."""
+        return self._stored(self._serialize(value))
+
+    def _compensation(self, value: Any, text: str) -> Compensation | None:
+        """The compensation completing with ``value`` (stored as ``text``) registers, if any."""
+        undo = self._policy.undo
+        return None if undo is None else undo.compensation(value, text)
+
     def __repr__(self) -> str:
-        state = "replayed" if self.replayed else f"attempt {self.attempt}"
+        state = "replayed" if self.replayed else "observed" if self.observed else f"attempt {self.attempt}"
         return f"<{type(self).__name__} {self.namespace}/{self.key} fence={self.fence} {state}>"
 
 

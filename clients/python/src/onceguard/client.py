@@ -8,8 +8,8 @@ bounded exponential backoff (:class:`Retry`):
   call;
 - a request that may have been sent (read timeout, dropped connection) is retried for the calls
   that are idempotent by key and fence, or by nature: every claim and fenced call, reads,
-  purges, budgets, settings, engaging a switch — not creating API keys or tenants, nor releasing
-  a switch (a second release would answer 404);
+  purges, budgets, settings, engaging a switch, starting a rollback, claiming a compensation —
+  not creating API keys or tenants, nor releasing a switch (a second release would answer 404);
 - a ``503`` (``store-unavailable``: nothing was decided) is retried for every call.
 
 After the last try, a transport failure raises :class:`onceguard.TransportError` and a 503 raises

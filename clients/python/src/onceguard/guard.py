@@ -19,11 +19,18 @@ The protocol, the same for both and for the framework helpers:
    - ``in_flight`` after the wait: :class:`InFlightError`; ``mismatch``: :class:`KeyConflict`;
      ``denied``: :class:`DeniedError` (:class:`ApprovalDenied` for an approver's refusal);
      ``pending_approval`` (after ``wait_for_approval``, if given): :class:`AwaitingApproval`;
+   - ``proceed`` (a namespace in **observe mode**, where enforcing would not have let the call
+     run): the function runs holding nothing (no heartbeat, no fence), and its result is
+     returned (encoded and decoded, as every caller gets a stored one); nothing is completed,
+     failed or reported; an exception in
+     ``permanent`` raises :class:`PermanentFailure` (nothing stored), any other propagates;
 3. the heartbeat is stopped (and joined), then
    - a return value is serialized as JSON and **completed**; every caller, the first included,
      gets the value decoded from those stored bytes, so all callers see the same value; a
      ``stale`` answer (the lease was taken over meanwhile) raises :class:`StaleFence`: the
-     result is **not** stored;
+     result is **not** stored; with an ``undo``, the completion registers the effect's
+     **compensation** (its name, and ``undo_data(result)`` or the result as data), which a
+     rollback of the run hands to ``run_compensations``;
    - an exception of a class in ``permanent`` is stored as a failure
      (``{"type": "module.Class", "message": "…"}``) and raised as :class:`PermanentFailure`,
      now and on every replay;
@@ -90,6 +97,9 @@ def guarded(
     summary: str | None = None,
     wait_for_approval: Duration | None = None,
     verify: Verify | None = None,
+    undo: Callable[..., Any] | None = None,
+    undo_name: str | None = None,
+    undo_data: Callable[[Any], Any] | None = None,
 ) -> Guarded: ...
 
 
@@ -114,6 +124,9 @@ def guarded(
     summary: str | None = None,
     wait_for_approval: Duration | None = None,
     verify: Verify | None = None,
+    undo: Callable[..., Any] | None = None,
+    undo_name: str | None = None,
+    undo_data: Callable[[Any], Any] | None = None,
 ) -> AsyncGuarded: ...
 
 
@@ -137,6 +150,9 @@ def guarded(
     summary: str | None = None,
     wait_for_approval: Duration | None = None,
     verify: Verify | None = None,
+    undo: Callable[..., Any] | None = None,
+    undo_name: str | None = None,
+    undo_data: Callable[[Any], Any] | None = None,
 ) -> Guarded | AsyncGuarded:
     """A block that runs once per ``key`` (``with`` for a :class:`Client`, ``async with`` for an
     :class:`AsyncClient`). The block always runs, so check ``replayed``:
@@ -152,6 +168,10 @@ def guarded(
     another request), or give ``fingerprint``. ``summary`` is a string. The other options are
     those of :func:`once`; where ``verify`` found the effect happened, the attempt is
     ``replayed`` (and ``reconciled``), with its ``result``, so the block must not do it again.
+    In a namespace in observe mode, a block that enforcing would not let run enters with
+    ``observed`` set (the claim's :class:`Proceed`) and ``replayed`` false: it runs, and its
+    ``result`` is not stored. ``undo`` (with ``undo_name``, ``undo_data``) registers a
+    compensation when the block's outcome is stored, as for :func:`once`.
     Entering raises :class:`InFlightError`, :class:`KeyConflict`, :class:`DeniedError`
     (:class:`ApprovalDenied`), :class:`AwaitingApproval`, :class:`PermanentFailure` (a stored
     failure), or :class:`ResultNotKept` (it ran once, in a namespace that keeps only a digest);
@@ -171,6 +191,9 @@ def guarded(
         heartbeat=heartbeat,
         wait_for_approval=wait_for_approval,
         verify=verify,
+        undo=undo,
+        undo_name=undo_name,
+        undo_data=undo_data,
     )
     if isinstance(client, AsyncClient):
         return AsyncGuarded(client, policy, key, request=request, fingerprint=fingerprint, run=run, summary=summary)
@@ -205,6 +228,9 @@ def once(
     summary: str | Callable[..., str | None] | None = None,
     wait_for_approval: Duration | None = None,
     verify: Verify | None = None,
+    undo: Callable[..., Any] | None = None,
+    undo_name: str | None = None,
+    undo_data: Callable[[Any], Any] | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Make a function (sync, with a :class:`Client`; or ``async def``, with an
     :class:`AsyncClient`) run once per key:
@@ -248,6 +274,20 @@ def once(
       the function runs. ``fence`` is the recovering attempt's; :func:`current` gives its whole
       ``recovery``. A hook that raises or answers anything else (a ``TypeError``) leaves the
       key reported unknown, so the next call verifies again.
+    - ``undo``: the function that undoes the effect, called by a compensation worker
+      (``client.run_compensations``) with the compensation's data when the run is rolled back.
+      Each successful completion registers the compensation ``undo_name`` (default: the undo
+      function's ``__qualname__``; a lambda needs one) with ``undo_data(result)`` as data if
+      given, else the result as stored (JSON, at most 16 KiB). The function is registered in
+      this process under that name (:func:`onceguard.undo_handlers`). ``undo_name`` alone
+      registers the compensation for a handler that a worker elsewhere knows by that name. If
+      ``undo_data`` raises, or its data cannot be sent, the key is reported unknown (the effect
+      happened) and the error propagates.
+
+    In a namespace in observe mode (``mode: observe`` in its settings), a call that enforcing
+    would not let run (a replay, in flight, a mismatch, a denial, pending approval) runs anyway
+    holding nothing, and returns the function's result (as ``decode`` gives a stored one),
+    stored nowhere.
     """
     policy = Policy.of(
         namespace,
@@ -262,6 +302,9 @@ def once(
         heartbeat=heartbeat,
         wait_for_approval=wait_for_approval,
         verify=verify,
+        undo=undo,
+        undo_name=undo_name,
+        undo_data=undo_data,
     )
     check_label("version", version, 32)
     if isinstance(key, str):

@@ -1,8 +1,8 @@
 """The typed answers of the API.
 
 A claim answers exactly one of :class:`Acquired`, :class:`Replay`, :class:`InFlight`,
-:class:`Mismatch`, :class:`Denied` or :class:`PendingApproval` (the union :data:`ClaimAnswer`);
-match on the class:
+:class:`Mismatch`, :class:`Denied`, :class:`PendingApproval` or, in a namespace in observe mode,
+:class:`Proceed` (the union :data:`ClaimAnswer`); match on the class:
 
 .. code-block:: python
 
@@ -13,9 +13,14 @@ match on the class:
         case Mismatch():              ...the key was used with another request
         case Denied(kind=kind):       ...a switch, budget, quota or an approver refused it
         case PendingApproval(approval=approval): ...a person decides first; claim again later
+        case Proceed(would_have_been=what): ...observe mode: do the effect; nothing is held
 
 A fenced call answers the :class:`Record` as it now is; a stale fence raises
 :class:`onceguard.StaleFence`, which carries a :class:`Stale`.
+
+A run being rolled back is a :class:`Rollback`; its workers claim its compensations, one
+:class:`CompensationTask` at a time, until :class:`CompensationsDone` (the union
+:data:`CompensationClaim`).
 
 Durations in answers are seconds (``float``); times are aware ``datetime`` in UTC.
 """
@@ -360,8 +365,33 @@ class PendingApproval:
         return cls(approval=Approval.from_json(d["approval"]), retry_after=seconds or 0.0)
 
 
+@dataclass(frozen=True)
+class Proceed:
+    """``200 proceed``: the namespace is in observe mode (``mode: observe`` in its settings) and
+    enforcing would not have let this call run; it is told to run anyway. Nothing is held (no
+    fence, no lease): do the effect, and call neither ``complete`` nor ``fail``. The claim was
+    decided and recorded as in enforce mode, so what enforcing would have done shows."""
+
+    #: What enforcing would have answered: ``replay``, ``in_flight``, ``mismatch``, ``denied``
+    #: or ``pending_approval``.
+    would_have_been: str
+    #: For ``denied``, a short text saying why (e.g. "the run's budget is spent (effects)").
+    reason: str | None = None
+    mode: str = "observe"
+    outcome: ClassVar[Literal["proceed"]] = "proceed"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Proceed:
+        reason = d.get("reason")
+        return cls(
+            would_have_been=str(d["would_have_been"]),
+            reason=None if reason is None else str(reason),
+            mode=str(d.get("mode", "observe")),
+        )
+
+
 #: The one answer of a claim.
-ClaimAnswer = Union[Acquired, Replay, InFlight, Mismatch, Denied, PendingApproval]
+ClaimAnswer = Union[Acquired, Replay, InFlight, Mismatch, Denied, PendingApproval, Proceed]
 
 
 @dataclass(frozen=True)
@@ -514,16 +544,217 @@ class Run:
     usage: Usage
     created_at: datetime | None
     updated_at: datetime | None
+    #: Its rollback's progress (without ``tasks``) if it is being rolled back, else ``None``.
+    rollback: Rollback | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Run:
+        rollback = d.get("rollback")
         return cls(
             run=d["run"],
             budget=Budget.from_json(d.get("budget")),
             usage=Usage.from_json(d.get("usage")),
             created_at=parse_optional_time(d.get("created_at")),
             updated_at=parse_optional_time(d.get("updated_at")),
+            rollback=Rollback.from_json(rollback) if rollback else None,
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Compensations and rollbacks
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Compensation:
+    """How to undo an effect, registered when it completes: the ``name`` of the compensation (1
+    to 128 bytes of printable ASCII) that a worker looks its handler up by, and its ``data``
+    (any JSON, at most 16 KiB; a :class:`onceguard.RawJson` text is sent verbatim). It is data,
+    never code: Onceguard calls nothing itself."""
+
+    name: str
+    data: Any = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Compensation:
+        return cls(name=str(d["name"]), data=d.get("data"))
+
+
+@dataclass(frozen=True)
+class EffectRef:
+    """The completed effect a compensation undoes: its key, fence and completion time."""
+
+    namespace: str
+    key: str
+    fence: int
+    completed_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> EffectRef:
+        return cls(
+            namespace=str(d["namespace"]),
+            key=str(d["key"]),
+            fence=int(d["fence"]),
+            completed_at=parse_optional_time(d.get("completed_at")),
+        )
+
+
+@dataclass(frozen=True)
+class RollbackTask:
+    """The compensation of one effect of a run being rolled back, run under its own key
+    (``namespace``, ``key``)."""
+
+    namespace: str
+    key: str
+    effect: EffectRef
+    compensation: Compensation
+    #: ``pending``, ``in_progress``, ``compensated`` or ``failed`` (kept, shown, never retried).
+    state: str
+    attempt: int
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RollbackTask:
+        return cls(
+            namespace=str(d["namespace"]),
+            key=str(d["key"]),
+            effect=EffectRef.from_json(d["effect"]),
+            compensation=Compensation.from_json(d["compensation"]),
+            state=str(d["state"]),
+            attempt=int(d.get("attempt", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The progress of a run's rollback. Counts are of the run's completed successful
+    ``effects``; ``done`` once no compensation is pending or in progress."""
+
+    run: str
+    why: str
+    #: The id of the admin API key that started it.
+    started_by: str | None
+    started_at: datetime | None
+    effects: int
+    compensated: int
+    #: Held by a worker (or held by one whose lease passed: the next worker recovers it).
+    in_progress: int
+    #: Not started yet, or given back after a retryable failure.
+    pending: int
+    #: Failed permanently: kept and shown, never handed out again.
+    failed: int
+    #: Completed effects that registered no compensation.
+    not_compensable: int
+    #: Keys of the run still in progress: whether their effects happened is unknown.
+    effects_in_flight: int
+    done: bool
+    #: The compensable effects, newest first (empty in :attr:`Run.rollback`).
+    tasks: tuple[RollbackTask, ...] = ()
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Rollback:
+        return cls(
+            run=str(d["run"]),
+            why=str(d.get("why", "")),
+            started_by=d.get("started_by"),
+            started_at=parse_optional_time(d.get("started_at")),
+            effects=int(d.get("effects", 0)),
+            compensated=int(d.get("compensated", 0)),
+            in_progress=int(d.get("in_progress", 0)),
+            pending=int(d.get("pending", 0)),
+            failed=int(d.get("failed", 0)),
+            not_compensable=int(d.get("not_compensable", 0)),
+            effects_in_flight=int(d.get("effects_in_flight", 0)),
+            done=bool(d.get("done", False)),
+            tasks=tuple(RollbackTask.from_json(t) for t in d.get("tasks") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class CompensationTask:
+    """``201 acquired``: a worker holds a compensation of a run being rolled back, exactly as
+    an acquired claim of the task's own key (``namespace``, ``key``). Run the compensation, then
+    ``complete`` (its result) or ``fail`` (``retryable=False`` keeps it failed, ``True`` hands
+    it out again) with ``fence``; ``checkpoint`` and ``extend`` work as for any holder."""
+
+    namespace: str
+    key: str
+    fence: int
+    attempt: int
+    lease_expires_at: datetime
+    #: Set when an earlier worker held the task and its lease passed (or it reported unknown).
+    recovery: Recovery | None
+    #: The effect to undo.
+    effect: EffectRef
+    compensation: Compensation
+    outcome: ClassVar[Literal["acquired"]] = "acquired"
+
+    @property
+    def acquired(self) -> Acquired:
+        """The task as the acquired claim of its key."""
+        return Acquired(
+            fence=self.fence, attempt=self.attempt, lease_expires_at=self.lease_expires_at, recovery=self.recovery
+        )
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CompensationTask:
+        held = Acquired.from_json(d)
+        return cls(
+            namespace=str(d["namespace"]),
+            key=str(d["key"]),
+            fence=held.fence,
+            attempt=held.attempt,
+            lease_expires_at=held.lease_expires_at,
+            recovery=held.recovery,
+            effect=EffectRef.from_json(d["effect"]),
+            compensation=Compensation.from_json(d["compensation"]),
+        )
+
+
+@dataclass(frozen=True)
+class CompensationsBusy:
+    """``200 busy``: no task to take now; other workers hold the ``in_progress`` ones. Claim
+    again after ``retry_after`` seconds (one whose holder's lease passes is handed out then)."""
+
+    retry_after: float
+    in_progress: int
+    outcome: ClassVar[Literal["busy"]] = "busy"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CompensationsBusy:
+        return cls(retry_after=float(d.get("retry_after_ms", 0)) / 1000, in_progress=int(d.get("in_progress", 0)))
+
+
+@dataclass(frozen=True)
+class CompensationsDone:
+    """``200 done``: nothing is left to run; the run's compensations ``compensated`` and
+    ``failed`` (permanently) in all."""
+
+    compensated: int
+    failed: int
+    outcome: ClassVar[Literal["done"]] = "done"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CompensationsDone:
+        return cls(compensated=int(d.get("compensated", 0)), failed=int(d.get("failed", 0)))
+
+
+#: The one answer of a compensation claim.
+CompensationClaim = Union[CompensationTask, CompensationsBusy, CompensationsDone]
+
+
+@dataclass(frozen=True)
+class CompensationReport:
+    """What one ``run_compensations`` worker did."""
+
+    #: Compensations it ran and completed.
+    compensated: int = 0
+    #: Compensations it failed permanently (a handler's error, or no handler known).
+    failed: int = 0
+    #: Tasks it gave back to run again: a retryable failure, or a lease taken over meanwhile.
+    released: int = 0
+    #: Whether the rollback had nothing left to run when it stopped (else it stopped after
+    #: ``max_tasks``, or after ``idle_timeout`` of other workers holding the rest).
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -626,6 +857,9 @@ class Settings:
     approval_required: bool | None = None
     #: How long an undecided approval stays open (default 24h).
     approval_expiry: Duration | None = None
+    #: ``enforce`` (the default) or ``observe``: claims are decided and recorded as always, but
+    #: a call that enforcing would not let run is told to run anyway (:class:`Proceed`).
+    mode: Literal["enforce", "observe"] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -641,6 +875,8 @@ class Settings:
             out["outcome_kept"] = self.outcome_kept
         if self.approval_required is not None:
             out["approval_required"] = self.approval_required
+        if self.mode is not None:
+            out["mode"] = self.mode
         return out
 
     @classmethod
@@ -657,6 +893,7 @@ class Settings:
             outcome_kept=d.get("outcome_kept"),
             approval_required=d.get("approval_required"),
             approval_expiry=d.get("approval_expiry"),
+            mode=d.get("mode"),
         )
 
 

@@ -27,6 +27,12 @@ async def verdict(verify: Callable[..., Any], *args: Any) -> Any:
     return await out if inspect.isawaitable(out) else out
 
 
+def can_call(func: Callable[..., Any]) -> bool:
+    """Whether this flavour runs ``func`` as a hook or handler: here any function (a coroutine
+    function's answer is awaited)."""
+    return callable(func)
+
+
 class Periodic:
     """An asyncio task that awaits ``beat()`` every ``interval`` seconds, until ``beat`` answers
     ``False`` or :meth:`stop` cancels it (and waits for it)."""

@@ -30,7 +30,7 @@ from .._policy import (
 from .._wire import Duration, RawJson
 from ..errors import OnceguardError, PermanentFailure, StaleFence
 from ..keys import check_key, jsonable
-from ..models import Acquired, ClaimAnswer, InFlight, PendingApproval
+from ..models import Acquired, ClaimAnswer, InFlight, PendingApproval, Proceed
 from . import _backend
 from .client import AsyncClient
 
@@ -42,27 +42,41 @@ log = logging.getLogger("onceguard")
 class AsyncAttempt(AttemptBase):
     """The handle of an async guarded call: ``fence``, ``attempt``, ``recovery``, ``checkpoint()`` (awaited)."""
 
-    def __init__(self, client: AsyncClient, policy: Policy, key: str, found: Acquired | Replayed) -> None:
+    def __init__(self, client: AsyncClient, policy: Policy, key: str, found: Acquired | Replayed | Proceed) -> None:
         super().__init__(policy, key, found)
         self._client = client
 
     async def checkpoint(self, name: str, data: Any = None) -> None:
         """Save a recovery point: if this attempt crashes, the next one receives it in
-        ``recovery.last_checkpoint``. Raises ``StaleFence`` if the attempt is over."""
+        ``recovery.last_checkpoint``. Raises ``StaleFence`` if the attempt is over. In observe
+        mode's ``proceed`` (``observed``), where nothing is held, it saves nothing."""
         self._require_holder()
+        if self.observed is not None:
+            return
         await self._client.checkpoint(self.namespace, self.key, self.fence, name, jsonable(data))
 
     async def complete(self, value: Any = None) -> Any:
-        """Store ``value`` now (instead of when the block ends); returns it as every caller
-        will see it. Raises ``StaleFence`` if the lease was taken over (nothing stored). Once it
-        was called, the effect counts as done: if storing fails, the key is reported unknown,
-        never released."""
+        """Store ``value`` now (instead of when the block ends), with the compensation of the
+        guard's ``undo``; returns it as every caller will see it. Raises ``StaleFence`` if the
+        lease was taken over (nothing stored). Once it was called, the effect counts as done: if
+        storing fails, the key is reported unknown, never released. In observe mode's
+        ``proceed``, nothing is stored."""
         self._require_holder()
         if self._completed:
             raise RuntimeError("the outcome is stored already")
+        if self.observed is not None:
+            return self._observed_result(value)
         self._effect_done = True
         text = self._serialize(value)
-        await self._client.complete(self.namespace, self.key, self.fence, RawJson(text), cost=self.cost, tokens=self.tokens)
+        await self._client.complete(
+            self.namespace,
+            self.key,
+            self.fence,
+            RawJson(text),
+            cost=self.cost,
+            tokens=self.tokens,
+            compensation=self._compensation(value, text),
+        )
         return self._stored(text)
 
 
@@ -125,7 +139,7 @@ class AsyncGuarded:
         p = self._policy
         attempt = AsyncAttempt(self._client, p, self._key, interpret(await self._answer(), p, self._key))
         self._attempt = attempt
-        if not attempt.replayed and p.heartbeat:
+        if not attempt.replayed and attempt.observed is None and p.heartbeat:
             self._beat = _Heartbeat(self._client, attempt, p.lease)
             self._beat.start()
         self._token = running.set(attempt)
@@ -183,7 +197,14 @@ class AsyncGuarded:
             a.cost, a.tokens = verdict.cost, verdict.tokens
             text = a._serialize(verdict.result)
             await self._client.complete(
-                a.namespace, a.key, a.fence, RawJson(text), cost=a.cost, tokens=a.tokens, reconciled=True
+                a.namespace,
+                a.key,
+                a.fence,
+                RawJson(text),
+                cost=a.cost,
+                tokens=a.tokens,
+                reconciled=True,
+                compensation=a._compensation(verdict.result, text),
             )
         except BaseException as e:
             await self._leave()
@@ -207,6 +228,9 @@ class AsyncGuarded:
         await self._leave()
         if a.replayed or (a.completed and exc is None):
             return
+        if a.observed is not None:
+            _settle_observed(a, self._policy, exc)
+            return
         if exc is None:
             await self._complete(a)
             return
@@ -220,8 +244,27 @@ class AsyncGuarded:
         except (TypeError, ValueError) as e:
             await _report_unknown(self._client, a, f"the result could not be stored: {e}")
             raise
-        await self._client.complete(a.namespace, a.key, a.fence, RawJson(text), cost=a.cost, tokens=a.tokens)
+        try:
+            undo = a._compensation(a.result, text)
+        except Exception as e:  # undo_data raised, or its data is not JSON or too large
+            await _report_unknown(self._client, a, f"the compensation could not be made: {detail_of(e)}"[:1000])
+            raise
+        await self._client.complete(
+            a.namespace, a.key, a.fence, RawJson(text), cost=a.cost, tokens=a.tokens, compensation=undo
+        )
         a._stored(text)
+
+
+def _settle_observed(a: AsyncAttempt, policy: Policy, exc: BaseException | None) -> None:
+    """End an attempt that observe mode let run holding nothing: nothing to store, release or
+    report. The result is what a stored one would be (encoded, then decoded); an exception in
+    ``permanent`` raises :class:`PermanentFailure`, as enforcing would (not stored), any other
+    propagates."""
+    if exc is None:
+        a._observed_result(a.result)
+        return
+    if not a.completed and policy.classify(exc) == "permanent":
+        raise PermanentFailure(failure_of(exc), namespace=a.namespace, key=a.key, replayed=False) from exc
 
 
 async def _report_unknown(client: AsyncClient, a: AsyncAttempt, detail: str) -> None:

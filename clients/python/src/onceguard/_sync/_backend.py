@@ -47,6 +47,12 @@ def verdict(verify: Callable[..., Any], *args: Any) -> Any:
     return out
 
 
+def can_call(func: Callable[..., Any]) -> bool:
+    """Whether this flavour runs ``func`` as a hook or handler: a plain function, not a
+    coroutine function (whose coroutine nothing here would await)."""
+    return callable(func) and not inspect.iscoroutinefunction(func)
+
+
 class _Scheduler:
     """One daemon thread that waits for the next beat due and hands it to the workers."""
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Iterator, Callable, Mapping, Sequence, TypeVar
 
 import httpx
 
 from .. import _calls
 from .._calls import MISSING, Call, ClaimItem, CompleteItem
 from .._http import NO_RETRY, ClientBase, Retry, headers_of, may_retry, retry_after_header, with_extra
+from .._policy import ExceptionClasses
 from .._wire import Duration
 from ..errors import StaleFence, TransportError
 from ..models import (
@@ -25,8 +26,12 @@ from ..models import (
     AuditEntry,
     AuditPage,
     ClaimAnswer,
+    Compensation,
+    CompensationClaim,
+    CompensationReport,
     Record,
     RecordPage,
+    Rollback,
     Run,
     Settings,
     SettingsEntry,
@@ -127,7 +132,9 @@ class Client(ClientBase):
         summary: str | None = None,
     ) -> ClaimAnswer:
         """Claim a key: one atomic step answering :class:`Acquired`, :class:`Replay`,
-        :class:`InFlight`, :class:`Mismatch`, :class:`Denied` or :class:`PendingApproval`.
+        :class:`InFlight`, :class:`Mismatch`, :class:`Denied` or :class:`PendingApproval`; in a
+        namespace in observe mode, :class:`Proceed` where enforcing would not have let the call
+        run (do the effect; nothing is held, so neither complete nor fail it).
 
         Give ``request`` (what the request means, any JSON: its fingerprint is the SHA-256 of its
         RFC 8785 canonical form) or ``fingerprint`` (``algorithm:hex``). ``lease`` (default 30s),
@@ -164,11 +171,17 @@ class Client(ClientBase):
         cost: int | None = None,
         tokens: int | None = None,
         reconciled: bool = False,
+        compensation: Compensation | tuple[str, Any] | None = None,
     ) -> Record:
         """Store a successful outcome: ``result`` (JSON; a :class:`RawJson` is sent verbatim) or
         ``raw`` bytes with their ``content_type``. Every later claim replays it byte for byte.
         ``cost`` (cost units, charged to the run) and ``tokens`` (model tokens) say what the
         effect cost; every replay counts them as saved.
+
+        ``compensation``: how to undo the effect, a :class:`Compensation` or a ``(name, data)``
+        pair (a name of 1 to 128 bytes of printable ASCII, any JSON data of at most 16 KiB),
+        stored with the outcome: when the run is rolled back, a worker runs it
+        (:meth:`run_compensations`).
 
         ``reconciled=True``: a recovering attempt (attempt 2 or later) stores what the
         downstream system says happened, without running the effect; the record and every
@@ -188,6 +201,7 @@ class Client(ClientBase):
                 cost=cost,
                 tokens=tokens,
                 reconciled=reconciled,
+                compensation=compensation,
             )
         )
 
@@ -305,8 +319,61 @@ class Client(ClientBase):
         )
 
     def get_run(self, run: str) -> Run | None:
-        """A run's budget and usage, or ``None`` if it was never used nor budgeted."""
+        """A run's budget, usage and rollback, or ``None`` if it was never used nor budgeted."""
         return self.send(_calls.get_run(run))
+
+    # -- rollbacks -------------------------------------------------------------------------------
+
+    def rollback(self, run: str, why: str, *, tenant: str | None = None) -> Rollback:
+        """Start rolling a run back (admin; ``why`` is kept): a kill switch is engaged on the
+        run (its new claims are denied), and each of its completed effects that registered a
+        compensation becomes a task for the workers (:meth:`run_compensations`), newest effect
+        first. A run already being rolled back answers its rollback as it stands."""
+        return self.send(_calls.rollback(run, why, tenant))
+
+    def rollback_status(self, run: str) -> Rollback | None:
+        """A run's rollback with its tasks, newest effect first, or ``None`` if the run is not
+        being rolled back."""
+        return self.send(_calls.rollback_status(run))
+
+    def claim_compensation(self, run: str, lease: Duration | None = None) -> CompensationClaim:
+        """Take the next compensation of a run being rolled back: a :class:`CompensationTask`
+        to run and then complete or fail with its ``fence`` (like an acquired claim of its
+        key), :class:`CompensationsBusy` (other workers hold the rest; ask again after
+        ``retry_after``) or :class:`CompensationsDone`. ``lease`` as for :meth:`claim`. Raises
+        :class:`onceguard.NotFound` if the run is not being rolled back."""
+        return self.send(_calls.claim_compensation(run, lease))
+
+    def run_compensations(
+        self,
+        run: str,
+        handlers: Mapping[str, Callable[[Any], Any]] | None = None,
+        *,
+        max_tasks: int | None = None,
+        idle_timeout: float = 60.0,
+        lease: Duration = 30.0,
+        retryable: ExceptionClasses = (),
+    ) -> CompensationReport:
+        """Work on a run's rollback (a worker; any role): claim a task, call the handler of its
+        compensation's name with its data (from ``handlers`` first, else the undo functions
+        registered by ``@once``/``guarded``; a coroutine function is awaited), and complete the
+        task with the handler's answer (JSON; ``None`` is ``null``). A handler that raises fails
+        the task permanently (kept and shown, never handed out again), unless its exception is
+        of a class in ``retryable``, which hands it out again; a compensation with no handler
+        here fails permanently, saying so. The handler runs under a heartbeat extending the
+        task's ``lease``; :func:`onceguard.current` gives its attempt (``recovery`` when an
+        earlier worker died holding it, ``checkpoint()``).
+
+        It stops when the rollback answers ``done``, after ``max_tasks`` tasks, or after
+        ``idle_timeout`` seconds in a row of other workers holding every task left (claiming
+        again after each ``retry_after``: a task whose worker died is recovered once its lease
+        passes), and answers what this worker did. Raises :class:`onceguard.NotFound` if the
+        run is not being rolled back."""
+        from .rollback import run_compensations
+
+        return run_compensations(
+            self, run, handlers, max_tasks=max_tasks, idle_timeout=idle_timeout, lease=lease, retryable=retryable
+        )
 
     def engage_switch(
         self,
@@ -339,7 +406,8 @@ class Client(ClientBase):
         why: str | None = None,
         tenant: str | None = None,
     ) -> SettingsEntry:
-        """Set (replace) the settings of the tenant, or of ``namespace_prefix`` (admin)."""
+        """Set (replace) the settings of the tenant, or of ``namespace_prefix`` (admin), e.g.
+        ``Settings(mode="observe")``."""
         return self.send(_calls.put_settings(settings, namespace_prefix=namespace_prefix, why=why, tenant=tenant))
 
     def list_settings(self, *, tenant: str | None = None) -> list[SettingsEntry]:

@@ -19,7 +19,7 @@ from ..errors import (
     ResultNotKept,
     denied_error,
 )
-from ..models import Acquired, Denied, InFlight, Mismatch, PendingApproval, Replay
+from ..models import Acquired, Denied, InFlight, Mismatch, PendingApproval, Proceed, Replay
 from . import _backend
 from .client import Client
 
@@ -55,6 +55,10 @@ def once_each(
     ``wait`` seconds, then :class:`onceguard.InFlightError` for the first of them) and
     replayed, or done here if that worker gave them up: two workers over the same items never
     do one twice. A replayed result is the stored JSON, decoded.
+
+    In a namespace in observe mode, an item that enforcing would not let this worker do
+    (:class:`onceguard.Proceed`: stored already, held by another worker…) is done by ``work``
+    all the same, and its result returned, not stored.
 
     Where the namespace requires approval, ``summary(item)`` tells the approver what the
     item's work does; items pending approval are left undone (nothing acquired), every other
@@ -113,6 +117,7 @@ def _each_batch(
     while pending:
         answers = client.claim_batch([claims[i] for i in pending])
         acquired: list[tuple[int, Acquired]] = []
+        proceeding: list[int] = []
         waiting: list[int] = []
         nap = 0.5
         for i, answer in zip(pending, answers):
@@ -124,6 +129,8 @@ def _each_batch(
                 results[i] = answer.result
             elif isinstance(answer, Acquired):
                 acquired.append((i, answer))
+            elif isinstance(answer, Proceed):
+                proceeding.append(i)
             elif isinstance(answer, InFlight):
                 waiting.append(i)
                 nap = min(nap, max(answer.retry_after, 0.05))
@@ -133,8 +140,8 @@ def _each_batch(
                 raise denied_error(answer, namespace=namespace, key=claims[i].key)
             elif isinstance(answer, PendingApproval):
                 awaiting.append((claims[i].key, answer))
-        if acquired:
-            _work_and_store(client, namespace, items, acquired, results, claims, work, spent)
+        if acquired or proceeding:
+            _work_and_store(client, namespace, items, acquired, proceeding, results, claims, work, spent)
         pending = waiting
         if pending:
             if time.monotonic() >= deadline:
@@ -148,15 +155,19 @@ def _work_and_store(
     namespace: str,
     items: Sequence[Any],
     acquired: list[tuple[int, Acquired]],
+    proceeding: list[int],
     results: list[Any],
     claims: dict[int, ClaimItem],
     work: _backend.Work,
     spent: tuple[Spent | None, Spent | None],
 ) -> None:
+    """Do the acquired items and those observe mode lets proceed, in one call of ``work``;
+    store the acquired ones' results (the others hold nothing)."""
+    todo = [i for i, _ in acquired] + proceeding
     try:
-        done = list(work([items[i] for i, _ in acquired]))
-        if len(done) != len(acquired):
-            raise ValueError(f"work answered {len(done)} results for {len(acquired)} items")
+        done = list(work([items[i] for i in todo]))
+        if len(done) != len(todo):
+            raise ValueError(f"work answered {len(done)} results for {len(todo)} items")
     except BaseException:
         for i, held in acquired:  # released: a retry does them again
             try:
@@ -164,6 +175,10 @@ def _work_and_store(
             except OnceguardError:
                 pass  # the lease passes by itself
         raise
+    for i, value in zip(proceeding, done[len(acquired) :]):
+        results[i] = value
+    if not acquired:
+        return
     cost, tokens = spent
     stored = client.complete_batch(
         [
