@@ -28,4 +28,7 @@ switch (answer.outcome) {
   case "pending_approval":
     console.log(`a person must approve ${answer.approval.id} first; claim again in ${answer.retryAfter}s`);
     break;
+  case "proceed": // the namespace is in observe mode: do the effect, nothing is held
+    console.log(`proceeding; enforcement would have answered ${answer.wouldHaveBeen}`);
+    break;
 }

@@ -5,9 +5,11 @@
  * Which calls may be sent again after a failure that may have reached the server (a timeout,
  * a dropped connection): claims (a lost claim's repeat answers `in_flight`, never a second
  * `acquired`), fenced calls (by key and fence), reads, purges, budgets, settings and engaging a
- * switch; not creating API keys or tenants, nor releasing a switch (the second release would
- * answer 404), nor approving or denying an approval (the second decision would answer 409). A request that never left (the connection was refused) and a 503 are retried
- * for every call.
+ * switch, starting a rollback (a second start answers the rollback under way), claiming a
+ * compensation task (a lost claim's task is recovered once its lease passes); not creating API
+ * keys or tenants, nor releasing a switch (the second release would answer 404), nor approving
+ * or denying an approval (the second decision would answer 409). A request that never left (the
+ * connection was refused) and a 503 are retried for every call.
  *
  * @module
  */
@@ -26,9 +28,13 @@ import {
   apiKeyOf,
   approvalOf,
   auditEntryOf,
+  compensationClaimOf,
+  isProceed,
   pendingApprovalOf,
+  proceedOf,
   recordOf,
   replayOf,
+  rollbackOf,
   runOf,
   settingsEntryOf,
   switchOf,
@@ -39,9 +45,12 @@ import {
   type AuditEntry,
   type AuditPage,
   type ClaimAnswer,
+  type Compensation,
+  type CompensationClaimAnswer,
   type FencedAnswer,
   type KeyRecord,
   type RecordPage,
+  type Rollback,
   type Run,
   type Settings,
   type SettingsEntry,
@@ -49,7 +58,9 @@ import {
   type SwitchTarget,
   type Tenant,
 } from "./models.js";
+import { checkCompensation } from "./compensation.js";
 import { NO_RETRY, Retry, notSent, sleep, type RetryOptions } from "./retry.js";
+import { runCompensations, type CompensationSummary, type RunCompensationsOptions } from "./rollback.js";
 import {
   body,
   durationSeconds,
@@ -154,7 +165,7 @@ function retryAfterOf(problem: Problem, headers?: Headers): number | null {
 /** A claim's answer from its status and body (`resultText`: a replay's result as sent). */
 function claimAnswer(status: number, value: unknown, resultText?: string, headers?: Headers): ClaimAnswer {
   if (status === 201) return acquiredOf(value as Json);
-  if (status === 200) return replayOf(value as Json, resultText);
+  if (status === 200) return isProceed(value) ? proceedOf(value as Json) : replayOf(value as Json, resultText);
   if (status === 202 && value !== null && typeof value === "object" && typeof (value as Json)["approval"] === "object") {
     return pendingApprovalOf(value as Json);
   }
@@ -345,6 +356,12 @@ export interface CompleteOptions extends CallOptions {
    * replay then say `reconciled`. A first attempt may not ({@link InvalidRequest}).
    */
   readonly reconciled?: boolean | undefined;
+  /**
+   * How to undo the effect if its run is rolled back: a name a worker knows it by (1 to 128
+   * printable ASCII characters) and JSON data (at most 16 KiB serialized). Stored with the
+   * outcome; see {@link Client.rollback} and {@link Client.runCompensations}.
+   */
+  readonly compensation?: Compensation | undefined;
 }
 
 function completeFields(namespace: string, key: string, fence: number, result: unknown, options: CompleteOptions): Json {
@@ -355,6 +372,7 @@ function completeFields(namespace: string, key: string, fence: number, result: u
     cost: count("cost", options.cost),
     tokens: count("tokens", options.tokens),
     reconciled: options.reconciled,
+    compensation: options.compensation === undefined ? undefined : checkCompensation(options.compensation),
   };
   if (options.raw !== undefined) {
     return {
@@ -406,6 +424,7 @@ function settingsJson(settings: Settings): Json {
   if (settings.outcomeKept !== undefined) out["outcome_kept"] = settings.outcomeKept;
   if (settings.approvalRequired !== undefined) out["approval_required"] = settings.approvalRequired;
   if (settings.approvalExpiry !== undefined) out["approval_expiry"] = formatDuration(settings.approvalExpiry);
+  if (settings.mode !== undefined) out["mode"] = settings.mode;
   return out;
 }
 
@@ -537,9 +556,11 @@ export class Client {
 
   /**
    * Claim a key: one atomic step answering `acquired`, `replay`, `in_flight`, `mismatch`,
-   * `denied` or, where the namespace needs approvals, `pending_approval`. Give `request` (what
-   * the request means) or `fingerprint`. A `wait` waits for an in-flight key's replay, and for a
-   * pending approval's decision.
+   * `denied`, where the namespace needs approvals `pending_approval`, or, where it is in observe
+   * mode, `proceed` in place of any answer but `acquired` and a kill switch's `denied` (run the
+   * effect; nothing is held). Give `request` (what the request means) or `fingerprint`. A `wait`
+   * waits for an in-flight key's replay, and for a pending approval's decision (not in observe
+   * mode, which answers at once).
    */
   claim(namespace: string, key: string, options: ClaimOptions): Promise<ClaimAnswer> {
     const fields = claimFields(namespace, key, options, true);
@@ -711,10 +732,53 @@ export class Client {
     return this.#send({ method: "PUT", path: runPath(run), read, params: { tenant: options.tenant }, body: body(fields) }, options.signal);
   }
 
-  /** A run's budget and usage, or `null` if it was never used nor budgeted. */
+  /** A run's budget and usage (and its rollback's progress), or `null` if it was never used nor budgeted. */
   getRun(run: string, options: CallOptions = {}): Promise<Run | null> {
     const read = (answer: Answer): Run | null => (isNotFound(answer) ? null : runOf(expect(answer, 200)));
     return this.#send({ method: "GET", path: runPath(run), read }, options.signal);
+  }
+
+  // -- rollbacks ---------------------------------------------------------------------------
+
+  /**
+   * Roll a run back (admin; `why` says why, kept with it): a kill switch is engaged on the run
+   * (its new claims are denied), and each of its completed effects that registered a
+   * compensation becomes a task for {@link runCompensations} workers, newest effect first.
+   * Starting a rollback under way answers it as it is.
+   */
+  rollback(run: string, why: string, options: CallOptions = {}): Promise<Rollback> {
+    const read = (answer: Answer): Rollback => rollbackOf(expect(answer, 200, 201));
+    return this.#send({ method: "POST", path: `${runPath(run)}/rollback`, read, body: body({ why }) }, options.signal);
+  }
+
+  /** A run's rollback with every task, newest effect first, or `null` if the run is not rolled back. */
+  rollbackStatus(run: string, options: CallOptions = {}): Promise<Rollback | null> {
+    const read = (answer: Answer): Rollback | null => (isNotFound(answer) ? null : rollbackOf(expect(answer, 200)));
+    return this.#send({ method: "GET", path: `${runPath(run)}/rollback`, read }, options.signal);
+  }
+
+  /**
+   * Take the next compensation task of a run being rolled back, newest effect first: `acquired`
+   * (hold it for `lease`, default the server's; run the compensation, then complete or fail the
+   * task's `namespace` and `key` with its `fence`), `busy` (other workers hold the rest; ask
+   * again after `retryAfter` seconds) or `done` (nothing is left). Throws {@link NotFound} if
+   * the run is not being rolled back. {@link runCompensations} does all of it.
+   */
+  claimCompensation(run: string, options: { readonly lease?: Duration | undefined } & CallOptions = {}): Promise<CompensationClaimAnswer> {
+    const read = (answer: Answer): CompensationClaimAnswer => compensationClaimOf(answer.status, expect(answer, 200, 201));
+    const fields = { lease: optionalDuration(options.lease) };
+    return this.#send({ method: "POST", path: `${runPath(run)}/compensations/claim`, read, body: body(fields) }, options.signal);
+  }
+
+  /**
+   * Work through a rolled-back run's compensations: take each task, run its handler (`handlers`
+   * first, then the undo functions registered by `once(…, { undo })` and {@link registerUndo}),
+   * complete the task with its value, until nothing is left (or `maxTasks`, or `idleTimeoutMs`
+   * without a task). A task whose name has no handler fails permanently; a handler's error is
+   * settled as `once` settles its function's. See {@link RunCompensationsOptions}.
+   */
+  runCompensations(run: string, options: RunCompensationsOptions = {}): Promise<CompensationSummary> {
+    return runCompensations(this, run, options);
   }
 
   /**
@@ -894,8 +958,3 @@ export class TimeoutError extends Error {
   }
 }
 
-/** The record of an `applied` answer; throws {@link StaleFence} for a `stale` one. */
-export function applied(answer: FencedAnswer): KeyRecord {
-  if (answer.outcome === "stale") throw StaleFence.of(answer);
-  return answer.record;
-}

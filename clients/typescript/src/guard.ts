@@ -23,10 +23,17 @@
  *    - `in_flight` after the wait: {@link InFlightError}; `mismatch`: {@link KeyConflict};
  *      `denied`: {@link DeniedError} ({@link ApprovalDeniedError} when an approver denied it);
  *      `pending_approval` after the wait: {@link AwaitingApprovalError} (nothing ran);
+ *    - `proceed` (a namespace in observe mode, where enforcement would have answered one of the
+ *      above, or a replay): the function runs, with no heartbeat, and its value is returned as
+ *      it would have been stored, without storing it (nothing is held, so nothing is completed,
+ *      failed or checkpointed); the {@link Attempt}'s `observed` says what enforcement would
+ *      have answered;
  * 3. the heartbeat is stopped (and waited for), then
  *    - a return value is serialized as JSON and **completed**; every caller, the first
  *      included, gets the value decoded from those stored bytes; a `stale` answer (the lease
- *      was taken over meanwhile) throws {@link StaleFence}: the result is **not** stored;
+ *      was taken over meanwhile) throws {@link StaleFence}: the result is **not** stored; with
+ *      an `undo`, the completion also registers how to undo the effect (a compensation: its
+ *      name and data), which a worker runs if the run is rolled back;
  *    - an error that is {@link Permanent} or of a class in `permanent` is stored as a failure
  *      (`{"type": "<error name>", "message": "…"}`) and thrown as {@link PermanentFailure}, now
  *      and on every replay;
@@ -42,7 +49,8 @@
  * @module
  */
 
-import { applied, type Client } from "./client.js";
+import type { Client } from "./client.js";
+import { checkCompensation, registerUndo, type Undo } from "./compensation.js";
 import {
   ApprovalDeniedError,
   AwaitingApprovalError,
@@ -57,7 +65,7 @@ import {
   StaleFence,
 } from "./errors.js";
 import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
-import type { Acquired, Checkpoint, ClaimAnswer, Recovery } from "./models.js";
+import { applied, type Acquired, type Checkpoint, type ClaimAnswer, type Compensation, type Proceed, type Recovery } from "./models.js";
 import { RawJson, dumps, durationSeconds, type Duration } from "./wire.js";
 
 /** The longest `wait` the server takes for one claim, in seconds. */
@@ -117,8 +125,11 @@ export type Verify = (context: VerifyContext) => Happened | null | undefined | P
 /** Error classes (`[CardDeclined]`) or a predicate over the error. */
 export type ErrorMatcher = ReadonlyArray<abstract new (...args: never[]) => unknown> | ((error: unknown) => boolean);
 
-/** How a guard claims, runs and stores: the options `once`, `guarded` and the helpers share. */
-export interface GuardOptions {
+/**
+ * How a guard claims, runs and stores: the options `once`, `guarded` and the helpers share
+ * (`R`: the function's value, as `undoData` receives it).
+ */
+export interface GuardOptions<R = unknown> {
   /** How long the key is held without a heartbeat (default 30s); the heartbeat extends it. */
   readonly lease?: Duration;
   /** How long the outcome replays once stored (default: the server's, 24h). */
@@ -152,6 +163,20 @@ export interface GuardOptions {
    * as the outcome, `reconciled`, without running the function; `undefined` or `null` runs it.
    */
   readonly verify?: Verify;
+  /**
+   * The function that undoes the effect if its run is rolled back. Each completion then
+   * registers a compensation named `undoName` (default: this function's own name) whose data is
+   * `undoData(value)` (default: the stored result), and the function is registered under that
+   * name for this process's compensation workers ({@link Client.runCompensations}).
+   */
+  readonly undo?: Undo;
+  /**
+   * The compensation's name: 1 to 128 printable ASCII characters (default: `undo`'s own name).
+   * Given without `undo`, completions register the compensation and a worker elsewhere knows it.
+   */
+  readonly undoName?: string;
+  /** What the undo needs, from the function's value (JSON, at most 16 KiB serialized); default: the stored result. */
+  readonly undoData?: (result: R) => unknown;
 }
 
 /** A guard's settled policy. */
@@ -169,10 +194,12 @@ export interface Policy {
   /** Seconds a call waits in all for a pending approval's decision, if it does. */
   readonly waitForApproval: number | undefined;
   readonly verify: Verify | undefined;
+  /** The compensation each completion registers: its name, and its data from the function's value. */
+  readonly undo: { readonly name: string; readonly data: ((result: unknown) => unknown) | undefined } | undefined;
 }
 
 /** The {@link Policy} of `options` for `namespace`. */
-export function policyOf(namespace: string, options: GuardOptions = {}): Policy {
+export function policyOf<R>(namespace: string, options: GuardOptions<R> = {}): Policy {
   return {
     namespace,
     lease: durationSeconds(options.lease ?? 30),
@@ -187,7 +214,27 @@ export function policyOf(namespace: string, options: GuardOptions = {}): Policy 
     waitForApproval:
       options.waitForApproval === undefined || options.waitForApproval === null ? undefined : durationSeconds(options.waitForApproval),
     verify: options.verify,
+    undo: undoOf(options),
   };
+}
+
+/** The compensation of a guard's `undo`, `undoName` and `undoData`, its function registered by name. */
+function undoOf<R>(options: GuardOptions<R>): Policy["undo"] {
+  const { undo, undoName, undoData } = options;
+  if (undo === undefined && undoName === undefined) {
+    if (undoData !== undefined) throw new TypeError("undoData goes with undo (or undoName): the compensation it is the data of");
+    return undefined;
+  }
+  if (undo !== undefined && typeof undo !== "function") throw new TypeError("undo is the function that undoes the effect");
+  if (undoName === undefined && undo?.name === "undo") {
+    // A function written inline in the options is named after the option: every one would be "undo".
+    throw new RangeError("the undo function has no name of its own (an inline function is named 'undo'): name it, or give undoName");
+  }
+  if (undoName === undefined && undo?.name === "") {
+    throw new RangeError("the undo function has no name: name it (async function refundCharge(…)), or give undoName");
+  }
+  const name = undo === undefined ? checkCompensation({ name: undoName as string, data: null }).name : registerUndo(undo, undoName);
+  return { name, data: undoData as ((result: unknown) => unknown) | undefined };
 }
 
 function matches(matcher: ErrorMatcher, error: unknown): boolean {
@@ -273,6 +320,11 @@ interface Replayed {
   readonly value: unknown;
 }
 
+/** A claim that observe mode let proceed: nothing is held. */
+interface Observed {
+  readonly observed: Proceed;
+}
+
 /**
  * The handle of a guarded call: the claim's facts (`fence` to hand downstream, `attempt`,
  * `recovery`), `checkpoint()`, and the outcome.
@@ -288,6 +340,12 @@ export class Attempt {
   readonly recovery: Recovery | null;
   /** Whether the outcome came from the store (nothing ran). */
   readonly replayed: boolean;
+  /**
+   * Set in observe mode when enforcement would not have let this call run: what it would have
+   * answered (`wouldHaveBeen`, `reason`). Nothing is held: `fence` and `attempt` are 0, there is
+   * no lease nor heartbeat, `checkpoint()` does nothing, and the outcome is not stored.
+   */
+  readonly observed: Proceed | null;
   readonly leaseExpiresAt: Date | null;
   /** Cost units (money) to report when the attempt completes or fails. */
   cost: number | undefined;
@@ -302,23 +360,20 @@ export class Attempt {
   #result: unknown;
 
   /** @internal */
-  constructor(client: Client, policy: Policy, key: string, found: Acquired | Replayed) {
+  constructor(client: Client, policy: Policy, key: string, found: Acquired | Replayed | Observed) {
     this.#client = client;
     this.#policy = policy;
     this.namespace = policy.namespace;
     this.key = key;
-    this.fence = found.fence;
-    this.attempt = found.attempt;
+    this.replayed = "replayed" in found;
+    this.observed = "observed" in found ? found.observed : null;
+    this.fence = "observed" in found ? 0 : found.fence;
+    this.attempt = "observed" in found ? 0 : found.attempt;
+    this.recovery = "recovery" in found ? found.recovery : null;
+    this.leaseExpiresAt = "leaseExpiresAt" in found ? found.leaseExpiresAt : null;
     if ("replayed" in found) {
-      this.replayed = true;
-      this.recovery = null;
-      this.leaseExpiresAt = null;
       this.#result = found.value;
       this.#completed = true;
-    } else {
-      this.replayed = false;
-      this.recovery = found.recovery;
-      this.leaseExpiresAt = found.leaseExpiresAt;
     }
   }
 
@@ -347,25 +402,39 @@ export class Attempt {
 
   /**
    * Save a recovery point: if this attempt crashes, the next one receives it in
-   * `recovery.lastCheckpoint`. Throws {@link StaleFence} if the attempt is over.
+   * `recovery.lastCheckpoint`. Throws {@link StaleFence} if the attempt is over. Does nothing
+   * in observe mode where nothing is held (`observed`).
    */
   async checkpoint(name: string, data?: unknown): Promise<void> {
     this.#requireHolder();
+    if (this.observed !== null) return;
     applied(await this.#client.checkpoint(this.namespace, this.key, this.fence, name, data === undefined ? null : toJsonValue(data)));
   }
 
   /**
    * Store `value` now, before the function returns; returns it as every caller will see it.
    * From then on the effect counts as done: if storing fails, the key is reported unknown,
-   * never released. Throws {@link StaleFence} if the lease was taken over (nothing stored).
+   * never released. Throws {@link StaleFence} if the lease was taken over (nothing stored). In
+   * observe mode where nothing is held (`observed`), stores nothing and returns it as it would
+   * have been stored.
    */
   async complete(value?: unknown): Promise<unknown> {
     this.#requireHolder();
     if (this.#completed) throw new OnceguardError("the outcome is stored already");
     this.#effectDone = true;
     const text = this.#serialize(value);
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), this.#amounts()));
+    if (this.observed !== null) return this.#stored(text);
+    const compensation = this.#compensation(value, text);
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...this.#amounts(), compensation }));
     return this.#stored(text);
+  }
+
+  /** The compensation a completion of `value` (stored as `text`) registers, where the guard has an undo. */
+  #compensation(value: unknown, text: string): Compensation | undefined {
+    const undo = this.#policy.undo;
+    if (undo === undefined) return undefined;
+    const data: unknown = undo.data === undefined ? JSON.parse(text) : toJsonValue(undo.data(value));
+    return checkCompensation({ name: undo.name, data });
   }
 
   #amounts(): { cost?: number; tokens?: number } {
@@ -410,29 +479,38 @@ export class Attempt {
    */
   async settleReconciled(happened: Happened): Promise<unknown> {
     let text: string;
+    let compensation: Compensation | undefined;
     try {
       text = this.#serialize(happened.result);
+      compensation = this.#compensation(happened.result, text);
     } catch (error) {
       await this.#reportUnknown(`the reconciled result could not be stored: ${detailOf(error)}`);
       throw error;
     }
     const amounts = { ...this.#amounts(), ...(happened.cost !== undefined ? { cost: happened.cost } : {}) };
     if (happened.tokens !== undefined) amounts.tokens = happened.tokens;
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...amounts, reconciled: true }));
+    const options = { ...amounts, reconciled: true, compensation };
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), options));
     return this.#stored(text);
   }
 
-  /** @internal store the function's value (unless it completed early) */
+  /**
+   * @internal store the function's value (unless it completed early; in observe mode, return it
+   * as it would have been stored)
+   */
   async settleSuccess(value: unknown): Promise<unknown> {
     if (this.#completed) return this.#result;
+    if (this.observed !== null) return this.#stored(this.#serialize(value));
     let text: string;
+    let compensation: Compensation | undefined;
     try {
       text = this.#serialize(value);
+      compensation = this.#compensation(value, text);
     } catch (error) {
       await this.#reportUnknown(`the result could not be stored: ${detailOf(error)}`);
       throw error;
     }
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), this.#amounts()));
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...this.#amounts(), compensation }));
     return this.#stored(text);
   }
 
@@ -442,6 +520,7 @@ export class Attempt {
    */
   async settleFailure(error: unknown): Promise<void> {
     if (this.#completed) return; // the outcome was stored before the function threw: it stands
+    if (this.observed !== null) return; // nothing is held: the error propagates as it is
     const kind = this.#effectDone ? "unknown" : classify(this.#policy, error);
     if (kind === "permanent") {
       const failure = failureOf(error);
@@ -525,10 +604,11 @@ class Heartbeat {
 }
 
 /**
- * An acquired claim, or the replayed value; throws for the other answers, and for a replay
- * whose namespace keeps only a digest (there is no value, and it must not run again).
+ * An acquired claim, the replayed value, or a claim observe mode let proceed; throws for the
+ * other answers, and for a replay whose namespace keeps only a digest (there is no value, and
+ * it must not run again).
  */
-function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired | Replayed {
+function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired | Replayed | Observed {
   const ns = policy.namespace;
   switch (answer.outcome) {
     case "acquired":
@@ -546,6 +626,8 @@ function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired |
       throw new DeniedError(answer, ns, key);
     case "pending_approval":
       throw new AwaitingApprovalError(answer.approval, answer.retryAfter, ns, key);
+    case "proceed":
+      return { observed: answer };
   }
 }
 
@@ -622,17 +704,33 @@ export async function runGuarded<T>(
 ): Promise<Awaited<T>> {
   checkKey(key);
   const answer = await claimKey(client, policy, key, claim);
-  const found = interpret(answer, policy, key);
-  const attempt = new Attempt(client, policy, key, found);
+  const attempt = new Attempt(client, policy, key, interpret(answer, policy, key));
   if (attempt.replayed) return attempt.result as Awaited<T>;
+  return runAttempt(client, policy, attempt, job, claim);
+}
+
+/**
+ * Run `job(attempt)` in an attempt that holds its key (or that observe mode let proceed),
+ * under the heartbeat, asking `verify` first on a recovery, and settle it: store the value, or
+ * store, report or release after an error (see the module's protocol). What {@link runGuarded}
+ * does once the key is acquired, and a compensation worker once it holds a task.
+ */
+export async function runAttempt<T>(
+  client: Client,
+  policy: Policy,
+  attempt: Attempt,
+  job: (attempt: Attempt) => T | PromiseLike<T>,
+  claim: ClaimOf = {},
+): Promise<Awaited<T>> {
   const als = await loadStorage();
+  const holds = attempt.observed === null;
   if (claim.signal?.aborted) {
     // aborted before anything ran: release the key for the next call
-    await client.fail(policy.namespace, key, attempt.fence, { retryable: true }).catch(() => undefined);
+    if (holds) await client.fail(policy.namespace, attempt.key, attempt.fence, { retryable: true }).catch(() => undefined);
     throw claim.signal.reason;
   }
   const unfollow = attempt.follow(claim.signal);
-  const beat = policy.heartbeat ? new Heartbeat(client, attempt, policy.lease) : undefined;
+  const beat = policy.heartbeat && holds ? new Heartbeat(client, attempt, policy.lease) : undefined;
   beat?.start();
   // A recovery with a verify hook asks the downstream system first (inside the attempt, as the
   // function would run: its errors are the function's).
@@ -666,8 +764,8 @@ export async function runGuarded<T>(
   return (await attempt.settleSuccess(value)) as Awaited<T>;
 }
 
-/** The options of {@link guarded}. */
-export interface GuardedOptions extends GuardOptions, ClaimOf {}
+/** The options of {@link guarded} (`T`: the function's value). */
+export interface GuardedOptions<T = unknown> extends GuardOptions<Awaited<T>>, ClaimOf {}
 
 /**
  * Run `fn` once per `key`: the first call claims the key, runs `fn(attempt)` and stores its
@@ -690,14 +788,14 @@ export function guarded<T>(
   client: Client,
   namespace: string,
   key: string,
-  options: GuardedOptions,
+  options: GuardedOptions<T>,
   fn: (attempt: Attempt) => T | Promise<T>,
 ): Promise<Awaited<T>>;
 export function guarded<T>(
   client: Client,
   namespace: string,
   key: string,
-  optionsOrFn: GuardedOptions | ((attempt: Attempt) => T | Promise<T>),
+  optionsOrFn: GuardedOptions<T> | ((attempt: Attempt) => T | Promise<T>),
   maybeFn?: (attempt: Attempt) => T | Promise<T>,
 ): Promise<Awaited<T>> {
   const [options, fn] = typeof optionsOrFn === "function" ? [{}, optionsOrFn] : [optionsOrFn, maybeFn];
@@ -705,8 +803,8 @@ export function guarded<T>(
   return runGuarded(client, policyOf(namespace, options), key, fn, options);
 }
 
-/** The options of {@link once}. */
-export type OnceOptions<A extends unknown[]> = GuardOptions & {
+/** The options of {@link once} (`A`: the function's arguments, `R`: its value). */
+export type OnceOptions<A extends unknown[], R = unknown> = GuardOptions<Awaited<R>> & {
   readonly client: Client;
   readonly namespace: string;
   /** Part of derived keys: change it when the function's effect changes meaning. Default `"v1"`. */
@@ -772,7 +870,7 @@ export function argumentsOf(args: readonly unknown[], params?: readonly string[]
  */
 export function once<A extends unknown[], R>(
   fn: (this: Attempt, ...args: A) => R | Promise<R>,
-  options: OnceOptions<A>,
+  options: OnceOptions<A, R>,
 ): (...args: A) => Promise<Awaited<R>> {
   const policy = policyOf(options.namespace, options);
   const version = checkLabel("version", options.version ?? "v1", 32);

@@ -4,7 +4,10 @@
  * half-way.
  *
  * - {@link Client}: every call of the HTTP API, with typed answers.
- * - {@link once} and {@link guarded}: run a function once per key.
+ * - {@link once} and {@link guarded}: run a function once per key (with `undo`: and register
+ *   how to undo it, should its run be rolled back).
+ * - {@link Client.rollback} and {@link Client.runCompensations}: roll a run back, and work
+ *   through its compensations; {@link registerUndo}: this process's undo functions by name.
  * - The framework helpers live in their own entry points: `onceguard/ai` (Vercel AI SDK),
  *   `onceguard/openai-agents` (OpenAI Agents SDK), `onceguard/langchain` (LangChain.js
  *   tools and LangGraph.js tasks).
@@ -12,7 +15,8 @@
  * @module
  */
 
-export { Client, DEFAULT_URL, TimeoutError, applied } from "./client.js";
+export { Client, DEFAULT_URL, TimeoutError } from "./client.js";
+export { applied } from "./models.js";
 export type {
   ApprovalFilter,
   AuditFilter,
@@ -25,6 +29,9 @@ export type {
   RecordFilter,
   TenantOption,
 } from "./client.js";
+export { MAX_COMPENSATION_DATA, registerUndo, registeredUndo } from "./compensation.js";
+export type { Undo, UndoContext } from "./compensation.js";
+export type { CompensationSummary, RunCompensationsOptions } from "./rollback.js";
 export { NO_RETRY, Retry } from "./retry.js";
 export type { RetryOptions } from "./retry.js";
 export * from "./errors.js";

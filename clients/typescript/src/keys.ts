@@ -195,6 +195,14 @@ export function checkKey(key: string): string {
   return key;
 }
 
+/** `name` if it is a valid compensation name (1 to 128 printable ASCII characters), else throws. */
+export function checkCompensationName(name: string): string {
+  if (typeof name !== "string" || !PRINTABLE.test(name) || name.length > 128) {
+    throw new RangeError(`a compensation's name is 1 to 128 printable ASCII characters, not ${JSON.stringify(name)}`);
+  }
+  return name;
+}
+
 /** `label` (a function name or a version) if it can stand in a key: printable ASCII, no ':'. */
 export function checkLabel(what: string, label: string, maxLength: number): string {
   if (typeof label !== "string" || !PRINTABLE.test(label) || label.includes(":") || label.length > maxLength) {

@@ -2,8 +2,9 @@
  * The typed answers of the API.
  *
  * A claim answers exactly one of {@link Acquired}, {@link Replay}, {@link InFlight},
- * {@link Mismatch}, {@link Denied} or, where the namespace needs a person's approval,
- * {@link PendingApproval} (the union {@link ClaimAnswer}), told apart by `outcome`:
+ * {@link Mismatch}, {@link Denied}, where the namespace needs a person's approval
+ * {@link PendingApproval}, or, where it is in observe mode, {@link Proceed} (the union
+ * {@link ClaimAnswer}), told apart by `outcome`:
  *
  * ```ts
  * const answer = await client.claim("prod/payments-agent", "refund-1234", { request: args });
@@ -14,18 +15,23 @@
  *   case "mismatch": ... // the key was used with another request
  *   case "denied":   ... // a switch, budget, quota or approver refused it (answer.kind)
  *   case "pending_approval": ... // a person must approve answer.approval first; claim again later
+ *   case "proceed":  ... // observe mode: run the effect; nothing is held (answer.wouldHaveBeen)
  * }
  * ```
  *
  * A fenced call (complete, fail, extend, checkpoint, report-unknown) answers {@link Applied}
  * with the record as it now is, or {@link Stale} when the fence is no longer the holder's.
  *
+ * A run being rolled back shows its {@link Rollback}; a worker's claim of one of its
+ * compensation tasks answers {@link AcquiredCompensation}, {@link CompensationsBusy} or
+ * {@link CompensationsDone} (the union {@link CompensationClaimAnswer}).
+ *
  * Durations in answers are seconds; times are `Date`s.
  *
  * @module
  */
 
-import { ResultNotKeptError } from "./errors.js";
+import { ResultNotKeptError, StaleFence } from "./errors.js";
 import { fromBase64, parseOptionalTime, parseTime, utf8, type Duration } from "./wire.js";
 
 type Json = Record<string, unknown>;
@@ -334,8 +340,41 @@ export interface ApprovalPage {
   readonly next: string | null;
 }
 
+/** What enforcement would have answered a claim that observe mode let proceed. */
+export type WouldHaveBeen = "replay" | "in_flight" | "mismatch" | "denied" | "pending_approval";
+
+/**
+ * `200 proceed`, in a namespace in observe mode (`mode: "observe"` in its settings): the claim
+ * was decided and recorded as in enforce mode, but enforcement would not have let the caller
+ * run (`wouldHaveBeen`), and observe mode lets it. Run the effect. Nothing is held: there is no
+ * fence and no lease, so there is nothing to complete, fail, checkpoint or extend, and no
+ * outcome is stored. A claim that acquires in observe mode answers {@link Acquired}, as ever.
+ */
+export interface Proceed {
+  readonly outcome: "proceed";
+  readonly mode: "observe" | (string & {});
+  /** What enforcement would have answered: `replay`, `in_flight`, `mismatch`, `denied` or `pending_approval`. */
+  readonly wouldHaveBeen: WouldHaveBeen | (string & {});
+  /** Why, for `denied` (e.g. "the run's budget is spent (effects)"); `null` otherwise. */
+  readonly reason: string | null;
+}
+
+/** Whether a claim's 200 answer `d` is a {@link Proceed} (else it is a replay). */
+export function isProceed(d: unknown): boolean {
+  return d !== null && typeof d === "object" && (d as Json)["outcome"] === "proceed";
+}
+
+export function proceedOf(d: Json): Proceed {
+  return {
+    outcome: "proceed",
+    mode: String(d["mode"] ?? "observe"),
+    wouldHaveBeen: String(d["would_have_been"]),
+    reason: optionalString(d["reason"]),
+  };
+}
+
 /** The one answer of a claim. */
-export type ClaimAnswer = Acquired | Replay | InFlight | Mismatch | Denied | PendingApproval;
+export type ClaimAnswer = Acquired | Replay | InFlight | Mismatch | Denied | PendingApproval | Proceed;
 
 /** A key's record as the API shows it. */
 export interface KeyRecord {
@@ -416,6 +455,12 @@ export interface Stale {
 /** The answer of a fenced call. */
 export type FencedAnswer = Applied | Stale;
 
+/** The record of an `applied` answer; throws {@link StaleFence} for a `stale` one. */
+export function applied(answer: FencedAnswer): KeyRecord {
+  if (answer.outcome === "stale") throw StaleFence.of(answer);
+  return answer.record;
+}
+
 /** A page of records; pass `next` as `cursor` for the next page (`null` on the last). */
 export interface RecordPage {
   readonly records: readonly KeyRecord[];
@@ -455,6 +500,170 @@ export function tenantOf(d: Json): Tenant {
   return { id: String(d["id"]), createdAt: parseTime(d["created_at"]) };
 }
 
+/**
+ * How to undo an effect, registered with its completion: a name a worker knows and JSON data
+ * (at most 16 KiB serialized). Never code nor an address: Onceguard calls nothing itself.
+ */
+export interface Compensation {
+  /** 1 to 128 printable ASCII characters, e.g. `refund-charge`. */
+  readonly name: string;
+  /** What the undo needs, e.g. `{"charge": "ch_1"}` (`null` if none). */
+  readonly data: unknown;
+}
+
+function compensationOf(d: unknown): Compensation {
+  const c = (d ?? {}) as Json;
+  return { name: String(c["name"] ?? ""), data: c["data"] ?? null };
+}
+
+/** The completed effect a compensation task undoes. */
+export interface Effect {
+  readonly namespace: string;
+  readonly key: string;
+  /** The fence of the attempt that completed it. */
+  readonly fence: number;
+  readonly completedAt: Date | null;
+}
+
+function effectOf(d: unknown): Effect {
+  const e = (d ?? {}) as Json;
+  return {
+    namespace: String(e["namespace"]),
+    key: String(e["key"]),
+    fence: int(e["fence"]),
+    completedAt: parseOptionalTime(e["completed_at"]),
+  };
+}
+
+/** Where a compensation task is: `pending`, `in_progress`, `compensated` or `failed` (permanently: kept, shown, never retried). */
+export type CompensationState = "pending" | "in_progress" | "compensated" | "failed" | (string & {});
+
+/** One compensable effect of a run being rolled back, and its compensation's progress. */
+export interface CompensationTask {
+  /** The task's own key (under `<effect namespace>/_undo`), which a worker claims and completes. */
+  readonly namespace: string;
+  readonly key: string;
+  readonly effect: Effect;
+  readonly compensation: Compensation;
+  readonly state: CompensationState;
+  /** How many times a worker took it. */
+  readonly attempt: number;
+}
+
+function compensationTaskOf(d: Json): CompensationTask {
+  return {
+    namespace: String(d["namespace"]),
+    key: String(d["key"]),
+    effect: effectOf(d["effect"]),
+    compensation: compensationOf(d["compensation"]),
+    state: String(d["state"]),
+    attempt: int(d["attempt"] ?? 0),
+  };
+}
+
+/** A rollback's counts, as a {@link Run} shows them. */
+export interface RollbackProgress {
+  readonly run: string;
+  /** Why it was rolled back, in the admin's words. */
+  readonly why: string;
+  /** The id of the API key that started it. */
+  readonly startedBy: string | null;
+  readonly startedAt: Date | null;
+  /** The run's completed successful effects. */
+  readonly effects: number;
+  /** Effects whose compensation completed. */
+  readonly compensated: number;
+  /** Tasks a worker holds, or held until its lease passed (the next worker recovers them). */
+  readonly inProgress: number;
+  /** Tasks not started yet, or released after a retryable failure. */
+  readonly pending: number;
+  /** Tasks whose compensation failed permanently: kept, shown, never retried. */
+  readonly failed: number;
+  /** Completed effects that registered no compensation. */
+  readonly notCompensable: number;
+  /** Keys of the run still in progress: whether their effects happened is unknown. */
+  readonly effectsInFlight: number;
+  /** No task is pending or in progress. */
+  readonly done: boolean;
+}
+
+/** A run's rollback: its counts and every compensable effect's task, newest effect first. */
+export interface Rollback extends RollbackProgress {
+  readonly tasks: readonly CompensationTask[];
+}
+
+function rollbackProgressOf(d: Json): RollbackProgress {
+  return {
+    run: String(d["run"]),
+    why: String(d["why"] ?? ""),
+    startedBy: optionalString(d["started_by"]),
+    startedAt: parseOptionalTime(d["started_at"]),
+    effects: int(d["effects"] ?? 0),
+    compensated: int(d["compensated"] ?? 0),
+    inProgress: int(d["in_progress"] ?? 0),
+    pending: int(d["pending"] ?? 0),
+    failed: int(d["failed"] ?? 0),
+    notCompensable: int(d["not_compensable"] ?? 0),
+    effectsInFlight: int(d["effects_in_flight"] ?? 0),
+    done: d["done"] === true,
+  };
+}
+
+export function rollbackOf(d: Json): Rollback {
+  const tasks = d["tasks"];
+  return { ...rollbackProgressOf(d), tasks: Array.isArray(tasks) ? (tasks as Json[]).map(compensationTaskOf) : [] };
+}
+
+/**
+ * `201 acquired`: a worker holds a compensation task, exactly as an acquired claim of the
+ * task's own `namespace` and `key`: run the compensation, then complete (or fail) the task
+ * with `fence`. A `recovery` says an earlier worker took it and did not finish.
+ */
+export interface AcquiredCompensation extends Acquired {
+  /** The task's own key, for the fenced calls. */
+  readonly namespace: string;
+  readonly key: string;
+  /** The effect to undo. */
+  readonly effect: Effect;
+  /** How: the name a handler is found by, and its data. */
+  readonly compensation: Compensation;
+}
+
+/** `200 busy`: nothing to take now, other workers hold the rest; ask again after `retryAfter` seconds. */
+export interface CompensationsBusy {
+  readonly outcome: "busy";
+  /** Seconds to wait before asking again. */
+  readonly retryAfter: number;
+  /** Tasks other workers hold. */
+  readonly inProgress: number;
+}
+
+/** `200 done`: nothing is left to run; the rollback's totals. */
+export interface CompensationsDone {
+  readonly outcome: "done";
+  readonly compensated: number;
+  readonly failed: number;
+}
+
+/** The answer of a worker's claim of a compensation task. */
+export type CompensationClaimAnswer = AcquiredCompensation | CompensationsBusy | CompensationsDone;
+
+export function compensationClaimOf(status: number, d: Json): CompensationClaimAnswer {
+  if (status === 201) {
+    return {
+      ...acquiredOf(d),
+      namespace: String(d["namespace"]),
+      key: String(d["key"]),
+      effect: effectOf(d["effect"]),
+      compensation: compensationOf(d["compensation"]),
+    };
+  }
+  if (d["outcome"] === "busy") {
+    return { outcome: "busy", retryAfter: int(d["retry_after_ms"] ?? 0) / 1000, inProgress: int(d["in_progress"] ?? 0) };
+  }
+  return { outcome: "done", compensated: int(d["compensated"] ?? 0), failed: int(d["failed"] ?? 0) };
+}
+
 /** A run's limits; `null` means unlimited. */
 export interface Budget {
   readonly maxEffects: number | null;
@@ -473,6 +682,8 @@ export interface Run {
   readonly run: string;
   readonly budget: Budget;
   readonly usage: Usage;
+  /** Its rollback's progress (without the tasks) while it is rolled back; `null` otherwise. */
+  readonly rollback: RollbackProgress | null;
   readonly createdAt: Date | null;
   readonly updatedAt: Date | null;
 }
@@ -480,6 +691,7 @@ export interface Run {
 export function runOf(d: Json): Run {
   const b = (d["budget"] ?? {}) as Json;
   const u = (d["usage"] ?? {}) as Json;
+  const rollback = d["rollback"] as Json | null | undefined;
   return {
     run: String(d["run"]),
     budget: {
@@ -488,6 +700,7 @@ export function runOf(d: Json): Run {
       deadline: parseOptionalTime(b["deadline"]),
     },
     usage: { effects: int(u["effects"] ?? 0), cost: int(u["cost"] ?? 0) },
+    rollback: rollback !== null && typeof rollback === "object" ? rollbackProgressOf(rollback) : null,
     createdAt: parseOptionalTime(d["created_at"]),
     updatedAt: parseOptionalTime(d["updated_at"]),
   };
@@ -560,6 +773,12 @@ export interface Settings {
   readonly approvalRequired?: boolean;
   /** How long a pending approval waits for a decision (1s to 30 days; default 24h). */
   readonly approvalExpiry?: Duration;
+  /**
+   * `enforce` (the default), or `observe`: claims are decided and recorded as ever, but one that
+   * enforcement would refuse or replay answers {@link Proceed} and the caller runs its effect.
+   * A kill switch still refuses.
+   */
+  readonly mode?: "enforce" | "observe";
 }
 
 function settingsOf(d: unknown): Settings {
@@ -579,6 +798,7 @@ function settingsOf(d: unknown): Settings {
   const rate = s["claim_rate"] as Json | null | undefined;
   if (rate) out.claimRate = { perSecond: int(rate["per_second"]), burst: int(rate["burst"]) };
   if (s["outcome_kept"] === "full" || s["outcome_kept"] === "digest") out.outcomeKept = s["outcome_kept"];
+  if (s["mode"] === "enforce" || s["mode"] === "observe") out.mode = s["mode"];
   return out;
 }
 

@@ -153,6 +153,30 @@ describe("Vercel AI SDK", () => {
     assert.match(told, /Call again later with the same arguments/);
   });
 
+  it("observe mode: a re-emitted tool call runs again, and nothing but the first outcome is stored", async () => {
+    const namespace = ns("ai-sdk-observe");
+    await fx.admin.putSettings({ mode: "observe" }, { namespacePrefix: namespace, why: "test" });
+    const sent: Array<{ customer: string; amount: number }> = [];
+    const tools = guardTools({ sendInvoice: invoiceTool(sent) }, { client: fx.client, namespace, runId: "conv-observe" });
+    const outputs = [];
+    for (const id of ["call_1", "call_2"]) {
+      const result = await generateText({
+        model: scripted(toolCall(id, "sendInvoice", { customer: "c_1", amount: 100 }), text("sent")),
+        tools,
+        prompt: "invoice c_1 for 100",
+        stopWhen: stepCountIs(3),
+      });
+      outputs.push(result.steps[0]?.toolResults[0]?.output);
+    }
+    assert.equal(sent.length, 2, "observe mode let the duplicate run");
+    assert.deepEqual(outputs, [
+      { invoice: "inv_1", customer: "c_1", amount: 100 },
+      { invoice: "inv_2", customer: "c_1", amount: 100 },
+    ]);
+    const [record] = (await fx.client.listRecords({ namespacePrefix: namespace })).records;
+    assert.equal(record?.state, "completed");
+  });
+
   it("a tool without execute is left as it is", () => {
     const clientSide = tool({ description: "ask the user", inputSchema: z.object({ q: z.string() }) });
     assert.equal(guardTool(clientSide, { name: "ask", client: fx.client, namespace: "ai/x" }), clientSide);

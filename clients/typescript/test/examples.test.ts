@@ -53,6 +53,22 @@ describe("examples", () => {
     assert.match(out, /^reconciled: true, charges made: 1$/m);
   });
 
+  it("observe: a duplicate runs in observe mode, and replays once enforced", async () => {
+    const out = await example("observe");
+    assert.match(out, /^would have been: replay$/m);
+    assert.match(out, /^emails sent in observe mode: 2$/m);
+    assert.match(out, /^emails sent in all: 2$/m);
+  });
+
+  it("rollback: three charges, each refunded once, newest first", async () => {
+    const out = await example("rollback");
+    assert.match(out, /^charges before: 3$/m);
+    assert.match(out, /^to undo: 3 of 3 effects$/m);
+    assert.match(out, /^compensated: 3, failed: 0, done: true$/m);
+    assert.match(out, /^ch_3 compensated, ch_2 compensated, ch_1 compensated$/m);
+    assert.match(out, /^charges after: 0$/m);
+  });
+
   it("ai-sdk: two tool calls, one invoice", async () => {
     const out = await example("ai-sdk");
     const outputs = [...out.matchAll(/^call_\d (.*)$/gm)].map((m) => m[1]);
@@ -83,8 +99,10 @@ describe("examples", () => {
       "approvals.ts",
       "claims.ts",
       "langgraph.ts",
+      "observe.ts",
       "openai-agents.ts",
       "quickstart.ts",
+      "rollback.ts",
       "verify.ts",
     ]);
     for (const [, name, code] of shown) {

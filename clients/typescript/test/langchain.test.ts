@@ -91,6 +91,28 @@ describe("LangChain tools", () => {
     assert.match(told, /Call again later with the same arguments/);
   });
 
+  it("observe mode: a re-emitted call runs again, and an undo is registered with each completion", async () => {
+    const namespace = ns("langchain-observe");
+    await fx.admin.putSettings({ mode: "observe" }, { namespacePrefix: namespace, why: "test" });
+    let calls = 0;
+    const refund = tool(
+      async ({ order }: { order: number }) => {
+        calls++;
+        return `refunded ${order} (${calls})`;
+      },
+      { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
+    );
+    const node = new ToolNode([guardTool(refund, { client: fx.client, namespace, runId: "observe-thread", undoName: "undo-refund" })]);
+    const contents = [];
+    for (const id of ["a", "b"]) {
+      const answer = (await node.invoke({ messages: [modelTurn(id, { order: 1 })] })) as { messages: ToolMessage[] };
+      contents.push(answer.messages[0]?.content);
+    }
+    assert.deepEqual(contents, ["refunded 1 (1)", "refunded 1 (2)"], "the second call ran: observe mode lets it");
+    const view = await fx.admin.rollback("observe-thread", "test");
+    assert.deepEqual(view.tasks.map((t) => t.compensation), [{ name: "undo-refund", data: "refunded 1 (1)" }], "only the completed call");
+  });
+
   it("a content-and-artifact tool replays both", async () => {
     const namespace = ns("langchain-artifact");
     let calls = 0;
