@@ -228,3 +228,62 @@ async fn switches_and_budgets_survive_a_restart_and_the_cli_operates_them() {
     let refused = client.post(format!("{}/v1/claims", server.base)).bearer_auth(&token).json(&body).send().await;
     assert_eq!(refused.unwrap().status(), 423, "the switch engaged by the CLI is in force");
 }
+
+/// The operator's commands for a rollback and observe mode, on a served store: `runs rollback`
+/// switches the run off and lists its tasks, `runs get` shows the progress as workers finish
+/// them, and `settings set --mode observe` lets the next duplicate through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_rolls_a_run_back_and_sets_observe_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let client = reqwest::Client::new();
+    let server = start(dir.path());
+    let token = admin_key(dir.path());
+    let post =
+        |path: &str, body: Value| client.post(format!("{}{path}", server.base)).bearer_auth(&token).json(&body).send();
+    for (key, undo) in [("a", true), ("b", false)] {
+        let claim = json!({"namespace": "ops", "key": key, "request": 1, "run": "r-9"});
+        let held: Value = post("/v1/claims", claim).await.unwrap().json().await.unwrap();
+        let mut done = json!({"namespace": "ops", "key": key, "fence": held["fence"], "result": {}});
+        if undo {
+            done["compensation"] = json!({"name": "undo-a", "data": {"a": 1}});
+        }
+        assert_eq!(post("/v1/claims/complete", done).await.unwrap().status(), 200);
+    }
+    drop(server);
+
+    let (ok, out) = onceguard(dir.path(), &["runs", "rollback", "--tenant", "default", "r-9", "--why", "INC-1"]);
+    assert!(ok, "{out}");
+    let rollback: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((&rollback["pending"], &rollback["not_compensable"]), (&json!(1), &json!(1)), "{out}");
+    assert_eq!(rollback["tasks"][0]["compensation"]["name"], "undo-a");
+    let (ok, out) = onceguard(
+        dir.path(),
+        &["settings", "set", "--tenant", "default", "--namespace-prefix", "ops", "--mode", "observe"],
+    );
+    assert!(ok, "{out}");
+    let (ok, out) = onceguard(dir.path(), &["settings", "set", "--tenant", "default", "--mode", "loose"]);
+    assert!(!ok && out.contains("not enforce or observe"), "{out}");
+
+    let server = start(dir.path());
+    let post =
+        |path: &str, body: Value| client.post(format!("{}{path}", server.base)).bearer_auth(&token).json(&body).send();
+    let refused =
+        post("/v1/claims", json!({"namespace": "ops", "key": "c", "request": 1, "run": "r-9"})).await.unwrap();
+    assert_eq!(refused.status(), 423, "the rolled-back run is switched off, observe mode or not");
+    let again: Value =
+        post("/v1/claims", json!({"namespace": "ops", "key": "b", "request": 1})).await.unwrap().json().await.unwrap();
+    assert_eq!((&again["outcome"], &again["would_have_been"]), (&json!("proceed"), &json!("replay")));
+    let task: Value = post("/v1/runs/r-9/compensations/claim", json!({})).await.unwrap().json().await.unwrap();
+    let done = json!({"namespace": task["namespace"], "key": task["key"], "fence": task["fence"], "result": {}});
+    assert_eq!(post("/v1/claims/complete", done).await.unwrap().status(), 200);
+    drop(server);
+    let (ok, out) = onceguard(dir.path(), &["runs", "get", "--tenant", "default", "r-9"]);
+    assert!(ok, "{out}");
+    let run: Value = serde_json::from_str(&out).unwrap();
+    let progress = &run["rollback"];
+    assert_eq!(
+        (&progress["compensated"], &progress["done"], &progress["why"]),
+        (&json!(1), &json!(true), &json!("INC-1")),
+        "{out}"
+    );
+}

@@ -215,3 +215,39 @@ async fn approvals_and_reconciled_recoveries() {
     let free = Claim::new("pay", "free-1", json!(1));
     assert!(matches!(agent.claim(&free).await.unwrap(), ClaimAnswer::Acquired(_)));
 }
+
+#[tokio::test]
+async fn observe_mode_and_a_rolled_back_run() {
+    use onceguard_client::CompensationAnswer;
+    let (server, token) = server().await;
+    let client = Client::new(&server.base, &token).unwrap();
+    client.put_settings(Some("watch"), &json!({"mode": "observe"})).await.unwrap();
+    let watched = Claim::new("watch", "w", json!(1));
+    let ClaimAnswer::Acquired(held) = client.claim(&watched).await.unwrap() else { panic!("acquired") };
+    let proceed = client.claim(&watched).await.unwrap();
+    assert!(
+        matches!(&proceed, ClaimAnswer::Proceed { would_have_been, reason: None } if would_have_been == "in_flight"),
+        "{proceed:?}"
+    );
+    client.complete(&watched.target(), held.fence, &json!(1), Spent::NOTHING).await.unwrap();
+
+    let charge = Claim { run: Some("r-1".into()), ..Claim::new("pay", "c", json!(1)) };
+    let ClaimAnswer::Acquired(held) = client.claim(&charge).await.unwrap() else { panic!("acquired") };
+    let data = json!({"charge": "ch_1"});
+    let (target, result) = (charge.target(), json!(1));
+    let done = client.complete_undoable(&target, held.fence, &result, Spent::NOTHING, "refund", &data).await.unwrap();
+    assert!(matches!(done, Fenced::Applied(ref r) if r["compensation"]["name"] == "refund"), "{done:?}");
+    assert_eq!(client.rollback_status("r-1").await.unwrap(), None);
+    let started = client.rollback("r-1", "test").await.unwrap();
+    assert_eq!(started["pending"], 1);
+    let CompensationAnswer::Task(task) = client.claim_compensation("r-1", Some(Duration::from_secs(5))).await.unwrap()
+    else {
+        panic!("a task")
+    };
+    assert_eq!((&task.compensation["data"], task.namespace.as_str()), (&data, "pay/_undo"));
+    assert!(matches!(client.claim_compensation("r-1", None).await.unwrap(), CompensationAnswer::Busy(_)));
+    client.complete(&task.target(), task.acquired.fence, &json!({"refund": 1}), Spent::NOTHING).await.unwrap();
+    let answer = client.claim_compensation("r-1", None).await.unwrap();
+    assert_eq!(answer, CompensationAnswer::Done { compensated: 1, failed: 0 });
+    assert_eq!(client.rollback_status("r-1").await.unwrap().unwrap()["done"], true);
+}

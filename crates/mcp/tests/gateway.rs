@@ -851,3 +851,35 @@ async fn a_tool_needing_approval_answers_a_tool_error_the_model_can_relay_until_
     assert_eq!(denied["result"]["_meta"]["dev.onceguard/approval"]["state"], "denied");
     assert_eq!(runs(&app.seen, "write"), 1, "the denied call never ran");
 }
+
+/// In observe mode a `tools/call` enforcement would have stopped (a replay, other arguments
+/// under the key) reaches the tool all the same, and nothing of it is stored; the first call is
+/// guarded as always; enforced again, the key replays.
+#[tokio::test]
+async fn observe_mode_forwards_the_calls_enforcement_would_have_stopped() {
+    use onceguard_core::control::{Mode, Settings, SettingsEntry};
+    let app = spawn_app(|_| {}).await;
+    let tenant = TenantId::parse(TENANT).unwrap();
+    let mode = |mode| SettingsEntry {
+        tenant: tenant.clone(),
+        namespace_prefix: Some(Namespace::parse("mcp/up").unwrap()),
+        settings: Settings { mode: Some(mode), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    app.guard.put_settings(mode(Mode::Observe), None).await.unwrap();
+    let first = app.rpc(&call(json!(1), "write", json!({"row": 7}), Some("k"))).await;
+    assert_eq!(first["result"]["content"][0]["text"], "write 1", "{first}");
+    let again = app.rpc(&call(json!(2), "write", json!({"row": 7}), Some("k"))).await;
+    assert_eq!(again["result"]["content"][0]["text"], "write 2", "observe mode let it through: {again}");
+    assert!(again["result"]["_meta"].get("dev.onceguard/replayed").is_none(), "{again}");
+    let other = app.rpc(&call(json!(3), "write", json!({"row": 8}), Some("k"))).await;
+    assert_eq!(other["result"]["content"][0]["text"], "write 3", "{other}");
+    assert_eq!(runs(&app.seen, "write"), 3);
+
+    app.guard.put_settings(mode(Mode::Enforce), None).await.unwrap();
+    let replay = app.rpc(&call(json!(4), "write", json!({"row": 7}), Some("k"))).await;
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true, "{replay}");
+    assert_eq!(replay["result"]["content"][0]["text"], "write 1", "the first call's stored result");
+    assert_eq!(runs(&app.seen, "write"), 3);
+}

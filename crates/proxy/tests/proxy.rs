@@ -711,3 +711,42 @@ async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
     assert_eq!(denied["reason"]["why"], "not this one");
     assert_eq!(executed(&counts, "charge"), 1, "the denied request never ran");
 }
+
+/// In observe mode a request enforcement would have stopped goes upstream all the same, holding
+/// nothing and storing nothing, with `Onceguard-Would-Have-Been`; the first is guarded as
+/// always; a kill switch still refuses; enforced again, the key replays.
+#[tokio::test]
+async fn observe_mode_forwards_what_enforcement_would_have_stopped() {
+    use onceguard_core::control::{Mode, Settings, SettingsEntry, SwitchTarget};
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |_| {}).await;
+    let tenant = onceguard_core::TenantId::parse("proxy").unwrap();
+    let mode = |mode| SettingsEntry {
+        tenant: tenant.clone(),
+        namespace_prefix: None,
+        settings: Settings { mode: Some(mode), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: onceguard_core::Timestamp::now(),
+    };
+    proxy.guard.put_settings(mode(Mode::Observe), None).await.unwrap();
+    let first = proxy.post("/charge", "o-1", "{}").await;
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("onceguard-would-have-been").is_none(), "the first request is guarded");
+    for (body, would_have_been) in [("{}", "replay"), ("{}", "replay"), ("other", "mismatch")] {
+        let again = proxy.post("/charge", "o-1", body).await;
+        assert_eq!(again.status(), 201, "the upstream's answer");
+        assert_eq!(again.headers()["onceguard-would-have-been"], would_have_been);
+        assert!(again.headers().get("idempotent-replayed").is_none());
+    }
+    assert_eq!(executed(&counts, "charge"), 4, "observe mode let each request through");
+    let target = SwitchTarget::Tenant;
+    proxy.guard.engage_switch("admin", &tenant, target.clone(), "stop".into(), false).await.unwrap();
+    problem(proxy.post("/charge", "o-1", "{}").await, 423, "switch-engaged").await;
+    proxy.guard.release_switch("admin", &tenant, &target, None).await.unwrap();
+    assert_eq!(executed(&counts, "charge"), 4, "a kill switch is never observe-only");
+
+    proxy.guard.put_settings(mode(Mode::Enforce), None).await.unwrap();
+    let replay = proxy.post("/charge", "o-1", "{}").await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(executed(&counts, "charge"), 4, "enforced again, nothing more ran");
+}
