@@ -1,5 +1,5 @@
-//! Operator actions on the guard: tenants and API keys, kill switches, run budgets, settings and
-//! the audit log. Each action is written to the audit log with who did it and why; the HTTP API
+//! Operator actions on the guard: tenants and API keys, kill switches, run budgets, rolling a run
+//! back, settings and the audit log. Each action is written to the audit log with who did it and why; the HTTP API
 //! and the CLI call these, never the store. (The cache of switches and settings that every
 //! claim consults is [`crate::control_cache`].)
 
@@ -11,6 +11,7 @@ use crate::control::{
 use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId};
 use crate::guard::{Guard, GuardError};
+use crate::rollback::{Rollback, RollbackReport};
 use crate::store::StoreError;
 
 /// Longest reason or explanation an operator may give, in bytes.
@@ -19,7 +20,7 @@ pub const MAX_REASON_BYTES: usize = 1_024;
 /// Longest label of an API key, in bytes.
 pub const MAX_LABEL_BYTES: usize = 128;
 
-pub(crate) fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
+fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
     if text.trim().is_empty() || text.len() > MAX_REASON_BYTES {
         return Err(InvalidInput::new(field, format!("must be 1 to {MAX_REASON_BYTES} bytes, not blank")));
     }
@@ -201,6 +202,34 @@ impl Guard {
         let details = serde_json::to_value(&budget).unwrap_or_default();
         let entry = AuditEntry::new(tenant.clone(), now, actor, "budget.set", run.as_str()).why(why).details(details);
         Ok(self.store().put_budget(tenant, run, &budget, now, &entry).await?)
+    }
+
+    /// Starts rolling `run` back (an admin's action): a kill switch on the run (audited as
+    /// `switch.engage`), then the rollback itself (audited as `run.rollback` with why). Answers
+    /// the rollback as it now stands and whether this call started it: a run already being
+    /// rolled back is left as it is.
+    pub async fn start_rollback(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        run: &RunId,
+        why: String,
+    ) -> Result<(RollbackReport, bool), GuardError> {
+        check_reason("why", &why)?;
+        let controls = self.refresh_controls().await?;
+        if let Some(existing) = controls.rollback(tenant, run) {
+            return Ok((self.report(existing.clone()).await?, false));
+        }
+        let target = SwitchTarget::Run { run: run.clone() };
+        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
+        let now = self.clock().now();
+        let rollback =
+            Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
+        let entry =
+            AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
+        self.store().put_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
+        self.refresh_controls().await?;
+        Ok((self.report(rollback).await?, true))
     }
 
     /// One run of a tenant.

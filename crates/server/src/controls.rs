@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::AppState;
-use crate::api::{ApiJson, ApiQuery, admin_tenant};
+use crate::api::{ApiJson, ApiQuery, TenantQuery, admin_tenant};
 use crate::auth::Caller;
 use crate::problem::{ApiError, Problem};
 
@@ -98,15 +98,6 @@ pub fn run_view(run: &Run, rollback: Option<&onceguard_core::rollback::RollbackR
         updated_at: run.updated_at.to_rfc3339(),
         rollback: rollback.map(|r| crate::api::rollback_view(r, false)),
     }
-}
-
-/// Which tenant an admin call acts on.
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct TenantQuery {
-    /// Another tenant (operator tenant's admins only); default: your own.
-    pub tenant: Option<String>,
 }
 
 /// Set a run's budget (admin). The run keeps what it already spent; keys already charged are

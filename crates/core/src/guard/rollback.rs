@@ -1,9 +1,10 @@
-//! Rolling a run back (see [`crate::rollback`]): starting it, reading its progress, and handing
-//! its compensation tasks to workers through the one door.
+//! Rolling a run back (see [`crate::rollback`]): reading its progress, and handing its
+//! compensation tasks to workers through the one door (an operator starts it:
+//! `Guard::start_rollback`, in [`crate::admin`]).
 
 use std::time::Duration;
 
-use crate::control::{AuditEntry, ControlDoc, Mode, SwitchTarget};
+use crate::control::Mode;
 use crate::domain::{RunId, TenantId};
 use crate::guard::{Claim, Guard, GuardError};
 use crate::record::{Acquired, ClaimOutcome, OutcomeKind, RecordState};
@@ -50,34 +51,6 @@ const BUSY_RETRY: Duration = Duration::from_secs(1);
 const MAX_RUN_PAGES: usize = 100;
 
 impl Guard {
-    /// Starts rolling `run` back (an admin's action): a kill switch on the run (audited as
-    /// `switch.engage`), then the rollback itself (audited as `run.rollback` with why). Answers
-    /// the rollback as it now stands and whether this call started it: a run already being
-    /// rolled back is left as it is.
-    pub async fn start_rollback(
-        &self,
-        actor: &str,
-        tenant: &TenantId,
-        run: &RunId,
-        why: String,
-    ) -> Result<(RollbackReport, bool), GuardError> {
-        crate::admin::check_reason("why", &why)?;
-        let controls = self.refresh_controls().await?;
-        if let Some(existing) = controls.rollback(tenant, run) {
-            return Ok((self.report(existing.clone()).await?, false));
-        }
-        let target = SwitchTarget::Run { run: run.clone() };
-        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
-        let now = self.clock().now();
-        let rollback =
-            Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
-        let entry =
-            AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
-        self.store().put_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
-        self.refresh_controls().await?;
-        Ok((self.report(rollback).await?, true))
-    }
-
     /// The rollback of `run` as it now stands, if the run is being rolled back.
     pub async fn rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<RollbackReport>, GuardError> {
         match self.rollback_doc(tenant, run).await? {
@@ -154,7 +127,8 @@ impl Guard {
         Ok(self.refresh_controls().await?.rollback(tenant, run).cloned())
     }
 
-    async fn report(&self, rollback: Rollback) -> Result<RollbackReport, GuardError> {
+    /// `rollback` with its progress and tasks as they now stand.
+    pub(crate) async fn report(&self, rollback: Rollback) -> Result<RollbackReport, GuardError> {
         let (progress, tasks) = self.tasks(&rollback.tenant, &rollback.run).await?;
         Ok(RollbackReport { rollback, progress, tasks })
     }

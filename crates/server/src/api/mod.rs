@@ -41,6 +41,15 @@ pub struct ApiQuery<T>(pub T);
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// Which tenant an admin call acts on.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct TenantQuery {
+    /// Another tenant (operator tenant's admins only); default: your own.
+    pub tenant: Option<String>,
+}
+
 fn parse_duration_field(field: &'static str, value: Option<&str>) -> ApiResult<Option<Duration>> {
     Ok(value.map(|v| onceguard_core::domain::parse_duration(field, v)).transpose()?)
 }

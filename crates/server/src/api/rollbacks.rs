@@ -7,7 +7,6 @@ use onceguard_core::guard::{CompensationClaim, TaskHeld};
 use onceguard_core::rollback::{Progress, RollbackReport, Task};
 
 use super::*;
-use crate::controls::TenantQuery;
 
 /// Start rolling a run back.
 #[derive(Debug, Deserialize, ToSchema)]

@@ -60,6 +60,11 @@ async fn a_run_is_rolled_back_by_workers_through_the_api() {
     assert_eq!(tasks[0]["compensation"], json!({"name": "refund", "data": {"charge": "ch_2"}}));
     let again = app.post(&app.admin, "/v1/runs/run-9/rollback", &json!({"why": "twice"})).await;
     assert_eq!(again.status(), StatusCode::OK, "already rolled back");
+    // Nothing of it is visible to another tenant.
+    let elsewhere = app.get(&app.other_agent, "/v1/runs/run-9/rollback").await;
+    assert_problem(elsewhere, StatusCode::NOT_FOUND, "not-found").await;
+    let elsewhere = app.post(&app.other_agent, "/v1/runs/run-9/compensations/claim", &json!({})).await;
+    assert_problem(elsewhere, StatusCode::NOT_FOUND, "not-found").await;
     // The run is switched off.
     let (status, _) =
         app.claim(&app.agent, json!({"namespace": "pay/cards", "key": "c-5", "request": {}, "run": "run-9"})).await;
