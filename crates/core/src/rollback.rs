@@ -181,6 +181,22 @@ pub fn task_key(key: &Key, fence: Fence) -> Result<Key, InvalidInput> {
     Key::parse(&format!("{}.sha256-{hex}", fence.0))
 }
 
+/// The run that the compensation tasks of `run` are claimed in: `<run>/undo` (or
+/// `undo/sha256-<hex>` where that would pass 128 bytes). Their records are read by listing it,
+/// and it is a run like any other: a budget on it bounds the compensations, a kill switch on it
+/// stops them, and its usage counts them.
+pub fn task_run(run: &RunId) -> RunId {
+    let plain = format!("{run}/undo");
+    if plain.len() <= 128
+        && let Ok(id) = RunId::parse(&plain)
+    {
+        return id;
+    }
+    let digest = Fingerprint::sha256(run.as_str().as_bytes());
+    let hex = digest.as_str().rsplit(':').next().unwrap_or_default();
+    RunId::parse(&format!("undo/sha256-{}", &hex[..32.min(hex.len())])).expect("a digest makes a valid run id")
+}
+
 /// The fingerprint of a task: the effect's key and attempt, and the compensation registered.
 pub fn task_fingerprint(effect: &Effect, compensation: &Compensation) -> Fingerprint {
     Fingerprint::of_json(&serde_json::json!({
@@ -259,6 +275,15 @@ mod tests {
         let task = task_key(&long, Fence(u64::MAX)).unwrap();
         assert!(task.as_str().starts_with(&format!("{}.sha256-", u64::MAX)), "{task}");
         assert!(task.as_str().len() <= 255);
+    }
+
+    #[test]
+    fn a_task_run_is_the_runs_undo_run_and_fits() {
+        assert_eq!(task_run(&RunId::parse("run-42").unwrap()).as_str(), "run-42/undo");
+        let long = RunId::parse(&"r".repeat(128)).unwrap();
+        let undo = task_run(&long);
+        assert!(undo.as_str().starts_with("undo/sha256-") && undo.as_str().len() <= 128, "{undo}");
+        assert_ne!(undo, task_run(&RunId::parse(&"s".repeat(128)).unwrap()));
     }
 
     #[test]

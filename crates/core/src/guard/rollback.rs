@@ -7,8 +7,11 @@ use std::time::Duration;
 use crate::control::Mode;
 use crate::domain::{RunId, TenantId};
 use crate::guard::{Claim, Guard, GuardError};
-use crate::record::{Acquired, ClaimOutcome, OutcomeKind, RecordState};
-use crate::rollback::{Progress, Rollback, RollbackReport, Task, TaskState};
+use std::collections::HashMap;
+
+use crate::domain::Scope;
+use crate::record::{Acquired, ClaimOutcome, OutcomeKind, Record, RecordState};
+use crate::rollback::{Progress, Rollback, RollbackReport, Task, TaskState, task_run};
 use crate::store::{ListFilter, MAX_PAGE};
 
 /// What a worker asking for a compensation task gets.
@@ -97,8 +100,12 @@ impl Guard {
                 TaskState::Compensated | TaskState::Failed => continue,
             }
             let retention = self.effective(&task.scope).await?.limits.max_retention;
-            let claim =
-                Claim { lease, retention: Some(retention), ..Claim::new(task.scope.clone(), task.fingerprint.clone()) };
+            let claim = Claim {
+                lease,
+                retention: Some(retention),
+                run: Some(task_run(run)),
+                ..Claim::new(task.scope.clone(), task.fingerprint.clone())
+            };
             match self.claim_in(claim, Some(Mode::Enforce)).await? {
                 ClaimOutcome::Acquired(acquired) => {
                     return Ok(Some(CompensationClaim::Acquired(Box::new(TaskHeld { task, acquired }))));
@@ -138,38 +145,46 @@ impl Guard {
     async fn tasks(&self, tenant: &TenantId, run: &RunId) -> Result<(Progress, Vec<Task>), GuardError> {
         let mut progress = Progress::default();
         let mut tasks = Vec::new();
-        let mut filter = ListFilter { run: Some(run.clone()), limit: MAX_PAGE, ..Default::default() };
-        for _ in 0..MAX_RUN_PAGES {
-            let page = self.list(tenant, &filter).await?;
-            for record in &page.records {
-                match record.state {
-                    RecordState::InProgress => progress.effects_in_flight += 1,
-                    RecordState::Completed
-                        if record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Success) =>
-                    {
-                        progress.effects += 1;
-                        match Task::of(record) {
-                            Some(Ok(task)) => tasks.push(task),
-                            Some(Err(_)) | None => progress.not_compensable += 1,
-                        }
+        for record in self.run_records(tenant, run).await? {
+            match record.state {
+                RecordState::InProgress => progress.effects_in_flight += 1,
+                RecordState::Completed if record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Success) => {
+                    progress.effects += 1;
+                    match Task::of(&record) {
+                        Some(Ok(task)) => tasks.push(task),
+                        Some(Err(_)) | None => progress.not_compensable += 1,
                     }
-                    RecordState::Completed | RecordState::Released => {}
                 }
-            }
-            match page.next {
-                Some(next) => filter.after = Some(next),
-                None => break,
+                RecordState::Completed | RecordState::Released => {}
             }
         }
         tasks.sort_by_key(|t| std::cmp::Reverse((t.effect.completed_at, t.effect.fence)));
+        // The tasks' own records: the records of the run's undo run, read in pages.
+        let mut undone: HashMap<Scope, Record> =
+            self.run_records(tenant, &task_run(run)).await?.into_iter().map(|r| (r.scope.clone(), r)).collect();
         let now = self.clock().now();
         let mut read = Vec::with_capacity(tasks.len());
         for task in tasks {
-            let record = self.store().get(&task.scope, now).await?;
+            let record = undone.remove(&task.scope);
             let task = task.with_record(record.as_ref(), now);
             progress.count(task.state);
             read.push(task);
         }
         Ok((progress, read))
+    }
+
+    /// The live records of `run`, at most [`MAX_RUN_PAGES`] pages of them.
+    async fn run_records(&self, tenant: &TenantId, run: &RunId) -> Result<Vec<Record>, GuardError> {
+        let mut records = Vec::new();
+        let mut filter = ListFilter { run: Some(run.clone()), limit: MAX_PAGE, ..Default::default() };
+        for _ in 0..MAX_RUN_PAGES {
+            let page = self.list(tenant, &filter).await?;
+            records.extend(page.records);
+            match page.next {
+                Some(next) => filter.after = Some(next),
+                None => break,
+            }
+        }
+        Ok(records)
     }
 }

@@ -118,6 +118,9 @@ pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store
     let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
     assert!(report.tasks.iter().all(|t| t.state == TaskState::Compensated), "{:?}", report.tasks);
     assert_eq!((report.progress.compensated, report.progress.done()), (6, true));
+    // The tasks were claimed in the run's undo run: its usage counts them, each once.
+    let undo = c.guard.run(&tenant(), &RunId::parse("run-rb/undo").unwrap()).await.unwrap().expect("the undo run");
+    assert_eq!(undo.usage.effects, 6);
     let (again, started) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "again".into()).await.unwrap();
     assert!(!started);
     assert_eq!(again.rollback.why, "runaway", "a second start changes nothing");
