@@ -245,6 +245,14 @@ pub async fn observe_mode_counts_each_would_be_outcome(store: Arc<dyn Store>) {
     }
     let other = c.claim(&request(&s, "send another email")).await;
     assert!(proceeds(&other, Answer::Mismatch), "{other:?}");
+    // A batch answers each claim as alone.
+    let batch = vec![
+        crate::through_the_door(&req, Duration::ZERO),
+        crate::through_the_door(&request(&scope("email-2"), "e2"), Duration::ZERO),
+    ];
+    let answers = c.guard.claim_batch(batch).await.unwrap();
+    assert!(proceeds(&answers[0], Answer::Replay), "{answers:?}");
+    assert!(matches!(answers[1], ClaimOutcome::Acquired(_)), "{answers:?}");
     // A spent budget proceeds too; the record keeps what enforcement decided.
     let budget = Budget { max_effects: Some(1), ..Budget::default() };
     c.guard.set_budget("admin-key", &tenant(), &RunId::parse("r").unwrap(), budget, None).await.unwrap();
@@ -259,9 +267,9 @@ pub async fn observe_mode_counts_each_would_be_outcome(store: Arc<dyn Store>) {
     assert!(matches!(stopped, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })), "{stopped:?}");
     c.guard.release_switch("admin-key", &tenant(), &target, None).await.unwrap();
 
-    assert_eq!(counted.get("observe", Answer::Acquired), 2);
+    assert_eq!(counted.get("observe", Answer::Acquired), 3);
     assert_eq!(counted.get("observe", Answer::InFlight), 2);
-    assert_eq!(counted.get("observe", Answer::Replay), 3);
+    assert_eq!(counted.get("observe", Answer::Replay), 4);
     assert_eq!(counted.get("observe", Answer::Mismatch), 1);
     assert_eq!(counted.get("observe", Answer::Denied), 2, "the budget's and the switch's");
     assert_eq!(counted.get("enforce", Answer::Acquired), 0);
