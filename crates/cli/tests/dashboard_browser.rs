@@ -409,6 +409,7 @@ async fn the_dashboard_shows_what_the_api_says() {
     assert_eq!(shown["inspect-fence"], inspected["fence"].to_string());
     assert_eq!(shown["inspect-attempt"], inspected["attempt"].to_string());
     assert_eq!(shown["inspect-run"], "run-7");
+    assert_eq!(shown["inspect-compensation"], "none", "no compensation was registered");
     assert!(shown["inspect-state"].as_str().unwrap().contains("in_progress"));
     assert!(shown["inspect-state"].as_str().unwrap().contains("stuck"));
     assert!(shown["inspect-checkpoints"].as_str().unwrap().contains("charged-card"));

@@ -4,8 +4,8 @@
 
 const KEY_STORAGE = "onceguard.adminKey";
 const REFRESH_MS = 2000;
-const OUTCOMES = ["acquired", "replay", "in_flight", "mismatch", "denied", "pending_approval"];
-const COLORS = { acquired: "#3b6fd8", replay: "#2e9d62", in_flight: "#d9a21b", mismatch: "#d2542c", denied: "#7a4bc4", pending_approval: "#1f9bb0" };
+const OUTCOMES = ["acquired", "replay", "in_flight", "mismatch", "denied", "pending_approval", "proceed"];
+const COLORS = { acquired: "#3b6fd8", replay: "#2e9d62", in_flight: "#d9a21b", mismatch: "#d2542c", denied: "#7a4bc4", pending_approval: "#1f9bb0", proceed: "#8a8f98" };
 // One colour per namespace named in the tokens chart (at most eight), and one for the others.
 const NAMESPACE_COLORS = ["#2e9d62", "#3b6fd8", "#d9a21b", "#7a4bc4", "#d2542c", "#1f9bb0", "#b0417a", "#6b7a2a"];
 const OTHERS_COLOR = "#9aa3ad";
@@ -244,7 +244,7 @@ function render(d) {
   const slotSeconds = d.series.slot_seconds;
   const colors = Object.fromEntries(OUTCOMES.map((o) => [o, COLORS[o]]));
   stackedBars($("chart-claims"), Object.fromEntries(OUTCOMES.map((o) => [o, d.series.claims[o]])), colors, 1 / slotSeconds);
-  legend($("legend-claims"), colors, { in_flight: "in flight", pending_approval: "awaiting approval" });
+  legend($("legend-claims"), colors, { in_flight: "in flight", pending_approval: "awaiting approval", proceed: "proceeded (observe mode)" });
   stackedBars($("chart-cost"), { saved: d.series.cost_saved }, { saved: COLORS.replay }, 1);
   renderTokens(d.series.tokens_saved_by_namespace);
   const latencyColors = { p50: "#3b6fd8", p99: "#d2542c" };
@@ -439,6 +439,7 @@ function renderRecord(r) {
     ["lease until", r.lease_expires_at ? clock(r.lease_expires_at) : null],
     ["reported unknown", r.reported_unknown ? "yes" : "no"],
     ["fingerprint", r.fingerprint],
+    ["compensation", r.compensation ?? "none", "inspect-compensation"],
     ["stored outcome", r.stored ? `${r.stored.status}${r.stored.reconciled ? " (reconciled)" : ""}, ${r.stored.content_type}, ${count(r.stored.bytes)} bytes${r.stored.digest_only ? " (digest only)" : ""}${r.stored.cost === null ? "" : `, cost ${count(r.stored.cost)}`}` : "none", "inspect-stored"],
   ]);
   const checkpoints = document.createElement("div");

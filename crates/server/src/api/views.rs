@@ -123,8 +123,9 @@ pub struct RecordHead {
     /// Whether its outcome was reconciled: a recovering attempt completed it from what the
     /// downstream system said happened, without running the effect again.
     pub reconciled: bool,
-    /// How to undo its effect, as registered at completion (if it was).
-    pub compensation: Option<super::CompensationView>,
+    /// The name of the compensation registered at its completion, if one was (what undoes its
+    /// effect should its run be rolled back).
+    pub compensation: Option<String>,
 }
 
 /// The head of every view of `r`.
@@ -140,7 +141,7 @@ pub fn record_head(r: &Record, now: Timestamp) -> RecordHead {
         run: r.run.as_ref().map(ToString::to_string),
         lease_expires_at: r.lease_expires_at.map(Timestamp::to_rfc3339),
         reconciled: r.outcome.as_ref().is_some_and(|o| o.reconciled),
-        compensation: r.outcome.as_ref().and_then(|o| o.compensation.as_ref()).map(super::compensation_view),
+        compensation: r.outcome.as_ref().and_then(|o| o.compensation.as_ref()).map(|c| c.name.to_string()),
     }
 }
 
@@ -163,6 +164,9 @@ pub struct RecordView {
     pub expires_at: Option<String>,
     /// Recovery points, oldest first.
     pub checkpoints: Vec<CheckpointView>,
+    /// The data of the compensation registered at completion (only when reading one record).
+    #[schema(value_type = Option<Value>)]
+    pub compensation_data: Option<Box<RawValue>>,
     /// The stored outcome (only when reading one record).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stored: Option<StoredResultView>,
@@ -178,6 +182,9 @@ pub fn record_view(r: &Record, now: Timestamp, with_result: bool) -> RecordView 
         updated_at: r.updated_at.to_rfc3339(),
         expires_at: (r.expires_at != Timestamp::NEVER).then(|| r.expires_at.to_rfc3339()),
         checkpoints: r.checkpoints.iter().map(checkpoint_view).collect(),
+        compensation_data: with_result
+            .then(|| r.outcome.as_ref().and_then(|o| o.compensation.as_ref()).and_then(|c| raw_json(&c.data)))
+            .flatten(),
         stored: if with_result { r.outcome.as_ref().map(stored_view) } else { None },
     }
 }

@@ -71,7 +71,8 @@ async fn write_markers(h: &Harness, token: &str, key: &str) -> u64 {
         .unwrap();
     assert_eq!(record["stored"]["result"]["card"], RESULT_MARKER);
     assert_eq!(record["checkpoints"][0]["data"]["charge"], CHECKPOINT_MARKER, "{record}");
-    assert_eq!(record["compensation"]["data"]["card"], COMPENSATION_MARKER, "{record}");
+    assert_eq!(record["compensation"], "refund", "{record}");
+    assert_eq!(record["compensation_data"]["card"], COMPENSATION_MARKER, "{record}");
     fence
 }
 
