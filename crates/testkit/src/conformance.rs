@@ -1146,16 +1146,20 @@ pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Arc<
 }
 
 /// `replace` writes a record in place of one that is still exactly as read (how re-sealing
-/// rewrites what is stored), and leaves a record that changed meanwhile as it is: one in
-/// progress that took a checkpoint, one completed since, one purged.
+/// rewrites what is stored: the outcome, its compensation's data, checkpoints), and leaves a
+/// record that changed meanwhile as it is: one in progress that took a checkpoint, one
+/// completed since, one purged.
 pub async fn replace_writes_only_over_the_record_read(store: Arc<dyn Store>) {
     let c = case(store.clone());
     let done = scope("replaced");
     let f = c.acquire(&request(&done, "a")).await;
     c.applied(&done, f, checkpoint("step-1", r#"{"n":1}"#)).await;
-    let old = c.applied(&done, f, Mutation::Complete(success("before"))).await;
+    let undo = onceguard_core::Compensation { name: CheckpointName::parse("undo").unwrap(), data: "1".into() };
+    let before = Outcome { compensation: Some(undo), ..success("before") };
+    let old = c.applied(&done, f, Mutation::Complete(before)).await;
     let mut new = old.clone();
     new.outcome.as_mut().unwrap().body = b"after".to_vec();
+    new.outcome.as_mut().unwrap().compensation.as_mut().unwrap().data = r#""sealed""#.into();
     new.checkpoints[0].data = r#"{"n":"sealed"}"#.into();
     assert!(store.replace(&old, &new).await.unwrap());
     assert_eq!(c.get(&done).await.as_ref(), Some(&new));
