@@ -131,24 +131,25 @@ impl Task {
         let compensation = outcome.compensation.clone()?;
         let completed_at = effect.completed_at?;
         let effect = Effect { scope: effect.scope.clone(), fence: effect.fence, completed_at };
-        Some((|| {
-            let scope = Scope::new(
-                effect.scope.tenant.clone(),
-                task_namespace(&effect.scope.namespace)?,
-                task_key(&effect.scope.key, effect.fence)?,
-            );
-            let fingerprint = task_fingerprint(&effect, &compensation);
-            Ok(Self {
-                effect,
-                compensation,
-                scope,
-                fingerprint,
-                state: TaskState::Pending,
-                attempt: 0,
-                lease_expires_at: None,
-                stuck: false,
-            })
-        })())
+        Some(Self::undoing(effect, compensation))
+    }
+
+    /// The task that undoes `effect` with `compensation`, not started; an error where the
+    /// effect's namespace is too long to hold its task.
+    fn undoing(effect: Effect, compensation: Compensation) -> Result<Self, InvalidInput> {
+        let namespace = task_namespace(&effect.scope.namespace)?;
+        let scope = Scope::new(effect.scope.tenant.clone(), namespace, task_key(&effect.scope.key, effect.fence)?);
+        let fingerprint = task_fingerprint(&effect, &compensation);
+        Ok(Self {
+            effect,
+            compensation,
+            scope,
+            fingerprint,
+            state: TaskState::Pending,
+            attempt: 0,
+            lease_expires_at: None,
+            stuck: false,
+        })
     }
 
     /// The same task, standing where its record (`None` if never claimed) says at `now`.
@@ -176,9 +177,7 @@ pub fn task_key(key: &Key, fence: Fence) -> Result<Key, InvalidInput> {
     if plain.len() <= 255 {
         return Key::parse(&plain);
     }
-    let digest = Fingerprint::sha256(key.as_str().as_bytes());
-    let hex = digest.as_str().rsplit(':').next().unwrap_or_default();
-    Key::parse(&format!("{}.sha256-{hex}", fence.0))
+    Key::parse(&format!("{}.sha256-{}", fence.0, sha256_hex(key.as_str())))
 }
 
 /// The run that the compensation tasks of `run` are claimed in: `<run>/undo` (or
@@ -192,9 +191,13 @@ pub fn task_run(run: &RunId) -> RunId {
     {
         return id;
     }
-    let digest = Fingerprint::sha256(run.as_str().as_bytes());
-    let hex = digest.as_str().rsplit(':').next().unwrap_or_default();
-    RunId::parse(&format!("undo/sha256-{}", &hex[..32.min(hex.len())])).expect("a digest makes a valid run id")
+    RunId::parse(&format!("undo/sha256-{}", &sha256_hex(run.as_str())[..32])).expect("a digest makes a valid run id")
+}
+
+/// The SHA-256 of `text`, in lowercase hex.
+fn sha256_hex(text: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(text.as_bytes()))
 }
 
 /// The fingerprint of a task: the effect's key and attempt, and the compensation registered.
