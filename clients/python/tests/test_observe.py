@@ -207,3 +207,18 @@ async def test_async_once_proceeds_then_replays_once_enforced(
         assert runs == 2
     finally:
         await aadmin.delete_settings(namespace_prefix=ns)
+
+
+def test_a_proceed_is_taken_only_from_a_well_formed_observe_answer() -> None:
+    from onceguard import _calls
+
+    ok = {"outcome": "proceed", "mode": "observe", "would_have_been": "replay", "reason": None}
+    assert isinstance(_calls.claim_answer(200, ok, None), Proceed)
+    for bad in (
+        {"outcome": "proceed", "would_have_been": "replay"},
+        {"outcome": "proceed", "mode": "enforce", "would_have_been": "replay"},
+        {"outcome": "proceed", "mode": "observe", "would_have_been": "acquired"},
+        {"outcome": "proceed", "mode": "observe"},
+    ):
+        with pytest.raises(onceguard.UnexpectedResponse):
+            _calls.claim_answer(200, bad, None)

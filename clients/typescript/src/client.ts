@@ -30,6 +30,7 @@ import {
   auditEntryOf,
   compensationClaimOf,
   isProceed,
+  isWellFormedProceed,
   pendingApprovalOf,
   proceedOf,
   recordOf,
@@ -165,7 +166,11 @@ function retryAfterOf(problem: Problem, headers?: Headers): number | null {
 /** A claim's answer from its status and body (`resultText`: a replay's result as sent). */
 function claimAnswer(status: number, value: unknown, resultText?: string, headers?: Headers): ClaimAnswer {
   if (status === 201) return acquiredOf(value as Json);
-  if (status === 200) return isProceed(value) ? proceedOf(value as Json) : replayOf(value as Json, resultText);
+  if (status === 200 && isProceed(value)) {
+    if (!isWellFormedProceed(value as Json)) throw new UnexpectedResponse(status, JSON.stringify(value));
+    return proceedOf(value as Json);
+  }
+  if (status === 200) return replayOf(value as Json, resultText);
   if (status === 202 && value !== null && typeof value === "object" && typeof (value as Json)["approval"] === "object") {
     return pendingApprovalOf(value as Json);
   }

@@ -359,9 +359,20 @@ export interface Proceed {
   readonly reason: string | null;
 }
 
-/** Whether a claim's 200 answer `d` is a {@link Proceed} (else it is a replay). */
+/** What enforcement may have answered where observe mode says `proceed`. */
+const WOULD_HAVE_BEEN: ReadonlySet<unknown> = new Set(["replay", "in_flight", "mismatch", "denied", "pending_approval"]);
+
+/** Whether a claim's 200 answer `d` says `proceed` (else it is a replay). */
 export function isProceed(d: unknown): boolean {
   return d !== null && typeof d === "object" && (d as Json)["outcome"] === "proceed";
+}
+
+/**
+ * Whether a `proceed` answer is well formed: observe mode, naming a known would-be outcome.
+ * Only such an answer lets a call run holding nothing; any other is refused, never run.
+ */
+export function isWellFormedProceed(d: Json): boolean {
+  return d["mode"] === "observe" && WOULD_HAVE_BEEN.has(d["would_have_been"]);
 }
 
 export function proceedOf(d: Json): Proceed {

@@ -2,7 +2,7 @@
 
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
-import { Client, Retry, TransportError, applied, type Acquired, type Replay } from "onceguard";
+import { Client, Retry, TransportError, UnexpectedResponse, applied, type Acquired, type Replay } from "onceguard";
 import { freePort, ns, useServer } from "./server.js";
 
 const fx = useServer();
@@ -129,6 +129,25 @@ describe("the wire", () => {
         if (value === undefined) delete process.env[name];
         else process.env[name] = value;
       }
+    }
+  });
+});
+
+describe("answers that cannot be classified", () => {
+  it("a proceed is taken only from a well-formed observe-mode answer; any other is refused, never run", async () => {
+    const answer = (body: unknown) => (): Promise<Response> =>
+      Promise.resolve(new Response(JSON.stringify(body), { status: 200, headers: { "content-type": "application/json" } }));
+    const good = { outcome: "proceed", mode: "observe", would_have_been: "replay", reason: null };
+    const client = new Client({ baseUrl: fx.server.url, apiKey: fx.agentKey, retry: quick, fetch: scripted([answer(good)]).fetch });
+    assert.equal((await client.claim(ns("proceed-ok"), "k", { request: 1 })).outcome, "proceed");
+    for (const bad of [
+      { outcome: "proceed", would_have_been: "replay" },
+      { outcome: "proceed", mode: "enforce", would_have_been: "replay" },
+      { outcome: "proceed", mode: "observe", would_have_been: "acquired" },
+      { outcome: "proceed", mode: "observe" },
+    ]) {
+      const refusing = new Client({ baseUrl: fx.server.url, apiKey: fx.agentKey, retry: quick, fetch: scripted([answer(bad)]).fetch });
+      await assert.rejects(refusing.claim(ns("proceed-bad"), "k", { request: 1 }), (e: unknown) => e instanceof UnexpectedResponse, JSON.stringify(bad));
     }
   });
 });

@@ -774,6 +774,9 @@ fn encode(value: &str) -> String {
     utf8_percent_encode(value, RESERVED).to_string()
 }
 
+/// What enforcement may have answered where observe mode says `proceed`.
+const WOULD_HAVE_BEEN: [&str; 5] = ["replay", "in_flight", "mismatch", "denied", "pending_approval"];
+
 /// A claim's answer from its status and body.
 fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientError> {
     let decode =
@@ -783,7 +786,12 @@ fn claim_answer(status: StatusCode, text: &str) -> Result<ClaimAnswer, ClientErr
         200 => {
             let value = decode(text)?;
             if value["outcome"] == "proceed" {
-                let would_have_been = value["would_have_been"].as_str().ok_or_else(|| unexpected(status, text))?;
+                // Told to run the effect holding nothing: only an observe-mode answer that names a
+                // known would-be outcome says so; anything else is refused, never run.
+                let would_have_been = value["would_have_been"]
+                    .as_str()
+                    .filter(|w| WOULD_HAVE_BEEN.contains(w) && value["mode"] == "observe")
+                    .ok_or_else(|| unexpected(status, text))?;
                 let reason = value["reason"].as_str().map(str::to_owned);
                 return Ok(ClaimAnswer::Proceed { would_have_been: would_have_been.to_owned(), reason });
             }
@@ -854,4 +862,26 @@ fn batch_items(status: StatusCode, text: &str, sent: usize) -> Result<Vec<BatchI
         return Err(unexpected(status, text));
     }
     Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proceed_is_taken_only_from_a_well_formed_observe_answer() {
+        let ok = r#"{"outcome":"proceed","mode":"observe","would_have_been":"replay","reason":null}"#;
+        assert!(matches!(
+            claim_answer(StatusCode::OK, ok),
+            Ok(ClaimAnswer::Proceed { ref would_have_been, reason: None }) if would_have_been == "replay"
+        ));
+        for bad in [
+            r#"{"outcome":"proceed","would_have_been":"replay"}"#,
+            r#"{"outcome":"proceed","mode":"enforce","would_have_been":"replay"}"#,
+            r#"{"outcome":"proceed","mode":"observe","would_have_been":"acquired"}"#,
+            r#"{"outcome":"proceed","mode":"observe"}"#,
+        ] {
+            assert!(claim_answer(StatusCode::OK, bad).is_err(), "{bad} must be refused");
+        }
+    }
 }

@@ -135,12 +135,20 @@ def read_claim(response: httpx.Response) -> ClaimAnswer:
     return claim_answer(status, problem, None, _retry_after(response, problem))
 
 
+#: What enforcement may have answered where observe mode says ``proceed``.
+WOULD_HAVE_BEEN = frozenset({"replay", "in_flight", "mismatch", "denied", "pending_approval"})
+
+
 def claim_answer(status: int, body: Any, raw: bytes | None, retry_after: float | None = None) -> ClaimAnswer:
     """A claim's answer from its status and decoded body (``raw``: a replay's result as sent)."""
     if status == 201:
         return Acquired.from_json(body)
     if status == 200:
         if isinstance(body, dict) and body.get("outcome") == "proceed":
+            # Told to run the effect holding nothing: only an observe-mode answer naming a
+            # known would-be outcome says so; anything else is refused, never run.
+            if body.get("mode") != "observe" or body.get("would_have_been") not in WOULD_HAVE_BEEN:
+                raise UnexpectedResponse(status, str(body))
             return Proceed.from_json(body)
         return Replay.from_json(body, raw)
     if status == 202:
