@@ -169,6 +169,11 @@ impl Case {
         let s = scope("charge-9");
         let fence = self.acquire(&in_run(&s, "charge-9", "run-2", 0)).await;
         self.applied(&s, fence, Mutation::Complete(undoable("{}", "refund", "{}"))).await;
+        // The compensation is part of the completion: repeated as it was, the same answer;
+        // with other data, the attempt finished differently.
+        self.applied(&s, fence, Mutation::Complete(undoable("{}", "refund", "{}"))).await;
+        let other = self.mutate(&s, fence, Mutation::Complete(undoable("{}", "refund", "1"))).await;
+        assert_eq!(other, FencedOutcome::Stale(StaleReason::Finished));
         self.guard.start_rollback("admin-key", &tenant(), &run, "second".into()).await.unwrap();
         let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() };
         self.guard.engage_switch("admin-key", &tenant(), target, "freeze".into(), false).await.unwrap();
