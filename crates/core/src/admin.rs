@@ -216,20 +216,30 @@ impl Guard {
         why: String,
     ) -> Result<(RollbackReport, bool), GuardError> {
         check_reason("why", &why)?;
-        let controls = self.refresh_controls().await?;
-        if let Some(existing) = controls.rollback(tenant, run) {
-            return Ok((self.report(existing.clone()).await?, false));
-        }
-        let target = SwitchTarget::Run { run: run.clone() };
-        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
         let now = self.clock().now();
         let rollback =
             Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
         let entry =
             AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
-        self.store().put_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
-        self.refresh_controls().await?;
-        Ok((self.report(rollback).await?, true))
+        // The start is one insert-if-absent: of concurrent starts on any instances, one writes
+        // the rollback (and its one audit entry); the others answer the rollback it wrote.
+        let started = self.store().insert_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
+        let controls = self.refresh_controls().await?;
+        let rollback = if started {
+            rollback
+        } else {
+            controls.rollback(tenant, run).cloned().ok_or_else(|| {
+                StoreError::Unavailable("the run's rollback was started but could not be read back".into())
+            })?
+        };
+        // The run is switched off; a start that stopped between its two writes is completed by
+        // the next one.
+        let switched_off = controls.refused_runs(tenant).iter().any(|(r, _)| r == run);
+        if started || !switched_off {
+            let target = SwitchTarget::Run { run: run.clone() };
+            self.engage_switch(actor, tenant, target, format!("rolled back: {}", rollback.why), false).await?;
+        }
+        Ok((self.report(rollback).await?, started))
     }
 
     /// One run of a tenant.

@@ -176,6 +176,10 @@ impl ControlStore for ObservedStore {
         self.timed(StoreOp::Control, self.inner.put_control(doc, audit)).await
     }
 
+    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Control, self.inner.insert_control(doc, audit)).await
+    }
+
     async fn replace_control(
         &self,
         expected: &ControlDoc,

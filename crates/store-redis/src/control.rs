@@ -323,6 +323,28 @@ impl ControlStore for RedisStore {
         self.bounded("put a control document", self.store_control(doc, audit)).await
     }
 
+    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let entry = serde_json::to_string(audit).map_err(corrupt)?;
+        self.bounded("insert a control document", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.insert_control.prepare_invoke();
+            invocation
+                .key(self.keys.control())
+                .key(self.keys.control_audit_outbox())
+                .arg(control_field(doc.kind, &doc.tenant, &doc.id))
+                .arg(doc.body.as_str())
+                .arg(audit.id.as_str())
+                .arg(entry);
+            let wrote: i64 =
+                invocation.invoke_async(&mut conn).await.map_err(unavailable("insert a control document"))?;
+            if wrote == 1 {
+                self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
+            }
+            Ok(wrote == 1)
+        })
+        .await
+    }
+
     async fn replace_control(
         &self,
         expected: &ControlDoc,

@@ -866,6 +866,15 @@ redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 return 1
 "#;
 
+/// Stores a control document only if its field is absent, with its audit entry in the outbox
+/// (see [`PUT_CONTROL`]); answers 1 if it wrote, 0 if not.
+pub const INSERT_CONTROL: &str = r#"
+-- KEYS: control documents, the audit outbox; ARGV: field, body, entry id, entry
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"#;
+
 /// Replaces a control document only if it still has the body given, with its audit entry in
 /// the outbox (see [`PUT_CONTROL`]); answers 1 if it wrote, 0 if not.
 pub const REPLACE_CONTROL: &str = r#"
@@ -998,6 +1007,8 @@ pub struct Scripts {
     pub put_approval: Script,
     /// See [`DELETE_APPROVAL`].
     pub delete_approval: Script,
+    /// See [`INSERT_CONTROL`].
+    pub insert_control: Script,
     /// See [`REPLACE_CONTROL`].
     pub replace_control: Script,
     /// See [`RETIRE_FENCE_COUNTER`].
@@ -1038,6 +1049,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         put_control: Script::new(PUT_CONTROL),
         put_approval: Script::new(PUT_APPROVAL),
         delete_approval: Script::new(DELETE_APPROVAL),
+        insert_control: Script::new(INSERT_CONTROL),
         replace_control: Script::new(REPLACE_CONTROL),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),

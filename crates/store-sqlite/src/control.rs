@@ -51,6 +51,25 @@ impl ControlStore for SqliteStore {
         .await
     }
 
+    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let (doc, audit) = (doc.clone(), audit.clone());
+        // One job: the document and its entry commit together, or neither is written.
+        self.write(move |conn| {
+            let n = conn
+                .prepare_cached(
+                    "INSERT INTO control (kind, tenant, id, body) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (kind, tenant, id) DO NOTHING",
+                )
+                .and_then(|mut st| st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body]))
+                .map_err(unavailable)?;
+            if n > 0 {
+                insert_audit(conn, &audit)?;
+            }
+            Ok(n > 0)
+        })
+        .await
+    }
+
     async fn replace_control(
         &self,
         expected: &ControlDoc,

@@ -142,6 +142,7 @@ macro_rules! conformance_tests {
             a_recovery_completes_as_reconciled,
             a_rolled_back_run_compensates_each_effect_once,
             a_compensation_failing_permanently_is_kept,
+            concurrent_rollback_starts_start_once,
             observe_mode_counts_each_would_be_outcome,
             switching_modes_under_load_keeps_each_key_acquired_once
         );

@@ -14,6 +14,12 @@ pub trait ControlStore: Send + Sync + 'static {
     /// never in force without its entry, nor an entry written for a change that did not happen.
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError>;
 
+    /// Stores a control document only if none has its (kind, tenant, id), with `audit` in the
+    /// same atomic write; answers whether it wrote (one there already is left as it is, and
+    /// nothing is audited). This insert-if-absent is what makes an action that must happen once
+    /// (starting a rollback) start once, however many instances ask at the same time.
+    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError>;
+
     /// Replaces a control document only if it is still exactly `expected` (same kind, tenant,
     /// id and body), with `audit` in the same atomic write; answers whether it wrote (a
     /// document released or replaced meanwhile is left as it is, and nothing is audited).

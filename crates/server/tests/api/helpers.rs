@@ -194,6 +194,10 @@ impl ControlStore for BreakableStore {
         self.up()?.put_control(doc, audit).await
     }
 
+    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.up()?.insert_control(doc, audit).await
+    }
+
     async fn replace_control(&self, e: &ControlDoc, doc: &ControlDoc, a: &AuditEntry) -> Result<bool, StoreError> {
         self.up()?.replace_control(e, doc, a).await
     }

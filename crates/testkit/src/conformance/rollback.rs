@@ -129,6 +129,45 @@ pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store
     assert_eq!(rollbacks, 1);
 }
 
+/// Starting a rollback is a compare-and-set: eight instances (guards of their own over the one
+/// store) start the rollback of the same run at once, twenty rounds of a new run each: in every
+/// round exactly one start answers *started*, every other one answers that rollback, and the
+/// audit log holds one `run.rollback` entry for the run.
+pub async fn concurrent_rollback_starts_start_once(store: Arc<dyn Store>) {
+    const ACTORS: usize = 8;
+    const ROUNDS: usize = 20;
+    let clock = Arc::new(onceguard_core::ManualClock::default());
+    let guards: Vec<Guard> =
+        (0..ACTORS).map(|_| Guard::new(store.clone(), clock.clone(), onceguard_core::Limits::default())).collect();
+    for round in 0..ROUNDS {
+        let run = RunId::parse(&format!("run-start-{round}")).unwrap();
+        let starts = guards.iter().enumerate().map(|(i, guard)| {
+            let (guard, run) = (guard.clone(), run.clone());
+            tokio::spawn(async move {
+                guard.start_rollback(&format!("admin-{i}"), &tenant(), &run, format!("start {i}")).await
+            })
+        });
+        let answers: Vec<_> =
+            futures::future::join_all(starts).await.into_iter().map(|a| a.expect("the start did not panic")).collect();
+        let started: Vec<usize> = answers
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| matches!(a, Ok((_, true))))
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(started.len(), 1, "round {round}: starts that answered started: {started:?}");
+        let first = format!("start {}", started[0]);
+        for answer in &answers {
+            let (report, _) = answer.as_ref().expect("the store answers");
+            assert_eq!(report.rollback.why, first, "round {round}: every answer is the one rollback started");
+        }
+        let filter = AuditFilter { action: Some("run.rollback".into()), limit: MAX_PAGE, ..AuditFilter::default() };
+        let page = guards[0].audit_log(&tenant(), &filter).await.unwrap();
+        let entries = page.entries.iter().filter(|e| e.target == run.as_str()).count();
+        assert_eq!(entries, 1, "round {round}: one run.rollback entry");
+    }
+}
+
 /// A compensation that fails permanently is kept and shown as failed, and never handed out
 /// again; one that fails retryably is handed out again. A kill switch on the effects'
 /// namespace refuses the tasks too; another run is not being rolled back.
