@@ -31,6 +31,10 @@ pub trait Observer: Send + Sync + 'static {
 
     /// A recovering attempt completed its key as reconciled, without running the effect again.
     fn reconciled(&self, _scope: &Scope) {}
+
+    /// A sealed value of the key was refused: this guard could not open it (see
+    /// [`crate::sealing::OpenError`]).
+    fn unopened(&self, _scope: &Scope) {}
 }
 
 /// Watches nothing: the guard's observer until one is given.

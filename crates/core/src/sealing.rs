@@ -12,6 +12,11 @@
 //! - **Bound to their place**: tenant, namespace, key and kind are the associated data, so a
 //!   sealed value copied to another record does not open.
 //! - A value stored before encryption was turned on (without the marker) is read as it is.
+//! - **A sealed value never leaves unopened**: [`open_bytes`] and [`open_text`] recognise the
+//!   marker whatever the guard's configuration, so a guard started without the key file (or
+//!   without the key a value names) refuses the value ([`OpenError::NoKey`]) instead of serving
+//!   its ciphertext as a result, a checkpoint or compensation data. (A plain value that happens
+//!   to begin with the marker is refused the same way: fail closed.)
 //!
 //! Outcome bodies are sealed as bytes: [`MAGIC`], the key id's length and the id, the nonce,
 //! the ciphertext with its tag. Checkpoint data, which every store keeps as JSON text, is sealed
@@ -72,10 +77,57 @@ impl std::fmt::Debug for Sealer {
     }
 }
 
-/// Why a stored value could not be opened.
+/// Why a stored value could not be opened. Either way it is refused, never served as it is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("a stored value could not be decrypted: {0}")]
-pub struct OpenError(String);
+pub enum OpenError {
+    /// The value is sealed with the key of this id, which this instance does not have: it was
+    /// started without `--encryption-key-file`, or with a file that lacks the key. Retrying is
+    /// safe once it is started with a key file holding that key.
+    #[error(
+        "a stored value is sealed with key '{0}', which this instance does not have: start it with --encryption-key-file naming a file that holds key '{0}'"
+    )]
+    NoKey(String),
+    /// The value does not open with its key (tampered with, copied from another record, or cut
+    /// short).
+    #[error("a stored value could not be decrypted: {0}")]
+    Unopened(String),
+}
+
+/// The body `data` holds, for a guard sealing with `sealer` or with none: opened if sealed, as
+/// it is if not. A sealed value that cannot be opened is an error, never the value.
+pub fn open_bytes(sealer: Option<&Sealer>, scope: &Scope, data: Vec<u8>) -> Result<Vec<u8>, OpenError> {
+    match sealer {
+        Some(sealer) => sealer.open_bytes(scope, data),
+        None => match sealed_bytes_key(&data) {
+            Some(id) => Err(OpenError::NoKey(id)),
+            None => Ok(data),
+        },
+    }
+}
+
+/// The JSON text `text` holds (checkpoint or compensation data), as [`open_bytes`].
+pub fn open_text(sealer: Option<&Sealer>, scope: &Scope, text: String) -> Result<String, OpenError> {
+    match sealer {
+        Some(sealer) => sealer.open_text(scope, text),
+        None => match sealed_text_key(&text) {
+            Some(id) => Err(OpenError::NoKey(id)),
+            None => Ok(text),
+        },
+    }
+}
+
+/// The key id a sealed body names (lossy where it is not UTF-8), if `data` is sealed.
+fn sealed_bytes_key(data: &[u8]) -> Option<String> {
+    let rest = data.strip_prefix(MAGIC)?;
+    let id = rest.split_first().and_then(|(&len, rest)| rest.get(..usize::from(len))).unwrap_or_default();
+    Some(String::from_utf8_lossy(id).into_owned())
+}
+
+/// The key id a sealed checkpoint names, if `text` is sealed.
+fn sealed_text_key(text: &str) -> Option<String> {
+    let inner = text.strip_prefix(&format!("\"{TEXT_PREFIX}"))?;
+    Some(inner.split_once(':').map_or(inner, |(id, _)| id).to_owned())
+}
 
 fn associated(scope: &Scope, kind: Kind) -> Vec<u8> {
     let mut aad = Vec::new();
@@ -147,14 +199,14 @@ impl Sealer {
     }
 
     fn open(&self, scope: &Scope, kind: Kind, id: &str, nonce: &[u8], sealed: &[u8]) -> Result<Vec<u8>, OpenError> {
-        let key = self.keys.get(id).ok_or_else(|| OpenError(format!("key '{id}' is not in the key file")))?;
+        let key = self.keys.get(id).ok_or_else(|| OpenError::NoKey(id.to_owned()))?;
         if nonce.len() != NONCE_BYTES {
-            return Err(OpenError("a sealed value is cut short".into()));
+            return Err(OpenError::Unopened("a sealed value is cut short".into()));
         }
         let aad = associated(scope, kind);
         key.aead
             .decrypt(Nonce::from_slice(nonce), Payload { msg: sealed, aad: &aad })
-            .map_err(|_| OpenError(format!("it does not open with key '{id}' for {scope}")))
+            .map_err(|_| OpenError::Unopened(format!("it does not open with key '{id}' for {scope}")))
     }
 
     /// `plain` sealed for `scope` (an outcome's body).
@@ -173,7 +225,7 @@ impl Sealer {
     /// The body `data` holds: opened if sealed, as it is if not.
     pub fn open_bytes(&self, scope: &Scope, data: Vec<u8>) -> Result<Vec<u8>, OpenError> {
         let Some(rest) = data.strip_prefix(MAGIC) else { return Ok(data) };
-        let short = || OpenError("a sealed value is cut short".into());
+        let short = || OpenError::Unopened("a sealed value is cut short".into());
         let (&id_len, rest) = rest.split_first().ok_or_else(short)?;
         let id_len = usize::from(id_len);
         if rest.len() < id_len + NONCE_BYTES {
@@ -225,7 +277,7 @@ impl Sealer {
         let Some(inner) = text.strip_prefix(&format!("\"{TEXT_PREFIX}")).and_then(|t| t.strip_suffix('"')) else {
             return Ok(text);
         };
-        let bad = || OpenError("a sealed checkpoint is not well formed".into());
+        let bad = || OpenError::Unopened("a sealed checkpoint is not well formed".into());
         let (id, encoded) = inner.split_once(':').ok_or_else(bad)?;
         let bytes = STANDARD.decode(encoded).map_err(|_| bad())?;
         if bytes.len() < NONCE_BYTES {
@@ -283,7 +335,26 @@ mod tests {
         assert_ne!(fresh, sealed, "new values are sealed with the new key");
         assert!(old.open_bytes(&scope("a"), fresh).unwrap_err().to_string().contains("2026-12"));
         let without = Sealer::parse(&key_line("2026-12", 2)).unwrap();
-        assert!(without.open_bytes(&scope("a"), sealed).is_err(), "a key taken out of the file opens nothing");
+        assert_eq!(
+            without.open_bytes(&scope("a"), sealed).unwrap_err(),
+            OpenError::NoKey("2026-01".into()),
+            "a key taken out of the file opens nothing"
+        );
+    }
+
+    #[test]
+    fn without_a_key_file_a_sealed_value_is_refused_never_served() {
+        let sealer = Sealer::parse(&key_line("k1", 7)).unwrap();
+        let body = sealer.seal_bytes(&scope("a"), b"{\"refund\":\"re_1\"}");
+        assert_eq!(open_bytes(None, &scope("a"), body.clone()).unwrap_err(), OpenError::NoKey("k1".into()));
+        assert_eq!(open_bytes(Some(&sealer), &scope("a"), body).unwrap(), b"{\"refund\":\"re_1\"}");
+        let text = sealer.seal_text(&scope("a"), "[1]");
+        assert_eq!(open_text(None, &scope("a"), text.clone()).unwrap_err(), OpenError::NoKey("k1".into()));
+        assert_eq!(open_text(Some(&sealer), &scope("a"), text).unwrap(), "[1]");
+        assert_eq!(open_bytes(None, &scope("a"), b"plain".to_vec()).unwrap(), b"plain", "unsealed values pass");
+        assert_eq!(open_text(None, &scope("a"), "\"ogenc\"".into()).unwrap(), "\"ogenc\"");
+        let message = OpenError::NoKey("k1".into()).to_string();
+        assert!(message.contains("--encryption-key-file") && message.contains("'k1'"), "{message}");
     }
 
     #[test]

@@ -143,7 +143,9 @@ impl From<onceguard_core::GuardError> for StartError {
         match e {
             onceguard_core::GuardError::Store(e) => Self::Store(e),
             onceguard_core::GuardError::Invalid(e) => Self::Invalid(e),
-            e @ (onceguard_core::GuardError::TooLarge { .. } | onceguard_core::GuardError::Approval(_)) => {
+            e @ (onceguard_core::GuardError::TooLarge { .. }
+            | onceguard_core::GuardError::Approval(_)
+            | onceguard_core::GuardError::Unopened(_)) => {
                 Self::Invalid(onceguard_core::InvalidInput::new("guard", e.to_string()))
             }
         }

@@ -184,6 +184,7 @@ pub struct Metrics {
     approvals_pending: Family<TenantLabels, Gauge>,
     approval_oldest_pending: Family<TenantLabels, Gauge>,
     reconciled: Family<TenantLabels, Counter>,
+    sealed_values_refused: Family<TenantLabels, Counter>,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -306,6 +307,13 @@ impl Metrics {
              run again), by tenant",
             reconciled.clone(),
         );
+        let sealed_values_refused = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "sealed_values_refused",
+            "Sealed results, checkpoints or compensation data this instance could not open (no key file, or \
+             not the key they name), refused instead of served, by tenant",
+            sealed_values_refused.clone(),
+        );
         let denials = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "denials",
@@ -393,6 +401,7 @@ impl Metrics {
             approvals_pending,
             approval_oldest_pending,
             reconciled,
+            sealed_values_refused,
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
@@ -643,6 +652,7 @@ impl Metrics {
         let _ = self.observe_tokens_not_saved.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.approvals_requested.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.reconciled.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.sealed_values_refused.get_or_create(&TenantLabels { tenant: t() });
         for decision in ["approved", "denied"] {
             let _ = self.approval_decisions.get_or_create(&DecisionLabels { tenant: t(), decision });
         }
@@ -685,6 +695,11 @@ impl onceguard_core::Observer for Metrics {
         self.reconciled.get_or_create(&labels).inc();
         self.live
             .push_event(scope.tenant.as_str(), Event::new("reconciled", scope, None, "completed without re-running"));
+    }
+
+    fn unopened(&self, scope: &Scope) {
+        let labels = TenantLabels { tenant: self.tenant_label(scope.tenant.as_str()) };
+        self.sealed_values_refused.get_or_create(&labels).inc();
     }
 }
 

@@ -88,6 +88,12 @@ pub enum ApiError {
     /// run it again (410). Not retryable: the same key never runs again.
     #[error("{0}")]
     NotStored(String),
+    /// A stored value is sealed and this instance cannot open it (started without the key
+    /// file, or without the key the value names, or the value does not open): refused, never
+    /// served as it is; what a claim acquired for the answer was let go. Retryable once the
+    /// instance has the key.
+    #[error("{0}")]
+    SealedValue(String),
     /// A bug.
     #[error("{0}")]
     Internal(String),
@@ -172,6 +178,12 @@ impl ApiError {
             Self::NotStored(_) => {
                 (S::GONE, "response-not-stored", "The call ran once; its outcome was too large to store", false)
             }
+            Self::SealedValue(_) => (
+                S::SERVICE_UNAVAILABLE,
+                "sealed-value-unopened",
+                "A stored value is sealed and this instance cannot open it",
+                true,
+            ),
             Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal", "Internal error", false),
         }
     }
@@ -233,7 +245,7 @@ fn millis(d: Duration) -> u64 {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let Self::Internal(detail) | Self::StoreUnavailable(detail) = &self {
+        if let Self::Internal(detail) | Self::StoreUnavailable(detail) | Self::SealedValue(detail) = &self {
             tracing::error!(detail, "request failed");
         }
         let problem = self.problem();
@@ -274,6 +286,7 @@ impl From<GuardError> for ApiError {
                 Self::NotFound(e.to_string())
             }
             GuardError::Approval(e) => Self::ApprovalClosed(e.to_string()),
+            GuardError::Unopened(e) => Self::SealedValue(e.to_string()),
         }
     }
 }

@@ -113,6 +113,12 @@ impl Case {
     async fn get(&self, scope: &Scope) -> Option<Record> {
         self.guard.get(scope).await.expect("the store answers")
     }
+
+    /// A batch's answers, each of which must be given.
+    async fn claim_batch(&self, claims: Vec<onceguard_core::Claim>) -> Vec<ClaimOutcome> {
+        let answers = self.guard.claim_batch(claims).await.expect("the store answers");
+        answers.into_iter().map(|a| a.expect("every claim of the batch is answered")).collect()
+    }
 }
 
 /// A claim of an absent key acquires it: fence, attempt 1, lease, no recovery; the record is
@@ -1213,4 +1219,65 @@ pub async fn replace_control_writes_only_over_the_document_expected(store: Arc<d
     let actions: Vec<String> =
         store.list_audit(&acme, &filter).await.unwrap().entries.into_iter().map(|e| e.action).collect();
     assert_eq!(actions, ["switch.release", "switch.revoke_leases", "switch.engage"]);
+}
+
+/// A sealed value never leaves unopened: a guard without the key file, or with a file that
+/// lacks the value's key, refuses a replay, a recovery's checkpoint and a record read
+/// ([`onceguard_core::GuardError::Unopened`]) instead of serving the sealed bytes. A claim whose
+/// answer cannot be given lets go of what it acquired in the same request (the key recovers at
+/// once for an instance with the key, the checkpoint intact), and in a batch only that claim is
+/// refused: the others are answered.
+pub async fn a_sealed_value_never_leaves_unopened(store: Arc<dyn Store>) {
+    use onceguard_core::GuardError;
+    use onceguard_core::sealing::{OpenError, Sealer};
+    let c = case(store);
+    let key_file = |line: &str| Some(Arc::new(Sealer::parse(line).unwrap()));
+    let sealing = c.guard.with_sealer(key_file("k1 BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=\n"));
+    let plain = c.guard.with_sealer(None);
+    let other = c.guard.with_sealer(key_file("k2 CQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQk=\n"));
+    let claim = |guard: &Guard, req: &ClaimRequest| {
+        let (guard, claim) = (guard.clone(), crate::through_the_door(req, Duration::ZERO));
+        async move { guard.claim(claim).await }
+    };
+    let acquired = |outcome: Result<ClaimOutcome, GuardError>| match outcome {
+        Ok(ClaimOutcome::Acquired(a)) => a,
+        other => panic!("expected acquired, got {other:?}"),
+    };
+
+    let (done, stuck) = (scope("sealed-done"), scope("sealed-stuck"));
+    let (done_req, stuck_req) = (request(&done, "refund 1"), request(&stuck, "refund 2"));
+    let fence = acquired(claim(&sealing, &done_req).await).fence;
+    sealing.mutate(&done, fence, Mutation::Complete(success(r#"{"refund":"re_1"}"#))).await.unwrap();
+    let fence = acquired(claim(&sealing, &stuck_req).await).fence;
+    sealing.mutate(&stuck, fence, checkpoint("charged", r#"{"charge":"ch_1"}"#)).await.unwrap();
+    c.clock.advance(LEASE + Duration::from_secs(1));
+
+    for (name, guard) in [("no key file", &plain), ("another key", &other)] {
+        let replay = claim(guard, &done_req).await;
+        assert!(
+            matches!(&replay, Err(GuardError::Unopened(OpenError::NoKey(id))) if id == "k1"),
+            "{name}: a replay is refused, never served sealed: {replay:?}"
+        );
+        let read = guard.get(&done).await;
+        assert!(matches!(read, Err(GuardError::Unopened(_))), "{name}: a record read is refused: {read:?}");
+    }
+
+    // Without the key, a recovery cannot be answered: it is refused, and let go at once.
+    let recovery = claim(&plain, &stuck_req).await;
+    assert!(matches!(recovery, Err(GuardError::Unopened(_))), "a recovery's sealed checkpoint: {recovery:?}");
+    // A batch under another key answers its other claims; only the sealed one is refused.
+    let fresh = scope("sealed-fresh");
+    let claims = [&request(&fresh, "refund 3"), &stuck_req].map(|r| crate::through_the_door(r, Duration::ZERO));
+    let answers = other.claim_batch(claims.map(|c| onceguard_core::Claim { wait: None, ..c }).to_vec()).await;
+    let answers = answers.expect("the store answers");
+    assert!(matches!(&answers[0], Ok(ClaimOutcome::Acquired(_))), "the fresh key is answered: {answers:?}");
+    assert!(matches!(&answers[1], Err(GuardError::Unopened(_))), "the sealed one is refused: {answers:?}");
+
+    // Nothing was left in flight: an instance with the key recovers the key with its checkpoint.
+    let recovered = acquired(claim(&sealing, &stuck_req).await);
+    let recovery = recovered.recovery.expect("a recovery");
+    let last = recovery.last_checkpoint.expect("the checkpoint");
+    assert_eq!((last.name.as_str(), last.data.as_str()), ("charged", r#"{"charge":"ch_1"}"#));
+    let ClaimOutcome::Replay(replay) = claim(&sealing, &done_req).await.unwrap() else { panic!("a replay") };
+    assert_eq!(replay.outcome.body, br#"{"refund":"re_1"}"#);
 }

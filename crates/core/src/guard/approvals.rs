@@ -20,6 +20,13 @@ pub(super) struct Ask {
     pub summary: Option<String>,
     /// The cost units it declared.
     pub cost: Option<u64>,
+    /// How long a decision is kept: the namespace's retention in force (at least the claim's
+    /// own), never the caller's alone, so that a call asking for a short retention is not
+    /// asked again once its denial would have passed.
+    pub retention: Duration,
+    /// Whether a pending approval is recorded when none is kept: not in observe mode, where
+    /// the call proceeds and asks no one (approving it later would run the effect again).
+    pub record: bool,
 }
 
 /// What the approval gate decided for one claim.
@@ -69,11 +76,14 @@ impl Guard {
                 },
                 None => {}
             }
-            let retention = req.retention;
-            let mut new = Approval::new(req.scope.clone(), req.fingerprint.clone(), now, ask.expiry, retention);
+            let mut new = Approval::new(req.scope.clone(), req.fingerprint.clone(), now, ask.expiry, ask.retention);
             new.run = req.run.clone();
             new.cost = ask.cost;
             new.summary = ask.summary.clone();
+            if !ask.record {
+                // Observe mode: what enforcement would have answered, and nothing recorded.
+                return Ok(Gate::Answer(pending(new, now)));
+            }
             if self.store.put_approval(kept.as_ref(), &new, None, now).await? {
                 self.observer.approval_requested(&new);
                 return Ok(Gate::Answer(pending(new, now)));

@@ -23,7 +23,7 @@ use crate::notify::Notifier;
 use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, Record, RecordState, StaleReason};
-use crate::sealing::Sealer;
+use crate::sealing::{self, Sealer};
 use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
@@ -55,14 +55,12 @@ pub enum GuardError {
     /// An approval could not be decided (unknown, decided already, expired); nothing changed.
     #[error(transparent)]
     Approval(#[from] crate::approval::DecideError),
-}
-
-/// A stored value that does not open is the store's data being wrong for this guard (a key
-/// taken out of the key file, or tampering): never answered as if it were the value.
-impl From<crate::sealing::OpenError> for GuardError {
-    fn from(e: crate::sealing::OpenError) -> Self {
-        Self::Store(StoreError::Corrupt(e.to_string()))
-    }
+    /// A stored value is sealed and this guard cannot open it (no key file, a key missing from
+    /// it, or a value that does not open): refused, never answered as if it were the value.
+    /// What a claim acquired for the answer was let go. Retrying is safe once the instance has
+    /// the key.
+    #[error(transparent)]
+    Unopened(#[from] crate::sealing::OpenError),
 }
 
 impl GuardError {
@@ -241,7 +239,7 @@ impl Guard {
     /// task is always enforced: it must run once).
     async fn claim_in(&self, claim: Claim, mode: Option<Mode>) -> Result<ClaimOutcome, GuardError> {
         let (outcome, scope, mode) = self.decide(claim, mode).await?;
-        let outcome = self.open_claim(&scope, outcome)?;
+        let outcome = self.opened_claim(&scope, outcome).await?;
         tracing::Span::current().record("outcome", outcome.name());
         self.report_claim(&scope, &outcome, mode);
         Ok(outcome)
@@ -265,8 +263,11 @@ impl Guard {
     /// into [`ClaimOutcome::Proceed`] (see [`observed`]).
     async fn decide(&self, claim: Claim, mode: Option<Mode>) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         let controls = self.controls().await?;
-        let Prepared { mut req, wait, rate, ask, mode: in_force } = self.request(&controls, claim)?;
+        let Prepared { mut req, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
         let mode = mode.unwrap_or(in_force);
+        if let Some(ask) = &mut ask {
+            ask.record = mode == Mode::Enforce;
+        }
         let wait = if mode == Mode::Observe { Duration::ZERO } else { wait };
         if let Some(denial) = self.refusal(&controls, &mut req, rate.as_ref()).await? {
             return Ok((observed(mode, ClaimOutcome::Denied(denial)), req.scope, mode));
@@ -310,10 +311,17 @@ impl Guard {
     fn request(&self, controls: &Controls, claim: Claim) -> Result<Prepared, GuardError> {
         let effective = controls.effective(&self.limits, &claim.scope);
         let summary = crate::approval::check_summary(claim.summary)?;
-        let ask = effective.approval.map(|expiry| approvals::Ask { expiry, summary, cost: claim.cost });
         let limits = &effective.limits;
         let (lease, retention, wait) =
             (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
+        let ask = effective.approval.map(|expiry| approvals::Ask {
+            expiry,
+            summary,
+            cost: claim.cost,
+            retention: limits.default_retention.max(retention),
+            record: effective.mode == Mode::Enforce,
+        });
+        // (`record` follows the mode the claim is decided in: see `Guard::decide`.)
         let req = ClaimRequest {
             refused_runs: Vec::new(),
             scope: claim.scope,
@@ -351,9 +359,11 @@ impl Guard {
     /// reach the store go to it as one [`crate::store::ClaimStore::claim_batch`]. A batch never
     /// waits (a claim asking to wait is refused), holds at most `limits.max_batch` claims, and
     /// is refused whole if one of its claims is invalid (before any is decided). Under a claim
-    /// rate each key takes a token, one store call each.
+    /// rate each key takes a token, one store call each. An answer that cannot be given (a
+    /// sealed value this guard cannot open) is that claim's error alone, its acquisition let
+    /// go; a store that cannot answer fails the whole batch.
     #[tracing::instrument(level = "debug", name = "guard.claim_batch", skip_all, fields(claims = claims.len()))]
-    pub async fn claim_batch(&self, claims: Vec<Claim>) -> Result<Vec<ClaimOutcome>, GuardError> {
+    pub async fn claim_batch(&self, claims: Vec<Claim>) -> Result<Vec<Result<ClaimOutcome, GuardError>>, GuardError> {
         self.check_batch(claims.len())?;
         let controls = self.controls().await?;
         let mut prepared = Vec::with_capacity(claims.len());
@@ -363,15 +373,15 @@ impl Guard {
             }
             prepared.push(self.request(&controls, claim).map_err(|e| e.at(i))?);
         }
-        let mut answers: Vec<Option<(ClaimOutcome, Scope)>> = Vec::with_capacity(prepared.len());
+        let mut answers: Vec<Option<(Result<ClaimOutcome, GuardError>, Scope)>> = Vec::with_capacity(prepared.len());
         let modes: Vec<Mode> = prepared.iter().map(|p| p.mode).collect();
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
         for (i, Prepared { mut req, rate, ask, .. }) in prepared.into_iter().enumerate() {
             // A key that needs approvals is claimed alone, behind the gate (in the batch's order).
             let refused = match self.refusal(&controls, &mut req, rate.as_ref()).await? {
-                Some(denial) => Some(ClaimOutcome::Denied(denial)),
+                Some(denial) => Some(Ok(ClaimOutcome::Denied(denial))),
                 None => match &ask {
-                    Some(ask) => Some(self.open_claim(&req.scope, self.gated_claim(&req, ask).await?)?),
+                    Some(ask) => Some(self.opened_claim(&req.scope, self.gated_claim(&req, ask).await?).await),
                     None => None,
                 },
             };
@@ -390,7 +400,7 @@ impl Guard {
                 return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
             }
             for ((i, req), outcome) in places.into_iter().zip(reqs).zip(outcomes) {
-                answers[i] = Some((self.open_claim(&req.scope, outcome)?, req.scope));
+                answers[i] = Some((self.opened_claim(&req.scope, outcome).await, req.scope));
             }
         }
         Ok(answers
@@ -398,9 +408,9 @@ impl Guard {
             .flatten()
             .zip(modes)
             .map(|((outcome, scope), mode)| {
-                let outcome = observed(mode, outcome);
+                let outcome = observed(mode, outcome?);
                 self.report_claim(&scope, &outcome, mode);
-                outcome
+                Ok(outcome)
             })
             .collect())
     }
@@ -507,7 +517,13 @@ impl Guard {
         let reconciled = self.check_reconciled(scope, fence, &mutation).await?;
         let (op, finishes) = (mutation.op(), mutation.finishes());
         let outcome = match &self.sealer {
-            None => self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await?,
+            // Without a key file a record may still hold sealed values: they are refused too.
+            None => {
+                match self.store.mutate(scope, fence, mutation, self.clock.now(), self.limits.max_checkpoints).await? {
+                    FencedOutcome::Applied(record) => FencedOutcome::Applied(Box::new(self.open_record(*record)?)),
+                    stale => stale,
+                }
+            }
             Some(_) => {
                 let sealed = self.seal(scope, mutation.clone());
                 let outcome = self.store.mutate(scope, fence, sealed, self.clock.now(), self.limits.max_checkpoints);
@@ -667,33 +683,68 @@ impl Guard {
         }
     }
 
-    /// `record` with what it stores opened.
+    /// `record` with what it stores opened (see [`crate::sealing::open_bytes`]: a sealed value
+    /// is refused, whether or not this guard seals).
     fn open_record(&self, mut record: Record) -> Result<Record, GuardError> {
-        let Some(sealer) = &self.sealer else { return Ok(record) };
+        let sealer = self.sealer.as_deref();
         let scope = record.scope.clone();
-        if let Some(o) = &mut record.outcome {
-            o.body = sealer.open_bytes(&scope, std::mem::take(&mut o.body))?;
-            if let Some(c) = &mut o.compensation {
-                c.data = sealer.open_text(&scope, std::mem::take(&mut c.data))?;
+        let opened = (|| {
+            if let Some(o) = &mut record.outcome {
+                o.body = sealing::open_bytes(sealer, &scope, std::mem::take(&mut o.body))?;
+                if let Some(c) = &mut o.compensation {
+                    c.data = sealing::open_text(sealer, &scope, std::mem::take(&mut c.data))?;
+                }
             }
-        }
-        for cp in &mut record.checkpoints {
-            cp.data = sealer.open_text(&scope, std::mem::take(&mut cp.data))?;
-        }
+            for cp in &mut record.checkpoints {
+                cp.data = sealing::open_text(sealer, &scope, std::mem::take(&mut cp.data))?;
+            }
+            Ok(())
+        })();
+        opened.map_err(|e| self.unopened(&scope, e))?;
         Ok(record)
     }
 
+    /// Reports and logs a sealed value this guard could not open, and answers the error.
+    fn unopened(&self, scope: &Scope, error: sealing::OpenError) -> GuardError {
+        tracing::error!(tenant = %scope.tenant, namespace = %scope.namespace, %error, "a sealed value was refused");
+        self.observer.unopened(scope);
+        error.into()
+    }
+
+    /// A claim's answer, opened ([`Guard::open_claim`]). If it cannot be opened, what the claim
+    /// acquired is let go first, in this request: reported unknown with the fence it was given,
+    /// so that the next claim is a recovery again with the same last checkpoint (nothing ran).
+    async fn opened_claim(&self, scope: &Scope, outcome: ClaimOutcome) -> Result<ClaimOutcome, GuardError> {
+        let held = match &outcome {
+            ClaimOutcome::Acquired(a) => Some(a.fence),
+            _ => None,
+        };
+        match self.open_claim(scope, outcome) {
+            Ok(outcome) => Ok(outcome),
+            Err(error) => {
+                if let Some(fence) = held {
+                    let detail = "released unanswered: its recovery point is sealed with a key this instance does not \
+                                  have; nothing ran";
+                    let let_go = Mutation::ReportUnknown(detail.into());
+                    self.store.mutate(scope, fence, let_go, self.clock.now(), self.limits.max_checkpoints).await?;
+                    self.notifier.notify(scope);
+                }
+                Err(self.unopened(scope, error))
+            }
+        }
+    }
+
     /// A claim's answer with what it carries (a replay's outcome, a recovery's checkpoint) opened.
-    fn open_claim(&self, scope: &Scope, outcome: ClaimOutcome) -> Result<ClaimOutcome, GuardError> {
-        let Some(sealer) = &self.sealer else { return Ok(outcome) };
+    fn open_claim(&self, scope: &Scope, outcome: ClaimOutcome) -> Result<ClaimOutcome, sealing::OpenError> {
+        let sealer = self.sealer.as_deref();
         Ok(match outcome {
             ClaimOutcome::Replay(mut r) => {
-                r.outcome.body = sealer.open_bytes(scope, std::mem::take(&mut r.outcome.body))?;
+                r.outcome.body = sealing::open_bytes(sealer, scope, std::mem::take(&mut r.outcome.body))?;
                 ClaimOutcome::Replay(r)
             }
             ClaimOutcome::Acquired(mut a) => {
                 if let Some(cp) = a.recovery.as_mut().and_then(|r| r.last_checkpoint.as_mut()) {
-                    cp.data = sealer.open_text(scope, std::mem::take(&mut cp.data))?;
+                    cp.data = sealing::open_text(sealer, scope, std::mem::take(&mut cp.data))?;
                 }
                 ClaimOutcome::Acquired(a)
             }

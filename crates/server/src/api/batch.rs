@@ -101,12 +101,21 @@ pub async fn claim_batch(
     let outcomes = state.guard.claim_batch(claims).await?;
     let results = outcomes
         .into_iter()
-        .map(|outcome| match answer(outcome) {
-            Answer::Acquired(view) => BatchAnswer { status: 201, body: ViewOrProblem::View(ClaimView::Acquired(view)) },
-            Answer::Replay(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Replay(view)) },
-            Answer::Pending(view) => BatchAnswer { status: 202, body: ViewOrProblem::View(ClaimView::Pending(view)) },
-            Answer::Proceed(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Proceed(view)) },
-            Answer::Refused(error) => refused(&error),
+        .map(|outcome| match outcome.map(answer) {
+            Err(error) => refused(&ApiError::from(error)),
+            Ok(answer) => match answer {
+                Answer::Acquired(view) => {
+                    BatchAnswer { status: 201, body: ViewOrProblem::View(ClaimView::Acquired(view)) }
+                }
+                Answer::Replay(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Replay(view)) },
+                Answer::Pending(view) => {
+                    BatchAnswer { status: 202, body: ViewOrProblem::View(ClaimView::Pending(view)) }
+                }
+                Answer::Proceed(view) => {
+                    BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Proceed(view)) }
+                }
+                Answer::Refused(error) => refused(&error),
+            },
         })
         .collect();
     Ok(Json(ClaimBatchView { results }))

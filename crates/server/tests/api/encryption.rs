@@ -135,12 +135,28 @@ async fn a_rotated_key_opens_what_it_sealed_and_new_values_take_the_new_key() {
     let only_new = key_file(dir.path(), "only-new", &[("k-2027", 9)]);
     let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(only_new)).await;
     let claim = json!({"namespace": "pii/cards", "key": "card-1", "request": {"k": "card-1"}});
-    let (status, problem) = post(&h, &agent, "/v1/claims", claim).await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{problem}");
-    assert!(problem["detail"].as_str().unwrap().contains("key 'k-2026' is not in the key file"), "{problem}");
+    let (status, problem) = post(&h, &agent, "/v1/claims", claim.clone()).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");
+    assert_eq!(problem["type"], "https://onceguard.dev/problems/sealed-value-unopened", "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("key 'k-2026'"), "{problem}");
     assert!(!problem.to_string().contains(RESULT_MARKER));
-    let claim = json!({"namespace": "pii/cards", "key": "card-2", "request": {"k": "card-2"}});
-    assert_eq!(post(&h, &agent, "/v1/claims", claim).await.0, StatusCode::OK);
+    let card_2 = json!({"namespace": "pii/cards", "key": "card-2", "request": {"k": "card-2"}});
+    assert_eq!(post(&h, &agent, "/v1/claims", card_2).await.0, StatusCode::OK);
+    drop(h);
+
+    // Restarted without any key file: a sealed value is still refused, never served as a
+    // result, a checkpoint or compensation data; and the refusal is counted.
+    let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), None).await;
+    let (status, problem) = post(&h, &agent, "/v1/claims", claim).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "a replay without the key file: {problem}");
+    assert_eq!(problem["type"], "https://onceguard.dev/problems/sealed-value-unopened", "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("--encryption-key-file"), "{problem}");
+    let read = h.http.get(h.url("/v1/record?namespace=pii/cards&key=card-1")).bearer_auth(&agent).send().await.unwrap();
+    assert_eq!(read.status(), StatusCode::SERVICE_UNAVAILABLE, "a record read without the key file");
+    assert!(!read.text().await.unwrap().contains("ogenc1"), "no sealed bytes in the answer");
+    let metrics = h.http.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let refused = metrics.lines().find(|l| l.starts_with("onceguard_sealed_values_refused_total{"));
+    assert!(refused.is_some_and(|l| !l.ends_with(" 0")), "counted: {refused:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

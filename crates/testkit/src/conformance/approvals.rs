@@ -320,7 +320,7 @@ pub async fn a_batch_asks_each_key_needing_approval(store: Arc<dyn Store>) {
     let batch = |reqs: &[&ClaimRequest]| {
         reqs.iter().map(|r| crate::through_the_door(r, Duration::ZERO)).map(|c| Claim { wait: None, ..c }).collect()
     };
-    let first = c.guard.claim_batch(batch(&[&a, &b, &outside])).await.unwrap();
+    let first = c.claim_batch(batch(&[&a, &b, &outside])).await;
     let ids: Vec<String> = first[..2]
         .iter()
         .map(|o| match o {
@@ -330,7 +330,7 @@ pub async fn a_batch_asks_each_key_needing_approval(store: Arc<dyn Store>) {
         .collect();
     assert!(matches!(first[2], ClaimOutcome::Acquired(_)), "outside the prefix: {:?}", first[2]);
     c.decide(&ids[0], true).await.unwrap();
-    let second = c.guard.claim_batch(batch(&[&a, &b])).await.unwrap();
+    let second = c.claim_batch(batch(&[&a, &b])).await;
     assert!(matches!(second[0], ClaimOutcome::Acquired(_)), "{:?}", second[0]);
     assert!(matches!(&second[1], ClaimOutcome::PendingApproval(p) if p.approval.id == ids[1]), "{:?}", second[1]);
 }
@@ -419,4 +419,52 @@ pub async fn an_approval_lets_its_call_run_once(store: Arc<dyn Store>) {
     assert_eq!(kept.state(c.clock.now()), ApprovalState::Approved);
     let again = c.pending(&req).await;
     assert_ne!(again.id, asked.id);
+}
+
+/// A decision is kept for the namespace's retention, whatever retention the call asked for: a
+/// call asking for one second, denied, is still refused (not asked again) long after that
+/// second, until the namespace's retention has passed.
+pub async fn a_decision_is_kept_for_the_namespaces_retention(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let s = scope("refund-short");
+    let req = ClaimRequest { retention: Duration::from_secs(1), ..request(&s, "refund order 11") };
+    let asked = c.pending(&req).await;
+    c.decide(&asked.id, false).await.unwrap();
+    c.clock.advance(Duration::from_secs(60));
+    let later = c.claim(&req).await;
+    assert!(matches!(later, ClaimOutcome::Denied(Denial::ApprovalDenied { .. })), "still denied: {later:?}");
+    c.clock.advance(Limits::default().default_retention);
+    let asked_again = c.pending(&req).await;
+    assert_ne!(asked_again.id, asked.id, "after the namespace's retention the call is asked again");
+}
+
+/// A call that proceeds asks no one: in observe mode a claim that enforcement would have held
+/// for an approval proceeds carrying that answer, and records no pending approval (approving it
+/// later would let the effect run a second time).
+pub async fn observe_mode_asks_no_approver(store: Arc<dyn Store>) {
+    let c = case(store);
+    needing_approvals(&c).await;
+    let observe = SettingsEntry {
+        tenant: TenantId::parse("acme").unwrap(),
+        namespace_prefix: Some(Namespace::parse("prod/payments-agent").unwrap()),
+        settings: Settings {
+            approval_required: Some(true),
+            mode: Some(onceguard_core::control::Mode::Observe),
+            ..Settings::default()
+        },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.guard.put_settings(observe, None).await.unwrap();
+    let s = scope("refund-observed");
+    let req = request(&s, "refund order 12");
+    for _ in 0..2 {
+        let outcome = c.guard.claim(claim_of(&req, "refund 12 EUR")).await.unwrap();
+        let ClaimOutcome::Proceed(would_have_been) = outcome else { panic!("expected proceed, got {outcome:?}") };
+        assert!(matches!(*would_have_been, ClaimOutcome::PendingApproval(_)), "{would_have_been:?}");
+    }
+    let tenant = TenantId::parse("acme").unwrap();
+    let kept = c.guard.list_approvals(&tenant, &ApprovalFilter { limit: 100, ..Default::default() }).await.unwrap();
+    assert!(kept.is_empty(), "no approval recorded: {kept:?}");
 }

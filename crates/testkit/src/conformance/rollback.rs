@@ -149,12 +149,8 @@ pub async fn concurrent_rollback_starts_start_once(store: Arc<dyn Store>) {
         });
         let answers: Vec<_> =
             futures::future::join_all(starts).await.into_iter().map(|a| a.expect("the start did not panic")).collect();
-        let started: Vec<usize> = answers
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| matches!(a, Ok((_, true))))
-            .map(|(i, _)| i)
-            .collect();
+        let started: Vec<usize> =
+            answers.iter().enumerate().filter(|(_, a)| matches!(a, Ok((_, true)))).map(|(i, _)| i).collect();
         assert_eq!(started.len(), 1, "round {round}: starts that answered started: {started:?}");
         let first = format!("start {}", started[0]);
         for answer in &answers {
@@ -294,7 +290,7 @@ pub async fn observe_mode_counts_each_would_be_outcome(store: Arc<dyn Store>) {
         crate::through_the_door(&req, Duration::ZERO),
         crate::through_the_door(&request(&scope("email-2"), "e2"), Duration::ZERO),
     ];
-    let answers = c.guard.claim_batch(batch).await.unwrap();
+    let answers = c.claim_batch(batch).await;
     assert!(proceeds(&answers[0], Answer::Replay), "{answers:?}");
     assert!(matches!(answers[1], ClaimOutcome::Acquired(_)), "{answers:?}");
     // A spent budget proceeds too; the record keeps what enforcement decided.
