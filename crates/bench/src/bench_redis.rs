@@ -288,6 +288,7 @@ impl Redis {
                         run: "",
                         margin_ms: 60_000,
                         source: "draw",
+                        approval: None,
                     }
                     .add_to(&mut invocation);
                     invocation.key(keys.fence_counter(&scope.tenant));

@@ -192,6 +192,7 @@ pub fn preloaded_record(i: usize, fence: Fence, now: Timestamp) -> Record {
         attempt: 1,
         run: None,
         charged: false,
+        approval: None,
         lease_expires_at: None,
         unknown: None,
         retention: RETENTION,

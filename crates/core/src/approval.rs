@@ -1,17 +1,22 @@
 //! Human approvals bound to the exact call: a key *and* its fingerprint.
 //!
 //! A tenant or namespace prefix whose settings say `approval_required` lets no key be acquired
-//! before a person approved it. The guard decides it, in front of the store's atomic claim:
+//! before a person approved it. What lets a claim acquire is decided in the store's atomic
+//! claim ([`crate::protocol::ApprovalGate`]); the guard's gate in front of it asks:
 //!
-//! - a key that has a live record is claimed as always (replay, in flight, mismatch, recovery):
-//!   the approval that let its first attempt run covers its later attempts;
+//! - a key whose live record is the approved call's own (in progress, completed, or released
+//!   by a retryable failure of the same request) is claimed as always (replay, in flight,
+//!   mismatch, recovery, retry): the approval that let its first attempt run covers its later
+//!   attempts, and the store lets no other request take the record over;
 //! - a key without one is looked up in the approvals. None kept (or the last one expired
 //!   undecided): the guard records a new **pending** approval of this fingerprint and the claim
 //!   answers `pending_approval`; nothing is acquired, nothing is charged to a run or a quota;
 //! - pending with the same fingerprint: `pending_approval` again (or, with a wait, the claim
 //!   waits for the decision);
-//! - **approved** with the same fingerprint: the claim goes to the store, which acquires it once
-//!   (concurrent claims: one acquires, the others find it in flight);
+//! - **approved** with the same fingerprint and not yet used: the claim reserves it (compare and
+//!   set, so one claim gets it; the others find the key in flight) and goes to the store with
+//!   it, which acquires a new record keeping the approval's id; used, and its record gone (its
+//!   retention passed, or it was purged), the call needs a new approval;
 //! - **denied** with the same fingerprint: `denied` (`approval_denied`), on every claim, for as
 //!   long as the decision is kept: a permanent refusal that replays;
 //! - any approval of *another* call: `mismatch`, which changes nothing (the approved or pending
@@ -116,11 +121,13 @@ pub struct Approval {
     pub retention: Duration,
     /// The decision, once taken.
     pub decision: Option<Decision>,
-    /// The fence of the acquisition the approval let run: an approval lets its call run once
-    /// (its retries after a retryable failure are the same call; after that, a new record needs
-    /// a new approval).
+    /// When a claim reserved the approval to acquire with it: an approval lets its call run
+    /// once (the record it acquired keeps its id, so its recoveries and its retries after a
+    /// retryable failure are the same call; once that record is gone, the call needs a new
+    /// approval). A claim finding it reserved within the reserving claim's lease answers in
+    /// flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub used: Option<crate::domain::Fence>,
+    pub used: Option<Timestamp>,
     /// The webhook's delivery of the pending approval, where a webhook is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<Notice>,

@@ -52,6 +52,45 @@ pub struct ClaimRequest {
     /// acquire a record of one of them (the run a record keeps may differ from the one the
     /// claim names) is denied inside the store's atomic claim ([`crate::control::admit`]).
     pub refused_runs: Vec<(RunId, crate::record::Denial)>,
+    /// In a namespace that needs approvals, what lets the claim acquire, checked in the store's
+    /// atomic claim with the record it reads; `None` elsewhere.
+    pub approval: Option<ApprovalGate>,
+}
+
+/// What a claim in a namespace that needs approvals brings for its acquisition. The store's
+/// atomic claim ([`claim`]) decides with it on the record as it is there, so that no request
+/// but the approved one, and no run but the approved one, ever acquires the key:
+///
+/// - [`ApprovalGate::Granted`]: an approval of this request was reserved for this claim (a
+///   compare-and-set that marks it used, so it lets one claim through); the claim acquires as
+///   any claim would, and the record keeps the approval's id;
+/// - [`ApprovalGate::Ungranted`]: no approval was reserved; the claim may take over only the
+///   approved call's own record (a recovery of the record in progress, or a retry of the same
+///   request after a retryable failure), and answers as always what writes nothing (a replay,
+///   a holder in flight, a mismatch). Any other acquisition (the key is absent, its record
+///   expired or was purged, a released record of another request) is refused with
+///   [`crate::record::Denial::ApprovalRequired`], and nothing is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApprovalGate {
+    /// The approval of this id was reserved for this claim.
+    Granted(String),
+    /// No approval was reserved for this claim.
+    Ungranted,
+}
+
+/// Whether a claim carrying `req.approval` may acquire over `previous` (the live record, if
+/// any; see [`ApprovalGate`]).
+fn approval_admits(req: &ClaimRequest, previous: Option<&Record>) -> bool {
+    match &req.approval {
+        None | Some(ApprovalGate::Granted(_)) => true,
+        Some(ApprovalGate::Ungranted) => previous.is_some_and(|r| {
+            r.state == RecordState::InProgress || (r.approval.is_some() && r.fingerprint == req.fingerprint)
+        }),
+    }
+}
+
+fn approval_required() -> (ClaimOutcome, Option<Record>) {
+    (ClaimOutcome::Denied(crate::record::Denial::ApprovalRequired), None)
 }
 
 /// A validated fenced call on a key.
@@ -115,6 +154,9 @@ pub fn claim(
     next_fence: impl FnOnce() -> Fence,
 ) -> (ClaimOutcome, Option<Record>) {
     let Some(record) = existing.filter(|r| r.is_live(now)) else {
+        if !approval_admits(req, None) {
+            return approval_required();
+        }
         return acquire(None, req, now, next_fence());
     };
     if record.state != RecordState::Released && record.fingerprint != req.fingerprint {
@@ -127,11 +169,13 @@ pub fn claim(
                     Replay { outcome, fence: record.fence, attempt: record.attempt, completed_at }
                 }
                 // A completed record always carries both; a record that does not is treated as
-                // released rather than replaying nothing.
+                // absent rather than replaying nothing.
+                _ if !approval_admits(req, None) => return approval_required(),
                 _ => return acquire(None, req, now, next_fence()),
             };
             (ClaimOutcome::Replay(replay), None)
         }
+        RecordState::Released if !approval_admits(req, Some(&record)) => approval_required(),
         RecordState::Released => acquire(Some(record), req, now, next_fence()),
         RecordState::InProgress if record.is_stuck(now) => acquire(Some(record), req, now, next_fence()),
         RecordState::InProgress => {
@@ -174,6 +218,10 @@ fn acquire(
         attempt: 1,
         run: req.run.clone(),
         charged: false,
+        approval: match &req.approval {
+            Some(ApprovalGate::Granted(id)) => Some(id.clone()),
+            _ => None,
+        },
         lease_expires_at: Some(lease_expires_at),
         unknown: None,
         retention: req.retention,
@@ -191,6 +239,10 @@ fn acquire(
         record.run = prev.run.clone().or(record.run);
         // A key is charged to its run once, however many attempts it takes.
         record.charged = prev.charged;
+        // Its later attempts are the approved call's (a new grant names a new approval).
+        if record.approval.is_none() {
+            record.approval = prev.approval.clone();
+        }
         if prev.state == RecordState::InProgress {
             recovery = Some(Recovery {
                 previous_fence: prev.fence,
@@ -317,6 +369,7 @@ mod tests {
             cost: 0,
             max_in_flight: None,
             refused_runs: Vec::new(),
+            approval: None,
         }
     }
 

@@ -195,6 +195,11 @@ pub struct Record {
     /// Whether the key was charged to its run's budget (once per key, while the record lives).
     #[serde(default)]
     pub charged: bool,
+    /// The approval that let this record's call run, where the namespace needs approvals: its
+    /// later attempts (a recovery, a retry after a retryable failure) are that call's, and only
+    /// a claim of the same request may take the record over (see [`crate::protocol::ApprovalGate`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<String>,
     /// Until when the holder's lease runs (in progress only).
     pub lease_expires_at: Option<Timestamp>,
     /// Set when the holder reported that it does not know whether the effect happened; the next
@@ -339,6 +344,10 @@ pub enum Denial {
         #[serde(with = "duration_ms")]
         retry_after: Duration,
     },
+    /// The claim would have acquired the key in a namespace that needs approvals, and no approval
+    /// covers that acquisition (see [`crate::protocol::ApprovalGate`]): nothing was written. The
+    /// guard answers it by asking its approval gate again; it is never the answer of a claim.
+    ApprovalRequired,
     /// A person denied this call (this key with this fingerprint): a permanent refusal, answered
     /// to every claim of it while the decision is kept.
     ApprovalDenied {
@@ -360,6 +369,7 @@ impl std::fmt::Display for Denial {
                 write!(f, "the tenant's {quota} quota is spent; retry after {} ms", retry_after.as_millis())
             }
             Self::ApprovalDenied { approval, by, why } => write!(f, "{by} denied approval {approval}: {why}"),
+            Self::ApprovalRequired => write!(f, "no approval covers acquiring this key for this request"),
         }
     }
 }

@@ -72,6 +72,9 @@ vocabulary! {
         QuotaExceeded => "quota_exceeded",
         /// A person denied the call.
         ApprovalDenied => "approval_denied",
+        /// No approval covers the acquisition (between the store and the guard, which asks its
+        /// approval gate again).
+        ApprovalRequired => "approval_required",
     }
 }
 
@@ -189,6 +192,7 @@ impl Denial {
             Self::BudgetExhausted { .. } => DenialReason::BudgetExhausted,
             Self::QuotaExceeded { .. } => DenialReason::QuotaExceeded,
             Self::ApprovalDenied { .. } => DenialReason::ApprovalDenied,
+            Self::ApprovalRequired => DenialReason::ApprovalRequired,
         }
     }
 }

@@ -158,6 +158,11 @@ impl ApiError {
             Self::Denied(Denial::ApprovalDenied { .. }) => {
                 (S::FORBIDDEN, "approval-denied", "An approver denied this call", false)
             }
+            // Decided between the store and the guard, which gates the claim again: no claim
+            // answers it, but should one, it refuses (nothing was acquired).
+            Self::Denied(Denial::ApprovalRequired) => {
+                (S::CONFLICT, "approval-required", "No approval covers acquiring this key for this request", true)
+            }
             Self::PendingApproval { .. } => {
                 // Not a 2xx: a caller of a proxied tool API must never take it for the upstream's
                 // acceptance.

@@ -541,6 +541,7 @@ mod tests {
             cost: 0,
             max_in_flight: Some(1),
             refused_runs: Vec::new(),
+            approval: None,
         };
         let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
         let mut columns = RecordColumns::default();

@@ -75,6 +75,7 @@ fn request(key: &str, lease: Duration) -> ClaimRequest {
         cost: 0,
         max_in_flight: None,
         refused_runs: Vec::new(),
+        approval: None,
     }
 }
 

@@ -43,6 +43,7 @@ fn request(key: &str) -> ClaimRequest {
         cost: 0,
         max_in_flight: None,
         refused_runs: Vec::new(),
+        approval: None,
     }
 }
 

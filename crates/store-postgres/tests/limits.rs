@@ -47,6 +47,7 @@ fn request(tenant_name: &str, key: &str) -> ClaimRequest {
         cost: 0,
         max_in_flight: None,
         refused_runs: Vec::new(),
+        approval: None,
     }
 }
 

@@ -128,6 +128,7 @@ impl Fields {
             attempt: number(self.need("at")?, "attempt")?,
             run: self.get("run").map(|r| text(r).and_then(|r| RunId::parse(r).map_err(corrupt))).transpose()?,
             charged: self.get("ch").is_some_and(|c| c == b"1"),
+            approval: self.get("ap").map(|a| text(a).map(str::to_owned)).transpose()?,
             lease_expires_at: self.opt_time("le")?,
             unknown: self.get("un").map(|u| text(u).map(str::to_owned)).transpose()?,
             retention: Duration::from_millis(number(self.need("re")?, "retention")?),
@@ -208,6 +209,7 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
         b"denied" => Ok(ClaimOutcome::Denied(match field(1)? {
             b"in_flight" => Denial::QuotaExceeded { quota: "in_flight".to_owned(), retry_after: IN_FLIGHT_RETRY_AFTER },
             b"budget" => Denial::BudgetExhausted { limit: text(field(2)?)?.to_owned() },
+            b"approval" => Denial::ApprovalRequired,
             other => return Err(corrupt(format!("unknown denial {:?}", String::from_utf8_lossy(other)))),
         })),
         b"in_flight" => Ok(ClaimOutcome::InFlight(InFlight {

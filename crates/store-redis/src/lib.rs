@@ -738,6 +738,7 @@ impl RedisStore {
             run: req.run.as_ref().map_or("", |r| r.as_str()),
             margin_ms: ms(self.options.expiry_margin),
             source,
+            approval: req.approval.as_ref(),
         }
         .add_to(&mut invocation);
         if !self.cluster {

@@ -228,7 +228,8 @@ end
 /// `{'acquired', fence, attempt, lease_expires_at, 'lease' | 'unknown', previous_fence,
 /// previous_attempt, unknown_detail, last_checkpoint}`, each followed by one more field, `'1'`,
 /// when the claim charged the key to its run with its reservation (Cluster),
-/// `{'denied', 'in_flight'}` or `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}`; or,
+/// `{'denied', 'in_flight'}`, `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}` or
+/// `{'denied', 'approval'}` (ARGV 12, the approval gate, lets it acquire nothing); or,
 /// when it would acquire but lacks something (changing nothing): `{'need_fence', slot_mark,
 /// run, charged}` (run: the run the record would name, `''` if none; charged: `'1'` if the
 /// record is charged already), or `{'need_run', run}` (one server: the keys of another run
@@ -241,7 +242,7 @@ end
 /// fence acquired on the slot), so that a key's fences only grow even when draws and
 /// acquisitions interleave. With a number (on a Cluster), the in-flight quota and the run's
 /// budget were reserved beforehand on their own slots ([`RESERVE_IN_FLIGHT`], [`RESERVE_RUN`])
-/// and the script is told the verdicts. Arguments from the 12th on may be left out when the
+/// and the script is told the verdicts. Arguments from the 13th on may be left out when the
 /// call carries no quota, names no run to admit and holds no reservation: the path without
 /// budgets sends what it sent before there were budgets.
 pub const CLAIM: &str = r#"
@@ -249,13 +250,15 @@ pub const CLAIM: &str = r#"
 --       the fence counter, then the tenant's in-flight set (with a quota), then the run
 --       (with a run to admit)
 -- ARGV: now, fingerprint, lease ms, retention ms, run ('' if none), tenant, namespace, key,
---       member, margin ms, fence ('draw', 'peek' or a number),
+--       member, margin ms, fence ('draw', 'peek' or a number), the approval gate ('' none,
+--       '?' ungranted, 'g' .. approval id granted),
 --       in-flight quota ('' if none), declared cost, the run to admit ('' if none),
 --       on a Cluster: in-flight token ('' if none), 'denied' if the quota is spent, run
 --       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed)
 local now = tonumber(ARGV[1])
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
+local gate = ARGV[12]
 
 -- existing.filter(|r| r.is_live(now))
 local r = load(KEYS[1])
@@ -277,6 +280,12 @@ if r ~= nil then
   end
 end
 
+-- protocol::approval_admits: ungranted, a claim may take over only the approved call's own
+-- record (a recovery, or the same request's retry after a retryable failure).
+if gate == '?' and not (r ~= nil and (r.st == 'in_progress' or (r.ap ~= nil and r.fp == fp))) then
+  return { 'denied', 'approval' }
+end
+
 -- acquire(previous = r); the fence comes last
 local le = now + lease
 -- Times given as arguments are kept as given (the decimal digits int() would write).
@@ -285,6 +294,7 @@ local n = {
   le = int(le), re = ARGV[4], ca = ARGV[1], up = ARGV[1], ex = NEVER,
 }
 if run ~= '' then n.run = run end
+if string.sub(gate, 1, 1) == 'g' then n.ap = string.sub(gate, 2) end
 local answer = { 'acquired', '', '1', int(le), '' }
 if r ~= nil then
   n.at = int(math.min(tonumber(r.at) + 1, 4294967295))
@@ -292,6 +302,8 @@ if r ~= nil then
   if r.run ~= nil then n.run = r.run end
   -- A key is charged to its run once, however many attempts it takes.
   if r.ch ~= nil then n.ch = r.ch end
+  -- Its later attempts are the approved call's (a new grant names a new approval).
+  if n.ap == nil and r.ap ~= nil then n.ap = r.ap end
   if r.st == 'in_progress' then
     local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
     local last = ''
@@ -314,7 +326,7 @@ if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or 
 -- control::admit: the in-flight quota, then the run's deadline, then (for a key not yet
 -- charged) its effects and cost. On a Cluster by the verdicts of the reservations; what they
 -- do not cover (the record changed since) is asked for with need_fence.
-local quota, cost, admitted = ARGV[12] or '', ARGV[13] or '0', ARGV[14] or ''
+local quota, cost, admitted = ARGV[13] or '', ARGV[14] or '0', ARGV[15] or ''
 local k = 6
 local in_flight, run_key, stored_run
 local charges, lacking = false, false
@@ -325,9 +337,9 @@ if quota ~= '' then
     redis.call('ZREMRANGEBYSCORE', in_flight, '-inf', '(' .. int(now - margin))
     local held = redis.call('ZCOUNT', in_flight, '(' .. int(now), '+inf')
     if cmp(int(held), quota) >= 0 then return { 'denied', 'in_flight' } end
-  elseif ARGV[16] == 'denied' then
+  elseif ARGV[17] == 'denied' then
     return { 'denied', 'in_flight' }
-  elseif (ARGV[15] or '') == '' then
+  elseif (ARGV[16] or '') == '' then
     lacking = true
   end
 end
@@ -350,10 +362,10 @@ if n.run ~= nil and not lacking then
     end
     if limit ~= nil then return { 'denied', 'budget', limit } end
   else
-    local verdict = ARGV[18] or ''
+    local verdict = ARGV[19] or ''
     if verdict == 'deadline' then return { 'denied', 'budget', 'deadline' } end
     if n.ch ~= '1' then
-      if ARGV[17] ~= 'charge' then
+      if ARGV[18] ~= 'charge' then
         lacking = true
       elseif verdict ~= 'ok' then
         return { 'denied', 'budget', verdict }
@@ -396,7 +408,7 @@ if quota ~= '' then
     n.q = fence
     redis.call('ZADD', in_flight, n.le, member .. '\0' .. fence)
   else
-    n.q = ARGV[15]
+    n.q = ARGV[16]
   end
 end
 
@@ -408,7 +420,7 @@ return answer
 "#;
 
 /// What every call of [`CLAIM`] starts with: KEYS 1 to 4 (the record, the slot's fence mark,
-/// expiry index and listing index) and ARGV 1 to 11. A caller then adds what its case needs
+/// expiry index and listing index) and ARGV 1 to 12. A caller then adds what its case needs
 /// (on one server the fence counter, and the admission's keys and arguments).
 pub struct ClaimCall<'a> {
     /// The store's key names.
@@ -431,6 +443,8 @@ pub struct ClaimCall<'a> {
     pub margin_ms: u64,
     /// Where the fence comes from: `draw`, `peek` or a fence drawn beforehand.
     pub source: &'a str,
+    /// The claim's approval gate (`ClaimRequest::approval`).
+    pub approval: Option<&'a onceguard_core::protocol::ApprovalGate>,
 }
 
 impl ClaimCall<'_> {
@@ -451,7 +465,12 @@ impl ClaimCall<'_> {
             .arg(self.scope.key.as_str())
             .arg(self.placement.member.as_slice())
             .arg(self.margin_ms)
-            .arg(self.source);
+            .arg(self.source)
+            .arg(match self.approval {
+                None => String::new(),
+                Some(onceguard_core::protocol::ApprovalGate::Ungranted) => "?".to_owned(),
+                Some(onceguard_core::protocol::ApprovalGate::Granted(id)) => format!("g{id}"),
+            });
     }
 }
 

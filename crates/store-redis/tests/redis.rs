@@ -195,6 +195,7 @@ async fn a_fence_below_the_slots_mark_is_refused() {
             run: "",
             margin_ms: 60_000,
             source,
+            approval: None,
         }
         .add_to(&mut invocation);
         let mut conn = conn.clone();

@@ -499,6 +499,7 @@ mod tests {
             cost: 0,
             max_in_flight: Some(1),
             refused_runs: Vec::new(),
+            approval: None,
         }
     }
 

@@ -56,6 +56,7 @@ fn request(scope: &Scope, meaning: &str) -> ClaimRequest {
         cost: 0,
         max_in_flight: None,
         refused_runs: Vec::new(),
+        approval: None,
     }
 }
 

@@ -142,6 +142,8 @@ macro_rules! conformance_tests {
             an_approval_lets_its_call_run_once,
             a_decision_is_kept_for_the_namespaces_retention,
             observe_mode_asks_no_approver,
+            another_request_never_takes_an_approved_key,
+            an_approved_call_never_runs_again_after_its_retention,
             a_recovery_completes_as_reconciled,
             a_rolled_back_run_compensates_each_effect_once,
             a_compensation_failing_permanently_is_kept,

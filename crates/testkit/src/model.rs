@@ -271,6 +271,7 @@ pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseErro
                     cost: 0,
                     max_in_flight: None,
                     refused_runs: Vec::new(),
+                    approval: None,
                 };
                 let got = answer_of_claim(store.claim(&req, now).await.map_err(fail)?, now);
                 let want = model.claim(key, meaning, model_now);

@@ -32,12 +32,14 @@ pub(super) struct Ask {
 /// What the approval gate decided for one claim.
 #[derive(Debug)]
 pub(super) enum Gate {
-    /// The key has a record in progress or completed: the store's claim decides (a replay, a
-    /// holder in flight, a mismatch, a recovery). Should that claim acquire a new record after
-    /// all (the record expired or was purged in between), the gate is asked again.
-    Record,
-    /// Claim it: the approval was given. `Some`: it was not used yet, and is marked used by the
-    /// claim that acquires (an approval lets its call run once).
+    /// Claim it in the store. `None`: no approval was reserved, the key's record is the
+    /// approved call's own (in progress, completed, or released by a retryable failure of the
+    /// same request), and the store's atomic claim decides (a replay, a holder in flight, a
+    /// mismatch, a recovery, a retry); should it find that it would acquire anything else (the
+    /// record expired or was purged meanwhile), it refuses (`Denial::ApprovalRequired`) and the
+    /// gate is asked again. `Some`: this approval, of this very call, was reserved for the
+    /// claim (marked used by a compare-and-set, so one claim gets it), and the store may
+    /// acquire a new record, which keeps its id.
     Claim(Option<Box<Approval>>),
     /// The claim's answer, without the store's claim.
     Answer(ClaimOutcome),
@@ -45,32 +47,49 @@ pub(super) enum Gate {
 
 impl Guard {
     /// The gate of a namespace that needs approvals (see [`crate::approval`]). Nothing is
-    /// acquired or charged here; a pending approval is recorded when none is kept.
+    /// acquired or charged here: what lets a claim acquire is decided in the store's atomic
+    /// claim ([`crate::protocol::ApprovalGate`]). A pending approval is recorded when none is
+    /// kept (not in observe mode).
     pub(super) async fn approval_gate(&self, req: &ClaimRequest, ask: &Ask) -> Result<Gate, GuardError> {
         // Three compare-and-sets lost in a row to other claims and decisions of the same key:
         // something is wrong; no decision was made.
         for _ in 0..3 {
             let now = self.clock.now();
             let record = self.store.get(&req.scope, now).await?;
-            // A released record is claimed as if absent, whatever its fingerprint: it needs the
-            // approval of this call like an absent key.
-            let released = match record.map(|r| r.state) {
-                Some(RecordState::InProgress | RecordState::Completed) => return Ok(Gate::Record),
-                Some(RecordState::Released) => true,
-                None => false,
-            };
+            // The approved call's own record: the store's claim decides, and refuses to take it
+            // over for anything but that call.
+            let own = record.as_ref().is_some_and(|r| match r.state {
+                RecordState::InProgress | RecordState::Completed => true,
+                RecordState::Released => r.approval.is_some() && r.fingerprint == req.fingerprint,
+            });
+            if own {
+                return Ok(Gate::Claim(None));
+            }
             let kept = self.store.approval_of(&req.scope, now).await?;
             match &kept {
                 Some(a) if !binds(a, req) && a.state(now) != ApprovalState::Expired => {
                     return Ok(Gate::Answer(ClaimOutcome::Mismatch));
                 }
                 Some(a) => match a.state(now) {
-                    // Used by an acquisition whose record was released (a retryable failure):
-                    // its retry is the same approved call.
-                    ApprovalState::Approved if a.used.is_some() && released => return Ok(Gate::Claim(None)),
-                    ApprovalState::Approved if a.used.is_none() => return Ok(Gate::Claim(Some(Box::new(a.clone())))),
-                    // Used, and its record gone: the call ran; running it again needs a person.
-                    ApprovalState::Approved | ApprovalState::Expired => {}
+                    ApprovalState::Approved => match a.used {
+                        None => {
+                            // Reserved for this claim alone: a concurrent claim reads it used.
+                            let reserved = Approval { used: Some(now), ..a.clone() };
+                            if self.store.put_approval(kept.as_ref(), &reserved, None, now).await? {
+                                return Ok(Gate::Claim(Some(Box::new(reserved))));
+                            }
+                            continue;
+                        }
+                        // Reserved by a claim that is acquiring it now (or that just did): in flight.
+                        Some(at) if now < at.plus(req.lease) => {
+                            let retry_after = now.until(at.plus(req.lease)).min(PENDING_RETRY_AFTER);
+                            let in_flight = crate::record::InFlight { retry_after, attempt: 1 };
+                            return Ok(Gate::Answer(ClaimOutcome::InFlight(in_flight)));
+                        }
+                        // Used, and its record gone: the call ran; running it again needs a person.
+                        Some(_) => {}
+                    },
+                    ApprovalState::Expired => {}
                     ApprovalState::Pending => return Ok(Gate::Answer(pending(a.clone(), now))),
                     ApprovalState::Denied => return Ok(Gate::Answer(ClaimOutcome::Denied(denial(a)))),
                 },
@@ -92,81 +111,43 @@ impl Guard {
         Err(StoreError::Unavailable("the key's approval changed under three reads in a row".into()).into())
     }
 
-    /// The store's claim behind the gate, and what follows it: an acquisition with an unused
-    /// approval marks it used; an acquisition of a new record where the gate saw one (it
-    /// expired or was purged meanwhile) is checked against the gate again, and released at once
-    /// (nothing ran) if no approval lets it run.
+    /// The store's claim behind the gate. With an approval reserved, the claim carries it
+    /// ([`crate::protocol::ApprovalGate::Granted`]); a claim that then acquires nothing (a
+    /// budget or a quota refused it) gives the reservation back, since nothing ran. A claim the
+    /// store refuses for want of an approval (the key changed since the gate read it) is gated
+    /// again.
     pub(super) async fn gated_claim(&self, req: &ClaimRequest, ask: &Ask) -> Result<ClaimOutcome, GuardError> {
-        let mut gate = self.approval_gate(req, ask).await?;
-        for round in 0..2 {
-            let saw_record = matches!(gate, Gate::Record);
-            let unused = match gate {
-                Gate::Answer(answer) => return Ok(answer),
-                Gate::Claim(unused) => unused,
-                Gate::Record => None,
-            };
-            let outcome = self.store.claim(req, self.clock.now()).await?;
-            let ClaimOutcome::Acquired(acquired) = &outcome else { return Ok(outcome) };
-            if saw_record && acquired.attempt == 1 && acquired.recovery.is_none() {
-                // A new record behind the gate's back: nothing ran yet. Let it go, ask again.
-                self.release_unapproved(&req.scope, acquired.fence).await?;
-                if round == 1 {
-                    return Err(StoreError::Unavailable("the key changed under two claims in a row".into()).into());
-                }
-                gate = self.approval_gate(req, ask).await?;
-                continue;
-            }
-            if let Some(approval) = unused
-                && let Err(e) = self.mark_used(&approval, acquired.fence).await
-            {
-                // The approval must not let a second run through: without the mark, the key
-                // is let go (nothing ran) and the claim answers the store's error.
-                self.release_unapproved(&req.scope, acquired.fence).await?;
-                return Err(e);
-            }
-            return Ok(outcome);
-        }
-        Err(StoreError::Unavailable("the key changed under two claims in a row".into()).into())
-    }
-
-    /// Marks `approval` used by the acquisition with `fence`.
-    async fn mark_used(&self, approval: &Approval, fence: Fence) -> Result<(), GuardError> {
-        let mut current = approval.clone();
         for _ in 0..3 {
-            let now = self.clock.now();
-            let used = Approval { used: Some(fence), ..current.clone() };
-            if self.store.put_approval(Some(&current), &used, None, now).await? {
-                return Ok(());
-            }
-            match self.store.approval(&approval.scope.tenant, &approval.id, now).await? {
-                Some(read) if read.state(now) == ApprovalState::Approved && read.used.is_none() => current = read,
-                _ => break,
+            let reserved = match self.approval_gate(req, ask).await? {
+                Gate::Answer(answer) => return Ok(answer),
+                Gate::Claim(reserved) => reserved,
+            };
+            let outcome = match &reserved {
+                None => self.store.claim(req, self.clock.now()).await?,
+                Some(approval) => {
+                    let granted = crate::protocol::ApprovalGate::Granted(approval.id.clone());
+                    let req = ClaimRequest { approval: Some(granted), ..req.clone() };
+                    self.store.claim(&req, self.clock.now()).await?
+                }
+            };
+            match (&outcome, reserved) {
+                (ClaimOutcome::Denied(Denial::ApprovalRequired), None) => continue,
+                (ClaimOutcome::Acquired(_), _) | (_, None) => return Ok(outcome),
+                (_, Some(approval)) => {
+                    self.give_back(&approval).await?;
+                    return Ok(outcome);
+                }
             }
         }
-        Err(StoreError::Unavailable("the approval changed while its claim acquired; the key was let go".into()).into())
+        Err(StoreError::Unavailable("the key changed under three claims in a row".into()).into())
     }
 
-    /// Releases a key the gate's claim acquired but no approval lets run (nothing ran).
-    async fn release_unapproved(&self, scope: &Scope, fence: Fence) -> Result<(), GuardError> {
-        let outcome = crate::record::Outcome {
-            kind: crate::record::OutcomeKind::Failure,
-            content_type: "text/plain".into(),
-            body: b"acquired without an approval that lets it run; released before anything ran".to_vec(),
-            cost: None,
-            tokens: None,
-            reconciled: false,
-            compensation: None,
-        };
-        self.store
-            .mutate(
-                scope,
-                fence,
-                Mutation::Fail { retryable: true, outcome },
-                self.clock.now(),
-                self.limits.max_checkpoints,
-            )
-            .await?;
-        self.notifier.notify(scope);
+    /// Gives back the reservation of `approval` whose claim acquired nothing (nothing ran), if
+    /// the approval is still exactly as reserved.
+    async fn give_back(&self, reserved: &Approval) -> Result<(), GuardError> {
+        let now = self.clock.now();
+        let unused = Approval { used: None, ..reserved.clone() };
+        self.store.put_approval(Some(reserved), &unused, None, now).await?;
         Ok(())
     }
 

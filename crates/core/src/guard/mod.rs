@@ -331,6 +331,9 @@ impl Guard {
             run: claim.run,
             cost: check_units("cost", claim.cost)?.unwrap_or(0),
             max_in_flight: effective.max_in_flight,
+            // Where approvals are needed the store's claim acquires only what an approval
+            // covers, whatever the gate in front of it decided (see `approvals::Gate`).
+            approval: ask.as_ref().map(|_| crate::protocol::ApprovalGate::Ungranted),
         };
         Ok(Prepared { req, wait, rate: effective.claim_rate, ask, mode: effective.mode })
     }

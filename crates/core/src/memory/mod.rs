@@ -242,6 +242,7 @@ mod tests {
             cost: 0,
             max_in_flight: quota,
             refused_runs: Vec::new(),
+            approval: None,
         }
     }
 

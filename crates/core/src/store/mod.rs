@@ -33,6 +33,9 @@
 //!   Admitted: the record and the run (if it changed) are written in the same atomic step. A
 //!   fenced call is decided by [`crate::control::apply_fenced`]: what it writes, and the
 //!   reported cost to add to the record's run in its atomic step too.
+//! - **Approvals** are part of the atomic claim too: [`crate::protocol::claim`] decides with the
+//!   request's [`crate::protocol::ApprovalGate`] on the record read in the same section (a store
+//!   translating the protocol, as Redis's script does, translates that rule as well).
 //! - **Revoking leases** gives each covered in-progress record a fresh fence from the counter
 //!   ([`crate::control::revoke`]), so its holder's later calls are stale wherever they arrive.
 

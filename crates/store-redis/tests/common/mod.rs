@@ -204,6 +204,7 @@ pub fn request(scope: &Scope) -> ClaimRequest {
         cost: 0,
         max_in_flight: None,
         refused_runs: Vec::new(),
+        approval: None,
     }
 }
 

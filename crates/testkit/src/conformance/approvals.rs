@@ -404,7 +404,8 @@ pub async fn an_approval_lets_its_call_run_once(store: Arc<dyn Store>) {
     c.decide(&asked.id, true).await.unwrap();
     let first = c.acquire(&req).await;
     let used = c.guard.approval(&s.tenant, &asked.id).await.unwrap().unwrap();
-    assert_eq!(used.used, Some(first), "the approval is marked used by the acquisition");
+    assert_eq!(used.used, Some(c.clock.now()), "the approval is reserved by the acquiring claim");
+    assert_eq!(c.get(&s).await.unwrap().approval.as_deref(), Some(asked.id.as_str()), "the record keeps it");
     let failed = Outcome { kind: OutcomeKind::Failure, ..success("timeout before sending") };
     c.applied(&s, first, Mutation::Fail { retryable: true, outcome: failed }).await;
     // The released key: another request is refused; the same one runs again.
@@ -467,4 +468,95 @@ pub async fn observe_mode_asks_no_approver(store: Arc<dyn Store>) {
     let tenant = TenantId::parse("acme").unwrap();
     let kept = c.guard.list_approvals(&tenant, &ApprovalFilter { limit: 100, ..Default::default() }).await.unwrap();
     assert!(kept.is_empty(), "no approval recorded: {kept:?}");
+}
+
+/// Only the approved request ever acquires an approved key, decided in the store's atomic
+/// claim: in each of twenty rounds the approved call holds the key and fails retryably while
+/// eight claimants send *another* request under the same key in a loop; none of them ever
+/// acquires it (nor could then complete it as reconciled), and the approved request's retry
+/// acquires it again.
+pub async fn another_request_never_takes_an_approved_key(store: Arc<dyn Store>) {
+    const ACTORS: usize = 8;
+    const ROUNDS: usize = 20;
+    let c = case(store);
+    needing_approvals(&c).await;
+    for round in 0..ROUNDS {
+        let s = scope(&format!("approved-{round}"));
+        let approved = request(&s, "refund 6");
+        let other = request(&s, "refund 666");
+        let asked = c.pending(&approved).await;
+        c.decide(&asked.id, true).await.unwrap();
+        let fence = c.acquire(&approved).await;
+        let others = (0..ACTORS).map(|_| {
+            let (guard, claim) = (c.guard.clone(), crate::through_the_door(&other, Duration::ZERO));
+            tokio::spawn(async move {
+                let mut acquired = Vec::new();
+                for _ in 0..10 {
+                    if let ClaimOutcome::Acquired(a) = guard.claim(claim.clone()).await.expect("the store answers") {
+                        acquired.push(a);
+                    }
+                    tokio::task::yield_now().await;
+                }
+                acquired
+            })
+        });
+        let others: Vec<_> = others.collect();
+        tokio::task::yield_now().await;
+        let failure = Outcome { kind: OutcomeKind::Failure, ..success("timeout before sending") };
+        c.applied(&s, fence, Mutation::Fail { retryable: true, outcome: failure }).await;
+        for handle in others {
+            let acquired = handle.await.unwrap();
+            assert!(acquired.is_empty(), "round {round}: another request acquired the approved key: {acquired:?}");
+        }
+        let record = c.get(&s).await.expect("the record");
+        assert_eq!(record.fingerprint, approved.fingerprint, "round {round}: the record is the approved call's");
+        let ClaimOutcome::Acquired(retry) = c.claim(&approved).await else { panic!("round {round}: no retry") };
+        assert_eq!(retry.attempt, 2, "round {round}: the approved call's retry");
+    }
+}
+
+/// An approved call runs once, also across its record's retention: in each of twenty rounds the
+/// approved call completes with a retention of a second, and eight claimants send the same
+/// request in a loop while the clock moves past that retention; none of them ever acquires the
+/// key (the guard's gate may read the record live and the store find it expired: the store's
+/// claim refuses). Once the reserving claim's lease passed too, the key asks a person again.
+pub async fn an_approved_call_never_runs_again_after_its_retention(store: Arc<dyn Store>) {
+    const ACTORS: usize = 8;
+    const ROUNDS: usize = 20;
+    let c = case(store);
+    needing_approvals(&c).await;
+    for round in 0..ROUNDS {
+        let s = scope(&format!("short-lived-{round}"));
+        let req = ClaimRequest { retention: Duration::from_secs(1), ..request(&s, "transfer 5") };
+        let asked = c.pending(&req).await;
+        c.decide(&asked.id, true).await.unwrap();
+        let fence = c.acquire(&req).await;
+        c.applied(&s, fence, Mutation::Complete(success("{}"))).await;
+        let claims = (0..ACTORS).map(|_| {
+            let (guard, claim) = (c.guard.clone(), crate::through_the_door(&req, Duration::ZERO));
+            tokio::spawn(async move {
+                let mut acquired = Vec::new();
+                for _ in 0..10 {
+                    if let ClaimOutcome::Acquired(a) = guard.claim(claim.clone()).await.expect("the store answers") {
+                        acquired.push(a);
+                    }
+                    tokio::task::yield_now().await;
+                }
+                acquired
+            })
+        });
+        let claims: Vec<_> = claims.collect();
+        for _ in 0..10 {
+            c.clock.advance(Duration::from_millis(300));
+            tokio::task::yield_now().await;
+        }
+        for claim in claims {
+            let acquired = claim.await.unwrap();
+            assert!(acquired.is_empty(), "round {round}: the call ran again without a new approval: {acquired:?}");
+        }
+        c.clock.advance(LEASE);
+        let again = c.pending(&req).await;
+        assert_ne!(again.id, asked.id, "round {round}: a person is asked again");
+        assert!(c.get(&s).await.is_none(), "round {round}: nothing acquired");
+    }
 }
