@@ -19,12 +19,21 @@
 //!
 //! The progress ([`Progress`]) is read from the run's records and the tasks' records, never
 //! kept apart, so it cannot drift from what happened. It covers the effects whose records are
-//! still kept (their retention); a task's record is kept for the longest retention in force,
-//! so it outlives its effect's.
+//! still kept (their retention); a task's record is kept at least as long as its effect's
+//! ([`Effect::kept_until`]), whatever the settings say by then, so a task once run is never
+//! handed out again.
+//!
+//! A rollback has a cut-off and an end: its effects are those its run made before it started
+//! ([`Rollback::started_at`]; one in flight then becomes a task when it completes), never one
+//! made after (once its switch was released, say), and it is done only when no effect of it
+//! can still complete and every task is compensated or failed.
 //!
 //! A compensation task is always enforced, whatever the namespace's mode: it must run once.
-//! A kill switch on the tenant or on a namespace covering the task refuses it; the run's own
-//! switch does not (the task's claim names no run).
+//! It asks no approver: the admin who started the rollback approved its compensations. Its
+//! namespace is reserved: no claim through the front ends reaches it
+//! ([`is_task_namespace`]). A kill switch on the tenant or on a namespace covering the task
+//! refuses it (and the next task is tried); the run's own switch does not (the task's claim
+//! names the undo run, [`task_run`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -100,6 +109,9 @@ pub struct Effect {
     pub fence: Fence,
     /// When it completed.
     pub completed_at: Timestamp,
+    /// Until when its record is kept: its task's record is kept at least as long, so that a
+    /// task once run is never handed out again while its effect can still be read.
+    pub kept_until: Timestamp,
 }
 
 /// A compensation task: an effect, how to undo it, and the key that undoes it once.
@@ -130,7 +142,8 @@ impl Task {
         let outcome = effect.outcome.as_ref().filter(|o| o.kind == OutcomeKind::Success)?;
         let compensation = outcome.compensation.clone()?;
         let completed_at = effect.completed_at?;
-        let effect = Effect { scope: effect.scope.clone(), fence: effect.fence, completed_at };
+        let effect =
+            Effect { scope: effect.scope.clone(), fence: effect.fence, completed_at, kept_until: effect.expires_at };
         Some(Self::undoing(effect, compensation))
     }
 
@@ -167,6 +180,12 @@ impl Task {
 pub fn task_namespace(namespace: &Namespace) -> Result<Namespace, InvalidInput> {
     Namespace::parse(&format!("{namespace}/{TASK_SEGMENT}"))
         .map_err(|_| InvalidInput::new("namespace", "too long to hold its compensation tasks (255 bytes with /_undo)"))
+}
+
+/// Whether `namespace` holds compensation tasks (a segment is [`TASK_SEGMENT`]): reserved for
+/// [`crate::Guard::claim_compensation`], never claimed through [`crate::Guard::claim`].
+pub fn is_task_namespace(namespace: &Namespace) -> bool {
+    namespace.as_str().split('/').any(|segment| segment == TASK_SEGMENT)
 }
 
 /// The key of the compensation task of the attempt `fence` of `key`: `<fence>.<key>`, or
@@ -231,9 +250,10 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// Whether nothing is left to run: no task pending or in progress.
+    /// Whether nothing is left to run: no task pending or in progress, and no effect of the run
+    /// still in flight (it may yet complete, and become a task).
     pub fn done(&self) -> bool {
-        self.pending == 0 && self.in_progress == 0
+        self.pending == 0 && self.in_progress == 0 && self.effects_in_flight == 0
     }
 
     /// Counts `task`.
@@ -266,7 +286,7 @@ mod tests {
     fn effect(key: &str, fence: u64) -> Effect {
         let scope =
             Scope::new(TenantId::parse("t").unwrap(), Namespace::parse("prod/pay").unwrap(), Key::parse(key).unwrap());
-        Effect { scope, fence: Fence(fence), completed_at: Timestamp(1) }
+        Effect { scope, fence: Fence(fence), completed_at: Timestamp(1), kept_until: Timestamp(2) }
     }
 
     #[test]

@@ -232,13 +232,14 @@ impl Guard {
     /// the key, as a recovery) without polling. The answer is reported to the observer.
     #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %claim.scope.tenant, namespace = %claim.scope.namespace, fingerprint = %claim.fingerprint, outcome))]
     pub async fn claim(&self, claim: Claim) -> Result<ClaimOutcome, GuardError> {
+        check_not_a_task(&claim.scope)?;
         self.claim_in(claim, None).await
     }
 
-    /// [`Guard::claim`], in `mode` whatever the settings say when one is given (a compensation
-    /// task is always enforced: it must run once).
-    async fn claim_in(&self, claim: Claim, mode: Option<Mode>) -> Result<ClaimOutcome, GuardError> {
-        let (outcome, scope, mode) = self.decide(claim, mode).await?;
+    /// [`Guard::claim`]; with `task`, the claim of a compensation task (see
+    /// [`rollback::TaskTerms`]).
+    async fn claim_in(&self, claim: Claim, task: Option<rollback::TaskTerms>) -> Result<ClaimOutcome, GuardError> {
+        let (outcome, scope, mode) = self.decide(claim, task).await?;
         let outcome = self.opened_claim(&scope, outcome).await?;
         tracing::Span::current().record("outcome", outcome.name());
         self.report_claim(&scope, &outcome, mode);
@@ -261,10 +262,24 @@ impl Guard {
     /// Decides a claim; answers the outcome and the claim's scope (for the observer). In
     /// observe mode the claim never waits, and an answer that would stop the caller is turned
     /// into [`ClaimOutcome::Proceed`] (see [`observed`]).
-    async fn decide(&self, claim: Claim, mode: Option<Mode>) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
+    async fn decide(
+        &self,
+        claim: Claim,
+        task: Option<rollback::TaskTerms>,
+    ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         let controls = self.controls().await?;
         let Prepared { mut req, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
-        let mode = mode.unwrap_or(in_force);
+        let mode = match &task {
+            // A compensation task is always enforced (it must run once), asks no approver (the
+            // admin who started the rollback approved its compensations), and is kept as long
+            // as the effect it undoes, whatever the settings say by then.
+            Some(task) => {
+                (ask, req.approval) = (None, None);
+                req.retention = req.retention.max(task.keep);
+                Mode::Enforce
+            }
+            None => in_force,
+        };
         if let Some(ask) = &mut ask {
             ask.record = mode == Mode::Enforce;
         }
@@ -371,6 +386,7 @@ impl Guard {
         let controls = self.controls().await?;
         let mut prepared = Vec::with_capacity(claims.len());
         for (i, claim) in claims.into_iter().enumerate() {
+            check_not_a_task(&claim.scope).map_err(|e| GuardError::from(e).at(i))?;
             if claim.wait.is_some_and(|w| !w.is_zero()) {
                 return Err(InvalidInput::new("wait", format!("claim {i}: a batch does not wait")).into());
             }
@@ -935,6 +951,20 @@ fn observed(mode: Mode, outcome: ClaimOutcome) -> ClaimOutcome {
         | (_, ClaimOutcome::Denied(crate::record::Denial::SwitchEngaged { .. })) => outcome,
         (Mode::Observe, _) => ClaimOutcome::Proceed(Box::new(outcome)),
     }
+}
+
+/// Refuses a claim of a compensation task's namespace through the front ends' door: those keys
+/// are claimed only as tasks ([`Guard::claim_compensation`]), so that no caller can take a
+/// task and complete it without running its compensation.
+fn check_not_a_task(scope: &Scope) -> Result<(), InvalidInput> {
+    if crate::rollback::is_task_namespace(&scope.namespace) {
+        return Err(InvalidInput::new(
+            "namespace",
+            "a namespace with a segment _undo holds compensation tasks, which are claimed only through \
+             POST /v1/runs/{run}/compensations/claim",
+        ));
+    }
+    Ok(())
 }
 
 /// Runs `step` (which deletes up to `batch` things and answers how many) until it deletes

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use crate::control::Mode;
 use crate::domain::{RunId, TenantId};
 use crate::guard::{Claim, Guard, GuardError};
 use std::collections::HashMap;
@@ -53,6 +52,13 @@ const BUSY_RETRY: Duration = Duration::from_secs(1);
 /// The most pages of a run's records a rollback reads.
 const MAX_RUN_PAGES: usize = 100;
 
+/// How a compensation task is claimed through the door ([`Guard::claim_compensation`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TaskTerms {
+    /// The task's record is kept at least this long: until its effect's record goes.
+    pub keep: Duration,
+}
+
 impl Guard {
     /// The rollback of `run` as it now stands, if the run is being rolled back.
     pub async fn rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<RollbackReport>, GuardError> {
@@ -80,11 +86,10 @@ impl Guard {
         run: &RunId,
         lease: Option<Duration>,
     ) -> Result<Option<CompensationClaim>, GuardError> {
-        if self.rollback_doc(tenant, run).await?.is_none() {
-            return Ok(None);
-        }
-        let (progress, tasks) = self.tasks(tenant, run).await?;
+        let Some(rollback) = self.rollback_doc(tenant, run).await? else { return Ok(None) };
+        let (progress, tasks) = self.tasks(&rollback).await?;
         let now = self.clock().now();
+        let mut refused = None;
         let mut soonest: Option<Duration> = None;
         let mut sooner = |d: Duration| soonest = Some(soonest.map_or(d, |s| s.min(d)));
         for task in tasks {
@@ -106,22 +111,30 @@ impl Guard {
                 run: Some(task_run(run)),
                 ..Claim::new(task.scope.clone(), task.fingerprint.clone())
             };
-            match self.claim_in(claim, Some(Mode::Enforce)).await? {
+            let terms = TaskTerms { keep: now.until(task.effect.kept_until) };
+            match self.claim_in(claim, Some(terms)).await? {
                 ClaimOutcome::Acquired(acquired) => {
                     return Ok(Some(CompensationClaim::Acquired(Box::new(TaskHeld { task, acquired }))));
                 }
                 ClaimOutcome::InFlight(in_flight) => sooner(in_flight.retry_after),
                 // Taken and finished by another worker meanwhile, or its key taken by another request.
                 ClaimOutcome::Replay(_) | ClaimOutcome::Mismatch => {}
-                refused => return Ok(Some(CompensationClaim::Refused(refused))),
+                // Refused (a switch on its namespace, a quota): the next task is tried.
+                other => {
+                    refused.get_or_insert(other);
+                }
             }
         }
         Ok(Some(match soonest {
             Some(retry_after) => CompensationClaim::Busy { retry_after, in_progress: progress.in_progress.max(1) },
-            None if progress.in_progress > 0 => {
+            // An effect still in flight may complete and become a task: the workers wait.
+            None if progress.in_progress > 0 || progress.effects_in_flight > 0 => {
                 CompensationClaim::Busy { retry_after: BUSY_RETRY, in_progress: progress.in_progress }
             }
-            None => CompensationClaim::Done { compensated: progress.compensated, failed: progress.failed },
+            None => match refused {
+                Some(refused) => CompensationClaim::Refused(refused),
+                None => CompensationClaim::Done { compensated: progress.compensated, failed: progress.failed },
+            },
         }))
     }
 
@@ -136,16 +149,19 @@ impl Guard {
 
     /// `rollback` with its progress and tasks as they now stand.
     pub(crate) async fn report(&self, rollback: Rollback) -> Result<RollbackReport, GuardError> {
-        let (progress, tasks) = self.tasks(&rollback.tenant, &rollback.run).await?;
+        let (progress, tasks) = self.tasks(&rollback).await?;
         Ok(RollbackReport { rollback, progress, tasks })
     }
 
-    /// The run's compensation tasks, newest effect first, each where its record says, and the
-    /// rollback's progress.
-    async fn tasks(&self, tenant: &TenantId, run: &RunId) -> Result<(Progress, Vec<Task>), GuardError> {
+    /// The rollback's compensation tasks, newest effect first, each where its record says, and
+    /// its progress. Its effects are the run's records made before it started (the cut-off): an
+    /// effect made after it (its switch released, the run going on) is none of its.
+    async fn tasks(&self, rollback: &Rollback) -> Result<(Progress, Vec<Task>), GuardError> {
+        let (tenant, run) = (&rollback.tenant, &rollback.run);
         let mut progress = Progress::default();
         let mut tasks = Vec::new();
-        for record in self.run_records(tenant, run).await? {
+        let records = self.run_records(tenant, run).await?;
+        for record in records.into_iter().filter(|r| r.created_at <= rollback.started_at) {
             match record.state {
                 RecordState::InProgress => progress.effects_in_flight += 1,
                 RecordState::Completed if record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Success) => {

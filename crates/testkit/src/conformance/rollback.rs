@@ -60,7 +60,7 @@ pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store
     let fence = c.acquire(&in_run(&failed, "f", RUN, 0)).await;
     let failure = Outcome { kind: OutcomeKind::Failure, ..success("{}") };
     c.applied(&failed, fence, Mutation::Fail { retryable: false, outcome: failure }).await;
-    c.acquire(&in_run(&scope("in-flight"), "i", RUN, 0)).await;
+    let in_flight = c.acquire(&in_run(&scope("in-flight"), "i", RUN, 0)).await;
 
     let (report, started) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
     assert!(started);
@@ -114,6 +114,10 @@ pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store
     assert_eq!(late, FencedOutcome::Stale(StaleReason::Superseded), "the crashed worker is fenced off");
     c.applied(&recovered.task.scope, recovered.acquired.fence, Mutation::Complete(success("{}"))).await;
 
+    // Every task ran, but an effect is still in flight: it may yet complete, so the workers
+    // wait; it completes without a compensation, and the rollback is done.
+    assert!(matches!(c.next_task().await, CompensationClaim::Busy { .. }), "an effect in flight");
+    c.applied(&scope("in-flight"), in_flight, Mutation::Complete(success("{}"))).await;
     assert_eq!(c.next_task().await, CompensationClaim::Done { compensated: 6, failed: 0 });
     let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
     assert!(report.tasks.iter().all(|t| t.state == TaskState::Compensated), "{:?}", report.tasks);
@@ -162,6 +166,118 @@ pub async fn concurrent_rollback_starts_start_once(store: Arc<dyn Store>) {
         let entries = page.entries.iter().filter(|e| e.target == run.as_str()).count();
         assert_eq!(entries, 1, "round {round}: one run.rollback entry");
     }
+}
+
+/// A task lives as long as its effect: a compensation task completed under a namespace whose
+/// `max_retention` was lowered below its effect's retention is never handed out again while the
+/// effect is kept.
+pub async fn a_task_lives_as_long_as_its_effect(store: Arc<dyn Store>) {
+    let c = case(store);
+    let s = scope("charge-long");
+    let req = ClaimRequest { retention: Duration::from_secs(60), ..in_run(&s, "charge-long", RUN, 0) };
+    let fence = c.acquire(&req).await;
+    c.applied(&s, fence, Mutation::Complete(undoable("{}", "refund", "{}"))).await;
+    c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
+    let lowered = SettingsEntry {
+        tenant: tenant(),
+        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+        settings: Settings {
+            default_retention: Some(Duration::from_secs(1)),
+            max_retention: Some(Duration::from_secs(2)),
+            ..Settings::default()
+        },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.guard.put_settings(lowered, None).await.unwrap();
+    let CompensationClaim::Acquired(held) = c.next_task().await else { panic!("no task") };
+    c.applied(&held.task.scope, held.acquired.fence, Mutation::Complete(success("{}"))).await;
+    for _ in 0..5 {
+        c.clock.advance(Duration::from_secs(10));
+        let next = c.next_task().await;
+        assert_eq!(next, CompensationClaim::Done { compensated: 1, failed: 0 }, "never handed out again");
+    }
+}
+
+/// A rollback is done only when no effect of its run can still complete: an effect in flight
+/// when it started keeps the workers waiting (`busy`), and becomes a task once it completes.
+/// And it has a cut-off: an effect the run makes after it started (its switch released) is
+/// none of its tasks.
+pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Arc<dyn Store>) {
+    let c = case(store);
+    let late = scope("charge-late");
+    let fence = c.acquire(&in_run(&late, "charge-late", RUN, 0)).await;
+    c.clock.advance(Duration::from_secs(1));
+    c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
+    let waiting = c.next_task().await;
+    assert!(matches!(waiting, CompensationClaim::Busy { .. }), "an effect in flight: {waiting:?}");
+    let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
+    assert!(!report.progress.done(), "not done while an effect is in flight: {:?}", report.progress);
+    c.applied(&late, fence, Mutation::Complete(undoable("{}", "refund", "{}"))).await;
+    let CompensationClaim::Acquired(held) = c.next_task().await else { panic!("the late effect's task") };
+    assert_eq!(held.task.effect.scope, late);
+    c.applied(&held.task.scope, held.acquired.fence, Mutation::Complete(success("{}"))).await;
+    assert_eq!(c.next_task().await, CompensationClaim::Done { compensated: 1, failed: 0 });
+
+    // The switch released, the run goes on: its new effects are not the old rollback's tasks.
+    let target = SwitchTarget::Run { run: run_id() };
+    c.guard.release_switch("admin-key", &tenant(), &target, Some("fixed".into())).await.unwrap();
+    c.clock.advance(Duration::from_secs(1));
+    c.effect("charge-after", undoable("{}", "refund", "{}")).await;
+    assert_eq!(c.next_task().await, CompensationClaim::Done { compensated: 1, failed: 0 });
+    let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
+    assert_eq!(report.tasks.len(), 1, "{:?}", report.tasks);
+    assert!(report.progress.done());
+}
+
+/// Compensations ask no approver (the admin who started the rollback approved them), and one
+/// refused task never blocks the others: with a kill switch on the newest effect's namespace,
+/// the older effect's task is handed out; the refusal is answered once nothing else is left.
+pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store: Arc<dyn Store>) {
+    let c = case(store);
+    let approvals = SettingsEntry {
+        tenant: tenant(),
+        namespace_prefix: Some(Namespace::parse("prod/payments-agent").unwrap()),
+        settings: Settings { approval_required: Some(true), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.effect("charge-a", undoable("{}", "refund", "{}")).await;
+    let other = scope_in("acme", "prod/mail-agent", "mail-b");
+    let fence = c.acquire(&in_run(&other, "mail-b", RUN, 0)).await;
+    c.applied(&other, fence, Mutation::Complete(undoable("{}", "unsend", "{}"))).await;
+    c.guard.put_settings(approvals, None).await.unwrap();
+    c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod/mail-agent").unwrap() };
+    c.guard.engage_switch("admin-key", &tenant(), target, "freeze mail".into(), false).await.unwrap();
+
+    let CompensationClaim::Acquired(held) = c.next_task().await else { panic!("the task not refused") };
+    assert_eq!(held.task.effect.scope, scope("charge-a"), "the refused newest task blocks nothing");
+    c.applied(&held.task.scope, held.acquired.fence, Mutation::Complete(success("{}"))).await;
+    let left = c.next_task().await;
+    assert!(
+        matches!(left, CompensationClaim::Refused(ClaimOutcome::Denied(Denial::SwitchEngaged { .. }))),
+        "what is left is refused, and says why: {left:?}"
+    );
+}
+
+/// The keys of compensation tasks are reserved: no claim through the front ends' door (alone
+/// or in a batch) reaches a namespace with a segment `_undo`, so no caller can take a task and
+/// complete it without running its compensation.
+pub async fn task_namespaces_are_reserved(store: Arc<dyn Store>) {
+    let c = case(store);
+    c.effect("charge-r", undoable("{}", "refund", "{}")).await;
+    let (report, _) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
+    let task = &report.tasks[0];
+    let claim = onceguard_core::Claim::new(task.scope.clone(), task.fingerprint.clone());
+    let refused = c.guard.claim(claim.clone()).await;
+    assert!(matches!(&refused, Err(onceguard_core::GuardError::Invalid(e)) if e.field == "namespace"), "{refused:?}");
+    let refused = c.guard.claim_batch(vec![claim]).await;
+    assert!(matches!(&refused, Err(onceguard_core::GuardError::Invalid(e)) if e.field == "namespace"), "{refused:?}");
+    let elsewhere = scope_in("acme", "prod/_undo/x", "k");
+    let refused = c.guard.claim(onceguard_core::Claim::new(elsewhere, Fingerprint::sha256(b"x"))).await;
+    assert!(refused.is_err(), "any namespace with the segment is reserved");
+    let CompensationClaim::Acquired(_) = c.next_task().await else { panic!("the worker still gets the task") };
 }
 
 /// A compensation that fails permanently is kept and shown as failed, and never handed out
