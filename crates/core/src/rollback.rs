@@ -24,8 +24,8 @@
 //! handed out again.
 //!
 //! A rollback has a cut-off and an end: its effects are those its run made before it started
-//! ([`Rollback::started_at`]; one in flight then becomes a task when it completes), never one
-//! made after (once its switch was released, say), and it is done only when no effect of it
+//! and every instance saw its switch ([`Rollback::cut_off`]; one in flight then becomes a task
+//! when it completes), never one made after (once its switch was released, say), and it is done only when no effect of it
 //! can still complete and every task is compensated or failed.
 //!
 //! A compensation task is always enforced, whatever the namespace's mode: it must run once.
@@ -56,6 +56,15 @@ pub struct Rollback {
     pub started_by: String,
     /// When.
     pub started_at: Timestamp,
+}
+
+impl Rollback {
+    /// Its effects are the run's records made until then: its start, and the time every
+    /// instance takes to see the run's switch (twice [`crate::control_cache::CONTROL_MAX_AGE`]),
+    /// so that an effect an instance claimed before it saw the switch is still undone.
+    pub fn cut_off(&self) -> Timestamp {
+        self.started_at.plus(crate::control_cache::CONTROL_MAX_AGE * 2)
+    }
 }
 
 /// Where a compensation task stands.

@@ -154,14 +154,15 @@ impl Guard {
     }
 
     /// The rollback's compensation tasks, newest effect first, each where its record says, and
-    /// its progress. Its effects are the run's records made before it started (the cut-off): an
-    /// effect made after it (its switch released, the run going on) is none of its.
+    /// its progress. Its effects are the run's records made before its cut-off
+    /// ([`Rollback::cut_off`]): an effect made after it (its switch released, the run going on)
+    /// is none of its.
     async fn tasks(&self, rollback: &Rollback) -> Result<(Progress, Vec<Task>), GuardError> {
         let (tenant, run) = (&rollback.tenant, &rollback.run);
         let mut progress = Progress::default();
         let mut tasks = Vec::new();
         let records = self.run_records(tenant, run).await?;
-        for record in records.into_iter().filter(|r| r.created_at <= rollback.started_at) {
+        for record in records.into_iter().filter(|r| r.created_at <= rollback.cut_off()) {
             match record.state {
                 RecordState::InProgress => progress.effects_in_flight += 1,
                 RecordState::Completed if record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Success) => {

@@ -222,7 +222,7 @@ pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Arc<d
     // The switch released, the run goes on: its new effects are not the old rollback's tasks.
     let target = SwitchTarget::Run { run: run_id() };
     c.guard.release_switch("admin-key", &tenant(), &target, Some("fixed".into())).await.unwrap();
-    c.clock.advance(Duration::from_secs(1));
+    c.clock.advance(Duration::from_secs(3));
     c.effect("charge-after", undoable("{}", "refund", "{}")).await;
     assert_eq!(c.next_task().await, CompensationClaim::Done { compensated: 1, failed: 0 });
     let report = c.guard.rollback(&tenant(), &run_id()).await.unwrap().unwrap();
