@@ -124,7 +124,14 @@ async fn switch_under_load(label: &str, store: &str) {
     for (instance, (refused, flowing)) in refused.iter().zip(&flowing).enumerate() {
         assert!(refused.is_some(), "instance {instance} refused claims after the engage");
         assert!(flowing.is_some(), "instance {instance} acquired again after the release");
-        let first_refusal = engaged + refused.unwrap();
+        // Ordered by cause: a claim sent after the instance *answered* its first refusal (one
+        // sent earlier may still be decided on the switches read before).
+        let first_refusal = answers
+            .iter()
+            .filter(|a| a.instance == instance && a.status == 423 && a.sent >= engaged)
+            .map(|a| a.answered)
+            .min()
+            .expect("a refusal");
         let acquired_after = answers
             .iter()
             .filter(|a| a.instance == instance && a.sent > first_refusal && a.answered < releasing)
