@@ -243,7 +243,7 @@ pub async fn run(args: BenchArgs, config: &onceguard_server::Config) -> Result<(
             let mut config = config.clone();
             config.auth.allow_anonymous = true;
             let guard = onceguard_server::open_guard(&config).await.context("opening the store")?;
-            let kind = guard.store().kind();
+            let kind = guard.store_kind();
             let state = onceguard_server::AppState::new(guard, &config)?;
             (serve(onceguard_server::router(state, &config)).await?, None, format!("this process, {kind} store"))
         }

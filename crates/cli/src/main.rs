@@ -165,7 +165,7 @@ async fn serve(config: Config, tracing: bool) -> Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(
         %addr,
-        store = guard.store().kind(),
+        store = guard.store_kind(),
         tracing,
         "onceguard is serving; API at http://{addr}/v1, dashboard at http://{addr}/dashboard, metrics at http://{addr}/metrics"
     );
@@ -185,7 +185,7 @@ async fn proxy(config: Config) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", config.proxy.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, upstream = %config.proxy.upstream, store = guard.store().kind(), "onceguard proxy is serving");
+    tracing::info!(%addr, upstream = %config.proxy.upstream, store = guard.store_kind(), "onceguard proxy is serving");
     onceguard_proxy::run(&config, guard, listener, shutdown_signal()).await?;
     tracing::info!("stopped");
     Ok(())
@@ -207,7 +207,7 @@ async fn mcp(config: Config) -> Result<()> {
         %addr,
         upstream = %config.mcp.upstream,
         upstream_name = %options.upstream_name,
-        store = guard.store().kind(),
+        store = guard.store_kind(),
         "onceguard mcp is serving; connect MCP clients to http://{addr}{}",
         options.endpoint
     );

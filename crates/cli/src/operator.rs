@@ -364,7 +364,7 @@ pub(crate) enum SettingsCommand {
 pub(crate) async fn run(config: &Config, command: OperatorCommand) -> Result<()> {
     let guard: Guard = onceguard_server::open_guard(config).await.context("opening the store")?;
     match command {
-        OperatorCommand::Migrate => println!("the {} store is migrated", guard.store().kind()),
+        OperatorCommand::Migrate => println!("the {} store is migrated", guard.store_kind()),
         OperatorCommand::Tenants(command) => tenants(&guard, command).await?,
         OperatorCommand::ApiKeys(command) => api_keys(&guard, command).await?,
         OperatorCommand::Keys(command) => keys(&guard, command).await?,

@@ -33,7 +33,7 @@ fn check_why(why: Option<&str>) -> Result<(), InvalidInput> {
 
 impl Guard {
     /// Appends an entry to the audit log.
-    pub async fn audit(&self, entry: AuditEntry) -> Result<(), GuardError> {
+    pub(crate) async fn audit(&self, entry: AuditEntry) -> Result<(), GuardError> {
         Ok(self.store().append_audit(&entry).await?)
     }
 
@@ -75,10 +75,22 @@ impl Guard {
             return Ok(None);
         }
         let new = ApiKey::generate(tenant.clone(), role, label, self.clock().now());
-        let entry = AuditEntry::new(tenant.clone(), new.key.created_at, actor, "api_key.create", new.key.id.as_str())
-            .details(serde_json::json!({ "role": role.as_str(), "label": label }));
-        self.store().create_api_key(&new.key, Some(&entry)).await?;
+        self.add_api_key(actor, &new.key).await?;
         Ok(Some(new))
+    }
+
+    /// Stores an API key made by the caller ([`ApiKey::generate`], whose token the caller has
+    /// kept; the bootstrap writes it to a file first), audited as `api_key.create` with its
+    /// role and label in the same write.
+    pub async fn add_api_key(&self, actor: &str, key: &ApiKey) -> Result<(), GuardError> {
+        let entry = AuditEntry::new(key.tenant.clone(), key.created_at, actor, "api_key.create", key.id.as_str())
+            .details(serde_json::json!({ "role": key.role.as_str(), "label": key.label }));
+        Ok(self.store().create_api_key(key, Some(&entry)).await?)
+    }
+
+    /// The API key `id` as stored (revoked or not; its secret's digest only).
+    pub async fn api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, GuardError> {
+        Ok(self.store().get_api_key(id).await?)
     }
 
     /// A tenant's API keys, newest first (never their secrets).
@@ -216,6 +228,15 @@ impl Guard {
         why: String,
     ) -> Result<(RollbackReport, bool), GuardError> {
         check_reason("why", &why)?;
+        // A run rolled back already answers its rollback, and changes nothing (its switch may
+        // have been released since: it stays released).
+        if let Some(existing) = self.refresh_controls().await?.rollback(tenant, run) {
+            return Ok((self.report(existing.clone()).await?, false));
+        }
+        // The run is switched off first, so that the rollback's cut-off (from its start, which
+        // comes after) covers every effect an instance claimed before it saw the switch.
+        let target = SwitchTarget::Run { run: run.clone() };
+        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
         let now = self.clock().now();
         let rollback =
             Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
@@ -232,13 +253,6 @@ impl Guard {
                 StoreError::Unavailable("the run's rollback was started but could not be read back".into())
             })?
         };
-        // The run is switched off; a start that stopped between its two writes is completed by
-        // the next one.
-        let switched_off = controls.refused_runs(tenant).iter().any(|(r, _)| r == run);
-        if started || !switched_off {
-            let target = SwitchTarget::Run { run: run.clone() };
-            self.engage_switch(actor, tenant, target, format!("rolled back: {}", rollback.why), false).await?;
-        }
         Ok((self.report(rollback).await?, started))
     }
 

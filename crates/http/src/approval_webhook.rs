@@ -62,7 +62,7 @@ impl Webhook {
     /// taken by another instance. Answers how many were delivered.
     pub async fn notify_pending(&self, guard: &Guard) -> Result<usize, GuardError> {
         let mut delivered = 0;
-        for tenant in guard.store().list_tenants().await? {
+        for tenant in guard.tenants().await? {
             for approval in &guard.all_approvals(&tenant.id, Some(ApprovalState::Pending), usize::MAX).await? {
                 // One approval's store write failing leaves the others to be sent.
                 match self.notify(guard, approval).await {

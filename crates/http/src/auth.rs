@@ -10,7 +10,7 @@ use axum::extract::FromRequestParts;
 use axum::http::header;
 use axum::http::request::Parts;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, parse_token};
-use onceguard_core::{Clock, Store, StoreError, TenantId, Timestamp};
+use onceguard_core::{Clock, Guard, GuardError, TenantId, Timestamp};
 
 use crate::AppState;
 use crate::problem::ApiError;
@@ -79,9 +79,9 @@ async fn authenticate(parts: &Parts, state: &AppState) -> Result<Caller, ApiErro
 /// The unrevoked API key whose token is `token` (`og_<id>_<secret>`): parsed, looked up
 /// (remembered, or read from the store) and its secret checked. `None` for a malformed token,
 /// an unknown id, a wrong secret or a revoked key alike.
-pub async fn verified_key(state: &AppState, token: &str) -> Result<Option<ApiKey>, StoreError> {
+pub async fn verified_key(state: &AppState, token: &str) -> Result<Option<ApiKey>, GuardError> {
     let Some((id, secret)) = parse_token(token) else { return Ok(None) };
-    let key = state.api_keys.get(state.guard.store().as_ref(), &id).await?;
+    let key = state.api_keys.get(&state.guard, &id).await?;
     Ok(key.filter(|key| key.verify(secret)))
 }
 
@@ -115,16 +115,17 @@ impl KeyCache {
         self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The key `id`: remembered if read less than the time to live ago, else read from `store`.
-    pub async fn get(&self, store: &dyn Store, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        self.get_or_read(id, || store.get_api_key(id)).await
+    /// The key `id`: remembered if read less than the time to live ago, else read through
+    /// `guard`.
+    pub async fn get(&self, guard: &Guard, id: &ApiKeyId) -> Result<Option<ApiKey>, GuardError> {
+        self.get_or_read(id, || guard.api_key(id)).await
     }
 
     /// The key `id`: remembered if read less than the time to live ago, else what `read_store`
     /// (a read of the store) answers.
-    async fn get_or_read<F>(&self, id: &ApiKeyId, read_store: impl FnOnce() -> F) -> Result<Option<ApiKey>, StoreError>
+    async fn get_or_read<F, E>(&self, id: &ApiKeyId, read_store: impl FnOnce() -> F) -> Result<Option<ApiKey>, E>
     where
-        F: std::future::Future<Output = Result<Option<ApiKey>, StoreError>>,
+        F: std::future::Future<Output = Result<Option<ApiKey>, E>>,
     {
         if self.ttl.is_zero() {
             return read_store().await;
@@ -174,25 +175,26 @@ mod tests {
 
     #[tokio::test]
     async fn remembered_keys_are_forgotten_on_revocation_and_unknown_ids_never_remembered() {
-        let store = MemoryStore::new();
+        let store = Arc::new(MemoryStore::new());
+        let guard = Guard::new(store.clone(), Arc::new(SystemClock), onceguard_core::Limits::default());
         let tenant = TenantId::parse("acme").unwrap();
         let new = ApiKey::generate(tenant.clone(), Role::Agent, "test", Timestamp(1));
         store.create_api_key(&new.key, None).await.unwrap();
         let cache = KeyCache::new(Duration::from_secs(60), Arc::new(SystemClock));
         let id = new.key.id.clone();
-        assert_eq!(cache.get(&store, &id).await.unwrap().map(|k| k.id), Some(id.clone()));
+        assert_eq!(cache.get(&guard, &id).await.unwrap().map(|k| k.id), Some(id.clone()));
         // Revoked in the store only: this instance still answers from its memory...
         assert!(store.revoke_api_key(&tenant, &id, Timestamp(2), None).await.unwrap());
-        assert!(cache.get(&store, &id).await.unwrap().unwrap().revoked_at.is_none());
+        assert!(cache.get(&guard, &id).await.unwrap().unwrap().revoked_at.is_none());
         // ...until it forgets the key, as a revocation through it does; then it reads the store.
         cache.forget(&id);
-        assert!(cache.get(&store, &id).await.unwrap().unwrap().revoked_at.is_some());
+        assert!(cache.get(&guard, &id).await.unwrap().unwrap().revoked_at.is_some());
 
         let unknown = ApiKey::generate(tenant.clone(), Role::Agent, "never stored", Timestamp(1)).key;
-        assert!(cache.get(&store, &unknown.id).await.unwrap().is_none());
+        assert!(cache.get(&guard, &unknown.id).await.unwrap().is_none());
         assert!(!cache.keys().contains_key(&unknown.id), "an unknown id is not remembered");
         store.create_api_key(&unknown, None).await.unwrap();
-        assert!(cache.get(&store, &unknown.id).await.unwrap().is_some(), "a key created later is found at once");
+        assert!(cache.get(&guard, &unknown.id).await.unwrap().is_some(), "a key created later is found at once");
     }
 
     #[tokio::test]
@@ -227,7 +229,8 @@ mod tests {
         let stale = slow.await.unwrap().unwrap().unwrap();
         assert!(stale.revoked_at.is_none(), "the held-up request saw the key as it was when read");
         assert!(!cache.keys().contains_key(&id), "but the cache did not take in a read older than the revocation");
-        let now = cache.get(store.as_ref(), &id).await.unwrap().unwrap();
+        let guard = Guard::new(store.clone(), Arc::new(SystemClock), onceguard_core::Limits::default());
+        let now = cache.get(&guard, &id).await.unwrap().unwrap();
         assert!(now.revoked_at.is_some(), "the next request reads the store and sees the revocation");
     }
 }

@@ -86,9 +86,12 @@ impl AppState {
         let metrics = Arc::new(Metrics::with_tenant_labels(config.metrics.tenant_labels));
         let metrics_token = config.metrics.token_file.as_deref().map(read_metrics_token).transpose()?;
         let clock = guard.clock().clone();
-        let store = Arc::new(observed_store::ObservedStore::new(guard.store().clone(), metrics.clone()));
+        let observed = |store| -> Arc<dyn onceguard_core::Store> {
+            Arc::new(observed_store::ObservedStore::new(store, metrics.clone()))
+        };
+        let guard = guard.wrapping_store(observed);
         Ok(Self(Arc::new(SharedState {
-            guard: guard.with_store(store).with_observer(metrics.clone()),
+            guard: guard.with_observer(metrics.clone()),
             metrics,
             metrics_config: config.metrics.clone(),
             operator_tenant: TenantId::parse(&config.auth.operator_tenant)?,

@@ -572,13 +572,13 @@ impl Metrics {
         if scan.0.is_some_and(|at| at.elapsed() < config.refresh_interval) {
             return scan.1.clone();
         }
-        let store = guard.store().kind();
+        let store = guard.store_kind();
         let mut result = KeyScan { at: Some(guard.clock().now()), complete: true, ..KeyScan::default() };
         let work = async {
-            guard.store().ping().await?;
+            guard.ping().await?;
             let (mut counts, mut approvals) = (BTreeMap::new(), BTreeMap::new());
             let mut complete = true;
-            for tenant in guard.store().list_tenants().await? {
+            for tenant in guard.tenants().await? {
                 let (in_flight, stuck) = guard.count_in_progress(&tenant.id, config.scan_max_pages).await?;
                 complete &= in_flight < config.scan_max_pages * onceguard_core::store::MAX_PAGE;
                 counts.insert(tenant.id.to_string(), (in_flight, stuck));

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
-use onceguard_core::auth::{ApiKey, Role, Tenant};
+use onceguard_core::auth::Role;
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::{Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, RunId, Scope, TenantId};
 use onceguard_http::Config;
@@ -523,16 +523,11 @@ async fn callers_are_scoped_by_their_api_key() {
     let app = spawn_app(|c| c.auth.allow_anonymous = false).await;
     let anonymous = app.post(&call(json!(1), "echo", json!({}), Some("k"))).await;
     assert_eq!(anonymous.status(), 401);
-    let store = app.guard.store();
     let mut tokens = Vec::new();
     for tenant in ["acme", "globex"] {
         let id = TenantId::parse(tenant).unwrap();
-        store
-            .create_tenant(&Tenant { id: id.clone(), created_at: onceguard_core::Timestamp::now() }, None)
-            .await
-            .unwrap();
-        let new = ApiKey::generate(id, Role::Agent, "agent", onceguard_core::Timestamp::now());
-        store.create_api_key(&new.key, None).await.unwrap();
+        app.guard.create_tenant("test", &id).await.unwrap();
+        let new = app.guard.create_api_key("test", &id, Role::Agent, "agent").await.unwrap().expect("the tenant");
         tokens.push(new.token);
     }
     for (i, token) in tokens.iter().enumerate() {

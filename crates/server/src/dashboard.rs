@@ -317,7 +317,7 @@ pub async fn dashboard_data(
     let controls = controls_view(&state, &tenant).await;
     let now = state.guard.clock().now();
     let tenants = if require_operator(&state, &caller).is_ok() {
-        state.guard.store().list_tenants().await?.into_iter().map(|t| t.id.to_string()).collect()
+        state.guard.tenants().await?.into_iter().map(|t| t.id.to_string()).collect()
     } else {
         vec![caller.tenant.to_string()]
     };
@@ -364,7 +364,7 @@ pub async fn dashboard_data(
         stuck,
         recent: metrics.live().events(tenant.as_str()),
         store: StoreView {
-            kind: state.guard.store().kind(),
+            kind: state.guard.store_kind(),
             up: scan.store_up,
             checked_at: scan.at.map(Timestamp::to_rfc3339),
             error: scan.store_error,

@@ -18,7 +18,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use onceguard_core::auth::{ApiKey, Role};
-use onceguard_core::control::AuditEntry;
 use onceguard_core::{Clock, Guard, SystemClock, TenantId};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
@@ -249,10 +248,7 @@ pub async fn bootstrap(guard: &Guard, config: &Config) -> Result<Option<std::pat
     // would stop the next start from making one.
     let new = ApiKey::generate(tenant, Role::Admin, "bootstrap", guard.clock().now());
     write_secret(file, &new.token)?;
-    let audit =
-        AuditEntry::new(new.key.tenant.clone(), new.key.created_at, SYSTEM, "api_key.create", new.key.id.as_str())
-            .details(serde_json::json!({ "role": "admin", "label": "bootstrap" }));
-    guard.store().create_api_key(&new.key, Some(&audit)).await?;
+    guard.add_api_key(SYSTEM, &new.key).await?;
     Ok(Some(file.clone()))
 }
 

@@ -543,7 +543,7 @@ pub async fn concurrent_claims_acquire_exactly_once(store: Arc<dyn Store>) {
 /// purge leaves none; purge then completion is stale). A purge must never be undone by a
 /// completion that read the record before it.
 pub async fn purge_racing_a_completion_leaves_no_record(store: Arc<dyn Store>) {
-    let c = case(store);
+    let c = case(store.clone());
     let mut both = 0;
     for round in 0..200 {
         let key = scope(&format!("purge-race-{round}"));
@@ -551,8 +551,8 @@ pub async fn purge_racing_a_completion_leaves_no_record(store: Arc<dyn Store>) {
         let (guard, k) = (c.guard.clone(), key.clone());
         let complete =
             tokio::spawn(async move { guard.mutate(&k, f, Mutation::Complete(success("done"))).await.unwrap() });
-        let (guard, k) = (c.guard.clone(), key.clone());
-        let purge = tokio::spawn(async move { guard.store().purge(&k).await.unwrap() });
+        let (store, k) = (store.clone(), key.clone());
+        let purge = tokio::spawn(async move { store.purge(&k).await.unwrap() });
         let (completed, purged) = (complete.await.unwrap(), purge.await.unwrap());
         assert!(purged, "round {round}: the purge found no record, though the key was held");
         match completed {

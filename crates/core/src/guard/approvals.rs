@@ -63,6 +63,15 @@ impl Guard {
                 RecordState::Released => r.approval.is_some() && r.fingerprint == req.fingerprint,
             });
             if own {
+                // A retry of a released record is the approved call only if it is the call
+                // the person saw: its run, and no more cost.
+                if let Some(released) = record.as_ref().filter(|r| r.state == RecordState::Released)
+                    && let Some(approval) = self.store.approval_of(&req.scope, now).await?
+                    && released.approval.as_ref() == Some(&approval.id)
+                    && !binds(&approval, req)
+                {
+                    return Ok(Gate::Answer(ClaimOutcome::Mismatch));
+                }
                 return Ok(Gate::Claim(None));
             }
             let kept = self.store.approval_of(&req.scope, now).await?;

@@ -167,10 +167,20 @@ impl Guard {
         Self { observer, ..self.clone() }
     }
 
-    /// The same guard (clock, limits, waiters) over another store: used to wrap the store, e.g.
-    /// to measure every store operation, without losing the waiters already subscribed.
-    pub fn with_store(&self, store: Arc<dyn Store>) -> Self {
-        Self { store, ..self.clone() }
+    /// The same guard (clock, limits, waiters) over its store wrapped by `wrap`, e.g. to
+    /// measure every store operation, without losing the waiters already subscribed.
+    pub fn wrapping_store(&self, wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>) -> Self {
+        Self { store: wrap(self.store.clone()), ..self.clone() }
+    }
+
+    /// The store's short name (`memory`, `sqlite`, `postgres`, `redis`), for logs and metrics.
+    pub fn store_kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    /// Whether the store answers (the readiness check).
+    pub async fn ping(&self) -> Result<(), GuardError> {
+        Ok(self.store.ping().await?)
     }
 
     /// The limits in force.
@@ -178,8 +188,8 @@ impl Guard {
         &self.limits
     }
 
-    /// The store.
-    pub fn store(&self) -> &Arc<dyn Store> {
+    /// The store: for the guard's own modules only; everything else goes through the door.
+    pub(crate) fn store(&self) -> &Arc<dyn Store> {
         &self.store
     }
 

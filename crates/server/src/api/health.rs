@@ -19,7 +19,7 @@ pub async fn healthz() -> Json<HealthView> {
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "Ready", body = HealthView), (status = 503, description = "The store does not answer", body = Problem, content_type = "application/problem+json")))]
 pub async fn readyz(State(state): State<AppState>) -> ApiResult<Json<HealthView>> {
-    match tokio::time::timeout(Duration::from_secs(2), state.guard.store().ping()).await {
+    match tokio::time::timeout(Duration::from_secs(2), state.guard.ping()).await {
         Ok(pinged) => pinged?,
         Err(_) => return Err(ApiError::StoreUnavailable("the store did not answer within 2s".into())),
     }

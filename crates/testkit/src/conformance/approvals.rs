@@ -410,6 +410,10 @@ pub async fn an_approval_lets_its_call_run_once(store: Arc<dyn Store>) {
     c.applied(&s, first, Mutation::Fail { retryable: true, outcome: failed }).await;
     // The released key: another request is refused; the same one runs again.
     assert_eq!(c.claim(&request(&s, "transfer 5000")).await, ClaimOutcome::Mismatch);
+    // So is the same request in another run, or declaring more cost than the person saw.
+    let other_run = ClaimRequest { run: Some(RunId::parse("run-9").unwrap()), ..req.clone() };
+    assert_eq!(c.claim(&other_run).await, ClaimOutcome::Mismatch, "another run");
+    assert_eq!(c.claim(&ClaimRequest { cost: 9, ..req.clone() }).await, ClaimOutcome::Mismatch, "more cost");
     let retry = c.acquire(&req).await;
     c.applied(&s, retry, Mutation::Complete(success("sent"))).await;
     // The record's retention passes (the approval is still kept): the call ran; running it
