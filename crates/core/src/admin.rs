@@ -20,7 +20,8 @@ pub const MAX_REASON_BYTES: usize = 1_024;
 /// Longest label of an API key, in bytes.
 pub const MAX_LABEL_BYTES: usize = 128;
 
-fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
+/// Checks a reason or explanation an operator gives: 1 to [`MAX_REASON_BYTES`] bytes, not blank.
+pub(crate) fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
     if text.trim().is_empty() || text.len() > MAX_REASON_BYTES {
         return Err(InvalidInput::new(field, format!("must be 1 to {MAX_REASON_BYTES} bytes, not blank")));
     }

@@ -171,9 +171,7 @@ impl Guard {
         by: &str,
         why: String,
     ) -> Result<Approval, GuardError> {
-        if why.trim().is_empty() || why.len() > crate::approval::MAX_SUMMARY {
-            return Err(InvalidInput::new("why", "say why, in 1 to 1024 bytes").into());
-        }
+        crate::admin::check_reason("why", &why)?;
         // An approval changed under the decision (its webhook notice moved on) is read again;
         // one decided or gone meanwhile says so.
         for _ in 0..3 {

@@ -195,9 +195,11 @@ pub(crate) enum Answer {
 /// The API's view of an acquisition.
 pub(crate) fn acquired_view(a: onceguard_core::Acquired) -> AcquiredView {
     let recovery = a.recovery.map(|r| {
-        let (reason, detail) = match r.reason {
-            RecoveryReason::LeaseExpired => ("lease_expired", None),
-            RecoveryReason::ReportedUnknown { detail } => ("reported_unknown", Some(detail)),
+        // The reason's name is the vocabulary's (`RecoveryKind`), as metrics and the docs say it.
+        let reason = r.reason.kind().as_str();
+        let detail = match r.reason {
+            RecoveryReason::LeaseExpired => None,
+            RecoveryReason::ReportedUnknown { detail } => Some(detail),
         };
         RecoveryView {
             previous_fence: r.previous_fence.0,
