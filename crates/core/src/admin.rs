@@ -14,19 +14,11 @@ use crate::guard::{Guard, GuardError};
 use crate::rollback::{Rollback, RollbackReport};
 use crate::store::StoreError;
 
-/// Longest reason or explanation an operator may give, in bytes.
-pub const MAX_REASON_BYTES: usize = 1_024;
+pub use crate::domain::MAX_REASON_BYTES;
+use crate::domain::check_reason;
 
 /// Longest label of an API key, in bytes.
 pub const MAX_LABEL_BYTES: usize = 128;
-
-/// Checks a reason or explanation an operator gives: 1 to [`MAX_REASON_BYTES`] bytes, not blank.
-pub(crate) fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
-    if text.trim().is_empty() || text.len() > MAX_REASON_BYTES {
-        return Err(InvalidInput::new(field, format!("must be 1 to {MAX_REASON_BYTES} bytes, not blank")));
-    }
-    Ok(())
-}
 
 fn check_why(why: Option<&str>) -> Result<(), InvalidInput> {
     why.map_or(Ok(()), |w| check_reason("why", w))

@@ -402,6 +402,18 @@ pub mod duration_ms {
     }
 }
 
+/// Longest reason or explanation an operator (or an approver) may give, in bytes.
+pub const MAX_REASON_BYTES: usize = 1_024;
+
+/// Checks a reason or explanation an operator or an approver gives: 1 to
+/// [`MAX_REASON_BYTES`] bytes, not blank.
+pub fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput> {
+    if text.trim().is_empty() || text.len() > MAX_REASON_BYTES {
+        return Err(InvalidInput::new(field, format!("must be 1 to {MAX_REASON_BYTES} bytes, not blank")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,12 +58,16 @@ pub struct Rollback {
     pub started_at: Timestamp,
 }
 
+/// How long after its start a rollback still takes the run's effects as its own: twice the
+/// time every instance takes to see the run's switch (`control_cache::CONTROL_MAX_AGE`, which
+/// the guard checks it covers), so that an effect an instance claimed before it saw the switch
+/// is still undone.
+pub const CUT_OFF_MARGIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Rollback {
-    /// Its effects are the run's records made until then: its start, and the time every
-    /// instance takes to see the run's switch (twice [`crate::control_cache::CONTROL_MAX_AGE`]),
-    /// so that an effect an instance claimed before it saw the switch is still undone.
+    /// Its effects are the run's records made until then: its start and [`CUT_OFF_MARGIN`].
     pub fn cut_off(&self) -> Timestamp {
-        self.started_at.plus(crate::control_cache::CONTROL_MAX_AGE * 2)
+        self.started_at.plus(CUT_OFF_MARGIN)
     }
 }
 

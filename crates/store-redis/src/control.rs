@@ -317,6 +317,41 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Writes `doc` with `script` ([`crate::scripts::INSERT_CONTROL`], or
+    /// [`crate::scripts::REPLACE_CONTROL`] over the body `expected`), its audit entry in the
+    /// outbox in the same script; answers whether it wrote.
+    async fn write_control(
+        &self,
+        what: &'static str,
+        script: &redis::Script,
+        expected: Option<&str>,
+        doc: &ControlDoc,
+        audit: &AuditEntry,
+    ) -> Result<bool, StoreError> {
+        let entry = serde_json::to_string(audit).map_err(corrupt)?;
+        self.bounded(what, async {
+            let mut conn = self.conn.clone();
+            let mut invocation = script.prepare_invoke();
+            invocation.key(self.keys.control()).key(self.keys.control_audit_outbox()).arg(control_field(
+                doc.kind,
+                &doc.tenant,
+                &doc.id,
+            ));
+            if let Some(expected) = expected {
+                invocation.arg(expected);
+            }
+            invocation.arg(doc.body.as_str()).arg(audit.id.as_str()).arg(entry);
+            let wrote: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable(what))?;
+            if wrote == 1 {
+                self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
+            }
+            Ok(wrote == 1)
+        })
+        .await
+    }
+}
+
 #[async_trait]
 impl ControlStore for RedisStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
@@ -324,25 +359,7 @@ impl ControlStore for RedisStore {
     }
 
     async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        let entry = serde_json::to_string(audit).map_err(corrupt)?;
-        self.bounded("insert a control document", async {
-            let mut conn = self.conn.clone();
-            let mut invocation = SCRIPTS.insert_control.prepare_invoke();
-            invocation
-                .key(self.keys.control())
-                .key(self.keys.control_audit_outbox())
-                .arg(control_field(doc.kind, &doc.tenant, &doc.id))
-                .arg(doc.body.as_str())
-                .arg(audit.id.as_str())
-                .arg(entry);
-            let wrote: i64 =
-                invocation.invoke_async(&mut conn).await.map_err(unavailable("insert a control document"))?;
-            if wrote == 1 {
-                self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
-            }
-            Ok(wrote == 1)
-        })
-        .await
+        self.write_control("insert a control document", &SCRIPTS.insert_control, None, doc, audit).await
     }
 
     async fn replace_control(
@@ -354,26 +371,8 @@ impl ControlStore for RedisStore {
         if !expected.same_place(doc) {
             return Ok(false);
         }
-        let entry = serde_json::to_string(audit).map_err(corrupt)?;
-        self.bounded("replace a control document", async {
-            let mut conn = self.conn.clone();
-            let mut invocation = SCRIPTS.replace_control.prepare_invoke();
-            invocation
-                .key(self.keys.control())
-                .key(self.keys.control_audit_outbox())
-                .arg(control_field(doc.kind, &doc.tenant, &doc.id))
-                .arg(expected.body.as_str())
-                .arg(doc.body.as_str())
-                .arg(audit.id.as_str())
-                .arg(entry);
-            let wrote: i64 =
-                invocation.invoke_async(&mut conn).await.map_err(unavailable("replace a control document"))?;
-            if wrote == 1 {
-                self.deliver_soon(&self.keys.control_audit_outbox(), audit).await;
-            }
-            Ok(wrote == 1)
-        })
-        .await
+        let script = &SCRIPTS.replace_control;
+        self.write_control("replace a control document", script, Some(&expected.body), doc, audit).await
     }
 
     async fn delete_control(

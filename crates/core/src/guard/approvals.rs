@@ -171,7 +171,7 @@ impl Guard {
         by: &str,
         why: String,
     ) -> Result<Approval, GuardError> {
-        crate::admin::check_reason("why", &why)?;
+        crate::domain::check_reason("why", &why)?;
         // An approval changed under the decision (its webhook notice moved on) is read again;
         // one decided or gone meanwhile says so.
         for _ in 0..3 {

@@ -52,6 +52,10 @@ const BUSY_RETRY: Duration = Duration::from_secs(1);
 /// The most pages of a run's records a rollback reads.
 const MAX_RUN_PAGES: usize = 100;
 
+// A rollback's cut-off leaves every instance the time to see the run's switch, twice over.
+const _: () =
+    assert!(crate::rollback::CUT_OFF_MARGIN.as_millis() >= 2 * crate::control_cache::CONTROL_MAX_AGE.as_millis());
+
 /// How a compensation task is claimed through the door ([`Guard::claim_compensation`]).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct TaskTerms {

@@ -474,6 +474,30 @@ pub async fn observe_mode_asks_no_approver(store: Arc<dyn Store>) {
     assert!(kept.is_empty(), "no approval recorded: {kept:?}");
 }
 
+/// `actors` tasks each claiming `req` ten times, yielding between claims: each answers the
+/// acquisitions it got.
+fn claiming_in_a_loop(
+    c: &Case,
+    req: &ClaimRequest,
+    actors: usize,
+) -> Vec<tokio::task::JoinHandle<Vec<onceguard_core::Acquired>>> {
+    (0..actors)
+        .map(|_| {
+            let (guard, claim) = (c.guard.clone(), crate::through_the_door(req, Duration::ZERO));
+            tokio::spawn(async move {
+                let mut acquired = Vec::new();
+                for _ in 0..10 {
+                    if let ClaimOutcome::Acquired(a) = guard.claim(claim.clone()).await.expect("the store answers") {
+                        acquired.push(a);
+                    }
+                    tokio::task::yield_now().await;
+                }
+                acquired
+            })
+        })
+        .collect()
+}
+
 /// Only the approved request ever acquires an approved key, decided in the store's atomic
 /// claim: in each of twenty rounds the approved call holds the key and fails retryably while
 /// eight claimants send *another* request under the same key in a loop; none of them ever
@@ -491,20 +515,7 @@ pub async fn another_request_never_takes_an_approved_key(store: Arc<dyn Store>) 
         let asked = c.pending(&approved).await;
         c.decide(&asked.id, true).await.unwrap();
         let fence = c.acquire(&approved).await;
-        let others = (0..ACTORS).map(|_| {
-            let (guard, claim) = (c.guard.clone(), crate::through_the_door(&other, Duration::ZERO));
-            tokio::spawn(async move {
-                let mut acquired = Vec::new();
-                for _ in 0..10 {
-                    if let ClaimOutcome::Acquired(a) = guard.claim(claim.clone()).await.expect("the store answers") {
-                        acquired.push(a);
-                    }
-                    tokio::task::yield_now().await;
-                }
-                acquired
-            })
-        });
-        let others: Vec<_> = others.collect();
+        let others = claiming_in_a_loop(&c, &other, ACTORS);
         tokio::task::yield_now().await;
         let failure = Outcome { kind: OutcomeKind::Failure, ..success("timeout before sending") };
         c.applied(&s, fence, Mutation::Fail { retryable: true, outcome: failure }).await;
@@ -536,20 +547,7 @@ pub async fn an_approved_call_never_runs_again_after_its_retention(store: Arc<dy
         c.decide(&asked.id, true).await.unwrap();
         let fence = c.acquire(&req).await;
         c.applied(&s, fence, Mutation::Complete(success("{}"))).await;
-        let claims = (0..ACTORS).map(|_| {
-            let (guard, claim) = (c.guard.clone(), crate::through_the_door(&req, Duration::ZERO));
-            tokio::spawn(async move {
-                let mut acquired = Vec::new();
-                for _ in 0..10 {
-                    if let ClaimOutcome::Acquired(a) = guard.claim(claim.clone()).await.expect("the store answers") {
-                        acquired.push(a);
-                    }
-                    tokio::task::yield_now().await;
-                }
-                acquired
-            })
-        });
-        let claims: Vec<_> = claims.collect();
+        let claims = claiming_in_a_loop(&c, &req, ACTORS);
         for _ in 0..10 {
             c.clock.advance(Duration::from_millis(300));
             tokio::task::yield_now().await;
