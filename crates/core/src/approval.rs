@@ -124,8 +124,8 @@ pub struct Approval {
     /// When a claim reserved the approval to acquire with it: an approval lets its call run
     /// once (the record it acquired keeps its id, so its recoveries and its retries after a
     /// retryable failure are the same call; once that record is gone, the call needs a new
-    /// approval). A claim finding it reserved within the reserving claim's lease answers in
-    /// flight.
+    /// approval). Another claim of the call finding it reserved less than its own lease ago
+    /// answers in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used: Option<Timestamp>,
     /// The webhook's delivery of the pending approval, where a webhook is configured.

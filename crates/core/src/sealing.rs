@@ -116,16 +116,26 @@ pub fn open_text(sealer: Option<&Sealer>, scope: &Scope, text: String) -> Result
     }
 }
 
+/// The key id a sealed body names (empty where it is cut short), if `data` is sealed at all.
+fn body_key_id(data: &[u8]) -> Option<&[u8]> {
+    let rest = data.strip_prefix(MAGIC)?;
+    Some(rest.split_first().and_then(|(&len, rest)| rest.get(..usize::from(len))).unwrap_or_default())
+}
+
+/// What follows the marker of a sealed checkpoint's JSON string (`<id>:<base64>"`), if `text`
+/// is sealed at all.
+fn sealed_text(text: &str) -> Option<&str> {
+    text.strip_prefix('"')?.strip_prefix(TEXT_PREFIX)
+}
+
 /// The key id a sealed body names (lossy where it is not UTF-8), if `data` is sealed.
 fn sealed_bytes_key(data: &[u8]) -> Option<String> {
-    let rest = data.strip_prefix(MAGIC)?;
-    let id = rest.split_first().and_then(|(&len, rest)| rest.get(..usize::from(len))).unwrap_or_default();
-    Some(String::from_utf8_lossy(id).into_owned())
+    body_key_id(data).map(|id| String::from_utf8_lossy(id).into_owned())
 }
 
 /// The key id a sealed checkpoint names, if `text` is sealed.
 fn sealed_text_key(text: &str) -> Option<String> {
-    let inner = text.strip_prefix(&format!("\"{TEXT_PREFIX}"))?;
+    let inner = sealed_text(text)?;
     Some(inner.split_once(':').map_or(inner, |(id, _)| id).to_owned())
 }
 
@@ -241,7 +251,7 @@ impl Sealer {
     /// sealed with another key or not sealed at all; `None` when it is sealed with the current
     /// key already.
     pub fn reseal_bytes(&self, scope: &Scope, data: &[u8]) -> Result<Option<Vec<u8>>, OpenError> {
-        if self.sealed_with(data).is_some_and(|id| id == self.current.as_bytes()) {
+        if body_key_id(data).is_some_and(|id| id == self.current.as_bytes()) {
             return Ok(None);
         }
         let plain = self.open_bytes(scope, data.to_vec())?;
@@ -258,13 +268,6 @@ impl Sealer {
         Ok(Some(self.seal_text(scope, &plain)))
     }
 
-    /// The id of the key `data` is sealed with, if it is sealed.
-    fn sealed_with<'d>(&self, data: &'d [u8]) -> Option<&'d [u8]> {
-        let rest = data.strip_prefix(MAGIC)?;
-        let (&id_len, rest) = rest.split_first()?;
-        rest.get(..usize::from(id_len))
-    }
-
     /// The JSON text `text` sealed for `scope` as a JSON string (a checkpoint's data).
     pub fn seal_text(&self, scope: &Scope, text: &str) -> String {
         let (mut nonce, sealed) = self.seal(scope, Kind::Checkpoint, text.as_bytes());
@@ -274,7 +277,7 @@ impl Sealer {
 
     /// The JSON text `text` holds: opened if sealed, as it is if not.
     pub fn open_text(&self, scope: &Scope, text: String) -> Result<String, OpenError> {
-        let Some(inner) = text.strip_prefix(&format!("\"{TEXT_PREFIX}")).and_then(|t| t.strip_suffix('"')) else {
+        let Some(inner) = sealed_text(&text).and_then(|t| t.strip_suffix('"')) else {
             return Ok(text);
         };
         let bad = || OpenError::Unopened("a sealed checkpoint is not well formed".into());

@@ -279,6 +279,8 @@ impl Guard {
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         let controls = self.controls().await?;
         let Prepared { mut req, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
+        // (An approval's `record` follows the mode in force, `request` sets it: a task, the one
+        // claim decided in another mode, asks no approver at all.)
         let mode = match &task {
             // A compensation task is always enforced (it must run once), asks no approver (the
             // admin who started the rollback approved its compensations), and is kept as long
@@ -290,9 +292,6 @@ impl Guard {
             }
             None => in_force,
         };
-        if let Some(ask) = &mut ask {
-            ask.record = mode == Mode::Enforce;
-        }
         let wait = if mode == Mode::Observe { Duration::ZERO } else { wait };
         if let Some(denial) = self.refusal(&controls, &mut req, rate.as_ref()).await? {
             return Ok((observed(mode, ClaimOutcome::Denied(denial)), req.scope, mode));
@@ -346,7 +345,6 @@ impl Guard {
             retention: limits.default_retention.max(retention),
             record: effective.mode == Mode::Enforce,
         });
-        // (`record` follows the mode the claim is decided in: see `Guard::decide`.)
         let req = ClaimRequest {
             refused_runs: Vec::new(),
             scope: claim.scope,
@@ -752,8 +750,8 @@ impl Guard {
             Ok(outcome) => Ok(outcome),
             Err(error) => {
                 if let Some(fence) = held {
-                    let detail = "released unanswered: its recovery point is sealed with a key this instance does not \
-                                  have; nothing ran";
+                    let detail = "released unanswered: its recovery point could not be opened by this instance; \
+                                  nothing ran";
                     let let_go = Mutation::ReportUnknown(detail.into());
                     self.store.mutate(scope, fence, let_go, self.clock.now(), self.limits.max_checkpoints).await?;
                     self.notifier.notify(scope);
