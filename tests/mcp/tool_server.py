@@ -63,6 +63,27 @@ async def slow_job(steps: int, ctx: Context, tag: str = "") -> dict:
 
 
 @mcp.tool()
+async def paced_job(steps: int, ctx: Context, tag: str) -> dict:
+    """Reports `steps` progress notifications, each only after the client saw the one before.
+
+    The client acknowledges step N by creating the file `ack-<tag>-<N>` beside the effects log.
+    A gateway that held notifications back until the result would leave every step unacknowledged:
+    the tool waits up to 5 s per step and reports which steps the client saw while it worked.
+    """
+    seen = []
+    for step in range(1, steps + 1):
+        await ctx.report_progress(step, steps, f"step {step}")
+        ack = os.path.join(os.path.dirname(args.effects), f"ack-{tag}-{step}")
+        for _ in range(500):
+            if os.path.exists(ack):
+                break
+            await asyncio.sleep(0.01)
+        seen.append(os.path.exists(ack))
+    n = record("paced_job", steps=steps, tag=tag)
+    return {"job": n, "acknowledged": seen, "tag": tag}
+
+
+@mcp.tool()
 def fail_tool(reason: str) -> str:
     """Always fails as a tool error (isError: true), after counting itself."""
     record("fail_tool")
