@@ -66,34 +66,17 @@ pub struct Decision {
     pub at: Timestamp,
 }
 
-/// The state of an approval at some time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ApprovalState {
-    /// Waiting for a decision.
-    Pending,
-    /// Approved: the key with this fingerprint may be acquired.
-    Approved,
-    /// Denied: claims of the key with this fingerprint are refused.
-    Denied,
-    /// Nobody decided before `expires_at`; the next claim asks again.
-    Expired,
-}
-
-impl ApprovalState {
-    /// Its name in the API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Approved => "approved",
-            Self::Denied => "denied",
-            Self::Expired => "expired",
-        }
-    }
-
-    /// Parses a state's name.
-    pub fn parse(s: &str) -> Option<Self> {
-        [Self::Pending, Self::Approved, Self::Denied, Self::Expired].into_iter().find(|v| v.as_str() == s)
+crate::label::vocabulary! {
+    /// The state of an approval at some time.
+    pub enum ApprovalState {
+        /// Waiting for a decision.
+        Pending => "pending",
+        /// Approved: the key with this fingerprint may be acquired.
+        Approved => "approved",
+        /// Denied: claims of the key with this fingerprint are refused.
+        Denied => "denied",
+        /// Nobody decided before `expires_at`; the next claim asks again.
+        Expired => "expired",
     }
 }
 

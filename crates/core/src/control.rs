@@ -376,71 +376,35 @@ pub struct Settings {
     pub mode: Option<Mode>,
 }
 
-/// Whether a namespace's claims are enforced or only observed.
-///
-/// In `observe` mode a claim is decided and recorded exactly as in `enforce` mode, but where
-/// enforcement would have stopped the caller (a replay, a key in flight, a mismatch, a budget,
-/// quota or approval, a pending approval) the caller is told to proceed
-/// ([`crate::record::ClaimOutcome::Proceed`]) and what enforcement would have answered is
-/// reported. A kill switch refuses in both modes: it is never observe-only.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Mode {
-    /// Every answer is enforced.
-    #[default]
-    Enforce,
-    /// Callers always proceed (but for a kill switch); what enforcement would have answered is
-    /// counted.
-    Observe,
-}
-
-impl Mode {
-    /// Its name in settings and metrics labels.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Enforce => "enforce",
-            Self::Observe => "observe",
-        }
-    }
-
-    /// Parses `enforce` or `observe`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "enforce" => Some(Self::Enforce),
-            "observe" => Some(Self::Observe),
-            _ => None,
-        }
+crate::label::vocabulary! {
+    /// Whether a namespace's claims are enforced or only observed.
+    ///
+    /// In `observe` mode a claim is decided and recorded exactly as in `enforce` mode, but where
+    /// enforcement would have stopped the caller (a replay, a key in flight, a mismatch, a budget,
+    /// quota or approval, a pending approval) the caller is told to proceed
+    /// ([`crate::record::ClaimOutcome::Proceed`]) and what enforcement would have answered is
+    /// reported. A kill switch refuses in both modes: it is never observe-only.
+    #[derive(Default)]
+    pub enum Mode {
+        /// Every answer is enforced.
+        #[default]
+        Enforce => "enforce",
+        /// Callers always proceed (but for a kill switch); what enforcement would have answered is
+        /// counted.
+        Observe => "observe",
     }
 }
 
-/// What a namespace keeps of its outcomes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OutcomeKept {
-    /// The bytes: a replay answers them byte for byte.
-    #[default]
-    Full,
-    /// Their status, media type, size and SHA-256 only, never the bytes: a replay answers that
-    /// the effect happened, with that digest, and the caller still never runs it twice.
-    Digest,
-}
-
-impl OutcomeKept {
-    /// Its name in settings.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Full => "full",
-            Self::Digest => "digest",
-        }
-    }
-
-    /// Parses `full` or `digest`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "full" => Some(Self::Full),
-            "digest" => Some(Self::Digest),
-            _ => None,
-        }
+crate::label::vocabulary! {
+    /// What a namespace keeps of its outcomes.
+    #[derive(Default)]
+    pub enum OutcomeKept {
+        /// The bytes: a replay answers them byte for byte.
+        #[default]
+        Full => "full",
+        /// Their status, media type, size and SHA-256 only, never the bytes: a replay answers that
+        /// the effect happened, with that digest, and the caller still never runs it twice.
+        Digest => "digest",
     }
 }
 
@@ -573,36 +537,15 @@ pub fn effective<'a>(
     out
 }
 
-/// The kinds of control documents.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ControlKind {
-    /// An engaged [`Switch`]; its id is [`SwitchTarget::id`].
-    Switch,
-    /// A [`SettingsEntry`]; its id is [`SettingsEntry::id`].
-    Settings,
-    /// A run being rolled back ([`crate::rollback::Rollback`]); its id is the run.
-    Rollback,
-}
-
-impl ControlKind {
-    /// The kind's name as stores keep it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Switch => "switch",
-            Self::Settings => "settings",
-            Self::Rollback => "rollback",
-        }
-    }
-
-    /// Parses a kind's name.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "switch" => Some(Self::Switch),
-            "settings" => Some(Self::Settings),
-            "rollback" => Some(Self::Rollback),
-            _ => None,
-        }
+crate::label::vocabulary! {
+    /// The kinds of control documents.
+    pub enum ControlKind {
+        /// An engaged [`Switch`]; its id is [`SwitchTarget::id`].
+        Switch => "switch",
+        /// A [`SettingsEntry`]; its id is [`SettingsEntry::id`].
+        Settings => "settings",
+        /// A run being rolled back ([`crate::rollback::Rollback`]); its id is the run.
+        Rollback => "rollback",
     }
 }
 

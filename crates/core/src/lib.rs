@@ -24,6 +24,7 @@ pub mod control;
 pub mod control_cache;
 pub mod domain;
 pub mod guard;
+mod label;
 pub mod limits;
 pub mod memory;
 pub mod notify;

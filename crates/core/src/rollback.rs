@@ -71,32 +71,22 @@ impl Rollback {
     }
 }
 
-/// Where a compensation task stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TaskState {
-    /// Not started yet, or released after a retryable failure.
-    Pending,
-    /// A worker holds it (or held it: its lease passed, and the next worker recovers it).
-    InProgress,
-    /// The compensation completed.
-    Compensated,
-    /// The compensation failed permanently (or the task's key was taken by another request):
-    /// kept and shown, never handed out again.
-    Failed,
+crate::label::vocabulary! {
+    /// Where a compensation task stands.
+    pub enum TaskState {
+        /// Not started yet, or released after a retryable failure.
+        Pending => "pending",
+        /// A worker holds it (or held it: its lease passed, and the next worker recovers it).
+        InProgress => "in_progress",
+        /// The compensation completed.
+        Compensated => "compensated",
+        /// The compensation failed permanently (or the task's key was taken by another request):
+        /// kept and shown, never handed out again.
+        Failed => "failed",
+    }
 }
 
 impl TaskState {
-    /// Its name in the API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::InProgress => "in_progress",
-            Self::Compensated => "compensated",
-            Self::Failed => "failed",
-        }
-    }
-
     /// Where the task whose record is `record` (none if never claimed) stands; `fingerprint` is
     /// the task's: a record of the task's key with another one is a task that can never run.
     pub fn of(record: Option<&Record>, fingerprint: &Fingerprint) -> Self {

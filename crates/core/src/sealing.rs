@@ -1,6 +1,6 @@
-//! Encryption at rest of stored outcomes and checkpoint data (AES-256-GCM), done by the guard
-//! so that every store holds only ciphertext: the SQLite file, a PostgreSQL dump and a Redis
-//! `DUMP` contain no result or checkpoint in clear.
+//! Encryption at rest of stored outcomes, checkpoint data and compensation data (AES-256-GCM),
+//! done by the guard so that every store holds only ciphertext: the SQLite file, a PostgreSQL
+//! dump and a Redis `DUMP` contain no result, checkpoint or compensation in clear.
 //!
 //! - **Keys** come from a file of lines `<id> <base64 of 32 bytes>` (`#` starts a comment); the
 //!   first is the one new values are sealed with, the others still open what they sealed, so a

@@ -6,40 +6,7 @@
 
 use crate::record::{ClaimOutcome, Denial, RecoveryReason, StaleReason};
 
-/// Declares a label vocabulary: an enum, its names, and `ALL` in declaration order (the order
-/// the dashboard shows them in).
-macro_rules! vocabulary {
-    ($(#[$meta:meta])* pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident => $label:literal,)+ }) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum $name {
-            $($(#[$vmeta])* $variant,)+
-        }
-
-        impl $name {
-            /// Every value, in declaration order.
-            pub const ALL: [Self; [$($label),+].len()] = [$(Self::$variant),+];
-
-            /// The name used in the API, metrics labels and the dashboard.
-            pub const fn as_str(self) -> &'static str {
-                match self {
-                    $(Self::$variant => $label,)+
-                }
-            }
-
-            /// The position in [`Self::ALL`].
-            pub const fn index(self) -> usize {
-                self as usize
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-    };
-}
+use crate::label::vocabulary;
 
 vocabulary! {
     /// What a claim answered (see [`ClaimOutcome`]).
@@ -221,6 +188,23 @@ impl StaleReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_is_its_serde_form_and_an_unknown_name_is_refused() {
+        use crate::control::{ControlKind, Mode};
+        use crate::rollback::TaskState;
+        assert_eq!(serde_json::to_string(&TaskState::InProgress).unwrap(), r#""in_progress""#);
+        assert_eq!(serde_json::from_str::<Mode>(r#""observe""#).unwrap(), Mode::Observe);
+        for kind in ControlKind::ALL {
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{kind}\""));
+            assert_eq!(serde_json::from_str::<ControlKind>(&json).unwrap(), kind);
+            assert_eq!(ControlKind::parse(kind.as_str()), Some(kind));
+        }
+        let refused = serde_json::from_str::<Mode>(r#""enforced""#).unwrap_err().to_string();
+        assert!(refused.contains("unknown Mode `enforced`: one of enforce, observe"), "{refused}");
+        assert_eq!(Mode::default(), Mode::Enforce);
+    }
 
     #[test]
     fn every_list_is_in_declaration_order_with_distinct_names() {

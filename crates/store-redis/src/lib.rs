@@ -274,7 +274,6 @@ use async_trait::async_trait;
 use futures::future::try_join_all;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{AuditEntry, Budget, Rate, Run, reported_cost};
-use onceguard_core::memory::matches_filter;
 use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{
     ClaimStore, DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore,
@@ -1014,7 +1013,7 @@ impl RedisStore {
             async move { self.read_record(&mut conn, &placement).await.map(|r| (i, placement.member, r)) }
         });
         for (i, m, record) in try_join_all(fetches).await? {
-            if let Some(record) = record.filter(|r| matches_filter(r, filter, now)) {
+            if let Some(record) = record.filter(|r| filter.admits(r, now)) {
                 shards[i].found.push_back((m, record));
             }
         }

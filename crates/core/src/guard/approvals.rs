@@ -5,7 +5,7 @@ use super::*;
 
 use crate::approval::{Approval, ApprovalState, DecideError, Decision, Notice, PendingApproval};
 use crate::domain::Timestamp;
-use crate::store::ApprovalFilter;
+use crate::store::{ApprovalFilter, Pages};
 
 /// When a claim answered `pending_approval` should ask again (or at the approval's expiry,
 /// if that comes first).
@@ -283,16 +283,15 @@ impl Guard {
         state: Option<ApprovalState>,
         max_pages: usize,
     ) -> Result<Vec<Approval>, GuardError> {
-        let mut filter = ApprovalFilter { state, after: None, limit: crate::store::MAX_PAGE };
+        let limit = crate::store::MAX_PAGE;
+        let mut pages = Pages::new(ApprovalFilter { state, after: None, limit }, max_pages);
         let mut all = Vec::new();
-        for _ in 0..max_pages {
-            let page = self.list_approvals(tenant, &filter).await?;
-            let full = page.len() == filter.limit;
-            filter.after = page.last().map(|a| a.id.clone());
+        while let Some(filter) = pages.page() {
+            let page = self.list_approvals(tenant, filter).await?;
+            // A full page may have a next one, after its last id.
+            let next = page.last().filter(|_| page.len() == limit).map(|a| a.id.clone());
+            pages.turn(next, |f, after| f.after = Some(after));
             all.extend(page);
-            if !full {
-                break;
-            }
         }
         Ok(all)
     }

@@ -24,7 +24,7 @@ use crate::observer::{Observer, Unobserved};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, Record, RecordState, StaleReason};
 use crate::sealing::{self, Sealer};
-use crate::store::{FencedCall, ListFilter, Page, Store, StoreError};
+use crate::store::{FencedCall, ListFilter, Page, Pages, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
 mod approvals;
@@ -861,10 +861,11 @@ impl Guard {
             return Err(InvalidInput::new("encryption", "no key file: give --encryption-key-file to seal").into());
         };
         let now = self.clock.now();
-        let mut filter = ListFilter { limit: crate::store::MAX_PAGE, ..Default::default() };
+        let mut pages = Pages::new(ListFilter { limit: crate::store::MAX_PAGE, ..Default::default() }, usize::MAX);
         let mut counts = Resealed::default();
-        loop {
-            let page = self.store.list(tenant, &filter, now).await?;
+        while let Some(filter) = pages.page() {
+            let page = self.store.list(tenant, filter, now).await?;
+            pages.turn(page.next.clone(), |f, next| f.after = Some(next));
             for old in &page.records {
                 counts.examined += 1;
                 let Ok(new) = resealed(sealer, old) else {
@@ -879,10 +880,6 @@ impl Guard {
                     counts.changed_meanwhile += 1;
                 }
             }
-            match page.next {
-                Some(next) => filter.after = Some(next),
-                None => break,
-            }
         }
         let entry = AuditEntry::new(tenant.clone(), now, actor, "records.reseal", sealer.current())
             .details(serde_json::to_value(counts).unwrap_or_default());
@@ -894,17 +891,15 @@ impl Guard {
     /// `max_pages` pages.
     pub async fn count_in_progress(&self, tenant: &TenantId, max_pages: usize) -> Result<(usize, usize), GuardError> {
         let now = self.clock.now();
-        let mut filter =
+        let filter =
             ListFilter { state: Some(RecordState::InProgress), limit: crate::store::MAX_PAGE, ..Default::default() };
+        let mut pages = Pages::new(filter, max_pages);
         let (mut in_progress, mut stuck) = (0, 0);
-        for _ in 0..max_pages {
-            let page = self.store.list(tenant, &filter, now).await?;
+        while let Some(filter) = pages.page() {
+            let page = self.store.list(tenant, filter, now).await?;
+            pages.turn(page.next.clone(), |f, next| f.after = Some(next));
             in_progress += page.records.len();
             stuck += page.records.iter().filter(|r| r.is_stuck(now)).count();
-            match page.next {
-                Some(next) => filter.after = Some(next),
-                None => break,
-            }
         }
         Ok((in_progress, stuck))
     }

@@ -9,9 +9,10 @@ use crate::guard::{Claim, Guard, GuardError};
 use std::collections::HashMap;
 
 use crate::domain::Scope;
-use crate::record::{Acquired, ClaimOutcome, OutcomeKind, Record, RecordState};
+use crate::record::{Acquired, ClaimOutcome, Denial, OutcomeKind, Record, RecordState};
 use crate::rollback::{Progress, Rollback, RollbackReport, Task, TaskState, task_run};
-use crate::store::{ListFilter, MAX_PAGE};
+use crate::store::StoreError;
+use crate::store::{ListFilter, MAX_PAGE, Pages};
 
 /// What a worker asking for a compensation task gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,9 +33,9 @@ pub enum CompensationClaim {
         /// Tasks that failed permanently.
         failed: u64,
     },
-    /// The task's claim was refused (a kill switch on its namespace or tenant, a quota, a
-    /// pending or denied approval): the claim's answer.
-    Refused(ClaimOutcome),
+    /// The task's claim was refused (a kill switch on its namespace or tenant, a quota): why.
+    /// A task asks no approver and is claimed in enforce mode, so a refusal is a denial.
+    Refused(Denial),
 }
 
 /// A compensation task a worker holds.
@@ -124,8 +125,17 @@ impl Guard {
                 // Taken and finished by another worker meanwhile, or its key taken by another request.
                 ClaimOutcome::Replay(_) | ClaimOutcome::Mismatch => {}
                 // Refused (a switch on its namespace, a quota): the next task is tried.
-                other => {
-                    refused.get_or_insert(other);
+                ClaimOutcome::Denied(denial) => {
+                    refused.get_or_insert(denial);
+                }
+                // A task asks no approver and is claimed in enforce mode: no pending approval,
+                // no observe-mode proceed.
+                other @ (ClaimOutcome::PendingApproval(_) | ClaimOutcome::Proceed(_)) => {
+                    return Err(StoreError::Unavailable(format!(
+                        "a compensation task's claim answered {}, which no task's claim can",
+                        other.name()
+                    ))
+                    .into());
                 }
             }
         }
@@ -197,14 +207,12 @@ impl Guard {
     /// The live records of `run`, at most [`MAX_RUN_PAGES`] pages of them.
     async fn run_records(&self, tenant: &TenantId, run: &RunId) -> Result<Vec<Record>, GuardError> {
         let mut records = Vec::new();
-        let mut filter = ListFilter { run: Some(run.clone()), limit: MAX_PAGE, ..Default::default() };
-        for _ in 0..MAX_RUN_PAGES {
-            let page = self.list(tenant, &filter).await?;
+        let mut pages =
+            Pages::new(ListFilter { run: Some(run.clone()), limit: MAX_PAGE, ..Default::default() }, MAX_RUN_PAGES);
+        while let Some(filter) = pages.page() {
+            let page = self.list(tenant, filter).await?;
+            pages.turn(page.next, |f, next| f.after = Some(next));
             records.extend(page.records);
-            match page.next {
-                Some(next) => filter.after = Some(next),
-                None => break,
-            }
         }
         Ok(records)
     }

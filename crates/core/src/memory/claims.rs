@@ -102,7 +102,7 @@ impl ClaimStore for MemoryStore {
         let records: Vec<Record> = state
             .records
             .of(tenant, filter.after.as_ref())
-            .filter(|r| matches_filter(r, filter, now))
+            .filter(|r| filter.admits(r, now))
             .take(limit + 1)
             .cloned()
             .collect();

@@ -211,15 +211,6 @@ impl MemoryStore {
     }
 }
 
-/// Whether `record` passes `filter` at `now` (shared by stores that filter in process).
-pub fn matches_filter(record: &Record, filter: &ListFilter, now: Timestamp) -> bool {
-    record.is_live(now)
-        && filter.namespace_prefix.as_ref().is_none_or(|p| record.scope.namespace.is_within(p))
-        && filter.state.is_none_or(|s| record.state == s)
-        && (!filter.stuck || record.is_stuck(now))
-        && filter.run.as_ref().is_none_or(|r| record.run.as_ref() == Some(r))
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

@@ -1,4 +1,5 @@
-//! Control documents (switches, settings), the revocation of leases, and the audit log.
+//! Control documents (switches, settings and rollbacks), the revocation of leases, and the audit
+//! log.
 
 use async_trait::async_trait;
 
@@ -6,7 +7,8 @@ use crate::control::{AuditEntry, AuditFilter, AuditPage, ControlDoc, ControlKind
 use crate::domain::{TenantId, Timestamp};
 use crate::store::StoreError;
 
-/// Switches and settings (small documents every instance caches), revoking leases, the audit log.
+/// Switches, settings and rollbacks (small documents every instance caches), revoking leases,
+/// the audit log.
 #[async_trait]
 pub trait ControlStore: Send + Sync + 'static {
     /// Stores a control document, replacing the one with the same (kind, tenant, id), and

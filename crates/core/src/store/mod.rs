@@ -41,7 +41,7 @@
 
 use std::time::Duration;
 
-use crate::domain::{Key, Namespace, RunId};
+use crate::domain::{Key, Namespace, RunId, Timestamp};
 use crate::record::{Record, RecordState};
 
 mod approvals;
@@ -86,6 +86,61 @@ pub struct ListFilter {
     pub limit: usize,
 }
 
+impl ListFilter {
+    /// Whether `record` passes the filter at `now`: live, and within every bound it sets (the
+    /// stores that filter in process use it; the SQL stores say the same in their queries).
+    pub fn admits(&self, record: &Record, now: Timestamp) -> bool {
+        record.is_live(now)
+            && self.namespace_prefix.as_ref().is_none_or(|p| record.scope.namespace.is_within(p))
+            && self.state.is_none_or(|s| record.state == s)
+            && (!self.stuck || record.is_stuck(now))
+            && self.run.as_ref().is_none_or(|r| record.run.as_ref() == Some(r))
+    }
+}
+
+/// A listing read page by page through one filter `F` (of records, approvals or audit
+/// entries), at most `max_pages` pages: the one paging loop of the guard's readers.
+///
+/// ```ignore
+/// let mut pages = Pages::new(filter, max_pages);
+/// while let Some(filter) = pages.page() {
+///     let page = store.list(tenant, filter, now).await?;
+///     pages.turn(page.next.clone(), |f, next| f.after = Some(next));
+///     // … the page's records
+/// }
+/// ```
+#[derive(Debug)]
+pub struct Pages<F> {
+    filter: F,
+    left: usize,
+    done: bool,
+}
+
+impl<F> Pages<F> {
+    /// Reads through `filter`, at most `max_pages` pages (`usize::MAX`: all of them).
+    pub fn new(filter: F, max_pages: usize) -> Self {
+        Self { filter, left: max_pages, done: false }
+    }
+
+    /// The filter of the next page to read, or `None` after the last page (or `max_pages`).
+    pub fn page(&mut self) -> Option<&F> {
+        if self.done || self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        Some(&self.filter)
+    }
+
+    /// After a page is read: where the next one starts (`None`: that was the last), set on the
+    /// filter by `set`.
+    pub fn turn<C>(&mut self, next: Option<C>, set: impl FnOnce(&mut F, C)) {
+        match next {
+            Some(cursor) => set(&mut self.filter, cursor),
+            None => self.done = true,
+        }
+    }
+}
+
 /// One page of a listing, ordered by (namespace, key).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Page {
@@ -127,3 +182,28 @@ pub mod prelude {
 
 /// How long a store waits for its own backend before answering [`StoreError::Unavailable`].
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_stop_after_the_last_page_or_the_most_pages() {
+        // Three pages in all: cursors 1 and 2, then none.
+        let mut pages = Pages::new(0u32, 10);
+        let mut read = Vec::new();
+        while let Some(&at) = pages.page() {
+            read.push(at);
+            pages.turn((at < 2).then_some(at + 1), |f, next| *f = next);
+        }
+        assert_eq!(read, [0, 1, 2]);
+
+        let mut pages = Pages::new(0u32, 2);
+        let mut read = Vec::new();
+        while let Some(&at) = pages.page() {
+            read.push(at);
+            pages.turn(Some(at + 1), |f, next| *f = next);
+        }
+        assert_eq!(read, [0, 1], "at most max_pages pages");
+    }
+}

@@ -309,12 +309,9 @@ pub async fn claim_compensation(
         CompensationClaim::Done { compensated, failed } => {
             Ok(Json(CompensationAnswer::Done(DoneView { outcome: "done", compensated, failed })).into_response())
         }
-        CompensationClaim::Refused(outcome) => match answer(outcome) {
-            Answer::Pending(view) => Ok(pending_response(view)),
-            Answer::Refused(error) => Err(error),
-            Answer::Acquired(_) | Answer::Replay(_) | Answer::Proceed(_) => Err(ApiError::Internal(
-                "a compensation task's claim was refused with an answer that is no refusal".into(),
-            )),
-        },
+        CompensationClaim::Refused(denial) => {
+            record_answer(ClaimOutcome::Denied(denial.clone()).name(), None);
+            Err(ApiError::Denied(denial))
+        }
     }
 }
