@@ -243,12 +243,12 @@ impl Guard {
     #[tracing::instrument(level = "debug", name = "guard.claim", skip_all, fields(tenant = %claim.scope.tenant, namespace = %claim.scope.namespace, fingerprint = %claim.fingerprint, outcome))]
     pub async fn claim(&self, claim: Claim) -> Result<ClaimOutcome, GuardError> {
         check_not_a_task(&claim.scope)?;
-        self.claim_in(claim, None).await
+        self.claim_under(claim, None).await
     }
 
-    /// [`Guard::claim`]; with `task`, the claim of a compensation task (see
+    /// [`Guard::claim`] under the terms of a compensation task, if `task` (see
     /// [`rollback::TaskTerms`]).
-    async fn claim_in(&self, claim: Claim, task: Option<rollback::TaskTerms>) -> Result<ClaimOutcome, GuardError> {
+    async fn claim_under(&self, claim: Claim, task: Option<rollback::TaskTerms>) -> Result<ClaimOutcome, GuardError> {
         let (outcome, scope, mode) = self.decide(claim, task).await?;
         let outcome = self.opened_claim(&scope, outcome).await?;
         tracing::Span::current().record("outcome", outcome.name());

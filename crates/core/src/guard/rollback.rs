@@ -117,7 +117,7 @@ impl Guard {
                 ..Claim::new(task.scope.clone(), task.fingerprint.clone())
             };
             let terms = TaskTerms { keep: now.until(task.effect.kept_until) };
-            match self.claim_in(claim, Some(terms)).await? {
+            match self.claim_under(claim, Some(terms)).await? {
                 ClaimOutcome::Acquired(acquired) => {
                     return Ok(Some(CompensationClaim::Acquired(Box::new(TaskHeld { task, acquired }))));
                 }
