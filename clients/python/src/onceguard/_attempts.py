@@ -1,6 +1,8 @@
-"""What the sync and async guards share: the policy (with the compensation an effect registers),
-reading a claim's answer, the state of an attempt, and the attempt running in this context. No
-I/O: see :mod:`onceguard.guard`."""
+"""An attempt's logic, without I/O, shared by the sync and async guards: the policy (with the
+compensation an effect registers), reading a claim's answer into what the attempt does, the
+state of an attempt, and the attempt running in this context. The guards (``_async/guard.py``
+and the ``_sync`` twin generated from it) do the calls around it; the protocol is told in
+:mod:`onceguard.guard`."""
 
 from __future__ import annotations
 

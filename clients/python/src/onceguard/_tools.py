@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional, Union
 
 from ._async import guard as _async_guard
-from ._policy import Policy
+from ._attempts import Policy
 from ._sync import guard as _sync_guard
 from .client import AsyncClient, Client
 from .keys import check_key, digest, jsonable

@@ -51,7 +51,7 @@ from typing import Any, Awaitable, Callable, ParamSpec, Sequence, TypeVar, Union
 # (scripts/unasync.py).
 from ._async import guard as _async_guard
 from ._async.guard import AsyncAttempt, AsyncGuarded
-from ._policy import ExceptionClasses, Happened, Policy, Verify, failure_of, running  # failure_of: as before
+from ._attempts import ExceptionClasses, Happened, Policy, Verify, failure_of, running  # failure_of: as before
 from ._sync import guard as _sync_guard
 from ._sync.guard import Attempt, Guarded
 from ._wire import Duration

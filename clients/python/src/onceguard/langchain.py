@@ -26,8 +26,8 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool, ToolException
 
+from ._attempts import ExceptionClasses, Policy
 from ._embeddings import OnceTexts, model_name
-from ._policy import ExceptionClasses, Policy
 from ._tools import KeyFn, Summary, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client

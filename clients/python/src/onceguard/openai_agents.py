@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 from agents import FunctionTool
 from agents.tool_context import ToolContext
 
-from ._policy import ExceptionClasses, Policy
+from ._attempts import ExceptionClasses, Policy
 from ._tools import KeyFn, Summary, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client

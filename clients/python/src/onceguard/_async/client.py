@@ -12,9 +12,9 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence, TypeVar
 import httpx
 
 from .. import _calls
+from .._attempts import ExceptionClasses
 from .._calls import MISSING, Call, ClaimItem, CompleteItem
 from .._http import NO_RETRY, ClientBase, Retry, headers_of, may_retry, retry_after_header, with_extra
-from .._policy import ExceptionClasses
 from .._wire import Duration
 from ..errors import StaleFence, TransportError
 from ..models import (

@@ -14,8 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from .. import _calls
-from .._http import NO_RETRY
-from .._policy import (
+from .._attempts import (
     MAX_CLAIM_WAIT,
     AttemptBase,
     Happened,
@@ -29,6 +28,7 @@ from .._policy import (
     running,
     still_waiting,
 )
+from .._http import NO_RETRY
 from .._wire import Duration, RawJson
 from ..errors import OnceguardError, PermanentFailure, StaleFence
 from ..keys import check_key, jsonable

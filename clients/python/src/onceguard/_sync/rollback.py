@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from .._policy import ExceptionClasses, Policy, exception_classes, failure_of, running
+from .._attempts import ExceptionClasses, Policy, exception_classes, failure_of, running
 from .._undo import find_undo
 from .._wire import Duration, RawJson, dumps, duration_seconds
 from ..errors import StaleFence
