@@ -24,9 +24,13 @@ A claim's answers themselves (``Acquired``, ``Replay``, ``InFlight``, ``Mismatch
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
-from .models import Approval, Denied, ResultDigest, Stale
+# The answers some of these exceptions carry, named for the type checker only: models raises
+# ResultNotKept, so it imports this module, and this one never imports models.
+if TYPE_CHECKING:
+    from .models import Approval, Denied, ResultDigest
 
 #: The prefix of every problem type.
 PROBLEM_PREFIX = "https://onceguard.dev/problems/"
@@ -149,6 +153,16 @@ class UpstreamTimeout(ProblemError):
     """504 (proxy mode): the upstream did not answer in time."""
 
     kind_name = "upstream-timeout"
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A fenced call changed nothing: ``superseded``, ``no_record`` or ``finished`` (what a
+    :class:`StaleFence` carries)."""
+
+    reason: str
+    detail: str = ""
+    outcome: ClassVar[Literal["stale"]] = "stale"
 
 
 class StaleFence(ProblemError):

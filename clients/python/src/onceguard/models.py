@@ -33,6 +33,8 @@ from datetime import datetime
 from typing import Any, ClassVar, Literal, Mapping, Union
 
 from ._wire import Duration, format_duration, parse_optional_time, parse_time
+from .errors import ResultNotKept
+from .errors import Stale as Stale  # defined beside StaleFence, which carries it; importable here as before
 
 JSON_MEDIA_TYPE = "application/json"
 
@@ -59,8 +61,6 @@ def _digest_of(d: Mapping[str, Any]) -> ResultDigest | None:
 
 def _decode_stored(content_type: str, raw: bytes, digest: ResultDigest | None, status: str) -> Any:
     if digest is not None:
-        from .errors import ResultNotKept  # errors imports this module
-
         raise ResultNotKept(digest, status=status)
     if content_type.split(";")[0].strip().lower() == JSON_MEDIA_TYPE:
         return json.loads(raw)
@@ -392,15 +392,6 @@ class Proceed:
 
 #: The one answer of a claim.
 ClaimAnswer = Union[Acquired, Replay, InFlight, Mismatch, Denied, PendingApproval, Proceed]
-
-
-@dataclass(frozen=True)
-class Stale:
-    """A fenced call changed nothing: ``superseded``, ``no_record`` or ``finished``."""
-
-    reason: str
-    detail: str = ""
-    outcome: ClassVar[Literal["stale"]] = "stale"
 
 
 @dataclass(frozen=True)
