@@ -24,8 +24,9 @@ from ..errors import StaleFence
 from ..keys import jsonable
 from ..models import CompensationReport, CompensationsBusy, CompensationsDone, CompensationTask
 from . import _backend
+from ._heartbeat import Heartbeat
 from .client import AsyncClient
-from .guard import AsyncAttempt, _Heartbeat
+from .guard import AsyncAttempt
 
 __all__ = ["run_compensations"]
 
@@ -103,7 +104,7 @@ async def _compensate(
         await _fail(client, task, retryable=True, error=error)  # another (async) worker may run it
         raise TypeError(f"the handler of {name!r} is a coroutine function: the asyncio client's run_compensations runs it")
     attempt = AsyncAttempt(client, Policy.of(task.namespace, lease=lease), task.key, task.acquired)
-    beat = _Heartbeat(client, attempt, lease)
+    beat = Heartbeat(client, attempt, lease)
     beat.start()
     token = running.set(attempt)
     try:

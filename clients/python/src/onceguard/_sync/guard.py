@@ -1,7 +1,7 @@
 # Generated from src/onceguard/_async/guard.py by `python scripts/unasync.py` (in clients/python).
 # Do not edit it: change the async source and run the script again.
-""":class:`Attempt`, the heartbeat, the block :class:`Guarded` and how it settles a
-failure: the guards of :class:`Client` calls. The protocol is told in
+""":class:`Attempt`, the block :class:`Guarded` (under a heartbeat,
+:mod:`._heartbeat`) and how it settles a failure: the guards of :class:`Client` calls. The protocol is told in
 :mod:`onceguard.guard`; :func:`onceguard.once` and :func:`onceguard.guarded` pick these or the
 others by the client's type."""
 
@@ -24,16 +24,15 @@ from .._attempts import (
     detail_of,
     failure_of,
     interpret,
-    interval,
     running,
     still_waiting,
 )
-from .._http import NO_RETRY
 from .._wire import Duration, RawJson
 from ..errors import OnceguardError, PermanentFailure, StaleFence
 from ..keys import check_key, jsonable
 from ..models import Acquired, ClaimAnswer, InFlight, PendingApproval, Proceed
 from . import _backend
+from ._heartbeat import Heartbeat
 from .client import Client
 
 __all__ = ["Attempt", "Guarded", "run_guarded"]
@@ -82,36 +81,6 @@ class Attempt(AttemptBase):
         return self._stored(text)
 
 
-class _Heartbeat:
-    """Extends the lease every third of it, in the background (``_backend.Periodic``), until
-    stopped (and waited for)."""
-
-    def __init__(self, client: Client, attempt: Attempt, lease: float) -> None:
-        self._client = client
-        self._attempt = attempt
-        self._call = _calls.extend(attempt.namespace, attempt.key, attempt.fence, lease)
-        self._periodic = _backend.Periodic(self._beat, interval(lease), name=f"onceguard-heartbeat {attempt.key[:48]}")
-
-    def start(self) -> None:
-        self._periodic.start()
-
-    def _beat(self) -> bool:
-        """Extend the lease once; ``False`` (no more beats) if it was taken over."""
-        a = self._attempt
-        try:
-            self._client.send(self._call, retry=NO_RETRY)
-        except StaleFence as e:
-            a._lost = e
-            log.warning("onceguard: lease of %s/%s (fence %d) was taken over: %s", a.namespace, a.key, a.fence, e)
-            return False
-        except OnceguardError as e:  # the next beat tries again
-            log.warning("onceguard: could not extend the lease of %s/%s: %s", a.namespace, a.key, e)
-        return True
-
-    def stop(self) -> None:
-        self._periodic.stop()
-
-
 class Guarded:
     """``with guarded(client, …) as attempt:`` — see :func:`guarded`."""
 
@@ -134,7 +103,7 @@ class Guarded:
         self._run = run
         self._summary = summary
         self._attempt: Attempt | None = None
-        self._beat: _Heartbeat | None = None
+        self._beat: Heartbeat | None = None
         self._token: contextvars.Token[AttemptBase | None] | None = None
 
     def __enter__(self) -> Attempt:
@@ -142,7 +111,7 @@ class Guarded:
         attempt = Attempt(self._client, p, self._key, interpret(self._answer(), p, self._key))
         self._attempt = attempt
         if not attempt.replayed and attempt.observed is None and p.heartbeat:
-            self._beat = _Heartbeat(self._client, attempt, p.lease)
+            self._beat = Heartbeat(self._client, attempt, p.lease)
             self._beat.start()
         self._token = running.set(attempt)
         if attempt.recovery is not None and p.verify is not None:
