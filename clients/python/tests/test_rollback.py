@@ -81,7 +81,7 @@ def test_effects_register_compensations_and_a_worker_undoes_them_newest_first(
         charge(4)
     assert e.value.kind == "switch"
 
-    report = client.run_compensations(run)
+    report = onceguard.run_compensations(client, run)
     assert report == onceguard.CompensationReport(compensated=3, failed=0, released=0, done=True)
     assert undone == ["ch_3", "ch_2", "ch_1"]
 
@@ -94,7 +94,7 @@ def test_effects_register_compensations_and_a_worker_undoes_them_newest_first(
     view = client.get_run(run)
     assert view is not None and view.rollback is not None and view.rollback.compensated == 3
     assert view.rollback.tasks == ()
-    assert client.run_compensations(run) == onceguard.CompensationReport(done=True)
+    assert onceguard.run_compensations(client, run) == onceguard.CompensationReport(done=True)
     assert undone == ["ch_3", "ch_2", "ch_1"]
 
 
@@ -160,7 +160,7 @@ def test_two_workers_at_once_run_each_compensation_once(
 
     def worker() -> None:
         try:
-            reports.append(client.run_compensations(run, idle_timeout=30))
+            reports.append(onceguard.run_compensations(client, run, idle_timeout=30))
         except BaseException as e:  # pragma: no cover - surfaced by the assertion below
             errors.append(e)
 
@@ -198,7 +198,7 @@ async def test_async_workers_at_once_with_an_async_undo(
         await book(seat)
     admin.rollback(run, "overbooked")
 
-    reports = await asyncio.gather(*(aclient.run_compensations(run, idle_timeout=30) for _ in range(2)))
+    reports = await asyncio.gather(*(onceguard.run_compensations(aclient, run, idle_timeout=30) for _ in range(2)))
     assert sorted(undone) == sorted(seats + ["z"]) and len(undone) == len(set(undone))
     assert sum(r.compensated for r in reports) == 7 and all(r.done for r in reports)
     status = await aclient.rollback_status(run)
@@ -230,7 +230,7 @@ def test_a_permanent_failure_is_kept_shown_and_not_run_again(
     ship(7)
     admin.rollback(run, "wrong customer")
 
-    report = client.run_compensations(run)
+    report = onceguard.run_compensations(client, run)
     assert report == onceguard.CompensationReport(compensated=2, failed=2, released=0, done=True)
     assert calls == ["inv_3", "inv_2", "inv_1"], "the unknown handler is never skipped silently, nor run"
     status = client.rollback_status(run)
@@ -244,7 +244,7 @@ def test_a_permanent_failure_is_kept_shown_and_not_run_again(
     assert unknown is not None and unknown.stored is not None and unknown.stored.status == "failure"
     assert "no handler is known" in unknown.stored.result["message"]
 
-    assert client.run_compensations(run, {"no-such-handler": lambda data: calls.append("late")}) == (
+    assert onceguard.run_compensations(client, run, {"no-such-handler": lambda data: calls.append("late")}) == (
         onceguard.CompensationReport(done=True)
     ), "a second worker runs neither failure again"
     assert calls == ["inv_3", "inv_2", "inv_1"]
@@ -267,7 +267,7 @@ def test_a_retryable_failure_hands_the_task_out_again(
         attempt.result = 1
     admin.rollback(run, "trip cancelled")
 
-    report = client.run_compensations(run, retryable=(GatewayTimeout,))
+    report = onceguard.run_compensations(client, run, retryable=(GatewayTimeout,))
     assert report == onceguard.CompensationReport(compensated=1, failed=0, released=1, done=True)
     assert tries == [1, 1]
     status = client.rollback_status(run)
@@ -295,7 +295,7 @@ def test_the_task_of_a_crashed_worker_is_recovered_once_its_lease_passes(
     crashed = task(client.claim_compensation(run, lease="1s"))  # then the worker dies
     assert crashed.compensation.data == 3
 
-    report = client.run_compensations(run, idle_timeout=30)
+    report = onceguard.run_compensations(client, run, idle_timeout=30)
     assert report == onceguard.CompensationReport(compensated=3, failed=0, released=0, done=True)
     assert [post for post, _ in undone] == [2, 1, 3], "the held task last, once its lease passed"
     recovered = undone[-1][1]
@@ -318,11 +318,11 @@ def test_max_tasks_and_the_idle_timeout_stop_a_worker(
         client.complete(ns, f"step-{step}", claim.fence, step, compensation=("undo-step", step))
     admin.rollback(run, "stop")
 
-    assert client.run_compensations(run, handlers, max_tasks=1) == onceguard.CompensationReport(compensated=1)
+    assert onceguard.run_compensations(client, run, handlers, max_tasks=1) == onceguard.CompensationReport(compensated=1)
     held = task(client.claim_compensation(run, lease="30s"))
-    assert client.run_compensations(run, handlers, idle_timeout=0.2) == onceguard.CompensationReport(compensated=1)
+    assert onceguard.run_compensations(client, run, handlers, idle_timeout=0.2) == onceguard.CompensationReport(compensated=1)
     client.complete(held.namespace, held.key, held.fence, "by hand")
-    assert client.run_compensations(run, handlers) == onceguard.CompensationReport(done=True)
+    assert onceguard.run_compensations(client, run, handlers) == onceguard.CompensationReport(done=True)
 
 
 def test_undo_names(client: onceguard.Client) -> None:

@@ -17,7 +17,8 @@
 - Rollbacks: ``undo=`` on :func:`once` and :func:`guarded` registers each effect's
   :class:`Compensation` when it completes (and the undo function in this process,
   :func:`undo_handlers`); ``client.rollback(run, why)`` starts undoing a run, and
-  ``client.run_compensations(run)`` is the worker that runs its compensations, newest first.
+  :func:`run_compensations` (``run_compensations(client, run)``) is the worker that runs its
+  compensations, newest first.
 - :func:`once_each`: many items, each done once per key, in batches; on it,
   ``onceguard.langchain.OnceEmbeddings`` and ``onceguard.llamaindex.OnceEmbedding`` embed each
   chunk of an ingestion once per (model, text digest).
@@ -101,6 +102,7 @@ from .models import (
     Tenant,
     Usage,
 )
+from .rollback import run_compensations
 
 __version__ = "0.1.0"
 
@@ -191,6 +193,7 @@ __all__ = [
     "guarded",
     "once",
     "register_undo",
+    "run_compensations",
     "undo_handlers",
     "undo_name",
 ]

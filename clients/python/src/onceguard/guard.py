@@ -275,7 +275,7 @@ def once(
       ``recovery``. A hook that raises or answers anything else (a ``TypeError``) leaves the
       key reported unknown, so the next call verifies again.
     - ``undo``: the function that undoes the effect, called by a compensation worker
-      (``client.run_compensations``) with the compensation's data when the run is rolled back.
+      (:func:`onceguard.run_compensations`) with the compensation's data when the run is rolled back.
       Each successful completion registers the compensation ``undo_name`` (default: the undo
       function's ``__qualname__``; a lambda needs one) with ``undo_data(result)`` as data if
       given, else the result as stored (JSON, at most 16 KiB). The function is registered in

@@ -7,12 +7,11 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from types import TracebackType
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncIterator, Mapping, Sequence, TypeVar
 
 import httpx
 
 from .. import _calls
-from .._attempts import ExceptionClasses
 from .._calls import MISSING, Call, ClaimItem, CompleteItem
 from .._http import NO_RETRY, ClientBase, Retry, headers_of, may_retry, retry_after_header, with_extra
 from .._wire import Duration
@@ -26,7 +25,6 @@ from ..models import (
     ClaimAnswer,
     Compensation,
     CompensationClaim,
-    CompensationReport,
     Record,
     RecordPage,
     Rollback,
@@ -179,7 +177,7 @@ class AsyncClient(ClientBase):
         ``compensation``: how to undo the effect, a :class:`Compensation` or a ``(name, data)``
         pair (a name of 1 to 128 bytes of printable ASCII, any JSON data of at most 16 KiB),
         stored with the outcome: when the run is rolled back, a worker runs it
-        (:meth:`run_compensations`).
+        (:func:`onceguard.run_compensations`).
 
         ``reconciled=True``: a recovering attempt (attempt 2 or later) stores what the
         downstream system says happened, without running the effect; the record and every
@@ -325,8 +323,8 @@ class AsyncClient(ClientBase):
     async def rollback(self, run: str, why: str, *, tenant: str | None = None) -> Rollback:
         """Start rolling a run back (admin; ``why`` is kept): a kill switch is engaged on the
         run (its new claims are denied), and each of its completed effects that registered a
-        compensation becomes a task for the workers (:meth:`run_compensations`), newest effect
-        first. A run already being rolled back answers its rollback as it stands."""
+        compensation becomes a task for the workers (:func:`onceguard.run_compensations`),
+        newest effect first. A run already being rolled back answers its rollback as it stands."""
         return await self.send(_calls.rollback(run, why, tenant))
 
     async def rollback_status(self, run: str) -> Rollback | None:
@@ -341,37 +339,6 @@ class AsyncClient(ClientBase):
         ``retry_after``) or :class:`CompensationsDone`. ``lease`` as for :meth:`claim`. Raises
         :class:`onceguard.NotFound` if the run is not being rolled back."""
         return await self.send(_calls.claim_compensation(run, lease))
-
-    async def run_compensations(
-        self,
-        run: str,
-        handlers: Mapping[str, Callable[[Any], Any]] | None = None,
-        *,
-        max_tasks: int | None = None,
-        idle_timeout: float = 60.0,
-        lease: Duration = 30.0,
-        retryable: ExceptionClasses = (),
-    ) -> CompensationReport:
-        """Work on a run's rollback (a worker; any role): claim a task, call the handler of its
-        compensation's name with its data (from ``handlers`` first, else the undo functions
-        registered by ``@once``/``guarded``; a coroutine function is awaited), and complete the
-        task with the handler's answer (JSON; ``None`` is ``null``). A handler that raises fails
-        the task permanently (kept and shown, never handed out again), unless its exception is
-        of a class in ``retryable``, which hands it out again; a compensation with no handler
-        here fails permanently, saying so. The handler runs under a heartbeat extending the
-        task's ``lease``; :func:`onceguard.current` gives its attempt (``recovery`` when an
-        earlier worker died holding it, ``checkpoint()``).
-
-        It stops when the rollback answers ``done``, after ``max_tasks`` tasks, or after
-        ``idle_timeout`` seconds in a row of other workers holding every task left (claiming
-        again after each ``retry_after``: a task whose worker died is recovered once its lease
-        passes), and answers what this worker did. Raises :class:`onceguard.NotFound` if the
-        run is not being rolled back."""
-        from .rollback import run_compensations
-
-        return await run_compensations(
-            self, run, handlers, max_tasks=max_tasks, idle_timeout=idle_timeout, lease=lease, retryable=retryable
-        )
 
     async def engage_switch(
         self,

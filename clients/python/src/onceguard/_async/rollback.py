@@ -1,5 +1,6 @@
-"""The compensation worker of :meth:`AsyncClient.run_compensations`: it runs the compensations
-of a run being rolled back, one task at a time, until none is left.
+"""The compensation worker for an :class:`AsyncClient` (:func:`onceguard.run_compensations`
+picks it by the client's type): it runs the compensations of a run being rolled back, one task
+at a time, until none is left.
 
 Each task is held as an acquired claim of its own key: the handler runs under a heartbeat that
 extends the lease, with :func:`onceguard.current` giving the task's attempt (its ``recovery``

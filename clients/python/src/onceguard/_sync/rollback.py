@@ -1,7 +1,8 @@
 # Generated from src/onceguard/_async/rollback.py by `python scripts/unasync.py` (in clients/python).
 # Do not edit it: change the async source and run the script again.
-"""The compensation worker of :meth:`Client.run_compensations`: it runs the compensations
-of a run being rolled back, one task at a time, until none is left.
+"""The compensation worker for an :class:`Client` (:func:`onceguard.run_compensations`
+picks it by the client's type): it runs the compensations of a run being rolled back, one task
+at a time, until none is left.
 
 Each task is held as an acquired claim of its own key: the handler runs under a heartbeat that
 extends the lease, with :func:`onceguard.current` giving the task's attempt (its ``recovery``
