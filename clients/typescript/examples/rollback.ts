@@ -2,7 +2,7 @@
 // a worker refunds every charge, newest first, each once however many workers there are.
 // Run it next to a server, with an agent key and an admin key:
 // ONCEGUARD_URL=http://127.0.0.1:8080 ONCEGUARD_API_KEY=og_… ONCEGUARD_ADMIN_KEY=og_… node dist/examples/rollback.js
-import { Client, once, type UndoContext } from "onceguard";
+import { Client, once, runCompensations, type UndoContext } from "onceguard";
 
 const client = new Client(); // the agent's: $ONCEGUARD_URL and $ONCEGUARD_API_KEY
 const admin = new Client({ apiKey: process.env["ONCEGUARD_ADMIN_KEY"] }); // an admin's, to roll back
@@ -42,7 +42,7 @@ console.log(`charges before: ${charges.size}`);
 const rollback = await admin.rollback(run, "the agent charged the wrong customers"); // the run's new claims are refused
 console.log(`to undo: ${rollback.pending} of ${rollback.effects} effects`);
 
-const summary = await client.runCompensations(run, { idleTimeoutMs: 5_000 });
+const summary = await runCompensations(client, run, { idleTimeoutMs: 5_000 });
 console.log(`compensated: ${summary.compensated}, failed: ${summary.failed}, done: ${summary.done}`);
 const status = await client.rollbackStatus(run);
 console.log(status?.tasks.map((task) => `${(task.compensation.data as { charge: string }).charge} ${task.state}`).join(", "));

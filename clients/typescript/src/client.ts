@@ -61,7 +61,6 @@ import {
 } from "./models.js";
 import { checkCompensation } from "./compensation.js";
 import { NO_RETRY, Retry, notSent, sleep, type RetryOptions } from "./retry.js";
-import { runCompensations, type CompensationSummary, type RunCompensationsOptions } from "./rollback.js";
 import {
   body,
   durationSeconds,
@@ -364,7 +363,7 @@ export interface CompleteOptions extends CallOptions {
   /**
    * How to undo the effect if its run is rolled back: a name a worker knows it by (1 to 128
    * printable ASCII characters) and JSON data (at most 16 KiB serialized). Stored with the
-   * outcome; see {@link Client.rollback} and {@link Client.runCompensations}.
+   * outcome; see {@link Client.rollback} and the worker `runCompensations`.
    */
   readonly compensation?: Compensation | undefined;
 }
@@ -748,7 +747,7 @@ export class Client {
   /**
    * Roll a run back (admin; `why` says why, kept with it): a kill switch is engaged on the run
    * (its new claims are denied), and each of its completed effects that registered a
-   * compensation becomes a task for {@link runCompensations} workers, newest effect first.
+   * compensation becomes a task for `runCompensations` workers, newest effect first.
    * Starting a rollback under way answers it as it is.
    */
   rollback(run: string, why: string, options: CallOptions = {}): Promise<Rollback> {
@@ -767,23 +766,12 @@ export class Client {
    * (hold it for `lease`, default the server's; run the compensation, then complete or fail the
    * task's `namespace` and `key` with its `fence`), `busy` (other workers hold the rest; ask
    * again after `retryAfter` seconds) or `done` (nothing is left). Throws {@link NotFound} if
-   * the run is not being rolled back. {@link runCompensations} does all of it.
+   * the run is not being rolled back. The worker `runCompensations(client, run)` does all of it.
    */
   claimCompensation(run: string, options: { readonly lease?: Duration | undefined } & CallOptions = {}): Promise<CompensationClaimAnswer> {
     const read = (answer: Answer): CompensationClaimAnswer => compensationClaimOf(answer.status, expect(answer, 200, 201));
     const fields = { lease: optionalDuration(options.lease) };
     return this.#send({ method: "POST", path: `${runPath(run)}/compensations/claim`, read, body: body(fields) }, options.signal);
-  }
-
-  /**
-   * Work through a rolled-back run's compensations: take each task, run its handler (`handlers`
-   * first, then the undo functions registered by `once(…, { undo })` and {@link registerUndo}),
-   * complete the task with its value, until nothing is left (or `maxTasks`, or `idleTimeoutMs`
-   * without a task). A task whose name has no handler fails permanently; a handler's error is
-   * settled as `once` settles its function's. See {@link RunCompensationsOptions}.
-   */
-  runCompensations(run: string, options: RunCompensationsOptions = {}): Promise<CompensationSummary> {
-    return runCompensations(this, run, options);
   }
 
   /**

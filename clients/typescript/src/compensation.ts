@@ -1,8 +1,8 @@
 /**
  * Compensations: how a completed effect is undone if its run is rolled back. A completion
- * registers one (a name and JSON data); a worker ({@link Client.runCompensations}) later finds
- * the function that undoes it by that name: one it is handed, or one of this process's undo
- * functions, registered here by `once(…, { undo })` and {@link registerUndo}.
+ * registers one (a name and JSON data); a worker (`runCompensations`) later finds the function
+ * that undoes it by that name: one it is handed, or one of this process's undo functions,
+ * registered here by `once(…, { undo })` and {@link registerUndo}.
  *
  * @module
  */

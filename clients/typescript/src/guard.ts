@@ -167,7 +167,7 @@ export interface GuardOptions<R = unknown> {
    * The function that undoes the effect if its run is rolled back. Each completion then
    * registers a compensation named `undoName` (default: this function's own name) whose data is
    * `undoData(value)` (default: the stored result), and the function is registered under that
-   * name for this process's compensation workers ({@link Client.runCompensations}).
+   * name for this process's compensation workers (`runCompensations`).
    */
   readonly undo?: Undo;
   /**

@@ -6,8 +6,9 @@
  * - {@link Client}: every call of the HTTP API, with typed answers.
  * - {@link once} and {@link guarded}: run a function once per key (with `undo`: and register
  *   how to undo it, should its run be rolled back).
- * - {@link Client.rollback} and {@link Client.runCompensations}: roll a run back, and work
- *   through its compensations; {@link registerUndo}: this process's undo functions by name.
+ * - {@link Client.rollback} and {@link runCompensations} (`runCompensations(client, run)`): roll
+ *   a run back, and work through its compensations; {@link registerUndo}: this process's undo
+ *   functions by name.
  * - The framework helpers live in their own entry points: `onceguard/ai` (Vercel AI SDK),
  *   `onceguard/openai-agents` (OpenAI Agents SDK), `onceguard/langchain` (LangChain.js
  *   tools and LangGraph.js tasks).
@@ -31,6 +32,7 @@ export type {
 } from "./client.js";
 export { MAX_COMPENSATION_DATA, registerUndo, registeredUndo } from "./compensation.js";
 export type { Undo, UndoContext } from "./compensation.js";
+export { runCompensations } from "./rollback.js";
 export type { CompensationSummary, RunCompensationsOptions } from "./rollback.js";
 export { NO_RETRY, Retry } from "./retry.js";
 export type { RetryOptions } from "./retry.js";

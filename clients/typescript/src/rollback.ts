@@ -133,11 +133,16 @@ async function settleTask(client: Client, run: string, task: AcquiredCompensatio
 }
 
 /**
- * Work through the compensation tasks of `run`, being rolled back, until nothing is left to
- * run (`done`), `maxTasks` were taken, or `idleTimeoutMs` passed without a task to take. Each
- * task is run by its handler (`handlers`, then this process's registered undo functions) and
- * settled as the module says; returns what this worker did. Throws {@link NotFound} if the run
- * is not being rolled back, and the client's errors (e.g. {@link TransportError}) as they come.
+ * Work through the compensation tasks of `run`, being rolled back, with `client` (a worker; any
+ * role), until nothing is left to run (`done`), `maxTasks` were taken, or `idleTimeoutMs`
+ * passed without a task to take. Each task is run by its handler (`handlers`, then this
+ * process's registered undo functions) and settled as the module says; returns what this
+ * worker did. Throws {@link NotFound} if the run is not being rolled back, and the client's
+ * errors (e.g. {@link TransportError}) as they come.
+ *
+ * ```ts
+ * const summary = await runCompensations(client, "agent-run-7", { idleTimeoutMs: 5_000 });
+ * ```
  */
 export async function runCompensations(client: Client, run: string, options: RunCompensationsOptions = {}): Promise<CompensationSummary> {
   const { maxTasks, signal } = options;

@@ -17,6 +17,7 @@ import {
   once,
   registerUndo,
   registeredUndo,
+  runCompensations,
   type AcquiredCompensation,
   type Denied,
   type UndoContext,
@@ -130,7 +131,7 @@ describe("compensations: once with undo, and workers", () => {
     );
 
     const options = { idleTimeoutMs: 10_000 };
-    const [one, two] = await Promise.all([fx.client.runCompensations(run, options), fx.client.runCompensations(run, options)]);
+    const [one, two] = await Promise.all([runCompensations(fx.client, run, options), runCompensations(fx.client, run, options)]);
     assert.deepEqual([...undone].sort(), ["ch_a", "ch_b", "ch_c"], "each undo ran exactly once");
     assert.equal(one.compensated + two.compensated, 3);
     assert.equal(one.tasks + two.tasks, 3);
@@ -166,9 +167,9 @@ describe("compensations: once with undo, and workers", () => {
 
     const order: string[] = [];
     const handlers = { "refund-in-order": (data: { charge: string }) => void order.push(data.charge) };
-    const first = await fx.client.runCompensations(run, { handlers, maxTasks: 1 });
+    const first = await runCompensations(fx.client, run, { handlers, maxTasks: 1 });
     assert.deepEqual(first, { run, done: false, tasks: 1, compensated: 1, failed: 0, released: 0, unknown: 0, lost: 0, totals: null });
-    const rest = await fx.client.runCompensations(run, { handlers });
+    const rest = await runCompensations(fx.client, run, { handlers });
     assert.equal(rest.done, true);
     assert.equal(rest.compensated, 2);
     assert.deepEqual(order, ["ch_c", "ch_b", "ch_a"]);
@@ -194,7 +195,7 @@ describe("compensations: once with undo, and workers", () => {
     for (const order of ["a", "b", "c"]) await charge(order);
     await fx.admin.rollback(run, "test");
 
-    const summary = await fx.client.runCompensations(run, { idleTimeoutMs: 5_000 });
+    const summary = await runCompensations(fx.client, run, { idleTimeoutMs: 5_000 });
     assert.equal(summary.done, true);
     assert.equal(summary.compensated, 2);
     assert.equal(summary.failed, 1);
@@ -211,7 +212,7 @@ describe("compensations: once with undo, and workers", () => {
     assert.deepEqual(record?.stored?.result, { type: "Permanent", message: "the charge is disputed: refund refused" });
 
     // Another worker finds nothing to run: the failure is kept, not retried.
-    const again = await fx.client.runCompensations(run, { idleTimeoutMs: 5_000 });
+    const again = await runCompensations(fx.client, run, { idleTimeoutMs: 5_000 });
     assert.deepEqual([again.done, again.tasks], [true, 0]);
     assert.equal(await fx.client.claimCompensation(run).then((a) => a.outcome), "done");
     assert.deepEqual(Object.fromEntries(calls), { ch_a: 1, ch_b: 1, ch_c: 1 });
@@ -230,7 +231,7 @@ describe("compensations: once with undo, and workers", () => {
     const charge = once(async (order: string) => `ch_${order}`, { client: fx.client, namespace, name: "charge", run, undo: refundFlaky });
     await charge("a");
     await fx.admin.rollback(run, "test");
-    const summary = await fx.client.runCompensations(run, { idleTimeoutMs: 5_000, retryable: [ConnectionReset] });
+    const summary = await runCompensations(fx.client, run, { idleTimeoutMs: 5_000, retryable: [ConnectionReset] });
     assert.deepEqual([summary.done, summary.tasks, summary.released, summary.compensated, summary.failed], [true, 2, 1, 1, 0]);
     assert.equal(tries, 2);
     const task = (await fx.client.rollbackStatus(run))?.tasks[0];
@@ -249,7 +250,7 @@ describe("compensations: once with undo, and workers", () => {
     const charge = once(async (order: string) => `ch_${order}`, { client: fx.client, namespace, name: "charge", run, undo: refundBroken });
     await charge("a");
     await fx.admin.rollback(run, "test");
-    const summary = await fx.client.runCompensations(run, { idleTimeoutMs: 5_000 });
+    const summary = await runCompensations(fx.client, run, { idleTimeoutMs: 5_000 });
     assert.deepEqual([summary.done, summary.tasks, summary.failed, summary.released], [true, 1, 1, 0]);
     assert.equal(tries, 1);
     assert.equal((await fx.client.rollbackStatus(run))?.tasks[0]?.state, "failed");
@@ -263,7 +264,7 @@ describe("compensations: once with undo, and workers", () => {
     applied(await fx.client.complete(namespace, "k", a.fence, "done", { compensation }));
     await fx.admin.rollback(run, "test");
 
-    const summary = await fx.client.runCompensations(run, { idleTimeoutMs: 5_000 });
+    const summary = await runCompensations(fx.client, run, { idleTimeoutMs: 5_000 });
     assert.deepEqual([summary.done, summary.failed, summary.compensated], [true, 1, 0]);
     const task = (await fx.client.rollbackStatus(run))?.tasks[0];
     assert.equal(task?.state, "failed");
@@ -293,7 +294,7 @@ describe("compensations: once with undo, and workers", () => {
     assert.equal(task.attempt, 1);
     assert.equal(task.recovery, null);
 
-    const summary = await fx.client.runCompensations(run, { idleTimeoutMs: 10_000 });
+    const summary = await runCompensations(fx.client, run, { idleTimeoutMs: 10_000 });
     assert.deepEqual([summary.done, summary.tasks, summary.compensated], [true, 1, 1]);
     assert.equal(recoveries.length, 1);
     assert.equal(recoveries[0]?.reason, "lease_expired");
