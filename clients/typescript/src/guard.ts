@@ -50,7 +50,7 @@
  */
 
 import type { Client } from "./client.js";
-import { checkCompensation, registerUndo, type Undo } from "./compensation.js";
+import { checkCompensation } from "./compensation.js";
 import {
   ApprovalDeniedError,
   AwaitingApprovalError,
@@ -66,6 +66,7 @@ import {
 } from "./errors.js";
 import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
 import { applied, type Acquired, type Checkpoint, type ClaimAnswer, type Compensation, type Proceed, type Recovery } from "./models.js";
+import { registerUndo, type Undo } from "./undo.js";
 import { RawJson, dumps, durationSeconds, type Duration } from "./wire.js";
 
 /** The longest `wait` the server takes for one claim, in seconds. */

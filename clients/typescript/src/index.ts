@@ -30,8 +30,9 @@ export type {
   RecordFilter,
   TenantOption,
 } from "./client.js";
-export { MAX_COMPENSATION_DATA, registerUndo, registeredUndo } from "./compensation.js";
-export type { Undo, UndoContext } from "./compensation.js";
+export { MAX_COMPENSATION_DATA } from "./compensation.js";
+export { registerUndo, registeredUndo } from "./undo.js";
+export type { Undo, UndoContext } from "./undo.js";
 export { runCompensations } from "./rollback.js";
 export type { CompensationSummary, RunCompensationsOptions } from "./rollback.js";
 export { NO_RETRY, Retry } from "./retry.js";

@@ -24,11 +24,11 @@
  */
 
 import type { Client, CallOptions } from "./client.js";
-import { registeredUndo, type Undo, type UndoContext } from "./compensation.js";
 import { PermanentFailure, StaleFence } from "./errors.js";
 import { Attempt, classify, policyOf, runAttempt, type ErrorMatcher } from "./guard.js";
 import type { AcquiredCompensation } from "./models.js";
 import { sleep } from "./retry.js";
+import { registeredUndo, type Undo, type UndoContext } from "./undo.js";
 import type { Duration } from "./wire.js";
 
 /** The options of {@link runCompensations}. */
