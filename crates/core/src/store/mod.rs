@@ -99,15 +99,20 @@ impl ListFilter {
 }
 
 /// A listing read page by page through one filter `F` (of records, approvals or audit
-/// entries), at most `max_pages` pages: the one paging loop of the guard's readers.
+/// entries), at most `max_pages` pages: the one paging loop of the guard's readers. For records
+/// the filter is a [`ListFilter`] and the cursor a page's [`Page::next`]; here, a number:
 ///
-/// ```ignore
-/// let mut pages = Pages::new(filter, max_pages);
-/// while let Some(filter) = pages.page() {
-///     let page = store.list(tenant, filter, now).await?;
-///     pages.turn(page.next.clone(), |f, next| f.after = Some(next));
-///     // … the page's records
+/// ```
+/// use onceguard_core::store::Pages;
+///
+/// let mut pages = Pages::new(0u32, 10);
+/// let mut read = Vec::new();
+/// while let Some(&at) = pages.page() {
+///     read.push(at);
+///     // Pages 0, 1 and 2, the last with no next one.
+///     pages.turn((at < 2).then_some(at + 1), |filter, next| *filter = next);
 /// }
+/// assert_eq!(read, [0, 1, 2]);
 /// ```
 #[derive(Debug)]
 pub struct Pages<F> {
