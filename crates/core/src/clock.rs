@@ -1,6 +1,7 @@
 //! Time, injected: every protocol decision takes `now` from a [`Clock`], so tests move time by
 //! hand instead of sleeping.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -47,5 +48,38 @@ impl Default for ManualClock {
 impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
         Timestamp(self.0.load(Ordering::SeqCst))
+    }
+}
+
+/// Where a shared store (PostgreSQL, Redis) takes the time its atomic steps decide by: its
+/// server's clock, read inside each transaction or script, or, in tests, a clock of the test's
+/// own, so that a test moves the store's time by hand. Either way the caller's `now` decides
+/// nothing in such a store: every instance sharing it judges leases, retention and expiry by one
+/// clock.
+#[derive(Clone, Default)]
+pub enum StoreClock {
+    /// The store server's clock (PostgreSQL's `statement_timestamp()`, Redis's `TIME`).
+    #[default]
+    Server,
+    /// A clock standing in for the server's (tests).
+    Given(Arc<dyn Clock>),
+}
+
+impl StoreClock {
+    /// The given clock's time, or `None` for the server's (which the store reads itself).
+    pub fn given(&self) -> Option<Timestamp> {
+        match self {
+            Self::Server => None,
+            Self::Given(clock) => Some(clock.now()),
+        }
+    }
+}
+
+impl std::fmt::Debug for StoreClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Server => f.write_str("Server"),
+            Self::Given(clock) => write!(f, "Given({})", clock.now().0),
+        }
     }
 }

@@ -107,6 +107,8 @@ vocabulary! {
         Sweep => "sweep",
         /// [`crate::store::ClaimStore::ping`].
         Ping => "ping",
+        /// [`crate::store::ClaimStore::store_time`].
+        StoreTime => "store_time",
         /// Tenants and API keys.
         Auth => "auth",
         /// Runs, budgets, switches and settings.

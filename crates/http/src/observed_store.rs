@@ -137,6 +137,11 @@ impl ClaimStore for ObservedStore {
         self.timed(StoreOp::Ping, self.inner.ping()).await
     }
 
+    #[tracing::instrument(level = "debug", name = "store.time", skip_all, fields(store = self.kind, error))]
+    async fn store_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        self.timed(StoreOp::StoreTime, self.inner.store_time()).await
+    }
+
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
         self.inner.changes()
     }

@@ -141,6 +141,15 @@ pub trait ClaimStore: Send + Sync + 'static {
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// The time by which this store decides, read from it now: a shared store's own clock
+    /// (its server's, or the [`crate::StoreClock`] it was given), which its atomic steps use in
+    /// place of the caller's `now`. `None` for a store that decides by the caller's `now`
+    /// (memory, SQLite: one process, one clock). The guard compares it with its own clock to
+    /// measure and bound the skew between them.
+    async fn store_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        Ok(None)
+    }
+
     /// Keys finished (completed, failed, reported unknown) or purged through *other* processes
     /// sharing this store, so that this process can wake its waiters at once. `None` when the
     /// store offers no such feed; waiters then rely on polling, which they always do as well.

@@ -164,6 +164,10 @@ impl ClaimStore for BreakableStore {
     async fn ping(&self) -> Result<(), StoreError> {
         self.up()?.ping().await
     }
+
+    async fn store_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        self.up()?.store_time().await
+    }
 }
 
 #[async_trait::async_trait]
