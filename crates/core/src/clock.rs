@@ -37,6 +37,11 @@ impl ManualClock {
     pub fn advance(&self, d: Duration) {
         self.0.fetch_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX), Ordering::SeqCst);
     }
+
+    /// Sets the clock to `at` (back as well as forward).
+    pub fn set(&self, at: Timestamp) {
+        self.0.store(at.0, Ordering::SeqCst);
+    }
 }
 
 impl Default for ManualClock {
@@ -74,6 +79,19 @@ impl StoreClock {
         }
     }
 }
+
+/// Two store clocks are the same if both are the server's, or both the same given clock.
+impl PartialEq for StoreClock {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Server, Self::Server) => true,
+            (Self::Given(a), Self::Given(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for StoreClock {}
 
 impl std::fmt::Debug for StoreClock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -12,26 +12,26 @@ fn decode(doc: &str) -> Result<Approval, StoreError> {
 
 #[async_trait]
 impl ApprovalStore for PgStore {
-    async fn approval_of(&self, scope: &Scope, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval_of(&self, scope: &Scope, _caller_now: Timestamp) -> Result<Option<Approval>, StoreError> {
         let row = self
             .client()
             .await?
             .query_opt(
-                "SELECT doc FROM og_approvals WHERE tenant = $1 AND namespace = $2 AND key = $3 AND kept_until > $4",
-                &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str(), &to_i64(now)],
+                "SELECT doc FROM og_approvals WHERE tenant = $1 AND namespace = $2 AND key = $3 AND kept_until > og_now($4)",
+                &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str(), &self.given_now()],
             )
             .await
             .map_err(unavailable)?;
         row.map(|r| decode(r.get(0))).transpose()
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(&self, tenant: &TenantId, id: &str, _caller_now: Timestamp) -> Result<Option<Approval>, StoreError> {
         let row = self
             .client()
             .await?
             .query_opt(
-                "SELECT doc FROM og_approvals WHERE tenant = $1 AND id = $2 AND kept_until > $3",
-                &[&tenant.as_str(), &id, &to_i64(now)],
+                "SELECT doc FROM og_approvals WHERE tenant = $1 AND id = $2 AND kept_until > og_now($3)",
+                &[&tenant.as_str(), &id, &self.given_now()],
             )
             .await
             .map_err(unavailable)?;
@@ -43,7 +43,7 @@ impl ApprovalStore for PgStore {
         expected: Option<&Approval>,
         new: &Approval,
         audit: Option<&AuditEntry>,
-        now: Timestamp,
+        _caller_now: Timestamp,
     ) -> Result<bool, StoreError> {
         let doc = serde_json::to_string(new).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let s = &new.scope;
@@ -52,13 +52,14 @@ impl ApprovalStore for PgStore {
         let tx = client.transaction().await.map_err(unavailable)?;
         let stored = tx
             .query_opt(
-                "SELECT doc, kept_until FROM og_approvals WHERE tenant = $1 AND namespace = $2 AND key = $3 FOR UPDATE",
-                &[&t, &n, &k],
+                "SELECT doc, kept_until > og_now($4) FROM og_approvals
+                 WHERE tenant = $1 AND namespace = $2 AND key = $3 FOR UPDATE",
+                &[&t, &n, &k, &self.given_now()],
             )
             .await
             .map_err(unavailable)?;
         let kept = match &stored {
-            Some(row) if row.get::<_, i64>(1) > to_i64(now) => Some(decode(row.get(0))?),
+            Some(row) if row.get::<_, bool>(1) => Some(decode(row.get(0))?),
             _ => None,
         };
         if kept.as_ref() != expected {
@@ -89,21 +90,22 @@ impl ApprovalStore for PgStore {
         &self,
         tenant: &TenantId,
         filter: &ApprovalFilter,
-        now: Timestamp,
+        _caller_now: Timestamp,
     ) -> Result<Vec<Approval>, StoreError> {
         let rows = self
             .client()
             .await?
             .query(
-                "SELECT doc FROM og_approvals WHERE tenant = $1 AND id COLLATE \"C\" > $2 AND kept_until > $3 ORDER BY id COLLATE \"C\"",
-                &[&tenant.as_str(), &filter.after.clone().unwrap_or_default(), &to_i64(now)],
+                "SELECT doc, og_now($3) FROM og_approvals
+                 WHERE tenant = $1 AND id COLLATE \"C\" > $2 AND kept_until > og_now($3) ORDER BY id COLLATE \"C\"",
+                &[&tenant.as_str(), &filter.after.clone().unwrap_or_default(), &self.given_now()],
             )
             .await
             .map_err(unavailable)?;
         let mut out = Vec::new();
         for row in rows {
             let approval = decode(row.get(0))?;
-            if filter.admits(&approval, now) {
+            if filter.admits(&approval, timestamp(row.get(1))?) {
                 out.push(approval);
                 if out.len() >= filter.page_size() {
                     break;
@@ -113,16 +115,16 @@ impl ApprovalStore for PgStore {
         Ok(out)
     }
 
-    async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+    async fn sweep_approvals(&self, _caller_now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         let n = self
             .client()
             .await?
             .execute(
                 // The outer condition again: a row rewritten meanwhile (a new approval over an
                 // expired one) is checked as it now is, and kept.
-                "DELETE FROM og_approvals WHERE kept_until <= $1 AND (tenant, namespace, key) IN
-                   (SELECT tenant, namespace, key FROM og_approvals WHERE kept_until <= $1 LIMIT $2)",
-                &[&to_i64(now), &i64::try_from(batch).unwrap_or(i64::MAX)],
+                "DELETE FROM og_approvals WHERE kept_until <= og_now($1) AND (tenant, namespace, key) IN
+                   (SELECT tenant, namespace, key FROM og_approvals WHERE kept_until <= og_now($1) LIMIT $2)",
+                &[&self.given_now(), &i64::try_from(batch).unwrap_or(i64::MAX)],
             )
             .await
             .map_err(unavailable)?;

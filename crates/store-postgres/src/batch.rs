@@ -26,7 +26,10 @@ pub(crate) enum Answer {
 
 pub(crate) struct Job {
     pub(crate) op: Op,
-    pub(crate) now: Timestamp,
+    /// The caller's `now` when it submitted the job. It decides nothing (the batch decides by
+    /// the store's time, read under the keys' locks); it only tells this instance how far its
+    /// clock is from the store's, to date guesses ([`Writers::estimate`]).
+    pub(crate) caller_now: Timestamp,
     /// The job decided before its key is read, made by the caller's task when it submitted the
     /// job (so not by a writer while it holds the intake).
     pub(crate) guess: Option<Guess>,
@@ -61,6 +64,26 @@ impl Taking {
         }
     }
 }
+
+impl Writers {
+    /// The store's time as this instance expects it at the caller's `now`: the caller's time
+    /// plus the offset the last batch measured. It dates a [`Guess`], which is written only if
+    /// the store's time then is within [`GUESS_TOLERANCE_MS`] of it.
+    pub(crate) fn estimate(&self, now: Timestamp) -> Timestamp {
+        let offset = self.offset_ms.load(Ordering::Relaxed);
+        Timestamp(now.0.saturating_add_signed(offset))
+    }
+}
+
+/// How far a [`Guess`]'s time may be from the store's time read under the keys' locks for the
+/// guess to be written. Its decision does not depend on the time (a claim of a key with no row,
+/// a fenced call on an in-progress record); only the times it writes (lease end, completion,
+/// expiry) do, and those stay this close to the store's time when the job was submitted (the
+/// gap is mostly the job's wait in the queue, which a burst of claims makes hundreds of
+/// milliseconds). Every later decision compares those times with the store's, so no lease is
+/// taken over early whatever they are. A guess further off (this instance's clock jumped, or
+/// the job waited longer) is decided again on the store's time.
+pub(crate) const GUESS_TOLERANCE_MS: i64 = 1_000;
 
 impl Intake {
     /// Takes the jobs put off before (one per key, up to [`MAX_BATCH`]); then, if that is
@@ -114,6 +137,10 @@ impl Intake {
 /// What the writer tasks share.
 pub(crate) struct Writers {
     pub(crate) pool: Pool,
+    /// Where the batches' time comes from.
+    pub(crate) clock: StoreClock,
+    /// The store's time minus the caller's `now`, in milliseconds, as the last batch found it.
+    pub(crate) offset_ms: AtomicI64,
     pub(crate) intake: Mutex<Intake>,
     pub(crate) known: Known,
     pub(crate) finished: mpsc::UnboundedSender<Scope>,
@@ -196,7 +223,7 @@ pub(crate) async fn run_batch(
 ) -> Result<Vec<Option<Answer>>, BatchError> {
     let client = writers.pool.get().await.map_err(|e| BatchError::Pool(with_causes(&e)))?;
     guesses.resize_with(batch.len(), || None);
-    let decided = match decide_batch(&client, batch, guesses, turn).await {
+    let decided = match decide_batch(writers, &client, batch, guesses, turn).await {
         Ok(decided) => decided,
         Err(e) => {
             abandon(client).await;
@@ -276,10 +303,12 @@ pub(crate) const LOCK_KEYS: &str = "SELECT pg_advisory_xact_lock(h) FROM unnest(
 /// protocol always lets acquire a key with no record, unless a limit denies it; then the fence
 /// is left unused). It runs as a statement of its own after [`LOCK_KEYS`], so that its snapshot
 /// is taken once every lock is held and sees every commit made under them, and so that its
-/// fences are drawn under those locks. (`LATERAL … LIMIT 1` keeps the plan an index lookup per
-/// key, also when the statement was prepared while the table was empty.)
+/// fences are drawn under those locks. Each row carries the store's time (`og_now($5)`: the
+/// statement's start, or the time `$5` given in its place), by which the batch is decided.
+/// (`LATERAL … LIMIT 1` keeps the plan an index lookup per key, also when the statement was
+/// prepared while the table was empty.)
 pub(crate) const READ_KEYS: &str =
-    "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END
+    "SELECT r.doc, r.body, u.i, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END, og_now($5)
      FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) WITH ORDINALITY AS u (t, n, k, d, i)
      LEFT JOIN LATERAL (SELECT s.doc, s.body FROM og_records s
                         WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true";
@@ -289,30 +318,33 @@ pub(crate) const READ_KEYS: &str =
 /// any (`$5` to `$12`: the record to write, and for a fenced call the `doc` and `body` of the
 /// record it guesses the key holds). A guessed claim's record is inserted where the key has no
 /// row, with the fence drawn for it in place of [`GUESSED_FENCE`] (`$13`); a guessed fenced
-/// call's record replaces the row that holds exactly the guessed record. Each row says whether
-/// its key was written (`w`), and carries the record read only if it was not. The rows read
-/// are those from before the writes (all parts of a statement see one snapshot).
+/// call's record replaces the row that holds exactly the guessed record; and only a guess dated
+/// (`$14`) within `$16` ms ([`GUESS_TOLERANCE_MS`]) of the store's time (`og_now($15)`, as in
+/// [`READ_KEYS`]) is written at all. Each row says whether its key was written (`w`), and
+/// carries the record read only if it was not, and the store's time. The rows read are those
+/// from before the writes (all parts of a statement see one snapshot).
 pub(crate) const READ_KEYS_WRITING_GUESSES: &str = "WITH cur AS MATERIALIZED (
-       SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END AS fence
+       SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END AS fence,
+              og_now($15) AS now, abs(u.g_now - og_now($15)) <= $16::bigint AS on_time
        FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::text[], $7::bigint[],
-                   $8::bigint[], $9::text[], $10::bytea[], $11::text[], $12::bytea[]) WITH ORDINALITY
-         AS u (t, n, k, d, g_state, g_run, g_lease, g_expires, g_doc, g_body, was_doc, was_body, i)
+                   $8::bigint[], $9::text[], $10::bytea[], $11::text[], $12::bytea[], $14::bigint[]) WITH ORDINALITY
+         AS u (t, n, k, d, g_state, g_run, g_lease, g_expires, g_doc, g_body, was_doc, was_body, g_now, i)
        LEFT JOIN LATERAL (SELECT s.doc, s.body, s.ctid AS at FROM og_records s
                           WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true),
      inserted AS (
        INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
        SELECT t, n, k, g_state, g_run, g_lease, g_expires, replace(g_doc, $13, '\"fence\":' || fence), g_body
-       FROM cur WHERE g_doc IS NOT NULL AND was_doc IS NULL AND doc IS NULL AND fence IS NOT NULL),
+       FROM cur WHERE g_doc IS NOT NULL AND on_time AND was_doc IS NULL AND doc IS NULL AND fence IS NOT NULL),
      updated AS (
        UPDATE og_records r SET state = c.g_state, run = c.g_run, lease_expires_at = c.g_lease,
                                expires_at = c.g_expires, doc = c.g_doc, body = c.g_body
        FROM cur c
-       WHERE r.ctid = c.at AND c.was_doc IS NOT NULL AND c.doc = c.was_doc
+       WHERE r.ctid = c.at AND c.on_time AND c.was_doc IS NOT NULL AND c.doc = c.was_doc
          AND c.body IS NOT DISTINCT FROM c.was_body
        RETURNING c.i)
-     SELECT CASE WHEN w THEN NULL ELSE doc END, CASE WHEN w THEN NULL ELSE body END, i, fence, w
-     FROM (SELECT c.doc, c.body, c.i, c.fence,
-                  (c.g_doc IS NOT NULL AND c.was_doc IS NULL AND c.doc IS NULL AND c.fence IS NOT NULL)
+     SELECT CASE WHEN w THEN NULL ELSE doc END, CASE WHEN w THEN NULL ELSE body END, i, fence, w, now
+     FROM (SELECT c.doc, c.body, c.i, c.fence, c.now,
+                  (c.g_doc IS NOT NULL AND c.on_time AND c.was_doc IS NULL AND c.doc IS NULL AND c.fence IS NOT NULL)
                   OR c.i IN (SELECT i FROM updated) AS w
            FROM cur c) c";
 
@@ -398,8 +430,7 @@ pub(crate) const RUN_COLUMNS: &str = "budget, effects, cost, created_at, updated
 pub(crate) struct Needs {
     /// Fences, by tenant: one per claim that acquires a key for which [`READ_KEYS`] drew none.
     pub(crate) fences: BTreeMap<TenantId, usize>,
-    /// Tenants whose in-flight quota an acquiring claim checks, with the earliest time among
-    /// those claims.
+    /// Tenants whose in-flight quota an acquiring claim checks, with the batch's time.
     pub(crate) quotas: BTreeMap<TenantId, Timestamp>,
     /// Runs that an acquiring claim, or a fenced call reporting cost, may charge.
     pub(crate) runs: BTreeSet<(TenantId, RunId)>,
@@ -408,18 +439,17 @@ pub(crate) struct Needs {
 impl Needs {
     /// Works out what the jobs need from what was read for them (a claim's decision is the
     /// same whatever fence it is given).
-    pub(crate) fn of<'a>(jobs: impl Iterator<Item = (&'a Job, &'a Read)>) -> Self {
+    pub(crate) fn of<'a>(jobs: impl Iterator<Item = (&'a Job, &'a Read)>, now: Timestamp) -> Self {
         let mut needs = Self::default();
         for (job, Read { record, fence, .. }) in jobs {
             match &job.op {
                 Op::Claim(req) => {
-                    let Some(written) = protocol::claim(record.clone(), req, job.now, || Fence(0)).1 else { continue };
+                    let Some(written) = protocol::claim(record.clone(), req, now, || Fence(0)).1 else { continue };
                     if fence.is_none() {
                         *needs.fences.entry(req.scope.tenant.clone()).or_default() += 1;
                     }
                     if req.max_in_flight.is_some() {
-                        let since = needs.quotas.entry(req.scope.tenant.clone()).or_insert(job.now);
-                        *since = (*since).min(job.now);
+                        needs.quotas.insert(req.scope.tenant.clone(), now);
                     }
                     if let Some(run) = written.run {
                         needs.runs.insert((req.scope.tenant.clone(), run));
@@ -567,6 +597,7 @@ pub(crate) struct GuessColumns<'a> {
     pub(crate) body: Vec<Option<&'a [u8]>>,
     pub(crate) was_doc: Vec<Option<&'a str>>,
     pub(crate) was_body: Vec<Option<&'a [u8]>>,
+    pub(crate) now: Vec<Option<i64>>,
 }
 
 impl<'a> GuessColumns<'a> {
@@ -583,6 +614,7 @@ impl<'a> GuessColumns<'a> {
             let known = g.and_then(|g| g.known.as_ref());
             columns.was_doc.push(known.map(|k| k.doc.as_str()));
             columns.was_body.push(known.and_then(|k| k.body.as_deref()));
+            columns.now.push(g.map(|g| to_i64(g.now)));
         }
         columns
     }
@@ -592,16 +624,18 @@ impl<'a> GuessColumns<'a> {
 /// [`lock_key`]), and reads their records, drawing a fence for each key marked in `claims`
 /// that has none and writing the guesses that hold: four statements sent together, one round
 /// trip, and `COMMIT` with them if `commit`. `turn` is let go of once the reads are answered.
-/// Unless it committed, the transaction stays open on `client`; if this fails, the caller must
+/// Answers the reads and the store's time under the locks (`clock`'s, if it gives one). Unless
+/// it committed, the transaction stays open on `client`; if this fails, the caller must
 /// [`abandon`] it.
 pub(crate) async fn lock_and_read(
     client: &ClientWrapper,
     scopes: &[&Scope],
     claims: &[bool],
     guesses: &[Option<Guess>],
+    clock: &StoreClock,
     commit: bool,
     turn: Option<tokio::sync::MutexGuard<'_, Intake>>,
-) -> Result<Vec<Read>, BatchError> {
+) -> Result<(Vec<Read>, Timestamp), BatchError> {
     debug_assert!(scopes.is_sorted_by_key(|s| lock_key(s)), "key locks are taken in ascending order");
     let guessing = guesses.iter().any(Option::is_some);
     let (begin, generic, lock_keys, read_keys, end) = futures::try_join!(
@@ -617,8 +651,9 @@ pub(crate) async fn lock_and_read(
     let names: Vec<&str> = scopes.iter().map(|s| s.key.as_str()).collect();
     let g = GuessColumns::of(guesses);
     let placeholder = fence_in_doc(GUESSED_FENCE);
+    let given = clock.given().map(to_i64);
     let lock_params: [&(dyn ToSql + Sync); 1] = [&keys];
-    let read_params: [&(dyn ToSql + Sync); 13] = [
+    let read_params: [&(dyn ToSql + Sync); 16] = [
         &tenants,
         &namespaces,
         &names,
@@ -632,8 +667,12 @@ pub(crate) async fn lock_and_read(
         &g.was_doc,
         &g.was_body,
         &placeholder,
+        &g.now,
+        &given,
+        &GUESS_TOLERANCE_MS,
     ];
-    let read_params = if guessing { &read_params[..] } else { &read_params[..4] };
+    let plain_params: [&(dyn ToSql + Sync); 5] = [&tenants, &namespaces, &names, &claims, &given];
+    let (read_params, now_column) = if guessing { (&read_params[..], 5) } else { (&plain_params[..], 4) };
     // Each future sends its statement when first polled, and `join!` and `try_join!` poll them
     // in order: all are sent at once. The reads are answered before the `COMMIT` (which waits
     // for its WAL flush), and `turn` is let go of then, so that the next batch runs while this
@@ -653,6 +692,12 @@ pub(crate) async fn lock_and_read(
     let (_, _, _, rows) = read?;
     ended?;
     let mut reads: Vec<Option<Read>> = scopes.iter().map(|_| None).collect();
+    let now = rows
+        .first()
+        .map(|row| timestamp(row.get(now_column)))
+        .transpose()
+        .map_err(|e| BatchError::Data(e.to_string()))?
+        .ok_or_else(|| BatchError::Data("the batch's keys were not read".into()))?;
     for row in &rows {
         let slot = usize::try_from(row.get::<_, i64>(2) - 1)
             .ok()
@@ -664,7 +709,8 @@ pub(crate) async fn lock_and_read(
         let guessed = guessing && row.get::<_, bool>(4);
         *slot = Some(Read { record: record.map_err(|e| BatchError::Data(e.to_string()))?, fence, guessed });
     }
-    reads.into_iter().map(|r| r.ok_or_else(|| BatchError::Data("a key of the batch was not read".into()))).collect()
+    let reads = reads.into_iter().map(|r| r.ok_or_else(|| BatchError::Data("a key of the batch was not read".into())));
+    Ok((reads.collect::<Result<_, _>>()?, now))
 }
 
 /// Writes `records` and `runs` and commits, in one round trip. If this fails, the caller must
@@ -799,6 +845,7 @@ pub(crate) struct Decided {
 /// and, before it, one more when a job needs a quota or a run checked or a recovery's fence
 /// drawn.
 pub(crate) async fn decide_batch(
+    writers: &Writers,
     client: &ClientWrapper,
     batch: &[Job],
     guesses: Vec<Option<Guess>>,
@@ -810,7 +857,10 @@ pub(crate) async fn decide_batch(
     let scopes: Vec<&Scope> = batch.iter().map(|job| job.op.scope()).collect();
     let claims: Vec<bool> = batch.iter().map(|job| matches!(job.op, Op::Claim(_))).collect();
     let committed = guesses.iter().all(Option::is_some);
-    let reads = lock_and_read(client, &scopes, &claims, &guesses, committed, turn).await?;
+    let (reads, now) = lock_and_read(client, &scopes, &claims, &guesses, &writers.clock, committed, turn).await?;
+    if let Some(job) = batch.first() {
+        writers.offset_ms.store(to_i64(now).saturating_sub(to_i64(job.caller_now)), Ordering::Relaxed);
+    }
 
     let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
     let mut known = Vec::new();
@@ -833,7 +883,7 @@ pub(crate) async fn decide_batch(
         let (answer, record, doc) = match (&job.op, guess.known) {
             (Op::Claim(req), None) => {
                 let fence = read.fence.ok_or_else(|| BatchError::Data("a guessed claim drew no fence".into()))?;
-                let (answer, record) = protocol::claim(None, req, job.now, || fence);
+                let (answer, record) = protocol::claim(None, req, guess.now, || fence);
                 let record = record.ok_or_else(|| BatchError::Data("a guessed claim did not acquire".into()))?;
                 debug_assert_eq!(record, Record { fence, ..guess.record });
                 let doc = guess.doc.replace(&fence_in_doc(GUESSED_FENCE), &fence_in_doc(fence));
@@ -855,12 +905,12 @@ pub(crate) async fn decide_batch(
         // write run again.
         for (i, job, read) in pending {
             answers[i] = match &job.op {
-                Op::Claim(req) => match protocol::claim(read.record, req, job.now, || Fence(0)) {
+                Op::Claim(req) => match protocol::claim(read.record, req, now, || Fence(0)) {
                     (outcome, None) => Some(Answer::Claim(outcome)),
                     (_, Some(_)) => None,
                 },
                 Op::Mutate { fence, mutation, max_checkpoints, .. } => {
-                    match protocol::apply(read.record, *fence, mutation.clone(), job.now, *max_checkpoints) {
+                    match protocol::apply(read.record, *fence, mutation.clone(), now, *max_checkpoints) {
                         (outcome, None) => Some(Answer::Mutate(outcome)),
                         (_, Some(_)) => None,
                     }
@@ -874,7 +924,7 @@ pub(crate) async fn decide_batch(
     // 2. Now that the keys are locked: the quota and run locks with what they guard (only for
     //    claims that carry a quota or name a run, and fenced calls that report cost), and the
     //    fences of claims that acquire a key that had a record.
-    let needs = Needs::of(pending.iter().map(|(_, job, read)| (*job, read)));
+    let needs = Needs::of(pending.iter().map(|(_, job, read)| (*job, read)), now);
     let (mut ledger, mut fences) =
         if needs.is_empty() { (Ledger::default(), Fences::default()) } else { lock_needs(client, &needs).await? };
 
@@ -884,25 +934,25 @@ pub(crate) async fn decide_batch(
         let (answer, write) = match &job.op {
             Op::Claim(req) => {
                 let draw = || fence.or_else(|| fences.next(&req.scope.tenant)).unwrap_or(Fence(0));
-                let (outcome, write) = protocol::claim(record, req, job.now, draw);
+                let (outcome, write) = protocol::claim(record, req, now, draw);
                 if let ClaimOutcome::Acquired(a) = &outcome
                     && a.fence == Fence(0)
                 {
                     return Err(BatchError::Data("ran out of drawn fences".into()));
                 }
-                let (outcome, write) = ledger.admit(req, job.now, outcome, write)?;
+                let (outcome, write) = ledger.admit(req, now, outcome, write)?;
                 (Answer::Claim(outcome), write)
             }
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
                 let finishes = mutation.finishes();
                 let (outcome, write) =
-                    onceguard_core::control::apply_fenced(record, *fence, mutation.clone(), job.now, *max_checkpoints);
+                    onceguard_core::control::apply_fenced(record, *fence, mutation.clone(), now, *max_checkpoints);
                 if finishes && write.is_some() {
                     finished.push(scope.clone());
                 }
                 let write = write.map(|write| -> Result<Record, BatchError> {
                     if let Some((id, cost)) = &write.charge {
-                        ledger.run(&scope.tenant, id, job.now)?.add_cost(*cost, job.now);
+                        ledger.run(&scope.tenant, id, now)?.add_cost(*cost, now);
                         ledger.charged.insert((scope.tenant.clone(), id.clone()));
                     }
                     Ok(write.record)

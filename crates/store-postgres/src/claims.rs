@@ -73,29 +73,32 @@ impl ClaimStore for PgStore {
             .collect()
     }
 
-    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
+    async fn get(&self, scope: &Scope, _caller_now: Timestamp) -> Result<Option<Record>, StoreError> {
         let client = self.client().await?;
         let st = client
-            .prepare_cached("SELECT doc, body FROM og_records WHERE tenant = $1 AND namespace = $2 AND key = $3")
+            .prepare_cached(
+                "SELECT doc, body FROM og_records
+                 WHERE tenant = $1 AND namespace = $2 AND key = $3 AND expires_at > og_now($4)",
+            )
             .await
             .map_err(unavailable)?;
+        let given = self.writers.clock.given().map(to_i64);
         let row = client
-            .query_opt(&st, &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str()])
+            .query_opt(&st, &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str(), &given])
             .await
             .map_err(unavailable)?;
-        let record = row.as_ref().map(decode_row).transpose().map_err(corrupt)?;
-        Ok(record.filter(|r| r.is_live(now)))
+        row.as_ref().map(decode_row).transpose().map_err(corrupt)
     }
 
-    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, _caller_now: Timestamp) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let client = self.client().await?;
         let st = client
             .prepare_cached(
                 "SELECT doc, body FROM og_records
-                 WHERE tenant = $1 AND expires_at > $2
+                 WHERE tenant = $1 AND expires_at > og_now($2)
                    AND ($3::text IS NULL OR state = $3)
-                   AND (NOT $4 OR (state = 'in_progress' AND lease_expires_at <= $2))
+                   AND (NOT $4 OR (state = 'in_progress' AND lease_expires_at <= og_now($2)))
                    AND ($5::text IS NULL OR run = $5)
                    AND ($6::text IS NULL OR namespace = $6 OR starts_with(namespace, $6 || '/'))
                    AND ($7::text IS NULL OR (namespace, key) > ($7::text COLLATE \"C\", $8::text COLLATE \"C\"))
@@ -113,7 +116,7 @@ impl ClaimStore for PgStore {
                 &st,
                 &[
                     &tenant.as_str(),
-                    &to_i64(now),
+                    &self.writers.clock.given().map(to_i64),
                     &filter.state.map(|s| s.as_str()),
                     &filter.stuck,
                     &filter.run.as_ref().map(|r| r.as_str()),
@@ -178,13 +181,13 @@ impl ClaimStore for PgStore {
         Ok(n > 0)
     }
 
-    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+    async fn sweep(&self, _caller_now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         let client = self.client().await?;
         let n = client
             .execute(
                 "DELETE FROM og_records WHERE ctid IN
-                   (SELECT ctid FROM og_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
-                &[&to_i64(now), &i64::try_from(batch).unwrap_or(i64::MAX)],
+                   (SELECT ctid FROM og_records WHERE expires_at <= og_now($1) LIMIT $2 FOR UPDATE SKIP LOCKED)",
+                &[&self.writers.clock.given().map(to_i64), &i64::try_from(batch).unwrap_or(i64::MAX)],
             )
             .await
             .map_err(unavailable)?;
@@ -193,6 +196,13 @@ impl ClaimStore for PgStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.client().await?.simple_query("SELECT 1").await.map(drop).map_err(unavailable)
+    }
+
+    async fn store_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        let client = self.client().await?;
+        let given = self.writers.clock.given().map(to_i64);
+        let row = client.query_one("SELECT og_now($1::bigint)", &[&given]).await.map_err(unavailable)?;
+        timestamp(row.get(0)).map(Some)
     }
 
     fn changes(&self) -> Option<broadcast::Receiver<Scope>> {

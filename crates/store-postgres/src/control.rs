@@ -8,12 +8,13 @@ use super::*;
 /// keys' locks in ascending order (as a batch takes them, so the two never deadlock), each
 /// record read again under its lock and revoked if it still qualifies, with a fence drawn once
 /// the locks are held. Answers how many it revoked and where the next chunk starts, if any.
+/// Decided by the store's time read under the locks (`clock`'s, if it gives one).
 async fn revoke_chunk(
     pool: &Pool,
     tenant: &TenantId,
     target: &SwitchTarget,
     detail: &str,
-    now: Timestamp,
+    clock: &StoreClock,
     after: Option<&(String, String)>,
 ) -> Result<(u64, Option<(String, String)>), BatchError> {
     let client = pool.get().await.map_err(|e| BatchError::Pool(with_causes(&e)))?;
@@ -27,7 +28,7 @@ async fn revoke_chunk(
     let candidates = client
         .query(
             "SELECT namespace, key FROM og_records
-             WHERE tenant = $1 AND state = 'in_progress' AND expires_at > $2
+             WHERE tenant = $1 AND state = 'in_progress' AND expires_at > og_now($2)
                AND ($3::text IS NULL OR namespace = $3 OR starts_with(namespace, $3 || '/'))
                AND ($4::text IS NULL OR run = $4)
                AND ($5::text IS NULL OR (namespace, key) > ($5::text COLLATE \"C\", $6::text COLLATE \"C\"))
@@ -35,7 +36,7 @@ async fn revoke_chunk(
              LIMIT $7",
             &[
                 &tenant.as_str(),
-                &to_i64(now),
+                &clock.given().map(to_i64),
                 &prefix,
                 &run,
                 &after.map(|(ns, _)| ns.as_str()),
@@ -65,7 +66,7 @@ async fn revoke_chunk(
     scopes.sort_by_key(lock_key);
     let result = async {
         let scopes: Vec<&Scope> = scopes.iter().collect();
-        let reads = lock_and_read(&client, &scopes, &vec![false; scopes.len()], &[], false, None).await?;
+        let (reads, now) = lock_and_read(&client, &scopes, &vec![false; scopes.len()], &[], clock, false, None).await?;
         let covered: Vec<Record> = reads
             .into_iter()
             .filter_map(|read| read.record)
@@ -237,14 +238,14 @@ impl ControlStore for PgStore {
         tenant: &TenantId,
         target: &SwitchTarget,
         detail: &str,
-        now: Timestamp,
+        _caller_now: Timestamp,
     ) -> Result<u64, StoreError> {
         self.ensure_fences([tenant]).await?;
         let mut revoked = 0;
         let mut after = None;
         loop {
             let (n, next) =
-                revoke_chunk(&self.pool, tenant, target, detail, now, after.as_ref()).await.map_err(|e| match e {
+                revoke_chunk(&self.pool, tenant, target, detail, &self.writers.clock, after.as_ref()).await.map_err(|e| match e {
                     BatchError::Data(e) => corrupt(e),
                     e => unavailable(e),
                 })?;

@@ -83,6 +83,9 @@ pub(crate) struct Guess {
     /// `None`: a claim, guessing that the key has no row; it then acquires, with the fence the
     /// statement draws. `Some`: a fenced call, guessing that the key holds this record.
     pub(crate) known: Option<Arc<KnownRecord>>,
+    /// The time the guess is decided at: this instance's estimate of the store's
+    /// ([`Writers::estimate`]); the guess is written only if the store's time is close to it.
+    pub(crate) now: Timestamp,
     /// The answer if the guess holds (a claim's: with [`GUESSED_FENCE`]).
     pub(crate) answer: Answer,
     pub(crate) record: Record,
@@ -93,7 +96,7 @@ pub(crate) struct Guess {
 impl Guess {
     /// The guess for a claim with no quota and no run of a key this instance knows of no record
     /// for, or for a fenced call that changes a record this instance wrote (and charges no run);
-    /// `None` for any other job.
+    /// `None` for any other job. `now` is the store's time as this instance expects it.
     pub(crate) fn of(op: &Op, now: Timestamp, known: &Known) -> Option<Self> {
         match op {
             Op::Claim(req) => {
@@ -111,7 +114,7 @@ impl Guess {
                 if doc.matches(&placeholder).count() != 1 || doc.replace(&placeholder, &replaced) != other_doc {
                     return None;
                 }
-                Some(Self { known: None, answer: Answer::Claim(answer), record, doc, body })
+                Some(Self { known: None, now, answer: Answer::Claim(answer), record, doc, body })
             }
             Op::Mutate { scope, fence, mutation, max_checkpoints } => {
                 let known = known.get(scope)?;
@@ -122,7 +125,7 @@ impl Guess {
                     return None;
                 }
                 let (doc, body) = record.clone().into_doc().ok()?;
-                Some(Self { known: Some(known), answer: Answer::Mutate(answer), record, doc, body })
+                Some(Self { known: Some(known), now, answer: Answer::Mutate(answer), record, doc, body })
             }
         }
     }

@@ -41,7 +41,16 @@
 //!   trip. So fences are drawn only for claims that acquire (or are denied).
 //! - **Plans**: the batch's statements run with `plan_cache_mode = force_generic_plan`, planned
 //!   once per connection, and each key is an index lookup in that plan.
-//! - **Retention** is checked when read (`expires_at > now`); the sweep deletes expired rows in
+//! - **The store's clock decides**: every decision that compares a time with a lease, a
+//!   retention, an expiry, a deadline or a rate is made by PostgreSQL's time, read inside the
+//!   statement or transaction that decides (`og_now(NULL)`: `statement_timestamp()` in
+//!   milliseconds; a batch reads it with its keys, under their locks), and the times it writes
+//!   (lease end, completion, expiry) are that time plus a duration. The caller's `now` decides
+//!   nothing, so instances whose clocks disagree still judge every lease alike; it only dates a
+//!   guess (above), from this instance's clock plus the offset the last batch measured, and a
+//!   guess whose time is more than `GUESS_TOLERANCE_MS` (1 s) from the store's is decided again.
+//!   [`PgOptions::clock`] gives a clock in PostgreSQL's place (tests), passed to `og_now`.
+//! - **Retention** is checked when read (`expires_at > og_now(…)`); the sweep deletes expired rows in
 //!   bounded batches with `FOR UPDATE SKIP LOCKED`, so it never waits on (or blocks) a claim.
 //! - **Waits across instances**: once a batch (or a purge) committed, the keys it finished are
 //!   handed to a notifier task that `pg_notify`s them on the schema's channel, those finished
@@ -100,7 +109,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -113,7 +122,8 @@ use onceguard_core::control::{
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 use onceguard_core::{
-    ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RecordState, RunId, Scope, TenantId, Timestamp,
+    ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RecordState, RunId, Scope, StoreClock, TenantId,
+    Timestamp,
 };
 use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -183,6 +193,9 @@ pub struct PgOptions {
     /// With `sslmode=require` (or `verify-ca`, `verify-full`): the certificate authority (PEM)
     /// the server's certificate is checked against (`sslrootcert=PATH`); else Mozilla's roots.
     pub tls_ca: Option<std::path::PathBuf>,
+    /// The time the store decides by: PostgreSQL's (the default), or a clock given in its place
+    /// (tests).
+    pub clock: StoreClock,
 }
 
 impl Default for PgOptions {
@@ -193,6 +206,7 @@ impl Default for PgOptions {
             writers: 4,
             statement_timeout: Duration::from_secs(5),
             tls_ca: None,
+            clock: StoreClock::Server,
         }
     }
 }
@@ -376,6 +390,8 @@ impl PgStore {
         let (finished, finished_rx) = mpsc::unbounded_channel();
         let writers = Arc::new(Writers {
             pool: pool.clone(),
+            clock: options.clock.clone(),
+            offset_ms: AtomicI64::new(0),
             intake: Mutex::new(Intake { queue, held: None, deferred: VecDeque::new() }),
             known: Known::default(),
             finished: finished.clone(),
@@ -415,8 +431,8 @@ impl PgStore {
 
     async fn submit(&self, op: Op, now: Timestamp) -> Result<Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let guess = Guess::of(&op, now, &self.writers.known);
-        let job = Job { op, now, guess, reply };
+        let guess = Guess::of(&op, self.writers.estimate(now), &self.writers.known);
+        let job = Job { op, caller_now: now, guess, reply };
         self.jobs.send(vec![job]).await.map_err(|_| stopped("the writers stopped"))?;
         answer.await.map_err(|_| stopped("the writer dropped the operation"))?
     }
@@ -431,8 +447,8 @@ impl PgStore {
             let mut group = Vec::with_capacity(MAX_GROUP);
             for op in ops.by_ref().take(MAX_GROUP) {
                 let (reply, answer) = oneshot::channel();
-                let guess = Guess::of(&op, now, &self.writers.known);
-                group.push(Job { op, now, guess, reply });
+                let guess = Guess::of(&op, self.writers.estimate(now), &self.writers.known);
+                group.push(Job { op, caller_now: now, guess, reply });
                 answers.push(answer);
             }
             self.jobs.send(group).await.map_err(|_| stopped("the writers stopped"))?;
@@ -442,6 +458,11 @@ impl PgStore {
             out.push(answer.await.map_err(|_| stopped("the writer dropped the operation"))??);
         }
         Ok(out)
+    }
+
+    /// The time given in place of PostgreSQL's, for `og_now($n)` (`NULL`: PostgreSQL's own).
+    fn given_now(&self) -> Option<i64> {
+        self.writers.clock.given().map(to_i64)
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -551,7 +572,14 @@ mod tests {
         columns.doc[0] = doc.to_string();
         client.execute(UPSERT_RECORDS, &columns.as_sql()).await.unwrap();
 
-        let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
+        let clock = Arc::new(onceguard_core::ManualClock::new(now));
+        let options = PgOptions {
+            schema: schema.clone(),
+            pool_size: 2,
+            writers: 1,
+            clock: StoreClock::Given(clock.clone()),
+            ..PgOptions::default()
+        };
         let store = PgStore::connect_with(&url, options).await.unwrap();
         let version: i32 = client.query_one("SELECT max(version) FROM og_migrations", &[]).await.unwrap().get(0);
         assert_eq!(version as usize, MIGRATIONS.len());
@@ -561,7 +589,8 @@ mod tests {
         assert!(matches!(store.claim(&other, now).await.unwrap(), ClaimOutcome::Denied(_)));
         // Once its lease passed, its recovery draws from the tenant's sequence, which starts
         // above the one sequence of the first version (at 7): the denied claim drew 8.
-        let recovered = store.claim(&req, Timestamp(20_000)).await.unwrap();
+        clock.advance(Duration::from_secs(19));
+        let recovered = store.claim(&req, now).await.unwrap();
         assert!(matches!(recovered, ClaimOutcome::Acquired(ref a) if a.fence == Fence(9)), "{recovered:?}");
         drop(store);
         client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await.unwrap();

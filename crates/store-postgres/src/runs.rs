@@ -9,11 +9,12 @@ impl RunStore for PgStore {
         tenant: &TenantId,
         run: &RunId,
         budget: &Budget,
-        now: Timestamp,
+        _caller_now: Timestamp,
         audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(unavailable)?;
+        let now = timestamp(tx.query_one("SELECT og_now($1)", &[&self.given_now()]).await.map_err(unavailable)?.get(0))?;
         // The run's lock, as a batch that charges it takes it: read, change, write.
         let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
         let h = class_lock(&[tenant.as_str(), run.as_str()]);
@@ -47,7 +48,7 @@ impl RunStore for PgStore {
         &self,
         tenant: &TenantId,
         rate: &Rate,
-        now: Timestamp,
+        _caller_now: Timestamp,
     ) -> Result<Result<(), Duration>, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(unavailable)?;
@@ -57,12 +58,13 @@ impl RunStore for PgStore {
             .prepare_cached(
                 "INSERT INTO og_rates (tenant, tat_us) VALUES ($1, 0)
                  ON CONFLICT (tenant) DO UPDATE SET tat_us = og_rates.tat_us
-                 RETURNING tat_us",
+                 RETURNING tat_us, og_now($2)",
             )
             .await
             .map_err(unavailable)?;
-        let tat: i64 = tx.query_one(&take, &[&tenant.as_str()]).await.map_err(unavailable)?.get(0);
-        let tat = u64::try_from(tat).map_err(corrupt)?;
+        let row = tx.query_one(&take, &[&tenant.as_str(), &self.given_now()]).await.map_err(unavailable)?;
+        let tat = u64::try_from(row.get::<_, i64>(0)).map_err(corrupt)?;
+        let now = timestamp(row.get(1))?;
         match onceguard_core::control::gcra(Some(tat), now, rate) {
             Ok(next) => {
                 tx.execute("UPDATE og_rates SET tat_us = $2 WHERE tenant = $1", &[&tenant.as_str(), &to_sql_u64(next)])

@@ -128,6 +128,12 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     );
     CREATE UNIQUE INDEX og_approvals_id ON og_approvals (tenant, id);
     CREATE INDEX og_approvals_kept ON og_approvals (kept_until);
+"#, // The store's time, by which every instance decides: the statement's start in milliseconds,
+    // or the time given in its place (tests). Inlined by the planner.
+    r#"
+    CREATE FUNCTION og_now(given bigint) RETURNS bigint LANGUAGE sql STABLE AS $$
+        SELECT coalesce(given, (extract(epoch FROM statement_timestamp()) * 1000)::bigint)
+    $$;
 "#,
 ];
 

@@ -46,9 +46,17 @@ fn fresh() -> impl Fn() -> Pin<Box<dyn Future<Output = Option<TestStore>> + Send
                 return None;
             }
             let schema = format!("og_test_{:016x}", rand::random::<u64>());
-            let options = PgOptions { schema: schema.clone(), pool_size: 4, writers: 2, ..PgOptions::default() };
+            // The store decides by a clock of the test's, which the cases move.
+            let clock = std::sync::Arc::new(onceguard_core::ManualClock::default());
+            let options = PgOptions {
+                schema: schema.clone(),
+                pool_size: 4,
+                writers: 2,
+                clock: onceguard_core::StoreClock::Given(clock.clone()),
+                ..PgOptions::default()
+            };
             let store = PgStore::connect_with(&url, options).await.expect("the store connects");
-            Some(TestStore::with(store, DropSchema(schema)))
+            Some(TestStore::with(store, DropSchema(schema)).on_clock(clock))
         })
     }
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use onceguard_core::Clock as _;
 use onceguard_core::store::ClaimStore;
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fingerprint, Guard, Key, Limits, ManualClock, Mutation, Namespace, Outcome,
@@ -145,74 +146,77 @@ async fn a_slow_network_to_the_store_stays_exactly_once() {
     drop_schema(&schema).await;
 }
 
+async fn claim(guard: &Guard, req: &ClaimRequest) -> ClaimOutcome {
+    guard.claim(onceguard_testkit::through_the_door(req, Duration::ZERO)).await.unwrap()
+}
+
+/// Two instances on one store, one whose clock runs 10 s behind the store's and one 10 s ahead:
+/// the store's clock decides, so the one ahead never takes over a live lease (its own clock
+/// says the lease passed long before), and a lease that did pass is recovered once, whichever
+/// instance asks first; the late holder's completion is then stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn clock_skew_within_the_lease_keeps_a_key_held() {
+async fn the_stores_clock_decides_whatever_the_instances_clocks_say() {
     if !available() {
         return;
     }
     let schema = schema();
-    let lease = Duration::from_secs(10);
-    let skew = Duration::from_secs(3);
+    let lease = Duration::from_secs(15);
+    let skew = Duration::from_secs(10);
     let start = Timestamp::now();
-    let behind = Arc::new(ManualClock::new(start));
+    // The server's clock, standing still unless moved, and two instances' clocks around it.
+    let server = Arc::new(ManualClock::new(start));
+    let behind = Arc::new(ManualClock::new(Timestamp(start.0 - 10_000)));
     let ahead = Arc::new(ManualClock::new(start.plus(skew)));
     let mut guards = Vec::new();
     for clock in [behind.clone(), ahead.clone()] {
-        let options = PgOptions { schema: schema.clone(), pool_size: 2, writers: 1, ..PgOptions::default() };
+        let options = PgOptions {
+            schema: schema.clone(),
+            pool_size: 2,
+            writers: 1,
+            clock: onceguard_core::StoreClock::Given(server.clone()),
+            ..PgOptions::default()
+        };
         let store: Arc<dyn Store> = Arc::new(PgStore::connect_with(&url(), options).await.unwrap());
         guards.push(Guard::new(store, clock, Limits::default()));
     }
     let (a, b) = (&guards[0], &guards[1]);
     let advance = |d: Duration| {
-        behind.advance(d);
-        ahead.advance(d);
+        for clock in [&server, &behind, &ahead] {
+            clock.advance(d);
+        }
     };
 
-    // The instance whose clock is behind holds the key; the one ahead sees it held until its
-    // own clock passes the lease end, which is `skew` early in real time.
-    let req = request("skewed", lease);
-    let ClaimOutcome::Acquired(held) =
-        a.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap()
-    else {
-        panic!("acquired")
-    };
-    advance(lease - skew - Duration::from_millis(1));
-    assert!(matches!(
-        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap(),
-        ClaimOutcome::InFlight(_)
-    ));
-    // A holder that extends at a third of its lease (as the proxy and the clients do) never
-    // loses the key to a clock up to two thirds of a lease ahead.
-    a.mutate(&req.scope, held.fence, Mutation::Extend(lease)).await.unwrap();
-    advance(lease - skew - Duration::from_millis(1));
-    assert!(matches!(
-        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap(),
-        ClaimOutcome::InFlight(_)
-    ));
+    for (holder, other) in [(a, b), (b, a)] {
+        let req = request(&format!("skewed-{}", rand::random::<u32>()), lease);
+        let ClaimOutcome::Acquired(held) = claim(holder, &req).await else { panic!("acquired") };
+        assert_eq!(held.lease_expires_at, server.now().plus(lease), "the lease ends by the store's clock");
+        // 6 s in: the instance ahead reads 16 s, past the lease; the store reads 6 s.
+        advance(Duration::from_secs(6));
+        assert!(matches!(claim(other, &req).await, ClaimOutcome::InFlight(_)), "a live lease is never taken over");
+        assert!(matches!(claim(holder, &req).await, ClaimOutcome::InFlight(_)));
+        // Just before the lease ends by the store's clock, still held.
+        advance(lease - Duration::from_secs(6) - Duration::from_millis(1));
+        assert!(matches!(claim(other, &req).await, ClaimOutcome::InFlight(_)));
+        // Once it passed, recovered once: the second claim finds the new attempt in flight.
+        advance(Duration::from_millis(1));
+        let ClaimOutcome::Acquired(recovered) = claim(other, &req).await else { panic!("recovered") };
+        assert!(recovered.fence > held.fence);
+        assert_eq!(recovered.attempt, 2);
+        assert!(matches!(claim(holder, &req).await, ClaimOutcome::InFlight(_)));
+        let late = holder.mutate(&req.scope, held.fence, Mutation::Complete(outcome("late".into()))).await.unwrap();
+        assert!(matches!(late, onceguard_core::FencedOutcome::Stale(_)));
+    }
+
+    // Retention is judged by the store's clock too: a completed key replays until the store's
+    // clock passes its expiry, whatever either instance's clock says.
+    let req = ClaimRequest { retention: Duration::from_secs(60), ..request("kept", lease) };
+    let ClaimOutcome::Acquired(held) = claim(a, &req).await else { panic!("acquired") };
     let done = a.mutate(&req.scope, held.fence, Mutation::Complete(outcome("once".into()))).await.unwrap();
     assert!(matches!(done, onceguard_core::FencedOutcome::Applied(_)));
-    assert!(matches!(
-        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap(),
-        ClaimOutcome::Replay(_)
-    ));
-
-    // Past the margin the clock ahead takes a key over early: the documented limit, and the
-    // fence still refuses the late holder.
-    let req = request("too-skewed", lease);
-    let ClaimOutcome::Acquired(first) =
-        a.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap()
-    else {
-        panic!("acquired")
-    };
-    advance(lease - skew);
-    let ClaimOutcome::Acquired(second) =
-        b.claim(onceguard_testkit::through_the_door(&req, Duration::ZERO)).await.unwrap()
-    else {
-        panic!("taken over")
-    };
-    assert!(second.fence > first.fence);
-    let late = a.mutate(&req.scope, first.fence, Mutation::Complete(outcome("late".into()))).await.unwrap();
-    assert!(matches!(late, onceguard_core::FencedOutcome::Stale(_)));
+    advance(Duration::from_secs(55));
+    assert!(matches!(claim(b, &req).await, ClaimOutcome::Replay(_)), "kept while the store's clock is before expiry");
+    advance(Duration::from_secs(5));
+    assert!(matches!(claim(a, &req).await, ClaimOutcome::Acquired(_)), "new once the store's clock passed it");
     drop(guards);
     drop_schema(&schema).await;
 }

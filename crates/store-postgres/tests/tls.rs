@@ -8,6 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use onceguard_store_postgres::PgStore;
+use onceguard_testkit::conformance::Subject;
 use tokio_postgres::NoTls;
 
 /// The server's certificate file, when it offers TLS and the file can be read here.
@@ -45,8 +46,8 @@ async fn every_connection_is_encrypted_and_checked() {
         &format!("sslmode=verify-full&sslrootcert={cert}&schema={schema}&application_name={app}&pool_size=2&writers=1"),
     );
     let store = Arc::new(PgStore::connect(&url).await.expect("the store connects over TLS"));
-    onceguard_testkit::conformance::completed_key_replays_byte_for_byte(store.clone()).await;
-    onceguard_testkit::conformance::waiting_claim_receives_the_replay(store.clone()).await;
+    onceguard_testkit::conformance::completed_key_replays_byte_for_byte(Subject::new(store.clone())).await;
+    onceguard_testkit::conformance::waiting_claim_receives_the_replay(Subject::new(store.clone())).await;
 
     // Every connection of the store (the pool's and the LISTEN one) is encrypted.
     let (client, connection) = tokio_postgres::connect(&common::url(), NoTls).await.unwrap();

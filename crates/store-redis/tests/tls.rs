@@ -68,7 +68,7 @@ macro_rules! cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
                 let Some(store) = (over_tls())().await else { return };
-                onceguard_testkit::conformance::$name(store.store.clone()).await;
+                onceguard_testkit::conformance::$name(store.subject()).await;
             }
         )*
     };

@@ -1,6 +1,8 @@
 //! The store conformance suite: the behaviour every store must have, case by case.
 //!
-//! Each case takes a fresh store and drives it through a [`Guard`] on a [`ManualClock`].
+//! Each case takes a fresh store ([`Subject`]) and drives it through a [`Guard`] on a
+//! [`ManualClock`]: the store's own clock when it has one (a shared store given a test clock,
+//! [`onceguard_core::StoreClock::Given`]), so that moving it moves the time the store decides by.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,12 +31,37 @@ struct Case {
     clock: Arc<ManualClock>,
 }
 
-fn case_with(store: Arc<dyn Store>, limits: Limits) -> Case {
-    let clock = Arc::new(ManualClock::default());
-    Case { guard: Guard::new(store, clock.clone(), limits), clock }
+/// The store a case runs on, and the clock it decides by if it has one of its own.
+#[derive(Clone)]
+pub struct Subject {
+    /// The store under test.
+    pub store: Arc<dyn Store>,
+    /// The clock the store was given in place of its server's ([`onceguard_core::StoreClock`]),
+    /// if it is a shared store; `None` for a store that decides by the caller's time.
+    pub clock: Option<Arc<ManualClock>>,
 }
 
-fn case(store: Arc<dyn Store>) -> Case {
+impl Subject {
+    /// A store that decides by the caller's time.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self { store, clock: None }
+    }
+}
+
+impl std::ops::Deref for Subject {
+    type Target = Arc<dyn Store>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.store
+    }
+}
+
+fn case_with(subject: Subject, limits: Limits) -> Case {
+    let clock = subject.clock.unwrap_or_default();
+    Case { guard: Guard::new(subject.store, clock.clone(), limits), clock }
+}
+
+fn case(store: Subject) -> Case {
     case_with(store, Limits::default())
 }
 
@@ -124,7 +151,7 @@ impl Case {
 
 /// A claim of an absent key acquires it: fence, attempt 1, lease, no recovery; the record is
 /// in progress.
-pub async fn absent_key_is_acquired(store: Arc<dyn Store>) {
+pub async fn absent_key_is_acquired(store: Subject) {
     let c = case(store);
     let s = scope("order-1");
     let now = c.guard.clock().now();
@@ -139,7 +166,7 @@ pub async fn absent_key_is_acquired(store: Arc<dyn Store>) {
 }
 
 /// A second claim while the lease is live answers in flight, with the time left on the lease.
-pub async fn held_key_answers_in_flight(store: Arc<dyn Store>) {
+pub async fn held_key_answers_in_flight(store: Subject) {
     let c = case(store);
     let req = request(&scope("k"), "same");
     c.acquire(&req).await;
@@ -155,7 +182,7 @@ pub async fn held_key_answers_in_flight(store: Arc<dyn Store>) {
 
 /// After completion every claim replays the stored outcome, byte for byte (any bytes), with
 /// when it completed and which fence completed it.
-pub async fn completed_key_replays_byte_for_byte(store: Arc<dyn Store>) {
+pub async fn completed_key_replays_byte_for_byte(store: Subject) {
     let c = case(store);
     let s = scope("bin");
     let req = request(&s, "m");
@@ -181,7 +208,7 @@ pub async fn completed_key_replays_byte_for_byte(store: Arc<dyn Store>) {
 
 /// A claim with another fingerprint answers mismatch, in flight or completed, and the record
 /// does not change.
-pub async fn other_fingerprint_is_a_mismatch_and_changes_nothing(store: Arc<dyn Store>) {
+pub async fn other_fingerprint_is_a_mismatch_and_changes_nothing(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let fence = c.acquire(&request(&s, "a")).await;
@@ -197,7 +224,7 @@ pub async fn other_fingerprint_is_a_mismatch_and_changes_nothing(store: Arc<dyn 
 
 /// Once another claim took the key over, every call with the old fence answers stale and
 /// changes nothing; a made-up fence is stale too.
-pub async fn stale_fences_change_nothing(store: Arc<dyn Store>) {
+pub async fn stale_fences_change_nothing(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = request(&s, "a");
@@ -232,7 +259,7 @@ pub async fn stale_fences_change_nothing(store: Arc<dyn Store>) {
 
 /// When the lease passes without an outcome, the next claim acquires with fence+ and is told it
 /// is a recovery, with the previous attempt and its last checkpoint.
-pub async fn lease_expiry_gives_a_recovery_with_the_last_checkpoint(store: Arc<dyn Store>) {
+pub async fn lease_expiry_gives_a_recovery_with_the_last_checkpoint(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = request(&s, "a");
@@ -260,7 +287,7 @@ pub async fn lease_expiry_gives_a_recovery_with_the_last_checkpoint(store: Arc<d
 /// A holder that reports the outcome unknown ends its lease at once: the next claim is a
 /// recovery saying why. The reporter may still finish (it may have learnt what happened) until
 /// someone takes over, but may no longer extend or checkpoint.
-pub async fn reported_unknown_gives_a_recovery_at_once(store: Arc<dyn Store>) {
+pub async fn reported_unknown_gives_a_recovery_at_once(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = request(&s, "a");
@@ -290,7 +317,7 @@ pub async fn reported_unknown_gives_a_recovery_at_once(store: Arc<dyn Store>) {
 
 /// A retryable failure releases the key: the next claim (with any fingerprint) acquires as a
 /// fresh attempt, no recovery; the old fence is stale.
-pub async fn retryable_failure_releases_the_key(store: Arc<dyn Store>) {
+pub async fn retryable_failure_releases_the_key(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let first = c.acquire(&request(&s, "a")).await;
@@ -308,7 +335,7 @@ pub async fn retryable_failure_releases_the_key(store: Arc<dyn Store>) {
 }
 
 /// A permanent failure is stored and replays like a success, marked as a failure.
-pub async fn permanent_failure_replays(store: Arc<dyn Store>) {
+pub async fn permanent_failure_replays(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = request(&s, "a");
@@ -324,7 +351,7 @@ pub async fn permanent_failure_replays(store: Arc<dyn Store>) {
 
 /// Extending pushes the lease out from now: a claim after the first lease but before the new
 /// one is still in flight; after it, a recovery.
-pub async fn extend_pushes_the_lease_out(store: Arc<dyn Store>) {
+pub async fn extend_pushes_the_lease_out(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = request(&s, "a");
@@ -340,7 +367,7 @@ pub async fn extend_pushes_the_lease_out(store: Arc<dyn Store>) {
 
 /// A completed record replays for its retention, measured from completion, and is absent after
 /// it (before any sweep): the key is new again, with any fingerprint.
-pub async fn retention_expiry_makes_the_key_new(store: Arc<dyn Store>) {
+pub async fn retention_expiry_makes_the_key_new(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = ClaimRequest { retention: Duration::from_secs(100), ..request(&s, "a") };
@@ -360,7 +387,7 @@ pub async fn retention_expiry_makes_the_key_new(store: Arc<dyn Store>) {
 /// its holder reported the outcome unknown, keeps its fence, attempt and checkpoints long past
 /// lease and retention, survives the sweep, and its next claim is a recovery (the key charged
 /// once). Once finished, its retention runs from completion.
-pub async fn an_unfinished_attempt_outlives_its_retention(store: Arc<dyn Store>) {
+pub async fn an_unfinished_attempt_outlives_its_retention(store: Subject) {
     let c = case(store.clone());
     let short = |s: &Scope| ClaimRequest { retention: Duration::from_secs(1), ..in_run(s, "a", "long", 1) };
     let (stuck, unknown) = (scope("stuck"), scope("unknown"));
@@ -388,7 +415,7 @@ pub async fn an_unfinished_attempt_outlives_its_retention(store: Arc<dyn Store>)
 /// A kill switch on a run refuses a claim that would take over a key of that run, whatever run
 /// the claim names (none, or another): a record keeps its run across attempts. Nothing
 /// changes; a switch on another run does not refuse it.
-pub async fn a_switch_on_the_records_run_refuses_its_takeover(store: Arc<dyn Store>) {
+pub async fn a_switch_on_the_records_run_refuses_its_takeover(store: Subject) {
     let c = case(store.clone());
     let s = scope("k");
     let first = c.acquire(&in_run(&s, "a", "batch-7", 0)).await;
@@ -414,7 +441,7 @@ pub async fn a_switch_on_the_records_run_refuses_its_takeover(store: Arc<dyn Sto
 /// A switch engaged while a claim waits refuses the waiter on its next pass: it never acquires
 /// the key when the holder's lease passes. Also when the switch is on the run the record keeps
 /// and the waiter names none.
-pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Arc<dyn Store>) {
+pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Subject) {
     let limits = Limits { wait_poll: Duration::from_millis(10), ..Limits::default() };
     let c = case_with(store, limits);
     let tenant = TenantId::parse("acme").unwrap();
@@ -432,6 +459,10 @@ pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Arc<dyn St
     for target in [SwitchTarget::Namespace { prefix }, SwitchTarget::Run { run }] {
         c.guard.engage_switch("test", &tenant, target, "incident".into(), false).await.unwrap();
     }
+    // A pass that checked the switches just before they were engaged may still be on its way to
+    // the store, whose clock decides: it answers in flight as long as the lease is live. Let
+    // such a pass end (the waiters poll every 10 ms) before the lease passes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     c.clock.advance(LEASE);
     for (what, waiter) in [("namespace", namespace_waiter), ("run", run_waiter)] {
         match waiter.await.unwrap() {
@@ -444,7 +475,7 @@ pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Arc<dyn St
 }
 
 /// A key's fence keeps growing across retention expiry, the sweep and a purge.
-pub async fn fences_grow_across_expiry_sweep_and_purge(store: Arc<dyn Store>) {
+pub async fn fences_grow_across_expiry_sweep_and_purge(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = ClaimRequest { retention: Duration::from_secs(1), ..request(&s, "a") };
@@ -465,7 +496,7 @@ pub async fn fences_grow_across_expiry_sweep_and_purge(store: Arc<dyn Store>) {
 }
 
 /// The sweep deletes expired records only, at most a batch at a time.
-pub async fn sweep_deletes_only_expired_records_in_batches(store: Arc<dyn Store>) {
+pub async fn sweep_deletes_only_expired_records_in_batches(store: Subject) {
     let c = case(store.clone());
     let short = Duration::from_secs(10);
     for i in 0..7 {
@@ -487,7 +518,7 @@ pub async fn sweep_deletes_only_expired_records_in_batches(store: Arc<dyn Store>
 /// The same namespace and key in two tenants are two keys: claims, reads, listings and purges
 /// of one never see or touch the other; and fences are counted per tenant, so one tenant's
 /// claims draw none of another's (its fences tell it nothing of theirs).
-pub async fn tenants_are_isolated(store: Arc<dyn Store>) {
+pub async fn tenants_are_isolated(store: Subject) {
     let c = case(store);
     let a = scope_in("tenant-a", "prod/agent", "k");
     let b = scope_in("tenant-b", "prod/agent", "k");
@@ -512,7 +543,7 @@ pub async fn tenants_are_isolated(store: Arc<dyn Store>) {
 }
 
 /// The same key in two namespaces of one tenant are two keys.
-pub async fn namespaces_are_isolated(store: Arc<dyn Store>) {
+pub async fn namespaces_are_isolated(store: Subject) {
     let c = case(store);
     let prod = scope_in("acme", "prod/agent", "k");
     let staging = scope_in("acme", "staging/agent", "k");
@@ -522,7 +553,7 @@ pub async fn namespaces_are_isolated(store: Arc<dyn Store>) {
 }
 
 /// N concurrent claims of one absent key: exactly one acquires; the rest are in flight.
-pub async fn concurrent_claims_acquire_exactly_once(store: Arc<dyn Store>) {
+pub async fn concurrent_claims_acquire_exactly_once(store: Subject) {
     let c = case(store);
     for round in 0..4 {
         let req = request(&scope(&format!("race-{round}")), "a");
@@ -542,7 +573,7 @@ pub async fn concurrent_claims_acquire_exactly_once(store: Arc<dyn Store>) {
 /// when the completion applied and the purge deleted, no record is left (completion then
 /// purge leaves none; purge then completion is stale). A purge must never be undone by a
 /// completion that read the record before it.
-pub async fn purge_racing_a_completion_leaves_no_record(store: Arc<dyn Store>) {
+pub async fn purge_racing_a_completion_leaves_no_record(store: Subject) {
     let c = case(store.clone());
     let mut both = 0;
     for round in 0..200 {
@@ -572,7 +603,7 @@ pub async fn purge_racing_a_completion_leaves_no_record(store: Arc<dyn Store>) {
 
 /// A claim that waits on an in-flight key receives the replay as soon as the holder completes,
 /// without polling by the client.
-pub async fn waiting_claim_receives_the_replay(store: Arc<dyn Store>) {
+pub async fn waiting_claim_receives_the_replay(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let req = request(&s, "a");
@@ -596,7 +627,7 @@ pub async fn waiting_claim_receives_the_replay(store: Arc<dyn Store>) {
 }
 
 /// A waiting claim gives up at its bound and answers in flight.
-pub async fn waiting_claim_is_bounded(store: Arc<dyn Store>) {
+pub async fn waiting_claim_is_bounded(store: Subject) {
     let c = case(store);
     let req = request(&scope("k"), "a");
     c.acquire(&req).await;
@@ -605,7 +636,7 @@ pub async fn waiting_claim_is_bounded(store: Arc<dyn Store>) {
 }
 
 /// A waiting claim takes the key over (as a recovery) once the holder's lease passes.
-pub async fn waiting_claim_recovers_when_the_lease_passes(store: Arc<dyn Store>) {
+pub async fn waiting_claim_recovers_when_the_lease_passes(store: Subject) {
     let limits = Limits { wait_poll: Duration::from_millis(10), ..Limits::default() };
     let c = case_with(store, limits);
     let req = request(&scope("k"), "a");
@@ -624,7 +655,7 @@ pub async fn waiting_claim_recovers_when_the_lease_passes(store: Arc<dyn Store>)
 
 /// Repeating a completion that took effect answers as before and changes nothing; a different
 /// completion with the same fence is stale.
-pub async fn repeated_completion_is_idempotent(store: Arc<dyn Store>) {
+pub async fn repeated_completion_is_idempotent(store: Subject) {
     let c = case(store);
     let s = scope("k");
     let fence = c.acquire(&request(&s, "a")).await;
@@ -647,7 +678,7 @@ pub async fn repeated_completion_is_idempotent(store: Arc<dyn Store>) {
 
 /// Listing filters by state, stuck leases, run and namespace prefix, and pages in
 /// (namespace, key) order.
-pub async fn listing_filters_and_pages(store: Arc<dyn Store>) {
+pub async fn listing_filters_and_pages(store: Subject) {
     let c = case(store);
     let run = RunId::parse("run-7").unwrap();
     let mut fences = Vec::new();
@@ -695,7 +726,7 @@ pub async fn listing_filters_and_pages(store: Arc<dyn Store>) {
 }
 
 /// At most the configured number of checkpoints is kept, the newest ones.
-pub async fn checkpoints_are_bounded_keeping_the_newest(store: Arc<dyn Store>) {
+pub async fn checkpoints_are_bounded_keeping_the_newest(store: Subject) {
     let c = case_with(store, Limits { max_checkpoints: 3, ..Limits::default() });
     let s = scope("k");
     let fence = c.acquire(&request(&s, "a")).await;
@@ -709,7 +740,7 @@ pub async fn checkpoints_are_bounded_keeping_the_newest(store: Arc<dyn Store>) {
 /// Tenants are created once; API keys are stored (digest only), found by id, listed per tenant
 /// and revoked only within their tenant; each change writes its audit entry with it, and one
 /// that changes nothing (a tenant that exists, another tenant's key) writes none.
-pub async fn tenants_and_api_keys(store: Arc<dyn Store>) {
+pub async fn tenants_and_api_keys(store: Subject) {
     let now = onceguard_core::Timestamp(1_000);
     let acme = TenantId::parse("acme").unwrap();
     let other = TenantId::parse("other").unwrap();
@@ -769,7 +800,7 @@ async fn usage(store: &Arc<dyn Store>, tenant: &str, run: &str) -> (u64, u64) {
 /// A run's budget charges each key once: replays, in-flight duplicates, mismatches, retries of
 /// a released key and recoveries never charge again; a new key past the limit is denied and
 /// writes nothing.
-pub async fn budget_charges_each_key_once(store: Arc<dyn Store>) {
+pub async fn budget_charges_each_key_once(store: Subject) {
     let c = case(store.clone());
     set_budget(&store, "acme", "run-1", Budget { max_effects: Some(3), ..Budget::default() }).await;
     // k1: acquired, completed, replayed, mismatched.
@@ -803,7 +834,7 @@ pub async fn budget_charges_each_key_once(store: Arc<dyn Store>) {
 }
 
 /// 64 concurrent claims of distinct keys against a budget of 10 acquire exactly 10.
-pub async fn concurrent_claims_never_exceed_the_budget(store: Arc<dyn Store>) {
+pub async fn concurrent_claims_never_exceed_the_budget(store: Subject) {
     let c = case(store.clone());
     set_budget(&store, "acme", "fan-out", Budget { max_effects: Some(10), ..Budget::default() }).await;
     let claims = (0..64).map(|i| {
@@ -821,7 +852,7 @@ pub async fn concurrent_claims_never_exceed_the_budget(store: Arc<dyn Store>) {
 /// Cost declared at claim and reported at completion is charged to the run; a claim whose
 /// declared cost would pass the limit is denied, and once the limit is reached every new key
 /// is. A deadline denies every acquisition of the run after it, recoveries too.
-pub async fn budget_cost_and_deadline(store: Arc<dyn Store>) {
+pub async fn budget_cost_and_deadline(store: Subject) {
     let c = case(store.clone());
     set_budget(&store, "acme", "rag", Budget { max_cost: Some(100), ..Budget::default() }).await;
     let f = c.acquire(&in_run(&scope("embed-1"), "a", "rag", 60)).await;
@@ -849,7 +880,7 @@ pub async fn budget_cost_and_deadline(store: Arc<dyn Store>) {
 /// The in-flight quota counts the tenant's live leases: a claim that would pass it is denied
 /// with a retry hint; a finished key or a passed lease frees a place; other tenants are not
 /// counted. Concurrent claims never pass it.
-pub async fn in_flight_quota_counts_live_leases(store: Arc<dyn Store>) {
+pub async fn in_flight_quota_counts_live_leases(store: Subject) {
     let c = case(store.clone());
     let now = || c.guard.clock().now();
     let limited = |s: &Scope| ClaimRequest { max_in_flight: Some(2), ..request(s, "q") };
@@ -879,10 +910,11 @@ pub async fn in_flight_quota_counts_live_leases(store: Arc<dyn Store>) {
 }
 
 /// The claim rate is a GCRA per tenant: a burst, then one claim per interval.
-pub async fn claim_rate_per_tenant(store: Arc<dyn Store>) {
+pub async fn claim_rate_per_tenant(store: Subject) {
     let (acme, other) = (TenantId::parse("acme").unwrap(), TenantId::parse("other").unwrap());
     let rate = Rate { per_second: 10, burst: 3 };
-    let t = Timestamp(1_000_000);
+    let c = case(store.clone());
+    let t = c.clock.now();
     for _ in 0..3 {
         assert_eq!(store.take_rate(&acme, &rate, t).await.unwrap(), Ok(()));
     }
@@ -890,14 +922,15 @@ pub async fn claim_rate_per_tenant(store: Arc<dyn Store>) {
     assert_eq!(wait, Duration::from_millis(100));
     assert_eq!(store.take_rate(&other, &rate, t).await.unwrap(), Ok(()));
     // A refused claim took nothing: after one interval exactly one more goes through.
-    let later = t.plus(Duration::from_millis(100));
+    c.clock.advance(Duration::from_millis(100));
+    let later = c.clock.now();
     assert_eq!(store.take_rate(&acme, &rate, later).await.unwrap(), Ok(()));
     assert!(store.take_rate(&acme, &rate, later).await.unwrap().is_err());
 }
 
 /// Control documents are kept by (kind, tenant, id): replaced, listed whole, deleted; each
 /// change writes its audit entry with it, and a deletion that finds nothing writes none.
-pub async fn control_documents(store: Arc<dyn Store>) {
+pub async fn control_documents(store: Subject) {
     let switch = Switch {
         tenant: TenantId::parse("acme").unwrap(),
         target: SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() },
@@ -945,7 +978,7 @@ pub async fn control_documents(store: Arc<dyn Store>) {
 /// Revoking leases gives each covered in-progress record a new fence: its holder's calls are
 /// stale, and the next claim is a recovery that says why. Records outside the target, finished
 /// ones and other tenants' are untouched.
-pub async fn revoked_leases_make_holders_stale(store: Arc<dyn Store>) {
+pub async fn revoked_leases_make_holders_stale(store: Subject) {
     let c = case(store.clone());
     let (prod, staging) = (scope_in("acme", "prod/pay", "a"), scope_in("acme", "staging/pay", "b"));
     let (done, theirs) = (scope_in("acme", "prod/pay", "done"), scope_in("other", "prod/pay", "a"));
@@ -982,7 +1015,7 @@ pub async fn revoked_leases_make_holders_stale(store: Arc<dyn Store>) {
 
 /// Audit entries past their retention are deleted oldest first, a batch at a time, per tenant;
 /// newer entries and other tenants' stay.
-pub async fn audit_log_prunes_old_entries(store: Arc<dyn Store>) {
+pub async fn audit_log_prunes_old_entries(store: Subject) {
     let (acme, other) = (TenantId::parse("acme").unwrap(), TenantId::parse("other").unwrap());
     for tenant in [&acme, &other] {
         store.create_tenant(&Tenant { id: tenant.clone(), created_at: Timestamp(0) }, None).await.unwrap();
@@ -1013,14 +1046,14 @@ pub async fn audit_log_prunes_old_entries(store: Arc<dyn Store>) {
     assert_eq!(targets(other.clone()).await, ["at1000", "at9000"]);
     // Through the guard: every tenant, in batches, up to its bound.
     let clock = Arc::new(ManualClock::new(Timestamp(9_500)));
-    let guard = Guard::new(store.clone(), clock, Limits::default());
+    let guard = Guard::new(store.store.clone(), clock, Limits::default());
     assert_eq!(guard.prune_audit(Duration::from_millis(1_000), 2, 100).await.unwrap(), 6);
     assert_eq!(targets(acme.clone()).await, ["at9000"]);
     assert_eq!(targets(other.clone()).await, ["at9000"]);
 }
 
 /// The audit log keeps a tenant's entries newest first, filtered and paged by cursor.
-pub async fn audit_log_pages_newest_first(store: Arc<dyn Store>) {
+pub async fn audit_log_pages_newest_first(store: Subject) {
     let acme = TenantId::parse("acme").unwrap();
     let other = TenantId::parse("other").unwrap();
     let mut ids = Vec::new();
@@ -1055,7 +1088,7 @@ pub async fn audit_log_pages_newest_first(store: Arc<dyn Store>) {
 /// acquired, a completed one replays, a held one is in flight, another fingerprint is a
 /// mismatch, a key past its run's budget is denied (and writes nothing), and a key given twice
 /// is in flight the second time. What the batch acquired is held as any claim's acquisition.
-pub async fn a_batch_answers_as_its_claims_one_by_one(store: Arc<dyn Store>) {
+pub async fn a_batch_answers_as_its_claims_one_by_one(store: Subject) {
     let c = case(store.clone());
     let (done, held, new) = (scope("b-done"), scope("b-held"), scope("b-new"));
     let f = c.acquire(&request(&done, "d")).await;
@@ -1096,7 +1129,7 @@ pub async fn a_batch_answers_as_its_claims_one_by_one(store: Arc<dyn Store>) {
 }
 
 /// Four batches at once, overlapping in their keys, acquire every key exactly once.
-pub async fn concurrent_batches_overlapping_in_keys_acquire_each_key_once(store: Arc<dyn Store>) {
+pub async fn concurrent_batches_overlapping_in_keys_acquire_each_key_once(store: Subject) {
     let c = case(store.clone());
     let now = c.clock.now();
     let batches = (0..4).map(|b| {
@@ -1124,7 +1157,7 @@ pub async fn concurrent_batches_overlapping_in_keys_acquire_each_key_once(store:
 /// A batch of fenced calls applies each exactly as the call alone would, in order: a current
 /// fence completes, a stale one changes nothing, a checkpoint then a completion of one key both
 /// apply, and a repeated completion is idempotent; the reported cost is charged to the run.
-pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Arc<dyn Store>) {
+pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Subject) {
     let c = case(store.clone());
     set_budget(&store, "acme", "m-run", Budget::default()).await;
     let (one, two, three) = (scope("m-1"), scope("m-2"), scope("m-3"));
@@ -1156,7 +1189,7 @@ pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Arc<
 /// rewrites what is stored: the outcome, its compensation's data, checkpoints), and leaves a
 /// record that changed meanwhile as it is: one in progress that took a checkpoint, one
 /// completed since, one purged.
-pub async fn replace_writes_only_over_the_record_read(store: Arc<dyn Store>) {
+pub async fn replace_writes_only_over_the_record_read(store: Subject) {
     let c = case(store.clone());
     let done = scope("replaced");
     let f = c.acquire(&request(&done, "a")).await;
@@ -1192,7 +1225,7 @@ pub async fn replace_writes_only_over_the_record_read(store: Arc<dyn Store>) {
 /// `replace_control` writes over a control document only while it is exactly the one expected
 /// (how a switch's revocation count is written back): a document released or engaged anew
 /// meanwhile is left as it is, and only a write is audited.
-pub async fn replace_control_writes_only_over_the_document_expected(store: Arc<dyn Store>) {
+pub async fn replace_control_writes_only_over_the_document_expected(store: Subject) {
     let acme = TenantId::parse("acme").unwrap();
     let switch = Switch {
         tenant: acme.clone(),
@@ -1228,7 +1261,7 @@ pub async fn replace_control_writes_only_over_the_document_expected(store: Arc<d
 /// answer cannot be given lets go of what it acquired in the same request (the key recovers at
 /// once for an instance with the key, the checkpoint intact), and in a batch only that claim is
 /// refused: the others are answered.
-pub async fn a_sealed_value_never_leaves_unopened(store: Arc<dyn Store>) {
+pub async fn a_sealed_value_never_leaves_unopened(store: Subject) {
     use onceguard_core::GuardError;
     use onceguard_core::sealing::{OpenError, Sealer};
     let c = case(store);

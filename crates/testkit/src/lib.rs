@@ -32,18 +32,30 @@ pub mod services;
 pub struct TestStore {
     /// The store under test.
     pub store: Arc<dyn Store>,
+    /// The clock a shared store decides by in place of its server's, which the cases move.
+    pub clock: Option<Arc<onceguard_core::ManualClock>>,
     _keep: Box<dyn Any + Send + Sync>,
 }
 
 impl TestStore {
     /// A store that needs nothing kept alive.
     pub fn new(store: impl Store) -> Self {
-        Self { store: Arc::new(store), _keep: Box::new(()) }
+        Self { store: Arc::new(store), clock: None, _keep: Box::new(()) }
     }
 
     /// A store with something that must outlive it (dropped after the store).
     pub fn with(store: impl Store, keep: impl Any + Send + Sync) -> Self {
-        Self { store: Arc::new(store), _keep: Box::new(keep) }
+        Self { store: Arc::new(store), clock: None, _keep: Box::new(keep) }
+    }
+
+    /// The same, deciding by `clock` (the [`onceguard_core::StoreClock::Given`] it was built with).
+    pub fn on_clock(self, clock: Arc<onceguard_core::ManualClock>) -> Self {
+        Self { clock: Some(clock), ..self }
+    }
+
+    /// What a conformance case takes.
+    pub fn subject(&self) -> conformance::Subject {
+        conformance::Subject { store: self.store.clone(), clock: self.clock.clone() }
     }
 }
 
@@ -162,7 +174,7 @@ macro_rules! conformance_tests {
             async fn $case() {
                 let make = $make;
                 let Some(test_store) = $crate::IntoTestStore::into_test_store(make().await) else { return };
-                let case = $crate::conformance::$case(test_store.store.clone());
+                let case = $crate::conformance::$case(test_store.subject());
                 if ::tokio::time::timeout(std::time::Duration::from_secs(120), case).await.is_err() {
                     panic!("the case did not finish within 120 s");
                 }
@@ -194,7 +206,7 @@ macro_rules! property_tests {
                 runtime.block_on(async {
                     let test_store =
                         $crate::IntoTestStore::into_test_store(make().await).expect("the store was available");
-                    let result = $crate::model::check(test_store.store.clone(), &ops).await;
+                    let result = $crate::model::check(test_store.store.clone(), test_store.clock.clone(), &ops).await;
                     drop(test_store);
                     result
                 })

@@ -242,9 +242,10 @@ fn answer_of_claim(outcome: ClaimOutcome, now: Timestamp) -> Answer {
     }
 }
 
-/// Runs `ops` against `store` and the model; answers the first disagreement.
-pub async fn check(store: Arc<dyn Store>, ops: &[Op]) -> Result<(), TestCaseError> {
-    let clock = ManualClock::default();
+/// Runs `ops` against `store` and the model; answers the first disagreement. Time moves on
+/// `clock`, the store's own if it was given one (a shared store), else a fresh one.
+pub async fn check(store: Arc<dyn Store>, clock: Option<Arc<ManualClock>>, ops: &[Op]) -> Result<(), TestCaseError> {
+    let clock = clock.unwrap_or_default();
     let start = clock_now(&clock);
     let mut model = Model::default();
     let mut fences = [[0u64; KEYS]; WORKERS];

@@ -24,7 +24,11 @@
 //!   before [`ClaimStore::sweep`] deletes it; the sweep deletes in bounded batches.
 //! - **Isolation**: every operation is addressed by tenant; nothing reads or changes another
 //!   tenant's records.
-//! - Time comes from the caller (`now`), never from the store's own clock.
+//! - **Time**: memory and SQLite (one process, one clock) decide by the caller's `now`. The
+//!   shared stores decide by their own clock, read inside the atomic step (PostgreSQL's
+//!   statement time, Redis's `TIME` in the script), or a [`crate::StoreClock`] given in its
+//!   place, and ignore the caller's `now`: instances whose clocks disagree judge every lease,
+//!   retention and expiry by one clock. [`ClaimStore::store_time`] reads that clock.
 //! - **Budgets and quotas** are part of the atomic claim: when [`crate::protocol::claim`] would
 //!   acquire, the store counts the tenant's live leases (only if the request carries
 //!   `max_in_flight`; a store may count only the leases that were claimed under a quota, as the

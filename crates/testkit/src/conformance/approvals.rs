@@ -52,7 +52,7 @@ impl Case {
 /// fingerprint, with what it asked, and acquires nothing; asking again answers the same
 /// approval. Approved, the next claims acquire exactly once (concurrent claims: one acquires,
 /// the others find it in flight), the key then replays, and the decision is audited once.
-pub async fn an_approved_call_acquires_once(store: Arc<dyn Store>) {
+pub async fn an_approved_call_acquires_once(store: Subject) {
     let c = case(store.clone());
     needing_approvals(&c).await;
     let s = scope("refund-1");
@@ -99,7 +99,7 @@ pub async fn an_approved_call_acquires_once(store: Arc<dyn Store>) {
 
 /// A denied call is refused (`approval_denied`, with who and why) on every later claim of the
 /// key with the same fingerprint, and never acquired; the denial is audited.
-pub async fn a_denied_call_is_refused_for_good(store: Arc<dyn Store>) {
+pub async fn a_denied_call_is_refused_for_good(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let s = scope("wire-1");
@@ -125,7 +125,7 @@ pub async fn a_denied_call_is_refused_for_good(store: Arc<dyn Store>) {
 
 /// A pending approval nobody decides expires: it can no longer be decided, and the next claim
 /// asks again with a new approval.
-pub async fn an_undecided_approval_expires(store: Arc<dyn Store>) {
+pub async fn an_undecided_approval_expires(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let req = request(&scope("late"), "a");
@@ -142,7 +142,7 @@ pub async fn an_undecided_approval_expires(store: Arc<dyn Store>) {
 
 /// A claim of the key with another fingerprint is a mismatch, whether the approval is pending
 /// or given, and changes nothing: the approved request still acquires.
-pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Arc<dyn Store>) {
+pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let s = scope("pay-1");
@@ -164,7 +164,7 @@ pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Arc
 
 /// A switch engaged while an approval is pending refuses the key's claims (approved or not);
 /// released, the approved key acquires.
-pub async fn a_switch_refuses_a_call_pending_approval(store: Arc<dyn Store>) {
+pub async fn a_switch_refuses_a_call_pending_approval(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let tenant = TenantId::parse("acme").unwrap();
@@ -181,7 +181,7 @@ pub async fn a_switch_refuses_a_call_pending_approval(store: Arc<dyn Store>) {
 
 /// A claim that may wait for a pending approval answers as soon as it is decided: acquired
 /// when approved (once, however many wait), denied when denied.
-pub async fn a_waiting_claim_gets_the_decision(store: Arc<dyn Store>) {
+pub async fn a_waiting_claim_gets_the_decision(store: Subject) {
     let limits = Limits { wait_poll: Duration::from_millis(20), ..Limits::default() };
     let c = case_with(store, limits);
     needing_approvals(&c).await;
@@ -224,7 +224,7 @@ pub async fn a_waiting_claim_gets_the_decision(store: Arc<dyn Store>) {
 
 /// The store's approvals: one kept per key, written only over the one read (a decision is
 /// taken once however many try), listed by state, and swept once no longer kept.
-pub async fn approvals_are_written_over_the_one_read(store: Arc<dyn Store>) {
+pub async fn approvals_are_written_over_the_one_read(store: Subject) {
     let c = case(store.clone());
     let now = c.clock.now();
     let s = scope("cas");
@@ -268,20 +268,23 @@ pub async fn approvals_are_written_over_the_one_read(store: Arc<dyn Store>) {
     let after_first = ApprovalFilter { after: Some(all[0].clone()), limit: 10, ..ApprovalFilter::default() };
     assert_eq!(ids(store.list_approvals(&s.tenant, &after_first, now).await.unwrap()), all[1..].to_vec());
     // Past its expiry the pending one is no longer kept; a new request may replace it.
-    let later = now.plus(Duration::from_secs(61));
+    c.clock.advance(Duration::from_secs(61));
+    let later = c.clock.now();
     assert!(store.approval_of(&other, later).await.unwrap().is_none());
     assert_eq!(store.sweep_approvals(later, 100).await.unwrap(), 1);
     assert!(store.approval(&s.tenant, &p.id, later).await.unwrap().is_none());
     assert!(store.approval_of(&s, later).await.unwrap().is_some(), "a decision is kept for its retention");
-    let past = later.plus(RETENTION);
+    c.clock.advance(RETENTION);
+    let past = c.clock.now();
     assert_eq!(store.sweep_approvals(past, 100).await.unwrap(), 1);
+    c.clock.set(now);
     assert!(store.approval(&s.tenant, &a.id, now).await.unwrap().is_none(), "swept");
 }
 
 /// A recovering attempt may complete the key as reconciled (the downstream system said the
 /// effect happened): the record and its replays say so. A first attempt may not, and nothing
 /// changes.
-pub async fn a_recovery_completes_as_reconciled(store: Arc<dyn Store>) {
+pub async fn a_recovery_completes_as_reconciled(store: Subject) {
     let c = case(store);
     let s = scope("charge-9");
     let req = request(&s, "charge 9");
@@ -312,7 +315,7 @@ pub async fn a_recovery_completes_as_reconciled(store: Arc<dyn Store>) {
 
 /// A batch asks for each key that needs approval, and claims those approved, each answered as
 /// alone.
-pub async fn a_batch_asks_each_key_needing_approval(store: Arc<dyn Store>) {
+pub async fn a_batch_asks_each_key_needing_approval(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let (a, b) = (request(&scope("batch-a"), "a"), request(&scope("batch-b"), "b"));
@@ -338,12 +341,12 @@ pub async fn a_batch_asks_each_key_needing_approval(store: Arc<dyn Store>) {
 /// The webhook's notice of a pending approval is taken by one instance at a time, however many
 /// try at once: retried only after its lease passes, never once delivered, never for an
 /// approval decided meanwhile.
-pub async fn a_notice_is_taken_once_per_attempt(store: Arc<dyn Store>) {
+pub async fn a_notice_is_taken_once_per_attempt(store: Subject) {
     let c = case(store.clone());
     needing_approvals(&c).await;
     let pending = c.pending(&request(&scope("notify-1"), "a")).await;
     let lease = |_| Duration::from_secs(15);
-    let instances: Vec<Guard> = (0..4).map(|_| Guard::new(store.clone(), c.clock.clone(), Limits::default())).collect();
+    let instances: Vec<Guard> = (0..4).map(|_| Guard::new(store.store.clone(), c.clock.clone(), Limits::default())).collect();
     let take = |pending: Approval| {
         let instances = instances.clone();
         async move {
@@ -393,7 +396,7 @@ pub async fn a_notice_is_taken_once_per_attempt(store: Arc<dyn Store>) {
 /// An approval lets its call run once: a retry after a retryable failure is the same call and
 /// runs without a new approval, another request under the released key is a mismatch, and once
 /// the record is gone (its retention passed), the key needs a person again.
-pub async fn an_approval_lets_its_call_run_once(store: Arc<dyn Store>) {
+pub async fn an_approval_lets_its_call_run_once(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let s = scope("once-only");
@@ -429,7 +432,7 @@ pub async fn an_approval_lets_its_call_run_once(store: Arc<dyn Store>) {
 /// A decision is kept for the namespace's retention, whatever retention the call asked for: a
 /// call asking for one second, denied, is still refused (not asked again) long after that
 /// second, until the namespace's retention has passed.
-pub async fn a_decision_is_kept_for_the_namespaces_retention(store: Arc<dyn Store>) {
+pub async fn a_decision_is_kept_for_the_namespaces_retention(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let s = scope("refund-short");
@@ -447,7 +450,7 @@ pub async fn a_decision_is_kept_for_the_namespaces_retention(store: Arc<dyn Stor
 /// A call that proceeds asks no one: in observe mode a claim that enforcement would have held
 /// for an approval proceeds carrying that answer, and records no pending approval (approving it
 /// later would let the effect run a second time).
-pub async fn observe_mode_asks_no_approver(store: Arc<dyn Store>) {
+pub async fn observe_mode_asks_no_approver(store: Subject) {
     let c = case(store);
     needing_approvals(&c).await;
     let observe = SettingsEntry {
@@ -503,7 +506,7 @@ fn claiming_in_a_loop(
 /// eight claimants send *another* request under the same key in a loop; none of them ever
 /// acquires it (nor could then complete it as reconciled), and the approved request's retry
 /// acquires it again.
-pub async fn another_request_never_takes_an_approved_key(store: Arc<dyn Store>) {
+pub async fn another_request_never_takes_an_approved_key(store: Subject) {
     const ACTORS: usize = 8;
     const ROUNDS: usize = 20;
     let c = case(store);
@@ -535,7 +538,7 @@ pub async fn another_request_never_takes_an_approved_key(store: Arc<dyn Store>) 
 /// request in a loop while the clock moves past that retention; none of them ever acquires the
 /// key (the guard's gate may read the record live and the store find it expired: the store's
 /// claim refuses). Once the reserving claim's lease passed too, the key asks a person again.
-pub async fn an_approved_call_never_runs_again_after_its_retention(store: Arc<dyn Store>) {
+pub async fn an_approved_call_never_runs_again_after_its_retention(store: Subject) {
     const ACTORS: usize = 8;
     const ROUNDS: usize = 20;
     let c = case(store);

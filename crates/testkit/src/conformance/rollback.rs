@@ -49,7 +49,7 @@ impl Case {
 /// every compensation exactly once (the crashed worker's task is recovered once its lease
 /// passed); the rollback is then done, the start audited once, and a second start changes
 /// nothing.
-pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store>) {
+pub async fn a_rolled_back_run_compensates_each_effect_once(store: Subject) {
     let c = case(store);
     for i in 1..=6 {
         c.effect(&format!("charge-{i}"), undoable("{}", "refund", &format!(r#"{{"charge":{i}}}"#))).await;
@@ -137,12 +137,12 @@ pub async fn a_rolled_back_run_compensates_each_effect_once(store: Arc<dyn Store
 /// store) start the rollback of the same run at once, twenty rounds of a new run each: in every
 /// round exactly one start answers *started*, every other one answers that rollback, and the
 /// audit log holds one `run.rollback` entry for the run.
-pub async fn concurrent_rollback_starts_start_once(store: Arc<dyn Store>) {
+pub async fn concurrent_rollback_starts_start_once(store: Subject) {
     const ACTORS: usize = 8;
     const ROUNDS: usize = 20;
-    let clock = Arc::new(onceguard_core::ManualClock::default());
+    let clock = store.clock.clone().unwrap_or_default();
     let guards: Vec<Guard> =
-        (0..ACTORS).map(|_| Guard::new(store.clone(), clock.clone(), onceguard_core::Limits::default())).collect();
+        (0..ACTORS).map(|_| Guard::new(store.store.clone(), clock.clone(), onceguard_core::Limits::default())).collect();
     for round in 0..ROUNDS {
         let run = RunId::parse(&format!("run-start-{round}")).unwrap();
         let starts = guards.iter().enumerate().map(|(i, guard)| {
@@ -171,7 +171,7 @@ pub async fn concurrent_rollback_starts_start_once(store: Arc<dyn Store>) {
 /// A task lives as long as its effect: a compensation task completed under a namespace whose
 /// `max_retention` was lowered below its effect's retention is never handed out again while the
 /// effect is kept.
-pub async fn a_task_lives_as_long_as_its_effect(store: Arc<dyn Store>) {
+pub async fn a_task_lives_as_long_as_its_effect(store: Subject) {
     let c = case(store);
     let s = scope("charge-long");
     let req = ClaimRequest { retention: Duration::from_secs(60), ..in_run(&s, "charge-long", RUN, 0) };
@@ -203,7 +203,7 @@ pub async fn a_task_lives_as_long_as_its_effect(store: Arc<dyn Store>) {
 /// when it started keeps the workers waiting (`busy`), and becomes a task once it completes.
 /// And it has a cut-off: an effect the run makes after it started (its switch released) is
 /// none of its tasks.
-pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Arc<dyn Store>) {
+pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Subject) {
     let c = case(store);
     let late = scope("charge-late");
     let fence = c.acquire(&in_run(&late, "charge-late", RUN, 0)).await;
@@ -233,7 +233,7 @@ pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Arc<d
 /// Compensations ask no approver (the admin who started the rollback approved them), and one
 /// refused task never blocks the others: with a kill switch on the newest effect's namespace,
 /// the older effect's task is handed out; the refusal is answered once nothing else is left.
-pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store: Arc<dyn Store>) {
+pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store: Subject) {
     let c = case(store);
     let approvals = SettingsEntry {
         tenant: tenant(),
@@ -264,7 +264,7 @@ pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store:
 /// The keys of compensation tasks are reserved: no claim through the front ends' door (alone
 /// or in a batch) reaches a namespace with a segment `_undo`, so no caller can take a task and
 /// complete it without running its compensation.
-pub async fn task_namespaces_are_reserved(store: Arc<dyn Store>) {
+pub async fn task_namespaces_are_reserved(store: Subject) {
     let c = case(store);
     c.effect("charge-r", undoable("{}", "refund", "{}")).await;
     let (report, _) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
@@ -283,7 +283,7 @@ pub async fn task_namespaces_are_reserved(store: Arc<dyn Store>) {
 /// A compensation that fails permanently is kept and shown as failed, and never handed out
 /// again; one that fails retryably is handed out again. A kill switch on the effects'
 /// namespace refuses the tasks too; another run is not being rolled back.
-pub async fn a_compensation_failing_permanently_is_kept(store: Arc<dyn Store>) {
+pub async fn a_compensation_failing_permanently_is_kept(store: Subject) {
     let c = case(store);
     c.effect("ship-1", undoable("{}", "cancel-shipment", "{}")).await;
     c.effect("ship-2", undoable("{}", "cancel-shipment", "{}")).await;
@@ -377,7 +377,7 @@ fn mode_of(c: &Case, prefix: &str, mode: Mode) -> SettingsEntry {
 /// proceeds wherever enforcement would have stopped it (a duplicate in flight, a replay, a
 /// mismatch, a spent budget), holding nothing; what enforcement would have answered is
 /// reported exactly. A kill switch still refuses. Back in enforce mode the same key replays.
-pub async fn observe_mode_counts_each_would_be_outcome(store: Arc<dyn Store>) {
+pub async fn observe_mode_counts_each_would_be_outcome(store: Subject) {
     let counted = Arc::new(Counted::default());
     let c = case(store);
     let c = Case { guard: c.guard.with_observer(counted.clone()), clock: c.clock };
@@ -437,7 +437,7 @@ pub async fn observe_mode_counts_each_would_be_outcome(store: Arc<dyn Store>) {
 /// caller is told to proceed only by a claim decided in observe mode, every proceed is reported
 /// as what enforcement would have answered, and every claim is reported once. Once the
 /// namespace is enforced again, every key replays.
-pub async fn switching_modes_under_load_keeps_each_key_acquired_once(store: Arc<dyn Store>) {
+pub async fn switching_modes_under_load_keeps_each_key_acquired_once(store: Subject) {
     const KEYS: usize = 8;
     const PASSES: usize = 6;
     const WORKERS: usize = 4;
