@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use onceguard_core::protocol::ClaimRequest;
 use onceguard_core::store::StoreError;
-use onceguard_core::{ClaimOutcome, Fence, RunId, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, RunId, TenantId};
 use redis::ScriptInvocation;
 
 use crate::codec::{Claimed, corrupt};
@@ -106,7 +106,6 @@ impl RedisStore {
         &self,
         conn: &mut Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
     ) -> Result<ClaimOutcome, StoreError> {
         let mut holds = Holds::default();
@@ -120,7 +119,7 @@ impl RedisStore {
         for _ in 0..MAX_DRAWS {
             let source = fence.map_or_else(|| "peek".to_owned(), |f| f.0.to_string());
             let run = holds.run().cloned();
-            match self.run_claim(conn, req, now, placement, &source, run.as_ref(), &holds).await {
+            match self.run_claim(conn, req, placement, &source, run.as_ref(), &holds).await {
                 Ok(Claimed::Outcome { outcome, used_charge }) => {
                     decided = Some((outcome, used_charge));
                     break;
@@ -132,7 +131,7 @@ impl RedisStore {
                         decided = Some((ClaimOutcome::Denied(denial), false));
                         break;
                     }
-                    let prepared = self.prepare(conn, req, now, placement, &mut holds, &mut fence, mark, run, charged);
+                    let prepared = self.prepare(conn, req, placement, &mut holds, &mut fence, mark, run, charged);
                     if let Err(e) = prepared.await {
                         failure = Some(e);
                         break;
@@ -171,7 +170,6 @@ impl RedisStore {
         &self,
         conn: &Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
         holds: &mut Holds,
         fence: &mut Option<Fence>,
@@ -198,16 +196,15 @@ impl RedisStore {
             },
             async {
                 match (reserve_quota, req.max_in_flight) {
-                    (true, Some(max)) => self.reserve_in_flight(conn.clone(), req, max, now, placement).await.map(Some),
+                    (true, Some(max)) => self.reserve_in_flight(conn.clone(), req, max, placement).await.map(Some),
                     _ => Ok(None),
                 }
             },
             async {
                 match new {
                     Some((run, mode)) => {
-                        let verdict = self
-                            .reserve_run(conn.clone(), tenant, &run, mode, &placement.member, req.cost, now)
-                            .await?;
+                        let verdict =
+                            self.reserve_run(conn.clone(), tenant, &run, mode, &placement.member, req.cost).await?;
                         Ok(Some(RunHold { run, mode, verdict }))
                     }
                     None => Ok(None),
@@ -250,24 +247,24 @@ impl RedisStore {
         Ok(Fence(fence))
     }
 
-    /// Reserves a place in the tenant's in-flight set, scored by the lease the claim would get.
+    /// Reserves a place in the tenant's in-flight set, scored by the lease the claim would get
+    /// (the store's now on the set's slot, plus the lease).
     async fn reserve_in_flight(
         &self,
         mut conn: Conn,
         req: &ClaimRequest,
         max: u64,
-        now: Timestamp,
         placement: &Placement,
     ) -> Result<QuotaHold, StoreError> {
         let token = format!("{:016x}", rand::random::<u64>());
         let mut invocation = SCRIPTS.reserve_in_flight.prepare_invoke();
         invocation
             .key(self.keys.in_flight(&req.scope.tenant))
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(max)
             .arg(in_flight_member(&placement.member, &token))
-            .arg(now.plus(req.lease).0)
-            .arg(now.0.saturating_sub(ms(self.options.expiry_margin)));
+            .arg(ms(req.lease))
+            .arg(ms(self.options.expiry_margin));
         let reserved: i64 =
             invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a place in flight"))?;
         Ok(QuotaHold { token: (reserved > 0).then_some(token) })
@@ -283,21 +280,20 @@ impl RedisStore {
         mode: HoldMode,
         member: &[u8],
         cost: u64,
-        now: Timestamp,
     ) -> Result<String, StoreError> {
         let at = RunPlacement::of(tenant, run);
-        let leaked_before = now.0.saturating_sub(ms(self.options.timeout.saturating_mul(4).max(LEAKED_AFTER)));
+        let leaked_after = ms(self.options.timeout.saturating_mul(4).max(LEAKED_AFTER));
         let mut invocation = SCRIPTS.reserve_run.prepare_invoke();
         invocation
             .key(self.keys.run(&at))
             .key(self.keys.run_pending(&at))
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(tenant.as_str())
             .arg(run.as_str())
             .arg(member)
             .arg(cost)
             .arg(mode.as_str())
-            .arg(leaked_before);
+            .arg(leaked_after);
         invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a charge"))
     }
 

@@ -4,7 +4,10 @@
 
 mod common;
 
-use onceguard_core::{Key, Namespace, RunId, Scope, TenantId};
+use std::sync::Arc;
+
+use onceguard_core::{Key, ManualClock, Namespace, RunId, Scope, TenantId};
+
 use onceguard_store_redis::RedisStore;
 use onceguard_store_redis::layout::{Keys, Placement, RunPlacement, key_slot};
 
@@ -62,21 +65,23 @@ async fn racing_claims_keep_fences_unique_and_growing() {
     else {
         return;
     };
-    let store = std::sync::Arc::new(RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap());
-    common::racing_claims_keep_fences_unique_and_growing(store).await;
+    let (store, clock) = common::store_on_given_clock(common::cluster_target(&nodes), &common::prefix()).await;
+    common::racing_claims_keep_fences_unique_and_growing(std::sync::Arc::new(store), &clock).await;
 }
 
-async fn fresh_store() -> Option<(RedisStore, String, Vec<String>)> {
+/// A store on the test cluster whose clock the test moves, its prefix and the nodes.
+async fn fresh_store() -> Option<(RedisStore, Arc<ManualClock>, String, Vec<String>)> {
     let nodes = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()?;
     let prefix = common::prefix();
-    Some((RedisStore::connect_cluster(&nodes, &prefix).await.unwrap(), prefix, nodes))
+    let (store, clock) = common::store_on_given_clock(common::cluster_target(&nodes), &prefix).await;
+    Some((store, clock, prefix, nodes))
 }
 
 /// On a Cluster, at most 10 keys of the 16 raced for (duplicates sharing pending charges and
 /// refunding those nobody used), charged once each, and no pending charge is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_duplicates_under_a_budget() {
-    let Some((store, prefix, nodes)) = fresh_store().await else { return };
+    let Some((store, _, prefix, nodes)) = fresh_store().await else { return };
     common::racing_duplicates_under_a_budget(std::sync::Arc::new(store)).await;
     let client = redis::cluster::ClusterClient::new(nodes.iter().map(|n| format!("redis://{n}"))).unwrap();
     let mut conn = client.get_async_connection().await.unwrap();
@@ -95,8 +100,8 @@ async fn racing_duplicates_under_a_quota() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_keep_their_place_in_flight_until_they_end() {
-    let Some((store, ..)) = fresh_store().await else { return };
-    common::leases_keep_their_place_in_flight_until_they_end(&store).await;
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::leases_keep_their_place_in_flight_until_they_end(&store, &clock).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

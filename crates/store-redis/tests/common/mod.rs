@@ -12,23 +12,27 @@
 // Each test binary uses part of the harness.
 #![allow(dead_code)]
 
+pub mod callers_clock;
+
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
 use std::process::{Command, Stdio};
-use std::sync::{Once, OnceLock};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::Duration;
 
 use onceguard_core::control::{Budget, RunUsage, SwitchTarget};
 use onceguard_core::store::{ClaimStore, ControlStore, RunStore};
 use onceguard_core::{
-    CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace,
-    Outcome, OutcomeKind, RunId, Scope, TenantId, Timestamp,
+    CheckpointName, ClaimOutcome, ClaimRequest, Clock, Denial, Fence, FencedOutcome, Fingerprint, Key, ManualClock,
+    Mutation, Namespace, Outcome, OutcomeKind, RunId, Scope, StoreClock, TenantId, Timestamp,
 };
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;
 use onceguard_testkit::services;
 use tokio::sync::broadcast;
+
+use self::callers_clock::AtCallersTime;
 
 /// A boxed factory of test stores, as the testkit macros take it.
 pub type Factory = fn() -> Pin<Box<dyn Future<Output = Option<TestStore>> + Send>>;
@@ -110,17 +114,20 @@ impl Drop for DeletePrefix {
     }
 }
 
-/// A store on the machine's Redis, under a fresh prefix (`None`: skipped).
+/// A store on the machine's Redis, under a fresh prefix, whose clock is its caller's
+/// ([`callers_clock`]), for the shared suites (`None`: skipped).
 pub async fn single_store() -> Option<TestStore> {
     if !single_available() {
         return None;
     }
     let (url, prefix) = (redis_url(), prefix());
-    let store = RedisStore::connect(&url, &prefix).await.expect("the store connects to Redis");
-    Some(TestStore::with(store, DeletePrefix { url, prefix }))
+    let (clock, store_clock) = AtCallersTime::clock();
+    let options = RedisOptions { prefix: prefix.clone(), clock: store_clock, ..RedisOptions::default() };
+    let store = store_with(RedisTarget::Single(url.clone()), options).await;
+    Some(TestStore::with(AtCallersTime::new(store, clock), DeletePrefix { url, prefix }))
 }
 
-/// The factory of stores on the machine's Redis.
+/// The factory of stores on the machine's Redis (for the shared suites).
 pub fn single() -> Factory {
     || Box::pin(single_store())
 }
@@ -172,14 +179,22 @@ pub fn cluster() -> Option<&'static Cluster> {
     Some(CLUSTER.get_or_init(Cluster::start))
 }
 
-/// A store on the test cluster, under a fresh prefix (`None`: skipped).
-pub async fn cluster_store() -> Option<TestStore> {
-    let nodes = tokio::task::spawn_blocking(|| cluster().map(Cluster::nodes)).await.expect("the cluster starts")?;
-    let store = RedisStore::connect_cluster(&nodes, &prefix()).await.expect("the store connects to the cluster");
-    Some(TestStore::new(store))
+/// The test cluster's target.
+pub fn cluster_target(nodes: &[String]) -> RedisTarget {
+    RedisTarget::Cluster(nodes.iter().map(|n| format!("redis://{n}")).collect())
 }
 
-/// The factory of stores on the test cluster.
+/// A store on the test cluster, under a fresh prefix, whose clock is its caller's
+/// ([`callers_clock`]), for the shared suites (`None`: skipped).
+pub async fn cluster_store() -> Option<TestStore> {
+    let nodes = tokio::task::spawn_blocking(|| cluster().map(Cluster::nodes)).await.expect("the cluster starts")?;
+    let (clock, store_clock) = AtCallersTime::clock();
+    let options = RedisOptions { prefix: prefix(), clock: store_clock, ..RedisOptions::default() };
+    let store = store_with(cluster_target(&nodes), options).await;
+    Some(TestStore::new(AtCallersTime::new(store, clock)))
+}
+
+/// The factory of stores on the test cluster (for the shared suites).
 pub fn on_cluster() -> Factory {
     || Box::pin(cluster_store())
 }
@@ -187,6 +202,18 @@ pub fn on_cluster() -> Factory {
 /// A store with options of the test's choosing.
 pub async fn store_with(target: RedisTarget, options: RedisOptions) -> RedisStore {
     RedisStore::connect_with(&target, options).await.expect("the store connects")
+}
+
+/// The time the tests' given clocks start at.
+pub const T0: Timestamp = Timestamp(1_700_000_000_000);
+
+/// A store on `target` under `prefix` whose clock is the one answered, standing at [`T0`]:
+/// the test moves the store's time by hand.
+pub async fn store_on_given_clock(target: RedisTarget, prefix: &str) -> (RedisStore, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(T0));
+    let options =
+        RedisOptions { prefix: prefix.to_owned(), clock: StoreClock::Given(clock.clone()), ..RedisOptions::default() };
+    (store_with(target, options).await, clock)
 }
 
 fn scope(key: &str) -> Scope {
@@ -267,16 +294,19 @@ pub async fn changes_reach_other_instances(a: &RedisStore, b: &RedisStore, elsew
     assert!(matches!(at_elsewhere.try_recv(), Err(broadcast::error::TryRecvError::Empty)));
 }
 
-/// Racing claims over many keys, round after round (each round after the last one's leases
-/// passed): each round acquires each key exactly once, every fence is unique, and each key's
-/// fences grow.
-pub async fn racing_claims_keep_fences_unique_and_growing(store: std::sync::Arc<RedisStore>) {
+/// Racing claims over many keys, round after round (each round after the store's clock passed
+/// the last one's leases): each round acquires each key exactly once, every fence is unique,
+/// and each key's fences grow.
+pub async fn racing_claims_keep_fences_unique_and_growing(store: Arc<RedisStore>, clock: &ManualClock) {
     const KEYS: usize = 24;
     const RACERS: usize = 6;
     let mut last = [0u64; KEYS];
     let mut all = std::collections::HashSet::new();
     for round in 0..6u64 {
-        let now = Timestamp(1_700_000_000_000 + round * 11_000);
+        if round > 0 {
+            clock.advance(Duration::from_secs(11));
+        }
+        let now = clock.now();
         let claims = (0..KEYS * RACERS).map(|i| {
             let store = store.clone();
             tokio::spawn(async move {
@@ -393,17 +423,20 @@ pub async fn racing_duplicates_under_a_quota(store: std::sync::Arc<RedisStore>) 
 }
 
 /// A lease claimed under a quota keeps its place while it is extended, and gives it up when it
-/// is revoked, when its key is purged, and when it completes.
-pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore) {
-    let t0 = Timestamp(1_700_000_000_000);
+/// is revoked, when its key is purged, and when it completes (the store's clock moved by hand).
+pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore, clock: &ManualClock) {
+    let t0 = clock.now();
     let at = |s: u64| t0.plus(Duration::from_secs(s));
+    let move_to = |s: u64| clock.advance(Duration::from_millis(at(s).0 - clock.now().0));
     let a = match store.claim(&under_quota(&scope("a"), 1), t0).await.unwrap() {
         ClaimOutcome::Acquired(a) => a.fence,
         other => panic!("a: {other:?}"),
     };
+    move_to(5);
     let extended = store.mutate(&scope("a"), a, Mutation::Extend(Duration::from_secs(30)), at(5), 8).await.unwrap();
     assert!(matches!(extended, FencedOutcome::Applied(r) if r.lease_expires_at == Some(at(35))));
     // Past the first lease, within the extended one: a still holds the only place.
+    move_to(20);
     let b = store.claim(&under_quota(&scope("b"), 1), at(20)).await.unwrap();
     assert!(matches!(b, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{b:?}");
     // Revoked: its place is free.
@@ -419,7 +452,9 @@ pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore
         other => panic!("c: {other:?}"),
     };
     // Completed: its place is free.
+    move_to(21);
     let d = store.claim(&under_quota(&scope("d"), 1), at(21)).await.unwrap();
+
     assert!(matches!(d, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{d:?}");
     let done = store.mutate(&scope("c"), c, Mutation::Complete(outcome()), at(21), 8).await.unwrap();
     assert!(matches!(done, FencedOutcome::Applied(_)));
