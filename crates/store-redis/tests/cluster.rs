@@ -109,3 +109,49 @@ async fn a_record_keeps_its_run_and_its_charge() {
     let Some((store, ..)) = fresh_store().await else { return };
     common::a_record_keeps_its_run_and_its_charge(&store).await;
 }
+
+/// On a Cluster each script and each read takes its time from the node of its keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_ahead_never_takes_over_a_live_lease() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let store = RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap();
+    common::a_caller_ahead_never_takes_over_a_live_lease(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_lease_is_recovered_once_whatever_the_callers_now() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::a_passed_lease_is_recovered_once_whatever_the_callers_now(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_skewed_callers_acquire_once_per_lease() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::racing_skewed_callers_acquire_once_per_lease(Arc::new(store), &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_is_judged_by_the_stores_clock() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::retention_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approval_expiry_is_judged_by_the_stores_clock() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::approval_expiry_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_time_is_the_stores() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let server = RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap();
+    let Some((given, clock, ..)) = fresh_store().await else { return };
+    common::store_time_is_the_stores(&server, &given, &clock).await;
+}

@@ -535,3 +535,51 @@ async fn tenant_fence_counters_start_above_the_counter_of_earlier_versions() {
     let again = RedisStore::connect(&url, &prefix).await.unwrap();
     assert!(common::acquire(&again, &scope("after-reconnect"), now).await > second, "the floor stays");
 }
+
+/// A store on the machine's Redis on the server's clock (the default), and what deletes its keys.
+async fn server_clock_store() -> Option<(RedisStore, common::DeletePrefix)> {
+    if !common::single_available() {
+        return None;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let options = RedisOptions { prefix: prefix.clone(), ..RedisOptions::default() };
+    let store = common::store_with(RedisTarget::Single(url.clone()), options).await;
+    Some((store, common::DeletePrefix { url, prefix }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_ahead_never_takes_over_a_live_lease() {
+    let Some((store, _cleanup)) = server_clock_store().await else { return };
+    common::a_caller_ahead_never_takes_over_a_live_lease(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_lease_is_recovered_once_whatever_the_callers_now() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::a_passed_lease_is_recovered_once_whatever_the_callers_now(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_skewed_callers_acquire_once_per_lease() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::racing_skewed_callers_acquire_once_per_lease(Arc::new(store), &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_is_judged_by_the_stores_clock() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::retention_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approval_expiry_is_judged_by_the_stores_clock() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::approval_expiry_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_time_is_the_stores() {
+    let Some((server, _cleanup)) = server_clock_store().await else { return };
+    let Some((given, clock, _also)) = fresh_store().await else { return };
+    common::store_time_is_the_stores(&server, &given, &clock).await;
+}
