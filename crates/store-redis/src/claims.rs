@@ -140,7 +140,7 @@ impl ClaimStore for RedisStore {
         let finishes = mutation.finishes();
         self.bounded("fenced call", async {
             let mut conn = self.conn.clone();
-            let (mut run, mut raised) = (None, false);
+            let (mut run, mut raised) = (None, None);
             for _ in 0..MAX_RUN_CHANGES {
                 let invocation =
                     self.fenced_call(scope, &placement, fence, &mutation, max_checkpoints, run.as_ref(), raised);
@@ -155,7 +155,7 @@ impl ClaimStore for RedisStore {
                     Fenced::NeedRun(other) => run = Some(other),
                     Fenced::NeedQuota { token, until } => {
                         self.raise_in_flight(conn.clone(), &scope.tenant, &placement.member, &token, until).await?;
-                        raised = true;
+                        raised = Some(until);
                     }
                 }
             }

@@ -33,6 +33,8 @@ pub(crate) struct Holds {
 pub(crate) struct QuotaHold {
     /// The place's token, or `None` if the quota was spent.
     token: Option<String>,
+    /// The place's score: the lease the claim may get ends no later.
+    until: Option<u64>,
 }
 
 /// What is asked of the run.
@@ -80,12 +82,13 @@ impl Holds {
     /// The claim script's arguments about the holds (see [`crate::scripts::CLAIM`]).
     pub(crate) fn args(&self, invocation: &mut ScriptInvocation<'_>) {
         let (token, spent) = match &self.quota {
-            Some(QuotaHold { token: Some(token) }) => (token.as_str(), ""),
-            Some(QuotaHold { token: None }) => ("", "denied"),
+            Some(QuotaHold { token: Some(token), .. }) => (token.as_str(), ""),
+            Some(QuotaHold { token: None, .. }) => ("", "denied"),
             None => ("", ""),
         };
         let (mode, verdict) = self.run.as_ref().map_or(("", ""), |h| (h.mode.as_str(), h.verdict.as_str()));
-        invocation.arg(token).arg(spent).arg(mode).arg(verdict);
+        let until = self.quota.as_ref().and_then(|q| q.until).map(|u| u.to_string()).unwrap_or_default();
+        invocation.arg(token).arg(spent).arg(mode).arg(verdict).arg(until);
     }
 }
 
@@ -265,9 +268,9 @@ impl RedisStore {
             .arg(in_flight_member(&placement.member, &token))
             .arg(ms(req.lease))
             .arg(ms(self.options.expiry_margin));
-        let reserved: i64 =
-            invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a place in flight"))?;
-        Ok(QuotaHold { token: (reserved > 0).then_some(token) })
+        let score: u64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a place in flight"))?;
+        let reserved = score > 0;
+        Ok(QuotaHold { token: reserved.then_some(token), until: reserved.then_some(score) })
     }
 
     /// Asks the run to admit the key (see [`crate::scripts::RESERVE_RUN`]); answers the verdict.
@@ -369,7 +372,7 @@ impl RedisStore {
         let (released, settled) = tokio::join!(
             async {
                 match &holds.quota {
-                    Some(QuotaHold { token: Some(token) }) if !acquired => {
+                    Some(QuotaHold { token: Some(token), .. }) if !acquired => {
                         self.release_in_flight(conn.clone(), tenant, &placement.member, token).await
                     }
                     _ => Ok(()),

@@ -47,9 +47,11 @@
 //!   pending charge's time, an in-flight place's score) are the script's now. (Times that come
 //!   with a request are kept as given: a tenant's and an API key's creation and revocation
 //!   times, audit entries, an approval's times, a budget's deadline.) On a Cluster each node's
-//!   clock decides for its own slots: the nodes' clocks should be kept as close as any
-//!   instances' (NTP); a difference between them shortens or lengthens by as much the time an
-//!   in-flight place counts against its lease, or a pending charge against its age.
+//!   clock decides for its own slots, and the nodes' clocks should be kept close (NTP). A lease
+//!   claimed or extended under a quota ends no later than its place in the in-flight set,
+//!   scored by the set's node when the place was reserved or raised, so that a place counts for
+//!   at least as long as its lease whatever the two clocks say (the lease may be shorter than
+//!   asked by the time between the two scripts, plus any difference between the clocks).
 //! - **Retention** is checked when read: every script and every read treats a record whose
 //!   `expires_at` is not after the store's now as absent. So that Redis reclaims memory by
 //!   itself, each write also sets the record's TTL to `expires_at - now` plus
@@ -899,7 +901,7 @@ impl RedisStore {
         mutation: &Mutation,
         max_checkpoints: usize,
         run: Option<&RunId>,
-        raised: bool,
+        raised: Option<u64>,
     ) -> ScriptInvocation<'static> {
         let charges_here = !self.cluster && run.is_some();
         let mut invocation =
@@ -955,8 +957,11 @@ impl RedisStore {
         }
         // Left out when there is nothing to say, as before there were budgets.
         let cost = reported_cost(mutation);
-        if cost > 0 || run.is_some() || raised {
-            invocation.arg(cost).arg(run.map_or("", |r| r.as_str())).arg(if raised { "1" } else { "" });
+        if cost > 0 || run.is_some() || raised.is_some() {
+            invocation
+                .arg(cost)
+                .arg(run.map_or("", |r| r.as_str()))
+                .arg(raised.map(|u| u.to_string()).unwrap_or_default());
         }
         invocation
     }

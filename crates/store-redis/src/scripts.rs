@@ -278,7 +278,8 @@ pub const CLAIM: &str = r#"
 --       '?' ungranted, 'g' .. approval id granted),
 --       in-flight quota ('' if none), declared cost, the run to admit ('' if none),
 --       on a Cluster: in-flight token ('' if none), 'denied' if the quota is spent, run
---       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed)
+--       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed), the
+--       in-flight place's score ('' if none)
 local now = clock(ARGV[1])
 local at = int(now)
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
@@ -433,6 +434,15 @@ if quota ~= '' then
     redis.call('ZADD', in_flight, n.le, member .. '\0' .. fence)
   else
     n.q = ARGV[16]
+    -- The lease ends no later than its place, scored when it was reserved (an earlier now, and
+    -- on a Cluster the clock of the set's node), so the set never counts it for less than it
+    -- lasts.
+    local place_until = tonumber(ARGV[20] or '')
+    if place_until ~= nil and place_until < le then
+      le = place_until
+      n.le = int(le)
+      answer[4] = n.le
+    end
   end
 end
 
@@ -522,7 +532,8 @@ pub const MUTATE: &str = r#"
 --   checkpoint: name, data
 --   unknown: detail
 -- then, each left out if not needed: the cost reported ('0' if none), the record's run ('' if
--- not known), '1' if the in-flight set was raised for this extend (Cluster)
+-- not known), what the lease's place in the in-flight set was raised to for this extend
+-- (Cluster; '' if not)
 local now, fence, op = clock(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local base = 8
@@ -533,7 +544,8 @@ elseif op == 'extend' or op == 'unknown' then
 elseif op == 'checkpoint' then
   base = 10
 end
-local reported, given_run, raised = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] == '1'
+local reported, given_run, raised_to = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] or ''
+local raised = raised_to ~= ''
 local one_server = #KEYS > 2
 
 local r = load(KEYS[1])
@@ -591,7 +603,11 @@ elseif r.un ~= nil then
   -- Once the holder reported the outcome unknown it may finish, but not carry on working.
   return { 'stale', 'finished' }
 elseif op == 'extend' then
-  set(w, 'le', int(now + tonumber(ARGV[9])))
+  local le = now + tonumber(ARGV[9])
+  -- Cluster: the lease ends no later than its place was raised to (by this script's answer
+  -- need_quota, at an earlier now), so the set never counts it for less than it lasts.
+  if raised and tonumber(raised_to) < le then le = tonumber(raised_to) end
+  set(w, 'le', int(le))
 elseif op == 'checkpoint' then
   local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
   set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[9] .. '\n' .. ARGV[10])
@@ -776,7 +792,7 @@ return { 'revoked', token }
 /// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
 /// fewer than the quota of the places there are live at the store's now, scored by the lease
 /// the claim would get (now plus the lease). Places whose lease ended more than the margin ago
-/// are dropped first. Answers 1 (reserved) or 0 (the quota is spent).
+/// are dropped first. Answers the place's score (reserved) or 0 (the quota is spent).
 pub const RESERVE_IN_FLIGHT: &str = r#"
 -- KEYS: the tenant's in-flight set
 -- ARGV: the store's clock ('' for the server's), quota, member NUL token, lease ms, margin ms
@@ -784,8 +800,9 @@ local now = clock(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. int(now - tonumber(ARGV[5])))
 local held = redis.call('ZCOUNT', KEYS[1], '(' .. int(now), '+inf')
 if cmp(int(held), ARGV[2]) >= 0 then return 0 end
-redis.call('ZADD', KEYS[1], int(now + tonumber(ARGV[4])), ARGV[3])
-return 1
+local score = int(now + tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[1], score, ARGV[3])
+return tonumber(score)
 "#;
 
 /// Cluster: the run's side of a claim about to acquire a key of the run. `check` (the record

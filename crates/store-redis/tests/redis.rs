@@ -583,3 +583,77 @@ async fn store_time_is_the_stores() {
     let Some((given, clock, _also)) = fresh_store().await else { return };
     common::store_time_is_the_stores(&server, &given, &clock).await;
 }
+
+/// The claim script as a Cluster runs it after reserving a place in flight (the scripts run on
+/// one slot each, so one server will do): a lease never ends after its place's score, taken
+/// when the place was reserved, even when the claim script's now is later; and an extension
+/// never after what its place was raised to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_never_outlasts_its_place_in_flight() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let keys = Keys::new(&prefix).unwrap();
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let s = scope("placed");
+    let placement = Placement::of(&s);
+    let t0 = common::T0.0;
+    let member = [placement.member.as_slice(), b"\0", b"token"].concat();
+    let mut reserve = SCRIPTS.reserve_in_flight.prepare_invoke();
+    reserve.key(keys.in_flight(&s.tenant)).arg(t0).arg(1).arg(member.as_slice()).arg(10_000).arg(60_000);
+    let score: u64 = reserve.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(score, t0 + 10_000);
+    // The claim script runs 5 ms later by the store's clock.
+    let mut invocation = SCRIPTS.claim.prepare_invoke();
+    let later = (t0 + 5).to_string();
+    ClaimCall {
+        keys: &keys,
+        scope: &s,
+        placement: &placement,
+        clock: &later,
+        fingerprint: common::request(&s).fingerprint.as_str(),
+        lease_ms: 10_000,
+        retention_ms: 100_000,
+        run: "",
+        margin_ms: 60_000,
+        source: "1",
+        approval: None,
+    }
+    .add_to(&mut invocation);
+    invocation.arg(1).arg(0).arg("").arg("token").arg("").arg("").arg("").arg(score);
+    let answer: Vec<String> = invocation.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(answer[..4], ["acquired", "1", "1", &score.to_string()], "{answer:?}");
+    let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
+    assert_eq!(lease, score.to_string());
+
+    // An extension asks for its place to be raised, then, 5 ms later, ends no later than that.
+    let extend = |at: u64, raised: &str| {
+        let mut invocation = SCRIPTS.mutate.prepare_invoke();
+        invocation
+            .key(keys.record(&placement))
+            .key(keys.expiry(placement.slot))
+            .arg(at)
+            .arg(1)
+            .arg("extend")
+            .arg(8)
+            .arg(placement.member.as_slice())
+            .arg(60_000)
+            .arg(keys.changes())
+            .arg("")
+            .arg(20_000)
+            .arg(0)
+            .arg("")
+            .arg(raised);
+        let mut conn = conn.clone();
+        async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
+    };
+    let asked = extend(t0 + 1_000, "").await;
+    let until = (t0 + 21_000).to_string();
+    assert_eq!(asked, ["need_quota", "token", until.as_str()]);
+    let applied = extend(t0 + 1_005, &until).await;
+    assert_eq!(applied[0], "applied");
+    let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
+    assert_eq!(lease, until);
+}
