@@ -11,7 +11,7 @@ use onceguard_core::{Scope, TenantId, Timestamp};
 
 use crate::codec::corrupt;
 use crate::scripts::SCRIPTS;
-use crate::{RedisStore, unavailable};
+use crate::{RedisStore, reply, unavailable};
 
 /// The field of a key's approval: `tenant NUL namespace NUL key`.
 fn field(scope: &Scope) -> Vec<u8> {
@@ -41,39 +41,37 @@ fn decode(value: &[u8]) -> Result<(Timestamp, Approval), StoreError> {
 }
 
 impl RedisStore {
-    async fn approval_value(&self, field: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+    /// The approval stored at `field` if it is kept at the store's time of the read (one round
+    /// trip, `TIME` pipelined with the read).
+    async fn kept_approval(&self, field: &[u8]) -> Result<Option<Approval>, StoreError> {
         let mut conn = self.conn.clone();
-        redis::cmd("HGET")
-            .arg(self.keys.approvals())
-            .arg(field)
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable("read an approval"))
-    }
-
-    async fn kept_approval(&self, field: &[u8], now: Timestamp) -> Result<Option<Approval>, StoreError> {
-        let Some(value) = self.approval_value(field).await? else { return Ok(None) };
+        let mut pipe = redis::pipe();
+        pipe.cmd("HGET").arg(self.keys.approvals()).arg(field);
+        let (replies, now) = self.query_at(&mut conn, pipe, "read an approval").await?;
+        let Some(value) = reply::<Option<Vec<u8>>>(replies.into_iter().next())? else { return Ok(None) };
         let (kept, approval) = decode(&value)?;
         Ok((kept > now).then_some(approval))
     }
 
-    async fn all_approvals(&self) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    /// Every stored approval, by field, and the store's time of the read.
+    async fn all_approvals(&self) -> Result<(Vec<(Vec<u8>, Vec<u8>)>, Timestamp), StoreError> {
         let mut conn = self.conn.clone();
-        redis::cmd("HGETALL")
-            .arg(self.keys.approvals())
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable("list approvals"))
+        let mut pipe = redis::pipe();
+        pipe.cmd("HGETALL").arg(self.keys.approvals());
+        let (replies, now) = self.query_at(&mut conn, pipe, "list approvals").await?;
+        Ok((reply(replies.into_iter().next())?, now))
     }
 }
 
 #[async_trait]
 impl ApprovalStore for RedisStore {
-    async fn approval_of(&self, scope: &Scope, now: Timestamp) -> Result<Option<Approval>, StoreError> {
-        self.bounded("read an approval", self.kept_approval(&field(scope), now)).await
+    /// Kept or not by the store's clock; the caller's `now` decides nothing (as for every
+    /// approval operation here).
+    async fn approval_of(&self, scope: &Scope, _now: Timestamp) -> Result<Option<Approval>, StoreError> {
+        self.bounded("read an approval", self.kept_approval(&field(scope))).await
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(&self, tenant: &TenantId, id: &str, _now: Timestamp) -> Result<Option<Approval>, StoreError> {
         self.bounded("read an approval", async {
             let mut conn = self.conn.clone();
             let field: Option<Vec<u8>> = redis::cmd("HGET")
@@ -83,7 +81,7 @@ impl ApprovalStore for RedisStore {
                 .await
                 .map_err(unavailable("read an approval id"))?;
             let Some(field) = field else { return Ok(None) };
-            let kept = self.kept_approval(&field, now).await?;
+            let kept = self.kept_approval(&field).await?;
             Ok(kept.filter(|a| a.id == id && &a.scope.tenant == tenant))
         })
         .await
@@ -94,7 +92,7 @@ impl ApprovalStore for RedisStore {
         expected: Option<&Approval>,
         new: &Approval,
         audit: Option<&AuditEntry>,
-        now: Timestamp,
+        _now: Timestamp,
     ) -> Result<bool, StoreError> {
         let expected = expected.map(value).transpose()?.unwrap_or_default();
         let (entry_id, entry) = match audit {
@@ -111,7 +109,7 @@ impl ApprovalStore for RedisStore {
                     .key(self.keys.control_audit_outbox())
                     .arg(field(&new.scope))
                     .arg(expected)
-                    .arg(now.0)
+                    .arg(self.clock_arg())
                     .arg(value(new)?)
                     .arg(new.scope.tenant.as_str())
                     .arg(new.id.as_str())
@@ -131,9 +129,9 @@ impl ApprovalStore for RedisStore {
         &self,
         tenant: &TenantId,
         filter: &ApprovalFilter,
-        now: Timestamp,
+        _now: Timestamp,
     ) -> Result<Vec<Approval>, StoreError> {
-        let all = self.bounded("list approvals", self.all_approvals()).await?;
+        let (all, now) = self.bounded("list approvals", self.all_approvals()).await?;
         let after = filter.after.as_deref().unwrap_or_default();
         let mut out = Vec::new();
         for (_, value) in all {
@@ -151,10 +149,13 @@ impl ApprovalStore for RedisStore {
         Ok(out)
     }
 
-    async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+    /// Deletes approvals not kept at the store's time of the read; each deletion writes only
+    /// over the value read.
+    async fn sweep_approvals(&self, _now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         self.bounded("sweep approvals", async {
             let mut swept = 0;
-            for (field, value) in self.all_approvals().await? {
+            let (all, now) = self.all_approvals().await?;
+            for (field, value) in all {
                 if swept >= batch {
                     break;
                 }

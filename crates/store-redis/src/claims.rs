@@ -37,137 +37,10 @@ fn rounds(scopes: &[&Scope]) -> Vec<Vec<usize>> {
     rounds
 }
 
-#[async_trait]
-impl ClaimStore for RedisStore {
-    fn kind(&self) -> &'static str {
-        if self.cluster { "redis-cluster" } else { "redis" }
-    }
-
-    #[tracing::instrument(level = "debug", name = "redis.claim", skip_all)]
-    async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
-        check_range(&[now.0, ms(req.lease), ms(req.retention)])?;
-        let placement = Placement::of(&req.scope);
-        self.bounded("claim", async {
-            let mut conn = self.conn.clone();
-            // A claim that writes nothing (a replay, a holder in flight, a mismatch) is answered
-            // from one HGETALL: it costs Redis a few microseconds where the claim script costs
-            // several times that. Only a claim that acquires runs the script.
-            let existing = self.read_record(&mut conn, &placement).await?;
-            if let Some(answer) = onceguard_core::protocol::answer_without_write(existing, req, now) {
-                return Ok(answer);
-            }
-            self.claim_writing(&mut conn, req, now, &placement).await
-        })
-        .await
-    }
-
-    #[tracing::instrument(level = "debug", name = "redis.mutate", skip_all, fields(op = mutation.name()))]
-    async fn mutate(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        mutation: Mutation,
-        now: Timestamp,
-        max_checkpoints: usize,
-    ) -> Result<FencedOutcome, StoreError> {
-        check_range(&[now.0])?;
-        if let Mutation::Extend(lease) = &mutation {
-            check_range(&[ms(*lease)])?;
-        }
-        let placement = Placement::of(scope);
-        let cost = reported_cost(&mutation);
-        let finishes = mutation.finishes();
-        self.bounded("fenced call", async {
-            let mut conn = self.conn.clone();
-            let (mut run, mut raised) = (None, false);
-            for _ in 0..MAX_RUN_CHANGES {
-                let invocation =
-                    self.fenced_call(scope, &placement, fence, &mutation, now, max_checkpoints, run.as_ref(), raised);
-                let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("fenced call"))?;
-                match codec::fenced_answer(strings(answer)?)? {
-                    Fenced::Done { outcome, wrote, token } => {
-                        if let (true, true, FencedOutcome::Applied(record)) = (self.cluster, wrote, &outcome) {
-                            self.after_fenced_call(&conn, record, token, finishes, cost, now).await;
-                        }
-                        return Ok(outcome);
-                    }
-                    Fenced::NeedRun(other) => run = Some(other),
-                    Fenced::NeedQuota { token, until } => {
-                        self.raise_in_flight(conn.clone(), &scope.tenant, &placement.member, &token, until).await?;
-                        raised = true;
-                    }
-                }
-            }
-            Err(StoreError::Unavailable("redis fenced call: the key's record kept changing".into()))
-        })
-        .await
-    }
-
-    /// First every record is read, in one pipeline per slot (on a Cluster each goes to its
-    /// slot's node; the slots' pipelines go out together), and each claim that writes nothing
-    /// (a replay, a holder in flight, a mismatch) is answered from that read, as
-    /// [`ClaimStore::claim`] does. The claims that write then run their scripts together over
-    /// the multiplexed connection (pipelined), a key given twice after its earlier claim.
-    async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
-        for req in reqs {
-            check_range(&[now.0, ms(req.lease), ms(req.retention)])?;
-        }
-        let placements: Vec<Placement> = reqs.iter().map(|r| Placement::of(&r.scope)).collect();
-        let records = self.bounded("claim", self.read_records(&placements)).await?;
-        let mut writing: HashSet<&Scope> = HashSet::new();
-        let mut answers: Vec<Option<ClaimOutcome>> = Vec::with_capacity(reqs.len());
-        for (req, record) in reqs.iter().zip(records) {
-            let answer = if writing.contains(&req.scope) {
-                None
-            } else {
-                onceguard_core::protocol::answer_without_write(record, req, now)
-            };
-            if answer.is_none() {
-                writing.insert(&req.scope);
-            }
-            answers.push(answer);
-        }
-        let to_write: Vec<usize> = (0..reqs.len()).filter(|&i| answers[i].is_none()).collect();
-        let scopes: Vec<&Scope> = to_write.iter().map(|&i| &reqs[i].scope).collect();
-        let written = in_rounds(&scopes, |n| {
-            let (req, placement) = (&reqs[to_write[n]], &placements[to_write[n]]);
-            self.bounded("claim", async move {
-                let mut conn = self.conn.clone();
-                self.claim_writing(&mut conn, req, now, placement).await
-            })
-        })
-        .await?;
-        for (i, answer) in to_write.into_iter().zip(written) {
-            answers[i] = Some(answer);
-        }
-        answers.into_iter().map(|a| a.ok_or_else(|| corrupt("a claim of the batch was not answered"))).collect()
-    }
-
-    /// As [`ClaimStore::claim_batch`].
-    async fn mutate_batch(
-        &self,
-        calls: &[onceguard_core::store::FencedCall],
-        now: Timestamp,
-        max_checkpoints: usize,
-    ) -> Result<Vec<FencedOutcome>, StoreError> {
-        let scopes: Vec<&Scope> = calls.iter().map(|c| &c.scope).collect();
-        in_rounds(&scopes, |i| {
-            let c = &calls[i];
-            self.mutate(&c.scope, c.fence, c.mutation.clone(), now, max_checkpoints)
-        })
-        .await
-    }
-
-    async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        let placement = Placement::of(scope);
-        self.bounded("get", async {
-            let mut conn = self.conn.clone();
-            Ok(self.read_record(&mut conn, &placement).await?.filter(|r| r.is_live(now)))
-        })
-        .await
-    }
-
-    async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
+impl RedisStore {
+    /// A page of the tenant's records that pass `filter`, each judged at the store's time of
+    /// its read ([`ClaimStore::list`], and the revocation of a switch's leases).
+    pub(crate) async fn list_records(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         // The tenant's members lie in [tenant NUL, tenant \x01); with a namespace prefix `p`,
         // in [tenant NUL p NUL, tenant NUL p '0'), which holds `p` and `p/...` (and a few
@@ -198,7 +71,7 @@ impl ClaimStore for RedisStore {
         self.bounded("list", async {
             let mut records = Vec::new();
             while records.len() <= limit {
-                self.refill(tenant, &mut shards, &until, chunk, filter, now).await?;
+                self.refill(tenant, &mut shards, &until, chunk, filter).await?;
                 // Every shard still being read has been examined up to its last member; the
                 // smallest of those is as far as the merge may go.
                 let frontier = shards.iter().filter(|s| !s.done).filter_map(|s| s.seen.clone()).min();
@@ -221,6 +94,144 @@ impl ClaimStore for RedisStore {
             Ok(Page::from_overfetch(records, limit))
         })
         .await
+    }
+}
+
+#[async_trait]
+impl ClaimStore for RedisStore {
+    fn kind(&self) -> &'static str {
+        if self.cluster { "redis-cluster" } else { "redis" }
+    }
+
+    /// The caller's `now` decides nothing: the store's clock does ([`RedisOptions::clock`]).
+    #[tracing::instrument(level = "debug", name = "redis.claim", skip_all)]
+    async fn claim(&self, req: &ClaimRequest, _now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+        check_range(&[ms(req.lease), ms(req.retention)])?;
+        let placement = Placement::of(&req.scope);
+        self.bounded("claim", async {
+            let mut conn = self.conn.clone();
+            // A claim that writes nothing (a replay, a holder in flight, a mismatch) is answered
+            // from one HGETALL (pipelined with the server's TIME, by which it is judged): it
+            // costs Redis a few microseconds where the claim script costs several times that.
+            // Only a claim that acquires runs the script.
+            let (existing, now) = self.read_record(&mut conn, &placement).await?;
+            if let Some(answer) = onceguard_core::protocol::answer_without_write(existing, req, now) {
+                return Ok(answer);
+            }
+            self.claim_writing(&mut conn, req, &placement).await
+        })
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", name = "redis.mutate", skip_all, fields(op = mutation.name()))]
+    async fn mutate(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        mutation: Mutation,
+        _now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<FencedOutcome, StoreError> {
+        if let Mutation::Extend(lease) = &mutation {
+            check_range(&[ms(*lease)])?;
+        }
+        let placement = Placement::of(scope);
+        let cost = reported_cost(&mutation);
+        let finishes = mutation.finishes();
+        self.bounded("fenced call", async {
+            let mut conn = self.conn.clone();
+            let (mut run, mut raised) = (None, None);
+            for _ in 0..MAX_RUN_CHANGES {
+                let invocation =
+                    self.fenced_call(scope, &placement, fence, &mutation, max_checkpoints, run.as_ref(), raised);
+                let answer: Value = invocation.invoke_async(&mut conn).await.map_err(unavailable("fenced call"))?;
+                match codec::fenced_answer(strings(answer)?)? {
+                    Fenced::Done { outcome, wrote, token } => {
+                        if let (true, true, FencedOutcome::Applied(record)) = (self.cluster, wrote, &outcome) {
+                            self.after_fenced_call(&conn, record, token, finishes, cost).await;
+                        }
+                        return Ok(outcome);
+                    }
+                    Fenced::NeedRun(other) => run = Some(other),
+                    Fenced::NeedQuota { token, until } => {
+                        self.raise_in_flight(conn.clone(), &scope.tenant, &placement.member, &token, until).await?;
+                        raised = Some(until);
+                    }
+                }
+            }
+            Err(StoreError::Unavailable("redis fenced call: the key's record kept changing".into()))
+        })
+        .await
+    }
+
+    /// First every record is read, in one pipeline per slot (on a Cluster each goes to its
+    /// slot's node; the slots' pipelines go out together), and each claim that writes nothing
+    /// (a replay, a holder in flight, a mismatch) is answered from that read, as
+    /// [`ClaimStore::claim`] does, at the store's time of its slot's read. The claims that
+    /// write then run their scripts together over the multiplexed connection (pipelined), a
+    /// key given twice after its earlier claim.
+    async fn claim_batch(&self, reqs: &[ClaimRequest], _now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
+        for req in reqs {
+            check_range(&[ms(req.lease), ms(req.retention)])?;
+        }
+        let placements: Vec<Placement> = reqs.iter().map(|r| Placement::of(&r.scope)).collect();
+        let records = self.bounded("claim", self.read_records(&placements)).await?;
+        let mut writing: HashSet<&Scope> = HashSet::new();
+        let mut answers: Vec<Option<ClaimOutcome>> = Vec::with_capacity(reqs.len());
+        for (req, (record, now)) in reqs.iter().zip(records) {
+            let answer = if writing.contains(&req.scope) {
+                None
+            } else {
+                onceguard_core::protocol::answer_without_write(record, req, now)
+            };
+            if answer.is_none() {
+                writing.insert(&req.scope);
+            }
+            answers.push(answer);
+        }
+        let to_write: Vec<usize> = (0..reqs.len()).filter(|&i| answers[i].is_none()).collect();
+        let scopes: Vec<&Scope> = to_write.iter().map(|&i| &reqs[i].scope).collect();
+        let written = in_rounds(&scopes, |n| {
+            let (req, placement) = (&reqs[to_write[n]], &placements[to_write[n]]);
+            self.bounded("claim", async move {
+                let mut conn = self.conn.clone();
+                self.claim_writing(&mut conn, req, placement).await
+            })
+        })
+        .await?;
+        for (i, answer) in to_write.into_iter().zip(written) {
+            answers[i] = Some(answer);
+        }
+        answers.into_iter().map(|a| a.ok_or_else(|| corrupt("a claim of the batch was not answered"))).collect()
+    }
+
+    /// As [`ClaimStore::claim_batch`].
+    async fn mutate_batch(
+        &self,
+        calls: &[onceguard_core::store::FencedCall],
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Vec<FencedOutcome>, StoreError> {
+        let scopes: Vec<&Scope> = calls.iter().map(|c| &c.scope).collect();
+        in_rounds(&scopes, |i| {
+            let c = &calls[i];
+            self.mutate(&c.scope, c.fence, c.mutation.clone(), now, max_checkpoints)
+        })
+        .await
+    }
+
+    async fn get(&self, scope: &Scope, _now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let placement = Placement::of(scope);
+        self.bounded("get", async {
+            let mut conn = self.conn.clone();
+            let (record, now) = self.read_record(&mut conn, &placement).await?;
+            Ok(record.filter(|r| r.is_live(now)))
+        })
+        .await
+    }
+
+    async fn list(&self, tenant: &TenantId, filter: &ListFilter, _now: Timestamp) -> Result<Page, StoreError> {
+        self.list_records(tenant, filter).await
     }
 
     async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
@@ -304,11 +315,12 @@ impl ClaimStore for RedisStore {
         .await
     }
 
-    async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+    async fn sweep(&self, _now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         if batch == 0 {
             return Ok(0);
         }
         self.bounded("sweep", async {
+            let now = self.now().await?;
             let mut conn = self.conn.clone();
             let used: Vec<u16> = redis::cmd("SMEMBERS")
                 .arg(self.keys.used_slots())
@@ -335,6 +347,12 @@ impl ClaimStore for RedisStore {
             redis::cmd("PING").query_async::<String>(&mut conn).await.map(drop).map_err(unavailable("ping"))
         })
         .await
+    }
+
+    /// The given clock's time, or the server's (`TIME`; on a Cluster, of a node the client
+    /// picks at random: the nodes' clocks are as close as the operator keeps them).
+    async fn store_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        self.bounded("read the time", self.now()).await.map(Some)
     }
 
     fn changes(&self) -> Option<broadcast::Receiver<Scope>> {

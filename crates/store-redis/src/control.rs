@@ -4,14 +4,14 @@
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 use onceguard_core::control::{AuditEntry, AuditFilter, AuditPage, ControlDoc, ControlKind, SwitchTarget};
-use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, StoreError};
+use onceguard_core::store::{ControlStore, ListFilter, MAX_PAGE, StoreError};
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
 
 use crate::codec::{self, corrupt, strings};
 use crate::layout::Placement;
 use crate::scripts::SCRIPTS;
-use crate::{MAX_DRAWS, RedisStore, check_range, ms, unavailable};
+use crate::{MAX_DRAWS, RedisStore, ms, unavailable};
 
 /// How many records a revocation works on at once.
 const REVOKE_CONCURRENCY: usize = 32;
@@ -153,7 +153,6 @@ impl RedisStore {
         tenant: &TenantId,
         target: &SwitchTarget,
         detail: &str,
-        now: Timestamp,
     ) -> Result<u64, StoreError> {
         let mut filter = ListFilter { state: Some(RecordState::InProgress), limit: MAX_PAGE, ..ListFilter::default() };
         match target {
@@ -167,12 +166,13 @@ impl RedisStore {
         };
         let mut revoked = 0;
         loop {
-            let page = self.list(tenant, &filter, now).await?;
+            // Listed at the store's time, and checked again by each revocation's script.
+            let page = self.list_records(tenant, &filter).await?;
             let revocations: Vec<_> = page
                 .records
                 .iter()
                 .filter(|r| target.covers_record(r) && r.unknown.as_deref() != Some(detail))
-                .map(|record| self.bounded("revoke a lease", self.revoke_one(record, run, detail, now)))
+                .map(|record| self.bounded("revoke a lease", self.revoke_one(record, run, detail)))
                 .collect();
             let done: Vec<bool> =
                 futures::stream::iter(revocations).buffer_unordered(REVOKE_CONCURRENCY).try_collect().await?;
@@ -185,13 +185,7 @@ impl RedisStore {
     }
 
     /// Revokes one record if it is still in progress (and of `run`); answers whether it did.
-    async fn revoke_one(
-        &self,
-        record: &Record,
-        run: Option<&RunId>,
-        detail: &str,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
+    async fn revoke_one(&self, record: &Record, run: Option<&RunId>, detail: &str) -> Result<bool, StoreError> {
         let placement = Placement::of(&record.scope);
         let mut conn = self.conn.clone();
         // On a Cluster the fence is drawn first, and again above the slot's mark if need be
@@ -214,7 +208,7 @@ impl RedisStore {
                 invocation.key(self.keys.fence_counter(tenant)).key(self.keys.in_flight(tenant));
             }
             invocation
-                .arg(now.0)
+                .arg(self.clock_arg())
                 .arg(source.as_str())
                 .arg(detail)
                 .arg(placement.member.as_slice())
@@ -394,10 +388,9 @@ impl ControlStore for RedisStore {
         tenant: &TenantId,
         target: &SwitchTarget,
         detail: &str,
-        now: Timestamp,
+        _now: Timestamp,
     ) -> Result<u64, StoreError> {
-        check_range(&[now.0])?;
-        self.revoke_covered(tenant, target, detail, now).await
+        self.revoke_covered(tenant, target, detail).await
     }
 
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use onceguard_core::protocol::ClaimRequest;
 use onceguard_core::store::StoreError;
-use onceguard_core::{ClaimOutcome, Fence, RunId, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, RunId, TenantId};
 use redis::ScriptInvocation;
 
 use crate::codec::{Claimed, corrupt};
@@ -33,6 +33,8 @@ pub(crate) struct Holds {
 pub(crate) struct QuotaHold {
     /// The place's token, or `None` if the quota was spent.
     token: Option<String>,
+    /// The place's score: the lease the claim may get ends no later.
+    until: Option<u64>,
 }
 
 /// What is asked of the run.
@@ -80,12 +82,13 @@ impl Holds {
     /// The claim script's arguments about the holds (see [`crate::scripts::CLAIM`]).
     pub(crate) fn args(&self, invocation: &mut ScriptInvocation<'_>) {
         let (token, spent) = match &self.quota {
-            Some(QuotaHold { token: Some(token) }) => (token.as_str(), ""),
-            Some(QuotaHold { token: None }) => ("", "denied"),
+            Some(QuotaHold { token: Some(token), .. }) => (token.as_str(), ""),
+            Some(QuotaHold { token: None, .. }) => ("", "denied"),
             None => ("", ""),
         };
         let (mode, verdict) = self.run.as_ref().map_or(("", ""), |h| (h.mode.as_str(), h.verdict.as_str()));
-        invocation.arg(token).arg(spent).arg(mode).arg(verdict);
+        let until = self.quota.as_ref().and_then(|q| q.until).map(|u| u.to_string()).unwrap_or_default();
+        invocation.arg(token).arg(spent).arg(mode).arg(verdict).arg(until);
     }
 }
 
@@ -106,7 +109,6 @@ impl RedisStore {
         &self,
         conn: &mut Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
     ) -> Result<ClaimOutcome, StoreError> {
         let mut holds = Holds::default();
@@ -120,7 +122,7 @@ impl RedisStore {
         for _ in 0..MAX_DRAWS {
             let source = fence.map_or_else(|| "peek".to_owned(), |f| f.0.to_string());
             let run = holds.run().cloned();
-            match self.run_claim(conn, req, now, placement, &source, run.as_ref(), &holds).await {
+            match self.run_claim(conn, req, placement, &source, run.as_ref(), &holds).await {
                 Ok(Claimed::Outcome { outcome, used_charge }) => {
                     decided = Some((outcome, used_charge));
                     break;
@@ -132,7 +134,7 @@ impl RedisStore {
                         decided = Some((ClaimOutcome::Denied(denial), false));
                         break;
                     }
-                    let prepared = self.prepare(conn, req, now, placement, &mut holds, &mut fence, mark, run, charged);
+                    let prepared = self.prepare(conn, req, placement, &mut holds, &mut fence, mark, run, charged);
                     if let Err(e) = prepared.await {
                         failure = Some(e);
                         break;
@@ -171,7 +173,6 @@ impl RedisStore {
         &self,
         conn: &Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
         holds: &mut Holds,
         fence: &mut Option<Fence>,
@@ -198,16 +199,15 @@ impl RedisStore {
             },
             async {
                 match (reserve_quota, req.max_in_flight) {
-                    (true, Some(max)) => self.reserve_in_flight(conn.clone(), req, max, now, placement).await.map(Some),
+                    (true, Some(max)) => self.reserve_in_flight(conn.clone(), req, max, placement).await.map(Some),
                     _ => Ok(None),
                 }
             },
             async {
                 match new {
                     Some((run, mode)) => {
-                        let verdict = self
-                            .reserve_run(conn.clone(), tenant, &run, mode, &placement.member, req.cost, now)
-                            .await?;
+                        let verdict =
+                            self.reserve_run(conn.clone(), tenant, &run, mode, &placement.member, req.cost).await?;
                         Ok(Some(RunHold { run, mode, verdict }))
                     }
                     None => Ok(None),
@@ -250,27 +250,27 @@ impl RedisStore {
         Ok(Fence(fence))
     }
 
-    /// Reserves a place in the tenant's in-flight set, scored by the lease the claim would get.
+    /// Reserves a place in the tenant's in-flight set, scored by the lease the claim would get
+    /// (the store's now on the set's slot, plus the lease).
     async fn reserve_in_flight(
         &self,
         mut conn: Conn,
         req: &ClaimRequest,
         max: u64,
-        now: Timestamp,
         placement: &Placement,
     ) -> Result<QuotaHold, StoreError> {
         let token = format!("{:016x}", rand::random::<u64>());
         let mut invocation = SCRIPTS.reserve_in_flight.prepare_invoke();
         invocation
             .key(self.keys.in_flight(&req.scope.tenant))
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(max)
             .arg(in_flight_member(&placement.member, &token))
-            .arg(now.plus(req.lease).0)
-            .arg(now.0.saturating_sub(ms(self.options.expiry_margin)));
-        let reserved: i64 =
-            invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a place in flight"))?;
-        Ok(QuotaHold { token: (reserved > 0).then_some(token) })
+            .arg(ms(req.lease))
+            .arg(ms(self.options.expiry_margin));
+        let score: u64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a place in flight"))?;
+        let reserved = score > 0;
+        Ok(QuotaHold { token: reserved.then_some(token), until: reserved.then_some(score) })
     }
 
     /// Asks the run to admit the key (see [`crate::scripts::RESERVE_RUN`]); answers the verdict.
@@ -283,21 +283,20 @@ impl RedisStore {
         mode: HoldMode,
         member: &[u8],
         cost: u64,
-        now: Timestamp,
     ) -> Result<String, StoreError> {
         let at = RunPlacement::of(tenant, run);
-        let leaked_before = now.0.saturating_sub(ms(self.options.timeout.saturating_mul(4).max(LEAKED_AFTER)));
+        let leaked_after = ms(self.options.timeout.saturating_mul(4).max(LEAKED_AFTER));
         let mut invocation = SCRIPTS.reserve_run.prepare_invoke();
         invocation
             .key(self.keys.run(&at))
             .key(self.keys.run_pending(&at))
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(tenant.as_str())
             .arg(run.as_str())
             .arg(member)
             .arg(cost)
             .arg(mode.as_str())
-            .arg(leaked_before);
+            .arg(leaked_after);
         invocation.invoke_async(&mut conn).await.map_err(unavailable("reserve a charge"))
     }
 
@@ -373,7 +372,7 @@ impl RedisStore {
         let (released, settled) = tokio::join!(
             async {
                 match &holds.quota {
-                    Some(QuotaHold { token: Some(token) }) if !acquired => {
+                    Some(QuotaHold { token: Some(token), .. }) if !acquired => {
                         self.release_in_flight(conn.clone(), tenant, &placement.member, token).await
                     }
                     _ => Ok(()),

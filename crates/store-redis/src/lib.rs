@@ -9,9 +9,10 @@
 //!   claim and fenced-call scripts are translations of `protocol::claim` and `protocol::apply`,
 //!   held to them by the same conformance suite and property test as every store. They are sent
 //!   by digest (`EVALSHA`), and in full (`EVAL`) only when the server does not know them yet.
-//!   A claim first reads the record (`HGETALL`, itself atomic): if it would write nothing (a
-//!   replay, a holder in flight, a mismatch: `protocol::answer_without_write`) that read is its
-//!   answer, as of a moment within the call; only a claim that acquires runs the script.
+//!   A claim first reads the record (`HGETALL`, itself atomic, with the server's `TIME` in the
+//!   same pipeline): if it would write nothing (a replay, a holder in flight, a mismatch:
+//!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
+//!   within the call; only a claim that acquires runs the script.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's two indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
@@ -34,12 +35,29 @@
 //!   claims on one slot interleave, or after a failover set the counter back. A fence drawn by
 //!   a claim that then finds the key taken is never used: on a Cluster, racing claims leave
 //!   gaps in the sequence (the sequence is dense when claims do not race).
+//! - **The store's clock decides** ([`RedisOptions::clock`]): every script takes "now" from the
+//!   server's `TIME` inside the script (or, in tests, from the clock the store was given), and
+//!   every read that judges a record, an approval or a lease in Rust (a claim's first read, a
+//!   batch's reads, `get`, listings, approvals, the sweep) takes it from a `TIME` sent in the
+//!   same pipeline as the read, so on a Cluster from the node that holds the keys read. The
+//!   caller's `now` is ignored by every operation: instances whose clocks disagree judge every
+//!   lease, retention, approval expiry and run deadline by one clock, and never take over a
+//!   lease that is live by it. The times written (a lease's expiry, when a record completed,
+//!   was created and updated, a checkpoint's time, a run's created and updated times, a
+//!   pending charge's time, an in-flight place's score) are the script's now. (Times that come
+//!   with a request are kept as given: a tenant's and an API key's creation and revocation
+//!   times, audit entries, an approval's times, a budget's deadline.) On a Cluster each node's
+//!   clock decides for its own slots, and the nodes' clocks should be kept close (NTP). A lease
+//!   claimed or extended under a quota ends no later than its place in the in-flight set,
+//!   scored by the set's node when the place was reserved or raised, so that a place counts for
+//!   at least as long as its lease whatever the two clocks say (the lease may be shorter than
+//!   asked by the time between the two scripts, plus any difference between the clocks).
 //! - **Retention** is checked when read: every script and every read treats a record whose
-//!   `expires_at` is not after `now` as absent. `now` always comes from the caller; the server's
-//!   clock is never read. So that Redis reclaims memory by itself, each write also sets the
-//!   record's TTL to `expires_at - now` plus [`RedisOptions::expiry_margin`] (relative to the
-//!   caller's `now`, so the caller's and the server's clocks need not agree); until then an
-//!   expired record is still there for [`onceguard_core::store::ClaimStore::sweep`], which deletes it in bounded batches and
+//!   `expires_at` is not after the store's now as absent. So that Redis reclaims memory by
+//!   itself, each write also sets the record's TTL to `expires_at - now` plus
+//!   [`RedisOptions::expiry_margin`] (`PEXPIRE` relative to the script's now, which is the
+//!   server's unless the store was given a clock); until then an expired record is still there
+//!   for [`onceguard_core::store::ClaimStore::sweep`], which deletes it in bounded batches and
 //!   answers how many it deleted. (The index entries of a record that Redis reclaimed first are
 //!   skipped by listings, and removed by the sweep without being counted.)
 //! - **Isolation**: every key name is derived from the tenant, namespace and key, and listing
@@ -58,12 +76,13 @@
 //!
 //! The tenant's live leases are counted in its **in-flight set** (`P t:{<tenant>}:in-flight`),
 //! a sorted set of places `member NUL token` scored by lease expiry: a place counts while its
-//! score is after `now`. Only leases claimed under a quota take a place (their record keeps the
-//! token, `q`), so the path without a quota never touches the set; a lease acquired while no
-//! quota was in force is not counted once one is set (the memory store counts every lease). A
-//! place leaves the set when its attempt ends (complete, fail, report-unknown, revocation,
-//! purge), and its score is raised when its lease is extended. Places whose lease ended more
-//! than [`RedisOptions::expiry_margin`] ago are dropped by the next claim under the quota.
+//! score is after the store's now. Only leases claimed under a quota take a place (their record
+//! keeps the token, `q`), so the path without a quota never touches the set; a lease acquired
+//! while no quota was in force is not counted once one is set (the memory store counts every
+//! lease). A place leaves the set when its attempt ends (complete, fail, report-unknown,
+//! revocation, purge), and its score is raised when its lease is extended. Places whose lease
+//! ended more than [`RedisOptions::expiry_margin`] ago are dropped by the next claim under the
+//! quota.
 //!
 //! ## On one server: one script
 //!
@@ -213,8 +232,12 @@
 //!   64 pipelined index reads plus one read per record examined. Cheap when the filter keeps
 //!   most records; proportional to the records skipped when it keeps few (a `state`, `stuck` or
 //!   `run` filter over a tenant with many records).
-//! - sweep: one read of `P slots`, one expiry-index read per used slot (up to 16,384,
-//!   pipelined, 512 at a time) and one script per deleted record.
+//! - sweep: one `TIME` (the candidates are the expiry-index entries up to it; each deletion's
+//!   script checks the expiry again by its own now), one read of `P slots`, one expiry-index
+//!   read per used slot (up to 16,384, pipelined, 512 at a time) and one script per deleted
+//!   record.
+//! - [`onceguard_core::store::ClaimStore::store_time`]: one `TIME` (on a Cluster, at a node the
+//!   client picks at random), or none with a given clock.
 //!
 //! # Waits across instances
 //!
@@ -249,8 +272,8 @@
 //! # Limits
 //!
 //! Times and durations are handled as doubles in Lua, exact below 2^53 ms; the store refuses
-//! (as [`StoreError::Corrupt`]) times and durations from 2^51 ms (year 71,000) up. TLS
-//! (`rediss://`) is not built in.
+//! (as [`StoreError::Corrupt`]) leases, retentions and extensions from 2^51 ms up (the store's
+//! clock is far below: 2^51 ms is the year 71,000). TLS (`rediss://`) is not built in.
 
 #![forbid(unsafe_code)]
 
@@ -278,7 +301,9 @@ use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{
     ClaimStore, DEFAULT_STORE_TIMEOUT, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore,
 };
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, RunId, Scope, TenantId, Timestamp};
+use onceguard_core::{
+    ClaimOutcome, Fence, FencedOutcome, OutcomeKind, Record, RunId, Scope, StoreClock, TenantId, Timestamp,
+};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, ScriptInvocation, Value};
@@ -354,7 +379,7 @@ fn redact(url: &str) -> String {
 }
 
 /// How the store uses Redis.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct RedisOptions {
     /// Prepended to every key and to the channel name, so that several deployments (or tests)
     /// share one Redis. It must not contain `{` or `}`.
@@ -366,6 +391,12 @@ pub struct RedisOptions {
     /// For `rediss://` servers: the certificate authority (PEM) their certificates are checked
     /// against, instead of the system's. Host names are always checked.
     pub tls_ca: Option<Vec<u8>>,
+    /// The clock every decision about time is made by (a lease passed, a retention or an
+    /// approval expired, a deadline reached) and every time written is read from: the
+    /// server's (`TIME`, read inside each script and with each read; the default), or a clock
+    /// given to the store (tests, which move the store's time by hand). The caller's `now` is
+    /// never used, so instances whose clocks disagree share one clock through the store.
+    pub clock: StoreClock,
 }
 
 impl Default for RedisOptions {
@@ -375,6 +406,7 @@ impl Default for RedisOptions {
             timeout: DEFAULT_STORE_TIMEOUT,
             expiry_margin: Duration::from_secs(600),
             tls_ca: None,
+            clock: StoreClock::Server,
         }
     }
 }
@@ -531,6 +563,19 @@ async fn within<T>(
     }
 }
 
+/// The one reply of type `T` a pipeline answered (`None`: it answered none).
+fn reply<T: redis::FromRedisValue>(reply: Option<Value>) -> Result<T, StoreError> {
+    let reply = reply.ok_or_else(|| corrupt("a pipeline answered fewer replies than it was sent"))?;
+    redis::FromRedisValue::from_redis_value(reply).map_err(corrupt)
+}
+
+/// The time a `TIME` reply gives, in ms since the epoch (its microseconds rounded down).
+fn time_of(reply: Value) -> Result<Timestamp, StoreError> {
+    let (secs, micros): (u64, u64) =
+        redis::FromRedisValue::from_redis_value(reply).map_err(|e| corrupt(format!("a TIME reply: {e}")))?;
+    Ok(Timestamp(secs.saturating_mul(1_000).saturating_add(micros / 1_000)))
+}
+
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -676,6 +721,44 @@ impl RedisStore {
             .unwrap_or_else(|_| Err(StoreError::Unavailable(format!("redis {what}: no answer within {limit:?}"))))
     }
 
+    /// The store clock's argument to a script ([`scripts::CLOCK`]): the given clock's time, or
+    /// `''` for the server's, which the script reads itself (`TIME`).
+    fn clock_arg(&self) -> String {
+        self.options.clock.given().map(|t| t.0.to_string()).unwrap_or_default()
+    }
+
+    /// Sends `pipe` and answers its replies with the store's time: for the server's clock a
+    /// `TIME` goes last in the same pipeline (no round trip more; on a Cluster a pipeline goes
+    /// to the node of its keys, so the time is that node's), else the given clock's time.
+    async fn query_at(
+        &self,
+        conn: &mut Conn,
+        mut pipe: Pipeline,
+        what: &'static str,
+    ) -> Result<(Vec<Value>, Timestamp), StoreError> {
+        let given = self.options.clock.given();
+        if given.is_none() {
+            pipe.cmd("TIME");
+        }
+        let mut replies: Vec<Value> = pipe.query_async(conn).await.map_err(unavailable(what))?;
+        let now = match given {
+            Some(now) => now,
+            None => time_of(replies.pop().ok_or_else(|| corrupt("a pipeline answered without its TIME"))?)?,
+        };
+        Ok((replies, now))
+    }
+
+    /// The store's time: the given clock's, or the server's (`TIME`; on a Cluster, of a node
+    /// the client picks at random).
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        if let Some(now) = self.options.clock.given() {
+            return Ok(now);
+        }
+        let mut conn = self.conn.clone();
+        let reply: Value = redis::cmd("TIME").query_async(&mut conn).await.map_err(unavailable("read the time"))?;
+        time_of(reply)
+    }
+
     /// The message announcing that `scope` finished or was purged.
     fn message(&self, scope: &Scope) -> String {
         changes::message(&self.origin, scope)
@@ -717,7 +800,6 @@ impl RedisStore {
         &self,
         conn: &mut Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
         source: &str,
         run: Option<&RunId>,
@@ -726,11 +808,12 @@ impl RedisStore {
         let admits_here = !self.cluster && (req.max_in_flight.is_some() || run.is_some());
         let script = if admits_here { &SCRIPTS.claim_admitting } else { &SCRIPTS.claim };
         let mut invocation = script.prepare_invoke();
+        let clock = self.clock_arg();
         ClaimCall {
             keys: &self.keys,
             scope: &req.scope,
             placement,
-            now: now.0,
+            clock: &clock,
             fingerprint: req.fingerprint.as_str(),
             lease_ms: ms(req.lease),
             retention_ms: ms(req.retention),
@@ -773,14 +856,13 @@ impl RedisStore {
         &self,
         conn: &mut Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
     ) -> Result<ClaimOutcome, StoreError> {
         self.register_slot(conn, placement.slot).await?;
         if self.cluster {
-            self.claim_on_cluster(conn, req, now, placement).await
+            self.claim_on_cluster(conn, req, placement).await
         } else {
-            self.claim_on_one_server(conn, req, now, placement).await
+            self.claim_on_one_server(conn, req, placement).await
         }
     }
 
@@ -788,13 +870,12 @@ impl RedisStore {
         &self,
         conn: &mut Conn,
         req: &ClaimRequest,
-        now: Timestamp,
         placement: &Placement,
     ) -> Result<ClaimOutcome, StoreError> {
         self.floor_fences(conn, &req.scope.tenant).await?;
         let mut run = req.run.clone();
         for _ in 0..MAX_RUN_CHANGES {
-            match self.run_claim(conn, req, now, placement, "draw", run.as_ref(), &Holds::default()).await? {
+            match self.run_claim(conn, req, placement, "draw", run.as_ref(), &Holds::default()).await? {
                 Claimed::Outcome { outcome, .. } => return Ok(outcome),
                 Claimed::NeedRun(other) => {
                     // The record keeps a run the request did not name: a switch on it refuses.
@@ -818,10 +899,9 @@ impl RedisStore {
         placement: &Placement,
         fence: Fence,
         mutation: &Mutation,
-        now: Timestamp,
         max_checkpoints: usize,
         run: Option<&RunId>,
-        raised: bool,
+        raised: Option<u64>,
     ) -> ScriptInvocation<'static> {
         let charges_here = !self.cluster && run.is_some();
         let mut invocation =
@@ -834,7 +914,7 @@ impl RedisStore {
             }
         }
         invocation
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(fence.0)
             .arg(match mutation {
                 Mutation::Complete(_) => "complete",
@@ -877,8 +957,11 @@ impl RedisStore {
         }
         // Left out when there is nothing to say, as before there were budgets.
         let cost = reported_cost(mutation);
-        if cost > 0 || run.is_some() || raised {
-            invocation.arg(cost).arg(run.map_or("", |r| r.as_str())).arg(if raised { "1" } else { "" });
+        if cost > 0 || run.is_some() || raised.is_some() {
+            invocation
+                .arg(cost)
+                .arg(run.map_or("", |r| r.as_str()))
+                .arg(raised.map(|u| u.to_string()).unwrap_or_default());
         }
         invocation
     }
@@ -887,15 +970,7 @@ impl RedisStore {
     /// leaves the tenant's in-flight set; a reported cost is added to the run. A failure is
     /// logged, not answered (the call took effect): a place left in the set is counted until
     /// its lease would have ended; a lost cost is not charged.
-    async fn after_fenced_call(
-        &self,
-        conn: &Conn,
-        record: &Record,
-        token: Option<String>,
-        finished: bool,
-        cost: u64,
-        now: Timestamp,
-    ) {
+    async fn after_fenced_call(&self, conn: &Conn, record: &Record, token: Option<String>, finished: bool, cost: u64) {
         let member = member(&record.scope);
         let tenant = &record.scope.tenant;
         let (released, reported) = tokio::join!(
@@ -907,7 +982,7 @@ impl RedisStore {
             },
             async {
                 match (&record.run, cost) {
-                    (Some(run), 1..) => self.add_cost(conn.clone(), tenant, run, cost, now).await,
+                    (Some(run), 1..) => self.add_cost(conn.clone(), tenant, run, cost).await,
                     _ => Ok(()),
                 }
             },
@@ -920,18 +995,24 @@ impl RedisStore {
         }
     }
 
-    async fn read_record(&self, conn: &mut Conn, placement: &Placement) -> Result<Option<Record>, StoreError> {
-        let flat: Value = redis::cmd("HGETALL")
-            .arg(self.keys.record(placement))
-            .query_async(conn)
-            .await
-            .map_err(unavailable("read"))?;
-        self.decode_record(flat, placement)
+    /// The record at `placement`, if any, and the store's time when it was read ([`Self::query_at`]):
+    /// one round trip.
+    async fn read_record(
+        &self,
+        conn: &mut Conn,
+        placement: &Placement,
+    ) -> Result<(Option<Record>, Timestamp), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("HGETALL").arg(self.keys.record(placement));
+        let (replies, now) = self.query_at(conn, pipe, "read").await?;
+        let flat = replies.into_iter().next().ok_or_else(|| corrupt("a read answered no reply"))?;
+        Ok((self.decode_record(flat, placement)?, now))
     }
 
-    /// The records at `placements`, in order: one pipeline of `HGETALL`s per slot, the slots'
-    /// pipelines sent together.
-    async fn read_records(&self, placements: &[Placement]) -> Result<Vec<Option<Record>>, StoreError> {
+    /// The records at `placements`, in order, each with the store's time when it was read: one
+    /// pipeline of `HGETALL`s per slot (with its node's `TIME`), the slots' pipelines sent
+    /// together.
+    async fn read_records(&self, placements: &[Placement]) -> Result<Vec<(Option<Record>, Timestamp)>, StoreError> {
         let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
         for (i, placement) in placements.iter().enumerate() {
             by_slot.entry(placement.slot).or_default().push(i);
@@ -942,19 +1023,20 @@ impl RedisStore {
                 pipe.cmd("HGETALL").arg(self.keys.record(&placements[i]));
             }
             let mut conn = self.conn.clone();
-            let flats: Vec<Value> = pipe.query_async(&mut conn).await.map_err(unavailable("read"))?;
+            let (flats, now) = self.query_at(&mut conn, pipe, "read").await?;
             if flats.len() != places.len() {
                 return Err(corrupt("a pipeline of reads answered another number of replies"));
             }
             places
                 .into_iter()
                 .zip(flats)
-                .map(|(i, flat)| Ok((i, self.decode_record(flat, &placements[i])?)))
+                .map(|(i, flat)| Ok((i, self.decode_record(flat, &placements[i])?, now)))
                 .collect::<Result<Vec<_>, StoreError>>()
         });
-        let mut records: Vec<Option<Record>> = (0..placements.len()).map(|_| None).collect();
-        for (i, record) in try_join_all(reads).await?.into_iter().flatten() {
-            records[i] = record;
+        let mut records: Vec<(Option<Record>, Timestamp)> =
+            (0..placements.len()).map(|_| (None, Timestamp(0))).collect();
+        for (i, record, now) in try_join_all(reads).await?.into_iter().flatten() {
+            records[i] = (record, now);
         }
         Ok(records)
     }
@@ -973,7 +1055,7 @@ impl RedisStore {
     }
 
     /// Reads up to `chunk` listing entries from each shard that needs more, and the records
-    /// they name, keeping those that pass the filter.
+    /// they name, keeping those that pass the filter at the store's time of their read.
     async fn refill(
         &self,
         tenant: &TenantId,
@@ -981,7 +1063,6 @@ impl RedisStore {
         until: &[u8],
         chunk: usize,
         filter: &ListFilter,
-        now: Timestamp,
     ) -> Result<(), StoreError> {
         let wanted: Vec<usize> = (0..shards.len()).filter(|&i| !shards[i].done && shards[i].found.is_empty()).collect();
         let reads = wanted.iter().map(|&i| {
@@ -1012,7 +1093,7 @@ impl RedisStore {
             let placement = Placement::of_member(tenant, m);
             async move { self.read_record(&mut conn, &placement).await.map(|r| (i, placement.member, r)) }
         });
-        for (i, m, record) in try_join_all(fetches).await? {
+        for (i, m, (record, now)) in try_join_all(fetches).await? {
             if let Some(record) = record.filter(|r| filter.admits(r, now)) {
                 shards[i].found.push_back((m, record));
             }
@@ -1020,6 +1101,9 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Deletes up to `batch` records of `slots` that expired: candidates are the expiry
+    /// indexes' entries up to `now` (the store's time when the sweep began); each is deleted by
+    /// [`scripts::SWEEP_ONE`], which checks its expiry again by the store's clock.
     async fn sweep_slots(&self, slots: &[u16], now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         let mut deleted = 0;
         let mut pending = slots.to_vec();
@@ -1056,7 +1140,7 @@ impl RedisStore {
                         .key(self.keys.record(&placement))
                         .key(self.keys.expiry(*slot))
                         .key(self.keys.listing(*slot))
-                        .arg(now.0)
+                        .arg(self.clock_arg())
                         .arg(m.as_slice());
                     async move { invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("sweep")) }
                 });

@@ -8,7 +8,6 @@ impl RedisStore {
         tenant: &TenantId,
         run: &RunId,
         budget: &Budget,
-        now: Timestamp,
         audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
         let mut conn = self.conn.clone();
@@ -17,7 +16,7 @@ impl RedisStore {
         let mut invocation = SCRIPTS.put_budget.prepare_invoke();
         invocation
             .key(&key)
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(tenant.as_str())
             .arg(run.as_str())
             .arg(text(budget.max_effects))
@@ -67,25 +66,23 @@ impl RedisStore {
         tenant: &TenantId,
         run: &RunId,
         cost: u64,
-        now: Timestamp,
     ) -> Result<(), StoreError> {
         let mut invocation = SCRIPTS.add_cost.prepare_invoke();
         invocation
             .key(self.keys.run(&RunPlacement::of(tenant, run)))
-            .arg(now.0)
+            .arg(self.clock_arg())
             .arg(tenant.as_str())
             .arg(run.as_str())
             .arg(cost);
         invocation.invoke_async::<i64>(&mut conn).await.map(drop).map_err(unavailable("add a reported cost"))
     }
 
-    /// `control::gcra` in one script on the tenant's slot, with the numbers it derives from
-    /// the rate computed here as it does.
+    /// `control::gcra` in one script on the tenant's slot, at the store's now, with the numbers
+    /// it derives from the rate computed here as it does.
     pub(crate) async fn take_from_rate(
         &self,
         tenant: &TenantId,
         rate: &Rate,
-        now: Timestamp,
     ) -> Result<Result<(), Duration>, StoreError> {
         let interval = (1_000_000 / u64::from(rate.per_second.max(1))).max(1);
         let tolerance = interval.saturating_mul(u64::from(rate.burst.max(1)));
@@ -93,7 +90,7 @@ impl RedisStore {
         let mut invocation = SCRIPTS.rate.prepare_invoke();
         invocation
             .key(self.keys.rate(tenant))
-            .arg(now.0.saturating_mul(1_000))
+            .arg(self.clock_arg())
             .arg(interval)
             .arg(tolerance)
             .arg(ms(self.options.expiry_margin));
@@ -117,10 +114,10 @@ impl RunStore for RedisStore {
         tenant: &TenantId,
         run: &RunId,
         budget: &Budget,
-        now: Timestamp,
+        _now: Timestamp,
         audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
-        self.bounded("set a budget", self.set_budget(tenant, run, budget, now, audit)).await
+        self.bounded("set a budget", self.set_budget(tenant, run, budget, audit)).await
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
@@ -131,8 +128,8 @@ impl RunStore for RedisStore {
         &self,
         tenant: &TenantId,
         rate: &Rate,
-        now: Timestamp,
+        _now: Timestamp,
     ) -> Result<Result<(), Duration>, StoreError> {
-        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate, now)).await
+        self.bounded("take from the claim rate", self.take_from_rate(tenant, rate)).await
     }
 }

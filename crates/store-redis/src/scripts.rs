@@ -5,8 +5,15 @@
 //!
 //! `claim` and `mutate` are line-for-line translations of `onceguard_core::protocol::claim`
 //! and `protocol::apply`, and of `control::admit` and `control::reported_cost`; `rate` is
-//! `control::gcra`; the comments name the Rust they mirror. Time is always the caller's `now`
-//! (an argument); the scripts never read the server's clock.
+//! `control::gcra`; the comments name the Rust they mirror.
+//!
+//! **The store's clock decides.** Every script that compares a time with a lease, a retention,
+//! an expiry or a deadline, or writes a time, takes "now" from the store's clock inside the
+//! script ([`CLOCK`]): the server's (`TIME`) when its time argument is `''`, else the time of
+//! the clock the store was given ([`onceguard_core::StoreClock::Given`], tests). The caller's
+//! `now` is never sent, so instances whose clocks disagree still judge every lease by one clock.
+//! Lease expiries, completion times, checkpoint times, a run's created and updated times and
+//! every TTL (`PEXPIRE`, relative to the script's now) derive from that now.
 //!
 //! A record is a hash of text fields:
 //!
@@ -48,6 +55,23 @@ use onceguard_core::Scope;
 use redis::{Script, ScriptInvocation};
 
 use crate::layout::{Keys, Placement};
+
+/// The store's clock, shared by every script that reads the time: `clock(given)` answers the
+/// time, ms since the epoch, that the script decides by: `given` when the store was given a
+/// clock (its time, as a decimal argument), else the server's own (`TIME`, seconds and
+/// microseconds, when the argument is `''`); `clock_digits(given)` the same as exact decimal
+/// digits (for the claim rate, which computes on any `u64`).
+pub const CLOCK: &str = r#"
+-- The store's time, ms since the epoch, in decimal digits: the given clock's (an argument),
+-- or the server's (TIME: seconds, microseconds).
+local function clock_digits(given)
+  if given ~= nil and given ~= '' then return given end
+  local t = redis.call('TIME')
+  return string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+end
+-- The same as a number.
+local function clock(given) return tonumber(clock_digits(given)) end
+"#;
 
 /// Helpers shared by the scripts.
 pub const PRELUDE: &str = r#"
@@ -112,9 +136,8 @@ local function save(key, w)
   batched('HDEL', key, gone, 256)
 end
 
--- Redis reclaims the record `margin` ms after it expires (measured from the caller's now, so
--- that the caller's and the server's clocks need not agree); the expiry index finds it for the
--- sweep before that.
+-- Redis reclaims the record `margin` ms after it expires (a TTL relative to the script's now,
+-- the store's clock); the expiry index finds it for the sweep before that.
 local function keep_until(key, expiry_index, member, ex, now, margin)
   if ex == NEVER then
     -- In progress: no retention erases an unfinished attempt.
@@ -249,13 +272,16 @@ pub const CLAIM: &str = r#"
 -- KEYS: record, slot fence mark, expiry index, listing index; on one server (fence 'draw') also
 --       the fence counter, then the tenant's in-flight set (with a quota), then the run
 --       (with a run to admit)
--- ARGV: now, fingerprint, lease ms, retention ms, run ('' if none), tenant, namespace, key,
+-- ARGV: the store's clock ('' for the server's), fingerprint, lease ms, retention ms, run ('' if
+--       none), tenant, namespace, key,
 --       member, margin ms, fence ('draw', 'peek' or a number), the approval gate ('' none,
 --       '?' ungranted, 'g' .. approval id granted),
 --       in-flight quota ('' if none), declared cost, the run to admit ('' if none),
 --       on a Cluster: in-flight token ('' if none), 'denied' if the quota is spent, run
---       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed)
-local now = tonumber(ARGV[1])
+--       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed), the
+--       in-flight place's score ('' if none)
+local now = clock(ARGV[1])
+local at = int(now)
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
 local gate = ARGV[12]
@@ -288,10 +314,9 @@ end
 
 -- acquire(previous = r); the fence comes last
 local le = now + lease
--- Times given as arguments are kept as given (the decimal digits int() would write).
 local n = {
   t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', fp = fp, at = '1',
-  le = int(le), re = ARGV[4], ca = ARGV[1], up = ARGV[1], ex = NEVER,
+  le = int(le), re = ARGV[4], ca = at, up = at, ex = NEVER,
 }
 if run ~= '' then n.run = run end
 if string.sub(gate, 1, 1) == 'g' then n.ap = string.sub(gate, 2) end
@@ -353,11 +378,11 @@ if n.run ~= nil and not lacking then
     local limit
     if n.ch == '1' then
       -- Charged already: only the deadline still applies.
-      if stored_run ~= nil and stored_run.dl ~= nil and cmp(ARGV[1], stored_run.dl) >= 0 then
+      if stored_run ~= nil and stored_run.dl ~= nil and cmp(at, stored_run.dl) >= 0 then
         limit = 'deadline'
       end
     else
-      limit = run_check(stored_run, cost, ARGV[1])
+      limit = run_check(stored_run, cost, at)
       charges = true
     end
     if limit ~= nil then return { 'denied', 'budget', limit } end
@@ -396,7 +421,7 @@ answer[2] = fence
 -- The charge and the place in flight are written with the record.
 if charges then
   if one_server then
-    charge(run_key, stored_run, ARGV[6], n.run, cost, ARGV[1])
+    charge(run_key, stored_run, ARGV[6], n.run, cost, at)
   else
     answer[#answer + 1] = '1'
   end
@@ -409,6 +434,15 @@ if quota ~= '' then
     redis.call('ZADD', in_flight, n.le, member .. '\0' .. fence)
   else
     n.q = ARGV[16]
+    -- The lease ends no later than its place, scored when it was reserved (an earlier now, and
+    -- on a Cluster the clock of the set's node), so the set never counts it for less than it
+    -- lasts.
+    local place_until = tonumber(ARGV[20] or '')
+    if place_until ~= nil and place_until < le then
+      le = place_until
+      n.le = int(le)
+      answer[4] = n.le
+    end
   end
 end
 
@@ -429,8 +463,9 @@ pub struct ClaimCall<'a> {
     pub scope: &'a Scope,
     /// Where its record lives.
     pub placement: &'a Placement,
-    /// The caller's time, ms since the epoch.
-    pub now: u64,
+    /// The store clock's argument ([`CLOCK`]): the given clock's time, ms since the epoch, or
+    /// `""` for the server's.
+    pub clock: &'a str,
     /// The request's fingerprint.
     pub fingerprint: &'a str,
     /// The lease and the retention, ms.
@@ -455,7 +490,7 @@ impl ClaimCall<'_> {
             .key(self.keys.fence_mark(self.placement.slot, &self.scope.tenant))
             .key(self.keys.expiry(self.placement.slot))
             .key(self.keys.listing(self.placement.slot))
-            .arg(self.now)
+            .arg(self.clock)
             .arg(self.fingerprint)
             .arg(self.lease_ms)
             .arg(self.retention_ms)
@@ -488,7 +523,8 @@ impl ClaimCall<'_> {
 pub const MUTATE: &str = r#"
 -- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
 --       (with a run named below)
--- ARGV: now, fence, op, max checkpoints, member, margin ms, channel, message, then by op:
+-- ARGV: the store's clock ('' for the server's), fence, op, max checkpoints, member, margin ms,
+--   channel, message, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none),
 --     '1' if reconciled ('' if not), compensation JSON ('' if none)
 --   release: nothing
@@ -496,8 +532,9 @@ pub const MUTATE: &str = r#"
 --   checkpoint: name, data
 --   unknown: detail
 -- then, each left out if not needed: the cost reported ('0' if none), the record's run ('' if
--- not known), '1' if the in-flight set was raised for this extend (Cluster)
-local now, fence, op = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+-- not known), what the lease's place in the in-flight set was raised to for this extend
+-- (Cluster; '' if not)
+local now, fence, op = clock(ARGV[1]), ARGV[2], ARGV[3]
 local max_checkpoints, member, margin = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local base = 8
 if op == 'complete' or op == 'fail' then
@@ -507,7 +544,8 @@ elseif op == 'extend' or op == 'unknown' then
 elseif op == 'checkpoint' then
   base = 10
 end
-local reported, given_run, raised = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] == '1'
+local reported, given_run, raised_to = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] or ''
+local raised = raised_to ~= ''
 local one_server = #KEYS > 2
 
 local r = load(KEYS[1])
@@ -565,7 +603,11 @@ elseif r.un ~= nil then
   -- Once the holder reported the outcome unknown it may finish, but not carry on working.
   return { 'stale', 'finished' }
 elseif op == 'extend' then
-  set(w, 'le', int(now + tonumber(ARGV[9])))
+  local le = now + tonumber(ARGV[9])
+  -- Cluster: the lease ends no later than its place was raised to (by this script's answer
+  -- need_quota, at an earlier now), so the set never counts it for less than it lasts.
+  if raised and tonumber(raised_to) < le then le = tonumber(raised_to) end
+  set(w, 'le', int(le))
 elseif op == 'checkpoint' then
   local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
   set(w, 'c.' .. int(cn), fence .. '\n' .. int(now) .. '\n' .. ARGV[9] .. '\n' .. ARGV[10])
@@ -602,7 +644,7 @@ if one_server then
       redis.call('ZREM', KEYS[3], member .. '\0' .. r.q)
     end
   end
-  if costs then add_cost(KEYS[4], r.t, r.run, reported, ARGV[1]) end
+  if costs then add_cost(KEYS[4], r.t, r.run, reported, int(now)) end
 end
 if finishes then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
 local answer = flat(w.r)
@@ -635,12 +677,12 @@ redis.call('SET', KEYS[1], 'floor:' .. string.format('%.0f', floor))
 return string.format('%.0f', floor)
 "#;
 
-/// Deletes one record found in the expiry index, if it expired at `now`. Answers 1 if it
-/// deleted a record, 0 if the record was gone already (reclaimed by Redis) or is live.
+/// Deletes one record found in the expiry index, if it expired by the store's clock. Answers
+/// 1 if it deleted a record, 0 if the record was gone already (reclaimed by Redis) or is live.
 pub const SWEEP_ONE: &str = r#"
 -- KEYS: record, expiry index, listing index
--- ARGV: now, member
-local now, member = tonumber(ARGV[1]), ARGV[2]
+-- ARGV: the store's clock ('' for the server's), member
+local now, member = clock(ARGV[1]), ARGV[2]
 local ex = redis.call('HGET', KEYS[1], 'ex')
 if ex and tonumber(ex) > now then
   redis.call('ZADD', KEYS[2], ex, member)
@@ -711,9 +753,9 @@ return 1
 pub const REVOKE: &str = r#"
 -- KEYS: record, slot fence mark, expiry index[, fence counter, the tenant's in-flight set
 --       (one server)]
--- ARGV: now, fence ('draw' or a number), detail, member, margin ms, run ('' for any),
---       channel, message
-local now, source, detail, member, margin = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+-- ARGV: the store's clock ('' for the server's), fence ('draw' or a number), detail, member,
+--       margin ms, run ('' for any), channel, message
+local now, source, detail, member, margin = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local r = load(KEYS[1])
 if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
 if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
@@ -748,36 +790,39 @@ return { 'revoked', token }
 "#;
 
 /// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
-/// fewer than the quota of the places there are live at `now`. Places whose lease ended long
-/// ago (before `prune_before`) are dropped first. Answers 1 (reserved) or 0 (the quota is
-/// spent).
+/// fewer than the quota of the places there are live at the store's now, scored by the lease
+/// the claim would get (now plus the lease). Places whose lease ended more than the margin ago
+/// are dropped first. Answers the place's score (reserved) or 0 (the quota is spent).
 pub const RESERVE_IN_FLIGHT: &str = r#"
 -- KEYS: the tenant's in-flight set
--- ARGV: now, quota, member NUL token, lease expiry, prune before
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[5])
-local held = redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')
+-- ARGV: the store's clock ('' for the server's), quota, member NUL token, lease ms, margin ms
+local now = clock(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. int(now - tonumber(ARGV[5])))
+local held = redis.call('ZCOUNT', KEYS[1], '(' .. int(now), '+inf')
 if cmp(int(held), ARGV[2]) >= 0 then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
-return 1
+local score = int(now + tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[1], score, ARGV[3])
+return tonumber(score)
 "#;
 
 /// Cluster: the run's side of a claim about to acquire a key of the run. `check` (the record
 /// is charged already): only the deadline. `charge`: the deadline, then, unless another claim
 /// of the same key holds a pending charge (which this claim then shares), `Run::check` and the
 /// charge, recorded as pending. Answers `ok` or the limit passed (`deadline`, `effects`,
-/// `cost`). A pending charge older than `leaked_before` was left by a claim that never
-/// settled: it is forgotten and its charge kept.
+/// `cost`). A pending charge older than `leaked after` ms (by the store's clock) was left by a
+/// claim that never settled: it is forgotten and its charge kept.
 pub const RESERVE_RUN: &str = r#"
 -- KEYS: run, its pending charges
--- ARGV: now, tenant, run, member, declared cost, 'charge' or 'check', leaked before
-local now, member = ARGV[1], ARGV[4]
+-- ARGV: the store's clock ('' for the server's), tenant, run, member, declared cost, 'charge'
+--       or 'check', leaked after ms
+local now, member = int(clock(ARGV[1])), ARGV[4]
 local u = load(KEYS[1])
 if u ~= nil and u.dl ~= nil and cmp(now, u.dl) >= 0 then return 'deadline' end
 if ARGV[6] == 'check' then return 'ok' end
 local pending = redis.call('HGET', KEYS[2], member)
 if pending then
   local holders, used, cost, at = string.match(pending, '^(%d+) (%d) (%d+) (%d+)$')
-  if tonumber(at) >= tonumber(ARGV[7]) then
+  if tonumber(at) >= tonumber(now) - tonumber(ARGV[7]) then
     redis.call('HSET', KEYS[2], member, int(tonumber(holders) + 1) .. ' ' .. used .. ' ' .. cost .. ' ' .. now)
     return 'ok'
   end
@@ -816,18 +861,20 @@ return 1
 
 /// Cluster: `Run::add_cost` for a cost reported by a fenced call that took effect.
 pub const ADD_COST: &str = r#"
--- KEYS: run; ARGV: now, tenant, run, cost
-add_cost(KEYS[1], ARGV[2], ARGV[3], ARGV[4], ARGV[1])
+-- KEYS: run; ARGV: the store's clock ('' for the server's), tenant, run, cost
+add_cost(KEYS[1], ARGV[2], ARGV[3], ARGV[4], int(clock(ARGV[1])))
 return 1
 "#;
 
-/// Sets a run's budget, creating the run (`Run::new`) if unseen and keeping what it spent.
-/// Answers the run's fields.
+/// Sets a run's budget, creating the run (`Run::new`) if unseen and keeping what it spent; its
+/// created and updated times are the store's. Answers the run's fields.
 pub const PUT_BUDGET: &str = r#"
--- KEYS: run; ARGV: now, tenant, run, most effects, most cost, deadline ('' for none),
--- the audit entry's id, the entry (kept in the run as `pa:<id>` until it is in the log)
+-- KEYS: run; ARGV: the store's clock ('' for the server's), tenant, run, most effects, most
+-- cost, deadline ('' for none), the audit entry's id, the entry (kept in the run as `pa:<id>`
+-- until it is in the log)
+local now = string.format('%.0f', clock(ARGV[1]))
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 't', ARGV[2], 'r', ARGV[3], 'ue', '0', 'uc', '0', 'ca', ARGV[1])
+  redis.call('HSET', KEYS[1], 't', ARGV[2], 'r', ARGV[3], 'ue', '0', 'uc', '0', 'ca', now)
 end
 for i, field in ipairs({ 'me', 'mc', 'dl' }) do
   if ARGV[3 + i] == '' then
@@ -836,16 +883,22 @@ for i, field in ipairs({ 'me', 'mc', 'dl' }) do
     redis.call('HSET', KEYS[1], field, ARGV[3 + i])
   end
 end
-redis.call('HSET', KEYS[1], 'up', ARGV[1], 'pa:' .. ARGV[7], ARGV[8])
+redis.call('HSET', KEYS[1], 'up', now, 'pa:' .. ARGV[7], ARGV[8])
 return redis.call('HGETALL', KEYS[1])
 "#;
 
 /// `control::gcra` on the tenant's theoretical arrival time (microseconds). Answers `{'ok'}`
-/// (the new time stored) or `{'wait', microseconds}` (nothing stored). The key expires once
-/// the time it holds has passed (plus the margin): an absent time and a past one decide alike.
+/// (the new time stored) or `{'wait', microseconds}` (nothing stored), at the store's now (its
+/// ms, in µs). The key expires once the time it holds has passed (plus the margin): an absent
+/// time and a past one decide alike.
 pub const RATE: &str = r#"
--- KEYS: the tenant's rate; ARGV: now µs, interval µs, tolerance µs, margin ms
-local now = ARGV[1]
+-- KEYS: the tenant's rate
+-- ARGV: the store's clock ('' for the server's), interval µs, tolerance µs, margin ms
+-- now µs: the store's ms times 1000, exactly (saturating, as u64::saturating_mul)
+local now = (string.gsub(clock_digits(ARGV[1]) .. '000', '^0+(%d)', '%1'))
+
+if cmp(now, U64_MAX) > 0 then now = U64_MAX end
+
 local tat = redis.call('GET', KEYS[1]) or '0'
 if cmp(tat, now) < 0 then tat = now end
 local after = add(tat, ARGV[2])
@@ -917,11 +970,13 @@ return body
 "#;
 
 /// Writes an approval over the one kept for its key, if that is still `expected` (compared
-/// as stored; '' for none kept at `now`), with its audit entry (if any) in the control
-/// outbox; answers 1 if it wrote, 0 if not.
+/// as stored; '' for none kept at the store's now), with its audit entry (if any) in the
+/// control outbox; answers 1 if it wrote, 0 if not.
 pub const PUT_APPROVAL: &str = r#"
 -- KEYS: approvals, approval ids, the control audit outbox
--- ARGV: field, expected value ('' for none kept), now, value, tenant, id, entry id, entry ('' for none)
+-- ARGV: field, expected value ('' for none kept), the store's clock ('' for the server's),
+--       value, tenant, id, entry id, entry ('' for none)
+local now = clock(ARGV[3])
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 local kept = ''
 local old_id = nil
@@ -929,7 +984,7 @@ if current then
   local first = string.find(current, '\n', 1, true)
   local second = string.find(current, '\n', first + 1, true)
   old_id = string.sub(current, first + 1, second - 1)
-  if tonumber(string.sub(current, 1, first - 1)) > tonumber(ARGV[3]) then kept = current end
+  if tonumber(string.sub(current, 1, first - 1)) > now then kept = current end
 end
 if kept ~= ARGV[2] then return 0 end
 if old_id and old_id ~= ARGV[6] then redis.call('HDEL', KEYS[2], ARGV[5] .. '\0' .. old_id) end
@@ -1046,27 +1101,28 @@ pub struct Scripts {
 
 /// The scripts.
 pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
-    let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}\n{body}"));
-    let with_numbers = |body: &str| Script::new(&format!("{PRELUDE}\n{NUMBERS}\n{body}"));
+    let with_clock = |body: &str| Script::new(&format!("{CLOCK}\n{body}"));
+    let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{PRELUDE}\n{body}"));
+    let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{PRELUDE}\n{NUMBERS}\n{body}"));
     Scripts {
         claim: with_prelude(CLAIM),
         claim_admitting: with_numbers(CLAIM),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),
-        sweep_one: Script::new(SWEEP_ONE),
+        sweep_one: with_clock(SWEEP_ONE),
         purge: Script::new(PURGE),
         revoke: with_prelude(REVOKE),
         reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
         reserve_run: with_numbers(RESERVE_RUN),
         settle_run: with_numbers(SETTLE_RUN),
         add_cost: with_numbers(ADD_COST),
-        put_budget: Script::new(PUT_BUDGET),
+        put_budget: with_clock(PUT_BUDGET),
         rate: with_numbers(RATE),
         append_audit: Script::new(APPEND_AUDIT),
         prune_audit: Script::new(PRUNE_AUDIT),
         put_control: Script::new(PUT_CONTROL),
-        put_approval: Script::new(PUT_APPROVAL),
+        put_approval: with_clock(PUT_APPROVAL),
         delete_approval: Script::new(DELETE_APPROVAL),
         insert_control: Script::new(INSERT_CONTROL),
         replace_control: Script::new(REPLACE_CONTROL),

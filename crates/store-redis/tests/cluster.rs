@@ -4,7 +4,10 @@
 
 mod common;
 
-use onceguard_core::{Key, Namespace, RunId, Scope, TenantId};
+use std::sync::Arc;
+
+use onceguard_core::{Key, ManualClock, Namespace, RunId, Scope, TenantId};
+
 use onceguard_store_redis::RedisStore;
 use onceguard_store_redis::layout::{Keys, Placement, RunPlacement, key_slot};
 
@@ -62,21 +65,23 @@ async fn racing_claims_keep_fences_unique_and_growing() {
     else {
         return;
     };
-    let store = std::sync::Arc::new(RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap());
-    common::racing_claims_keep_fences_unique_and_growing(store).await;
+    let (store, clock) = common::store_on_given_clock(common::cluster_target(&nodes), &common::prefix()).await;
+    common::racing_claims_keep_fences_unique_and_growing(std::sync::Arc::new(store), &clock).await;
 }
 
-async fn fresh_store() -> Option<(RedisStore, String, Vec<String>)> {
+/// A store on the test cluster whose clock the test moves, its prefix and the nodes.
+async fn fresh_store() -> Option<(RedisStore, Arc<ManualClock>, String, Vec<String>)> {
     let nodes = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()?;
     let prefix = common::prefix();
-    Some((RedisStore::connect_cluster(&nodes, &prefix).await.unwrap(), prefix, nodes))
+    let (store, clock) = common::store_on_given_clock(common::cluster_target(&nodes), &prefix).await;
+    Some((store, clock, prefix, nodes))
 }
 
 /// On a Cluster, at most 10 keys of the 16 raced for (duplicates sharing pending charges and
 /// refunding those nobody used), charged once each, and no pending charge is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_duplicates_under_a_budget() {
-    let Some((store, prefix, nodes)) = fresh_store().await else { return };
+    let Some((store, _, prefix, nodes)) = fresh_store().await else { return };
     common::racing_duplicates_under_a_budget(std::sync::Arc::new(store)).await;
     let client = redis::cluster::ClusterClient::new(nodes.iter().map(|n| format!("redis://{n}"))).unwrap();
     let mut conn = client.get_async_connection().await.unwrap();
@@ -95,12 +100,58 @@ async fn racing_duplicates_under_a_quota() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_keep_their_place_in_flight_until_they_end() {
-    let Some((store, ..)) = fresh_store().await else { return };
-    common::leases_keep_their_place_in_flight_until_they_end(&store).await;
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::leases_keep_their_place_in_flight_until_they_end(&store, &clock).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_keeps_its_run_and_its_charge() {
     let Some((store, ..)) = fresh_store().await else { return };
     common::a_record_keeps_its_run_and_its_charge(&store).await;
+}
+
+/// On a Cluster each script and each read takes its time from the node of its keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_ahead_never_takes_over_a_live_lease() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let store = RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap();
+    common::a_caller_ahead_never_takes_over_a_live_lease(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_lease_is_recovered_once_whatever_the_callers_now() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::a_passed_lease_is_recovered_once_whatever_the_callers_now(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_skewed_callers_acquire_once_per_lease() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::racing_skewed_callers_acquire_once_per_lease(Arc::new(store), &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_is_judged_by_the_stores_clock() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::retention_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approval_expiry_is_judged_by_the_stores_clock() {
+    let Some((store, clock, ..)) = fresh_store().await else { return };
+    common::approval_expiry_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_time_is_the_stores() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let server = RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap();
+    let Some((given, clock, ..)) = fresh_store().await else { return };
+    common::store_time_is_the_stores(&server, &given, &clock).await;
 }

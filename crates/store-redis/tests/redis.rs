@@ -4,13 +4,16 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use onceguard_core::control::{self, Budget, Rate};
 use onceguard_core::store::{ClaimStore, RunStore};
 use onceguard_core::{
-    ClaimOutcome, FencedOutcome, Key, Mutation, Namespace, RunId, Scope, StoreError, TenantId, Timestamp,
+    ClaimOutcome, Clock, FencedOutcome, Key, ManualClock, Mutation, Namespace, RunId, Scope, StoreClock, StoreError,
+    TenantId, Timestamp,
 };
+
 use onceguard_store_redis::layout::{Keys, Placement, RunPlacement};
 use onceguard_store_redis::scripts::{ClaimCall, SCRIPTS};
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
@@ -39,8 +42,9 @@ async fn a_change_made_through_one_instance_reaches_another() {
 }
 
 /// A record in progress carries no Redis TTL (no retention erases an unfinished attempt); a
-/// finished one carries its retention plus the margin, measured from the caller's `now` (here
-/// far in the past); fence counters and indexes carry none, and outlive a purge.
+/// finished one carries its retention plus the margin, measured from the store's clock (the
+/// server's, here: the caller's `now`, far in the past, changes nothing); fence counters and
+/// indexes carry none, and outlive a purge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_expire_in_redis_and_fence_counters_never_do() {
     if !common::single_available() {
@@ -158,8 +162,8 @@ async fn racing_claims_keep_fences_unique_and_growing() {
     }
     let (url, prefix) = (common::redis_url(), common::prefix());
     let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
-    let store = std::sync::Arc::new(RedisStore::connect(&url, &prefix).await.unwrap());
-    common::racing_claims_keep_fences_unique_and_growing(store).await;
+    let (store, clock) = common::store_on_given_clock(RedisTarget::Single(url), &prefix).await;
+    common::racing_claims_keep_fences_unique_and_growing(std::sync::Arc::new(store), &clock).await;
 }
 
 /// The claim script's fence check, as a Cluster uses it: a fence drawn beforehand is used only
@@ -180,7 +184,6 @@ async fn a_fence_below_the_slots_mark_is_refused() {
         .map(|i| scope(&format!("neighbour-{i}")))
         .find(|s| Placement::of(s).slot == slot)
         .expect("another key on the slot");
-    let now = 1_700_000_000_000u64;
     let claim = |scope: Scope, source: &'static str| {
         let placement = Placement::of(&scope);
         let mut invocation = onceguard_store_redis::scripts::SCRIPTS.claim.prepare_invoke();
@@ -188,7 +191,7 @@ async fn a_fence_below_the_slots_mark_is_refused() {
             keys: &keys,
             scope: &scope,
             placement: &placement,
-            now,
+            clock: "",
             fingerprint: common::request(&scope).fingerprint.as_str(),
             lease_ms: 10_000,
             retention_ms: 100_000,
@@ -225,9 +228,9 @@ async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
     const STEPS: usize = 5_000;
     let (url, prefix) = (common::redis_url(), common::prefix());
     let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
-    let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    let (store, clock) = common::store_on_given_clock(RedisTarget::Single(url.clone()), &prefix).await;
     let s = scope("long-run");
-    let now = Timestamp(1_700_000_000_000);
+    let now = clock.now();
     let req = common::request(&s);
     let first = common::acquire(&store, &s, now).await;
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
@@ -238,7 +241,8 @@ async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
     }
     fields.query_async::<()>(&mut conn).await.unwrap();
 
-    let later = now.plus(Duration::from_secs(11));
+    clock.advance(Duration::from_secs(11));
+    let later = clock.now();
     let ClaimOutcome::Acquired(second) = store.claim(&req, later).await.unwrap() else { panic!("not acquired") };
     let last = second.recovery.and_then(|r| r.last_checkpoint).expect("a recovery with its last checkpoint");
     assert_eq!((last.name.as_str(), last.fence), (format!("step-{}", STEPS - 1).as_str(), first));
@@ -251,47 +255,65 @@ async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
     assert!(store.get(&s, later).await.unwrap().expect("the record").checkpoints.is_empty());
 }
 
-async fn fresh_store() -> Option<(RedisStore, common::DeletePrefix)> {
+/// A store on the machine's Redis whose clock the test moves, and what deletes its keys.
+async fn fresh_store() -> Option<(RedisStore, Arc<ManualClock>, common::DeletePrefix)> {
     if !common::single_available() {
         return None;
     }
     let (url, prefix) = (common::redis_url(), common::prefix());
-    let store = RedisStore::connect(&url, &prefix).await.unwrap();
-    Some((store, common::DeletePrefix { url, prefix }))
+    let (store, clock) = common::store_on_given_clock(RedisTarget::Single(url.clone()), &prefix).await;
+    Some((store, clock, common::DeletePrefix { url, prefix }))
 }
 
 /// On one server the claim script admits exactly: 10 keys of the 16 raced for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_duplicates_under_a_budget() {
-    let Some((store, _cleanup)) = fresh_store().await else { return };
+    let Some((store, _, _cleanup)) = fresh_store().await else { return };
     assert_eq!(common::racing_duplicates_under_a_budget(std::sync::Arc::new(store)).await, 10);
 }
 
 /// On one server the claim script admits exactly: 5 keys of the 8 raced for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_duplicates_under_a_quota() {
-    let Some((store, _cleanup)) = fresh_store().await else { return };
+    let Some((store, _, _cleanup)) = fresh_store().await else { return };
     assert_eq!(common::racing_duplicates_under_a_quota(std::sync::Arc::new(store)).await, 5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_keep_their_place_in_flight_until_they_end() {
-    let Some((store, _cleanup)) = fresh_store().await else { return };
-    common::leases_keep_their_place_in_flight_until_they_end(&store).await;
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::leases_keep_their_place_in_flight_until_they_end(&store, &clock).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_keeps_its_run_and_its_charge() {
-    let Some((store, _cleanup)) = fresh_store().await else { return };
+    let Some((store, _, _cleanup)) = fresh_store().await else { return };
     common::a_record_keeps_its_run_and_its_charge(&store).await;
 }
 
-/// The rate script is `control::gcra`, exactly, over every `u64`: rates from one a second to
-/// more than a million, bursts up to `u32::MAX`, times from now to past where microseconds
-/// overflow.
+/// A clock set by hand to any time (`ManualClock` only moves forward, and wraps at the top).
+#[derive(Debug, Default)]
+struct SetClock(std::sync::atomic::AtomicU64);
+
+impl Clock for SetClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// The rate script is `control::gcra` at the store's time, exactly, over every `u64`: rates
+/// from one a second to more than a million, bursts up to `u32::MAX`, times from now to past
+/// where microseconds overflow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rate_script_is_the_gcra() {
-    let Some((store, _cleanup)) = fresh_store().await else { return };
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let clock = Arc::new(SetClock::default());
+    let options = RedisOptions { prefix, clock: StoreClock::Given(clock.clone()), ..RedisOptions::default() };
+    let store = common::store_with(RedisTarget::Single(url), options).await;
     let rates =
         [(1, 1), (3, 2), (10, 3), (1_000, 1_000), (1_000_000, 5), (2_000_000, 7), (u32::MAX, u32::MAX), (1, u32::MAX)];
     let starts = [1_700_000_000_000u64, 1 << 53, u64::MAX / 1_000 - 10_000, u64::MAX - 5];
@@ -304,7 +326,9 @@ async fn the_rate_script_is_the_gcra() {
             let mut tat = None;
             let mut now = start;
             for step in 0..40u64 {
-                let answer = store.take_rate(&id, &rate, Timestamp(now)).await.unwrap();
+                clock.0.store(now, std::sync::atomic::Ordering::SeqCst);
+                // The caller's `now` is ignored: the store's clock decides.
+                let answer = store.take_rate(&id, &rate, Timestamp(0)).await.unwrap();
                 let want = control::gcra(tat, Timestamp(now), &rate);
                 assert_eq!(answer, want.map(drop), "rate {rate:?}, start {start}, step {step}");
                 if let Ok(next) = want {
@@ -323,7 +347,7 @@ async fn the_rate_script_is_the_gcra() {
 /// is forgotten with its charge kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_charges_are_shared_and_refunded_only_if_unused() {
-    let Some((store, cleanup)) = fresh_store().await else { return };
+    let Some((store, _, cleanup)) = fresh_store().await else { return };
     let keys = Keys::new(&cleanup.prefix).unwrap();
     let (tenant, run) = (TenantId::parse("acme").unwrap(), RunId::parse("pending").unwrap());
     let at = RunPlacement::of(&tenant, &run);
@@ -340,7 +364,7 @@ async fn pending_charges_are_shared_and_refunded_only_if_unused() {
             .arg(member)
             .arg(4)
             .arg("charge")
-            .arg(at_ms - 600_000);
+            .arg(600_000);
         let mut conn = conn.clone();
         async move { invocation.invoke_async::<String>(&mut conn).await.unwrap() }
     };
@@ -423,7 +447,7 @@ async fn pending_charges_are_shared_and_refunded_only_if_unused() {
 async fn audit_entries_left_on_the_way_reach_the_log_once() {
     use onceguard_core::control::{AuditEntry, AuditFilter};
     use onceguard_core::store::ControlStore;
-    let Some((store, cleanup)) = fresh_store().await else { return };
+    let Some((store, _, cleanup)) = fresh_store().await else { return };
     let keys = Keys::new(&cleanup.prefix).unwrap();
     let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
     let tenant = TenantId::parse("acme").unwrap();
@@ -510,4 +534,126 @@ async fn tenant_fence_counters_start_above_the_counter_of_earlier_versions() {
     drop(store);
     let again = RedisStore::connect(&url, &prefix).await.unwrap();
     assert!(common::acquire(&again, &scope("after-reconnect"), now).await > second, "the floor stays");
+}
+
+/// A store on the machine's Redis on the server's clock (the default), and what deletes its keys.
+async fn server_clock_store() -> Option<(RedisStore, common::DeletePrefix)> {
+    if !common::single_available() {
+        return None;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let options = RedisOptions { prefix: prefix.clone(), ..RedisOptions::default() };
+    let store = common::store_with(RedisTarget::Single(url.clone()), options).await;
+    Some((store, common::DeletePrefix { url, prefix }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_ahead_never_takes_over_a_live_lease() {
+    let Some((store, _cleanup)) = server_clock_store().await else { return };
+    common::a_caller_ahead_never_takes_over_a_live_lease(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_lease_is_recovered_once_whatever_the_callers_now() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::a_passed_lease_is_recovered_once_whatever_the_callers_now(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_skewed_callers_acquire_once_per_lease() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::racing_skewed_callers_acquire_once_per_lease(Arc::new(store), &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_is_judged_by_the_stores_clock() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::retention_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approval_expiry_is_judged_by_the_stores_clock() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    common::approval_expiry_is_judged_by_the_stores_clock(&store, &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_time_is_the_stores() {
+    let Some((server, _cleanup)) = server_clock_store().await else { return };
+    let Some((given, clock, _also)) = fresh_store().await else { return };
+    common::store_time_is_the_stores(&server, &given, &clock).await;
+}
+
+/// The claim script as a Cluster runs it after reserving a place in flight (the scripts run on
+/// one slot each, so one server will do): a lease never ends after its place's score, taken
+/// when the place was reserved, even when the claim script's now is later; and an extension
+/// never after what its place was raised to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_never_outlasts_its_place_in_flight() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let keys = Keys::new(&prefix).unwrap();
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let s = scope("placed");
+    let placement = Placement::of(&s);
+    let t0 = common::T0.0;
+    let member = [placement.member.as_slice(), b"\0", b"token"].concat();
+    let mut reserve = SCRIPTS.reserve_in_flight.prepare_invoke();
+    reserve.key(keys.in_flight(&s.tenant)).arg(t0).arg(1).arg(member.as_slice()).arg(10_000).arg(60_000);
+    let score: u64 = reserve.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(score, t0 + 10_000);
+    // The claim script runs 5 ms later by the store's clock.
+    let mut invocation = SCRIPTS.claim.prepare_invoke();
+    let later = (t0 + 5).to_string();
+    ClaimCall {
+        keys: &keys,
+        scope: &s,
+        placement: &placement,
+        clock: &later,
+        fingerprint: common::request(&s).fingerprint.as_str(),
+        lease_ms: 10_000,
+        retention_ms: 100_000,
+        run: "",
+        margin_ms: 60_000,
+        source: "1",
+        approval: None,
+    }
+    .add_to(&mut invocation);
+    invocation.arg(1).arg(0).arg("").arg("token").arg("").arg("").arg("").arg(score);
+    let answer: Vec<String> = invocation.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(answer[..4], ["acquired", "1", "1", &score.to_string()], "{answer:?}");
+    let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
+    assert_eq!(lease, score.to_string());
+
+    // An extension asks for its place to be raised, then, 5 ms later, ends no later than that.
+    let extend = |at: u64, raised: &str| {
+        let mut invocation = SCRIPTS.mutate.prepare_invoke();
+        invocation
+            .key(keys.record(&placement))
+            .key(keys.expiry(placement.slot))
+            .arg(at)
+            .arg(1)
+            .arg("extend")
+            .arg(8)
+            .arg(placement.member.as_slice())
+            .arg(60_000)
+            .arg(keys.changes())
+            .arg("")
+            .arg(20_000)
+            .arg(0)
+            .arg("")
+            .arg(raised);
+        let mut conn = conn.clone();
+        async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
+    };
+    let asked = extend(t0 + 1_000, "").await;
+    let until = (t0 + 21_000).to_string();
+    assert_eq!(asked, ["need_quota", "token", until.as_str()]);
+    let applied = extend(t0 + 1_005, &until).await;
+    assert_eq!(applied[0], "applied");
+    let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
+    assert_eq!(lease, until);
 }

@@ -8,7 +8,9 @@ mod common;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use common::callers_clock::AtCallersTime;
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
+
 use onceguard_testkit::TestStore;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 
@@ -53,9 +55,15 @@ fn url(server: &TlsServer) -> String {
 
 async fn tls_store() -> Option<TestStore> {
     let server = tokio::task::spawn_blocking(tls_server).await.unwrap()?;
-    let options = RedisOptions { prefix: common::prefix(), tls_ca: Some(server.ca.clone()), ..RedisOptions::default() };
+    let (clock, store_clock) = AtCallersTime::clock();
+    let options = RedisOptions {
+        prefix: common::prefix(),
+        tls_ca: Some(server.ca.clone()),
+        clock: store_clock,
+        ..RedisOptions::default()
+    };
     let store = RedisStore::connect_with(&RedisTarget::Single(url(server)), options).await.expect("connects over TLS");
-    Some(TestStore::new(store))
+    Some(TestStore::new(AtCallersTime::new(store, clock)))
 }
 
 fn over_tls() -> common::Factory {

@@ -12,23 +12,28 @@
 // Each test binary uses part of the harness.
 #![allow(dead_code)]
 
+pub mod callers_clock;
+
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
 use std::process::{Command, Stdio};
-use std::sync::{Once, OnceLock};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::Duration;
 
 use onceguard_core::control::{Budget, RunUsage, SwitchTarget};
 use onceguard_core::store::{ClaimStore, ControlStore, RunStore};
 use onceguard_core::{
-    CheckpointName, ClaimOutcome, ClaimRequest, Denial, Fence, FencedOutcome, Fingerprint, Key, Mutation, Namespace,
-    Outcome, OutcomeKind, RunId, Scope, TenantId, Timestamp,
+    CheckpointName, ClaimOutcome, ClaimRequest, Clock, Denial, Fence, FencedOutcome, Fingerprint, Key, ListFilter,
+    ManualClock, Mutation, Namespace, Outcome, OutcomeKind, RecoveryReason, RunId, Scope, StoreClock, TenantId,
+    Timestamp,
 };
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;
 use onceguard_testkit::services;
 use tokio::sync::broadcast;
+
+use self::callers_clock::AtCallersTime;
 
 /// A boxed factory of test stores, as the testkit macros take it.
 pub type Factory = fn() -> Pin<Box<dyn Future<Output = Option<TestStore>> + Send>>;
@@ -110,17 +115,20 @@ impl Drop for DeletePrefix {
     }
 }
 
-/// A store on the machine's Redis, under a fresh prefix (`None`: skipped).
+/// A store on the machine's Redis, under a fresh prefix, whose clock is its caller's
+/// ([`callers_clock`]), for the shared suites (`None`: skipped).
 pub async fn single_store() -> Option<TestStore> {
     if !single_available() {
         return None;
     }
     let (url, prefix) = (redis_url(), prefix());
-    let store = RedisStore::connect(&url, &prefix).await.expect("the store connects to Redis");
-    Some(TestStore::with(store, DeletePrefix { url, prefix }))
+    let (clock, store_clock) = AtCallersTime::clock();
+    let options = RedisOptions { prefix: prefix.clone(), clock: store_clock, ..RedisOptions::default() };
+    let store = store_with(RedisTarget::Single(url.clone()), options).await;
+    Some(TestStore::with(AtCallersTime::new(store, clock), DeletePrefix { url, prefix }))
 }
 
-/// The factory of stores on the machine's Redis.
+/// The factory of stores on the machine's Redis (for the shared suites).
 pub fn single() -> Factory {
     || Box::pin(single_store())
 }
@@ -172,14 +180,22 @@ pub fn cluster() -> Option<&'static Cluster> {
     Some(CLUSTER.get_or_init(Cluster::start))
 }
 
-/// A store on the test cluster, under a fresh prefix (`None`: skipped).
-pub async fn cluster_store() -> Option<TestStore> {
-    let nodes = tokio::task::spawn_blocking(|| cluster().map(Cluster::nodes)).await.expect("the cluster starts")?;
-    let store = RedisStore::connect_cluster(&nodes, &prefix()).await.expect("the store connects to the cluster");
-    Some(TestStore::new(store))
+/// The test cluster's target.
+pub fn cluster_target(nodes: &[String]) -> RedisTarget {
+    RedisTarget::Cluster(nodes.iter().map(|n| format!("redis://{n}")).collect())
 }
 
-/// The factory of stores on the test cluster.
+/// A store on the test cluster, under a fresh prefix, whose clock is its caller's
+/// ([`callers_clock`]), for the shared suites (`None`: skipped).
+pub async fn cluster_store() -> Option<TestStore> {
+    let nodes = tokio::task::spawn_blocking(|| cluster().map(Cluster::nodes)).await.expect("the cluster starts")?;
+    let (clock, store_clock) = AtCallersTime::clock();
+    let options = RedisOptions { prefix: prefix(), clock: store_clock, ..RedisOptions::default() };
+    let store = store_with(cluster_target(&nodes), options).await;
+    Some(TestStore::new(AtCallersTime::new(store, clock)))
+}
+
+/// The factory of stores on the test cluster (for the shared suites).
 pub fn on_cluster() -> Factory {
     || Box::pin(cluster_store())
 }
@@ -187,6 +203,18 @@ pub fn on_cluster() -> Factory {
 /// A store with options of the test's choosing.
 pub async fn store_with(target: RedisTarget, options: RedisOptions) -> RedisStore {
     RedisStore::connect_with(&target, options).await.expect("the store connects")
+}
+
+/// The time the tests' given clocks start at.
+pub const T0: Timestamp = Timestamp(1_700_000_000_000);
+
+/// A store on `target` under `prefix` whose clock is the one answered, standing at [`T0`]:
+/// the test moves the store's time by hand.
+pub async fn store_on_given_clock(target: RedisTarget, prefix: &str) -> (RedisStore, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(T0));
+    let options =
+        RedisOptions { prefix: prefix.to_owned(), clock: StoreClock::Given(clock.clone()), ..RedisOptions::default() };
+    (store_with(target, options).await, clock)
 }
 
 fn scope(key: &str) -> Scope {
@@ -267,16 +295,19 @@ pub async fn changes_reach_other_instances(a: &RedisStore, b: &RedisStore, elsew
     assert!(matches!(at_elsewhere.try_recv(), Err(broadcast::error::TryRecvError::Empty)));
 }
 
-/// Racing claims over many keys, round after round (each round after the last one's leases
-/// passed): each round acquires each key exactly once, every fence is unique, and each key's
-/// fences grow.
-pub async fn racing_claims_keep_fences_unique_and_growing(store: std::sync::Arc<RedisStore>) {
+/// Racing claims over many keys, round after round (each round after the store's clock passed
+/// the last one's leases): each round acquires each key exactly once, every fence is unique,
+/// and each key's fences grow.
+pub async fn racing_claims_keep_fences_unique_and_growing(store: Arc<RedisStore>, clock: &ManualClock) {
     const KEYS: usize = 24;
     const RACERS: usize = 6;
     let mut last = [0u64; KEYS];
     let mut all = std::collections::HashSet::new();
     for round in 0..6u64 {
-        let now = Timestamp(1_700_000_000_000 + round * 11_000);
+        if round > 0 {
+            clock.advance(Duration::from_secs(11));
+        }
+        let now = clock.now();
         let claims = (0..KEYS * RACERS).map(|i| {
             let store = store.clone();
             tokio::spawn(async move {
@@ -393,17 +424,20 @@ pub async fn racing_duplicates_under_a_quota(store: std::sync::Arc<RedisStore>) 
 }
 
 /// A lease claimed under a quota keeps its place while it is extended, and gives it up when it
-/// is revoked, when its key is purged, and when it completes.
-pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore) {
-    let t0 = Timestamp(1_700_000_000_000);
+/// is revoked, when its key is purged, and when it completes (the store's clock moved by hand).
+pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore, clock: &ManualClock) {
+    let t0 = clock.now();
     let at = |s: u64| t0.plus(Duration::from_secs(s));
+    let move_to = |s: u64| clock.advance(Duration::from_millis(at(s).0 - clock.now().0));
     let a = match store.claim(&under_quota(&scope("a"), 1), t0).await.unwrap() {
         ClaimOutcome::Acquired(a) => a.fence,
         other => panic!("a: {other:?}"),
     };
+    move_to(5);
     let extended = store.mutate(&scope("a"), a, Mutation::Extend(Duration::from_secs(30)), at(5), 8).await.unwrap();
     assert!(matches!(extended, FencedOutcome::Applied(r) if r.lease_expires_at == Some(at(35))));
     // Past the first lease, within the extended one: a still holds the only place.
+    move_to(20);
     let b = store.claim(&under_quota(&scope("b"), 1), at(20)).await.unwrap();
     assert!(matches!(b, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{b:?}");
     // Revoked: its place is free.
@@ -419,7 +453,9 @@ pub async fn leases_keep_their_place_in_flight_until_they_end(store: &RedisStore
         other => panic!("c: {other:?}"),
     };
     // Completed: its place is free.
+    move_to(21);
     let d = store.claim(&under_quota(&scope("d"), 1), at(21)).await.unwrap();
+
     assert!(matches!(d, ClaimOutcome::Denied(Denial::QuotaExceeded { .. })), "{d:?}");
     let done = store.mutate(&scope("c"), c, Mutation::Complete(outcome()), at(21), 8).await.unwrap();
     assert!(matches!(done, FencedOutcome::Applied(_)));
@@ -465,4 +501,187 @@ pub async fn a_record_keeps_its_run_and_its_charge(store: &RedisStore) {
     assert!(store.purge(&k).await.unwrap());
     assert!(matches!(store.claim(&in_run(&k, &first, 2), now).await.unwrap(), ClaimOutcome::Acquired(_)));
     assert_eq!(usage(store, &first).await, RunUsage { effects: 2, cost: 11 });
+}
+
+/// An hour, in ms: how far the tests' callers' clocks are off the store's.
+const HOUR_MS: u64 = 3_600_000;
+
+/// A claim of `scope` with a lease of 15 s and a retention of 100 s.
+fn claim_15s(scope: &Scope) -> ClaimRequest {
+    ClaimRequest { lease: Duration::from_secs(15), ..request(scope) }
+}
+
+fn expect_acquired(outcome: ClaimOutcome, what: &str) -> onceguard_core::Acquired {
+    match outcome {
+        ClaimOutcome::Acquired(a) => a,
+        other => panic!("{what}: expected acquired, got {other:?}"),
+    }
+}
+
+fn expect_in_flight(outcome: ClaimOutcome, what: &str) {
+    assert!(matches!(outcome, ClaimOutcome::InFlight(_)), "{what}: expected in flight, got {outcome:?}");
+}
+
+/// On the server's clock: a caller whose clock is an hour ahead neither takes over a live
+/// lease nor moves it (its extension, its claim's lease expiry and a completion's retention
+/// are the server's), and one an hour behind still replays what completed.
+pub async fn a_caller_ahead_never_takes_over_a_live_lease(store: &RedisStore) {
+    let s = scope("ahead");
+    let before = Timestamp::now();
+    let first = expect_acquired(store.claim(&claim_15s(&s), before).await.unwrap(), "the first claim");
+    let ahead = Timestamp(before.0 + HOUR_MS);
+    expect_in_flight(store.claim(&claim_15s(&s), ahead).await.unwrap(), "a claim an hour ahead");
+    let server = store.store_time().await.unwrap().expect("a shared store answers its time");
+    assert!(first.lease_expires_at.0 <= server.0 + 15_000, "the lease runs by the server's clock: {first:?}");
+    let batch = store.claim_batch(&[claim_15s(&s)], ahead).await.unwrap();
+    expect_in_flight(batch.into_iter().next().unwrap(), "a batch an hour ahead");
+    let record = store.get(&s, ahead).await.unwrap().expect("the record, read an hour ahead");
+    assert_eq!(record.fence, first.fence);
+    assert!(!record.is_stuck(store.store_time().await.unwrap().unwrap()), "{record:?}");
+    let extended = store.mutate(&s, first.fence, Mutation::Extend(Duration::from_secs(15)), ahead, 8).await.unwrap();
+    let FencedOutcome::Applied(extended) = extended else { panic!("the extension: {extended:?}") };
+    let lease = extended.lease_expires_at.expect("a lease");
+    assert!(lease.0 < ahead.0, "extended by the server's clock, not the caller's: {lease:?}");
+    expect_in_flight(store.claim(&claim_15s(&s), ahead).await.unwrap(), "a claim an hour ahead, after the extension");
+    let done = store.mutate(&s, first.fence, Mutation::Complete(outcome()), ahead, 8).await.unwrap();
+    let FencedOutcome::Applied(done) = done else { panic!("the completion: {done:?}") };
+    assert!(done.completed_at.expect("completed").0 < ahead.0, "completed at the server's time: {done:?}");
+    for (what, now) in [("ahead", ahead), ("behind", Timestamp(before.0 - HOUR_MS))] {
+        let claimed = store.claim(&claim_15s(&s), now).await.unwrap();
+        assert!(matches!(claimed, ClaimOutcome::Replay(_)), "a claim an hour {what}: {claimed:?}");
+    }
+}
+
+/// On a given clock: however far behind the caller's clock, a lease that passed by the store's
+/// clock is taken over, once, as a recovery; and however far ahead, one that did not is not.
+pub async fn a_passed_lease_is_recovered_once_whatever_the_callers_now(store: &RedisStore, clock: &ManualClock) {
+    let s = scope("passed");
+    let first = expect_acquired(store.claim(&claim_15s(&s), clock.now()).await.unwrap(), "the first claim");
+    assert_eq!(first.lease_expires_at, clock.now().plus(Duration::from_secs(15)));
+    clock.advance(Duration::from_secs(14));
+    let ahead = Timestamp(clock.now().0 + HOUR_MS);
+    expect_in_flight(store.claim(&claim_15s(&s), ahead).await.unwrap(), "a claim an hour ahead, 1 s before the end");
+    clock.advance(Duration::from_secs(1));
+    let behind = Timestamp(clock.now().0 - HOUR_MS);
+    let second = expect_acquired(store.claim(&claim_15s(&s), behind).await.unwrap(), "a claim an hour behind");
+    let recovery = second.recovery.expect("a recovery");
+    assert_eq!((recovery.reason, recovery.previous_fence), (RecoveryReason::LeaseExpired, first.fence));
+    assert_eq!(second.lease_expires_at, clock.now().plus(Duration::from_secs(15)));
+    for now in [behind, ahead, clock.now()] {
+        expect_in_flight(store.claim(&claim_15s(&s), now).await.unwrap(), "a claim after the recovery");
+    }
+    let stale = store.mutate(&s, first.fence, Mutation::Complete(outcome()), behind, 8).await.unwrap();
+    assert!(matches!(stale, FencedOutcome::Stale(_)), "the first holder is stale: {stale:?}");
+}
+
+/// Tasks claiming one key round after round, each with its own clock (up to an hour ahead or
+/// behind the store's), while the store's clock passes each lease in turn: exactly one
+/// acquires per lease, a recovery after the first.
+pub async fn racing_skewed_callers_acquire_once_per_lease(store: Arc<RedisStore>, clock: &ManualClock) {
+    const TASKS: u64 = 8;
+    const ROUNDS: usize = 25;
+    let s = scope("skewed");
+    let mut last = Fence(0);
+    for round in 0..ROUNDS {
+        if round > 0 {
+            clock.advance(Duration::from_secs(16));
+        }
+        let store_now = clock.now();
+        let claims = (0..TASKS).map(|task| {
+            let (store, s) = (store.clone(), s.clone());
+            // Tasks 0 to 7: from an hour behind to an hour ahead, two of them on the store's time.
+            let now = Timestamp(store_now.0 - HOUR_MS + task * HOUR_MS * 2 / (TASKS - 1));
+            tokio::spawn(async move { store.claim(&claim_15s(&s), now).await.expect("the store answers") })
+        });
+        let mut acquired = Vec::new();
+        for joined in futures::future::join_all(claims).await {
+            match joined.expect("the claim task ends") {
+                ClaimOutcome::Acquired(a) => acquired.push(a),
+                ClaimOutcome::InFlight(_) => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(acquired.len(), 1, "round {round}: {acquired:?}");
+        let a = acquired.remove(0);
+        assert!(a.fence > last, "round {round}");
+        assert_eq!(a.recovery.is_some(), round > 0, "round {round}: {a:?}");
+        last = a.fence;
+    }
+}
+
+/// On a given clock: a completed key replays until the store's clock reaches its expiry,
+/// however far ahead the caller's clock, and is new after, however far behind.
+pub async fn retention_is_judged_by_the_stores_clock(store: &RedisStore, clock: &ManualClock) {
+    let s = scope("retained");
+    let first = expect_acquired(store.claim(&claim_15s(&s), clock.now()).await.unwrap(), "the first claim");
+    let done = store.mutate(&s, first.fence, Mutation::Complete(outcome()), clock.now(), 8).await.unwrap();
+    assert!(matches!(done, FencedOutcome::Applied(_)), "{done:?}");
+    clock.advance(Duration::from_millis(99_999));
+    let ahead = Timestamp(clock.now().0 + 24 * HOUR_MS);
+    let replayed = store.claim(&claim_15s(&s), ahead).await.unwrap();
+    assert!(matches!(replayed, ClaimOutcome::Replay(_)), "a day ahead, 1 ms before the expiry: {replayed:?}");
+    assert!(store.get(&s, ahead).await.unwrap().is_some(), "read a day ahead");
+    let filter = ListFilter { limit: 10, ..ListFilter::default() };
+    assert_eq!(store.list(&s.tenant, &filter, ahead).await.unwrap().records.len(), 1, "listed a day ahead");
+    assert_eq!(store.sweep(ahead, 10).await.unwrap(), 0, "swept a day ahead");
+    clock.advance(Duration::from_millis(1));
+    let behind = Timestamp(clock.now().0 - HOUR_MS);
+    assert!(store.get(&s, behind).await.unwrap().is_none(), "read an hour behind, at the expiry");
+    assert!(store.list(&s.tenant, &filter, behind).await.unwrap().records.is_empty(), "listed an hour behind");
+    assert_eq!(store.sweep(behind, 10).await.unwrap(), 1, "swept an hour behind");
+    let again = expect_acquired(store.claim(&claim_15s(&s), behind).await.unwrap(), "a claim after the expiry");
+    assert!(again.recovery.is_none() && again.fence > first.fence, "{again:?}");
+}
+
+/// On a given clock: an approval is kept until the store's clock reaches its expiry, however
+/// far ahead the caller's clock, and is gone after (no longer kept, written over, swept),
+/// however far behind.
+pub async fn approval_expiry_is_judged_by_the_stores_clock(store: &RedisStore, clock: &ManualClock) {
+    use onceguard_core::approval::Approval;
+    use onceguard_core::store::{ApprovalFilter, ApprovalStore};
+    let s = scope("approved");
+    let asked = Approval::new(
+        s.clone(),
+        Fingerprint::sha256(b"meaning"),
+        clock.now(),
+        Duration::from_secs(60),
+        Duration::from_secs(3_600),
+    );
+    let ahead = |clock: &ManualClock| Timestamp(clock.now().0 + HOUR_MS);
+    let behind = |clock: &ManualClock| Timestamp(clock.now().0 - HOUR_MS);
+    assert!(store.put_approval(None, &asked, None, behind(clock)).await.unwrap());
+    let filter = ApprovalFilter { limit: 10, ..ApprovalFilter::default() };
+    clock.advance(Duration::from_millis(59_999));
+    let now = ahead(clock);
+    assert_eq!(store.approval_of(&s, now).await.unwrap().as_ref(), Some(&asked), "kept, read an hour ahead");
+    assert_eq!(store.approval(&s.tenant, &asked.id, now).await.unwrap().as_ref(), Some(&asked));
+    assert_eq!(store.list_approvals(&s.tenant, &filter, now).await.unwrap(), std::slice::from_ref(&asked));
+    assert_eq!(store.sweep_approvals(now, 10).await.unwrap(), 0, "nothing to sweep an hour ahead");
+    let other = Approval::new(
+        s.clone(),
+        Fingerprint::sha256(b"meaning"),
+        now,
+        Duration::from_secs(60),
+        Duration::from_secs(3_600),
+    );
+    assert!(!store.put_approval(None, &other, None, now).await.unwrap(), "kept: not written over as if none were");
+    clock.advance(Duration::from_millis(1));
+    let now = behind(clock);
+    assert_eq!(store.approval_of(&s, now).await.unwrap(), None, "expired, read an hour behind");
+    assert_eq!(store.approval(&s.tenant, &asked.id, now).await.unwrap(), None);
+    assert!(store.list_approvals(&s.tenant, &filter, now).await.unwrap().is_empty());
+    assert_eq!(store.sweep_approvals(now, 10).await.unwrap(), 1, "swept an hour behind");
+    assert!(store.put_approval(None, &other, None, now).await.unwrap(), "none kept: a new one is written");
+}
+
+/// `store_time` answers the server's time (within a second of this machine's, which runs the
+/// test's Redis) on the server's clock, and the given clock's time on a given clock.
+pub async fn store_time_is_the_stores(server: &RedisStore, given: &RedisStore, clock: &ManualClock) {
+    let before = Timestamp::now();
+    let answered = server.store_time().await.unwrap().expect("a shared store answers its time");
+    let after = Timestamp::now();
+    assert!(answered.0 + 1_000 >= before.0 && answered.0 <= after.0 + 1_000, "{before:?} {answered:?} {after:?}");
+    assert_eq!(given.store_time().await.unwrap(), Some(clock.now()));
+    clock.advance(Duration::from_secs(90));
+    assert_eq!(given.store_time().await.unwrap(), Some(clock.now()));
 }
