@@ -6,6 +6,15 @@ use onceguard_core::store::ApprovalFilter;
 
 use super::*;
 
+/// The routes of approvals, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_approvals))
+        .routes(routes!(get_approval))
+        .routes(routes!(approve))
+        .routes(routes!(deny))
+}
+
 /// A decision taken.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct DecisionView {

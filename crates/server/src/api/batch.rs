@@ -6,6 +6,11 @@ use onceguard_core::store::FencedCall;
 
 use super::*;
 
+/// The routes of batch claims and completions, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(claim_batch)).routes(routes!(complete_batch))
+}
+
 /// Claim many keys at once (up to `limits.max_batch`).
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -4,6 +4,11 @@ use onceguard_core::approval::ApprovalState;
 
 use super::*;
 
+/// The route of the claim, with its OpenAPI path.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(claim))
+}
+
 /// Claim a key.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
