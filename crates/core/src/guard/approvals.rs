@@ -50,7 +50,7 @@ impl Guard {
     /// acquired or charged here: what lets a claim acquire is decided in the store's atomic
     /// claim ([`crate::protocol::ApprovalGate`]). A pending approval is recorded when none is
     /// kept (not in observe mode).
-    pub(super) async fn approval_gate(&self, req: &ClaimRequest, ask: &Ask) -> Result<Gate, GuardError> {
+    async fn approval_gate(&self, req: &ClaimRequest, ask: &Ask) -> Result<Gate, GuardError> {
         // Three compare-and-sets lost in a row to other claims and decisions of the same key:
         // something is wrong; no decision was made.
         for _ in 0..3 {
