@@ -50,4 +50,4 @@ pub use record::{
     OutcomeDigest, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason, is_media_type,
 };
 pub use store::{ListFilter, Page, Store, StoreError};
-pub use vocabulary::{Answer, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};
+pub use vocabulary::{AnswerKind, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};

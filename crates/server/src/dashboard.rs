@@ -100,9 +100,9 @@ pub struct ClaimCounts {
 }
 
 impl ClaimCounts {
-    /// The counts of `totals`, in the order of [`onceguard_core::Answer::ALL`] (proceed, never
+    /// The counts of `totals`, in the order of [`onceguard_core::AnswerKind::ALL`] (proceed, never
     /// an enforced answer, is left out).
-    fn of(totals: [u64; onceguard_core::Answer::ALL.len()]) -> Self {
+    fn of(totals: [u64; onceguard_core::AnswerKind::ALL.len()]) -> Self {
         let [acquired, replay, in_flight, mismatch, denied, pending_approval, _proceed] = totals;
         Self { acquired, replay, in_flight, mismatch, denied, pending_approval }
     }
