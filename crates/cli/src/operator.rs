@@ -571,7 +571,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
 }
 
 async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
-    use onceguard_core::approval::ApprovalState;
+    use onceguard_core::approval::{ApprovalId, ApprovalState};
     let now = || guard.clock().now();
     match command {
         ApprovalCommand::List { tenant, state } => {
@@ -587,17 +587,20 @@ async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
             let all = guard.all_approvals(&tenant, state, usize::MAX).await?;
             print_json(&all.iter().map(|a| api::approval_view(a, a.state(now()))).collect::<Vec<_>>())
         }
-        ApprovalCommand::Get { tenant, id } => match guard.approval(&TenantId::parse(&tenant)?, &id).await? {
-            Some(a) => print_json(&api::approval_view(&a, a.state(now()))),
-            None => bail!("no approval {id} is kept in tenant {tenant}"),
-        },
+        ApprovalCommand::Get { tenant, id } => {
+            match guard.approval(&TenantId::parse(&tenant)?, &ApprovalId::parse(&id)?).await? {
+                Some(a) => print_json(&api::approval_view(&a, a.state(now()))),
+                None => bail!("no approval {id} is kept in tenant {tenant}"),
+            }
+        }
         ApprovalCommand::Approve { tenant, id, why } => decide(guard, &tenant, &id, true, why).await,
         ApprovalCommand::Deny { tenant, id, why } => decide(guard, &tenant, &id, false, why).await,
     }
 }
 
 async fn decide(guard: &Guard, tenant: &str, id: &str, approved: bool, why: String) -> Result<()> {
-    let decided = guard.decide_approval(&TenantId::parse(tenant)?, id, approved, &cli_actor(), why).await?;
+    let id = onceguard_core::approval::ApprovalId::parse(id)?;
+    let decided = guard.decide_approval(&TenantId::parse(tenant)?, &id, approved, &cli_actor(), why).await?;
     print_json(&api::approval_view(&decided, decided.state(guard.clock().now())))
 }
 
