@@ -281,7 +281,7 @@ impl Redis {
                         keys: &keys,
                         scope: &scope,
                         placement: &placement,
-                        now: Timestamp::now().0,
+                        clock: "",
                         fingerprint: &fingerprint,
                         lease_ms: 60_000,
                         retention_ms,

@@ -8,7 +8,7 @@ use onceguard_core::auth::{ApiKeyId, Role};
 use onceguard_core::control::{AuditFilter, Budget, Mode, OutcomeKept, Rate, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
-use onceguard_server::{Config, api, controls};
+use onceguard_server::{Config, api};
 
 /// The commands an operator runs against the store (no server needed).
 #[derive(Debug, Subcommand)]
@@ -375,7 +375,7 @@ pub(crate) async fn run(config: &Config, command: OperatorCommand) -> Result<()>
         OperatorCommand::Audit { tenant, action, actor, limit } => {
             let filter = AuditFilter { action, actor, before: None, limit: limit.clamp(1, MAX_PAGE) };
             let page = guard.audit_log(&TenantId::parse(&tenant)?, &filter).await?;
-            print_json(&page.entries.into_iter().map(controls::audit_view).collect::<Vec<_>>())?;
+            print_json(&page.entries.into_iter().map(api::audit_view).collect::<Vec<_>>())?;
         }
     }
     Ok(())
@@ -474,18 +474,18 @@ async fn switches(guard: &Guard, command: SwitchCommand) -> Result<()> {
         SwitchCommand::Engage { target, reason, revoke_leases } => {
             let (tenant, target) = target.parse()?;
             let switch = guard.engage_switch(&cli_actor(), &tenant, target, reason, revoke_leases).await?;
-            print_json(&controls::switch_view(&switch))
+            print_json(&api::switch_view(&switch))
         }
         SwitchCommand::Release { target, why } => {
             let (tenant, target) = target.parse()?;
             match guard.release_switch(&cli_actor(), &tenant, &target, why).await? {
-                Some(switch) => print_json(&controls::switch_view(&switch)),
+                Some(switch) => print_json(&api::switch_view(&switch)),
                 None => bail!("no switch is engaged on {target} in tenant {tenant}"),
             }
         }
         SwitchCommand::List { tenant } => {
             let switches = guard.switches(&TenantId::parse(&tenant)?).await?;
-            print_json(&switches.iter().map(controls::switch_view).collect::<Vec<_>>())
+            print_json(&switches.iter().map(api::switch_view).collect::<Vec<_>>())
         }
     }
 }
@@ -500,13 +500,13 @@ async fn runs(guard: &Guard, command: RunCommand) -> Result<()> {
             let budget = Budget { max_effects, max_cost, deadline };
             let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&run)?);
             let stored = guard.set_budget(&cli_actor(), &tenant, &run, budget, why).await?;
-            print_json(&controls::run_view(&stored, guard.rollback(&tenant, &run).await?.as_ref()))
+            print_json(&api::run_view(&stored, guard.rollback(&tenant, &run).await?.as_ref()))
         }
         RunCommand::Get { tenant, run: id } => {
             let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&id)?);
             let Some(found) = guard.run(&tenant, &run).await? else { bail!("no run {id} in tenant {tenant}") };
             let rollback = guard.rollback(&tenant, &run).await?;
-            print_json(&controls::run_view(&found, rollback.as_ref()))
+            print_json(&api::run_view(&found, rollback.as_ref()))
         }
         RunCommand::Rollback { tenant, run, why } => {
             let (tenant, run) = (TenantId::parse(&tenant)?, RunId::parse(&run)?);
@@ -553,17 +553,17 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
                 updated_by: cli_actor(),
                 updated_at: guard.clock().now(),
             };
-            print_json(&controls::settings_view(&guard.put_settings(entry, why).await?))
+            print_json(&api::settings_view(&guard.put_settings(entry, why).await?))
         }
         SettingsCommand::List { tenant } => {
             let entries = guard.settings(&TenantId::parse(&tenant)?).await?;
-            print_json(&entries.iter().map(controls::settings_view).collect::<Vec<_>>())
+            print_json(&entries.iter().map(api::settings_view).collect::<Vec<_>>())
         }
         SettingsCommand::Delete { tenant, namespace_prefix, why } => {
             let prefix = namespace_prefix.as_deref().map(Namespace::parse).transpose()?;
             let tenant = TenantId::parse(&tenant)?;
             match guard.delete_settings(&cli_actor(), &tenant, prefix.as_ref(), why).await? {
-                Some(entry) => print_json(&controls::settings_view(&entry)),
+                Some(entry) => print_json(&api::settings_view(&entry)),
                 None => bail!("no such settings in tenant {tenant}"),
             }
         }
@@ -571,7 +571,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
 }
 
 async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
-    use onceguard_core::approval::ApprovalState;
+    use onceguard_core::approval::{ApprovalId, ApprovalState};
     let now = || guard.clock().now();
     match command {
         ApprovalCommand::List { tenant, state } => {
@@ -587,17 +587,20 @@ async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
             let all = guard.all_approvals(&tenant, state, usize::MAX).await?;
             print_json(&all.iter().map(|a| api::approval_view(a, a.state(now()))).collect::<Vec<_>>())
         }
-        ApprovalCommand::Get { tenant, id } => match guard.approval(&TenantId::parse(&tenant)?, &id).await? {
-            Some(a) => print_json(&api::approval_view(&a, a.state(now()))),
-            None => bail!("no approval {id} is kept in tenant {tenant}"),
-        },
+        ApprovalCommand::Get { tenant, id } => {
+            match guard.approval(&TenantId::parse(&tenant)?, &ApprovalId::parse(&id)?).await? {
+                Some(a) => print_json(&api::approval_view(&a, a.state(now()))),
+                None => bail!("no approval {id} is kept in tenant {tenant}"),
+            }
+        }
         ApprovalCommand::Approve { tenant, id, why } => decide(guard, &tenant, &id, true, why).await,
         ApprovalCommand::Deny { tenant, id, why } => decide(guard, &tenant, &id, false, why).await,
     }
 }
 
 async fn decide(guard: &Guard, tenant: &str, id: &str, approved: bool, why: String) -> Result<()> {
-    let decided = guard.decide_approval(&TenantId::parse(tenant)?, id, approved, &cli_actor(), why).await?;
+    let id = onceguard_core::approval::ApprovalId::parse(id)?;
+    let decided = guard.decide_approval(&TenantId::parse(tenant)?, &id, approved, &cli_actor(), why).await?;
     print_json(&api::approval_view(&decided, decided.state(guard.clock().now())))
 }
 

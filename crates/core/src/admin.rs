@@ -1,7 +1,8 @@
-//! Operator actions on the guard: tenants and API keys, kill switches, run budgets, rolling a run
-//! back, settings and the audit log. Each action is written to the audit log with who did it and why; the HTTP API
-//! and the CLI call these, never the store. (The cache of switches and settings that every
-//! claim consults is [`crate::control_cache`].)
+//! Operator actions on the guard: tenants and API keys, kill switches, run budgets, settings
+//! and the audit log. Each action is written to the audit log with who did it and why; the HTTP
+//! API and the CLI call these, never the store. (The cache of switches and settings that every
+//! claim consults is [`crate::control_cache`]; starting a rollback is the rollback's part of
+//! the guard, in `guard/rollback.rs`.)
 
 use crate::auth::{ApiKey, ApiKeyId, NewApiKey, Role, Tenant};
 use crate::control::{
@@ -11,7 +12,6 @@ use crate::control::{
 use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId};
 use crate::guard::{Guard, GuardError};
-use crate::rollback::{Rollback, RollbackReport};
 use crate::store::StoreError;
 
 pub use crate::domain::MAX_REASON_BYTES;
@@ -207,46 +207,6 @@ impl Guard {
         let details = serde_json::to_value(&budget).unwrap_or_default();
         let entry = AuditEntry::new(tenant.clone(), now, actor, "budget.set", run.as_str()).why(why).details(details);
         Ok(self.store().put_budget(tenant, run, &budget, now, &entry).await?)
-    }
-
-    /// Starts rolling `run` back (an admin's action): a kill switch on the run (audited as
-    /// `switch.engage`), then the rollback itself (audited as `run.rollback` with why). Answers
-    /// the rollback as it now stands and whether this call started it: a run already being
-    /// rolled back is left as it is.
-    pub async fn start_rollback(
-        &self,
-        actor: &str,
-        tenant: &TenantId,
-        run: &RunId,
-        why: String,
-    ) -> Result<(RollbackReport, bool), GuardError> {
-        check_reason("why", &why)?;
-        // A run rolled back already answers its rollback, and changes nothing (its switch may
-        // have been released since: it stays released).
-        if let Some(existing) = self.refresh_controls().await?.rollback(tenant, run) {
-            return Ok((self.report(existing.clone()).await?, false));
-        }
-        // The run is switched off first, so that the rollback's cut-off (from its start, which
-        // comes after) covers every effect an instance claimed before it saw the switch.
-        let target = SwitchTarget::Run { run: run.clone() };
-        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
-        let now = self.clock().now();
-        let rollback =
-            Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
-        let entry =
-            AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
-        // The start is one insert-if-absent: of concurrent starts on any instances, one writes
-        // the rollback (and its one audit entry); the others answer the rollback it wrote.
-        let started = self.store().insert_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
-        let controls = self.refresh_controls().await?;
-        let rollback = if started {
-            rollback
-        } else {
-            controls.rollback(tenant, run).cloned().ok_or_else(|| {
-                StoreError::Unavailable("the run's rollback was started but could not be read back".into())
-            })?
-        };
-        Ok((self.report(rollback).await?, started))
     }
 
     /// One run of a tenant.

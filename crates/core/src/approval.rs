@@ -53,6 +53,53 @@ pub fn check_summary(summary: Option<String>) -> Result<Option<String>, InvalidI
     }
 }
 
+/// The id of an approval: `apr_` and 24 lowercase hex digits, not secret. Made at random when
+/// a claim first asks ([`ApprovalId::generate`]), parsed where a caller names one.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct ApprovalId(String);
+
+impl ApprovalId {
+    /// A new id, from the OS-seeded CSPRNG.
+    pub fn generate() -> Self {
+        Self(format!("apr_{}", hex::encode(rand::random::<[u8; 12]>())))
+    }
+
+    /// Parses an approval id.
+    pub fn parse(s: &str) -> Result<Self, InvalidInput> {
+        match s.strip_prefix("apr_") {
+            Some(hex) if hex.len() == 24 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) => {
+                Ok(Self(s.to_owned()))
+            }
+            _ => Err(InvalidInput::new("approval id", "must be apr_ and 24 lowercase hex digits")),
+        }
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for ApprovalId {
+    type Error = InvalidInput;
+    fn try_from(s: String) -> Result<Self, InvalidInput> {
+        Self::parse(&s)
+    }
+}
+
+impl From<ApprovalId> for String {
+    fn from(id: ApprovalId) -> String {
+        id.0
+    }
+}
+
+impl std::fmt::Display for ApprovalId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A person's decision on a pending approval.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Decision {
@@ -83,8 +130,8 @@ crate::label::vocabulary! {
 /// What a key's claim asked a person to approve, and what they decided.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Approval {
-    /// Unique: `apr_` and 24 hex digits.
-    pub id: String,
+    /// Unique within its tenant.
+    pub id: ApprovalId,
     /// The key.
     pub scope: Scope,
     /// What the request means: only a claim with this fingerprint is approved.
@@ -148,9 +195,8 @@ pub enum DecideError {
 impl Approval {
     /// A new pending approval of `scope` meaning `fingerprint`, asked at `now`.
     pub fn new(scope: Scope, fingerprint: Fingerprint, now: Timestamp, expiry: Duration, retention: Duration) -> Self {
-        let id = format!("apr_{}", hex::encode(rand::random::<[u8; 12]>()));
         Self {
-            id,
+            id: ApprovalId::generate(),
             scope,
             fingerprint,
             run: None,

@@ -9,7 +9,8 @@
 //! - [`vocabulary`]: the label vocabularies (answers, reasons, operations) every layer names.
 //! - [`auth`]: tenants and hashed API keys.
 //! - [`approval`]: human approvals bound to a key and its fingerprint.
-//! - [`control`]: runs and budgets, quotas, kill switches, settings and the audit log.
+//! - [`control`]: runs and budgets, quotas, kill switches, settings, the control documents
+//!   that carry them to every instance, and the audit log.
 //! - [`rollback`]: compensations registered at completion, and rolling a run back.
 //!
 //! This crate has no HTTP or database dependency: the server and the stores build on it.
@@ -49,4 +50,4 @@ pub use record::{
     OutcomeDigest, OutcomeKind, Record, RecordState, Recovery, RecoveryReason, Replay, StaleReason, is_media_type,
 };
 pub use store::{ListFilter, Page, Store, StoreError};
-pub use vocabulary::{Answer, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};
+pub use vocabulary::{AnswerKind, DenialReason, FencedOp, RecoveryKind, StaleKind, StoreOp};

@@ -73,7 +73,7 @@ pub struct ClaimRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ApprovalGate {
     /// The approval of this id was reserved for this claim.
-    Granted(String),
+    Granted(crate::approval::ApprovalId),
     /// No approval was reserved for this claim.
     Ungranted,
 }

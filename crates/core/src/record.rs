@@ -199,7 +199,7 @@ pub struct Record {
     /// later attempts (a recovery, a retry after a retryable failure) are that call's, and only
     /// a claim of the same request may take the record over (see [`crate::protocol::ApprovalGate`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub approval: Option<String>,
+    pub approval: Option<crate::approval::ApprovalId>,
     /// Until when the holder's lease runs (in progress only).
     pub lease_expires_at: Option<Timestamp>,
     /// Set when the holder reported that it does not know whether the effect happened; the next
@@ -352,7 +352,7 @@ pub enum Denial {
     /// to every claim of it while the decision is kept.
     ApprovalDenied {
         /// The approval's id.
-        approval: String,
+        approval: crate::approval::ApprovalId,
         /// Who denied it.
         by: String,
         /// Why.

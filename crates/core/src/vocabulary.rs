@@ -9,8 +9,8 @@ use crate::record::{ClaimOutcome, Denial, RecoveryReason, StaleReason};
 use crate::label::vocabulary;
 
 vocabulary! {
-    /// What a claim answered (see [`ClaimOutcome`]).
-    pub enum Answer {
+    /// The kind of a claim's answer, its label (see [`ClaimOutcome`] and [`ClaimOutcome::answer`]).
+    pub enum AnswerKind {
         /// The claimant holds the key.
         Acquired => "acquired",
         /// The stored outcome replays.
@@ -126,15 +126,15 @@ vocabulary! {
 
 impl ClaimOutcome {
     /// What kind of answer this is.
-    pub fn answer(&self) -> Answer {
+    pub fn answer(&self) -> AnswerKind {
         match self {
-            Self::Acquired(_) => Answer::Acquired,
-            Self::Replay(_) => Answer::Replay,
-            Self::InFlight(_) => Answer::InFlight,
-            Self::Mismatch => Answer::Mismatch,
-            Self::Denied(_) => Answer::Denied,
-            Self::PendingApproval(_) => Answer::PendingApproval,
-            Self::Proceed(_) => Answer::Proceed,
+            Self::Acquired(_) => AnswerKind::Acquired,
+            Self::Replay(_) => AnswerKind::Replay,
+            Self::InFlight(_) => AnswerKind::InFlight,
+            Self::Mismatch => AnswerKind::Mismatch,
+            Self::Denied(_) => AnswerKind::Denied,
+            Self::PendingApproval(_) => AnswerKind::PendingApproval,
+            Self::Proceed(_) => AnswerKind::Proceed,
         }
     }
 
@@ -217,7 +217,7 @@ mod tests {
                 assert!(names.insert(name(*v)), "{} twice", name(*v));
             }
         }
-        check(&Answer::ALL, Answer::index, Answer::as_str);
+        check(&AnswerKind::ALL, AnswerKind::index, AnswerKind::as_str);
         check(&DenialReason::ALL, DenialReason::index, DenialReason::as_str);
         check(&RecoveryKind::ALL, RecoveryKind::index, RecoveryKind::as_str);
         check(&StaleKind::ALL, StaleKind::index, StaleKind::as_str);

@@ -68,7 +68,7 @@ impl Webhook {
                 match self.notify(guard, approval).await {
                     Ok(sent) => delivered += usize::from(sent),
                     Err(e) => {
-                        tracing::warn!(approval = approval.id, error = %e, "approval webhook: could not take or settle a notice; will retry")
+                        tracing::warn!(approval = approval.id.as_str(), error = %e, "approval webhook: could not take or settle a notice; will retry")
                     }
                 }
             }
@@ -103,12 +103,12 @@ impl Webhook {
     async fn send(&self, approval: &Approval, now: Timestamp) -> Result<(), String> {
         let body = serde_json::to_vec(&payload(approval, now)).map_err(|e| e.to_string())?;
         let timestamp = i64::try_from(now.0 / 1000).unwrap_or(i64::MAX);
-        let signature = self.signer.sign(&approval.id, timestamp, &body).map_err(|e| e.to_string())?;
+        let signature = self.signer.sign(approval.id.as_str(), timestamp, &body).map_err(|e| e.to_string())?;
         let response = self
             .client
             .post(self.url.clone())
             .header("content-type", "application/json")
-            .header("webhook-id", &approval.id)
+            .header("webhook-id", approval.id.as_str())
             .header("webhook-timestamp", timestamp.to_string())
             .header("webhook-signature", signature)
             .body(body)

@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use onceguard_core::{Answer, Scope, StoreOp, Timestamp};
+use onceguard_core::{AnswerKind, Scope, StoreOp, Timestamp};
 use serde::Serialize;
 
 /// Seconds per slot.
@@ -79,7 +79,7 @@ impl Buckets {
 
 #[derive(Debug, Default)]
 struct TenantSlot {
-    claims: [u64; Answer::ALL.len()],
+    claims: [u64; AnswerKind::ALL.len()],
     cost_saved: u64,
     tokens_saved: u64,
     /// Tokens saved by namespace, at most [`NAMESPACES_PER_SLOT`] of them.
@@ -303,7 +303,7 @@ impl Live {
     }
 
     /// A claim in `namespace` of `tenant` answered with `answer`, saving `saved`.
-    pub fn record_claim(&self, tenant: &str, namespace: &str, answer: Answer, saved: Saved) {
+    pub fn record_claim(&self, tenant: &str, namespace: &str, answer: AnswerKind, saved: Saved) {
         let mut inner = self.lock();
         let slot = inner.slot();
         let entry = match slot.tenants.get_mut(tenant) {
@@ -355,7 +355,7 @@ impl Live {
         let inner = self.lock();
         let (start, slots) = inner.last(SLOTS);
         let mut claims: HashMap<&'static str, Vec<u64>> = HashMap::new();
-        for answer in Answer::ALL {
+        for answer in AnswerKind::ALL {
             let counts =
                 slots.iter().map(|s| s.and_then(|s| s.tenants.get(tenant)).map_or(0, |t| t.claims[answer.index()]));
             claims.insert(answer.as_str(), counts.collect());
@@ -443,9 +443,9 @@ mod tests {
     #[test]
     fn series_and_latency_count_what_was_recorded() {
         let live = Live::default();
-        live.record_claim("t", "ns", Answer::Acquired, Saved::default());
-        live.record_claim("t", "ns", Answer::Replay, Saved { cost: 250, tokens: 0 });
-        live.record_claim("u", "ns", Answer::Replay, Saved { cost: 7, tokens: 0 });
+        live.record_claim("t", "ns", AnswerKind::Acquired, Saved::default());
+        live.record_claim("t", "ns", AnswerKind::Replay, Saved { cost: 250, tokens: 0 });
+        live.record_claim("u", "ns", AnswerKind::Replay, Saved { cost: 7, tokens: 0 });
         live.record_claim_latency(Duration::from_millis(3));
         let series = live.series("t");
         assert_eq!(series.claims["acquired"].iter().sum::<u64>(), 1);
@@ -458,15 +458,16 @@ mod tests {
     #[test]
     fn tokens_saved_are_shown_by_namespace_most_first_and_the_rest_together() {
         let live = Live::default();
-        let replay =
-            |namespace: &str, tokens: u64| live.record_claim("t", namespace, Answer::Replay, Saved { cost: 0, tokens });
+        let replay = |namespace: &str, tokens: u64| {
+            live.record_claim("t", namespace, AnswerKind::Replay, Saved { cost: 0, tokens })
+        };
         replay("ingest/a", 10);
         replay("ingest/b", 300);
         replay("ingest/a", 15);
         for i in 0..NAMESPACES_SHOWN {
             replay(&format!("small/{i}"), 1);
         }
-        live.record_claim("other-tenant", "ingest/a", Answer::Replay, Saved { cost: 0, tokens: 1_000 });
+        live.record_claim("other-tenant", "ingest/a", AnswerKind::Replay, Saved { cost: 0, tokens: 1_000 });
         let series = live.series("t");
         let total = 10 + 300 + 15 + NAMESPACES_SHOWN as u64;
         assert_eq!(series.tokens_saved.iter().sum::<u64>(), total);
@@ -485,7 +486,7 @@ mod tests {
     fn namespaces_beyond_the_bound_are_counted_together() {
         let live = Live::default();
         for i in 0..NAMESPACES_PER_SLOT + 5 {
-            live.record_claim("t", &format!("n/{i}"), Answer::Replay, Saved { cost: 0, tokens: 2 });
+            live.record_claim("t", &format!("n/{i}"), AnswerKind::Replay, Saved { cost: 0, tokens: 2 });
         }
         let series = live.series("t");
         let total = 2 * (NAMESPACES_PER_SLOT as u64 + 5);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use onceguard_core::control::Mode;
 use onceguard_core::{
-    Answer, ClaimOutcome, DenialReason, Fence, FencedOp, Guard, RecoveryKind, Scope, StaleKind, StaleReason,
+    AnswerKind, ClaimOutcome, DenialReason, Fence, FencedOp, Guard, RecoveryKind, Scope, StaleKind, StaleReason,
     StoreError, StoreOp, TenantId, Timestamp,
 };
 use prometheus_client::encoding::EncodeLabelSet;
@@ -24,7 +24,7 @@ use prometheus_client::registry::Registry;
 use crate::config::{MetricsConfig, TenantLabels as TenantLabelMode};
 use crate::live::{Event, LATENCY_BUCKETS, Live, Saved};
 
-// The label values come from `onceguard_core::vocabulary`: claim answers ([`Answer`]),
+// The label values come from `onceguard_core::vocabulary`: claim answers ([`AnswerKind`]),
 // recovery and denial reasons ([`RecoveryKind`], [`DenialReason`]), stale calls ([`FencedOp`],
 // [`StaleKind`]) and store operations ([`StoreOp`]), each declared once there.
 
@@ -43,7 +43,7 @@ pub struct TenantLabels {
 pub struct ClaimLabels {
     /// The tenant id.
     pub tenant: String,
-    /// An [`Answer`]: what enforcement answered (in observe mode, also what it would have
+    /// An [`AnswerKind`]: what enforcement answered (in observe mode, also what it would have
     /// answered where the caller proceeded).
     pub outcome: &'static str,
     /// `enforce` or `observe` (see [`Mode`]).
@@ -528,12 +528,12 @@ impl Metrics {
     /// recoveries by reason, stale calls, denials by reason (each in its vocabulary's order).
     pub fn totals(&self, tenant: &TenantId) -> Totals {
         let t = self.tenant_label(tenant.as_str());
-        let count = |answer: Answer, mode: Mode| {
+        let count = |answer: AnswerKind, mode: Mode| {
             let labels = ClaimLabels { tenant: t.clone(), outcome: answer.as_str(), mode: mode.as_str() };
             self.claims.get(&labels).map_or(0, |c| c.get())
         };
-        let claims = Answer::ALL.map(|answer| count(answer, Mode::Enforce));
-        let observed = Answer::ALL.map(|answer| count(answer, Mode::Observe));
+        let claims = AnswerKind::ALL.map(|answer| count(answer, Mode::Enforce));
+        let observed = AnswerKind::ALL.map(|answer| count(answer, Mode::Observe));
         let reasons = |family: &Family<ReasonLabels, Counter>, reason: &'static str| {
             family.get(&ReasonLabels { tenant: t.clone(), reason }).map_or(0, |c| c.get())
         };
@@ -636,7 +636,7 @@ impl Metrics {
         let t = || label.clone();
         // Every answer in enforce mode (proceed is never an enforced answer); observe mode's
         // series appear with the first observed claim.
-        for answer in Answer::ALL.into_iter().filter(|a| *a != Answer::Proceed) {
+        for answer in AnswerKind::ALL.into_iter().filter(|a| *a != AnswerKind::Proceed) {
             let labels = ClaimLabels { tenant: t(), outcome: answer.as_str(), mode: Mode::Enforce.as_str() };
             let _ = self.claims.get_or_create(&labels);
         }
@@ -706,11 +706,11 @@ impl onceguard_core::Observer for Metrics {
 /// Counts since this instance started, for one tenant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Totals {
-    /// Claims by answer in enforce mode, in the order of [`Answer::ALL`].
-    pub claims: [u64; Answer::ALL.len()],
+    /// Claims by answer in enforce mode, in the order of [`AnswerKind::ALL`].
+    pub claims: [u64; AnswerKind::ALL.len()],
     /// Claims in observe mode by what enforcement answered or would have answered, in the
-    /// order of [`Answer::ALL`].
-    pub observed: [u64; Answer::ALL.len()],
+    /// order of [`AnswerKind::ALL`].
+    pub observed: [u64; AnswerKind::ALL.len()],
     /// Cost units observe mode let callers spend again where enforcement would have replayed.
     pub cost_not_saved: u64,
     /// Tokens likewise.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use onceguard_core::approval::Approval;
+use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{
     AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
@@ -276,7 +276,12 @@ impl ApprovalStore for ObservedStore {
         self.timed(StoreOp::Approval, self.inner.approval_of(scope, now)).await
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError> {
         self.timed(StoreOp::Approval, self.inner.approval(tenant, id, now)).await
     }
 

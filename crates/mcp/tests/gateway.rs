@@ -11,6 +11,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
+use onceguard_core::approval::ApprovalId;
 use onceguard_core::auth::Role;
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
 use onceguard_core::{Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, RunId, Scope, TenantId};
@@ -822,8 +823,8 @@ async fn a_tool_needing_approval_answers_a_tool_error_the_model_can_relay_until_
     assert!(text.contains("awaits a person's approval") && text.contains("was not run"), "{text}");
     let approval = &pending["result"]["_meta"]["dev.onceguard/approval"];
     assert_eq!(approval["state"], "pending");
-    let id = approval["id"].as_str().unwrap().to_owned();
-    assert!(text.contains(&id), "the text names the approval: {text}");
+    let id = ApprovalId::parse(approval["id"].as_str().unwrap()).unwrap();
+    assert!(text.contains(id.as_str()), "the text names the approval: {text}");
     assert_eq!(runs(&app.seen, "write"), 0);
     // Another tool is not gated.
     assert_eq!(app.rpc(&call(json!(2), "echo", json!({}), Some("k"))).await["result"]["content"][0]["text"], "echo 1");
@@ -838,7 +839,7 @@ async fn a_tool_needing_approval_answers_a_tool_error_the_model_can_relay_until_
     assert_eq!(runs(&app.seen, "write"), 1, "the approved call ran once");
 
     let other = app.rpc(&call(json!(5), "write", json!({"row": 8}), Some("k2"))).await;
-    let id = other["result"]["_meta"]["dev.onceguard/approval"]["id"].as_str().unwrap().to_owned();
+    let id = ApprovalId::parse(other["result"]["_meta"]["dev.onceguard/approval"]["id"].as_str().unwrap()).unwrap();
     app.guard.decide_approval(&tenant, &id, false, "admin", "row 8 is frozen".into()).await.unwrap();
     let denied = app.rpc(&call(json!(6), "write", json!({"row": 8}), Some("k2"))).await;
     assert_eq!(denied["result"]["isError"], true, "{denied}");

@@ -255,7 +255,7 @@ where
         ClaimOutcome::Mismatch => Err(ApiError::Mismatch),
         ClaimOutcome::Denied(d) => Err(ApiError::Denied(d)),
         ClaimOutcome::PendingApproval(p) => Err(ApiError::PendingApproval {
-            approval: p.approval.id,
+            approval: p.approval.id.into(),
             expires_at: p.approval.expires_at.to_rfc3339(),
             retry_after: p.retry_after,
         }),

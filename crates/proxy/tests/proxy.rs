@@ -12,6 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
 use onceguard_core::ManualClock;
+use onceguard_core::approval::ApprovalId;
 use onceguard_http::Config;
 use onceguard_store_sqlite::SqliteStore;
 use onceguard_testkit::TestStore;
@@ -690,7 +691,7 @@ async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
         assert_eq!(response.headers()["retry-after"], "5");
         let body = problem(response, 409, "approval-pending").await;
         assert_eq!(body["outcome"], "pending_approval");
-        asked.push(body["reason"]["approval"].as_str().unwrap().to_owned());
+        asked.push(ApprovalId::parse(body["reason"]["approval"].as_str().unwrap()).unwrap());
     }
     assert_eq!(asked[0], asked[1], "asked once");
     assert_eq!(executed(&counts, "charge"), 0, "nothing forwarded while pending");
@@ -705,8 +706,8 @@ async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
     assert_eq!(executed(&counts, "charge"), 1, "the approved request ran once");
 
     let pending = problem(proxy.post("/charge", "a-2", "{}").await, 409, "approval-pending").await;
-    let id = pending["reason"]["approval"].as_str().unwrap();
-    proxy.guard.decide_approval(&tenant, id, false, "admin", "not this one".into()).await.unwrap();
+    let id = ApprovalId::parse(pending["reason"]["approval"].as_str().unwrap()).unwrap();
+    proxy.guard.decide_approval(&tenant, &id, false, "admin", "not this one".into()).await.unwrap();
     let denied = problem(proxy.post("/charge", "a-2", "{}").await, 403, "approval-denied").await;
     assert_eq!(denied["reason"]["why"], "not this one");
     assert_eq!(executed(&counts, "charge"), 1, "the denied request never ran");

@@ -11,9 +11,12 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use onceguard_core::{ListFilter, Namespace, Record, RecordState, Timestamp};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::AppState;
 use crate::api::{ApiQuery, RecordHead, admin_tenant, outcome_status, record_head, require_operator};
@@ -22,6 +25,15 @@ use crate::live::{Event, LatencyView, SeriesView, StoreOpView};
 use crate::problem::ApiError;
 
 type ApiResult<T> = Result<T, ApiError>;
+
+/// The dashboard's routes: its data (with their OpenAPI paths), the page and its assets.
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(dashboard_data))
+        .routes(routes!(dashboard_record))
+        .route("/dashboard", get(page))
+        .route("/dashboard/{asset}", get(asset))
+}
 
 /// Stuck keys listed on the dashboard, at most.
 pub const STUCK_SHOWN: usize = 20;
@@ -88,9 +100,9 @@ pub struct ClaimCounts {
 }
 
 impl ClaimCounts {
-    /// The counts of `totals`, in the order of [`onceguard_core::Answer::ALL`] (proceed, never
+    /// The counts of `totals`, in the order of [`onceguard_core::AnswerKind::ALL`] (proceed, never
     /// an enforced answer, is left out).
-    fn of(totals: [u64; onceguard_core::Answer::ALL.len()]) -> Self {
+    fn of(totals: [u64; onceguard_core::AnswerKind::ALL.len()]) -> Self {
         let [acquired, replay, in_flight, mismatch, denied, pending_approval, _proceed] = totals;
         Self { acquired, replay, in_flight, mismatch, denied, pending_approval }
     }
@@ -222,7 +234,7 @@ pub struct WaitingApproval {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ControlsView {
     /// Engaged switches (as `GET /v1/switches` lists them).
-    pub switches: Vec<crate::controls::SwitchView>,
+    pub switches: Vec<crate::api::SwitchView>,
     /// One line for on-call: what is stopped, or that nothing is.
     pub summary: String,
 }
@@ -434,7 +446,7 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
             let targets: Vec<String> = switches.iter().map(|s| s.target.id()).collect();
             ControlsView {
                 summary: format!("Claims refused (423) under: {}.", targets.join(", ")),
-                switches: switches.iter().map(crate::controls::switch_view).collect(),
+                switches: switches.iter().map(crate::api::switch_view).collect(),
             }
         }
         Err(error) => ControlsView {

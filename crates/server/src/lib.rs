@@ -16,16 +16,16 @@ use axum::Router;
 use axum::extract::Request;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::get;
 use onceguard_core::auth::{ApiKey, Role};
 use onceguard_core::{Clock, Guard, SystemClock, TenantId};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
 use utoipa::OpenApi;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa_axum::router::OpenApiRouter;
 
 pub mod api;
-pub mod controls;
 pub mod dashboard;
 pub mod store_url;
 pub mod telemetry;
@@ -39,24 +39,12 @@ pub use store_url::StoreUrl;
 
 use problem::ApiError;
 
-/// The OpenAPI document, generated from the handlers and types.
+/// The OpenAPI document's frame: its title, description, tags and the problem schema. The
+/// paths come from the routes (see [`documented`]); [`openapi`] is the whole document.
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Onceguard", description = "Workflow idempotency keys for AI agents and RAG pipelines: atomic claims with leases and fences, stored outcomes that replay byte for byte, fingerprints that catch a reused key."),
-    paths(
-        api::claim, api::claim_batch, api::complete, api::complete_batch, api::fail, api::extend, api::checkpoint, api::report_unknown,
-        api::get_record, api::purge_record, api::list_records,
-        api::list_tenants, api::create_tenant, api::create_api_key, api::list_api_keys, api::revoke_api_key,
-        controls::set_budget, controls::get_run, controls::engage_switch, controls::release_switch,
-        controls::list_switches, controls::put_settings, controls::list_settings, controls::delete_settings,
-        controls::list_audit,
-        api::list_approvals, api::get_approval, api::approve, api::deny,
-        api::start_rollback, api::get_rollback, api::claim_compensation,
-        api::healthz, api::readyz,
-        api::metrics, dashboard::dashboard_data, dashboard::dashboard_record,
-    ),
     components(schemas(problem::Problem)),
-    modifiers(&BearerAuth, &CommonProblems),
     tags(
         (name = "claims", description = "Claim a key, then complete, fail, extend, checkpoint or report unknown with its fence"),
         (name = "records", description = "Read, list and purge records"),
@@ -68,7 +56,7 @@ use problem::ApiError;
         (name = "observability", description = "Prometheus metrics and the dashboard's data"),
     )
 )]
-pub struct ApiDoc;
+struct ApiDoc;
 
 struct BearerAuth;
 
@@ -122,8 +110,24 @@ impl utoipa::Modify for CommonProblems {
     }
 }
 
-async fn openapi_json() -> impl IntoResponse {
-    axum::Json(ApiDoc::openapi())
+/// Every documented route, each resource's from its module ([`api::routes`], the dashboard's),
+/// with its OpenAPI path, on the document's frame.
+fn documented() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi()).merge(api::routes()).merge(dashboard::routes())
+}
+
+/// Adds what the document says of every operation once all are in: the bearer scheme, and
+/// the problems any `/v1` operation may answer.
+fn finish(mut doc: utoipa::openapi::OpenApi) -> utoipa::openapi::OpenApi {
+    use utoipa::Modify as _;
+    BearerAuth.modify(&mut doc);
+    CommonProblems.modify(&mut doc);
+    doc
+}
+
+/// The OpenAPI document, generated from the handlers and types (what `/openapi.json` serves).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    finish(documented().into_openapi())
 }
 
 async fn not_found() -> ApiError {
@@ -143,42 +147,10 @@ pub fn app(config: &Config, state: AppState) -> Result<Router, onceguard_core::I
 pub fn router(state: AppState, config: &Config) -> Router {
     let timeout = config.http.request_timeout;
     let metrics = state.metrics.clone();
-    Router::new()
-        .route("/v1/claims", post(api::claim))
-        .route("/v1/claims/batch", post(api::claim_batch))
-        .route("/v1/claims/complete", post(api::complete))
-        .route("/v1/claims/complete/batch", post(api::complete_batch))
-        .route("/v1/claims/fail", post(api::fail))
-        .route("/v1/claims/extend", post(api::extend))
-        .route("/v1/claims/checkpoint", post(api::checkpoint))
-        .route("/v1/claims/report-unknown", post(api::report_unknown))
-        .route("/v1/record", get(api::get_record).delete(api::purge_record))
-        .route("/v1/records", get(api::list_records))
-        .route("/v1/tenants", get(api::list_tenants).post(api::create_tenant))
-        .route("/v1/api-keys", get(api::list_api_keys).post(api::create_api_key))
-        .route("/v1/api-keys/{id}", delete(api::revoke_api_key))
-        .route("/v1/runs/{run}", get(controls::get_run).put(controls::set_budget))
-        .route("/v1/runs/{run}/rollback", get(api::get_rollback).post(api::start_rollback))
-        .route("/v1/runs/{run}/compensations/claim", post(api::claim_compensation))
-        .route("/v1/switches", get(controls::list_switches).post(controls::engage_switch))
-        .route("/v1/switches/release", post(controls::release_switch))
-        .route(
-            "/v1/settings",
-            get(controls::list_settings).put(controls::put_settings).delete(controls::delete_settings),
-        )
-        .route("/v1/audit", get(controls::list_audit))
-        .route("/v1/approvals", get(api::list_approvals))
-        .route("/v1/approvals/{id}", get(api::get_approval))
-        .route("/v1/approvals/{id}/approve", post(api::approve))
-        .route("/v1/approvals/{id}/deny", post(api::deny))
-        .route("/healthz", get(api::healthz))
-        .route("/readyz", get(api::readyz))
-        .route("/openapi.json", get(openapi_json))
-        .route("/metrics", get(api::metrics))
-        .route("/v1/dashboard", get(dashboard::dashboard_data))
-        .route("/v1/dashboard/record", get(dashboard::dashboard_record))
-        .route("/dashboard", get(dashboard::page))
-        .route("/dashboard/{asset}", get(dashboard::asset))
+    let (routes, doc) = documented().split_for_parts();
+    let doc = Arc::new(finish(doc));
+    routes
+        .route("/openapi.json", get(move || std::future::ready(axum::Json(doc.as_ref().clone()))))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)

@@ -3,7 +3,7 @@
 
 use super::*;
 
-use onceguard_core::approval::Approval;
+use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::store::{ApprovalFilter, ApprovalStore};
 
 fn decode(doc: &str) -> Result<Approval, StoreError> {
@@ -25,13 +25,18 @@ impl ApprovalStore for PgStore {
         row.map(|r| decode(r.get(0))).transpose()
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, _caller_now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        _caller_now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError> {
         let row = self
             .client()
             .await?
             .query_opt(
                 "SELECT doc FROM og_approvals WHERE tenant = $1 AND id = $2 AND kept_until > og_now($3)",
-                &[&tenant.as_str(), &id, &self.given_now()],
+                &[&tenant.as_str(), &id.as_str(), &self.given_now()],
             )
             .await
             .map_err(unavailable)?;
@@ -72,7 +77,7 @@ impl ApprovalStore for PgStore {
                  ON CONFLICT (tenant, namespace, key) DO UPDATE
                  SET id = excluded.id, kept_until = excluded.kept_until, doc = excluded.doc
                  WHERE $7",
-                &[&t, &n, &k, &new.id, &to_i64(new.kept_until()), &doc, &stored.is_some()],
+                &[&t, &n, &k, &new.id.as_str(), &to_i64(new.kept_until()), &doc, &stored.is_some()],
             )
             .await
             .map_err(unavailable)?;

@@ -244,8 +244,9 @@ impl ControlStore for PgStore {
         let mut revoked = 0;
         let mut after = None;
         loop {
-            let (n, next) =
-                revoke_chunk(&self.pool, tenant, target, detail, &self.writers.clock, after.as_ref()).await.map_err(|e| match e {
+            let (n, next) = revoke_chunk(&self.pool, tenant, target, detail, &self.writers.clock, after.as_ref())
+                .await
+                .map_err(|e| match e {
                     BatchError::Data(e) => corrupt(e),
                     e => unavailable(e),
                 })?;

@@ -14,7 +14,8 @@ impl RunStore for PgStore {
     ) -> Result<Run, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(unavailable)?;
-        let now = timestamp(tx.query_one("SELECT og_now($1)", &[&self.given_now()]).await.map_err(unavailable)?.get(0))?;
+        let now =
+            timestamp(tx.query_one("SELECT og_now($1)", &[&self.given_now()]).await.map_err(unavailable)?.get(0))?;
         // The run's lock, as a batch that charges it takes it: read, change, write.
         let lock_run = tx.prepare_cached("SELECT * FROM og_lock_run($1, $2, $3)").await.map_err(unavailable)?;
         let h = class_lock(&[tenant.as_str(), run.as_str()]);

@@ -4,7 +4,7 @@
 //! Approvals are few (a person decides each): listing one tenant's reads the whole hash.
 
 use async_trait::async_trait;
-use onceguard_core::approval::Approval;
+use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::control::AuditEntry;
 use onceguard_core::store::{ApprovalFilter, ApprovalStore, StoreError};
 use onceguard_core::{Scope, TenantId, Timestamp};
@@ -71,18 +71,23 @@ impl ApprovalStore for RedisStore {
         self.bounded("read an approval", self.kept_approval(&field(scope))).await
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, _now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        _now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError> {
         self.bounded("read an approval", async {
             let mut conn = self.conn.clone();
             let field: Option<Vec<u8>> = redis::cmd("HGET")
                 .arg(self.keys.approval_ids())
-                .arg(id_field(tenant, id))
+                .arg(id_field(tenant, id.as_str()))
                 .query_async(&mut conn)
                 .await
                 .map_err(unavailable("read an approval id"))?;
             let Some(field) = field else { return Ok(None) };
             let kept = self.kept_approval(&field).await?;
-            Ok(kept.filter(|a| a.id == id && &a.scope.tenant == tenant))
+            Ok(kept.filter(|a| &a.id == id && &a.scope.tenant == tenant))
         })
         .await
     }
@@ -170,7 +175,7 @@ impl ApprovalStore for RedisStore {
                     .key(self.keys.approval_ids())
                     .arg(field)
                     .arg(value)
-                    .arg(id_field(&approval.scope.tenant, &approval.id));
+                    .arg(id_field(&approval.scope.tenant, approval.id.as_str()));
                 let n: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("sweep an approval"))?;
                 swept += usize::try_from(n).unwrap_or(0);
             }

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use onceguard_core::approval::ApprovalId;
 use onceguard_core::control::{Budget, IN_FLIGHT_RETRY_AFTER, Run, RunUsage};
 use onceguard_core::store::StoreError;
 use onceguard_core::{
@@ -128,7 +129,10 @@ impl Fields {
             attempt: number(self.need("at")?, "attempt")?,
             run: self.get("run").map(|r| text(r).and_then(|r| RunId::parse(r).map_err(corrupt))).transpose()?,
             charged: self.get("ch").is_some_and(|c| c == b"1"),
-            approval: self.get("ap").map(|a| text(a).map(str::to_owned)).transpose()?,
+            approval: self
+                .get("ap")
+                .map(|a| text(a).and_then(|a| ApprovalId::parse(a).map_err(corrupt)))
+                .transpose()?,
             lease_expires_at: self.opt_time("le")?,
             unknown: self.get("un").map(|u| text(u).map(str::to_owned)).transpose()?,
             retention: Duration::from_millis(number(self.need("re")?, "retention")?),

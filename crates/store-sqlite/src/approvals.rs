@@ -3,7 +3,7 @@
 
 use super::*;
 
-use onceguard_core::approval::Approval;
+use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::store::{ApprovalFilter, ApprovalStore};
 
 fn decode(doc: String) -> Result<Approval, StoreError> {
@@ -33,8 +33,13 @@ impl ApprovalStore for SqliteStore {
         self.read(move |conn| kept_of(conn, &scope, now)).await
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
-        let (tenant, id) = (tenant.clone(), id.to_owned());
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError> {
+        let (tenant, id) = (tenant.clone(), id.to_string());
         self.read(move |conn| {
             let doc: Option<String> = conn
                 .prepare_cached("SELECT doc FROM approvals WHERE tenant = ?1 AND id = ?2 AND kept_until > ?3")
@@ -70,7 +75,7 @@ impl ApprovalStore for SqliteStore {
                     s.tenant.as_str(),
                     s.namespace.as_str(),
                     s.key.as_str(),
-                    new.id,
+                    new.id.as_str(),
                     to_i64(new.kept_until()),
                     doc
                 ])

@@ -3,7 +3,7 @@
 
 use super::*;
 
-use crate::approval::{Approval, ApprovalState, DecideError, Decision, Notice, PendingApproval};
+use crate::approval::{Approval, ApprovalId, ApprovalState, DecideError, Decision, Notice, PendingApproval};
 use crate::domain::Timestamp;
 use crate::store::{ApprovalFilter, Pages};
 
@@ -50,7 +50,7 @@ impl Guard {
     /// acquired or charged here: what lets a claim acquire is decided in the store's atomic
     /// claim ([`crate::protocol::ApprovalGate`]). A pending approval is recorded when none is
     /// kept (not in observe mode).
-    pub(super) async fn approval_gate(&self, req: &ClaimRequest, ask: &Ask) -> Result<Gate, GuardError> {
+    async fn approval_gate(&self, req: &ClaimRequest, ask: &Ask) -> Result<Gate, GuardError> {
         // Three compare-and-sets lost in a row to other claims and decisions of the same key:
         // something is wrong; no decision was made.
         for _ in 0..3 {
@@ -166,7 +166,7 @@ impl Guard {
     pub async fn decide_approval(
         &self,
         tenant: &TenantId,
-        id: &str,
+        id: &ApprovalId,
         approved: bool,
         by: &str,
         why: String,
@@ -177,7 +177,7 @@ impl Guard {
         for _ in 0..3 {
             let now = self.clock.now();
             let kept = self.store.approval(tenant, id, now).await?;
-            let Some(current) = kept else { return Err(DecideError::NotFound(id.to_owned()).into()) };
+            let Some(current) = kept else { return Err(DecideError::NotFound(id.to_string()).into()) };
             let decided = current.decide(Decision { approved, by: by.to_owned(), why: why.clone(), at: now })?;
             let action = if approved { "approval.approve" } else { "approval.deny" };
             let target = format!("{}/{}", current.scope.namespace, current.scope.key);
@@ -262,7 +262,7 @@ impl Guard {
     }
 
     /// The tenant's approval `id`, if kept.
-    pub async fn approval(&self, tenant: &TenantId, id: &str) -> Result<Option<Approval>, GuardError> {
+    pub async fn approval(&self, tenant: &TenantId, id: &ApprovalId) -> Result<Option<Approval>, GuardError> {
         Ok(self.store.approval(tenant, id, self.clock.now()).await?)
     }
 
@@ -289,7 +289,7 @@ impl Guard {
         while let Some(filter) = pages.page() {
             let page = self.list_approvals(tenant, filter).await?;
             // A full page may have a next one, after its last id.
-            let next = page.last().filter(|_| page.len() == limit).map(|a| a.id.clone());
+            let next = page.last().filter(|_| page.len() == limit).map(|a| a.id.to_string());
             pages.turn(next, |f, after| f.after = Some(after));
             all.extend(page);
         }

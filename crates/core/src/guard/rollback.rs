@@ -1,18 +1,16 @@
-//! Rolling a run back (see [`crate::rollback`]): reading its progress, and handing its
-//! compensation tasks to workers through the one door (an operator starts it:
-//! `Guard::start_rollback`, in [`crate::admin`]).
+//! Rolling a run back (see [`crate::rollback`]): starting it (an operator's action,
+//! [`Guard::start_rollback`]), reading its progress, and handing its compensation tasks to
+//! workers through the one door.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::domain::{RunId, TenantId};
+use crate::control::{AuditEntry, ControlDoc, SwitchTarget};
+use crate::domain::{RunId, Scope, TenantId, check_reason};
 use crate::guard::{Claim, Guard, GuardError};
-use std::collections::HashMap;
-
-use crate::domain::Scope;
 use crate::record::{Acquired, ClaimOutcome, Denial, OutcomeKind, Record, RecordState};
 use crate::rollback::{Progress, Rollback, RollbackReport, Task, TaskState, task_run};
-use crate::store::StoreError;
-use crate::store::{ListFilter, MAX_PAGE, Pages};
+use crate::store::{ListFilter, MAX_PAGE, Pages, StoreError};
 
 /// What a worker asking for a compensation task gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +63,46 @@ pub(super) struct TaskTerms {
 }
 
 impl Guard {
+    /// Starts rolling `run` back (an admin's action): a kill switch on the run (audited as
+    /// `switch.engage`), then the rollback itself (audited as `run.rollback` with why). Answers
+    /// the rollback as it now stands and whether this call started it: a run already being
+    /// rolled back is left as it is.
+    pub async fn start_rollback(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        run: &RunId,
+        why: String,
+    ) -> Result<(RollbackReport, bool), GuardError> {
+        check_reason("why", &why)?;
+        // A run rolled back already answers its rollback, and changes nothing (its switch may
+        // have been released since: it stays released).
+        if let Some(existing) = self.refresh_controls().await?.rollback(tenant, run) {
+            return Ok((self.report(existing.clone()).await?, false));
+        }
+        // The run is switched off first, so that the rollback's cut-off (from its start, which
+        // comes after) covers every effect an instance claimed before it saw the switch.
+        let target = SwitchTarget::Run { run: run.clone() };
+        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
+        let now = self.clock().now();
+        let rollback =
+            Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
+        let entry =
+            AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
+        // The start is one insert-if-absent: of concurrent starts on any instances, one writes
+        // the rollback (and its one audit entry); the others answer the rollback it wrote.
+        let started = self.store().insert_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
+        let controls = self.refresh_controls().await?;
+        let rollback = if started {
+            rollback
+        } else {
+            controls.rollback(tenant, run).cloned().ok_or_else(|| {
+                StoreError::Unavailable("the run's rollback was started but could not be read back".into())
+            })?
+        };
+        Ok((self.report(rollback).await?, started))
+    }
+
     /// The rollback of `run` as it now stands, if the run is being rolled back.
     pub async fn rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<RollbackReport>, GuardError> {
         match self.rollback_doc(tenant, run).await? {
@@ -162,7 +200,7 @@ impl Guard {
     }
 
     /// `rollback` with its progress and tasks as they now stand.
-    pub(crate) async fn report(&self, rollback: Rollback) -> Result<RollbackReport, GuardError> {
+    async fn report(&self, rollback: Rollback) -> Result<RollbackReport, GuardError> {
         let (progress, tasks) = self.tasks(&rollback).await?;
         Ok(RollbackReport { rollback, progress, tasks })
     }

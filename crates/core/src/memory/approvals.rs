@@ -2,7 +2,7 @@
 
 use super::*;
 
-use crate::approval::Approval;
+use crate::approval::{Approval, ApprovalId};
 use crate::store::{ApprovalFilter, ApprovalStore};
 
 #[async_trait]
@@ -11,10 +11,15 @@ impl ApprovalStore for MemoryStore {
         Ok(self.lock().approvals.get(scope).filter(|a| a.is_kept(now)).cloned())
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError> {
         let state = self.lock();
-        let found = state.approval_ids.get(&(tenant.clone(), id.to_owned())).and_then(|s| state.approvals.get(s));
-        Ok(found.filter(|a| a.id == id && a.is_kept(now)).cloned())
+        let found = state.approval_ids.get(&(tenant.clone(), id.to_string())).and_then(|s| state.approvals.get(s));
+        Ok(found.filter(|a| &a.id == id && a.is_kept(now)).cloned())
     }
 
     async fn put_approval(
@@ -30,9 +35,9 @@ impl ApprovalStore for MemoryStore {
             return Ok(false);
         }
         if let Some(old) = state.approvals.insert(new.scope.clone(), new.clone()) {
-            state.approval_ids.remove(&(old.scope.tenant.clone(), old.id));
+            state.approval_ids.remove(&(old.scope.tenant.clone(), old.id.into()));
         }
-        state.approval_ids.insert((new.scope.tenant.clone(), new.id.clone()), new.scope.clone());
+        state.approval_ids.insert((new.scope.tenant.clone(), new.id.to_string()), new.scope.clone());
         state.log(audit);
         Ok(true)
     }
@@ -62,7 +67,7 @@ impl ApprovalStore for MemoryStore {
             state.approvals.values().filter(|a| !a.is_kept(now)).take(batch).map(|a| a.scope.clone()).collect();
         for scope in &gone {
             if let Some(old) = state.approvals.remove(scope) {
-                state.approval_ids.remove(&(old.scope.tenant, old.id));
+                state.approval_ids.remove(&(old.scope.tenant, old.id.into()));
             }
         }
         Ok(gone.len())

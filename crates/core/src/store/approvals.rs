@@ -3,7 +3,7 @@
 
 use async_trait::async_trait;
 
-use crate::approval::{Approval, ApprovalState};
+use crate::approval::{Approval, ApprovalId, ApprovalState};
 use crate::control::AuditEntry;
 use crate::domain::{Scope, TenantId, Timestamp};
 use crate::store::StoreError;
@@ -39,7 +39,12 @@ pub trait ApprovalStore: Send + Sync + 'static {
     async fn approval_of(&self, scope: &Scope, now: Timestamp) -> Result<Option<Approval>, StoreError>;
 
     /// The tenant's approval `id`, if it is kept at `now`.
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError>;
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError>;
 
     /// Writes `new` as the approval of its key if the approval kept for the key at `now` is
     /// still exactly `expected` (`None`: none is kept, though one no longer kept may still be

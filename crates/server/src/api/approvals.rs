@@ -1,10 +1,19 @@
 //! Approvals: a claim's pending approval, and an approver's decision (see
 //! `onceguard_core::approval`).
 
-use onceguard_core::approval::{Approval, ApprovalState};
+use onceguard_core::approval::{Approval, ApprovalId, ApprovalState, DecideError};
 use onceguard_core::store::ApprovalFilter;
 
 use super::*;
+
+/// The routes of approvals, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_approvals))
+        .routes(routes!(get_approval))
+        .routes(routes!(approve))
+        .routes(routes!(deny))
+}
 
 /// A decision taken.
 #[derive(Debug, Serialize, ToSchema)]
@@ -77,7 +86,7 @@ pub struct PendingApprovalView {
 /// time of the answer).
 pub fn approval_view(a: &Approval, state: ApprovalState) -> ApprovalView {
     ApprovalView {
-        id: a.id.clone(),
+        id: a.id.to_string(),
         state: state.as_str(),
         namespace: a.scope.namespace.to_string(),
         key: a.scope.key.to_string(),
@@ -148,7 +157,7 @@ pub async fn list_approvals(
     let filter = ApprovalFilter { state: wanted, after: q.cursor, limit };
     let found = state.guard.list_approvals(&caller.tenant, &filter).await?;
     let now = state.guard.clock().now();
-    let next = (found.len() == limit).then(|| found.last().map(|a| a.id.clone())).flatten();
+    let next = (found.len() == limit).then(|| found.last().map(|a| a.id.to_string())).flatten();
     Ok(Json(ApprovalPage { approvals: found.iter().map(|a| approval_view(a, a.state(now))).collect(), next }))
 }
 
@@ -165,7 +174,11 @@ pub async fn get_approval(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult<Json<ApprovalView>> {
-    let found = state.guard.approval(&caller.tenant, &id).await?;
+    // An id that does not parse names no kept approval: answered as an unknown one is.
+    let found = match ApprovalId::parse(&id) {
+        Ok(parsed) => state.guard.approval(&caller.tenant, &parsed).await?,
+        Err(_) => None,
+    };
     let approval = found.ok_or_else(|| ApiError::NotFound(format!("no approval {id} is kept")))?;
     Ok(Json(approval_view(&approval, approval.state(state.guard.clock().now()))))
 }
@@ -190,7 +203,13 @@ async fn decide(
 ) -> ApiResult<Json<ApprovalView>> {
     let tenant = admin_tenant(state, caller, body.tenant.as_deref())?;
     let why = body.why;
-    let decided = state.guard.decide_approval(&tenant, id, approved, &caller.actor(), why).await?;
+    let Ok(parsed) = ApprovalId::parse(id) else {
+        // An id that does not parse names no kept approval: refused as the guard refuses an
+        // unknown one, after the reason, which the guard checks first.
+        onceguard_core::domain::check_reason("why", &why)?;
+        return Err(onceguard_core::GuardError::from(DecideError::NotFound(id.to_owned())).into());
+    };
+    let decided = state.guard.decide_approval(&tenant, &parsed, approved, &caller.actor(), why).await?;
     tracing::info!(%tenant, approval = id, approved, "approval decided");
     Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
 }

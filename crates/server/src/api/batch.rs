@@ -6,6 +6,11 @@ use onceguard_core::store::FencedCall;
 
 use super::*;
 
+/// The routes of batch claims and completions, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(claim_batch)).routes(routes!(complete_batch))
+}
+
 /// Claim many keys at once (up to `limits.max_batch`).
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -101,20 +106,22 @@ pub async fn claim_batch(
     let outcomes = state.guard.claim_batch(claims).await?;
     let results = outcomes
         .into_iter()
-        .map(|outcome| match outcome.map(answer) {
+        .map(|outcome| match outcome.map(claim_response) {
             Err(error) => refused(&ApiError::from(error)),
-            Ok(answer) => match answer {
-                Answer::Acquired(view) => {
+            Ok(response) => match response {
+                ClaimResponse::Acquired(view) => {
                     BatchAnswer { status: 201, body: ViewOrProblem::View(ClaimView::Acquired(view)) }
                 }
-                Answer::Replay(view) => BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Replay(view)) },
-                Answer::Pending(view) => {
+                ClaimResponse::Replay(view) => {
+                    BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Replay(view)) }
+                }
+                ClaimResponse::Pending(view) => {
                     BatchAnswer { status: 202, body: ViewOrProblem::View(ClaimView::Pending(view)) }
                 }
-                Answer::Proceed(view) => {
+                ClaimResponse::Proceed(view) => {
                     BatchAnswer { status: 200, body: ViewOrProblem::View(ClaimView::Proceed(view)) }
                 }
-                Answer::Refused(error) => refused(&error),
+                ClaimResponse::Refused(error) => refused(&error),
             },
         })
         .collect();

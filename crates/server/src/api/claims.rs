@@ -4,6 +4,11 @@ use onceguard_core::approval::ApprovalState;
 
 use super::*;
 
+/// The route of the claim, with its OpenAPI path.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(claim))
+}
+
 /// Claim a key.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -136,21 +141,21 @@ pub async fn claim(
     ApiJson(body): ApiJson<ClaimBody>,
 ) -> ApiResult<Response> {
     let outcome = state.guard.claim(body.claim(&caller)?).await?;
-    match answer(outcome) {
-        Answer::Acquired(view) => Ok((StatusCode::CREATED, Json(view)).into_response()),
-        Answer::Replay(view) => {
+    match claim_response(outcome) {
+        ClaimResponse::Acquired(view) => Ok((StatusCode::CREATED, Json(view)).into_response()),
+        ClaimResponse::Replay(view) => {
             let mut response = Json(view).into_response();
             response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(response)
         }
-        Answer::Pending(view) => Ok(pending_response(view)),
-        Answer::Proceed(view) => {
+        ClaimResponse::Pending(view) => Ok(pending_response(view)),
+        ClaimResponse::Proceed(view) => {
             let would_have_been = HeaderValue::from_static(view.would_have_been);
             let mut response = Json(view).into_response();
             response.headers_mut().insert("onceguard-would-have-been", would_have_been);
             Ok(response)
         }
-        Answer::Refused(error) => Err(error),
+        ClaimResponse::Refused(error) => Err(error),
     }
 }
 
@@ -183,8 +188,8 @@ impl ClaimBody {
     }
 }
 
-/// A claim's answer as the API gives it: a view (201, 200) or a problem.
-pub(crate) enum Answer {
+/// A claim's answer as the API responds: a view (201, 200, 202) or a problem.
+pub(crate) enum ClaimResponse {
     Acquired(AcquiredView),
     Replay(ReplayView),
     Pending(PendingApprovalView),
@@ -218,8 +223,8 @@ pub(crate) fn acquired_view(a: onceguard_core::Acquired) -> AcquiredView {
     }
 }
 
-/// The API's answer for `outcome` (recorded on the request's span).
-pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
+/// The API's response to `outcome` (recorded on the request's span).
+pub(crate) fn claim_response(outcome: ClaimOutcome) -> ClaimResponse {
     let fence = match &outcome {
         ClaimOutcome::Acquired(a) => Some(a.fence),
         ClaimOutcome::Replay(r) => Some(r.fence),
@@ -227,8 +232,8 @@ pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
     };
     record_answer(outcome.name(), fence);
     match outcome {
-        ClaimOutcome::Acquired(a) => Answer::Acquired(acquired_view(a)),
-        ClaimOutcome::Replay(r) => Answer::Replay(ReplayView {
+        ClaimOutcome::Acquired(a) => ClaimResponse::Acquired(acquired_view(a)),
+        ClaimOutcome::Replay(r) => ClaimResponse::Replay(ReplayView {
             outcome: "replay",
             fence: r.fence.0,
             attempt: r.attempt,
@@ -236,16 +241,16 @@ pub(crate) fn answer(outcome: ClaimOutcome) -> Answer {
             stored: stored_view(&r.outcome),
         }),
         ClaimOutcome::InFlight(f) => {
-            Answer::Refused(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt })
+            ClaimResponse::Refused(ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt })
         }
-        ClaimOutcome::Mismatch => Answer::Refused(ApiError::Mismatch),
-        ClaimOutcome::Denied(d) => Answer::Refused(ApiError::Denied(d)),
-        ClaimOutcome::PendingApproval(p) => Answer::Pending(PendingApprovalView {
+        ClaimOutcome::Mismatch => ClaimResponse::Refused(ApiError::Mismatch),
+        ClaimOutcome::Denied(d) => ClaimResponse::Refused(ApiError::Denied(d)),
+        ClaimOutcome::PendingApproval(p) => ClaimResponse::Pending(PendingApprovalView {
             outcome: "pending_approval",
             retry_after_ms: u64::try_from(p.retry_after.as_millis()).unwrap_or(u64::MAX),
             approval: approval_view(&p.approval, ApprovalState::Pending),
         }),
-        ClaimOutcome::Proceed(would_have_been) => Answer::Proceed(ProceedView {
+        ClaimOutcome::Proceed(would_have_been) => ClaimResponse::Proceed(ProceedView {
             outcome: "proceed",
             mode: "observe",
             would_have_been: would_have_been.name(),

@@ -2,6 +2,16 @@
 
 use super::*;
 
+/// The routes of the fenced calls, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(complete))
+        .routes(routes!(fail))
+        .routes(routes!(extend))
+        .routes(routes!(checkpoint))
+        .routes(routes!(report_unknown))
+}
+
 async fn fenced(
     state: &AppState,
     caller: &Caller,

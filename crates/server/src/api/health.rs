@@ -2,6 +2,11 @@
 
 use super::*;
 
+/// The routes of liveness, readiness and metrics, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(healthz)).routes(routes!(readyz)).routes(routes!(metrics))
+}
+
 /// A health answer.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct HealthView {

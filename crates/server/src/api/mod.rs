@@ -1,11 +1,18 @@
 //! The `/v1` handlers, one module per resource: they parse the edge into domain types, call
-//! the guard, and render. Every decision is made in `onceguard-core`.
+//! the guard, and render. Every decision is made in `onceguard-core`. Each module gives its
+//! own routes with their OpenAPI paths (`routes()`, from the handlers' `#[utoipa::path]`), and
+//! [`routes`] gathers them, so a new endpoint touches only its resource's module.
 //!
-//! - `claims.rs`: `POST /v1/claims`; `fenced.rs`: complete, fail, extend, checkpoint,
-//!   report-unknown; `records.rs`: read, list, purge; `tenants.rs`: tenants and API keys;
-//!   `approvals.rs`: pending approvals and decisions; `rollbacks.rs`: rolling a run back and
-//!   its compensation tasks; `health.rs`: `/healthz`, `/readyz`,
-//!   `/metrics`; `views.rs`: how records and outcomes look.
+//! - `claims.rs`: `POST /v1/claims`; `batch.rs`: claims and completions in batches;
+//!   `fenced.rs`: complete, fail, extend, checkpoint, report-unknown; `records.rs`: read,
+//!   list, purge; `tenants.rs`: tenants and API keys; `approvals.rs`: pending approvals and
+//!   decisions; `rollbacks.rs`: rolling a run back and its compensation tasks.
+//! - The blast radius (every change by an admin, audited by the guard; an admin of the
+//!   operator tenant may act on another tenant with `tenant`): `runs.rs`: runs and budgets;
+//!   `switches.rs`: kill switches; `settings.rs`: settings and quotas; `audit.rs`: the audit
+//!   log.
+//! - `health.rs`: `/healthz`, `/readyz`, `/metrics`; `views.rs`: how records and outcomes
+//!   look.
 
 use std::time::Duration;
 
@@ -24,6 +31,8 @@ use onceguard_core::{
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -79,21 +88,46 @@ fn raw_json(text: &str) -> Option<Box<RawValue>> {
 }
 
 mod approvals;
+mod audit;
 mod batch;
 mod claims;
 mod fenced;
 mod health;
 mod records;
 mod rollbacks;
+mod runs;
+mod settings;
+mod switches;
 mod tenants;
 mod views;
 
 pub use approvals::*;
+pub use audit::*;
 pub use batch::*;
 pub use claims::*;
 pub use fenced::*;
 pub use health::*;
 pub use records::*;
 pub use rollbacks::*;
+pub use runs::*;
+pub use settings::*;
+pub use switches::*;
 pub use tenants::*;
 pub use views::*;
+
+/// Every resource's routes, with their OpenAPI paths.
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .merge(claims::routes())
+        .merge(batch::routes())
+        .merge(fenced::routes())
+        .merge(records::routes())
+        .merge(tenants::routes())
+        .merge(runs::routes())
+        .merge(rollbacks::routes())
+        .merge(switches::routes())
+        .merge(settings::routes())
+        .merge(audit::routes())
+        .merge(approvals::routes())
+        .merge(health::routes())
+}

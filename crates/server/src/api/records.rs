@@ -2,6 +2,11 @@
 
 use super::*;
 
+/// The routes of records, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(get_record, purge_record)).routes(routes!(list_records))
+}
+
 /// One record's address.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]

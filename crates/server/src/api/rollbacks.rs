@@ -8,6 +8,11 @@ use onceguard_core::rollback::{Progress, RollbackReport, Task};
 
 use super::*;
 
+/// The routes of rolling a run back, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(get_rollback, start_rollback)).routes(routes!(claim_compensation))
+}
+
 /// Start rolling a run back.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

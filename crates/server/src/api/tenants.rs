@@ -2,6 +2,14 @@
 
 use super::*;
 
+/// The routes of tenants and API keys, with their OpenAPI paths.
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_tenants, create_tenant))
+        .routes(routes!(list_api_keys, create_api_key))
+        .routes(routes!(revoke_api_key))
+}
+
 /// A tenant.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct TenantView {

@@ -287,7 +287,7 @@ impl onceguard_core::store::ApprovalStore for BreakableStore {
     async fn approval(
         &self,
         tenant: &TenantId,
-        id: &str,
+        id: &onceguard_core::approval::ApprovalId,
         now: Timestamp,
     ) -> Result<Option<onceguard_core::approval::Approval>, StoreError> {
         self.up()?.approval(tenant, id, now).await

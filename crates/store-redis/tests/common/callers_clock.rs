@@ -258,7 +258,12 @@ impl ApprovalStore for AtCallersTime {
         self.at(now, self.store.approval_of(scope, now)).await
     }
 
-    async fn approval(&self, tenant: &TenantId, id: &str, now: Timestamp) -> Result<Option<Approval>, StoreError> {
+    async fn approval(
+        &self,
+        tenant: &TenantId,
+        id: &onceguard_core::approval::ApprovalId,
+        now: Timestamp,
+    ) -> Result<Option<Approval>, StoreError> {
         self.at(now, self.store.approval(tenant, id, now)).await
     }
 

@@ -1,7 +1,7 @@
 //! Conformance cases of approvals (bound to a key and its fingerprint) and of reconciliation
 //! (a recovery completed without running the effect again), on every store.
 
-use onceguard_core::approval::{Approval, ApprovalState, DecideError};
+use onceguard_core::approval::{Approval, ApprovalId, ApprovalState, DecideError};
 use onceguard_core::control::{Settings, SettingsEntry};
 use onceguard_core::store::ApprovalFilter;
 use onceguard_core::{Claim, GuardError};
@@ -36,7 +36,7 @@ impl Case {
         }
     }
 
-    async fn decide(&self, id: &str, approved: bool) -> Result<Approval, GuardError> {
+    async fn decide(&self, id: &ApprovalId, approved: bool) -> Result<Approval, GuardError> {
         let tenant = TenantId::parse("acme").unwrap();
         self.guard.decide_approval(&tenant, id, approved, "admin-key", "checked the order".into()).await
     }
@@ -265,7 +265,7 @@ pub async fn approvals_are_written_over_the_one_read(store: Subject) {
     all.sort();
     let every = ApprovalFilter { limit: 10, ..ApprovalFilter::default() };
     assert_eq!(ids(store.list_approvals(&s.tenant, &every, now).await.unwrap()), all);
-    let after_first = ApprovalFilter { after: Some(all[0].clone()), limit: 10, ..ApprovalFilter::default() };
+    let after_first = ApprovalFilter { after: Some(all[0].to_string()), limit: 10, ..ApprovalFilter::default() };
     assert_eq!(ids(store.list_approvals(&s.tenant, &after_first, now).await.unwrap()), all[1..].to_vec());
     // Past its expiry the pending one is no longer kept; a new request may replace it.
     c.clock.advance(Duration::from_secs(61));
@@ -324,7 +324,7 @@ pub async fn a_batch_asks_each_key_needing_approval(store: Subject) {
         reqs.iter().map(|r| crate::through_the_door(r, Duration::ZERO)).map(|c| Claim { wait: None, ..c }).collect()
     };
     let first = c.claim_batch(batch(&[&a, &b, &outside])).await;
-    let ids: Vec<String> = first[..2]
+    let ids: Vec<ApprovalId> = first[..2]
         .iter()
         .map(|o| match o {
             ClaimOutcome::PendingApproval(p) => p.approval.id.clone(),
@@ -346,7 +346,8 @@ pub async fn a_notice_is_taken_once_per_attempt(store: Subject) {
     needing_approvals(&c).await;
     let pending = c.pending(&request(&scope("notify-1"), "a")).await;
     let lease = |_| Duration::from_secs(15);
-    let instances: Vec<Guard> = (0..4).map(|_| Guard::new(store.store.clone(), c.clock.clone(), Limits::default())).collect();
+    let instances: Vec<Guard> =
+        (0..4).map(|_| Guard::new(store.store.clone(), c.clock.clone(), Limits::default())).collect();
     let take = |pending: Approval| {
         let instances = instances.clone();
         async move {
@@ -408,7 +409,7 @@ pub async fn an_approval_lets_its_call_run_once(store: Subject) {
     let first = c.acquire(&req).await;
     let used = c.guard.approval(&s.tenant, &asked.id).await.unwrap().unwrap();
     assert_eq!(used.used, Some(c.clock.now()), "the approval is reserved by the acquiring claim");
-    assert_eq!(c.get(&s).await.unwrap().approval.as_deref(), Some(asked.id.as_str()), "the record keeps it");
+    assert_eq!(c.get(&s).await.unwrap().approval.as_ref(), Some(&asked.id), "the record keeps it");
     let failed = Outcome { kind: OutcomeKind::Failure, ..success("timeout before sending") };
     c.applied(&s, first, Mutation::Fail { retryable: true, outcome: failed }).await;
     // The released key: another request is refused; the same one runs again.

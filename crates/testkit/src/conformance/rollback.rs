@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use onceguard_core::control::{Mode, Settings, SettingsEntry};
 use onceguard_core::guard::{CompensationClaim, TaskHeld};
 use onceguard_core::rollback::TaskState;
-use onceguard_core::{Answer, Compensation, Observer};
+use onceguard_core::{AnswerKind, Compensation, Observer};
 
 use super::*;
 
@@ -141,8 +141,9 @@ pub async fn concurrent_rollback_starts_start_once(store: Subject) {
     const ACTORS: usize = 8;
     const ROUNDS: usize = 20;
     let clock = store.clock.clone().unwrap_or_default();
-    let guards: Vec<Guard> =
-        (0..ACTORS).map(|_| Guard::new(store.store.clone(), clock.clone(), onceguard_core::Limits::default())).collect();
+    let guards: Vec<Guard> = (0..ACTORS)
+        .map(|_| Guard::new(store.store.clone(), clock.clone(), onceguard_core::Limits::default()))
+        .collect();
     for round in 0..ROUNDS {
         let run = RunId::parse(&format!("run-start-{round}")).unwrap();
         let starts = guards.iter().enumerate().map(|(i, guard)| {
@@ -358,7 +359,7 @@ impl Counted {
         self.0.lock().unwrap().get(&(mode.as_str(), PROCEEDED)).copied().unwrap_or(0)
     }
 
-    fn get(&self, mode: &str, answer: Answer) -> u64 {
+    fn get(&self, mode: &str, answer: AnswerKind) -> u64 {
         self.0.lock().unwrap().iter().filter(|((m, a), _)| *m == mode && *a == answer.as_str()).map(|(_, n)| n).sum()
     }
 }
@@ -385,33 +386,33 @@ pub async fn observe_mode_counts_each_would_be_outcome(store: Subject) {
     let s = scope("email-1");
     let req = request(&s, "send the welcome email");
     let fence = c.acquire(&req).await;
-    let proceeds = |o: &ClaimOutcome, would: Answer| matches!(o, ClaimOutcome::Proceed(w) if w.answer() == would);
+    let proceeds = |o: &ClaimOutcome, would: AnswerKind| matches!(o, ClaimOutcome::Proceed(w) if w.answer() == would);
     let dup = c.claim(&req).await;
-    assert!(proceeds(&dup, Answer::InFlight), "{dup:?}");
+    assert!(proceeds(&dup, AnswerKind::InFlight), "{dup:?}");
     // A claim asking to wait does not wait in observe mode.
     let waited = c.guard.claim(crate::through_the_door(&req, Duration::from_secs(30))).await.unwrap();
-    assert!(proceeds(&waited, Answer::InFlight), "{waited:?}");
+    assert!(proceeds(&waited, AnswerKind::InFlight), "{waited:?}");
     c.applied(&s, fence, Mutation::Complete(success("{}"))).await;
     for _ in 0..3 {
         let replay = c.claim(&req).await;
-        assert!(proceeds(&replay, Answer::Replay), "{replay:?}");
+        assert!(proceeds(&replay, AnswerKind::Replay), "{replay:?}");
     }
     let other = c.claim(&request(&s, "send another email")).await;
-    assert!(proceeds(&other, Answer::Mismatch), "{other:?}");
+    assert!(proceeds(&other, AnswerKind::Mismatch), "{other:?}");
     // A batch answers each claim as alone.
     let batch = vec![
         crate::through_the_door(&req, Duration::ZERO),
         crate::through_the_door(&request(&scope("email-2"), "e2"), Duration::ZERO),
     ];
     let answers = c.claim_batch(batch).await;
-    assert!(proceeds(&answers[0], Answer::Replay), "{answers:?}");
+    assert!(proceeds(&answers[0], AnswerKind::Replay), "{answers:?}");
     assert!(matches!(answers[1], ClaimOutcome::Acquired(_)), "{answers:?}");
     // A spent budget proceeds too; the record keeps what enforcement decided.
     let budget = Budget { max_effects: Some(1), ..Budget::default() };
     c.guard.set_budget("admin-key", &tenant(), &RunId::parse("r").unwrap(), budget, None).await.unwrap();
     c.acquire(&in_run(&scope("b-1"), "b-1", "r", 0)).await;
     let spent = c.claim(&in_run(&scope("b-2"), "b-2", "r", 0)).await;
-    assert!(proceeds(&spent, Answer::Denied), "{spent:?}");
+    assert!(proceeds(&spent, AnswerKind::Denied), "{spent:?}");
     assert!(c.get(&scope("b-2")).await.is_none(), "nothing was acquired for it");
     // A kill switch is never observe-only.
     let target = SwitchTarget::Namespace { prefix: Namespace::parse("prod/payments-agent").unwrap() };
@@ -420,16 +421,16 @@ pub async fn observe_mode_counts_each_would_be_outcome(store: Subject) {
     assert!(matches!(stopped, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })), "{stopped:?}");
     c.guard.release_switch("admin-key", &tenant(), &target, None).await.unwrap();
 
-    assert_eq!(counted.get("observe", Answer::Acquired), 3);
-    assert_eq!(counted.get("observe", Answer::InFlight), 2);
-    assert_eq!(counted.get("observe", Answer::Replay), 4);
-    assert_eq!(counted.get("observe", Answer::Mismatch), 1);
-    assert_eq!(counted.get("observe", Answer::Denied), 2, "the budget's and the switch's");
-    assert_eq!(counted.get("enforce", Answer::Acquired), 0);
+    assert_eq!(counted.get("observe", AnswerKind::Acquired), 3);
+    assert_eq!(counted.get("observe", AnswerKind::InFlight), 2);
+    assert_eq!(counted.get("observe", AnswerKind::Replay), 4);
+    assert_eq!(counted.get("observe", AnswerKind::Mismatch), 1);
+    assert_eq!(counted.get("observe", AnswerKind::Denied), 2, "the budget's and the switch's");
+    assert_eq!(counted.get("enforce", AnswerKind::Acquired), 0);
 
     c.guard.put_settings(mode_of(&c, "prod", Mode::Enforce), None).await.unwrap();
     assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)));
-    assert_eq!(counted.get("enforce", Answer::Replay), 1);
+    assert_eq!(counted.get("enforce", AnswerKind::Replay), 1);
 }
 
 /// Switching a namespace between modes under load: workers claim the same keys while the mode
@@ -488,9 +489,10 @@ pub async fn switching_modes_under_load_keeps_each_key_acquired_once(store: Subj
     let proceeded = proceeded.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(counted.told_to_proceed(Mode::Enforce), 0, "a caller told to proceed by an enforced claim");
     assert_eq!(counted.told_to_proceed(Mode::Observe), proceeded, "each proceed reported once");
-    let stopped_in_observe: u64 = [Answer::Replay, Answer::InFlight].iter().map(|a| counted.get("observe", *a)).sum();
+    let stopped_in_observe: u64 =
+        [AnswerKind::Replay, AnswerKind::InFlight].iter().map(|a| counted.get("observe", *a)).sum();
     assert_eq!(stopped_in_observe, proceeded, "each reported as what enforcement would have answered");
-    let all: u64 = Answer::ALL.iter().map(|a| counted.get("observe", *a) + counted.get("enforce", *a)).sum();
+    let all: u64 = AnswerKind::ALL.iter().map(|a| counted.get("observe", *a) + counted.get("enforce", *a)).sum();
     assert_eq!(all, (PASSES * WORKERS * KEYS) as u64, "every claim reported once");
     c.guard.put_settings(mode_of(&c, "prod", Mode::Enforce), None).await.unwrap();
     for k in 0..KEYS {

@@ -1,0 +1,212 @@
+//! Settings per tenant and namespace prefix, and what is in force for a key ([`effective`]):
+//! the server's limits narrowed by them, the tenant's quotas, what is kept of an outcome,
+//! approvals and the mode.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::{InvalidInput, Namespace, TenantId, Timestamp};
+use crate::limits::Limits;
+
+use super::{Rate, check_units};
+
+/// Settings of a tenant (or of a namespace prefix inside it). Absent fields inherit: from the
+/// tenant for a namespace prefix, from the server's limits for the tenant. Durations must lie
+/// within the server's limits; quotas may be set only on the tenant.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Lease when a claim names none.
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub default_lease: Option<Duration>,
+    /// Longest lease a claim or extend may ask for.
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub max_lease: Option<Duration>,
+    /// Retention when a claim names none.
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub default_retention: Option<Duration>,
+    /// Longest retention a claim may ask for.
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub max_retention: Option<Duration>,
+    /// Tenant only: at most this many keys in flight (live leases) at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u64>,
+    /// Tenant only: the claim rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_rate: Option<Rate>,
+    /// What is kept of an outcome: `full` (the bytes, replayed byte for byte) or `digest`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome_kept: Option<OutcomeKept>,
+    /// Whether a key must be approved by a person before its first claim acquires it (see
+    /// [`crate::approval`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_required: Option<bool>,
+    /// How long a pending approval waits for a decision (default 24 h).
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub approval_expiry: Option<Duration>,
+    /// Whether the guard enforces its answers or only observes them (see [`Mode`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+}
+
+crate::label::vocabulary! {
+    /// Whether a namespace's claims are enforced or only observed.
+    ///
+    /// In `observe` mode a claim is decided and recorded exactly as in `enforce` mode, but where
+    /// enforcement would have stopped the caller (a replay, a key in flight, a mismatch, a budget,
+    /// quota or approval, a pending approval) the caller is told to proceed
+    /// ([`crate::record::ClaimOutcome::Proceed`]) and what enforcement would have answered is
+    /// reported. A kill switch refuses in both modes: it is never observe-only.
+    #[derive(Default)]
+    pub enum Mode {
+        /// Every answer is enforced.
+        #[default]
+        Enforce => "enforce",
+        /// Callers always proceed (but for a kill switch); what enforcement would have answered is
+        /// counted.
+        Observe => "observe",
+    }
+}
+
+crate::label::vocabulary! {
+    /// What a namespace keeps of its outcomes.
+    #[derive(Default)]
+    pub enum OutcomeKept {
+        /// The bytes: a replay answers them byte for byte.
+        #[default]
+        Full => "full",
+        /// Their status, media type, size and SHA-256 only, never the bytes: a replay answers that
+        /// the effect happened, with that digest, and the caller still never runs it twice.
+        Digest => "digest",
+    }
+}
+
+/// Settings stored for a tenant (`namespace_prefix` absent) or a namespace prefix.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettingsEntry {
+    /// Their tenant.
+    pub tenant: TenantId,
+    /// The namespace prefix they apply to; absent for the whole tenant.
+    pub namespace_prefix: Option<Namespace>,
+    /// The settings.
+    pub settings: Settings,
+    /// Who set them.
+    pub updated_by: String,
+    /// When.
+    pub updated_at: Timestamp,
+}
+
+impl SettingsEntry {
+    /// Checks the settings against the server's limits.
+    pub fn validate(&self, limits: &Limits) -> Result<(), InvalidInput> {
+        let s = &self.settings;
+        if self.namespace_prefix.is_some() && (s.max_in_flight.is_some() || s.claim_rate.is_some()) {
+            return Err(InvalidInput::new("settings", "quotas (max_in_flight, claim_rate) apply to the whole tenant"));
+        }
+        let within = |field: &'static str, d: Option<Duration>, lo: Duration, hi: Duration| match d {
+            Some(d) if d < lo || d > hi => Err(InvalidInput::new(
+                field,
+                format!("must lie between {} and {}", humantime::format_duration(lo), humantime::format_duration(hi)),
+            )),
+            _ => Ok(()),
+        };
+        within("max_lease", s.max_lease, limits.min_lease, limits.max_lease)?;
+        within("default_lease", s.default_lease, limits.min_lease, s.max_lease.unwrap_or(limits.max_lease))?;
+        within("max_retention", s.max_retention, limits.min_retention, limits.max_retention)?;
+        let max_retention = s.max_retention.unwrap_or(limits.max_retention);
+        within("default_retention", s.default_retention, limits.min_retention, max_retention)?;
+        if s.max_in_flight == Some(0) {
+            return Err(InvalidInput::new("max_in_flight", "must be at least 1"));
+        }
+        check_units("max_in_flight", s.max_in_flight)?;
+        if let Some(rate) = &s.claim_rate {
+            rate.validate()?;
+        }
+        within("approval_expiry", s.approval_expiry, Duration::from_secs(1), Duration::from_secs(30 * 24 * 3600))?;
+        Ok(())
+    }
+
+    /// The id of the document: empty for the tenant, else the prefix.
+    pub fn id(&self) -> String {
+        self.namespace_prefix.as_ref().map(|p| p.as_str().to_owned()).unwrap_or_default()
+    }
+}
+
+/// What is in force for one key: the server's limits narrowed by the tenant's and the
+/// namespace's settings, and the tenant's quotas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Effective {
+    /// The limits to apply.
+    pub limits: Limits,
+    /// The tenant's in-flight quota.
+    pub max_in_flight: Option<u64>,
+    /// The tenant's claim rate.
+    pub claim_rate: Option<Rate>,
+    /// What is kept of the key's outcome.
+    pub outcome_kept: OutcomeKept,
+    /// When a key needs an approval before its first claim acquires it: how long a pending
+    /// approval waits for a decision.
+    pub approval: Option<Duration>,
+    /// Whether its claims are enforced or only observed.
+    pub mode: Mode,
+}
+
+/// Resolves the settings for a key in `namespace`: the server's `limits`, then the tenant's
+/// entry, then each matching namespace prefix from the shortest to the longest. Later, more
+/// specific entries win; every result stays within the server's limits.
+pub fn effective<'a>(
+    limits: &Limits,
+    entries: impl IntoIterator<Item = &'a SettingsEntry>,
+    namespace: &Namespace,
+) -> Effective {
+    let mut matching: Vec<&SettingsEntry> =
+        entries.into_iter().filter(|e| e.namespace_prefix.as_ref().is_none_or(|p| namespace.is_within(p))).collect();
+    matching.sort_by_key(|e| e.namespace_prefix.as_ref().map_or(0, |p| p.as_str().len() + 1));
+    let mut out = Effective {
+        limits: limits.clone(),
+        max_in_flight: None,
+        claim_rate: None,
+        outcome_kept: OutcomeKept::Full,
+        approval: None,
+        mode: Mode::Enforce,
+    };
+    let mut approval_expiry = crate::approval::DEFAULT_APPROVAL_EXPIRY;
+    for entry in matching {
+        let s = &entry.settings;
+        let l = &mut out.limits;
+        if let Some(d) = s.max_lease {
+            l.max_lease = d.clamp(limits.min_lease, limits.max_lease);
+        }
+        if let Some(d) = s.default_lease {
+            l.default_lease = d;
+        }
+        if let Some(d) = s.max_retention {
+            l.max_retention = d.clamp(limits.min_retention, limits.max_retention);
+        }
+        if let Some(d) = s.default_retention {
+            l.default_retention = d;
+        }
+        if let Some(kept) = s.outcome_kept {
+            out.outcome_kept = kept;
+        }
+        if let Some(mode) = s.mode {
+            out.mode = mode;
+        }
+        if let Some(expiry) = s.approval_expiry {
+            approval_expiry = expiry;
+        }
+        if let Some(required) = s.approval_required {
+            out.approval = required.then_some(Duration::ZERO);
+        }
+        if entry.namespace_prefix.is_none() {
+            out.max_in_flight = s.max_in_flight;
+            out.claim_rate = s.claim_rate;
+        }
+    }
+    out.approval = out.approval.map(|_| approval_expiry);
+    let l = &mut out.limits;
+    l.default_lease = l.default_lease.clamp(l.min_lease, l.max_lease);
+    l.default_retention = l.default_retention.clamp(l.min_retention, l.max_retention);
+    out
+}
