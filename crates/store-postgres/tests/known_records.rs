@@ -20,13 +20,21 @@ use onceguard_store_postgres::{PgOptions, PgStore};
 
 const LEASE: Duration = Duration::from_secs(30);
 
-/// Two store instances on one schema, each with its own writers and what they know.
-async fn two_instances(schema: &str) -> (Arc<PgStore>, Arc<PgStore>) {
+/// Two store instances on one schema, each with its own writers and what they know, deciding by
+/// one clock in place of PostgreSQL's, which the test moves.
+async fn two_instances(schema: &str) -> (Arc<PgStore>, Arc<PgStore>, Arc<onceguard_core::ManualClock>) {
+    let clock = Arc::new(onceguard_core::ManualClock::new(Timestamp::now()));
     let connect = || async {
-        let options = PgOptions { schema: schema.to_owned(), pool_size: 4, writers: 2, ..PgOptions::default() };
+        let options = PgOptions {
+            schema: schema.to_owned(),
+            pool_size: 4,
+            writers: 2,
+            clock: onceguard_core::StoreClock::Given(clock.clone()),
+            ..PgOptions::default()
+        };
         Arc::new(PgStore::connect_with(&common::url(), options).await.expect("the store connects"))
     };
-    (connect().await, connect().await)
+    (connect().await, connect().await, clock)
 }
 
 fn scope(key: &str) -> Scope {
@@ -79,12 +87,13 @@ async fn fenced_calls_on_records_changed_elsewhere_are_decided_on_the_stored_rec
         return;
     }
     let schema = common::schema("og_known");
-    let (a, b) = two_instances(&schema).await;
-    let now = Timestamp::now();
+    let (a, b, clock) = two_instances(&schema).await;
+    let now = onceguard_core::Clock::now(&*clock);
 
     // Another instance extended the lease: the completion still applies, on the stored record.
     let fence = acquire(&a, &request("extended"), now).await;
     let soon = now.plus(Duration::from_secs(1));
+    clock.set(soon);
     assert!(matches!(
         b.mutate(&scope("extended"), fence, Mutation::Extend(LEASE), soon, 8).await.unwrap(),
         FencedOutcome::Applied(_)
@@ -106,6 +115,7 @@ async fn fenced_calls_on_records_changed_elsewhere_are_decided_on_the_stored_rec
     // Another instance took it over once the lease passed: the zombie's completion is stale.
     let fence = acquire(&a, &request("taken-over"), now).await;
     let later = now.plus(LEASE + Duration::from_secs(1));
+    clock.set(later);
     let ClaimOutcome::Acquired(takeover) = b.claim(&request("taken-over"), later).await.unwrap() else {
         panic!("the lease passed")
     };
@@ -157,8 +167,8 @@ async fn claims_of_keys_stored_elsewhere_are_decided_on_the_stored_record() {
         return;
     }
     let schema = common::schema("og_known");
-    let (a, b) = two_instances(&schema).await;
-    let now = Timestamp::now();
+    let (a, b, clock) = two_instances(&schema).await;
+    let now = onceguard_core::Clock::now(&*clock);
 
     // Completed through another instance: a replay.
     let fence = acquire(&b, &request("done"), now).await;
@@ -176,11 +186,13 @@ async fn claims_of_keys_stored_elsewhere_are_decided_on_the_stored_record() {
     let fence = acquire(&b, &short, now).await;
     assert!(matches!(b.mutate(&scope("expired"), fence, done("10"), now, 8).await.unwrap(), FencedOutcome::Applied(_)));
     let after = now.plus(Duration::from_secs(5));
+    clock.set(after);
     let ClaimOutcome::Acquired(again) = a.claim(&short, after).await.unwrap() else { panic!("the record expired") };
     assert!(again.fence > fence && again.recovery.is_none());
 
     // A lease that passed: a recovery.
     let fence = acquire(&b, &request("stuck"), now).await;
+    clock.set(now.plus(LEASE * 2));
     let ClaimOutcome::Acquired(recovered) = a.claim(&request("stuck"), now.plus(LEASE * 2)).await.unwrap() else {
         panic!("the lease passed")
     };
