@@ -38,7 +38,7 @@ pub mod stale_audits;
 pub mod store;
 pub mod vocabulary;
 
-pub use clock::{Clock, ManualClock, StoreClock, SystemClock};
+pub use clock::{Clock, ClockOffset, ManualClock, StoreAligned, StoreClock, SystemClock};
 pub use domain::{CheckpointName, Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
 pub use guard::{Claim, Guard, GuardError, Resealed};
 pub use limits::Limits;

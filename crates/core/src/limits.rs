@@ -48,6 +48,12 @@ pub struct Limits {
     /// Most refused (stale) completions and failures of one API key audited per minute; those
     /// beyond are counted, not written (see [`crate::stale_audits`]).
     pub stale_audits_per_minute: u32,
+    /// The most this instance's clock may be off the store's (either way) before it refuses
+    /// claims (`clock-offset`) and reports itself not ready, until it is back within bound. A
+    /// shared store decides leases by its own clock; the guard's own decisions take this
+    /// instance's clock moved by the measured offset (see [`crate::clock::StoreAligned`]).
+    #[serde(with = "humantime_serde")]
+    pub max_clock_offset: Duration,
 }
 
 impl Default for Limits {
@@ -66,6 +72,7 @@ impl Default for Limits {
             max_checkpoints: 64,
             max_batch: 1_000,
             stale_audits_per_minute: 60,
+            max_clock_offset: Duration::from_millis(500),
         }
     }
 }
@@ -87,6 +94,9 @@ impl Limits {
         }
         if self.max_outcome_bytes == 0 || self.max_checkpoint_bytes == 0 || self.max_checkpoints == 0 {
             return Err(InvalidInput::new("limits", "byte and count limits must be more than zero"));
+        }
+        if self.max_clock_offset.is_zero() {
+            return Err(InvalidInput::new("limits.max_clock_offset", "must be more than zero"));
         }
         Ok(())
     }

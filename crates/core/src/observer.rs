@@ -35,6 +35,9 @@ pub trait Observer: Send + Sync + 'static {
     /// A sealed value of the key was refused: this guard could not open it (see
     /// [`crate::sealing::OpenError`]).
     fn unopened(&self, _scope: &Scope) {}
+
+    /// The guard measured how far this instance's clock is from the store's.
+    fn clock_offset(&self, _offset: crate::clock::ClockOffset) {}
 }
 
 /// Watches nothing: the guard's observer until one is given.

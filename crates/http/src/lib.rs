@@ -148,7 +148,8 @@ impl From<onceguard_core::GuardError> for StartError {
             onceguard_core::GuardError::Invalid(e) => Self::Invalid(e),
             e @ (onceguard_core::GuardError::TooLarge { .. }
             | onceguard_core::GuardError::Approval(_)
-            | onceguard_core::GuardError::Unopened(_)) => {
+            | onceguard_core::GuardError::Unopened(_)
+            | onceguard_core::GuardError::ClockOffset { .. }) => {
                 Self::Invalid(onceguard_core::InvalidInput::new("guard", e.to_string()))
             }
         }
@@ -246,6 +247,13 @@ pub async fn serve_with_background(
     let (stop_tx, stop_rx) = watch::channel(false);
     let forwarder = guard.forward_changes().map(tokio::spawn);
     let controls = tokio::spawn(guard.refresh_controls_task());
+    // The offset to the store's clock, measured before the first claim and every CLOCK_CHECK.
+    match guard.measure_clock_offset().await {
+        Ok(Some(offset)) => tracing::info!(%offset, "measured this instance's clock against the store's"),
+        Ok(None) => {}
+        Err(error) => tracing::warn!(%error, "could not measure the clock's offset to the store's"),
+    }
+    let clock = tokio::spawn(guard.clock_offset_task());
     let webhook = approval_webhook::Webhook::from_config(&config.approvals)?.map(|webhook| {
         tokio::spawn(approval_webhook::notify_loop(
             webhook,
@@ -287,6 +295,8 @@ pub async fn serve_with_background(
     }
     controls.abort();
     let _ = controls.await;
+    clock.abort();
+    let _ = clock.await;
     if let Some(forwarder) = forwarder {
         forwarder.abort();
         let _ = forwarder.await;

@@ -7,6 +7,7 @@
 //! routes and status codes; never keys, namespaces, fingerprints or run ids.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use onceguard_core::control::Mode;
@@ -174,6 +175,7 @@ pub struct Metrics {
     keys_in_flight: Family<TenantLabels, Gauge>,
     keys_stuck: Family<TenantLabels, Gauge>,
     store_up: Family<StoreLabels, Gauge>,
+    clock_offset: Gauge<f64, AtomicU64>,
     store_latency: LatencyFamily<StoreOpLabels>,
     http_latency: LatencyFamily<HttpLabels>,
     mcp_calls: Family<McpCallLabels, Counter>,
@@ -336,6 +338,14 @@ impl Metrics {
         );
         let store_up = Family::<StoreLabels, Gauge>::default();
         registry.register("store_up", "1 if the store answered the last check, else 0", store_up.clone());
+        let clock_offset = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "clock_offset_seconds",
+            "How far this instance's clock is from the store's, as last measured (positive: ahead); 0 where the \
+             store decides by this process's clock (memory, SQLite). Past limits.max_clock_offset, either way, the \
+             instance refuses claims and is not ready",
+            clock_offset.clone(),
+        );
         let store_latency: LatencyFamily<StoreOpLabels> = Family::new_with_constructor(latency_histogram);
         registry.register(
             "store_operation_duration_seconds",
@@ -391,6 +401,7 @@ impl Metrics {
             keys_in_flight,
             keys_stuck,
             store_up,
+            clock_offset,
             store_latency,
             http_latency,
             mcp_calls,
@@ -700,6 +711,10 @@ impl onceguard_core::Observer for Metrics {
     fn unopened(&self, scope: &Scope) {
         let labels = TenantLabels { tenant: self.tenant_label(scope.tenant.as_str()) };
         self.sealed_values_refused.get_or_create(&labels).inc();
+    }
+
+    fn clock_offset(&self, offset: onceguard_core::ClockOffset) {
+        self.clock_offset.set(offset.seconds());
     }
 }
 

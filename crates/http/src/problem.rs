@@ -94,6 +94,10 @@ pub enum ApiError {
     /// instance has the key.
     #[error("{0}")]
     SealedValue(String),
+    /// This instance's clock is off the store's past `limits.max_clock_offset`: it refuses
+    /// claims until it is back within bound. Retryable (later, or on another instance).
+    #[error("{0}")]
+    ClockOffset(String),
     /// A bug.
     #[error("{0}")]
     Internal(String),
@@ -187,6 +191,12 @@ impl ApiError {
                 S::SERVICE_UNAVAILABLE,
                 "sealed-value-unopened",
                 "A stored value is sealed and this instance cannot open it",
+                true,
+            ),
+            Self::ClockOffset(_) => (
+                S::SERVICE_UNAVAILABLE,
+                "clock-offset",
+                "This instance's clock is too far from the store's; nothing was decided",
                 true,
             ),
             Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal", "Internal error", false),
@@ -292,6 +302,7 @@ impl From<GuardError> for ApiError {
             }
             GuardError::Approval(e) => Self::ApprovalClosed(e.to_string()),
             GuardError::Unopened(e) => Self::SealedValue(e.to_string()),
+            GuardError::ClockOffset { .. } => Self::ClockOffset(e.to_string()),
         }
     }
 }

@@ -360,6 +360,7 @@ pub fn error_code(error: &ApiError) -> i64 {
         ApiError::BadGateway(_) => 50201,
         ApiError::StoreUnavailable(_) => 50301,
         ApiError::SealedValue(_) => 50302,
+        ApiError::ClockOffset(_) => 50303,
         ApiError::GatewayTimeout(_) => 50401,
         ApiError::NotStored(_) => 41001,
     }

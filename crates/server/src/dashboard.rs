@@ -202,6 +202,13 @@ pub struct StoreView {
     pub checked_at: Option<String>,
     /// Why it did not answer.
     pub error: Option<String>,
+    /// How far this instance's clock is from the store's, in milliseconds, as last measured
+    /// (positive: ahead); `None` where the store decides by this process's clock (memory,
+    /// SQLite) or before the first measurement.
+    pub clock_offset_ms: Option<i64>,
+    /// `limits.max_clock_offset` in milliseconds: past it, either way, the instance refuses
+    /// claims (`clock-offset`) and is not ready.
+    pub max_clock_offset_ms: u64,
     /// Operations over the last 5 minutes (this instance): count, errors, p50 and p99.
     #[schema(value_type = Vec<Object>)]
     pub ops: Vec<StoreOpView>,
@@ -380,6 +387,8 @@ pub async fn dashboard_data(
             up: scan.store_up,
             checked_at: scan.at.map(Timestamp::to_rfc3339),
             error: scan.store_error,
+            clock_offset_ms: state.guard.clock_offset().map(|o| o.ahead_ms),
+            max_clock_offset_ms: u64::try_from(state.guard.limits().max_clock_offset.as_millis()).unwrap_or(u64::MAX),
             ops: metrics.live().store_ops(),
         },
         controls,

@@ -7,6 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
+use onceguard_core::{ManualClock, Store, StoreClock};
 use onceguard_store_postgres::PgStore;
 use onceguard_testkit::conformance::Subject;
 use tokio_postgres::NoTls;
@@ -45,9 +46,15 @@ async fn every_connection_is_encrypted_and_checked() {
         "localhost",
         &format!("sslmode=verify-full&sslrootcert={cert}&schema={schema}&application_name={app}&pool_size=2&writers=1"),
     );
-    let store = Arc::new(PgStore::connect(&url).await.expect("the store connects over TLS"));
-    onceguard_testkit::conformance::completed_key_replays_byte_for_byte(Subject::new(store.clone())).await;
-    onceguard_testkit::conformance::waiting_claim_receives_the_replay(Subject::new(store.clone())).await;
+    let (conninfo, mut options) = onceguard_store_postgres::parse_url(&url).expect("a valid URL");
+    // The cases move a clock of their own: the store decides by it.
+    let clock = Arc::new(ManualClock::default());
+    options.clock = StoreClock::Given(clock.clone());
+    let store: Arc<dyn Store> =
+        Arc::new(PgStore::connect_with(&conninfo, options).await.expect("the store connects over TLS"));
+    let subject = || Subject { store: store.clone(), clock: Some(clock.clone()) };
+    onceguard_testkit::conformance::completed_key_replays_byte_for_byte(subject()).await;
+    onceguard_testkit::conformance::waiting_claim_receives_the_replay(subject()).await;
 
     // Every connection of the store (the pool's and the LISTEN one) is encrypted.
     let (client, connection) = tokio_postgres::connect(&common::url(), NoTls).await.unwrap();

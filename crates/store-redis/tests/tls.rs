@@ -6,9 +6,9 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use common::callers_clock::AtCallersTime;
+use onceguard_core::{ManualClock, StoreClock};
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 
 use onceguard_testkit::TestStore;
@@ -55,15 +55,15 @@ fn url(server: &TlsServer) -> String {
 
 async fn tls_store() -> Option<TestStore> {
     let server = tokio::task::spawn_blocking(tls_server).await.unwrap()?;
-    let (clock, store_clock) = AtCallersTime::clock();
+    let clock = Arc::new(ManualClock::new(common::T0));
     let options = RedisOptions {
         prefix: common::prefix(),
         tls_ca: Some(server.ca.clone()),
-        clock: store_clock,
+        clock: StoreClock::Given(clock.clone()),
         ..RedisOptions::default()
     };
     let store = RedisStore::connect_with(&RedisTarget::Single(url(server)), options).await.expect("connects over TLS");
-    Some(TestStore::new(AtCallersTime::new(store, clock)))
+    Some(TestStore::new(store).on_clock(clock))
 }
 
 fn over_tls() -> common::Factory {

@@ -56,13 +56,45 @@ impl std::ops::Deref for Subject {
     }
 }
 
-fn case_with(subject: Subject, limits: Limits) -> Case {
-    let clock = subject.clock.unwrap_or_default();
-    Case { guard: Guard::new(subject.store, clock.clone(), limits), clock }
+/// How far ahead of a shared store's clock the guard's instance runs in every case: the store
+/// decides leases, retention and expiry by its own clock, and the guard decides what it
+/// decides itself by its clock moved by the offset it measured, so no case can tell. (The
+/// cases' limits let an offset this large through; the bound itself has a case of its own.)
+pub const INSTANCE_AHEAD: Duration = Duration::from_secs(3_600);
+
+/// A clock standing a fixed time ahead of another: an instance whose clock is off the store's.
+#[derive(Debug)]
+pub struct Ahead {
+    /// The clock it is ahead of.
+    pub of: Arc<ManualClock>,
+    /// By how much.
+    pub by: Duration,
 }
 
-fn case(store: Subject) -> Case {
-    case_with(store, Limits::default())
+impl onceguard_core::Clock for Ahead {
+    fn now(&self) -> Timestamp {
+        self.of.now().plus(self.by)
+    }
+}
+
+/// A case on `subject` under `limits`: on a shared store, the guard's instance clock runs
+/// [`INSTANCE_AHEAD`] of the store's, and the guard has measured the offset (as a server does
+/// before it serves).
+async fn case_with(subject: Subject, mut limits: Limits) -> Case {
+    let Some(clock) = subject.clock else {
+        let clock = Arc::new(ManualClock::default());
+        return Case { guard: Guard::new(subject.store, clock.clone(), limits), clock };
+    };
+    limits.max_clock_offset = limits.max_clock_offset.max(2 * INSTANCE_AHEAD);
+    let instance = Arc::new(Ahead { of: clock.clone(), by: INSTANCE_AHEAD });
+    let guard = Guard::new(subject.store, instance, limits);
+    let offset = guard.measure_clock_offset().await.expect("the store answers").expect("a shared store has a clock");
+    assert_eq!(offset.ahead_ms, 3_600_000, "the offset measured on a clock that stands still");
+    Case { guard, clock }
+}
+
+async fn case(store: Subject) -> Case {
+    case_with(store, Limits::default()).await
 }
 
 fn scope_in(tenant: &str, namespace: &str, key: &str) -> Scope {
@@ -152,7 +184,7 @@ impl Case {
 /// A claim of an absent key acquires it: fence, attempt 1, lease, no recovery; the record is
 /// in progress.
 pub async fn absent_key_is_acquired(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("order-1");
     let now = c.guard.clock().now();
     let ClaimOutcome::Acquired(a) = c.claim(&request(&s, "charge 5")).await else { panic!("not acquired") };
@@ -167,7 +199,7 @@ pub async fn absent_key_is_acquired(store: Subject) {
 
 /// A second claim while the lease is live answers in flight, with the time left on the lease.
 pub async fn held_key_answers_in_flight(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let req = request(&scope("k"), "same");
     c.acquire(&req).await;
     c.clock.advance(Duration::from_secs(4));
@@ -183,7 +215,7 @@ pub async fn held_key_answers_in_flight(store: Subject) {
 /// After completion every claim replays the stored outcome, byte for byte (any bytes), with
 /// when it completed and which fence completed it.
 pub async fn completed_key_replays_byte_for_byte(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("bin");
     let req = request(&s, "m");
     let fence = c.acquire(&req).await;
@@ -209,7 +241,7 @@ pub async fn completed_key_replays_byte_for_byte(store: Subject) {
 /// A claim with another fingerprint answers mismatch, in flight or completed, and the record
 /// does not change.
 pub async fn other_fingerprint_is_a_mismatch_and_changes_nothing(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let fence = c.acquire(&request(&s, "a")).await;
     let before = c.get(&s).await;
@@ -225,7 +257,7 @@ pub async fn other_fingerprint_is_a_mismatch_and_changes_nothing(store: Subject)
 /// Once another claim took the key over, every call with the old fence answers stale and
 /// changes nothing; a made-up fence is stale too.
 pub async fn stale_fences_change_nothing(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = request(&s, "a");
     let old = c.acquire(&req).await;
@@ -260,7 +292,7 @@ pub async fn stale_fences_change_nothing(store: Subject) {
 /// When the lease passes without an outcome, the next claim acquires with fence+ and is told it
 /// is a recovery, with the previous attempt and its last checkpoint.
 pub async fn lease_expiry_gives_a_recovery_with_the_last_checkpoint(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = request(&s, "a");
     let first = c.acquire(&req).await;
@@ -288,7 +320,7 @@ pub async fn lease_expiry_gives_a_recovery_with_the_last_checkpoint(store: Subje
 /// recovery saying why. The reporter may still finish (it may have learnt what happened) until
 /// someone takes over, but may no longer extend or checkpoint.
 pub async fn reported_unknown_gives_a_recovery_at_once(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = request(&s, "a");
     let first = c.acquire(&req).await;
@@ -318,7 +350,7 @@ pub async fn reported_unknown_gives_a_recovery_at_once(store: Subject) {
 /// A retryable failure releases the key: the next claim (with any fingerprint) acquires as a
 /// fresh attempt, no recovery; the old fence is stale.
 pub async fn retryable_failure_releases_the_key(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let first = c.acquire(&request(&s, "a")).await;
     c.applied(&s, first, checkpoint("half", "1")).await;
@@ -336,7 +368,7 @@ pub async fn retryable_failure_releases_the_key(store: Subject) {
 
 /// A permanent failure is stored and replays like a success, marked as a failure.
 pub async fn permanent_failure_replays(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = request(&s, "a");
     let fence = c.acquire(&req).await;
@@ -352,7 +384,7 @@ pub async fn permanent_failure_replays(store: Subject) {
 /// Extending pushes the lease out from now: a claim after the first lease but before the new
 /// one is still in flight; after it, a recovery.
 pub async fn extend_pushes_the_lease_out(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = request(&s, "a");
     let fence = c.acquire(&req).await;
@@ -368,7 +400,7 @@ pub async fn extend_pushes_the_lease_out(store: Subject) {
 /// A completed record replays for its retention, measured from completion, and is absent after
 /// it (before any sweep): the key is new again, with any fingerprint.
 pub async fn retention_expiry_makes_the_key_new(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = ClaimRequest { retention: Duration::from_secs(100), ..request(&s, "a") };
     let fence = c.acquire(&req).await;
@@ -388,7 +420,7 @@ pub async fn retention_expiry_makes_the_key_new(store: Subject) {
 /// lease and retention, survives the sweep, and its next claim is a recovery (the key charged
 /// once). Once finished, its retention runs from completion.
 pub async fn an_unfinished_attempt_outlives_its_retention(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let short = |s: &Scope| ClaimRequest { retention: Duration::from_secs(1), ..in_run(s, "a", "long", 1) };
     let (stuck, unknown) = (scope("stuck"), scope("unknown"));
     let f1 = c.acquire(&short(&stuck)).await;
@@ -416,7 +448,7 @@ pub async fn an_unfinished_attempt_outlives_its_retention(store: Subject) {
 /// the claim names (none, or another): a record keeps its run across attempts. Nothing
 /// changes; a switch on another run does not refuse it.
 pub async fn a_switch_on_the_records_run_refuses_its_takeover(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let s = scope("k");
     let first = c.acquire(&in_run(&s, "a", "batch-7", 0)).await;
     c.clock.advance(LEASE);
@@ -443,7 +475,7 @@ pub async fn a_switch_on_the_records_run_refuses_its_takeover(store: Subject) {
 /// and the waiter names none.
 pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Subject) {
     let limits = Limits { wait_poll: Duration::from_millis(10), ..Limits::default() };
-    let c = case_with(store, limits);
+    let c = case_with(store, limits).await;
     let tenant = TenantId::parse("acme").unwrap();
     let (held, in_run_key) = (scope("held"), scope_in("acme", "staging/ingest", "in-run"));
     c.acquire(&request(&held, "a")).await;
@@ -476,7 +508,7 @@ pub async fn a_switch_engaged_during_a_wait_refuses_the_waiter(store: Subject) {
 
 /// A key's fence keeps growing across retention expiry, the sweep and a purge.
 pub async fn fences_grow_across_expiry_sweep_and_purge(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = ClaimRequest { retention: Duration::from_secs(1), ..request(&s, "a") };
     let mut last = Fence(0);
@@ -497,7 +529,7 @@ pub async fn fences_grow_across_expiry_sweep_and_purge(store: Subject) {
 
 /// The sweep deletes expired records only, at most a batch at a time.
 pub async fn sweep_deletes_only_expired_records_in_batches(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let short = Duration::from_secs(10);
     for i in 0..7 {
         let s = scope(&format!("old-{i}"));
@@ -519,7 +551,7 @@ pub async fn sweep_deletes_only_expired_records_in_batches(store: Subject) {
 /// of one never see or touch the other; and fences are counted per tenant, so one tenant's
 /// claims draw none of another's (its fences tell it nothing of theirs).
 pub async fn tenants_are_isolated(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let a = scope_in("tenant-a", "prod/agent", "k");
     let b = scope_in("tenant-b", "prod/agent", "k");
     let fa = c.acquire(&request(&a, "x")).await;
@@ -544,7 +576,7 @@ pub async fn tenants_are_isolated(store: Subject) {
 
 /// The same key in two namespaces of one tenant are two keys.
 pub async fn namespaces_are_isolated(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let prod = scope_in("acme", "prod/agent", "k");
     let staging = scope_in("acme", "staging/agent", "k");
     let f = c.acquire(&request(&prod, "x")).await;
@@ -554,7 +586,7 @@ pub async fn namespaces_are_isolated(store: Subject) {
 
 /// N concurrent claims of one absent key: exactly one acquires; the rest are in flight.
 pub async fn concurrent_claims_acquire_exactly_once(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     for round in 0..4 {
         let req = request(&scope(&format!("race-{round}")), "a");
         let claims = (0..64).map(|_| {
@@ -574,7 +606,7 @@ pub async fn concurrent_claims_acquire_exactly_once(store: Subject) {
 /// purge leaves none; purge then completion is stale). A purge must never be undone by a
 /// completion that read the record before it.
 pub async fn purge_racing_a_completion_leaves_no_record(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let mut both = 0;
     for round in 0..200 {
         let key = scope(&format!("purge-race-{round}"));
@@ -604,7 +636,7 @@ pub async fn purge_racing_a_completion_leaves_no_record(store: Subject) {
 /// A claim that waits on an in-flight key receives the replay as soon as the holder completes,
 /// without polling by the client.
 pub async fn waiting_claim_receives_the_replay(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let req = request(&s, "a");
     let fence = c.acquire(&req).await;
@@ -628,7 +660,7 @@ pub async fn waiting_claim_receives_the_replay(store: Subject) {
 
 /// A waiting claim gives up at its bound and answers in flight.
 pub async fn waiting_claim_is_bounded(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let req = request(&scope("k"), "a");
     c.acquire(&req).await;
     let outcome = c.guard.claim(crate::through_the_door(&req, Duration::from_millis(150))).await.unwrap();
@@ -638,7 +670,7 @@ pub async fn waiting_claim_is_bounded(store: Subject) {
 /// A waiting claim takes the key over (as a recovery) once the holder's lease passes.
 pub async fn waiting_claim_recovers_when_the_lease_passes(store: Subject) {
     let limits = Limits { wait_poll: Duration::from_millis(10), ..Limits::default() };
-    let c = case_with(store, limits);
+    let c = case_with(store, limits).await;
     let req = request(&scope("k"), "a");
     let first = c.acquire(&req).await;
     let waiter = {
@@ -656,7 +688,7 @@ pub async fn waiting_claim_recovers_when_the_lease_passes(store: Subject) {
 /// Repeating a completion that took effect answers as before and changes nothing; a different
 /// completion with the same fence is stale.
 pub async fn repeated_completion_is_idempotent(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("k");
     let fence = c.acquire(&request(&s, "a")).await;
     let first = c.applied(&s, fence, Mutation::Complete(success("one"))).await;
@@ -679,7 +711,7 @@ pub async fn repeated_completion_is_idempotent(store: Subject) {
 /// Listing filters by state, stuck leases, run and namespace prefix, and pages in
 /// (namespace, key) order.
 pub async fn listing_filters_and_pages(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let run = RunId::parse("run-7").unwrap();
     let mut fences = Vec::new();
     for i in 0..5 {
@@ -727,7 +759,7 @@ pub async fn listing_filters_and_pages(store: Subject) {
 
 /// At most the configured number of checkpoints is kept, the newest ones.
 pub async fn checkpoints_are_bounded_keeping_the_newest(store: Subject) {
-    let c = case_with(store, Limits { max_checkpoints: 3, ..Limits::default() });
+    let c = case_with(store, Limits { max_checkpoints: 3, ..Limits::default() }).await;
     let s = scope("k");
     let fence = c.acquire(&request(&s, "a")).await;
     for i in 0..5 {
@@ -801,7 +833,7 @@ async fn usage(store: &Arc<dyn Store>, tenant: &str, run: &str) -> (u64, u64) {
 /// a released key and recoveries never charge again; a new key past the limit is denied and
 /// writes nothing.
 pub async fn budget_charges_each_key_once(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     set_budget(&store, "acme", "run-1", Budget { max_effects: Some(3), ..Budget::default() }).await;
     // k1: acquired, completed, replayed, mismatched.
     let k1 = scope("k1");
@@ -835,7 +867,7 @@ pub async fn budget_charges_each_key_once(store: Subject) {
 
 /// 64 concurrent claims of distinct keys against a budget of 10 acquire exactly 10.
 pub async fn concurrent_claims_never_exceed_the_budget(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     set_budget(&store, "acme", "fan-out", Budget { max_effects: Some(10), ..Budget::default() }).await;
     let claims = (0..64).map(|i| {
         let guard = c.guard.clone();
@@ -853,7 +885,7 @@ pub async fn concurrent_claims_never_exceed_the_budget(store: Subject) {
 /// declared cost would pass the limit is denied, and once the limit is reached every new key
 /// is. A deadline denies every acquisition of the run after it, recoveries too.
 pub async fn budget_cost_and_deadline(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     set_budget(&store, "acme", "rag", Budget { max_cost: Some(100), ..Budget::default() }).await;
     let f = c.acquire(&in_run(&scope("embed-1"), "a", "rag", 60)).await;
     assert_eq!(denied_because(&c.claim(&in_run(&scope("embed-2"), "b", "rag", 50)).await), "budget:cost");
@@ -881,7 +913,7 @@ pub async fn budget_cost_and_deadline(store: Subject) {
 /// with a retry hint; a finished key or a passed lease frees a place; other tenants are not
 /// counted. Concurrent claims never pass it.
 pub async fn in_flight_quota_counts_live_leases(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let now = || c.guard.clock().now();
     let limited = |s: &Scope| ClaimRequest { max_in_flight: Some(2), ..request(s, "q") };
     let a = store.claim(&limited(&scope("a")), now()).await.unwrap();
@@ -913,7 +945,7 @@ pub async fn in_flight_quota_counts_live_leases(store: Subject) {
 pub async fn claim_rate_per_tenant(store: Subject) {
     let (acme, other) = (TenantId::parse("acme").unwrap(), TenantId::parse("other").unwrap());
     let rate = Rate { per_second: 10, burst: 3 };
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let t = c.clock.now();
     for _ in 0..3 {
         assert_eq!(store.take_rate(&acme, &rate, t).await.unwrap(), Ok(()));
@@ -979,7 +1011,7 @@ pub async fn control_documents(store: Subject) {
 /// stale, and the next claim is a recovery that says why. Records outside the target, finished
 /// ones and other tenants' are untouched.
 pub async fn revoked_leases_make_holders_stale(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let (prod, staging) = (scope_in("acme", "prod/pay", "a"), scope_in("acme", "staging/pay", "b"));
     let (done, theirs) = (scope_in("acme", "prod/pay", "done"), scope_in("other", "prod/pay", "a"));
     let fa = c.acquire(&request(&prod, "a")).await;
@@ -1089,7 +1121,7 @@ pub async fn audit_log_pages_newest_first(store: Subject) {
 /// mismatch, a key past its run's budget is denied (and writes nothing), and a key given twice
 /// is in flight the second time. What the batch acquired is held as any claim's acquisition.
 pub async fn a_batch_answers_as_its_claims_one_by_one(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let (done, held, new) = (scope("b-done"), scope("b-held"), scope("b-new"));
     let f = c.acquire(&request(&done, "d")).await;
     c.applied(&done, f, Mutation::Complete(success("stored"))).await;
@@ -1130,7 +1162,7 @@ pub async fn a_batch_answers_as_its_claims_one_by_one(store: Subject) {
 
 /// Four batches at once, overlapping in their keys, acquire every key exactly once.
 pub async fn concurrent_batches_overlapping_in_keys_acquire_each_key_once(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let now = c.clock.now();
     let batches = (0..4).map(|b| {
         let store = store.clone();
@@ -1158,7 +1190,7 @@ pub async fn concurrent_batches_overlapping_in_keys_acquire_each_key_once(store:
 /// fence completes, a stale one changes nothing, a checkpoint then a completion of one key both
 /// apply, and a repeated completion is idempotent; the reported cost is charged to the run.
 pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     set_budget(&store, "acme", "m-run", Budget::default()).await;
     let (one, two, three) = (scope("m-1"), scope("m-2"), scope("m-3"));
     let f1 = c.acquire(&in_run(&one, "1", "m-run", 0)).await;
@@ -1190,7 +1222,7 @@ pub async fn a_batch_of_fenced_calls_answers_as_its_calls_one_by_one(store: Subj
 /// record that changed meanwhile as it is: one in progress that took a checkpoint, one
 /// completed since, one purged.
 pub async fn replace_writes_only_over_the_record_read(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let done = scope("replaced");
     let f = c.acquire(&request(&done, "a")).await;
     c.applied(&done, f, checkpoint("step-1", r#"{"n":1}"#)).await;
@@ -1264,7 +1296,7 @@ pub async fn replace_control_writes_only_over_the_document_expected(store: Subje
 pub async fn a_sealed_value_never_leaves_unopened(store: Subject) {
     use onceguard_core::GuardError;
     use onceguard_core::sealing::{OpenError, Sealer};
-    let c = case(store);
+    let c = case(store).await;
     let key_file = |line: &str| Some(Arc::new(Sealer::parse(line).unwrap()));
     let sealing = c.guard.with_sealer(key_file("k1 BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=\n"));
     let plain = c.guard.with_sealer(None);
@@ -1314,4 +1346,45 @@ pub async fn a_sealed_value_never_leaves_unopened(store: Subject) {
     assert_eq!((last.name.as_str(), last.data.as_str()), ("charged", r#"{"charge":"ch_1"}"#));
     let ClaimOutcome::Replay(replay) = claim(&sealing, &done_req).await.unwrap() else { panic!("a replay") };
     assert_eq!(replay.outcome.body, br#"{"refund":"re_1"}"#);
+}
+
+/// A shared store decides by its own clock, and an instance measures how far its clock is from
+/// it: past `limits.max_clock_offset`, either way, the instance refuses claims
+/// ([`onceguard_core::GuardError::ClockOffset`]) and deciding nothing, until a measurement is
+/// back within bound; within bound, what it shows (a lease's end) is the store's time. A store
+/// that decides by the process's clock has no offset, whatever that clock says.
+pub async fn an_instance_off_the_stores_clock_refuses_claims_past_the_bound(store: Subject) {
+    let req = request(&scope("k"), "a");
+    let through = crate::through_the_door(&req, Duration::ZERO);
+    let Some(store_clock) = store.clock.clone() else {
+        let guard = Guard::new(store.store.clone(), Arc::new(ManualClock::new(Timestamp(1))), Limits::default());
+        assert_eq!(guard.measure_clock_offset().await.expect("the store answers"), None);
+        assert!(matches!(guard.claim(through).await, Ok(ClaimOutcome::Acquired(_))));
+        assert_eq!(guard.clock_offset(), None);
+        return;
+    };
+    let instance = Arc::new(ManualClock::new(store_clock.now().plus(Duration::from_secs(10))));
+    let guard = Guard::new(store.store.clone(), instance.clone(), Limits::default());
+    // Measured on the first claim: 10 s ahead, past the default bound of 500 ms.
+    match guard.claim(through.clone()).await {
+        Err(onceguard_core::GuardError::ClockOffset { offset, bound }) => {
+            assert_eq!((offset.ahead_ms, bound), (10_000, Duration::from_millis(500)));
+        }
+        other => panic!("expected a refusal for the clock's offset, got {other:?}"),
+    }
+    assert!(matches!(guard.check_clock_offset().await, Err(onceguard_core::GuardError::ClockOffset { .. })));
+    assert!(guard.get(&req.scope).await.expect("the store answers").is_none(), "the refused claim wrote nothing");
+    // 10 s behind: refused as well.
+    instance.set(store_clock.now().minus(Duration::from_secs(10)));
+    assert_eq!(guard.measure_clock_offset().await.expect("measured").map(|o| o.ahead_ms), Some(-10_000));
+    assert!(matches!(guard.claim(through.clone()).await, Err(onceguard_core::GuardError::ClockOffset { .. })));
+    // Back within bound (300 ms ahead): claims are answered, on the store's time.
+    instance.set(store_clock.now().plus(Duration::from_millis(300)));
+    assert_eq!(guard.measure_clock_offset().await.expect("measured").map(|o| o.ahead_ms), Some(300));
+    guard.check_clock_offset().await.expect("within bound");
+    match guard.claim(through).await {
+        Ok(ClaimOutcome::Acquired(a)) => assert_eq!(a.lease_expires_at, store_clock.now().plus(LEASE)),
+        other => panic!("expected acquired, got {other:?}"),
+    }
+    assert_eq!(guard.clock().now(), store_clock.now(), "the guard's time is the store's");
 }

@@ -35,7 +35,21 @@ pub fn start_with(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
 /// Starts `onceguard` with `args` (a command that logs the address it listens on) in `dir`;
 /// answers once it listens.
 pub fn spawn(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_onceguard"));
+    spawn_under(&[], dir, args, env)
+}
+
+/// [`spawn`], run by the command `wrapper` (its program and arguments, the binary's path
+/// following them; none: the binary itself), e.g. `faketime` for a skewed clock.
+pub fn spawn_under(wrapper: &[&str], dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
+    let binary = env!("CARGO_BIN_EXE_onceguard");
+    let mut command = match wrapper.split_first() {
+        Some((program, wrapper_args)) => {
+            let mut command = Command::new(program);
+            command.args(wrapper_args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    };
     command
         .args(["--log-format", "json"])
         .args(args)

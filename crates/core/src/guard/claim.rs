@@ -57,6 +57,7 @@ impl Guard {
         claim: Claim,
         task: Option<rollback::TaskTerms>,
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
+        self.check_clock_offset().await?;
         let controls = self.controls().await?;
         let Prepared { mut req, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
         // (An approval's `record` follows the mode in force, `request` sets it: a task, the one
@@ -171,6 +172,7 @@ impl Guard {
     #[tracing::instrument(level = "debug", name = "guard.claim_batch", skip_all, fields(claims = claims.len()))]
     pub async fn claim_batch(&self, claims: Vec<Claim>) -> Result<Vec<Result<ClaimOutcome, GuardError>>, GuardError> {
         self.check_batch(claims.len())?;
+        self.check_clock_offset().await?;
         let controls = self.controls().await?;
         let mut prepared = Vec::with_capacity(claims.len());
         for (i, claim) in claims.into_iter().enumerate() {

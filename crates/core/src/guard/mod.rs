@@ -16,6 +16,8 @@
 //! - `fenced.rs`: the fenced calls (complete, fail, extend, checkpoint, report-unknown);
 //! - `seal.rs`: sealing what is stored, opening what is read, resealing a tenant;
 //! - `records.rs`: reading, listing, purging and counting records;
+//! - `offset.rs`: how far this instance's clock is from the store's, the guard's clock moved
+//!   by it, and the bound past which claims are refused;
 //! - `maintenance.rs`: the background work (the controls' refresh, the change feed, the sweep,
 //!   the audit log's pruning);
 //! - `approvals.rs`: the approval gate in front of the store's claim, decisions and the
@@ -48,11 +50,13 @@ mod approvals;
 mod claim;
 mod fenced;
 mod maintenance;
+mod offset;
 mod records;
 mod rollback;
 mod seal;
 
 pub use approvals::PENDING_RETRY_AFTER;
+pub use offset::{CLOCK_CHECK, CLOCK_CHECK_MAX_AGE};
 pub use rollback::{CompensationClaim, TaskHeld};
 pub use seal::Resealed;
 
@@ -84,6 +88,16 @@ pub enum GuardError {
     /// the key.
     #[error(transparent)]
     Unopened(#[from] crate::sealing::OpenError),
+    /// This instance's clock is off the store's past `limits.max_clock_offset`: claims are
+    /// refused until a later measurement is back within bound. Retrying later (or on another
+    /// instance) is safe.
+    #[error("this instance's clock is {offset}, past limits.max_clock_offset ({} ms); claims are refused until it is back within bound", bound.as_millis())]
+    ClockOffset {
+        /// The offset measured.
+        offset: crate::clock::ClockOffset,
+        /// The bound.
+        bound: Duration,
+    },
 }
 
 impl GuardError {
@@ -133,7 +147,9 @@ impl Claim {
 #[derive(Clone)]
 pub struct Guard {
     store: Arc<dyn Store>,
+    /// This instance's clock moved by its offset to the store's (`offsets.aligned`).
     clock: Arc<dyn Clock>,
+    offsets: Arc<offset::Offsets>,
     limits: Arc<Limits>,
     notifier: Arc<Notifier>,
     pub(crate) controls: Arc<ControlCache>,
@@ -149,13 +165,16 @@ impl std::fmt::Debug for Guard {
 }
 
 impl Guard {
-    /// A guard over `store`, with time from `clock`.
+    /// A guard over `store`, with time from `clock` (this instance's clock, which the guard
+    /// moves by its measured offset to the store's clock: see [`Guard::clock`]).
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, limits: Limits) -> Self {
         let controls = Arc::new(ControlCache::default());
         let notifier = Arc::new(Notifier::default());
+        let offsets = Arc::new(offset::Offsets::new(clock));
         Self {
             store,
-            clock,
+            clock: offsets.aligned.clone(),
+            offsets,
             limits: Arc::new(limits),
             notifier,
             controls,
@@ -207,7 +226,9 @@ impl Guard {
         &self.store
     }
 
-    /// The clock.
+    /// The time the guard decides by: this instance's clock moved by its last measured offset
+    /// to the store's clock (see [`Guard::measure_clock_offset`]), so that it agrees with the
+    /// store's; the given clock itself where the store decides by this process's clock.
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.clock
     }

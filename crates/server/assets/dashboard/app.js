@@ -232,12 +232,17 @@ function render(d) {
   setText("latency-p50", ms(d.latency.p50_ms));
   setText("latency-p99", ms(d.latency.p99_ms));
   setText("latency-window", `${count(d.latency.count)} calls, last ${d.latency.window_seconds / 60} min`);
-  setText("store-status", d.store.up ? "up" : "DOWN");
+  const offset = d.store.clock_offset_ms;
+  const clockOff = offset !== null && Math.abs(offset) > d.store.max_clock_offset_ms;
+  setText("store-status", !d.store.up ? "DOWN" : clockOff ? "CLOCK OFF" : "up");
   setText("store-kind", d.store.kind);
-  $("store-tile").classList.toggle("down", !d.store.up);
-  setText("store-detail", d.store.up
+  $("store-tile").classList.toggle("down", !d.store.up || clockOff);
+  const clockText = offset === null
+    ? ""
+    : ` Clock offset: this instance is ${count(Math.abs(offset))} ms ${offset >= 0 ? "ahead of" : "behind"} the store's (bound ${count(d.store.max_clock_offset_ms)} ms)${clockOff ? ": claims are refused with 503 clock-offset until it is back within bound" : ""}.`;
+  setText("store-detail", (d.store.up
     ? `${d.store.kind}: answered the last check at ${clock(d.store.checked_at)}.`
-    : `${d.store.kind}: does not answer (${d.store.error || "not checked yet"}). Claims fail closed with 503.`);
+    : `${d.store.kind}: does not answer (${d.store.error || "not checked yet"}). Claims fail closed with 503.`) + clockText);
   setText("controls", d.controls.summary);
   $("controls").classList.toggle("alert", d.controls.switches.length > 0);
 

@@ -20,12 +20,17 @@ pub async fn healthz() -> Json<HealthView> {
     Json(HealthView { status: "ok" })
 }
 
-/// The store answers: ready to serve.
+/// The store answers and this instance's clock is within `limits.max_clock_offset` of the
+/// store's: ready to serve.
 #[utoipa::path(get, path = "/readyz", tag = "health",
-    responses((status = 200, description = "Ready", body = HealthView), (status = 503, description = "The store does not answer", body = Problem, content_type = "application/problem+json")))]
+    responses((status = 200, description = "Ready", body = HealthView), (status = 503, description = "The store does not answer (`store-unavailable`), or this instance's clock is too far from the store's (`clock-offset`)", body = Problem, content_type = "application/problem+json")))]
 pub async fn readyz(State(state): State<AppState>) -> ApiResult<Json<HealthView>> {
-    match tokio::time::timeout(Duration::from_secs(2), state.guard.ping()).await {
-        Ok(pinged) => pinged?,
+    let ready = async {
+        state.guard.ping().await?;
+        state.guard.check_clock_offset().await
+    };
+    match tokio::time::timeout(Duration::from_secs(2), ready).await {
+        Ok(ready) => ready?,
         Err(_) => return Err(ApiError::StoreUnavailable("the store did not answer within 2s".into())),
     }
     Ok(Json(HealthView { status: "ok" }))

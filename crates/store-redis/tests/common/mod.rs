@@ -12,8 +12,6 @@
 // Each test binary uses part of the harness.
 #![allow(dead_code)]
 
-pub mod callers_clock;
-
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
@@ -32,8 +30,6 @@ use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;
 use onceguard_testkit::services;
 use tokio::sync::broadcast;
-
-use self::callers_clock::AtCallersTime;
 
 /// A boxed factory of test stores, as the testkit macros take it.
 pub type Factory = fn() -> Pin<Box<dyn Future<Output = Option<TestStore>> + Send>>;
@@ -115,17 +111,15 @@ impl Drop for DeletePrefix {
     }
 }
 
-/// A store on the machine's Redis, under a fresh prefix, whose clock is its caller's
-/// ([`callers_clock`]), for the shared suites (`None`: skipped).
+/// A store on the machine's Redis, under a fresh prefix, deciding by a clock the shared suites
+/// (conformance, the model) move ([`TestStore::on_clock`]); `None`: skipped.
 pub async fn single_store() -> Option<TestStore> {
     if !single_available() {
         return None;
     }
     let (url, prefix) = (redis_url(), prefix());
-    let (clock, store_clock) = AtCallersTime::clock();
-    let options = RedisOptions { prefix: prefix.clone(), clock: store_clock, ..RedisOptions::default() };
-    let store = store_with(RedisTarget::Single(url.clone()), options).await;
-    Some(TestStore::with(AtCallersTime::new(store, clock), DeletePrefix { url, prefix }))
+    let (store, clock) = store_on_given_clock(RedisTarget::Single(url.clone()), &prefix).await;
+    Some(TestStore::with(store, DeletePrefix { url, prefix }).on_clock(clock))
 }
 
 /// The factory of stores on the machine's Redis (for the shared suites).
@@ -185,14 +179,12 @@ pub fn cluster_target(nodes: &[String]) -> RedisTarget {
     RedisTarget::Cluster(nodes.iter().map(|n| format!("redis://{n}")).collect())
 }
 
-/// A store on the test cluster, under a fresh prefix, whose clock is its caller's
-/// ([`callers_clock`]), for the shared suites (`None`: skipped).
+/// A store on the test cluster, under a fresh prefix, deciding by a clock the shared suites
+/// move ([`TestStore::on_clock`]); `None`: skipped.
 pub async fn cluster_store() -> Option<TestStore> {
     let nodes = tokio::task::spawn_blocking(|| cluster().map(Cluster::nodes)).await.expect("the cluster starts")?;
-    let (clock, store_clock) = AtCallersTime::clock();
-    let options = RedisOptions { prefix: prefix(), clock: store_clock, ..RedisOptions::default() };
-    let store = store_with(cluster_target(&nodes), options).await;
-    Some(TestStore::new(AtCallersTime::new(store, clock)))
+    let (store, clock) = store_on_given_clock(cluster_target(&nodes), &prefix()).await;
+    Some(TestStore::new(store).on_clock(clock))
 }
 
 /// The factory of stores on the test cluster (for the shared suites).

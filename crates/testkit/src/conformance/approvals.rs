@@ -53,7 +53,7 @@ impl Case {
 /// approval. Approved, the next claims acquire exactly once (concurrent claims: one acquires,
 /// the others find it in flight), the key then replays, and the decision is audited once.
 pub async fn an_approved_call_acquires_once(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     needing_approvals(&c).await;
     let s = scope("refund-1");
     let req = in_run(&s, "refund order 7", "run-1", 5);
@@ -100,7 +100,7 @@ pub async fn an_approved_call_acquires_once(store: Subject) {
 /// A denied call is refused (`approval_denied`, with who and why) on every later claim of the
 /// key with the same fingerprint, and never acquired; the denial is audited.
 pub async fn a_denied_call_is_refused_for_good(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let s = scope("wire-1");
     let req = request(&s, "wire 1M");
@@ -126,7 +126,7 @@ pub async fn a_denied_call_is_refused_for_good(store: Subject) {
 /// A pending approval nobody decides expires: it can no longer be decided, and the next claim
 /// asks again with a new approval.
 pub async fn an_undecided_approval_expires(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let req = request(&scope("late"), "a");
     let old = c.pending(&req).await;
@@ -143,7 +143,7 @@ pub async fn an_undecided_approval_expires(store: Subject) {
 /// A claim of the key with another fingerprint is a mismatch, whether the approval is pending
 /// or given, and changes nothing: the approved request still acquires.
 pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let s = scope("pay-1");
     let (meant, other) = (request(&s, "pay 10"), request(&s, "pay 10000"));
@@ -165,7 +165,7 @@ pub async fn another_fingerprint_is_a_mismatch_and_keeps_the_approval(store: Sub
 /// A switch engaged while an approval is pending refuses the key's claims (approved or not);
 /// released, the approved key acquires.
 pub async fn a_switch_refuses_a_call_pending_approval(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let tenant = TenantId::parse("acme").unwrap();
     let req = request(&scope("send-1"), "email all customers");
@@ -183,7 +183,7 @@ pub async fn a_switch_refuses_a_call_pending_approval(store: Subject) {
 /// when approved (once, however many wait), denied when denied.
 pub async fn a_waiting_claim_gets_the_decision(store: Subject) {
     let limits = Limits { wait_poll: Duration::from_millis(20), ..Limits::default() };
-    let c = case_with(store, limits);
+    let c = case_with(store, limits).await;
     needing_approvals(&c).await;
     for approved in [true, false] {
         let req = request(&scope(&format!("waited-{approved}")), "a");
@@ -225,7 +225,7 @@ pub async fn a_waiting_claim_gets_the_decision(store: Subject) {
 /// The store's approvals: one kept per key, written only over the one read (a decision is
 /// taken once however many try), listed by state, and swept once no longer kept.
 pub async fn approvals_are_written_over_the_one_read(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     let now = c.clock.now();
     let s = scope("cas");
     let a = Approval::new(s.clone(), Fingerprint::sha256(b"a"), now, Duration::from_secs(60), RETENTION);
@@ -285,7 +285,7 @@ pub async fn approvals_are_written_over_the_one_read(store: Subject) {
 /// effect happened): the record and its replays say so. A first attempt may not, and nothing
 /// changes.
 pub async fn a_recovery_completes_as_reconciled(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("charge-9");
     let req = request(&s, "charge 9");
     let first = c.acquire(&req).await;
@@ -316,7 +316,7 @@ pub async fn a_recovery_completes_as_reconciled(store: Subject) {
 /// A batch asks for each key that needs approval, and claims those approved, each answered as
 /// alone.
 pub async fn a_batch_asks_each_key_needing_approval(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let (a, b) = (request(&scope("batch-a"), "a"), request(&scope("batch-b"), "b"));
     let outside = request(&scope_in("acme", "staging/x", "batch-c"), "c");
@@ -342,7 +342,7 @@ pub async fn a_batch_asks_each_key_needing_approval(store: Subject) {
 /// try at once: retried only after its lease passes, never once delivered, never for an
 /// approval decided meanwhile.
 pub async fn a_notice_is_taken_once_per_attempt(store: Subject) {
-    let c = case(store.clone());
+    let c = case(store.clone()).await;
     needing_approvals(&c).await;
     let pending = c.pending(&request(&scope("notify-1"), "a")).await;
     let lease = |_| Duration::from_secs(15);
@@ -398,7 +398,7 @@ pub async fn a_notice_is_taken_once_per_attempt(store: Subject) {
 /// runs without a new approval, another request under the released key is a mismatch, and once
 /// the record is gone (its retention passed), the key needs a person again.
 pub async fn an_approval_lets_its_call_run_once(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let s = scope("once-only");
     // Asked with the default retention (the approval is kept an hour from its decision), the
@@ -434,7 +434,7 @@ pub async fn an_approval_lets_its_call_run_once(store: Subject) {
 /// call asking for one second, denied, is still refused (not asked again) long after that
 /// second, until the namespace's retention has passed.
 pub async fn a_decision_is_kept_for_the_namespaces_retention(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let s = scope("refund-short");
     let req = ClaimRequest { retention: Duration::from_secs(1), ..request(&s, "refund order 11") };
@@ -452,7 +452,7 @@ pub async fn a_decision_is_kept_for_the_namespaces_retention(store: Subject) {
 /// for an approval proceeds carrying that answer, and records no pending approval (approving it
 /// later would let the effect run a second time).
 pub async fn observe_mode_asks_no_approver(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     let observe = SettingsEntry {
         tenant: TenantId::parse("acme").unwrap(),
@@ -510,7 +510,7 @@ fn claiming_in_a_loop(
 pub async fn another_request_never_takes_an_approved_key(store: Subject) {
     const ACTORS: usize = 8;
     const ROUNDS: usize = 20;
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     for round in 0..ROUNDS {
         let s = scope(&format!("approved-{round}"));
@@ -542,7 +542,7 @@ pub async fn another_request_never_takes_an_approved_key(store: Subject) {
 pub async fn an_approved_call_never_runs_again_after_its_retention(store: Subject) {
     const ACTORS: usize = 8;
     const ROUNDS: usize = 20;
-    let c = case(store);
+    let c = case(store).await;
     needing_approvals(&c).await;
     for round in 0..ROUNDS {
         let s = scope(&format!("short-lived-{round}"));

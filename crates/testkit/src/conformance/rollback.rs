@@ -50,7 +50,7 @@ impl Case {
 /// passed); the rollback is then done, the start audited once, and a second start changes
 /// nothing.
 pub async fn a_rolled_back_run_compensates_each_effect_once(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     for i in 1..=6 {
         c.effect(&format!("charge-{i}"), undoable("{}", "refund", &format!(r#"{{"charge":{i}}}"#))).await;
     }
@@ -173,7 +173,7 @@ pub async fn concurrent_rollback_starts_start_once(store: Subject) {
 /// `max_retention` was lowered below its effect's retention is never handed out again while the
 /// effect is kept.
 pub async fn a_task_lives_as_long_as_its_effect(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let s = scope("charge-long");
     let req = ClaimRequest { retention: Duration::from_secs(60), ..in_run(&s, "charge-long", RUN, 0) };
     let fence = c.acquire(&req).await;
@@ -205,7 +205,7 @@ pub async fn a_task_lives_as_long_as_its_effect(store: Subject) {
 /// And it has a cut-off: an effect the run makes after it started (its switch released) is
 /// none of its tasks.
 pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let late = scope("charge-late");
     let fence = c.acquire(&in_run(&late, "charge-late", RUN, 0)).await;
     c.clock.advance(Duration::from_secs(1));
@@ -235,7 +235,7 @@ pub async fn a_rollback_waits_for_its_effects_and_ends_at_its_start(store: Subje
 /// refused task never blocks the others: with a kill switch on the newest effect's namespace,
 /// the older effect's task is handed out; the refusal is answered once nothing else is left.
 pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     let approvals = SettingsEntry {
         tenant: tenant(),
         namespace_prefix: Some(Namespace::parse("prod/payments-agent").unwrap()),
@@ -266,7 +266,7 @@ pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store:
 /// or in a batch) reaches a namespace with a segment `_undo`, so no caller can take a task and
 /// complete it without running its compensation.
 pub async fn task_namespaces_are_reserved(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     c.effect("charge-r", undoable("{}", "refund", "{}")).await;
     let (report, _) = c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
     let task = &report.tasks[0];
@@ -285,7 +285,7 @@ pub async fn task_namespaces_are_reserved(store: Subject) {
 /// again; one that fails retryably is handed out again. A kill switch on the effects'
 /// namespace refuses the tasks too; another run is not being rolled back.
 pub async fn a_compensation_failing_permanently_is_kept(store: Subject) {
-    let c = case(store);
+    let c = case(store).await;
     c.effect("ship-1", undoable("{}", "cancel-shipment", "{}")).await;
     c.effect("ship-2", undoable("{}", "cancel-shipment", "{}")).await;
     let other = RunId::parse("other-run").unwrap();
@@ -380,7 +380,7 @@ fn mode_of(c: &Case, prefix: &str, mode: Mode) -> SettingsEntry {
 /// reported exactly. A kill switch still refuses. Back in enforce mode the same key replays.
 pub async fn observe_mode_counts_each_would_be_outcome(store: Subject) {
     let counted = Arc::new(Counted::default());
-    let c = case(store);
+    let c = case(store).await;
     let c = Case { guard: c.guard.with_observer(counted.clone()), clock: c.clock };
     c.guard.put_settings(mode_of(&c, "prod", Mode::Observe), None).await.unwrap();
     let s = scope("email-1");
@@ -443,7 +443,7 @@ pub async fn switching_modes_under_load_keeps_each_key_acquired_once(store: Subj
     const PASSES: usize = 6;
     const WORKERS: usize = 4;
     let counted = Arc::new(Counted::default());
-    let c = case(store);
+    let c = case(store).await;
     let c = Case { guard: c.guard.with_observer(counted.clone()), clock: c.clock };
     c.guard.put_settings(mode_of(&c, "prod", Mode::Observe), None).await.unwrap();
     let acquired: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
