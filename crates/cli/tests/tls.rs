@@ -239,3 +239,92 @@ fn a_certificate_without_its_key_is_refused_at_start() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The status of `GET path` over HTTP/2 to `addr` (TLS with ALPN `h2` only, trusting `ca`): a
+/// client of the `h2` crate itself, so that nothing in this test's build gives the server an
+/// HTTP/2 it would not have on its own.
+async fn over_http2(ca: &Ca, addr: &str, path: &str) -> u16 {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.issuer.der().clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await.unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]), "the server takes the h2 it offers");
+    let (client, connection) = h2::client::handshake(tls).await.expect("an HTTP/2 connection");
+    let driver = tokio::spawn(connection);
+    let mut client = client.ready().await.expect("ready for a request");
+    let request = http::Request::get(format!("https://127.0.0.1{path}")).body(()).unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    let status = response.await.expect("an HTTP/2 answer").status().as_u16();
+    driver.abort();
+    status
+}
+
+/// The HTTP version and status of `GET url` by a client that speaks HTTP/1.1 only.
+async fn over_http1(ca: &Ca, url: &str) -> (reqwest::Version, u16) {
+    let client = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(ca.root())
+        .http1_only()
+        .build()
+        .unwrap();
+    let response = client.get(url).send().await.unwrap_or_else(|e| panic!("{url}: {e:?}"));
+    (response.version(), response.status().as_u16())
+}
+
+/// Every listener offers HTTP/2 and HTTP/1.1 by ALPN and serves both: `serve`, `proxy` and
+/// `mcp`, to a Rust client that takes the HTTP/2 offer, to one that speaks HTTP/1.1 only, and
+/// to curl as it is called by default (where curl is installed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_listener_serves_the_http2_it_offers() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("onceguard test ca");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    ca.issue(&cert, &key);
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.issuer.pem()).unwrap();
+    let tls = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    let store = format!("sqlite://{}", dir.path().join("og.db").display());
+    // An upstream for the proxy and the gateway that answers 200 to anything.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, axum::Router::new().fallback(|| async { "up" })).await.unwrap() });
+    let front_ends: [(&str, Vec<&str>, &str); 3] = [
+        ("serve", vec!["serve", "--listen", "127.0.0.1:0"], "/healthz"),
+        ("proxy", vec!["proxy", "--listen", "127.0.0.1:0", "--upstream", &upstream], "/status"),
+        ("mcp", vec!["mcp", "--listen", "127.0.0.1:0", "--upstream", &upstream], "/_onceguard/healthz"),
+    ];
+    for (name, command, path) in front_ends {
+        let mut args = vec!["--store", store.as_str()];
+        args.extend_from_slice(&tls);
+        args.extend(command);
+        let server = common::spawn(dir.path(), &args, &[]);
+        let url = format!("{}{path}", https(&server.base));
+        let addr = server.base.trim_start_matches("http://");
+        assert_eq!(over_http2(&ca, addr, path).await, 200, "{name} over HTTP/2");
+        assert_eq!(over_http1(&ca, &url).await, (reqwest::Version::HTTP_11, 200), "{name} over HTTP/1.1");
+        let curl = std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "--cacert",
+                ca_file.to_str().unwrap(),
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_version} %{http_code}",
+            ])
+            .arg(&url)
+            .output();
+        match curl {
+            Ok(out) => assert_eq!(String::from_utf8_lossy(&out.stdout), "2 200", "{name}, curl: {out:?}"),
+            Err(e) => onceguard_testkit::services::skipped(&format!("curl's default over TLS ({e})")),
+        }
+    }
+}
