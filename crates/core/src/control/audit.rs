@@ -34,8 +34,9 @@ impl AuditEntry {
     }
 
     /// A new entry at `at`, with an id that sorts by time: the milliseconds, then this
-    /// process's sequence number (so entries of one process keep their order within a
-    /// millisecond), then a random tag of the process (so two processes never make the same id).
+    /// process's sequence number of the tenant's entries (so a tenant's entries of one process
+    /// keep their order within a millisecond, and an id counts nothing of another tenant's
+    /// actions), then a random tag of the process (so two processes never make the same id).
     pub fn new(
         tenant: TenantId,
         at: Timestamp,
@@ -43,11 +44,18 @@ impl AuditEntry {
         action: &str,
         target: impl Into<String>,
     ) -> Self {
-        use std::sync::OnceLock;
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static SEQUENCE: AtomicU32 = AtomicU32::new(0);
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        static SEQUENCES: OnceLock<Mutex<HashMap<TenantId, u32>>> = OnceLock::new();
         static PROCESS: OnceLock<u32> = OnceLock::new();
-        let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+        let sequence = {
+            let mut sequences =
+                SEQUENCES.get_or_init(Default::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let next = sequences.entry(tenant.clone()).or_default();
+            let sequence = *next;
+            *next = next.wrapping_add(1);
+            sequence
+        };
         let id = format!("{:015}{sequence:08x}{:08x}", at.0, PROCESS.get_or_init(rand::random::<u32>));
         Self {
             id,

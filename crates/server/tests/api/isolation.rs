@@ -166,3 +166,31 @@ async fn fences_tell_nothing_of_another_tenants_claims() {
         assert_eq!(second, first + 1, "{backing:?}: acme's 20 claims moved none of globex's fences");
     }
 }
+
+/// Audit ids are a tenant's own: the sequence part of an id (after its 15 digits of
+/// milliseconds) counts only that tenant's entries, so another tenant's 40 audited changes
+/// move nothing of it. (Approval and API key ids are random; fences are the test above.)
+#[tokio::test]
+async fn audit_ids_tell_nothing_of_another_tenants_actions() {
+    let app = spawn_app(Backing::Sqlite).await;
+    let created = app.post(&app.admin, "/v1/api-keys", &json!({"role": "admin", "tenant": "globex"})).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let created: Value = created.json().await.unwrap();
+    let globex_admin = created["token"].as_str().unwrap().to_owned();
+    let audited_change = |token: &str, n: u64| {
+        let (app, token) = (&app, token.to_owned());
+        async move {
+            let set = json!({"settings": {"max_in_flight": n}, "why": "isolation test"});
+            assert_eq!(app.put(&token, "/v1/settings", &set).await.status(), StatusCode::OK);
+            let page: Value = app.get(&token, "/v1/audit?limit=1").await.json().await.unwrap();
+            let id = page["entries"][0]["id"].as_str().unwrap().to_owned();
+            u32::from_str_radix(&id[15..23], 16).unwrap()
+        }
+    };
+    let before = audited_change(&globex_admin, 1).await;
+    for n in 0..40 {
+        audited_change(&app.admin, 10 + n).await;
+    }
+    let after = audited_change(&globex_admin, 2).await;
+    assert_eq!(after, before + 1, "acme's 40 audited changes moved none of globex's audit ids");
+}
