@@ -50,7 +50,29 @@ impl FromRequestParts<AppState> for Caller {
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let caller = authenticate(parts, state).await?;
         tracing::Span::current().record("tenant", caller.tenant.as_str());
+        if let Some(slot) = parts.extensions.get::<RequestTenant>() {
+            slot.set(&caller.tenant);
+        }
         Ok(caller)
+    }
+}
+
+/// Where a request's tenant is told to whoever measures the request: the measuring middleware
+/// puts one in the request's extensions, the [`Caller`] extractor fills it once the API key is
+/// read, and the middleware reads it after the answer (so that each tenant's latency is its
+/// own).
+#[derive(Debug, Clone, Default)]
+pub struct RequestTenant(Arc<std::sync::OnceLock<TenantId>>);
+
+impl RequestTenant {
+    /// Tells the tenant (the first time only).
+    pub fn set(&self, tenant: &TenantId) {
+        let _ = self.0.set(tenant.clone());
+    }
+
+    /// The tenant, once told.
+    pub fn get(&self) -> Option<&TenantId> {
+        self.0.get()
     }
 }
 

@@ -1,12 +1,15 @@
 //! The recent window the dashboard draws: this instance's last 15 minutes in 10-second slots
-//! (claims by outcome, cost and tokens saved per tenant, tokens saved per namespace, claim
-//! latency, store operations), and the last notable events of each tenant (mismatches, stale
-//! completions, recoveries).
+//! (claims by outcome, cost and tokens saved, tokens saved per namespace, claim latency, store
+//! operations, each per tenant), and the last notable events of each tenant (mismatches, stale
+//! completions, recoveries). A tenant's admin reads only the tenant's figures
+//! ([`Figures::Tenant`]); the whole instance's ([`Figures::Instance`], store operations that
+//! belong to no tenant included: sweeps, health checks, clock measurements) are the operator's.
 //!
 //! Bounded: at most [`SLOTS`] slots, [`EVENTS_PER_TENANT`] events per tenant,
 //! [`NAMESPACES_PER_SLOT`] namespaces per tenant and slot (the tokens saved in any further
-//! namespace are counted as `others`), one latency histogram per slot and store operation. Prometheus keeps the long history; this is what a
-//! page can show without one.
+//! namespace are counted as `others`), one latency histogram per slot, tenant and store
+//! operation (tenants are created by operators). Prometheus keeps the long history; this is
+//! what a page can show without one.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -107,8 +110,28 @@ struct OpSlot {
 struct Slot {
     index: u64,
     tenants: HashMap<String, TenantSlot>,
-    claim_latency: Buckets,
-    store: HashMap<StoreOp, OpSlot>,
+    /// Claim and fenced-call latency by tenant (`""`: a request whose tenant is unknown).
+    claim_latency: HashMap<String, Buckets>,
+    /// Store operations by tenant (`""`: an operation of no tenant) and operation.
+    store: HashMap<(String, StoreOp), OpSlot>,
+}
+
+/// Whose figures a view holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Figures<'a> {
+    /// One tenant's: what its admin may read.
+    Tenant(&'a str),
+    /// The whole instance's, every tenant's and those of no tenant: the operator's.
+    Instance,
+}
+
+impl Figures<'_> {
+    fn covers(self, tenant: &str) -> bool {
+        match self {
+            Self::Tenant(t) => t == tenant,
+            Self::Instance => true,
+        }
+    }
 }
 
 /// A notable event of a tenant, for the dashboard's list.
@@ -204,9 +227,9 @@ pub struct SeriesView {
     /// Tokens saved per slot in the namespaces that saved the most in the window (at most
     /// [`NAMESPACES_SHOWN`], most first), and in all others together.
     pub tokens_saved_by_namespace: NamespaceSeries,
-    /// Claim latency (all tenants) per slot: 50th percentile in ms, `null` without requests.
+    /// The tenant's claim latency per slot: 50th percentile in ms, `null` without requests.
     pub p50_ms: Vec<Option<f64>>,
-    /// Claim latency (all tenants) per slot: 99th percentile in ms.
+    /// The tenant's claim latency per slot: 99th percentile in ms.
     pub p99_ms: Vec<Option<f64>>,
 }
 
@@ -324,15 +347,22 @@ impl Live {
         }
     }
 
-    /// A claim or fenced call's latency.
-    pub fn record_claim_latency(&self, took: Duration) {
-        self.lock().slot().claim_latency.observe(took);
+    /// A claim or fenced call's latency, of `tenant` (`None`: unknown, e.g. refused before
+    /// its API key was read).
+    pub fn record_claim_latency(&self, tenant: Option<&str>, took: Duration) {
+        let mut inner = self.lock();
+        let latency = &mut inner.slot().claim_latency;
+        let tenant = tenant.unwrap_or_default();
+        match latency.get_mut(tenant) {
+            Some(buckets) => buckets.observe(took),
+            None => latency.entry(tenant.to_owned()).or_default().observe(took),
+        }
     }
 
-    /// A store operation.
-    pub fn record_store_op(&self, op: StoreOp, took: Duration, ok: bool) {
+    /// A store operation of `tenant` (`None`: of no tenant).
+    pub fn record_store_op(&self, tenant: Option<&str>, op: StoreOp, took: Duration, ok: bool) {
         let mut inner = self.lock();
-        let entry = inner.slot().store.entry(op).or_default();
+        let entry = inner.slot().store.entry((tenant.unwrap_or_default().to_owned(), op)).or_default();
         entry.latency.observe(took);
         entry.errors += u64::from(!ok);
     }
@@ -368,27 +398,34 @@ impl Live {
             cost_saved: of_tenant.iter().map(|t| t.map_or(0, |t| t.cost_saved)).collect(),
             tokens_saved: of_tenant.iter().map(|t| t.map_or(0, |t| t.tokens_saved)).collect(),
             tokens_saved_by_namespace: by_namespace(&of_tenant),
-            p50_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.quantile_ms(0.5))).collect(),
-            p99_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.quantile_ms(0.99))).collect(),
+            p50_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.get(tenant)?.quantile_ms(0.5))).collect(),
+            p99_ms: slots.iter().map(|s| s.and_then(|s| s.claim_latency.get(tenant)?.quantile_ms(0.99))).collect(),
         }
     }
 
-    /// Claim and fenced-call latency (all tenants) over the last [`LATENCY_SLOTS`] slots.
-    pub fn claim_latency(&self) -> LatencyView {
+    /// Claim and fenced-call latency of `figures` over the last [`LATENCY_SLOTS`] slots.
+    pub fn claim_latency(&self, figures: Figures<'_>) -> LatencyView {
         let inner = self.lock();
         let mut total = Buckets::default();
         for slot in inner.last(LATENCY_SLOTS).1.into_iter().flatten() {
-            total.add(&slot.claim_latency);
+            for (tenant, buckets) in &slot.claim_latency {
+                if figures.covers(tenant) {
+                    total.add(buckets);
+                }
+            }
         }
         latency_view(&total)
     }
 
-    /// Store operations over the last [`LATENCY_SLOTS`] slots, by operation.
-    pub fn store_ops(&self) -> Vec<StoreOpView> {
+    /// Store operations of `figures` over the last [`LATENCY_SLOTS`] slots, by operation.
+    pub fn store_ops(&self, figures: Figures<'_>) -> Vec<StoreOpView> {
         let inner = self.lock();
         let mut by_op: Vec<(StoreOp, Buckets, u64)> = Vec::new();
         for slot in inner.last(LATENCY_SLOTS).1.into_iter().flatten() {
-            for (op, s) in &slot.store {
+            for ((tenant, op), s) in &slot.store {
+                if !figures.covers(tenant) {
+                    continue;
+                }
                 match by_op.iter_mut().find(|(o, ..)| o == op) {
                     Some((_, buckets, errors)) => {
                         buckets.add(&s.latency);
@@ -446,13 +483,34 @@ mod tests {
         live.record_claim("t", "ns", AnswerKind::Acquired, Saved::default());
         live.record_claim("t", "ns", AnswerKind::Replay, Saved { cost: 250, tokens: 0 });
         live.record_claim("u", "ns", AnswerKind::Replay, Saved { cost: 7, tokens: 0 });
-        live.record_claim_latency(Duration::from_millis(3));
+        live.record_claim_latency(Some("t"), Duration::from_millis(3));
         let series = live.series("t");
         assert_eq!(series.claims["acquired"].iter().sum::<u64>(), 1);
         assert_eq!(series.claims["replay"].iter().sum::<u64>(), 1);
         assert_eq!(series.cost_saved.iter().sum::<u64>(), 250);
         assert_eq!(series.cost_saved.len(), SLOTS);
-        assert_eq!(live.claim_latency().count, 1);
+        assert_eq!(live.claim_latency(Figures::Tenant("t")).count, 1);
+    }
+
+    #[test]
+    fn a_tenants_figures_are_its_own_and_the_instances_hold_them_all() {
+        let live = Live::default();
+        for _ in 0..150 {
+            live.record_claim_latency(Some("a"), Duration::from_millis(2));
+            live.record_store_op(Some("a"), StoreOp::Claim, Duration::from_millis(1), true);
+        }
+        live.record_claim_latency(Some("b"), Duration::from_millis(2));
+        live.record_store_op(Some("b"), StoreOp::Claim, Duration::from_millis(1), false);
+        live.record_store_op(None, StoreOp::Sweep, Duration::from_millis(1), true);
+        live.record_claim_latency(None, Duration::from_millis(2));
+        assert_eq!(live.claim_latency(Figures::Tenant("b")).count, 1);
+        let of_b = live.store_ops(Figures::Tenant("b"));
+        assert_eq!(of_b.len(), 1, "b's operations only: {of_b:?}");
+        assert_eq!((of_b[0].op, of_b[0].latency.count, of_b[0].errors), ("claim", 1, 1));
+        assert_eq!(live.claim_latency(Figures::Instance).count, 152);
+        let all = live.store_ops(Figures::Instance);
+        assert_eq!(all.iter().map(|o| o.latency.count).sum::<u64>(), 152);
+        assert_eq!(live.series("b").p50_ms.iter().flatten().count(), 1, "b's series draws its own latency");
     }
 
     #[test]

@@ -490,8 +490,15 @@ impl Metrics {
         }
     }
 
-    /// One store operation.
-    pub fn observe_store(&self, store: &'static str, op: StoreOp, took: Duration, error: Option<&StoreError>) {
+    /// One store operation, of `tenant` (`None`: of no tenant).
+    pub fn observe_store(
+        &self,
+        store: &'static str,
+        op: StoreOp,
+        tenant: Option<&TenantId>,
+        took: Duration,
+        error: Option<&StoreError>,
+    ) {
         let result = match error {
             None => "ok",
             Some(StoreError::Unavailable(_)) => "unavailable",
@@ -499,11 +506,18 @@ impl Metrics {
         };
         let labels = StoreOpLabels { store, op: op.as_str(), result };
         self.store_latency.get_or_create(&labels).observe(took.as_secs_f64());
-        self.live.record_store_op(op, took, error.is_none());
+        self.live.record_store_op(tenant.map(TenantId::as_str), op, took, error.is_none());
     }
 
-    /// One HTTP request.
-    pub fn observe_http(&self, method: &str, route: Option<&str>, status: u16, took: Duration) {
+    /// One HTTP request, of `tenant` where its API key told it.
+    pub fn observe_http(
+        &self,
+        method: &str,
+        route: Option<&str>,
+        tenant: Option<&TenantId>,
+        status: u16,
+        took: Duration,
+    ) {
         let method = match method {
             "GET" => "GET",
             "POST" => "POST",
@@ -516,7 +530,7 @@ impl Metrics {
         };
         let route = route.unwrap_or(UNMATCHED);
         if route.starts_with("/v1/claims") {
-            self.live.record_claim_latency(took);
+            self.live.record_claim_latency(tenant.map(TenantId::as_str), took);
         }
         let labels = HttpLabels { method, route: route.to_owned(), status };
         self.http_latency.get_or_create(&labels).observe(took.as_secs_f64());

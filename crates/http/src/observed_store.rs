@@ -36,10 +36,16 @@ impl ObservedStore {
         Self { kind: inner.kind(), inner, metrics }
     }
 
-    async fn timed<T>(&self, op: StoreOp, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    /// Runs `call`, the operation `op` of `tenant` (`None`: of no tenant), measured.
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        tenant: Option<&TenantId>,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
         let start = Instant::now();
         let result = call.await;
-        self.metrics.observe_store(self.kind, op, start.elapsed(), result.as_ref().err());
+        self.metrics.observe_store(self.kind, op, tenant, start.elapsed(), result.as_ref().err());
         if let Err(e) = &result {
             Span::current().record("error", tracing::field::display(e));
         }
@@ -55,7 +61,7 @@ impl ClaimStore for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.claim", skip_all, fields(store = self.kind, tenant = %req.scope.tenant, namespace = %req.scope.namespace, outcome, fence, error))]
     async fn claim(&self, req: &ClaimRequest, now: Timestamp) -> Result<ClaimOutcome, StoreError> {
-        let outcome = self.timed(StoreOp::Claim, self.inner.claim(req, now)).await?;
+        let outcome = self.timed(StoreOp::Claim, Some(&req.scope.tenant), self.inner.claim(req, now)).await?;
         let span = Span::current();
         span.record("outcome", outcome.name());
         match &outcome {
@@ -75,8 +81,13 @@ impl ClaimStore for ObservedStore {
         now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
-        let outcome =
-            self.timed(StoreOp::Mutate, self.inner.mutate(scope, fence, mutation, now, max_checkpoints)).await?;
+        let outcome = self
+            .timed(
+                StoreOp::Mutate,
+                Some(&scope.tenant),
+                self.inner.mutate(scope, fence, mutation, now, max_checkpoints),
+            )
+            .await?;
         let name = match &outcome {
             FencedOutcome::Applied(_) => "applied",
             FencedOutcome::Stale(_) => "stale",
@@ -87,7 +98,7 @@ impl ClaimStore for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.claim_batch", skip_all, fields(store = self.kind, claims = reqs.len(), error))]
     async fn claim_batch(&self, reqs: &[ClaimRequest], now: Timestamp) -> Result<Vec<ClaimOutcome>, StoreError> {
-        self.timed(StoreOp::ClaimBatch, self.inner.claim_batch(reqs, now)).await
+        self.timed(StoreOp::ClaimBatch, reqs.first().map(|r| &r.scope.tenant), self.inner.claim_batch(reqs, now)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.mutate_batch", skip_all, fields(store = self.kind, calls = calls.len(), error))]
@@ -97,12 +108,17 @@ impl ClaimStore for ObservedStore {
         now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<Vec<FencedOutcome>, StoreError> {
-        self.timed(StoreOp::MutateBatch, self.inner.mutate_batch(calls, now, max_checkpoints)).await
+        self.timed(
+            StoreOp::MutateBatch,
+            calls.first().map(|c| &c.scope.tenant),
+            self.inner.mutate_batch(calls, now, max_checkpoints),
+        )
+        .await
     }
 
     #[tracing::instrument(level = "debug", name = "store.get", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, fence, error))]
     async fn get(&self, scope: &Scope, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        let record = self.timed(StoreOp::Get, self.inner.get(scope, now)).await?;
+        let record = self.timed(StoreOp::Get, Some(&scope.tenant), self.inner.get(scope, now)).await?;
         let span = Span::current();
         match &record {
             Some(r) => span.record("outcome", r.state.as_str()).record("fence", r.fence.0),
@@ -113,33 +129,33 @@ impl ClaimStore for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.list", skip_all, fields(store = self.kind, tenant = %tenant, error))]
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, now: Timestamp) -> Result<Page, StoreError> {
-        self.timed(StoreOp::List, self.inner.list(tenant, filter, now)).await
+        self.timed(StoreOp::List, Some(tenant), self.inner.list(tenant, filter, now)).await
     }
 
     async fn replace(&self, old: &Record, new: &Record) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Replace, self.inner.replace(old, new)).await
+        self.timed(StoreOp::Replace, Some(&old.scope.tenant), self.inner.replace(old, new)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.purge", skip_all, fields(store = self.kind, tenant = %scope.tenant, namespace = %scope.namespace, outcome, error))]
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
-        let existed = self.timed(StoreOp::Purge, self.inner.purge(scope)).await?;
+        let existed = self.timed(StoreOp::Purge, Some(&scope.tenant), self.inner.purge(scope)).await?;
         Span::current().record("outcome", if existed { "purged" } else { "absent" });
         Ok(existed)
     }
 
     #[tracing::instrument(level = "debug", name = "store.sweep", skip_all, fields(store = self.kind, error))]
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.timed(StoreOp::Sweep, self.inner.sweep(now, batch)).await
+        self.timed(StoreOp::Sweep, None, self.inner.sweep(now, batch)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.ping", skip_all, fields(store = self.kind, error))]
     async fn ping(&self) -> Result<(), StoreError> {
-        self.timed(StoreOp::Ping, self.inner.ping()).await
+        self.timed(StoreOp::Ping, None, self.inner.ping()).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.time", skip_all, fields(store = self.kind, error))]
     async fn store_time(&self) -> Result<Option<Timestamp>, StoreError> {
-        self.timed(StoreOp::StoreTime, self.inner.store_time()).await
+        self.timed(StoreOp::StoreTime, None, self.inner.store_time()).await
     }
 
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
@@ -157,11 +173,11 @@ impl RunStore for ObservedStore {
         now: Timestamp,
         audit: &AuditEntry,
     ) -> Result<Run, StoreError> {
-        self.timed(StoreOp::Control, self.inner.put_budget(tenant, run, budget, now, audit)).await
+        self.timed(StoreOp::Control, Some(tenant), self.inner.put_budget(tenant, run, budget, now, audit)).await
     }
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
-        self.timed(StoreOp::Control, self.inner.get_run(tenant, run)).await
+        self.timed(StoreOp::Control, Some(tenant), self.inner.get_run(tenant, run)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
@@ -171,18 +187,18 @@ impl RunStore for ObservedStore {
         rate: &Rate,
         now: Timestamp,
     ) -> Result<Result<(), std::time::Duration>, StoreError> {
-        self.timed(StoreOp::TakeRate, self.inner.take_rate(tenant, rate, now)).await
+        self.timed(StoreOp::TakeRate, Some(tenant), self.inner.take_rate(tenant, rate, now)).await
     }
 }
 
 #[async_trait]
 impl ControlStore for ObservedStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
-        self.timed(StoreOp::Control, self.inner.put_control(doc, audit)).await
+        self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.put_control(doc, audit)).await
     }
 
     async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Control, self.inner.insert_control(doc, audit)).await
+        self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.insert_control(doc, audit)).await
     }
 
     async fn replace_control(
@@ -191,7 +207,7 @@ impl ControlStore for ObservedStore {
         doc: &ControlDoc,
         audit: &AuditEntry,
     ) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Control, self.inner.replace_control(expected, doc, audit)).await
+        self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.replace_control(expected, doc, audit)).await
     }
 
     async fn delete_control(
@@ -201,11 +217,11 @@ impl ControlStore for ObservedStore {
         id: &str,
         audit: &AuditEntry,
     ) -> Result<Option<ControlDoc>, StoreError> {
-        self.timed(StoreOp::Control, self.inner.delete_control(kind, tenant, id, audit)).await
+        self.timed(StoreOp::Control, Some(tenant), self.inner.delete_control(kind, tenant, id, audit)).await
     }
 
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
-        self.timed(StoreOp::Control, self.inner.list_control()).await
+        self.timed(StoreOp::Control, None, self.inner.list_control()).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.revoke_leases", skip_all, fields(store = self.kind, tenant = %tenant, target = %target, error))]
@@ -216,47 +232,47 @@ impl ControlStore for ObservedStore {
         detail: &str,
         now: Timestamp,
     ) -> Result<u64, StoreError> {
-        self.timed(StoreOp::RevokeLeases, self.inner.revoke_leases(tenant, target, detail, now)).await
+        self.timed(StoreOp::RevokeLeases, Some(tenant), self.inner.revoke_leases(tenant, target, detail, now)).await
     }
 
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        self.timed(StoreOp::Audit, self.inner.append_audit(entry)).await
+        self.timed(StoreOp::Audit, Some(&entry.tenant), self.inner.append_audit(entry)).await
     }
 
     async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
-        self.timed(StoreOp::Audit, self.inner.list_audit(tenant, filter)).await
+        self.timed(StoreOp::Audit, Some(tenant), self.inner.list_audit(tenant, filter)).await
     }
 
     async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.timed(StoreOp::Audit, self.inner.prune_audit(tenant, before, batch)).await
+        self.timed(StoreOp::Audit, Some(tenant), self.inner.prune_audit(tenant, before, batch)).await
     }
 }
 
 #[async_trait]
 impl TenantStore for ObservedStore {
     async fn create_tenant(&self, tenant: &Tenant, audit: Option<&AuditEntry>) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.create_tenant(tenant, audit)).await
+        self.timed(StoreOp::Auth, Some(&tenant.id), self.inner.create_tenant(tenant, audit)).await
     }
 
     async fn get_tenant(&self, id: &TenantId) -> Result<Option<Tenant>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.get_tenant(id)).await
+        self.timed(StoreOp::Auth, Some(id), self.inner.get_tenant(id)).await
     }
 
     async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.list_tenants()).await
+        self.timed(StoreOp::Auth, None, self.inner.list_tenants()).await
     }
 
     async fn create_api_key(&self, key: &ApiKey, audit: Option<&AuditEntry>) -> Result<(), StoreError> {
-        self.timed(StoreOp::Auth, self.inner.create_api_key(key, audit)).await
+        self.timed(StoreOp::Auth, Some(&key.tenant), self.inner.create_api_key(key, audit)).await
     }
 
     #[tracing::instrument(level = "debug", name = "store.get_api_key", skip_all, fields(store = self.kind, error))]
     async fn get_api_key(&self, id: &ApiKeyId) -> Result<Option<ApiKey>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.get_api_key(id)).await
+        self.timed(StoreOp::Auth, None, self.inner.get_api_key(id)).await
     }
 
     async fn list_api_keys(&self, tenant: &TenantId) -> Result<Vec<ApiKey>, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.list_api_keys(tenant)).await
+        self.timed(StoreOp::Auth, Some(tenant), self.inner.list_api_keys(tenant)).await
     }
 
     async fn revoke_api_key(
@@ -266,14 +282,14 @@ impl TenantStore for ObservedStore {
         now: Timestamp,
         audit: Option<&AuditEntry>,
     ) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Auth, self.inner.revoke_api_key(tenant, id, now, audit)).await
+        self.timed(StoreOp::Auth, Some(tenant), self.inner.revoke_api_key(tenant, id, now, audit)).await
     }
 }
 
 #[async_trait]
 impl ApprovalStore for ObservedStore {
     async fn approval_of(&self, scope: &Scope, now: Timestamp) -> Result<Option<Approval>, StoreError> {
-        self.timed(StoreOp::Approval, self.inner.approval_of(scope, now)).await
+        self.timed(StoreOp::Approval, Some(&scope.tenant), self.inner.approval_of(scope, now)).await
     }
 
     async fn approval(
@@ -282,7 +298,7 @@ impl ApprovalStore for ObservedStore {
         id: &ApprovalId,
         now: Timestamp,
     ) -> Result<Option<Approval>, StoreError> {
-        self.timed(StoreOp::Approval, self.inner.approval(tenant, id, now)).await
+        self.timed(StoreOp::Approval, Some(tenant), self.inner.approval(tenant, id, now)).await
     }
 
     async fn put_approval(
@@ -292,7 +308,7 @@ impl ApprovalStore for ObservedStore {
         audit: Option<&AuditEntry>,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Approval, self.inner.put_approval(expected, new, audit, now)).await
+        self.timed(StoreOp::Approval, Some(&new.scope.tenant), self.inner.put_approval(expected, new, audit, now)).await
     }
 
     async fn list_approvals(
@@ -301,10 +317,10 @@ impl ApprovalStore for ObservedStore {
         filter: &ApprovalFilter,
         now: Timestamp,
     ) -> Result<Vec<Approval>, StoreError> {
-        self.timed(StoreOp::Approval, self.inner.list_approvals(tenant, filter, now)).await
+        self.timed(StoreOp::Approval, Some(tenant), self.inner.list_approvals(tenant, filter, now)).await
     }
 
     async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.timed(StoreOp::Approval, self.inner.sweep_approvals(now, batch)).await
+        self.timed(StoreOp::Approval, None, self.inner.sweep_approvals(now, batch)).await
     }
 }

@@ -21,7 +21,7 @@ use utoipa_axum::routes;
 use crate::AppState;
 use crate::api::{ApiQuery, RecordHead, admin_tenant, outcome_status, record_head, require_operator};
 use crate::auth::Caller;
-use crate::live::{Event, LatencyView, SeriesView, StoreOpView};
+use crate::live::{Event, Figures, LatencyView, SeriesView, StoreOpView};
 use crate::problem::ApiError;
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -209,7 +209,8 @@ pub struct StoreView {
     /// `limits.max_clock_offset` in milliseconds: past it, either way, the instance refuses
     /// claims (`clock-offset`) and is not ready.
     pub max_clock_offset_ms: u64,
-    /// Operations over the last 5 minutes (this instance): count, errors, p50 and p99.
+    /// Operations over the last 5 minutes (this instance; see `figures`): count, errors, p50
+    /// and p99.
     #[schema(value_type = Vec<Object>)]
     pub ops: Vec<StoreOpView>,
 }
@@ -269,7 +270,11 @@ pub struct DashboardView {
     pub stale_calls: u64,
     /// Denied claims since this instance started (switches, budgets, quotas).
     pub denied: u64,
-    /// Claim and fenced-call latency over the last 5 minutes (all tenants, this instance).
+    /// Whose latency and store operations the page holds: `tenant` (the tenant's own, what
+    /// every admin reads), or `instance` (every tenant's and the store's own upkeep: only the
+    /// operator tenant's admins, on the operator tenant's page).
+    pub figures: &'static str,
+    /// Claim and fenced-call latency over the last 5 minutes (this instance; see `figures`).
     #[schema(value_type = Object)]
     pub latency: LatencyView,
     /// The last 15 minutes in 10-second slots.
@@ -361,6 +366,10 @@ pub async fn dashboard_data(
         tokens_not_saved: totals.tokens_not_saved,
     };
     let rollbacks = rollbacks_panel(&state, &tenant).await?;
+    // The operator's admins, on the operator tenant's page, see the whole instance; every
+    // other page holds the tenant's figures only.
+    let instance = tenant == state.operator_tenant && require_operator(&state, &caller).is_ok();
+    let figures = if instance { Figures::Instance } else { Figures::Tenant(tenant.as_str()) };
     Ok(Json(DashboardView {
         tenant: tenant.to_string(),
         tenants,
@@ -372,7 +381,8 @@ pub async fn dashboard_data(
         recoveries: RecoveryCounts { lease_expired: totals.recoveries[0], reported_unknown: totals.recoveries[1] },
         stale_calls: totals.stale_calls,
         denied: totals.denials.iter().sum(),
-        latency: metrics.live().claim_latency(),
+        figures: if instance { "instance" } else { "tenant" },
+        latency: metrics.live().claim_latency(figures),
         series: metrics.live().series(tenant.as_str()),
         keys: KeysView {
             in_flight,
@@ -389,7 +399,7 @@ pub async fn dashboard_data(
             error: scan.store_error,
             clock_offset_ms: state.guard.clock_offset().map(|o| o.ahead_ms),
             max_clock_offset_ms: u64::try_from(state.guard.limits().max_clock_offset.as_millis()).unwrap_or(u64::MAX),
-            ops: metrics.live().store_ops(),
+            ops: metrics.live().store_ops(figures),
         },
         controls,
         approvals,

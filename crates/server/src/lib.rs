@@ -167,8 +167,10 @@ pub fn router(state: AppState, config: &Config) -> Router {
 /// Runs a request in its span (see [`telemetry::request_span`]), bounded by `timeout`
 /// (answering 503 when it passes: a claim may have taken effect), then records and measures its
 /// answer, whatever it was (also a panic's 500, which the layer inside makes).
-async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeout: Duration) -> Response {
+async fn observe_request(mut req: Request, next: Next, metrics: Arc<Metrics>, timeout: Duration) -> Response {
     let started = std::time::Instant::now();
+    let tenant = onceguard_http::auth::RequestTenant::default();
+    req.extensions_mut().insert(tenant.clone());
     let span = telemetry::request_span(&req);
     let method = req.method().clone();
     let route = req.extensions().get::<axum::extract::MatchedPath>().cloned();
@@ -195,7 +197,7 @@ async fn observe_request(req: Request, next: Next, metrics: Arc<Metrics>, timeou
             "answered with a server error"
         );
     }
-    metrics.observe_http(method.as_str(), route, status, took);
+    metrics.observe_http(method.as_str(), route, tenant.get(), status, took);
     response
 }
 

@@ -231,7 +231,7 @@ function render(d) {
   setText("keys-as-of", d.keys.as_of ? `counted ${clock(d.keys.as_of)}${d.keys.complete ? "" : " (at least)"}` : "not counted yet");
   setText("latency-p50", ms(d.latency.p50_ms));
   setText("latency-p99", ms(d.latency.p99_ms));
-  setText("latency-window", `${count(d.latency.count)} calls, last ${d.latency.window_seconds / 60} min`);
+  setText("latency-window", `${count(d.latency.count)} calls, last ${d.latency.window_seconds / 60} min${d.figures === "instance" ? ", every tenant" : ""}`);
   const offset = d.store.clock_offset_ms;
   const clockOff = offset !== null && Math.abs(offset) > d.store.max_clock_offset_ms;
   setText("store-status", !d.store.up ? "DOWN" : clockOff ? "CLOCK OFF" : "up");

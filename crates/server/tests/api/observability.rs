@@ -448,3 +448,37 @@ async fn the_grafana_dashboard_queries_only_exported_metrics() {
         assert!(text.contains(&format!("# TYPE {family} ")), "the dashboard queries {name}, which is not exported");
     }
 }
+
+/// A tenant's admin reads its own latency and store operations on the dashboard: another
+/// tenant's 150 claims move none of them; the operator's page holds the whole instance's.
+#[tokio::test]
+async fn the_dashboard_shows_a_tenant_its_own_traffic_only() {
+    let app = spawn_app_with(Backing::Sqlite, |c| c.metrics.refresh_interval = Duration::ZERO).await;
+    let created = app.post(&app.admin, "/v1/api-keys", &json!({"role": "admin", "tenant": "globex"})).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let globex_admin = created.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_owned();
+    let figures = |token: &str| {
+        let (app, token) = (&app, token.to_owned());
+        async move {
+            let d: Value = app.get(&token, "/v1/dashboard").await.json().await.unwrap();
+            let claims_in_store = d["store"]["ops"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|op| op["op"] == "claim")
+                .map_or(0, |op| op["count"].as_u64().unwrap());
+            (d["figures"].as_str().unwrap().to_owned(), d["latency"]["count"].as_u64().unwrap(), claims_in_store)
+        }
+    };
+    let (globex_before, operator_before) = (figures(&globex_admin).await, figures(&app.admin).await);
+    assert_eq!((globex_before.0.as_str(), operator_before.0.as_str()), ("tenant", "instance"));
+    for i in 0..150 {
+        let (status, _) =
+            app.claim(&app.agent, json!({"namespace": "busy", "key": format!("k-{i}"), "request": i})).await;
+        assert_eq!(status, StatusCode::CREATED);
+    }
+    let (globex_after, operator_after) = (figures(&globex_admin).await, figures(&app.admin).await);
+    assert_eq!(globex_after, globex_before, "acme's claims are not in globex's figures");
+    assert!(operator_after.1 >= operator_before.1 + 150, "{operator_before:?} → {operator_after:?}");
+    assert!(operator_after.2 >= operator_before.2 + 150, "{operator_before:?} → {operator_after:?}");
+}
