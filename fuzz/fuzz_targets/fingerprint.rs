@@ -4,6 +4,8 @@
 //! as a `Fingerprint`, is the digest of the value's RFC 8785 form as the canonicalizer writes
 //! it (whether `of_json` took serde_json's bytes or the canonicalizer's), and equals the
 //! fingerprint of the value re-read from its own serialization (the canonical form is stable).
+//! The depth limit of stored JSON reads the text as the parsed value nests: the text passes
+//! `check_json_depth` exactly when the value passes `check_value_depth`.
 
 #![no_main]
 
@@ -18,6 +20,11 @@ fn well_formed(fp: &Fingerprint) -> bool {
 
 fuzz_target!(|data: &[u8]| {
     let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else { return };
+    assert_eq!(
+        onceguard_core::limits::check_json_depth("json", data).is_ok(),
+        onceguard_core::limits::check_value_depth("json", &value).is_ok(),
+        "the text's depth and the value's disagree"
+    );
     let fp = Fingerprint::of_json(&value);
     assert!(well_formed(&fp), "{fp:?} is not sha256:<64 hex>");
     assert_eq!(Fingerprint::parse(fp.as_str()).as_ref(), Ok(&fp));

@@ -678,7 +678,12 @@ impl Leg {
         let guard = self.gateway.guard();
         let max_outcome = guard.limits().max_outcome_bytes;
         let settlement = match settlement {
-            Settlement::Store { result, .. } if result.len() > max_outcome => {
+            // Too large, or nested deeper than any stored JSON value may be: the tool ran, so
+            // the key keeps the fact, never a second run.
+            Settlement::Store { result, .. }
+                if result.len() > max_outcome
+                    || onceguard_core::limits::check_json_depth("result", &result).is_err() =>
+            {
                 let mut seen = BodyDigest::default();
                 seen.add(&result);
                 Settlement::NotStored(seen.finish())

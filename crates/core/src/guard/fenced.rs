@@ -148,17 +148,23 @@ impl Guard {
         Ok(true)
     }
 
-    /// The size limits of a fenced call, and the lease bounds of an extend.
+    /// The size and depth limits of a fenced call, and the lease bounds of an extend.
     async fn check_mutation(&self, scope: &Scope, mutation: &Mutation) -> Result<(), GuardError> {
+        use crate::limits::check_json_depth;
         match mutation {
             Mutation::Complete(o) | Mutation::Fail { outcome: o, .. } => {
                 self.check_size("outcome", o.body.len(), self.limits.max_outcome_bytes)?;
+                if o.content_type == "application/json" {
+                    check_json_depth("result", &o.body)?;
+                }
                 if let Some(c) = &o.compensation {
                     self.check_size("compensation data", c.data.len(), self.limits.max_checkpoint_bytes)?;
+                    check_json_depth("compensation.data", c.data.as_bytes())?;
                 }
             }
             Mutation::Checkpoint { data, .. } => {
                 self.check_size("checkpoint data", data.len(), self.limits.max_checkpoint_bytes)?;
+                check_json_depth("data", data.as_bytes())?;
             }
             Mutation::Extend(lease) => {
                 self.effective(scope).await?.limits.lease(Some(*lease))?;

@@ -171,7 +171,10 @@ impl ClaimBody {
     /// The claim the guard decides, for `caller`.
     pub(crate) fn claim(self, caller: &Caller) -> ApiResult<Claim> {
         let fingerprint = match (&self.request, &self.fingerprint) {
-            (Some(request), None) => Fingerprint::of_json(request),
+            (Some(request), None) => {
+                onceguard_core::limits::check_value_depth("request", request)?;
+                Fingerprint::of_json(request)
+            }
             (None, Some(fp)) => Fingerprint::parse(fp)?,
             _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
         };

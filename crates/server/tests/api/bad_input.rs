@@ -130,3 +130,57 @@ async fn unknown_routes_methods_and_queries() {
     assert_problem(app.get(&app.agent, "/v1/record?namespace=demo").await, StatusCode::BAD_REQUEST, "invalid-request")
         .await;
 }
+
+/// One depth limit for every stored JSON value: a result, a permanent failure's error,
+/// checkpoint data and compensation data nested deeper than 64 levels are refused (400, the
+/// limit named) before anything is stored, as is a claim's request; at 64 levels each is taken.
+#[tokio::test]
+async fn json_nested_past_the_limit_is_refused_before_anything_is_stored() {
+    let app = spawn_app(Backing::Sqlite).await;
+    let nested = |depth: usize| format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+    let (status, claimed) = app.claim_key("deep", json!(1)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let fence = &claimed["fence"];
+    let deep_calls = [
+        ("complete", format!(r#"{{"namespace":"demo","key":"deep","fence":{fence},"result":{}}}"#, nested(100_000))),
+        (
+            "fail",
+            format!(r#"{{"namespace":"demo","key":"deep","fence":{fence},"retryable":false,"error":{}}}"#, nested(65)),
+        ),
+        (
+            "checkpoint",
+            format!(r#"{{"namespace":"demo","key":"deep","fence":{fence},"name":"s","data":{}}}"#, nested(8_000)),
+        ),
+        (
+            "complete",
+            format!(
+                r#"{{"namespace":"demo","key":"deep","fence":{fence},"result":1,"compensation":{{"name":"undo","data":{}}}}}"#,
+                nested(65)
+            ),
+        ),
+    ];
+    for (op, body) in deep_calls {
+        let response = app.post_raw(&app.agent, &format!("/v1/claims/{op}"), body).await;
+        let problem = assert_problem(response, StatusCode::BAD_REQUEST, "invalid-request").await;
+        assert!(problem["detail"].as_str().unwrap().contains("64 levels"), "{op}: {problem}");
+    }
+    // Nothing was stored: the key is still in flight, no checkpoint, and the listing reads.
+    let listed: serde_json::Value = app.get(&app.agent, "/v1/records").await.json().await.unwrap();
+    let record = &listed["records"][0];
+    assert_eq!(
+        (record["state"].as_str(), record["checkpoints"].as_array().map(Vec::len)),
+        (Some("in_progress"), Some(0)),
+        "{record}"
+    );
+    // At the limit, each is taken.
+    let at_limit = format!(r#"{{"namespace":"demo","key":"deep","fence":{fence},"name":"s","data":{}}}"#, nested(64));
+    assert_eq!(app.post_raw(&app.agent, "/v1/claims/checkpoint", at_limit).await.status(), StatusCode::OK);
+    let done = format!(r#"{{"namespace":"demo","key":"deep","fence":{fence},"result":{}}}"#, nested(64));
+    assert_eq!(app.post_raw(&app.agent, "/v1/claims/complete", done).await.status(), StatusCode::OK);
+    // A claim's request has the same limit.
+    let request = |depth: usize| format!(r#"{{"namespace":"demo","key":"r{depth}","request":{}}}"#, nested(depth));
+    let refused = app.post_raw(&app.agent, "/v1/claims", request(65)).await;
+    let problem = assert_problem(refused, StatusCode::BAD_REQUEST, "invalid-request").await;
+    assert!(problem["detail"].as_str().unwrap().contains("64 levels"), "{problem}");
+    assert_eq!(app.post_raw(&app.agent, "/v1/claims", request(64)).await.status(), StatusCode::CREATED);
+}
