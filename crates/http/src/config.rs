@@ -556,9 +556,57 @@ impl ProxyOverrides {
     }
 }
 
-/// The top-level fields, which `ONCEGUARD_*` variables may set.
-const SECTIONS: &[&str] =
-    &["listen", "store", "auth", "limits", "http", "sweep", "proxy", "metrics", "mcp", "tls", "encryption"];
+/// `ONCEGUARD_*` variables that are not settings: the configuration file's path, the log
+/// filter, the clients' and the test suites' own. Any other `ONCEGUARD_*` variable must name a
+/// setting (`ONCEGUARD_<SECTION>__<FIELD>`, or `ONCEGUARD_LISTEN` and `ONCEGUARD_STORE`), or the
+/// start stops naming it.
+pub const NOT_SETTINGS: &[&str] = &[
+    "CONFIG",
+    "LOG",
+    "URL",
+    "API_KEY",
+    "ADMIN_KEY",
+    "POSTGRES_URL",
+    "REDIS_URL",
+    "REQUIRE_SERVICES",
+    "BIN",
+    "VENV",
+    "SCREENSHOT",
+    "CHROMIUM",
+    "CHROMEDRIVER",
+];
+
+/// The top-level fields of the configuration, which `ONCEGUARD_*` variables set: read from the
+/// configuration itself, so that a new section is settable from the environment as it is added.
+fn sections() -> Vec<String> {
+    match serde_json::to_value(Config::default()) {
+        Ok(serde_json::Value::Object(fields)) => fields.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Refuses an `ONCEGUARD_*` variable of `vars` that names no section and is not one of
+/// [`NOT_SETTINGS`]: a misspelt setting is an error, never silently ignored.
+fn check_variables(vars: impl Iterator<Item = String>) -> Result<(), InvalidInput> {
+    let sections = sections();
+    for name in vars {
+        let Some(rest) = name.strip_prefix("ONCEGUARD_") else { continue };
+        let top = rest.split("__").next().unwrap_or_default();
+        if NOT_SETTINGS.contains(&rest) || sections.iter().any(|s| top.eq_ignore_ascii_case(s)) {
+            continue;
+        }
+        return Err(InvalidInput::new(
+            "environment",
+            format!(
+                "{name} names no setting: settings are ONCEGUARD_<SECTION>__<FIELD> with a section of {} (or \
+                 ONCEGUARD_LISTEN, ONCEGUARD_STORE); the variables that are not settings are {}",
+                sections.join(", "),
+                NOT_SETTINGS.iter().map(|v| format!("ONCEGUARD_{v}")).collect::<Vec<_>>().join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
 
 impl Config {
     /// Loads defaults, then `file` (if given; it must exist), then `ONCEGUARD_*` variables, then
@@ -574,13 +622,14 @@ impl Config {
             }
             figment = figment.merge(Toml::file(file));
         }
+        check_variables(std::env::vars_os().filter_map(|(name, _)| name.into_string().ok()))?;
+        let sections = sections();
         let config: Config = figment
-            .merge(Env::prefixed("ONCEGUARD_").split("__").filter(|key| {
-                // Only variables that name a section of this file: clients read other
-                // ONCEGUARD_* variables (ONCEGUARD_URL, ONCEGUARD_API_KEY) from the same
-                // environment. Unknown fields inside a section are still refused.
+            .merge(Env::prefixed("ONCEGUARD_").split("__").filter(move |key| {
+                // Only variables that name a section (the others are NOT_SETTINGS, checked
+                // above); unknown fields inside a section are refused by the sections' types.
                 let top = key.as_str().split("__").next().and_then(|k| k.split('.').next()).unwrap_or_default();
-                SECTIONS.iter().any(|s| top.eq_ignore_ascii_case(s))
+                sections.iter().any(|s| top.eq_ignore_ascii_case(s))
             }))
             .merge(Serialized::defaults(overrides))
             .extract()
@@ -748,6 +797,82 @@ mod tests {
             Ok(())
         });
         assert_eq!(Config::default().auth.key_cache_ttl, Duration::from_secs(1));
+    }
+
+    /// Every section is settable from the environment: one variable of each takes effect (the
+    /// approvals' among them, which the environment once could not set).
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
+    fn every_section_is_settable_from_the_environment() {
+        figment::Jail::expect_with(|jail| {
+            let key_file = jail.directory().join("keys");
+            let secret = jail.directory().join("secret");
+            jail.create_file("secret", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")?;
+            let set: &[(&str, &str)] = &[
+                ("ONCEGUARD_LISTEN", "127.0.0.1:9001"),
+                ("ONCEGUARD_STORE", "memory://"),
+                ("ONCEGUARD_AUTH__OPERATOR_TENANT", "ops"),
+                ("ONCEGUARD_LIMITS__MAX_BATCH", "77"),
+                ("ONCEGUARD_HTTP__MAX_BODY_BYTES", "12345"),
+                ("ONCEGUARD_SWEEP__BATCH", "321"),
+                ("ONCEGUARD_METRICS__SCAN_MAX_PAGES", "9"),
+                ("ONCEGUARD_PROXY__IDENTITY_HEADER", "x-caller"),
+                ("ONCEGUARD_MCP__UPSTREAM_NAME", "tools-a"),
+                ("ONCEGUARD_TLS__RELOAD_INTERVAL", "7s"),
+                ("ONCEGUARD_ENCRYPTION__KEY_FILE", key_file.to_str().unwrap()),
+                ("ONCEGUARD_APPROVALS__WEBHOOK_URL", "https://hooks.example/approvals"),
+                ("ONCEGUARD_APPROVALS__WEBHOOK_SECRET_FILE", secret.to_str().unwrap()),
+            ];
+            for (name, value) in set {
+                jail.set_env(name, value);
+            }
+            let config = Config::load(None, &Overrides::default()).expect("valid");
+            let got = [
+                config.listen.to_string(),
+                config.store.clone(),
+                config.auth.operator_tenant.clone(),
+                config.limits.max_batch.to_string(),
+                config.http.max_body_bytes.to_string(),
+                config.sweep.batch.to_string(),
+                config.metrics.scan_max_pages.to_string(),
+                config.proxy.identity_header.clone(),
+                config.mcp.upstream_name.clone(),
+                format!("{}s", config.tls.reload_interval.as_secs()),
+                config.encryption.key_file.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                config.approvals.webhook_url.clone(),
+                config.approvals.webhook_secret_file.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+            ];
+            for ((name, value), got) in set.iter().zip(got) {
+                assert_eq!(&got, value, "{name} did not take effect");
+            }
+            // And every section of the configuration is in that list.
+            for section in sections() {
+                let variable = format!("ONCEGUARD_{}", section.to_uppercase());
+                assert!(
+                    set.iter().any(|(name, _)| name.starts_with(&variable)),
+                    "no variable of section {section} is tested"
+                );
+            }
+            Ok(())
+        });
+    }
+
+    /// An `ONCEGUARD_*` variable that names no setting stops the start, naming it; the
+    /// variables that are not settings (a client's URL, the log filter) do not.
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
+    fn a_variable_that_names_no_setting_stops_the_start() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("ONCEGUARD_URL", "http://127.0.0.1:8080");
+            jail.set_env("ONCEGUARD_LOG", "debug");
+            assert!(Config::load(None, &Overrides::default()).is_ok());
+            jail.set_env("ONCEGUARD_LIMITS_MAX_WAIT", "5s");
+            let Err(ConfigError::Invalid(e)) = Config::load(None, &Overrides::default()) else {
+                panic!("a misspelt variable was ignored")
+            };
+            assert!(e.to_string().contains("ONCEGUARD_LIMITS_MAX_WAIT names no setting"), "{e}");
+            Ok(())
+        });
     }
 
     #[test]

@@ -84,7 +84,7 @@ impl StoreUrl {
     }
 }
 
-/// Takes `name=…` out of a URL's query.
+/// Takes `name=…` out of a URL's query, its value percent-decoded.
 fn take_param(url: &str, name: &str) -> (String, Option<String>) {
     let Some((base, query)) = url.split_once('?') else { return (url.to_owned(), None) };
     let mut value = None;
@@ -92,7 +92,8 @@ fn take_param(url: &str, name: &str) -> (String, Option<String>) {
         .split('&')
         .filter(|pair| match pair.strip_prefix(name).and_then(|rest| rest.strip_prefix('=')) {
             Some(v) => {
-                value = Some(v.to_owned());
+                // A URL's query is percent-encoded (`prefix=a%3A` is `a:`).
+                value = Some(percent_encoding::percent_decode_str(v).decode_utf8_lossy().into_owned());
                 false
             }
             None => !pair.is_empty(),
@@ -105,6 +106,20 @@ fn take_param(url: &str, name: &str) -> (String, Option<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn query_values_are_percent_decoded() {
+        match StoreUrl::parse("redis://127.0.0.1:6379/0?prefix=og%2Da%3A").unwrap() {
+            StoreUrl::Redis { prefix, .. } => assert_eq!(prefix, "og-a:"),
+            other => panic!("{other:?}"),
+        }
+        match StoreUrl::parse("rediss://localhost:6380/0?tls_ca=/etc/og%20certs/ca.pem").unwrap() {
+            StoreUrl::Redis { tls_ca, .. } => assert_eq!(tls_ca, Some(PathBuf::from("/etc/og certs/ca.pem"))),
+            other => panic!("{other:?}"),
+        }
+        let (_, options) = onceguard_store_postgres::parse_url("postgres://u@h/db?schema=og%5Fa").unwrap();
+        assert_eq!(options.schema, "og_a");
+    }
 
     #[test]
     fn every_store_url_parses() {

@@ -222,7 +222,10 @@ pub fn parse_url(url: &str) -> Result<(String, PgOptions), String> {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let (name, raw) = pair.split_once('=').unwrap_or((pair, ""));
+        // A URL's query is percent-encoded (`schema=og%5Fa` is `og_a`).
+        let value =
+            &*percent_encoding::percent_decode_str(raw).decode_utf8().map_err(|_| format!("{name}: not UTF-8"))?;
         let number = || value.parse::<usize>().map_err(|_| format!("{name}={value} is not a number"));
         match name {
             "schema" => options.schema = value.to_owned(),
