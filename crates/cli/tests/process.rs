@@ -158,12 +158,19 @@ fn operator_commands_work_on_the_store() {
     assert!(!ok && err.contains("key file"), "{err}");
     let keys = dir.path().join("keys.txt");
     std::fs::write(&keys, "k-1 AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=\n").unwrap();
+    let (ok, _, err) = run(&["--encryption-key-file", keys.to_str().unwrap(), "keys", "reseal"]);
+    assert!(!ok && err.contains("no fingerprint key"), "a key file without a fingerprint key: {err}");
+    std::fs::write(
+        &keys,
+        "k-1 AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=\nfingerprint ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=\n",
+    )
+    .unwrap();
     let (ok, out, err) = run(&["--encryption-key-file", keys.to_str().unwrap(), "keys", "reseal"]);
     assert!(ok, "{err}");
     let done: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
         done["acme"],
-        serde_json::json!({"examined": 0, "resealed": 0, "changed_meanwhile": 0, "unopened": 0}),
+        serde_json::json!({"examined": 0, "resealed": 0, "approvals_keyed": 0, "changed_meanwhile": 0, "unopened": 0}),
         "{out}"
     );
 }

@@ -18,6 +18,13 @@
 //!   its ciphertext as a result, a checkpoint or compensation data. (A plain value that happens
 //!   to begin with the marker is refused the same way: fail closed.)
 //!
+//! - **Keyed fingerprints**: the key file's `fingerprint <base64 of 32 bytes>` line keys every
+//!   stored request fingerprint: the guard stores `keyed-sha256:` and the HMAC-SHA256 of the
+//!   caller's fingerprint under that key ([`Sealer::keyed_fingerprint`]), so the store's bytes
+//!   tell nothing of a request, however few the requests it could have been. That key is never
+//!   rotated (a new one would make every stored fingerprint another call's): the sealing keys
+//!   rotate around it. A key file without it is refused.
+//!
 //! Outcome bodies are sealed as bytes: [`MAGIC`], the key id's length and the id, the nonce,
 //! the ciphertext with its tag. Checkpoint data, which every store keeps as JSON text, is sealed
 //! as a JSON string: `"ogenc1:<id>:<base64 of nonce and ciphertext>"`.
@@ -32,7 +39,7 @@ use base64::engine::general_purpose::STANDARD;
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use crate::domain::{InvalidInput, Scope};
+use crate::domain::{Fingerprint, InvalidInput, Scope};
 
 /// The first bytes of a sealed outcome body.
 pub const MAGIC: &[u8] = b"\0ogenc1\0";
@@ -63,10 +70,17 @@ struct SealingKey {
     nonce_key: [u8; 32],
 }
 
+/// The algorithm of a keyed fingerprint: Onceguard's own, refused from callers.
+pub const KEYED_FINGERPRINT: &str = "keyed-sha256";
+
+/// The id of the key file's line that keys fingerprints.
+pub const FINGERPRINT_KEY_ID: &str = "fingerprint";
+
 /// The keys, and which one seals.
 pub struct Sealer {
     current: String,
     keys: HashMap<String, SealingKey>,
+    fingerprint_key: [u8; 32],
 }
 
 impl std::fmt::Debug for Sealer {
@@ -161,6 +175,7 @@ impl Sealer {
     /// The keys of a key file's text.
     pub fn parse(text: &str) -> Result<Self, String> {
         let mut current = None;
+        let mut fingerprint_key = None;
         let mut keys = HashMap::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.split('#').next().unwrap_or_default().trim();
@@ -176,6 +191,12 @@ impl Sealer {
             let Ok(bytes) = <[u8; 32]>::try_from(bytes.as_slice()) else {
                 return Err(format!("line {}: a key is 32 bytes (44 base64 characters)", n + 1));
             };
+            if id == FINGERPRINT_KEY_ID {
+                if fingerprint_key.replace(bytes).is_some() {
+                    return Err(format!("line {}: the fingerprint key is given twice", n + 1));
+                }
+                continue;
+            }
             let nonce_key: [u8; 32] =
                 Sha256::new().chain_update(b"onceguard nonce key\0").chain_update(bytes).finalize().into();
             let sealing = SealingKey { aead: Aes256Gcm::new(&bytes.into()), nonce_key };
@@ -185,7 +206,28 @@ impl Sealer {
             current.get_or_insert_with(|| id.to_owned());
         }
         let current = current.ok_or("no key in the file")?;
-        Ok(Self { current, keys })
+        let fingerprint_key = fingerprint_key.ok_or(
+            "no fingerprint key: add a line 'fingerprint <base64 of 32 random bytes>' (e.g. openssl rand -base64 32), \
+             which keys the stored request fingerprints and is never rotated; then run 'onceguard keys reseal' for \
+             each tenant so that records stored before it compare again",
+        )?;
+        Ok(Self { current, keys, fingerprint_key })
+    }
+
+    /// The fingerprint the store keeps for a caller's `fingerprint`: `keyed-sha256:` and the
+    /// HMAC-SHA256 of it under the key file's fingerprint key. The same for the same
+    /// fingerprint, whatever key seals; nothing of the request can be read from it.
+    pub fn keyed_fingerprint(&self, fingerprint: &Fingerprint) -> Fingerprint {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.fingerprint_key).expect("HMAC takes any key length");
+        mac.update(fingerprint.as_str().as_bytes());
+        let digest = hex::encode(mac.finalize().into_bytes());
+        Fingerprint::parse(&format!("{KEYED_FINGERPRINT}:{digest}")).expect("a keyed fingerprint is well formed")
+    }
+
+    /// Whether `fingerprint` is one this sealer's guard keyed (a record or approval stored before
+    /// fingerprints were keyed is not; `onceguard keys reseal` keys it).
+    pub fn is_keyed(fingerprint: &Fingerprint) -> bool {
+        fingerprint.as_str().strip_prefix(KEYED_FINGERPRINT).is_some_and(|rest| rest.starts_with(':'))
     }
 
     /// The id of the key that seals.
@@ -305,9 +347,14 @@ mod tests {
         format!("{id} {}\n", STANDARD.encode([byte; 32]))
     }
 
+    /// A sealer of the key lines `lines` and one fingerprint key.
+    fn keys(lines: &str) -> Sealer {
+        Sealer::parse(&format!("{lines}{}", key_line(FINGERPRINT_KEY_ID, 99))).unwrap()
+    }
+
     #[test]
     fn sealed_values_open_where_they_were_sealed_and_nowhere_else() {
-        let sealer = Sealer::parse(&key_line("k1", 7)).unwrap();
+        let sealer = keys(&key_line("k1", 7));
         let body = br#"{"card":"4111-secret"}"#;
         let sealed = sealer.seal_bytes(&scope("a"), body);
         assert!(!sealed.windows(6).any(|w| w == b"secret"), "no plaintext in the sealed bytes");
@@ -329,15 +376,15 @@ mod tests {
 
     #[test]
     fn a_rotated_key_still_opens_what_it_sealed() {
-        let old = Sealer::parse(&key_line("2026-01", 1)).unwrap();
+        let old = keys(&key_line("2026-01", 1));
         let sealed = old.seal_bytes(&scope("a"), b"done");
-        let rotated = Sealer::parse(&(key_line("2026-12", 2) + &key_line("2026-01", 1))).unwrap();
+        let rotated = keys(&(key_line("2026-12", 2) + &key_line("2026-01", 1)));
         assert_eq!(rotated.current(), "2026-12");
         assert_eq!(rotated.open_bytes(&scope("a"), sealed.clone()).unwrap(), b"done");
         let fresh = rotated.seal_bytes(&scope("a"), b"done");
         assert_ne!(fresh, sealed, "new values are sealed with the new key");
         assert!(old.open_bytes(&scope("a"), fresh).unwrap_err().to_string().contains("2026-12"));
-        let without = Sealer::parse(&key_line("2026-12", 2)).unwrap();
+        let without = keys(&key_line("2026-12", 2));
         assert_eq!(
             without.open_bytes(&scope("a"), sealed).unwrap_err(),
             OpenError::NoKey("2026-01".into()),
@@ -347,7 +394,7 @@ mod tests {
 
     #[test]
     fn without_a_key_file_a_sealed_value_is_refused_never_served() {
-        let sealer = Sealer::parse(&key_line("k1", 7)).unwrap();
+        let sealer = keys(&key_line("k1", 7));
         let body = sealer.seal_bytes(&scope("a"), b"{\"refund\":\"re_1\"}");
         assert_eq!(open_bytes(None, &scope("a"), body.clone()).unwrap_err(), OpenError::NoKey("k1".into()));
         assert_eq!(open_bytes(Some(&sealer), &scope("a"), body).unwrap(), b"{\"refund\":\"re_1\"}");
@@ -368,5 +415,29 @@ mod tests {
             assert!(Sealer::parse(bad).is_err(), "{bad:?}");
         }
         assert!(Sealer::parse(&(key_line("k", 1) + &key_line("k", 2))).is_err(), "an id twice");
+        let no_fingerprint_key = Sealer::parse(&key_line("k", 1)).err().unwrap();
+        assert!(no_fingerprint_key.contains("no fingerprint key"), "{no_fingerprint_key}");
+        let twice = key_line(FINGERPRINT_KEY_ID, 1) + &key_line(FINGERPRINT_KEY_ID, 2) + &key_line("k", 1);
+        assert!(Sealer::parse(&twice).is_err(), "a fingerprint key twice");
+    }
+
+    /// A stored fingerprint is keyed: it is not the request's digest, it is the same whatever
+    /// sealing key is current (a rotation keeps records comparable), and another fingerprint
+    /// key gives another one.
+    #[test]
+    fn fingerprints_are_keyed_by_the_fingerprint_key_alone() {
+        let request = Fingerprint::sha256(br#"{"amount":2599,"order":1234}"#);
+        let sealer = keys(&key_line("2026-01", 1));
+        let keyed = sealer.keyed_fingerprint(&request);
+        assert!(keyed.as_str().starts_with("keyed-sha256:") && Sealer::is_keyed(&keyed), "{keyed}");
+        assert!(!keyed.as_str().contains(request.as_str().trim_start_matches("sha256:")));
+        assert!(!Sealer::is_keyed(&request));
+        let rotated = keys(&(key_line("2026-12", 2) + &key_line("2026-01", 1)));
+        assert_eq!(rotated.keyed_fingerprint(&request), keyed, "the same across a rotation");
+        let only_new = keys(&key_line("2026-12", 2));
+        assert_eq!(only_new.keyed_fingerprint(&request), keyed, "and once the old key is gone");
+        let other = Sealer::parse(&(key_line("k", 1) + &key_line(FINGERPRINT_KEY_ID, 98))).unwrap();
+        assert_ne!(other.keyed_fingerprint(&request), keyed);
+        assert_ne!(sealer.keyed_fingerprint(&Fingerprint::sha256(b"{}")), keyed);
     }
 }

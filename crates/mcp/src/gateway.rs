@@ -410,7 +410,7 @@ async fn claim_or_resume(
     }
     let Some(record) = guard.get(&claim.scope).await? else { return Ok(outcome) };
     let parked = record.state == RecordState::InProgress
-        && record.fingerprint == claim.fingerprint
+        && record.fingerprint == guard.stored_fingerprint(&claim.fingerprint)
         && record.last_checkpoint().is_some_and(|c| c.name.as_str() == INPUT_REQUIRED && c.fence == record.fence);
     if !parked {
         return Ok(outcome);

@@ -59,7 +59,7 @@ impl Guard {
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         self.check_clock_offset().await?;
         let controls = self.controls().await?;
-        let Prepared { mut req, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
+        let Prepared { mut req, plain, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
         // (An approval's `record` follows the mode in force, `request` sets it: a task, the one
         // claim decided in another mode, asks no approver at all.)
         let mode = match &task {
@@ -83,7 +83,10 @@ impl Guard {
             let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
             let outcome = match &ask {
                 Some(ask) => self.gated_claim(&req, ask).await?,
-                None => self.store.claim(&req, self.clock.now()).await?,
+                None => {
+                    let outcome = self.store.claim(&req, self.clock.now()).await?;
+                    self.unkeyed_mismatch(&req, &plain, outcome).await?
+                }
             };
             // A key in flight, or one waiting for its approval, is waited for.
             let (retry_after, deadline) = match (&outcome, deadline) {
@@ -126,10 +129,17 @@ impl Guard {
             retention: limits.default_retention.max(retention),
             record: effective.mode == Mode::Enforce,
         });
+        if crate::sealing::Sealer::is_keyed(&claim.fingerprint) {
+            return Err(InvalidInput::new(
+                "fingerprint",
+                format!("the algorithm {} is Onceguard's own", crate::sealing::KEYED_FINGERPRINT),
+            )
+            .into());
+        }
         let req = ClaimRequest {
             refused_runs: Vec::new(),
+            fingerprint: self.stored_fingerprint(&claim.fingerprint),
             scope: claim.scope,
-            fingerprint: claim.fingerprint,
             lease,
             retention,
             run: claim.run,
@@ -139,7 +149,7 @@ impl Guard {
             // covers, whatever the gate in front of it decided (see `approvals::Gate`).
             approval: ask.as_ref().map(|_| crate::protocol::ApprovalGate::Ungranted),
         };
-        Ok(Prepared { req, wait, rate: effective.claim_rate, ask, mode: effective.mode })
+        Ok(Prepared { req, plain: claim.fingerprint, wait, rate: effective.claim_rate, ask, mode: effective.mode })
     }
 
     /// What refuses `req` before the store's atomic claim: a kill switch (and the runs switched
@@ -185,7 +195,8 @@ impl Guard {
         let mut answers: Vec<Option<(Result<ClaimOutcome, GuardError>, Scope)>> = Vec::with_capacity(prepared.len());
         let modes: Vec<Mode> = prepared.iter().map(|p| p.mode).collect();
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
-        for (i, Prepared { mut req, rate, ask, .. }) in prepared.into_iter().enumerate() {
+        let mut plains = Vec::new();
+        for (i, Prepared { mut req, plain, rate, ask, .. }) in prepared.into_iter().enumerate() {
             // A key that needs approvals is claimed alone, behind the gate (in the batch's order).
             let refused = match self.refusal(&controls, &mut req, rate.as_ref()).await? {
                 Some(denial) => Some(Ok(ClaimOutcome::Denied(denial))),
@@ -200,6 +211,7 @@ impl Guard {
                     answers.push(None);
                     places.push(i);
                     reqs.push(req);
+                    plains.push(plain);
                 }
             }
         }
@@ -208,8 +220,12 @@ impl Guard {
             if outcomes.len() != reqs.len() {
                 return Err(StoreError::Corrupt("the store answered a batch with another count".into()).into());
             }
-            for ((i, req), outcome) in places.into_iter().zip(reqs).zip(outcomes) {
-                answers[i] = Some((self.opened_claim(&req.scope, outcome).await, req.scope));
+            for (((i, req), plain), outcome) in places.into_iter().zip(reqs).zip(plains).zip(outcomes) {
+                let outcome = match self.unkeyed_mismatch(&req, &plain, outcome).await {
+                    Ok(outcome) => self.opened_claim(&req.scope, outcome).await,
+                    Err(e) => Err(e),
+                };
+                answers[i] = Some((outcome, req.scope));
             }
         }
         Ok(answers
@@ -228,6 +244,8 @@ impl Guard {
 /// A claim prepared under the settings in force (see `Guard::request`).
 struct Prepared {
     req: ClaimRequest,
+    /// The caller's fingerprint, before the guard keyed it (see [`Guard::stored_fingerprint`]).
+    plain: Fingerprint,
     wait: Duration,
     rate: Option<Rate>,
     ask: Option<approvals::Ask>,

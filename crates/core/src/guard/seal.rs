@@ -26,6 +26,45 @@ impl Guard {
         }
     }
 
+    /// The fingerprint the store keeps for a caller's `fingerprint`: keyed under the key
+    /// file's fingerprint key where this guard seals ([`crate::sealing::Sealer::keyed_fingerprint`]),
+    /// the caller's own where it does not.
+    pub fn stored_fingerprint(&self, fingerprint: &Fingerprint) -> Fingerprint {
+        match &self.sealer {
+            Some(sealer) => sealer.keyed_fingerprint(fingerprint),
+            None => fingerprint.clone(),
+        }
+    }
+
+    /// A mismatch the store answered because the record's fingerprint is of the other form than
+    /// this guard's (read after the answer, on this rare path only): a record stored before
+    /// fingerprints were keyed, whose fingerprint is the caller's `plain` one, is claimed again
+    /// by that fingerprint (the store decides again, atomically, on the record as it is), until
+    /// `onceguard keys reseal` keys it; a keyed fingerprint seen by a guard without the key file
+    /// is refused as a sealed value is (503, never a mismatch the caller would take for another
+    /// request's). Any other answer is as the store gave it.
+    pub(super) async fn unkeyed_mismatch(
+        &self,
+        req: &ClaimRequest,
+        plain: &Fingerprint,
+        outcome: ClaimOutcome,
+    ) -> Result<ClaimOutcome, GuardError> {
+        if !matches!(outcome, ClaimOutcome::Mismatch) {
+            return Ok(outcome);
+        }
+        let Some(record) = self.store.get(&req.scope, self.clock.now()).await? else { return Ok(outcome) };
+        match &self.sealer {
+            None if Sealer::is_keyed(&record.fingerprint) => {
+                Err(self.unopened(&req.scope, sealing::OpenError::NoKey(crate::sealing::FINGERPRINT_KEY_ID.into())))
+            }
+            Some(_) if record.fingerprint == *plain => {
+                let unkeyed = ClaimRequest { fingerprint: plain.clone(), ..req.clone() };
+                Ok(self.store.claim(&unkeyed, self.clock.now()).await?)
+            }
+            _ => Ok(outcome),
+        }
+    }
+
     /// `record` with what it stores opened (see [`crate::sealing::open_bytes`]: a sealed value
     /// is refused, whether or not this guard seals).
     pub(super) fn open_record(&self, mut record: Record) -> Result<Record, GuardError> {
@@ -126,7 +165,8 @@ impl Guard {
     }
 
     /// Seals again, with the current key of the key file, every stored result and checkpoint
-    /// of `tenant` that an older key sealed or that was stored before sealing was on (an
+    /// of `tenant` that an older key sealed or that was stored before sealing was on, and keys
+    /// every record's and approval's fingerprint stored before fingerprints were keyed (an
     /// operator's action, audited as `records.reseal` with its counts, once the tenant is done).
     /// A record that changes while it is read and rewritten is left as its writer left it and
     /// counted (what its writer added is sealed with the current key, what it kept may not be:
@@ -157,6 +197,20 @@ impl Guard {
                 }
             }
         }
+        // Approvals asked before fingerprints were keyed: keyed, so that the call they ask
+        // about compares again (a compare-and-set over the approval read).
+        for old in self.all_approvals(tenant, None, usize::MAX).await? {
+            if Sealer::is_keyed(&old.fingerprint) {
+                continue;
+            }
+            let new =
+                crate::approval::Approval { fingerprint: sealer.keyed_fingerprint(&old.fingerprint), ..old.clone() };
+            if self.store.put_approval(Some(&old), &new, None, self.clock.now()).await? {
+                counts.approvals_keyed += 1;
+            } else {
+                counts.changed_meanwhile += 1;
+            }
+        }
         let entry = AuditEntry::new(tenant.clone(), now, actor, "records.reseal", sealer.current())
             .details(serde_json::to_value(counts).unwrap_or_default());
         self.store.append_audit(&entry).await?;
@@ -169,19 +223,27 @@ impl Guard {
 pub struct Resealed {
     /// Records read.
     pub examined: u64,
-    /// Records rewritten with every value sealed by the current key.
+    /// Records rewritten with every value sealed by the current key and their fingerprint
+    /// keyed.
     pub resealed: u64,
-    /// Records that changed between the read and the rewrite (left as their writer left them;
-    /// run it again for those).
+    /// Approvals whose fingerprint was keyed (asked before fingerprints were).
+    pub approvals_keyed: u64,
+    /// Records (and approvals) that changed between the read and the rewrite (left as their
+    /// writer left them; run it again for those).
     pub changed_meanwhile: u64,
     /// Records with a value no key of the file opens (left as they are).
     pub unopened: u64,
 }
 
-/// `record` with every value sealed by the current key, or `None` if each is already.
+/// `record` with every value sealed by the current key and its fingerprint keyed, or `None` if
+/// each is already.
 fn resealed(sealer: &Sealer, record: &Record) -> Result<Option<Record>, crate::sealing::OpenError> {
     let mut new = record.clone();
     let mut changed = false;
+    if !Sealer::is_keyed(&record.fingerprint) {
+        new.fingerprint = sealer.keyed_fingerprint(&record.fingerprint);
+        changed = true;
+    }
     if let Some(o) = &mut new.outcome {
         if let Some(body) = sealer.reseal_bytes(&record.scope, &o.body)? {
             o.body = body;

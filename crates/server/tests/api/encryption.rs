@@ -21,10 +21,13 @@ const RESULT_MARKER: &str = "MARKER-result-4111";
 const CHECKPOINT_MARKER: &str = "MARKER-checkpoint-ch9";
 const COMPENSATION_MARKER: &str = "MARKER-compensation-re7";
 
+/// A key file of `keys` (id, the byte its 32 bytes repeat), with the deployment's one
+/// fingerprint key (the same in every file, as it is never rotated).
 fn key_file(dir: &Path, name: &str, keys: &[(&str, u8)]) -> PathBuf {
     let path = dir.join(name);
     let lines: String = keys
         .iter()
+        .chain([&("fingerprint", 42)])
         .map(|(id, byte)| format!("{id} {}\n", base64::engine::general_purpose::STANDARD.encode([*byte; 32])))
         .collect();
     std::fs::write(&path, lines).unwrap();
@@ -38,6 +41,12 @@ async fn serve(store: TestStore, key_file: Option<PathBuf>) -> (Harness, String)
     let harness = Harness::start(config, limits, store, onceguard_server::app).await;
     let agent = harness.key("acme", Role::Agent).await;
     (harness, agent)
+}
+
+/// The hex digits of the plain fingerprint of `write_markers`'s request for `key`.
+fn request_digest(key: &str) -> String {
+    let fingerprint = onceguard_core::Fingerprint::of_json(&json!({"k": key}));
+    fingerprint.as_str().trim_start_matches("sha256:").to_owned()
 }
 
 async fn post(h: &Harness, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
@@ -94,7 +103,10 @@ async fn the_sqlite_file_holds_no_result_or_checkpoint_in_clear() {
     let (_, recovered) = post(&h, &agent, "/v1/claims", claim).await;
     assert_eq!(recovered["recovery"]["last_checkpoint"]["data"]["charge"], CHECKPOINT_MARKER, "{recovered}");
     drop(h);
-    for marker in [RESULT_MARKER, CHECKPOINT_MARKER, COMPENSATION_MARKER] {
+    // Nor the request's digest: a stored fingerprint is keyed, so that a dictionary of likely
+    // requests read against the file finds nothing.
+    let digest = request_digest("card-1");
+    for marker in [RESULT_MARKER, CHECKPOINT_MARKER, COMPENSATION_MARKER, digest.as_str()] {
         assert!(!files_hold(&data, marker), "{marker} is in the SQLite files");
     }
 
@@ -105,6 +117,7 @@ async fn the_sqlite_file_holds_no_result_or_checkpoint_in_clear() {
     write_markers(&h, &agent, "card-1").await;
     drop(h);
     assert!(files_hold(&plain, RESULT_MARKER) && files_hold(&plain, CHECKPOINT_MARKER));
+    assert!(files_hold(&plain, &digest), "without a key file the fingerprint is the request's digest");
     assert!(files_hold(&plain, COMPENSATION_MARKER));
 }
 
@@ -250,7 +263,15 @@ async fn resealing_lets_the_old_key_go() {
     let old = key_file(dir.path(), "old", &[("k-2026", 7)]);
     let (h, agent) = serve(TestStore::new(SqliteStore::open(&db).unwrap()), Some(old)).await;
     write_markers(&h, &agent, "card-1").await;
+    // The record stored before encryption was on keeps the request's plain fingerprint until it
+    // is resealed: the same request still replays it, another is still a mismatch.
+    let same = json!({"namespace": "pii/cards", "key": "in-clear", "request": {"k": "in-clear"}});
+    let (status, replay) = post(&h, &agent, "/v1/claims", same).await;
+    assert_eq!((status, &replay["result"]["card"]), (StatusCode::OK, &json!(RESULT_MARKER)), "{replay}");
+    let another = json!({"namespace": "pii/cards", "key": "in-clear", "request": {"k": "another"}});
+    assert_eq!(post(&h, &agent, "/v1/claims", another).await.0, StatusCode::UNPROCESSABLE_ENTITY);
     drop(h);
+    assert!(files_hold(dir.path(), &request_digest("in-clear")), "not keyed before the reseal");
 
     let rotated = key_file(dir.path(), "rotated", &[("k-2027", 9), ("k-2026", 7)]);
     let store: Arc<dyn onceguard_core::Store> = Arc::new(SqliteStore::open(&db).unwrap());
@@ -268,6 +289,7 @@ async fn resealing_lets_the_old_key_go() {
         let body = &raw.outcome.as_ref().unwrap().body;
         assert!(body.starts_with(MAGIC) && body[MAGIC.len() + 1..].starts_with(b"k-2027"), "{key} is sealed anew");
         assert!(raw.checkpoints[0].data.contains("k-2027"), "{key}: {}", raw.checkpoints[0].data);
+        assert!(Sealer::is_keyed(&raw.fingerprint), "{key}'s fingerprint is keyed: {}", raw.fingerprint);
     }
     let filter = onceguard_core::control::AuditFilter { limit: 10, ..Default::default() };
     let entries = guard.audit_log(&acme, &filter).await.unwrap().entries;
