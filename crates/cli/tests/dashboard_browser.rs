@@ -53,7 +53,8 @@ impl Drop for Browser {
 }
 
 impl Browser {
-    async fn start(chromium: &Path, chromedriver: &Path) -> Browser {
+    /// A session of `chromium` (with the `extra` flags) through `chromedriver`.
+    async fn start(chromium: &Path, chromedriver: &Path, extra: &[String]) -> Browser {
         let port = free_port();
         let driver = Command::new(chromedriver)
             .arg(format!("--port={port}"))
@@ -89,6 +90,7 @@ impl Browser {
         .iter()
         .map(ToString::to_string)
         .chain([format!("--user-data-dir={}", profile.path().display())])
+        .chain(extra.iter().cloned())
         .collect::<Vec<_>>();
         let capabilities = json!({"capabilities": {"alwaysMatch": {
             "browserName": "chrome",
@@ -331,7 +333,7 @@ async fn the_dashboard_shows_what_the_api_says() {
     assert_eq!(status, 201);
     traffic(&api).await;
 
-    let browser = Browser::start(&chromium, &chromedriver).await;
+    let browser = Browser::start(&chromium, &chromedriver, &[]).await;
     browser.goto(&format!("{}/dashboard", server.base)).await;
     browser.type_into("[data-testid=api-key]", &api.token).await;
     browser.click("[data-testid=connect]").await;
@@ -505,4 +507,46 @@ async fn the_dashboard_shows_what_the_api_says() {
     println!("dashboard screenshot: {}", to.display());
     drop(browser);
     drop(server);
+}
+
+/// Over TLS, the dashboard loads in a real browser, which takes the HTTP/2 the listener offers:
+/// Chromium trusts the test certificate (by its public key, `--ignore-certificate-errors-spki-list`),
+/// connects the figures, and the page says it came over `h2`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_loads_over_tls_and_http2_in_a_browser() {
+    use base64::Engine;
+    use sha2::Digest;
+
+    let (Some(chromium), Some(chromedriver)) = (
+        which("ONCEGUARD_CHROMIUM", &["chromium", "chromium-browser"]),
+        which("ONCEGUARD_CHROMEDRIVER", &["chromedriver"]),
+    ) else {
+        assert!(
+            !services::required(),
+            "the dashboard browser test needs chromium and chromedriver, and CI=true requires it; run scripts/services"
+        );
+        services::skipped("dashboard over TLS in a browser (no chromium/chromedriver; scripts/services installs them)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, certified.cert.pem()).unwrap();
+    std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+    let spki = sha2::Sha256::digest(rcgen::PublicKeyData::subject_public_key_info(&certified.signing_key));
+    let trust =
+        format!("--ignore-certificate-errors-spki-list={}", base64::engine::general_purpose::STANDARD.encode(spki));
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    let server: Server = start_with(dir.path(), &args, &[]);
+    let base = server.base.replacen("http://", "https://", 1);
+
+    let browser = Browser::start(&chromium, &chromedriver, &[trust]).await;
+    browser.goto(&format!("{base}/dashboard")).await;
+    browser.type_into("[data-testid=api-key]", &admin_key(dir.path())).await;
+    browser.click("[data-testid=connect]").await;
+    browser.wait_for("the figures over TLS", "return document.body.dataset.loaded === 'true';").await;
+    let protocol = browser.script("return performance.getEntriesByType('navigation')[0].nextHopProtocol;").await;
+    assert_eq!(protocol, "h2", "the page came over HTTP/2");
+    let location = browser.script("return location.protocol;").await;
+    assert_eq!(location, "https:");
 }
