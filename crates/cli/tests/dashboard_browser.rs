@@ -29,6 +29,23 @@ fn which(env: &str, names: &[&str]) -> Option<PathBuf> {
     std::env::split_paths(&path).flat_map(|dir| names.iter().map(move |name| dir.join(name))).find(|p| p.is_file())
 }
 
+/// Chromium and its WebDriver, or `None` (the test named `what` is reported skipped; in CI, a
+/// failure).
+fn browser_programs(what: &str) -> Option<(PathBuf, PathBuf)> {
+    let (Some(chromium), Some(chromedriver)) = (
+        which("ONCEGUARD_CHROMIUM", &["chromium", "chromium-browser"]),
+        which("ONCEGUARD_CHROMEDRIVER", &["chromedriver"]),
+    ) else {
+        assert!(
+            !services::required(),
+            "{what} needs chromium and chromedriver, and CI=true requires it; run scripts/services"
+        );
+        services::skipped(&format!("{what} (no chromium/chromedriver; scripts/services installs them)"));
+        return None;
+    };
+    Some((chromium, chromedriver))
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -314,17 +331,7 @@ fn ms(v: &Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_what_the_api_says() {
-    let (Some(chromium), Some(chromedriver)) = (
-        which("ONCEGUARD_CHROMIUM", &["chromium", "chromium-browser"]),
-        which("ONCEGUARD_CHROMEDRIVER", &["chromedriver"]),
-    ) else {
-        assert!(
-            !services::required(),
-            "the dashboard browser test needs chromium and chromedriver, and CI=true requires it; run scripts/services"
-        );
-        services::skipped("dashboard browser test (no chromium/chromedriver; scripts/services installs them)");
-        return;
-    };
+    let Some((chromium, chromedriver)) = browser_programs("dashboard browser test") else { return };
 
     let dir = tempfile::tempdir().unwrap();
     let server: Server = start_with(dir.path(), &[], &[("ONCEGUARD_METRICS__REFRESH_INTERVAL", "0s")]);
@@ -517,17 +524,7 @@ async fn the_dashboard_loads_over_tls_and_http2_in_a_browser() {
     use base64::Engine;
     use sha2::Digest;
 
-    let (Some(chromium), Some(chromedriver)) = (
-        which("ONCEGUARD_CHROMIUM", &["chromium", "chromium-browser"]),
-        which("ONCEGUARD_CHROMEDRIVER", &["chromedriver"]),
-    ) else {
-        assert!(
-            !services::required(),
-            "the dashboard browser test needs chromium and chromedriver, and CI=true requires it; run scripts/services"
-        );
-        services::skipped("dashboard over TLS in a browser (no chromium/chromedriver; scripts/services installs them)");
-        return;
-    };
+    let Some((chromium, chromedriver)) = browser_programs("dashboard over TLS in a browser") else { return };
     let dir = tempfile::tempdir().unwrap();
     let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
     let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
