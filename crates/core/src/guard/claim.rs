@@ -23,11 +23,11 @@ impl Guard {
     }
 
     /// [`Guard::claim`] under the terms of a compensation task, if `task` (see
-    /// [`rollback::TaskTerms`]).
-    pub(super) async fn claim_under(
+    /// [`crate::rollback::TaskTerms`]).
+    pub(crate) async fn claim_under(
         &self,
         claim: Claim,
-        task: Option<rollback::TaskTerms>,
+        task: Option<crate::rollback::TaskTerms>,
     ) -> Result<ClaimOutcome, GuardError> {
         let (outcome, scope, mode) = self.decide(claim, task).await?;
         let outcome = self.opened_claim(&scope, outcome).await?;
@@ -55,7 +55,7 @@ impl Guard {
     async fn decide(
         &self,
         claim: Claim,
-        task: Option<rollback::TaskTerms>,
+        task: Option<crate::rollback::TaskTerms>,
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         let controls = self.controls().await?;
         let Prepared { mut req, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
@@ -118,7 +118,7 @@ impl Guard {
         let limits = &effective.limits;
         let (lease, retention, wait) =
             (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
-        let ask = effective.approval.map(|expiry| approvals::Ask {
+        let ask = effective.approval.map(|expiry| crate::approval::Ask {
             expiry,
             summary,
             cost: claim.cost,
@@ -135,7 +135,7 @@ impl Guard {
             cost: check_units("cost", claim.cost)?.unwrap_or(0),
             max_in_flight: effective.max_in_flight,
             // Where approvals are needed the store's claim acquires only what an approval
-            // covers, whatever the gate in front of it decided (see `approvals::Gate`).
+            // covers, whatever the gate in front of it decided (see the gate in `approval/guard.rs`).
             approval: ask.as_ref().map(|_| crate::protocol::ApprovalGate::Ungranted),
         };
         Ok(Prepared { req, wait, rate: effective.claim_rate, ask, mode: effective.mode })
@@ -228,7 +228,7 @@ struct Prepared {
     req: ClaimRequest,
     wait: Duration,
     rate: Option<Rate>,
-    ask: Option<approvals::Ask>,
+    ask: Option<crate::approval::Ask>,
     mode: Mode,
 }
 
