@@ -2,7 +2,7 @@
 //! and the audit log. Each action is written to the audit log with who did it and why; the HTTP
 //! API and the CLI call these, never the store. (The cache of switches and settings that every
 //! claim consults is [`crate::control_cache`]; starting a rollback is the rollback's part of
-//! the guard, in `guard/rollback.rs`.)
+//! the guard, in `rollback/guard.rs`.)
 
 use crate::auth::{ApiKey, ApiKeyId, NewApiKey, Role, Tenant};
 use crate::control::{

@@ -23,11 +23,11 @@ impl Guard {
     }
 
     /// [`Guard::claim`] under the terms of a compensation task, if `task` (see
-    /// [`rollback::TaskTerms`]).
-    pub(super) async fn claim_under(
+    /// [`crate::rollback::TaskTerms`]).
+    pub(crate) async fn claim_under(
         &self,
         claim: Claim,
-        task: Option<rollback::TaskTerms>,
+        task: Option<crate::rollback::TaskTerms>,
     ) -> Result<ClaimOutcome, GuardError> {
         let (outcome, scope, mode) = self.decide(claim, task).await?;
         let outcome = self.opened_claim(&scope, outcome).await?;
@@ -55,7 +55,7 @@ impl Guard {
     async fn decide(
         &self,
         claim: Claim,
-        task: Option<rollback::TaskTerms>,
+        task: Option<crate::rollback::TaskTerms>,
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         self.check_clock_offset().await?;
         let controls = self.controls().await?;
@@ -122,7 +122,7 @@ impl Guard {
         let limits = &effective.limits;
         let (lease, retention, wait) =
             (limits.lease(claim.lease)?, limits.retention(claim.retention)?, limits.wait(claim.wait)?);
-        let ask = effective.approval.map(|expiry| approvals::Ask {
+        let ask = effective.approval.map(|expiry| crate::approval::Ask {
             expiry,
             summary,
             cost: claim.cost,
@@ -146,7 +146,7 @@ impl Guard {
             cost: check_units("cost", claim.cost)?.unwrap_or(0),
             max_in_flight: effective.max_in_flight,
             // Where approvals are needed the store's claim acquires only what an approval
-            // covers, whatever the gate in front of it decided (see `approvals::Gate`).
+            // covers, whatever the gate in front of it decided (see the gate in `approval/guard.rs`).
             approval: ask.as_ref().map(|_| crate::protocol::ApprovalGate::Ungranted),
         };
         Ok(Prepared { req, plain: claim.fingerprint, wait, rate: effective.claim_rate, ask, mode: effective.mode })
@@ -248,7 +248,7 @@ struct Prepared {
     plain: Fingerprint,
     wait: Duration,
     rate: Option<Rate>,
-    ask: Option<approvals::Ask>,
+    ask: Option<crate::approval::Ask>,
     mode: Mode,
 }
 

@@ -19,15 +19,14 @@
 //! - `offset.rs`: how far this instance's clock is from the store's, the guard's clock moved
 //!   by it, and the bound past which claims are refused;
 //! - `maintenance.rs`: the background work (the controls' refresh, the change feed, the sweep,
-//!   the audit log's pruning);
-//! - `approvals.rs`: the approval gate in front of the store's claim, decisions and the
-//!   webhook's notices (the approval's rules are [`crate::approval`]'s);
-//! - `rollback.rs`: starting a rollback, its progress, and handing its compensation tasks to
-//!   workers (the rollback's rules are [`crate::rollback`]'s).
+//!   the audit log's pruning).
 //!
-//! Approvals and rollback keep their part of the guard here rather than beside their types:
-//! the types sit below the record and the store, which hold them, and this part uses the
-//! store, so one module holding both would close an import circle (`scripts/module-map`).
+//! A feature's part of the guard lives in the feature's folder, beside its types: the approval
+//! gate, decisions and notices in [`crate::approval`] (`approval/guard.rs`), starting a
+//! rollback and handing its compensation tasks to workers in [`crate::rollback`]
+//! (`rollback/guard.rs`). The door calls them; they use the guard and the store, and the
+//! feature's types, which the record and the store hold, use neither (`scripts/module-map`
+//! checks that no two files import each other in a circle).
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,18 +45,14 @@ use crate::sealing::{self, Sealer};
 use crate::store::{FencedCall, ListFilter, Page, Pages, Store, StoreError};
 use crate::vocabulary::FencedOp;
 
-mod approvals;
 mod claim;
 mod fenced;
 mod maintenance;
 mod offset;
 mod records;
-mod rollback;
 mod seal;
 
-pub use approvals::PENDING_RETRY_AFTER;
 pub use offset::{CLOCK_CHECK, CLOCK_CHECK_MAX_AGE};
-pub use rollback::{CompensationClaim, TaskHeld};
 pub use seal::Resealed;
 
 /// Why the guard refused or could not do a call.
@@ -146,14 +141,16 @@ impl Claim {
 /// The guard. Cheap to clone; clones share everything.
 #[derive(Clone)]
 pub struct Guard {
-    store: Arc<dyn Store>,
+    // The fields are the crate's, for the features' parts of the guard (approval/guard.rs,
+    // rollback/guard.rs); everything outside the crate goes through the door.
+    pub(crate) store: Arc<dyn Store>,
     /// This instance's clock moved by its offset to the store's (`offsets.aligned`).
-    clock: Arc<dyn Clock>,
+    pub(crate) clock: Arc<dyn Clock>,
     offsets: Arc<offset::Offsets>,
     limits: Arc<Limits>,
-    notifier: Arc<Notifier>,
+    pub(crate) notifier: Arc<Notifier>,
     pub(crate) controls: Arc<ControlCache>,
-    observer: Arc<dyn Observer>,
+    pub(crate) observer: Arc<dyn Observer>,
     stale_audits: Arc<crate::stale_audits::StaleAudits>,
     sealer: Option<Arc<Sealer>>,
 }

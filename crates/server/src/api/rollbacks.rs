@@ -3,7 +3,7 @@
 //! `POST /v1/runs/{run}/compensations/claim`, then finish each with the ordinary fenced calls on
 //! the task's key. Every decision is the guard's (see `onceguard_core::rollback`).
 
-use onceguard_core::guard::{CompensationClaim, TaskHeld};
+use onceguard_core::rollback::{CompensationClaim, TaskHeld};
 use onceguard_core::rollback::{Progress, RollbackReport, Task};
 
 use super::*;

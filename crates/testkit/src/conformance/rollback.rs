@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use onceguard_core::control::{Mode, Settings, SettingsEntry};
-use onceguard_core::guard::{CompensationClaim, TaskHeld};
 use onceguard_core::rollback::TaskState;
+use onceguard_core::rollback::{CompensationClaim, TaskHeld};
 use onceguard_core::{AnswerKind, Compensation, Observer};
 
 use super::*;

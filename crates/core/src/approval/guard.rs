@@ -1,11 +1,15 @@
-//! The guard's side of approvals (see [`crate::approval`]): the gate in front of the store's
-//! claim, and an approver's decision.
+//! The approvals' part of the guard (the types and rules are [`crate::approval`]'s): the gate
+//! in front of the store's claim, an approver's decision, and the webhook's notices.
 
-use super::*;
+use std::time::Duration;
 
 use crate::approval::{Approval, ApprovalId, ApprovalState, DecideError, Decision, Notice, PendingApproval};
-use crate::domain::Timestamp;
-use crate::store::{ApprovalFilter, Pages};
+use crate::control::AuditEntry;
+use crate::domain::{Scope, TenantId, Timestamp};
+use crate::guard::{Guard, GuardError};
+use crate::protocol::ClaimRequest;
+use crate::record::{ClaimOutcome, Denial, RecordState};
+use crate::store::{ApprovalFilter, Pages, StoreError};
 
 /// When a claim answered `pending_approval` should ask again (or at the approval's expiry,
 /// if that comes first).
@@ -13,7 +17,7 @@ pub const PENDING_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// What a claim in a namespace that needs approvals asks for, beside its request.
 #[derive(Debug, Clone)]
-pub(super) struct Ask {
+pub(crate) struct Ask {
     /// How long the approval waits for a decision.
     pub expiry: Duration,
     /// What the caller said the call does.
@@ -31,7 +35,7 @@ pub(super) struct Ask {
 
 /// What the approval gate decided for one claim.
 #[derive(Debug)]
-pub(super) enum Gate {
+enum Gate {
     /// Claim it in the store. `None`: no approval was reserved, the key's record is the
     /// approved call's own (in progress, completed, or released by a retryable failure of the
     /// same request), and the store's atomic claim decides (a replay, a holder in flight, a
@@ -125,7 +129,7 @@ impl Guard {
     /// budget or a quota refused it) gives the reservation back, since nothing ran. A claim the
     /// store refuses for want of an approval (the key changed since the gate read it) is gated
     /// again.
-    pub(super) async fn gated_claim(&self, req: &ClaimRequest, ask: &Ask) -> Result<ClaimOutcome, GuardError> {
+    pub(crate) async fn gated_claim(&self, req: &ClaimRequest, ask: &Ask) -> Result<ClaimOutcome, GuardError> {
         for _ in 0..3 {
             let reserved = match self.approval_gate(req, ask).await? {
                 Gate::Answer(answer) => return Ok(answer),
@@ -249,7 +253,7 @@ impl Guard {
 
     /// Makes the approval kept for `scope`, if any, no longer kept (a purge of the key's record
     /// takes its approval with it).
-    pub(super) async fn retire_approval(&self, scope: &Scope) -> Result<(), GuardError> {
+    pub(crate) async fn retire_approval(&self, scope: &Scope) -> Result<(), GuardError> {
         for _ in 0..3 {
             let now = self.clock.now();
             let Some(current) = self.store.approval_of(scope, now).await? else { return Ok(()) };

@@ -27,12 +27,21 @@
 //! kept for the namespace's retention from the decision ([`Approval::kept_until`]), then swept.
 //! The store writes an approval only over the one it read (compare and set, with the
 //! decision's audit entry in the same atomic write), so a decision is taken once.
+//!
+//! This folder is the feature's room: this file holds the types and the pure rules, which the
+//! record and the store hold; `guard.rs` the approvals' part of the guard (the gate in front of
+//! the store's claim, an approver's decision, the webhook's notices), which uses the store.
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::domain::{Fingerprint, InvalidInput, RunId, Scope, Timestamp};
+
+mod guard;
+
+pub(crate) use guard::Ask;
+pub use guard::PENDING_RETRY_AFTER;
 
 /// The longest summary a claim may give of what is to be approved.
 pub const MAX_SUMMARY: usize = 1024;

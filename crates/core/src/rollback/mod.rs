@@ -34,11 +34,21 @@
 //! ([`is_task_namespace`]). A kill switch on the tenant or on a namespace covering the task
 //! refuses it (and the next task is tried); the run's own switch does not (the task's claim
 //! names the undo run, [`task_run`]).
+//!
+//! This folder is the feature's room: this file holds the types and the pure rules (tasks,
+//! their keys, progress), which the record and the store hold; `guard.rs` the rollback's part
+//! of the guard (starting a rollback, its progress, the worker's claims of tasks through the
+//! door), which uses the store.
 
 use serde::{Deserialize, Serialize};
 
 use crate::domain::{Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
 use crate::record::{Compensation, OutcomeKind, Record, RecordState};
+
+mod guard;
+
+pub(crate) use guard::TaskTerms;
+pub use guard::{CompensationClaim, TaskHeld};
 
 /// The last segment of the namespace that holds an effect's compensation task.
 pub const TASK_SEGMENT: &str = "_undo";

@@ -1,6 +1,6 @@
-//! Rolling a run back (see [`crate::rollback`]): starting it (an operator's action,
-//! [`Guard::start_rollback`]), reading its progress, and handing its compensation tasks to
-//! workers through the one door.
+//! The rollback's part of the guard (the types and rules are [`crate::rollback`]'s): starting
+//! a rollback (an operator's action, [`Guard::start_rollback`]), reading its progress, and
+//! handing its compensation tasks to workers through the one door.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -57,7 +57,7 @@ const _: () =
 
 /// How a compensation task is claimed through the door ([`Guard::claim_compensation`]).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct TaskTerms {
+pub(crate) struct TaskTerms {
     /// The task's record is kept at least this long: until its effect's record goes.
     pub keep: Duration,
 }
