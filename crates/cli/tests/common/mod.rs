@@ -8,17 +8,24 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-/// A running `onceguard serve`; killed (SIGKILL) when dropped.
+/// A running `onceguard serve`; killed (SIGKILL) when dropped, with every process of its group
+/// when a wrapper started it (the wrapper's child, the server itself, must not outlive it).
 pub struct Server {
     pub child: Child,
     pub base: String,
     /// Every line it wrote to stderr (its logs), so far.
     #[allow(dead_code)]
     pub logs: Arc<Mutex<Vec<String>>>,
+    /// Whether it leads a process group of its own (started under a wrapper).
+    group: bool,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
+        if self.group {
+            let group = format!("-{}", self.child.id());
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -45,6 +52,8 @@ pub fn spawn_under(wrapper: &[&str], dir: &Path, args: &[&str], env: &[(&str, &s
     let mut command = match wrapper.split_first() {
         Some((program, wrapper_args)) => {
             let mut command = Command::new(program);
+            // A group of its own, so that dropping the server stops what the wrapper started.
+            std::os::unix::process::CommandExt::process_group(&mut command, 0);
             command.args(wrapper_args).arg(binary);
             command
         }
@@ -78,7 +87,7 @@ pub fn spawn_under(wrapper: &[&str], dir: &Path, args: &[&str], env: &[(&str, &s
         }
     });
     let addr = rx.recv_timeout(Duration::from_secs(60)).expect("onceguard says where it listens");
-    Server { child, base: format!("http://{addr}"), logs }
+    Server { child, base: format!("http://{addr}"), logs, group: !wrapper.is_empty() }
 }
 
 /// Starts `onceguard serve` in `dir` with the default (SQLite) store.
