@@ -59,7 +59,11 @@ impl Guard {
             }
             Some(_) if record.fingerprint == *plain => {
                 let unkeyed = ClaimRequest { fingerprint: plain.clone(), ..req.clone() };
-                Ok(self.store.claim(&unkeyed, self.clock.now()).await?)
+                match self.store.claim(&unkeyed, self.clock.now()).await? {
+                    // Keyed meanwhile (a reseal between the read and this claim): as keyed.
+                    ClaimOutcome::Mismatch => Ok(self.store.claim(req, self.clock.now()).await?),
+                    answer => Ok(answer),
+                }
             }
             _ => Ok(outcome),
         }
