@@ -117,7 +117,7 @@ use deadpool_postgres::{ClientWrapper, Manager, ManagerConfig, Pool, RecyclingMe
 use futures::StreamExt;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
-    Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
+    Admission, AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};

@@ -12,9 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use async_trait::async_trait;
 use onceguard_core::approval::Approval;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
-use onceguard_core::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
-};
+use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use onceguard_core::store::{
     ApprovalFilter, ApprovalStore, ClaimStore, ControlStore, FencedCall, RunStore, TenantStore,
 };
@@ -206,7 +204,7 @@ impl ControlStore for AtCallersTime {
         self.store.append_audit(entry).await
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         self.store.list_audit(tenant, filter).await
     }
 
@@ -282,7 +280,7 @@ impl ApprovalStore for AtCallersTime {
         tenant: &TenantId,
         filter: &ApprovalFilter,
         now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError> {
+    ) -> Result<Page<Approval>, StoreError> {
         self.at(now, self.store.list_approvals(tenant, filter, now)).await
     }
 
