@@ -375,7 +375,7 @@ pub(crate) async fn run(config: &Config, command: OperatorCommand) -> Result<()>
         OperatorCommand::Audit { tenant, action, actor, limit } => {
             let filter = AuditFilter { action, actor, before: None, limit: limit.clamp(1, MAX_PAGE) };
             let page = guard.audit_log(&TenantId::parse(&tenant)?, &filter).await?;
-            print_json(&page.entries.into_iter().map(api::audit_view).collect::<Vec<_>>())?;
+            print_json(&page.items.into_iter().map(api::audit_view).collect::<Vec<_>>())?;
         }
     }
     Ok(())
@@ -446,7 +446,7 @@ async fn keys(guard: &Guard, command: KeyCommand) -> Result<()> {
                 limit: limit.clamp(1, MAX_PAGE),
             };
             let page = guard.list(&TenantId::parse(&tenant)?, &filter).await?;
-            print_json(&page.records.iter().map(|r| api::record_view(r, now, false)).collect::<Vec<_>>())
+            print_json(&page.items.iter().map(|r| api::record_view(r, now, false)).collect::<Vec<_>>())
         }
         KeyCommand::Purge { tenant, namespace, key } => {
             let scope = Scope::new(TenantId::parse(&tenant)?, Namespace::parse(&namespace)?, Key::parse(&key)?);

@@ -6,13 +6,12 @@
 
 use crate::auth::{ApiKey, ApiKeyId, NewApiKey, Role, Tenant};
 use crate::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Controls, Run, SettingsEntry, Switch,
-    SwitchTarget,
+    AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Controls, Run, SettingsEntry, Switch, SwitchTarget,
 };
 use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId};
 use crate::guard::{Guard, GuardError};
-use crate::store::StoreError;
+use crate::store::{Page, StoreError};
 
 pub use crate::domain::MAX_REASON_BYTES;
 use crate::domain::check_reason;
@@ -100,7 +99,7 @@ impl Guard {
     }
 
     /// A tenant's audit log, newest first.
-    pub async fn audit_log(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, GuardError> {
+    pub async fn audit_log(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, GuardError> {
         Ok(self.store().list_audit(tenant, filter).await?)
     }
 

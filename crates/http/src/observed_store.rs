@@ -11,9 +11,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
-use onceguard_core::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
-};
+use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use onceguard_core::store::{ApprovalFilter, ApprovalStore, ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
@@ -239,7 +237,7 @@ impl ControlStore for ObservedStore {
         self.timed(StoreOp::Audit, Some(&entry.tenant), self.inner.append_audit(entry)).await
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         self.timed(StoreOp::Audit, Some(tenant), self.inner.list_audit(tenant, filter)).await
     }
 
@@ -316,7 +314,7 @@ impl ApprovalStore for ObservedStore {
         tenant: &TenantId,
         filter: &ApprovalFilter,
         now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError> {
+    ) -> Result<Page<Approval>, StoreError> {
         self.timed(StoreOp::Approval, Some(tenant), self.inner.list_approvals(tenant, filter, now)).await
     }
 

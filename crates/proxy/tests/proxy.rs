@@ -661,7 +661,7 @@ async fn a_digest_namespace_replays_the_status_and_digest_never_the_response() {
         )
         .await
         .unwrap();
-    let outcome = records.records[0].outcome.as_ref().unwrap();
+    let outcome = records.items[0].outcome.as_ref().unwrap();
     assert_eq!(outcome.content_type, onceguard_core::DIGEST_CONTENT_TYPE);
     assert!(!String::from_utf8_lossy(&outcome.body).contains("charge"), "no byte of the response is kept");
     assert!(!String::from_utf8_lossy(&outcome.body).contains("a=1"), "no header is kept");

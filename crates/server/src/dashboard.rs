@@ -352,7 +352,7 @@ pub async fn dashboard_data(
         ..ListFilter::default()
     };
     let mut stuck: Vec<StuckKeyView> =
-        state.guard.list(&tenant, &filter).await?.records.iter().map(|r| stuck_view(r, now)).collect();
+        state.guard.list(&tenant, &filter).await?.items.iter().map(|r| stuck_view(r, now)).collect();
     stuck.sort_by_key(|k| std::cmp::Reverse(k.stuck_for_seconds));
     stuck.truncate(STUCK_SHOWN);
     let approvals = approvals_panel(&state, &tenant, now).await?;
@@ -437,7 +437,7 @@ async fn approvals_panel(
         after: None,
         limit: onceguard_core::store::MAX_PAGE,
     };
-    let mut pending = state.guard.list_approvals(tenant, &filter).await?;
+    let mut pending = state.guard.list_approvals(tenant, &filter).await?.items;
     pending.sort_by_key(|a| a.requested_at);
     Ok(ApprovalsPanel {
         pending: pending.len(),

@@ -4,7 +4,7 @@
 use super::*;
 
 use onceguard_core::approval::{Approval, ApprovalId};
-use onceguard_core::store::{ApprovalFilter, ApprovalStore};
+use onceguard_core::store::{ApprovalFilter, ApprovalStore, Page};
 
 fn decode(doc: &str) -> Result<Approval, StoreError> {
     serde_json::from_str(doc).map_err(|e| StoreError::Corrupt(e.to_string()))
@@ -96,7 +96,7 @@ impl ApprovalStore for PgStore {
         tenant: &TenantId,
         filter: &ApprovalFilter,
         _caller_now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError> {
+    ) -> Result<Page<Approval>, StoreError> {
         let rows = self
             .client()
             .await?
@@ -107,17 +107,11 @@ impl ApprovalStore for PgStore {
             )
             .await
             .map_err(unavailable)?;
-        let mut out = Vec::new();
-        for row in rows {
-            let approval = decode(row.get(0))?;
-            if filter.admits(&approval, timestamp(row.get(1))?) {
-                out.push(approval);
-                if out.len() >= filter.page_size() {
-                    break;
-                }
-            }
-        }
-        Ok(out)
+        // Every row carries the statement's time; with none, there is no approval to list.
+        let Some(now) = rows.first().map(|row| timestamp(row.get(1))).transpose()? else {
+            return Ok(Page::default());
+        };
+        filter.page(rows.iter().map(|row| decode(row.get(0))), now)
     }
 
     async fn sweep_approvals(&self, _caller_now: Timestamp, batch: usize) -> Result<usize, StoreError> {

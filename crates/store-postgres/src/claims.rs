@@ -93,18 +93,20 @@ impl ClaimStore for PgStore {
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, _caller_now: Timestamp) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let client = self.client().await?;
+        // A listing of one run names it outright, so that the plan reads the run's index
+        // (og_records_run) rather than the tenant's records.
+        let run = if filter.run.is_some() { "run = $5" } else { "$5::text IS NULL" };
         let st = client
-            .prepare_cached(
+            .prepare_cached(&format!(
                 "SELECT doc, body FROM og_records
-                 WHERE tenant = $1 AND expires_at > og_now($2)
+                 WHERE tenant = $1 AND {run} AND expires_at > og_now($2)
                    AND ($3::text IS NULL OR state = $3)
                    AND (NOT $4 OR (state = 'in_progress' AND lease_expires_at <= og_now($2)))
-                   AND ($5::text IS NULL OR run = $5)
                    AND ($6::text IS NULL OR namespace = $6 OR starts_with(namespace, $6 || '/'))
                    AND ($7::text IS NULL OR (namespace, key) > ($7::text COLLATE \"C\", $8::text COLLATE \"C\"))
                  ORDER BY namespace, key
                  LIMIT $9",
-            )
+            ))
             .await
             .map_err(unavailable)?;
         let (after_ns, after_key) = match &filter.after {

@@ -275,7 +275,7 @@ impl ControlStore for PgStore {
         Ok(())
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let overfetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
         // Only the filters given are in the statement, so that each shape reads its index
@@ -298,7 +298,7 @@ impl ControlStore for PgStore {
             .iter()
             .map(|row| serde_json::from_str::<AuditEntry>(row.get(0)).map_err(corrupt))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(AuditPage::from_overfetch(entries, limit))
+        Ok(Page::from_overfetch(entries, limit))
     }
 
     async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {

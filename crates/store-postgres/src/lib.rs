@@ -101,6 +101,10 @@
 //! - Control documents (`og_control`) and the audit log (`og_audit`, listed newest first by id
 //!   from the indexes on (tenant, id), (tenant, action, id) and (tenant, actor, id)) are plain
 //!   rows.
+//! - **A run's records** are listed from the index `og_records_run` (tenant, run, namespace,
+//!   key): the listing of one run names it in its statement (not as an optional parameter), so
+//!   that what a rollback reads of its run and of its undo run costs the run's rows, not the
+//!   tenant's.
 //! - **Migrations** are numbered in `og_migrations` and applied once each; an applied one is
 //!   never edited, a change of schema is a new entry.
 
@@ -117,7 +121,7 @@ use deadpool_postgres::{ClientWrapper, Manager, ManagerConfig, Pool, RecyclingMe
 use futures::StreamExt;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
-    Admission, AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
+    Admission, AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};

@@ -135,6 +135,11 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         SELECT coalesce(given, (extract(epoch FROM statement_timestamp()) * 1000)::bigint)
     $$;
 "#,
+    // A run's records, in listing order: what a rollback reads of its run and of its undo run,
+    // without reading the rest of the tenant.
+    r#"
+    CREATE INDEX og_records_run ON og_records (tenant, run, namespace, key) WHERE run IS NOT NULL;
+"#,
 ];
 
 /// Serializes migrations of all instances (a session advisory lock key).

@@ -6,7 +6,7 @@
 use async_trait::async_trait;
 use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::control::AuditEntry;
-use onceguard_core::store::{ApprovalFilter, ApprovalStore, StoreError};
+use onceguard_core::store::{ApprovalFilter, ApprovalStore, Page, StoreError};
 use onceguard_core::{Scope, TenantId, Timestamp};
 
 use crate::codec::corrupt;
@@ -135,23 +135,18 @@ impl ApprovalStore for RedisStore {
         tenant: &TenantId,
         filter: &ApprovalFilter,
         _now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError> {
+    ) -> Result<Page<Approval>, StoreError> {
+        // Approvals are few and kept in one hash: read them all, keep the tenant's, in id order.
         let (all, now) = self.bounded("list approvals", self.all_approvals()).await?;
-        let after = filter.after.as_deref().unwrap_or_default();
-        let mut out = Vec::new();
+        let mut tenants = Vec::new();
         for (_, value) in all {
             let (kept, approval) = decode(&value)?;
-            if kept > now
-                && &approval.scope.tenant == tenant
-                && approval.id.as_str() > after
-                && filter.admits(&approval, now)
-            {
-                out.push(approval);
+            if kept > now && &approval.scope.tenant == tenant {
+                tenants.push(approval);
             }
         }
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out.truncate(filter.page_size());
-        Ok(out)
+        tenants.sort_by(|a, b| a.id.cmp(&b.id));
+        filter.page(tenants.into_iter().map(Ok), now)
     }
 
     /// Deletes approvals not kept at the store's time of the read; each deletion writes only

@@ -3,8 +3,8 @@
 
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
-use onceguard_core::control::{AuditEntry, AuditFilter, AuditPage, ControlDoc, ControlKind, SwitchTarget};
-use onceguard_core::store::{ControlStore, ListFilter, MAX_PAGE, StoreError};
+use onceguard_core::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, SwitchTarget};
+use onceguard_core::store::{ControlStore, ListFilter, MAX_PAGE, Page, StoreError};
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
 
@@ -169,7 +169,7 @@ impl RedisStore {
             // Listed at the store's time, and checked again by each revocation's script.
             let page = self.list_records(tenant, &filter).await?;
             let revocations: Vec<_> = page
-                .records
+                .items
                 .iter()
                 .filter(|r| target.covers_record(r) && r.unknown.as_deref() != Some(detail))
                 .map(|record| self.bounded("revoke a lease", self.revoke_one(record, run, detail)))
@@ -271,7 +271,11 @@ impl RedisStore {
 
     /// Reads the tenant's audit index newest first, a chunk at a time, and the entries it
     /// names, until a page (and one more entry) passed the filter.
-    pub(crate) async fn read_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    pub(crate) async fn read_audit(
+        &self,
+        tenant: &TenantId,
+        filter: &AuditFilter,
+    ) -> Result<Page<AuditEntry>, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let filtered = filter.action.is_some() || filter.actor.is_some();
         let chunk = if filtered { (4 * (limit + 1)).clamp(64, MAX_PAGE) } else { limit + 1 };
@@ -307,7 +311,7 @@ impl RedisStore {
                 break;
             }
         }
-        Ok(AuditPage::from_overfetch(entries, limit))
+        Ok(Page::from_overfetch(entries, limit))
     }
 }
 
@@ -397,7 +401,7 @@ impl ControlStore for RedisStore {
         self.bounded("append to the audit log", self.store_audit(entry)).await
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         self.bounded("list the audit log", self.read_audit(tenant, filter)).await
     }
 

@@ -455,7 +455,7 @@ async fn audit_entries_left_on_the_way_reach_the_log_once() {
         let (store, tenant) = (&store, tenant.clone());
         async move {
             let page = store.list_audit(&tenant, &AuditFilter { limit: 100, ..AuditFilter::default() }).await.unwrap();
-            page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
+            page.items.into_iter().map(|e| e.action).collect::<Vec<_>>()
         }
     };
     // As processes that stopped after the script: the entries wait in the control outbox and

@@ -4,7 +4,7 @@
 use super::*;
 
 use onceguard_core::approval::{Approval, ApprovalId};
-use onceguard_core::store::{ApprovalFilter, ApprovalStore};
+use onceguard_core::store::{ApprovalFilter, ApprovalStore, Page};
 
 fn decode(doc: String) -> Result<Approval, StoreError> {
     serde_json::from_str(&doc).map_err(corrupt)
@@ -94,7 +94,7 @@ impl ApprovalStore for SqliteStore {
         tenant: &TenantId,
         filter: &ApprovalFilter,
         now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError> {
+    ) -> Result<Page<Approval>, StoreError> {
         let (tenant, filter) = (tenant.clone(), filter.clone());
         self.read(move |conn| {
             let mut st = conn
@@ -106,17 +106,7 @@ impl ApprovalStore for SqliteStore {
             let rows = st
                 .query_map(params![tenant.as_str(), after, to_i64(now)], |r| r.get::<_, String>(0))
                 .map_err(unavailable)?;
-            let mut out = Vec::new();
-            for doc in rows {
-                let approval = decode(doc.map_err(unavailable)?)?;
-                if filter.admits(&approval, now) {
-                    out.push(approval);
-                    if out.len() >= filter.page_size() {
-                        break;
-                    }
-                }
-            }
-            Ok(out)
+            filter.page(rows.map(|doc| decode(doc.map_err(unavailable)?)), now)
         })
         .await
     }

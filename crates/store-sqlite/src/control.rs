@@ -180,7 +180,7 @@ impl ControlStore for SqliteStore {
         self.write(move |conn| insert_audit(conn, &entry)).await
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         let (tenant, filter) = (tenant.clone(), filter.clone());
         self.read(move |conn| {
             let limit = filter.limit.clamp(1, MAX_PAGE);
@@ -218,7 +218,7 @@ impl ControlStore for SqliteStore {
                 )
                 .map_err(unavailable)?;
             let entries = rows.map(|r| r.map_err(unavailable).and_then(decode_audit)).collect::<Result<Vec<_>, _>>()?;
-            Ok(AuditPage::from_overfetch(entries, limit))
+            Ok(Page::from_overfetch(entries, limit))
         })
         .await
     }

@@ -35,6 +35,9 @@
 //!   `control::gcra` and written in one job. Control documents (`control`) and the audit log
 //!   (`audit`, newest first by id from the indexes on (tenant, id), (tenant, action, id) and
 //!   (tenant, actor, id)) are plain rows.
+//! - **A run's records** are listed from the index `records_run` (tenant, run, namespace, key):
+//!   what a rollback reads of its run and of its undo run costs the run's rows, not the
+//!   tenant's.
 //! - **Migrations** are numbered by `PRAGMA user_version` and applied in one transaction; an
 //!   applied one is never edited, a change of schema is a new entry.
 //!
@@ -55,7 +58,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
 use onceguard_core::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
+    AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
 use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
@@ -156,6 +159,11 @@ const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     CREATE UNIQUE INDEX approvals_id ON approvals (tenant, id);
     CREATE INDEX approvals_kept ON approvals (kept_until);
+"#,
+    // A run's records, in listing order: what a rollback reads of its run and of its undo run,
+    // without reading the rest of the tenant.
+    r#"
+    CREATE INDEX records_run ON records (tenant, run, namespace, key) WHERE run IS NOT NULL;
 "#,
 ];
 
@@ -482,6 +490,27 @@ mod tests {
             plan.contains("USING INDEX audit_action (tenant=? AND action=?)") && !plan.contains("TEMP B-TREE"),
             "{plan}"
         );
+    }
+
+    #[test]
+    fn a_runs_listing_reads_the_run_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = connect(&dir.path().join("plan.db")).unwrap();
+        migrate(&mut conn).unwrap();
+        let bind = |sql: String, run: &str| {
+            [("?1", "'t'"), ("?2", "1"), ("?3", "NULL"), ("?4", "0"), ("?5", run), ("?6", "NULL")]
+                .into_iter()
+                .chain([("?7", "NULL"), ("?8", "NULL"), ("?9", "1001")])
+                .fold(sql, |sql, (p, v)| sql.replace(p, v))
+        };
+        let plan = query_plan(&conn, &bind(claims::list_sql(true), "'r'"));
+        assert!(
+            plan.contains("USING INDEX records_run (tenant=? AND run=?)") && !plan.contains("TEMP B-TREE"),
+            "{plan}"
+        );
+        // Without a run, the tenant's records in order, as before.
+        let plan = query_plan(&conn, &bind(claims::list_sql(false), "NULL"));
+        assert!(!plan.contains("records_run"), "{plan}");
     }
 
     fn scope(key: &str) -> Scope {

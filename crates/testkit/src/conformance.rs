@@ -567,7 +567,7 @@ pub async fn tenants_are_isolated(store: Subject) {
     c.applied(&a, fa, Mutation::Complete(success("a"))).await;
     assert_eq!(c.get(&b).await.map(|r| r.state), Some(RecordState::InProgress));
     let listed = c.guard.list(&b.tenant, &ListFilter { limit: 100, ..Default::default() }).await.unwrap();
-    assert_eq!(listed.records.iter().map(|r| &r.scope).collect::<Vec<_>>(), [&b, &b2]);
+    assert_eq!(listed.items.iter().map(|r| &r.scope).collect::<Vec<_>>(), [&b, &b2]);
     assert!(c.guard.purge("test", &a, None).await.unwrap());
     assert!(c.get(&b).await.is_some());
     c.applied(&b, fb, Mutation::Complete(success("b"))).await;
@@ -731,7 +731,7 @@ pub async fn listing_filters_and_pages(store: Subject) {
         let tenant = tenant.clone();
         async move {
             let page = guard.list(&tenant, &ListFilter { limit: 100, ..filter }).await.unwrap();
-            page.records.into_iter().map(|r| r.scope.key.to_string()).collect::<Vec<_>>()
+            page.items.into_iter().map(|r| r.scope.key.to_string()).collect::<Vec<_>>()
         }
     };
     assert_eq!(list(ListFilter::default()).await, ["k0", "k1", "k2", "k3", "k4", "k9"]);
@@ -747,8 +747,8 @@ pub async fn listing_filters_and_pages(store: Subject) {
     let mut filter = ListFilter { limit: 2, ..Default::default() };
     loop {
         let page = c.guard.list(&tenant, &filter).await.unwrap();
-        assert!(page.records.len() <= 2);
-        seen.extend(page.records.iter().map(|r| r.scope.key.to_string()));
+        assert!(page.items.len() <= 2);
+        seen.extend(page.items.iter().map(|r| r.scope.key.to_string()));
         match page.next {
             Some(next) => filter.after = Some(next),
             None => break,
@@ -807,7 +807,7 @@ pub async fn tenants_and_api_keys(store: Subject) {
         async move {
             let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
             let page = store.list_audit(&tenant, &filter).await.unwrap();
-            page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
+            page.items.into_iter().map(|e| e.action).collect::<Vec<_>>()
         }
     };
     assert_eq!(logged(acme).await, ["api_key.revoke", "api_key.create", "tenant.create"]);
@@ -820,7 +820,7 @@ async fn set_budget(store: &Arc<dyn Store>, tenant: &str, run: &str, budget: Bud
     let stored = store.put_budget(&tenant, &run, &budget, Timestamp(1), &entry).await.unwrap();
     assert_eq!(stored.budget, budget);
     let logged = store.list_audit(&tenant, &AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() }).await.unwrap();
-    assert!(logged.entries.contains(&entry), "the budget's audit entry is written with it");
+    assert!(logged.items.contains(&entry), "the budget's audit entry is written with it");
 }
 
 async fn usage(store: &Arc<dyn Store>, tenant: &str, run: &str) -> (u64, u64) {
@@ -996,7 +996,7 @@ pub async fn control_documents(store: Subject) {
         async move {
             let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
             let page = store.list_audit(&tenant, &filter).await.unwrap();
-            page.entries.into_iter().map(|e| e.action).collect::<Vec<_>>()
+            page.items.into_iter().map(|e| e.action).collect::<Vec<_>>()
         }
     };
     assert_eq!(
@@ -1066,7 +1066,7 @@ pub async fn audit_log_prunes_old_entries(store: Subject) {
         async move {
             let all = AuditFilter { limit: 100, ..AuditFilter::default() };
             let page = store.list_audit(&tenant, &all).await.unwrap();
-            page.entries.into_iter().rev().map(|e| e.target).collect::<Vec<String>>()
+            page.items.into_iter().rev().map(|e| e.target).collect::<Vec<String>>()
         }
     };
     // Oldest first, at most a batch; an entry made exactly at the bound stays.
@@ -1099,21 +1099,20 @@ pub async fn audit_log_pages_newest_first(store: Subject) {
     }
     store.append_audit(&AuditEntry::new(other.clone(), Timestamp(2_000), "x", "switch.engage", "t")).await.unwrap();
     let page = store.list_audit(&acme, &AuditFilter { limit: 2, ..AuditFilter::default() }).await.unwrap();
-    let got: Vec<&str> = page.entries.iter().map(|e| e.target.as_str()).collect();
+    let got: Vec<&str> = page.items.iter().map(|e| e.target.as_str()).collect();
     assert_eq!(got, ["t4", "t3"]);
-    assert_eq!(page.entries[0].details, serde_json::json!({ "i": 4 }));
-    assert_eq!(page.entries[0].why.as_deref(), Some("because 4"));
+    assert_eq!(page.items[0].details, serde_json::json!({ "i": 4 }));
+    assert_eq!(page.items[0].why.as_deref(), Some("because 4"));
     let rest = AuditFilter { limit: 10, before: page.next.clone(), ..AuditFilter::default() };
-    let got: Vec<String> =
-        store.list_audit(&acme, &rest).await.unwrap().entries.into_iter().map(|e| e.target).collect();
+    let got: Vec<String> = store.list_audit(&acme, &rest).await.unwrap().items.into_iter().map(|e| e.target).collect();
     assert_eq!(got, ["t2", "t1", "t0"]);
     let engages = AuditFilter { limit: 10, action: Some("switch.engage".into()), ..AuditFilter::default() };
     let got: Vec<String> =
-        store.list_audit(&acme, &engages).await.unwrap().entries.into_iter().map(|e| e.target).collect();
+        store.list_audit(&acme, &engages).await.unwrap().items.into_iter().map(|e| e.target).collect();
     assert_eq!(got, ["t4", "t2", "t0"]);
     let by_x = AuditFilter { limit: 10, actor: Some("x".into()), ..AuditFilter::default() };
-    assert!(store.list_audit(&acme, &by_x).await.unwrap().entries.is_empty());
-    assert_eq!(store.list_audit(&other, &by_x).await.unwrap().entries.len(), 1);
+    assert!(store.list_audit(&acme, &by_x).await.unwrap().items.is_empty());
+    assert_eq!(store.list_audit(&other, &by_x).await.unwrap().items.len(), 1);
 }
 
 /// A batch of claims answers each exactly as the claim alone would, in order: a new key is
@@ -1283,7 +1282,7 @@ pub async fn replace_control_writes_only_over_the_document_expected(store: Subje
     assert!(store.list_control().await.unwrap().is_empty(), "a released switch stays released");
     let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
     let actions: Vec<String> =
-        store.list_audit(&acme, &filter).await.unwrap().entries.into_iter().map(|e| e.action).collect();
+        store.list_audit(&acme, &filter).await.unwrap().items.into_iter().map(|e| e.action).collect();
     assert_eq!(actions, ["switch.release", "switch.revoke_leases", "switch.engage"]);
 }
 

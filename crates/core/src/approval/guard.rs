@@ -9,7 +9,7 @@ use crate::domain::{Scope, TenantId, Timestamp};
 use crate::guard::{Guard, GuardError};
 use crate::protocol::ClaimRequest;
 use crate::record::{ClaimOutcome, Denial, RecordState};
-use crate::store::{ApprovalFilter, Pages, StoreError};
+use crate::store::{ApprovalFilter, Page, Pages, StoreError};
 
 /// When a claim answered `pending_approval` should ask again (or at the approval's expiry,
 /// if that comes first).
@@ -270,12 +270,12 @@ impl Guard {
         Ok(self.store.approval(tenant, id, self.clock.now()).await?)
     }
 
-    /// The tenant's kept approvals, filtered, ordered by id.
+    /// A page of the tenant's kept approvals, filtered, ordered by id.
     pub async fn list_approvals(
         &self,
         tenant: &TenantId,
         filter: &ApprovalFilter,
-    ) -> Result<Vec<Approval>, GuardError> {
+    ) -> Result<Page<Approval>, GuardError> {
         Ok(self.store.list_approvals(tenant, filter, self.clock.now()).await?)
     }
 
@@ -292,10 +292,8 @@ impl Guard {
         let mut all = Vec::new();
         while let Some(filter) = pages.page() {
             let page = self.list_approvals(tenant, filter).await?;
-            // A full page may have a next one, after its last id.
-            let next = page.last().filter(|_| page.len() == limit).map(|a| a.id.to_string());
-            pages.turn(next, |f, after| f.after = Some(after));
-            all.extend(page);
+            pages.turn(page.next, |f, after| f.after = Some(after));
+            all.extend(page.items);
         }
         Ok(all)
     }

@@ -103,26 +103,3 @@ impl AuditFilter {
             && self.before.as_ref().is_none_or(|b| entry.id.as_str() < b.as_str())
     }
 }
-
-/// One page of audit entries, newest first.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct AuditPage {
-    /// The entries.
-    pub entries: Vec<AuditEntry>,
-    /// The cursor of the next page, if there may be one.
-    pub next: Option<String>,
-}
-
-impl AuditPage {
-    /// A page from up to `limit + 1` entries, newest first: the extra one only says that another
-    /// page follows.
-    pub fn from_overfetch(mut entries: Vec<AuditEntry>, limit: usize) -> Self {
-        let next = if entries.len() > limit {
-            entries.truncate(limit);
-            entries.last().map(|e| e.id.clone())
-        } else {
-            None
-        };
-        Self { entries, next }
-    }
-}

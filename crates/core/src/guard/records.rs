@@ -12,7 +12,7 @@ impl Guard {
     /// Lists a tenant's live records.
     pub async fn list(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, GuardError> {
         let mut page = self.store.list(tenant, filter, self.clock.now()).await?;
-        page.records = page.records.into_iter().map(|r| self.open_record(r)).collect::<Result<_, _>>()?;
+        page.items = page.items.into_iter().map(|r| self.open_record(r)).collect::<Result<_, _>>()?;
         Ok(page)
     }
 
@@ -43,8 +43,8 @@ impl Guard {
         while let Some(filter) = pages.page() {
             let page = self.store.list(tenant, filter, now).await?;
             pages.turn(page.next.clone(), |f, next| f.after = Some(next));
-            in_progress += page.records.len();
-            stuck += page.records.iter().filter(|r| r.is_stuck(now)).count();
+            in_progress += page.items.len();
+            stuck += page.items.iter().filter(|r| r.is_stuck(now)).count();
         }
         Ok((in_progress, stuck))
     }

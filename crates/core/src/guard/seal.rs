@@ -186,7 +186,7 @@ impl Guard {
         while let Some(filter) = pages.page() {
             let page = self.store.list(tenant, filter, now).await?;
             pages.turn(page.next.clone(), |f, next| f.after = Some(next));
-            for old in &page.records {
+            for old in &page.items {
                 counts.examined += 1;
                 let Ok(new) = resealed(sealer, old) else {
                     // Sealed with a key the file lacks: left as it is, and counted.

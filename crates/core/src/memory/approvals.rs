@@ -47,18 +47,16 @@ impl ApprovalStore for MemoryStore {
         tenant: &TenantId,
         filter: &ApprovalFilter,
         now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError> {
+    ) -> Result<Page<Approval>, StoreError> {
         let state = self.lock();
         let start = (tenant.clone(), filter.after.clone().unwrap_or_default());
-        Ok(state
+        let from_cursor = state
             .approval_ids
             .range((Excluded(start), Unbounded))
             .take_while(|((t, _), _)| t == tenant)
             .filter_map(|(_, scope)| state.approvals.get(scope))
-            .filter(|a| filter.admits(a, now))
-            .take(filter.page_size())
-            .cloned()
-            .collect())
+            .map(|a| Ok(a.clone()));
+        filter.page(from_cursor, now)
     }
 
     async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {

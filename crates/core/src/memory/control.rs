@@ -86,7 +86,7 @@ impl ControlStore for MemoryStore {
         Ok(())
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let state = self.lock();
         let tenants: Vec<&AuditEntry> = state
@@ -97,7 +97,7 @@ impl ControlStore for MemoryStore {
             .collect();
         let entries: Vec<AuditEntry> =
             tenants.into_iter().rev().filter(|e| filter.matches(e)).take(limit + 1).cloned().collect();
-        Ok(AuditPage::from_overfetch(entries, limit))
+        Ok(Page::from_overfetch(entries, limit))
     }
 
     async fn prune_audit(&self, tenant: &TenantId, before: Timestamp, batch: usize) -> Result<usize, StoreError> {

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use std::time::Duration;
 
 use crate::auth::{ApiKey, ApiKeyId, Tenant};
-use crate::control::{AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
+use crate::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use crate::domain::{Fence, Key, Namespace, RunId, Scope, TenantId, Timestamp};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
@@ -293,7 +293,7 @@ mod tests {
             let (store, tenant) = (&store, &tenant);
             async move {
                 let page = store.list(tenant, &filter, t).await.unwrap();
-                page.records.iter().map(|r| format!("{}/{}", r.scope.namespace, r.scope.key)).collect::<Vec<_>>()
+                page.items.iter().map(|r| format!("{}/{}", r.scope.namespace, r.scope.key)).collect::<Vec<_>>()
             }
         };
         assert_eq!(page_after("a", "k0").await, ["a/k1", "a/k2", "b/k1"]);

@@ -250,7 +250,7 @@ impl Guard {
         while let Some(filter) = pages.page() {
             let page = self.list(tenant, filter).await?;
             pages.turn(page.next, |f, next| f.after = Some(next));
-            records.extend(page.records);
+            records.extend(page.items);
         }
         Ok(records)
     }

@@ -6,14 +6,14 @@ use async_trait::async_trait;
 use crate::approval::{Approval, ApprovalId, ApprovalState};
 use crate::control::AuditEntry;
 use crate::domain::{Scope, TenantId, Timestamp};
-use crate::store::StoreError;
+use crate::store::{Page, StoreError};
 
 /// Which approvals to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ApprovalFilter {
     /// Only approvals in this state (at the listing's `now`).
     pub state: Option<ApprovalState>,
-    /// Start after this id (the last of the previous page).
+    /// Start after this id (a page's [`Page::next`]).
     pub after: Option<String>,
     /// At most this many (the store may cap it at [`crate::store::MAX_PAGE`]).
     pub limit: usize,
@@ -28,6 +28,29 @@ impl ApprovalFilter {
     /// How many a page holds at most.
     pub fn page_size(&self) -> usize {
         self.limit.min(crate::store::MAX_PAGE)
+    }
+
+    /// The page this filter asks for, read at `now` from the tenant's approvals in id order
+    /// (all of them, or those from the cursor on): the ones after the cursor that it admits, a
+    /// page's worth, and the cursor of the next page if another follows. Every store lists
+    /// through it.
+    pub fn page<E>(
+        &self,
+        approvals: impl IntoIterator<Item = Result<Approval, E>>,
+        now: Timestamp,
+    ) -> Result<Page<Approval>, E> {
+        let limit = self.page_size();
+        let mut items = Vec::new();
+        for approval in approvals {
+            let approval = approval?;
+            if self.after.as_deref().is_none_or(|after| approval.id.as_str() > after) && self.admits(&approval, now) {
+                items.push(approval);
+                if items.len() > limit {
+                    break;
+                }
+            }
+        }
+        Ok(Page::from_overfetch(items, limit))
     }
 }
 
@@ -58,13 +81,14 @@ pub trait ApprovalStore: Send + Sync + 'static {
         now: Timestamp,
     ) -> Result<bool, StoreError>;
 
-    /// The tenant's approvals kept at `now`, filtered, ordered by id.
+    /// A page of the tenant's approvals kept at `now`, filtered, ordered by id
+    /// ([`ApprovalFilter::page`]).
     async fn list_approvals(
         &self,
         tenant: &TenantId,
         filter: &ApprovalFilter,
         now: Timestamp,
-    ) -> Result<Vec<Approval>, StoreError>;
+    ) -> Result<Page<Approval>, StoreError>;
 
     /// Deletes at most `batch` approvals no longer kept at `now`; answers how many.
     async fn sweep_approvals(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError>;

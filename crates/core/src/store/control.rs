@@ -3,9 +3,9 @@
 
 use async_trait::async_trait;
 
-use crate::control::{AuditEntry, AuditFilter, AuditPage, ControlDoc, ControlKind, SwitchTarget};
+use crate::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, SwitchTarget};
 use crate::domain::{TenantId, Timestamp};
-use crate::store::StoreError;
+use crate::store::{Page, StoreError};
 
 /// Switches, settings and rollbacks (small documents every instance caches), revoking leases,
 /// the audit log.
@@ -60,7 +60,7 @@ pub trait ControlStore: Send + Sync + 'static {
     async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError>;
 
     /// A tenant's audit entries, newest first (by id), filtered.
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError>;
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError>;
 
     /// Deletes up to `batch` of the tenant's audit entries made before `before` (ids below
     /// [`AuditEntry::id_floor`] of it), oldest first; answers how many it deleted.

@@ -45,6 +45,8 @@
 
 use std::time::Duration;
 
+use crate::approval::Approval;
+use crate::control::AuditEntry;
 use crate::domain::{Key, Namespace, RunId, Timestamp};
 use crate::record::{Record, RecordState};
 
@@ -103,8 +105,9 @@ impl ListFilter {
 }
 
 /// A listing read page by page through one filter `F` (of records, approvals or audit
-/// entries), at most `max_pages` pages: the one paging loop of the guard's readers. For records
-/// the filter is a [`ListFilter`] and the cursor a page's [`Page::next`]; here, a number:
+/// entries), at most `max_pages` pages: the one paging loop of the guard's readers. The filter
+/// is a [`ListFilter`], [`ApprovalFilter`] or [`crate::control::AuditFilter`] and the cursor a
+/// [`Page::next`]; here, a number:
 ///
 /// ```
 /// use onceguard_core::store::Pages;
@@ -150,26 +153,67 @@ impl<F> Pages<F> {
     }
 }
 
-/// One page of a listing, ordered by (namespace, key).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Page {
-    /// The records.
-    pub records: Vec<Record>,
-    /// Where the next page starts, if there may be one.
-    pub next: Option<(Namespace, Key)>,
+/// What a store lists a page at a time, and the cursor after which a page starts: records by
+/// (namespace, key), audit entries by id (newest first), approvals by id.
+pub trait Listed {
+    /// Where the next page starts: the last item's place in the listing's order.
+    type Cursor;
+
+    /// This item's place in the listing's order.
+    fn cursor(&self) -> Self::Cursor;
 }
 
-impl Page {
-    /// A page from up to `limit + 1` records in order: the extra one, if read, only says that
+impl Listed for Record {
+    type Cursor = (Namespace, Key);
+
+    fn cursor(&self) -> Self::Cursor {
+        (self.scope.namespace.clone(), self.scope.key.clone())
+    }
+}
+
+impl Listed for AuditEntry {
+    type Cursor = String;
+
+    fn cursor(&self) -> Self::Cursor {
+        self.id.clone()
+    }
+}
+
+impl Listed for Approval {
+    type Cursor = String;
+
+    fn cursor(&self) -> Self::Cursor {
+        self.id.to_string()
+    }
+}
+
+/// One page of a listing (of records, audit entries or approvals), in the listing's order,
+/// and where the next page starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page<T: Listed = Record> {
+    /// What the page holds.
+    pub items: Vec<T>,
+    /// Where the next page starts (the filter's cursor), if there may be one.
+    pub next: Option<T::Cursor>,
+}
+
+impl<T: Listed> Default for Page<T> {
+    fn default() -> Self {
+        Self { items: Vec::new(), next: None }
+    }
+}
+
+impl<T: Listed> Page<T> {
+    /// A page from up to `limit + 1` items in order: the extra one, if read, only says that
     /// another page follows.
-    pub fn from_overfetch(mut records: Vec<Record>, limit: usize) -> Self {
-        let next = if records.len() > limit {
-            records.truncate(limit);
-            records.last().map(|r| (r.scope.namespace.clone(), r.scope.key.clone()))
+    pub fn from_overfetch(mut items: Vec<T>, limit: usize) -> Self {
+        let next = if items.len() > limit {
+            items.truncate(limit);
+            items.last().map(Listed::cursor)
         } else {
             None
         };
-        Self { records, next }
+        Self { items, next }
     }
 }
 

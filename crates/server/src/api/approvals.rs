@@ -155,10 +155,12 @@ pub async fn list_approvals(
         })
         .transpose()?;
     let filter = ApprovalFilter { state: wanted, after: q.cursor, limit };
-    let found = state.guard.list_approvals(&caller.tenant, &filter).await?;
+    let page = state.guard.list_approvals(&caller.tenant, &filter).await?;
     let now = state.guard.clock().now();
-    let next = (found.len() == limit).then(|| found.last().map(|a| a.id.to_string())).flatten();
-    Ok(Json(ApprovalPage { approvals: found.iter().map(|a| approval_view(a, a.state(now))).collect(), next }))
+    Ok(Json(ApprovalPage {
+        approvals: page.items.iter().map(|a| approval_view(a, a.state(now))).collect(),
+        next: page.next,
+    }))
 }
 
 /// Get one approval of your tenant.

@@ -90,5 +90,5 @@ pub async fn list_audit(
     }
     let filter = AuditFilter { action: q.action, actor: q.actor, before: cursor, limit };
     let page = state.guard.audit_log(&tenant, &filter).await?;
-    Ok(Json(AuditList { entries: page.entries.into_iter().map(audit_view).collect(), next: page.next }))
+    Ok(Json(AuditList { entries: page.items.into_iter().map(audit_view).collect(), next: page.next }))
 }

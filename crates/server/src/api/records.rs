@@ -135,7 +135,7 @@ pub async fn list_records(
     let page = state.guard.list(&caller.tenant, &filter).await?;
     let now = state.guard.clock().now();
     Ok(Json(RecordPage {
-        records: page.records.iter().map(|r| record_view(r, now, false)).collect(),
+        records: page.items.iter().map(|r| record_view(r, now, false)).collect(),
         next: page.next.map(|(ns, key)| encode_cursor(&ns, &key)),
     }))
 }

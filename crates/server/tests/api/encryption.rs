@@ -292,7 +292,7 @@ async fn resealing_lets_the_old_key_go() {
         assert!(Sealer::is_keyed(&raw.fingerprint), "{key}'s fingerprint is keyed: {}", raw.fingerprint);
     }
     let filter = onceguard_core::control::AuditFilter { limit: 10, ..Default::default() };
-    let entries = guard.audit_log(&acme, &filter).await.unwrap().entries;
+    let entries = guard.audit_log(&acme, &filter).await.unwrap().items;
     assert_eq!(entries[0].action, "records.reseal");
     drop(guard);
 

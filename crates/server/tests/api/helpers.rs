@@ -7,9 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use onceguard_core::auth::{ApiKey, ApiKeyId, Role, Tenant};
-use onceguard_core::control::{
-    AuditEntry, AuditFilter, AuditPage, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget,
-};
+use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use onceguard_core::store::{ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, ManualClock, MemoryStore, Mutation, Page, Record,
@@ -228,7 +226,7 @@ impl ControlStore for BreakableStore {
         self.up()?.append_audit(entry).await
     }
 
-    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<AuditPage, StoreError> {
+    async fn list_audit(&self, tenant: &TenantId, filter: &AuditFilter) -> Result<Page<AuditEntry>, StoreError> {
         self.up()?.list_audit(tenant, filter).await
     }
 
@@ -308,7 +306,7 @@ impl onceguard_core::store::ApprovalStore for BreakableStore {
         tenant: &TenantId,
         filter: &onceguard_core::store::ApprovalFilter,
         now: Timestamp,
-    ) -> Result<Vec<onceguard_core::approval::Approval>, StoreError> {
+    ) -> Result<Page<onceguard_core::approval::Approval>, StoreError> {
         self.up()?.list_approvals(tenant, filter, now).await
     }
 

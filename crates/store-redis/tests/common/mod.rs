@@ -614,12 +614,12 @@ pub async fn retention_is_judged_by_the_stores_clock(store: &RedisStore, clock: 
     assert!(matches!(replayed, ClaimOutcome::Replay(_)), "a day ahead, 1 ms before the expiry: {replayed:?}");
     assert!(store.get(&s, ahead).await.unwrap().is_some(), "read a day ahead");
     let filter = ListFilter { limit: 10, ..ListFilter::default() };
-    assert_eq!(store.list(&s.tenant, &filter, ahead).await.unwrap().records.len(), 1, "listed a day ahead");
+    assert_eq!(store.list(&s.tenant, &filter, ahead).await.unwrap().items.len(), 1, "listed a day ahead");
     assert_eq!(store.sweep(ahead, 10).await.unwrap(), 0, "swept a day ahead");
     clock.advance(Duration::from_millis(1));
     let behind = Timestamp(clock.now().0 - HOUR_MS);
     assert!(store.get(&s, behind).await.unwrap().is_none(), "read an hour behind, at the expiry");
-    assert!(store.list(&s.tenant, &filter, behind).await.unwrap().records.is_empty(), "listed an hour behind");
+    assert!(store.list(&s.tenant, &filter, behind).await.unwrap().items.is_empty(), "listed an hour behind");
     assert_eq!(store.sweep(behind, 10).await.unwrap(), 1, "swept an hour behind");
     let again = expect_acquired(store.claim(&claim_15s(&s), behind).await.unwrap(), "a claim after the expiry");
     assert!(again.recovery.is_none() && again.fence > first.fence, "{again:?}");
@@ -647,7 +647,7 @@ pub async fn approval_expiry_is_judged_by_the_stores_clock(store: &RedisStore, c
     let now = ahead(clock);
     assert_eq!(store.approval_of(&s, now).await.unwrap().as_ref(), Some(&asked), "kept, read an hour ahead");
     assert_eq!(store.approval(&s.tenant, &asked.id, now).await.unwrap().as_ref(), Some(&asked));
-    assert_eq!(store.list_approvals(&s.tenant, &filter, now).await.unwrap(), std::slice::from_ref(&asked));
+    assert_eq!(store.list_approvals(&s.tenant, &filter, now).await.unwrap().items, std::slice::from_ref(&asked));
     assert_eq!(store.sweep_approvals(now, 10).await.unwrap(), 0, "nothing to sweep an hour ahead");
     let other = Approval::new(
         s.clone(),
@@ -661,7 +661,7 @@ pub async fn approval_expiry_is_judged_by_the_stores_clock(store: &RedisStore, c
     let now = behind(clock);
     assert_eq!(store.approval_of(&s, now).await.unwrap(), None, "expired, read an hour behind");
     assert_eq!(store.approval(&s.tenant, &asked.id, now).await.unwrap(), None);
-    assert!(store.list_approvals(&s.tenant, &filter, now).await.unwrap().is_empty());
+    assert!(store.list_approvals(&s.tenant, &filter, now).await.unwrap().items.is_empty());
     assert_eq!(store.sweep_approvals(now, 10).await.unwrap(), 1, "swept an hour behind");
     assert!(store.put_approval(None, &other, None, now).await.unwrap(), "none kept: a new one is written");
 }

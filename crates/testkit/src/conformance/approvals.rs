@@ -3,7 +3,7 @@
 
 use onceguard_core::approval::{Approval, ApprovalId, ApprovalState, DecideError};
 use onceguard_core::control::{Settings, SettingsEntry};
-use onceguard_core::store::ApprovalFilter;
+use onceguard_core::store::{ApprovalFilter, Page};
 use onceguard_core::{Claim, GuardError};
 
 use super::*;
@@ -44,7 +44,7 @@ impl Case {
     async fn audit_actions(&self) -> Vec<String> {
         let tenant = TenantId::parse("acme").unwrap();
         let page = self.guard.audit_log(&tenant, &AuditFilter { limit: 100, ..AuditFilter::default() }).await.unwrap();
-        page.entries.into_iter().map(|e| e.action).collect()
+        page.items.into_iter().map(|e| e.action).collect()
     }
 }
 
@@ -258,7 +258,7 @@ pub async fn approvals_are_written_over_the_one_read(store: Subject) {
     let other = scope("pending");
     let p = Approval::new(other.clone(), Fingerprint::sha256(b"p"), now, Duration::from_secs(60), RETENTION);
     assert!(store.put_approval(None, &p, None, now).await.unwrap());
-    let ids = |found: Vec<Approval>| found.into_iter().map(|a| a.id).collect::<Vec<_>>();
+    let ids = |found: Page<Approval>| found.items.into_iter().map(|a| a.id).collect::<Vec<_>>();
     let pending = ApprovalFilter { state: Some(ApprovalState::Pending), after: None, limit: 10 };
     assert_eq!(ids(store.list_approvals(&s.tenant, &pending, now).await.unwrap()), vec![p.id.clone()]);
     let mut all = vec![a.id.clone(), p.id.clone()];
@@ -267,6 +267,13 @@ pub async fn approvals_are_written_over_the_one_read(store: Subject) {
     assert_eq!(ids(store.list_approvals(&s.tenant, &every, now).await.unwrap()), all);
     let after_first = ApprovalFilter { after: Some(all[0].to_string()), limit: 10, ..ApprovalFilter::default() };
     assert_eq!(ids(store.list_approvals(&s.tenant, &after_first, now).await.unwrap()), all[1..].to_vec());
+    // A page at a time: a full page says where the next starts; the last page says none follows.
+    let one = ApprovalFilter { limit: 1, ..ApprovalFilter::default() };
+    let first = store.list_approvals(&s.tenant, &one, now).await.unwrap();
+    assert_eq!(first.next.as_deref(), Some(all[0].as_str()));
+    let second = ApprovalFilter { after: first.next.clone(), ..one.clone() };
+    let last = store.list_approvals(&s.tenant, &second, now).await.unwrap();
+    assert_eq!((ids(last.clone()), last.next), (all[1..].to_vec(), None));
     // Past its expiry the pending one is no longer kept; a new request may replace it.
     c.clock.advance(Duration::from_secs(61));
     let later = c.clock.now();
@@ -475,7 +482,7 @@ pub async fn observe_mode_asks_no_approver(store: Subject) {
     }
     let tenant = TenantId::parse("acme").unwrap();
     let kept = c.guard.list_approvals(&tenant, &ApprovalFilter { limit: 100, ..Default::default() }).await.unwrap();
-    assert!(kept.is_empty(), "no approval recorded: {kept:?}");
+    assert!(kept.items.is_empty() && kept.next.is_none(), "no approval recorded: {kept:?}");
 }
 
 /// `actors` tasks each claiming `req` ten times, yielding between claims: each answers the

@@ -129,7 +129,7 @@ pub async fn a_rolled_back_run_compensates_each_effect_once(store: Subject) {
     assert!(!started);
     assert_eq!(again.rollback.why, "runaway", "a second start changes nothing");
     let page = c.guard.audit_log(&tenant(), &AuditFilter { limit: 100, ..AuditFilter::default() }).await.unwrap();
-    let rollbacks = page.entries.iter().filter(|e| e.action == "run.rollback").count();
+    let rollbacks = page.items.iter().filter(|e| e.action == "run.rollback").count();
     assert_eq!(rollbacks, 1);
 }
 
@@ -164,7 +164,7 @@ pub async fn concurrent_rollback_starts_start_once(store: Subject) {
         }
         let filter = AuditFilter { action: Some("run.rollback".into()), limit: MAX_PAGE, ..AuditFilter::default() };
         let page = guards[0].audit_log(&tenant(), &filter).await.unwrap();
-        let entries = page.entries.iter().filter(|e| e.target == run.as_str()).count();
+        let entries = page.items.iter().filter(|e| e.target == run.as_str()).count();
         assert_eq!(entries, 1, "round {round}: one run.rollback entry");
     }
 }
