@@ -571,6 +571,7 @@ pub const NOT_SETTINGS: &[&str] = &[
     "REQUIRE_SERVICES",
     "BIN",
     "VENV",
+    "VENV_DEPLOY",
     "SCREENSHOT",
     "CHROMIUM",
     "CHROMEDRIVER",
