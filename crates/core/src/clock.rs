@@ -109,9 +109,6 @@ pub struct ClockOffset {
 }
 
 impl ClockOffset {
-    /// No offset: a store that decides by this process's clock.
-    pub const NONE: Self = Self { ahead_ms: 0, uncertainty: Duration::ZERO };
-
     /// The offset of a store time read between `before` and `after` on this instance's clock,
     /// taken at the round trip's middle.
     pub fn measured(before: Timestamp, store: Timestamp, after: Timestamp) -> Self {

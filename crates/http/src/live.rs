@@ -113,7 +113,7 @@ struct Slot {
     /// Claim and fenced-call latency by tenant (`""`: a request whose tenant is unknown).
     claim_latency: HashMap<String, Buckets>,
     /// Store operations by tenant (`""`: an operation of no tenant) and operation.
-    store: HashMap<(String, StoreOp), OpSlot>,
+    store: HashMap<String, HashMap<StoreOp, OpSlot>>,
 }
 
 /// Whose figures a view holds.
@@ -362,7 +362,14 @@ impl Live {
     /// A store operation of `tenant` (`None`: of no tenant).
     pub fn record_store_op(&self, tenant: Option<&str>, op: StoreOp, took: Duration, ok: bool) {
         let mut inner = self.lock();
-        let entry = inner.slot().store.entry((tenant.unwrap_or_default().to_owned(), op)).or_default();
+        let store = &mut inner.slot().store;
+        let tenant = tenant.unwrap_or_default();
+        // The tenant's map is found without a new String on every operation.
+        let ops = match store.get_mut(tenant) {
+            Some(ops) => ops,
+            None => store.entry(tenant.to_owned()).or_default(),
+        };
+        let entry = ops.entry(op).or_default();
         entry.latency.observe(took);
         entry.errors += u64::from(!ok);
     }
@@ -422,10 +429,8 @@ impl Live {
         let inner = self.lock();
         let mut by_op: Vec<(StoreOp, Buckets, u64)> = Vec::new();
         for slot in inner.last(LATENCY_SLOTS).1.into_iter().flatten() {
-            for ((tenant, op), s) in &slot.store {
-                if !figures.covers(tenant) {
-                    continue;
-                }
+            let of_figures = slot.store.iter().filter(|(tenant, _)| figures.covers(tenant));
+            for (op, s) in of_figures.flat_map(|(_, ops)| ops) {
                 match by_op.iter_mut().find(|(o, ..)| o == op) {
                     Some((_, buckets, errors)) => {
                         buckets.add(&s.latency);

@@ -61,7 +61,13 @@ impl Guard {
     /// it and reports it to the observer. `None`: the store decides by this process's clock.
     pub async fn measure_clock_offset(&self) -> Result<Option<ClockOffset>, GuardError> {
         let _one = self.offsets.measuring.lock().await;
-        if let Some(Measured { offset: None, .. }) = self.offsets.last() {
+        self.measure_held().await
+    }
+
+    /// [`Guard::measure_clock_offset`], the measuring lock held.
+    async fn measure_held(&self) -> Result<Option<ClockOffset>, GuardError> {
+        let previous = self.offsets.last();
+        if let Some(Measured { offset: None, .. }) = previous {
             return Ok(None);
         }
         let local = self.offsets.aligned.local();
@@ -71,12 +77,17 @@ impl Guard {
         if let Some(offset) = offset {
             self.offsets.aligned.align(offset);
             self.observer.clock_offset(offset);
-            if offset.exceeds(self.limits.max_clock_offset) {
-                tracing::error!(
+            // Said once as it crosses the bound, either way (the metric says it every time).
+            let bound = self.limits.max_clock_offset;
+            let was_past = previous.and_then(|m| m.offset).is_some_and(|o| o.exceeds(bound));
+            match (was_past, offset.exceeds(bound)) {
+                (false, true) => tracing::error!(
                     %offset,
-                    bound = ?self.limits.max_clock_offset,
+                    ?bound,
                     "this instance's clock is off the store's past limits.max_clock_offset: claims are refused"
-                );
+                ),
+                (true, false) => tracing::info!(%offset, ?bound, "this instance's clock is back within bound"),
+                _ => {}
             }
         }
         *self.offsets.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
@@ -96,7 +107,14 @@ impl Guard {
     pub async fn check_clock_offset(&self) -> Result<(), GuardError> {
         let offset = match self.offsets.fresh() {
             Some(offset) => offset,
-            None => self.measure_clock_offset().await?,
+            None => {
+                // Claims that found the measurement old wait for one round trip, not one each.
+                let _one = self.offsets.measuring.lock().await;
+                match self.offsets.fresh() {
+                    Some(offset) => offset,
+                    None => self.measure_held().await?,
+                }
+            }
         };
         match offset {
             Some(offset) if offset.exceeds(self.limits.max_clock_offset) => {
