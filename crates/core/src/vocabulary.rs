@@ -121,6 +121,8 @@ vocabulary! {
         Audit => "audit",
         /// Approvals ([`crate::store::ApprovalStore`]).
         Approval => "approval",
+        /// Rollbacks ([`crate::store::RunStore::insert_rollback`] and its reads).
+        Rollback => "rollback",
     }
 }
 
@@ -223,7 +225,7 @@ mod tests {
         check(&StaleKind::ALL, StaleKind::index, StaleKind::as_str);
         check(&FencedOp::ALL, FencedOp::index, FencedOp::as_str);
         check(&StoreOp::ALL, StoreOp::index, StoreOp::as_str);
-        assert_eq!(StoreOp::ALL.len(), 17);
+        assert_eq!(StoreOp::ALL.len(), 18);
     }
 
     #[test]

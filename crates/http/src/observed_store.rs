@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
+use onceguard_core::rollback::Rollback;
 use onceguard_core::store::{ApprovalFilter, ApprovalStore, ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
@@ -178,6 +179,23 @@ impl RunStore for ObservedStore {
         self.timed(StoreOp::Control, Some(tenant), self.inner.get_run(tenant, run)).await
     }
 
+    async fn insert_rollback(&self, rollback: &Rollback, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Rollback, Some(&rollback.tenant), self.inner.insert_rollback(rollback, audit)).await
+    }
+
+    async fn get_rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, StoreError> {
+        self.timed(StoreOp::Rollback, Some(tenant), self.inner.get_rollback(tenant, run)).await
+    }
+
+    async fn list_rollbacks(
+        &self,
+        tenant: &TenantId,
+        after: Option<&RunId>,
+        limit: usize,
+    ) -> Result<Page<Rollback>, StoreError> {
+        self.timed(StoreOp::Rollback, Some(tenant), self.inner.list_rollbacks(tenant, after, limit)).await
+    }
+
     #[tracing::instrument(level = "debug", name = "store.take_rate", skip_all, fields(store = self.kind, tenant = %tenant, error))]
     async fn take_rate(
         &self,
@@ -193,10 +211,6 @@ impl RunStore for ObservedStore {
 impl ControlStore for ObservedStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
         self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.put_control(doc, audit)).await
-    }
-
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.insert_control(doc, audit)).await
     }
 
     async fn replace_control(

@@ -136,29 +136,6 @@ impl ControlStore for PgStore {
         Ok(())
     }
 
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        let (t, i, at, actor, action, entry) = audit_params(audit)?;
-        // One statement: the entry is written if and only if the document was inserted.
-        let row = self
-            .client()
-            .await?
-            .query_opt(
-                &format!(
-                    "WITH doc AS (
-                       INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
-                       ON CONFLICT (kind, tenant, id) DO NOTHING RETURNING 1),
-                     entry AS (
-                       INSERT INTO og_audit ({AUDIT_COLUMNS}) SELECT $5::text, $6::text, $7::bigint, $8::text, $9::text, $10::text FROM doc
-                       ON CONFLICT (tenant, id) DO NOTHING)
-                     SELECT 1 FROM doc"
-                ),
-                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body, &t, &i, &at, &actor, &action, &entry],
-            )
-            .await
-            .map_err(unavailable)?;
-        Ok(row.is_some())
-    }
-
     async fn replace_control(
         &self,
         expected: &ControlDoc,
@@ -215,10 +192,10 @@ impl ControlStore for PgStore {
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
         let client = self.client().await?;
         let st = client
-            .prepare_cached("SELECT kind, tenant, id, body FROM og_control ORDER BY kind, tenant, id")
+            .prepare_cached("SELECT kind, tenant, id, body FROM og_control WHERE kind <> $1 ORDER BY kind, tenant, id")
             .await
             .map_err(unavailable)?;
-        let rows = client.query(&st, &[]).await.map_err(unavailable)?;
+        let rows = client.query(&st, &[&onceguard_core::control::LEGACY_ROLLBACK_KIND]).await.map_err(unavailable)?;
         rows.iter()
             .map(|row| {
                 let kind: &str = row.get(0);

@@ -1,6 +1,8 @@
-//! Runs, budgets and claim rates on PostgreSQL (og_runs, og_rates).
+//! Runs, budgets, rollbacks and claim rates on PostgreSQL (og_runs, og_rollbacks, og_rates).
 
 use super::*;
+use crate::control::AUDIT_COLUMNS;
+use onceguard_core::rollback::Rollback;
 
 #[async_trait]
 impl RunStore for PgStore {
@@ -43,6 +45,62 @@ impl RunStore for PgStore {
             .map_err(unavailable)?;
         let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
         row.map(|row| decode_run(tenant, run, &row)).transpose()
+    }
+
+    async fn insert_rollback(&self, rollback: &Rollback, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let body = serde_json::to_string(rollback).map_err(corrupt)?;
+        let (t, i, at, actor, action, entry) = crate::control::audit_params(audit)?;
+        // One statement: the entry is written if and only if the rollback was inserted.
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "WITH started AS (
+                       INSERT INTO og_rollbacks (tenant, run, body) VALUES ($1, $2, $3)
+                       ON CONFLICT (tenant, run) DO NOTHING RETURNING 1),
+                     entry AS (
+                       INSERT INTO og_audit ({AUDIT_COLUMNS}) SELECT $4::text, $5::text, $6::bigint, $7::text, $8::text, $9::text FROM started
+                       ON CONFLICT (tenant, id) DO NOTHING)
+                     SELECT 1 FROM started"
+                ),
+                &[&rollback.tenant.as_str(), &rollback.run.as_str(), &body, &t, &i, &at, &actor, &action, &entry],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(row.is_some())
+    }
+
+    async fn get_rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, StoreError> {
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached("SELECT body FROM og_rollbacks WHERE tenant = $1 AND run = $2")
+            .await
+            .map_err(unavailable)?;
+        let row = client.query_opt(&st, &[&tenant.as_str(), &run.as_str()]).await.map_err(unavailable)?;
+        row.map(|row| serde_json::from_str(row.get(0)).map_err(corrupt)).transpose()
+    }
+
+    async fn list_rollbacks(
+        &self,
+        tenant: &TenantId,
+        after: Option<&RunId>,
+        limit: usize,
+    ) -> Result<Page<Rollback>, StoreError> {
+        let limit = limit.clamp(1, MAX_PAGE);
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached("SELECT body FROM og_rollbacks WHERE tenant = $1 AND run > $2 ORDER BY run LIMIT $3")
+            .await
+            .map_err(unavailable)?;
+        let after = after.map_or("", |a| a.as_str());
+        let rows = client
+            .query(&st, &[&tenant.as_str(), &after, &i64::try_from(limit + 1).map_err(corrupt)?])
+            .await
+            .map_err(unavailable)?;
+        let items =
+            rows.iter().map(|row| serde_json::from_str(row.get(0)).map_err(corrupt)).collect::<Result<_, _>>()?;
+        Ok(Page::from_overfetch(items, limit))
     }
 
     async fn take_rate(

@@ -140,7 +140,26 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     r#"
     CREATE INDEX og_records_run ON og_records (tenant, run, namespace, key) WHERE run IS NOT NULL;
 "#,
+    // Rollbacks are kept with their runs, no longer as control documents (moved by
+    // MOVE_LEGACY_ROLLBACKS).
+    r#"
+    CREATE TABLE og_rollbacks (
+        tenant text NOT NULL,
+        run text COLLATE "C" NOT NULL,
+        body text NOT NULL,
+        PRIMARY KEY (tenant, run)
+    );
+"#,
 ];
+
+/// Moves the rollbacks kept as control documents (by earlier versions) to og_rollbacks: run at
+/// every start, after the migrations, so that one written by an instance of an earlier version
+/// meanwhile is moved too.
+const MOVE_LEGACY_ROLLBACKS: &str = r#"
+    WITH moved AS (DELETE FROM og_control WHERE kind = 'rollback' RETURNING tenant, id, body)
+    INSERT INTO og_rollbacks (tenant, run, body) SELECT tenant, id, body FROM moved
+    ON CONFLICT (tenant, run) DO NOTHING;
+"#;
 
 /// Serializes migrations of all instances (a session advisory lock key).
 pub(crate) const MIGRATION_LOCK: i64 = 0x6f6e_6365_6775_6172; // "onceguar"
@@ -183,6 +202,10 @@ pub(crate) async fn migrate(
                 tx.commit().await.map_err(unavailable)?;
                 tracing::info!(schema, version, "applied a migration");
             }
+            let tx = client.transaction().await.map_err(unavailable)?;
+            tx.batch_execute(&format!("SET LOCAL search_path = {schema}")).await.map_err(unavailable)?;
+            tx.batch_execute(MOVE_LEGACY_ROLLBACKS).await.map_err(unavailable)?;
+            tx.commit().await.map_err(unavailable)?;
             Ok(())
         }
         .await;

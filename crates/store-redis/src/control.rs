@@ -3,7 +3,8 @@
 
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
-use onceguard_core::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, SwitchTarget};
+use onceguard_core::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, LEGACY_ROLLBACK_KIND, SwitchTarget};
+use onceguard_core::rollback::Rollback;
 use onceguard_core::store::{ControlStore, ListFilter, MAX_PAGE, Page, StoreError};
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
@@ -15,6 +16,12 @@ use crate::{MAX_DRAWS, RedisStore, ms, unavailable};
 
 /// How many records a revocation works on at once.
 const REVOKE_CONCURRENCY: usize = 32;
+
+/// Whether a field of the control hash is a rollback kept there by an earlier version
+/// ([`onceguard_core::control::LEGACY_ROLLBACK_KIND`]).
+fn is_legacy_rollback(field: &[u8]) -> bool {
+    field.strip_prefix(LEGACY_ROLLBACK_KIND.as_bytes()).is_some_and(|rest| rest.first() == Some(&0))
+}
 
 /// The field of a control document in the control hash: `kind NUL tenant NUL id`.
 fn control_field(kind: ControlKind, tenant: &TenantId, id: &str) -> Vec<u8> {
@@ -106,7 +113,37 @@ impl RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(unavailable("list control documents"))?;
-        all.into_iter().map(|(field, body)| control_doc(&field, body)).collect()
+        all.into_iter()
+            .filter(|(field, _)| !is_legacy_rollback(field))
+            .map(|(field, body)| control_doc(&field, body))
+            .collect()
+    }
+
+    /// Moves the rollbacks earlier versions kept as control documents to their tenants'
+    /// rollbacks ([`crate::scripts::INSERT_ROLLBACK`], without an audit entry: they were
+    /// audited when they started), then out of the control hash; answers how many it moved.
+    /// Run when the store connects (a rollback written meanwhile by an instance of an earlier
+    /// version is passed over by [`RedisStore::read_controls`] and moved at the next connect).
+    pub(crate) async fn move_legacy_rollbacks(&self) -> Result<usize, StoreError> {
+        let mut conn = self.conn.clone();
+        let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
+            .arg(self.keys.control())
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("list control documents"))?;
+        let mut moved = 0;
+        for (field, body) in all.into_iter().filter(|(field, _)| is_legacy_rollback(field)) {
+            let rollback: Rollback = serde_json::from_slice(&body).map_err(corrupt)?;
+            self.write_rollback(&rollback, None).await?;
+            redis::cmd("HDEL")
+                .arg(self.keys.control())
+                .arg(field)
+                .query_async::<i64>(&mut conn)
+                .await
+                .map_err(unavailable("move a rollback"))?;
+            moved += 1;
+        }
+        Ok(moved)
     }
 
     /// Moves the entry a change just wrote into `outbox` to its tenant's log. The change and
@@ -354,10 +391,6 @@ impl RedisStore {
 impl ControlStore for RedisStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
         self.bounded("put a control document", self.store_control(doc, audit)).await
-    }
-
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        self.write_control("insert a control document", &SCRIPTS.insert_control, None, doc, audit).await
     }
 
     async fn replace_control(

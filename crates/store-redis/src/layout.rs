@@ -251,6 +251,18 @@ impl Keys {
         format!("{}t:{{{tenant}}}:audit-entries", self.prefix)
     }
 
+    /// A tenant's rollbacks: a hash of run id to the rollback as JSON, in the tenant's slot (a
+    /// rollback's start and its audit entry are written by one script).
+    pub fn rollbacks(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:rollbacks", self.prefix)
+    }
+
+    /// The runs of a tenant's rollbacks: a sorted set of run ids, all scored 0, in byte order
+    /// (for listing a page at a time).
+    pub fn rollback_runs(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:rollback-runs", self.prefix)
+    }
+
     /// Every tenant's control documents (switches, settings): a hash of
     /// `kind NUL tenant NUL id` to the document's body.
     pub fn control(&self) -> String {

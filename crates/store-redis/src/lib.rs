@@ -182,11 +182,17 @@
 //!   order, which is time order) and a hash of the entries; listed newest first with
 //!   `ZREVRANGEBYLEX` a chunk at a time, filtered in process.
 //! - **An admin change and its audit entry** are written by one script, so on a Cluster in one
-//!   slot, which is not the tenant's log's: a switch's or a setting's entry goes into the outbox
-//!   `P c:{control}:audit-outbox` with the document, a tenant's or an API key's into
-//!   `P a:{auth}:audit-outbox`; a budget's into its run's hash, as the field `pa:<entry id>`. The entry is then appended to the tenant's log (idempotent by id) and
-//!   taken out. Should the process stop in between, the next read of the control documents (every
-//!   instance's refresh) or of the run moves it: no change is ever kept without its entry.
+//!   slot, which for most changes is not the tenant's log's: a switch's or a setting's entry goes
+//!   into the outbox `P c:{control}:audit-outbox` with the document, a tenant's or an API key's
+//!   into `P a:{auth}:audit-outbox`, a budget's into its run's hash, as the field
+//!   `pa:<entry id>`. The entry is then appended to the tenant's log (idempotent by id) and taken
+//!   out. Should the process stop in between, the next read of the control documents (every
+//!   instance's refresh) or of the run moves it: no change is ever kept without its entry. A
+//!   rollback is kept in its tenant's slot, the log's, so its start writes its entry straight
+//!   into the log.
+//! - **Rollbacks** are a hash per tenant (run to JSON) and a sorted set of their runs, for a
+//!   listing a page at a time; their start is one insert-if-absent. Earlier versions kept them
+//!   as control documents: [`RedisStore::connect_with`] moves those.
 //!
 //! # Keys
 //!
@@ -207,6 +213,7 @@
 //! | `P t:{<tenant>}:in-flight` | sorted set | the tenant's places in flight, `member NUL token` by lease expiry |
 //! | `P t:{<tenant>}:rate` | string | the tenant's claim rate: the GCRA's theoretical arrival time (µs) |
 //! | `P t:{<tenant>}:audit`, `:audit-entries` | sorted set, hash | the tenant's audit log: ids in byte (time) order, entries as JSON |
+//! | `P t:{<tenant>}:rollbacks`, `:rollback-runs` | hash, sorted set | the tenant's rollbacks by run (JSON), and their runs in byte order |
 //! | `P c:{control}` | hash | every tenant's switches and settings, by `kind NUL tenant NUL id` |
 //! | `P c:{control}:audit-outbox` | hash | audit entries of control changes not yet in their tenant's log, by id |
 //! | `P a:{auth}:audit-outbox` | hash | the same for tenants and API keys |
@@ -688,6 +695,7 @@ impl RedisStore {
             changes,
             listener,
         };
+        store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
         match ready_rx.await {
             Ok(Ok(())) => Ok(store),
             Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis subscribe: {e}"))),

@@ -1,6 +1,8 @@
-//! Runs, budgets and claim rates on Redis (see the crate documentation for where each lives).
+//! Runs, budgets, rollbacks and claim rates on Redis (see the crate documentation for where
+//! each lives).
 
 use super::*;
+use onceguard_core::rollback::Rollback;
 
 impl RedisStore {
     pub(crate) async fn set_budget(
@@ -57,6 +59,78 @@ impl RedisStore {
         if let Err(e) = async { self.deliver_audit(key, waiting?).await }.await {
             tracing::warn!(error = %e, "redis: a budget's audit entry waits in its run; moved at the run's next read");
         }
+    }
+
+    /// Keeps a run's rollback if it has none, with its audit entry (if any) in the same script
+    /// on the tenant's slot; answers whether it wrote.
+    pub(crate) async fn write_rollback(
+        &self,
+        rollback: &Rollback,
+        audit: Option<&AuditEntry>,
+    ) -> Result<bool, StoreError> {
+        let tenant = &rollback.tenant;
+        let entry = audit.map(serde_json::to_string).transpose().map_err(corrupt)?;
+        let mut conn = self.conn.clone();
+        let mut invocation = SCRIPTS.insert_rollback.prepare_invoke();
+        invocation
+            .key(self.keys.rollbacks(tenant))
+            .key(self.keys.rollback_runs(tenant))
+            .key(self.keys.audit(tenant))
+            .key(self.keys.audit_entries(tenant))
+            .arg(rollback.run.as_str())
+            .arg(serde_json::to_string(rollback).map_err(corrupt)?)
+            .arg(audit.map_or("", |a| a.id.as_str()))
+            .arg(entry.unwrap_or_default());
+        let wrote: i64 = invocation.invoke_async(&mut conn).await.map_err(unavailable("start a rollback"))?;
+        Ok(wrote == 1)
+    }
+
+    async fn read_rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, StoreError> {
+        let mut conn = self.conn.clone();
+        let body: Option<Vec<u8>> = redis::cmd("HGET")
+            .arg(self.keys.rollbacks(tenant))
+            .arg(run.as_str())
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("get a rollback"))?;
+        body.map(|b| serde_json::from_slice(&b).map_err(corrupt)).transpose()
+    }
+
+    async fn read_rollbacks(
+        &self,
+        tenant: &TenantId,
+        after: Option<&RunId>,
+        limit: usize,
+    ) -> Result<Page<Rollback>, StoreError> {
+        let limit = limit.clamp(1, MAX_PAGE);
+        let mut conn = self.conn.clone();
+        let from = after.map_or_else(|| "-".to_owned(), |a| format!("({a}"));
+        let runs: Vec<String> = redis::cmd("ZRANGEBYLEX")
+            .arg(self.keys.rollback_runs(tenant))
+            .arg(from)
+            .arg("+")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit + 1)
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("list rollbacks"))?;
+        if runs.is_empty() {
+            return Ok(Page::default());
+        }
+        let bodies: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+            .arg(self.keys.rollbacks(tenant))
+            .arg(&runs)
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable("list rollbacks"))?;
+        let items = bodies
+            .into_iter()
+            .map(|body| {
+                serde_json::from_slice(&body.ok_or_else(|| corrupt("a listed rollback is missing"))?).map_err(corrupt)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, limit))
     }
 
     /// Cluster: adds a reported cost to a run (on one server the fenced-call script does).
@@ -122,6 +196,23 @@ impl RunStore for RedisStore {
 
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
         self.bounded("get a run", self.read_run(tenant, run)).await
+    }
+
+    async fn insert_rollback(&self, rollback: &Rollback, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.bounded("start a rollback", self.write_rollback(rollback, Some(audit))).await
+    }
+
+    async fn get_rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, StoreError> {
+        self.bounded("get a rollback", self.read_rollback(tenant, run)).await
+    }
+
+    async fn list_rollbacks(
+        &self,
+        tenant: &TenantId,
+        after: Option<&RunId>,
+        limit: usize,
+    ) -> Result<Page<Rollback>, StoreError> {
+        self.bounded("list rollbacks", self.read_rollbacks(tenant, after, limit)).await
     }
 
     async fn take_rate(

@@ -938,12 +938,19 @@ redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 return 1
 "#;
 
-/// Stores a control document only if its field is absent, with its audit entry in the outbox
-/// (see [`PUT_CONTROL`]); answers 1 if it wrote, 0 if not.
-pub const INSERT_CONTROL: &str = r#"
--- KEYS: control documents, the audit outbox; ARGV: field, body, entry id, entry
+/// Keeps a run's rollback if the run has none, in the tenant's slot with its audit entry
+/// (appended to the tenant's log, which is in the same slot); answers 1 if it wrote, 0 if not.
+/// Without an entry (ARGV 3 and 4 empty: a rollback an earlier version kept elsewhere, audited
+/// then) only the rollback.
+pub const INSERT_ROLLBACK: &str = r#"
+-- KEYS: the tenant's rollbacks, their runs, its audit index, its audit entries
+-- ARGV: run, body, entry id, entry
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+if ARGV[3] ~= '' then
+  redis.call('ZADD', KEYS[3], 0, ARGV[3])
+  redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+end
 return 1
 "#;
 
@@ -1081,8 +1088,8 @@ pub struct Scripts {
     pub put_approval: Script,
     /// See [`DELETE_APPROVAL`].
     pub delete_approval: Script,
-    /// See [`INSERT_CONTROL`].
-    pub insert_control: Script,
+    /// See [`INSERT_ROLLBACK`].
+    pub insert_rollback: Script,
     /// See [`REPLACE_CONTROL`].
     pub replace_control: Script,
     /// See [`RETIRE_FENCE_COUNTER`].
@@ -1124,7 +1131,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         put_control: Script::new(PUT_CONTROL),
         put_approval: with_clock(PUT_APPROVAL),
         delete_approval: Script::new(DELETE_APPROVAL),
-        insert_control: Script::new(INSERT_CONTROL),
+        insert_rollback: Script::new(INSERT_ROLLBACK),
         replace_control: Script::new(REPLACE_CONTROL),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),

@@ -657,3 +657,45 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
     let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
     assert_eq!(lease, until);
 }
+
+/// Rollbacks that earlier versions kept as control documents (fields `rollback NUL tenant NUL
+/// run` of the control hash) are kept with their tenants' rollbacks once an instance of this
+/// version connects: the listing of control documents passes over them until then, and a
+/// rollback started in the new place meanwhile is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollbacks_kept_as_control_documents_move_to_their_runs() {
+    use onceguard_core::control::AuditEntry;
+    use onceguard_core::rollback::Rollback;
+    use onceguard_core::store::ControlStore;
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let tenant = TenantId::parse("acme").unwrap();
+    let rollback = |run: &str, why: &str| Rollback {
+        tenant: tenant.clone(),
+        run: RunId::parse(run).unwrap(),
+        why: why.into(),
+        started_by: "cli:ops".into(),
+        started_at: Timestamp(5),
+    };
+    let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    let entry = AuditEntry::new(tenant.clone(), Timestamp(6), "admin", "run.rollback", "run-2");
+    assert!(store.insert_rollback(&rollback("run-2", "new"), &entry).await.unwrap());
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let control = Keys::new(&prefix).unwrap().control();
+    for (run, why) in [("run-1", "old"), ("run-2", "an older why")] {
+        let field = format!("rollback\0acme\0{run}");
+        let body = serde_json::to_string(&rollback(run, why)).unwrap();
+        redis::cmd("HSET").arg(&control).arg(field).arg(body).query_async::<i64>(&mut conn).await.unwrap();
+    }
+    assert!(store.list_control().await.unwrap().is_empty(), "passed over until moved");
+    drop(store);
+
+    let store = RedisStore::connect(&url, &prefix).await.unwrap();
+    let listed = store.list_rollbacks(&tenant, None, 10).await.unwrap();
+    assert_eq!(listed.items, vec![rollback("run-1", "old"), rollback("run-2", "new")]);
+    let left: i64 = redis::cmd("HLEN").arg(&control).query_async(&mut conn).await.unwrap();
+    assert_eq!(left, 0, "moved, not copied");
+}

@@ -1,6 +1,7 @@
 //! Control documents, lease revocation and the audit log on SQLite (the tables control and audit).
 
 use super::*;
+use onceguard_core::control::LEGACY_ROLLBACK_KIND;
 
 fn control_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(String, String, String, String)> {
     Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
@@ -47,25 +48,6 @@ impl ControlStore for SqliteStore {
             .and_then(|mut st| st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body]))
             .map_err(unavailable)?;
             insert_audit(conn, &audit)
-        })
-        .await
-    }
-
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        let (doc, audit) = (doc.clone(), audit.clone());
-        // One job: the document and its entry commit together, or neither is written.
-        self.write(move |conn| {
-            let n = conn
-                .prepare_cached(
-                    "INSERT INTO control (kind, tenant, id, body) VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (kind, tenant, id) DO NOTHING",
-                )
-                .and_then(|mut st| st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body]))
-                .map_err(unavailable)?;
-            if n > 0 {
-                insert_audit(conn, &audit)?;
-            }
-            Ok(n > 0)
         })
         .await
     }
@@ -127,9 +109,9 @@ impl ControlStore for SqliteStore {
     async fn list_control(&self) -> Result<Vec<ControlDoc>, StoreError> {
         self.read(|conn| {
             let mut st = conn
-                .prepare_cached("SELECT kind, tenant, id, body FROM control ORDER BY kind, tenant, id")
+                .prepare_cached("SELECT kind, tenant, id, body FROM control WHERE kind <> ?1 ORDER BY kind, tenant, id")
                 .map_err(unavailable)?;
-            let rows = st.query_map([], control_from_row).map_err(unavailable)?;
+            let rows = st.query_map([LEGACY_ROLLBACK_KIND], control_from_row).map_err(unavailable)?;
             rows.map(|r| r.map_err(unavailable).and_then(decode_control)).collect()
         })
         .await

@@ -165,7 +165,27 @@ const MIGRATIONS: &[&str] = &[
     r#"
     CREATE INDEX records_run ON records (tenant, run, namespace, key) WHERE run IS NOT NULL;
 "#,
+    // Rollbacks are kept with their runs, no longer as control documents (moved by
+    // MOVE_LEGACY_ROLLBACKS).
+    r#"
+    CREATE TABLE rollbacks (
+        tenant TEXT NOT NULL,
+        run TEXT NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (tenant, run)
+    ) WITHOUT ROWID;
+"#,
 ];
+
+/// Moves the rollbacks kept as control documents (by earlier versions) to the table rollbacks:
+/// run at every open, after the migrations, so that one written by an instance of an earlier
+/// version meanwhile is moved too.
+const MOVE_LEGACY_ROLLBACKS: &str = r#"
+    INSERT INTO rollbacks (tenant, run, body)
+        SELECT tenant, id, body FROM control WHERE kind = 'rollback'
+        ON CONFLICT (tenant, run) DO NOTHING;
+    DELETE FROM control WHERE kind = 'rollback';
+"#;
 
 type Deliver = Box<dyn FnOnce(Option<&StoreError>) + Send>;
 type Job = Box<dyn FnOnce(&Connection) -> Deliver + Send>;
@@ -235,6 +255,7 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         tx.execute_batch(sql).map_err(unavailable)?;
         tx.pragma_update(None, "user_version", i + 1).map_err(unavailable)?;
     }
+    tx.execute_batch(MOVE_LEGACY_ROLLBACKS).map_err(unavailable)?;
     tx.commit().map_err(unavailable)
 }
 
@@ -593,5 +614,61 @@ mod tests {
             .put_budget(&scope("x").tenant, &RunId::parse("r").unwrap(), &Budget::default(), now, &entry)
             .await
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_rollback_kept_as_a_control_document_moves_to_its_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v6.db");
+        let tenant = scope("x").tenant;
+        let run = RunId::parse("run-1").unwrap();
+        let rollback = onceguard_core::rollback::Rollback {
+            tenant: tenant.clone(),
+            run: run.clone(),
+            why: "a runaway run".into(),
+            started_by: "cli:ops".into(),
+            started_at: Timestamp(5),
+        };
+        let body = serde_json::to_string(&rollback).unwrap();
+        let legacy = move |conn: &Connection| {
+            conn.execute(
+                "INSERT INTO control (kind, tenant, id, body) VALUES ('rollback', 'acme', 'run-1', ?1)",
+                [&body],
+            )
+            .unwrap();
+        };
+        {
+            // The schema before rollbacks moved, with a rollback as a control document.
+            let mut conn = connect(&path).unwrap();
+            let tx = conn.transaction().unwrap();
+            for sql in &MIGRATIONS[..MIGRATIONS.len() - 1] {
+                tx.execute_batch(sql).unwrap();
+            }
+            tx.pragma_update(None, "user_version", MIGRATIONS.len() - 1).unwrap();
+            legacy(&tx);
+            tx.commit().unwrap();
+        }
+        let store = SqliteStore::open(&path).unwrap();
+        assert_eq!(store.get_rollback(&tenant, &run).await.unwrap(), Some(rollback.clone()));
+        assert!(store.list_control().await.unwrap().is_empty(), "the document is moved, not copied");
+        // One written by an instance of an earlier version after the upgrade: passed over by the
+        // listing of control documents, moved at the next open.
+        let again = legacy.clone();
+        store
+            .read(move |c| {
+                again(c);
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert!(store.list_control().await.unwrap().is_empty());
+        drop(store);
+        let store = SqliteStore::open(&path).unwrap();
+        assert_eq!(store.list_rollbacks(&tenant, None, 10).await.unwrap().items, vec![rollback]);
+        let left: i64 = store
+            .read(|c| c.query_row("SELECT count(*) FROM control", [], |r| r.get(0)).map_err(unavailable))
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
     }
 }

@@ -1,6 +1,7 @@
-//! Runs, budgets and claim rates on SQLite (the tables runs and rates).
+//! Runs, budgets, rollbacks and claim rates on SQLite (the tables runs, rollbacks and rates).
 
 use super::*;
+use onceguard_core::rollback::Rollback;
 
 type RunRow = (String, String, String, i64, i64, i64, i64);
 
@@ -83,6 +84,61 @@ impl RunStore for SqliteStore {
     async fn get_run(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Run>, StoreError> {
         let (tenant, run) = (tenant.clone(), run.clone());
         self.read(move |conn| load_run(conn, &tenant, &run)).await
+    }
+
+    async fn insert_rollback(&self, rollback: &Rollback, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let body = serde_json::to_string(rollback).map_err(corrupt)?;
+        let (tenant, run, audit) = (rollback.tenant.clone(), rollback.run.clone(), audit.clone());
+        self.write(move |conn| {
+            let inserted = conn
+                .prepare_cached(
+                    "INSERT INTO rollbacks (tenant, run, body) VALUES (?1, ?2, ?3) ON CONFLICT (tenant, run) DO NOTHING",
+                )
+                .and_then(|mut st| st.execute(params![tenant.as_str(), run.as_str(), body]))
+                .map_err(unavailable)?;
+            if inserted == 1 {
+                crate::control::insert_audit(conn, &audit)?;
+            }
+            Ok(inserted == 1)
+        })
+        .await
+    }
+
+    async fn get_rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, StoreError> {
+        let (tenant, run) = (tenant.clone(), run.clone());
+        self.read(move |conn| {
+            conn.prepare_cached("SELECT body FROM rollbacks WHERE tenant = ?1 AND run = ?2")
+                .and_then(|mut st| {
+                    st.query_row(params![tenant.as_str(), run.as_str()], |r| r.get::<_, String>(0)).optional()
+                })
+                .map_err(unavailable)?
+                .map(|body| serde_json::from_str(&body).map_err(corrupt))
+                .transpose()
+        })
+        .await
+    }
+
+    async fn list_rollbacks(
+        &self,
+        tenant: &TenantId,
+        after: Option<&RunId>,
+        limit: usize,
+    ) -> Result<Page<Rollback>, StoreError> {
+        let limit = limit.clamp(1, MAX_PAGE);
+        let (tenant, after) = (tenant.clone(), after.map(|a| a.as_str().to_owned()).unwrap_or_default());
+        self.read(move |conn| {
+            let mut st = conn
+                .prepare_cached("SELECT body FROM rollbacks WHERE tenant = ?1 AND run > ?2 ORDER BY run LIMIT ?3")
+                .map_err(unavailable)?;
+            let rows = st
+                .query_map(params![tenant.as_str(), after, limit as i64 + 1], |r| r.get::<_, String>(0))
+                .map_err(unavailable)?;
+            let items = rows
+                .map(|body| serde_json::from_str(&body.map_err(unavailable)?).map_err(corrupt))
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            Ok(Page::from_overfetch(items, limit))
+        })
+        .await
     }
 
     async fn take_rate(

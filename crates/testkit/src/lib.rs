@@ -160,6 +160,7 @@ macro_rules! conformance_tests {
             a_rolled_back_run_compensates_each_effect_once,
             a_compensation_failing_permanently_is_kept,
             concurrent_rollback_starts_start_once,
+            rollbacks_are_listed_by_run_a_page_at_a_time,
             a_task_lives_as_long_as_its_effect,
             a_rollback_waits_for_its_effects_and_ends_at_its_start,
             compensations_ask_no_approver_and_a_refused_task_blocks_none,

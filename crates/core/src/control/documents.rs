@@ -1,5 +1,5 @@
-//! The control documents every instance reads whole and caches: switches, settings and runs
-//! being rolled back ([`ControlDoc`]), and what they say once decoded ([`Controls`]).
+//! The control documents every instance reads whole and caches: switches and settings
+//! ([`ControlDoc`]), and what they say once decoded ([`Controls`]).
 
 use crate::domain::{Namespace, RunId, Scope, TenantId};
 use crate::limits::Limits;
@@ -15,12 +15,16 @@ crate::label::vocabulary! {
         Switch => "switch",
         /// A [`SettingsEntry`]; its id is [`SettingsEntry::id`].
         Settings => "settings",
-        /// A run being rolled back ([`crate::rollback::Rollback`]); its id is the run.
-        Rollback => "rollback",
     }
 }
 
-/// A small document every server instance reads whole: a switch, settings or a rollback. Stores
+/// The kind of the control documents in which earlier versions kept rollbacks (now kept with
+/// their runs, [`crate::store::RunStore::insert_rollback`]). Each store moves them to its runs
+/// when it opens, and its listing of control documents passes over any written since by an
+/// instance of an earlier version (moved at the next open).
+pub const LEGACY_ROLLBACK_KIND: &str = "rollback";
+
+/// A small document every server instance reads whole: a switch or settings. Stores
 /// keep it by (kind, tenant, id) and never look inside `body` (JSON).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlDoc {
@@ -30,7 +34,7 @@ pub struct ControlDoc {
     pub tenant: TenantId,
     /// Its id within the kind and tenant.
     pub id: String,
-    /// The JSON of the [`Switch`], [`SettingsEntry`] or [`crate::rollback::Rollback`].
+    /// The JSON of the [`Switch`] or [`SettingsEntry`].
     pub body: String,
 }
 
@@ -50,16 +54,6 @@ impl ControlDoc {
         }
     }
 
-    /// The document of a rollback.
-    pub fn of_rollback(rollback: &crate::rollback::Rollback) -> Self {
-        Self {
-            kind: ControlKind::Rollback,
-            tenant: rollback.tenant.clone(),
-            id: rollback.run.to_string(),
-            body: serde_json::to_string(rollback).unwrap_or_default(),
-        }
-    }
-
     /// The document of settings.
     pub fn of_settings(entry: &SettingsEntry) -> Self {
         Self {
@@ -71,15 +65,13 @@ impl ControlDoc {
     }
 }
 
-/// Every switch, settings entry and rollback, as read from the store at one time.
+/// Every switch and settings entry, as read from the store at one time.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Controls {
     /// Engaged switches.
     pub switches: Vec<Switch>,
     /// Settings entries.
     pub settings: Vec<SettingsEntry>,
-    /// Runs being rolled back.
-    pub rollbacks: Vec<crate::rollback::Rollback>,
 }
 
 impl Controls {
@@ -91,15 +83,9 @@ impl Controls {
             match doc.kind {
                 ControlKind::Switch => out.switches.push(serde_json::from_str(&doc.body).map_err(bad)?),
                 ControlKind::Settings => out.settings.push(serde_json::from_str(&doc.body).map_err(bad)?),
-                ControlKind::Rollback => out.rollbacks.push(serde_json::from_str(&doc.body).map_err(bad)?),
             }
         }
         Ok(out)
-    }
-
-    /// The rollback of `run` of `tenant`, if it is being rolled back.
-    pub fn rollback(&self, tenant: &TenantId, run: &RunId) -> Option<&crate::rollback::Rollback> {
-        self.rollbacks.iter().find(|r| &r.tenant == tenant && &r.run == run)
     }
 
     /// The first engaged switch covering a key in `namespace` of `tenant` claimed for `run`.

@@ -1,6 +1,6 @@
 //! Bounding the blast radius: runs and their budgets, tenant quotas, kill switches, settings per
-//! tenant and namespace prefix, the control documents that carry switches, settings and
-//! rollbacks to every instance, and the audit log. One file per concern, each re-exported here:
+//! tenant and namespace prefix, the control documents that carry switches and settings to every
+//! instance, and the audit log. One file per concern, each re-exported here:
 //! `runs.rs` (runs, budgets, [`admit`]), `rate.rs` (the claim rate), `switches.rs`,
 //! `settings.rs` (and what is in force for a key, [`effective`]), `documents.rs`
 //! ([`ControlDoc`], [`Controls`]), `fenced.rs` (what a fenced call writes and charges,

@@ -11,17 +11,6 @@ impl ControlStore for MemoryStore {
         Ok(())
     }
 
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        let mut state = self.lock();
-        let key = (doc.kind, doc.tenant.clone(), doc.id.clone());
-        if state.control.contains_key(&key) {
-            return Ok(false);
-        }
-        state.control.insert(key, doc.clone());
-        state.log(Some(audit));
-        Ok(true)
-    }
-
     async fn replace_control(
         &self,
         expected: &ControlDoc,

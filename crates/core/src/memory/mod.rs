@@ -16,6 +16,7 @@ use crate::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, R
 use crate::domain::{Fence, Key, Namespace, RunId, Scope, TenantId, Timestamp};
 use crate::protocol::{ClaimRequest, Mutation};
 use crate::record::{ClaimOutcome, FencedOutcome, Record, RecordState};
+use crate::rollback::Rollback;
 use crate::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 
 mod approvals;
@@ -47,6 +48,7 @@ struct State {
     api_keys: BTreeMap<String, ApiKey>,
     runs: BTreeMap<(TenantId, RunId), Run>,
     control: BTreeMap<(ControlKind, TenantId, String), ControlDoc>,
+    rollbacks: BTreeMap<(TenantId, RunId), Rollback>,
     rates: BTreeMap<TenantId, u64>,
     audit: BTreeMap<(TenantId, String), AuditEntry>,
     /// The approval of each key, and the key of each (tenant, approval id).

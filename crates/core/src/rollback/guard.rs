@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::control::{AuditEntry, ControlDoc, SwitchTarget};
+use crate::control::{AuditEntry, SwitchTarget};
 use crate::domain::{RunId, Scope, TenantId, check_reason};
 use crate::guard::{Claim, Guard, GuardError};
 use crate::record::{Acquired, ClaimOutcome, Denial, OutcomeKind, Record, RecordState};
@@ -51,6 +51,9 @@ const BUSY_RETRY: Duration = Duration::from_secs(1);
 /// The most pages of a run's records a rollback reads.
 const MAX_RUN_PAGES: usize = 100;
 
+/// The most pages of a tenant's rollbacks [`Guard::rollbacks`] reads.
+const MAX_ROLLBACK_PAGES: usize = 10;
+
 // A rollback's cut-off leaves every instance the time to see the run's switch, twice over.
 const _: () =
     assert!(crate::rollback::CUT_OFF_MARGIN.as_millis() >= 2 * crate::control_cache::CONTROL_MAX_AGE.as_millis());
@@ -77,8 +80,8 @@ impl Guard {
         check_reason("why", &why)?;
         // A run rolled back already answers its rollback, and changes nothing (its switch may
         // have been released since: it stays released).
-        if let Some(existing) = self.refresh_controls().await?.rollback(tenant, run) {
-            return Ok((self.report(existing.clone()).await?, false));
+        if let Some(existing) = self.store().get_rollback(tenant, run).await? {
+            return Ok((self.report(existing).await?, false));
         }
         // The run is switched off first, so that the rollback's cut-off (from its start, which
         // comes after) covers every effect an instance claimed before it saw the switch.
@@ -89,14 +92,14 @@ impl Guard {
             Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };
         let entry =
             AuditEntry::new(tenant.clone(), now, actor, "run.rollback", run.as_str()).why(Some(rollback.why.clone()));
-        // The start is one insert-if-absent: of concurrent starts on any instances, one writes
-        // the rollback (and its one audit entry); the others answer the rollback it wrote.
-        let started = self.store().insert_control(&ControlDoc::of_rollback(&rollback), &entry).await?;
-        let controls = self.refresh_controls().await?;
+        // The start is one insert-if-absent with its run: of concurrent starts on any
+        // instances, one writes the rollback (and its one audit entry); the others answer the
+        // rollback it wrote.
+        let started = self.store().insert_rollback(&rollback, &entry).await?;
         let rollback = if started {
             rollback
         } else {
-            controls.rollback(tenant, run).cloned().ok_or_else(|| {
+            self.store().get_rollback(tenant, run).await?.ok_or_else(|| {
                 StoreError::Unavailable("the run's rollback was started but could not be read back".into())
             })?
         };
@@ -105,16 +108,22 @@ impl Guard {
 
     /// The rollback of `run` as it now stands, if the run is being rolled back.
     pub async fn rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<RollbackReport>, GuardError> {
-        match self.rollback_doc(tenant, run).await? {
+        match self.store().get_rollback(tenant, run).await? {
             Some(rollback) => Ok(Some(self.report(rollback).await?)),
             None => Ok(None),
         }
     }
 
-    /// The runs of `tenant` being rolled back, newest first.
+    /// The runs of `tenant` being rolled back (at most [`MAX_ROLLBACK_PAGES`] pages of them),
+    /// newest first.
     pub async fn rollbacks(&self, tenant: &TenantId) -> Result<Vec<Rollback>, GuardError> {
-        let mut rollbacks: Vec<Rollback> =
-            self.controls().await?.rollbacks.iter().filter(|r| &r.tenant == tenant).cloned().collect();
+        let mut rollbacks = Vec::new();
+        let mut pages = Pages::new(None::<RunId>, MAX_ROLLBACK_PAGES);
+        while let Some(after) = pages.page() {
+            let page = self.store().list_rollbacks(tenant, after.as_ref(), MAX_PAGE).await?;
+            pages.turn(page.next, |after, next| *after = Some(next));
+            rollbacks.extend(page.items);
+        }
         rollbacks.sort_by_key(|r| std::cmp::Reverse(r.started_at));
         Ok(rollbacks)
     }
@@ -129,7 +138,7 @@ impl Guard {
         run: &RunId,
         lease: Option<Duration>,
     ) -> Result<Option<CompensationClaim>, GuardError> {
-        let Some(rollback) = self.rollback_doc(tenant, run).await? else { return Ok(None) };
+        let Some(rollback) = self.store().get_rollback(tenant, run).await? else { return Ok(None) };
         let (progress, tasks) = self.tasks(&rollback).await?;
         let now = self.clock().now();
         let mut refused = None;
@@ -188,15 +197,6 @@ impl Guard {
                 None => CompensationClaim::Done { compensated: progress.compensated, failed: progress.failed },
             },
         }))
-    }
-
-    /// The rollback document of `run`: from the cache, else read again (another instance may
-    /// have started it within the last refresh).
-    async fn rollback_doc(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, GuardError> {
-        if let Some(found) = self.controls().await?.rollback(tenant, run) {
-            return Ok(Some(found.clone()));
-        }
-        Ok(self.refresh_controls().await?.rollback(tenant, run).cloned())
     }
 
     /// `rollback` with its progress and tasks as they now stand.

@@ -2,7 +2,8 @@
 //!
 //! A completion may register a [`Compensation`]: a name and small data saying how to undo its
 //! effect. Rolling a run back ([`crate::Guard::start_rollback`]) switches the run off (a kill
-//! switch on it) and keeps a [`Rollback`] document; from then on every successful effect of the
+//! switch on it) and keeps a [`Rollback`] with the run (one per run, written once by an
+//! insert-if-absent, [`crate::store::RunStore::insert_rollback`]); from then on every successful effect of the
 //! run that registered a compensation is a **compensation task**, and every other is *not
 //! compensable*.
 //!
@@ -53,7 +54,7 @@ pub use guard::{CompensationClaim, TaskHeld};
 /// The last segment of the namespace that holds an effect's compensation task.
 pub const TASK_SEGMENT: &str = "_undo";
 
-/// A run being rolled back, as kept (a control document of kind `rollback`, id the run).
+/// A run being rolled back, as kept with its run ([`crate::store::RunStore`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rollback {
     /// Its tenant.

@@ -1,5 +1,4 @@
-//! Control documents (switches, settings and rollbacks), the revocation of leases, and the audit
-//! log.
+//! Control documents (switches and settings), the revocation of leases, and the audit log.
 
 use async_trait::async_trait;
 
@@ -7,20 +6,14 @@ use crate::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, SwitchTar
 use crate::domain::{TenantId, Timestamp};
 use crate::store::{Page, StoreError};
 
-/// Switches, settings and rollbacks (small documents every instance caches), revoking leases,
-/// the audit log.
+/// Switches and settings (small documents every instance caches), revoking leases, the audit
+/// log.
 #[async_trait]
 pub trait ControlStore: Send + Sync + 'static {
     /// Stores a control document, replacing the one with the same (kind, tenant, id), and
     /// appends `audit` to the audit log in the same atomic write: a switch or a setting is
     /// never in force without its entry, nor an entry written for a change that did not happen.
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError>;
-
-    /// Stores a control document only if none has its (kind, tenant, id), with `audit` in the
-    /// same atomic write; answers whether it wrote (one there already is left as it is, and
-    /// nothing is audited). This insert-if-absent is what makes an action that must happen once
-    /// (starting a rollback) start once, however many instances ask at the same time.
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError>;
 
     /// Replaces a control document only if it is still exactly `expected` (same kind, tenant,
     /// id and body), with `audit` in the same atomic write; answers whether it wrote (a

@@ -154,7 +154,7 @@ impl<F> Pages<F> {
 }
 
 /// What a store lists a page at a time, and the cursor after which a page starts: records by
-/// (namespace, key), audit entries by id (newest first), approvals by id.
+/// (namespace, key), audit entries by id (newest first), approvals by id, rollbacks by run.
 pub trait Listed {
     /// Where the next page starts: the last item's place in the listing's order.
     type Cursor;
@@ -179,6 +179,14 @@ impl Listed for AuditEntry {
     }
 }
 
+impl Listed for crate::rollback::Rollback {
+    type Cursor = RunId;
+
+    fn cursor(&self) -> Self::Cursor {
+        self.run.clone()
+    }
+}
+
 impl Listed for Approval {
     type Cursor = String;
 
@@ -187,7 +195,7 @@ impl Listed for Approval {
     }
 }
 
-/// One page of a listing (of records, audit entries or approvals), in the listing's order,
+/// One page of a listing (of records, audit entries or approvals, rollbacks), in the listing's order,
 /// and where the next page starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Page<T: Listed = Record> {

@@ -2,6 +2,7 @@
 //! starts the API through its real start-up on `127.0.0.1:0` over a fresh store with a manual
 //! clock, and hands back a client with API keys of each role.
 
+use onceguard_core::rollback::Rollback;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -185,6 +186,23 @@ impl RunStore for BreakableStore {
         self.up()?.get_run(tenant, run).await
     }
 
+    async fn insert_rollback(&self, rollback: &Rollback, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.up()?.insert_rollback(rollback, audit).await
+    }
+
+    async fn get_rollback(&self, tenant: &TenantId, run: &RunId) -> Result<Option<Rollback>, StoreError> {
+        self.up()?.get_rollback(tenant, run).await
+    }
+
+    async fn list_rollbacks(
+        &self,
+        t: &TenantId,
+        after: Option<&RunId>,
+        n: usize,
+    ) -> Result<Page<Rollback>, StoreError> {
+        self.up()?.list_rollbacks(t, after, n).await
+    }
+
     async fn take_rate(&self, t: &TenantId, r: &Rate, now: Timestamp) -> Result<Result<(), Duration>, StoreError> {
         self.up()?.take_rate(t, r, now).await
     }
@@ -194,10 +212,6 @@ impl RunStore for BreakableStore {
 impl ControlStore for BreakableStore {
     async fn put_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<(), StoreError> {
         self.up()?.put_control(doc, audit).await
-    }
-
-    async fn insert_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
-        self.up()?.insert_control(doc, audit).await
     }
 
     async fn replace_control(&self, e: &ControlDoc, doc: &ControlDoc, a: &AuditEntry) -> Result<bool, StoreError> {

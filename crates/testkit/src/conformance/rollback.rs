@@ -169,6 +169,47 @@ pub async fn concurrent_rollback_starts_start_once(store: Subject) {
     }
 }
 
+/// Rollbacks are kept with their runs: a tenant's are listed a page at a time in run order,
+/// never another tenant's, and the guard lists them newest first; a run has one rollback, read
+/// back as started.
+pub async fn rollbacks_are_listed_by_run_a_page_at_a_time(store: Subject) {
+    let runs = ["run-e", "run-a", "run-g", "run-c", "run-b", "run-f", "run-d"];
+    let store_ = store.store.clone();
+    let c = case(store).await;
+    let other = TenantId::parse("umbrella").unwrap();
+    for run in runs {
+        c.guard.start_rollback("admin", &tenant(), &RunId::parse(run).unwrap(), format!("why {run}")).await.unwrap();
+        c.clock.advance(Duration::from_secs(1));
+    }
+    c.guard.start_rollback("admin", &other, &RunId::parse("run-a").unwrap(), "elsewhere".into()).await.unwrap();
+    let mut listed = Vec::new();
+    let mut after: Option<RunId> = None;
+    let mut pages = 0;
+    loop {
+        let page = store_.list_rollbacks(&tenant(), after.as_ref(), 3).await.unwrap();
+        pages += 1;
+        assert!(page.items.len() <= 3);
+        assert!(page.items.iter().all(|r| r.tenant == tenant()), "another tenant's rollback listed");
+        listed.extend(page.items.iter().map(|r| r.run.to_string()));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    let mut sorted = runs.map(str::to_owned).to_vec();
+    sorted.sort();
+    assert_eq!((listed, pages), (sorted, 3));
+    let newest: Vec<String> = c.guard.rollbacks(&tenant()).await.unwrap().iter().map(|r| r.run.to_string()).collect();
+    let mut expected = runs.map(str::to_owned).to_vec();
+    expected.reverse();
+    assert_eq!(newest, expected, "newest first");
+    let kept = store_.get_rollback(&other, &RunId::parse("run-a").unwrap()).await.unwrap().expect("kept");
+    assert_eq!((kept.why.as_str(), kept.started_by.as_str()), ("elsewhere", "admin"));
+    assert!(store_.get_rollback(&other, &RunId::parse("run-b").unwrap()).await.unwrap().is_none());
+    // The switches the starts engaged are control documents; the rollbacks are not.
+    assert_eq!(store_.list_control().await.unwrap().len(), runs.len() + 1);
+}
+
 /// A task lives as long as its effect: a compensation task completed under a namespace whose
 /// `max_retention` was lowered below its effect's retention is never handed out again while the
 /// effect is kept.
