@@ -300,7 +300,8 @@ impl ClaimStore for RedisStore {
             invocation
                 .key(self.keys.record(&placement))
                 .key(self.keys.expiry(placement.slot))
-                .key(self.keys.listing(placement.slot));
+                .key(self.keys.listing(placement.slot))
+                .key(self.keys.run_listing(placement.slot));
             if !self.cluster {
                 invocation.key(self.keys.in_flight(&scope.tenant));
             }

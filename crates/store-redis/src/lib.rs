@@ -14,7 +14,7 @@
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
 //!   within the call; only a claim that acquires runs the script.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
-//!   record, its slot's fence mark and its slot's two indexes carry the same hash tag, taken
+//!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
 //!   64 slots, 256 apart, so that one tenant's traffic reaches every master.
 //! - **Fences** come from the tenant's counter (`P t:{<tenant>}:fence`), as in every store:
@@ -59,7 +59,8 @@
 //!   server's unless the store was given a clock); until then an expired record is still there
 //!   for [`onceguard_core::store::ClaimStore::sweep`], which deletes it in bounded batches and
 //!   answers how many it deleted. (The index entries of a record that Redis reclaimed first are
-//!   skipped by listings, and removed by the sweep without being counted.)
+//!   skipped by listings, and removed by the sweep without being counted, but for its run
+//!   listing entry: its run went with it.)
 //! - **Isolation**: every key name is derived from the tenant, namespace and key, and listing
 //!   reads only the tenant's own slots and index entries.
 //! - **Timeouts**: every operation answers [`StoreError::Unavailable`] (retry safe) when Redis
@@ -200,6 +201,7 @@
 //! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot |
 //! | `P x:{T}` | sorted set | the slot's records by `expires_at` (for the sweep) |
 //! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
+//! | `P lr:{T}` | sorted set | the slot's records that name a run, by `tenant NUL run NUL namespace NUL key`, kept with the record by the scripts that write and delete records (for listing a run) |
 //! | `P slots` | set | the slots that ever held a record (for the sweep) |
 //! | `P a:{auth}:tenants`, `:keys`, `:revoked` | hashes | tenants, API keys (JSON), revocations |
 //! | `P u:{R}:<digest>` | hash | a run's budget and usage; `R` and the digest are of tenant and run |
@@ -1140,6 +1142,7 @@ impl RedisStore {
                         .key(self.keys.record(&placement))
                         .key(self.keys.expiry(*slot))
                         .key(self.keys.listing(*slot))
+                        .key(self.keys.run_listing(*slot))
                         .arg(self.clock_arg())
                         .arg(m.as_slice());
                     async move { invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("sweep")) }

@@ -37,6 +37,7 @@ async fn record_keys_land_on_the_slot_redis_computes() {
             keys.fence_mark(placement.slot, &scope.tenant),
             keys.expiry(placement.slot),
             keys.listing(placement.slot),
+            keys.run_listing(placement.slot),
         ] {
             let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key).query_async(&mut conn).await.unwrap();
             assert_eq!((slot, key_slot(key.as_bytes())), (placement.slot, placement.slot), "{key}");

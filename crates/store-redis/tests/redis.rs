@@ -55,7 +55,12 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
     let options = RedisOptions { prefix: prefix.clone(), expiry_margin: Duration::from_secs(60), ..Default::default() };
     let store = common::store_with(RedisTarget::Single(url.clone()), options).await;
     let s = scope("ttl");
-    let fence = common::acquire(&store, &s, Timestamp(1_700_000_000_000)).await;
+    // In a run, so that its slot's run listing index holds it.
+    let in_run = onceguard_core::ClaimRequest { run: Some(RunId::parse("ttl-run").unwrap()), ..common::request(&s) };
+    let ClaimOutcome::Acquired(acquired) = store.claim(&in_run, Timestamp(1_700_000_000_000)).await.unwrap() else {
+        panic!("not acquired")
+    };
+    let fence = acquired.fence;
     let (keys, placement) = (Keys::new(&prefix).unwrap(), Placement::of(&s));
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
     let pttl = |key: String| {
@@ -73,6 +78,7 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
         keys.fence_mark(placement.slot, &s.tenant),
         keys.expiry(placement.slot),
         keys.listing(placement.slot),
+        keys.run_listing(placement.slot),
     ] {
         assert_eq!(pttl(key.clone()).await, -1, "{key} must not expire");
     }
