@@ -222,7 +222,9 @@ impl Keys {
     }
 
     /// A tenant's fence mark on a slot, the highest fence acquired for the tenant on the slot:
-    /// never deleted, never expires.
+    /// never deleted, never expires. A number, or `m:<n>` once the tenant's records on the slot
+    /// were indexed by run ([`crate::scripts::INDEX_RUNS`]): an earlier version's script, which
+    /// reads it as a number, then fails before it writes a record.
     pub fn fence_mark(&self, slot: u16, tenant: &TenantId) -> String {
         format!("{}f:{{{}}}:{tenant}", self.prefix, slot_tag(slot))
     }
@@ -241,6 +243,13 @@ impl Keys {
     /// slot that names a run, all scored 0, in byte order.
     pub fn run_listing(&self, slot: u16) -> String {
         format!("{}lr:{{{}}}", self.prefix, slot_tag(slot))
+    }
+
+    /// The tenant's slots whose records are all in the run listing index (indexed, and earlier
+    /// versions fenced out, by [`crate::scripts::INDEX_RUNS`]): a set of slot numbers. The
+    /// tenant's runs are listed from the index once it holds all of the tenant's slots.
+    pub fn run_indexed(&self, tenant: &TenantId) -> String {
+        format!("{}t:{{{tenant}}}:run-indexed", self.prefix)
     }
 
     /// The set of slots that ever held a record (so that the sweep visits only those).
@@ -388,7 +397,13 @@ mod tests {
         assert_eq!(key_slot(keys.run_pending(&p).as_bytes()), p.slot);
         assert_ne!(RunPlacement::of(&TenantId::parse("other").unwrap(), &RunId::parse("run-{1}").unwrap()), p);
         let slot = key_slot(b"acme");
-        for key in [keys.in_flight(&tenant), keys.rate(&tenant), keys.audit(&tenant), keys.audit_entries(&tenant)] {
+        for key in [
+            keys.in_flight(&tenant),
+            keys.rate(&tenant),
+            keys.audit(&tenant),
+            keys.audit_entries(&tenant),
+            keys.run_indexed(&tenant),
+        ] {
             assert_eq!(key_slot(key.as_bytes()), slot, "{key}");
         }
     }

@@ -148,6 +148,23 @@ local function keep_until(key, expiry_index, member, ex, now, margin)
   redis.call('ZADD', expiry_index, ex, member)
 end
 
+-- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once the tenant's
+-- records on the slot were indexed by run (INDEX_RUNS), a form an earlier version's scripts
+-- fail on before they write a record. Answers the mark and whether it has that form, which a new mark
+-- keeps.
+local function read_mark(key)
+  local v = redis.call('GET', key) or '0'
+  if string.sub(v, 1, 2) == 'm:' then return tonumber(string.sub(v, 3)), true end
+  return tonumber(v), false
+end
+local function write_mark(key, fence, fenced)
+  if fenced then
+    redis.call('SET', key, 'm:' .. int(fence))
+  else
+    redis.call('SET', key, int(fence))
+  end
+end
+
 local function clear_checkpoints(w)
   local c0, cn = tonumber(w.r.c0 or '0'), tonumber(w.r.cn or '0')
   for i = c0, cn - 1 do unset(w, 'c.' .. int(i)) end
@@ -157,7 +174,7 @@ end
 "#;
 
 /// A record's entry in its slot's run listing index, as [`crate::layout::run_member`] builds
-/// it: shared by the scripts that write or delete records.
+/// it: shared by the scripts that write or delete records, and by [`INDEX_RUNS`].
 pub const RUN_MEMBER: &str = r#"
 -- `tenant NUL run NUL namespace NUL key` from the listing member `tenant NUL namespace NUL key`
 local function run_member(member, run)
@@ -356,7 +373,7 @@ if r ~= nil then
   end
 end
 
-local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local mark, fenced = read_mark(KEYS[2])
 local one_server = source == 'draw'
 if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
 
@@ -425,7 +442,7 @@ else
   if fence <= mark then lacking = true end
 end
 if lacking then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
-redis.call('SET', KEYS[2], int(fence))
+write_mark(KEYS[2], fence, fenced)
 fence = int(fence)
 n.fe = fence
 answer[2] = fence
@@ -699,7 +716,8 @@ return string.format('%.0f', floor)
 
 /// Deletes one record found in the expiry index, if it expired by the store's clock, with its
 /// index entries. Answers 1 if it deleted a record, 0 if the record was gone already
-/// (reclaimed by Redis: its run, and so its run listing entry, went with it) or is live.
+/// (reclaimed by Redis: its run, and so its run listing entry, went with it; see
+/// [`PRUNE_RUN_ENTRY`]) or is live.
 pub const SWEEP_ONE: &str = r#"
 -- KEYS: record, expiry index, listing index, run listing index
 -- ARGV: the store's clock ('' for the server's), member
@@ -786,7 +804,7 @@ local r = load(KEYS[1])
 if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
 if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
 if r.un == detail then return { 'skipped' } end
-local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local mark, fenced = read_mark(KEYS[2])
 local fence
 if source == 'draw' then
   fence = redis.call('INCR', KEYS[4])
@@ -798,7 +816,7 @@ else
   fence = tonumber(source)
   if fence <= mark then return { 'need_fence', int(mark) } end
 end
-redis.call('SET', KEYS[2], int(fence))
+write_mark(KEYS[2], fence, fenced)
 local w = change(r)
 set(w, 'fe', int(fence))
 set(w, 'le', int(now))
@@ -813,6 +831,40 @@ save(KEYS[1], w)
 keep_until(KEYS[1], KEYS[3], member, w.r.ex, now, margin)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
 return { 'revoked', token }
+"#;
+
+/// Brings a tenant's records on one slot into the run listing index, for a store whose records
+/// were written (in part) by an earlier version, which kept no such index. First it fences
+/// earlier versions out of the tenant's records on the slot: the tenant's fence mark takes the
+/// form `m:<n>`, which every script of this version reads ([`PRELUDE`]'s `read_mark`) and
+/// keeps, and on which an earlier version's claim or revocation fails before it writes a
+/// record (it reads the mark as a number; on one server it has drawn a fence it never uses).
+/// Then it adds the entry of each record given that names a run
+/// (records gone since they were listed are skipped; a record written meanwhile by this
+/// version has its entry already). Called once with no record to fence the slot, then with the
+/// tenant's records on the slot a chunk at a time: whatever an earlier version wrote is in the
+/// listing index before the first chunk is read. Answers how many entries it added.
+pub const INDEX_RUNS: &str = r#"
+-- KEYS: the tenant's fence mark on the slot, the slot's run listing index, then records
+-- ARGV: the records' listing members, in the order of their keys
+local mark = redis.call('GET', KEYS[1]) or '0'
+if string.sub(mark, 1, 2) ~= 'm:' then redis.call('SET', KEYS[1], 'm:' .. mark) end
+local added = 0
+for i = 3, #KEYS do
+  local run = redis.call('HGET', KEYS[i], 'run')
+  if run then added = added + redis.call('ZADD', KEYS[2], 0, run_member(ARGV[i - 2], run)) end
+end
+return added
+"#;
+
+/// Removes an entry from a slot's run listing index unless its record (still) names the run:
+/// an entry left by a record that Redis reclaimed before the sweep deleted it (its run went
+/// with it, so the sweep cannot find the entry), or by an earlier version's purge or sweep.
+/// A listing of the run that meets such an entry removes it. Answers 1 if it removed it.
+pub const PRUNE_RUN_ENTRY: &str = r#"
+-- KEYS: record, the slot's run listing index; ARGV: the entry, run
+if redis.call('HGET', KEYS[1], 'run') == ARGV[2] then return 0 end
+return redis.call('ZREM', KEYS[2], ARGV[1])
 "#;
 
 /// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
@@ -1083,6 +1135,10 @@ pub struct Scripts {
     pub sweep_one: Script,
     /// See [`PURGE`].
     pub purge: Script,
+    /// See [`INDEX_RUNS`].
+    pub index_runs: Script,
+    /// See [`PRUNE_RUN_ENTRY`].
+    pub prune_run_entry: Script,
     /// See [`REVOKE`].
     pub revoke: Script,
     /// See [`RESERVE_IN_FLIGHT`].
@@ -1139,6 +1195,8 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         mutate_charging: with_numbers(MUTATE),
         sweep_one: with_clock(&with_run_member(SWEEP_ONE)),
         purge: Script::new(&with_run_member(PURGE)),
+        index_runs: Script::new(&with_run_member(INDEX_RUNS)),
+        prune_run_entry: Script::new(PRUNE_RUN_ENTRY),
         revoke: with_prelude(REVOKE),
         reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
         reserve_run: with_numbers(RESERVE_RUN),

@@ -156,3 +156,25 @@ async fn store_time_is_the_stores() {
     let Some((given, clock, ..)) = fresh_store().await else { return };
     common::store_time_is_the_stores(&server, &given, &clock).await;
 }
+
+/// A plain connection to the test cluster.
+async fn raw_connection(nodes: &[String]) -> redis::cluster_async::ClusterConnection {
+    let client = redis::cluster::ClusterClient::new(nodes.iter().map(|n| format!("redis://{n}"))).unwrap();
+    client.get_async_connection().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_listing_index_holds_each_records_run() {
+    let Some((store, clock, prefix, nodes)) = fresh_store().await else { return };
+    common::the_run_listing_index_holds_each_records_run(&store, &clock, &prefix, raw_connection(&nodes).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_earlier_versions_are_listed_by_run() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let raw = raw_connection(&nodes).await;
+    common::records_of_earlier_versions_are_listed_by_run(common::cluster_target(&nodes), &common::prefix(), raw).await;
+}

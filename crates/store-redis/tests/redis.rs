@@ -663,3 +663,30 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
     let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
     assert_eq!(lease, until);
 }
+
+/// A plain connection to the machine's Redis.
+async fn raw_connection(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_listing_index_holds_each_records_run() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let (store, clock) = common::store_on_given_clock(RedisTarget::Single(url.clone()), &prefix).await;
+    common::the_run_listing_index_holds_each_records_run(&store, &clock, &prefix, raw_connection(&url).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_earlier_versions_are_listed_by_run() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let raw = raw_connection(&url).await;
+    common::records_of_earlier_versions_are_listed_by_run(RedisTarget::Single(url), &prefix, raw).await;
+}
