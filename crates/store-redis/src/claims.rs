@@ -39,15 +39,29 @@ fn rounds(scopes: &[&Scope]) -> Vec<Vec<usize>> {
 
 impl RedisStore {
     /// A page of the tenant's records that pass `filter`, each judged at the store's time of
-    /// its read ([`ClaimStore::list`], and the revocation of a switch's leases).
+    /// its read ([`ClaimStore::list`], and the revocation of a switch's leases). With a run,
+    /// from the run listing index (brought up to date with earlier versions' records first,
+    /// [`Self::index_runs`]), else from the listing index: the same merge over the tenant's
+    /// slots, in (namespace, key) order.
     pub(crate) async fn list_records(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
-        // The tenant's members lie in [tenant NUL, tenant \x01); with a namespace prefix `p`,
-        // in [tenant NUL p NUL, tenant NUL p '0'), which holds `p` and `p/...` (and a few
+        if filter.run.is_some() {
+            self.bounded("index a tenant's records by run", self.index_runs(tenant)).await?;
+        }
+        // The entries read are `head namespace NUL key`, where `head` is `tenant NUL` in the
+        // listing index and `tenant NUL run NUL` in the run listing index. Those of the tenant
+        // (or of the run) lie in [head, head with its last NUL raised to \x01); with a namespace
+        // prefix `p`, in [head p NUL, head p '0'), which holds `p` and `p/...` (and a few
         // neighbours such as `p-x`, which the filter drops).
-        let mut start = tenant.as_str().as_bytes().to_vec();
-        let mut end = start.clone();
-        start.push(0);
+        let mut head = tenant.as_str().as_bytes().to_vec();
+        head.push(0);
+        if let Some(run) = &filter.run {
+            head.extend_from_slice(run.as_str().as_bytes());
+            head.push(0);
+        }
+        let mut start = head.clone();
+        let mut end = head;
+        end.pop();
         end.push(1);
         if let Some(prefix) = &filter.namespace_prefix {
             start.extend_from_slice(prefix.as_str().as_bytes());
@@ -57,7 +71,10 @@ impl RedisStore {
         }
         let mut from = lex(true, &start);
         if let Some((namespace, key)) = &filter.after {
-            let after = member(&Scope::new(tenant.clone(), namespace.clone(), key.clone()));
+            let mut after = member(&Scope::new(tenant.clone(), namespace.clone(), key.clone()));
+            if let Some(run) = &filter.run {
+                after = crate::layout::run_member(&after, run);
+            }
             if after >= start {
                 from = lex(false, &after);
             }
@@ -66,7 +83,16 @@ impl RedisStore {
         let chunk = (2 * (limit + 1) / usize::from(SHARDS)).max(16);
         let mut shards: Vec<Shard> = tenant_slots(tenant)
             .into_iter()
-            .map(|slot| Shard { slot, from: from.clone(), seen: None, done: false, found: VecDeque::new() })
+            .map(|slot| Shard {
+                index: match filter.run {
+                    None => self.keys.listing(slot),
+                    Some(_) => self.keys.run_listing(slot),
+                },
+                from: from.clone(),
+                seen: None,
+                done: false,
+                found: VecDeque::new(),
+            })
             .collect();
         self.bounded("list", async {
             let mut records = Vec::new();
@@ -300,7 +326,8 @@ impl ClaimStore for RedisStore {
             invocation
                 .key(self.keys.record(&placement))
                 .key(self.keys.expiry(placement.slot))
-                .key(self.keys.listing(placement.slot));
+                .key(self.keys.listing(placement.slot))
+                .key(self.keys.run_listing(placement.slot));
             if !self.cluster {
                 invocation.key(self.keys.in_flight(&scope.tenant));
             }

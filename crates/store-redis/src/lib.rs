@@ -14,7 +14,7 @@
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
 //!   within the call; only a claim that acquires runs the script.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
-//!   record, its slot's fence mark and its slot's two indexes carry the same hash tag, taken
+//!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
 //!   64 slots, 256 apart, so that one tenant's traffic reaches every master.
 //! - **Fences** come from the tenant's counter (`P t:{<tenant>}:fence`), as in every store:
@@ -59,7 +59,8 @@
 //!   server's unless the store was given a clock); until then an expired record is still there
 //!   for [`onceguard_core::store::ClaimStore::sweep`], which deletes it in bounded batches and
 //!   answers how many it deleted. (The index entries of a record that Redis reclaimed first are
-//!   skipped by listings, and removed by the sweep without being counted.)
+//!   skipped by listings, and removed by the sweep without being counted; its run listing entry
+//!   by the next listing of its run, see [Listing](#listing).)
 //! - **Isolation**: every key name is derived from the tenant, namespace and key, and listing
 //!   reads only the tenant's own slots and index entries.
 //! - **Timeouts**: every operation answers [`StoreError::Unavailable`] (retry safe) when Redis
@@ -194,6 +195,49 @@
 //!   listing a page at a time; their start is one insert-if-absent. Earlier versions kept them
 //!   as control documents: [`RedisStore::connect_with`] moves those.
 //!
+//! # Listing
+//!
+//! Each slot keeps two listing indexes, sorted sets whose members are all scored 0, so in byte
+//! order: `P l:{T}` names every record on the slot (`tenant NUL namespace NUL key`), and
+//! `P lr:{T}` every record on the slot that names a run (`tenant NUL run NUL namespace NUL key`,
+//! [`layout::run_member`]). Both are written by the scripts that write and delete records, in
+//! the same step as the record: the claim script adds a record's entries (a record's run is set
+//! once, by the claim that creates the record or takes over one that named none; a claim that
+//! replaces an expired record also removes that record's entry if it named another run), and
+//! the purge and the sweep's deletion remove them. A listing reads the tenant's 64 indexes in
+//! (namespace, key) order a chunk at a time, merging them, and reads the records they name to
+//! filter them; a listing of one run reads the run listing indexes, from the run's entries on,
+//! so it costs the run's records, not the tenant's, and answers the same pages as reading the
+//! listing indexes would.
+//!
+//! - **Records of earlier versions.** Earlier versions kept no run listing index. The first
+//!   listing of one of a tenant's runs (by any instance) brings the tenant's records into it,
+//!   slot by slot ([`scripts::INDEX_RUNS`]): first it fences earlier versions out of the
+//!   tenant's records on the slot, by turning the tenant's fence mark into the text `m:<n>`,
+//!   which this version's scripts read and keep, and on which an earlier version's claim and
+//!   revocation fail before they write (on one server after drawing a fence they never use);
+//!   then it adds the entries of the tenant's records on the slot, read from the listing index
+//!   a chunk at a time. A slot done joins `P t:{<tenant>}:run-indexed`; once that holds all 64,
+//!   the tenant's runs are listed from the index alone (each process remembers it). No record
+//!   is missed: one that an earlier version wrote before the fence is in the listing index when
+//!   the slot is read, and after the fence only this version writes the tenant's records on the
+//!   slot, and keeps their entries. This is done per tenant, when its runs are first listed,
+//!   rather than once on connect, because of that fence: during a rolling upgrade an instance
+//!   of an earlier version keeps writing records, for tenants old and new, until it is fenced
+//!   out (once it is, its claims of the tenant's keys that would acquire, and its revocations,
+//!   fail, retry safe, until it is upgraded; its replays, answered from a read, do not). The
+//!   first listing pays one read of the tenant's listing indexes and one `HGET`
+//!   per record, within the store's timeout; a slot it did not finish is done again, whole, by
+//!   the next. (If `P t:{<tenant>}:run-indexed` and the run listing indexes are deleted by
+//!   hand, processes that remember the tenant as indexed list its runs from what is left until
+//!   they restart.)
+//! - **Entries without their record.** A record that Redis reclaimed (its TTL) before the sweep
+//!   deleted it takes its run with it, so the sweep, which removes its other entries, cannot
+//!   name its run listing entry; nor does an earlier version's purge or sweep remove it. A
+//!   listing of the run skips such an entry and removes it ([`scripts::PRUNE_RUN_ENTRY`], which
+//!   checks on the record's slot that no record names the run under it); until one does, it
+//!   costs memory and, once, a read.
+//!
 //! # Keys
 //!
 //! Under the prefix `P` (default `onceguard:`), for a slot with tag `T`:
@@ -203,9 +247,11 @@
 //! | `P r:{T}:<digest>` | hash | one record (fields in [`scripts`]); the digest is of tenant, namespace and key |
 //! | `P t:{<tenant>}:fence` | string | the tenant's fence counter |
 //! | `P fence` | string | `floor:<n>`: the one fence counter of earlier versions, retired: the floor of every tenant's |
-//! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot |
+//! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot: `<n>`, or `m:<n>` once the tenant's records on the slot are indexed by run |
 //! | `P x:{T}` | sorted set | the slot's records by `expires_at` (for the sweep) |
 //! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
+//! | `P lr:{T}` | sorted set | the slot's records that name a run, by `tenant NUL run NUL namespace NUL key` (for listing a run) |
+//! | `P t:{<tenant>}:run-indexed` | set | the tenant's slots whose records are all in `P lr:{T}` |
 //! | `P slots` | set | the slots that ever held a record (for the sweep) |
 //! | `P a:{auth}:tenants`, `:keys`, `:revoked` | hashes | tenants, API keys (JSON), revocations |
 //! | `P u:{R}:<digest>` | hash | a run's budget and usage; `R` and the digest are of tenant and run |
@@ -237,8 +283,12 @@
 //! - list: reads the tenant's 64 listing indexes in (namespace, key) order a chunk at a time,
 //!   merging them, and reads the records it meets to filter them: a page costs a few rounds of
 //!   64 pipelined index reads plus one read per record examined. Cheap when the filter keeps
-//!   most records; proportional to the records skipped when it keeps few (a `state`, `stuck` or
-//!   `run` filter over a tenant with many records).
+//!   most records; proportional to the records skipped when it keeps few (a `state` or `stuck`
+//!   filter over a tenant with many records). With a `run` filter it reads the 64 run listing
+//!   indexes instead, from the run's entries on: the records examined are the run's (within the
+//!   namespace prefix, if any), whatever the tenant's other records; only a `state` or `stuck`
+//!   filter skips any. The first listing of a tenant's runs also indexes the tenant's records of
+//!   earlier versions, once ([Listing](#listing)).
 //! - sweep: one `TIME` (the candidates are the expiry-index entries up to it; each deletion's
 //!   script checks the expiry again by its own now), one read of `P slots`, one expiry-index
 //!   read per used slot (up to 16,384, pipelined, 512 at a time) and one script per deleted
@@ -291,6 +341,7 @@ mod codec;
 mod control;
 mod holds;
 pub mod layout;
+mod run_index;
 mod runs;
 pub mod scripts;
 mod tenants;
@@ -319,7 +370,7 @@ use tokio::task::JoinHandle;
 
 use crate::codec::{Claimed, Fenced, Fields, corrupt, strings};
 use crate::holds::Holds;
-use crate::layout::{Keys, Placement, RunPlacement, SHARDS, SLOTS, member, tenant_slots};
+use crate::layout::{Keys, Placement, RunPlacement, SHARDS, SLOTS, member, member_of_run_member, tenant_slots};
 use crate::scripts::{ClaimCall, SCRIPTS};
 
 /// Where the store's Redis is. Its `Debug` hides passwords.
@@ -511,6 +562,8 @@ pub struct RedisStore {
     fence_floor: u64,
     /// On one server, with a floor: the tenants whose counters this process raised to it.
     floored: std::sync::Mutex<std::collections::HashSet<TenantId>>,
+    /// The tenants whose records this process found all in the run listing index.
+    run_indexed: std::sync::Mutex<std::collections::HashSet<TenantId>>,
     /// Tells this instance's own messages from others'.
     origin: String,
     changes: broadcast::Sender<Scope>,
@@ -606,14 +659,15 @@ fn lex(inclusive: bool, member: &[u8]) -> Vec<u8> {
 
 /// One of a tenant's slots, while a listing merges them.
 struct Shard {
-    slot: u16,
+    /// The index read: the slot's listing index, or its run listing index.
+    index: String,
     /// Where the next read starts.
     from: Vec<u8>,
-    /// The last member read: everything up to it was examined.
+    /// The last entry read: everything up to it was examined.
     seen: Option<Vec<u8>>,
     /// Nothing more to read.
     done: bool,
-    /// Matching records read but not yet merged, in order.
+    /// Matching records read but not yet merged, in order, each with its index entry.
     found: VecDeque<(Vec<u8>, Record)>,
 }
 
@@ -691,6 +745,7 @@ impl RedisStore {
             registered: SlotSet::new(),
             fence_floor,
             floored: std::sync::Mutex::default(),
+            run_indexed: std::sync::Mutex::default(),
             origin,
             changes,
             listener,
@@ -1062,8 +1117,10 @@ impl RedisStore {
         Ok(Some(record))
     }
 
-    /// Reads up to `chunk` listing entries from each shard that needs more, and the records
-    /// they name, keeping those that pass the filter at the store's time of their read.
+    /// Reads up to `chunk` index entries from each shard that needs more, and the records
+    /// they name, keeping those that pass the filter at the store's time of their read. Run
+    /// listing entries whose record no longer names the run are removed
+    /// ([`Self::prune_run_entries`]).
     async fn refill(
         &self,
         tenant: &TenantId,
@@ -1076,7 +1133,7 @@ impl RedisStore {
         let reads = wanted.iter().map(|&i| {
             let mut conn = self.conn.clone();
             let cmd = redis::cmd("ZRANGEBYLEX")
-                .arg(self.keys.listing(shards[i].slot))
+                .arg(&shards[i].index)
                 .arg(&shards[i].from)
                 .arg(until)
                 .arg("LIMIT")
@@ -1087,24 +1144,45 @@ impl RedisStore {
         });
         let batches = try_join_all(reads).await?;
         let mut named = Vec::new();
-        for (&i, members) in wanted.iter().zip(batches) {
+        for (&i, entries) in wanted.iter().zip(batches) {
             let shard = &mut shards[i];
-            shard.done = members.len() < chunk;
-            if let Some(last) = members.last() {
+            shard.done = entries.len() < chunk;
+            if let Some(last) = entries.last() {
                 shard.from = lex(false, last);
                 shard.seen = Some(last.clone());
             }
-            named.extend(members.into_iter().map(|m| (i, m)));
+            named.extend(entries.into_iter().map(|e| (i, e)));
         }
-        let fetches = named.into_iter().map(|(i, m)| {
+        let fetches = named.into_iter().map(|(i, entry)| {
             let mut conn = self.conn.clone();
-            let placement = Placement::of_member(tenant, m);
-            async move { self.read_record(&mut conn, &placement).await.map(|r| (i, placement.member, r)) }
-        });
-        for (i, m, (record, now)) in try_join_all(fetches).await? {
-            if let Some(record) = record.filter(|r| filter.admits(r, now)) {
-                shards[i].found.push_back((m, record));
+            async move {
+                let member = match filter.run {
+                    None => entry.clone(),
+                    Some(_) => {
+                        member_of_run_member(&entry).ok_or_else(|| corrupt("a run listing entry lacks its parts"))?
+                    }
+                };
+                let placement = Placement::of_member(tenant, member);
+                let read = self.read_record(&mut conn, &placement).await?;
+                Ok::<_, StoreError>((i, entry, placement, read))
             }
+        });
+        let mut stale = Vec::new();
+        for (i, entry, placement, (record, now)) in try_join_all(fetches).await? {
+            if let Some(run) = &filter.run
+                && record.as_ref().is_none_or(|r| r.run.as_ref() != Some(run))
+            {
+                stale.push((placement, entry));
+                continue;
+            }
+            if let Some(record) = record.filter(|r| filter.admits(r, now)) {
+                shards[i].found.push_back((entry, record));
+            }
+        }
+        if let Some(run) = &filter.run
+            && !stale.is_empty()
+        {
+            self.prune_run_entries(run, stale).await;
         }
         Ok(())
     }
@@ -1148,6 +1226,7 @@ impl RedisStore {
                         .key(self.keys.record(&placement))
                         .key(self.keys.expiry(*slot))
                         .key(self.keys.listing(*slot))
+                        .key(self.keys.run_listing(*slot))
                         .arg(self.clock_arg())
                         .arg(m.as_slice());
                     async move { invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("sweep")) }

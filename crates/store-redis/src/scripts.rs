@@ -148,11 +148,38 @@ local function keep_until(key, expiry_index, member, ex, now, margin)
   redis.call('ZADD', expiry_index, ex, member)
 end
 
+-- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once the tenant's
+-- records on the slot were indexed by run (INDEX_RUNS), a form an earlier version's scripts
+-- fail on before they write a record. Answers the mark and whether it has that form, which a new mark
+-- keeps.
+local function read_mark(key)
+  local v = redis.call('GET', key) or '0'
+  if string.sub(v, 1, 2) == 'm:' then return tonumber(string.sub(v, 3)), true end
+  return tonumber(v), false
+end
+local function write_mark(key, fence, fenced)
+  if fenced then
+    redis.call('SET', key, 'm:' .. int(fence))
+  else
+    redis.call('SET', key, int(fence))
+  end
+end
+
 local function clear_checkpoints(w)
   local c0, cn = tonumber(w.r.c0 or '0'), tonumber(w.r.cn or '0')
   for i = c0, cn - 1 do unset(w, 'c.' .. int(i)) end
   unset(w, 'c0')
   unset(w, 'cn')
+end
+"#;
+
+/// A record's entry in its slot's run listing index, as [`crate::layout::run_member`] builds
+/// it: shared by the scripts that write or delete records, and by [`INDEX_RUNS`].
+pub const RUN_MEMBER: &str = r#"
+-- `tenant NUL run NUL namespace NUL key` from the listing member `tenant NUL namespace NUL key`
+local function run_member(member, run)
+  local cut = string.find(member, '\0', 1, true)
+  return string.sub(member, 1, cut) .. run .. string.sub(member, cut)
 end
 "#;
 
@@ -269,9 +296,9 @@ end
 /// call carries no quota, names no run to admit and holds no reservation: the path without
 /// budgets sends what it sent before there were budgets.
 pub const CLAIM: &str = r#"
--- KEYS: record, slot fence mark, expiry index, listing index; on one server (fence 'draw') also
---       the fence counter, then the tenant's in-flight set (with a quota), then the run
---       (with a run to admit)
+-- KEYS: record, slot fence mark, expiry index, listing index, run listing index; on one server
+--       (fence 'draw') also the fence counter, then the tenant's in-flight set (with a quota),
+--       then the run (with a run to admit)
 -- ARGV: the store's clock ('' for the server's), fingerprint, lease ms, retention ms, run ('' if
 --       none), tenant, namespace, key,
 --       member, margin ms, fence ('draw', 'peek' or a number), the approval gate ('' none,
@@ -288,8 +315,10 @@ local gate = ARGV[12]
 
 -- existing.filter(|r| r.is_live(now))
 local r = load(KEYS[1])
--- Whether the hash holds fields to clear before the new record is written.
+-- Whether the hash holds fields to clear before the new record is written, and the run it
+-- names (its entry in the run listing index goes if the new record names another).
 local stored = r ~= nil
+local stored_under = r and r.run
 if r ~= nil and not is_live(r, now) then r = nil end
 
 if r ~= nil then
@@ -344,7 +373,7 @@ if r ~= nil then
   end
 end
 
-local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local mark, fenced = read_mark(KEYS[2])
 local one_server = source == 'draw'
 if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
 
@@ -352,7 +381,7 @@ if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or 
 -- charged) its effects and cost. On a Cluster by the verdicts of the reservations; what they
 -- do not cover (the record changed since) is asked for with need_fence.
 local quota, cost, admitted = ARGV[13] or '', ARGV[14] or '0', ARGV[15] or ''
-local k = 6
+local k = 7
 local in_flight, run_key, stored_run
 local charges, lacking = false, false
 if quota ~= '' then
@@ -403,17 +432,17 @@ end
 
 local fence
 if one_server then
-  fence = redis.call('INCR', KEYS[5])
+  fence = redis.call('INCR', KEYS[6])
   if fence <= mark then
     fence = mark + 1
-    redis.call('SET', KEYS[5], int(fence))
+    redis.call('SET', KEYS[6], int(fence))
   end
 else
   fence = tonumber(source)
   if fence <= mark then lacking = true end
 end
 if lacking then return { 'need_fence', int(mark), n.run or '', n.ch or '0' } end
-redis.call('SET', KEYS[2], int(fence))
+write_mark(KEYS[2], fence, fenced)
 fence = int(fence)
 n.fe = fence
 answer[2] = fence
@@ -450,12 +479,19 @@ if stored then redis.call('DEL', KEYS[1]) end
 batched('HSET', KEYS[1], flat(n), 256)
 keep_until(KEYS[1], KEYS[3], member, n.ex, now, margin)
 redis.call('ZADD', KEYS[4], 0, member)
+-- A record's run is set once (prev.run.or(req.run)); one that replaces an expired record may
+-- name another run than it did.
+if stored_under and stored_under ~= n.run then
+  redis.call('ZREM', KEYS[5], run_member(member, stored_under))
+end
+if n.run ~= nil then redis.call('ZADD', KEYS[5], 0, run_member(member, n.run)) end
 return answer
 "#;
 
-/// What every call of [`CLAIM`] starts with: KEYS 1 to 4 (the record, the slot's fence mark,
-/// expiry index and listing index) and ARGV 1 to 12. A caller then adds what its case needs
-/// (on one server the fence counter, and the admission's keys and arguments).
+/// What every call of [`CLAIM`] starts with: KEYS 1 to 5 (the record, the slot's fence mark,
+/// expiry index, listing index and run listing index) and ARGV 1 to 12. A caller then adds
+/// what its case needs (on one server the fence counter, and the admission's keys and
+/// arguments).
 pub struct ClaimCall<'a> {
     /// The store's key names.
     pub keys: &'a Keys,
@@ -490,6 +526,7 @@ impl ClaimCall<'_> {
             .key(self.keys.fence_mark(self.placement.slot, &self.scope.tenant))
             .key(self.keys.expiry(self.placement.slot))
             .key(self.keys.listing(self.placement.slot))
+            .key(self.keys.run_listing(self.placement.slot))
             .arg(self.clock)
             .arg(self.fingerprint)
             .arg(self.lease_ms)
@@ -677,13 +714,16 @@ redis.call('SET', KEYS[1], 'floor:' .. string.format('%.0f', floor))
 return string.format('%.0f', floor)
 "#;
 
-/// Deletes one record found in the expiry index, if it expired by the store's clock. Answers
-/// 1 if it deleted a record, 0 if the record was gone already (reclaimed by Redis) or is live.
+/// Deletes one record found in the expiry index, if it expired by the store's clock, with its
+/// index entries. Answers 1 if it deleted a record, 0 if the record was gone already
+/// (reclaimed by Redis: its run, and so its run listing entry, went with it; see
+/// [`PRUNE_RUN_ENTRY`]) or is live.
 pub const SWEEP_ONE: &str = r#"
--- KEYS: record, expiry index, listing index
+-- KEYS: record, expiry index, listing index, run listing index
 -- ARGV: the store's clock ('' for the server's), member
 local now, member = clock(ARGV[1]), ARGV[2]
-local ex = redis.call('HGET', KEYS[1], 'ex')
+local found = redis.call('HMGET', KEYS[1], 'ex', 'run')
+local ex, run = found[1], found[2]
 if ex and tonumber(ex) > now then
   redis.call('ZADD', KEYS[2], ex, member)
   return 0
@@ -691,20 +731,24 @@ end
 local deleted = redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], member)
 redis.call('ZREM', KEYS[3], member)
+if run then redis.call('ZREM', KEYS[4], run_member(member, run)) end
 return deleted
 "#;
 
-/// Deletes a record whatever its state, and announces it. Answers `{existed, token}`: 1 if it
+/// Deletes a record whatever its state, with its index entries, and announces it. Answers `{existed, token}`: 1 if it
 /// existed, and the token of its place in the tenant's in-flight set (`''` if none), which the
 /// script removes on one server and the store removes after it on a Cluster.
 pub const PURGE: &str = r#"
--- KEYS: record, expiry index, listing index[, the tenant's in-flight set (one server)]
+-- KEYS: record, expiry index, listing index, run listing index[, the tenant's in-flight set
+--       (one server)]
 -- ARGV: member, channel, message
-local token = redis.call('HGET', KEYS[1], 'q')
+local found = redis.call('HMGET', KEYS[1], 'q', 'run')
+local token, run = found[1], found[2]
 local existed = redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-if token and KEYS[4] then redis.call('ZREM', KEYS[4], ARGV[1] .. '\0' .. token) end
+if run then redis.call('ZREM', KEYS[4], run_member(ARGV[1], run)) end
+if token and KEYS[5] then redis.call('ZREM', KEYS[5], ARGV[1] .. '\0' .. token) end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
 return { existed, token or '' }
 "#;
@@ -760,7 +804,7 @@ local r = load(KEYS[1])
 if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
 if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
 if r.un == detail then return { 'skipped' } end
-local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local mark, fenced = read_mark(KEYS[2])
 local fence
 if source == 'draw' then
   fence = redis.call('INCR', KEYS[4])
@@ -772,7 +816,7 @@ else
   fence = tonumber(source)
   if fence <= mark then return { 'need_fence', int(mark) } end
 end
-redis.call('SET', KEYS[2], int(fence))
+write_mark(KEYS[2], fence, fenced)
 local w = change(r)
 set(w, 'fe', int(fence))
 set(w, 'le', int(now))
@@ -787,6 +831,40 @@ save(KEYS[1], w)
 keep_until(KEYS[1], KEYS[3], member, w.r.ex, now, margin)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
 return { 'revoked', token }
+"#;
+
+/// Brings a tenant's records on one slot into the run listing index, for a store whose records
+/// were written (in part) by an earlier version, which kept no such index. First it fences
+/// earlier versions out of the tenant's records on the slot: the tenant's fence mark takes the
+/// form `m:<n>`, which every script of this version reads ([`PRELUDE`]'s `read_mark`) and
+/// keeps, and on which an earlier version's claim or revocation fails before it writes a
+/// record (it reads the mark as a number; on one server it has drawn a fence it never uses).
+/// Then it adds the entry of each record given that names a run
+/// (records gone since they were listed are skipped; a record written meanwhile by this
+/// version has its entry already). Called once with no record to fence the slot, then with the
+/// tenant's records on the slot a chunk at a time: whatever an earlier version wrote is in the
+/// listing index before the first chunk is read. Answers how many entries it added.
+pub const INDEX_RUNS: &str = r#"
+-- KEYS: the tenant's fence mark on the slot, the slot's run listing index, then records
+-- ARGV: the records' listing members, in the order of their keys
+local mark = redis.call('GET', KEYS[1]) or '0'
+if string.sub(mark, 1, 2) ~= 'm:' then redis.call('SET', KEYS[1], 'm:' .. mark) end
+local added = 0
+for i = 3, #KEYS do
+  local run = redis.call('HGET', KEYS[i], 'run')
+  if run then added = added + redis.call('ZADD', KEYS[2], 0, run_member(ARGV[i - 2], run)) end
+end
+return added
+"#;
+
+/// Removes an entry from a slot's run listing index unless its record (still) names the run:
+/// an entry left by a record that Redis reclaimed before the sweep deleted it (its run went
+/// with it, so the sweep cannot find the entry), or by an earlier version's purge or sweep.
+/// A listing of the run that meets such an entry removes it. Answers 1 if it removed it.
+pub const PRUNE_RUN_ENTRY: &str = r#"
+-- KEYS: record, the slot's run listing index; ARGV: the entry, run
+if redis.call('HGET', KEYS[1], 'run') == ARGV[2] then return 0 end
+return redis.call('ZREM', KEYS[2], ARGV[1])
 "#;
 
 /// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
@@ -1064,6 +1142,10 @@ pub struct Scripts {
     pub sweep_one: Script,
     /// See [`PURGE`].
     pub purge: Script,
+    /// See [`INDEX_RUNS`].
+    pub index_runs: Script,
+    /// See [`PRUNE_RUN_ENTRY`].
+    pub prune_run_entry: Script,
     /// See [`REVOKE`].
     pub revoke: Script,
     /// See [`RESERVE_IN_FLIGHT`].
@@ -1111,14 +1193,17 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let with_clock = |body: &str| Script::new(&format!("{CLOCK}\n{body}"));
     let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{PRELUDE}\n{body}"));
     let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{PRELUDE}\n{NUMBERS}\n{body}"));
+    let with_run_member = |body: &str| format!("{RUN_MEMBER}\n{body}");
     Scripts {
-        claim: with_prelude(CLAIM),
-        claim_admitting: with_numbers(CLAIM),
+        claim: with_prelude(&with_run_member(CLAIM)),
+        claim_admitting: with_numbers(&with_run_member(CLAIM)),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),
-        sweep_one: with_clock(SWEEP_ONE),
-        purge: Script::new(PURGE),
+        sweep_one: with_clock(&with_run_member(SWEEP_ONE)),
+        purge: Script::new(&with_run_member(PURGE)),
+        index_runs: Script::new(&with_run_member(INDEX_RUNS)),
+        prune_run_entry: Script::new(PRUNE_RUN_ENTRY),
         revoke: with_prelude(REVOKE),
         reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
         reserve_run: with_numbers(RESERVE_RUN),

@@ -37,6 +37,7 @@ async fn record_keys_land_on_the_slot_redis_computes() {
             keys.fence_mark(placement.slot, &scope.tenant),
             keys.expiry(placement.slot),
             keys.listing(placement.slot),
+            keys.run_listing(placement.slot),
         ] {
             let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key).query_async(&mut conn).await.unwrap();
             assert_eq!((slot, key_slot(key.as_bytes())), (placement.slot, placement.slot), "{key}");
@@ -154,4 +155,26 @@ async fn store_time_is_the_stores() {
     let server = RedisStore::connect_cluster(&nodes, &common::prefix()).await.unwrap();
     let Some((given, clock, ..)) = fresh_store().await else { return };
     common::store_time_is_the_stores(&server, &given, &clock).await;
+}
+
+/// A plain connection to the test cluster.
+async fn raw_connection(nodes: &[String]) -> redis::cluster_async::ClusterConnection {
+    let client = redis::cluster::ClusterClient::new(nodes.iter().map(|n| format!("redis://{n}"))).unwrap();
+    client.get_async_connection().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_listing_index_holds_each_records_run() {
+    let Some((store, clock, prefix, nodes)) = fresh_store().await else { return };
+    common::the_run_listing_index_holds_each_records_run(&store, &clock, &prefix, raw_connection(&nodes).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_earlier_versions_are_listed_by_run() {
+    let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
+    else {
+        return;
+    };
+    let raw = raw_connection(&nodes).await;
+    common::records_of_earlier_versions_are_listed_by_run(common::cluster_target(&nodes), &common::prefix(), raw).await;
 }

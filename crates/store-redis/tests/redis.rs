@@ -55,7 +55,12 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
     let options = RedisOptions { prefix: prefix.clone(), expiry_margin: Duration::from_secs(60), ..Default::default() };
     let store = common::store_with(RedisTarget::Single(url.clone()), options).await;
     let s = scope("ttl");
-    let fence = common::acquire(&store, &s, Timestamp(1_700_000_000_000)).await;
+    // In a run, so that its slot's run listing index holds it.
+    let in_run = onceguard_core::ClaimRequest { run: Some(RunId::parse("ttl-run").unwrap()), ..common::request(&s) };
+    let ClaimOutcome::Acquired(acquired) = store.claim(&in_run, Timestamp(1_700_000_000_000)).await.unwrap() else {
+        panic!("not acquired")
+    };
+    let fence = acquired.fence;
     let (keys, placement) = (Keys::new(&prefix).unwrap(), Placement::of(&s));
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
     let pttl = |key: String| {
@@ -73,6 +78,7 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
         keys.fence_mark(placement.slot, &s.tenant),
         keys.expiry(placement.slot),
         keys.listing(placement.slot),
+        keys.run_listing(placement.slot),
     ] {
         assert_eq!(pttl(key.clone()).await, -1, "{key} must not expire");
     }
@@ -656,6 +662,33 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
     assert_eq!(applied[0], "applied");
     let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
     assert_eq!(lease, until);
+}
+
+/// A plain connection to the machine's Redis.
+async fn raw_connection(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_listing_index_holds_each_records_run() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let (store, clock) = common::store_on_given_clock(RedisTarget::Single(url.clone()), &prefix).await;
+    common::the_run_listing_index_holds_each_records_run(&store, &clock, &prefix, raw_connection(&url).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_earlier_versions_are_listed_by_run() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let raw = raw_connection(&url).await;
+    common::records_of_earlier_versions_are_listed_by_run(RedisTarget::Single(url), &prefix, raw).await;
 }
 
 /// Rollbacks that earlier versions kept as control documents (fields `rollback NUL tenant NUL

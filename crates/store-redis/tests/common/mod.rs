@@ -12,6 +12,7 @@
 // Each test binary uses part of the harness.
 #![allow(dead_code)]
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
@@ -23,9 +24,10 @@ use onceguard_core::control::{Budget, RunUsage, SwitchTarget};
 use onceguard_core::store::{ClaimStore, ControlStore, RunStore};
 use onceguard_core::{
     CheckpointName, ClaimOutcome, ClaimRequest, Clock, Denial, Fence, FencedOutcome, Fingerprint, Key, ListFilter,
-    ManualClock, Mutation, Namespace, Outcome, OutcomeKind, RecoveryReason, RunId, Scope, StoreClock, TenantId,
-    Timestamp,
+    ManualClock, Mutation, Namespace, Outcome, OutcomeKind, RecordState, RecoveryReason, RunId, Scope, StoreClock,
+    StoreError, TenantId, Timestamp,
 };
+use onceguard_store_redis::layout::{Keys, Placement, member, run_member, tenant_slots};
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;
 use onceguard_testkit::services;
@@ -676,4 +678,252 @@ pub async fn store_time_is_the_stores(server: &RedisStore, given: &RedisStore, c
     assert_eq!(given.store_time().await.unwrap(), Some(clock.now()));
     clock.advance(Duration::from_secs(90));
     assert_eq!(given.store_time().await.unwrap(), Some(clock.now()));
+}
+
+/// What a test expects of the records it wrote: the run each names, and whether it finished
+/// (released or completed, so that it expires with its retention).
+type Expected = std::collections::BTreeMap<Scope, (Option<RunId>, bool)>;
+
+/// The run listing entries of `tenant` on its slots, read straight from Redis through `raw`.
+async fn run_entries<C>(raw: &C, keys: &Keys, tenant: &TenantId) -> BTreeSet<Vec<u8>>
+where
+    C: redis::aio::ConnectionLike + Clone + Send,
+{
+    let head = format!("{tenant}\0");
+    let (from, until) = (format!("[{head}"), format!("({tenant}\x01"));
+    let mut entries = BTreeSet::new();
+    for slot in tenant_slots(tenant) {
+        let found: Vec<Vec<u8>> = redis::cmd("ZRANGEBYLEX")
+            .arg(keys.run_listing(slot))
+            .arg(&from)
+            .arg(&until)
+            .query_async(&mut raw.clone())
+            .await
+            .unwrap();
+        entries.extend(found);
+    }
+    entries
+}
+
+/// The run listing entries the records in `expected` should have: one for each that names a run.
+fn entries_of(expected: &Expected) -> BTreeSet<Vec<u8>> {
+    expected.iter().filter_map(|(s, (run, _))| run.as_ref().map(|run| run_member(&member(s), run))).collect()
+}
+
+/// The keys of the records listed.
+fn keys_of(records: &[onceguard_core::Record]) -> Vec<String> {
+    records.iter().map(|r| format!("{}/{}", r.scope.namespace, r.scope.key)).collect()
+}
+
+/// Every record `filter` lists, read `page` at a time.
+async fn list_all(store: &RedisStore, tenant: &TenantId, filter: &ListFilter, page: usize) -> Vec<String> {
+    let mut filter = ListFilter { limit: page, ..filter.clone() };
+    let mut listed = Vec::new();
+    loop {
+        let answer = store.list(tenant, &filter, T0).await.expect("the store lists");
+        assert!(answer.items.len() <= page);
+        listed.extend(keys_of(&answer.items));
+        match answer.next {
+            Some(after) => filter.after = Some(after),
+            None => return listed,
+        }
+    }
+}
+
+/// A run's pages, read from the run listing index, hold the records (and in the order) that
+/// the listing of every record, filtered by run in process, holds: with a namespace prefix and
+/// a state or not, a page at a time or all at once.
+async fn pages_of_a_run_are_the_scans(store: &RedisStore, tenant: &TenantId, run: &RunId) {
+    let prefixes = [None, Some(Namespace::parse("prod").unwrap()), Some(Namespace::parse("dev").unwrap())];
+    for namespace_prefix in prefixes {
+        for state in [None, Some(RecordState::InProgress), Some(RecordState::Completed)] {
+            let all = ListFilter { namespace_prefix: namespace_prefix.clone(), state, ..ListFilter::default() };
+            let scanned: Vec<onceguard_core::Record> = store
+                .list(tenant, &ListFilter { limit: 1_000, ..all.clone() }, T0)
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .filter(|r| r.run.as_ref() == Some(run))
+                .collect();
+            let by_run = ListFilter { run: Some(run.clone()), ..all };
+            for page in [1, 7, 1_000] {
+                let listed = list_all(store, tenant, &by_run, page).await;
+                assert_eq!(listed, keys_of(&scanned), "{by_run:?}, {page} a page");
+            }
+        }
+    }
+}
+
+/// The claims of a test on `acme`: 90 keys over three namespaces, a third of them in run `a`,
+/// a third in `b`, a third in none; the even ones completed, the odd ones released.
+async fn claim_a_tenants_records(store: &RedisStore, expected: &mut Expected) {
+    let (a, b) = (RunId::parse("a").unwrap(), RunId::parse("b").unwrap());
+    for i in 0..90 {
+        let namespace = ["prod/agent", "prod/other", "dev"][i % 3];
+        let s = Scope::new(acme(), Namespace::parse(namespace).unwrap(), Key::parse(&format!("k{i:02}")).unwrap());
+        let run = [Some(a.clone()), Some(b.clone()), None][(i / 3) % 3].clone();
+        let fence = match store.claim(&ClaimRequest { run: run.clone(), ..request(&s) }, T0).await.unwrap() {
+            ClaimOutcome::Acquired(acquired) => acquired.fence,
+            other => panic!("{s:?}: {other:?}"),
+        };
+        let mutation = match i % 2 {
+            0 => Mutation::Complete(outcome()),
+            _ => Mutation::Fail { retryable: true, outcome: outcome() },
+        };
+        assert!(matches!(store.mutate(&s, fence, mutation, T0, 8).await.unwrap(), FencedOutcome::Applied(_)));
+        expected.insert(s, (run, true));
+    }
+}
+
+/// The run listing index holds exactly one entry for each record that names a run, through
+/// claims, takeovers (of a released record that named no run, which then names the claim's;
+/// of an expired record, replaced by one of another run or of none), purges and the sweep;
+/// an entry whose record Redis reclaimed is removed by the first listing of its run that meets
+/// it. Listing a run reads its entries only: a record of another run that cannot be read
+/// fails the listing of every record, not the run's.
+pub async fn the_run_listing_index_holds_each_records_run<C>(
+    store: &RedisStore,
+    clock: &ManualClock,
+    prefix: &str,
+    raw: C,
+) where
+    C: redis::aio::ConnectionLike + Clone + Send,
+{
+    let (keys, tenant) = (Keys::new(prefix).unwrap(), acme());
+    let (a, b) = (RunId::parse("a").unwrap(), RunId::parse("b").unwrap());
+    let mut expected = Expected::new();
+    claim_a_tenants_records(store, &mut expected).await;
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the claims");
+    pages_of_a_run_are_the_scans(store, &tenant, &a).await;
+
+    // Released records (the odd ones) are taken over by claims of run a: those of no run take
+    // it, the others keep theirs. Every other one of them is left released.
+    let number = |s: &Scope| s.key.as_str()[1..].parse::<usize>().unwrap();
+    let taken: Vec<Scope> = expected.keys().filter(|s| number(s) % 4 == 1).cloned().collect();
+    for s in &taken {
+        let claimed = store.claim(&ClaimRequest { run: Some(a.clone()), ..request(s) }, T0).await.unwrap();
+        assert!(matches!(claimed, ClaimOutcome::Acquired(_)), "{s:?}: {claimed:?}");
+        let entry = expected.get_mut(s).unwrap();
+        *entry = (entry.0.clone().or(Some(a.clone())), false);
+        assert_eq!(store.get(s, T0).await.unwrap().and_then(|r| r.run), entry.0, "{s:?}");
+    }
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the takeovers");
+
+    // Past their retention, finished records are replaced by claims naming another run (or none).
+    clock.advance(Duration::from_secs(101));
+    let finished: Vec<Scope> = expected.iter().filter(|(_, (_, f))| *f).map(|(s, _)| s.clone()).collect();
+    for (i, s) in finished.iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+        let run = [Some(a.clone()), Some(b.clone()), None][i % 9 / 3].clone();
+        let claimed = store.claim(&ClaimRequest { run: run.clone(), ..request(s) }, T0).await.unwrap();
+        assert!(matches!(claimed, ClaimOutcome::Acquired(ref a) if a.recovery.is_none()), "{claimed:?}");
+        expected.insert(s.clone(), (run, false));
+    }
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the replacements");
+
+    // Purges, of records of either run and of none.
+    let purged: Vec<Scope> = expected.keys().step_by(7).cloned().collect();
+    for s in &purged {
+        assert!(store.purge(s).await.unwrap());
+        expected.remove(s);
+    }
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the purges");
+    pages_of_a_run_are_the_scans(store, &tenant, &a).await;
+    pages_of_a_run_are_the_scans(store, &tenant, &b).await;
+
+    // The sweep deletes the expired records, and their entries.
+    let expired = expected.values().filter(|(_, f)| *f).count();
+    assert!(expired > 10, "{expired}");
+    assert_eq!(store.sweep(T0, 1_000).await.unwrap(), expired);
+    expected.retain(|_, (_, finished)| !*finished);
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the sweep");
+
+    // A record that Redis reclaimed: its entry outlives it until a listing of its run meets it.
+    let (gone, _) = expected.iter().find(|(_, (run, _))| run.as_ref() == Some(&a)).unwrap();
+    let gone = gone.clone();
+    let gone_key = keys.record(&Placement::of(&gone));
+    redis::cmd("DEL").arg(&gone_key).query_async::<()>(&mut raw.clone()).await.unwrap();
+    let left = entries_of(&expected);
+    expected.remove(&gone);
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, left, "the reclaimed record's entry is left");
+    let by_a = ListFilter { run: Some(a.clone()), ..ListFilter::default() };
+    let listed = list_all(store, &tenant, &by_a, 1_000).await;
+    assert!(!listed.contains(&format!("{}/{}", gone.namespace, gone.key)), "{listed:?}");
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "removed by the listing");
+    pages_of_a_run_are_the_scans(store, &tenant, &a).await;
+
+    // A record of run b that cannot be read: the listing of every record fails on it, the
+    // listing of run a never reads it.
+    let (broken, _) = expected.iter().find(|(_, (run, _))| run.as_ref() == Some(&b)).unwrap();
+    let broken_key = keys.record(&Placement::of(broken));
+    redis::cmd("HSET").arg(&broken_key).arg("st").arg("unreadable").query_async::<()>(&mut raw.clone()).await.unwrap();
+    let every = ListFilter { limit: 1_000, ..ListFilter::default() };
+    assert!(matches!(store.list(&tenant, &every, T0).await, Err(StoreError::Corrupt(_))), "the scan reads it");
+    let of_a: Vec<&Scope> = expected.iter().filter(|(_, (run, _))| run.as_ref() == Some(&a)).map(|(s, _)| s).collect();
+    assert_eq!(list_all(store, &tenant, &by_a, 5).await.len(), of_a.len(), "run a's listing does not");
+}
+
+/// Records written before the run listing index existed (simulated: the index and its record
+/// of indexed slots deleted, as an earlier version leaves a store) are listed by run all the
+/// same: the first listing of one of the tenant's runs, by a process that knows nothing of
+/// the tenant, indexes the tenant's records, slot by slot, after fencing earlier versions out
+/// of each (its fence mark turns `m:<n>`, a form every later write of the mark keeps).
+pub async fn records_of_earlier_versions_are_listed_by_run<C>(target: RedisTarget, prefix: &str, raw: C)
+where
+    C: redis::aio::ConnectionLike + Clone + Send,
+{
+    let (keys, tenant) = (Keys::new(prefix).unwrap(), acme());
+    let (first, _) = store_on_given_clock(target.clone(), prefix).await;
+    let mut expected = Expected::new();
+    claim_a_tenants_records(&first, &mut expected).await;
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected));
+    for slot in tenant_slots(&tenant) {
+        redis::cmd("DEL").arg(keys.run_listing(slot)).query_async::<()>(&mut raw.clone()).await.unwrap();
+        let mark: Option<String> =
+            redis::cmd("GET").arg(keys.fence_mark(slot, &tenant)).query_async(&mut raw.clone()).await.unwrap();
+        assert!(mark.is_none_or(|m| m.parse::<u64>().is_ok()), "an earlier version's mark is a number");
+    }
+    redis::cmd("DEL").arg(keys.run_indexed(&tenant)).query_async::<()>(&mut raw.clone()).await.unwrap();
+    assert!(run_entries(&raw, &keys, &tenant).await.is_empty());
+
+    let (later, _) = store_on_given_clock(target, prefix).await;
+    let (a, b) = (RunId::parse("a").unwrap(), RunId::parse("b").unwrap());
+    let runs_keys = |run: &RunId| -> Vec<String> {
+        expected
+            .iter()
+            .filter(|(_, (r, _))| r.as_ref() == Some(run))
+            .map(|(s, _)| format!("{}/{}", s.namespace, s.key))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    };
+    let by_a = ListFilter { run: Some(a.clone()), ..ListFilter::default() };
+    let mut listed = list_all(&later, &tenant, &by_a, 7).await;
+    listed.sort();
+    assert_eq!(listed, runs_keys(&a), "run a's records of the earlier version");
+    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "indexed");
+    let indexed: BTreeSet<u16> =
+        redis::cmd("SMEMBERS").arg(keys.run_indexed(&tenant)).query_async(&mut raw.clone()).await.unwrap();
+    assert_eq!(indexed, tenant_slots(&tenant).into_iter().collect(), "every slot of the tenant");
+    for slot in tenant_slots(&tenant) {
+        let mark: String =
+            redis::cmd("GET").arg(keys.fence_mark(slot, &tenant)).query_async(&mut raw.clone()).await.unwrap();
+        assert!(mark.strip_prefix("m:").is_some_and(|n| n.parse::<u64>().is_ok()), "slot {slot}: {mark}");
+    }
+    pages_of_a_run_are_the_scans(&later, &tenant, &a).await;
+    // The process that wrote the records finds the index complete too.
+    let by_b = ListFilter { run: Some(b.clone()), ..ListFilter::default() };
+    let mut listed = list_all(&first, &tenant, &by_b, 1_000).await;
+    listed.sort();
+    assert_eq!(listed, runs_keys(&b));
+
+    // A fence acquired on a fenced slot keeps the mark's form.
+    let s = Scope::new(tenant.clone(), Namespace::parse("dev").unwrap(), Key::parse("after").unwrap());
+    let fence = acquire(&later, &s, T0).await;
+    let mark: String = redis::cmd("GET")
+        .arg(keys.fence_mark(Placement::of(&s).slot, &tenant))
+        .query_async(&mut raw.clone())
+        .await
+        .unwrap();
+    assert_eq!(mark, format!("m:{}", fence.0));
 }
