@@ -75,7 +75,9 @@ pub use layer::{
 #[derive(Debug, Clone)]
 pub struct Upstream {
     client: reqwest::Client,
-    base: String,
+    /// The upstream's URL, parsed once: a request's URL is a copy with the request's path (after
+    /// the base's own) and query set, without parsing the scheme and host again.
+    base: reqwest::Url,
 }
 
 impl Upstream {
@@ -92,13 +94,13 @@ impl Upstream {
             .timeout(timeout)
             .build()
             .map_err(|e| InvalidInput::new("upstream", e.to_string()))?;
-        Ok(Self { client, base: base.trim_end_matches('/').to_owned() })
+        Ok(Self { client, base: url })
     }
 
     /// Forwards one request.
     pub async fn forward(&self, request: Request<Body>) -> Response<Body> {
         let (parts, body) = request.into_parts();
-        let url = format!("{}{}", self.base, parts.uri.path_and_query().map_or("/", |p| p.as_str()));
+        let url = self.url_of(&parts.uri);
         let mut headers = end_to_end(&parts.headers, &[header::HOST]);
         // The body is streamed on; when its length is known (always for a guarded request, whose
         // body was read first), it goes with its length, not chunked, as the caller sent it:
@@ -123,6 +125,22 @@ impl Upstream {
             Err(e) if e.is_timeout() => failure(TransportFailure::TimedOut, &e),
             Err(e) => failure(TransportFailure::MaybeSent, &e),
         }
+    }
+}
+
+impl Upstream {
+    /// The upstream URL of a request to `uri`: the base's path, then the request's path and
+    /// query.
+    fn url_of(&self, uri: &axum::http::Uri) -> reqwest::Url {
+        let mut url = self.base.clone();
+        let prefix = self.base.path().trim_end_matches('/');
+        if prefix.is_empty() {
+            url.set_path(uri.path());
+        } else {
+            url.set_path(&format!("{prefix}{}", uri.path()));
+        }
+        url.set_query(uri.query());
+        url
     }
 }
 
@@ -198,4 +216,31 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
     onceguard_http::run(config, guard, listener, shutdown, app).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request's upstream URL is what parsing the base and the request's path and query
+    /// together gives.
+    #[test]
+    fn a_requests_url_is_the_bases_with_its_path_and_query() {
+        let cases = [
+            ("http://127.0.0.1:8080", "/charge", "http://127.0.0.1:8080/charge"),
+            ("http://127.0.0.1:8080/", "/charge?x=1&y=%20", "http://127.0.0.1:8080/charge?x=1&y=%20"),
+            ("http://tools.internal/api", "/v1/pay?q", "http://tools.internal/api/v1/pay?q"),
+            ("https://tools.internal/api/", "/", "https://tools.internal/api/"),
+            ("http://h:1/a", "/b/%2F../c", "http://h:1/a/b/%2F../c"),
+            ("http://h:1/a", "/b/../c", "http://h:1/a/c"),
+            ("http://h:1", "/", "http://h:1/"),
+        ];
+        for (base, path, expected) in cases {
+            let upstream = Upstream::new(base, Duration::from_secs(1)).unwrap();
+            let url = upstream.url_of(&path.parse().unwrap());
+            assert_eq!(url.as_str(), expected, "{base} + {path}");
+            let joined = reqwest::Url::parse(&format!("{}{path}", base.trim_end_matches('/'))).unwrap();
+            assert_eq!(url, joined, "{base} + {path}: as parsed whole");
+        }
+    }
 }
