@@ -163,7 +163,7 @@ pub fn parse_token(token: &str) -> Option<(ApiKeyId, &str)> {
 }
 
 fn digest(secret: &str) -> String {
-    hex::encode(Sha256::digest(secret.as_bytes()))
+    crate::domain::lower_hex(&Sha256::digest(secret.as_bytes()))
 }
 
 #[cfg(test)]

@@ -226,13 +226,14 @@ impl Fingerprint {
 
     /// `sha256:` of the given bytes.
     pub fn sha256(bytes: &[u8]) -> Self {
-        let mut hex = [0u8; 64];
-        let mut text = String::with_capacity("sha256:".len() + hex.len());
+        Self::of_sha256_digest(&Sha256::digest(bytes).into())
+    }
+
+    /// `sha256:` and the given SHA-256 digest (of bytes hashed by the caller), in hex.
+    pub fn of_sha256_digest(digest: &[u8; 32]) -> Self {
+        let mut text = String::with_capacity("sha256:".len() + 64);
         text.push_str("sha256:");
-        // 32 bytes always fit 64 hex digits, which are ASCII.
-        if hex::encode_to_slice(Sha256::digest(bytes), &mut hex).is_ok() {
-            text.extend(hex.iter().map(|&b| char::from(b)));
-        }
+        text.push_str(&lower_hex(digest));
         Self(text)
     }
 
@@ -414,6 +415,14 @@ pub fn check_reason(field: &'static str, text: &str) -> Result<(), InvalidInput>
     Ok(())
 }
 
+/// `bytes` in lowercase hex, written through a table (`hex::encode` builds its text a `char` at
+/// a time, which costs a replay more than the SHA-256 it encodes).
+pub fn lower_hex(bytes: &[u8]) -> String {
+    let mut out = vec![0u8; bytes.len() * 2];
+    hex::encode_to_slice(bytes, &mut out).expect("twice as many hex digits as bytes");
+    String::from_utf8(out).expect("hex digits are ASCII")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -521,6 +530,17 @@ mod tests {
         for bad in ["sha256", ":0123456789abcdef", "sha256:0123", "sha256:0123456789ABCDEF", "SHA:0123456789abcdef"] {
             assert!(Fingerprint::parse(bad).is_err(), "{bad:?} must be refused");
         }
+    }
+
+    #[test]
+    fn a_sha256_fingerprint_is_the_digest_in_lowercase_hex() {
+        for bytes in [&b""[..], b"abc", &[0u8, 255, 16, 1][..]] {
+            assert_eq!(lower_hex(bytes), hex::encode(bytes));
+        }
+        // SHA-256 of "abc" (FIPS 180-2, appendix B.1).
+        let abc = "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        assert_eq!(Fingerprint::sha256(b"abc").as_str(), abc);
+        assert_eq!(Fingerprint::parse(abc).unwrap(), Fingerprint::sha256(b"abc"));
     }
 
     #[test]

@@ -118,7 +118,7 @@ impl OutcomeDigest {
     /// The digest of `body` of media type `content_type`.
     pub fn of(content_type: &str, body: &[u8]) -> Self {
         use sha2::Digest as _;
-        let sha256 = hex::encode(sha2::Sha256::digest(body));
+        let sha256 = crate::domain::lower_hex(&sha2::Sha256::digest(body));
         Self { content_type: content_type.to_owned(), size: body.len() as u64, sha256, status: None }
     }
 

@@ -127,7 +127,7 @@ pub fn segment(name: &str) -> String {
     }
     let readable: String =
         name.chars().take(40).map(|c| if c.is_ascii() && valid(c as u8) { c } else { '-' }).collect();
-    let digest = hex::encode(Sha256::digest(name.as_bytes()));
+    let digest = onceguard_core::domain::lower_hex(&Sha256::digest(name.as_bytes()));
     format!("{readable}-{}", &digest[..16])
 }
 

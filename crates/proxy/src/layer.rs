@@ -181,7 +181,7 @@ fn caller_namespace(headers: &HeaderMap, options: &IdempotencyOptions) -> Result
     let identity = &options.identity_header;
     match headers.get(identity).map(HeaderValue::as_bytes).filter(|v| !v.is_empty()) {
         Some(value) => {
-            let digest = hex::encode(Sha256::digest(value));
+            let digest = onceguard_core::domain::lower_hex(&Sha256::digest(value));
             Ok(Namespace::parse(&format!("proxy/{}", &digest[..32])).expect("a hex digest is a valid segment"))
         }
         None => options.shared_scope.clone().ok_or_else(|| {
@@ -210,7 +210,7 @@ fn fingerprint(method: &Method, path_and_query: &str, body: &[u8]) -> Fingerprin
     hasher.update(path_and_query.as_bytes());
     hasher.update(b"\n");
     hasher.update(body);
-    Fingerprint::parse(&format!("sha256:{}", hex::encode(hasher.finalize()))).expect("a sha256 digest is valid")
+    Fingerprint::of_sha256_digest(&hasher.finalize().into())
 }
 
 async fn guarded<S>(shared: Arc<Shared>, inner: S, request: Request<Body>) -> Result<Response<Body>, ApiError>

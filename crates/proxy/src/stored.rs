@@ -63,7 +63,7 @@ impl BodyDigest {
 
     /// What is kept of the body seen.
     pub fn finish(self) -> Omitted {
-        Omitted { size: self.size, sha256: hex::encode(self.sha256.finalize()) }
+        Omitted { size: self.size, sha256: onceguard_core::domain::lower_hex(&self.sha256.finalize()) }
     }
 }
 
