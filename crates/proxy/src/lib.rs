@@ -70,14 +70,33 @@ pub use layer::{
     IdempotencyLayer, IdempotencyOptions, IdempotencyService, TransportFailure, idempotency_key, shared_scope,
 };
 
+/// The HTTP client of the upstream: hyper's pooled client (keep-alive), over TLS where the
+/// upstream's URL says `https`.
+type Client = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Body,
+>;
+
 /// Forwards requests to the upstream, streaming bodies both ways. A transport failure becomes
 /// a 502/504 problem carrying a [`TransportFailure`] extension, which the layer acts on.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Upstream {
-    client: reqwest::Client,
-    /// The upstream's URL, parsed once: a request's URL is a copy with the request's path (after
-    /// the base's own) and query set, without parsing the scheme and host again.
-    base: reqwest::Url,
+    client: Client,
+    /// The upstream's scheme and authority, parsed once.
+    scheme: axum::http::uri::Scheme,
+    authority: axum::http::uri::Authority,
+    /// The upstream URL's path, without its trailing `/`: a request's path goes after it.
+    prefix: String,
+    /// A request and its response's body end within this.
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("url", &format!("{}://{}{}", self.scheme, self.authority, self.prefix))
+            .finish()
+    }
 }
 
 impl Upstream {
@@ -86,21 +105,32 @@ impl Upstream {
     pub fn new(base: &str, timeout: Duration) -> Result<Self, InvalidInput> {
         let url = reqwest::Url::parse(base)
             .map_err(|e| InvalidInput::new("upstream", format!("'{base}' is not a URL: {e}")))?;
-        if !matches!(url.scheme(), "http" | "https") || url.query().is_some() {
+        if !matches!(url.scheme(), "http" | "https") || url.query().is_some() || url.host_str().is_none() {
             return Err(InvalidInput::new("upstream", "must be an http:// or https:// URL without a query"));
         }
-        let client = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .timeout(timeout)
-            .build()
-            .map_err(|e| InvalidInput::new("upstream", e.to_string()))?;
-        Ok(Self { client, base: url })
+        let uri: axum::http::Uri =
+            url.as_str().parse().map_err(|e| InvalidInput::new("upstream", format!("'{base}' is not a URL: {e}")))?;
+        let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned()) else {
+            return Err(InvalidInput::new("upstream", "must be an http:// or https:// URL with a host"));
+        };
+        let tls = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_provider_and_webpki_roots(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .map_err(|e| InvalidInput::new("upstream", format!("TLS: {e}")))?
+            .https_or_http()
+            .enable_http1()
+            .build();
+        let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(tls);
+        Ok(Self { client, scheme, authority, prefix: url.path().trim_end_matches('/').to_owned(), timeout })
     }
 
     /// Forwards one request.
     pub async fn forward(&self, request: Request<Body>) -> Response<Body> {
-        let (parts, body) = request.into_parts();
-        let url = self.url_of(&parts.uri);
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let (mut parts, body) = request.into_parts();
+        let uri = match self.uri_of(&parts.uri) {
+            Ok(uri) => uri,
+            Err(e) => return failure(TransportFailure::NotSent, &e),
+        };
         let mut headers = end_to_end(&parts.headers, &[header::HOST]);
         // The body is streamed on; when its length is known (always for a guarded request, whose
         // body was read first), it goes with its length, not chunked, as the caller sent it:
@@ -111,36 +141,53 @@ impl Upstream {
         {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
         }
-        let body = reqwest::Body::wrap_stream(body.into_data_stream());
-        match self.client.request(parts.method, url).headers(headers).body(body).send().await {
-            Ok(upstream) => {
-                let mut response = Response::builder().status(upstream.status());
-                if let Some(h) = response.headers_mut() {
-                    *h = end_to_end(upstream.headers(), &[]);
-                }
-                let stream = upstream.bytes_stream().map_err(std::io::Error::other);
-                response.body(Body::from_stream(stream)).unwrap_or_else(|e| failure(TransportFailure::MaybeSent, &e))
+        parts.uri = uri;
+        parts.headers = headers;
+        parts.version = axum::http::Version::HTTP_11;
+        parts.extensions = axum::http::Extensions::new();
+        match tokio::time::timeout_at(deadline, self.client.request(Request::from_parts(parts, body))).await {
+            Ok(Ok(upstream)) => {
+                let (mut parts, body) = upstream.into_parts();
+                parts.headers = end_to_end(&parts.headers, &[]);
+                parts.extensions = axum::http::Extensions::new();
+                // The response's body ends by the same deadline as its head.
+                let frames = http_body_util::BodyExt::into_data_stream(body).map_err(std::io::Error::other);
+                let stream = futures::StreamExt::take_until(frames, tokio::time::sleep_until(deadline));
+                let timed = futures::stream::StreamExt::chain(
+                    stream,
+                    futures::stream::once(async move {
+                        if tokio::time::Instant::now() >= deadline {
+                            Err(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "the upstream's body did not end in time",
+                            ))
+                        } else {
+                            Ok(bytes::Bytes::new())
+                        }
+                    }),
+                );
+                Response::from_parts(parts, Body::from_stream(timed))
             }
-            Err(e) if e.is_connect() => failure(TransportFailure::NotSent, &e),
-            Err(e) if e.is_timeout() => failure(TransportFailure::TimedOut, &e),
-            Err(e) => failure(TransportFailure::MaybeSent, &e),
+            Ok(Err(e)) if e.is_connect() => failure(TransportFailure::NotSent, &e),
+            Ok(Err(e)) => failure(TransportFailure::MaybeSent, &e),
+            Err(_) => failure(TransportFailure::TimedOut, &"no answer within the upstream timeout"),
         }
     }
-}
 
-impl Upstream {
-    /// The upstream URL of a request to `uri`: the base's path, then the request's path and
+    /// The upstream URI of a request to `uri`: the upstream's path, then the request's path and
     /// query.
-    fn url_of(&self, uri: &axum::http::Uri) -> reqwest::Url {
-        let mut url = self.base.clone();
-        let prefix = self.base.path().trim_end_matches('/');
-        if prefix.is_empty() {
-            url.set_path(uri.path());
+    fn uri_of(&self, uri: &axum::http::Uri) -> Result<axum::http::Uri, axum::http::Error> {
+        let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
+        let path_and_query = if self.prefix.is_empty() {
+            axum::http::uri::PathAndQuery::try_from(path_and_query)?
         } else {
-            url.set_path(&format!("{prefix}{}", uri.path()));
-        }
-        url.set_query(uri.query());
-        url
+            axum::http::uri::PathAndQuery::try_from(format!("{}{path_and_query}", self.prefix))?
+        };
+        axum::http::Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
     }
 }
 
@@ -222,25 +269,25 @@ pub async fn run(
 mod tests {
     use super::*;
 
-    /// A request's upstream URL is what parsing the base and the request's path and query
-    /// together gives.
+    /// A request goes to the upstream's scheme, authority and path, followed by the request's
+    /// own path and query as the caller sent them.
     #[test]
-    fn a_requests_url_is_the_bases_with_its_path_and_query() {
+    fn a_requests_uri_is_the_upstreams_with_its_path_and_query() {
         let cases = [
             ("http://127.0.0.1:8080", "/charge", "http://127.0.0.1:8080/charge"),
             ("http://127.0.0.1:8080/", "/charge?x=1&y=%20", "http://127.0.0.1:8080/charge?x=1&y=%20"),
             ("http://tools.internal/api", "/v1/pay?q", "http://tools.internal/api/v1/pay?q"),
             ("https://tools.internal/api/", "/", "https://tools.internal/api/"),
             ("http://h:1/a", "/b/%2F../c", "http://h:1/a/b/%2F../c"),
-            ("http://h:1/a", "/b/../c", "http://h:1/a/c"),
             ("http://h:1", "/", "http://h:1/"),
         ];
         for (base, path, expected) in cases {
             let upstream = Upstream::new(base, Duration::from_secs(1)).unwrap();
-            let url = upstream.url_of(&path.parse().unwrap());
-            assert_eq!(url.as_str(), expected, "{base} + {path}");
-            let joined = reqwest::Url::parse(&format!("{}{path}", base.trim_end_matches('/'))).unwrap();
-            assert_eq!(url, joined, "{base} + {path}: as parsed whole");
+            let uri = upstream.uri_of(&path.parse().unwrap()).unwrap();
+            assert_eq!(uri.to_string(), expected, "{base} + {path}");
+        }
+        for bad in ["ftp://h/", "http://h/?q=1", "not a url"] {
+            assert!(Upstream::new(bad, Duration::from_secs(1)).is_err(), "{bad}");
         }
     }
 }
