@@ -9,12 +9,14 @@
  *     npm run bench -- --calls 2000
  *
  * Prints calls/s, mean, p50 and p99 per variant, and each variant's time over the bare fetch.
- * The replay of `once` and a bare `fetch` of the same claim (the same body, to the same key)
- * take turns in rounds of 100 calls, so that both see the same machine; the last line says both
- * figures and their difference. The defaults (5,000 calls after 1,000 warm-up calls) leave the
+ * The replay of `once`, a bare `fetch` of the same claim (the same body, to the same key) and
+ * the same request through `node:http` (the client's transport on Node) take turns in rounds of
+ * 100 calls, so that all see the same machine; the last line says the figures and the
+ * differences. The defaults (5,000 calls after 1,000 warm-up calls) leave the
  * JIT compiler time to settle: a few hundred calls measure code that is still interpreted.
  */
 
+import { request } from "node:http";
 import { parseArgs } from "node:util";
 import { Client, deriveKey, once } from "onceguard";
 import { Server } from "../test/server.js";
@@ -118,28 +120,37 @@ async function main(): Promise<void> {
     const noBeat = once(effect, { client, namespace: `${namespace}/nobeat`, name: "refund", params: ["order", "amount"], heartbeat: false });
     results.push(await measure("once, first execution, no heartbeat", (i) => noBeat(i, 25)));
     // A replay, and a bare fetch of the same claim: the body `once` sends (its default lease and
-    // wait included) for the same keys, which `first` completed above.
+    // wait included) for the same keys, which `first` completed above; and the same request
+    // through node:http and its global keep-alive agent, the client's transport on Node.
     const keys = await Promise.all(Array.from({ length: 100 }, (_, order) => deriveKey("refund", "v1", { order, amount: 25 })));
+    const replayBody = (i: number): string => {
+      const order = Math.abs(i) % 100;
+      return JSON.stringify({ namespace: `${namespace}/first`, key: keys[order], request: { order, amount: 25 }, lease: "30s", wait: "10s" });
+    };
     const replays = await measureTogether([
       ["once, replay", (i) => first(Math.abs(i) % 100, 25)],
       [
         "bare fetch (one claim, a replay)",
         async (i) => {
-          const order = Math.abs(i) % 100;
-          const response = await fetch(`${url}/v1/claims`, {
-            method: "POST",
-            headers,
-            body: JSON.stringify({
-              namespace: `${namespace}/first`,
-              key: keys[order],
-              request: { order, amount: 25 },
-              lease: "30s",
-              wait: "10s",
-            }),
-          });
-          if (response.status !== 200) throw new Error(`a bare replay answered ${response.status}: ${await response.text()}`);
-          await response.text();
+          const response = await fetch(`${url}/v1/claims`, { method: "POST", headers, body: replayBody(i) });
+          const text = await response.text();
+          if (response.status !== 200) throw new Error(`a bare replay answered ${response.status}: ${text}`);
         },
+      ],
+      [
+        "bare node:http (one claim, a replay)",
+        (i) =>
+          new Promise<void>((resolve, reject) => {
+            const sent = request(`${url}/v1/claims`, { method: "POST", headers }, (response) => {
+              response.resume();
+              response.on("end", () =>
+                response.statusCode === 200 ? resolve() : reject(new Error(`a bare replay answered ${response.statusCode}`)),
+              );
+              response.on("error", reject);
+            });
+            sent.on("error", reject);
+            sent.end(replayBody(i));
+          }),
       ],
     ]);
     results.push(...replays);
@@ -185,8 +196,8 @@ async function main(): Promise<void> {
         ].join(""),
       );
     }
-    const [, , firstRun, , replay, bareReplay, firstClient, replayClient] = results as [
-      Figures, Figures, Figures, Figures, Figures, Figures, Figures, Figures,
+    const [, , firstRun, , replay, bareReplay, nodeReplay, firstClient, replayClient] = results as [
+      Figures, Figures, Figures, Figures, Figures, Figures, Figures, Figures, Figures,
     ];
     const signed = (us: number): string => `${us >= 0 ? "+" : "−"}${Math.abs(us).toFixed(0)} µs`;
     console.log(`once over the bare fetch: first execution ${signed(firstRun.meanUs - bare.meanUs)} (claim + complete: two round trips)`);
@@ -196,7 +207,9 @@ async function main(): Promise<void> {
     console.log(
       `replay, taking turns: once ${replay.meanUs.toFixed(0)} µs (p50 ${replay.p50Us.toFixed(0)}), ` +
         `bare fetch of the same claim ${bareReplay.meanUs.toFixed(0)} µs (p50 ${bareReplay.p50Us.toFixed(0)}): ` +
-        `once adds ${signed(replay.meanUs - bareReplay.meanUs)} (p50 ${signed(replay.p50Us - bareReplay.p50Us)})`,
+        `once adds ${signed(replay.meanUs - bareReplay.meanUs)} (p50 ${signed(replay.p50Us - bareReplay.p50Us)}); ` +
+        `over a bare node:http request of it (${nodeReplay.meanUs.toFixed(0)} µs, p50 ${nodeReplay.p50Us.toFixed(0)}) ` +
+        `${signed(replay.meanUs - nodeReplay.meanUs)} (p50 ${signed(replay.p50Us - nodeReplay.p50Us)})`,
     );
   } finally {
     await server?.cleanup();
