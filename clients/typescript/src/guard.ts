@@ -654,7 +654,8 @@ async function claimKey(client: Client, policy: Policy, key: string, claim: Clai
   const started = Date.now();
   const ask = (wait: Duration | undefined): Promise<ClaimAnswer> =>
     client.claim(policy.namespace, key, {
-      ...(claim.fingerprint !== undefined ? { fingerprint: claim.fingerprint } : { request: claim.request ?? null }),
+      fingerprint: claim.fingerprint,
+      request: claim.fingerprint !== undefined ? undefined : (claim.request ?? null),
       lease: policy.lease,
       retention: policy.retention,
       run: claim.run ?? undefined,
@@ -704,10 +705,9 @@ export async function runGuarded<T>(
   claim: ClaimOf = {},
 ): Promise<Awaited<T>> {
   checkKey(key);
-  const answer = await claimKey(client, policy, key, claim);
-  const attempt = new Attempt(client, policy, key, interpret(answer, policy, key));
-  if (attempt.replayed) return attempt.result as Awaited<T>;
-  return runAttempt(client, policy, attempt, job, claim);
+  const found = interpret(await claimKey(client, policy, key, claim), policy, key);
+  if ("replayed" in found) return found.value as Awaited<T>; // nothing runs: no attempt to make
+  return runAttempt(client, policy, new Attempt(client, policy, key, found), job, claim);
 }
 
 /**
