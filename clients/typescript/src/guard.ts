@@ -426,7 +426,7 @@ export class Attempt {
     const text = this.#serialize(value);
     if (this.observed !== null) return this.#stored(text);
     const compensation = this.#compensation(value, text);
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...this.#amounts(), compensation }));
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { cost: this.cost, tokens: this.tokens, compensation }));
     return this.#stored(text);
   }
 
@@ -436,13 +436,6 @@ export class Attempt {
     if (undo === undefined) return undefined;
     const data: unknown = undo.data === undefined ? JSON.parse(text) : toJsonValue(undo.data(value));
     return checkCompensation({ name: undo.name, data });
-  }
-
-  #amounts(): { cost?: number; tokens?: number } {
-    return {
-      ...(this.cost !== undefined ? { cost: this.cost } : {}),
-      ...(this.tokens !== undefined ? { tokens: this.tokens } : {}),
-    };
   }
 
   #requireHolder(): void {
@@ -488,9 +481,12 @@ export class Attempt {
       await this.#reportUnknown(`the reconciled result could not be stored: ${detailOf(error)}`);
       throw error;
     }
-    const amounts = { ...this.#amounts(), ...(happened.cost !== undefined ? { cost: happened.cost } : {}) };
-    if (happened.tokens !== undefined) amounts.tokens = happened.tokens;
-    const options = { ...amounts, reconciled: true, compensation };
+    const options = {
+      cost: happened.cost !== undefined ? happened.cost : this.cost,
+      tokens: happened.tokens !== undefined ? happened.tokens : this.tokens,
+      reconciled: true,
+      compensation,
+    };
     applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), options));
     return this.#stored(text);
   }
@@ -511,7 +507,7 @@ export class Attempt {
       await this.#reportUnknown(`the result could not be stored: ${detailOf(error)}`);
       throw error;
     }
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...this.#amounts(), compensation }));
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { cost: this.cost, tokens: this.tokens, compensation }));
     return this.#stored(text);
   }
 
@@ -525,8 +521,7 @@ export class Attempt {
     const kind = this.#effectDone ? "unknown" : classify(this.#policy, error);
     if (kind === "permanent") {
       const failure = failureOf(error);
-      const spent = this.#amounts();
-      applied(await this.#client.fail(this.namespace, this.key, this.fence, { retryable: false, error: failure, ...spent }));
+      applied(await this.#client.fail(this.namespace, this.key, this.fence, { retryable: false, error: failure, cost: this.cost, tokens: this.tokens }));
       throw new PermanentFailure(failure, this.namespace, this.key, false, error);
     }
     if (kind === "unknown") {
@@ -534,8 +529,7 @@ export class Attempt {
       return;
     }
     try {
-      const spent = this.#amounts();
-      await this.#client.fail(this.namespace, this.key, this.fence, { retryable: true, error: failureOf(error), ...spent });
+      await this.#client.fail(this.namespace, this.key, this.fence, { retryable: true, error: failureOf(error), cost: this.cost, tokens: this.tokens });
     } catch {
       // the lease will pass; the next claim is then a recovery
     }
