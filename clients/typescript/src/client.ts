@@ -1,6 +1,6 @@
 /**
- * {@link Client}: every call of the HTTP API over the platform's `fetch`, with the retries of
- * {@link Retry}.
+ * {@link Client}: every call of the HTTP API, sent by a {@link Transport} (`node:http` on Node,
+ * else the platform's `fetch`, or the `fetch` it is given), with the retries of {@link Retry}.
  *
  * Which calls may be sent again after a failure that may have reached the server (a timeout,
  * a dropped connection): claims (a lost claim's repeat answers `in_flight`, never a second
@@ -61,6 +61,7 @@ import {
 } from "./models.js";
 import { checkCompensation } from "./compensation.js";
 import { NO_RETRY, Retry, notSent, sleep, type RetryOptions } from "./retry.js";
+import { defaultTransport, fetchTransport, type Answer, type AnswerHeaders, type Transport } from "./transport.js";
 import {
   body,
   durationSeconds,
@@ -98,15 +99,8 @@ export interface ClientOptions {
   readonly retry?: Retry | RetryOptions;
   /** More headers for every request. */
   readonly headers?: Readonly<Record<string, string>>;
-  /** The `fetch` to use. Default: the platform's. */
+  /** The `fetch` to use. Default: `node:http` on Node (keep-alive), else the platform's `fetch`. */
   readonly fetch?: typeof fetch;
-}
-
-/** An answer as read: its status, headers and whole text. */
-interface Answer {
-  readonly status: number;
-  readonly headers: Headers;
-  readonly text: string;
 }
 
 /** One request and the reader of its answer. */
@@ -154,7 +148,7 @@ function expect(answer: Answer, ...ok: number[]): Json {
   throw errorOf(answer);
 }
 
-function retryAfterOf(problem: Problem, headers?: Headers): number | null {
+function retryAfterOf(problem: Problem, headers?: AnswerHeaders): number | null {
   const ms = problem["retry_after_ms"];
   if (typeof ms === "number") return ms / 1000;
   const header = headers?.get("retry-after");
@@ -163,7 +157,7 @@ function retryAfterOf(problem: Problem, headers?: Headers): number | null {
 }
 
 /** A claim's answer from its status and body (`resultText`: a replay's result as sent). */
-function claimAnswer(status: number, value: unknown, resultText?: string, headers?: Headers): ClaimAnswer {
+function claimAnswer(status: number, value: unknown, resultText?: string, headers?: AnswerHeaders): ClaimAnswer {
   if (status === 201) return acquiredOf(value as Json);
   if (status === 200 && isProceed(value)) {
     if (!isWellFormedProceed(value as Json)) throw new UnexpectedResponse(status, JSON.stringify(value));
@@ -378,17 +372,17 @@ function completeFields(namespace: string, key: string, fence: number, result: u
     reconciled: options.reconciled,
     compensation: options.compensation === undefined ? undefined : checkCompensation(options.compensation),
   };
+  // Object.assign, not a spread: Node 20 copies a spread into a literal with more members slowly.
   if (options.raw !== undefined) {
-    return {
-      ...common,
+    return Object.assign(common, {
       result_base64: toBase64(options.raw),
       content_type: options.contentType ?? "application/octet-stream",
-    };
+    });
   }
   if (options.contentType !== undefined && options.contentType !== "application/json") {
     throw new TypeError("a result is JSON; send other media types as raw bytes with contentType");
   }
-  return { ...common, result: result === undefined ? null : result };
+  return Object.assign(common, { result: result === undefined ? null : result });
 }
 
 /** One claim of {@link Client.claimBatch}: a claim's arguments (a batch never waits). */
@@ -473,7 +467,7 @@ export interface TenantOption extends CallOptions {
 
 /**
  * The client: every call of the HTTP API. Make one per process; it holds no connections of
- * its own (the platform's `fetch` pools them).
+ * its own (Node's global HTTP agents keep them, or the `fetch` it uses).
  *
  * ```ts
  * const client = new Client({ baseUrl: "http://127.0.0.1:8080", apiKey: "og_…" }); // or $ONCEGUARD_URL, $ONCEGUARD_API_KEY
@@ -486,7 +480,10 @@ export class Client {
   readonly timeout: number;
   readonly retry: Retry;
   readonly #headers: Readonly<Record<string, string>>;
-  readonly #fetch: typeof fetch;
+  /** {@link Client.#headers} with the `content-type` of a JSON body. */
+  readonly #jsonHeaders: Readonly<Record<string, string>>;
+  /** The transport over the `fetch` the client was given, if it was. */
+  readonly #transport: Transport | undefined;
 
   constructor(options: ClientOptions = {}) {
     this.baseUrl = (options.baseUrl ?? env("ONCEGUARD_URL") ?? DEFAULT_URL).replace(/\/+$/, "");
@@ -497,10 +494,11 @@ export class Client {
     if (typeof (globalThis as { window?: unknown }).window === "undefined") headers["user-agent"] = USER_AGENT;
     if (this.apiKey) headers["authorization"] = `Bearer ${this.apiKey}`;
     this.#headers = { ...headers, ...options.headers };
-    this.#fetch = options.fetch ?? ((input, init) => fetch(input, init));
+    this.#jsonHeaders = { ...this.#headers, "content-type": "application/json" };
+    this.#transport = options.fetch === undefined ? undefined : fetchTransport(options.fetch);
   }
 
-  /** One try of `call`: the answer, or the `fetch` failure. */
+  /** One try of `call`: the answer, or the transport's failure. */
   async #try<T>(call: Call<T>, url: string, signal: AbortSignal | undefined): Promise<Answer> {
     const controller = new AbortController();
     const onAbort = (): void => controller.abort(signal?.reason);
@@ -508,13 +506,10 @@ export class Client {
     const limit = (this.timeout + (call.extraTime ?? 0)) * 1000;
     const timer = setTimeout(() => controller.abort(new TimeoutError(limit / 1000)), limit);
     try {
-      const headers: Record<string, string> = { ...this.#headers };
-      if (call.body !== undefined) headers["content-type"] = "application/json";
-      const init: RequestInit = { method: call.method, headers, signal: controller.signal };
-      if (call.body !== undefined) init.body = call.body;
-      const response = await this.#fetch(url, init);
-      const text = await response.text();
-      return { status: response.status, headers: response.headers, text };
+      const chosen = this.#transport ?? defaultTransport();
+      const transport = typeof chosen === "function" ? chosen : await chosen;
+      const headers = call.body === undefined ? this.#headers : this.#jsonHeaders;
+      return await transport({ method: call.method, url, headers, body: call.body, signal: controller.signal });
     } finally {
       clearTimeout(timer);
       signal?.removeEventListener("abort", onAbort);

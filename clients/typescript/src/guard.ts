@@ -426,7 +426,7 @@ export class Attempt {
     const text = this.#serialize(value);
     if (this.observed !== null) return this.#stored(text);
     const compensation = this.#compensation(value, text);
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...this.#amounts(), compensation }));
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { cost: this.cost, tokens: this.tokens, compensation }));
     return this.#stored(text);
   }
 
@@ -436,13 +436,6 @@ export class Attempt {
     if (undo === undefined) return undefined;
     const data: unknown = undo.data === undefined ? JSON.parse(text) : toJsonValue(undo.data(value));
     return checkCompensation({ name: undo.name, data });
-  }
-
-  #amounts(): { cost?: number; tokens?: number } {
-    return {
-      ...(this.cost !== undefined ? { cost: this.cost } : {}),
-      ...(this.tokens !== undefined ? { tokens: this.tokens } : {}),
-    };
   }
 
   #requireHolder(): void {
@@ -488,9 +481,12 @@ export class Attempt {
       await this.#reportUnknown(`the reconciled result could not be stored: ${detailOf(error)}`);
       throw error;
     }
-    const amounts = { ...this.#amounts(), ...(happened.cost !== undefined ? { cost: happened.cost } : {}) };
-    if (happened.tokens !== undefined) amounts.tokens = happened.tokens;
-    const options = { ...amounts, reconciled: true, compensation };
+    const options = {
+      cost: happened.cost !== undefined ? happened.cost : this.cost,
+      tokens: happened.tokens !== undefined ? happened.tokens : this.tokens,
+      reconciled: true,
+      compensation,
+    };
     applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), options));
     return this.#stored(text);
   }
@@ -511,7 +507,7 @@ export class Attempt {
       await this.#reportUnknown(`the result could not be stored: ${detailOf(error)}`);
       throw error;
     }
-    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { ...this.#amounts(), compensation }));
+    applied(await this.#client.complete(this.namespace, this.key, this.fence, new RawJson(text), { cost: this.cost, tokens: this.tokens, compensation }));
     return this.#stored(text);
   }
 
@@ -525,8 +521,7 @@ export class Attempt {
     const kind = this.#effectDone ? "unknown" : classify(this.#policy, error);
     if (kind === "permanent") {
       const failure = failureOf(error);
-      const spent = this.#amounts();
-      applied(await this.#client.fail(this.namespace, this.key, this.fence, { retryable: false, error: failure, ...spent }));
+      applied(await this.#client.fail(this.namespace, this.key, this.fence, { retryable: false, error: failure, cost: this.cost, tokens: this.tokens }));
       throw new PermanentFailure(failure, this.namespace, this.key, false, error);
     }
     if (kind === "unknown") {
@@ -534,8 +529,7 @@ export class Attempt {
       return;
     }
     try {
-      const spent = this.#amounts();
-      await this.#client.fail(this.namespace, this.key, this.fence, { retryable: true, error: failureOf(error), ...spent });
+      await this.#client.fail(this.namespace, this.key, this.fence, { retryable: true, error: failureOf(error), cost: this.cost, tokens: this.tokens });
     } catch {
       // the lease will pass; the next claim is then a recovery
     }
@@ -654,7 +648,8 @@ async function claimKey(client: Client, policy: Policy, key: string, claim: Clai
   const started = Date.now();
   const ask = (wait: Duration | undefined): Promise<ClaimAnswer> =>
     client.claim(policy.namespace, key, {
-      ...(claim.fingerprint !== undefined ? { fingerprint: claim.fingerprint } : { request: claim.request ?? null }),
+      fingerprint: claim.fingerprint,
+      request: claim.fingerprint !== undefined ? undefined : (claim.request ?? null),
       lease: policy.lease,
       retention: policy.retention,
       run: claim.run ?? undefined,
@@ -704,10 +699,9 @@ export async function runGuarded<T>(
   claim: ClaimOf = {},
 ): Promise<Awaited<T>> {
   checkKey(key);
-  const answer = await claimKey(client, policy, key, claim);
-  const attempt = new Attempt(client, policy, key, interpret(answer, policy, key));
-  if (attempt.replayed) return attempt.result as Awaited<T>;
-  return runAttempt(client, policy, attempt, job, claim);
+  const found = interpret(await claimKey(client, policy, key, claim), policy, key);
+  if ("replayed" in found) return found.value as Awaited<T>; // nothing runs: no attempt to make
+  return runAttempt(client, policy, new Attempt(client, policy, key, found), job, claim);
 }
 
 /**

@@ -64,6 +64,7 @@ export class RawJson {
 
 /** The client's JSON text of a value: compact; refuses what is not JSON. */
 export function dumps(value: unknown): string {
+  if (typeof value === "string") return JSON.stringify(value); // most fields: no replacer to call
   const text = JSON.stringify(value, (_key, v: unknown) => {
     if (typeof v === "number" && !Number.isFinite(v)) throw new TypeError(`${v} is not a JSON number`);
     if (typeof v === "bigint") return Number(v);
@@ -86,9 +87,11 @@ export function body(fields: Record<string, unknown>): string {
   return "{" + parts.join(",") + "}";
 }
 
+const ENCODER = new TextEncoder();
+
 /** The UTF-8 bytes of `text`. */
 export function utf8(text: string): Uint8Array {
-  return new TextEncoder().encode(text);
+  return ENCODER.encode(text);
 }
 
 /** Bytes from base64. */

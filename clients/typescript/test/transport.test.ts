@@ -1,6 +1,8 @@
 /** Retries, timeouts, aborts and what goes on the wire. */
 
 import assert from "node:assert/strict";
+import { createServer as createHttpServer } from "node:http";
+import { connect, createServer, type AddressInfo, type Server as NetServer, type Socket } from "node:net";
 import { describe, it } from "node:test";
 import { Client, Retry, TransportError, UnexpectedResponse, applied, type Acquired, type Replay } from "onceguard";
 import { freePort, ns, useServer } from "./server.js";
@@ -148,6 +150,124 @@ describe("answers that cannot be classified", () => {
     ]) {
       const refusing = new Client({ baseUrl: fx.server.url, apiKey: fx.agentKey, retry: quick, fetch: scripted([answer(bad)]).fetch });
       await assert.rejects(refusing.claim(ns("proceed-bad"), "k", { request: 1 }), (e: unknown) => e instanceof UnexpectedResponse, JSON.stringify(bad));
+    }
+  });
+});
+
+/** `server` listening on a free 127.0.0.1 port; its URL. */
+async function listen(server: NetServer): Promise<string> {
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  return `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
+}
+
+/**
+ * A proxy in front of the test server that drops its first `drops` connections once a request
+ * arrives (the request was sent, no answer comes), then passes connections through.
+ */
+async function droppingProxy(drops: number): Promise<{ url: string; dropped: () => number; close: () => void }> {
+  let dropped = 0;
+  const port = Number(new URL(fx.server.url).port);
+  const sockets = new Set<Socket>();
+  const server = createServer((socket) => {
+    sockets.add(socket);
+    socket.on("close", () => sockets.delete(socket));
+    if (dropped < drops) {
+      dropped++;
+      socket.once("data", () => socket.destroy());
+      return;
+    }
+    const upstream = connect(port, "127.0.0.1");
+    sockets.add(upstream);
+    upstream.on("close", () => sockets.delete(upstream));
+    socket.pipe(upstream).pipe(socket);
+    socket.on("error", () => upstream.destroy());
+    upstream.on("error", () => socket.destroy());
+  });
+  const url = await listen(server);
+  return {
+    url,
+    dropped: () => dropped,
+    close: () => {
+      for (const socket of sockets) socket.destroy();
+      server.close();
+    },
+  };
+}
+
+describe("the Node transport (node:http, the default on Node)", () => {
+  it("a connection dropped after the request left is retried for a claim, never for creating an API key", async () => {
+    const proxy = await droppingProxy(1);
+    try {
+      const client = new Client({ baseUrl: proxy.url, apiKey: fx.agentKey, retry: quick });
+      assert.equal((await client.claim(ns("node-reset"), "k", { request: 1 })).outcome, "acquired");
+      assert.equal(proxy.dropped(), 1);
+    } finally {
+      proxy.close();
+    }
+    const again = await droppingProxy(1);
+    try {
+      const admin = new Client({ baseUrl: again.url, apiKey: fx.server.adminKey, retry: quick });
+      await assert.rejects(admin.createApiKey("agent"), (e: unknown) => {
+        assert.ok(e instanceof TransportError);
+        assert.equal(e.attempts, 1);
+        assert.equal((e.cause as { code?: string }).code, "ECONNRESET");
+        return true;
+      });
+    } finally {
+      again.close();
+    }
+  });
+
+  it("an answer that arrives in pieces, a character split between them, is read whole", async () => {
+    const result = { note: "réglé 😀 ✓" };
+    const text = JSON.stringify({
+      outcome: "replay", fence: 1, attempt: 1, completed_at: new Date().toISOString(), status: "success",
+      content_type: "application/json", result, cost: null,
+    });
+    const bytes = new TextEncoder().encode(text);
+    const split = new TextEncoder().encode(text.slice(0, text.indexOf("😀"))).length + 2; // inside the emoji's four bytes
+    const server = createHttpServer((_request, response) => {
+      response.writeHead(200, { "content-type": "application/json" });
+      response.write(bytes.subarray(0, split));
+      setTimeout(() => response.end(bytes.subarray(split)), 20);
+    });
+    const url = await listen(server);
+    try {
+      const client = new Client({ baseUrl: url, apiKey: "og_x_y", retry: quick });
+      const answer = (await client.claim(ns("pieces"), "k", { request: 1 })) as Replay;
+      assert.equal(answer.outcome, "replay");
+      assert.deepEqual(answer.result, result);
+      assert.deepEqual(answer.raw, new TextEncoder().encode(JSON.stringify(result)));
+    } finally {
+      server.closeAllConnections();
+      server.close();
+    }
+  });
+
+  it("aborting a claim that waits on the server cancels it at once with the signal's reason", async () => {
+    const namespace = ns("node-abort");
+    assert.equal((await fx.client.claim(namespace, "k", { request: 1, lease: "30s" })).outcome, "acquired");
+    const client = new Client({ baseUrl: fx.server.url, apiKey: fx.agentKey });
+    const controller = new AbortController();
+    const started = Date.now();
+    setTimeout(() => controller.abort(new Error("user went away")), 100);
+    await assert.rejects(client.claim(namespace, "k", { request: 1, wait: "5s", signal: controller.signal }), /user went away/);
+    assert.ok(Date.now() - started < 2000, `the abort took ${Date.now() - started} ms`);
+  });
+
+  it("a fetch put in place of the platform's is used as it is", async () => {
+    const platform = globalThis.fetch;
+    let calls = 0;
+    globalThis.fetch = ((input: string | URL | Request, init?: RequestInit) => {
+      calls++;
+      return platform(input, init);
+    }) as typeof fetch;
+    try {
+      const client = new Client({ baseUrl: fx.server.url, apiKey: fx.agentKey });
+      assert.equal((await client.claim(ns("replaced-fetch"), "k", { request: 1 })).outcome, "acquired");
+      assert.equal(calls, 1);
+    } finally {
+      globalThis.fetch = platform;
     }
   });
 });
