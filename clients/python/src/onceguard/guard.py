@@ -56,7 +56,7 @@ from ._sync import guard as _sync_guard
 from ._sync.guard import Attempt, Guarded
 from ._wire import Duration
 from .client import AsyncClient, Client
-from .keys import bound_arguments, check_key, check_label, derive_key, function_name
+from .keys import bound_arguments, check_key, check_label, function_name, key_of_json
 
 __all__ = ["Attempt", "AsyncAttempt", "Guarded", "AsyncGuarded", "Happened", "current", "guarded", "once"]
 
@@ -325,7 +325,7 @@ def once(
             """The claim's key, request, run and summary for these arguments."""
             arguments = bound_arguments(signature, args, kwargs, ignore)
             if key is None:
-                k = derive_key(fname, version, arguments)
+                k = key_of_json(fname, version, arguments)
             elif isinstance(key, str):
                 k = key
             else:

@@ -119,8 +119,15 @@ def derive_key(name: str, version: str, arguments: Any) -> str:
     """The key of a call: ``<name>:<version>:<sha256 of the canonical call>``."""
     check_label("name", name, 128)
     check_label("version", version, 32)
+    return key_of_json(name, version, jsonable(arguments))
+
+
+def key_of_json(name: str, version: str, arguments: Any) -> str:
+    """:func:`derive_key` of arguments that are JSON values already (:func:`bound_arguments`'
+    answer), with a name and version checked already: what ``@once`` computes on every call,
+    without making the arguments JSON a second time."""
     call = {"function": name, "version": version, "arguments": arguments}
-    return f"{name}:{version}:{digest(call)}"
+    return f"{name}:{version}:{hashlib.sha256(bytes(rfc8785.dumps(call))).hexdigest()}"
 
 
 def bound_arguments(
