@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import hashlib
 import inspect
+import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence, Set
@@ -93,7 +94,41 @@ def jsonable(value: Any) -> Any:
 
 def canonical_json(value: Any) -> bytes:
     """The RFC 8785 canonical JSON of ``value`` (made :func:`jsonable` first)."""
-    return bytes(rfc8785.dumps(jsonable(value)))
+    return _canonical(jsonable(value))
+
+
+#: RFC 8785 writes integers as IEEE doubles: beyond this they are not exact (``rfc8785`` refuses them).
+_SAFE_INT = 2**53 - 1
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``json``'s sorted, compact text of the JSON value ``value`` is its RFC 8785 form:
+    no floats (written differently), integers within ±(2^53 - 1), and object keys below U+D800,
+    whose code point order (``json``'s) is their UTF-16 order (RFC 8785's). Strings are escaped
+    alike by both (the same table: ``"``, ``\\``, and control characters only)."""
+    kind = type(value)
+    if kind is str or kind is bool or value is None:
+        return True
+    if kind is int:
+        return bool(-_SAFE_INT <= value <= _SAFE_INT)
+    if kind is dict:
+        return all(
+            type(k) is str and (k.isascii() or max(k, default="") < "\ud800") and _plain(v) for k, v in value.items()
+        )
+    if kind is list:
+        return all(_plain(v) for v in value)
+    return False
+
+
+def _canonical(value: Any) -> bytes:
+    """The RFC 8785 canonical JSON of a JSON value: ``json``'s C encoder where its text is the
+    same (:func:`_plain`), else ``rfc8785``'s."""
+    if _plain(value):
+        try:
+            return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: rfc8785 refuses it as before
+            pass
+    return bytes(rfc8785.dumps(value))
 
 
 def digest(value: Any) -> str:
@@ -127,7 +162,7 @@ def key_of_json(name: str, version: str, arguments: Any) -> str:
     answer), with a name and version checked already: what ``@once`` computes on every call,
     without making the arguments JSON a second time."""
     call = {"function": name, "version": version, "arguments": arguments}
-    return f"{name}:{version}:{hashlib.sha256(bytes(rfc8785.dumps(call))).hexdigest()}"
+    return f"{name}:{version}:{hashlib.sha256(_canonical(call)).hexdigest()}"
 
 
 def bound_arguments(
