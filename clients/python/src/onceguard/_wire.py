@@ -50,6 +50,8 @@ def parse_time(text: str) -> datetime:
     Python 3.10's ``fromisoformat`` takes neither ``Z`` nor more than six fraction digits.
     """
     s = text.strip()
+    if len(s) == 24 and s[19] == "." and s[23] in "Zz":  # the server's own: milliseconds, UTC
+        return datetime.fromisoformat(s[:23] + "+00:00")
     if s.endswith(("Z", "z")):
         s = s[:-1] + "+00:00"
     match = re.match(r"^(.*T\d{2}:\d{2}:\d{2})(\.\d+)?(.*)$", s)
@@ -73,9 +75,13 @@ def format_time(value: datetime | str) -> str:
     return value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+#: The encoder of :func:`dumps`, made once (``json.dumps`` with options makes one per call).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def dumps(value: Any) -> str:
     """The client's JSON text of a value: compact, UTF-8, no NaN or infinity (not JSON)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return _ENCODER.encode(value)
 
 
 class RawJson:
