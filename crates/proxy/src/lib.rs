@@ -150,22 +150,23 @@ impl Upstream {
                 let (mut parts, body) = upstream.into_parts();
                 parts.headers = end_to_end(&parts.headers, &[]);
                 parts.extensions = axum::http::Extensions::new();
-                // The response's body ends by the same deadline as its head.
+                // The response's body ends by the same deadline as its head: a body still
+                // arriving then ends in an error (the caller's answer is cut, the key held).
                 let frames = http_body_util::BodyExt::into_data_stream(body).map_err(std::io::Error::other);
-                let stream = futures::StreamExt::take_until(frames, tokio::time::sleep_until(deadline));
-                let timed = futures::stream::StreamExt::chain(
-                    stream,
-                    futures::stream::once(async move {
-                        if tokio::time::Instant::now() >= deadline {
+                let timed = futures::stream::unfold(Some(frames), move |frames| async move {
+                    let mut frames = frames?;
+                    match tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut frames)).await {
+                        Ok(Some(frame)) => Some((frame, Some(frames))),
+                        Ok(None) => None,
+                        Err(_) => Some((
                             Err(std::io::Error::new(
                                 std::io::ErrorKind::TimedOut,
-                                "the upstream's body did not end in time",
-                            ))
-                        } else {
-                            Ok(bytes::Bytes::new())
-                        }
-                    }),
-                );
+                                "the upstream's body did not end within the upstream timeout",
+                            )),
+                            None,
+                        )),
+                    }
+                });
                 Response::from_parts(parts, Body::from_stream(timed))
             }
             Ok(Err(e)) if e.is_connect() => failure(TransportFailure::NotSent, &e),

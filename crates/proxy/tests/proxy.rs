@@ -127,6 +127,14 @@ async fn slow(State(c): State<Counts>) -> &'static str {
     std::future::pending::<&'static str>().await
 }
 
+/// Answers its head and a first piece of its body, then nothing more.
+async fn stall(State(c): State<Counts>) -> Response {
+    count(&c, "stall");
+    let first = futures::stream::once(async { Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"{\"partial\":")) });
+    let body = futures::StreamExt::chain(first, futures::stream::pending());
+    Response::new(axum::body::Body::from_stream(body))
+}
+
 async fn plain(State(c): State<Counts>, method: axum::http::Method) -> String {
     let n = count(&c, &format!("plain-{method}"));
     format!("{method} #{n}")
@@ -150,6 +158,7 @@ async fn start_upstream() -> (String, Counts) {
         .route("/echo", any(echo))
         .route("/large", post(large))
         .route("/slow", post(slow))
+        .route("/stall", post(stall))
         .route("/plain", any(plain))
         .route("/redirect", post(redirect))
         .route("/elsewhere", any(elsewhere))
@@ -420,6 +429,19 @@ async fn an_upstream_timeout_holds_the_key_until_its_lease_passes() {
     proxy.clock.advance(Duration::from_millis(2_100));
     problem(proxy.post("/slow", "t", "").await, 504, "upstream-timeout").await;
     assert_eq!(executed(&counts, "slow"), 2, "after the lease the request ran again");
+}
+
+/// The upstream timeout covers the body too: a body that stops arriving fails the call after the
+/// timeout, and the key is held as for any answer broken off after the request was sent.
+#[tokio::test]
+async fn a_body_that_stalls_past_the_upstream_timeout_holds_the_key() {
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |c| c.proxy.upstream_timeout = Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    problem(proxy.post("/stall", "s", "").await, 502, "upstream-failed").await;
+    assert!(started.elapsed() < Duration::from_secs(10), "ended by the timeout, not by the test's");
+    problem(proxy.post("/stall", "s", "").await, 409, "in-flight").await;
+    assert_eq!(executed(&counts, "stall"), 1);
 }
 
 #[tokio::test]
