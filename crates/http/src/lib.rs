@@ -305,20 +305,41 @@ pub async fn serve_with_background(
     Ok(())
 }
 
+/// Sweeps every `interval`, and again at once while a run stops at `max_batches` with more
+/// left: a store written faster than `batch × max_batches` records an interval would otherwise
+/// grow without bound. The audit log is pruned after a run that found the end.
 async fn sweep_loop(guard: Guard, config: config::SweepConfig, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut more_left, mut records, mut approvals) = (false, 0, 0);
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.wait_for(|s| *s) => return,
+        if more_left {
+            // Let the requests waiting for the store go first.
+            tokio::task::yield_now().await;
+            if *stop.borrow() {
+                return;
+            }
+        } else {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
         }
-        match guard.sweep(config.batch, config.max_batches).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(deleted = n, "swept expired records"),
-            Err(e) => tracing::warn!(error = %e, "sweep failed; will retry"),
-        }
-        if config.audit_retention.is_zero() {
+        more_left = match guard.sweep(config.batch, config.max_batches).await {
+            Ok(swept) => {
+                (records, approvals) = (records + swept.records, approvals + swept.approvals);
+                if !swept.more_left && records + approvals > 0 {
+                    tracing::info!(records, approvals, "swept expired records and approvals");
+                    (records, approvals) = (0, 0);
+                }
+                swept.more_left
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "sweep failed; will retry");
+                false
+            }
+        };
+        if more_left || config.audit_retention.is_zero() {
             continue;
         }
         match guard.prune_audit(config.audit_retention, config.batch, config.max_batches).await {

@@ -187,6 +187,7 @@ pub struct Metrics {
     approval_oldest_pending: Family<TenantLabels, Gauge>,
     reconciled: Family<TenantLabels, Counter>,
     sealed_values_refused: Family<TenantLabels, Counter>,
+    records_swept: Counter,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -206,6 +207,11 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts `n` expired records deleted by the sweep.
+    pub fn records_swept(&self, n: usize) {
+        self.records_swept.inc_by(n as u64);
+    }
+
     /// Every metric, with tenants as label values as `mode` says.
     pub fn with_tenant_labels(mode: TenantLabelMode) -> Self {
         Self { tenant_labels: mode, ..Self::new() }
@@ -316,6 +322,13 @@ impl Metrics {
              not the key they name), refused instead of served, by tenant",
             sealed_values_refused.clone(),
         );
+        let records_swept = Counter::default();
+        registry.register(
+            "records_swept",
+            "Expired records the sweep deleted (every tenant's): under steady load it keeps pace with the \
+             first executions once the oldest records reach their retention",
+            records_swept.clone(),
+        );
         let denials = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "denials",
@@ -413,6 +426,7 @@ impl Metrics {
             approval_oldest_pending,
             reconciled,
             sealed_values_refused,
+            records_swept,
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),

@@ -144,7 +144,9 @@ impl ClaimStore for ObservedStore {
 
     #[tracing::instrument(level = "debug", name = "store.sweep", skip_all, fields(store = self.kind, error))]
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        self.timed(StoreOp::Sweep, None, self.inner.sweep(now, batch)).await
+        let deleted = self.timed(StoreOp::Sweep, None, self.inner.sweep(now, batch)).await?;
+        self.metrics.records_swept(deleted);
+        Ok(deleted)
     }
 
     #[tracing::instrument(level = "debug", name = "store.ping", skip_all, fields(store = self.kind, error))]

@@ -428,7 +428,7 @@ pub async fn an_unfinished_attempt_outlives_its_retention(store: Subject) {
     let f2 = c.acquire(&short(&unknown)).await;
     c.applied(&unknown, f2, Mutation::ReportUnknown("timed out".into())).await;
     c.clock.advance(Duration::from_secs(30 * 24 * 3_600));
-    assert_eq!(c.guard.sweep(100, 10).await.unwrap(), 0, "nothing unfinished is swept");
+    assert_eq!(c.guard.sweep(100, 10).await.unwrap().records, 0, "nothing unfinished is swept");
     let record = c.get(&stuck).await.expect("the stuck record is kept");
     assert_eq!((record.fence, record.attempt, record.checkpoints.len()), (f1, 1, 1));
     let ClaimOutcome::Acquired(a) = c.claim(&short(&stuck)).await else { panic!("no recovery of the stuck key") };
@@ -518,7 +518,7 @@ pub async fn fences_grow_across_expiry_sweep_and_purge(store: Subject) {
         last = fence;
         c.applied(&s, fence, Mutation::Complete(success("ok"))).await;
         c.clock.advance(Duration::from_secs(2));
-        assert!(c.guard.sweep(100, 10).await.unwrap() >= 1);
+        assert!(c.guard.sweep(100, 10).await.unwrap().records >= 1);
         assert!(c.get(&s).await.is_none());
     }
     let fence = c.acquire(&req).await;
@@ -527,7 +527,8 @@ pub async fn fences_grow_across_expiry_sweep_and_purge(store: Subject) {
     assert!(c.acquire(&req).await > fence);
 }
 
-/// The sweep deletes expired records only, at most a batch at a time.
+/// The sweep deletes expired records only, at most a batch at a time, and the guard's sweep
+/// says whether it stopped with more left.
 pub async fn sweep_deletes_only_expired_records_in_batches(store: Subject) {
     let c = case(store.clone()).await;
     let short = Duration::from_secs(10);
@@ -541,8 +542,12 @@ pub async fn sweep_deletes_only_expired_records_in_batches(store: Subject) {
     c.clock.advance(Duration::from_secs(11));
     let now = c.guard.clock().now();
     assert_eq!(store.sweep(now, 3).await.unwrap(), 3);
-    assert_eq!(store.sweep(now, 3).await.unwrap(), 3);
-    assert_eq!(store.sweep(now, 3).await.unwrap(), 1);
+    // The guard's sweep says when it stopped at its batches with more left ...
+    let swept = c.guard.sweep(3, 1).await.unwrap();
+    assert_eq!((swept.records, swept.more_left), (3, true));
+    // ... and when it found the end.
+    let swept = c.guard.sweep(3, 2).await.unwrap();
+    assert_eq!((swept.records, swept.more_left), (1, false));
     assert_eq!(store.sweep(now, 3).await.unwrap(), 0);
     assert!(c.get(&keep).await.is_some());
 }

@@ -40,11 +40,15 @@ impl Guard {
     }
 
     /// Deletes expired records until none is left or `max_batches` batches of `batch` ran,
-    /// then approvals no longer kept the same way; answers how many records and approvals.
-    pub async fn sweep(&self, batch: usize, max_batches: usize) -> Result<usize, GuardError> {
-        let records = in_batches(batch, max_batches, || self.store.sweep(self.clock.now(), batch)).await?;
-        let approvals = in_batches(batch, max_batches, || self.store.sweep_approvals(self.clock.now(), batch)).await?;
-        Ok(records + approvals)
+    /// then approvals no longer kept the same way; answers what it deleted, and whether it
+    /// stopped at `max_batches` with more left (then the caller sweeps again at once: a store
+    /// written faster than one run a period deletes keeps growing otherwise).
+    pub async fn sweep(&self, batch: usize, max_batches: usize) -> Result<Swept, GuardError> {
+        let (records, records_left) =
+            in_batches(batch, max_batches, || self.store.sweep(self.clock.now(), batch)).await?;
+        let (approvals, approvals_left) =
+            in_batches(batch, max_batches, || self.store.sweep_approvals(self.clock.now(), batch)).await?;
+        Ok(Swept { records, approvals, more_left: records_left || approvals_left })
     }
 
     /// Deletes every tenant's audit entries older than `retention`, `batch` at a time, at most
@@ -58,15 +62,27 @@ impl Guard {
         let before = self.clock.now().minus(retention);
         let mut total = 0;
         for tenant in self.store.list_tenants().await? {
-            total += in_batches(batch, max_batches, || self.store.prune_audit(&tenant.id, before, batch)).await?;
+            total += in_batches(batch, max_batches, || self.store.prune_audit(&tenant.id, before, batch)).await?.0;
         }
         Ok(total)
     }
 }
 
+/// What one sweep deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Swept {
+    /// Expired records.
+    pub records: usize,
+    /// Approvals past their keeping.
+    pub approvals: usize,
+    /// Whether it stopped at its number of batches with its last batch full: more may be left.
+    pub more_left: bool,
+}
+
 /// Runs `step` (which deletes up to `batch` things and answers how many) until it deletes
-/// fewer than `batch` or ran `max_batches` times; answers the total.
-async fn in_batches<F, Fut>(batch: usize, max_batches: usize, mut step: F) -> Result<usize, GuardError>
+/// fewer than `batch` or ran `max_batches` times; answers the total, and whether its last
+/// batch was full (more may be left).
+async fn in_batches<F, Fut>(batch: usize, max_batches: usize, mut step: F) -> Result<(usize, bool), GuardError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<usize, StoreError>>,
@@ -76,8 +92,8 @@ where
         let n = step().await?;
         total += n;
         if n < batch {
-            break;
+            return Ok((total, false));
         }
     }
-    Ok(total)
+    Ok((total, max_batches > 0))
 }

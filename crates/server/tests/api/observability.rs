@@ -482,3 +482,67 @@ async fn the_dashboard_shows_a_tenant_its_own_traffic_only() {
     assert!(operator_after.1 >= operator_before.1 + 150, "{operator_before:?} → {operator_after:?}");
     assert!(operator_after.2 >= operator_before.2 + 150, "{operator_before:?} → {operator_after:?}");
 }
+
+/// More expired records than one sweep run deletes (`batch × max_batches`): the sweep runs again
+/// at once while a run stops with more left, instead of waiting an interval per run (at one run
+/// an interval, these 600 records would take 15 s), and `onceguard_records_swept_total` counts
+/// the deletions.
+#[tokio::test]
+async fn the_sweep_keeps_up_with_more_expired_records_than_one_run_deletes() {
+    use onceguard_core::record::{Outcome, OutcomeKind};
+    use onceguard_core::{
+        ClaimOutcome, ClaimRequest, Clock, Fingerprint, Key, ListFilter, Mutation, Namespace, Scope, TenantId,
+    };
+
+    let app = spawn_app_with(Backing::Sqlite, |c| {
+        c.sweep.interval = Duration::from_millis(500);
+        c.sweep.batch = 10;
+        c.sweep.max_batches = 2;
+    })
+    .await;
+    let tenant = TenantId::parse("acme").unwrap();
+    let records = 600;
+    for i in 0..records {
+        let scope =
+            Scope::new(tenant.clone(), Namespace::parse("demo").unwrap(), Key::parse(&format!("k-{i}")).unwrap());
+        let request = ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: Fingerprint::sha256(b"same"),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(1),
+            run: None,
+            cost: 0,
+            max_in_flight: None,
+            refused_runs: Vec::new(),
+            approval: None,
+        };
+        let now = app.clock.now();
+        let ClaimOutcome::Acquired(acquired) = app.store.claim(&request, now).await.unwrap() else {
+            panic!("a new key is acquired")
+        };
+        let outcome = Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: b"{}".to_vec(),
+            cost: None,
+            tokens: None,
+            reconciled: false,
+            compensation: None,
+        };
+        app.store.mutate(&scope, acquired.fence, Mutation::Complete(outcome), now, 16).await.unwrap();
+    }
+    app.clock.advance(Duration::from_secs(2));
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let swept = loop {
+        let (_, metrics) = scrape(&app).await;
+        let swept = value(&metrics, "onceguard_records_swept_total");
+        if swept >= records as f64 || std::time::Instant::now() > deadline {
+            break swept;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(swept, records as f64, "the sweep deleted {swept} of {records} expired records in 5 s");
+    let left = app.store.list(&tenant, &ListFilter::default(), app.clock.now()).await.unwrap();
+    assert!(left.items.is_empty(), "{} expired records are left", left.items.len());
+}
