@@ -47,3 +47,42 @@ og_have() {
   echo "SKIPPED: $2 (no $1; scripts/services installs it)"
   return 1
 }
+
+# The benchmarks' programs (nginx, wrk): installed from Debian when missing and run as root,
+# else a failure naming the package. Sets NGINX to nginx's path.
+og_bench_tools() {
+  local who=$1 tool
+  shift
+  for tool in "$@"; do
+    if ! command -v "$tool" >/dev/null && ! [ -x "/usr/sbin/$tool" ]; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "$who: installing $tool (Debian package)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$tool" >/dev/null
+      else
+        echo "$who: $tool is needed (Debian: apt-get install $tool)" >&2; return 1
+      fi
+    fi
+  done
+  NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+}
+
+# A free TCP port on 127.0.0.1.
+og_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Waits up to 10 s for something to listen on 127.0.0.1:$1; fails naming the caller $2.
+og_wait_port() {
+  for _ in $(seq 1 200); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
+    sleep 0.05
+  done
+  echo "${2:-wait}: nothing listens on 127.0.0.1:$1" >&2; return 1
+}
+
+# CPU time (user + system, in clock ticks) of processes, all their threads.
+og_cpu_ticks() { # pid...
+  local t=0 pid
+  for pid in "$@"; do
+    t=$((t + $(awk '{ print $14 + $15 }' "/proc/$pid/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$t"
+}
