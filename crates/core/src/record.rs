@@ -191,9 +191,10 @@ pub struct Record {
     /// How many times the key was acquired (1 for the first attempt).
     pub attempt: u32,
     /// The run the key belongs to, if the claim named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<RunId>,
     /// Whether the key was charged to its run's budget (once per key, while the record lives).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub charged: bool,
     /// The approval that let this record's call run, where the namespace needs approvals: its
     /// later attempts (a recovery, a retry after a retryable failure) are that call's, and only
@@ -201,16 +202,20 @@ pub struct Record {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<crate::approval::ApprovalId>,
     /// Until when the holder's lease runs (in progress only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_expires_at: Option<Timestamp>,
     /// Set when the holder reported that it does not know whether the effect happened; the next
     /// claim is a recovery at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unknown: Option<String>,
     /// How long the record is kept once its attempt ended (completed or released).
     #[serde(with = "duration_ms")]
     pub retention: Duration,
     /// The stored outcome (completed only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Outcome>,
     /// When the outcome was stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed_at: Option<Timestamp>,
     /// Recovery points, oldest first (at most the configured number; older ones are dropped).
     pub checkpoints: Vec<Checkpoint>,
@@ -243,7 +248,11 @@ impl Record {
     }
 
     /// How stores keep a record: a JSON document of everything but the outcome's bytes, and
-    /// those bytes apart (binary-safe, not base64-inflated).
+    /// those bytes apart (binary-safe, not base64-inflated). Absent options and a `charged`
+    /// that is false are left out of the document (about 70 bytes of a completed record);
+    /// documents that spell them as `null` and `false`, as earlier versions wrote them, read the
+    /// same, and so do this version's documents in earlier versions (whose reader takes a missing
+    /// option as absent and a missing `charged` as false).
     pub fn into_doc(mut self) -> Result<(String, Option<Vec<u8>>), serde_json::Error> {
         let body = self.outcome.as_mut().map(|o| std::mem::take(&mut o.body));
         Ok((serde_json::to_string(&self)?, body))
@@ -435,3 +444,69 @@ mod base64_bytes {
 
 /// Serializes a `Duration` as whole milliseconds (kept in [`crate::domain`]).
 pub use crate::domain::duration_ms;
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::domain::{Key, Namespace, TenantId};
+    use crate::protocol::{self, ClaimRequest, Mutation};
+
+    fn completed() -> Record {
+        let scope =
+            Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap());
+        let req = ClaimRequest {
+            scope,
+            fingerprint: Fingerprint::sha256(b"request"),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(60),
+            run: None,
+            cost: 0,
+            max_in_flight: None,
+            refused_runs: Vec::new(),
+            approval: None,
+        };
+        let (_, Some(held)) = protocol::claim(None, &req, Timestamp(1_000), || Fence(3)) else {
+            panic!("a new key is acquired")
+        };
+        let outcome = Outcome {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: br#"{"ok":true}"#.to_vec(),
+            cost: None,
+            tokens: None,
+            reconciled: false,
+            compensation: None,
+        };
+        let (_, Some(done)) = protocol::apply(Some(held), Fence(3), Mutation::Complete(outcome), Timestamp(2_000), 8)
+        else {
+            panic!("the holder completes")
+        };
+        done
+    }
+
+    #[test]
+    fn a_documents_absent_options_are_left_out_and_read_back() {
+        let record = completed();
+        let (doc, body) = record.clone().into_doc().unwrap();
+        let value: serde_json::Value = serde_json::from_str(&doc).unwrap();
+        for left_out in ["run", "charged", "lease_expires_at", "unknown", "approval"] {
+            assert!(value.get(left_out).is_none(), "{left_out} is in {doc}");
+        }
+        assert_eq!(Record::from_doc(&doc, body).unwrap(), record);
+    }
+
+    #[test]
+    fn a_document_as_earlier_versions_wrote_it_reads_the_same() {
+        let record = completed();
+        let (doc, body) = record.clone().into_doc().unwrap();
+        let mut value: serde_json::Value = serde_json::from_str(&doc).unwrap();
+        let fields = value.as_object_mut().unwrap();
+        for null in ["run", "lease_expires_at", "unknown"] {
+            fields.insert(null.into(), serde_json::Value::Null);
+        }
+        fields.insert("charged".into(), false.into());
+        assert_eq!(Record::from_doc(&value.to_string(), body).unwrap(), record);
+    }
+}

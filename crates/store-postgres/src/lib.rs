@@ -67,7 +67,7 @@
 //! - **In the batch**: once its keys are locked and read, a batch works out what its jobs need
 //!   and takes it in one more pipelined round trip: for each tenant
 //!   with an acquiring claim that carries an in-flight quota, the tenant's quota lock and its
-//!   leases that have not passed (`og_lock_leases`, on the index `og_records_state`); for each
+//!   leases that have not passed (`og_lock_leases`, on the index `og_records_leases`); for each
 //!   run that an acquiring claim names, or that a fenced call reporting cost charges, the run's
 //!   lock and row (`og_lock_run`). It then decides its jobs in order, on a ledger of those leases
 //!   and runs that each decision updates, so a job sees the ones before it in the batch; a claim

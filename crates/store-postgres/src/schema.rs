@@ -150,6 +150,14 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (tenant, run)
     );
 "#,
+    // The lease index holds the records in progress only: a completed or released record (most
+    // of them) no longer keeps an entry, and its completion no longer rewrites one. Every query
+    // that read og_records_state names state = 'in_progress'. The new index is built in this
+    // migration's transaction (writes to og_records wait for it, as for og_records_run).
+    r#"
+    DROP INDEX og_records_state;
+    CREATE INDEX og_records_leases ON og_records (tenant, lease_expires_at) WHERE state = 'in_progress';
+"#,
 ];
 
 /// Moves the rollbacks kept as control documents (by earlier versions) to og_rollbacks: run at

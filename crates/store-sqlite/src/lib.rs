@@ -21,9 +21,9 @@
 //!   expired rows in bounded batches.
 //! - **Budgets and quotas** are decided in the claim's job, on the writer thread, so nothing
 //!   runs between the count and the write: when the protocol acquires, the job counts the
-//!   tenant's live leases (only if the claim carries a quota; on the index `records_state`, so
-//!   the count costs as many rows as there are leases that have not passed), reads the record's
-//!   run from `runs`, and runs `control::admit`. Admitted: the record and the charged run are
+//!   tenant's live leases (only if the claim carries a quota; on the index `records_leases` of
+//!   the records in progress, so the count costs as many rows as there are leases that have not
+//!   passed), reads the record's run from `runs`, and runs `control::admit`. Admitted: the record and the charged run are
 //!   written in the job. Denied: the job undoes its savepoint, so not even the fence it drew is
 //!   kept. A batch of claims is one job that counts its fences in memory from the tenants' counters and
 //!   stores the counter once at its end: a denial, which writes nothing before it is decided,
@@ -174,6 +174,13 @@ const MIGRATIONS: &[&str] = &[
         body TEXT NOT NULL,
         PRIMARY KEY (tenant, run)
     ) WITHOUT ROWID;
+"#,
+    // The lease index holds the records in progress only: a completed or released record (most
+    // of them) no longer keeps an entry, which cost about 50 bytes each and a rewrite of the
+    // entry at completion. Every query that read records_state names state = 'in_progress'.
+    r#"
+    DROP INDEX records_state;
+    CREATE INDEX records_leases ON records (tenant, lease_expires_at) WHERE state = 'in_progress';
 "#,
 ];
 
@@ -486,8 +493,9 @@ fn from_sql_u64(v: i64) -> Result<u64, StoreError> {
 
 /// Counts the tenant's live leases at `now`, as [`control::holds_lease`] defines them: in
 /// progress, lease not passed, outcome not reported unknown, record live. The index
-/// `records_state` (tenant, state, lease_expires_at) narrows it to the leases that have not
-/// passed, so its cost grows with the keys in flight, not with the keys stored.
+/// `records_leases` (tenant, lease_expires_at; records in progress only) narrows it to the
+/// leases that have not passed, so its cost grows with the keys in flight, not with the keys
+/// stored.
 const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM records
      WHERE tenant = ?1 AND state = 'in_progress' AND lease_expires_at > ?2 AND expires_at > ?2
        AND json_extract(doc, '$.unknown') IS NULL";
@@ -516,7 +524,7 @@ mod tests {
         migrate(&mut conn).unwrap();
         let sql = COUNT_IN_FLIGHT.replace("?1", "'t'").replace("?2", "1");
         let plan = query_plan(&conn, &sql);
-        assert!(plan.contains("USING INDEX records_state (tenant=? AND state=? AND lease_expires_at>?)"), "{plan}");
+        assert!(plan.contains("USING INDEX records_leases (tenant=? AND lease_expires_at>?)"), "{plan}");
         let sql = "SELECT doc FROM audit INDEXED BY audit_action WHERE tenant = 't' AND action = 'a' ORDER BY id DESC";
         let plan = query_plan(&conn, sql);
         assert!(
