@@ -305,47 +305,58 @@ pub async fn serve_with_background(
     Ok(())
 }
 
-/// Sweeps every `interval`, and again at once while a run stops at `max_batches` with more
-/// left: a store written faster than `batch × max_batches` records an interval would otherwise
-/// grow without bound. The audit log is pruned after a run that found the end.
+/// Sweeps every `interval`. A round sweeps until a run finds the end, or for one `interval`
+/// while runs keep stopping at `max_batches` with more left; then it prunes the audit log, and
+/// a round that did not find the end is followed at once by another (a store written faster
+/// than `batch × max_batches` records an interval would otherwise grow without bound, and the
+/// audit log is pruned under such a backlog too).
 async fn sweep_loop(guard: Guard, config: config::SweepConfig, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let (mut more_left, mut records, mut approvals) = (false, 0, 0);
+    let mut backlog = false;
     loop {
-        if more_left {
-            // Let the requests waiting for the store go first.
-            tokio::task::yield_now().await;
-            if *stop.borrow() {
-                return;
-            }
-        } else {
+        if !backlog {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = stop.wait_for(|s| *s) => return,
             }
         }
-        more_left = match guard.sweep(config.batch, config.max_batches).await {
-            Ok(swept) => {
-                (records, approvals) = (records + swept.records, approvals + swept.approvals);
-                if !swept.more_left && records + approvals > 0 {
-                    tracing::info!(records, approvals, "swept expired records and approvals");
-                    (records, approvals) = (0, 0);
+        let started = std::time::Instant::now();
+        let (mut records, mut approvals) = (0, 0);
+        backlog = loop {
+            match guard.sweep(config.batch, config.max_batches).await {
+                Ok(swept) => {
+                    (records, approvals) = (records + swept.records, approvals + swept.approvals);
+                    if !swept.more_left {
+                        break false;
+                    }
                 }
-                swept.more_left
+                Err(e) => {
+                    tracing::warn!(error = %e, "sweep failed; will retry");
+                    break false;
+                }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "sweep failed; will retry");
-                false
+            if started.elapsed() >= config.interval {
+                break true;
+            }
+            // Let the requests waiting for the store go first.
+            tokio::task::yield_now().await;
+            if *stop.borrow() {
+                return;
             }
         };
-        if more_left || config.audit_retention.is_zero() {
-            continue;
+        if records + approvals > 0 {
+            tracing::info!(records, approvals, backlog, "swept expired records and approvals");
         }
-        match guard.prune_audit(config.audit_retention, config.batch, config.max_batches).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(deleted = n, "deleted audit entries past their retention"),
-            Err(e) => tracing::warn!(error = %e, "pruning the audit log failed; will retry"),
+        if !config.audit_retention.is_zero() {
+            match guard.prune_audit(config.audit_retention, config.batch, config.max_batches).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(deleted = n, "deleted audit entries past their retention"),
+                Err(e) => tracing::warn!(error = %e, "pruning the audit log failed; will retry"),
+            }
+        }
+        if backlog && *stop.borrow() {
+            return;
         }
     }
 }

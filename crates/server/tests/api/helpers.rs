@@ -44,6 +44,9 @@ pub struct TestApp {
     pub store_down: Arc<AtomicBool>,
     /// While true, a [`Backing::Breakable`] store never answers a claim.
     pub store_stalled: Arc<AtomicBool>,
+    /// While true, a [`Backing::Breakable`] store's sweep deletes a full batch every time, as a
+    /// store whose backlog of expired records never ends.
+    pub sweep_endless: Arc<AtomicBool>,
     /// The store under the server, for changes made beside it (as the CLI makes them).
     pub store: Arc<dyn Store>,
     _harness: Harness,
@@ -55,6 +58,7 @@ pub async fn spawn_app(backing: Backing) -> TestApp {
 
 pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config)) -> TestApp {
     let (store_down, store_stalled) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let sweep_endless = Arc::new(AtomicBool::new(false));
     let store = match backing {
         Backing::Memory => TestStore::new(MemoryStore::new()),
         Backing::Sqlite => {
@@ -65,6 +69,7 @@ pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config
             inner: MemoryStore::new(),
             down: store_down.clone(),
             stalled: store_stalled.clone(),
+            sweep_endless: sweep_endless.clone(),
         }),
     };
     let mut config = Config { store: "memory://".into(), ..Config::default() };
@@ -81,6 +86,7 @@ pub async fn spawn_app_with(backing: Backing, configure: impl FnOnce(&mut Config
         other_agent: harness.key("globex", Role::Agent).await,
         store_down,
         store_stalled,
+        sweep_endless,
         store: harness.store.clone(),
         _harness: harness,
     }
@@ -91,6 +97,7 @@ struct BreakableStore {
     inner: MemoryStore,
     down: Arc<AtomicBool>,
     stalled: Arc<AtomicBool>,
+    sweep_endless: Arc<AtomicBool>,
 }
 
 impl BreakableStore {
@@ -157,6 +164,9 @@ impl ClaimStore for BreakableStore {
     }
 
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
+        if self.sweep_endless.load(Ordering::SeqCst) {
+            return Ok(batch);
+        }
         self.up()?.sweep(now, batch).await
     }
 

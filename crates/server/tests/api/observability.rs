@@ -546,3 +546,30 @@ async fn the_sweep_keeps_up_with_more_expired_records_than_one_run_deletes() {
     let left = app.store.list(&tenant, &ListFilter::default(), app.clock.now()).await.unwrap();
     assert!(left.items.is_empty(), "{} expired records are left", left.items.len());
 }
+
+/// A backlog of expired records that never ends (every sweep run stops on a full batch) does
+/// not keep the audit log from being pruned: a round sweeps for at most one interval, then
+/// prunes.
+#[tokio::test]
+async fn the_audit_log_is_pruned_under_a_sweep_backlog_that_never_ends() {
+    let app = spawn_app_with(Backing::Breakable, |c| {
+        c.sweep.interval = Duration::from_millis(200);
+        c.sweep.audit_retention = Duration::from_secs(3_600);
+    })
+    .await;
+    let switch = json!({"target": {"kind": "namespace", "prefix": "demo/off"}, "reason": "drill"});
+    assert_eq!(app.post(&app.admin, "/v1/switches", &switch).await.status(), StatusCode::CREATED);
+    let entries = || async {
+        let audit: Value = app.get(&app.admin, "/v1/audit").await.json().await.unwrap();
+        audit["entries"].as_array().unwrap().len()
+    };
+    assert_eq!(entries().await, 1, "the switch is audited");
+
+    app.sweep_endless.store(true, std::sync::atomic::Ordering::SeqCst);
+    app.clock.advance(Duration::from_secs(2 * 3_600));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while entries().await > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(entries().await, 0, "the entry past its retention is still in the audit log after 5 s");
+}
