@@ -66,6 +66,14 @@ og_bench_tools() {
   NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 }
 
+# The benchmarks' release build: builds it (quietly) and sets BIN to it, in $CARGO_TARGET_DIR,
+# else ~/.cache/onceguard/target (kept out of the repository's debug builds).
+og_release_bin() {
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/onceguard/target}"
+  cargo build --release --locked -q -p onceguard
+  BIN=$(og_absolute "$CARGO_TARGET_DIR")/release/onceguard
+}
+
 # A free TCP port on 127.0.0.1.
 og_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
