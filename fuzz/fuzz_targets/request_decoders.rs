@@ -1,11 +1,12 @@
 //! Arbitrary bytes into every decoder of untrusted bytes: the `/v1` request bodies, a stored
-//! proxy response and a stored record document. None may panic; a decoded stored response
-//! re-encodes to a form that decodes to the same response.
+//! proxy response and a stored record document (packed, or JSON as earlier versions wrote it).
+//! None may panic; a decoded stored response or record re-encodes to a form that decodes to the
+//! same.
 
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use onceguard_core::Record;
+use onceguard_core::{Key, Namespace, Record, Scope, TenantId};
 use onceguard_proxy::stored;
 use onceguard_server::api::{
     ApiKeyBody, CheckpointBody, ClaimBody, CompleteBody, ExtendBody, FailBody, ReportUnknownBody, TenantBody,
@@ -24,6 +25,16 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(response) = stored::decode(data) {
         let again = stored::decode(&response.encode()).expect("an encoded response decodes");
         assert_eq!(again, response);
+    }
+
+    let scope = Scope::new(
+        TenantId::parse("acme").unwrap(),
+        Namespace::parse("proxy/0123").unwrap(),
+        Key::parse("k").unwrap(),
+    );
+    if let Ok(record) = Record::unpack(scope.clone(), data, Some(b"body".to_vec())) {
+        let (doc, body) = record.clone().pack();
+        assert_eq!(Record::unpack(scope, &doc, body).ok(), Some(record));
     }
 
     if let Ok(doc) = std::str::from_utf8(data) {

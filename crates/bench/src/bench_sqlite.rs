@@ -94,7 +94,7 @@ impl ScaleSqlite {
                 let record = preloaded_record(i, fence, now);
                 let scope = record.scope.clone();
                 let expires = i64::try_from(record.expires_at.0)?;
-                let (doc, body) = record.into_doc()?;
+                let (doc, body) = record.pack();
                 insert.execute(params![
                     scope.tenant.as_str(),
                     scope.namespace.as_str(),

@@ -30,6 +30,7 @@ pub mod limits;
 pub mod memory;
 pub mod notify;
 pub mod observer;
+mod packed;
 pub mod protocol;
 pub mod record;
 pub mod rollback;

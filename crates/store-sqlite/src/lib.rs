@@ -62,7 +62,8 @@ use onceguard_core::control::{
 };
 use onceguard_core::protocol::{ClaimRequest, Mutation};
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
-use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Record, RunId, Scope, TenantId, Timestamp};
+use onceguard_core::{ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RunId, Scope, TenantId, Timestamp};
+use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
@@ -181,6 +182,13 @@ const MIGRATIONS: &[&str] = &[
     r#"
     DROP INDEX records_state;
     CREATE INDEX records_leases ON records (tenant, lease_expires_at) WHERE state = 'in_progress';
+"#,
+    // A record's document is packed (`Record::pack`, a BLOB; earlier documents are JSON text and
+    // still read), which the in-flight count cannot look into: whether the holder reported the
+    // outcome unknown is a column of its own, 1 or NULL, filled here for the records in progress.
+    r#"
+    ALTER TABLE records ADD COLUMN unknown INTEGER;
+    UPDATE records SET unknown = 1 WHERE state = 'in_progress' AND json_extract(doc, '$.unknown') IS NOT NULL;
 "#,
 ];
 
@@ -426,41 +434,62 @@ fn store_fence(conn: &Connection, tenant: &TenantId, last: u64) -> Result<(), St
     .map_err(unavailable)
 }
 
-const RECORD_COLUMNS: &str = "doc, body";
+/// What a listing reads of a record: its scope and what [`save`] wrote.
+const RECORD_COLUMNS: &str = "tenant, namespace, key, doc, body";
 
 fn load(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError> {
-    conn.prepare_cached(&format!(
-        "SELECT {RECORD_COLUMNS} FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3"
-    ))
-    .and_then(|mut st| {
-        st.query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], row_parts).optional()
-    })
-    .map_err(unavailable)?
-    .map(decode)
-    .transpose()
+    conn.prepare_cached("SELECT doc, body FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3")
+        .and_then(|mut st| {
+            st.query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], |row| {
+                Ok((doc_bytes(row, 0)?, row.get(1)?))
+            })
+            .optional()
+        })
+        .map_err(unavailable)?
+        .map(|(doc, body)| Record::unpack(scope.clone(), &doc, body).map_err(corrupt))
+        .transpose()
 }
 
-type RowParts = (String, Option<Vec<u8>>);
+/// A record's document: packed (a BLOB) or, as earlier versions wrote it, JSON text.
+fn doc_bytes(row: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Vec<u8>> {
+    match row.get_ref(i)? {
+        ValueRef::Blob(b) | ValueRef::Text(b) => Ok(b.to_vec()),
+        other => Err(rusqlite::Error::InvalidColumnType(i, "doc".to_owned(), other.data_type())),
+    }
+}
+
+/// A row of [`RECORD_COLUMNS`].
+struct RowParts {
+    scope: (String, String, String),
+    doc: Vec<u8>,
+    body: Option<Vec<u8>>,
+}
 
 fn row_parts(row: &rusqlite::Row<'_>) -> rusqlite::Result<RowParts> {
-    Ok((row.get(0)?, row.get(1)?))
+    Ok(RowParts { scope: (row.get(0)?, row.get(1)?, row.get(2)?), doc: doc_bytes(row, 3)?, body: row.get(4)? })
 }
 
-fn decode((doc, body): RowParts) -> Result<Record, StoreError> {
-    Record::from_doc(&doc, body).map_err(corrupt)
+fn decode(row: RowParts) -> Result<Record, StoreError> {
+    let (tenant, namespace, key) = row.scope;
+    let scope = Scope::new(
+        TenantId::parse(&tenant).map_err(corrupt)?,
+        Namespace::parse(&namespace).map_err(corrupt)?,
+        Key::parse(&key).map_err(corrupt)?,
+    );
+    Record::unpack(scope, &row.doc, row.body).map_err(corrupt)
 }
 
 fn save(conn: &Connection, record: Record) -> Result<(), StoreError> {
     let scope = record.scope.clone();
-    let (state, run, lease_expires_at, expires_at) =
-        (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
-    let (doc, body) = record.into_doc().map_err(corrupt)?;
+    let (state, run, lease_expires_at, expires_at, unknown) =
+        (record.state, record.run.clone(), record.lease_expires_at, record.expires_at, record.unknown.is_some());
+    let (doc, body) = record.pack();
     conn.prepare_cached(
-        "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+        "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, unknown, doc, body)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
          ON CONFLICT (tenant, namespace, key) DO UPDATE SET
            state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
-           expires_at = excluded.expires_at, doc = excluded.doc, body = excluded.body",
+           expires_at = excluded.expires_at, unknown = excluded.unknown, doc = excluded.doc, body = excluded.body",
     )
     .and_then(|mut st| {
         st.execute(params![
@@ -471,6 +500,7 @@ fn save(conn: &Connection, record: Record) -> Result<(), StoreError> {
             run.as_ref().map(|r| r.as_str()),
             lease_expires_at.map(to_i64),
             to_i64(expires_at),
+            unknown.then_some(1),
             doc,
             body,
         ])
@@ -498,7 +528,7 @@ fn from_sql_u64(v: i64) -> Result<u64, StoreError> {
 /// stored.
 const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM records
      WHERE tenant = ?1 AND state = 'in_progress' AND lease_expires_at > ?2 AND expires_at > ?2
-       AND json_extract(doc, '$.unknown') IS NULL";
+       AND unknown IS NULL";
 
 const RUN_COLUMNS: &str = "tenant, run, budget, effects, cost, created_at, updated_at";
 
@@ -616,6 +646,19 @@ mod tests {
                 params![value.to_string(), body],
             )
             .unwrap();
+            // And one whose holder reported the outcome unknown: it holds no lease.
+            let (_, Some(mut unknown)) = onceguard_core::protocol::claim(None, &request("unk"), now, || Fence(6))
+            else {
+                panic!()
+            };
+            unknown.unknown = Some("timed out".to_owned());
+            let (doc, body) = unknown.into_doc().unwrap();
+            conn.execute(
+                "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
+                 VALUES ('acme', 'ns', 'unk', 'in_progress', NULL, 11000, 71000, ?1, ?2)",
+                params![doc, body],
+            )
+            .unwrap();
             conn.execute("UPDATE meta SET value = 7 WHERE name = 'fence'", []).unwrap();
         }
         let store = SqliteStore::open(&path).unwrap();
@@ -624,6 +667,16 @@ mod tests {
         assert_eq!(version, MIGRATIONS.len());
         let old = store.get(&scope("old"), now).await.unwrap().expect("the old record reads");
         assert!(!old.charged);
+        let unknown = store.get(&scope("unk"), now).await.unwrap().expect("the old record reads");
+        assert_eq!(unknown.unknown.as_deref(), Some("timed out"));
+        // The upgrade marked it unknown in its column: only "old" holds a lease.
+        let in_flight: i64 = store
+            .read(move |c| {
+                c.query_row(COUNT_IN_FLIGHT, params!["acme", to_i64(now)], |r| r.get(0)).map_err(unavailable)
+            })
+            .await
+            .unwrap();
+        assert_eq!(in_flight, 1);
         // It holds a live lease, so the quota of 1 is spent.
         assert!(matches!(store.claim(&request("new"), now).await.unwrap(), ClaimOutcome::Denied(_)));
         // Once its lease passed, its recovery's fence is above the earlier schema's one counter.

@@ -915,15 +915,16 @@ pub async fn budget_cost_and_deadline(store: Subject) {
 }
 
 /// The in-flight quota counts the tenant's live leases: a claim that would pass it is denied
-/// with a retry hint; a finished key or a passed lease frees a place; other tenants are not
-/// counted. Concurrent claims never pass it.
+/// with a retry hint; a finished key, a holder reporting its outcome unknown or a passed lease
+/// frees a place; other tenants are not counted. Concurrent claims never pass it.
 pub async fn in_flight_quota_counts_live_leases(store: Subject) {
     let c = case(store.clone()).await;
     let now = || c.guard.clock().now();
     let limited = |s: &Scope| ClaimRequest { max_in_flight: Some(2), ..request(s, "q") };
     let a = store.claim(&limited(&scope("a")), now()).await.unwrap();
     let ClaimOutcome::Acquired(a) = a else { panic!("a not acquired") };
-    assert!(matches!(store.claim(&limited(&scope("b")), now()).await.unwrap(), ClaimOutcome::Acquired(_)));
+    let b = store.claim(&limited(&scope("b")), now()).await.unwrap();
+    let ClaimOutcome::Acquired(b) = b else { panic!("b not acquired") };
     let third = store.claim(&limited(&scope("c")), now()).await.unwrap();
     assert_eq!(denied_because(&third), "quota:in_flight");
     assert!(c.get(&scope("c")).await.is_none());
@@ -934,6 +935,10 @@ pub async fn in_flight_quota_counts_live_leases(store: Subject) {
     c.applied(&scope("a"), a.fence, Mutation::Complete(success("done"))).await;
     assert!(matches!(store.claim(&limited(&scope("c")), now()).await.unwrap(), ClaimOutcome::Acquired(_)));
     assert_eq!(denied_because(&store.claim(&limited(&scope("d")), now()).await.unwrap()), "quota:in_flight");
+    // A holder that reported its outcome unknown holds no lease any more: its place is free.
+    c.applied(&scope("b"), b.fence, Mutation::ReportUnknown("timed out".to_owned())).await;
+    assert!(matches!(store.claim(&limited(&scope("d")), now()).await.unwrap(), ClaimOutcome::Acquired(_)));
+    assert_eq!(denied_because(&store.claim(&limited(&scope("e")), now()).await.unwrap()), "quota:in_flight");
     c.clock.advance(LEASE);
     let many = (0..16).map(|i| {
         let store = store.clone();
