@@ -411,9 +411,10 @@ pub async fn assert_problem(response: Response, status: StatusCode, kind: &str) 
 }
 
 /// Whether any file of `dir` (a database, its WAL) holds `marker`.
-pub fn files_hold(dir: &std::path::Path, marker: &str) -> bool {
+pub fn files_hold(dir: &std::path::Path, marker: impl AsRef<[u8]>) -> bool {
+    let marker = marker.as_ref();
     std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| std::fs::read(e.unwrap().path()).ok())
-        .any(|bytes| bytes.windows(marker.len()).any(|w| w == marker.as_bytes()))
+        .any(|bytes| bytes.windows(marker.len()).any(|w| w == marker))
 }
