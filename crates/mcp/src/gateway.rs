@@ -6,6 +6,9 @@
 //!   then replayed, refused, or forwarded in a task of its own (a `Leg`) that stores its result;
 //! - a POST of a `notifications/cancelled` for a guarded call still in flight is acknowledged
 //!   and not forwarded (a caller never cancels a guarded call);
+//! - a POST of a request whose id a request still in flight in the same session uses is refused
+//!   (MCP forbids it, and a server that routes answers by id would give the first request's
+//!   answer to the second: a guarded call's answer never seen settles nothing);
 //! - a POST of a `tools/list` request is forwarded and its answer read on the way back, to learn
 //!   which tools are `readOnlyHint`;
 //! - everything else is forwarded untouched, streaming both ways.
@@ -67,7 +70,25 @@ pub struct Gateway {
     /// Forwards everything else (bounded by `mcp.stream_timeout`).
     streams: Upstream,
     tools: ToolPolicy,
+    /// Guarded calls whose leg runs, until it ends (it may outlive the caller's request).
     in_flight: Mutex<HashSet<CallToken>>,
+    /// The requests of a session (with `Mcp-Session-Id`) being handled, until the handler
+    /// returns; with `in_flight`, the ids a new request of the session may not use.
+    ids_in_use: Mutex<HashSet<CallToken>>,
+}
+
+/// A request id reserved in its session ([`Gateway::reserve_id`]), released when dropped.
+struct IdInUse {
+    gateway: Arc<Gateway>,
+    token: CallToken,
+}
+
+impl Drop for IdInUse {
+    fn drop(&mut self) {
+        if let Ok(mut ids) = self.gateway.ids_in_use.lock() {
+            ids.remove(&self.token);
+        }
+    }
 }
 
 impl std::fmt::Debug for Gateway {
@@ -79,7 +100,32 @@ impl std::fmt::Debug for Gateway {
 impl Gateway {
     /// A gateway over `state` (its guard and metrics).
     pub fn new(state: AppState, options: Options, calls: Upstream, streams: Upstream, tools: ToolPolicy) -> Self {
-        Self { state, options, calls, streams, tools, in_flight: Mutex::new(HashSet::new()) }
+        Self {
+            state,
+            options,
+            calls,
+            streams,
+            tools,
+            in_flight: Mutex::new(HashSet::new()),
+            ids_in_use: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Reserves a request's id in its session while it is handled: `Err` when a request of the
+    /// session still in flight uses it (being handled, or a guarded call whose leg runs). A
+    /// request without a session (2026-07-28's stateless POSTs, each answered on its own stream)
+    /// reserves nothing.
+    fn reserve_id(self: &Arc<Self>, tenant: &TenantId, headers: &HeaderMap, id: &Value) -> Result<Option<IdInUse>, ()> {
+        if !headers.contains_key("mcp-session-id") {
+            return Ok(None);
+        }
+        let token = call_token(tenant, headers, id.to_string());
+        let Ok(mut ids) = self.ids_in_use.lock() else { return Err(()) };
+        let leg_runs = self.in_flight.lock().map_or(true, |set| set.contains(&token));
+        if leg_runs || !ids.insert(token.clone()) {
+            return Err(());
+        }
+        Ok(Some(IdInUse { gateway: self.clone(), token }))
     }
 
     fn guard(&self) -> &Guard {
@@ -148,6 +194,21 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
             *response.status_mut() = StatusCode::BAD_REQUEST;
             return response;
         }
+    };
+    // Held until this handler returns; a guarded call's leg is in `in_flight` from its claim on.
+    let _id_in_use = match &posted {
+        Posted::Request { id, .. } => match gateway.reserve_id(&caller.tenant, &parts.headers, id) {
+            Ok(reserved) => reserved,
+            Err(()) => {
+                gateway.observe(&caller.tenant, "id_in_use_refused");
+                tracing::warn!("refused a request reusing the id of a request in flight in its session");
+                let detail = format!(
+                    "request id {id} is in use by a request still in flight in this session; MCP request ids must                      be unique within a session: send it with a new id"
+                );
+                return rpc_error(Some(id), &ApiError::Invalid(detail));
+            }
+        },
+        _ => None,
     };
     match posted {
         Posted::Request { id, method, params } if method == "tools/call" => {

@@ -457,6 +457,59 @@ async fn a_caller_that_leaves_does_not_cancel_the_call() {
     assert_eq!(app.seen.lock().unwrap().cancellations, 1);
 }
 
+/// A request reusing the id of a request in flight in its session (`Mcp-Session-Id`) is refused
+/// and never forwarded, also after its caller left while the guarded call's leg still runs (a
+/// server that routes answers by id would give the call's answer to the second request, and the
+/// key would recover and run again). The same id in another session, without a session
+/// (stateless POSTs), or once the call ended is another request.
+#[tokio::test]
+async fn a_request_reusing_an_id_in_flight_in_its_session_is_refused() {
+    let app = spawn_app(|_| {}).await;
+    let post_in = |session: Option<&'static str>, message: Value| {
+        let (http, url) = (app.http.clone(), format!("{}/mcp", app.base));
+        async move {
+            let mut request = http.post(url).header("accept", "application/json, text/event-stream").json(&message);
+            if let Some(session) = session {
+                request = request.header("mcp-session-id", session);
+            }
+            request.send().await.unwrap().json::<Value>().await.unwrap()
+        }
+    };
+    let first = tokio::spawn(post_in(Some("s-1"), call(json!(5), "held", json!({}), Some("k1"))));
+    app.seen.until("held", 1).await;
+    let forwarded_before = app.seen.lock().unwrap().headers.len();
+    let reused = post_in(Some("s-1"), call(json!(5), "echo", json!({}), Some("k2"))).await;
+    assert_eq!(reused["error"]["code"], 40001, "{reused}");
+    assert_eq!(reused["id"], 5);
+    assert!(reused["error"]["message"].as_str().unwrap().contains("in use by a request still in flight"), "{reused}");
+    let read = json!({"jsonrpc":"2.0","id":5,"method":"resources/read","params":{"uri":"file:///a"}});
+    assert_eq!(post_in(Some("s-1"), read.clone()).await["error"]["code"], 40001);
+    assert_eq!(app.seen.lock().unwrap().headers.len(), forwarded_before, "nothing was forwarded");
+    assert_eq!(runs(&app.seen, "echo"), 0);
+    // Elsewhere the id is free.
+    let other = post_in(Some("s-2"), call(json!(5), "echo", json!({}), Some("k3"))).await;
+    assert_eq!(other["result"]["content"][0]["text"], "echo 1", "{other}");
+    let stateless = post_in(None, call(json!(5), "echo", json!({}), Some("k4"))).await;
+    assert_eq!(stateless["result"]["content"][0]["text"], "echo 2", "{stateless}");
+    // The caller leaves; the call's leg goes on, and so does the refusal.
+    first.abort();
+    let _ = first.await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(post_in(Some("s-1"), read).await["error"]["code"], 40001);
+    // Once the call ended, the id may be used again.
+    app.seen.open();
+    let mut freed = Value::Null;
+    for _ in 0..100 {
+        freed = post_in(Some("s-1"), call(json!(5), "echo", json!({}), Some("k5"))).await;
+        if freed.get("result").is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(freed["result"]["content"][0]["text"], "echo 3", "{freed}");
+    assert_eq!(runs(&app.seen, "held"), 1);
+}
+
 #[tokio::test]
 async fn read_only_tools_learned_from_the_listing_pass_through() {
     let app = spawn_app(|_| {}).await;
