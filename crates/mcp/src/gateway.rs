@@ -11,9 +11,12 @@
 //!   answer to the second: a guarded call's answer never seen settles nothing);
 //! - a POST of a `tools/list` request is forwarded and its answer read on the way back, to learn
 //!   which tools are `readOnlyHint`;
+//! - a GET resuming a session's event stream (`Last-Event-ID`) is forwarded and read on the way
+//!   back: a guarded call's answer that the upstream delivers there, after the call's own stream
+//!   broke, settles its key;
 //! - everything else is forwarded untouched, streaming both ways.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -75,6 +78,9 @@ pub struct Gateway {
     /// The requests of a session (with `Mcp-Session-Id`) being handled, until the handler
     /// returns; with `in_flight`, the ids a new request of the session may not use.
     ids_in_use: Mutex<HashSet<CallToken>>,
+    /// Guarded calls of a session whose event stream ended without their answer, waiting (for a
+    /// lease) for it on a resumed stream.
+    awaiting: Mutex<HashMap<CallToken, oneshot::Sender<ResponseMessage>>>,
 }
 
 /// A request id reserved in its session ([`Gateway::reserve_id`]), released when dropped.
@@ -108,6 +114,36 @@ impl Gateway {
             tools,
             in_flight: Mutex::new(HashSet::new()),
             ids_in_use: Mutex::new(HashSet::new()),
+            awaiting: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A resumed event stream of `session` (a GET with `Last-Event-ID`), read as it passes: each
+    /// response message in it goes to the guarded call of the caller's tenant and session that
+    /// awaits it. The bytes pass unchanged.
+    fn read_resumed(self: &Arc<Self>, tenant: &TenantId, session: String, response: Response<Body>) -> Response<Body> {
+        let (parts, body) = response.into_parts();
+        let (gateway, tenant) = (self.clone(), tenant.to_string());
+        let mut reader = SseReader::new(self.options.max_result_bytes + EVENT_SLACK);
+        let chunks = body.into_data_stream().map(move |chunk| {
+            if let Ok(bytes) = &chunk
+                && gateway.awaiting.lock().is_ok_and(|awaiting| !awaiting.is_empty())
+            {
+                for data in reader.push(bytes).into_iter().filter_map(|block| block.data) {
+                    gateway.deliver_resumed(&tenant, &session, &data);
+                }
+            }
+            chunk
+        });
+        Response::from_parts(parts, Body::from_stream(chunks))
+    }
+
+    fn deliver_resumed(&self, tenant: &str, session: &str, data: &[u8]) {
+        let Ok(message) = serde_json::from_slice::<ResponseMessage>(data) else { return };
+        let Some(id) = message.id.as_ref().filter(|_| message.method.is_none()) else { return };
+        let token = (tenant.to_owned(), session.to_owned(), id.to_string());
+        if let Some(leg) = self.awaiting.lock().ok().and_then(|mut awaiting| awaiting.remove(&token)) {
+            let _ = leg.send(message);
         }
     }
 
@@ -175,7 +211,16 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
     request.headers_mut().remove(&gateway.options.api_key_header);
     // Every POST the upstream may route to its endpoint is read: the path as servers decode it.
     if request.method() != Method::POST || !call::same_path(request.uri().path(), &gateway.options.endpoint) {
-        return gateway.streams.forward(request).await;
+        let resumed = (request.method() == Method::GET && request.headers().contains_key("last-event-id"))
+            .then(|| request.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned))
+            .flatten();
+        let response = gateway.streams.forward(request).await;
+        return match resumed {
+            Some(session) if is_event_stream(response.headers()) => {
+                gateway.read_resumed(&caller.tenant, session, response)
+            }
+            _ => response,
+        };
     }
     let (parts, body) = request.into_parts();
     let limit = gateway.options.max_request_bytes;
@@ -672,17 +717,43 @@ impl Leg {
             let _ = out.send(Ok(rest)).await;
         }
         if !settled {
-            extender.abort();
             if reader.overflowed() && !broken {
+                extender.abort();
                 // The answer went to the caller, too large to read: the call ran, and its key
                 // records the stream's size and digest so that it never runs again.
                 self.settle(Settlement::NotStored(seen.finish())).await;
+            } else if let Some(message) = self.resumed_answer(out).await {
+                extender.abort();
+                self.settle(Settlement::of(&message)).await;
             } else {
+                extender.abort();
                 // No answer seen: the upstream may still act. The key stays in flight until its
                 // lease passes, then the next call is a recovery.
                 tracing::warn!(scope = %self.scope, "the upstream's event stream ended without the call's answer; the key is held until its lease passes");
             }
         }
+    }
+
+    /// The answer of a call of a session whose event stream ended without it, as the upstream
+    /// delivers it on a resumed stream (legacy resumability: the client GETs with
+    /// `Last-Event-ID`): awaited for one lease (the key's lease kept alive meanwhile), after the
+    /// caller's stream is closed so that it resumes. `None` without a session, or when no answer
+    /// came.
+    async fn resumed_answer(&self, out: &mut BodySender) -> Option<ResponseMessage> {
+        if self.token.1.is_empty() {
+            return None;
+        }
+        let (leg, answer) = oneshot::channel();
+        self.gateway.awaiting.lock().ok()?.insert(self.token.clone(), leg);
+        out.close_channel();
+        let answer = tokio::time::timeout(self.lease, answer).await.ok().and_then(Result::ok);
+        if let Ok(mut awaiting) = self.gateway.awaiting.lock() {
+            awaiting.remove(&self.token);
+        }
+        if answer.is_some() {
+            tracing::info!(scope = %self.scope, "a guarded call's answer came on a resumed event stream; it settles the key");
+        }
+        answer
     }
 
     /// A JSON answer: read whole (up to `mcp.max_result_bytes`), settled, then sent.

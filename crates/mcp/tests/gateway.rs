@@ -111,6 +111,13 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
     }
     if method == axum::http::Method::GET {
         let last = headers.get("last-event-id").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned();
+        // The answer of the call `lost` with id n, whose own stream broke before it.
+        if let Some(n) = last.strip_prefix("lost-") {
+            let answer =
+                format!(r#"{{"jsonrpc":"2.0","id":{n},"result":{{"content":[{{"type":"text","text":"lost 1"}}]}}}}"#);
+            let stream = format!("id: 8\r\ndata: {answer}\r\n\r\n");
+            return ([("content-type", "text/event-stream"), ("mcp-session-id", "s-1")], stream).into_response();
+        }
         let stream = format!("id: 7\r\ndata: {{\"resumed_after\":\"{last}\"}}\r\n\r\n");
         return ([("content-type", "text/event-stream"), ("mcp-session-id", "s-1")], stream).into_response();
     }
@@ -729,6 +736,39 @@ async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
 
 /// A result too large to store goes to the caller whole; the key records its size and digest,
 /// and every later call with it is told so: the tool never runs again.
+/// Legacy resumability: the upstream's event stream for a guarded call of a session ends before
+/// the answer, and the upstream delivers the answer on the stream the client resumes (a GET with
+/// `Last-Event-ID`). The gateway closes the call's stream, reads the resumed one as it passes, and
+/// completes the key with the answer: a retry replays it, and the tool ran once. (Without a
+/// session nothing is awaited: see the test before.)
+#[tokio::test]
+async fn an_answer_delivered_on_a_resumed_stream_settles_the_key() {
+    let app = spawn_app(|_| {}).await;
+    let in_session = |request: reqwest::RequestBuilder| {
+        request.header("mcp-session-id", "s-1").header("accept", "application/json, text/event-stream")
+    };
+    let url = format!("{}/mcp", app.base);
+    let first = in_session(app.http.post(&url)).json(&call(json!(41), "lost", json!({}), Some("k"))).send().await;
+    let text = first.unwrap().text().await.unwrap();
+    assert!(text.contains("notifications/progress") && !text.contains("result"), "{text}");
+    let resumed = in_session(app.http.get(&url)).header("last-event-id", "lost-41").send().await.unwrap();
+    let text = resumed.text().await.unwrap();
+    assert!(text.contains(r#""id":41,"result":{"content":[{"type":"text","text":"lost 1"}]}"#), "{text}");
+    let mut state = None;
+    for _ in 0..100 {
+        state = app.guard.get(&app.scope("lost", "k")).await.unwrap().map(|r| r.state);
+        if state == Some(RecordState::Completed) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(state, Some(RecordState::Completed), "the resumed answer completed the key");
+    let replay = app.rpc(&call(json!(42), "lost", json!({}), Some("k"))).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "lost 1", "{replay}");
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "lost"), 1);
+}
+
 #[tokio::test]
 async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
     let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
