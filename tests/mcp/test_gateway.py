@@ -416,3 +416,51 @@ def test_the_gateway_killed_and_restarted_still_replays(world, lib, mode):
     assert meta(replay)[REPLAYED] is True
     assert structured(replay) == structured(first)
     assert world.executions("send_email", to=to) == 1
+
+
+def test_a_request_reusing_an_id_in_flight_in_its_session_is_refused(world):
+    """A legacy session (2025-11-25) spoken over plain HTTP to the fastmcp server: while a guarded
+    call with id 77 runs, a second request of the session with id 77 is refused (40001) and never
+    reaches the server; once the call ended, the id is free again. The server's effects log counts
+    each tool's executions."""
+    tag, to = unique("tag"), unique("to")
+
+    async def scenario():
+        headers = {"X-Onceguard-Key": world.token, "Accept": "application/json, text/event-stream"}
+        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+            init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "1"}}}
+            opened = await http.post(world.gateway.url, json=init)
+            session = {"Mcp-Session-Id": opened.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+            initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            await http.post(world.gateway.url, json=initialized, headers=session)
+
+            def call(name, arguments, key):
+                params = {"name": name, "arguments": arguments, "_meta": {KEY_META: key}}
+                return {"jsonrpc": "2.0", "id": 77, "method": "tools/call", "params": params}
+
+            def answer(response) -> dict:
+                if response.headers["content-type"].startswith("text/event-stream"):
+                    data = [line[5:] for line in response.text.splitlines() if line.startswith("data:")]
+                    return next(m for m in map(json.loads, data) if m.get("id") == 77)
+                return response.json()
+
+            slow = asyncio.create_task(
+                http.post(world.gateway.url, json=call("slow_job", {"steps": 15, "tag": tag}, unique("key")),
+                          headers=session))
+            await asyncio.sleep(0.5)
+            reused = answer(await http.post(world.gateway.url, json=call("send_email", {"to": to, "body": "b"},
+                                                                           unique("key")), headers=session))
+            first = answer(await slow)
+            again = answer(await http.post(world.gateway.url, json=call("send_email", {"to": to, "body": "b"},
+                                                                          unique("key")), headers=session))
+            return reused, first, again
+
+    reused, first, again = run(scenario())
+    assert reused["error"]["code"] == 40001, reused
+    assert "in use by a request still in flight" in reused["error"]["message"], reused
+    assert first["result"]["structuredContent"]["tag"] == tag, first
+    assert "result" in again and not again["result"].get("isError"), again
+    assert world.executions("slow_job", tag=tag) == 1
+    assert world.executions("send_email", to=to) == 1, "the refused request never reached the server"
