@@ -140,7 +140,14 @@ impl Gateway {
 
     fn deliver_resumed(&self, tenant: &str, session: &str, data: &[u8]) {
         let Ok(message) = serde_json::from_slice::<ResponseMessage>(data) else { return };
-        let Some(id) = message.id.as_ref().filter(|_| message.method.is_none()) else { return };
+        // A response, as the call's own stream would take one: a result or an error.
+        let Some(id) = message
+            .id
+            .as_ref()
+            .filter(|_| message.method.is_none() && (message.result.is_some() || message.error.is_some()))
+        else {
+            return;
+        };
         let token = (tenant.to_owned(), session.to_owned(), id.to_string());
         if let Some(leg) = self.awaiting.lock().ok().and_then(|mut awaiting| awaiting.remove(&token)) {
             let _ = leg.send(message);
@@ -240,21 +247,43 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
             return response;
         }
     };
-    // Held until this handler returns; a guarded call's leg is in `in_flight` from its claim on.
-    let _id_in_use = match &posted {
+    // Held until the answer's body ends (or is dropped): a forwarded answer streams on after its
+    // head; a guarded call's leg is in `in_flight` from its claim on, also after its caller left.
+    let id_in_use = match &posted {
         Posted::Request { id, .. } => match gateway.reserve_id(&caller.tenant, &parts.headers, id) {
             Ok(reserved) => reserved,
             Err(()) => {
                 gateway.observe(&caller.tenant, "id_in_use_refused");
                 tracing::warn!("refused a request reusing the id of a request in flight in its session");
                 let detail = format!(
-                    "request id {id} is in use by a request still in flight in this session; MCP request ids must                      be unique within a session: send it with a new id"
+                    "request id {id} is in use by a request still in flight in this session; MCP request ids \
+                     must be unique within a session: send it with a new id"
                 );
                 return rpc_error(Some(id), &ApiError::Invalid(detail));
             }
         },
         _ => None,
     };
+    let response = answer(gateway, caller, parts, body, posted).await;
+    match id_in_use {
+        None => response,
+        Some(held) => response.map(|body| {
+            Body::from_stream(body.into_data_stream().map(move |chunk| {
+                let _ = &held;
+                chunk
+            }))
+        }),
+    }
+}
+
+/// The answer to a classified POST (see [`handle`]).
+async fn answer(
+    gateway: Arc<Gateway>,
+    caller: Caller,
+    parts: axum::http::request::Parts,
+    body: Bytes,
+    posted: Posted,
+) -> Response<Body> {
     match posted {
         Posted::Request { id, method, params } if method == "tools/call" => {
             tool_call(gateway, caller, parts, body, id, params).await

@@ -517,6 +517,43 @@ async fn a_request_reusing_an_id_in_flight_in_its_session_is_refused() {
     assert_eq!(runs(&app.seen, "held"), 1);
 }
 
+/// An unguarded request's id stays reserved until its answer's body ends, not only until its
+/// head: a streamed answer (here the `stream` tool, never guarded) keeps it.
+#[tokio::test]
+async fn an_id_stays_reserved_while_a_forwarded_answer_streams() {
+    let app = spawn_app(|c| {
+        let never = onceguard_http::config::McpToolConfig {
+            guard: onceguard_http::config::McpGuard::Never,
+            ..Default::default()
+        };
+        c.mcp.tools.insert("stream".into(), never);
+    })
+    .await;
+    let post = |message: Value| {
+        app.http
+            .post(format!("{}/mcp", app.base))
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-session-id", "s-3")
+            .json(&message)
+            .send()
+    };
+    let streaming = post(call(json!(9), "stream", json!({}), None)).await.unwrap();
+    assert_eq!(streaming.status(), 200);
+    let reused = post(call(json!(9), "echo", json!({}), Some("k9"))).await.unwrap().json::<Value>().await.unwrap();
+    assert_eq!(reused["error"]["code"], 40001, "{reused}");
+    assert_eq!(runs(&app.seen, "echo"), 0);
+    assert!(streaming.text().await.unwrap().contains("stream 1"));
+    let mut after = Value::Null;
+    for _ in 0..100 {
+        after = post(call(json!(9), "echo", json!({}), Some("k9"))).await.unwrap().json::<Value>().await.unwrap();
+        if after.get("result").is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(after["result"]["content"][0]["text"], "echo 1", "{after}");
+}
+
 #[tokio::test]
 async fn read_only_tools_learned_from_the_listing_pass_through() {
     let app = spawn_app(|_| {}).await;
@@ -734,8 +771,6 @@ async fn an_answer_never_seen_holds_the_key_until_its_lease_passes() {
     assert_eq!(record.attempt, 2);
 }
 
-/// A result too large to store goes to the caller whole; the key records its size and digest,
-/// and every later call with it is told so: the tool never runs again.
 /// Legacy resumability: the upstream's event stream for a guarded call of a session ends before
 /// the answer, and the upstream delivers the answer on the stream the client resumes (a GET with
 /// `Last-Event-ID`). The gateway closes the call's stream, reads the resumed one as it passes, and
@@ -769,6 +804,8 @@ async fn an_answer_delivered_on_a_resumed_stream_settles_the_key() {
     assert_eq!(runs(&app.seen, "lost"), 1);
 }
 
+/// A result too large to store goes to the caller whole; the key records its size and digest,
+/// and every later call with it is told so: the tool never runs again.
 #[tokio::test]
 async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
     let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
