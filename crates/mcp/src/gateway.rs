@@ -45,6 +45,7 @@ use crate::Options;
 use crate::call::{self, ToolCall};
 use crate::jsonrpc::{self, NEVER_RAN, Posted, ResponseMessage, ResultKind};
 use crate::sse::SseReader;
+use crate::tasks::{self, Delegation, Handle, TaskRef};
 use crate::tools::{ToolPolicy, Treatment};
 
 /// The checkpoint that marks a key whose last leg ended in `input_required`: the key stays held
@@ -55,9 +56,9 @@ pub const INPUT_REQUIRED: &str = "mcp.input-required";
 const EVENT_SLACK: usize = 64 * 1024;
 
 /// Who calls.
-struct Caller {
-    tenant: TenantId,
-    actor: String,
+pub(crate) struct Caller {
+    pub(crate) tenant: TenantId,
+    pub(crate) actor: String,
 }
 
 /// A guarded call in flight, as a caller's `notifications/cancelled` names it: tenant, session,
@@ -66,12 +67,12 @@ type CallToken = (String, String, String);
 
 /// Everything the handler shares.
 pub struct Gateway {
-    state: AppState,
-    options: Options,
+    pub(crate) state: AppState,
+    pub(crate) options: Options,
     /// Forwards guarded calls (bounded by `mcp.upstream_timeout`).
-    calls: Upstream,
+    pub(crate) calls: Upstream,
     /// Forwards everything else (bounded by `mcp.stream_timeout`).
-    streams: Upstream,
+    pub(crate) streams: Upstream,
     tools: ToolPolicy,
     /// Guarded calls whose leg runs, until it ends (it may outlive the caller's request).
     in_flight: Mutex<HashSet<CallToken>>,
@@ -171,7 +172,7 @@ impl Gateway {
         Ok(Some(IdInUse { gateway: self.clone(), token }))
     }
 
-    fn guard(&self) -> &Guard {
+    pub(crate) fn guard(&self) -> &Guard {
         &self.state.guard
     }
 
@@ -196,7 +197,7 @@ impl Gateway {
         }
     }
 
-    fn observe(&self, tenant: &TenantId, decision: &'static str) {
+    pub(crate) fn observe(&self, tenant: &TenantId, decision: &'static str) {
         self.state.metrics.observe_mcp_call(tenant, &self.options.upstream_name, decision);
     }
 }
@@ -288,6 +289,9 @@ async fn answer(
         Posted::Request { id, method, params } if method == "tools/call" => {
             tool_call(gateway, caller, parts, body, id, params).await
         }
+        Posted::Request { id, method, params } if method.starts_with("tasks/") => {
+            crate::delegated::task_request(gateway, caller, parts, body, id, &method, params).await
+        }
         Posted::Request { id, method, .. } if method == "tools/list" => {
             let response = gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await;
             learn_from(gateway, id, response)
@@ -320,14 +324,14 @@ fn call_token(tenant: &TenantId, headers: &HeaderMap, request_id: String) -> Cal
 }
 
 /// A JSON-RPC error answer (HTTP 200, as JSON-RPC errors are).
-fn rpc_error(id: Option<&Value>, error: &ApiError) -> Response<Body> {
+pub(crate) fn rpc_error(id: Option<&Value>, error: &ApiError) -> Response<Body> {
     if let ApiError::Internal(detail) | ApiError::StoreUnavailable(detail) = error {
         tracing::error!(detail, "a guarded call failed");
     }
     json_response(jsonrpc::error_message(id, error))
 }
 
-fn json_response(body: Vec<u8>) -> Response<Body> {
+pub(crate) fn json_response(body: Vec<u8>) -> Response<Body> {
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
@@ -449,8 +453,8 @@ async fn guarded_call(
         Claim { run: call.run.clone(), cost: Some(call.cost), summary, ..Claim::new(scope, call.fingerprint()) };
     // An input_required answer holds the key for the input lease, within the longest lease in
     // force (read before the claim: a key once acquired is never left without its leg).
-    let max_lease = match gateway.guard().effective(&claim.scope).await {
-        Ok(effective) => effective.limits.max_lease,
+    let limits = match gateway.guard().effective(&claim.scope).await {
+        Ok(effective) => effective.limits,
         Err(e) => return (rpc_error(Some(&id), &e.into()), "refused"),
     };
     let outcome = match claim_or_resume(&gateway, &claim, call.continuation, &actor).await {
@@ -458,30 +462,18 @@ async fn guarded_call(
         Err(e) => return (rpc_error(Some(&id), &e), "refused"),
     };
     match outcome {
-        ClaimOutcome::Replay(replay) if replay.outcome.content_type == NOT_STORED => {
-            let detail = String::from_utf8_lossy(&replay.outcome.body).into_owned();
-            let error = ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}"));
-            (rpc_error(Some(&id), &error), "replayed")
-        }
-        ClaimOutcome::Replay(replay) if replay.outcome.content_type == DIGEST_CONTENT_TYPE => {
-            let error = match replay.outcome.digest() {
-                Some(d) => ApiError::NotStored(format!(
-                    "the call ran once; this tool's namespace keeps a digest of results, never their bytes: {} bytes, \
-                     sha-256 {}",
-                    d.size, d.sha256
-                )),
-                None => ApiError::Internal("a stored digest is malformed".into()),
-            };
-            (rpc_error(Some(&id), &error), "replayed")
-        }
-        ClaimOutcome::Replay(replay) => match jsonrpc::mark_replayed(&replay.outcome.body) {
+        ClaimOutcome::Replay(replay) => match replayed_result(&replay.outcome) {
             Ok(result) => (json_response(jsonrpc::result_message(&id, &result)), "replayed"),
-            Err(e) => {
-                let error = ApiError::Internal(format!("a stored result could not be read: {e}"));
-                (rpc_error(Some(&id), &error), "refused")
-            }
+            Err(e @ ApiError::NotStored(_)) => (rpc_error(Some(&id), &e), "replayed"),
+            Err(e) => (rpc_error(Some(&id), &e), "refused"),
         },
         ClaimOutcome::InFlight(f) => {
+            // A key delegated to a task answers its caller's duplicate with the same task.
+            if tasks::accepts_task(params.as_ref())
+                && let Some(handle) = crate::delegated::handle_for(&gateway, &claim.scope, &call.name, &actor).await
+            {
+                return (json_response(jsonrpc::result_message(&id, &handle)), "replayed");
+            }
             let error = ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt };
             (rpc_error(Some(&id), &error), "in_flight")
         }
@@ -512,18 +504,53 @@ async fn guarded_call(
             (gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await, "observed")
         }
         ClaimOutcome::Acquired(acquired) => {
+            // A key delegated to a task whose result was never seen: the task is asked, never
+            // run again.
+            if let Some(delegation) = crate::delegated::recovered(&acquired) {
+                let holder = Holder {
+                    gateway: &gateway,
+                    scope: &claim.scope,
+                    fence: acquired.fence,
+                    actor: &actor,
+                    input_lease: limits.max_lease,
+                    limits: &limits,
+                };
+                let accepts = tasks::accepts_task(params.as_ref());
+                return crate::delegated::resolve(&holder, &parts, &call, delegation, accepts).await;
+            }
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
             if let Ok(mut set) = gateway.in_flight.lock() {
                 set.insert(token.clone());
             }
             // The keep-alive extends by the lease the guard gave.
             let lease = gateway.guard().clock().now().until(acquired.lease_expires_at);
-            let input_lease = gateway.options.input_lease.min(max_lease);
-            let leg =
-                Leg { gateway, call, scope: claim.scope, fence: acquired.fence, token, actor, lease, input_lease };
+            let input_lease = gateway.options.input_lease.min(limits.max_lease);
+            let scope = claim.scope;
+            let leg = Leg { gateway, call, scope, fence: acquired.fence, token, actor, lease, input_lease, limits };
             (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")
         }
     }
+}
+
+/// A stored outcome as the `result` of a replay (marked replayed), or why it cannot be one: a
+/// result that was not stored, or only its digest (`NotStored`), or a malformed record.
+pub(crate) fn replayed_result(outcome: &Outcome) -> Result<Vec<u8>, ApiError> {
+    if outcome.content_type == NOT_STORED {
+        let detail = String::from_utf8_lossy(&outcome.body).into_owned();
+        return Err(ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}")));
+    }
+    if outcome.content_type == DIGEST_CONTENT_TYPE {
+        return Err(match outcome.digest() {
+            Some(d) => ApiError::NotStored(format!(
+                "the call ran once; this tool's namespace keeps a digest of results, never their bytes: {} bytes, \
+                 sha-256 {}",
+                d.size, d.sha256
+            )),
+            None => ApiError::Internal("a stored digest is malformed".into()),
+        });
+    }
+    jsonrpc::mark_replayed(&outcome.body)
+        .map_err(|e| ApiError::Internal(format!("a stored result could not be read: {e}")))
 }
 
 /// Claims the key (waiting up to `mcp.wait` for a call in flight). A continuation of an
@@ -585,6 +612,14 @@ pub enum Settlement {
     },
     /// `input_required`: the key stays held (for `mcp.input_lease`) for the continuation.
     Park,
+    /// A task's handle: the key is delegated to the task (held for the task's TTL, within the
+    /// longest lease), until its terminal result, seen in a `tasks/*` answer, completes it.
+    Delegate {
+        /// The handle.
+        handle: Handle,
+        /// The answer that carried it, as the upstream wrote it.
+        result: Vec<u8>,
+    },
     /// The call provably never ran (an HTTP 4xx, or a JSON-RPC parse, request, method, params
     /// or protocol error): the key is released, the next call with it runs.
     Release(String),
@@ -605,9 +640,10 @@ impl Settlement {
     /// What the upstream's response message to the call means.
     pub fn of(message: &ResponseMessage) -> Self {
         match (&message.result, &message.error) {
-            (Some(result), _) => match jsonrpc::result_kind(result) {
-                ResultKind::InputRequired => Self::Park,
-                kind => {
+            (Some(result), _) => match (tasks::handle_of(result), jsonrpc::result_kind(result)) {
+                (Some(handle), _) => Self::Delegate { handle, result: result.get().as_bytes().to_vec() },
+                (None, ResultKind::InputRequired) => Self::Park,
+                (None, kind) => {
                     Self::Store { result: result.get().as_bytes().to_vec(), failure: kind == ResultKind::ToolError }
                 }
             },
@@ -643,6 +679,8 @@ struct Leg {
     lease: Duration,
     /// How long an `input_required` answer holds the key.
     input_lease: Duration,
+    /// The limits in force for the key.
+    limits: onceguard_core::limits::Limits,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
@@ -736,8 +774,18 @@ impl Leg {
                         block.data.as_deref().and_then(|d| ResponseMessage::answering(d, &self.call.id))
                 {
                     extender.abort();
-                    self.settle(Settlement::of(&message)).await;
+                    let settlement = Settlement::of(&message);
+                    let task_id = self.task_id(&settlement);
                     settled = true;
+                    // A delegated key's handle goes to the caller with the gateway's task id.
+                    if self.settle(settlement).await
+                        && let Some(id) = task_id
+                        && let Some(data) = &block.data
+                        && let Ok(rewritten) = tasks::message_with_task_id(data, &id)
+                    {
+                        let _ = out.send(Ok(block.with_data(&rewritten))).await;
+                        continue;
+                    }
                 }
                 let _ = out.send(Ok(block.raw)).await;
             }
@@ -828,14 +876,66 @@ impl Leg {
             Some(message) => Settlement::of(&message),
             None => Settlement::Unknown("the upstream's answer was not the call's JSON-RPC response".into()),
         };
-        self.settle(settlement).await;
+        let task_id = self.task_id(&settlement);
+        let mut parts = parts;
+        // A delegated key's handle goes to the caller with the gateway's task id.
+        if self.settle(settlement).await
+            && let Some(id) = task_id
+            && let Ok(rewritten) = tasks::message_with_task_id(&bytes, &id)
+        {
+            bytes = rewritten;
+            parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+        }
         let _ = reply.send(Response::from_parts(parts, Body::from(bytes)));
     }
 
+    /// Applies what the answer means to the key; answers whether it took effect.
+    async fn settle(&self, settlement: Settlement) -> bool {
+        self.holder().settle(settlement).await
+    }
+
+    /// The task id the caller sees for a delegation, when the answer delegates the key.
+    fn task_id(&self, settlement: &Settlement) -> Option<String> {
+        let Settlement::Delegate { handle, .. } = settlement else { return None };
+        let task = TaskRef {
+            tool: self.call.name.clone(),
+            key: self.scope.key.as_str().to_owned(),
+            task: handle.task.clone(),
+        };
+        Some(task.id())
+    }
+
+    fn holder(&self) -> Holder<'_> {
+        Holder {
+            gateway: &self.gateway,
+            scope: &self.scope,
+            fence: self.fence,
+            actor: &self.actor,
+            input_lease: self.input_lease,
+            limits: &self.limits,
+        }
+    }
+}
+
+/// A held key, and what settles it: the fence of the attempt that holds it, who acts (for the
+/// audit log), and the limits in force for it.
+pub(crate) struct Holder<'a> {
+    pub(crate) gateway: &'a Gateway,
+    pub(crate) scope: &'a Scope,
+    pub(crate) fence: Fence,
+    pub(crate) actor: &'a str,
+    /// How long `input_required` holds the key.
+    pub(crate) input_lease: Duration,
+    /// The limits in force (a task's TTL holds the key within its leases).
+    pub(crate) limits: &'a onceguard_core::limits::Limits,
+}
+
+impl Holder<'_> {
     /// Applies what the answer means to the key (retrying a store that does not answer for a few
     /// seconds: the effect may have happened, and a key left in flight runs again after its
     /// lease).
-    async fn settle(&self, settlement: Settlement) {
+    /// Answers whether it took effect.
+    pub(crate) async fn settle(&self, settlement: Settlement) -> bool {
         let guard = self.gateway.guard();
         let max_outcome = guard.limits().max_outcome_bytes;
         let settlement = match settlement {
@@ -857,7 +957,7 @@ impl Leg {
                 self.gateway.state.metrics.observe_unstored_response(&self.scope.tenant);
                 // Where the namespace keeps digests, the digest is the result's own (the guard
                 // would otherwise take one of this record of it).
-                if guard.effective(&self.scope).await.is_ok_and(|e| e.outcome_kept == OutcomeKept::Digest) {
+                if guard.effective(self.scope).await.is_ok_and(|e| e.outcome_kept == OutcomeKept::Digest) {
                     let digest = OutcomeDigest { content_type: "application/json".into(), size, sha256, status: None };
                     Mutation::Complete(digest.into_outcome(OutcomeKind::Success, None, None))
                 } else {
@@ -888,23 +988,24 @@ impl Leg {
             }
             Settlement::Park => {
                 let name = CheckpointName::parse(INPUT_REQUIRED).expect("a valid checkpoint name");
-                if self.apply(Mutation::Checkpoint { name, data: "{}".into() }).await {
-                    self.apply(Mutation::Extend(self.input_lease)).await;
-                }
-                return;
+                return self.apply(Mutation::Checkpoint { name, data: "{}".into() }).await
+                    && self.apply(Mutation::Extend(self.input_lease)).await;
+            }
+            Settlement::Delegate { handle, result } => {
+                return self.delegate(&Delegation::new(handle, self.actor, &result)).await;
             }
             Settlement::Release(why) => release_mutation(&why),
             Settlement::Unknown(why) => Mutation::ReportUnknown(why),
         };
-        self.apply(mutation).await;
+        self.apply(mutation).await
     }
 
     /// Applies one fenced call; answers whether it took effect.
-    async fn apply(&self, mutation: Mutation) -> bool {
+    pub(crate) async fn apply(&self, mutation: Mutation) -> bool {
         let guard = self.gateway.guard();
         let op = mutation.name();
         for attempt in 0..5u32 {
-            match guard.mutate_as(&self.actor, &self.scope, self.fence, mutation.clone()).await {
+            match guard.mutate_as(self.actor, self.scope, self.fence, mutation.clone()).await {
                 Ok(FencedOutcome::Applied(_)) => return true,
                 Ok(FencedOutcome::Stale(reason)) => {
                     tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
@@ -923,9 +1024,19 @@ impl Leg {
         tracing::error!(op, scope = %self.scope, "the store did not answer; the key runs again after its lease");
         false
     }
+
+    /// Delegates the key to a task: the [`tasks::DELEGATED`] checkpoint, then a lease of the
+    /// task's TTL (within the leases in force). Answers whether both took effect.
+    pub(crate) async fn delegate(&self, delegation: &Delegation) -> bool {
+        let name = CheckpointName::parse(tasks::DELEGATED).expect("a valid checkpoint name");
+        let data = delegation.to_data_within(self.limits.max_checkpoint_bytes);
+        let ttl = delegation.ttl_ms.map_or(self.limits.max_lease, Duration::from_millis);
+        let lease = ttl.clamp(self.limits.min_lease, self.limits.max_lease);
+        self.apply(Mutation::Checkpoint { name, data }).await && self.apply(Mutation::Extend(lease)).await
+    }
 }
 
-fn is_event_stream(headers: &HeaderMap) -> bool {
+pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
     headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
 }
 

@@ -265,7 +265,7 @@ pub fn result_kind(result: &RawValue) -> ResultKind {
 }
 
 /// A JSON object whose members keep their order and their values' bytes.
-struct OrderedObject(Vec<(String, Box<RawValue>)>);
+pub(crate) struct OrderedObject(Vec<(String, Box<RawValue>)>);
 
 impl<'de> Deserialize<'de> for OrderedObject {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -298,7 +298,11 @@ impl Serialize for OrderedObject {
 }
 
 impl OrderedObject {
-    fn set(&mut self, name: &str, value: Box<RawValue>) {
+    pub(crate) fn get(&self, name: &str) -> Option<&RawValue> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, v)| &**v)
+    }
+
+    pub(crate) fn set(&mut self, name: &str, value: Box<RawValue>) {
         match self.0.iter_mut().find(|(n, _)| n == name) {
             Some(member) => member.1 = value,
             None => self.0.push((name.to_owned(), value)),

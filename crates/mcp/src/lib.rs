@@ -40,9 +40,11 @@ use onceguard_proxy::Upstream;
 use tokio::net::TcpListener;
 
 pub mod call;
+mod delegated;
 pub mod gateway;
 pub mod jsonrpc;
 pub mod sse;
+pub mod tasks;
 pub mod tools;
 
 pub use gateway::Gateway;

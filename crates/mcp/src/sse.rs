@@ -17,6 +17,28 @@ pub struct Block {
     pub data: Option<Vec<u8>>,
 }
 
+impl Block {
+    /// The event with its data replaced by `data`: its other fields (`id`, `event`, `retry`)
+    /// kept, one `data` line per line of `data`, ended by a blank line.
+    pub fn with_data(&self, data: &[u8]) -> Bytes {
+        let mut out = Vec::with_capacity(self.raw.len() + data.len());
+        let text = String::from_utf8_lossy(&self.raw);
+        for line in text.split(['\r', '\n']).filter(|l| !l.is_empty()) {
+            if line != "data" && !line.starts_with("data:") {
+                out.extend_from_slice(line.as_bytes());
+                out.push(b'\n');
+            }
+        }
+        for line in data.split(|b| *b == b'\n') {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(line.strip_suffix(b"\r").unwrap_or(line));
+            out.push(b'\n');
+        }
+        out.push(b'\n');
+        Bytes::from(out)
+    }
+}
+
 /// The reader. Feed it chunks as they arrive; it hands back the events completed so far.
 #[derive(Debug)]
 pub struct SseReader {
@@ -166,5 +188,15 @@ mod tests {
         assert_eq!(blocks.len(), 1);
         assert_eq!(blocks[0].data, None);
         assert_eq!(&blocks[0].raw[..], b"data: 0123456789");
+    }
+
+    #[test]
+    fn an_event_gets_new_data_and_keeps_its_other_fields() {
+        let mut reader = SseReader::new(1024);
+        let block = reader.push(b"id: 7\r\nevent: message\r\ndata: {\"a\":\r\ndata: 1}\r\n\r\n").remove(0);
+        let rewritten = block.with_data(b"{\"b\":\n2}");
+        assert_eq!(&rewritten[..], b"id: 7\nevent: message\ndata: {\"b\":\ndata: 2}\n\n");
+        let again = SseReader::new(1024).push(&rewritten).remove(0);
+        assert_eq!(again.data.as_deref(), Some(&b"{\"b\":\n2}"[..]));
     }
 }

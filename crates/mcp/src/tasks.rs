@@ -1,0 +1,421 @@
+//! Tasks as the gateway reads and writes them: a `tools/call` answered with a task (2025-11-25's
+//! core tasks, `params.task`; the 2026-07-28 tasks extension, `io.modelcontextprotocol/tasks`)
+//! delegates its key to the task, and the task's terminal result completes the key.
+//!
+//! What the store keeps of a delegated key is a checkpoint ([`DELEGATED`]) whose data is a
+//! [`Delegation`]: the upstream's task id, the shape, the granted TTL, the principal that created
+//! it, and the first answer (the handle). The id a caller sees is the gateway's own
+//! ([`TaskRef`]): it names the tool and the key beside the upstream's id, so that any gateway
+//! instance finds the key of a `tasks/*` request in the shared store, and checks its principal
+//! there, without an index of its own.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use crate::jsonrpc::{self, OrderedObject};
+
+/// The checkpoint marking a key delegated to a task.
+pub const DELEGATED: &str = "mcp.task";
+
+/// The tasks extension's identifier (2026-07-28).
+pub const EXTENSION: &str = "io.modelcontextprotocol/tasks";
+
+/// The `_meta` member in which a 2026-07-28 client repeats its capabilities on each request.
+pub const CLIENT_CAPABILITIES: &str = "io.modelcontextprotocol/clientCapabilities";
+
+/// How a gateway task id starts.
+const PREFIX: &str = "ogt1.";
+
+/// Which tasks a server speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shape {
+    /// 2025-11-25: `tools/call` with `params.task` answers `{task: {taskId, status, ttl, …}}`;
+    /// `tasks/get` answers the task, `tasks/result` the call's result.
+    Core,
+    /// The 2026-07-28 tasks extension: a flat answer with `resultType: "task"`, `taskId` and
+    /// `ttlMs`; `tasks/get` carries the result inline once the task completed.
+    Extension,
+}
+
+/// A task handle, as the first answer to a `tools/call` carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handle {
+    /// The upstream's task id.
+    pub task: String,
+    /// Which tasks.
+    pub shape: Shape,
+    /// The TTL the server granted, in milliseconds (`None`: unlimited or not said).
+    pub ttl_ms: Option<u64>,
+}
+
+/// The handle a `tools/call` result carries, if it is one.
+pub fn handle_of(result: &RawValue) -> Option<Handle> {
+    #[derive(Deserialize)]
+    struct Flat {
+        #[serde(default, rename = "resultType")]
+        result_type: Option<String>,
+        #[serde(default, rename = "taskId")]
+        task_id: Option<String>,
+        #[serde(default, rename = "ttlMs")]
+        ttl_ms: Option<u64>,
+        #[serde(default)]
+        task: Option<Nested>,
+    }
+    #[derive(Deserialize)]
+    struct Nested {
+        #[serde(rename = "taskId")]
+        task_id: String,
+        #[serde(default)]
+        ttl: Option<u64>,
+    }
+    match serde_json::from_str::<Flat>(result.get()).ok()? {
+        Flat { result_type: Some(t), task_id: Some(task), ttl_ms, .. } if t == "task" => {
+            Some(Handle { task, shape: Shape::Extension, ttl_ms })
+        }
+        Flat { result_type: None, task: Some(Nested { task_id, ttl }), .. } => {
+            Some(Handle { task: task_id, shape: Shape::Core, ttl_ms: ttl })
+        }
+        _ => None,
+    }
+}
+
+/// What the store keeps of a key delegated to a task (the data of its [`DELEGATED`] checkpoint).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Delegation {
+    /// The upstream's task id.
+    pub task: String,
+    /// Which tasks.
+    pub shape: Shape,
+    /// The TTL the server granted, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Who created it (an API key id, or `anonymous`): the only caller its `tasks/*` requests
+    /// are answered for.
+    pub actor: String,
+    /// The first answer (the handle), with the upstream's task id, as the upstream wrote it.
+    pub handle: Box<RawValue>,
+}
+
+impl Delegation {
+    /// The delegation of a call by `actor` to the task of `handle`, the answer `result` carried.
+    pub fn new(handle: Handle, actor: &str, result: &[u8]) -> Self {
+        let handle_raw = std::str::from_utf8(result)
+            .ok()
+            .and_then(|r| RawValue::from_string(r.to_owned()).ok())
+            .unwrap_or_else(|| minimal_handle(&handle));
+        Self {
+            task: handle.task,
+            shape: handle.shape,
+            ttl_ms: handle.ttl_ms,
+            actor: actor.to_owned(),
+            handle: handle_raw,
+        }
+    }
+
+    /// The checkpoint data, within `limit` bytes: a handle too large to keep is kept as its
+    /// task id, status and TTL alone.
+    pub fn to_data_within(&self, limit: usize) -> String {
+        let data = self.to_data();
+        if data.len() <= limit {
+            return data;
+        }
+        let handle = Handle { task: self.task.clone(), shape: self.shape, ttl_ms: self.ttl_ms };
+        Self { handle: minimal_handle(&handle), ..self.clone() }.to_data()
+    }
+
+    /// The checkpoint data.
+    pub fn to_data(&self) -> String {
+        serde_json::to_string(self).expect("a delegation serializes")
+    }
+
+    /// Reads checkpoint data; `None` when it is not a delegation.
+    pub fn parse(data: &str) -> Option<Self> {
+        serde_json::from_str(data).ok()
+    }
+}
+
+/// A handle of `handle`'s task in `working`, with nothing else.
+fn minimal_handle(handle: &Handle) -> Box<RawValue> {
+    let value = match handle.shape {
+        Shape::Extension => serde_json::json!({
+            "resultType": "task", "taskId": handle.task, "status": "working", "ttlMs": handle.ttl_ms,
+        }),
+        Shape::Core => serde_json::json!({"task": {"taskId": handle.task, "status": "working", "ttl": handle.ttl_ms}}),
+    };
+    RawValue::from_string(value.to_string()).expect("JSON")
+}
+
+/// A gateway task id: the tool and key of the delegated call, and the upstream's task id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskRef {
+    /// The tool.
+    pub tool: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The upstream's task id.
+    pub task: String,
+}
+
+impl TaskRef {
+    /// The id a caller sees: `ogt1.<tool>.<key>.<task>`, tool and key in unpadded base64url.
+    pub fn id(&self) -> String {
+        format!("{PREFIX}{}.{}.{}", URL_SAFE_NO_PAD.encode(&self.tool), URL_SAFE_NO_PAD.encode(&self.key), self.task)
+    }
+
+    /// Reads a gateway task id; `None` for any other id (an upstream's own, of a call that was
+    /// not guarded, or a malformed one).
+    pub fn parse(id: &str) -> Option<Self> {
+        let rest = id.strip_prefix(PREFIX)?;
+        let mut parts = rest.splitn(3, '.');
+        let decode = |part: &str| String::from_utf8(URL_SAFE_NO_PAD.decode(part).ok()?).ok();
+        let tool = decode(parts.next()?)?;
+        let key = decode(parts.next()?)?;
+        let task = parts.next().filter(|t| !t.is_empty())?.to_owned();
+        Some(Self { tool, key, task })
+    }
+}
+
+/// Whether a `tools/call`'s params accept a task handle as the answer: 2025-11-25's
+/// `params.task`, or the tasks extension declared in the request's `_meta`.
+pub fn accepts_task(params: Option<&Value>) -> bool {
+    let Some(params) = params else { return false };
+    params.get("task").is_some_and(Value::is_object)
+        || params
+            .get("_meta")
+            .and_then(|m| m.get(CLIENT_CAPABILITIES))
+            .and_then(|c| c.get("extensions"))
+            .and_then(|e| e.get(EXTENSION))
+            .is_some()
+}
+
+/// `result` with its task id (`taskId`, or `task.taskId`) set to `id`; members keep their order
+/// and every other value its bytes.
+pub fn with_task_id(result: &[u8], id: &str) -> Result<Vec<u8>, serde_json::Error> {
+    let mut object: OrderedObject = serde_json::from_slice(result)?;
+    let value = RawValue::from_string(serde_json::to_string(id)?)?;
+    if object.get("taskId").is_some() {
+        object.set("taskId", value);
+    } else if let Some(task) = object.get("task") {
+        let mut task: OrderedObject = serde_json::from_str(task.get())?;
+        task.set("taskId", value);
+        object.set("task", RawValue::from_string(serde_json::to_string(&task)?)?);
+    }
+    serde_json::to_vec(&object)
+}
+
+/// A whole response message with its result's task id set to `id` (unchanged when it has no
+/// result).
+pub fn message_with_task_id(message: &[u8], id: &str) -> Result<Vec<u8>, serde_json::Error> {
+    let mut object: OrderedObject = serde_json::from_slice(message)?;
+    let Some(result) = object.get("result") else { return Ok(message.to_vec()) };
+    let rewritten = with_task_id(result.get().as_bytes(), id)?;
+    object.set("result", RawValue::from_string(String::from_utf8(rewritten).expect("JSON is UTF-8"))?);
+    serde_json::to_vec(&object)
+}
+
+/// A `tasks/*` request's body with `params.taskId` set to the upstream's `task` (members keep
+/// their order, every other value its bytes).
+pub fn request_for_upstream(body: &[u8], task: &str) -> Result<Vec<u8>, serde_json::Error> {
+    let mut object: OrderedObject = serde_json::from_slice(body)?;
+    let Some(params) = object.get("params") else { return Ok(body.to_vec()) };
+    let mut params: OrderedObject = serde_json::from_str(params.get())?;
+    params.set("taskId", RawValue::from_string(serde_json::to_string(task)?)?);
+    object.set("params", RawValue::from_string(serde_json::to_string(&params)?)?);
+    serde_json::to_vec(&object)
+}
+
+/// What an answer about a task says of it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TaskState {
+    /// Still working, or waiting for input.
+    Working,
+    /// Ended with this result (a `CallToolResult`; `failure` for `isError: true`).
+    Result {
+        /// The result, as the upstream wrote it.
+        result: Vec<u8>,
+        /// `isError: true`.
+        failure: bool,
+    },
+    /// Ended (2025-11-25's `completed` or `failed` in `tasks/get`): `tasks/result` has the
+    /// result.
+    Ended,
+    /// Ended without a result the call's caller could have: `failed` with an error (the
+    /// extension), `cancelled`, a task the upstream no longer knows, or an error answer. The
+    /// tool may have acted: the key's outcome is unknown.
+    Lost(String),
+}
+
+impl TaskState {
+    /// What the answer to `tasks/get` (or the extension's `tasks/cancel` poll) says.
+    pub fn of_get(shape: Shape, message: &jsonrpc::ResponseMessage) -> Self {
+        #[derive(Deserialize)]
+        struct Got {
+            #[serde(default)]
+            status: Option<String>,
+            #[serde(default)]
+            result: Option<Box<RawValue>>,
+        }
+        let Some(result) = &message.result else {
+            let code = message.error.as_ref().map_or(0, |e| e.code);
+            return Self::Lost(format!("the upstream answered tasks/get with JSON-RPC error {code}"));
+        };
+        let Ok(got) = serde_json::from_str::<Got>(result.get()) else {
+            return Self::Lost("the upstream's tasks/get answer was not a task".into());
+        };
+        match (shape, got.status.as_deref(), got.result) {
+            (_, Some("working" | "input_required"), _) => Self::Working,
+            (Shape::Extension, Some("completed"), Some(result)) => Self::of_result(&result),
+            (Shape::Core, Some("completed" | "failed"), _) => Self::Ended,
+            (_, Some(status @ ("failed" | "cancelled" | "completed")), _) => {
+                Self::Lost(format!("the task ended {status} without a result"))
+            }
+            _ => Self::Lost("the upstream's tasks/get answer had no known status".into()),
+        }
+    }
+
+    /// What the answer to 2025-11-25's `tasks/result` says.
+    pub fn of_payload(message: &jsonrpc::ResponseMessage) -> Self {
+        match (&message.result, &message.error) {
+            (Some(result), _) => Self::of_result(result),
+            (None, error) => {
+                let code = error.as_ref().map_or(0, |e| e.code);
+                Self::Lost(format!("the upstream answered tasks/result with JSON-RPC error {code}"))
+            }
+        }
+    }
+
+    fn of_result(result: &RawValue) -> Self {
+        let failure = jsonrpc::result_kind(result) == jsonrpc::ResultKind::ToolError;
+        Self::Result { result: result.get().as_bytes().to_vec(), failure }
+    }
+}
+
+/// The `tasks/get` answer for a task whose result the key keeps (the upstream may have dropped
+/// it): the handle's task with `status`, and the extension's result inline.
+pub fn stored_get(delegation: &Delegation, id: &str, result: &[u8], failure: bool, updated: &str) -> Vec<u8> {
+    let handle: Value = serde_json::from_str(delegation.handle.get()).unwrap_or(Value::Null);
+    let task = match delegation.shape {
+        Shape::Extension => &handle,
+        Shape::Core => &handle["task"],
+    };
+    let mut out = serde_json::Map::new();
+    if delegation.shape == Shape::Extension {
+        out.insert("resultType".into(), "complete".into());
+    }
+    out.insert("taskId".into(), id.into());
+    let status = if failure && delegation.shape == Shape::Core { "failed" } else { "completed" };
+    out.insert("status".into(), status.into());
+    for member in ["createdAt", "ttlMs", "ttl", "pollIntervalMs", "pollInterval"] {
+        if let Some(value) = task.get(member) {
+            out.insert(member.into(), value.clone());
+        }
+    }
+    out.insert("lastUpdatedAt".into(), updated.into());
+    let mut bytes = serde_json::to_vec(&out).expect("a JSON object serializes");
+    if delegation.shape == Shape::Extension {
+        // `result` goes in as stored, byte for byte.
+        bytes.pop();
+        bytes.extend_from_slice(br#","result":"#);
+        bytes.extend_from_slice(result);
+        bytes.push(b'}');
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_owned()).unwrap()
+    }
+
+    #[test]
+    fn handles_of_both_shapes() {
+        let ext = raw(r#"{"resultType":"task","taskId":"t-1","status":"working","ttlMs":60000}"#);
+        assert_eq!(handle_of(&ext), Some(Handle { task: "t-1".into(), shape: Shape::Extension, ttl_ms: Some(60000) }));
+        let core = raw(r#"{"task":{"taskId":"t-2","status":"working","ttl":null,"createdAt":"x"}}"#);
+        assert_eq!(handle_of(&core), Some(Handle { task: "t-2".into(), shape: Shape::Core, ttl_ms: None }));
+        assert_eq!(handle_of(&raw(r#"{"content":[],"taskId":"t"}"#)), None);
+        assert_eq!(handle_of(&raw(r#"{"content":[]}"#)), None);
+        assert_eq!(handle_of(&raw(r#"{"resultType":"complete","task":{"taskId":"t"}}"#)), None);
+    }
+
+    #[test]
+    fn gateway_ids_round_trip_and_refuse_others() {
+        let r = TaskRef { tool: "pay.card".into(), key: "k/1.x".into(), task: "a.b.c".into() };
+        let id = r.id();
+        assert!(id.starts_with("ogt1."));
+        assert_eq!(TaskRef::parse(&id), Some(r));
+        for other in ["t-1", "ogt1.", "ogt1.!!.a.b", "ogt1.YQ.Yg.", "ogt1.YQ"] {
+            assert_eq!(TaskRef::parse(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn task_ids_are_rewritten_in_place() {
+        let flat = br#"{"resultType":"task","taskId":"up","n":1.50}"#;
+        assert_eq!(with_task_id(flat, "mine").unwrap(), br#"{"resultType":"task","taskId":"mine","n":1.50}"#);
+        let nested = br#"{"task":{"taskId":"up","ttl":1},"_meta":{}}"#;
+        assert_eq!(with_task_id(nested, "mine").unwrap(), br#"{"task":{"taskId":"mine","ttl":1},"_meta":{}}"#);
+        let message = br#"{"jsonrpc":"2.0","id":3,"result":{"taskId":"up"}}"#;
+        assert_eq!(
+            message_with_task_id(message, "mine").unwrap(),
+            br#"{"jsonrpc":"2.0","id":3,"result":{"taskId":"mine"}}"#
+        );
+        let request = br#"{"jsonrpc":"2.0","id":4,"method":"tasks/get","params":{"taskId":"mine","x":2.0}}"#;
+        assert_eq!(
+            request_for_upstream(request, "up").unwrap(),
+            br#"{"jsonrpc":"2.0","id":4,"method":"tasks/get","params":{"taskId":"up","x":2.0}}"#
+        );
+    }
+
+    #[test]
+    fn accepting_a_task() {
+        assert!(accepts_task(Some(&serde_json::json!({"name":"x","task":{"ttl":1000}}))));
+        let ext = serde_json::json!({"_meta": {CLIENT_CAPABILITIES: {"extensions": {EXTENSION: {}}}}});
+        assert!(accepts_task(Some(&ext)));
+        assert!(!accepts_task(Some(&serde_json::json!({"name":"x","_meta":{}}))));
+        assert!(!accepts_task(None));
+    }
+
+    #[test]
+    fn task_states() {
+        let message = |s: &str| serde_json::from_str::<jsonrpc::ResponseMessage>(s).unwrap();
+        let get = |shape, s: &str| TaskState::of_get(shape, &message(s));
+        assert_eq!(get(Shape::Extension, r#"{"id":1,"result":{"status":"working"}}"#), TaskState::Working);
+        assert_eq!(
+            get(Shape::Extension, r#"{"id":1,"result":{"status":"completed","result":{"content":[],"isError":true}}}"#),
+            TaskState::Result { result: br#"{"content":[],"isError":true}"#.to_vec(), failure: true }
+        );
+        assert!(matches!(get(Shape::Extension, r#"{"id":1,"result":{"status":"failed"}}"#), TaskState::Lost(_)));
+        assert!(matches!(get(Shape::Core, r#"{"id":1,"result":{"status":"cancelled"}}"#), TaskState::Lost(_)));
+        assert_eq!(get(Shape::Core, r#"{"id":1,"result":{"status":"failed"}}"#), TaskState::Ended);
+        assert!(matches!(get(Shape::Core, r#"{"id":1,"error":{"code":-32602}}"#), TaskState::Lost(_)));
+        assert_eq!(
+            TaskState::of_payload(&message(r#"{"id":1,"result":{"content":[]}}"#)),
+            TaskState::Result { result: br#"{"content":[]}"#.to_vec(), failure: false }
+        );
+    }
+
+    #[test]
+    fn a_stored_get_keeps_the_result_bytes() {
+        let delegation = Delegation {
+            task: "up".into(),
+            shape: Shape::Extension,
+            ttl_ms: Some(5),
+            actor: "a".into(),
+            handle: raw(r#"{"resultType":"task","taskId":"up","status":"working","createdAt":"c","ttlMs":5}"#),
+        };
+        let got: Value = serde_json::from_slice(&stored_get(&delegation, "mine", br#"{"n":1}"#, false, "u")).unwrap();
+        assert_eq!(got["taskId"], "mine");
+        assert_eq!(got["status"], "completed");
+        assert_eq!(got["result"], serde_json::json!({"n":1}));
+        assert_eq!(got["createdAt"], "c");
+        assert_eq!(Delegation::parse(&delegation.to_data()).map(|d| d.to_data()), Some(delegation.to_data()));
+    }
+}

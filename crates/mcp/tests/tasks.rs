@@ -1,0 +1,417 @@
+//! Keys delegated to tasks, against a small upstream served by the test that speaks both task
+//! shapes (2025-11-25's core tasks and the 2026-07-28 tasks extension), counts how often its
+//! tool ran, and can finish, cancel or forget a task when the test says so.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use onceguard_core::auth::Role;
+use onceguard_core::{Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, Scope, TenantId};
+use onceguard_http::Config;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
+use serde_json::{Value, json};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Shape {
+    Core,
+    Extension,
+}
+
+const SHAPES: [Shape; 2] = [Shape::Core, Shape::Extension];
+
+struct Task {
+    shape: Shape,
+    status: &'static str,
+    result: Option<Value>,
+}
+
+#[derive(Default)]
+struct Upstream {
+    runs: usize,
+    tasks: HashMap<String, Task>,
+    /// The task ids `tasks/*` requests named, as the upstream got them.
+    asked: Vec<String>,
+}
+
+type Shared = Arc<Mutex<Upstream>>;
+
+fn answer(id: &Value, result: Value) -> Response {
+    ([("content-type", "application/json")], json!({"jsonrpc":"2.0","id":id,"result":result}).to_string())
+        .into_response()
+}
+
+fn task_fields(id: &str, task: &Task) -> Value {
+    let mut fields = json!({"taskId": id, "status": task.status, "createdAt": "2026-12-04T00:00:00Z",
+        "lastUpdatedAt": "2026-12-04T00:00:01Z"});
+    match task.shape {
+        Shape::Core => fields["ttl"] = json!(60_000),
+        Shape::Extension => fields["ttlMs"] = json!(60_000),
+    }
+    fields
+}
+
+async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
+    let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let id = message["id"].clone();
+    let params = &message["params"];
+    let mut up = up.lock().unwrap();
+    let task_id = params["taskId"].as_str().unwrap_or_default().to_owned();
+    let method = message["method"].as_str().unwrap_or_default();
+    if method.starts_with("tasks/") {
+        up.asked.push(task_id.clone());
+    }
+    let not_found = || {
+        let error =
+            json!({"jsonrpc":"2.0","id":id,"error":{"code":-32602,"message":format!("Task {task_id} not found")}});
+        ([("content-type", "application/json")], error.to_string()).into_response()
+    };
+    match method {
+        "tools/call" => {
+            up.runs += 1;
+            let n = up.runs;
+            let extension = params["_meta"]["io.modelcontextprotocol/clientCapabilities"]["extensions"]
+                .get("io.modelcontextprotocol/tasks")
+                .is_some();
+            let shape = if params.get("task").is_some() {
+                Shape::Core
+            } else if extension {
+                Shape::Extension
+            } else {
+                return answer(&id, json!({"content":[{"type":"text","text":format!("job {n}")}]}));
+            };
+            let task_id = format!("up-{n}");
+            let task = Task { shape, status: "working", result: None };
+            let fields = task_fields(&task_id, &task);
+            up.tasks.insert(task_id, task);
+            match shape {
+                Shape::Core => answer(&id, json!({ "task": fields })),
+                Shape::Extension => {
+                    let mut handle = fields;
+                    handle["resultType"] = json!("task");
+                    answer(&id, handle)
+                }
+            }
+        }
+        "tasks/get" => {
+            let Some(task) = up.tasks.get(&task_id) else { return not_found() };
+            let mut got = task_fields(&task_id, task);
+            if task.shape == Shape::Extension {
+                got["resultType"] = json!("complete");
+                if let Some(result) = &task.result {
+                    got["result"] = result.clone();
+                }
+            }
+            answer(&id, got)
+        }
+        "tasks/result" => match up.tasks.get(&task_id) {
+            Some(Task { result: Some(result), .. }) => answer(&id, result.clone()),
+            _ => not_found(),
+        },
+        "tasks/cancel" => {
+            let Some(task) = up.tasks.get_mut(&task_id) else { return not_found() };
+            if task.status == "working" {
+                task.status = "cancelled";
+            }
+            let fields = task_fields(&task_id, task);
+            match task.shape {
+                Shape::Core => answer(&id, fields),
+                Shape::Extension => answer(&id, json!({"resultType":"complete"})),
+            }
+        }
+        "tasks/list" => answer(&id, json!({"tasks": []})),
+        _ => answer(&id, json!({})),
+    }
+}
+
+struct App {
+    base: String,
+    up: Shared,
+    guard: Guard,
+    clock: Arc<ManualClock>,
+    http: reqwest::Client,
+    _harness: Harness,
+}
+
+async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
+    let up = Shared::default();
+    let upstream = Router::new().route("/mcp", any(mcp)).with_state(up.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, upstream).await.unwrap() });
+    let mut config = Config::default();
+    config.mcp.upstream = upstream_url;
+    config.mcp.upstream_name = "up".into();
+    config.mcp.lease = Duration::from_secs(2);
+    config.auth.allow_anonymous = true;
+    config.auth.anonymous_tenant = "anon".into();
+    configure(&mut config);
+    let limits = onceguard_mcp::limits(&config);
+    let harness = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_mcp::app).await;
+    App {
+        base: harness.base.clone(),
+        up,
+        guard: harness.guard.clone(),
+        clock: harness.clock.clone(),
+        http: reqwest::Client::new(),
+        _harness: harness,
+    }
+}
+
+/// A `tools/call` of `job` with `key` that asks for a task in `shape`.
+fn call(id: u64, shape: Shape, key: &str) -> Value {
+    let mut meta = json!({"dev.onceguard/idempotency-key": key});
+    let mut params = json!({"name": "job", "arguments": {"n": 1}});
+    match shape {
+        Shape::Core => params["task"] = json!({"ttl": 60_000}),
+        Shape::Extension => {
+            meta["io.modelcontextprotocol/clientCapabilities"] =
+                json!({"extensions": {"io.modelcontextprotocol/tasks": {}}});
+        }
+    }
+    params["_meta"] = meta;
+    json!({"jsonrpc":"2.0","id":id,"method":"tools/call","params":params})
+}
+
+fn task_request(id: u64, method: &str, task: &str) -> Value {
+    json!({"jsonrpc":"2.0","id":id,"method":method,"params":{"taskId":task}})
+}
+
+fn task_id(answer: &Value) -> String {
+    let result = &answer["result"];
+    result["taskId"].as_str().or(result["task"]["taskId"].as_str()).expect("a task handle").to_owned()
+}
+
+impl App {
+    async fn rpc_as(&self, token: Option<&str>, message: &Value) -> Value {
+        let mut request = self.http.post(format!("{}/mcp", self.base)).json(message);
+        if let Some(token) = token {
+            request = request.header("x-onceguard-key", token);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        response.json().await.unwrap()
+    }
+
+    async fn rpc(&self, message: &Value) -> Value {
+        self.rpc_as(None, message).await
+    }
+
+    fn runs(&self) -> usize {
+        self.up.lock().unwrap().runs
+    }
+
+    /// The upstream ends its task `up-n` with a result.
+    fn finish(&self, task: &str) {
+        let mut up = self.up.lock().unwrap();
+        let task = up.tasks.get_mut(task).unwrap();
+        task.status = "completed";
+        task.result = Some(json!({"content":[{"type":"text","text":"job done"}],"z":1.50}));
+    }
+
+    /// The upstream drops its task (its TTL passed).
+    fn forget(&self, task: &str) {
+        self.up.lock().unwrap().tasks.remove(task);
+    }
+
+    fn scope(&self, key: &str) -> Scope {
+        Scope::new(TenantId::parse("anon").unwrap(), Namespace::parse("mcp/up/job").unwrap(), Key::parse(key).unwrap())
+    }
+}
+
+#[tokio::test]
+async fn a_duplicate_gets_the_same_task_and_the_result_outlives_the_servers_ttl() {
+    let app = spawn_app(|_| {}).await;
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let key = format!("k-{n}");
+        let first = app.rpc(&call(1, shape, &key)).await;
+        let id = task_id(&first);
+        assert!(id.starts_with("ogt1."), "{shape:?}: the caller sees the gateway's task id: {first}");
+        let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::InProgress, "{shape:?}: the key is delegated");
+        assert_eq!(record.last_checkpoint().unwrap().name.as_str(), "mcp.task");
+
+        let again = app.rpc(&call(2, shape, &key)).await;
+        assert_eq!(task_id(&again), id, "{shape:?}: a duplicate gets the same task");
+        assert_eq!(again["id"], 2);
+        assert_eq!(app.runs(), n + 1, "{shape:?}: never a second task");
+
+        let working = app.rpc(&task_request(3, "tasks/get", &id)).await;
+        assert_eq!(working["result"]["status"], "working");
+        assert_eq!(working["result"]["taskId"], id.as_str(), "{shape:?}: the answer names the gateway's id");
+        let upstream_id = format!("up-{}", n + 1);
+        assert_eq!(app.up.lock().unwrap().asked.last(), Some(&upstream_id), "the upstream got its own id");
+
+        app.finish(&upstream_id);
+        let done = match shape {
+            Shape::Extension => {
+                let got = app.rpc(&task_request(4, "tasks/get", &id)).await;
+                assert_eq!(got["result"]["status"], "completed");
+                got["result"]["result"].clone()
+            }
+            Shape::Core => {
+                let got = app.rpc(&task_request(4, "tasks/get", &id)).await;
+                assert_eq!(got["result"]["status"], "completed");
+                let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
+                assert_eq!(record.state, RecordState::InProgress, "a core task's status carries no result");
+                app.rpc(&task_request(5, "tasks/result", &id)).await["result"].clone()
+            }
+        };
+        assert_eq!(done["content"][0]["text"], "job done");
+        let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed, "{shape:?}: the terminal result completes the key");
+
+        // The server forgets the task; the key keeps its result.
+        app.forget(&upstream_id);
+        let replay = app.rpc(&call(6, shape, &key)).await;
+        assert_eq!(replay["result"]["content"][0]["text"], "job done", "{shape:?}: {replay}");
+        assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+        let stored = app.rpc(&task_request(7, "tasks/get", &id)).await;
+        assert_eq!(stored["result"]["status"], "completed", "{shape:?}: {stored}");
+        assert_eq!(stored["result"]["taskId"], id.as_str());
+        if shape == Shape::Core {
+            let payload = app.rpc(&task_request(8, "tasks/result", &id)).await;
+            assert_eq!(payload["result"]["content"][0]["text"], "job done");
+        }
+        assert_eq!(app.runs(), n + 1, "{shape:?}: the tool ran once");
+    }
+}
+
+#[tokio::test]
+async fn a_task_exists_only_for_the_principal_that_created_it() {
+    let app = spawn_app(|c| c.auth.allow_anonymous = false).await;
+    let acme = TenantId::parse("acme").unwrap();
+    app.guard.create_tenant("test", &acme).await.unwrap();
+    let mut tokens = Vec::new();
+    for _ in 0..2 {
+        tokens.push(app.guard.create_api_key("test", &acme, Role::Agent, "agent").await.unwrap().unwrap().token);
+    }
+    let globex = TenantId::parse("globex").unwrap();
+    app.guard.create_tenant("test", &globex).await.unwrap();
+    tokens.push(app.guard.create_api_key("test", &globex, Role::Agent, "agent").await.unwrap().unwrap().token);
+
+    let first = app.rpc_as(Some(&tokens[0]), &call(1, Shape::Extension, "k")).await;
+    let id = task_id(&first);
+    let asked_before = app.up.lock().unwrap().asked.len();
+    for (token, who) in [(&tokens[1], "another key of the tenant"), (&tokens[2], "another tenant")] {
+        for method in ["tasks/get", "tasks/cancel", "tasks/update"] {
+            let answer = app.rpc_as(Some(token), &task_request(2, method, &id)).await;
+            assert_eq!(answer["error"]["code"], 40401, "{who}, {method}: {answer}");
+        }
+    }
+    assert_eq!(app.up.lock().unwrap().asked.len(), asked_before, "nothing reached the upstream");
+    // A duplicate by another key of the tenant does not get the task either.
+    let other = app.rpc_as(Some(&tokens[1]), &call(3, Shape::Extension, "k")).await;
+    assert_eq!(other["error"]["code"], 40901, "{other}");
+    let own = app.rpc_as(Some(&tokens[0]), &task_request(4, "tasks/get", &id)).await;
+    assert_eq!(own["result"]["status"], "working");
+    // A forged id naming the key with another upstream task.
+    let forged = id.rsplit_once('.').map(|(head, _)| format!("{head}.up-99")).unwrap();
+    let answer = app.rpc_as(Some(&tokens[0]), &task_request(5, "tasks/get", &forged)).await;
+    assert_eq!(answer["error"]["code"], 40401);
+    let list = app.rpc_as(Some(&tokens[0]), &json!({"jsonrpc":"2.0","id":6,"method":"tasks/list"})).await;
+    assert_eq!(list["error"]["code"], 40001, "tasks/list would show other callers' tasks");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_cancelled_task_leaves_its_key_unknown_and_it_never_runs_again() {
+    let app = spawn_app(|_| {}).await;
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let key = format!("c-{n}");
+        let id = task_id(&app.rpc(&call(1, shape, &key)).await);
+        let cancelled = app.rpc(&task_request(2, "tasks/cancel", &id)).await;
+        assert!(cancelled.get("result").is_some(), "{shape:?}: the cancel is forwarded: {cancelled}");
+        let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
+        assert!(record.unknown.is_some(), "{shape:?}: a cancel does not prove non-execution");
+        assert_eq!(record.state, RecordState::InProgress, "{shape:?}: never released");
+        for attempt in 0..3 {
+            let retry = app.rpc(&call(3 + attempt, shape, &key)).await;
+            assert_eq!(retry["error"]["code"], 40902, "{shape:?}: {retry}");
+        }
+        assert_eq!(app.runs(), n + 1, "{shape:?}: the tool never ran again");
+    }
+}
+
+#[tokio::test]
+async fn a_cancel_that_lost_the_race_to_completion_keeps_the_result() {
+    let app = spawn_app(|_| {}).await;
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let key = format!("r-{n}");
+        let id = task_id(&app.rpc(&call(1, shape, &key)).await);
+        app.finish(&format!("up-{}", n + 1));
+        app.rpc(&task_request(2, "tasks/cancel", &id)).await;
+        let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed, "{shape:?}: the task had completed");
+        let replay = app.rpc(&call(3, shape, &key)).await;
+        assert_eq!(replay["result"]["content"][0]["text"], "job done", "{shape:?}");
+        assert_eq!(app.runs(), n + 1);
+    }
+}
+
+#[tokio::test]
+async fn a_delegated_key_whose_lease_passed_asks_the_task_and_never_runs_again() {
+    let app = spawn_app(|_| {}).await;
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let key = format!("l-{n}");
+        let before = app.runs();
+        let id = task_id(&app.rpc(&call(1, shape, &key)).await);
+        // Nobody polls; the delegated lease (the task's TTL) passes.
+        app.clock.advance(Duration::from_secs(61));
+        let still = app.rpc(&call(2, shape, &key)).await;
+        assert_eq!(task_id(&still), id, "{shape:?}: the task still works: the same task again: {still}");
+        let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
+        assert_eq!(record.attempt, 2, "{shape:?}: the key was taken over, and delegated again");
+        assert_eq!(record.last_checkpoint().unwrap().name.as_str(), "mcp.task");
+
+        app.finish(&format!("up-{}", before + 1));
+        app.clock.advance(Duration::from_secs(61));
+        let done = app.rpc(&call(3, shape, &key)).await;
+        assert_eq!(done["result"]["content"][0]["text"], "job done", "{shape:?}: {done}");
+        assert_eq!(app.guard.get(&app.scope(&key)).await.unwrap().unwrap().state, RecordState::Completed);
+
+        // A key whose task the server forgot before anyone saw its result stays unknown.
+        let lost_key = format!("f-{n}");
+        app.rpc(&call(4, shape, &lost_key)).await;
+        app.forget(&format!("up-{}", before + 2));
+        app.clock.advance(Duration::from_secs(61));
+        let lost = app.rpc(&call(5, shape, &lost_key)).await;
+        assert_eq!(lost["error"]["code"], 40902, "{shape:?}: {lost}");
+        assert_eq!(app.runs(), before + 2, "{shape:?}: every task ran once");
+    }
+}
+
+#[tokio::test]
+async fn concurrent_duplicates_start_one_task() {
+    let app = Arc::new(spawn_app(|_| {}).await);
+    for round in 0..20 {
+        let shape = SHAPES[round % 2];
+        let key = format!("x-{round}");
+        let answers = futures::future::join_all((0..8).map(|actor| {
+            let app = app.clone();
+            let message = call(actor, shape, &key);
+            async move { app.rpc(&message).await }
+        }))
+        .await;
+        let ids: std::collections::HashSet<_> =
+            answers.iter().filter(|a| a.get("result").is_some()).map(task_id).collect();
+        let busy = answers.iter().filter(|a| a["error"]["code"] == 40901).count();
+        assert_eq!(ids.len(), 1, "round {round}: one task: {answers:?}");
+        assert_eq!(answers.len() - busy, answers.iter().filter(|a| a.get("result").is_some()).count());
+        assert_eq!(app.runs(), round + 1, "round {round}: one execution");
+    }
+}
+
+#[tokio::test]
+async fn tasks_of_calls_that_were_not_guarded_pass_through() {
+    let app = spawn_app(|_| {}).await;
+    let answer = app.rpc(&task_request(1, "tasks/get", "up-7")).await;
+    assert_eq!(answer["error"]["code"], -32602, "the upstream's own answer: {answer}");
+    assert_eq!(app.up.lock().unwrap().asked, vec!["up-7".to_owned()]);
+}
