@@ -1,0 +1,199 @@
+"""End-to-end tests of keys delegated to tasks: `onceguard mcp` in front of a fastmcp server whose
+tool runs as a task (the 2026-07-28 tasks extension, `fastmcp-tasks`), called by fastmcp's own
+client, which polls the task through the gateway. Run by scripts/mcp-tests (its own virtualenv:
+`fastmcp-tasks` pins a fastmcp of its own).
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from fastmcp import Client
+from fastmcp.client.transports import StreamableHttpTransport
+# The client's own senders of tasks/get and tasks/cancel, to name a task id as another caller.
+from fastmcp_tasks.client import _send_cancel, _send_get, call_tool_task
+
+HERE = Path(__file__).resolve().parent
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HERE.parent.parent / "target"))
+BINARY = Path(os.environ.get("ONCEGUARD_BIN", TARGET / "debug" / "onceguard"))
+KEY_META = "dev.onceguard/idempotency-key"
+REPLAYED = "dev.onceguard/replayed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def onceguard(store: str, *args: str) -> str:
+    out = subprocess.run([str(BINARY), "--log-format", "json", "--store", store, *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+class World:
+    """The task server, a SQLite store with one tenant and two API keys, and a gateway."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="onceguard-tasks-")
+        self.effects = os.path.join(self.dir, "effects.log")
+        store = f"sqlite://{self.dir}/onceguard.db"
+        port = self.port = free_port()
+        self.start_server()
+        onceguard(store, "tenants", "create", "acme")
+        self.tokens = [
+            json.loads(onceguard(store, "api-keys", "create", "--tenant", "acme", "--label", f"e2e-{n}"))["token"]
+            for n in range(2)
+        ]
+        wait_port(port)
+        args = [str(BINARY), "--log-format", "json", "--store", store, "mcp", "--listen", "127.0.0.1:0",
+                "--upstream", f"http://127.0.0.1:{port}/mcp", "--upstream-name", "tasks", "--lease", "5s"]
+        self.gateway = subprocess.Popen(args, cwd=self.dir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.url = ""
+        found = threading.Event()
+        self.logs: list[str] = []
+
+        def read() -> None:
+            for line in self.gateway.stderr:
+                self.logs.append(line)
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if "addr" in event and not found.is_set():
+                    self.url = f"http://{event['addr']}/mcp"
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert found.wait(60), "the gateway did not start"
+
+    def executions(self, tag: str) -> int:
+        if not os.path.exists(self.effects):
+            return 0
+        with open(self.effects) as f:
+            return sum(1 for line in f if json.loads(line)["tag"] == tag)
+
+    def start_server(self) -> None:
+        self.server = subprocess.Popen(
+            [sys.executable, str(HERE / "task_server.py"), "--port", str(self.port), "--effects", self.effects],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "server.log"), "a"),
+        )
+
+    def restart_server(self) -> None:
+        """A new server process: its tasks (kept in memory) are gone, as after their TTL."""
+        self.stop_server()
+        self.start_server()
+        wait_port(self.port)
+
+    def stop_server(self) -> None:
+        if self.server.poll() is None:
+            self.server.send_signal(signal.SIGTERM)
+            self.server.wait(10)
+
+    def close(self) -> None:
+        self.gateway.terminate()
+        self.gateway.wait(10)
+        self.stop_server()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World()
+    yield w
+    w.close()
+
+
+def client(world: World, token: int = 0) -> Client:
+    transport = StreamableHttpTransport(world.url, headers={"X-Onceguard-Key": world.tokens[token]})
+    return Client(transport, timeout=30)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_retried_task_call_gets_the_same_task_and_pays_once(world):
+    tag, key = uuid.uuid4().hex, uuid.uuid4().hex
+
+    async def scenario():
+        async with client(world) as c:
+            task = await call_tool_task(c, "pay", {"amount": 5, "tag": tag}, meta={KEY_META: key})
+            assert task.task_id.startswith("ogt1."), task.task_id
+            # The client retries the call (a lost answer, a repeated tool call): the same task.
+            again = await call_tool_task(c, "pay", {"amount": 5, "tag": tag}, meta={KEY_META: key})
+            assert again.task_id == task.task_id
+            first = await task.result()
+            assert first.structured_content == {"paid": 5, "tag": tag}
+            # A plain call_tool with the key (the client polls the task to its end): the result.
+            third = await c.call_tool("pay", {"amount": 5, "tag": tag}, meta={KEY_META: key})
+            assert third.structured_content == {"paid": 5, "tag": tag}
+
+    run(scenario())
+    assert world.executions(tag) == 1
+
+
+def test_another_principal_cannot_poll_or_cancel_the_task(world):
+    tag, key = uuid.uuid4().hex, uuid.uuid4().hex
+
+    async def scenario():
+        async with client(world, 0) as owner, client(world, 1) as other:
+            task = await call_tool_task(owner, "pay", {"amount": 7, "tag": tag, "seconds": 1.0}, meta={KEY_META: key})
+            # Another API key of the same tenant names the owner's task id: it does not exist.
+            for send in (_send_get, _send_cancel):
+                with pytest.raises(Exception) as refused:
+                    await send(other.session, task.task_id)
+                assert "no such task" in str(refused.value).lower(), refused.value
+            result = await task.result()
+            assert result.structured_content == {"paid": 7, "tag": tag}
+
+    run(scenario())
+    assert world.executions(tag) == 1
+
+
+def test_the_result_outlives_the_servers_task(world):
+    tag, key = uuid.uuid4().hex, uuid.uuid4().hex
+
+    async def scenario_before():
+        async with client(world) as c:
+            task = await call_tool_task(c, "pay", {"amount": 9, "tag": tag}, meta={KEY_META: key})
+            result = await task.result()
+            assert result.structured_content == {"paid": 9, "tag": tag}
+            return task.task_id
+
+    task_id = run(scenario_before())
+    world.restart_server()
+
+    async def scenario_after():
+        async with client(world) as c:
+            # The server no longer knows the task; the gateway answers from the store.
+            got = await _send_get(c.session, task_id)
+            assert got.status == "completed", got
+            replay = await c.call_tool("pay", {"amount": 9, "tag": tag}, meta={KEY_META: key})
+            assert replay.structured_content == {"paid": 9, "tag": tag}
+            assert (replay.meta or {}).get(REPLAYED) is True
+
+    run(scenario_after())
+    assert world.executions(tag) == 1
