@@ -12,6 +12,9 @@ use sha2::{Digest, Sha256};
 pub const KEY_META: &str = "dev.onceguard/idempotency-key";
 /// `_meta` member carrying the run id.
 pub const RUN_META: &str = "dev.onceguard/run-id";
+/// Header naming the run, for clients that send fixed headers per connection and nothing in
+/// `_meta` (e.g. one MCP client per agent run).
+pub const RUN_HEADER: &str = "x-onceguard-run-id";
 /// `_meta` member carrying the cost units the call declares.
 pub const COST_META: &str = "dev.onceguard/cost";
 
@@ -86,6 +89,23 @@ impl ToolCall {
         let run = meta_str(RUN_META)?
             .map(|run| RunId::parse(run).map_err(|e| ApiError::Invalid(format!("_meta[\"{RUN_META}\"]: {}", e.rule))))
             .transpose()?;
+        let run_header = match headers.get(RUN_HEADER) {
+            None => None,
+            Some(value) => {
+                let text =
+                    value.to_str().map_err(|_| invalid("the X-Onceguard-Run-Id header must be visible ASCII"))?;
+                Some(
+                    RunId::parse(text.trim())
+                        .map_err(|e| ApiError::Invalid(format!("the X-Onceguard-Run-Id header: {}", e.rule)))?,
+                )
+            }
+        };
+        let run = match (run, run_header) {
+            (Some(meta), Some(header)) if meta != header => {
+                return Err(invalid("the runs given (in _meta and the X-Onceguard-Run-Id header) differ"));
+            }
+            (meta, header) => meta.or(header),
+        };
         let cost = match meta.and_then(|m| m.get(COST_META)) {
             None | Some(Value::Null) => 0,
             Some(cost) => cost
@@ -249,6 +269,20 @@ mod tests {
         assert_eq!(upstream_name(&url), "127.0.0.1-8000");
         assert_eq!(upstream_name(&reqwest::Url::parse("https://tools.example.com/mcp").unwrap()), "tools.example.com");
         assert!(Namespace::parse(&upstream_name(&reqwest::Url::parse("http://[::1]:9/").unwrap())).is_ok());
+    }
+
+    #[test]
+    fn the_run_comes_from_meta_or_the_header_and_they_must_agree() {
+        let mut headers = HeaderMap::new();
+        headers.insert(RUN_HEADER, HeaderValue::from_static("run-h"));
+        let by_header = ToolCall::parse(json!(1), Some(&json!({"name":"send"})), &headers).unwrap();
+        assert_eq!(by_header.run.unwrap().as_str(), "run-h");
+        let same = json!({"name":"send","_meta":{RUN_META:"run-h"}});
+        assert_eq!(ToolCall::parse(json!(1), Some(&same), &headers).unwrap().run.unwrap().as_str(), "run-h");
+        let differ = json!({"name":"send","_meta":{RUN_META:"run-m"}});
+        assert!(ToolCall::parse(json!(1), Some(&differ), &headers).is_err());
+        headers.insert(RUN_HEADER, HeaderValue::from_static("has space"));
+        assert!(ToolCall::parse(json!(1), Some(&json!({"name":"send"})), &headers).is_err());
     }
 }
 

@@ -2,114 +2,215 @@
 //! the recovery of a key whose task's result was never seen.
 //!
 //! - A `tasks/*` request naming a gateway task id ([`TaskRef`]) is answered only for the caller
-//!   (tenant and principal) that created the task; for anyone else the task does not exist.
+//!   (tenant and principal) that created the task; for anyone else the task does not exist, and
+//!   nothing reaches the upstream.
 //! - Once the key completed, the answer comes from the store: the task's result outlives the
 //!   server's TTL. Until then the request goes upstream with the upstream's task id, and a
 //!   terminal state in its answer settles the key (a result completes it; a failure without a
 //!   result, a cancellation or a task the server no longer knows leave it unknown, never
 //!   released).
-//! - A key whose delegated lease passed is never run again: the gateway asks the task, and
-//!   completes the key, delegates it again, or leaves it unknown.
+//! - A key whose delegated lease passed is never forwarded again: the gateway asks the task, and
+//!   completes the key, delegates it again, or leaves it unknown. So is a key whose call accepted
+//!   a task and whose answer was never seen ([`tasks::TASK_REQUESTED`]).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::body::{Body, Bytes};
 use axum::http::header::{ACCEPT_ENCODING, CONTENT_LENGTH};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
-use futures::StreamExt;
-use onceguard_core::{Acquired, Key, Mutation, OutcomeKind, RecordState, Scope};
+use futures::channel::mpsc;
+use futures::{SinkExt, StreamExt};
+use onceguard_core::{Acquired, CheckpointName, Fence, Key, Mutation, OutcomeKind, RecordState, Scope};
 use onceguard_http::problem::ApiError;
-use onceguard_proxy::TransportFailure;
+use onceguard_proxy::{TransportFailure, Upstream};
 use serde_json::{Value, json};
 
 use crate::call::{self, ToolCall};
-use crate::gateway::{Caller, Gateway, Holder, Settlement, is_event_stream, json_response, replayed_result, rpc_error};
 use crate::jsonrpc::{self, ResponseMessage};
+use crate::settle::{Holder, Settlement, release_mutation, replayed_result};
 use crate::sse::SseReader;
+use crate::state::{Caller, Gateway, is_event_stream, json_response, rpc_error};
 use crate::tasks::{self, Delegation, Shape, TaskRef, TaskState};
-
-/// The id of the gateway's own requests about a task.
-const POLL_ID: &str = "onceguard-task-poll";
 
 /// Most bytes of an answer about a task that the gateway reads (beyond the largest result).
 const SLACK: usize = 64 * 1024;
 
-/// The delegation a claim takes over, when the attempt before it delegated the key to a task.
-pub(crate) fn recovered(acquired: &Acquired) -> Option<Delegation> {
-    let checkpoint = acquired.recovery.as_ref()?.last_checkpoint.as_ref()?;
-    (checkpoint.name.as_str() == tasks::DELEGATED).then(|| Delegation::parse(&checkpoint.data)).flatten()
+/// What a claim that took a key over finds of an earlier attempt's task.
+enum Recovered {
+    /// The key was delegated to this task.
+    Delegated(Delegation),
+    /// The call may have started a task that cannot be asked (its answer was never seen, or its
+    /// delegation cannot be read): the key's outcome is unknown.
+    Unresolvable(String),
 }
 
-/// The answer to a duplicate of a call whose key is delegated to a task, for the principal that
-/// created it: the first answer, with the gateway's task id, marked replayed.
-pub(crate) async fn handle_for(gateway: &Gateway, scope: &Scope, tool: &str, actor: &str) -> Option<Vec<u8>> {
-    let record = gateway.guard().get(scope).await.ok()??;
-    let checkpoint = record.last_checkpoint().filter(|c| c.name.as_str() == tasks::DELEGATED)?;
-    let delegation = Delegation::parse(&checkpoint.data).filter(|d| d.actor == actor)?;
-    let live = record.state == RecordState::InProgress && record.unknown.is_none() && checkpoint.fence == record.fence;
-    if !live {
+/// What the earlier attempt of a key that a claim took over left of a task, if anything.
+fn recovered(acquired: &Acquired) -> Option<Recovered> {
+    let checkpoint = acquired.recovery.as_ref()?.last_checkpoint.as_ref()?;
+    match checkpoint.name.as_str() {
+        tasks::DELEGATED => Some(match Delegation::parse(&checkpoint.data) {
+            Some(delegation) => Recovered::Delegated(delegation),
+            None => Recovered::Unresolvable("the key's delegation to a task could not be read".into()),
+        }),
+        tasks::TASK_REQUESTED => {
+            Some(Recovered::Unresolvable("the call accepted a task, and its answer was never seen".into()))
+        }
+        _ => None,
+    }
+}
+
+/// What a claim that acquired a key does about tasks before the call is forwarded: a key whose
+/// earlier attempt delegated it to a task asks that task instead ([`resolve`]); one whose earlier
+/// attempt may have started a task nobody can ask is refused; a call that accepts a task is
+/// marked ([`tasks::TASK_REQUESTED`]) before it may start one. `None`: forward the call.
+pub(crate) async fn before_forwarding(
+    holder: &Holder<'_>,
+    parts: &Parts,
+    call: &ToolCall,
+    acquired: &Acquired,
+    accepts: Option<Shape>,
+) -> Option<(Response<Body>, &'static str)> {
+    match recovered(acquired) {
+        Some(Recovered::Delegated(delegation)) => return Some(resolve(holder, parts, call, delegation, accepts).await),
+        Some(Recovered::Unresolvable(why)) => return Some(refuse_unresolvable(holder, &call.id, why).await),
+        None => {}
+    }
+    accepts?;
+    let name = CheckpointName::parse(tasks::TASK_REQUESTED).expect("a valid checkpoint name");
+    if holder.apply(Mutation::Checkpoint { name, data: "{}".into() }).await {
         return None;
     }
-    let id = TaskRef { tool: tool.to_owned(), key: scope.key.as_str().to_owned(), task: delegation.task }.id();
-    let handle = tasks::with_task_id(delegation.handle.get().as_bytes(), &id).ok()?;
-    jsonrpc::mark_replayed(&handle).ok()
+    holder.apply(release_mutation("the call could not be marked as accepting a task")).await;
+    let error = ApiError::StoreUnavailable("the call could not be recorded; it was not forwarded".into());
+    Some((rpc_error(Some(&call.id), &error), "refused"))
+}
+
+/// Refuses a call whose earlier attempt may have started a task nobody can ask: the key is
+/// reported unknown (again), and the call is not forwarded.
+async fn refuse_unresolvable(holder: &Holder<'_>, id: &Value, why: String) -> (Response<Body>, &'static str) {
+    holder.apply(Mutation::ReportUnknown(why.clone())).await;
+    tracing::warn!(scope = %holder.scope, why, "a call whose earlier attempt may have started a task is not forwarded; the key's outcome is unknown");
+    (rpc_error(Some(id), &unknown(&why)), "refused")
+}
+
+/// The answer to a call of `actor` accepting tasks of `shape`, whose key is delegated to a task
+/// that `actor` created with that shape: the task's handle with the gateway's task id, marked
+/// replayed; once the key completed, with the status `completed` (or 2025-11-25's `failed`), so
+/// that the caller asks the gateway for the stored result. `None` otherwise.
+pub(crate) async fn handle_for(
+    gateway: &Gateway,
+    scope: &Scope,
+    tool: &str,
+    actor: &str,
+    shape: Shape,
+) -> Option<Vec<u8>> {
+    let record = gateway.guard().get(scope).await.ok()??;
+    let checkpoint = record.checkpoints.iter().rev().find(|c| c.name.as_str() == tasks::DELEGATED)?;
+    let delegation = Delegation::parse(&checkpoint.data).filter(|d| d.actor == actor && d.shape == shape)?;
+    let handle = delegation.handle.get().as_bytes();
+    let handle = match (record.state, &record.outcome) {
+        (RecordState::InProgress, _) if record.unknown.is_none() && checkpoint.fence == record.fence => handle.to_vec(),
+        (RecordState::Completed, Some(outcome)) => {
+            let failed = outcome.kind == OutcomeKind::Failure && shape == Shape::Core;
+            tasks::with_status(handle, if failed { "failed" } else { "completed" }).ok()?
+        }
+        _ => return None,
+    };
+    let id = TaskRef::new(tool, scope.key.as_str(), &delegation.task).id();
+    jsonrpc::mark_replayed(&tasks::with_task_id(&handle, &id).ok()?).ok()
 }
 
 /// A claim that took over a key delegated to a task: asks the task, and completes the key with
 /// its result (answering it as a replay), delegates the key again while it works, or reports
-/// the outcome unknown. Never forwards the call.
-pub(crate) async fn resolve(
+/// the outcome unknown. Never forwards the call. Another principal's call does not ask (the
+/// task is not its own): the key is delegated again and the call told it is in flight.
+async fn resolve(
     holder: &Holder<'_>,
     parts: &Parts,
     call: &ToolCall,
     delegation: Delegation,
-    accepts: bool,
+    accepts: Option<Shape>,
 ) -> (Response<Body>, &'static str) {
     let id = &call.id;
-    match ask(holder.gateway, &parts.headers, &parts.uri, &delegation).await {
+    let own = delegation.actor == holder.actor;
+    let state =
+        if own { ask(holder.gateway, &parts.headers, &parts.uri, &delegation).await } else { TaskState::Working };
+    let task_id = TaskRef::new(&call.name, holder.scope.key.as_str(), &delegation.task).id();
+    match state {
         TaskState::Result { result, failure } => {
+            let result = tasks::with_task_id(&result, &task_id).unwrap_or(result);
             holder.settle(Settlement::Store { result: result.clone(), failure }).await;
             tracing::info!(scope = %holder.scope, "a delegated key's task had ended; its result completes the key");
             match jsonrpc::mark_replayed(&result) {
                 Ok(result) => (json_response(jsonrpc::result_message(id, &result)), "replayed"),
-                Err(e) => (
-                    rpc_error(Some(id), &ApiError::BadGateway(format!("the task's result is not JSON: {e}"))),
-                    "refused",
-                ),
+                Err(e) => {
+                    let error = ApiError::BadGateway(format!("the task's result is not a JSON object: {e}"));
+                    (rpc_error(Some(id), &error), "refused")
+                }
             }
         }
         TaskState::Working | TaskState::Ended => {
             holder.delegate(&delegation).await;
-            let task = TaskRef {
-                tool: call.name.clone(),
-                key: holder.scope.key.as_str().to_owned(),
-                task: delegation.task.clone(),
-            };
-            if accepts
-                && delegation.actor == holder.actor
-                && let Ok(handle) = tasks::with_task_id(delegation.handle.get().as_bytes(), &task.id())
+            if own
+                && accepts == Some(delegation.shape)
+                && let Ok(handle) = tasks::with_task_id(delegation.handle.get().as_bytes(), &task_id)
                 && let Ok(handle) = jsonrpc::mark_replayed(&handle)
             {
                 return (json_response(jsonrpc::result_message(id, &handle)), "replayed");
             }
-            let retry_after = delegation.ttl_ms.map_or(holder.limits.max_lease, std::time::Duration::from_millis);
-            let error = ApiError::InFlight { retry_after: retry_after.min(holder.limits.max_lease), attempt: 0 };
+            let lease = delegation.ttl_ms.map_or(holder.limits.max_lease, std::time::Duration::from_millis);
+            let error = ApiError::InFlight { retry_after: lease.min(holder.limits.max_lease), attempt: 0 };
             (rpc_error(Some(id), &error), "in_flight")
         }
-        TaskState::Lost(why) => {
-            holder.apply(Mutation::ReportUnknown(why.clone())).await;
-            tracing::warn!(scope = %holder.scope, why, "a delegated key's task ended without a result the gateway saw; the key's outcome is unknown");
-            (rpc_error(Some(id), &unknown(&why)), "refused")
-        }
+        TaskState::Lost(why) => refuse_unresolvable(holder, id, why).await,
     }
 }
 
 fn unknown(why: &str) -> ApiError {
     ApiError::Conflict(format!(
-        "this call was delegated to a task whose result the gateway never saw ({why}); the tool may have run, so it \
-         is not run again: the key's outcome is unknown until an operator decides it"
+        "this call was delegated to a task whose result the gateway has not seen ({why}); the tool may have run, so \
+         it is not run again: each later call with the key asks the task again, and an operator can decide the key"
     ))
+}
+
+/// Where a `tasks/*` answer settles: the delegated key, its fence, and who asked.
+#[derive(Clone)]
+struct Capture {
+    gateway: Arc<Gateway>,
+    scope: Scope,
+    fence: Fence,
+    actor: String,
+    /// Whether the key was reported unknown already.
+    unknown: bool,
+    /// The gateway's task id (results are stored with it).
+    task_id: String,
+}
+
+impl Capture {
+    async fn settle(&self, state: TaskState) {
+        let limits = self.gateway.guard().limits().clone();
+        let holder = Holder {
+            gateway: &self.gateway,
+            scope: &self.scope,
+            fence: self.fence,
+            actor: &self.actor,
+            input_lease: limits.default_lease,
+            limits: &limits,
+        };
+        match state {
+            TaskState::Result { result, failure } => {
+                let result = tasks::with_task_id(&result, &self.task_id).unwrap_or(result);
+                holder.settle(Settlement::Store { result, failure }).await;
+            }
+            TaskState::Lost(why) if !self.unknown => {
+                tracing::warn!(scope = %self.scope, why, "a delegated task ended without a result; the key's outcome is unknown");
+                holder.apply(Mutation::ReportUnknown(why)).await;
+            }
+            _ => {}
+        }
+    }
 }
 
 /// A `tasks/*` request (see the module's documentation).
@@ -129,12 +230,14 @@ pub(crate) async fn task_request(
                       by its id (tasks/get)";
         return rpc_error(Some(&id), &ApiError::Invalid(detail.into()));
     }
-    let Some(task) = task_id.as_deref().and_then(TaskRef::parse) else {
+    let not_found = || rpc_error(Some(&id), &ApiError::NotFound("no such task".into()));
+    let task = match task_id.as_deref().and_then(TaskRef::parse) {
         // Not a task of a guarded call: the upstream's own business.
-        return gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await;
+        None => return gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await,
+        Some(Err(())) => return not_found(),
+        Some(Ok(task)) => task,
     };
     let wrapped = task_id.unwrap_or_default();
-    let not_found = || rpc_error(Some(&id), &ApiError::NotFound("no such task".into()));
     let Ok(key) = Key::parse(&task.key) else { return not_found() };
     let scope = Scope::new(caller.tenant.clone(), call::namespace(&gateway.options.upstream_name, &task.tool), key);
     let record = match gateway.guard().get(&scope).await {
@@ -147,30 +250,17 @@ pub(crate) async fn task_request(
         .iter()
         .rev()
         .filter(|c| c.name.as_str() == tasks::DELEGATED)
-        .find_map(|c| Delegation::parse(&c.data).filter(|d| d.task == task.task));
+        .find_map(|c| Delegation::parse(&c.data).filter(|d| task.names(d)));
     // Another principal's task, or one the key no longer knows, does not exist for this caller.
     let Some(delegation) = found.filter(|d| d.actor == caller.actor) else {
         gateway.observe(&caller.tenant, "task_not_found");
         return not_found();
     };
-    gateway.observe(&caller.tenant, "task_request");
     if record.state == RecordState::Completed {
-        let Some(outcome) = &record.outcome else { return not_found() };
-        let result = match replayed_result(outcome) {
-            Ok(result) => result,
-            Err(e) => return rpc_error(Some(&id), &e),
-        };
-        let failure = outcome.kind == OutcomeKind::Failure;
-        let updated = record.completed_at.map(|t| t.to_rfc3339()).unwrap_or_default();
-        let answer = match (method, delegation.shape) {
-            ("tasks/result", Shape::Core) => result,
-            ("tasks/get", _) | ("tasks/cancel", Shape::Core) => {
-                tasks::stored_get(&delegation, &wrapped, &result, failure, &updated)
-            }
-            (_, Shape::Extension) => br#"{"resultType":"complete"}"#.to_vec(),
-            _ => return rpc_error(Some(&id), &ApiError::Invalid(format!("{method} is not a method of this task"))),
-        };
-        return json_response(jsonrpc::result_message(&id, &answer));
+        return stored_answer(&record, &delegation, &id, method, &wrapped);
+    }
+    if record.state != RecordState::InProgress {
+        return not_found();
     }
     // Upstream, with the upstream's task id.
     let Ok(upstream_body) = tasks::request_for_upstream(&body, &delegation.task) else { return not_found() };
@@ -182,48 +272,129 @@ pub(crate) async fn task_request(
         parts.headers.insert("mcp-name", name);
     }
     let (headers, uri) = (parts.headers.clone(), parts.uri.clone());
-    let response = gateway.calls.forward(Request::from_parts(parts, Body::from(upstream_body))).await;
-    let Some(message) = read_answer(&gateway, response, &id).await else {
+    // 2025-11-25's tasks/result answers once the task ended: no shorter bound than a stream's.
+    let upstream: &Upstream = if method == "tasks/result" { &gateway.streams } else { &gateway.calls };
+    let response = upstream.forward(Request::from_parts(parts, Body::from(upstream_body))).await;
+    if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+        let error = ApiError::BadGateway(format!("the upstream answered HTTP {} about the task", response.status()));
+        return rpc_error(Some(&id), &error);
+    }
+    let capture = Capture {
+        gateway: gateway.clone(),
+        scope,
+        fence: record.fence,
+        actor: caller.actor.clone(),
+        unknown: record.unknown.is_some(),
+        task_id: wrapped.clone(),
+    };
+    let method = method.to_owned();
+    if is_event_stream(response.headers()) {
+        return stream_answer(response, capture, delegation, id, method, headers, uri);
+    }
+    let limit = gateway.options.max_result_bytes + SLACK;
+    let Some(message) = read_json(response, limit).await else {
         let error = ApiError::BadGateway("the upstream's answer about the task could not be read".into());
         return rpc_error(Some(&id), &error);
     };
-    let Ok(parsed) = serde_json::from_slice::<ResponseMessage>(&message) else {
-        return rpc_error(Some(&id), &ApiError::BadGateway("the upstream's answer was not JSON-RPC".into()));
+    let Some(parsed) = ResponseMessage::answering(&message, &id) else {
+        return rpc_error(Some(&id), &ApiError::BadGateway("the upstream's answer was not the request's".into()));
     };
-    let state = match (method, delegation.shape) {
-        ("tasks/get", shape) => TaskState::of_get(shape, &parsed),
-        ("tasks/result", Shape::Core) => TaskState::of_payload(&parsed),
-        // A cancellation proves nothing: what the task did is asked once it was sent.
-        ("tasks/cancel", _) => ask(&gateway, &headers, &uri, &delegation).await,
-        _ => TaskState::Working,
-    };
-    if record.state == RecordState::InProgress {
-        let limits = gateway.guard().limits().clone();
-        let holder = Holder {
-            gateway: &gateway,
-            scope: &scope,
-            fence: record.fence,
-            actor: &caller.actor,
-            input_lease: limits.max_lease,
-            limits: &limits,
-        };
-        match state {
-            TaskState::Result { result, failure } => {
-                holder.settle(Settlement::Store { result, failure }).await;
-            }
-            TaskState::Lost(why) if record.unknown.is_none() => {
-                tracing::warn!(scope = %scope, why, "a delegated task ended without a result; the key's outcome is unknown");
-                holder.apply(Mutation::ReportUnknown(why)).await;
-            }
-            _ => {}
-        }
-    }
+    let state = state_of(&capture.gateway, &method, &delegation, &parsed, &headers, &uri).await;
+    capture.settle(state).await;
     json_response(tasks::message_with_task_id(&message, &wrapped).unwrap_or(message))
+}
+
+/// What an answer to `method` about `delegation`'s task says of it (a cancel's answer says
+/// nothing: the task is asked what it did once the cancel was sent).
+async fn state_of(
+    gateway: &Gateway,
+    method: &str,
+    delegation: &Delegation,
+    answer: &ResponseMessage,
+    headers: &HeaderMap,
+    uri: &axum::http::Uri,
+) -> TaskState {
+    match (method, delegation.shape) {
+        ("tasks/get", shape) => TaskState::of_get(shape, answer),
+        ("tasks/result", Shape::Core) => TaskState::of_payload(answer),
+        ("tasks/cancel", _) => ask(gateway, headers, uri, delegation).await,
+        _ => TaskState::Working,
+    }
+}
+
+/// An event-stream answer about a task: every event goes to the caller as it comes (a server's
+/// requests for input on 2025-11-25's `tasks/result` included), with the gateway's task id; the
+/// answer settles the key first.
+fn stream_answer(
+    response: Response<Body>,
+    capture: Capture,
+    delegation: Delegation,
+    id: Value,
+    method: String,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response<Body> {
+    let (mut parts, body) = response.into_parts();
+    parts.headers.remove(CONTENT_LENGTH);
+    let (mut out, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let limit = capture.gateway.options.max_result_bytes + SLACK;
+    tokio::spawn(async move {
+        let mut reader = SseReader::new(limit);
+        let mut chunks = body.into_data_stream();
+        while let Some(chunk) = chunks.next().await {
+            let Ok(chunk) = chunk else { break };
+            for block in reader.push(&chunk) {
+                let Some(data) = &block.data else {
+                    let _ = out.send(Ok(block.raw)).await;
+                    continue;
+                };
+                if let Some(answer) = ResponseMessage::answering(data, &id) {
+                    let state = state_of(&capture.gateway, &method, &delegation, &answer, &headers, &uri).await;
+                    capture.settle(state).await;
+                }
+                let rewritten = tasks::message_with_task_id(data, &capture.task_id).unwrap_or_else(|_| data.clone());
+                let _ = out.send(Ok(block.with_data(&rewritten))).await;
+            }
+        }
+        if let Some(rest) = reader.finish() {
+            let _ = out.send(Ok(rest)).await;
+        }
+    });
+    Response::from_parts(parts, Body::from_stream(rx))
+}
+
+/// The answer to `method` for a task whose key completed, from the store.
+fn stored_answer(
+    record: &onceguard_core::Record,
+    delegation: &Delegation,
+    id: &Value,
+    method: &str,
+    wrapped: &str,
+) -> Response<Body> {
+    let Some(outcome) = &record.outcome else {
+        return rpc_error(Some(id), &ApiError::NotFound("no such task".into()));
+    };
+    let result = match replayed_result(outcome) {
+        Ok(result) => result,
+        Err(e) => return rpc_error(Some(id), &e),
+    };
+    let failure = outcome.kind == OutcomeKind::Failure;
+    let updated = record.completed_at.map(|t| t.to_rfc3339()).unwrap_or_default();
+    let answer = match (method, delegation.shape) {
+        ("tasks/result", Shape::Core) => result,
+        ("tasks/get", _) => tasks::stored_get(delegation, wrapped, &result, failure, &updated),
+        ("tasks/cancel", _) | ("tasks/update", Shape::Extension) => {
+            let detail = format!("the task has ended: {method} cannot change it");
+            return rpc_error(Some(id), &ApiError::Invalid(detail));
+        }
+        _ => return rpc_error(Some(id), &ApiError::Invalid(format!("{method} is not a method of this task"))),
+    };
+    json_response(jsonrpc::result_message(id, &answer))
 }
 
 /// What the upstream says of a delegated task now: `tasks/get`, then (2025-11-25, once it
 /// ended) `tasks/result`. Sent as the caller's request (its headers: session, protocol version,
-/// `Authorization`), with the gateway's own request id.
+/// `Authorization`), with a request id of the gateway's own.
 async fn ask(gateway: &Gateway, headers: &HeaderMap, uri: &axum::http::Uri, delegation: &Delegation) -> TaskState {
     let state = match ask_one(gateway, headers, uri, delegation, "tasks/get").await {
         Some(message) => TaskState::of_get(delegation.shape, &message),
@@ -236,6 +407,13 @@ async fn ask(gateway: &Gateway, headers: &HeaderMap, uri: &axum::http::Uri, dele
         Some(message) => TaskState::of_payload(&message),
         None => TaskState::Lost("the upstream could not be asked for the task's result".into()),
     }
+}
+
+/// A request id of the gateway's own, never the same twice in a process.
+fn poll_id() -> Value {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    Value::String(format!("onceguard-task-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed)))
 }
 
 async fn ask_one(
@@ -262,41 +440,43 @@ async fn ask_one(
     if delegation.shape == Shape::Extension {
         params["_meta"] = json!({ tasks::CLIENT_CAPABILITIES: { "extensions": { tasks::EXTENSION: {} } } });
     }
-    let message = json!({"jsonrpc": "2.0", "id": POLL_ID, "method": method, "params": params});
+    let id = poll_id();
+    let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
     let mut request = Request::new(Body::from(message.to_string()));
     *request.method_mut() = Method::POST;
     *request.uri_mut() = uri.clone();
     *request.headers_mut() = headers;
     let response = gateway.calls.forward(request).await;
-    let bytes = read_answer(gateway, response, &Value::String(POLL_ID.into())).await?;
-    serde_json::from_slice(&bytes).ok()
-}
-
-/// The response message answering `id` in an upstream's answer (JSON, or an event stream), read
-/// whole up to the largest result; `None` when the upstream failed or did not answer it.
-async fn read_answer(gateway: &Gateway, response: Response<Body>, id: &Value) -> Option<Vec<u8>> {
     if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
         return None;
     }
-    let sse = is_event_stream(response.headers());
     let limit = gateway.options.max_result_bytes + SLACK;
-    let mut chunks = response.into_body().into_data_stream();
+    if !is_event_stream(response.headers()) {
+        let bytes = read_json(response, limit).await?;
+        return ResponseMessage::answering(&bytes, &id);
+    }
     let mut reader = SseReader::new(limit);
-    let mut whole = Vec::new();
+    let mut chunks = response.into_body().into_data_stream();
     while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.ok()?;
-        if !sse {
-            if whole.len() + chunk.len() > limit {
-                return None;
-            }
-            whole.extend_from_slice(&chunk);
-            continue;
-        }
-        for data in reader.push(&chunk).into_iter().filter_map(|b| b.data) {
-            if ResponseMessage::answering(&data, id).is_some() {
-                return Some(data);
+        for data in reader.push(&chunk.ok()?).into_iter().filter_map(|b| b.data) {
+            if let Some(message) = ResponseMessage::answering(&data, &id) {
+                return Some(message);
             }
         }
     }
-    (!sse && ResponseMessage::answering(&whole, id).is_some()).then_some(whole)
+    None
+}
+
+/// A JSON answer, read whole up to `limit` bytes.
+async fn read_json(response: Response<Body>, limit: usize) -> Option<Vec<u8>> {
+    let mut chunks = response.into_body().into_data_stream();
+    let mut whole = Vec::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.ok()?;
+        if whole.len() + chunk.len() > limit {
+            return None;
+        }
+        whole.extend_from_slice(&chunk);
+    }
+    Some(whole)
 }

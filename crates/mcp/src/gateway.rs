@@ -16,191 +16,34 @@
 //!   broke, settles its key;
 //! - everything else is forwarded untouched, streaming both ways.
 
-use std::collections::{HashMap, HashSet};
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_TYPE};
+use axum::http::header::{ACCEPT_ENCODING, CONTENT_ENCODING};
 use axum::http::response::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use axum::response::IntoResponse;
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
-use onceguard_core::control::OutcomeKept;
-use onceguard_core::{
-    CheckpointName, Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, Fence, FencedOutcome, Guard, Mutation, Outcome,
-    OutcomeDigest, OutcomeKind, RecordState, Scope, TenantId,
-};
-use onceguard_http::AppState;
+use onceguard_core::{Claim, ClaimOutcome, Denial, Fence, FencedOutcome, RecordState, Scope};
 use onceguard_http::config::McpNoKey;
 use onceguard_http::problem::ApiError;
-use onceguard_proxy::stored::{BodyDigest, Omitted};
-use onceguard_proxy::{TransportFailure, Upstream};
+use onceguard_proxy::TransportFailure;
+use onceguard_proxy::stored::BodyDigest;
 use serde_json::Value;
 
-use crate::Options;
 use crate::call::{self, ToolCall};
-use crate::jsonrpc::{self, NEVER_RAN, Posted, ResponseMessage, ResultKind};
+use crate::jsonrpc::{self, Posted, ResponseMessage};
+use crate::settle::{Holder, release_mutation, replayed_result};
+pub use crate::settle::{INPUT_REQUIRED, NOT_STORED, Settlement};
 use crate::sse::SseReader;
-use crate::tasks::{self, Delegation, Handle, TaskRef};
-use crate::tools::{ToolPolicy, Treatment};
-
-/// The checkpoint that marks a key whose last leg ended in `input_required`: the key stays held
-/// for the continuation.
-pub const INPUT_REQUIRED: &str = "mcp.input-required";
-
-/// Bytes an SSE event may hold beyond the largest result (its framing and envelope).
-const EVENT_SLACK: usize = 64 * 1024;
-
-/// Who calls.
-pub(crate) struct Caller {
-    pub(crate) tenant: TenantId,
-    pub(crate) actor: String,
-}
-
-/// A guarded call in flight, as a caller's `notifications/cancelled` names it: tenant, session,
-/// request id.
-type CallToken = (String, String, String);
-
-/// Everything the handler shares.
-pub struct Gateway {
-    pub(crate) state: AppState,
-    pub(crate) options: Options,
-    /// Forwards guarded calls (bounded by `mcp.upstream_timeout`).
-    pub(crate) calls: Upstream,
-    /// Forwards everything else (bounded by `mcp.stream_timeout`).
-    pub(crate) streams: Upstream,
-    tools: ToolPolicy,
-    /// Guarded calls whose leg runs, until it ends (it may outlive the caller's request).
-    in_flight: Mutex<HashSet<CallToken>>,
-    /// The requests of a session (with `Mcp-Session-Id`) being handled, until the handler
-    /// returns; with `in_flight`, the ids a new request of the session may not use.
-    ids_in_use: Mutex<HashSet<CallToken>>,
-    /// Guarded calls of a session whose event stream ended without their answer, waiting (for a
-    /// lease) for it on a resumed stream.
-    awaiting: Mutex<HashMap<CallToken, oneshot::Sender<ResponseMessage>>>,
-}
-
-/// A request id reserved in its session ([`Gateway::reserve_id`]), released when dropped.
-struct IdInUse {
-    gateway: Arc<Gateway>,
-    token: CallToken,
-}
-
-impl Drop for IdInUse {
-    fn drop(&mut self) {
-        if let Ok(mut ids) = self.gateway.ids_in_use.lock() {
-            ids.remove(&self.token);
-        }
-    }
-}
-
-impl std::fmt::Debug for Gateway {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gateway").field("upstream", &self.options.upstream_name).finish_non_exhaustive()
-    }
-}
-
-impl Gateway {
-    /// A gateway over `state` (its guard and metrics).
-    pub fn new(state: AppState, options: Options, calls: Upstream, streams: Upstream, tools: ToolPolicy) -> Self {
-        Self {
-            state,
-            options,
-            calls,
-            streams,
-            tools,
-            in_flight: Mutex::new(HashSet::new()),
-            ids_in_use: Mutex::new(HashSet::new()),
-            awaiting: Mutex::new(HashMap::new()),
-        }
-    }
-
-    /// A resumed event stream of `session` (a GET with `Last-Event-ID`), read as it passes: each
-    /// response message in it goes to the guarded call of the caller's tenant and session that
-    /// awaits it. The bytes pass unchanged.
-    fn read_resumed(self: &Arc<Self>, tenant: &TenantId, session: String, response: Response<Body>) -> Response<Body> {
-        let (parts, body) = response.into_parts();
-        let (gateway, tenant) = (self.clone(), tenant.to_string());
-        let mut reader = SseReader::new(self.options.max_result_bytes + EVENT_SLACK);
-        let chunks = body.into_data_stream().map(move |chunk| {
-            if let Ok(bytes) = &chunk
-                && gateway.awaiting.lock().is_ok_and(|awaiting| !awaiting.is_empty())
-            {
-                for data in reader.push(bytes).into_iter().filter_map(|block| block.data) {
-                    gateway.deliver_resumed(&tenant, &session, &data);
-                }
-            }
-            chunk
-        });
-        Response::from_parts(parts, Body::from_stream(chunks))
-    }
-
-    fn deliver_resumed(&self, tenant: &str, session: &str, data: &[u8]) {
-        let Ok(message) = serde_json::from_slice::<ResponseMessage>(data) else { return };
-        // A response, as the call's own stream would take one: a result or an error.
-        let Some(id) = message
-            .id
-            .as_ref()
-            .filter(|_| message.method.is_none() && (message.result.is_some() || message.error.is_some()))
-        else {
-            return;
-        };
-        let token = (tenant.to_owned(), session.to_owned(), id.to_string());
-        if let Some(leg) = self.awaiting.lock().ok().and_then(|mut awaiting| awaiting.remove(&token)) {
-            let _ = leg.send(message);
-        }
-    }
-
-    /// Reserves a request's id in its session while it is handled: `Err` when a request of the
-    /// session still in flight uses it (being handled, or a guarded call whose leg runs). A
-    /// request without a session (2026-07-28's stateless POSTs, each answered on its own stream)
-    /// reserves nothing.
-    fn reserve_id(self: &Arc<Self>, tenant: &TenantId, headers: &HeaderMap, id: &Value) -> Result<Option<IdInUse>, ()> {
-        if !headers.contains_key("mcp-session-id") {
-            return Ok(None);
-        }
-        let token = call_token(tenant, headers, id.to_string());
-        let Ok(mut ids) = self.ids_in_use.lock() else { return Err(()) };
-        let leg_runs = self.in_flight.lock().map_or(true, |set| set.contains(&token));
-        if leg_runs || !ids.insert(token.clone()) {
-            return Err(());
-        }
-        Ok(Some(IdInUse { gateway: self.clone(), token }))
-    }
-
-    pub(crate) fn guard(&self) -> &Guard {
-        &self.state.guard
-    }
-
-    /// The caller: its tenant, from the API key in `mcp.api_key_header` (or the anonymous
-    /// tenant, when allowed and no key is sent), and who it is for the audit log (the key's id).
-    async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
-        let wrong = || {
-            ApiError::Unauthenticated(format!(
-                "send '{}: og_…' with a valid, unrevoked Onceguard API key",
-                self.options.api_key_header
-            ))
-        };
-        let Some(value) = headers.get(&self.options.api_key_header) else {
-            let tenant = self.state.anonymous_tenant.clone().ok_or_else(wrong)?;
-            return Ok(Caller { tenant, actor: "anonymous".into() });
-        };
-        let token = value.to_str().map_err(|_| wrong())?.trim();
-        let token = token.strip_prefix("Bearer ").unwrap_or(token);
-        match onceguard_http::auth::verified_key(&self.state, token).await? {
-            Some(key) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
-            None => Err(wrong()),
-        }
-    }
-
-    pub(crate) fn observe(&self, tenant: &TenantId, decision: &'static str) {
-        self.state.metrics.observe_mcp_call(tenant, &self.options.upstream_name, decision);
-    }
-}
+pub use crate::state::Gateway;
+use crate::state::{CallToken, Caller, EVENT_SLACK, RunHeader, call_token, is_event_stream, json_response, rpc_error};
+use crate::tasks::{self, TaskRef};
+use crate::tools::Treatment;
 
 /// The handler of every request.
 pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Body>) -> Response<Body> {
@@ -217,6 +60,8 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
         Err(e) => return e.into_response(),
     };
     request.headers_mut().remove(&gateway.options.api_key_header);
+    // Onceguard's own: read from the headers of the parts below, never forwarded.
+    let run_header = request.headers_mut().remove(call::RUN_HEADER);
     // Every POST the upstream may route to its endpoint is read: the path as servers decode it.
     if request.method() != Method::POST || !call::same_path(request.uri().path(), &gateway.options.endpoint) {
         let resumed = (request.method() == Method::GET && request.headers().contains_key("last-event-id"))
@@ -230,7 +75,10 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
             _ => response,
         };
     }
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
+    if let Some(run) = run_header {
+        parts.extensions.insert(RunHeader(run));
+    }
     let limit = gateway.options.max_request_bytes;
     let Ok(body) = axum::body::to_bytes(body, limit).await else {
         return ApiError::TooLarge(format!("the request body exceeds {limit} bytes")).into_response();
@@ -318,25 +166,6 @@ async fn answer(
     }
 }
 
-fn call_token(tenant: &TenantId, headers: &HeaderMap, request_id: String) -> CallToken {
-    let session = headers.get("mcp-session-id").and_then(|v| v.to_str().ok()).unwrap_or_default();
-    (tenant.to_string(), session.to_owned(), request_id)
-}
-
-/// A JSON-RPC error answer (HTTP 200, as JSON-RPC errors are).
-pub(crate) fn rpc_error(id: Option<&Value>, error: &ApiError) -> Response<Body> {
-    if let ApiError::Internal(detail) | ApiError::StoreUnavailable(detail) = error {
-        tracing::error!(detail, "a guarded call failed");
-    }
-    json_response(jsonrpc::error_message(id, error))
-}
-
-pub(crate) fn json_response(body: Vec<u8>) -> Response<Body> {
-    let mut response = Response::new(Body::from(body));
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
-
 /// The span of a `tools/call`, as the OpenTelemetry semantic conventions for MCP and GenAI tool
 /// execution name it (`execute_tool <tool>`), continuing the trace context the caller sent in
 /// `params._meta` (`traceparent`, `tracestate`). What Onceguard did is `onceguard.outcome`
@@ -400,7 +229,15 @@ async fn guarded_call(
     id: Value,
     params: Option<Value>,
 ) -> (Response<Body>, &'static str) {
-    let call = match ToolCall::parse(id.clone(), params.as_ref(), &parts.headers) {
+    let parsed = match parts.extensions.get::<RunHeader>() {
+        Some(RunHeader(run)) => {
+            let mut headers = parts.headers.clone();
+            headers.insert(call::RUN_HEADER, run.clone());
+            ToolCall::parse(id.clone(), params.as_ref(), &headers)
+        }
+        None => ToolCall::parse(id.clone(), params.as_ref(), &parts.headers),
+    };
+    let call = match parsed {
         Ok(call) => call,
         Err(e) => return (rpc_error(Some(&id), &e), "refused"),
     };
@@ -462,15 +299,26 @@ async fn guarded_call(
         Err(e) => return (rpc_error(Some(&id), &e), "refused"),
     };
     match outcome {
-        ClaimOutcome::Replay(replay) => match replayed_result(&replay.outcome) {
-            Ok(result) => (json_response(jsonrpc::result_message(&id, &result)), "replayed"),
-            Err(e @ ApiError::NotStored(_)) => (rpc_error(Some(&id), &e), "replayed"),
-            Err(e) => (rpc_error(Some(&id), &e), "refused"),
-        },
+        ClaimOutcome::Replay(replay) => {
+            // A caller that accepts a task, of the key's own task: the task, ended; its result
+            // is asked of the gateway.
+            if let Some(shape) = tasks::accepts_task(params.as_ref())
+                && let Some(handle) =
+                    crate::delegated::handle_for(&gateway, &claim.scope, &call.name, &actor, shape).await
+            {
+                return (json_response(jsonrpc::result_message(&id, &handle)), "replayed");
+            }
+            match replayed_result(&replay.outcome) {
+                Ok(result) => (json_response(jsonrpc::result_message(&id, &result)), "replayed"),
+                Err(e @ ApiError::NotStored(_)) => (rpc_error(Some(&id), &e), "replayed"),
+                Err(e) => (rpc_error(Some(&id), &e), "refused"),
+            }
+        }
         ClaimOutcome::InFlight(f) => {
             // A key delegated to a task answers its caller's duplicate with the same task.
-            if tasks::accepts_task(params.as_ref())
-                && let Some(handle) = crate::delegated::handle_for(&gateway, &claim.scope, &call.name, &actor).await
+            if let Some(shape) = tasks::accepts_task(params.as_ref())
+                && let Some(handle) =
+                    crate::delegated::handle_for(&gateway, &claim.scope, &call.name, &actor, shape).await
             {
                 return (json_response(jsonrpc::result_message(&id, &handle)), "replayed");
             }
@@ -504,19 +352,18 @@ async fn guarded_call(
             (gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await, "observed")
         }
         ClaimOutcome::Acquired(acquired) => {
-            // A key delegated to a task whose result was never seen: the task is asked, never
-            // run again.
-            if let Some(delegation) = crate::delegated::recovered(&acquired) {
-                let holder = Holder {
-                    gateway: &gateway,
-                    scope: &claim.scope,
-                    fence: acquired.fence,
-                    actor: &actor,
-                    input_lease: limits.max_lease,
-                    limits: &limits,
-                };
-                let accepts = tasks::accepts_task(params.as_ref());
-                return crate::delegated::resolve(&holder, &parts, &call, delegation, accepts).await;
+            let holder = Holder {
+                gateway: &gateway,
+                scope: &claim.scope,
+                fence: acquired.fence,
+                actor: &actor,
+                input_lease: limits.default_lease,
+                limits: &limits,
+            };
+            let accepts = tasks::accepts_task(params.as_ref());
+            if let Some(answer) = crate::delegated::before_forwarding(&holder, &parts, &call, &acquired, accepts).await
+            {
+                return answer;
             }
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
             if let Ok(mut set) = gateway.in_flight.lock() {
@@ -530,27 +377,6 @@ async fn guarded_call(
             (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")
         }
     }
-}
-
-/// A stored outcome as the `result` of a replay (marked replayed), or why it cannot be one: a
-/// result that was not stored, or only its digest (`NotStored`), or a malformed record.
-pub(crate) fn replayed_result(outcome: &Outcome) -> Result<Vec<u8>, ApiError> {
-    if outcome.content_type == NOT_STORED {
-        let detail = String::from_utf8_lossy(&outcome.body).into_owned();
-        return Err(ApiError::NotStored(format!("the call ran once; its result was not stored: {detail}")));
-    }
-    if outcome.content_type == DIGEST_CONTENT_TYPE {
-        return Err(match outcome.digest() {
-            Some(d) => ApiError::NotStored(format!(
-                "the call ran once; this tool's namespace keeps a digest of results, never their bytes: {} bytes, \
-                 sha-256 {}",
-                d.size, d.sha256
-            )),
-            None => ApiError::Internal("a stored digest is malformed".into()),
-        });
-    }
-    jsonrpc::mark_replayed(&outcome.body)
-        .map_err(|e| ApiError::Internal(format!("a stored result could not be read: {e}")))
 }
 
 /// Claims the key (waiting up to `mcp.wait` for a call in flight). A continuation of an
@@ -584,85 +410,6 @@ async fn claim_or_resume(
         return Ok(outcome);
     }
     Ok(guard.claim(claim.clone()).await?)
-}
-
-fn release_mutation(why: &str) -> Mutation {
-    let outcome = Outcome {
-        kind: OutcomeKind::Failure,
-        content_type: "text/plain".into(),
-        body: why.as_bytes().to_vec(),
-        cost: None,
-        tokens: None,
-        reconciled: false,
-        compensation: None,
-    };
-    Mutation::Fail { retryable: true, outcome }
-}
-
-/// What a guarded call's answer does to its key.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Settlement {
-    /// A final result: stored (`failure` for `isError: true`, stored as a permanent failure),
-    /// replayed to every later call with the key.
-    Store {
-        /// The `result` member, as the upstream wrote it.
-        result: Vec<u8>,
-        /// Whether the tool reported an error (`isError: true`).
-        failure: bool,
-    },
-    /// `input_required`: the key stays held (for `mcp.input_lease`) for the continuation.
-    Park,
-    /// A task's handle: the key is delegated to the task (held for the task's TTL, within the
-    /// longest lease), until its terminal result, seen in a `tasks/*` answer, completes it.
-    Delegate {
-        /// The handle.
-        handle: Handle,
-        /// The answer that carried it, as the upstream wrote it.
-        result: Vec<u8>,
-    },
-    /// The call provably never ran (an HTTP 4xx, or a JSON-RPC parse, request, method, params
-    /// or protocol error): the key is released, the next call with it runs.
-    Release(String),
-    /// The upstream answered, but not with a result (an HTTP 5xx, another JSON-RPC error): the
-    /// outcome is unknown, and the next call with the key is a recovery that runs again.
-    Unknown(String),
-    /// The call ran and its answer went to the caller, but it was too large to store: the key
-    /// completes with the answer's size and SHA-256 ([`NOT_STORED`]), and every later call with
-    /// it is told so (`response-not-stored`): it never runs again.
-    NotStored(Omitted),
-}
-
-/// The media type of the outcome stored for an answer too large to store (its size and digest,
-/// as JSON).
-pub const NOT_STORED: &str = "application/vnd.onceguard.not-stored+json";
-
-impl Settlement {
-    /// What the upstream's response message to the call means.
-    pub fn of(message: &ResponseMessage) -> Self {
-        match (&message.result, &message.error) {
-            (Some(result), _) => match (tasks::handle_of(result), jsonrpc::result_kind(result)) {
-                (Some(handle), _) => Self::Delegate { handle, result: result.get().as_bytes().to_vec() },
-                (None, ResultKind::InputRequired) => Self::Park,
-                (None, kind) => {
-                    Self::Store { result: result.get().as_bytes().to_vec(), failure: kind == ResultKind::ToolError }
-                }
-            },
-            (None, Some(error)) if NEVER_RAN.contains(&error.code) => {
-                Self::Release(format!("the upstream refused the call (JSON-RPC error {})", error.code))
-            }
-            (None, Some(error)) => Self::Unknown(format!("the upstream answered JSON-RPC error {}", error.code)),
-            (None, None) => Self::Unknown("the upstream's answer carried no result".into()),
-        }
-    }
-
-    /// What an HTTP error status means (the body is not read).
-    pub fn of_status(status: StatusCode) -> Self {
-        if status.is_client_error() {
-            Self::Release(format!("the upstream refused the call (HTTP {status})"))
-        } else {
-            Self::Unknown(format!("the upstream answered HTTP {status}"))
-        }
-    }
 }
 
 /// One guarded call's trip to the upstream, run in a task of its own: a caller that disconnects
@@ -897,12 +644,7 @@ impl Leg {
     /// The task id the caller sees for a delegation, when the answer delegates the key.
     fn task_id(&self, settlement: &Settlement) -> Option<String> {
         let Settlement::Delegate { handle, .. } = settlement else { return None };
-        let task = TaskRef {
-            tool: self.call.name.clone(),
-            key: self.scope.key.as_str().to_owned(),
-            task: handle.task.clone(),
-        };
-        Some(task.id())
+        Some(TaskRef::new(&self.call.name, self.scope.key.as_str(), &handle.task).id())
     }
 
     fn holder(&self) -> Holder<'_> {
@@ -915,129 +657,6 @@ impl Leg {
             limits: &self.limits,
         }
     }
-}
-
-/// A held key, and what settles it: the fence of the attempt that holds it, who acts (for the
-/// audit log), and the limits in force for it.
-pub(crate) struct Holder<'a> {
-    pub(crate) gateway: &'a Gateway,
-    pub(crate) scope: &'a Scope,
-    pub(crate) fence: Fence,
-    pub(crate) actor: &'a str,
-    /// How long `input_required` holds the key.
-    pub(crate) input_lease: Duration,
-    /// The limits in force (a task's TTL holds the key within its leases).
-    pub(crate) limits: &'a onceguard_core::limits::Limits,
-}
-
-impl Holder<'_> {
-    /// Applies what the answer means to the key (retrying a store that does not answer for a few
-    /// seconds: the effect may have happened, and a key left in flight runs again after its
-    /// lease).
-    /// Answers whether it took effect.
-    pub(crate) async fn settle(&self, settlement: Settlement) -> bool {
-        let guard = self.gateway.guard();
-        let max_outcome = guard.limits().max_outcome_bytes;
-        let settlement = match settlement {
-            // Too large, or nested deeper than any stored JSON value may be: the tool ran, so
-            // the key keeps the fact, never a second run.
-            Settlement::Store { result, .. }
-                if result.len() > max_outcome
-                    || onceguard_core::limits::check_json_depth("result", &result).is_err() =>
-            {
-                let mut seen = BodyDigest::default();
-                seen.add(&result);
-                Settlement::NotStored(seen.finish())
-            }
-            other => other,
-        };
-        let mutation = match settlement {
-            Settlement::NotStored(Omitted { size, sha256 }) => {
-                tracing::warn!(scope = %self.scope, size, "a result too large to store went to the caller; its key records the size and digest, and its replays say the result was not kept");
-                self.gateway.state.metrics.observe_unstored_response(&self.scope.tenant);
-                // Where the namespace keeps digests, the digest is the result's own (the guard
-                // would otherwise take one of this record of it).
-                if guard.effective(self.scope).await.is_ok_and(|e| e.outcome_kept == OutcomeKept::Digest) {
-                    let digest = OutcomeDigest { content_type: "application/json".into(), size, sha256, status: None };
-                    Mutation::Complete(digest.into_outcome(OutcomeKind::Success, None, None))
-                } else {
-                    let body = serde_json::json!({ "size": size, "sha256": sha256 }).to_string().into_bytes();
-                    Mutation::Complete(Outcome {
-                        kind: OutcomeKind::Success,
-                        content_type: NOT_STORED.into(),
-                        body,
-                        cost: None,
-                        tokens: None,
-                        reconciled: false,
-                        compensation: None,
-                    })
-                }
-            }
-            Settlement::Store { result, failure } => {
-                let kind = if failure { OutcomeKind::Failure } else { OutcomeKind::Success };
-                let outcome = Outcome {
-                    kind,
-                    content_type: "application/json".into(),
-                    body: result,
-                    cost: None,
-                    tokens: None,
-                    reconciled: false,
-                    compensation: None,
-                };
-                if failure { Mutation::Fail { retryable: false, outcome } } else { Mutation::Complete(outcome) }
-            }
-            Settlement::Park => {
-                let name = CheckpointName::parse(INPUT_REQUIRED).expect("a valid checkpoint name");
-                return self.apply(Mutation::Checkpoint { name, data: "{}".into() }).await
-                    && self.apply(Mutation::Extend(self.input_lease)).await;
-            }
-            Settlement::Delegate { handle, result } => {
-                return self.delegate(&Delegation::new(handle, self.actor, &result)).await;
-            }
-            Settlement::Release(why) => release_mutation(&why),
-            Settlement::Unknown(why) => Mutation::ReportUnknown(why),
-        };
-        self.apply(mutation).await
-    }
-
-    /// Applies one fenced call; answers whether it took effect.
-    pub(crate) async fn apply(&self, mutation: Mutation) -> bool {
-        let guard = self.gateway.guard();
-        let op = mutation.name();
-        for attempt in 0..5u32 {
-            match guard.mutate_as(self.actor, self.scope, self.fence, mutation.clone()).await {
-                Ok(FencedOutcome::Applied(_)) => return true,
-                Ok(FencedOutcome::Stale(reason)) => {
-                    tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
-                    return false;
-                }
-                Err(onceguard_core::GuardError::Store(e)) => {
-                    tracing::warn!(error = %e, attempt, op, "the store did not answer; retrying");
-                    tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, op, scope = %self.scope, "a fenced call was refused");
-                    return false;
-                }
-            }
-        }
-        tracing::error!(op, scope = %self.scope, "the store did not answer; the key runs again after its lease");
-        false
-    }
-
-    /// Delegates the key to a task: the [`tasks::DELEGATED`] checkpoint, then a lease of the
-    /// task's TTL (within the leases in force). Answers whether both took effect.
-    pub(crate) async fn delegate(&self, delegation: &Delegation) -> bool {
-        let name = CheckpointName::parse(tasks::DELEGATED).expect("a valid checkpoint name");
-        let data = delegation.to_data_within(self.limits.max_checkpoint_bytes);
-        let ttl = delegation.ttl_ms.map_or(self.limits.max_lease, Duration::from_millis);
-        let lease = ttl.clamp(self.limits.min_lease, self.limits.max_lease);
-        self.apply(Mutation::Checkpoint { name, data }).await && self.apply(Mutation::Extend(lease)).await
-    }
-}
-
-pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
-    headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
 /// Sends a body's chunks on, until it ends, adding each to `seen` if given; answers whether it

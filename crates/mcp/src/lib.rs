@@ -24,7 +24,14 @@
 //! - [`jsonrpc`]: message shapes, error codes, replays.
 //! - [`sse`]: reading an event stream while forwarding it byte for byte.
 //! - [`tools`]: which tools are guarded.
+//! - [`tasks`]: task handles, gateway task ids, what an answer about a task says.
+//! - `state`: what the handlers share (the [`Gateway`], the caller, the gateway's own answers).
+//! - `settle`: what an answer does to a held key, and the fenced calls that apply it.
+//! - `delegated`: keys delegated to tasks (duplicates, `tasks/*`, recoveries).
 //! - [`gateway`](mod@gateway): the handler.
+//!
+//! A call answered with a task delegates its key to the task: the task's terminal result,
+//! read as it flows back, completes the key (`docs/MCP.md`, "Tasks").
 
 #![forbid(unsafe_code)]
 
@@ -43,7 +50,9 @@ pub mod call;
 mod delegated;
 pub mod gateway;
 pub mod jsonrpc;
+mod settle;
 pub mod sse;
+mod state;
 pub mod tasks;
 pub mod tools;
 

@@ -5,15 +5,18 @@
 //! What the store keeps of a delegated key is a checkpoint ([`DELEGATED`]) whose data is a
 //! [`Delegation`]: the upstream's task id, the shape, the granted TTL, the principal that created
 //! it, and the first answer (the handle). The id a caller sees is the gateway's own
-//! ([`TaskRef`]): it names the tool and the key beside the upstream's id, so that any gateway
-//! instance finds the key of a `tasks/*` request in the shared store, and checks its principal
-//! there, without an index of its own.
+//! ([`TaskRef`]): it names the tool and the key, so that any gateway instance finds the key of a
+//! `tasks/*` request in the shared store, and checks its principal there, without an index of
+//! its own; and, in place of the upstream's id, a digest of it, so that the upstream's id never
+//! goes to a caller (it is rewritten in handles, task answers and a result's
+//! `io.modelcontextprotocol/related-task`).
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
 
 use crate::jsonrpc::{self, OrderedObject};
 
@@ -25,6 +28,13 @@ pub const EXTENSION: &str = "io.modelcontextprotocol/tasks";
 
 /// The `_meta` member in which a 2026-07-28 client repeats its capabilities on each request.
 pub const CLIENT_CAPABILITIES: &str = "io.modelcontextprotocol/clientCapabilities";
+
+/// The `_meta` member naming the task a result (or message) belongs to.
+pub const RELATED_TASK: &str = "io.modelcontextprotocol/related-task";
+
+/// The checkpoint a call that accepts a task gets before it is forwarded: a key that carries it,
+/// and no delegation after it, may have started a task nobody saw, and is never forwarded again.
+pub const TASK_REQUESTED: &str = "mcp.task-requested";
 
 /// How a gateway task id starts.
 const PREFIX: &str = "ogt1.";
@@ -52,32 +62,63 @@ pub struct Handle {
     pub ttl_ms: Option<u64>,
 }
 
-/// The handle a `tools/call` result carries, if it is one.
-pub fn handle_of(result: &RawValue) -> Option<Handle> {
+/// The handle a `tools/call` result carries: `None` when it is not a task's handle (no
+/// `resultType: "task"`, no `task` object); `Some(Err)` when it says it is one but cannot be read
+/// (the call may have started a task: its outcome is unknown).
+pub fn handle_of(result: &RawValue) -> Option<Result<Handle, String>> {
     #[derive(Deserialize)]
-    struct Flat {
-        #[serde(default, rename = "resultType")]
-        result_type: Option<String>,
-        #[serde(default, rename = "taskId")]
-        task_id: Option<String>,
-        #[serde(default, rename = "ttlMs")]
-        ttl_ms: Option<u64>,
-        #[serde(default)]
-        task: Option<Nested>,
+    struct Probe<'a> {
+        #[serde(default, rename = "resultType", borrow)]
+        result_type: Option<&'a RawValue>,
+        #[serde(default, rename = "taskId", borrow)]
+        task_id: Option<&'a RawValue>,
+        #[serde(default, rename = "ttlMs", borrow)]
+        ttl_ms: Option<&'a RawValue>,
+        #[serde(default, borrow)]
+        task: Option<&'a RawValue>,
     }
-    #[derive(Deserialize)]
-    struct Nested {
-        #[serde(rename = "taskId")]
-        task_id: String,
-        #[serde(default)]
-        ttl: Option<u64>,
-    }
-    match serde_json::from_str::<Flat>(result.get()).ok()? {
-        Flat { result_type: Some(t), task_id: Some(task), ttl_ms, .. } if t == "task" => {
-            Some(Handle { task, shape: Shape::Extension, ttl_ms })
-        }
-        Flat { result_type: None, task: Some(Nested { task_id, ttl }), .. } => {
-            Some(Handle { task: task_id, shape: Shape::Core, ttl_ms: ttl })
+    let Ok(probe) = serde_json::from_str::<Probe<'_>>(result.get()) else {
+        // Not an object with unique members: nothing is classified from it.
+        return result
+            .get()
+            .trim_start()
+            .starts_with('{')
+            .then(|| Err("the upstream's result could not be read".into()));
+    };
+    let result_type = probe.result_type.map(|t| serde_json::from_str::<Value>(t.get()).unwrap_or(Value::Null));
+    let text = |raw: Option<&RawValue>| raw.and_then(|r| serde_json::from_str::<String>(r.get()).ok());
+    let ttl = |raw: Option<&RawValue>| {
+        raw.and_then(|r| serde_json::from_str::<f64>(r.get()).ok())
+            .filter(|t| t.is_finite() && *t >= 0.0)
+            .map(|t| t as u64)
+    };
+    let unreadable = |what: &str| Some(Err(format!("the upstream answered a task whose {what} could not be read")));
+    match (result_type, probe.task) {
+        (Some(Value::String(t)), _) if t == "task" => match text(probe.task_id) {
+            Some(task) if !task.is_empty() => {
+                Some(Ok(Handle { task, shape: Shape::Extension, ttl_ms: ttl(probe.ttl_ms) }))
+            }
+            _ => unreadable("taskId"),
+        },
+        (None, Some(task)) => {
+            #[derive(Deserialize)]
+            struct Nested<'a> {
+                #[serde(default, rename = "taskId", borrow)]
+                task_id: Option<&'a RawValue>,
+                #[serde(default, borrow)]
+                ttl: Option<&'a RawValue>,
+            }
+            match serde_json::from_str::<Nested<'_>>(task.get()) {
+                Ok(nested) => match text(nested.task_id) {
+                    Some(id) if !id.is_empty() => {
+                        Some(Ok(Handle { task: id, shape: Shape::Core, ttl_ms: ttl(nested.ttl) }))
+                    }
+                    _ => unreadable("task.taskId"),
+                },
+                Err(_) if task.get().trim_start().starts_with('{') => unreadable("task"),
+                // A member `task` that is no object: not a handle.
+                Err(_) => None,
+            }
         }
         _ => None,
     }
@@ -116,11 +157,11 @@ impl Delegation {
         }
     }
 
-    /// The checkpoint data, within `limit` bytes: a handle too large to keep is kept as its
-    /// task id, status and TTL alone.
+    /// The checkpoint data, within `limit` bytes: a handle too large (or nested too deep) to
+    /// keep is kept as its task id, status and TTL alone.
     pub fn to_data_within(&self, limit: usize) -> String {
         let data = self.to_data();
-        if data.len() <= limit {
+        if data.len() <= limit && onceguard_core::limits::check_json_depth("checkpoint", data.as_bytes()).is_ok() {
             return data;
         }
         let handle = Handle { task: self.task.clone(), shape: self.shape, ttl_ms: self.ttl_ms };
@@ -149,71 +190,137 @@ fn minimal_handle(handle: &Handle) -> Box<RawValue> {
     RawValue::from_string(value.to_string()).expect("JSON")
 }
 
-/// A gateway task id: the tool and key of the delegated call, and the upstream's task id.
+/// A gateway task id: the tool and key of the delegated call, and a digest of the upstream's
+/// task id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskRef {
     /// The tool.
     pub tool: String,
     /// The idempotency key.
     pub key: String,
-    /// The upstream's task id.
-    pub task: String,
+    /// The first 128 bits of the SHA-256 of the upstream's task id, in hex.
+    pub token: String,
 }
 
 impl TaskRef {
-    /// The id a caller sees: `ogt1.<tool>.<key>.<task>`, tool and key in unpadded base64url.
+    /// The gateway's id for the upstream's `task` of the call to `tool` with `key`.
+    pub fn new(tool: &str, key: &str, task: &str) -> Self {
+        let digest = Sha256::digest(task.as_bytes());
+        Self { tool: tool.to_owned(), key: key.to_owned(), token: onceguard_core::domain::lower_hex(&digest[..16]) }
+    }
+
+    /// Whether it names the task of `delegation`.
+    pub fn names(&self, delegation: &Delegation) -> bool {
+        Self::new(&self.tool, &self.key, &delegation.task).token == self.token
+    }
+
+    /// The id a caller sees: `ogt1.<tool>.<key>.<token>`, tool and key in unpadded base64url.
     pub fn id(&self) -> String {
-        format!("{PREFIX}{}.{}.{}", URL_SAFE_NO_PAD.encode(&self.tool), URL_SAFE_NO_PAD.encode(&self.key), self.task)
+        format!("{PREFIX}{}.{}.{}", URL_SAFE_NO_PAD.encode(&self.tool), URL_SAFE_NO_PAD.encode(&self.key), self.token)
     }
 
-    /// Reads a gateway task id; `None` for any other id (an upstream's own, of a call that was
-    /// not guarded, or a malformed one).
-    pub fn parse(id: &str) -> Option<Self> {
+    /// Reads a gateway task id: `None` for an id of another form (an upstream's own, of a call
+    /// that was not guarded); `Some(Err)` for an id in the gateway's form that is malformed.
+    pub fn parse(id: &str) -> Option<Result<Self, ()>> {
         let rest = id.strip_prefix(PREFIX)?;
-        let mut parts = rest.splitn(3, '.');
-        let decode = |part: &str| String::from_utf8(URL_SAFE_NO_PAD.decode(part).ok()?).ok();
-        let tool = decode(parts.next()?)?;
-        let key = decode(parts.next()?)?;
-        let task = parts.next().filter(|t| !t.is_empty())?.to_owned();
-        Some(Self { tool, key, task })
+        let mut parts = rest.split('.');
+        let decode = |part: Option<&str>| String::from_utf8(URL_SAFE_NO_PAD.decode(part?).ok()?).ok();
+        let (tool, key, token) = (decode(parts.next()), decode(parts.next()), parts.next());
+        let well_formed = token.is_some_and(|t| t.len() == 32 && t.bytes().all(|b| b.is_ascii_hexdigit()));
+        Some(match (tool, key, token, parts.next()) {
+            (Some(tool), Some(key), Some(token), None) if well_formed => {
+                Ok(Self { tool, key, token: token.to_owned() })
+            }
+            _ => Err(()),
+        })
     }
 }
 
-/// Whether a `tools/call`'s params accept a task handle as the answer: 2025-11-25's
-/// `params.task`, or the tasks extension declared in the request's `_meta`.
-pub fn accepts_task(params: Option<&Value>) -> bool {
-    let Some(params) = params else { return false };
-    params.get("task").is_some_and(Value::is_object)
-        || params
-            .get("_meta")
-            .and_then(|m| m.get(CLIENT_CAPABILITIES))
-            .and_then(|c| c.get("extensions"))
-            .and_then(|e| e.get(EXTENSION))
-            .is_some()
+/// Which tasks a `tools/call`'s params accept as the answer, if any: 2025-11-25's `params.task`
+/// (an object), or the tasks extension declared in the request's `_meta` (an object).
+pub fn accepts_task(params: Option<&Value>) -> Option<Shape> {
+    let params = params?;
+    if params.get("task").is_some_and(Value::is_object) {
+        return Some(Shape::Core);
+    }
+    let declared = params
+        .get("_meta")
+        .and_then(|m| m.get(CLIENT_CAPABILITIES))
+        .and_then(|c| c.get("extensions"))
+        .and_then(|e| e.get(EXTENSION))
+        .is_some_and(Value::is_object);
+    declared.then_some(Shape::Extension)
 }
 
-/// `result` with its task id (`taskId`, or `task.taskId`) set to `id`; members keep their order
-/// and every other value its bytes.
+/// `result` with its task id set to `id` wherever it has one: `taskId`, `task.taskId`, and
+/// `_meta["io.modelcontextprotocol/related-task"].taskId`. Members keep their order and every
+/// other value its bytes.
 pub fn with_task_id(result: &[u8], id: &str) -> Result<Vec<u8>, serde_json::Error> {
     let mut object: OrderedObject = serde_json::from_slice(result)?;
     let value = RawValue::from_string(serde_json::to_string(id)?)?;
     if object.get("taskId").is_some() {
-        object.set("taskId", value);
-    } else if let Some(task) = object.get("task") {
-        let mut task: OrderedObject = serde_json::from_str(task.get())?;
-        task.set("taskId", value);
-        object.set("task", RawValue::from_string(serde_json::to_string(&task)?)?);
+        object.set("taskId", value.clone());
+    }
+    if let Some(task) = object.get("task") {
+        let task = set_member(task, &["taskId"], &value)?;
+        object.set("task", task);
+    }
+    if let Some(meta) = object.get("_meta") {
+        let meta = set_member(meta, &[RELATED_TASK, "taskId"], &value)?;
+        object.set("_meta", meta);
     }
     serde_json::to_vec(&object)
 }
 
-/// A whole response message with its result's task id set to `id` (unchanged when it has no
-/// result).
+/// `object` with the member at `path` (objects all the way) set to `value`, when it is there.
+fn set_member(object: &RawValue, path: &[&str], value: &RawValue) -> Result<Box<RawValue>, serde_json::Error> {
+    let Ok(mut members) = serde_json::from_str::<OrderedObject>(object.get()) else {
+        return RawValue::from_string(object.get().to_owned());
+    };
+    match path {
+        [name] if members.get(name).is_some() => members.set(name, value.to_owned()),
+        [name, rest @ ..] if !rest.is_empty() => {
+            if let Some(inner) = members.get(name) {
+                let inner = set_member(inner, rest, value)?;
+                members.set(name, inner);
+            }
+        }
+        _ => {}
+    }
+    RawValue::from_string(serde_json::to_string(&members)?)
+}
+
+/// A handle with its `status` (flat, or in `task`) set to `status`; members keep their order
+/// and every other value its bytes.
+pub fn with_status(handle: &[u8], status: &str) -> Result<Vec<u8>, serde_json::Error> {
+    let mut object: OrderedObject = serde_json::from_slice(handle)?;
+    let value = RawValue::from_string(serde_json::to_string(status)?)?;
+    if object.get("status").is_some() {
+        object.set("status", value.clone());
+    }
+    if let Some(task) = object.get("task") {
+        let task = set_member(task, &["status"], &value)?;
+        object.set("task", task);
+    }
+    serde_json::to_vec(&object)
+}
+
+/// A whole message with the task id set to `id` wherever it names one: its `result` (see
+/// [`with_task_id`]), and its `params` (`taskId`, and `_meta`'s related task) for a request or
+/// notification about the task.
 pub fn message_with_task_id(message: &[u8], id: &str) -> Result<Vec<u8>, serde_json::Error> {
     let mut object: OrderedObject = serde_json::from_slice(message)?;
-    let Some(result) = object.get("result") else { return Ok(message.to_vec()) };
-    let rewritten = with_task_id(result.get().as_bytes(), id)?;
-    object.set("result", RawValue::from_string(String::from_utf8(rewritten).expect("JSON is UTF-8"))?);
+    let mut changed = false;
+    for member in ["result", "params"] {
+        if let Some(inner) = object.get(member) {
+            let rewritten = with_task_id(inner.get().as_bytes(), id)?;
+            object.set(member, RawValue::from_string(String::from_utf8(rewritten).expect("JSON is UTF-8"))?);
+            changed = true;
+        }
+    }
+    if !changed {
+        return Ok(message.to_vec());
+    }
     serde_json::to_vec(&object)
 }
 
@@ -336,23 +443,48 @@ mod tests {
 
     #[test]
     fn handles_of_both_shapes() {
-        let ext = raw(r#"{"resultType":"task","taskId":"t-1","status":"working","ttlMs":60000}"#);
-        assert_eq!(handle_of(&ext), Some(Handle { task: "t-1".into(), shape: Shape::Extension, ttl_ms: Some(60000) }));
+        let ext = raw(r#"{"resultType":"task","taskId":"t-1","status":"working","ttlMs":60000.0}"#);
+        assert_eq!(
+            handle_of(&ext),
+            Some(Ok(Handle { task: "t-1".into(), shape: Shape::Extension, ttl_ms: Some(60000) }))
+        );
         let core = raw(r#"{"task":{"taskId":"t-2","status":"working","ttl":null,"createdAt":"x"}}"#);
-        assert_eq!(handle_of(&core), Some(Handle { task: "t-2".into(), shape: Shape::Core, ttl_ms: None }));
-        assert_eq!(handle_of(&raw(r#"{"content":[],"taskId":"t"}"#)), None);
-        assert_eq!(handle_of(&raw(r#"{"content":[]}"#)), None);
-        assert_eq!(handle_of(&raw(r#"{"resultType":"complete","task":{"taskId":"t"}}"#)), None);
+        assert_eq!(handle_of(&core), Some(Ok(Handle { task: "t-2".into(), shape: Shape::Core, ttl_ms: None })));
+        let negative = raw(r#"{"resultType":"task","taskId":"t-3","ttlMs":-5}"#);
+        assert_eq!(handle_of(&negative).unwrap().unwrap().ttl_ms, None);
+        // Not handles: results as they are.
+        for other in [
+            r#"{"content":[],"taskId":"t"}"#,
+            r#"{"content":[]}"#,
+            r#"{"resultType":"complete","task":{"taskId":"t"}}"#,
+            r#"{"task":"a string"}"#,
+        ] {
+            assert_eq!(handle_of(&raw(other)), None, "{other}");
+        }
+        // Handles that cannot be read: the call may have started a task.
+        for unreadable in [
+            r#"{"resultType":"task","taskId":7}"#,
+            r#"{"resultType":"task"}"#,
+            r#"{"resultType":"task","taskId":"a","taskId":"b"}"#,
+            r#"{"task":{"taskId":""}}"#,
+        ] {
+            assert!(matches!(handle_of(&raw(unreadable)), Some(Err(_))), "{unreadable}");
+        }
     }
 
     #[test]
-    fn gateway_ids_round_trip_and_refuse_others() {
-        let r = TaskRef { tool: "pay.card".into(), key: "k/1.x".into(), task: "a.b.c".into() };
+    fn gateway_ids_name_the_key_and_never_the_upstreams_id() {
+        let r = TaskRef::new("pay.card", "k/1.x", "a.b.c");
         let id = r.id();
         assert!(id.starts_with("ogt1."));
-        assert_eq!(TaskRef::parse(&id), Some(r));
-        for other in ["t-1", "ogt1.", "ogt1.!!.a.b", "ogt1.YQ.Yg.", "ogt1.YQ"] {
-            assert_eq!(TaskRef::parse(other), None, "{other}");
+        assert!(!id.contains("a.b.c"), "{id}");
+        assert_eq!(TaskRef::parse(&id), Some(Ok(r.clone())));
+        let delegation = Delegation::new(Handle { task: "a.b.c".into(), shape: Shape::Core, ttl_ms: None }, "a", b"{}");
+        assert!(r.names(&delegation));
+        assert!(!TaskRef::new("pay.card", "k/1.x", "a.b.d").names(&delegation));
+        assert_eq!(TaskRef::parse("t-1"), None, "an upstream's own id");
+        for malformed in ["ogt1.", "ogt1.!!.a.b", "ogt1.YQ.Yg.", "ogt1.YQ", &format!("{id}.x"), "ogt1.YQ.Yg.zz"] {
+            assert_eq!(TaskRef::parse(malformed), Some(Err(())), "{malformed}");
         }
     }
 
@@ -362,6 +494,16 @@ mod tests {
         assert_eq!(with_task_id(flat, "mine").unwrap(), br#"{"resultType":"task","taskId":"mine","n":1.50}"#);
         let nested = br#"{"task":{"taskId":"up","ttl":1},"_meta":{}}"#;
         assert_eq!(with_task_id(nested, "mine").unwrap(), br#"{"task":{"taskId":"mine","ttl":1},"_meta":{}}"#);
+        let related = br#"{"content":[],"_meta":{"io.modelcontextprotocol/related-task":{"taskId":"up"},"n":1.0}}"#;
+        assert_eq!(
+            with_task_id(related, "mine").unwrap(),
+            br#"{"content":[],"_meta":{"io.modelcontextprotocol/related-task":{"taskId":"mine"},"n":1.0}}"#
+        );
+        assert_eq!(with_task_id(br#"{"content":[]}"#, "mine").unwrap(), br#"{"content":[]}"#);
+        assert_eq!(
+            with_status(br#"{"task":{"taskId":"a","status":"working"}}"#, "completed").unwrap(),
+            br#"{"task":{"taskId":"a","status":"completed"}}"#
+        );
         let message = br#"{"jsonrpc":"2.0","id":3,"result":{"taskId":"up"}}"#;
         assert_eq!(
             message_with_task_id(message, "mine").unwrap(),
@@ -376,11 +518,13 @@ mod tests {
 
     #[test]
     fn accepting_a_task() {
-        assert!(accepts_task(Some(&serde_json::json!({"name":"x","task":{"ttl":1000}}))));
+        assert_eq!(accepts_task(Some(&serde_json::json!({"name":"x","task":{"ttl":1000}}))), Some(Shape::Core));
         let ext = serde_json::json!({"_meta": {CLIENT_CAPABILITIES: {"extensions": {EXTENSION: {}}}}});
-        assert!(accepts_task(Some(&ext)));
-        assert!(!accepts_task(Some(&serde_json::json!({"name":"x","_meta":{}}))));
-        assert!(!accepts_task(None));
+        assert_eq!(accepts_task(Some(&ext)), Some(Shape::Extension));
+        let null = serde_json::json!({"_meta": {CLIENT_CAPABILITIES: {"extensions": {EXTENSION: null}}}});
+        assert_eq!(accepts_task(Some(&null)), None);
+        assert_eq!(accepts_task(Some(&serde_json::json!({"name":"x","_meta":{}}))), None);
+        assert_eq!(accepts_task(None), None);
     }
 
     #[test]

@@ -76,6 +76,9 @@ async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
         "tools/call" => {
             up.runs += 1;
             let n = up.runs;
+            if params["name"] == "broken" {
+                return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response();
+            }
             let extension = params["_meta"]["io.modelcontextprotocol/clientCapabilities"]["extensions"]
                 .get("io.modelcontextprotocol/tasks")
                 .is_some();
@@ -111,7 +114,11 @@ async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
             answer(&id, got)
         }
         "tasks/result" => match up.tasks.get(&task_id) {
-            Some(Task { result: Some(result), .. }) => answer(&id, result.clone()),
+            Some(Task { result: Some(result), .. }) => {
+                let mut result = result.clone();
+                result["_meta"] = json!({"io.modelcontextprotocol/related-task": {"taskId": task_id}});
+                answer(&id, result)
+            }
             _ => not_found(),
         },
         "tasks/cancel" => {
@@ -176,6 +183,12 @@ fn call(id: u64, shape: Shape, key: &str) -> Value {
         }
     }
     params["_meta"] = meta;
+    json!({"jsonrpc":"2.0","id":id,"method":"tools/call","params":params})
+}
+
+/// The same call with `key`, asking for no task.
+fn plain_call(id: u64, key: &str) -> Value {
+    let params = json!({"name": "job", "arguments": {"n": 1}, "_meta": {"dev.onceguard/idempotency-key": key}});
     json!({"jsonrpc":"2.0","id":id,"method":"tools/call","params":params})
 }
 
@@ -269,7 +282,12 @@ async fn a_duplicate_gets_the_same_task_and_the_result_outlives_the_servers_ttl(
 
         // The server forgets the task; the key keeps its result.
         app.forget(&upstream_id);
-        let replay = app.rpc(&call(6, shape, &key)).await;
+        // A retry that accepts a task gets the task, ended; one that does not, the result.
+        let ended = app.rpc(&call(6, shape, &key)).await;
+        assert_eq!(task_id(&ended), id, "{shape:?}: {ended}");
+        let status = ended["result"]["status"].as_str().or(ended["result"]["task"]["status"].as_str());
+        assert_eq!(status, Some("completed"), "{shape:?}: {ended}");
+        let replay = app.rpc(&plain_call(9, &key)).await;
         assert_eq!(replay["result"]["content"][0]["text"], "job done", "{shape:?}: {replay}");
         assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
         let stored = app.rpc(&task_request(7, "tasks/get", &id)).await;
@@ -309,6 +327,13 @@ async fn a_task_exists_only_for_the_principal_that_created_it() {
     // A duplicate by another key of the tenant does not get the task either.
     let other = app.rpc_as(Some(&tokens[1]), &call(3, Shape::Extension, "k")).await;
     assert_eq!(other["error"]["code"], 40901, "{other}");
+    // Once the lease passed, another key's retry takes the key over, but does not ask the owner's
+    // task with its own credentials: the key is delegated again.
+    app.clock.advance(Duration::from_secs(61));
+    let asked = app.up.lock().unwrap().asked.len();
+    let other = app.rpc_as(Some(&tokens[1]), &call(7, Shape::Extension, "k")).await;
+    assert_eq!(other["error"]["code"], 40901, "{other}");
+    assert_eq!(app.up.lock().unwrap().asked.len(), asked, "nothing reached the upstream");
     let own = app.rpc_as(Some(&tokens[0]), &task_request(4, "tasks/get", &id)).await;
     assert_eq!(own["result"]["status"], "working");
     // A forged id naming the key with another upstream task.
@@ -349,7 +374,7 @@ async fn a_cancel_that_lost_the_race_to_completion_keeps_the_result() {
         app.rpc(&task_request(2, "tasks/cancel", &id)).await;
         let record = app.guard.get(&app.scope(&key)).await.unwrap().unwrap();
         assert_eq!(record.state, RecordState::Completed, "{shape:?}: the task had completed");
-        let replay = app.rpc(&call(3, shape, &key)).await;
+        let replay = app.rpc(&plain_call(3, &key)).await;
         assert_eq!(replay["result"]["content"][0]["text"], "job done", "{shape:?}");
         assert_eq!(app.runs(), n + 1);
     }
@@ -414,4 +439,78 @@ async fn tasks_of_calls_that_were_not_guarded_pass_through() {
     let answer = app.rpc(&task_request(1, "tasks/get", "up-7")).await;
     assert_eq!(answer["error"]["code"], -32602, "the upstream's own answer: {answer}");
     assert_eq!(app.up.lock().unwrap().asked, vec!["up-7".to_owned()]);
+}
+
+#[tokio::test]
+async fn the_upstreams_task_id_never_reaches_a_caller() {
+    let app = spawn_app(|_| {}).await;
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let key = format!("h-{n}");
+        let upstream_id = format!("up-{}", n + 1);
+        let mut seen = vec![app.rpc(&call(1, shape, &key)).await];
+        let id = task_id(&seen[0]);
+        seen.push(app.rpc(&call(2, shape, &key)).await);
+        seen.push(app.rpc(&task_request(3, "tasks/get", &id)).await);
+        app.finish(&upstream_id);
+        seen.push(app.rpc(&task_request(4, "tasks/get", &id)).await);
+        if shape == Shape::Core {
+            let payload = app.rpc(&task_request(5, "tasks/result", &id)).await;
+            assert_eq!(payload["result"]["_meta"]["io.modelcontextprotocol/related-task"]["taskId"], id.as_str());
+            seen.push(payload);
+        }
+        seen.push(app.rpc(&plain_call(6, &key)).await);
+        seen.push(app.rpc(&task_request(7, "tasks/get", &id)).await);
+        for answer in &seen {
+            assert!(!answer.to_string().contains(&upstream_id), "{shape:?}: {answer}");
+        }
+        // An id in the gateway's form that is garbled names no task, and reaches nobody.
+        let asked = app.up.lock().unwrap().asked.len();
+        let garbled = app.rpc(&task_request(8, "tasks/get", &format!("{id}x"))).await;
+        assert_eq!(garbled["error"]["code"], 40401);
+        assert_eq!(app.up.lock().unwrap().asked.len(), asked);
+    }
+}
+
+#[tokio::test]
+async fn a_call_that_accepted_a_task_and_whose_answer_was_lost_is_never_forwarded_again() {
+    let app = spawn_app(|_| {}).await;
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let key = format!("b-{n}");
+        let mut message = call(1, shape, &key);
+        message["params"]["name"] = json!("broken");
+        let before = app.runs();
+        let first = app.http.post(format!("{}/mcp", app.base)).json(&message).send().await.unwrap();
+        assert_eq!(first.status(), 500, "the upstream's failure passes on");
+        app.clock.advance(Duration::from_secs(61));
+        for attempt in 0..3 {
+            message["id"] = json!(2 + attempt);
+            let retry = app.rpc(&message).await;
+            assert_eq!(retry["error"]["code"], 40902, "{shape:?}: a task may have started: {retry}");
+        }
+        assert_eq!(app.runs(), before + 1, "{shape:?}: forwarded once");
+    }
+    // Without a task asked for, an unknown outcome is a recovery, as for any call.
+    let mut plain = plain_call(10, "b-plain");
+    plain["params"]["name"] = json!("broken");
+    let before = app.runs();
+    for _ in 0..2 {
+        app.http.post(format!("{}/mcp", app.base)).json(&plain).send().await.unwrap();
+    }
+    assert_eq!(app.runs(), before + 2);
+}
+
+#[tokio::test]
+async fn a_delegation_that_cannot_be_read_is_never_forwarded_again() {
+    let app = spawn_app(|_| {}).await;
+    app.rpc(&call(1, Shape::Extension, "g")).await;
+    let record = app.guard.get(&app.scope("g")).await.unwrap().unwrap();
+    let garbled = onceguard_core::Mutation::Checkpoint {
+        name: onceguard_core::CheckpointName::parse("mcp.task").unwrap(),
+        data: r#"{"shape":"future"}"#.into(),
+    };
+    app.guard.mutate_as("test", &app.scope("g"), record.fence, garbled).await.unwrap();
+    app.clock.advance(Duration::from_secs(61));
+    let retry = app.rpc(&call(2, Shape::Extension, "g")).await;
+    assert_eq!(retry["error"]["code"], 40902, "{retry}");
+    assert_eq!(app.runs(), 1);
 }

@@ -1,0 +1,83 @@
+// An MCP server made with the TypeScript SDK, for the gateway's end-to-end tests: a plain tool
+// `send_email` and a task tool `pay` (2025-11-25 tasks, the SDK's experimental task API), each
+// counting its executions. Stateless: a server and a transport per request, one task store for all.
+import http from 'node:http';
+import { McpServer } from '@modelcontextprotocol/sdk/server/mcp.js';
+import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
+import { InMemoryTaskStore } from '@modelcontextprotocol/sdk/experimental/tasks/stores/in-memory.js';
+import { z } from 'zod';
+
+export function startServer() {
+  const executions = new Map();
+  const count = (tool, tag) => executions.set(`${tool}/${tag}`, (executions.get(`${tool}/${tag}`) ?? 0) + 1);
+  let taskStore = new InMemoryTaskStore();
+  const stores = [taskStore];
+
+  const build = () => {
+    const server = new McpServer(
+      { name: 'onceguard-ts-tools', version: '1.0.0' },
+      { capabilities: { tasks: { requests: { tools: { call: {} } }, list: {}, cancel: {} } }, taskStore },
+    );
+    server.registerTool(
+      'send_email',
+      { inputSchema: { to: z.string(), tag: z.string() }, annotations: { destructiveHint: true } },
+      async ({ to, tag }) => {
+        count('send_email', tag);
+        return { content: [{ type: 'text', text: `sent to ${to}` }], structuredContent: { to, tag } };
+      },
+    );
+    server.experimental.tasks.registerToolTask(
+      'pay',
+      { inputSchema: { amount: z.number(), tag: z.string(), ms: z.number() }, execution: { taskSupport: 'required' } },
+      {
+        async createTask({ amount, tag, ms }, { taskStore: store, taskRequestedTtl }) {
+          const task = await store.createTask({ ttl: taskRequestedTtl ?? 60_000, pollInterval: 50 });
+          setTimeout(async () => {
+            count('pay', tag);
+            await store.storeTaskResult(task.taskId, 'completed', {
+              content: [{ type: 'text', text: `paid ${amount}` }],
+            });
+          }, ms);
+          return { task };
+        },
+        async getTask(_args, { taskId, taskStore: store }) {
+          return store.getTask(taskId);
+        },
+        async getTaskResult(_args, { taskId, taskStore: store }) {
+          return store.getTaskResult(taskId);
+        },
+      },
+    );
+    return server;
+  };
+
+  const httpServer = http.createServer(async (req, res) => {
+    let body = '';
+    for await (const chunk of req) body += chunk;
+    const server = build();
+    const transport = new StreamableHTTPServerTransport({ sessionIdGenerator: undefined });
+    // Left open when the response ends: the SDK's task machinery may still write to it.
+    await server.connect(transport);
+    await transport.handleRequest(req, res, body ? JSON.parse(body) : undefined);
+  });
+  return new Promise((resolve) => {
+    httpServer.listen(0, '127.0.0.1', () => {
+      resolve({
+        url: `http://127.0.0.1:${httpServer.address().port}/mcp`,
+        executions: (tool, tag) => executions.get(`${tool}/${tag}`) ?? 0,
+        // The server forgets every task, as when their TTL passes.
+        forgetTasks: () => {
+          taskStore = new InMemoryTaskStore();
+          stores.push(taskStore);
+        },
+        close: () =>
+          new Promise((done) => {
+            // Each store's TTL timers would keep the process alive.
+            for (const store of stores) store.cleanup();
+            httpServer.close(done);
+            httpServer.closeAllConnections();
+          }),
+      });
+    });
+  });
+}
