@@ -68,26 +68,32 @@ class World:
             for n in range(2)
         ]
         wait_port(port)
-        args = [str(BINARY), "--log-format", "json", "--store", store, "mcp", "--listen", "127.0.0.1:0",
-                "--upstream", f"http://127.0.0.1:{port}/mcp", "--upstream-name", "tasks", "--lease", "5s"]
-        self.gateway = subprocess.Popen(args, cwd=self.dir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.url = ""
+        self.store = store
+        self.gateways: list[subprocess.Popen] = []
+        self.url = self.start_gateway()
+
+    def start_gateway(self) -> str:
+        """Another `onceguard mcp` instance on the same store; answers its URL."""
+        args = [str(BINARY), "--log-format", "json", "--store", self.store, "mcp", "--listen", "127.0.0.1:0",
+                "--upstream", f"http://127.0.0.1:{self.port}/mcp", "--upstream-name", "tasks", "--lease", "5s"]
+        gateway = subprocess.Popen(args, cwd=self.dir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.gateways.append(gateway)
         found = threading.Event()
-        self.logs: list[str] = []
+        url = []
 
         def read() -> None:
-            for line in self.gateway.stderr:
-                self.logs.append(line)
+            for line in gateway.stderr:
                 try:
                     event = json.loads(line)
                 except ValueError:
                     continue
                 if "addr" in event and not found.is_set():
-                    self.url = f"http://{event['addr']}/mcp"
+                    url.append(f"http://{event['addr']}/mcp")
                     found.set()
 
         threading.Thread(target=read, daemon=True).start()
         assert found.wait(60), "the gateway did not start"
+        return url[0]
 
     def executions(self, tag: str) -> int:
         if not os.path.exists(self.effects):
@@ -113,8 +119,9 @@ class World:
             self.server.wait(10)
 
     def close(self) -> None:
-        self.gateway.terminate()
-        self.gateway.wait(10)
+        for gateway in self.gateways:
+            gateway.terminate()
+            gateway.wait(10)
         self.stop_server()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -126,8 +133,8 @@ def world():
     w.close()
 
 
-def client(world: World, token: int = 0) -> Client:
-    transport = StreamableHttpTransport(world.url, headers={"X-Onceguard-Key": world.tokens[token]})
+def client(world: World, token: int = 0, url: str | None = None) -> Client:
+    transport = StreamableHttpTransport(url or world.url, headers={"X-Onceguard-Key": world.tokens[token]})
     return Client(transport, timeout=30)
 
 
@@ -196,4 +203,24 @@ def test_the_result_outlives_the_servers_task(world):
             assert (replay.meta or {}).get(REPLAYED) is True
 
     run(scenario_after())
+    assert world.executions(tag) == 1
+
+
+def test_another_gateway_instance_serves_the_task_from_the_shared_store(world):
+    tag, key = uuid.uuid4().hex, uuid.uuid4().hex
+    other_url = world.start_gateway()
+
+    async def scenario():
+        async with client(world) as first, client(world, url=other_url) as second:
+            task = await call_tool_task(first, "pay", {"amount": 3, "tag": tag}, meta={KEY_META: key})
+            # The retry reaches the other instance: the same task.
+            again = await call_tool_task(second, "pay", {"amount": 3, "tag": tag}, meta={KEY_META: key})
+            assert again.task_id == task.task_id
+            # The other instance polls it to its end and captures the result.
+            result = await again.result()
+            assert result.structured_content == {"paid": 3, "tag": tag}
+            got = await _send_get(first.session, task.task_id)
+            assert got.status == "completed"
+
+    run(scenario())
     assert world.executions(tag) == 1

@@ -98,8 +98,8 @@ enum Command {
         /// How long a stored result replays, e.g. 24h.
         #[arg(long, value_parser = humantime::parse_duration)]
         retention: Option<std::time::Duration>,
-        /// How long a duplicate of a call in flight waits for its result (default 0s: answer
-        /// "in progress" at once).
+        /// How long a duplicate of a call in flight waits for its result (default 10s; 0s:
+        /// answer "in progress" at once).
         #[arg(long, value_parser = humantime::parse_duration)]
         wait: Option<std::time::Duration>,
         /// What a guarded call without a key does: require (default), derive or pass.

@@ -184,7 +184,8 @@ pub struct McpConfig {
     #[serde(with = "humantime_serde")]
     pub retention: Duration,
     /// How long a duplicate of a call in flight waits for its result before it is answered
-    /// "in progress" (`0s`: at once).
+    /// "in progress" (`0s`: at once). A 2026-07-28 client whose stream was cut re-issues its
+    /// request: with a wait, it gets the first one's result instead of 40901.
     #[serde(with = "humantime_serde")]
     pub wait: Duration,
     /// How long a key stays held after the upstream asked for input (2026-07-28
@@ -255,7 +256,7 @@ impl Default for McpConfig {
             upstream_name: String::new(),
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3_600),
-            wait: Duration::ZERO,
+            wait: Duration::from_secs(10),
             input_lease: Duration::from_secs(600),
             api_key_header: "x-onceguard-key".into(),
             no_key: McpNoKey::Require,

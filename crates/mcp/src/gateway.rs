@@ -64,9 +64,11 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
     let run_header = request.headers_mut().remove(call::RUN_HEADER);
     // Every POST the upstream may route to its endpoint is read: the path as servers decode it.
     if request.method() != Method::POST || !call::same_path(request.uri().path(), &gateway.options.endpoint) {
-        let resumed = (request.method() == Method::GET && request.headers().contains_key("last-event-id"))
-            .then(|| request.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned))
-            .flatten();
+        let resumed = (request.method() == Method::GET
+            && request.headers().contains_key("last-event-id")
+            && call::same_path(request.uri().path(), &gateway.options.endpoint))
+        .then(|| request.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned))
+        .flatten();
         let response = gateway.streams.forward(request).await;
         return match resumed {
             Some(session) if is_event_stream(response.headers()) => {
@@ -294,7 +296,10 @@ async fn guarded_call(
         Ok(effective) => effective.limits,
         Err(e) => return (rpc_error(Some(&id), &e.into()), "refused"),
     };
-    let outcome = match claim_or_resume(&gateway, &claim, call.continuation, &actor).await {
+    // A call that accepts a task does not wait: the key it finds held is (usually) delegated to a
+    // task, whose handle it gets at once.
+    let waits = !call.continuation && tasks::accepts_task(params.as_ref()).is_none();
+    let outcome = match claim_or_resume(&gateway, &claim, call.continuation, waits, &actor).await {
         Ok(outcome) => outcome,
         Err(e) => return (rpc_error(Some(&id), &e), "refused"),
     };
@@ -373,7 +378,9 @@ async fn guarded_call(
             let lease = gateway.guard().clock().now().until(acquired.lease_expires_at);
             let input_lease = gateway.options.input_lease.min(limits.max_lease);
             let scope = claim.scope;
-            let leg = Leg { gateway, call, scope, fence: acquired.fence, token, actor, lease, input_lease, limits };
+            let revision = parts.headers.get("mcp-protocol-version").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            let fence = acquired.fence;
+            let leg = Leg { gateway, call, scope, fence, token, actor, lease, input_lease, limits, revision };
             (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")
         }
     }
@@ -387,11 +394,12 @@ async fn claim_or_resume(
     gateway: &Gateway,
     claim: &Claim,
     continuation: bool,
+    waits: bool,
     actor: &str,
 ) -> Result<ClaimOutcome, ApiError> {
     let guard = gateway.guard();
     // A continuation does not wait: the key it finds held is (usually) its own parked leg's.
-    let waiting = Claim { wait: (!continuation).then_some(gateway.options.wait), ..claim.clone() };
+    let waiting = Claim { wait: waits.then_some(gateway.options.wait), ..claim.clone() };
     let outcome = guard.claim(waiting).await?;
     if !continuation || !matches!(outcome, ClaimOutcome::InFlight(_)) {
         return Ok(outcome);
@@ -428,6 +436,8 @@ struct Leg {
     input_lease: Duration,
     /// The limits in force for the key.
     limits: onceguard_core::limits::Limits,
+    /// The call's protocol revision (`MCP-Protocol-Version`), if it said.
+    revision: Option<String>,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
@@ -637,7 +647,10 @@ impl Leg {
     }
 
     /// Applies what the answer means to the key; answers whether it took effect.
-    async fn settle(&self, settlement: Settlement) -> bool {
+    async fn settle(&self, mut settlement: Settlement) -> bool {
+        if let Settlement::Delegate { revision, .. } = &mut settlement {
+            revision.clone_from(&self.revision);
+        }
         self.holder().settle(settlement).await
     }
 

@@ -139,11 +139,15 @@ pub struct Delegation {
     pub actor: String,
     /// The first answer (the handle), with the upstream's task id, as the upstream wrote it.
     pub handle: Box<RawValue>,
+    /// The protocol revision the call was made in (its `MCP-Protocol-Version`), if it said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
 }
 
 impl Delegation {
-    /// The delegation of a call by `actor` to the task of `handle`, the answer `result` carried.
-    pub fn new(handle: Handle, actor: &str, result: &[u8]) -> Self {
+    /// The delegation of a call by `actor` (made in `revision`) to the task of `handle`, the
+    /// answer `result` carried.
+    pub fn new(handle: Handle, actor: &str, result: &[u8], revision: Option<String>) -> Self {
         let handle_raw = std::str::from_utf8(result)
             .ok()
             .and_then(|r| RawValue::from_string(r.to_owned()).ok())
@@ -154,6 +158,7 @@ impl Delegation {
             ttl_ms: handle.ttl_ms,
             actor: actor.to_owned(),
             handle: handle_raw,
+            revision,
         }
     }
 
@@ -479,7 +484,8 @@ mod tests {
         assert!(id.starts_with("ogt1."));
         assert!(!id.contains("a.b.c"), "{id}");
         assert_eq!(TaskRef::parse(&id), Some(Ok(r.clone())));
-        let delegation = Delegation::new(Handle { task: "a.b.c".into(), shape: Shape::Core, ttl_ms: None }, "a", b"{}");
+        let delegation =
+            Delegation::new(Handle { task: "a.b.c".into(), shape: Shape::Core, ttl_ms: None }, "a", b"{}", None);
         assert!(r.names(&delegation));
         assert!(!TaskRef::new("pay.card", "k/1.x", "a.b.d").names(&delegation));
         assert_eq!(TaskRef::parse("t-1"), None, "an upstream's own id");
@@ -554,6 +560,7 @@ mod tests {
             ttl_ms: Some(5),
             actor: "a".into(),
             handle: raw(r#"{"resultType":"task","taskId":"up","status":"working","createdAt":"c","ttlMs":5}"#),
+            revision: Some("2026-07-28".into()),
         };
         let got: Value = serde_json::from_slice(&stored_get(&delegation, "mine", br#"{"n":1}"#, false, "u")).unwrap();
         assert_eq!(got["taskId"], "mine");

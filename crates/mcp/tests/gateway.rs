@@ -223,6 +223,8 @@ async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
     config.mcp.upstream = upstream_url;
     config.mcp.upstream_name = "up".into();
     config.mcp.lease = Duration::from_secs(2);
+    // Duplicates answer at once unless a test waits (the default wait is `mcp.wait`'s own test).
+    config.mcp.wait = Duration::ZERO;
     config.auth.allow_anonymous = true;
     config.auth.anonymous_tenant = TENANT.into();
     configure(&mut config);
@@ -462,6 +464,29 @@ async fn a_caller_that_leaves_does_not_cancel_the_call() {
     // Other cancellations pass.
     assert_eq!(app.post(&cancel).await.status(), 202);
     assert_eq!(app.seen.lock().unwrap().cancellations, 1);
+}
+
+#[tokio::test]
+async fn by_default_a_request_reissued_while_the_first_runs_gets_its_result() {
+    // A 2026-07-28 client whose stream was cut re-issues the same request (new id, no session).
+    let app = spawn_app(|c| c.mcp.wait = Config::default().mcp.wait).await;
+    let first = call(json!(1), "held", json!({}), Some("k"));
+    let cut = tokio::select! {
+        _ = app.post(&first) => false,
+        () = app.seen.until("held", 1) => true,
+    };
+    assert!(cut, "the first request's stream was cut while the tool ran");
+    let reissued = tokio::spawn({
+        let (http, base) = (app.http.clone(), app.base.clone());
+        let message = call(json!(2), "held", json!({}), Some("k"));
+        async move { http.post(format!("{base}/mcp")).json(&message).send().await.unwrap().json::<Value>().await.unwrap() }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    app.seen.open();
+    let answer = reissued.await.unwrap();
+    assert_eq!(answer["result"]["content"][0]["text"], "held 1", "the first request's result: {answer}");
+    assert_eq!(answer["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(runs(&app.seen, "held"), 1);
 }
 
 /// A request reusing the id of a request in flight in its session (`Mcp-Session-Id`) is refused

@@ -156,6 +156,8 @@ async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
     config.mcp.upstream = upstream_url;
     config.mcp.upstream_name = "up".into();
     config.mcp.lease = Duration::from_secs(2);
+    // Duplicates answer at once unless a test waits (the default wait is `mcp.wait`'s own test).
+    config.mcp.wait = Duration::ZERO;
     config.auth.allow_anonymous = true;
     config.auth.anonymous_tenant = "anon".into();
     configure(&mut config);
@@ -513,4 +515,25 @@ async fn a_delegation_that_cannot_be_read_is_never_forwarded_again() {
     let retry = app.rpc(&call(2, Shape::Extension, "g")).await;
     assert_eq!(retry["error"]["code"], 40902, "{retry}");
     assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_delegation_records_who_made_the_call_and_in_which_revision() {
+    let app = spawn_app(|_| {}).await;
+    let response = app
+        .http
+        .post(format!("{}/mcp", app.base))
+        .header("mcp-protocol-version", "2025-11-25")
+        .json(&call(1, Shape::Core, "v"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let record = app.guard.get(&app.scope("v")).await.unwrap().unwrap();
+    let data: Value = serde_json::from_str(&record.last_checkpoint().unwrap().data).unwrap();
+    assert_eq!(data["revision"], "2025-11-25");
+    assert_eq!(data["shape"], "core");
+    assert_eq!(data["actor"], "anonymous");
+    assert_eq!(data["task"], "up-1");
+    assert_eq!(data["ttl_ms"], 60_000);
 }
