@@ -9,12 +9,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -25,32 +22,11 @@ from fastmcp.client.transports import StreamableHttpTransport
 from fastmcp_tasks.client import _send_cancel, _send_get, call_tool_task
 
 HERE = Path(__file__).resolve().parent
-TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HERE.parent.parent / "target"))
-BINARY = Path(os.environ.get("ONCEGUARD_BIN", TARGET / "debug" / "onceguard"))
+# The suites' shared helpers (the standard library only).
+sys.path.insert(0, str(HERE.parent / "mcp"))
+from processes import Gateway, free_port, onceguard, wait_port  # noqa: E402
 KEY_META = "dev.onceguard/idempotency-key"
 REPLAYED = "dev.onceguard/replayed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {port}")
-
-
-def onceguard(store: str, *args: str) -> str:
-    out = subprocess.run([str(BINARY), "--log-format", "json", "--store", store, *args], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 class World:
@@ -69,31 +45,14 @@ class World:
         ]
         wait_port(port)
         self.store = store
-        self.gateways: list[subprocess.Popen] = []
+        self.gateways: list[Gateway] = []
         self.url = self.start_gateway()
 
     def start_gateway(self) -> str:
         """Another `onceguard mcp` instance on the same store; answers its URL."""
-        args = [str(BINARY), "--log-format", "json", "--store", self.store, "mcp", "--listen", "127.0.0.1:0",
-                "--upstream", f"http://127.0.0.1:{self.port}/mcp", "--upstream-name", "tasks", "--lease", "5s"]
-        gateway = subprocess.Popen(args, cwd=self.dir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        gateway = Gateway(self.store, f"http://127.0.0.1:{self.port}/mcp", self.dir, "tasks", "--lease", "5s")
         self.gateways.append(gateway)
-        found = threading.Event()
-        url = []
-
-        def read() -> None:
-            for line in gateway.stderr:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if "addr" in event and not found.is_set():
-                    url.append(f"http://{event['addr']}/mcp")
-                    found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        assert found.wait(60), "the gateway did not start"
-        return url[0]
+        return gateway.url
 
     def executions(self, tag: str) -> int:
         if not os.path.exists(self.effects):
@@ -120,8 +79,7 @@ class World:
 
     def close(self) -> None:
         for gateway in self.gateways:
-            gateway.terminate()
-            gateway.wait(10)
+            gateway.stop()
         self.stop_server()
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -10,12 +10,9 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,10 +25,9 @@ from fastmcp import Client as FastMCPClient
 from fastmcp.client.transports import StreamableHttpTransport
 from mcp.client import Client as SdkClient
 from mcp.client.streamable_http import streamable_http_client
+from processes import Gateway, free_port, onceguard, wait_port
 
 HERE = Path(__file__).resolve().parent
-TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HERE.parent.parent / "target"))
-BINARY = Path(os.environ.get("ONCEGUARD_BIN", TARGET / "debug" / "onceguard"))
 UPSTREAM_NAME = "tools"
 TENANT = "acme"
 KEY_META = "dev.onceguard/idempotency-key"
@@ -49,71 +45,9 @@ CLIENTS = [
 IDS = [f"{lib}-{mode}" for lib, mode in CLIENTS]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {port}")
-
-
-def onceguard(store: str, *args: str) -> str:
-    """Runs an operator command; answers its output."""
-    out = subprocess.run([str(BINARY), "--log-format", "json", "--store", store, *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        first = (out.stderr.strip().splitlines() or ["(no output)"])[0]
-        raise RuntimeError(f"onceguard {' '.join(args)} failed: {first}")
-    return out.stdout
-
-
-class Gateway:
-    """A running `onceguard mcp` process."""
-
-    def __init__(self, store: str, upstream: str, workdir: str) -> None:
-        args = [
-            str(BINARY), "--log-format", "json", "--store", store, "mcp", "--listen", "127.0.0.1:0",
-            "--upstream", upstream, "--upstream-name", UPSTREAM_NAME, "--lease", "5s", "--wait", "10s",
-        ]
-        self.process = subprocess.Popen(args, cwd=workdir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.logs: list[str] = []
-        found = threading.Event()
-        self.url = ""
-
-        def read() -> None:
-            for line in self.process.stderr:
-                self.logs.append(line)
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if "addr" in event and not found.is_set():
-                    self.url = f"http://{event['addr']}/mcp"
-                    found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not found.wait(60):
-            self.process.kill()
-            raise RuntimeError("the gateway did not start:\n" + "".join(self.logs))
-
-    def kill9(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+def gateway(world_store: str, upstream: str, workdir: str) -> Gateway:
+    """The suite's gateway: a lease of 5 s, duplicates waiting 10 s."""
+    return Gateway(world_store, upstream, workdir, UPSTREAM_NAME, "--lease", "5s", "--wait", "10s")
 
 
 class World:
@@ -132,7 +66,7 @@ class World:
         onceguard(self.store, "tenants", "create", TENANT)
         self.token = json.loads(onceguard(self.store, "api-keys", "create", "--tenant", TENANT, "--label", "e2e"))["token"]
         wait_port(port)
-        self.gateway = Gateway(self.store, self.upstream, self.dir)
+        self.gateway = gateway(self.store, self.upstream, self.dir)
 
     def executions(self, tool: str, **match) -> int:
         if not os.path.exists(self.effects):
@@ -399,7 +333,7 @@ def test_budget_exhaustion_and_a_kill_switch_refuse(world, lib, mode):
 
 @pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
 def test_the_gateway_killed_and_restarted_still_replays(world, lib, mode):
-    gateway = Gateway(world.store, world.upstream, world.dir)
+    instance = gateway(world.store, world.upstream, world.dir)
     to, key = unique("to"), unique("key")
 
     async def call(url):
@@ -407,12 +341,12 @@ def test_the_gateway_killed_and_restarted_still_replays(world, lib, mode):
             return await tools.call("send_email", {"to": to, "body": "kill"}, key=key)
 
     try:
-        first = run(call(gateway.url))
-        gateway.kill9()
-        gateway = Gateway(world.store, world.upstream, world.dir)
-        replay = run(call(gateway.url))
+        first = run(call(instance.url))
+        instance.kill9()
+        instance = gateway(world.store, world.upstream, world.dir)
+        replay = run(call(instance.url))
     finally:
-        gateway.stop()
+        instance.stop()
     assert meta(replay)[REPLAYED] is True
     assert structured(replay) == structured(first)
     assert world.executions("send_email", to=to) == 1

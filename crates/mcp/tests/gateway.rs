@@ -14,11 +14,13 @@ use axum::routing::any;
 use onceguard_core::approval::ApprovalId;
 use onceguard_core::auth::Role;
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
-use onceguard_core::{Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, RunId, Scope, TenantId};
+use onceguard_core::{Guard, Key, ManualClock, Namespace, RecordState, RunId, Scope, TenantId};
 use onceguard_http::Config;
-use onceguard_testkit::TestStore;
 use onceguard_testkit::harness::Harness;
 use serde_json::{Value, json};
+
+mod common;
+use common::TENANT;
 
 /// What the upstream saw.
 #[derive(Default)]
@@ -207,29 +209,13 @@ struct App {
     _harness: Harness,
 }
 
-const TENANT: &str = "anon";
-
 /// A gateway over a fresh memory store (a lease of 2 s on its manual clock), through the one
 /// harness, in front of the test's upstream.
 async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
     let seen = Upstream::default();
     // Like common servers, the upstream serves its endpoint under every spelling of the path.
     let upstream = Router::new().route("/mcp", any(mcp)).fallback(mcp).with_state(seen.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_url = format!("http://{}/mcp", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, upstream).await.unwrap() });
-
-    let mut config = Config::default();
-    config.mcp.upstream = upstream_url;
-    config.mcp.upstream_name = "up".into();
-    config.mcp.lease = Duration::from_secs(2);
-    // Duplicates answer at once unless a test waits (the default wait is `mcp.wait`'s own test).
-    config.mcp.wait = Duration::ZERO;
-    config.auth.allow_anonymous = true;
-    config.auth.anonymous_tenant = TENANT.into();
-    configure(&mut config);
-    let limits = onceguard_mcp::limits(&config);
-    let harness = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_mcp::app).await;
+    let harness = common::start_gateway(upstream, configure).await;
     App {
         base: harness.base.clone(),
         seen,

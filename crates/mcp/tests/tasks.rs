@@ -12,11 +12,12 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use onceguard_core::auth::Role;
-use onceguard_core::{Guard, Key, ManualClock, MemoryStore, Namespace, RecordState, Scope, TenantId};
+use onceguard_core::{Guard, Key, ManualClock, Namespace, RecordState, Scope, TenantId};
 use onceguard_http::Config;
-use onceguard_testkit::TestStore;
 use onceguard_testkit::harness::Harness;
 use serde_json::{Value, json};
+
+mod common;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Shape {
@@ -149,20 +150,7 @@ struct App {
 async fn spawn_app(configure: impl FnOnce(&mut Config)) -> App {
     let up = Shared::default();
     let upstream = Router::new().route("/mcp", any(mcp)).with_state(up.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_url = format!("http://{}/mcp", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, upstream).await.unwrap() });
-    let mut config = Config::default();
-    config.mcp.upstream = upstream_url;
-    config.mcp.upstream_name = "up".into();
-    config.mcp.lease = Duration::from_secs(2);
-    // Duplicates answer at once unless a test waits (the default wait is `mcp.wait`'s own test).
-    config.mcp.wait = Duration::ZERO;
-    config.auth.allow_anonymous = true;
-    config.auth.anonymous_tenant = "anon".into();
-    configure(&mut config);
-    let limits = onceguard_mcp::limits(&config);
-    let harness = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_mcp::app).await;
+    let harness = common::start_gateway(upstream, configure).await;
     App {
         base: harness.base.clone(),
         up,
