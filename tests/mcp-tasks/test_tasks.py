@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -182,3 +183,44 @@ def test_another_gateway_instance_serves_the_task_from_the_shared_store(world):
 
     run(scenario())
     assert world.executions(tag) == 1
+
+
+def test_a_kill_switch_that_revokes_leases_cancels_the_task(world):
+    tag, key = uuid.uuid4().hex, uuid.uuid4().hex
+
+    async def started():
+        async with client(world) as c:
+            task = await call_tool_task(c, "pay", {"amount": 4, "tag": tag, "seconds": 5.0}, meta={KEY_META: key})
+            return task.task_id
+
+    task_id = run(started())
+    onceguard(world.store, "switch", "engage", "--tenant", "acme", "--namespace", "mcp/tasks", "--reason", "runaway",
+              "--revoke-leases")
+    try:
+        async def status():
+            async with client(world) as c:
+                for _ in range(100):
+                    got = await _send_get(c.session, task_id)
+                    if got.status != "working":
+                        return got.status
+                    await asyncio.sleep(0.1)
+                return got.status
+
+        assert run(status()) == "cancelled"
+    finally:
+        onceguard(world.store, "switch", "release", "--tenant", "acme", "--namespace", "mcp/tasks")
+
+    async def retried():
+        async with client(world) as c:
+            # Each gateway sees the release within a second.
+            for _ in range(20):
+                with pytest.raises(Exception) as refused:
+                    await c.call_tool("pay", {"amount": 4, "tag": tag, "seconds": 5.0}, meta={KEY_META: key})
+                if "kill switch" not in str(refused.value):
+                    break
+                await asyncio.sleep(0.25)
+            return str(refused.value)
+
+    assert "not run again" in run(retried())
+    time.sleep(5.5)
+    assert world.executions(tag) == 0, "the task was cancelled before it paid, and never run again"

@@ -186,6 +186,13 @@ impl Guard {
         Ok(Some(switch))
     }
 
+    /// The switches engaged in every tenant, as this instance knows them (at most
+    /// [`CONTROL_MAX_AGE`] old): for front ends that act on an engagement themselves (the MCP
+    /// gateway cancels the tasks of the keys a switch revoked).
+    pub async fn engaged_switches(&self) -> Result<Vec<Switch>, GuardError> {
+        Ok(self.controls().await?.switches.clone())
+    }
+
     /// A tenant's engaged switches, read from the store.
     pub async fn switches(&self, tenant: &TenantId) -> Result<Vec<Switch>, GuardError> {
         let controls = self.refresh_controls().await?;

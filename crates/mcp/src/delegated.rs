@@ -177,19 +177,19 @@ fn unknown(why: &str) -> ApiError {
 
 /// Where a `tasks/*` answer settles: the delegated key, its fence, and who asked.
 #[derive(Clone)]
-struct Capture {
-    gateway: Arc<Gateway>,
-    scope: Scope,
-    fence: Fence,
-    actor: String,
+pub(crate) struct Capture {
+    pub(crate) gateway: Arc<Gateway>,
+    pub(crate) scope: Scope,
+    pub(crate) fence: Fence,
+    pub(crate) actor: String,
     /// Whether the key was reported unknown already.
-    unknown: bool,
+    pub(crate) unknown: bool,
     /// The gateway's task id (results are stored with it).
-    task_id: String,
+    pub(crate) task_id: String,
 }
 
 impl Capture {
-    async fn settle(&self, state: TaskState) {
+    pub(crate) async fn settle(&self, state: TaskState) {
         let limits = self.gateway.guard().limits().clone();
         let holder = Holder {
             gateway: &self.gateway,
@@ -395,7 +395,12 @@ fn stored_answer(
 /// What the upstream says of a delegated task now: `tasks/get`, then (2025-11-25, once it
 /// ended) `tasks/result`. Sent as the caller's request (its headers: session, protocol version,
 /// `Authorization`), with a request id of the gateway's own.
-async fn ask(gateway: &Gateway, headers: &HeaderMap, uri: &axum::http::Uri, delegation: &Delegation) -> TaskState {
+pub(crate) async fn ask(
+    gateway: &Gateway,
+    headers: &HeaderMap,
+    uri: &axum::http::Uri,
+    delegation: &Delegation,
+) -> TaskState {
     let state = match ask_one(gateway, headers, uri, delegation, "tasks/get").await {
         Some(message) => TaskState::of_get(delegation.shape, &message),
         None => return TaskState::Lost("the upstream could not be asked about the task".into()),
@@ -416,7 +421,7 @@ fn poll_id() -> Value {
     Value::String(format!("onceguard-task-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed)))
 }
 
-async fn ask_one(
+pub(crate) async fn ask_one(
     gateway: &Gateway,
     headers: &HeaderMap,
     uri: &axum::http::Uri,
@@ -437,8 +442,13 @@ async fn ask_one(
         headers.insert("mcp-name", HeaderValue::from_str(&delegation.task).ok()?);
     }
     let mut params = json!({ "taskId": delegation.task });
-    if delegation.shape == Shape::Extension {
+    // 2026-07-28 requests carry their envelope (revision and capabilities) in `_meta`.
+    let modern = delegation.revision.as_deref().filter(|r| tasks::is_modern(r));
+    if delegation.shape == Shape::Extension || modern.is_some() {
         params["_meta"] = json!({ tasks::CLIENT_CAPABILITIES: { "extensions": { tasks::EXTENSION: {} } } });
+    }
+    if let Some(revision) = modern {
+        params["_meta"][tasks::PROTOCOL_VERSION] = json!(revision);
     }
     let id = poll_id();
     let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});

@@ -378,9 +378,9 @@ async fn guarded_call(
             let lease = gateway.guard().clock().now().until(acquired.lease_expires_at);
             let input_lease = gateway.options.input_lease.min(limits.max_lease);
             let scope = claim.scope;
-            let revision = parts.headers.get("mcp-protocol-version").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            let context = tasks::CallContext::of(&parts.headers);
             let fence = acquired.fence;
-            let leg = Leg { gateway, call, scope, fence, token, actor, lease, input_lease, limits, revision };
+            let leg = Leg { gateway, call, scope, fence, token, actor, lease, input_lease, limits, context };
             (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")
         }
     }
@@ -436,8 +436,8 @@ struct Leg {
     input_lease: Duration,
     /// The limits in force for the key.
     limits: onceguard_core::limits::Limits,
-    /// The call's protocol revision (`MCP-Protocol-Version`), if it said.
-    revision: Option<String>,
+    /// The call's protocol revision and session.
+    context: tasks::CallContext,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
@@ -648,8 +648,8 @@ impl Leg {
 
     /// Applies what the answer means to the key; answers whether it took effect.
     async fn settle(&self, mut settlement: Settlement) -> bool {
-        if let Settlement::Delegate { revision, .. } = &mut settlement {
-            revision.clone_from(&self.revision);
+        if let Settlement::Delegate { call, .. } = &mut settlement {
+            call.clone_from(&self.context);
         }
         self.holder().settle(settlement).await
     }

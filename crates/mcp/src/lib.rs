@@ -28,6 +28,7 @@
 //! - `state`: what the handlers share (the [`Gateway`], the caller, the gateway's own answers).
 //! - `settle`: what an answer does to a held key, and the fenced calls that apply it.
 //! - `delegated`: keys delegated to tasks (duplicates, `tasks/*`, recoveries).
+//! - `revoked`: the tasks of keys a kill switch revoked, cancelled upstream.
 //! - [`gateway`](mod@gateway): the handler.
 //!
 //! A call answered with a task delegates its key to the task: the task's terminal result,
@@ -50,6 +51,7 @@ pub mod call;
 mod delegated;
 pub mod gateway;
 pub mod jsonrpc;
+mod revoked;
 mod settle;
 pub mod sse;
 mod state;
@@ -141,7 +143,9 @@ pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, Invalid
     let calls = Upstream::new(&origin, config.mcp.upstream_timeout)?;
     let streams = Upstream::new(&origin, config.mcp.stream_timeout)?;
     let tools = tools::ToolPolicy::new(config.mcp.tools.clone(), config.mcp.no_key);
-    Ok(Arc::new(Gateway::new(state, options, calls, streams, tools)))
+    let gateway = Arc::new(Gateway::new(state, options, calls, streams, tools));
+    revoked::watch(&gateway);
+    Ok(gateway)
 }
 
 /// Serves the gateway on `listener` until `shutdown`, then lets requests in flight finish (at

@@ -73,8 +73,8 @@ pub enum Settlement {
         handle: Handle,
         /// The answer that carried it, as the upstream wrote it.
         result: Vec<u8>,
-        /// The protocol revision of the call (its `MCP-Protocol-Version`), if it said.
-        revision: Option<String>,
+        /// The call's protocol revision and session.
+        call: tasks::CallContext,
     },
     /// The call provably never ran (an HTTP 4xx, or a JSON-RPC parse, request, method, params
     /// or protocol error): the key is released, the next call with it runs.
@@ -97,9 +97,11 @@ impl Settlement {
     pub fn of(message: &ResponseMessage) -> Self {
         match (&message.result, &message.error) {
             (Some(result), _) => match (tasks::handle_of(result), jsonrpc::result_kind(result)) {
-                (Some(Ok(handle)), _) => {
-                    Self::Delegate { handle, result: result.get().as_bytes().to_vec(), revision: None }
-                }
+                (Some(Ok(handle)), _) => Self::Delegate {
+                    handle,
+                    result: result.get().as_bytes().to_vec(),
+                    call: tasks::CallContext::default(),
+                },
                 (Some(Err(why)), _) => Self::Unknown(why),
                 (None, ResultKind::InputRequired) => Self::Park,
                 (None, kind) => {
@@ -198,8 +200,8 @@ impl Holder<'_> {
                 return self.apply(Mutation::Checkpoint { name, data: "{}".into() }).await
                     && self.apply(Mutation::Extend(self.input_lease)).await;
             }
-            Settlement::Delegate { handle, result, revision } => {
-                return self.delegate(&Delegation::new(handle, self.actor, &result, revision)).await;
+            Settlement::Delegate { handle, result, call } => {
+                return self.delegate(&Delegation::new(handle, self.actor, &result, call)).await;
             }
             Settlement::Release(why) => release_mutation(&why),
             Settlement::Unknown(why) => Mutation::ReportUnknown(why),

@@ -29,6 +29,15 @@ pub const EXTENSION: &str = "io.modelcontextprotocol/tasks";
 /// The `_meta` member in which a 2026-07-28 client repeats its capabilities on each request.
 pub const CLIENT_CAPABILITIES: &str = "io.modelcontextprotocol/clientCapabilities";
 
+/// The `_meta` member in which a 2026-07-28 client names the protocol revision of each request.
+pub const PROTOCOL_VERSION: &str = "io.modelcontextprotocol/protocolVersion";
+
+/// Whether `revision` is one whose requests carry their envelope in `_meta` (2026-07-28 and
+/// later), not an `initialize` handshake.
+pub fn is_modern(revision: &str) -> bool {
+    revision >= "2026-07-28"
+}
+
 /// The `_meta` member naming the task a result (or message) belongs to.
 pub const RELATED_TASK: &str = "io.modelcontextprotocol/related-task";
 
@@ -142,12 +151,16 @@ pub struct Delegation {
     /// The protocol revision the call was made in (its `MCP-Protocol-Version`), if it said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// The call's session (`Mcp-Session-Id`, legacy revisions), for the gateway's own requests
+    /// about the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
 }
 
 impl Delegation {
-    /// The delegation of a call by `actor` (made in `revision`) to the task of `handle`, the
-    /// answer `result` carried.
-    pub fn new(handle: Handle, actor: &str, result: &[u8], revision: Option<String>) -> Self {
+    /// The delegation of a call by `actor` (made in `call`'s revision and session) to the task of
+    /// `handle`, the answer `result` carried.
+    pub fn new(handle: Handle, actor: &str, result: &[u8], call: CallContext) -> Self {
         let handle_raw = std::str::from_utf8(result)
             .ok()
             .and_then(|r| RawValue::from_string(r.to_owned()).ok())
@@ -158,7 +171,8 @@ impl Delegation {
             ttl_ms: handle.ttl_ms,
             actor: actor.to_owned(),
             handle: handle_raw,
-            revision,
+            revision: call.revision,
+            session: call.session,
         }
     }
 
@@ -181,6 +195,23 @@ impl Delegation {
     /// Reads checkpoint data; `None` when it is not a delegation.
     pub fn parse(data: &str) -> Option<Self> {
         serde_json::from_str(data).ok()
+    }
+}
+
+/// The protocol revision and session a call was made in, as its headers say.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CallContext {
+    /// `MCP-Protocol-Version`.
+    pub revision: Option<String>,
+    /// `Mcp-Session-Id`.
+    pub session: Option<String>,
+}
+
+impl CallContext {
+    /// What `headers` say.
+    pub fn of(headers: &axum::http::HeaderMap) -> Self {
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        Self { revision: header("mcp-protocol-version"), session: header("mcp-session-id") }
     }
 }
 
@@ -484,8 +515,12 @@ mod tests {
         assert!(id.starts_with("ogt1."));
         assert!(!id.contains("a.b.c"), "{id}");
         assert_eq!(TaskRef::parse(&id), Some(Ok(r.clone())));
-        let delegation =
-            Delegation::new(Handle { task: "a.b.c".into(), shape: Shape::Core, ttl_ms: None }, "a", b"{}", None);
+        let delegation = Delegation::new(
+            Handle { task: "a.b.c".into(), shape: Shape::Core, ttl_ms: None },
+            "a",
+            b"{}",
+            CallContext::default(),
+        );
         assert!(r.names(&delegation));
         assert!(!TaskRef::new("pay.card", "k/1.x", "a.b.d").names(&delegation));
         assert_eq!(TaskRef::parse("t-1"), None, "an upstream's own id");
@@ -561,6 +596,7 @@ mod tests {
             actor: "a".into(),
             handle: raw(r#"{"resultType":"task","taskId":"up","status":"working","createdAt":"c","ttlMs":5}"#),
             revision: Some("2026-07-28".into()),
+            session: None,
         };
         let got: Value = serde_json::from_slice(&stored_get(&delegation, "mine", br#"{"n":1}"#, false, "u")).unwrap();
         assert_eq!(got["taskId"], "mine");

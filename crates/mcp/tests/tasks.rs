@@ -12,6 +12,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use onceguard_core::auth::Role;
+use onceguard_core::control::SwitchTarget;
 use onceguard_core::{Guard, Key, ManualClock, Namespace, RecordState, Scope, TenantId};
 use onceguard_http::Config;
 use onceguard_testkit::harness::Harness;
@@ -524,4 +525,41 @@ async fn a_delegation_records_who_made_the_call_and_in_which_revision() {
     assert_eq!(data["actor"], "anonymous");
     assert_eq!(data["task"], "up-1");
     assert_eq!(data["ttl_ms"], 60_000);
+}
+
+#[tokio::test]
+async fn a_kill_switch_that_revokes_leases_cancels_the_tasks_it_covers() {
+    let app = spawn_app(|_| {}).await;
+    let mut ids = Vec::new();
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        ids.push(task_id(&app.rpc(&call(1, shape, &format!("s-{n}"))).await));
+    }
+    // A third task had completed before the switch; nobody asked it since.
+    task_id(&app.rpc(&call(2, Shape::Extension, "s-done")).await);
+    app.finish("up-3");
+    let tenant = TenantId::parse("anon").unwrap();
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("mcp/up").unwrap() };
+    let switch = app.guard.engage_switch("test", &tenant, target.clone(), "runaway agent".into(), true).await.unwrap();
+    assert!(switch.revoked >= 3, "{switch:?}");
+    let cancelled = async {
+        loop {
+            let done = {
+                let up = app.up.lock().unwrap();
+                ["up-1", "up-2"].iter().all(|t| up.tasks[*t].status == "cancelled")
+            };
+            if done && app.guard.get(&app.scope("s-done")).await.unwrap().unwrap().state == RecordState::Completed {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), cancelled).await.expect("the switch's tasks were cancelled");
+    app.guard.release_switch("test", &tenant, &target, Some("handled".into())).await.unwrap();
+    for (n, shape) in SHAPES.into_iter().enumerate() {
+        let retry = app.rpc(&call(3, shape, &format!("s-{n}"))).await;
+        assert_eq!(retry["error"]["code"], 40902, "{shape:?}: cancelled, never run again: {retry}");
+    }
+    let replay = app.rpc(&plain_call(4, "s-done")).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "job done", "{replay}");
+    assert_eq!(app.runs(), 3);
 }
