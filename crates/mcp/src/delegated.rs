@@ -20,9 +20,13 @@ use axum::body::{Body, Bytes};
 use axum::http::header::{ACCEPT_ENCODING, CONTENT_LENGTH};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use futures::channel::mpsc;
 use futures::{SinkExt, StreamExt};
-use onceguard_core::{Acquired, CheckpointName, Fence, Key, Mutation, OutcomeKind, RecordState, Scope};
+use onceguard_core::{
+    Acquired, CheckpointName, Fence, Key, ListFilter, Mutation, Namespace, OutcomeKind, RecordState, Scope,
+};
 use onceguard_http::problem::ApiError;
 use onceguard_proxy::{TransportFailure, Upstream};
 use serde_json::{Value, json};
@@ -225,10 +229,7 @@ pub(crate) async fn task_request(
 ) -> Response<Body> {
     let task_id = params.as_ref().and_then(|p| p.get("taskId")).and_then(Value::as_str).map(str::to_owned);
     if method == "tasks/list" {
-        gateway.observe(&caller.tenant, "task_list_refused");
-        let detail = "tasks/list is not served through the gateway: it would list other callers' tasks; ask each task \
-                      by its id (tasks/get)";
-        return rpc_error(Some(&id), &ApiError::Invalid(detail.into()));
+        return list_tasks(&gateway, &caller, &id, params.as_ref()).await;
     }
     let not_found = || rpc_error(Some(&id), &ApiError::NotFound("no such task".into()));
     let task = match task_id.as_deref().and_then(TaskRef::parse) {
@@ -302,6 +303,82 @@ pub(crate) async fn task_request(
     let state = state_of(&capture.gateway, &method, &delegation, &parsed, &headers, &uri).await;
     capture.settle(state).await;
     json_response(tasks::message_with_task_id(&message, &wrapped).unwrap_or(message))
+}
+
+/// 2025-11-25's `tasks/list`, answered by the gateway from the store, never the upstream (whose
+/// list holds other callers' tasks): the caller's own tasks of guarded calls to this upstream,
+/// a page of keys at a time (a page may list none and still name the next).
+async fn list_tasks(gateway: &Gateway, caller: &Caller, id: &Value, params: Option<&Value>) -> Response<Body> {
+    let invalid = |detail: &str| rpc_error(Some(id), &ApiError::Invalid(detail.to_owned()));
+    let Ok(prefix) = Namespace::parse(&format!("mcp/{}", call::segment(&gateway.options.upstream_name))) else {
+        return invalid("the upstream's name makes no namespace");
+    };
+    let after = match params.and_then(|p| p.get("cursor")) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(cursor)) => match decode_cursor(cursor) {
+            Some(after) => Some(after),
+            None => return invalid("tasks/list: the cursor is not one this gateway gave"),
+        },
+        Some(_) => return invalid("tasks/list: the cursor must be a string"),
+    };
+    let filter =
+        ListFilter { namespace_prefix: Some(prefix), state: None, stuck: false, run: None, after, limit: LIST_PAGE };
+    let page = match gateway.guard().list(&caller.tenant, &filter).await {
+        Ok(page) => page,
+        Err(e) => return rpc_error(Some(id), &e.into()),
+    };
+    let listed: Vec<Value> = page
+        .items
+        .iter()
+        .filter_map(|record| Delegation::of(record).filter(|d| d.actor == caller.actor).map(|d| listed(record, &d)))
+        .collect();
+    let mut result = json!({ "tasks": listed });
+    if let Some((namespace, key)) = page.next {
+        result["nextCursor"] = json!(encode_cursor(&namespace, &key));
+    }
+    json_response(jsonrpc::result_message(id, result.to_string().as_bytes()))
+}
+
+/// Keys read for one page of `tasks/list`.
+const LIST_PAGE: usize = 100;
+
+/// A task as `tasks/list` lists it: its handle's task, with the gateway's id, and the status
+/// the key knows (`completed`, `failed` for a tool error or an unknown outcome, else the
+/// handle's: ask `tasks/get` for the upstream's).
+fn listed(record: &onceguard_core::Record, delegation: &Delegation) -> Value {
+    let handle: Value = serde_json::from_str(delegation.handle.get()).unwrap_or(Value::Null);
+    let mut task = match delegation.shape {
+        Shape::Core => handle.get("task").cloned(),
+        Shape::Extension => Some(handle),
+    }
+    .filter(Value::is_object)
+    .unwrap_or_else(|| json!({}));
+    for member in ["resultType", "_meta"] {
+        task.as_object_mut().map(|t| t.remove(member));
+    }
+    task["taskId"] = json!(delegation.task_ref(record).id());
+    let failed = record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Failure);
+    let status = match record.state {
+        RecordState::Completed if failed => Some("failed"),
+        RecordState::Completed => Some("completed"),
+        _ if record.unknown.is_some() => Some("failed"),
+        _ => None,
+    };
+    if let Some(status) = status {
+        task["status"] = json!(status);
+    }
+    task["lastUpdatedAt"] = json!(record.updated_at.to_rfc3339());
+    task
+}
+
+fn encode_cursor(namespace: &Namespace, key: &Key) -> String {
+    URL_SAFE_NO_PAD.encode(format!("{namespace}\n{}", key.as_str()))
+}
+
+fn decode_cursor(cursor: &str) -> Option<(Namespace, Key)> {
+    let text = String::from_utf8(URL_SAFE_NO_PAD.decode(cursor).ok()?).ok()?;
+    let (namespace, key) = text.split_once('\n')?;
+    Some((Namespace::parse(namespace).ok()?, Key::parse(key).ok()?))
 }
 
 /// What an answer to `method` about `delegation`'s task says of it (a cancel's answer says

@@ -378,7 +378,7 @@ async fn guarded_call(
             let lease = gateway.guard().clock().now().until(acquired.lease_expires_at);
             let input_lease = gateway.options.input_lease.min(limits.max_lease);
             let scope = claim.scope;
-            let context = tasks::CallContext::of(&parts.headers);
+            let context = tasks::CallContext::of(&call.name, &parts.headers);
             let fence = acquired.fence;
             let leg = Leg { gateway, call, scope, fence, token, actor, lease, input_lease, limits, context };
             (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")

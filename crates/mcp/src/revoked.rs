@@ -20,7 +20,7 @@ use onceguard_core::{ListFilter, Namespace, Record, RecordState};
 
 use crate::delegated::{Capture, ask, ask_one};
 use crate::state::Gateway;
-use crate::tasks::{self, Delegation, TaskRef};
+use crate::tasks::{self, Delegation};
 
 /// How often the switches are looked at.
 const EVERY: Duration = Duration::from_secs(1);
@@ -55,7 +55,10 @@ pub(crate) fn watch(gateway: &Arc<Gateway>) {
 
 /// Cancels the tasks of the delegated keys of this gateway's upstream that `switch` covers.
 async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch) {
-    let Ok(upstream) = Namespace::parse(&format!("mcp/{}", gateway.options.upstream_name)) else { return };
+    let Ok(upstream) = Namespace::parse(&format!("mcp/{}", crate::call::segment(&gateway.options.upstream_name)))
+    else {
+        return;
+    };
     let run = match &switch.target {
         SwitchTarget::Run { run } => Some(run.clone()),
         SwitchTarget::Namespace { prefix } if !prefix.is_within(&upstream) && !upstream.is_within(prefix) => return,
@@ -74,7 +77,7 @@ async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch) {
         };
         let Ok(page) = gateway.guard().list(&switch.tenant, &filter).await else { return };
         for record in page.items.iter().filter(|r| switch.target.covers_record(r)) {
-            if let Some(delegation) = delegation_of(record) {
+            if let Some(delegation) = Delegation::of(record) {
                 cancel(gateway, record, &delegation).await;
                 cancelled += 1;
             }
@@ -89,27 +92,19 @@ async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch) {
     }
 }
 
-fn delegation_of(record: &Record) -> Option<Delegation> {
-    let checkpoint = record.checkpoints.iter().rev().find(|c| c.name.as_str() == tasks::DELEGATED)?;
-    Delegation::parse(&checkpoint.data)
-}
-
 /// Sends `tasks/cancel` for the task of `record`'s key, then asks it, and settles the key.
 async fn cancel(gateway: &Arc<Gateway>, record: &Record, delegation: &Delegation) {
     let headers = own_headers(delegation);
     let Ok(uri) = gateway.options.endpoint.parse::<Uri>() else { return };
     let _ = ask_one(gateway, &headers, &uri, delegation, "tasks/cancel").await;
     let state = ask(gateway, &headers, &uri, delegation).await;
-    // The tool as its namespace names it (a tool named outside the namespace alphabet is named
-    // by its digest there: a result's related task then names another id than its caller's).
-    let tool = record.scope.namespace.as_str().rsplit('/').next().unwrap_or_default();
     let capture = Capture {
         gateway: gateway.clone(),
         scope: record.scope.clone(),
         fence: record.fence,
         actor: ACTOR.to_owned(),
         unknown: record.unknown.is_some(),
-        task_id: TaskRef::new(tool, record.scope.key.as_str(), &delegation.task).id(),
+        task_id: delegation.task_ref(record).id(),
     };
     capture.settle(state).await;
 }

@@ -155,6 +155,9 @@ pub struct Delegation {
     /// about the task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// The tool (the key's namespace names it, but not always by its name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
 }
 
 impl Delegation {
@@ -173,6 +176,7 @@ impl Delegation {
             handle: handle_raw,
             revision: call.revision,
             session: call.session,
+            tool: call.tool,
         }
     }
 
@@ -187,6 +191,20 @@ impl Delegation {
         Self { handle: minimal_handle(&handle), ..self.clone() }.to_data()
     }
 
+    /// The delegation `record`'s key was last given, if any.
+    pub fn of(record: &onceguard_core::Record) -> Option<Self> {
+        let checkpoint = record.checkpoints.iter().rev().find(|c| c.name.as_str() == DELEGATED)?;
+        Self::parse(&checkpoint.data)
+    }
+
+    /// The gateway's task id of the task of `record`'s key (the tool as the key's namespace names
+    /// it, for a delegation that does not name its tool).
+    pub fn task_ref(&self, record: &onceguard_core::Record) -> TaskRef {
+        let namespace = record.scope.namespace.as_str();
+        let tool = self.tool.as_deref().unwrap_or_else(|| namespace.rsplit('/').next().unwrap_or_default());
+        TaskRef::new(tool, record.scope.key.as_str(), &self.task)
+    }
+
     /// The checkpoint data.
     pub fn to_data(&self) -> String {
         serde_json::to_string(self).expect("a delegation serializes")
@@ -198,9 +216,12 @@ impl Delegation {
     }
 }
 
-/// The protocol revision and session a call was made in, as its headers say.
+/// The call a task was started by: its tool, and the protocol revision and session its headers
+/// name.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallContext {
+    /// The tool's name.
+    pub tool: Option<String>,
     /// `MCP-Protocol-Version`.
     pub revision: Option<String>,
     /// `Mcp-Session-Id`.
@@ -208,10 +229,14 @@ pub struct CallContext {
 }
 
 impl CallContext {
-    /// What `headers` say.
-    pub fn of(headers: &axum::http::HeaderMap) -> Self {
+    /// A call of `tool` with `headers`.
+    pub fn of(tool: &str, headers: &axum::http::HeaderMap) -> Self {
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        Self { revision: header("mcp-protocol-version"), session: header("mcp-session-id") }
+        Self {
+            tool: Some(tool.to_owned()),
+            revision: header("mcp-protocol-version"),
+            session: header("mcp-session-id"),
+        }
     }
 }
 
@@ -597,6 +622,7 @@ mod tests {
             handle: raw(r#"{"resultType":"task","taskId":"up","status":"working","createdAt":"c","ttlMs":5}"#),
             revision: Some("2026-07-28".into()),
             session: None,
+            tool: Some("job".into()),
         };
         let got: Value = serde_json::from_slice(&stored_get(&delegation, "mine", br#"{"n":1}"#, false, "u")).unwrap();
         assert_eq!(got["taskId"], "mine");

@@ -331,8 +331,25 @@ async fn a_task_exists_only_for_the_principal_that_created_it() {
     let forged = id.rsplit_once('.').map(|(head, _)| format!("{head}.up-99")).unwrap();
     let answer = app.rpc_as(Some(&tokens[0]), &task_request(5, "tasks/get", &forged)).await;
     assert_eq!(answer["error"]["code"], 40401);
-    let list = app.rpc_as(Some(&tokens[0]), &json!({"jsonrpc":"2.0","id":6,"method":"tasks/list"})).await;
-    assert_eq!(list["error"]["code"], 40001, "tasks/list would show other callers' tasks");
+    // tasks/list is the gateway's: each caller sees its own tasks, and the upstream is not asked.
+    let list = |token: &str| {
+        let token = token.to_owned();
+        let app = &app;
+        async move { app.rpc_as(Some(&token), &json!({"jsonrpc":"2.0","id":6,"method":"tasks/list"})).await }
+    };
+    let own = list(&tokens[0]).await;
+    assert_eq!(own["result"]["tasks"].as_array().map(Vec::len), Some(1), "{own}");
+    assert_eq!(own["result"]["tasks"][0]["taskId"], id.as_str());
+    assert!(!own.to_string().contains("up-1"), "{own}");
+    for other in [&tokens[1], &tokens[2]] {
+        let listed = list(other).await;
+        assert_eq!(listed["result"]["tasks"], json!([]), "{listed}");
+    }
+    assert!(!app.up.lock().unwrap().asked.contains(&String::new()), "the upstream never listed its tasks");
+    let bad = app
+        .rpc_as(Some(&tokens[0]), &json!({"jsonrpc":"2.0","id":7,"method":"tasks/list","params":{"cursor":"x"}}))
+        .await;
+    assert_eq!(bad["error"]["code"], 40001, "{bad}");
     assert_eq!(app.runs(), 1);
 }
 
@@ -562,4 +579,36 @@ async fn a_kill_switch_that_revokes_leases_cancels_the_tasks_it_covers() {
     let replay = app.rpc(&plain_call(4, "s-done")).await;
     assert_eq!(replay["result"]["content"][0]["text"], "job done", "{replay}");
     assert_eq!(app.runs(), 3);
+}
+
+#[tokio::test]
+async fn tasks_list_pages_through_the_callers_own_tasks() {
+    let app = spawn_app(|_| {}).await;
+    let mut made = std::collections::HashSet::new();
+    for n in 0..130 {
+        made.insert(task_id(&app.rpc(&call(n, Shape::Core, &format!("p-{n:03}"))).await));
+    }
+    app.finish("up-1");
+    app.rpc(&task_request(1000, "tasks/result", &task_id(&app.rpc(&call(0, Shape::Core, "p-000")).await))).await;
+    let (mut seen, mut cursor, mut pages) = (std::collections::HashSet::new(), None::<String>, 0);
+    loop {
+        let mut message = json!({"jsonrpc":"2.0","id":1,"method":"tasks/list"});
+        if let Some(cursor) = &cursor {
+            message["params"] = json!({ "cursor": cursor });
+        }
+        let page = app.rpc(&message).await;
+        pages += 1;
+        for task in page["result"]["tasks"].as_array().expect("a page of tasks") {
+            let expected = if seen.is_empty() { "completed" } else { "working" };
+            assert_eq!(task["status"], expected, "{task}");
+            seen.insert(task["taskId"].as_str().unwrap().to_owned());
+        }
+        match page["result"]["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+        assert!(pages < 10, "the pages end");
+    }
+    assert!(pages >= 2, "more than one page");
+    assert_eq!(seen, made);
 }
