@@ -578,7 +578,9 @@ impl Leg {
             return None;
         }
         let (leg, answer) = oneshot::channel();
-        self.gateway.awaiting.lock().ok()?.insert(self.token.clone(), leg);
+        let awaiting =
+            crate::state::Awaiting { leg, tool: self.call.name.clone(), key: self.scope.key.as_str().to_owned() };
+        self.gateway.awaiting.lock().ok()?.insert(self.token.clone(), awaiting);
         out.close_channel();
         let answer = tokio::time::timeout(self.lease, answer).await.ok().and_then(Result::ok);
         if let Ok(mut awaiting) = self.gateway.awaiting.lock() {

@@ -5,10 +5,10 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, HeaderValue, Response};
-use futures::StreamExt;
+use futures::{SinkExt, StreamExt};
 use futures::channel::oneshot;
 use onceguard_core::{Guard, TenantId};
 use onceguard_http::AppState;
@@ -19,6 +19,7 @@ use serde_json::Value;
 use crate::Options;
 use crate::jsonrpc::{self, ResponseMessage};
 use crate::sse::SseReader;
+use crate::tasks::{self, TaskRef};
 use crate::tools::ToolPolicy;
 
 /// Bytes an SSE event may hold beyond the largest result (its framing and envelope).
@@ -54,7 +55,15 @@ pub struct Gateway {
     pub(crate) ids_in_use: Mutex<HashSet<CallToken>>,
     /// Guarded calls of a session whose event stream ended without their answer, waiting (for a
     /// lease) for it on a resumed stream.
-    pub(crate) awaiting: Mutex<HashMap<CallToken, oneshot::Sender<ResponseMessage>>>,
+    pub(crate) awaiting: Mutex<HashMap<CallToken, Awaiting>>,
+}
+
+/// A guarded call awaiting its answer on a resumed stream: where the answer goes, and the tool
+/// and key that name a task the answer may start.
+pub(crate) struct Awaiting {
+    pub(crate) leg: oneshot::Sender<ResponseMessage>,
+    pub(crate) tool: String,
+    pub(crate) key: String,
 }
 
 /// A request id reserved in its session ([`Gateway::reserve_id`]), released when dropped.
@@ -92,9 +101,10 @@ impl Gateway {
         }
     }
 
-    /// A resumed event stream of `session` (a GET with `Last-Event-ID`), read as it passes: each
-    /// response message in it goes to the guarded call of the caller's tenant and session that
-    /// awaits it. The bytes pass unchanged.
+    /// A resumed event stream of `session` (a GET with `Last-Event-ID`), read as it passes, event
+    /// by event: each response message in it goes to the guarded call of the caller's tenant and
+    /// session that awaits it. The events pass unchanged, but for a task's handle, which names
+    /// the gateway's task id.
     pub(crate) fn read_resumed(
         self: &Arc<Self>,
         tenant: &TenantId,
@@ -104,33 +114,42 @@ impl Gateway {
         let (parts, body) = response.into_parts();
         let (gateway, tenant) = (self.clone(), tenant.to_string());
         let mut reader = SseReader::new(self.options.max_result_bytes + EVENT_SLACK);
-        let chunks = body.into_data_stream().map(move |chunk| {
-            if let Ok(bytes) = &chunk
-                && gateway.awaiting.lock().is_ok_and(|awaiting| !awaiting.is_empty())
-            {
-                for data in reader.push(bytes).into_iter().filter_map(|block| block.data) {
-                    gateway.deliver_resumed(&tenant, &session, &data);
+        let (mut out, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        tokio::spawn(async move {
+            let mut chunks = body.into_data_stream();
+            while let Some(chunk) = chunks.next().await {
+                let Ok(chunk) = chunk else { break };
+                for block in reader.push(&chunk) {
+                    let rewritten = block.data.as_deref().and_then(|d| gateway.deliver_resumed(&tenant, &session, d));
+                    let bytes = rewritten.map_or_else(|| block.raw.clone(), |data| block.with_data(&data));
+                    if out.send(Ok(bytes)).await.is_err() {
+                        return;
+                    }
                 }
             }
-            chunk
+            if let Some(rest) = reader.finish() {
+                let _ = out.send(Ok(rest)).await;
+            }
         });
-        Response::from_parts(parts, Body::from_stream(chunks))
+        Response::from_parts(parts, Body::from_stream(rx))
     }
 
-    pub(crate) fn deliver_resumed(&self, tenant: &str, session: &str, data: &[u8]) {
-        let Ok(message) = serde_json::from_slice::<ResponseMessage>(data) else { return };
+    /// Hands a resumed stream's message to the guarded call awaiting it, if any; answers the
+    /// message as the caller is to see it, when that differs (a task's handle, with the gateway's
+    /// task id).
+    pub(crate) fn deliver_resumed(&self, tenant: &str, session: &str, data: &[u8]) -> Option<Vec<u8>> {
+        let message = serde_json::from_slice::<ResponseMessage>(data).ok()?;
         // A response, as the call's own stream would take one: a result or an error.
-        let Some(id) = message
+        let id = message
             .id
             .as_ref()
-            .filter(|_| message.method.is_none() && (message.result.is_some() || message.error.is_some()))
-        else {
-            return;
-        };
+            .filter(|_| message.method.is_none() && (message.result.is_some() || message.error.is_some()))?;
         let token = (tenant.to_owned(), session.to_owned(), id.to_string());
-        if let Some(leg) = self.awaiting.lock().ok().and_then(|mut awaiting| awaiting.remove(&token)) {
-            let _ = leg.send(message);
-        }
+        let awaiting = self.awaiting.lock().ok().and_then(|mut awaiting| awaiting.remove(&token))?;
+        let handle = message.result.as_deref().and_then(tasks::handle_of).and_then(Result::ok);
+        let _ = awaiting.leg.send(message);
+        let task = TaskRef::new(&awaiting.tool, &awaiting.key, &handle?.task);
+        tasks::message_with_task_id(data, &task.id()).ok()
     }
 
     /// Reserves a request's id in its session while it is handled: `Err` when a request of the

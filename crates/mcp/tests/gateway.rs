@@ -114,6 +114,14 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
     if method == axum::http::Method::GET {
         let last = headers.get("last-event-id").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned();
         // The answer of the call `lost` with id n, whose own stream broke before it.
+        // The answer of a call `lost` with id n that started a task.
+        if let Some(n) = last.strip_prefix("losttask-") {
+            let answer = format!(
+                r#"{{"jsonrpc":"2.0","id":{n},"result":{{"resultType":"task","taskId":"up-t","status":"working"}}}}"#
+            );
+            let stream = format!("id: 9\r\ndata: {answer}\r\n\r\n");
+            return ([("content-type", "text/event-stream"), ("mcp-session-id", "s-1")], stream).into_response();
+        }
         if let Some(n) = last.strip_prefix("lost-") {
             let answer =
                 format!(r#"{{"jsonrpc":"2.0","id":{n},"result":{{"content":[{{"type":"text","text":"lost 1"}}]}}}}"#);
@@ -813,6 +821,36 @@ async fn an_answer_delivered_on_a_resumed_stream_settles_the_key() {
     assert_eq!(replay["result"]["content"][0]["text"], "lost 1", "{replay}");
     assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
     assert_eq!(runs(&app.seen, "lost"), 1);
+}
+
+/// A task's handle delivered on a resumed stream delegates the key, and reaches the caller with
+/// the gateway's task id, never the upstream's.
+#[tokio::test]
+async fn a_task_handle_on_a_resumed_stream_names_the_gateways_task() {
+    let app = spawn_app(|_| {}).await;
+    let in_session = |request: reqwest::RequestBuilder| {
+        request.header("mcp-session-id", "s-1").header("accept", "application/json, text/event-stream")
+    };
+    let url = format!("{}/mcp", app.base);
+    let mut first = call(json!(43), "lost", json!({}), Some("kt"));
+    first["params"]["task"] = json!({"ttl": 60_000});
+    in_session(app.http.post(&url)).json(&first).send().await.unwrap().text().await.unwrap();
+    let resumed = in_session(app.http.get(&url)).header("last-event-id", "losttask-43").send().await.unwrap();
+    let text = resumed.text().await.unwrap();
+    assert!(text.starts_with("id: 9\n"), "the event keeps its id: {text}");
+    let data: Value = serde_json::from_str(text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+    let id = data["result"]["taskId"].as_str().unwrap();
+    assert!(id.starts_with("ogt1.") && !text.contains("up-t"), "{text}");
+    let mut checkpoint = None;
+    for _ in 0..100 {
+        let record = app.guard.get(&app.scope("lost", "kt")).await.unwrap().unwrap();
+        checkpoint = record.last_checkpoint().map(|c| c.name.as_str().to_owned());
+        if checkpoint.as_deref() == Some("mcp.task") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(checkpoint.as_deref(), Some("mcp.task"), "the key is delegated");
 }
 
 /// A result too large to store goes to the caller whole; the key records its size and digest,
