@@ -75,13 +75,16 @@ pub(crate) async fn before_forwarding(
     call: &ToolCall,
     acquired: &Acquired,
     accepts: Option<Shape>,
+    may_start_task: bool,
 ) -> Option<(Response<Body>, &'static str)> {
     match recovered(acquired) {
         Some(Recovered::Delegated(delegation)) => return Some(resolve(holder, parts, call, delegation, accepts).await),
         Some(Recovered::Unresolvable(why)) => return Some(refuse_unresolvable(holder, &call.id, why).await),
         None => {}
     }
-    accepts?;
+    if !may_start_task {
+        return None;
+    }
     let name = CheckpointName::parse(tasks::TASK_REQUESTED).expect("a valid checkpoint name");
     if holder.apply(Mutation::Checkpoint { name, data: "{}".into() }).await {
         return None;
@@ -123,7 +126,7 @@ pub(crate) async fn handle_for(
         _ => return None,
     };
     let id = TaskRef::new(tool, scope.key.as_str(), &delegation.task).id();
-    jsonrpc::mark_replayed(&tasks::with_task_id(&handle, &id).ok()?).ok()
+    jsonrpc::mark_replayed(&tasks::replace_id(&handle, &delegation.task, &id)).ok()
 }
 
 /// A claim that took over a key delegated to a task: asks the task, and completes the key with
@@ -139,12 +142,16 @@ async fn resolve(
 ) -> (Response<Body>, &'static str) {
     let id = &call.id;
     let own = delegation.actor == holder.actor;
-    let state =
-        if own { ask(holder.gateway, &parts.headers, &parts.uri, &delegation).await } else { TaskState::Working };
+    // Asked in the session the task was started in (a retry comes in a new one).
+    let mut headers = parts.headers.clone();
+    if let Some(session) = delegation.session.as_deref().and_then(|s| axum::http::HeaderValue::from_str(s).ok()) {
+        headers.insert("mcp-session-id", session);
+    }
+    let state = if own { ask(holder.gateway, &headers, &parts.uri, &delegation).await } else { TaskState::Working };
     let task_id = TaskRef::new(&call.name, holder.scope.key.as_str(), &delegation.task).id();
     match state {
         TaskState::Result { result, failure } => {
-            let result = tasks::with_task_id(&result, &task_id).unwrap_or(result);
+            let result = tasks::replace_id(&result, &delegation.task, &task_id);
             holder.settle(Settlement::Store { result: result.clone(), failure }).await;
             tracing::info!(scope = %holder.scope, "a delegated key's task had ended; its result completes the key");
             match jsonrpc::mark_replayed(&result) {
@@ -159,8 +166,11 @@ async fn resolve(
             holder.delegate(&delegation).await;
             if own
                 && accepts == Some(delegation.shape)
-                && let Ok(handle) = tasks::with_task_id(delegation.handle.get().as_bytes(), &task_id)
-                && let Ok(handle) = jsonrpc::mark_replayed(&handle)
+                && let Ok(handle) = jsonrpc::mark_replayed(&tasks::replace_id(
+                    delegation.handle.get().as_bytes(),
+                    &delegation.task,
+                    &task_id,
+                ))
             {
                 return (json_response(jsonrpc::result_message(id, &handle)), "replayed");
             }
@@ -190,6 +200,8 @@ pub(crate) struct Capture {
     pub(crate) unknown: bool,
     /// The gateway's task id (results are stored with it).
     pub(crate) task_id: String,
+    /// The upstream's task id (which it replaces).
+    pub(crate) upstream_task: String,
 }
 
 impl Capture {
@@ -205,7 +217,7 @@ impl Capture {
         };
         match state {
             TaskState::Result { result, failure } => {
-                let result = tasks::with_task_id(&result, &self.task_id).unwrap_or(result);
+                let result = tasks::replace_id(&result, &self.upstream_task, &self.task_id);
                 holder.settle(Settlement::Store { result, failure }).await;
             }
             TaskState::Lost(why) if !self.unknown => {
@@ -287,6 +299,7 @@ pub(crate) async fn task_request(
         actor: caller.actor.clone(),
         unknown: record.unknown.is_some(),
         task_id: wrapped.clone(),
+        upstream_task: delegation.task.clone(),
     };
     let method = method.to_owned();
     if is_event_stream(response.headers()) {
@@ -302,7 +315,7 @@ pub(crate) async fn task_request(
     };
     let state = state_of(&capture.gateway, &method, &delegation, &parsed, &headers, &uri).await;
     capture.settle(state).await;
-    json_response(tasks::message_with_task_id(&message, &wrapped).unwrap_or(message))
+    json_response(for_caller(&message, &parsed, &id, &delegation.task, &wrapped))
 }
 
 /// 2025-11-25's `tasks/list`, answered by the gateway from the store, never the upstream (whose
@@ -381,6 +394,20 @@ fn decode_cursor(cursor: &str) -> Option<(Namespace, Key)> {
     Some((Namespace::parse(namespace).ok()?, Key::parse(key).ok()?))
 }
 
+/// The upstream's answer about a task as its caller gets it: with the gateway's task id in
+/// place of the upstream's; an error answer as the gateway's own (its code kept: the upstream's
+/// message may name the upstream's id).
+fn for_caller(message: &[u8], parsed: &ResponseMessage, id: &Value, task: &str, wrapped: &str) -> Vec<u8> {
+    match &parsed.error {
+        Some(error) => {
+            let code = error.code;
+            let message = format!("the upstream answered JSON-RPC error {code} about the task");
+            json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}).to_string().into_bytes()
+        }
+        None => tasks::replace_id(message, task, wrapped),
+    }
+}
+
 /// What an answer to `method` about `delegation`'s task says of it (a cancel's answer says
 /// nothing: the task is asked what it did once the cancel was sent).
 async fn state_of(
@@ -425,12 +452,19 @@ fn stream_answer(
                     let _ = out.send(Ok(block.raw)).await;
                     continue;
                 };
-                if let Some(answer) = ResponseMessage::answering(data, &id) {
-                    let state = state_of(&capture.gateway, &method, &delegation, &answer, &headers, &uri).await;
-                    capture.settle(state).await;
+                let rewritten = match ResponseMessage::answering(data, &id) {
+                    Some(answer) => {
+                        let state = state_of(&capture.gateway, &method, &delegation, &answer, &headers, &uri).await;
+                        capture.settle(state).await;
+                        for_caller(data, &answer, &id, &delegation.task, &capture.task_id)
+                    }
+                    None => tasks::replace_id(data, &delegation.task, &capture.task_id),
+                };
+                if rewritten == *data {
+                    let _ = out.send(Ok(block.raw)).await;
+                } else {
+                    let _ = out.send(Ok(block.with_data(&rewritten))).await;
                 }
-                let rewritten = tasks::message_with_task_id(data, &capture.task_id).unwrap_or_else(|_| data.clone());
-                let _ = out.send(Ok(block.with_data(&rewritten))).await;
             }
         }
         if let Some(rest) = reader.finish() {

@@ -42,7 +42,7 @@ pub use crate::settle::{INPUT_REQUIRED, NOT_STORED, Settlement};
 use crate::sse::SseReader;
 pub use crate::state::Gateway;
 use crate::state::{CallToken, Caller, EVENT_SLACK, RunHeader, call_token, is_event_stream, json_response, rpc_error};
-use crate::tasks::{self, TaskRef};
+use crate::tasks::{self, Delegation, TaskRef};
 use crate::tools::Treatment;
 
 /// The handler of every request.
@@ -161,7 +161,7 @@ async fn answer(
         Posted::Batch { has_tool_call: true } => rpc_error(
             None,
             &ApiError::Invalid(
-                "a JSON-RPC batch may not carry tools/call through the gateway: send calls one by one".into(),
+                "a JSON-RPC batch may not carry tools/call or tasks/* through the gateway: send them one by one".into(),
             ),
         ),
         _ => gateway.streams.forward(Request::from_parts(parts, Body::from(body))).await,
@@ -366,8 +366,9 @@ async fn guarded_call(
                 limits: &limits,
             };
             let accepts = tasks::accepts_task(params.as_ref());
-            if let Some(answer) = crate::delegated::before_forwarding(&holder, &parts, &call, &acquired, accepts).await
-            {
+            let may_start = tasks::may_start_task(params.as_ref());
+            let decided = crate::delegated::before_forwarding(&holder, &parts, &call, &acquired, accepts, may_start);
+            if let Some(answer) = decided.await {
                 return answer;
             }
             let token = call_token(&claim.scope.tenant, &parts.headers, id.to_string());
@@ -380,7 +381,9 @@ async fn guarded_call(
             let scope = claim.scope;
             let context = tasks::CallContext::of(&call.name, &parts.headers);
             let fence = acquired.fence;
-            let leg = Leg { gateway, call, scope, fence, token, actor, lease, input_lease, limits, context };
+            let may_start_task = tasks::may_start_task(params.as_ref());
+            let leg =
+                Leg { gateway, call, scope, fence, token, actor, lease, input_lease, limits, context, may_start_task };
             (leg.start(Request::from_parts(parts, Body::from(body))).await, "executed")
         }
     }
@@ -438,6 +441,8 @@ struct Leg {
     limits: onceguard_core::limits::Limits,
     /// The call's protocol revision and session.
     context: tasks::CallContext,
+    /// Whether the call may start a task (its answer is read as a handle).
+    may_start_task: bool,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
@@ -531,16 +536,12 @@ impl Leg {
                         block.data.as_deref().and_then(|d| ResponseMessage::answering(d, &self.call.id))
                 {
                     extender.abort();
-                    let settlement = Settlement::of(&message);
-                    let task_id = self.task_id(&settlement);
                     settled = true;
-                    // A delegated key's handle goes to the caller with the gateway's task id.
-                    if self.settle(settlement).await
-                        && let Some(id) = task_id
+                    // A task's handle goes to the caller with the gateway's task id.
+                    if let Some((task, id)) = self.settle_answer(Settlement::of(&message, self.may_start_task)).await
                         && let Some(data) = &block.data
-                        && let Ok(rewritten) = tasks::message_with_task_id(data, &id)
                     {
-                        let _ = out.send(Ok(block.with_data(&rewritten))).await;
+                        let _ = out.send(Ok(block.with_data(&tasks::replace_id(data, &task, &id)))).await;
                         continue;
                     }
                 }
@@ -558,7 +559,7 @@ impl Leg {
                 self.settle(Settlement::NotStored(seen.finish())).await;
             } else if let Some(message) = self.resumed_answer(out).await {
                 extender.abort();
-                self.settle(Settlement::of(&message)).await;
+                self.settle(Settlement::of(&message, self.may_start_task)).await;
             } else {
                 extender.abort();
                 // No answer seen: the upstream may still act. The key stays in flight until its
@@ -632,17 +633,13 @@ impl Leg {
         }
         extender.abort();
         let settlement = match ResponseMessage::answering(&bytes, &self.call.id) {
-            Some(message) => Settlement::of(&message),
+            Some(message) => Settlement::of(&message, self.may_start_task),
             None => Settlement::Unknown("the upstream's answer was not the call's JSON-RPC response".into()),
         };
-        let task_id = self.task_id(&settlement);
         let mut parts = parts;
-        // A delegated key's handle goes to the caller with the gateway's task id.
-        if self.settle(settlement).await
-            && let Some(id) = task_id
-            && let Ok(rewritten) = tasks::message_with_task_id(&bytes, &id)
-        {
-            bytes = rewritten;
+        // A task's handle goes to the caller with the gateway's task id.
+        if let Some((task, id)) = self.settle_answer(settlement).await {
+            bytes = tasks::replace_id(&bytes, &task, &id);
             parts.headers.remove(axum::http::header::CONTENT_LENGTH);
         }
         let _ = reply.send(Response::from_parts(parts, Body::from(bytes)));
@@ -657,9 +654,21 @@ impl Leg {
     }
 
     /// The task id the caller sees for a delegation, when the answer delegates the key.
-    fn task_id(&self, settlement: &Settlement) -> Option<String> {
-        let Settlement::Delegate { handle, .. } = settlement else { return None };
-        Some(TaskRef::new(&self.call.name, self.scope.key.as_str(), &handle.task).id())
+    /// Settles the call's answer; for a task's handle, answers the upstream's task id and the
+    /// gateway's, which the caller gets in its place whether or not the delegation was written
+    /// (a key left with `mcp.task-requested` alone is never forwarded again). A delegation refused
+    /// because a kill switch revoked the key meanwhile cancels the task.
+    async fn settle_answer(&self, settlement: Settlement) -> Option<(String, String)> {
+        let Settlement::Delegate { handle, result, .. } = &settlement else {
+            self.settle(settlement).await;
+            return None;
+        };
+        let ids = (handle.task.clone(), TaskRef::new(&self.call.name, self.scope.key.as_str(), &handle.task).id());
+        let delegation = Delegation::new(handle.clone(), &self.actor, result, self.context.clone());
+        if !self.settle(settlement).await {
+            crate::revoked::cancel_if_revoked(&self.gateway, &self.scope, self.call.run.as_ref(), &delegation).await;
+        }
+        Some(ids)
     }
 
     fn holder(&self) -> Holder<'_> {

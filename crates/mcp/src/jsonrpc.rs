@@ -43,7 +43,8 @@ pub enum Posted {
         /// Its params.
         params: Option<Value>,
     },
-    /// A batch (an array); `has_tool_call` when one of its members is a `tools/call`.
+    /// A batch (an array); `has_tool_call` when one of its members is a `tools/call` or a
+    /// `tasks/*` request (which the gateway answers for one caller, never in a batch).
     Batch {
         /// Whether a member is a `tools/call`.
         has_tool_call: bool,
@@ -100,7 +101,7 @@ impl Posted {
     /// that is not JSON-RPC, which the upstream answers).
     pub fn parse(body: &[u8]) -> Result<Self, Unclassified> {
         let value = strict_json(body).map_err(|e| Unclassified::Parse(format!("the body is not strict JSON: {e}")))?;
-        let tool_call = |method: &str| method == "tools/call";
+        let tool_call = |method: &str| method == "tools/call" || method.starts_with("tasks/");
         Ok(match value {
             Value::Array(items) => Self::Batch {
                 has_tool_call: items.iter().any(|m| m.get("method").and_then(Value::as_str).is_some_and(tool_call)),
@@ -419,6 +420,8 @@ mod tests {
         );
         let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"method":"tools/call"}]"#;
         assert_eq!(Posted::parse(batch), Ok(Posted::Batch { has_tool_call: true }));
+        let tasks = br#"[{"jsonrpc":"2.0","id":1,"method":"tasks/list"},{"jsonrpc":"2.0","id":2,"method":"ping"}]"#;
+        assert_eq!(Posted::parse(tasks), Ok(Posted::Batch { has_tool_call: true }));
         assert_eq!(
             Posted::parse(br#"[{"jsonrpc":"2.0","id":1,"method":"ping"}]"#),
             Ok(Posted::Batch { has_tool_call: false })

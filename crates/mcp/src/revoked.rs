@@ -10,13 +10,13 @@
 //! credentials (an upstream that authenticates each task's caller refuses them, and the task
 //! runs on; the key stays revoked, never forwarded again).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderValue, Uri};
 use onceguard_core::control::{Switch, SwitchTarget};
-use onceguard_core::{ListFilter, Namespace, Record, RecordState};
+use onceguard_core::{ListFilter, Namespace, Record, RecordState, RunId, Scope};
 
 use crate::delegated::{Capture, ask, ask_one};
 use crate::state::Gateway;
@@ -31,11 +31,26 @@ const MAX_PAGES: usize = 100;
 /// Who settles a key after a switch's cancel, for the audit log.
 const ACTOR: &str = "onceguard-mcp";
 
-/// Watches the switches while `gateway` lives.
+/// How long after an instance first sees a switch it looks again each second: the switch's
+/// second revocation pass comes [`onceguard_core::CONTROL_MAX_AGE`] after the first, and keys
+/// other instances delegated meanwhile are revoked only then.
+const RESCAN: Duration = Duration::from_secs(10);
+
+/// What an instance did about one engaged switch.
+struct Seen {
+    since: std::time::Instant,
+    /// Whether a pass went through every page without an error.
+    complete: bool,
+    /// The keys (scope and fence) whose tasks it cancelled.
+    cancelled: HashSet<(String, u64)>,
+}
+
+/// Watches the switches while `gateway` lives (when there is a runtime to watch them in).
 pub(crate) fn watch(gateway: &Arc<Gateway>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
     let weak = Arc::downgrade(gateway);
-    tokio::spawn(async move {
-        let mut handled: HashSet<(String, String, String)> = HashSet::new();
+    runtime.spawn(async move {
+        let mut seen: HashMap<(String, String, String), Seen> = HashMap::new();
         let mut tick = tokio::time::interval(EVERY);
         loop {
             tick.tick().await;
@@ -43,29 +58,37 @@ pub(crate) fn watch(gateway: &Arc<Gateway>) {
             let Ok(switches) = gateway.guard().engaged_switches().await else { continue };
             let revoking: Vec<&Switch> = switches.iter().filter(|s| s.revoke_leases).collect();
             let id = |s: &Switch| (s.tenant.to_string(), s.target.id(), s.engaged_at.to_rfc3339());
-            handled.retain(|h| revoking.iter().any(|s| id(s) == *h));
+            seen.retain(|k, _| revoking.iter().any(|s| id(s) == *k));
             for switch in revoking {
-                if handled.insert(id(switch)) {
-                    cancel_covered(&gateway, switch).await;
+                let entry = seen.entry(id(switch)).or_insert_with(|| Seen {
+                    since: std::time::Instant::now(),
+                    complete: false,
+                    cancelled: HashSet::new(),
+                });
+                if !entry.complete || entry.since.elapsed() < RESCAN {
+                    entry.complete |= cancel_covered(&gateway, switch, &mut entry.cancelled).await;
                 }
             }
         }
     });
 }
 
-/// Cancels the tasks of the delegated keys of this gateway's upstream that `switch` covers.
-async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch) {
+/// Cancels the tasks of the delegated keys of this gateway's upstream that `switch` covers,
+/// but those in `cancelled` (which it adds to); answers whether it went through every page.
+async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch, cancelled: &mut HashSet<(String, u64)>) -> bool {
     let Ok(upstream) = Namespace::parse(&format!("mcp/{}", crate::call::segment(&gateway.options.upstream_name)))
     else {
-        return;
+        return true;
     };
     let run = match &switch.target {
         SwitchTarget::Run { run } => Some(run.clone()),
-        SwitchTarget::Namespace { prefix } if !prefix.is_within(&upstream) && !upstream.is_within(prefix) => return,
+        SwitchTarget::Namespace { prefix } if !prefix.is_within(&upstream) && !upstream.is_within(prefix) => {
+            return true;
+        }
         _ => None,
     };
     let mut after = None;
-    let mut cancelled = 0usize;
+    let before = cancelled.len();
     for _ in 0..MAX_PAGES {
         let filter = ListFilter {
             namespace_prefix: Some(upstream.clone()),
@@ -75,28 +98,53 @@ async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch) {
             after,
             limit: 100,
         };
-        let Ok(page) = gateway.guard().list(&switch.tenant, &filter).await else { return };
+        let Ok(page) = gateway.guard().list(&switch.tenant, &filter).await else { return false };
         for record in page.items.iter().filter(|r| switch.target.covers_record(r)) {
-            if let Some(delegation) = Delegation::of(record) {
+            if let Some(delegation) = Delegation::of(record)
+                && cancelled.insert((record.scope.to_string(), record.fence.0))
+            {
                 cancel(gateway, record, &delegation).await;
-                cancelled += 1;
             }
         }
         match page.next {
             Some(next) => after = Some(next),
-            None => break,
+            None => {
+                let sent = cancelled.len() - before;
+                if sent > 0 {
+                    tracing::info!(tenant = %switch.tenant, target = %switch.target, sent, "sent tasks/cancel for the delegated keys a switch revoked");
+                }
+                return true;
+            }
         }
     }
-    if cancelled > 0 {
-        tracing::info!(tenant = %switch.tenant, target = %switch.target, cancelled, "sent tasks/cancel for the delegated keys a switch revoked");
+    tracing::warn!(tenant = %switch.tenant, target = %switch.target, "a switch covers more delegated keys than one pass reads; the rest are cancelled in the next passes");
+    false
+}
+
+/// Sends `tasks/cancel` for `delegation`'s task when a switch engaged with `revoke_leases`
+/// covers `scope` (a call forwarded before the switch, whose handle came after it: its key's
+/// delegation was refused as stale).
+pub(crate) async fn cancel_if_revoked(gateway: &Gateway, scope: &Scope, run: Option<&RunId>, delegation: &Delegation) {
+    let Ok(switches) = gateway.guard().engaged_switches().await else { return };
+    let revoked =
+        switches.iter().any(|s| s.revoke_leases && s.tenant == scope.tenant && s.target.covers(&scope.namespace, run));
+    if revoked {
+        send_cancel(gateway, delegation).await;
+        tracing::info!(scope = %scope, "sent tasks/cancel for a task started after a switch revoked its key");
     }
+}
+
+/// Sends `tasks/cancel` for `delegation`'s task; answers the headers and endpoint it used.
+async fn send_cancel(gateway: &Gateway, delegation: &Delegation) -> Option<(HeaderMap, Uri)> {
+    let headers = own_headers(delegation);
+    let uri = gateway.options.endpoint.parse::<Uri>().ok()?;
+    let _ = ask_one(gateway, &headers, &uri, delegation, "tasks/cancel").await;
+    Some((headers, uri))
 }
 
 /// Sends `tasks/cancel` for the task of `record`'s key, then asks it, and settles the key.
 async fn cancel(gateway: &Arc<Gateway>, record: &Record, delegation: &Delegation) {
-    let headers = own_headers(delegation);
-    let Ok(uri) = gateway.options.endpoint.parse::<Uri>() else { return };
-    let _ = ask_one(gateway, &headers, &uri, delegation, "tasks/cancel").await;
+    let Some((headers, uri)) = send_cancel(gateway, delegation).await else { return };
     let state = ask(gateway, &headers, &uri, delegation).await;
     let capture = Capture {
         gateway: gateway.clone(),
@@ -105,6 +153,7 @@ async fn cancel(gateway: &Arc<Gateway>, record: &Record, delegation: &Delegation
         actor: ACTOR.to_owned(),
         unknown: record.unknown.is_some(),
         task_id: delegation.task_ref(record).id(),
+        upstream_task: delegation.task.clone(),
     };
     capture.settle(state).await;
 }

@@ -93,21 +93,25 @@ pub enum Settlement {
 pub const NOT_STORED: &str = "application/vnd.onceguard.not-stored+json";
 
 impl Settlement {
-    /// What the upstream's response message to the call means.
-    pub fn of(message: &ResponseMessage) -> Self {
+    /// What the upstream's response message to the call means; `may_start_task`: whether the
+    /// call may start a task ([`tasks::may_start_task`]), the only calls whose answer is read as
+    /// a task's handle (another call's result is stored whatever it holds).
+    pub fn of(message: &ResponseMessage, may_start_task: bool) -> Self {
         match (&message.result, &message.error) {
-            (Some(result), _) => match (tasks::handle_of(result), jsonrpc::result_kind(result)) {
-                (Some(Ok(handle)), _) => Self::Delegate {
-                    handle,
-                    result: result.get().as_bytes().to_vec(),
-                    call: tasks::CallContext::default(),
-                },
-                (Some(Err(why)), _) => Self::Unknown(why),
-                (None, ResultKind::InputRequired) => Self::Park,
-                (None, kind) => {
-                    Self::Store { result: result.get().as_bytes().to_vec(), failure: kind == ResultKind::ToolError }
+            (Some(result), _) => {
+                match (tasks::handle_of(result).filter(|_| may_start_task), jsonrpc::result_kind(result)) {
+                    (Some(Ok(handle)), _) => Self::Delegate {
+                        handle,
+                        result: result.get().as_bytes().to_vec(),
+                        call: tasks::CallContext::default(),
+                    },
+                    (Some(Err(why)), _) => Self::Unknown(why),
+                    (None, ResultKind::InputRequired) => Self::Park,
+                    (None, kind) => {
+                        Self::Store { result: result.get().as_bytes().to_vec(), failure: kind == ResultKind::ToolError }
+                    }
                 }
-            },
+            }
             (None, Some(error)) if NEVER_RAN.contains(&error.code) => {
                 Self::Release(format!("the upstream refused the call (JSON-RPC error {})", error.code))
             }

@@ -148,8 +148,8 @@ impl Gateway {
         let awaiting = self.awaiting.lock().ok().and_then(|mut awaiting| awaiting.remove(&token))?;
         let handle = message.result.as_deref().and_then(tasks::handle_of).and_then(Result::ok);
         let _ = awaiting.leg.send(message);
-        let task = TaskRef::new(&awaiting.tool, &awaiting.key, &handle?.task);
-        tasks::message_with_task_id(data, &task.id()).ok()
+        let task = handle?.task;
+        Some(tasks::replace_id(data, &task, &TaskRef::new(&awaiting.tool, &awaiting.key, &task).id()))
     }
 
     /// Reserves a request's id in its session while it is handled: `Err` when a request of the

@@ -8,8 +8,8 @@
 //! ([`TaskRef`]): it names the tool and the key, so that any gateway instance finds the key of a
 //! `tasks/*` request in the shared store, and checks its principal there, without an index of
 //! its own; and, in place of the upstream's id, a digest of it, so that the upstream's id never
-//! goes to a caller (it is rewritten in handles, task answers and a result's
-//! `io.modelcontextprotocol/related-task`).
+//! goes to a caller (every JSON string equal to it, in handles, task answers and results, is
+//! replaced: [`replace_id`]).
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -32,10 +32,12 @@ pub const CLIENT_CAPABILITIES: &str = "io.modelcontextprotocol/clientCapabilitie
 /// The `_meta` member in which a 2026-07-28 client names the protocol revision of each request.
 pub const PROTOCOL_VERSION: &str = "io.modelcontextprotocol/protocolVersion";
 
-/// Whether `revision` is one whose requests carry their envelope in `_meta` (2026-07-28 and
-/// later), not an `initialize` handshake.
+/// Whether `revision` is one whose requests carry their envelope in `_meta` (a date, 2026-07-28
+/// or later), not an `initialize` handshake.
 pub fn is_modern(revision: &str) -> bool {
-    revision >= "2026-07-28"
+    let date = revision.len() == 10
+        && revision.bytes().enumerate().all(|(i, b)| if i == 4 || i == 7 { b == b'-' } else { b.is_ascii_digit() });
+    date && revision >= "2026-07-28"
 }
 
 /// The `_meta` member naming the task a result (or message) belongs to.
@@ -313,24 +315,35 @@ pub fn accepts_task(params: Option<&Value>) -> Option<Shape> {
     declared.then_some(Shape::Extension)
 }
 
-/// `result` with its task id set to `id` wherever it has one: `taskId`, `task.taskId`, and
-/// `_meta["io.modelcontextprotocol/related-task"].taskId`. Members keep their order and every
-/// other value its bytes.
-pub fn with_task_id(result: &[u8], id: &str) -> Result<Vec<u8>, serde_json::Error> {
-    let mut object: OrderedObject = serde_json::from_slice(result)?;
-    let value = RawValue::from_string(serde_json::to_string(id)?)?;
-    if object.get("taskId").is_some() {
-        object.set("taskId", value.clone());
+/// Whether a `tools/call`'s params may start a task: they carry `params.task` or name the tasks
+/// extension in `_meta`, in any form (a server may read less strictly than
+/// [`accepts_task`]). Only such a call's answer is read as a task's handle.
+pub fn may_start_task(params: Option<&Value>) -> bool {
+    let Some(params) = params else { return false };
+    params.get("task").is_some()
+        || params
+            .get("_meta")
+            .and_then(|m| m.get(CLIENT_CAPABILITIES))
+            .and_then(|c| c.get("extensions"))
+            .is_some_and(|e| e.get(EXTENSION).is_some())
+}
+
+/// `message` with every JSON string equal to the upstream's task id `task` replaced by the
+/// gateway's `id`, wherever it is (a handle, a task, a result's related task, a notification);
+/// every other byte as it was.
+pub fn replace_id(message: &[u8], task: &str, id: &str) -> Vec<u8> {
+    let from = serde_json::to_string(task).expect("a string serializes");
+    let to = serde_json::to_string(id).expect("a string serializes");
+    let (from, to) = (from.as_bytes(), to.as_bytes());
+    let mut out = Vec::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.windows(from.len()).position(|w| w == from) {
+        out.extend_from_slice(&rest[..at]);
+        out.extend_from_slice(to);
+        rest = &rest[at + from.len()..];
     }
-    if let Some(task) = object.get("task") {
-        let task = set_member(task, &["taskId"], &value)?;
-        object.set("task", task);
-    }
-    if let Some(meta) = object.get("_meta") {
-        let meta = set_member(meta, &[RELATED_TASK, "taskId"], &value)?;
-        object.set("_meta", meta);
-    }
-    serde_json::to_vec(&object)
+    out.extend_from_slice(rest);
+    out
 }
 
 /// `object` with the member at `path` (objects all the way) set to `value`, when it is there.
@@ -362,25 +375,6 @@ pub fn with_status(handle: &[u8], status: &str) -> Result<Vec<u8>, serde_json::E
     if let Some(task) = object.get("task") {
         let task = set_member(task, &["status"], &value)?;
         object.set("task", task);
-    }
-    serde_json::to_vec(&object)
-}
-
-/// A whole message with the task id set to `id` wherever it names one: its `result` (see
-/// [`with_task_id`]), and its `params` (`taskId`, and `_meta`'s related task) for a request or
-/// notification about the task.
-pub fn message_with_task_id(message: &[u8], id: &str) -> Result<Vec<u8>, serde_json::Error> {
-    let mut object: OrderedObject = serde_json::from_slice(message)?;
-    let mut changed = false;
-    for member in ["result", "params"] {
-        if let Some(inner) = object.get(member) {
-            let rewritten = with_task_id(inner.get().as_bytes(), id)?;
-            object.set(member, RawValue::from_string(String::from_utf8(rewritten).expect("JSON is UTF-8"))?);
-            changed = true;
-        }
-    }
-    if !changed {
-        return Ok(message.to_vec());
     }
     serde_json::to_vec(&object)
 }
@@ -555,31 +549,36 @@ mod tests {
     }
 
     #[test]
-    fn task_ids_are_rewritten_in_place() {
-        let flat = br#"{"resultType":"task","taskId":"up","n":1.50}"#;
-        assert_eq!(with_task_id(flat, "mine").unwrap(), br#"{"resultType":"task","taskId":"mine","n":1.50}"#);
-        let nested = br#"{"task":{"taskId":"up","ttl":1},"_meta":{}}"#;
-        assert_eq!(with_task_id(nested, "mine").unwrap(), br#"{"task":{"taskId":"mine","ttl":1},"_meta":{}}"#);
-        let related = br#"{"content":[],"_meta":{"io.modelcontextprotocol/related-task":{"taskId":"up"},"n":1.0}}"#;
-        assert_eq!(
-            with_task_id(related, "mine").unwrap(),
-            br#"{"content":[],"_meta":{"io.modelcontextprotocol/related-task":{"taskId":"mine"},"n":1.0}}"#
-        );
-        assert_eq!(with_task_id(br#"{"content":[]}"#, "mine").unwrap(), br#"{"content":[]}"#);
+    fn a_request_and_a_handle_are_rewritten_in_place() {
         assert_eq!(
             with_status(br#"{"task":{"taskId":"a","status":"working"}}"#, "completed").unwrap(),
             br#"{"task":{"taskId":"a","status":"completed"}}"#
         );
-        let message = br#"{"jsonrpc":"2.0","id":3,"result":{"taskId":"up"}}"#;
         assert_eq!(
-            message_with_task_id(message, "mine").unwrap(),
-            br#"{"jsonrpc":"2.0","id":3,"result":{"taskId":"mine"}}"#
+            with_status(br#"{"resultType":"task","taskId":"a","status":"working","n":1.50}"#, "completed").unwrap(),
+            br#"{"resultType":"task","taskId":"a","status":"completed","n":1.50}"#
         );
         let request = br#"{"jsonrpc":"2.0","id":4,"method":"tasks/get","params":{"taskId":"mine","x":2.0}}"#;
         assert_eq!(
             request_for_upstream(request, "up").unwrap(),
             br#"{"jsonrpc":"2.0","id":4,"method":"tasks/get","params":{"taskId":"up","x":2.0}}"#
         );
+    }
+
+    #[test]
+    fn the_upstreams_id_is_replaced_wherever_it_is_a_whole_string() {
+        let message = br#"{"id":1,"result":{"taskId":"up-1","n":1.50,"_meta":{"r":{"taskId":"up-1"}},"x":"up-12","y":"Task up-1"}}"#;
+        assert_eq!(
+            replace_id(message, "up-1", "ogt1.a"),
+            br#"{"id":1,"result":{"taskId":"ogt1.a","n":1.50,"_meta":{"r":{"taskId":"ogt1.a"}},"x":"up-12","y":"Task up-1"}}"#
+        );
+        assert_eq!(replace_id(br#"{"a":"b"}"#, "up-1", "x"), br#"{"a":"b"}"#);
+        assert!(is_modern("2026-07-28") && is_modern("2027-01-01"));
+        assert!(!is_modern("2025-11-25") && !is_modern("latest") && !is_modern("2026-07-28x"));
+        assert!(may_start_task(Some(&serde_json::json!({"task": null}))));
+        let ext = serde_json::json!({"_meta": {CLIENT_CAPABILITIES: {"extensions": {EXTENSION: null}}}});
+        assert!(may_start_task(Some(&ext)) && accepts_task(Some(&ext)).is_none());
+        assert!(!may_start_task(Some(&serde_json::json!({"name": "x"}))));
     }
 
     #[test]

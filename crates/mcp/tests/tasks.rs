@@ -44,6 +44,9 @@ struct Upstream {
 
 type Shared = Arc<Mutex<Upstream>>;
 
+/// The gate of `held_job` (one test uses it).
+static GATE: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+
 fn answer(id: &Value, result: Value) -> Response {
     ([("content-type", "application/json")], json!({"jsonrpc":"2.0","id":id,"result":result}).to_string())
         .into_response()
@@ -63,6 +66,11 @@ async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
     let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let id = message["id"].clone();
     let params = &message["params"];
+    // `held_job` answers once the test lets it (a permit of `gate`).
+    if params["name"] == "held_job" {
+        let gate = GATE.get_or_init(|| tokio::sync::Semaphore::new(0));
+        gate.acquire().await.unwrap().forget();
+    }
     let mut up = up.lock().unwrap();
     let task_id = params["taskId"].as_str().unwrap_or_default().to_owned();
     let method = message["method"].as_str().unwrap_or_default();
@@ -80,6 +88,13 @@ async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
             let n = up.runs;
             if params["name"] == "broken" {
                 return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response();
+            }
+            // A plain result that happens to have a member `task`.
+            if params["name"] == "planner" {
+                return answer(
+                    &id,
+                    json!({"content":[{"type":"text","text":format!("plan {n}")}],"task":{"title":"x"}}),
+                );
             }
             let extension = params["_meta"]["io.modelcontextprotocol/clientCapabilities"]["extensions"]
                 .get("io.modelcontextprotocol/tasks")
@@ -611,4 +626,64 @@ async fn tasks_list_pages_through_the_callers_own_tasks() {
     }
     assert!(pages >= 2, "more than one page");
     assert_eq!(seen, made);
+}
+
+#[tokio::test]
+async fn a_plain_result_with_a_member_named_task_is_stored_as_it_is() {
+    let app = spawn_app(|_| {}).await;
+    let mut message = plain_call(1, "plain");
+    message["params"]["name"] = json!("planner");
+    let first = app.rpc(&message).await;
+    assert_eq!(first["result"]["task"]["title"], "x", "{first}");
+    let replay = app.rpc(&message).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "plan 1", "{replay}");
+    assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn an_upstreams_error_about_a_task_reaches_the_caller_as_the_gateways() {
+    let app = spawn_app(|_| {}).await;
+    let id = task_id(&app.rpc(&call(1, Shape::Extension, "e")).await);
+    app.forget("up-1");
+    let answer = app.rpc(&task_request(2, "tasks/get", &id)).await;
+    assert_eq!(answer["error"]["code"], -32602, "{answer}");
+    assert!(!answer.to_string().contains("up-1"), "{answer}");
+}
+
+#[tokio::test]
+async fn a_task_started_after_a_switch_revoked_its_key_is_cancelled() {
+    let app = Arc::new(spawn_app(|_| {}).await);
+    let mut message = call(1, Shape::Extension, "late");
+    message["params"]["name"] = json!("held_job");
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { app.rpc(&message).await }
+    });
+    // The call is forwarded (its key held) before the switch.
+    let scope = Scope::new(
+        TenantId::parse("anon").unwrap(),
+        Namespace::parse("mcp/up/held_job").unwrap(),
+        Key::parse("late").unwrap(),
+    );
+    for _ in 0..200 {
+        if app.guard.get(&scope).await.unwrap().is_some_and(|r| r.last_checkpoint().is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let tenant = TenantId::parse("anon").unwrap();
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("mcp/up").unwrap() };
+    app.guard.engage_switch("test", &tenant, target, "runaway agent".into(), true).await.unwrap();
+    GATE.get_or_init(|| tokio::sync::Semaphore::new(0)).add_permits(1);
+    let answer = first.await.unwrap();
+    assert!(task_id(&answer).starts_with("ogt1."), "the caller never sees the upstream's id: {answer}");
+    let cancelled = async {
+        while app.up.lock().unwrap().tasks.get("up-1").is_none_or(|t| t.status != "cancelled") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), cancelled).await.expect("the late task was cancelled");
+    let record = app.guard.get(&scope).await.unwrap().unwrap();
+    assert_eq!(record.last_checkpoint().unwrap().name.as_str(), "mcp.task-requested", "the delegation was refused");
 }
