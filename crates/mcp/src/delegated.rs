@@ -218,7 +218,17 @@ impl Capture {
         match state {
             TaskState::Result { result, failure } => {
                 let result = tasks::replace_id(&result, &self.upstream_task, &self.task_id);
-                holder.settle(Settlement::Store { result, failure }).await;
+                let stored = Settlement::Store { result, failure };
+                if holder.settle(stored.clone()).await {
+                    return;
+                }
+                // Refused as stale: a recovery may have delegated the key to the same task again
+                // meanwhile (a new fence). The result is the task's: stored under that fence.
+                let Ok(Some(record)) = self.gateway.guard().get(&self.scope).await else { return };
+                let same_task = Delegation::of(&record).is_some_and(|d| d.task == self.upstream_task);
+                if record.state == RecordState::InProgress && record.fence != self.fence && same_task {
+                    Holder { fence: record.fence, ..holder }.settle(stored).await;
+                }
             }
             TaskState::Lost(why) if !self.unknown => {
                 tracing::warn!(scope = %self.scope, why, "a delegated task ended without a result; the key's outcome is unknown");

@@ -40,9 +40,14 @@ struct Upstream {
     tasks: HashMap<String, Task>,
     /// The task ids `tasks/*` requests named, as the upstream got them.
     asked: Vec<String>,
+    /// Whether the next `tasks/get` waits for a permit of [`GET_GATE`].
+    hold_next_get: bool,
 }
 
 type Shared = Arc<Mutex<Upstream>>;
+
+/// The gate of a held `tasks/get` (one test uses it).
+static GET_GATE: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
 
 /// The gate of `held_job` (one test uses it).
 static GATE: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
@@ -70,6 +75,11 @@ async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
     if params["name"] == "held_job" {
         let gate = GATE.get_or_init(|| tokio::sync::Semaphore::new(0));
         gate.acquire().await.unwrap().forget();
+    }
+    // The first `tasks/get` after the test set `hold_next_get` answers once the test lets it.
+    let held = message["method"] == "tasks/get" && std::mem::take(&mut up.lock().unwrap().hold_next_get);
+    if held {
+        GET_GATE.get_or_init(|| tokio::sync::Semaphore::new(0)).acquire().await.unwrap().forget();
     }
     let mut up = up.lock().unwrap();
     let task_id = params["taskId"].as_str().unwrap_or_default().to_owned();
@@ -686,4 +696,31 @@ async fn a_task_started_after_a_switch_revoked_its_key_is_cancelled() {
     tokio::time::timeout(Duration::from_secs(10), cancelled).await.expect("the late task was cancelled");
     let record = app.guard.get(&scope).await.unwrap().unwrap();
     assert_eq!(record.last_checkpoint().unwrap().name.as_str(), "mcp.task-requested", "the delegation was refused");
+}
+
+#[tokio::test]
+async fn a_result_seen_after_a_recovery_delegated_the_key_again_is_stored() {
+    let app = Arc::new(spawn_app(|_| {}).await);
+    let id = task_id(&app.rpc(&call(1, Shape::Extension, "again")).await);
+    // The owner's poll reads the record, then waits upstream.
+    app.up.lock().unwrap().hold_next_get = true;
+    let poll = tokio::spawn({
+        let (app, id) = (app.clone(), id.clone());
+        async move { app.rpc(&task_request(2, "tasks/get", &id)).await }
+    });
+    while app.up.lock().unwrap().hold_next_get {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Meanwhile the lease passes, and the owner's retry delegates the key again (a new fence).
+    let before = app.guard.get(&app.scope("again")).await.unwrap().unwrap().fence;
+    app.clock.advance(Duration::from_secs(61));
+    assert_eq!(task_id(&app.rpc(&call(3, Shape::Extension, "again")).await), id);
+    assert_ne!(app.guard.get(&app.scope("again")).await.unwrap().unwrap().fence, before);
+    app.finish("up-1");
+    GET_GATE.get_or_init(|| tokio::sync::Semaphore::new(0)).add_permits(1);
+    let answer = poll.await.unwrap();
+    assert_eq!(answer["result"]["status"], "completed", "{answer}");
+    let record = app.guard.get(&app.scope("again")).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed, "the result is stored under the new fence");
+    assert_eq!(app.runs(), 1);
 }
