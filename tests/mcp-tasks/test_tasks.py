@@ -224,3 +224,32 @@ def test_a_kill_switch_that_revokes_leases_cancels_the_task(world):
     assert "not run again" in run(retried())
     time.sleep(5.5)
     assert world.executions(tag) == 0, "the task was cancelled before it paid, and never run again"
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.45, 0.6])
+def test_a_cancel_racing_completion_never_loses_the_outcome(world, delay):
+    """The owner cancels as the task ends. Whatever won, the key agrees with the effects log: a
+    payment that happened replays, one that did not is refused as unknown; never a second run."""
+    tag, key = uuid.uuid4().hex, uuid.uuid4().hex
+    args = {"amount": 2, "tag": tag, "seconds": 0.5}
+
+    async def race():
+        async with client(world) as c:
+            task = await call_tool_task(c, "pay", args, meta={KEY_META: key})
+            await asyncio.sleep(delay)
+            await _send_cancel(c.session, task.task_id)
+            await asyncio.sleep(1.0)
+            try:
+                replay = await c.call_tool("pay", args, meta={KEY_META: key})
+                return "replayed", replay.structured_content
+            except Exception as refused:  # noqa: BLE001 (the refusal is the answer)
+                return "refused", str(refused)
+
+    outcome, detail = run(race())
+    paid = world.executions(tag)
+    print(f"cancel after {delay}s: {paid} payment(s), retry {outcome}")
+    assert paid <= 1
+    if paid == 1:
+        assert (outcome, detail) == ("replayed", {"paid": 2, "tag": tag})
+    else:
+        assert outcome == "refused" and "not run again" in detail, detail
