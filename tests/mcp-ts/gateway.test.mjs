@@ -14,7 +14,7 @@ import { Client } from '@modelcontextprotocol/sdk/client/index.js';
 import { StreamableHTTPClientTransport } from '@modelcontextprotocol/sdk/client/streamableHttp.js';
 import { CallToolResultSchema } from '@modelcontextprotocol/sdk/types.js';
 import { experimental_createMCPClient as createMCPClient } from '@ai-sdk/mcp';
-import { startServer } from './server.mjs';
+import { startResumableServer, startServer } from './server.mjs';
 
 const here = path.dirname(new URL(import.meta.url).pathname);
 const target = process.env.CARGO_TARGET_DIR ?? path.join(here, '..', '..', 'target');
@@ -174,4 +174,52 @@ test('without the gateway, the same retry sends the email twice (the scenario is
   relay.close();
   assert.equal(relay.cuts(), 1);
   assert.equal(upstream.executions('send_email', tag), 2);
+});
+
+test('a legacy answer delivered on the resumed stream settles the key: the retry replays it', async () => {
+  const resumable = await startResumableServer();
+  const store = `sqlite://${dir}/resumable.db`;
+  onceguard(store, 'tenants', 'create', 'acme');
+  const key = JSON.parse(onceguard(store, 'api-keys', 'create', '--tenant', 'acme', '--label', 'ts')).token;
+  const second = spawn(binary, ['--log-format', 'json', '--store', store, 'mcp', '--listen', '127.0.0.1:0',
+    '--upstream', resumable.url, '--upstream-name', 'resumable', '--lease', '5s'], { stdio: ['ignore', 'ignore', 'pipe'] });
+  try {
+    const url = await new Promise((resolve, reject) => {
+      let buffer = '';
+      const timer = setTimeout(() => reject(new Error(`the gateway did not start: ${buffer}`)), 60_000);
+      second.stderr.on('data', (chunk) => {
+        buffer += chunk;
+        const addr = buffer.split('\n').map((l) => { try { return JSON.parse(l).addr; } catch { return undefined; } }).find(Boolean);
+        if (addr) {
+          clearTimeout(timer);
+          resolve(`http://${addr}/mcp`);
+        }
+      });
+    });
+    const tag = randomUUID();
+    const call = { name: 'send_receipt', arguments: { tag }, _meta: { [KEY]: randomUUID() } };
+    const connect = async () => {
+      const client = new Client({ name: 'onceguard-ts-test', version: '1.0.0' });
+      const transport = new StreamableHTTPClientTransport(new URL(url), {
+        requestInit: { headers: { 'x-onceguard-key': key } },
+        reconnectionOptions: { initialReconnectionDelay: 50, maxReconnectionDelay: 200, reconnectionDelayGrowFactor: 1.5, maxRetries: 5 },
+      });
+      await client.connect(transport);
+      return client;
+    };
+    const client = await connect();
+    const first = await client.callTool(call);
+    assert.equal(first.content[0].text, `receipt ${tag}`, 'the answer came on the resumed stream');
+    await client.close();
+    const again = await connect();
+    const replay = await again.callTool(call);
+    assert.equal(replay.content[0].text, `receipt ${tag}`);
+    assert.equal(replay._meta?.['dev.onceguard/replayed'], true, 'the resumed answer settled the key');
+    assert.equal(resumable.executions(tag), 1);
+    await again.close();
+  } finally {
+    second.kill('SIGKILL');
+    second.stderr.destroy();
+    await resumable.close();
+  }
 });

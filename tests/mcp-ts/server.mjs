@@ -1,6 +1,7 @@
 // An MCP server made with the TypeScript SDK, for the gateway's end-to-end tests: a plain tool
 // `send_email` and a task tool `pay` (2025-11-25 tasks, the SDK's experimental task API), each
 // counting its executions. Stateless: a server and a transport per request, one task store for all.
+import crypto from 'node:crypto';
 import http from 'node:http';
 import { McpServer } from '@modelcontextprotocol/sdk/server/mcp.js';
 import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
@@ -74,6 +75,65 @@ export function startServer() {
           new Promise((done) => {
             // Each store's TTL timers would keep the process alive.
             for (const store of stores) store.cleanup();
+            httpServer.close(done);
+            httpServer.closeAllConnections();
+          }),
+      });
+    });
+  });
+}
+
+/** A stateful server with resumable streams (an event store): its tool `send_receipt` closes
+ * the call's event stream before it answers, so the client resumes it with `Last-Event-ID` and
+ * gets the answer there (the SDK's `closeSSEStream`). Counts its executions. */
+export async function startResumableServer() {
+  const { InMemoryEventStore } = await import('@modelcontextprotocol/sdk/examples/shared/inMemoryEventStore.js');
+  const { isInitializeRequest } = await import('@modelcontextprotocol/sdk/types.js');
+  const executions = new Map();
+  const sessions = new Map();
+  const build = () => {
+    const server = new McpServer({ name: 'onceguard-ts-resumable', version: '1.0.0' });
+    server.registerTool(
+      'send_receipt',
+      { inputSchema: { tag: z.string() }, annotations: { destructiveHint: true } },
+      async ({ tag }, extra) => {
+        executions.set(tag, (executions.get(tag) ?? 0) + 1);
+        extra.closeSSEStream?.();
+        await new Promise((resolve) => setTimeout(resolve, 300));
+        return { content: [{ type: 'text', text: `receipt ${tag}` }] };
+      },
+    );
+    return server;
+  };
+  const httpServer = http.createServer(async (req, res) => {
+    let body = '';
+    for await (const chunk of req) body += chunk;
+    const parsed = body ? JSON.parse(body) : undefined;
+    const sessionId = req.headers['mcp-session-id'];
+    let transport = sessionId ? sessions.get(sessionId) : undefined;
+    if (!transport) {
+      if (sessionId || !isInitializeRequest(parsed)) {
+        res.writeHead(404).end();
+        return;
+      }
+      transport = new StreamableHTTPServerTransport({
+        sessionIdGenerator: () => crypto.randomUUID(),
+        eventStore: new InMemoryEventStore(),
+        retryInterval: 50,
+        onsessioninitialized: (id) => sessions.set(id, transport),
+      });
+      await build().connect(transport);
+    }
+    await transport.handleRequest(req, res, parsed);
+  });
+  return new Promise((resolve) => {
+    httpServer.listen(0, '127.0.0.1', () => {
+      resolve({
+        url: `http://127.0.0.1:${httpServer.address().port}/mcp`,
+        executions: (tag) => executions.get(tag) ?? 0,
+        close: () =>
+          new Promise((done) => {
+            for (const transport of sessions.values()) transport.close();
             httpServer.close(done);
             httpServer.closeAllConnections();
           }),
