@@ -285,6 +285,12 @@ pub(crate) async fn task_request(
     if record.state != RecordState::InProgress {
         return not_found();
     }
+    // Its status notifications on the session's stream are read from now on, on this instance too.
+    if let Some(session) = parts.headers.get("mcp-session-id").and_then(|v| v.to_str().ok()) {
+        let task =
+            crate::state::SessionTask { scope: scope.clone(), delegation: delegation.clone(), id: wrapped.clone() };
+        gateway.remember_task(&caller.tenant, session, task);
+    }
     // Upstream, with the upstream's task id.
     let Ok(upstream_body) = tasks::request_for_upstream(&body, &delegation.task) else { return not_found() };
     parts.headers.remove(ACCEPT_ENCODING);
@@ -417,6 +423,68 @@ fn for_caller(message: &[u8], parsed: &ResponseMessage, id: &Value, task: &str, 
         None => tasks::replace_id(message, task, wrapped),
     }
 }
+
+/// What a session's event stream does with a message that is not a response: a status
+/// notification of a task the session started through this instance names the gateway's task
+/// id, and a terminal one settles the task's key (2025-11-25: `tasks/result` is asked for the
+/// result of a task that completed or failed; a cancelled one leaves the key unknown).
+pub(crate) fn session_notification(
+    gateway: Arc<Gateway>,
+) -> impl Fn(&str, &str, &[u8]) -> Option<Vec<u8>> + Send + 'static {
+    move |tenant: &str, session: &str, data: &[u8]| {
+        #[derive(serde::Deserialize)]
+        struct Notification {
+            method: String,
+            params: Value,
+        }
+        let notification: Notification = serde_json::from_slice(data).ok()?;
+        let params = &notification.params;
+        let raw = params
+            .get("taskId")
+            .or_else(|| params.get("_meta").and_then(|m| m.get(tasks::RELATED_TASK)).and_then(|r| r.get("taskId")))
+            .and_then(Value::as_str)?;
+        let task = gateway.session_task(tenant, session, raw)?;
+        let status = params.get("status").and_then(Value::as_str).unwrap_or_default();
+        if notification.method == "notifications/tasks/status" && matches!(status, "completed" | "failed" | "cancelled")
+        {
+            gateway.forget_task(tenant, session, raw);
+            let (gateway, task, cancelled) = (gateway.clone(), task.clone(), status == "cancelled");
+            tokio::spawn(async move { settle_notified(gateway, task, cancelled).await });
+        }
+        Some(tasks::replace_id(data, raw, &task.id))
+    }
+}
+
+/// Settles the key of a task whose terminal status a session's stream announced.
+async fn settle_notified(gateway: Arc<Gateway>, task: crate::state::SessionTask, cancelled: bool) {
+    let Ok(Some(record)) = gateway.guard().get(&task.scope).await else { return };
+    if record.state != RecordState::InProgress {
+        return;
+    }
+    let state = if cancelled {
+        TaskState::Lost("the task was cancelled".into())
+    } else {
+        let headers = own_headers(&task.delegation);
+        let Ok(uri) = gateway.options.endpoint.parse::<axum::http::Uri>() else { return };
+        match ask_one(&gateway, &headers, &uri, &task.delegation, "tasks/result").await {
+            Some(message) => TaskState::of_payload(&message),
+            None => return,
+        }
+    };
+    let capture = Capture {
+        gateway: gateway.clone(),
+        scope: task.scope.clone(),
+        fence: record.fence,
+        actor: ACTOR.to_owned(),
+        unknown: record.unknown.is_some(),
+        task_id: task.id.clone(),
+        upstream_task: task.delegation.task.clone(),
+    };
+    capture.settle(state).await;
+}
+
+/// Who settles a key on the gateway's own initiative, for the audit log.
+pub(crate) const ACTOR: &str = "onceguard-mcp";
 
 /// What an answer to `method` about `delegation`'s task says of it (a cancel's answer says
 /// nothing: the task is asked what it did once the cancel was sent).
@@ -610,4 +678,23 @@ async fn read_json(response: Response<Body>, limit: usize) -> Option<Vec<u8>> {
         whole.extend_from_slice(&chunk);
     }
     Some(whole)
+}
+
+/// The headers of the gateway's own request about a task: JSON, the call's protocol revision
+/// and session, and (2026-07-28 and later) the method and name headers that `ask_one` fills in.
+pub(crate) fn own_headers(delegation: &Delegation) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    headers.insert("accept", HeaderValue::from_static("application/json, text/event-stream"));
+    let value = |v: &str| HeaderValue::from_str(v).ok();
+    if let Some(revision) = delegation.revision.as_deref().and_then(value) {
+        if tasks::is_modern(revision.to_str().unwrap_or_default()) {
+            headers.insert("mcp-method", HeaderValue::from_static("tasks/get"));
+        }
+        headers.insert("mcp-protocol-version", revision);
+    }
+    if let Some(session) = delegation.session.as_deref().and_then(value) {
+        headers.insert("mcp-session-id", session);
+    }
+    headers
 }

@@ -64,15 +64,22 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, mut request: Request<Bo
     let run_header = request.headers_mut().remove(call::RUN_HEADER);
     // Every POST the upstream may route to its endpoint is read: the path as servers decode it.
     if request.method() != Method::POST || !call::same_path(request.uri().path(), &gateway.options.endpoint) {
-        let resumed = (request.method() == Method::GET
-            && request.headers().contains_key("last-event-id")
+        // A session's event stream (resumed or not) is read as it passes: answers of guarded
+        // calls whose own stream broke, and task status notifications.
+        let session = (request.method() == Method::GET
             && call::same_path(request.uri().path(), &gateway.options.endpoint))
         .then(|| request.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned))
         .flatten();
+        if request.method() == Method::DELETE
+            && let Some(session) = request.headers().get("mcp-session-id").and_then(|v| v.to_str().ok())
+        {
+            gateway.forget_session(&caller.tenant, session);
+        }
         let response = gateway.streams.forward(request).await;
-        return match resumed {
+        return match session {
             Some(session) if is_event_stream(response.headers()) => {
-                gateway.read_resumed(&caller.tenant, session, response)
+                let notified = crate::delegated::session_notification(gateway.clone());
+                gateway.read_session_stream(&caller.tenant, session, response, notified)
             }
             _ => response,
         };
@@ -667,6 +674,9 @@ impl Leg {
         let delegation = Delegation::new(handle.clone(), &self.actor, result, self.context.clone());
         if !self.settle(settlement).await {
             crate::revoked::cancel_if_revoked(&self.gateway, &self.scope, self.call.run.as_ref(), &delegation).await;
+        } else if let Some(session) = &self.context.session {
+            let task = crate::state::SessionTask { scope: self.scope.clone(), delegation, id: ids.1.clone() };
+            self.gateway.remember_task(&self.scope.tenant, session, task);
         }
         Some(ids)
     }

@@ -14,22 +14,19 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue, Uri};
+use axum::http::{HeaderMap, Uri};
 use onceguard_core::control::{Switch, SwitchTarget};
 use onceguard_core::{ListFilter, Namespace, Record, RecordState, RunId, Scope};
 
-use crate::delegated::{Capture, ask, ask_one};
+use crate::delegated::{ACTOR, Capture, ask, ask_one, own_headers};
 use crate::state::Gateway;
-use crate::tasks::{self, Delegation};
+use crate::tasks::Delegation;
 
 /// How often the switches are looked at.
 const EVERY: Duration = Duration::from_secs(1);
 
 /// Most pages of a switch's delegated keys gone through (100 records a page).
 const MAX_PAGES: usize = 100;
-
-/// Who settles a key after a switch's cancel, for the audit log.
-const ACTOR: &str = "onceguard-mcp";
 
 /// How long after an instance first sees a switch it looks again each second: the switch's
 /// second revocation pass comes [`onceguard_core::CONTROL_MAX_AGE`] after the first, and keys
@@ -156,23 +153,4 @@ async fn cancel(gateway: &Arc<Gateway>, record: &Record, delegation: &Delegation
         upstream_task: delegation.task.clone(),
     };
     capture.settle(state).await;
-}
-
-/// The headers of the gateway's own request about a task: JSON, the call's protocol revision
-/// and session, and (2026-07-28 and later) the method and name headers that `ask_one` fills in.
-fn own_headers(delegation: &Delegation) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    headers.insert("content-type", HeaderValue::from_static("application/json"));
-    headers.insert("accept", HeaderValue::from_static("application/json, text/event-stream"));
-    let value = |v: &str| HeaderValue::from_str(v).ok();
-    if let Some(revision) = delegation.revision.as_deref().and_then(value) {
-        if tasks::is_modern(revision.to_str().unwrap_or_default()) {
-            headers.insert("mcp-method", HeaderValue::from_static("tasks/get"));
-        }
-        headers.insert("mcp-protocol-version", revision);
-    }
-    if let Some(session) = delegation.session.as_deref().and_then(value) {
-        headers.insert("mcp-session-id", session);
-    }
-    headers
 }

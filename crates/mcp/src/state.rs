@@ -56,6 +56,10 @@ pub struct Gateway {
     /// Guarded calls of a session whose event stream ended without their answer, waiting (for a
     /// lease) for it on a resumed stream.
     pub(crate) awaiting: Mutex<HashMap<CallToken, Awaiting>>,
+    /// The tasks each session (tenant, `Mcp-Session-Id`) started through this instance, by the
+    /// upstream's task id: their status notifications on the session's stream are read, and
+    /// name the gateway's task id.
+    pub(crate) session_tasks: Mutex<HashMap<(String, String), HashMap<String, SessionTask>>>,
 }
 
 /// A guarded call awaiting its answer on a resumed stream: where the answer goes, and the tool
@@ -64,6 +68,57 @@ pub(crate) struct Awaiting {
     pub(crate) leg: oneshot::Sender<ResponseMessage>,
     pub(crate) tool: String,
     pub(crate) key: String,
+}
+
+/// A task a session started through this instance (see [`Gateway::session_tasks`]).
+#[derive(Clone)]
+pub(crate) struct SessionTask {
+    /// The delegated key.
+    pub(crate) scope: onceguard_core::Scope,
+    /// Its delegation.
+    pub(crate) delegation: tasks::Delegation,
+    /// The gateway's task id.
+    pub(crate) id: String,
+}
+
+/// Most tasks remembered for one session (the oldest are not forgotten: new ones are not
+/// remembered past it, and their notifications pass unread).
+const MAX_SESSION_TASKS: usize = 1_000;
+
+impl Gateway {
+    /// Remembers a task `session` of `tenant` started (for its status notifications).
+    pub(crate) fn remember_task(&self, tenant: &TenantId, session: &str, task: SessionTask) {
+        let Ok(mut sessions) = self.session_tasks.lock() else { return };
+        let known = sessions.entry((tenant.to_string(), session.to_owned())).or_default();
+        if known.len() < MAX_SESSION_TASKS || known.contains_key(&task.delegation.task) {
+            known.insert(task.delegation.task.clone(), task);
+        }
+    }
+
+    /// The task `session` of `tenant` started with the upstream's id `task`, if remembered.
+    pub(crate) fn session_task(&self, tenant: &str, session: &str, task: &str) -> Option<SessionTask> {
+        let sessions = self.session_tasks.lock().ok()?;
+        sessions.get(&(tenant.to_owned(), session.to_owned()))?.get(task).cloned()
+    }
+
+    /// Forgets the tasks of a session that ended (its `DELETE`).
+    pub(crate) fn forget_session(&self, tenant: &TenantId, session: &str) {
+        if let Ok(mut sessions) = self.session_tasks.lock() {
+            sessions.remove(&(tenant.to_string(), session.to_owned()));
+        }
+    }
+
+    /// Forgets a task whose key is settled.
+    pub(crate) fn forget_task(&self, tenant: &str, session: &str, task: &str) {
+        if let Ok(mut sessions) = self.session_tasks.lock()
+            && let Some(known) = sessions.get_mut(&(tenant.to_owned(), session.to_owned()))
+        {
+            known.remove(task);
+            if known.is_empty() {
+                sessions.remove(&(tenant.to_owned(), session.to_owned()));
+            }
+        }
+    }
 }
 
 /// A request id reserved in its session ([`Gateway::reserve_id`]), released when dropped.
@@ -98,18 +153,21 @@ impl Gateway {
             in_flight: Mutex::new(HashSet::new()),
             ids_in_use: Mutex::new(HashSet::new()),
             awaiting: Mutex::new(HashMap::new()),
+            session_tasks: Mutex::new(HashMap::new()),
         }
     }
 
-    /// A resumed event stream of `session` (a GET with `Last-Event-ID`), read as it passes, event
-    /// by event: each response message in it goes to the guarded call of the caller's tenant and
-    /// session that awaits it. The events pass unchanged, but for a task's handle, which names
-    /// the gateway's task id.
-    pub(crate) fn read_resumed(
+    /// An event stream of `session` (a GET to the endpoint, resumed with `Last-Event-ID` or not),
+    /// read as it passes, event by event: each response message in it goes to the guarded call of
+    /// the caller's tenant and session that awaits it, and every other message to `notified`,
+    /// which may answer it rewritten. The events pass unchanged, but for a task's handle and what
+    /// `notified` rewrites, which name the gateway's task id.
+    pub(crate) fn read_session_stream(
         self: &Arc<Self>,
         tenant: &TenantId,
         session: String,
         response: Response<Body>,
+        notified: impl Fn(&str, &str, &[u8]) -> Option<Vec<u8>> + Send + 'static,
     ) -> Response<Body> {
         let (parts, body) = response.into_parts();
         let (gateway, tenant) = (self.clone(), tenant.to_string());
@@ -120,7 +178,9 @@ impl Gateway {
             while let Some(chunk) = chunks.next().await {
                 let Ok(chunk) = chunk else { break };
                 for block in reader.push(&chunk) {
-                    let rewritten = block.data.as_deref().and_then(|d| gateway.deliver_resumed(&tenant, &session, d));
+                    let rewritten = block.data.as_deref().and_then(|d| {
+                        gateway.deliver_resumed(&tenant, &session, d).or_else(|| notified(&tenant, &session, d))
+                    });
                     let bytes = rewritten.map_or_else(|| block.raw.clone(), |data| block.with_data(&data));
                     if out.send(Ok(bytes)).await.is_err() {
                         return;

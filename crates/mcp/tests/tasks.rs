@@ -67,7 +67,21 @@ fn task_fields(id: &str, task: &Task) -> Value {
     fields
 }
 
-async fn mcp(State(up): State<Shared>, body: Bytes) -> Response {
+async fn mcp(State(up): State<Shared>, method: axum::http::Method, body: Bytes) -> Response {
+    // A session's GET stream: a status notification for each task the upstream has.
+    if method == axum::http::Method::GET {
+        let up = up.lock().unwrap();
+        let events: String = up
+            .tasks
+            .iter()
+            .map(|(id, task)| {
+                let notification =
+                    json!({"jsonrpc":"2.0","method":"notifications/tasks/status","params":task_fields(id, task)});
+                format!("event: message\ndata: {notification}\n\n")
+            })
+            .collect();
+        return ([("content-type", "text/event-stream")], events).into_response();
+    }
     let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let id = message["id"].clone();
     let params = &message["params"];
@@ -722,5 +736,34 @@ async fn a_result_seen_after_a_recovery_delegated_the_key_again_is_stored() {
     assert_eq!(answer["result"]["status"], "completed", "{answer}");
     let record = app.guard.get(&app.scope("again")).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Completed, "the result is stored under the new fence");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_terminal_status_on_the_sessions_stream_settles_the_key() {
+    let app = spawn_app(|_| {}).await;
+    let in_session = |request: reqwest::RequestBuilder| {
+        request.header("mcp-session-id", "s-9").header("accept", "application/json, text/event-stream")
+    };
+    let url = format!("{}/mcp", app.base);
+    let first: Value =
+        in_session(app.http.post(&url)).json(&call(1, Shape::Core, "n")).send().await.unwrap().json().await.unwrap();
+    let id = task_id(&first);
+    app.finish("up-1");
+    // The client only listens on its session's stream; it never asks the task.
+    let stream = in_session(app.http.get(&url)).send().await.unwrap().text().await.unwrap();
+    assert!(stream.contains(&format!(r#""taskId":"{id}""#)) && !stream.contains("up-1"), "{stream}");
+    let mut state = None;
+    for _ in 0..200 {
+        state = app.guard.get(&app.scope("n")).await.unwrap().map(|r| r.state);
+        if state == Some(RecordState::Completed) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(state, Some(RecordState::Completed), "the gateway asked tasks/result itself");
+    assert_eq!(app.up.lock().unwrap().asked, vec!["up-1".to_owned()], "one tasks/result, the gateway's");
+    let replay = app.rpc(&plain_call(2, "n")).await;
+    assert_eq!(replay["result"]["content"][0]["text"], "job done", "{replay}");
     assert_eq!(app.runs(), 1);
 }
