@@ -21,7 +21,7 @@ const target = process.env.CARGO_TARGET_DIR ?? path.join(here, '..', '..', 'targ
 const binary = process.env.ONCEGUARD_BIN ?? path.join(target, 'debug', 'onceguard');
 const KEY = 'dev.onceguard/idempotency-key';
 
-let upstream, gateway, gatewayUrl, token, dir;
+let upstream, gateway, gatewayUrl, token, otherToken, store, dir;
 
 function onceguard(store, ...args) {
   return execFileSync(binary, ['--log-format', 'json', '--store', store, ...args], { encoding: 'utf8' });
@@ -30,9 +30,10 @@ function onceguard(store, ...args) {
 before(async () => {
   upstream = await startServer();
   dir = mkdtempSync(path.join(os.tmpdir(), 'onceguard-mcp-ts-'));
-  const store = `sqlite://${dir}/onceguard.db`;
+  store = `sqlite://${dir}/onceguard.db`;
   onceguard(store, 'tenants', 'create', 'acme');
   token = JSON.parse(onceguard(store, 'api-keys', 'create', '--tenant', 'acme', '--label', 'ts')).token;
+  otherToken = JSON.parse(onceguard(store, 'api-keys', 'create', '--tenant', 'acme', '--label', 'other')).token;
   gateway = spawn(binary, ['--log-format', 'json', '--store', store, 'mcp', '--listen', '127.0.0.1:0',
     '--upstream', upstream.url, '--upstream-name', 'ts', '--lease', '5s', '--no-key', 'derive'],
     { stdio: ['ignore', 'ignore', 'pipe'] });
@@ -61,10 +62,10 @@ after(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-async function sdkClient(url = gatewayUrl) {
+async function sdkClient(url = gatewayUrl, key = token) {
   const client = new Client({ name: 'onceguard-ts-test', version: '1.0.0' }, { capabilities: { tasks: {} } });
   const transport = new StreamableHTTPClientTransport(new URL(url), {
-    requestInit: { headers: { 'x-onceguard-key': token } },
+    requestInit: { headers: { 'x-onceguard-key': key } },
   });
   await client.connect(transport);
   return client;
@@ -222,4 +223,77 @@ test('a legacy answer delivered on the resumed stream settles the key: the retry
     second.stderr.destroy();
     await resumable.close();
   }
+});
+
+/** Starts `pay` as a 2025-11-25 task with a new key; answers the client, the call and its task id. */
+async function startPayment(ms) {
+  const client = await sdkClient();
+  const tag = randomUUID();
+  const params = { name: 'pay', arguments: { amount: 1, tag, ms }, _meta: { [KEY]: randomUUID() } };
+  const stream = client.experimental.tasks.callToolStream(params, CallToolResultSchema, { task: { ttl: 60_000 } });
+  const created = (await stream.next()).value;
+  assert.equal(created.type, 'taskCreated', JSON.stringify(created));
+  stream.return?.();
+  return { client, tag, params, taskId: created.task.taskId };
+}
+
+test('2025-11-25 tasks: another API key of the tenant cannot see, poll or cancel the task', async () => {
+  const { client, tag, taskId } = await startPayment(300);
+  const other = await sdkClient(gatewayUrl, otherToken);
+  await assert.rejects(other.experimental.tasks.getTask(taskId), /no such task/);
+  await assert.rejects(other.experimental.tasks.cancelTask(taskId), /no such task/);
+  const listed = await other.experimental.tasks.listTasks();
+  assert.deepEqual(listed.tasks, []);
+  const own = await client.experimental.tasks.listTasks();
+  assert.ok(own.tasks.some((t) => t.taskId === taskId), JSON.stringify(own));
+  const result = await client.experimental.tasks.getTaskResult(taskId, CallToolResultSchema);
+  assert.equal(result.content[0].text, 'paid 1');
+  assert.equal(upstream.executions('pay', tag), 1);
+  await other.close();
+  await client.close();
+});
+
+test('2025-11-25 tasks: a kill switch that revokes leases cancels the task, which never runs again', async () => {
+  const { client, tag, params, taskId } = await startPayment(3_000);
+  onceguard(store, 'switch', 'engage', '--tenant', 'acme', '--namespace', 'mcp/ts', '--reason', 'runaway', '--revoke-leases');
+  try {
+    let status = 'working';
+    for (let i = 0; i < 100 && status === 'working'; i++) {
+      status = (await client.experimental.tasks.getTask(taskId)).status;
+      await new Promise((resolve) => setTimeout(resolve, 100));
+    }
+    assert.equal(status, 'cancelled');
+  } finally {
+    onceguard(store, 'switch', 'release', '--tenant', 'acme', '--namespace', 'mcp/ts');
+  }
+  let refused = '';
+  for (let i = 0; i < 20; i++) {
+    const again = await client.callTool(params).catch((e) => ({ error: String(e) }));
+    refused = again.error ?? JSON.stringify(again);
+    if (!refused.includes('kill switch')) break;
+    await new Promise((resolve) => setTimeout(resolve, 250));
+  }
+  assert.match(refused, /not run again/);
+  await new Promise((resolve) => setTimeout(resolve, 3_200));
+  assert.equal(upstream.executions('pay', tag), 0, 'the task was cancelled before it paid');
+  await client.close();
+});
+
+test('2025-11-25 tasks: a cancel racing completion never loses the outcome', async () => {
+  const outcomes = [];
+  for (const delay of [0, 280, 400]) {
+    const { client, tag, params, taskId } = await startPayment(300);
+    await new Promise((resolve) => setTimeout(resolve, delay));
+    await client.experimental.tasks.cancelTask(taskId).catch(() => {});
+    await new Promise((resolve) => setTimeout(resolve, 500));
+    const again = await client.callTool(params).catch((e) => ({ error: String(e) }));
+    const paid = upstream.executions('pay', tag);
+    assert.ok(paid <= 1, 'never a second payment');
+    // A replay only of a payment that happened; no payment: refused, never run.
+    if (again.content) assert.equal(paid, 1, JSON.stringify(again));
+    else assert.match(again.error ?? '', /not run again/, JSON.stringify(again));
+    outcomes.push(`${delay} ms: ${paid} payment(s), ${again.content ? 'replayed' : 'refused'}`);
+    await client.close();
+  }
+  console.log(`cancel racing completion: ${outcomes.join('; ')}`);
 });

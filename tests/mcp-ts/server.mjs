@@ -34,6 +34,8 @@ export function startServer() {
         async createTask({ amount, tag, ms }, { taskStore: store, taskRequestedTtl }) {
           const task = await store.createTask({ ttl: taskRequestedTtl ?? 60_000, pollInterval: 50 });
           setTimeout(async () => {
+            // A cancelled task does not pay.
+            if ((await store.getTask(task.taskId))?.status === 'cancelled') return;
             count('pay', tag);
             await store.storeTaskResult(task.taskId, 'completed', {
               content: [{ type: 'text', text: `paid ${amount}` }],
