@@ -208,6 +208,29 @@ def test_parallel_duplicates_execute_once(world, lib, mode):
     assert world.executions("slow_job", tag=tag) == 1
 
 
+MODERN = [(lib, mode) for lib, mode in CLIENTS if mode != "legacy"]
+
+
+@pytest.mark.parametrize("lib,mode", MODERN, ids=[f"{lib}-{mode}" for lib, mode in MODERN])
+def test_a_request_reissued_after_its_stream_was_cut_gets_the_first_ones_result(world, lib, mode):
+    """2026-07-28 has no stream resumption: a client whose answer was cut re-issues the request
+    (a new id). The gateway keeps the first call running, and the re-issued one waits for it
+    (`mcp.wait`) and gets its result: the tool ran once."""
+    tag, key = unique("cut"), unique("key")
+
+    async def go():
+        async with connect(world, lib, mode) as tools:
+            with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+                await asyncio.wait_for(tools.call("slow_job", {"steps": 10, "tag": tag}, key=key), 0.3)
+        async with connect(world, lib, mode) as tools:
+            return await tools.call("slow_job", {"steps": 10, "tag": tag}, key=key)
+
+    again = run(go())
+    assert structured(again)["tag"] == tag
+    assert meta(again)[REPLAYED] is True
+    assert world.executions("slow_job", tag=tag) == 1
+
+
 @pytest.mark.parametrize("lib,mode", CLIENTS, ids=IDS)
 def test_a_key_reused_with_other_arguments_is_refused(world, lib, mode):
     to, key = unique("to"), unique("key")
