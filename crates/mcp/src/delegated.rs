@@ -285,6 +285,17 @@ pub(crate) async fn task_request(
     if record.state != RecordState::InProgress {
         return not_found();
     }
+    // Input lets a task act on: refused while a kill switch covers its key (polls and cancels
+    // still pass, so that its outcome is learnt).
+    if method == "tasks/update"
+        && let Ok(switches) = gateway.guard().engaged_switches().await
+        && let Some(switch) = switches
+            .iter()
+            .find(|s| s.tenant == record.scope.tenant && s.target.covers(&record.scope.namespace, record.run.as_ref()))
+    {
+        gateway.observe(&caller.tenant, "denied");
+        return rpc_error(Some(&id), &ApiError::Denied(switch.denial()));
+    }
     // Its status notifications on the session's stream are read from now on, on this instance too.
     if let Some(session) = parts.headers.get("mcp-session-id").and_then(|v| v.to_str().ok()) {
         let task =

@@ -767,3 +767,23 @@ async fn a_terminal_status_on_the_sessions_stream_settles_the_key() {
     assert_eq!(replay["result"]["content"][0]["text"], "job done", "{replay}");
     assert_eq!(app.runs(), 1);
 }
+
+#[tokio::test]
+async fn a_kill_switch_refuses_input_to_a_task_and_lets_polls_pass() {
+    let app = spawn_app(|_| {}).await;
+    let id = task_id(&app.rpc(&call(1, Shape::Extension, "u")).await);
+    let tenant = TenantId::parse("anon").unwrap();
+    let target = SwitchTarget::Namespace { prefix: Namespace::parse("mcp/up/job").unwrap() };
+    app.guard.engage_switch("test", &tenant, target.clone(), "stop the agent".into(), false).await.unwrap();
+    let mut update = task_request(2, "tasks/update", &id);
+    update["params"]["inputResponses"] = json!({"confirm": {"action": "accept"}});
+    let refused = app.rpc(&update).await;
+    assert_eq!(refused["error"]["code"], 42301, "{refused}");
+    let asked = app.up.lock().unwrap().asked.len();
+    let polled = app.rpc(&task_request(3, "tasks/get", &id)).await;
+    assert_eq!(polled["result"]["status"], "working", "{polled}");
+    assert_eq!(app.up.lock().unwrap().asked.len(), asked + 1, "the poll reached the upstream; the update did not");
+    app.guard.release_switch("test", &tenant, &target, None).await.unwrap();
+    let passed = app.rpc(&update).await;
+    assert!(passed.get("result").is_some(), "{passed}");
+}
