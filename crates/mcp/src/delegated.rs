@@ -205,6 +205,26 @@ pub(crate) struct Capture {
 }
 
 impl Capture {
+    /// Where an answer about `record`'s task settles, acting as `actor`: the record's key and
+    /// fence as read, the gateway's task id `task_id` in place of the upstream's `upstream_task`.
+    pub(crate) fn of(
+        gateway: &Arc<Gateway>,
+        record: &onceguard_core::Record,
+        actor: &str,
+        task_id: String,
+        upstream_task: &str,
+    ) -> Self {
+        Self {
+            gateway: gateway.clone(),
+            scope: record.scope.clone(),
+            fence: record.fence,
+            actor: actor.to_owned(),
+            unknown: record.unknown.is_some(),
+            task_id,
+            upstream_task: upstream_task.to_owned(),
+        }
+    }
+
     pub(crate) async fn settle(&self, state: TaskState) {
         let limits = self.gateway.guard().limits().clone();
         let holder = Holder {
@@ -319,15 +339,7 @@ pub(crate) async fn task_request(
         let error = ApiError::BadGateway(format!("the upstream answered HTTP {} about the task", response.status()));
         return rpc_error(Some(&id), &error);
     }
-    let capture = Capture {
-        gateway: gateway.clone(),
-        scope,
-        fence: record.fence,
-        actor: caller.actor.clone(),
-        unknown: record.unknown.is_some(),
-        task_id: wrapped.clone(),
-        upstream_task: delegation.task.clone(),
-    };
+    let capture = Capture::of(&gateway, &record, &caller.actor, wrapped.clone(), &delegation.task);
     let method = method.to_owned();
     if is_event_stream(response.headers()) {
         return stream_answer(response, capture, delegation, id, method, headers, uri);
@@ -482,16 +494,7 @@ async fn settle_notified(gateway: Arc<Gateway>, task: crate::state::SessionTask,
             None => return,
         }
     };
-    let capture = Capture {
-        gateway: gateway.clone(),
-        scope: task.scope.clone(),
-        fence: record.fence,
-        actor: ACTOR.to_owned(),
-        unknown: record.unknown.is_some(),
-        task_id: task.id.clone(),
-        upstream_task: task.delegation.task.clone(),
-    };
-    capture.settle(state).await;
+    Capture::of(&gateway, &record, ACTOR, task.id.clone(), &task.delegation.task).settle(state).await;
 }
 
 /// Who settles a key on the gateway's own initiative, for the audit log.

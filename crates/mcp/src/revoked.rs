@@ -143,14 +143,5 @@ async fn send_cancel(gateway: &Gateway, delegation: &Delegation) -> Option<(Head
 async fn cancel(gateway: &Arc<Gateway>, record: &Record, delegation: &Delegation) {
     let Some((headers, uri)) = send_cancel(gateway, delegation).await else { return };
     let state = ask(gateway, &headers, &uri, delegation).await;
-    let capture = Capture {
-        gateway: gateway.clone(),
-        scope: record.scope.clone(),
-        fence: record.fence,
-        actor: ACTOR.to_owned(),
-        unknown: record.unknown.is_some(),
-        task_id: delegation.task_ref(record).id(),
-        upstream_task: delegation.task.clone(),
-    };
-    capture.settle(state).await;
+    Capture::of(gateway, record, ACTOR, delegation.task_ref(record).id(), &delegation.task).settle(state).await;
 }
