@@ -85,9 +85,13 @@ impl ScaleSqlite {
                 [tenant.as_str()],
                 |r| r.get(0),
             )?;
+            let mut namespace = tx.prepare(
+                "INSERT INTO namespaces (tenant, name) VALUES (?1, ?2) ON CONFLICT (tenant, name) DO NOTHING",
+            )?;
             let mut insert = tx.prepare(
-                "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
-                 VALUES (?1, ?2, ?3, 'completed', NULL, NULL, ?4, ?5, ?6)",
+                "INSERT INTO records (tenant, ns, key, state, run, lease_expires_at, expires_at, doc, body)
+                 VALUES (?1, (SELECT id FROM namespaces WHERE tenant = ?1 AND name = ?2), ?3, 'completed', NULL, NULL,
+                         ?4, ?5, ?6)",
             )?;
             for i in from..to {
                 let fence = Fence(u64::try_from(base)? + (i - from) as u64 + 1);
@@ -95,6 +99,7 @@ impl ScaleSqlite {
                 let scope = record.scope.clone();
                 let expires = i64::try_from(record.expires_at.0)?;
                 let (doc, body) = record.pack();
+                namespace.execute(params![scope.tenant.as_str(), scope.namespace.as_str()])?;
                 insert.execute(params![
                     scope.tenant.as_str(),
                     scope.namespace.as_str(),

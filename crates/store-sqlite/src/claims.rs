@@ -275,25 +275,39 @@ impl ClaimStore for SqliteStore {
     async fn purge(&self, scope: &Scope) -> Result<bool, StoreError> {
         let scope = scope.clone();
         self.write(move |conn| {
-            let n = conn
-                .execute(
-                    "DELETE FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3",
+            let ns: Option<i64> = conn
+                .query_row(
+                    "DELETE FROM records
+                     WHERE tenant = ?1 AND ns = (SELECT id FROM namespaces WHERE tenant = ?1 AND name = ?2) AND key = ?3
+                     RETURNING ns",
                     params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()],
+                    |r| r.get(0),
                 )
+                .optional()
                 .map_err(unavailable)?;
-            Ok(n > 0)
+            forget_empty_namespaces(conn, ns)?;
+            Ok(ns.is_some())
         })
         .await
     }
 
     async fn sweep(&self, now: Timestamp, batch: usize) -> Result<usize, StoreError> {
         self.write(move |conn| {
-            conn.execute(
-                "DELETE FROM records WHERE (tenant, namespace, key) IN
-                   (SELECT tenant, namespace, key FROM records WHERE expires_at <= ?1 LIMIT ?2)",
-                params![to_i64(now), i64::try_from(batch).unwrap_or(i64::MAX)],
-            )
-            .map_err(unavailable)
+            let mut st = conn
+                .prepare_cached(
+                    "DELETE FROM records WHERE (tenant, ns, key) IN
+                       (SELECT tenant, ns, key FROM records WHERE expires_at <= ?1 LIMIT ?2)
+                     RETURNING ns",
+                )
+                .map_err(unavailable)?;
+            let swept = st
+                .query_map(params![to_i64(now), i64::try_from(batch).unwrap_or(i64::MAX)], |r| r.get::<_, i64>(0))
+                .map_err(unavailable)?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(unavailable)?;
+            let namespaces: HashSet<i64> = swept.iter().copied().collect();
+            forget_empty_namespaces(conn, namespaces)?;
+            Ok(swept.len())
         })
         .await
     }
@@ -309,19 +323,26 @@ impl ClaimStore for SqliteStore {
 }
 
 /// The listing's query: `?1` tenant, `?2` now, `?3` state, `?4` stuck, `?5` run, `?6` namespace
-/// prefix, `?7` and `?8` the cursor, `?9` how many. A listing of one run names it outright and
-/// reads the run's index (`records_run`) rather than the tenant's records (without statistics,
-/// SQLite's planner would take the primary key, which saves it a lookup a row).
+/// prefix, `?7` and `?8` the cursor, `?9` how many. In order of namespace name and key: the
+/// tenant's namespaces by name (from the cursor's on), and the records of each by key. A
+/// listing of one run reads the run's index (`records_run`) instead, and sorts the run's
+/// records: its cost grows with the run, not with the tenant.
 pub(crate) fn list_sql(by_run: bool) -> String {
-    let (index, run) = if by_run { (" INDEXED BY records_run", "run = ?5") } else { ("", "?5 IS NULL") };
+    let from = if by_run {
+        "records r INDEXED BY records_run JOIN namespaces n ON n.id = r.ns"
+    } else {
+        "namespaces n CROSS JOIN records r ON r.tenant = n.tenant AND r.ns = n.id"
+    };
+    let run = if by_run { "r.run = ?5" } else { "?5 IS NULL" };
     format!(
-        "SELECT {RECORD_COLUMNS} FROM records{index}
-         WHERE tenant = ?1 AND {run} AND expires_at > ?2
-           AND (?3 IS NULL OR state = ?3)
-           AND (?4 = 0 OR (state = 'in_progress' AND lease_expires_at <= ?2))
-           AND (?6 IS NULL OR namespace = ?6 OR substr(namespace, 1, length(?6) + 1) = ?6 || '/')
-           AND (?7 IS NULL OR (namespace, key) > (?7, ?8))
-         ORDER BY namespace, key
+        "SELECT {RECORD_COLUMNS} FROM {from}
+         WHERE n.tenant = ?1 AND r.tenant = ?1 AND {run} AND r.expires_at > ?2
+           AND (?3 IS NULL OR r.state = ?3)
+           AND (?4 = 0 OR (r.state = 'in_progress' AND r.lease_expires_at <= ?2))
+           AND (?6 IS NULL OR n.name = ?6 OR substr(n.name, 1, length(?6) + 1) = ?6 || '/')
+           AND (?7 IS NULL OR n.name >= ?7)
+           AND (?7 IS NULL OR (n.name, r.key) > (?7, ?8))
+         ORDER BY n.name, r.key
          LIMIT ?9"
     )
 }

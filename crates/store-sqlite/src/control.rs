@@ -132,10 +132,10 @@ impl ControlStore for SqliteStore {
                 SwitchTarget::Run { run } => (None, Some(run.as_str())),
             };
             let sql = format!(
-                "SELECT {RECORD_COLUMNS} FROM records
-                 WHERE tenant = ?1 AND state = 'in_progress' AND expires_at > ?2
-                   AND (?3 IS NULL OR namespace = ?3 OR substr(namespace, 1, length(?3) + 1) = ?3 || '/')
-                   AND (?4 IS NULL OR run = ?4)"
+                "SELECT {RECORD_COLUMNS} FROM records r JOIN namespaces n ON n.id = r.ns
+                 WHERE r.tenant = ?1 AND r.state = 'in_progress' AND r.expires_at > ?2
+                   AND (?3 IS NULL OR n.name = ?3 OR substr(n.name, 1, length(?3) + 1) = ?3 || '/')
+                   AND (?4 IS NULL OR r.run = ?4)"
             );
             let mut st = conn.prepare_cached(&sql).map_err(unavailable)?;
             let rows =

@@ -190,6 +190,36 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE records ADD COLUMN unknown INTEGER;
     UPDATE records SET unknown = 1 WHERE state = 'in_progress' AND json_extract(doc, '$.unknown') IS NOT NULL;
 "#,
+    // A record names its namespace by a number (`namespaces.id`) rather than by its text: the
+    // key of the table and of every index entry holds a varint of a byte or two where it held
+    // the namespace (38 bytes for the proxy's `proxy/<32 hex>`). A namespace's row is made by
+    // the first record written in it and removed once its last record is swept or purged.
+    r#"
+    CREATE TABLE namespaces (id INTEGER PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL);
+    CREATE UNIQUE INDEX namespaces_name ON namespaces (tenant, name);
+    INSERT INTO namespaces (tenant, name) SELECT DISTINCT tenant, namespace FROM records ORDER BY tenant, namespace;
+    CREATE TABLE records_by_id (
+        tenant TEXT NOT NULL,
+        ns INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        state TEXT NOT NULL,
+        run TEXT,
+        lease_expires_at INTEGER,
+        expires_at INTEGER NOT NULL,
+        unknown INTEGER,
+        doc TEXT NOT NULL,
+        body BLOB,
+        PRIMARY KEY (tenant, ns, key)
+    ) WITHOUT ROWID;
+    INSERT INTO records_by_id
+        SELECT r.tenant, n.id, r.key, r.state, r.run, r.lease_expires_at, r.expires_at, r.unknown, r.doc, r.body
+        FROM records r JOIN namespaces n ON n.tenant = r.tenant AND n.name = r.namespace;
+    DROP TABLE records;
+    ALTER TABLE records_by_id RENAME TO records;
+    CREATE INDEX records_expiry ON records (expires_at);
+    CREATE INDEX records_run ON records (tenant, run, ns, key) WHERE run IS NOT NULL;
+    CREATE INDEX records_leases ON records (tenant, lease_expires_at) WHERE state = 'in_progress';
+"#,
 ];
 
 /// Moves the rollbacks kept as control documents (by earlier versions) to the table rollbacks:
@@ -434,20 +464,56 @@ fn store_fence(conn: &Connection, tenant: &TenantId, last: u64) -> Result<(), St
     .map_err(unavailable)
 }
 
-/// What a listing reads of a record: its scope and what [`save`] wrote.
-const RECORD_COLUMNS: &str = "tenant, namespace, key, doc, body";
+/// What a listing reads of a record (`r`, joined to its namespace `n`): its scope and what
+/// [`save`] wrote.
+const RECORD_COLUMNS: &str = "r.tenant, n.name, r.key, r.doc, r.body";
+
+/// The number of `scope`'s namespace, made if it has none yet (by the writer, in the
+/// transaction that writes the record).
+fn namespace_id(conn: &Connection, scope: &Scope) -> Result<i64, StoreError> {
+    let (tenant, name) = (scope.tenant.as_str(), scope.namespace.as_str());
+    let found = conn
+        .prepare_cached("SELECT id FROM namespaces WHERE tenant = ?1 AND name = ?2")
+        .and_then(|mut st| st.query_row([tenant, name], |r| r.get(0)).optional())
+        .map_err(unavailable)?;
+    if let Some(id) = found {
+        return Ok(id);
+    }
+    conn.prepare_cached("INSERT INTO namespaces (tenant, name) VALUES (?1, ?2)")
+        .and_then(|mut st| st.execute([tenant, name]))
+        .map_err(unavailable)?;
+    Ok(conn.last_insert_rowid())
+}
+
+/// Removes the namespaces `ids` that no record is in any longer (after a sweep or a purge), so
+/// that their number stays bounded by the namespaces in use.
+fn forget_empty_namespaces(conn: &Connection, ids: impl IntoIterator<Item = i64>) -> Result<(), StoreError> {
+    let mut st = conn
+        .prepare_cached(
+            "DELETE FROM namespaces WHERE id = ?1
+               AND NOT EXISTS (SELECT 1 FROM records r WHERE r.tenant = namespaces.tenant AND r.ns = ?1)",
+        )
+        .map_err(unavailable)?;
+    for id in ids {
+        st.execute([id]).map_err(unavailable)?;
+    }
+    Ok(())
+}
 
 fn load(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError> {
-    conn.prepare_cached("SELECT doc, body FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3")
-        .and_then(|mut st| {
-            st.query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], |row| {
-                Ok((doc_bytes(row, 0)?, row.get(1)?))
-            })
-            .optional()
+    conn.prepare_cached(
+        "SELECT doc, body FROM records
+         WHERE tenant = ?1 AND ns = (SELECT id FROM namespaces WHERE tenant = ?1 AND name = ?2) AND key = ?3",
+    )
+    .and_then(|mut st| {
+        st.query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], |row| {
+            Ok((doc_bytes(row, 0)?, row.get(1)?))
         })
-        .map_err(unavailable)?
-        .map(|(doc, body)| Record::unpack(scope.clone(), &doc, body).map_err(corrupt))
-        .transpose()
+        .optional()
+    })
+    .map_err(unavailable)?
+    .map(|(doc, body)| Record::unpack(scope.clone(), &doc, body).map_err(corrupt))
+    .transpose()
 }
 
 /// A record's document: packed (a BLOB) or, as earlier versions wrote it, JSON text.
@@ -484,17 +550,18 @@ fn save(conn: &Connection, record: Record) -> Result<(), StoreError> {
     let (state, run, lease_expires_at, expires_at, unknown) =
         (record.state, record.run.clone(), record.lease_expires_at, record.expires_at, record.unknown.is_some());
     let (doc, body) = record.pack();
+    let ns = namespace_id(conn, &scope)?;
     conn.prepare_cached(
-        "INSERT INTO records (tenant, namespace, key, state, run, lease_expires_at, expires_at, unknown, doc, body)
+        "INSERT INTO records (tenant, ns, key, state, run, lease_expires_at, expires_at, unknown, doc, body)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
-         ON CONFLICT (tenant, namespace, key) DO UPDATE SET
+         ON CONFLICT (tenant, ns, key) DO UPDATE SET
            state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
            expires_at = excluded.expires_at, unknown = excluded.unknown, doc = excluded.doc, body = excluded.body",
     )
     .and_then(|mut st| {
         st.execute(params![
             scope.tenant.as_str(),
-            scope.namespace.as_str(),
+            ns,
             scope.key.as_str(),
             state.as_str(),
             run.as_ref().map(|r| r.as_str()),
@@ -575,13 +642,83 @@ mod tests {
                 .fold(sql, |sql, (p, v)| sql.replace(p, v))
         };
         let plan = query_plan(&conn, &bind(claims::list_sql(true), "'r'"));
-        assert!(
-            plan.contains("USING INDEX records_run (tenant=? AND run=?)") && !plan.contains("TEMP B-TREE"),
-            "{plan}"
-        );
-        // Without a run, the tenant's records in order, as before.
+        assert!(plan.contains("USING INDEX records_run (tenant=? AND run=?)"), "{plan}");
+        // Without a run, the tenant's namespaces in order of name, and each one's records in
+        // order of key: no sort, whatever the tenant holds.
         let plan = query_plan(&conn, &bind(claims::list_sql(false), "NULL"));
-        assert!(!plan.contains("records_run"), "{plan}");
+        assert!(!plan.contains("records_run") && !plan.contains("TEMP B-TREE"), "{plan}");
+        assert!(plan.contains("USING COVERING INDEX namespaces_name (tenant=?)"), "{plan}");
+        assert!(plan.contains("USING PRIMARY KEY (tenant=? AND ns=?)"), "{plan}");
+    }
+
+    #[tokio::test]
+    async fn a_namespace_is_a_number_kept_while_a_record_is_in_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("ns.db")).unwrap();
+        let now = Timestamp(1_000);
+        let in_ns = |ns: &str, key: &str| {
+            let mut r = request(key);
+            r.scope.namespace = onceguard_core::Namespace::parse(ns).unwrap();
+            r.max_in_flight = None;
+            r
+        };
+        for (ns, key) in [("proxy/aaaa", "1"), ("proxy/aaaa", "2"), ("proxy/bbbb", "1")] {
+            assert!(matches!(store.claim(&in_ns(ns, key), now).await.unwrap(), ClaimOutcome::Acquired(_)));
+        }
+        async fn namespaces(store: &SqliteStore) -> Result<Vec<String>, StoreError> {
+            store
+                .read(|c| {
+                    let mut st = c.prepare("SELECT name FROM namespaces ORDER BY name").map_err(unavailable)?;
+                    let names = st.query_map([], |r| r.get::<_, String>(0)).map_err(unavailable)?;
+                    names.collect::<Result<Vec<_>, _>>().map_err(unavailable)
+                })
+                .await
+        }
+        assert_eq!(namespaces(&store).await.unwrap(), ["proxy/aaaa", "proxy/bbbb"]);
+        // The key and the index entries hold the number, not the name.
+        let stored: (i64, String) = store
+            .read(|c| {
+                c.query_row("SELECT ns, key FROM records LIMIT 1", [], |r| Ok((r.get(0)?, r.get(1)?)))
+                    .map_err(unavailable)
+            })
+            .await
+            .unwrap();
+        assert!(stored.0 > 0, "{stored:?}");
+        // Purging one of two keys keeps the namespace; purging the last forgets it.
+        assert!(store.purge(&in_ns("proxy/aaaa", "1").scope).await.unwrap());
+        assert!(!store.purge(&in_ns("proxy/aaaa", "1").scope).await.unwrap());
+        assert_eq!(namespaces(&store).await.unwrap(), ["proxy/aaaa", "proxy/bbbb"]);
+        assert!(store.purge(&in_ns("proxy/aaaa", "2").scope).await.unwrap());
+        assert_eq!(namespaces(&store).await.unwrap(), ["proxy/bbbb"]);
+        // The sweep forgets the namespaces it empties, and a key written again makes its own.
+        let ClaimOutcome::Acquired(held) = store.claim(&in_ns("proxy/bbbb", "2"), now).await.unwrap() else {
+            panic!("not acquired")
+        };
+        let outcome = onceguard_core::Outcome {
+            kind: onceguard_core::OutcomeKind::Success,
+            content_type: "application/json".into(),
+            body: b"{}".to_vec(),
+            cost: None,
+            tokens: None,
+            reconciled: false,
+            compensation: None,
+        };
+        let call = onceguard_core::store::FencedCall {
+            scope: in_ns("proxy/bbbb", "2").scope,
+            fence: held.fence,
+            mutation: Mutation::Complete(outcome),
+        };
+        store.mutate_batch(&[call], now, 8).await.unwrap();
+        assert!(store.purge(&in_ns("proxy/bbbb", "1").scope).await.unwrap());
+        assert_eq!(namespaces(&store).await.unwrap(), ["proxy/bbbb"]);
+        let later = Timestamp(now.0 + 86_400_000);
+        assert_eq!(store.sweep(later, 100).await.unwrap(), 1);
+        assert!(namespaces(&store).await.unwrap().is_empty());
+        assert!(store.get(&in_ns("proxy/bbbb", "1").scope, now).await.unwrap().is_none());
+        let again = in_ns("proxy/bbbb", "1");
+        assert!(matches!(store.claim(&again, later).await.unwrap(), ClaimOutcome::Acquired(_)));
+        assert_eq!(store.get(&again.scope, later).await.unwrap().unwrap().scope, again.scope);
+        assert_eq!(namespaces(&store).await.unwrap(), ["proxy/bbbb"]);
     }
 
     fn scope(key: &str) -> Scope {
