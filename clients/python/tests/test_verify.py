@@ -7,12 +7,13 @@ A recovery is made at once, without waiting for a lease: a first attempt whose e
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 import onceguard
-from onceguard import Acquired, Checkpoint, CompleteItem, Happened, Replay, current, guarded, once
+from onceguard import Acquired, Checkpoint, CompleteItem, Happened, Replay, Settings, current, guarded, once
 
 
 class UpstreamTimeout(Exception):
@@ -224,3 +225,175 @@ async def test_an_async_guarded_block_with_verify(aclient: onceguard.AsyncClient
         assert attempt.replayed and attempt.reconciled and attempt.result == "was done"
     replay = await aclient.claim(ns, "k", request=1)
     assert isinstance(replay, Replay) and replay.reconciled and replay.result == "was done"
+
+
+def test_under_the_recovery_policy_verify_only_a_call_with_a_verify_hook_recovers(
+    client: onceguard.Client, admin: onceguard.Client, ns: str
+) -> None:
+    """A first attempt whose outcome is unknown leaves a key that may have been charged: under
+    ``recovery: verify`` a call without a ``verify`` hook is refused with a clear error and does
+    not run; one with a hook recovers it, and its hook decides."""
+    prefix = f"{ns}/pay"
+    entry = admin.put_settings(Settings(recovery="verify"), namespace_prefix=prefix, why="payments")
+    assert entry.settings.recovery == "verify"
+    runs: list[int] = []
+    try:
+
+        @once(client, prefix, key="charge-1", unknown=(UpstreamTimeout,))
+        def charge(amount: int) -> dict[str, Any]:
+            runs.append(current().attempt)
+            raise UpstreamTimeout("no answer after sending")
+
+        with pytest.raises(UpstreamTimeout):
+            charge(20)
+        for _ in range(2):
+            with pytest.raises(onceguard.RecoveryNeedsVerify) as e:
+                charge(20)
+            assert "verify" in str(e.value) and e.value.kind == "recovery"
+            assert e.value.reason["previous_attempt"] == 1
+        assert runs == [1], "the function did not run again"
+        record = client.get_record(prefix, "charge-1")
+        assert record is not None and record.state == "in_progress" and record.attempt == 1
+
+        @once(client, prefix, key="charge-1", verify=lambda key, fence, checkpoint: Happened({"charge": "ch_1"}))
+        def charge_checked(amount: int) -> dict[str, Any]:
+            runs.append(current().attempt)
+            return {"charge": "again"}
+
+        assert charge_checked(20) == {"charge": "ch_1"}
+        assert runs == [1]
+        record = client.get_record(prefix, "charge-1")
+        assert record is not None and record.reconciled and record.attempt == 2
+    finally:
+        admin.delete_settings(namespace_prefix=prefix)
+
+
+def test_under_the_recovery_policy_ask_a_person_decides_and_the_call_runs_at_most_once(
+    client: onceguard.Client, admin: onceguard.Client, ns: str
+) -> None:
+    """Under ``recovery: ask`` a recovery waits for a person: the call answers an approval of
+    the recovery (``AwaitingApproval``); approved, the next call re-runs it once; marked done
+    (``reconcile``), the next call replays the result given."""
+    prefix = f"{ns}/mail"
+    admin.put_settings(Settings(recovery="ask"), namespace_prefix=prefix, why="emails")
+    runs: list[str] = []
+    try:
+
+        @once(client, prefix, unknown=(UpstreamTimeout,))
+        def send(to: str) -> str:
+            runs.append(to)
+            if runs.count(to) == 1:
+                raise UpstreamTimeout("the mail server did not answer")
+            return f"sent to {to}"
+
+        for to in ("ops", "sales"):
+            with pytest.raises(UpstreamTimeout):
+                send(to)
+            with pytest.raises(onceguard.AwaitingApproval) as e:
+                send(to)
+            approval = e.value.approval
+            assert approval.recovery is not None and approval.recovery["previous_attempt"] == 1
+            assert approval.recovery["reason"] == "reported_unknown"
+            with pytest.raises(onceguard.AwaitingApproval):
+                send(to)
+            assert runs.count(to) == 1, "nothing ran while a person decides"
+            if to == "ops":
+                decided = admin.approve(approval.id, why="the mail server lost it")
+                assert decided.state == "approved"
+                assert send(to) == "sent to ops"
+                assert send(to) == "sent to ops"
+                assert runs.count(to) == 2, "re-run once"
+            else:
+                decided = admin.reconcile(approval.id, why="the mail log shows it", result="sent to sales (log)")
+                assert decided.state == "reconciled"
+                assert send(to) == "sent to sales (log)"
+                assert runs.count(to) == 1, "never run again"
+    finally:
+        admin.delete_settings(namespace_prefix=prefix)
+
+
+_CRASHING_CHARGE = """
+import pathlib, sys, time
+import onceguard
+
+url, token, namespace, effects = sys.argv[1:5]
+client = onceguard.Client(url, token)
+
+@onceguard.once(client, namespace, key="charge-7", lease="1s")
+def charge(amount):
+    with open(effects, "a") as f:
+        f.write("charged\\n")
+    print("charged", flush=True)
+    time.sleep(120)  # SIGKILLed here, after its effect and before its outcome is stored
+    return {"charge": "ch_7"}
+
+charge(20)
+"""
+
+
+def test_under_ask_a_process_killed_after_its_effect_is_recovered_only_once_a_person_approves(
+    server: Any, agent_key: str, client: onceguard.Client, admin: onceguard.Client, ns: str, tmp_path: Any
+) -> None:
+    """The case the policy is for: a process charges, is SIGKILLed before storing the outcome,
+    and the orchestrator runs the call again. Under ``recovery: ask`` nothing runs until a person
+    decides; approved, eight concurrent calls re-run it once."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    prefix = f"{ns}/pay"
+    admin.put_settings(Settings(recovery="ask"), namespace_prefix=prefix, why="payments")
+    effects = tmp_path / "effects"
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CRASHING_CHARGE, server.url, agent_key, prefix, str(effects)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "charged"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+
+        @once(client, prefix, key="charge-7", lease="1s")
+        def charge(amount: int) -> dict[str, Any]:
+            with open(effects, "a") as f:
+                f.write("charged\n")
+            return {"charge": "ch_7b"}
+
+        # The killed holder's lease (1 s, no longer extended) passes; until then the key is in flight.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                charge(20)
+            except onceguard.InFlightError:
+                assert time.monotonic() < deadline, "the killed holder's lease never passed"
+                time.sleep(0.2)
+                continue
+            except onceguard.AwaitingApproval as e:
+                approval = e.approval
+                break
+            raise AssertionError("the recovery ran without a person's decision")
+        assert approval.recovery is not None and approval.recovery["reason"] == "lease_expired"
+        assert effects.read_text().count("charged") == 1, "nothing ran while a person decides"
+        admin.approve(approval.id, why="the provider shows no charge")
+
+        answers: list[Any] = []
+
+        def call() -> None:
+            try:
+                answers.append(charge(20))
+            except onceguard.InFlightError as e:
+                answers.append(e)
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert effects.read_text().count("charged") == 2, "approved once, run once"
+        assert {"charge": "ch_7b"} in answers, answers
+        assert charge(20) == {"charge": "ch_7b"}
+        assert effects.read_text().count("charged") == 2
+    finally:
+        admin.delete_settings(namespace_prefix=prefix)

@@ -316,6 +316,13 @@ export interface ClaimOptions extends CallOptions {
    * sealed: say what an approver needs, no secrets.
    */
   readonly summary?: string | undefined;
+  /**
+   * `true` if you check, on a recovery, whether the unfinished attempt's effect happened before
+   * running it again (the guard sends it when given a `verify` hook). Where the namespace's
+   * recovery policy is `verify`, only such a claim takes over a key whose last attempt did not
+   * finish; others are `denied` (kind `recovery`).
+   */
+  readonly verifyHook?: boolean | undefined;
 }
 
 function claimFields(namespace: string, key: string, options: ClaimOptions, allowWait: boolean): Json {
@@ -335,6 +342,7 @@ function claimFields(namespace: string, key: string, options: ClaimOptions, allo
     wait: allowWait ? optionalDuration(options.wait) : undefined,
     cost: count("cost", options.cost),
     summary: options.summary,
+    verify_hook: options.verifyHook === true ? true : undefined,
   };
 }
 
@@ -423,6 +431,7 @@ function settingsJson(settings: Settings): Json {
   if (settings.approvalRequired !== undefined) out["approval_required"] = settings.approvalRequired;
   if (settings.approvalExpiry !== undefined) out["approval_expiry"] = formatDuration(settings.approvalExpiry);
   if (settings.mode !== undefined) out["mode"] = settings.mode;
+  if (settings.recovery !== undefined) out["recovery"] = settings.recovery;
   return out;
 }
 
@@ -848,9 +857,26 @@ export class Client {
     return this.#decide(id, "deny", options);
   }
 
-  #decide(id: string, decision: "approve" | "deny", options: { readonly why: string } & CallOptions): Promise<Approval> {
+  /**
+   * Mark a pending approval of a recovery done (admin; recovery policy `ask`; audited with
+   * `why`): the unfinished attempt's effect happened; its key completes with `result` (JSON,
+   * default `null`), marked reconciled, which every later call replays, and nothing runs again.
+   * Throws as {@link approve}, and {@link InvalidRequest} for an approval of a call. Not retried
+   * once sent.
+   */
+  reconcile(id: string, options: { readonly why: string; readonly result?: unknown } & CallOptions): Promise<Approval> {
+    return this.#decide(id, "reconcile", options, { result: options.result ?? null });
+  }
+
+  #decide(
+    id: string,
+    decision: "approve" | "deny" | "reconcile",
+    options: { readonly why: string } & CallOptions,
+    extra: Json = {},
+  ): Promise<Approval> {
     const read = (answer: Answer): Approval => approvalOf(expect(answer, 200));
-    const call = { method: "POST", path: `${approvalPath(id)}/${decision}`, read, body: body({ why: options.why }), idempotent: false };
+    const payload = body({ why: options.why, ...extra });
+    const call = { method: "POST", path: `${approvalPath(id)}/${decision}`, read, body: payload, idempotent: false };
     return this.#send(call, options.signal);
   }
 

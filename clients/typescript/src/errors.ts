@@ -279,7 +279,7 @@ export class DeniedError extends GuardError {
     );
     this.denied = denied;
   }
-  /** `switch`, `budget`, `quota` or `approval`. */
+  /** `switch`, `budget`, `quota`, `approval` or `recovery`. */
   get kind(): DeniedKind {
     return this.denied.kind;
   }
@@ -318,6 +318,22 @@ export class ApprovalDeniedError extends DeniedError {
   /** Why, in the approver's words. */
   get why(): string {
     return String(this.denied.reason["why"] ?? "");
+  }
+}
+
+/**
+ * The key's last attempt did not finish and may have done its effect, and the namespace's
+ * recovery policy is `verify`: only a call given a `verify` hook (which checks downstream
+ * whether the effect happened before running it again) may take the key over. Nothing ran or
+ * changed. Not retryable as is: pass `verify`, or ask an operator to resolve the key.
+ */
+export class RecoveryNeedsVerifyError extends DeniedError {
+  constructor(denied: Denied, namespace: string, key: string) {
+    super(denied, namespace, key);
+    this.message =
+      `The last attempt at this call did not finish and may have run; its namespace's recovery policy is ` +
+      `'verify', so it is not run again without a verify hook: pass verify (a function checking whether the ` +
+      `effect happened) or ask an operator to resolve the key. (key ${JSON.stringify(key)} in ${namespace})`;
   }
 }
 

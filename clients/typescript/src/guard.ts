@@ -53,6 +53,7 @@ import type { Client } from "./client.js";
 import { checkCompensation } from "./compensation.js";
 import {
   ApprovalDeniedError,
+  RecoveryNeedsVerifyError,
   AwaitingApprovalError,
   DeniedError,
   InFlightError,
@@ -618,6 +619,7 @@ function interpret(answer: ClaimAnswer, policy: Policy, key: string): Acquired |
       throw new KeyConflict(ns, key, answer.detail);
     case "denied":
       if (answer.kind === "approval") throw new ApprovalDeniedError(answer, ns, key);
+      if (answer.kind === "recovery") throw new RecoveryNeedsVerifyError(answer, ns, key);
       throw new DeniedError(answer, ns, key);
     case "pending_approval":
       throw new AwaitingApprovalError(answer.approval, answer.retryAfter, ns, key);
@@ -656,6 +658,7 @@ async function claimKey(client: Client, policy: Policy, key: string, claim: Clai
       wait,
       cost: policy.cost,
       summary: claim.summary ?? undefined,
+      verifyHook: policy.verify !== undefined,
       signal: claim.signal,
     });
   let answer = await ask(policy.wait);

@@ -220,10 +220,11 @@ export interface Mismatch {
 }
 
 /**
- * What refused a claim: a kill switch, a run's budget, the tenant's quota, or a person who
- * denied the call's approval.
+ * What refused a claim: a kill switch, a run's budget, the tenant's quota, a person who denied
+ * the call's approval, or the recovery policy (`recovery`: the key's last attempt did not finish
+ * and may have run; the namespace's policy is `verify` and the claim did not say it verifies).
  */
-export type DeniedKind = "switch" | "budget" | "quota" | "approval";
+export type DeniedKind = "switch" | "budget" | "quota" | "approval" | "recovery";
 
 /** The denial kind of each problem kind. */
 export const DENIED_KINDS: Readonly<Record<string, DeniedKind>> = {
@@ -231,6 +232,7 @@ export const DENIED_KINDS: Readonly<Record<string, DeniedKind>> = {
   "budget-exhausted": "budget",
   "quota-exceeded": "quota",
   "approval-denied": "approval",
+  "recovery-needs-verify": "recovery",
 };
 
 /**
@@ -273,8 +275,11 @@ export interface ApprovalDecision {
 export interface Approval {
   /** `apr_…`: what an admin approves or denies. */
   readonly id: string;
-  /** `pending`, `approved`, `denied`, or `expired` (nobody decided before `expiresAt`). */
-  readonly state: "pending" | "approved" | "denied" | "expired" | (string & {});
+  /**
+   * `pending`, `approved`, `denied`, `reconciled` (a recovery marked done), or `expired` (nobody
+   * decided before `expiresAt`).
+   */
+  readonly state: "pending" | "approved" | "denied" | "reconciled" | "expired" | (string & {});
   readonly namespace: string;
   readonly key: string;
   /** The fingerprint of the request to approve. */
@@ -291,6 +296,25 @@ export interface Approval {
   readonly expiresAt: Date;
   /** The decision, once taken. */
   readonly decision: ApprovalDecision | null;
+  /**
+   * Set on an approval of a recovery (recovery policy `ask`): the attempt that did not finish.
+   * Approve to re-run it once, deny to store it as failed, or `reconcile` to mark it done.
+   */
+  readonly recovery: RecoveryAsk | null;
+}
+
+/** The attempt an approval of a recovery asks about. */
+export interface RecoveryAsk {
+  /** The fence of the attempt that did not finish. */
+  readonly previousFence: number;
+  /** Its attempt number. */
+  readonly previousAttempt: number;
+  /** `lease_expired` or `reported_unknown`. */
+  readonly reason: string;
+  /** What its holder reported, for `reported_unknown`. */
+  readonly unknownDetail: string | null;
+  /** The name of its last checkpoint (the data is the record's). */
+  readonly lastCheckpoint: string | null;
 }
 
 export function approvalOf(d: Json): Approval {
@@ -315,6 +339,19 @@ export function approvalOf(d: Json): Approval {
             at: parseTime(decision["at"]),
           }
         : null,
+    recovery: recoveryAskOf(d["recovery"]),
+  };
+}
+
+function recoveryAskOf(d: unknown): RecoveryAsk | null {
+  if (d === null || typeof d !== "object") return null;
+  const r = d as Json;
+  return {
+    previousFence: int(r["previous_fence"]),
+    previousAttempt: int(r["previous_attempt"]),
+    reason: String(r["reason"] ?? ""),
+    unknownDetail: optionalString(r["unknown_detail"]),
+    lastCheckpoint: optionalString(r["last_checkpoint"]),
   };
 }
 
@@ -795,6 +832,13 @@ export interface Settings {
    * A kill switch still refuses.
    */
   readonly mode?: "enforce" | "observe";
+  /**
+   * What a claim of a key whose last attempt did not finish may do: `rerun` (the default),
+   * `verify` (only a call given a `verify` hook takes it over; others throw
+   * {@link RecoveryNeedsVerifyError}) or `ask` (a person decides: the call awaits an approval of
+   * the recovery).
+   */
+  readonly recovery?: "rerun" | "verify" | "ask";
 }
 
 function settingsOf(d: unknown): Settings {
@@ -815,6 +859,7 @@ function settingsOf(d: unknown): Settings {
   if (rate) out.claimRate = { perSecond: int(rate["per_second"]), burst: int(rate["burst"]) };
   if (s["outcome_kept"] === "full" || s["outcome_kept"] === "digest") out.outcomeKept = s["outcome_kept"];
   if (s["mode"] === "enforce" || s["mode"] === "observe") out.mode = s["mode"];
+  if (s["recovery"] === "rerun" || s["recovery"] === "verify" || s["recovery"] === "ask") out.recovery = s["recovery"];
   return out;
 }
 

@@ -10,14 +10,17 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import {
+  AwaitingApprovalError,
   Happened,
   InvalidRequest,
   OutcomeUnknown,
+  RecoveryNeedsVerifyError,
   applied,
   current,
   guarded,
   happened,
   once,
+  type Approval,
   type VerifyContext,
 } from "onceguard";
 import { acquired, ns, replay, useServer } from "./server.js";
@@ -229,5 +232,79 @@ describe("verify", () => {
     assert.equal(await guarded(fx.client, namespace, "k", options, () => "ran"), "found it");
     assert.equal(calls, 2);
     assert.equal((await fx.client.getRecord(namespace, "k"))?.reconciled, true);
+  });
+});
+
+describe("recovery policies", () => {
+  it("verify: a call without a verify hook is refused on a recovery and does not run; one with a hook recovers", async () => {
+    const prefix = ns("policy-verify");
+    const entry = await fx.admin.putSettings({ recovery: "verify" }, { namespacePrefix: prefix, why: "payments" });
+    assert.equal(entry.settings.recovery, "verify");
+    let runs = 0;
+    const charge = once(
+      async (amount: number) => {
+        runs++;
+        throw new OutcomeUnknown(`no answer after sending ${amount}`);
+      },
+      { client: fx.client, namespace: prefix, name: "charge", params: ["amount"] },
+    );
+    await assert.rejects(charge(20), OutcomeUnknown);
+    for (let i = 0; i < 2; i++) {
+      await assert.rejects(charge(20), (e: unknown) => {
+        assert.ok(e instanceof RecoveryNeedsVerifyError);
+        assert.equal(e.kind, "recovery");
+        assert.match(e.message, /verify hook/);
+        assert.equal(e.denied.reason["previous_attempt"], 1);
+        return true;
+      });
+    }
+    assert.equal(runs, 1, "the function did not run again");
+    const checked = once(async (_amount: number) => ({ charge: "again" }), {
+      client: fx.client,
+      namespace: prefix,
+      name: "charge",
+      params: ["amount"],
+      verify: async () => happened({ charge: "ch_1" }),
+    });
+    assert.deepEqual(await checked(20), { charge: "ch_1" });
+    assert.equal(runs, 1);
+  });
+
+  it("ask: a person decides; approved, the call re-runs once; reconciled, it replays the result given", async () => {
+    const prefix = ns("policy-ask");
+    await fx.admin.putSettings({ recovery: "ask" }, { namespacePrefix: prefix, why: "emails" });
+    const runs: string[] = [];
+    const send = once(
+      async (to: string) => {
+        runs.push(to);
+        if (runs.filter((r) => r === to).length === 1) throw new OutcomeUnknown("the mail server did not answer");
+        return `sent to ${to}`;
+      },
+      { client: fx.client, namespace: prefix, name: "send", params: ["to"] },
+    );
+    for (const to of ["ops", "sales"]) {
+      await assert.rejects(send(to), OutcomeUnknown);
+      let approval: Approval | undefined;
+      await assert.rejects(send(to), (e: unknown) => {
+        assert.ok(e instanceof AwaitingApprovalError);
+        approval = e.approval;
+        return true;
+      });
+      assert.equal(approval?.recovery?.previousAttempt, 1);
+      assert.equal(approval?.recovery?.reason, "reported_unknown");
+      assert.equal(runs.filter((r) => r === to).length, 1, "nothing ran while a person decides");
+      const id = approval?.id ?? "";
+      if (to === "ops") {
+        assert.equal((await fx.admin.approve(id, { why: "the mail server lost it" })).state, "approved");
+        assert.equal(await send(to), "sent to ops");
+        assert.equal(await send(to), "sent to ops");
+        assert.equal(runs.filter((r) => r === to).length, 2, "re-run once");
+      } else {
+        const decided = await fx.admin.reconcile(id, { why: "the mail log shows it", result: "sent to sales (log)" });
+        assert.equal(decided.state, "reconciled");
+        assert.equal(await send(to), "sent to sales (log)");
+        assert.equal(runs.filter((r) => r === to).length, 1, "never run again");
+      }
+    }
   });
 });

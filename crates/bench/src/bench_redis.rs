@@ -289,6 +289,7 @@ impl Redis {
                         margin_ms: 60_000,
                         source: "draw",
                         approval: None,
+                        recovery: &onceguard_core::protocol::RecoveryGate::Open,
                     }
                     .add_to(&mut invocation);
                     invocation.key(keys.fence_counter(&scope.tenant));

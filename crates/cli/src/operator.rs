@@ -5,7 +5,9 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use onceguard_core::auth::{ApiKeyId, Role};
-use onceguard_core::control::{AuditFilter, Budget, Mode, OutcomeKept, Rate, Settings, SettingsEntry, SwitchTarget};
+use onceguard_core::control::{
+    AuditFilter, Budget, Mode, OutcomeKept, Rate, RecoveryPolicy, Settings, SettingsEntry, SwitchTarget,
+};
 use onceguard_core::store::MAX_PAGE;
 use onceguard_core::{Guard, Key, ListFilter, Namespace, RecordState, RunId, Scope, TenantId, Timestamp};
 use onceguard_server::{Config, api};
@@ -93,6 +95,21 @@ pub(crate) enum ApprovalCommand {
         /// Why (required; kept with the decision and in the audit log).
         #[arg(long)]
         why: String,
+    },
+    /// Mark an approval of a recovery done (reconciled): the attempt's effect happened; the key
+    /// completes with the result given, which every later claim replays.
+    Reconcile {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The approval's id.
+        id: String,
+        /// Why (required; kept with the decision and in the audit log).
+        #[arg(long)]
+        why: String,
+        /// The result the key completes with, as JSON (default `null`).
+        #[arg(long)]
+        result: Option<String>,
     },
 }
 
@@ -336,6 +353,10 @@ pub(crate) enum SettingsCommand {
         /// proceed (but for a kill switch), and what enforcement would have answered is counted.
         #[arg(long, value_parser = parse_mode)]
         mode: Option<Mode>,
+        /// What a claim of a key whose last attempt did not finish may do: rerun (the default),
+        /// verify (only a caller with a verify hook takes it over) or ask (a person decides).
+        #[arg(long, value_parser = parse_recovery)]
+        recovery: Option<RecoveryPolicy>,
         /// Why (kept in the audit log).
         #[arg(long)]
         why: Option<String>,
@@ -532,9 +553,11 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             approval_required,
             approval_expiry,
             mode,
+            recovery,
             why,
         } => {
             let settings = Settings {
+                recovery,
                 default_lease,
                 max_lease,
                 default_retention,
@@ -595,6 +618,15 @@ async fn approvals(guard: &Guard, command: ApprovalCommand) -> Result<()> {
         }
         ApprovalCommand::Approve { tenant, id, why } => decide(guard, &tenant, &id, true, why).await,
         ApprovalCommand::Deny { tenant, id, why } => decide(guard, &tenant, &id, false, why).await,
+        ApprovalCommand::Reconcile { tenant, id, why, result } => {
+            let id = onceguard_core::approval::ApprovalId::parse(&id)?;
+            let result = result
+                .map(|r| serde_json::from_str(&r).with_context(|| format!("--result is not JSON: {r}")))
+                .transpose()?;
+            let tenant = TenantId::parse(&tenant)?;
+            let decided = guard.reconcile_recovery(&tenant, &id, &cli_actor(), why, result).await?;
+            print_json(&api::approval_view(&decided, decided.state(guard.clock().now())))
+        }
     }
 }
 
@@ -606,6 +638,10 @@ async fn decide(guard: &Guard, tenant: &str, id: &str, approved: bool, why: Stri
 
 fn parse_mode(s: &str) -> Result<Mode, String> {
     Mode::parse(s).ok_or_else(|| format!("'{s}' is not enforce or observe"))
+}
+
+fn parse_recovery(s: &str) -> Result<RecoveryPolicy, String> {
+    RecoveryPolicy::parse(s).ok_or_else(|| format!("'{s}' is not rerun, verify or ask"))
 }
 
 fn parse_outcome_kept(s: &str) -> Result<OutcomeKept, String> {

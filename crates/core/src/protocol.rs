@@ -26,8 +26,8 @@ use std::time::Duration;
 
 use crate::domain::{CheckpointName, Fence, Fingerprint, RunId, Scope, Timestamp};
 use crate::record::{
-    Acquired, Checkpoint, ClaimOutcome, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState, Recovery,
-    RecoveryReason, Replay, StaleReason,
+    Acquired, Checkpoint, ClaimOutcome, Denial, FencedOutcome, InFlight, Outcome, OutcomeKind, Record, RecordState,
+    Recovery, RecoveryReason, Replay, StaleReason,
 };
 use crate::vocabulary::FencedOp;
 
@@ -55,6 +55,27 @@ pub struct ClaimRequest {
     /// In a namespace that needs approvals, what lets the claim acquire, checked in the store's
     /// atomic claim with the record it reads; `None` elsewhere.
     pub approval: Option<ApprovalGate>,
+    /// What lets the claim take over a key whose last attempt did not finish (the namespace's
+    /// [`crate::control::RecoveryPolicy`]), checked in the store's atomic claim.
+    pub recovery: RecoveryGate,
+}
+
+/// What a claim brings for taking over a stuck record (in progress, its lease passed or its
+/// outcome reported unknown). The store's atomic claim decides with it on the record as it is
+/// there; a claim it refuses writes nothing, and the record keeps its fence, attempt and
+/// checkpoints.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RecoveryGate {
+    /// Any claim takes it over (`rerun`).
+    #[default]
+    Open,
+    /// The caller does not check whether the effect happened (`verify`, and no hook): refused
+    /// with [`crate::record::Denial::RecoveryNeedsVerify`].
+    NeedsVerify,
+    /// A person decides (`ask`). `Some(fence)`: a re-run of the attempt that held `fence` was
+    /// approved and reserved for this claim, which takes the record over only if it still holds
+    /// that fence; otherwise refused with [`crate::record::Denial::RecoveryNeedsDecision`].
+    Ask(Option<Fence>),
 }
 
 /// What a claim in a namespace that needs approvals brings for its acquisition. The store's
@@ -177,7 +198,20 @@ pub fn claim(
         }
         RecordState::Released if !approval_admits(req, Some(&record)) => approval_required(),
         RecordState::Released => acquire(Some(record), req, now, next_fence()),
-        RecordState::InProgress if record.is_stuck(now) => acquire(Some(record), req, now, next_fence()),
+        RecordState::InProgress if record.is_stuck(now) => match req.recovery {
+            RecoveryGate::Open => acquire(Some(record), req, now, next_fence()),
+            RecoveryGate::Ask(Some(fence)) if fence == record.fence => acquire(Some(record), req, now, next_fence()),
+            RecoveryGate::NeedsVerify => {
+                let denial =
+                    Denial::RecoveryNeedsVerify { previous_fence: record.fence, previous_attempt: record.attempt };
+                (ClaimOutcome::Denied(denial), None)
+            }
+            RecoveryGate::Ask(_) => {
+                let denial =
+                    Denial::RecoveryNeedsDecision { previous_fence: record.fence, previous_attempt: record.attempt };
+                (ClaimOutcome::Denied(denial), None)
+            }
+        },
         RecordState::InProgress => {
             let lease = record.lease_expires_at.unwrap_or(now);
             (ClaimOutcome::InFlight(InFlight { retry_after: now.until(lease), attempt: record.attempt }), None)
@@ -361,6 +395,7 @@ mod tests {
 
     fn req(fp: &str) -> ClaimRequest {
         ClaimRequest {
+            recovery: Default::default(),
             scope: Scope::new(TenantId::parse("t").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap()),
             fingerprint: Fingerprint::sha256(fp.as_bytes()),
             lease: Duration::from_secs(10),

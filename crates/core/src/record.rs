@@ -367,6 +367,25 @@ pub enum Denial {
         /// Why.
         why: String,
     },
+    /// The key's last attempt did not finish, its namespace's recovery policy is `verify`, and
+    /// the caller does not check whether the effect happened before running it again (no
+    /// `verify` hook): nothing was written; the attempt's record stays as it was.
+    RecoveryNeedsVerify {
+        /// The fence of the attempt that did not finish.
+        previous_fence: Fence,
+        /// Its attempt number.
+        previous_attempt: u32,
+    },
+    /// The key's last attempt did not finish and its namespace's recovery policy is `ask`, and no
+    /// approved re-run of that attempt was reserved for the claim: nothing was written. The
+    /// guard answers it with a pending approval of the recovery; it is never the answer of a
+    /// claim.
+    RecoveryNeedsDecision {
+        /// The fence of the attempt that did not finish.
+        previous_fence: Fence,
+        /// Its attempt number.
+        previous_attempt: u32,
+    },
 }
 
 impl std::fmt::Display for Denial {
@@ -379,6 +398,14 @@ impl std::fmt::Display for Denial {
             }
             Self::ApprovalDenied { approval, by, why } => write!(f, "{by} denied approval {approval}: {why}"),
             Self::ApprovalRequired => write!(f, "no approval covers acquiring this key for this request"),
+            Self::RecoveryNeedsVerify { previous_attempt, .. } => write!(
+                f,
+                "attempt {previous_attempt} of this key did not finish and may have run; its namespace's recovery \
+                 policy is verify, so only a caller that checks whether it ran (a verify hook) may take it over"
+            ),
+            Self::RecoveryNeedsDecision { previous_attempt, .. } => {
+                write!(f, "attempt {previous_attempt} of this key did not finish; a person decides its recovery")
+            }
         }
     }
 }
@@ -457,6 +484,7 @@ mod tests {
         let scope =
             Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap());
         let req = ClaimRequest {
+            recovery: Default::default(),
             scope,
             fingerprint: Fingerprint::sha256(b"request"),
             lease: Duration::from_secs(30),

@@ -42,6 +42,11 @@ vocabulary! {
         /// No approval covers the acquisition (between the store and the guard, which asks its
         /// approval gate again).
         ApprovalRequired => "approval_required",
+        /// A recovery needs a caller that verifies (recovery policy `verify`).
+        RecoveryNeedsVerify => "recovery_needs_verify",
+        /// A recovery needs a person's decision (recovery policy `ask`; between the store and
+        /// the guard, which asks for it).
+        RecoveryNeedsDecision => "recovery_needs_decision",
     }
 }
 
@@ -164,6 +169,8 @@ impl Denial {
             Self::QuotaExceeded { .. } => DenialReason::QuotaExceeded,
             Self::ApprovalDenied { .. } => DenialReason::ApprovalDenied,
             Self::ApprovalRequired => DenialReason::ApprovalRequired,
+            Self::RecoveryNeedsVerify { .. } => DenialReason::RecoveryNeedsVerify,
+            Self::RecoveryNeedsDecision { .. } => DenialReason::RecoveryNeedsDecision,
         }
     }
 }

@@ -167,6 +167,17 @@ impl ApiError {
             Self::Denied(Denial::ApprovalRequired) => {
                 (S::CONFLICT, "approval-required", "No approval covers acquiring this key for this request", true)
             }
+            Self::Denied(Denial::RecoveryNeedsVerify { .. }) => (
+                S::CONFLICT,
+                "recovery-needs-verify",
+                "The key's last attempt may have run; only a caller with a verify hook may take it over",
+                false,
+            ),
+            // Decided between the store and the guard, which asks a person: no claim answers it,
+            // but should one, it refuses (nothing was acquired).
+            Self::Denied(Denial::RecoveryNeedsDecision { .. }) => {
+                (S::CONFLICT, "recovery-needs-decision", "A person decides the recovery of this key", true)
+            }
             Self::PendingApproval { .. } => {
                 // Not a 2xx: a caller of a proxied tool API must never take it for the upstream's
                 // acceptance.

@@ -359,6 +359,8 @@ pub fn error_code(error: &ApiError) -> i64 {
         ApiError::Denied(Denial::QuotaExceeded { .. }) => 42902,
         ApiError::Denied(Denial::ApprovalDenied { .. }) => 40302,
         ApiError::Denied(Denial::ApprovalRequired) => 40906,
+        ApiError::Denied(Denial::RecoveryNeedsVerify { .. }) => 40907,
+        ApiError::Denied(Denial::RecoveryNeedsDecision { .. }) => 40908,
         ApiError::PendingApproval { .. } => 40905,
         ApiError::ApprovalClosed(_) => 40904,
         ApiError::Internal(_) => 50001,

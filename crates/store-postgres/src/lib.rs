@@ -561,6 +561,7 @@ mod tests {
         let scope =
             Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse("ns").unwrap(), Key::parse("old").unwrap());
         let req = ClaimRequest {
+            recovery: Default::default(),
             scope: scope.clone(),
             fingerprint: onceguard_core::Fingerprint::sha256(b"old"),
             lease: Duration::from_secs(10),

@@ -16,6 +16,7 @@ use onceguard_store_postgres::{MAX_BATCH, MAX_GROUP, PgOptions, PgStore};
 
 fn request(key: &str) -> ClaimRequest {
     ClaimRequest {
+        recovery: Default::default(),
         scope: Scope::new(
             TenantId::parse("acme").unwrap(),
             Namespace::parse("rag/embed").unwrap(),

@@ -64,6 +64,7 @@ fn schema() -> String {
 
 fn request(key: &str, lease: Duration) -> ClaimRequest {
     ClaimRequest {
+        recovery: Default::default(),
         scope: Scope::new(
             TenantId::parse("faults").unwrap(),
             Namespace::parse("faults").unwrap(),

@@ -43,6 +43,7 @@ fn scope(key: &str) -> Scope {
 
 fn request(key: &str) -> ClaimRequest {
     ClaimRequest {
+        recovery: Default::default(),
         scope: scope(key),
         fingerprint: Fingerprint::sha256(key.as_bytes()),
         lease: LEASE,

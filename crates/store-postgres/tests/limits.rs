@@ -39,6 +39,7 @@ fn scope(tenant_name: &str, key: &str) -> Scope {
 
 fn request(tenant_name: &str, key: &str) -> ClaimRequest {
     ClaimRequest {
+        recovery: Default::default(),
         scope: scope(tenant_name, key),
         fingerprint: Fingerprint::sha256(key.as_bytes()),
         lease: Duration::from_secs(30),

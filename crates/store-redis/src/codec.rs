@@ -214,6 +214,14 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
             b"in_flight" => Denial::QuotaExceeded { quota: "in_flight".to_owned(), retry_after: IN_FLIGHT_RETRY_AFTER },
             b"budget" => Denial::BudgetExhausted { limit: text(field(2)?)?.to_owned() },
             b"approval" => Denial::ApprovalRequired,
+            b"verify" => Denial::RecoveryNeedsVerify {
+                previous_fence: Fence(number(field(2)?, "fence")?),
+                previous_attempt: number(field(3)?, "attempt")?,
+            },
+            b"recovery" => Denial::RecoveryNeedsDecision {
+                previous_fence: Fence(number(field(2)?, "fence")?),
+                previous_attempt: number(field(3)?, "attempt")?,
+            },
             other => return Err(corrupt(format!("unknown denial {:?}", String::from_utf8_lossy(other)))),
         })),
         b"in_flight" => Ok(ClaimOutcome::InFlight(InFlight {

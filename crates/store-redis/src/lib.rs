@@ -884,6 +884,7 @@ impl RedisStore {
             margin_ms: ms(self.options.expiry_margin),
             source,
             approval: req.approval.as_ref(),
+            recovery: &req.recovery,
         }
         .add_to(&mut invocation);
         if !self.cluster {

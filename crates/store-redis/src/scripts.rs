@@ -279,7 +279,9 @@ end
 /// previous_attempt, unknown_detail, last_checkpoint}`, each followed by one more field, `'1'`,
 /// when the claim charged the key to its run with its reservation (Cluster),
 /// `{'denied', 'in_flight'}`, `{'denied', 'budget', 'deadline' | 'effects' | 'cost'}` or
-/// `{'denied', 'approval'}` (ARGV 12, the approval gate, lets it acquire nothing); or,
+/// `{'denied', 'approval'}` (ARGV 12, the approval gate, lets it acquire nothing),
+/// `{'denied', 'verify' | 'recovery', previous_fence, previous_attempt}` (the recovery gate
+/// after it lets it take the stuck record over); or,
 /// when it would acquire but lacks something (changing nothing): `{'need_fence', slot_mark,
 /// run, charged}` (run: the run the record would name, `''` if none; charged: `'1'` if the
 /// record is charged already), or `{'need_run', run}` (one server: the keys of another run
@@ -302,7 +304,8 @@ pub const CLAIM: &str = r#"
 -- ARGV: the store's clock ('' for the server's), fingerprint, lease ms, retention ms, run ('' if
 --       none), tenant, namespace, key,
 --       member, margin ms, fence ('draw', 'peek' or a number), the approval gate ('' none,
---       '?' ungranted, 'g' .. approval id granted),
+--       '?' ungranted, 'g' .. approval id granted) and, after a '|', the recovery gate ('v'
+--       needs verify, 'a' needs a decision, 'a' .. fence approved for that attempt),
 --       in-flight quota ('' if none), declared cost, the run to admit ('' if none),
 --       on a Cluster: in-flight token ('' if none), 'denied' if the quota is spent, run
 --       reservation ('charge', 'check' or ''), its verdict ('ok' or the limit passed), the
@@ -311,7 +314,12 @@ local now = clock(ARGV[1])
 local at = int(now)
 local fp, lease, retention, run = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local member, margin, source = ARGV[9], tonumber(ARGV[10]), ARGV[11]
-local gate = ARGV[12]
+local gate, recovery_gate = ARGV[12], ''
+local bar = string.find(gate, '|', 1, true)
+if bar ~= nil then
+  recovery_gate = string.sub(gate, bar + 1)
+  gate = string.sub(gate, 1, bar - 1)
+end
 
 -- existing.filter(|r| r.is_live(now))
 local r = load(KEYS[1])
@@ -332,6 +340,10 @@ if r ~= nil then
   elseif r.st == 'in_progress' and not is_stuck(r, now) then
     local lease_end = tonumber(r.le)
     return { 'in_flight', int(math.max(lease_end - now, 0)), r.at }
+  elseif r.st == 'in_progress' and recovery_gate ~= '' then
+    -- protocol::claim: a stuck record is taken over only as the recovery gate lets it.
+    if recovery_gate == 'v' then return { 'denied', 'verify', r.fe, r.at } end
+    if recovery_gate ~= 'a' .. r.fe then return { 'denied', 'recovery', r.fe, r.at } end
   end
 end
 
@@ -516,6 +528,8 @@ pub struct ClaimCall<'a> {
     pub source: &'a str,
     /// The claim's approval gate (`ClaimRequest::approval`).
     pub approval: Option<&'a onceguard_core::protocol::ApprovalGate>,
+    /// The claim's recovery gate (`ClaimRequest::recovery`).
+    pub recovery: &'a onceguard_core::protocol::RecoveryGate,
 }
 
 impl ClaimCall<'_> {
@@ -538,12 +552,31 @@ impl ClaimCall<'_> {
             .arg(self.placement.member.as_slice())
             .arg(self.margin_ms)
             .arg(self.source)
-            .arg(match self.approval {
-                None => String::new(),
-                Some(onceguard_core::protocol::ApprovalGate::Ungranted) => "?".to_owned(),
-                Some(onceguard_core::protocol::ApprovalGate::Granted(id)) => format!("g{id}"),
-            });
+            .arg(gates(self.approval, self.recovery));
     }
+}
+
+/// The claim script's ARGV 12: the approval gate (`''` none, `'?'` ungranted, `'g'` and the
+/// approval's id granted), then, unless any claim may take a stuck record over, `'|'` and the
+/// recovery gate (`'v'` needs verify, `'a'` needs a decision, `'a'` and a fence: a re-run of the
+/// attempt holding that fence was approved).
+fn gates(
+    approval: Option<&onceguard_core::protocol::ApprovalGate>,
+    recovery: &onceguard_core::protocol::RecoveryGate,
+) -> String {
+    use onceguard_core::protocol::{ApprovalGate, RecoveryGate};
+    let mut gate = match approval {
+        None => String::new(),
+        Some(ApprovalGate::Ungranted) => "?".to_owned(),
+        Some(ApprovalGate::Granted(id)) => format!("g{id}"),
+    };
+    match recovery {
+        RecoveryGate::Open => {}
+        RecoveryGate::NeedsVerify => gate.push_str("|v"),
+        RecoveryGate::Ask(None) => gate.push_str("|a"),
+        RecoveryGate::Ask(Some(fence)) => gate.push_str(&format!("|a{}", fence.0)),
+    }
+    gate
 }
 
 /// `protocol::apply`, and `control::reported_cost` charged to the record's run. Answers

@@ -205,6 +205,7 @@ async fn a_fence_below_the_slots_mark_is_refused() {
             margin_ms: 60_000,
             source,
             approval: None,
+            recovery: &onceguard_core::protocol::RecoveryGate::Open,
         }
         .add_to(&mut invocation);
         let mut conn = conn.clone();
@@ -626,6 +627,7 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
         margin_ms: 60_000,
         source: "1",
         approval: None,
+        recovery: &onceguard_core::protocol::RecoveryGate::Open,
     }
     .add_to(&mut invocation);
     invocation.arg(1).arg(0).arg("").arg("token").arg("").arg("").arg("").arg(score);

@@ -728,6 +728,7 @@ mod tests {
 
     fn request(key: &str) -> ClaimRequest {
         ClaimRequest {
+            recovery: Default::default(),
             scope: scope(key),
             fingerprint: onceguard_core::Fingerprint::sha256(key.as_bytes()),
             lease: Duration::from_secs(10),

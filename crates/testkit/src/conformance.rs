@@ -18,9 +18,11 @@ use onceguard_core::{
 };
 
 mod approvals;
+mod recovery;
 mod rollback;
 
 pub use approvals::*;
+pub use recovery::*;
 pub use rollback::*;
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -107,6 +109,7 @@ fn scope(key: &str) -> Scope {
 
 fn request(scope: &Scope, meaning: &str) -> ClaimRequest {
     ClaimRequest {
+        recovery: Default::default(),
         scope: scope.clone(),
         fingerprint: Fingerprint::sha256(meaning.as_bytes()),
         lease: LEASE,

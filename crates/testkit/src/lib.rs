@@ -83,6 +83,7 @@ impl IntoTestStore for Option<TestStore> {
 /// must be within the guard's limits; an in-flight quota comes from the tenant's settings).
 pub fn through_the_door(req: &onceguard_core::ClaimRequest, wait: std::time::Duration) -> onceguard_core::Claim {
     onceguard_core::Claim {
+        verify_hook: false,
         scope: req.scope.clone(),
         fingerprint: req.fingerprint.clone(),
         lease: Some(req.lease),
@@ -157,6 +158,10 @@ macro_rules! conformance_tests {
             another_request_never_takes_an_approved_key,
             an_approved_call_never_runs_again_after_its_retention,
             a_recovery_completes_as_reconciled,
+            the_recovery_gate_decides_in_the_stores_claim,
+            verify_lets_only_a_verifying_caller_recover,
+            ask_turns_a_recovery_into_one_approved_rerun,
+            ask_fails_or_reconciles_a_recovery_by_decision,
             a_rolled_back_run_compensates_each_effect_once,
             a_compensation_failing_permanently_is_kept,
             concurrent_rollback_starts_start_once,

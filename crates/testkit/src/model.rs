@@ -264,6 +264,7 @@ pub async fn check(store: Arc<dyn Store>, clock: Option<Arc<ManualClock>>, ops: 
         let (got, want) = match *op {
             Op::Claim { worker, key, meaning } => {
                 let req = ClaimRequest {
+                    recovery: Default::default(),
                     scope: scope(key),
                     fingerprint: Fingerprint::sha256(&[meaning]),
                     lease: Duration::from_millis(LEASE_MS),

@@ -31,6 +31,7 @@ from .client import NO_RETRY, AsyncClient, Client, Retry
 from .errors import (
     ApprovalClosed,
     ApprovalDenied,
+    RecoveryNeedsVerify,
     AwaitingApproval,
     ClaimProblem,
     Conflict,
@@ -116,6 +117,7 @@ __all__ = [
     "Approval",
     "ApprovalClosed",
     "ApprovalDenied",
+    "RecoveryNeedsVerify",
     "ApprovalPage",
     "AsyncAttempt",
     "AsyncClient",

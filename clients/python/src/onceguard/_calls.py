@@ -342,6 +342,7 @@ def claim(
     wait: Duration | None = None,
     cost: int | None = None,
     summary: str | None = None,
+    verify_hook: bool = False,
 ) -> Call[ClaimAnswer]:
     if (request is MISSING) == (fingerprint is None):
         raise ValueError("give exactly one of 'request' (the request's meaning as JSON) and 'fingerprint'")
@@ -356,6 +357,7 @@ def claim(
         wait=_opt_duration(wait),
         cost=_cost(cost),
         summary=summary,
+        verify_hook=True if verify_hook else None,
     )
     extra = 0.0 if wait is None else _wire.duration_seconds(wait)
     return Call("POST", "/v1/claims", read_claim, body=_wire.body(fields), extra_time=extra)
@@ -597,6 +599,12 @@ def decide_approval(approval_id: str, *, approve: bool, why: str) -> Call[Approv
     # Not sent twice: a decision whose answer was lost would answer approval-closed the second time.
     path = _approval_path(approval_id, "approve" if approve else "deny")
     return Call("POST", path, read_approval, body=body, idempotent=False)
+
+
+def reconcile_approval(approval_id: str, *, why: str, result: Any = None) -> Call[Approval]:
+    body = _wire.body({"why": why, "result": RawJson("null") if result is None else result})
+    # Not sent twice, as a decision is not.
+    return Call("POST", _approval_path(approval_id, "reconcile"), read_approval, body=body, idempotent=False)
 
 
 def create_api_key(role: str, label: str = "", tenant: str | None = None) -> Call[ApiKey]:

@@ -282,7 +282,7 @@ class DeniedError(GuardError):
 
     @property
     def kind(self) -> str:
-        """``switch``, ``budget``, ``quota`` or ``approval``."""
+        """``switch``, ``budget``, ``quota``, ``approval`` or ``recovery``."""
         return self.denied.kind
 
     @property
@@ -317,9 +317,29 @@ class ApprovalDenied(DeniedError):
         return str(self.reason.get("why", ""))
 
 
+class RecoveryNeedsVerify(DeniedError):
+    """The key's last attempt did not finish and may have done its effect, and the namespace's
+    recovery policy is ``verify`` (``kind`` ``recovery``): only a call given a ``verify`` hook
+    (which checks downstream whether the effect happened before running it again) may take the
+    key over. Nothing was run or changed. Pass ``verify=`` to :func:`onceguard.once` (or the
+    framework helper), or ask an operator to resolve the key."""
+
+    def __init__(self, denied: Denied, *, namespace: str, key: str) -> None:
+        GuardError.__init__(
+            self,
+            f"the last attempt at {key!r} in {namespace!r} did not finish and may have run; the namespace's "
+            "recovery policy is 'verify', so it is not run again without a verify hook: pass verify= "
+            "(a function checking whether the effect happened) or ask an operator to resolve the key",
+            namespace=namespace,
+            key=key,
+        )
+        self.denied = denied
+
+
 def denied_error(denied: Denied, *, namespace: str, key: str) -> DeniedError:
-    """The guard's exception for a denial: :class:`ApprovalDenied` for an approver's."""
-    cls = ApprovalDenied if denied.kind == "approval" else DeniedError
+    """The guard's exception for a denial: :class:`ApprovalDenied` for an approver's,
+    :class:`RecoveryNeedsVerify` for the recovery policy's."""
+    cls: type[DeniedError] = {"approval": ApprovalDenied, "recovery": RecoveryNeedsVerify}.get(denied.kind, DeniedError)
     return cls(denied, namespace=namespace, key=key)
 
 

@@ -248,20 +248,23 @@ class Mismatch:
     outcome: ClassVar[Literal["mismatch"]] = "mismatch"
 
 
-DeniedKind = Literal["switch", "budget", "quota", "approval"]
+DeniedKind = Literal["switch", "budget", "quota", "approval", "recovery"]
 
 _DENIED_KINDS: dict[str, DeniedKind] = {
     "switch-engaged": "switch",
     "budget-exhausted": "budget",
     "quota-exceeded": "quota",
     "approval-denied": "approval",
+    "recovery-needs-verify": "recovery",
 }
 
 
 @dataclass(frozen=True)
 class Denied:
-    """``423 / 429 / 403 denied``: a kill switch, a run's budget, the tenant's quota or an
-    approver (``approval``, in a namespace that requires approval) refused the claim.
+    """``423 / 429 / 403 / 409 denied``: a kill switch, a run's budget, the tenant's quota, an
+    approver (``approval``, in a namespace that requires approval) or the recovery policy
+    (``recovery``: the key's last attempt did not finish and may have run; the namespace's
+    policy is ``verify`` and the claim did not say it verifies) refused the claim.
 
     ``reason`` is the server's object, e.g. ``{"reason": "switch_engaged", "target": "…",
     "why": "…"}``, ``{"reason": "budget_exhausted", "limit": "effects"}``,
@@ -307,7 +310,7 @@ class Approval:
     once denied, every such claim is :class:`Denied` (``approval``)."""
 
     id: str
-    #: ``pending``, ``approved`` or ``denied``.
+    #: ``pending``, ``approved``, ``denied`` or ``reconciled`` (a recovery marked done).
     state: str
     namespace: str
     key: str
@@ -321,6 +324,11 @@ class Approval:
     #: When it lapses undecided (``approval_expiry`` of the namespace's settings, default 24h).
     expires_at: datetime
     decision: Decision | None = None
+    #: Set on an approval of a recovery (recovery policy ``ask``): the attempt that did not
+    #: finish, ``{"previous_fence", "previous_attempt", "reason", "unknown_detail",
+    #: "last_checkpoint"}``. Approve to re-run it once, deny to store it as failed, or
+    #: ``reconcile`` to mark it done.
+    recovery: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Approval:
@@ -337,6 +345,7 @@ class Approval:
             requested_at=parse_time(d["requested_at"]),
             expires_at=parse_time(d["expires_at"]),
             decision=Decision.from_json(decision) if decision else None,
+            recovery=dict(d["recovery"]) if isinstance(d.get("recovery"), dict) else None,
         )
 
 
@@ -851,6 +860,11 @@ class Settings:
     #: ``enforce`` (the default) or ``observe``: claims are decided and recorded as always, but
     #: a call that enforcing would not let run is told to run anyway (:class:`Proceed`).
     mode: Literal["enforce", "observe"] | None = None
+    #: What a claim of a key whose last attempt did not finish may do: ``rerun`` (the default),
+    #: ``verify`` (only a call given a ``verify`` hook takes it over; others raise
+    #: :class:`onceguard.RecoveryNeedsVerify`) or ``ask`` (a person decides: the call is
+    #: :class:`PendingApproval`, an approval of the recovery).
+    recovery: Literal["rerun", "verify", "ask"] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -868,6 +882,8 @@ class Settings:
             out["approval_required"] = self.approval_required
         if self.mode is not None:
             out["mode"] = self.mode
+        if self.recovery is not None:
+            out["recovery"] = self.recovery
         return out
 
     @classmethod
@@ -885,6 +901,7 @@ class Settings:
             approval_required=d.get("approval_required"),
             approval_expiry=d.get("approval_expiry"),
             mode=d.get("mode"),
+            recovery=d.get("recovery"),
         )
 
 

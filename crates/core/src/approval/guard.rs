@@ -3,8 +3,7 @@
 
 use std::time::Duration;
 
-use crate::approval::{Approval, ApprovalId, ApprovalState, DecideError, Decision, Notice, PendingApproval};
-use crate::control::AuditEntry;
+use crate::approval::{Approval, ApprovalId, ApprovalState, Notice, PendingApproval};
 use crate::domain::{Scope, TenantId, Timestamp};
 use crate::guard::{Guard, GuardError};
 use crate::protocol::ClaimRequest;
@@ -105,6 +104,9 @@ impl Guard {
                     ApprovalState::Expired => {}
                     ApprovalState::Pending => return Ok(Gate::Answer(pending(a.clone(), now))),
                     ApprovalState::Denied => return Ok(Gate::Answer(ClaimOutcome::Denied(denial(a)))),
+                    // A recovery marked done completed its key: with the record gone, the call
+                    // needs a new approval, as a used one does.
+                    ApprovalState::Reconciled => {}
                 },
                 None => {}
             }
@@ -166,7 +168,10 @@ impl Guard {
 
     /// Approves (`approved`) or denies the tenant's pending approval `id` as `by`, saying why;
     /// audited as `approval.approve` or `approval.deny` in the same atomic write. Answers the
-    /// approval as decided. A decision is taken once, and only before the approval expires.
+    /// approval as decided. A decision is taken once, and only before the approval expires. Of
+    /// a recovery ([`crate::approval::RecoveryAsk`]), approving lets one claim re-run the
+    /// attempt, and denying stores the attempt as failed (a permanent failure every later claim
+    /// replays).
     pub async fn decide_approval(
         &self,
         tenant: &TenantId,
@@ -175,28 +180,8 @@ impl Guard {
         by: &str,
         why: String,
     ) -> Result<Approval, GuardError> {
-        crate::domain::check_reason("why", &why)?;
-        // An approval changed under the decision (its webhook notice moved on) is read again;
-        // one decided or gone meanwhile says so.
-        for _ in 0..3 {
-            let now = self.clock.now();
-            let kept = self.store.approval(tenant, id, now).await?;
-            let Some(current) = kept else { return Err(DecideError::NotFound(id.to_string()).into()) };
-            let decided = current.decide(Decision { approved, by: by.to_owned(), why: why.clone(), at: now })?;
-            let action = if approved { "approval.approve" } else { "approval.deny" };
-            let target = format!("{}/{}", current.scope.namespace, current.scope.key);
-            let details = serde_json::json!({
-                "approval": id, "fingerprint": current.fingerprint.as_str(), "run": current.run,
-            });
-            let entry =
-                AuditEntry::new(tenant.clone(), now, by, action, target).why(Some(why.clone())).details(details);
-            if self.store.put_approval(Some(&current), &decided, Some(&entry), now).await? {
-                self.notifier.notify(&decided.scope);
-                self.observer.approval_decided(&decided);
-                return Ok(decided);
-            }
-        }
-        Err(StoreError::Unavailable("the approval changed under three reads in a row".into()).into())
+        let verdict = if approved { super::Verdict::Approved } else { super::Verdict::Denied };
+        self.decide_as(tenant, id, verdict, by, why).await
     }
 
     /// Takes the next attempt at the webhook's notice of `approval` (as read, pending) for this
@@ -316,7 +301,7 @@ fn binds(approval: &Approval, req: &ClaimRequest) -> bool {
     approval.fingerprint == req.fingerprint && approval.run == req.run && req.cost <= approval.cost.unwrap_or(0)
 }
 
-fn pending(approval: Approval, now: Timestamp) -> ClaimOutcome {
+pub(super) fn pending(approval: Approval, now: Timestamp) -> ClaimOutcome {
     let retry_after = PENDING_RETRY_AFTER.min(now.until(approval.expires_at)).max(Duration::from_millis(1));
     ClaimOutcome::PendingApproval(Box::new(PendingApproval { approval, retry_after }))
 }

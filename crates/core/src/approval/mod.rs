@@ -39,9 +39,12 @@ use serde::{Deserialize, Serialize};
 use crate::domain::{Fingerprint, InvalidInput, RunId, Scope, Timestamp};
 
 mod guard;
+mod recovery;
 
 pub(crate) use guard::Ask;
 pub use guard::PENDING_RETRY_AFTER;
+pub use recovery::RecoveryAsk;
+pub(crate) use recovery::Verdict;
 
 /// The longest summary a claim may give of what is to be approved.
 pub const MAX_SUMMARY: usize = 1024;
@@ -120,6 +123,9 @@ pub struct Decision {
     pub why: String,
     /// When.
     pub at: Timestamp,
+    /// Of a recovery marked done (reconciled): the result the key completes with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
 }
 
 crate::label::vocabulary! {
@@ -133,6 +139,9 @@ crate::label::vocabulary! {
         Denied => "denied",
         /// Nobody decided before `expires_at`; the next claim asks again.
         Expired => "expired",
+        /// Of a recovery: the person marked the attempt's effect done; the key completed,
+        /// marked reconciled, and is not run again.
+        Reconciled => "reconciled",
     }
 }
 
@@ -170,6 +179,10 @@ pub struct Approval {
     /// The webhook's delivery of the pending approval, where a webhook is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<Notice>,
+    /// Set when it is the approval of a recovery (recovery policy `ask`): the attempt that did
+    /// not finish. Approved, a re-run of it; denied, it is stored as failed; reconciled, as done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<RecoveryAsk>,
 }
 
 /// Where the webhook's notice of a pending approval stands. An instance takes a delivery by
@@ -217,6 +230,7 @@ impl Approval {
             decision: None,
             used: None,
             notice: None,
+            recovery: None,
         }
     }
 
@@ -224,6 +238,7 @@ impl Approval {
     pub fn state(&self, now: Timestamp) -> ApprovalState {
         match &self.decision {
             Some(d) if d.approved => ApprovalState::Approved,
+            Some(d) if d.result.is_some() => ApprovalState::Reconciled,
             Some(_) => ApprovalState::Denied,
             None if now >= self.expires_at => ApprovalState::Expired,
             None => ApprovalState::Pending,
@@ -280,7 +295,7 @@ mod tests {
     }
 
     fn decision(approved: bool, at: Timestamp) -> Decision {
-        Decision { approved, by: "cli:ops".into(), why: "checked".into(), at }
+        Decision { approved, by: "cli:ops".into(), why: "checked".into(), at, result: None }
     }
 
     #[test]

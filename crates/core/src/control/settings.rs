@@ -48,6 +48,31 @@ pub struct Settings {
     /// Whether the guard enforces its answers or only observes them (see [`Mode`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
+    /// What a claim of a key whose last attempt did not finish may do (see [`RecoveryPolicy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<RecoveryPolicy>,
+}
+
+crate::label::vocabulary! {
+    /// What a claim may do with a key whose last attempt did not finish (its lease passed, or
+    /// its holder reported the outcome unknown): the effect may have happened. Decided in the
+    /// store's atomic claim ([`crate::protocol::RecoveryGate`]).
+    #[derive(Default)]
+    pub enum RecoveryPolicy {
+        /// The claim takes the key over (a recovery, with the last checkpoint): the effect may
+        /// run again unless the caller checks first.
+        #[default]
+        Rerun => "rerun",
+        /// Only a caller that checks whether the effect happened before running it again (a
+        /// client given a `verify` hook) may take the key over; others are refused
+        /// (`recovery_needs_verify`) and nothing changes.
+        Verify => "verify",
+        /// A person decides: the claim records a pending approval of the recovery (the
+        /// attempt's key, fingerprint, fence and last checkpoint) and answers
+        /// `pending_approval`; the person approves a re-run, marks the key done (reconciled)
+        /// or fails it.
+        Ask => "ask",
+    }
 }
 
 crate::label::vocabulary! {
@@ -150,6 +175,10 @@ pub struct Effective {
     pub approval: Option<Duration>,
     /// Whether its claims are enforced or only observed.
     pub mode: Mode,
+    /// What a claim may do with a key whose last attempt did not finish.
+    pub recovery: RecoveryPolicy,
+    /// How long a pending approval (of a key, or of a recovery) waits for a decision.
+    pub approval_expiry: Duration,
 }
 
 /// Resolves the settings for a key in `namespace`: the server's `limits`, then the tenant's
@@ -170,8 +199,9 @@ pub fn effective<'a>(
         outcome_kept: OutcomeKept::Full,
         approval: None,
         mode: Mode::Enforce,
+        recovery: RecoveryPolicy::Rerun,
+        approval_expiry: crate::approval::DEFAULT_APPROVAL_EXPIRY,
     };
-    let mut approval_expiry = crate::approval::DEFAULT_APPROVAL_EXPIRY;
     for entry in matching {
         let s = &entry.settings;
         let l = &mut out.limits;
@@ -193,8 +223,11 @@ pub fn effective<'a>(
         if let Some(mode) = s.mode {
             out.mode = mode;
         }
+        if let Some(recovery) = s.recovery {
+            out.recovery = recovery;
+        }
         if let Some(expiry) = s.approval_expiry {
-            approval_expiry = expiry;
+            out.approval_expiry = expiry;
         }
         if let Some(required) = s.approval_required {
             out.approval = required.then_some(Duration::ZERO);
@@ -204,7 +237,7 @@ pub fn effective<'a>(
             out.claim_rate = s.claim_rate;
         }
     }
-    out.approval = out.approval.map(|_| approval_expiry);
+    out.approval = out.approval.map(|_| out.approval_expiry);
     let l = &mut out.limits;
     l.default_lease = l.default_lease.clamp(l.min_lease, l.max_lease);
     l.default_retention = l.default_retention.clamp(l.min_retention, l.max_retention);

@@ -59,7 +59,8 @@ impl Guard {
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         self.check_clock_offset().await?;
         let controls = self.controls().await?;
-        let Prepared { mut req, plain, wait, rate, mut ask, mode: in_force } = self.request(&controls, claim)?;
+        let Prepared { mut req, plain, wait, rate, mut ask, mode: in_force, recovery_expiry } =
+            self.request(&controls, claim)?;
         // (An approval's `record` follows the mode in force, `request` sets it: a task, the one
         // claim decided in another mode, asks no approver at all.)
         let mode = match &task {
@@ -88,6 +89,7 @@ impl Guard {
                     self.unkeyed_mismatch(&req, &plain, outcome).await?
                 }
             };
+            let outcome = self.recovery_decision(&req, outcome, recovery_expiry, mode).await?;
             // A key in flight, or one waiting for its approval, is waited for.
             let (retry_after, deadline) = match (&outcome, deadline) {
                 (ClaimOutcome::InFlight(in_flight), Some(deadline)) if Instant::now() < deadline => {
@@ -148,8 +150,22 @@ impl Guard {
             // Where approvals are needed the store's claim acquires only what an approval
             // covers, whatever the gate in front of it decided (see the gate in `approval/guard.rs`).
             approval: ask.as_ref().map(|_| crate::protocol::ApprovalGate::Ungranted),
+            recovery: match effective.recovery {
+                RecoveryPolicy::Rerun => RecoveryGate::Open,
+                RecoveryPolicy::Verify if claim.verify_hook => RecoveryGate::Open,
+                RecoveryPolicy::Verify => RecoveryGate::NeedsVerify,
+                RecoveryPolicy::Ask => RecoveryGate::Ask(None),
+            },
         };
-        Ok(Prepared { req, plain: claim.fingerprint, wait, rate: effective.claim_rate, ask, mode: effective.mode })
+        Ok(Prepared {
+            req,
+            plain: claim.fingerprint,
+            wait,
+            rate: effective.claim_rate,
+            ask,
+            mode: effective.mode,
+            recovery_expiry: effective.approval_expiry,
+        })
     }
 
     /// What refuses `req` before the store's atomic claim: a kill switch (and the runs switched
@@ -194,6 +210,7 @@ impl Guard {
         }
         let mut answers: Vec<Option<(Result<ClaimOutcome, GuardError>, Scope)>> = Vec::with_capacity(prepared.len());
         let modes: Vec<Mode> = prepared.iter().map(|p| p.mode).collect();
+        let expiries: Vec<Duration> = prepared.iter().map(|p| p.recovery_expiry).collect();
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
         let mut plains = Vec::new();
         for (i, Prepared { mut req, plain, rate, ask, .. }) in prepared.into_iter().enumerate() {
@@ -201,7 +218,11 @@ impl Guard {
             let refused = match self.refusal(&controls, &mut req, rate.as_ref()).await? {
                 Some(denial) => Some(Ok(ClaimOutcome::Denied(denial))),
                 None => match &ask {
-                    Some(ask) => Some(self.opened_claim(&req.scope, self.gated_claim(&req, ask).await?).await),
+                    Some(ask) => {
+                        let outcome = self.gated_claim(&req, ask).await?;
+                        let outcome = self.recovery_decision(&req, outcome, expiries[i], modes[i]).await?;
+                        Some(self.opened_claim(&req.scope, outcome).await)
+                    }
                     None => None,
                 },
             };
@@ -222,7 +243,10 @@ impl Guard {
             }
             for (((i, req), plain), outcome) in places.into_iter().zip(reqs).zip(plains).zip(outcomes) {
                 let outcome = match self.unkeyed_mismatch(&req, &plain, outcome).await {
-                    Ok(outcome) => self.opened_claim(&req.scope, outcome).await,
+                    Ok(outcome) => match self.recovery_decision(&req, outcome, expiries[i], modes[i]).await {
+                        Ok(outcome) => self.opened_claim(&req.scope, outcome).await,
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 };
                 answers[i] = Some((outcome, req.scope));
@@ -250,6 +274,8 @@ struct Prepared {
     rate: Option<Rate>,
     ask: Option<crate::approval::Ask>,
     mode: Mode,
+    /// How long a pending approval of a recovery waits for a decision (recovery policy `ask`).
+    recovery_expiry: Duration,
 }
 
 /// What the caller is told in `mode`: in observe mode, an answer that would stop it (anything but

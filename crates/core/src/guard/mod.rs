@@ -33,13 +33,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::clock::Clock;
-use crate::control::{AuditEntry, Controls, Effective, Mode, OutcomeKept, Rate, check_units};
+use crate::control::{AuditEntry, Controls, Effective, Mode, OutcomeKept, Rate, RecoveryPolicy, check_units};
 use crate::control_cache::{CONTROL_REFRESH, ControlCache};
 use crate::domain::{Fence, Fingerprint, InvalidInput, RunId, Scope, TenantId};
 use crate::limits::Limits;
 use crate::notify::Notifier;
 use crate::observer::{Observer, Unobserved};
-use crate::protocol::{ClaimRequest, Mutation};
+use crate::protocol::{ClaimRequest, Mutation, RecoveryGate};
 use crate::record::{ClaimOutcome, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, Record, RecordState, StaleReason};
 use crate::sealing::{self, Sealer};
 use crate::store::{FencedCall, ListFilter, Page, Pages, Store, StoreError};
@@ -130,12 +130,26 @@ pub struct Claim {
     /// (at most [`crate::approval::MAX_SUMMARY`] bytes, no control characters but newlines;
     /// checked on every claim, kept only where an approval is asked).
     pub summary: Option<String>,
+    /// Whether the caller checks, before running the effect again on a recovery, whether the
+    /// attempt that did not finish already caused it (a client given a `verify` hook). Where
+    /// the recovery policy is `verify`, only such a caller takes over a stuck key.
+    pub verify_hook: bool,
 }
 
 impl Claim {
     /// A claim of `scope` meaning `fingerprint`, asking for nothing else.
     pub fn new(scope: Scope, fingerprint: Fingerprint) -> Self {
-        Self { scope, fingerprint, lease: None, retention: None, wait: None, run: None, cost: None, summary: None }
+        Self {
+            scope,
+            fingerprint,
+            lease: None,
+            retention: None,
+            wait: None,
+            run: None,
+            cost: None,
+            summary: None,
+            verify_hook: false,
+        }
     }
 }
 

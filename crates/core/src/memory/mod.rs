@@ -227,6 +227,7 @@ mod tests {
 
     fn request(key: &str, quota: Option<u64>) -> ClaimRequest {
         ClaimRequest {
+            recovery: Default::default(),
             scope: scope(key),
             fingerprint: Fingerprint::of_json(&serde_json::json!(key)),
             lease: Duration::from_secs(60),

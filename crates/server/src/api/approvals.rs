@@ -13,6 +13,7 @@ pub(super) fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(get_approval))
         .routes(routes!(approve))
         .routes(routes!(deny))
+        .routes(routes!(reconcile))
 }
 
 /// A decision taken.
@@ -26,6 +27,25 @@ pub struct DecisionView {
     pub why: String,
     /// When (RFC 3339).
     pub at: String,
+    /// Of a recovery marked done (reconciled): the result the key completed with.
+    #[schema(value_type = Option<Value>)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+}
+
+/// The attempt whose recovery an approval of a recovery asks about (recovery policy `ask`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecoveryAskView {
+    /// The fence of the attempt that did not finish.
+    pub previous_fence: u64,
+    /// Its attempt number.
+    pub previous_attempt: u32,
+    /// `lease_expired` or `reported_unknown`.
+    pub reason: String,
+    /// What its holder reported, for `reported_unknown`.
+    pub unknown_detail: Option<String>,
+    /// The name of its last checkpoint; the data is the record's (`GET /v1/records/...`).
+    pub last_checkpoint: Option<String>,
 }
 
 /// What a claim asked a person to approve: this key with this fingerprint.
@@ -34,7 +54,7 @@ pub struct ApprovalView {
     /// The approval's id, to approve or deny it.
     #[schema(example = "apr_6b1f0c2d9e8a7b6c5d4e3f20")]
     pub id: String,
-    /// `pending`, `approved`, `denied` or `expired`.
+    /// `pending`, `approved`, `denied`, `reconciled` (a recovery marked done) or `expired`.
     pub state: &'static str,
     /// The namespace.
     pub namespace: String,
@@ -56,6 +76,10 @@ pub struct ApprovalView {
     pub decision: Option<DecisionView>,
     /// The webhook's notice of it, where a webhook is configured and an attempt began.
     pub notice: Option<NoticeView>,
+    /// Present on an approval of a recovery: approve to re-run the attempt once, deny to store
+    /// it as failed, reconcile to mark it done.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<RecoveryAskView>,
 }
 
 /// Where the webhook's notice of a pending approval stands.
@@ -101,11 +125,19 @@ pub fn approval_view(a: &Approval, state: ApprovalState) -> ApprovalView {
             by: d.by.clone(),
             why: d.why.clone(),
             at: d.at.to_rfc3339(),
+            result: d.result.clone(),
         }),
         notice: a.notice.as_ref().map(|n| NoticeView {
             attempts: n.attempts,
             delivered_at: n.delivered_at.map(Timestamp::to_rfc3339),
             last_error: n.last_error.clone(),
+        }),
+        recovery: a.recovery.as_ref().map(|r| RecoveryAskView {
+            previous_fence: r.previous_fence.0,
+            previous_attempt: r.previous_attempt,
+            reason: r.reason.clone(),
+            unknown_detail: r.unknown_detail.clone(),
+            last_checkpoint: r.last_checkpoint.as_ref().map(ToString::to_string),
         }),
     }
 }
@@ -252,4 +284,47 @@ pub async fn deny(
     ApiJson(body): ApiJson<DecideBody>,
 ) -> ApiResult<Json<ApprovalView>> {
     decide(&state, &caller, &id, false, body).await
+}
+
+/// A recovery marked done.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileBody {
+    /// Why (kept with the decision and in the audit log); required.
+    pub why: String,
+    /// The result the key completes with (any JSON; default `null`): what a replay answers.
+    #[schema(value_type = Option<Value>)]
+    #[serde(default, deserialize_with = "present")]
+    pub result: Option<serde_json::Value>,
+    /// Another tenant's approval (operator tenant's admins only); default: your own.
+    pub tenant: Option<String>,
+}
+
+/// Mark a pending approval of a recovery done (admin): the attempt that did not finish did
+/// cause its effect; the key completes with `result`, marked reconciled, which every later
+/// claim replays, and nothing runs again. Audited as `approval.reconcile`. Only an approval of
+/// a recovery (recovery policy `ask`) can be reconciled.
+#[utoipa::path(post, path = "/v1/approvals/{id}/reconcile", tag = "approvals", request_body = ReconcileBody,
+    params(("id" = String, Path, description = "The approval's id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Reconciled: the key completed", body = ApprovalView),
+        (status = 400, description = "Not an approval of a recovery", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such approval is kept", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Decided already (`approval-closed`)", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn reconcile(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<ReconcileBody>,
+) -> ApiResult<Json<ApprovalView>> {
+    let tenant = admin_tenant(&state, &caller, body.tenant.as_deref())?;
+    let Ok(parsed) = ApprovalId::parse(&id) else {
+        onceguard_core::domain::check_reason("why", &body.why)?;
+        return Err(onceguard_core::GuardError::from(DecideError::NotFound(id)).into());
+    };
+    let decided = state.guard.reconcile_recovery(&tenant, &parsed, &caller.actor(), body.why, body.result).await?;
+    tracing::info!(%tenant, approval = %parsed, "recovery reconciled");
+    Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
 }

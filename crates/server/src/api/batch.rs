@@ -56,7 +56,7 @@ pub enum ClaimView {
     /// `replay`.
     Replay(ReplayView),
     /// `pending_approval`.
-    Pending(PendingApprovalView),
+    Pending(Box<PendingApprovalView>),
     /// `proceed` (observe mode).
     Proceed(ProceedView),
 }

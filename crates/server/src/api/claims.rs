@@ -45,6 +45,12 @@ pub struct ClaimBody {
     /// What the call does, in words, for an approver, where the namespace needs approvals (at
     /// most 1024 bytes; stored as given, not sealed: say what an approver needs, no secrets).
     pub summary: Option<String>,
+    /// `true` if you check, before running the effect again on a recovery, whether the attempt
+    /// that did not finish already caused it (the clients send it when given a `verify` hook).
+    /// Where the namespace's recovery policy is `verify`, only such a claim takes over a key
+    /// whose last attempt did not finish; others are refused (409 `recovery-needs-verify`).
+    #[serde(default)]
+    pub verify_hook: bool,
 }
 
 /// Why this claim is a recovery.
@@ -148,7 +154,7 @@ pub async fn claim(
             response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(response)
         }
-        ClaimResponse::Pending(view) => Ok(pending_response(view)),
+        ClaimResponse::Pending(view) => Ok(pending_response(*view)),
         ClaimResponse::Proceed(view) => {
             let would_have_been = HeaderValue::from_static(view.would_have_been);
             let mut response = Json(view).into_response();
@@ -179,6 +185,7 @@ impl ClaimBody {
             _ => return Err(ApiError::Invalid("give exactly one of 'request' and 'fingerprint'".into())),
         };
         Ok(Claim {
+            verify_hook: self.verify_hook,
             scope: scope_of(caller, &self.namespace, &self.key)?,
             fingerprint,
             lease: parse_duration_field("lease", self.lease.as_deref())?,
@@ -195,7 +202,7 @@ impl ClaimBody {
 pub(crate) enum ClaimResponse {
     Acquired(AcquiredView),
     Replay(ReplayView),
-    Pending(PendingApprovalView),
+    Pending(Box<PendingApprovalView>),
     Proceed(ProceedView),
     Refused(ApiError),
 }
@@ -248,11 +255,11 @@ pub(crate) fn claim_response(outcome: ClaimOutcome) -> ClaimResponse {
         }
         ClaimOutcome::Mismatch => ClaimResponse::Refused(ApiError::Mismatch),
         ClaimOutcome::Denied(d) => ClaimResponse::Refused(ApiError::Denied(d)),
-        ClaimOutcome::PendingApproval(p) => ClaimResponse::Pending(PendingApprovalView {
+        ClaimOutcome::PendingApproval(p) => ClaimResponse::Pending(Box::new(PendingApprovalView {
             outcome: "pending_approval",
             retry_after_ms: u64::try_from(p.retry_after.as_millis()).unwrap_or(u64::MAX),
             approval: approval_view(&p.approval, ApprovalState::Pending),
-        }),
+        })),
         ClaimOutcome::Proceed(would_have_been) => ClaimResponse::Proceed(ProceedView {
             outcome: "proceed",
             mode: "observe",

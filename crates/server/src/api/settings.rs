@@ -1,7 +1,7 @@
 //! Settings and quotas: `PUT`, `GET` and `DELETE /v1/settings` (admin) set, list and delete the
 //! settings of a tenant or of a namespace prefix in it; the guard applies them to every claim.
 
-use onceguard_core::control::{Mode, OutcomeKept, Rate, Settings, SettingsEntry};
+use onceguard_core::control::{Mode, OutcomeKept, Rate, RecoveryPolicy, Settings, SettingsEntry};
 use onceguard_core::domain::parse_duration;
 
 use super::*;
@@ -58,6 +58,43 @@ pub struct SettingsBody {
     /// the caller always proceeds (but for a kill switch), and what enforcement would have
     /// answered is counted.
     pub mode: Option<ModeBody>,
+    /// What a claim of a key whose last attempt did not finish may do: `rerun` (the default:
+    /// it takes the key over, as a recovery), `verify` (only a claim with `verify_hook: true`
+    /// does; others are refused, 409 `recovery-needs-verify`) or `ask` (a person decides: the
+    /// claim answers 202 `pending_approval`, an approval of the recovery).
+    pub recovery: Option<RecoveryPolicyBody>,
+}
+
+/// What a claim may do with a key whose last attempt did not finish.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryPolicyBody {
+    /// It takes the key over (a recovery, with the last checkpoint).
+    Rerun,
+    /// Only a caller that checks whether the effect happened (`verify_hook`) takes it over.
+    Verify,
+    /// A person decides: re-run it, mark it done, or fail it.
+    Ask,
+}
+
+impl From<RecoveryPolicyBody> for RecoveryPolicy {
+    fn from(b: RecoveryPolicyBody) -> Self {
+        match b {
+            RecoveryPolicyBody::Rerun => Self::Rerun,
+            RecoveryPolicyBody::Verify => Self::Verify,
+            RecoveryPolicyBody::Ask => Self::Ask,
+        }
+    }
+}
+
+impl From<RecoveryPolicy> for RecoveryPolicyBody {
+    fn from(p: RecoveryPolicy) -> Self {
+        match p {
+            RecoveryPolicy::Rerun => Self::Rerun,
+            RecoveryPolicy::Verify => Self::Verify,
+            RecoveryPolicy::Ask => Self::Ask,
+        }
+    }
 }
 
 /// Whether claims are enforced or only observed.
@@ -131,6 +168,7 @@ impl SettingsBody {
             approval_required: self.approval_required,
             approval_expiry: d("approval_expiry", &self.approval_expiry)?,
             mode: self.mode.map(Into::into),
+            recovery: self.recovery.map(Into::into),
         })
     }
 
@@ -146,6 +184,7 @@ impl SettingsBody {
             approval_required: s.approval_required,
             approval_expiry: duration_text(s.approval_expiry),
             mode: s.mode.map(Into::into),
+            recovery: s.recovery.map(Into::into),
         }
     }
 }

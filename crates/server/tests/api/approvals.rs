@@ -259,3 +259,63 @@ async fn the_webhook_is_sent_once_per_approval_whatever_retries_and_instances() 
     assert_eq!(pass().await, 0);
     assert!(received.lock().unwrap().deliveries.is_empty());
 }
+
+/// A recovery policy set through the API is in force: under `verify`, a claim of a key whose
+/// holder vanished is refused (409 `recovery-needs-verify`) unless it says it verifies; under
+/// `ask`, it answers an approval of the recovery, which an admin reconciles with a result that
+/// every later claim replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_policy_asks_for_verification_or_a_person() {
+    let app = spawn_app(Backing::Sqlite).await;
+    for (prefix, policy) in [("mail", "verify"), ("pay", "ask")] {
+        let set = json!({"namespace_prefix": prefix, "settings": {"recovery": policy}});
+        let response = app.put(&app.admin, "/v1/settings", &set).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let entry: Value = response.json().await.unwrap();
+        assert_eq!(entry["settings"]["recovery"], json!(policy), "the setting is kept and shown");
+    }
+    let email =
+        json!({"namespace": "mail/invoices", "key": "inv-1", "request": {"to": "a@example.com"}, "lease": "5s"});
+    let (status, _) = app.claim(&app.agent, email.clone()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    app.clock.advance(Duration::from_secs(6));
+    let response = app.post(&app.agent, "/v1/claims", &email).await;
+    let problem = assert_problem(response, StatusCode::CONFLICT, "recovery-needs-verify").await;
+    assert_eq!(
+        (&problem["reason"]["reason"], &problem["reason"]["previous_attempt"]),
+        (&json!("recovery_needs_verify"), &json!(1))
+    );
+    let mut verifying = email.clone();
+    verifying["verify_hook"] = json!(true);
+    let (status, recovered) = app.claim(&app.agent, verifying).await;
+    assert_eq!((status, &recovered["recovery"]["previous_attempt"]), (StatusCode::CREATED, &json!(1)), "{recovered}");
+
+    let charge = json!({"namespace": "pay/cards", "key": "ch-1", "request": {"amount": 20}, "lease": "5s"});
+    let (status, _) = app.claim(&app.agent, charge.clone()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    app.clock.advance(Duration::from_secs(6));
+    let (status, pending) = app.claim(&app.agent, charge.clone()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{pending}");
+    let approval = &pending["approval"];
+    assert_eq!(
+        (&approval["recovery"]["previous_attempt"], &approval["recovery"]["reason"]),
+        (&json!(1), &json!("lease_expired"))
+    );
+    let id = approval["id"].as_str().unwrap();
+    let body = json!({"why": "the provider shows ch_1", "result": {"charge": "ch_1"}});
+    let response = app.post(&app.agent, &format!("/v1/approvals/{id}/reconcile"), &body).await;
+    assert_problem(response, StatusCode::FORBIDDEN, "forbidden").await;
+    let response = app.post(&app.admin, &format!("/v1/approvals/{id}/reconcile"), &body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let decided: Value = response.json().await.unwrap();
+    assert_eq!((&decided["state"], &decided["decision"]["result"]), (&json!("reconciled"), &json!({"charge": "ch_1"})));
+    for _ in 0..2 {
+        let (status, replay) = app.claim(&app.agent, charge.clone()).await;
+        assert_eq!(
+            (status, &replay["outcome"], &replay["result"]),
+            (StatusCode::OK, &json!("replay"), &json!({"charge": "ch_1"})),
+            "{replay}"
+        );
+        assert_eq!(replay["reconciled"], json!(true), "{replay}");
+    }
+}

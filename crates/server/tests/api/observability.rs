@@ -506,6 +506,7 @@ async fn the_sweep_keeps_up_with_more_expired_records_than_one_run_deletes() {
         let scope =
             Scope::new(tenant.clone(), Namespace::parse("demo").unwrap(), Key::parse(&format!("k-{i}")).unwrap());
         let request = ClaimRequest {
+            recovery: Default::default(),
             scope: scope.clone(),
             fingerprint: Fingerprint::sha256(b"same"),
             lease: Duration::from_secs(60),

@@ -218,6 +218,7 @@ fn scope(key: &str) -> Scope {
 /// A claim of `scope` with a lease of 10 s and a retention of 100 s.
 pub fn request(scope: &Scope) -> ClaimRequest {
     ClaimRequest {
+        recovery: Default::default(),
         scope: scope.clone(),
         fingerprint: Fingerprint::sha256(b"meaning"),
         lease: Duration::from_secs(10),

@@ -126,6 +126,7 @@ class AsyncClient(ClientBase):
         wait: Duration | None = None,
         cost: int | None = None,
         summary: str | None = None,
+        verify_hook: bool = False,
     ) -> ClaimAnswer:
         """Claim a key: one atomic step answering :class:`Acquired`, :class:`Replay`,
         :class:`InFlight`, :class:`Mismatch`, :class:`Denied` or :class:`PendingApproval`; in a
@@ -138,7 +139,11 @@ class AsyncClient(ClientBase):
         replay; if pending approval, for the decision; at most 30s) are durations. ``run``
         groups the key for budgets; ``cost`` declares the cost units charged to the run once per
         key. ``summary`` (at most 1,024 bytes, no control characters but newlines) says what the
-        call does, for the approver of a namespace that requires approval.
+        call does, for the approver of a namespace that requires approval. ``verify_hook=True``
+        says you check, on a recovery, whether the unfinished attempt's effect happened before
+        running it again: where the namespace's recovery policy is ``verify``, only such a claim
+        takes over a key whose last attempt did not finish (others are :class:`Denied`, kind
+        ``recovery``).
         """
         return await self.send(
             _calls.claim(
@@ -152,6 +157,7 @@ class AsyncClient(ClientBase):
                 wait=wait,
                 cost=cost,
                 summary=summary,
+                verify_hook=verify_hook,
             )
         )
 
@@ -445,6 +451,13 @@ class AsyncClient(ClientBase):
         """Deny a pending call (admin): every claim of its key with its request is refused
         (:class:`onceguard.Denied`, ``approval``). Raises as :meth:`approve`."""
         return await self.send(_calls.decide_approval(approval_id, approve=False, why=why))
+
+    async def reconcile(self, approval_id: str, *, why: str, result: Any = None) -> Approval:
+        """Mark a pending approval of a recovery done (admin; recovery policy ``ask``): the
+        unfinished attempt's effect happened; its key completes with ``result`` (JSON), marked
+        reconciled, which every later call replays, and nothing runs again. Raises as
+        :meth:`approve`, and :class:`onceguard.InvalidRequest` for an approval of a call."""
+        return await self.send(_calls.reconcile_approval(approval_id, why=why, result=result))
 
     # -- tenants and API keys --------------------------------------------------------------------
 

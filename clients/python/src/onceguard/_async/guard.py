@@ -129,6 +129,7 @@ class AsyncGuarded:
             wait=wait,
             cost=p.cost,
             summary=self._summary,
+            verify_hook=p.verify is not None,
         )
 
     async def _answer(self) -> ClaimAnswer:

@@ -131,6 +131,7 @@ class Guarded:
             wait=wait,
             cost=p.cost,
             summary=self._summary,
+            verify_hook=p.verify is not None,
         )
 
     def _answer(self) -> ClaimAnswer:
