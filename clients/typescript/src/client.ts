@@ -432,6 +432,7 @@ function settingsJson(settings: Settings): Json {
   if (settings.approvalExpiry !== undefined) out["approval_expiry"] = formatDuration(settings.approvalExpiry);
   if (settings.mode !== undefined) out["mode"] = settings.mode;
   if (settings.recovery !== undefined) out["recovery"] = settings.recovery;
+  if (settings.enforcePercent !== undefined) out["enforce_percent"] = settings.enforcePercent;
   return out;
 }
 

@@ -839,6 +839,11 @@ export interface Settings {
    * the recovery).
    */
   readonly recovery?: "rerun" | "verify" | "ask";
+  /**
+   * A canary: enforce for this percentage of keys (0 to 100), observe the rest, each key always
+   * on the same side; in place of `mode`.
+   */
+  readonly enforcePercent?: number;
 }
 
 function settingsOf(d: unknown): Settings {
@@ -860,6 +865,7 @@ function settingsOf(d: unknown): Settings {
   if (s["outcome_kept"] === "full" || s["outcome_kept"] === "digest") out.outcomeKept = s["outcome_kept"];
   if (s["mode"] === "enforce" || s["mode"] === "observe") out.mode = s["mode"];
   if (s["recovery"] === "rerun" || s["recovery"] === "verify" || s["recovery"] === "ask") out.recovery = s["recovery"];
+  if (typeof s["enforce_percent"] === "number") out.enforcePercent = s["enforce_percent"];
   return out;
 }
 

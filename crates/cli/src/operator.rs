@@ -357,6 +357,10 @@ pub(crate) enum SettingsCommand {
         /// verify (only a caller with a verify hook takes it over) or ask (a person decides).
         #[arg(long, value_parser = parse_recovery)]
         recovery: Option<RecoveryPolicy>,
+        /// A canary: enforce for this percentage of keys (0 to 100), observe the rest (each key
+        /// always on the same side); in place of --mode.
+        #[arg(long, value_parser = clap::value_parser!(u8).range(0..=100), conflicts_with = "mode")]
+        enforce_percent: Option<u8>,
         /// Why (kept in the audit log).
         #[arg(long)]
         why: Option<String>,
@@ -554,10 +558,12 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             approval_expiry,
             mode,
             recovery,
+            enforce_percent,
             why,
         } => {
             let settings = Settings {
                 recovery,
+                enforce_percent,
                 default_lease,
                 max_lease,
                 default_retention,

@@ -722,8 +722,11 @@ impl onceguard_core::Observer for Metrics {
     }
 
     fn approval_decided(&self, approval: &onceguard_core::approval::Approval) {
-        let approved = approval.decision.as_ref().is_some_and(|d| d.approved);
-        let decision = if approved { "approved" } else { "denied" };
+        let decision = match &approval.decision {
+            Some(d) if d.approved => "approved",
+            Some(d) if d.result.is_some() => "reconciled",
+            _ => "denied",
+        };
         let labels = DecisionLabels { tenant: self.tenant_label(approval.scope.tenant.as_str()), decision };
         self.approval_decisions.get_or_create(&labels).inc();
         self.live.push_event(approval.scope.tenant.as_str(), Event::new("approval", &approval.scope, None, decision));

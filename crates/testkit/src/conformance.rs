@@ -18,10 +18,12 @@ use onceguard_core::{
 };
 
 mod approvals;
+mod canary;
 mod recovery;
 mod rollback;
 
 pub use approvals::*;
+pub use canary::*;
 pub use recovery::*;
 pub use rollback::*;
 

@@ -171,6 +171,7 @@ macro_rules! conformance_tests {
             compensations_ask_no_approver_and_a_refused_task_blocks_none,
             task_namespaces_are_reserved,
             observe_mode_counts_each_would_be_outcome,
+            a_canary_enforces_its_share_of_keys,
             switching_modes_under_load_keeps_each_key_acquired_once,
             an_instance_off_the_stores_clock_refuses_claims_past_the_bound
         );

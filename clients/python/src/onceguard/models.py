@@ -865,6 +865,9 @@ class Settings:
     #: :class:`onceguard.RecoveryNeedsVerify`) or ``ask`` (a person decides: the call is
     #: :class:`PendingApproval`, an approval of the recovery).
     recovery: Literal["rerun", "verify", "ask"] | None = None
+    #: A canary: enforce for this percentage of keys (0 to 100), observe the rest, each key
+    #: always on the same side; in place of ``mode``.
+    enforce_percent: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -884,6 +887,8 @@ class Settings:
             out["mode"] = self.mode
         if self.recovery is not None:
             out["recovery"] = self.recovery
+        if self.enforce_percent is not None:
+            out["enforce_percent"] = self.enforce_percent
         return out
 
     @classmethod
@@ -902,6 +907,7 @@ class Settings:
             approval_expiry=d.get("approval_expiry"),
             mode=d.get("mode"),
             recovery=d.get("recovery"),
+            enforce_percent=d.get("enforce_percent"),
         )
 
 

@@ -119,8 +119,13 @@ impl Controls {
             .collect()
     }
 
-    /// The settings in force for a key of `scope`.
+    /// The settings in force for a key of `scope`; under a canary, its mode is the key's side
+    /// ([`super::canary_mode`]).
     pub fn effective(&self, limits: &Limits, scope: &Scope) -> Effective {
-        effective(limits, self.settings.iter().filter(|e| e.tenant == scope.tenant), &scope.namespace)
+        let mut out = effective(limits, self.settings.iter().filter(|e| e.tenant == scope.tenant), &scope.namespace);
+        if let Some(percent) = out.enforce_percent {
+            out.mode = super::canary_mode(scope, percent);
+        }
+        out
     }
 }

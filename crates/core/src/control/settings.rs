@@ -51,6 +51,31 @@ pub struct Settings {
     /// What a claim of a key whose last attempt did not finish may do (see [`RecoveryPolicy`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery: Option<RecoveryPolicy>,
+    /// A canary: claims are enforced for this percentage of keys (0 to 100) and observed for
+    /// the rest, each key always on the same side ([`canary_mode`]). In place of `mode` (an
+    /// entry gives one or the other); the most specific entry giving either decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforce_percent: Option<u8>,
+}
+
+/// The side of a canary of `percent` that the key of `scope` is on: [`Mode::Enforce`] for
+/// `percent` keys in a hundred, [`Mode::Observe`] for the others. Stable: the first 8 bytes of
+/// the SHA-256 of `tenant NUL namespace NUL key`, as a big-endian number, modulo 10,000, below
+/// `percent` × 100, so a key is always on the same side, on every instance and version, and a
+/// larger percentage keeps every key a smaller one enforced.
+pub fn canary_mode(scope: &crate::domain::Scope, percent: u8) -> Mode {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for (i, part) in [scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()].into_iter().enumerate() {
+        if i > 0 {
+            hash.update([0u8]);
+        }
+        hash.update(part.as_bytes());
+    }
+    let digest = hash.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    if u64::from_be_bytes(first) % 10_000 < u64::from(percent) * 100 { Mode::Enforce } else { Mode::Observe }
 }
 
 crate::label::vocabulary! {
@@ -149,6 +174,15 @@ impl SettingsEntry {
             rate.validate()?;
         }
         within("approval_expiry", s.approval_expiry, Duration::from_secs(1), Duration::from_secs(30 * 24 * 3600))?;
+        if s.enforce_percent.is_some_and(|p| p > 100) {
+            return Err(InvalidInput::new("enforce_percent", "must lie between 0 and 100"));
+        }
+        if s.enforce_percent.is_some() && s.mode.is_some() {
+            return Err(InvalidInput::new(
+                "enforce_percent",
+                "give mode (every key) or enforce_percent (a canary: that share of keys enforced), not both",
+            ));
+        }
         Ok(())
     }
 
@@ -173,8 +207,11 @@ pub struct Effective {
     /// When a key needs an approval before its first claim acquires it: how long a pending
     /// approval waits for a decision.
     pub approval: Option<Duration>,
-    /// Whether its claims are enforced or only observed.
+    /// Whether its claims are enforced or only observed: for a key of a canary, its side
+    /// ([`Controls::effective`](super::Controls::effective) decides it by the key).
     pub mode: Mode,
+    /// The canary in force, if any: the percentage of keys enforced.
+    pub enforce_percent: Option<u8>,
     /// What a claim may do with a key whose last attempt did not finish.
     pub recovery: RecoveryPolicy,
     /// How long a pending approval (of a key, or of a recovery) waits for a decision.
@@ -199,6 +236,7 @@ pub fn effective<'a>(
         outcome_kept: OutcomeKept::Full,
         approval: None,
         mode: Mode::Enforce,
+        enforce_percent: None,
         recovery: RecoveryPolicy::Rerun,
         approval_expiry: crate::approval::DEFAULT_APPROVAL_EXPIRY,
     };
@@ -221,7 +259,10 @@ pub fn effective<'a>(
             out.outcome_kept = kept;
         }
         if let Some(mode) = s.mode {
-            out.mode = mode;
+            (out.mode, out.enforce_percent) = (mode, None);
+        }
+        if let Some(percent) = s.enforce_percent {
+            out.enforce_percent = Some(percent.min(100));
         }
         if let Some(recovery) = s.recovery {
             out.recovery = recovery;
@@ -242,4 +283,66 @@ pub fn effective<'a>(
     l.default_lease = l.default_lease.clamp(l.min_lease, l.max_lease);
     l.default_retention = l.default_retention.clamp(l.min_retention, l.max_retention);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Key, Scope};
+
+    fn entry(prefix: Option<&str>, settings: Settings) -> SettingsEntry {
+        SettingsEntry {
+            tenant: TenantId::parse("acme").unwrap(),
+            namespace_prefix: prefix.map(|p| Namespace::parse(p).unwrap()),
+            settings,
+            updated_by: "test".into(),
+            updated_at: Timestamp(0),
+        }
+    }
+
+    fn scope(namespace: &str, key: &str) -> Scope {
+        Scope::new(TenantId::parse("acme").unwrap(), Namespace::parse(namespace).unwrap(), Key::parse(key).unwrap())
+    }
+
+    #[test]
+    fn a_canary_enforces_its_share_of_keys_always_the_same_ones() {
+        let keys: Vec<Scope> = (0..10_000).map(|i| scope("prod/pay", &format!("order-{i}"))).collect();
+        let enforced = |percent: u8| keys.iter().filter(|s| canary_mode(s, percent) == Mode::Enforce).count();
+        let ten = enforced(10);
+        assert!((800..=1_200).contains(&ten), "10 % of 10,000 keys enforced: {ten}");
+        assert_eq!((enforced(0), enforced(100)), (0, 10_000));
+        // The same key is always on the same side, and a larger canary keeps the smaller one's keys.
+        for s in &keys {
+            assert_eq!(canary_mode(s, 10), canary_mode(&s.clone(), 10));
+            if canary_mode(s, 10) == Mode::Enforce {
+                assert_eq!(canary_mode(s, 50), Mode::Enforce, "{s:?}");
+            }
+        }
+        // The side depends on the tenant and namespace too.
+        let other = keys.iter().filter(|s| {
+            let moved = Scope::new(s.tenant.clone(), Namespace::parse("prod/mail").unwrap(), s.key.clone());
+            canary_mode(s, 50) != canary_mode(&moved, 50)
+        });
+        assert!(other.count() > 3_000);
+    }
+
+    #[test]
+    fn the_most_specific_entry_giving_a_mode_or_a_canary_decides() {
+        let limits = Limits::default();
+        let canary = Settings { enforce_percent: Some(10), ..Settings::default() };
+        let observe = Settings { mode: Some(Mode::Observe), ..Settings::default() };
+        let entries = [entry(None, observe.clone()), entry(Some("prod"), canary.clone())];
+        let ns = Namespace::parse("prod/pay").unwrap();
+        assert_eq!(effective(&limits, &entries, &ns).enforce_percent, Some(10));
+        let entries = [entry(None, canary.clone()), entry(Some("prod"), observe)];
+        let e = effective(&limits, &entries, &ns);
+        assert_eq!((e.enforce_percent, e.mode), (None, Mode::Observe));
+        assert_eq!(effective(&limits, &entries, &Namespace::parse("staging").unwrap()).enforce_percent, Some(10));
+        // One entry gives one or the other, within 0 to 100.
+        let both = Settings { mode: Some(Mode::Enforce), enforce_percent: Some(10), ..Settings::default() };
+        assert_eq!(entry(None, both).validate(&limits).unwrap_err().field, "enforce_percent");
+        let over = Settings { enforce_percent: Some(101), ..Settings::default() };
+        assert_eq!(entry(None, over).validate(&limits).unwrap_err().field, "enforce_percent");
+        assert!(entry(None, canary).validate(&limits).is_ok());
+    }
 }

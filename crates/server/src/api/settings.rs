@@ -63,6 +63,11 @@ pub struct SettingsBody {
     /// does; others are refused, 409 `recovery-needs-verify`) or `ask` (a person decides: the
     /// claim answers 202 `pending_approval`, an approval of the recovery).
     pub recovery: Option<RecoveryPolicyBody>,
+    /// A canary: claims are enforced for this percentage of keys (0 to 100) and observed for the
+    /// rest, each key always on the same side (a stable hash of tenant, namespace and key). In
+    /// place of `mode`: give one or the other.
+    #[schema(minimum = 0, maximum = 100)]
+    pub enforce_percent: Option<u8>,
 }
 
 /// What a claim may do with a key whose last attempt did not finish.
@@ -169,6 +174,7 @@ impl SettingsBody {
             approval_expiry: d("approval_expiry", &self.approval_expiry)?,
             mode: self.mode.map(Into::into),
             recovery: self.recovery.map(Into::into),
+            enforce_percent: self.enforce_percent,
         })
     }
 
@@ -185,6 +191,7 @@ impl SettingsBody {
             approval_expiry: duration_text(s.approval_expiry),
             mode: s.mode.map(Into::into),
             recovery: s.recovery.map(Into::into),
+            enforce_percent: s.enforce_percent,
         }
     }
 }

@@ -165,3 +165,50 @@ async fn observe_mode_lets_every_call_proceed_and_counts_what_enforcement_would_
     let (status, body) = app.claim(&app.agent, claim).await;
     assert_eq!((status, &body["outcome"]), (StatusCode::OK, &json!("replay")));
 }
+
+/// A canary set through the API (`enforce_percent`) enforces its share of keys and observes the
+/// rest, each key on the side `canary_mode` gives it; both sides show in the metrics by mode
+/// and on the dashboard. An entry giving `mode` and `enforce_percent` together is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_enforces_a_share_of_keys_and_both_sides_show() {
+    let app = spawn_app(Backing::Sqlite).await;
+    let both = json!({"namespace_prefix": "rag", "settings": {"mode": "observe", "enforce_percent": 10}});
+    assert_problem(app.put(&app.admin, "/v1/settings", &both).await, StatusCode::BAD_REQUEST, "invalid-request").await;
+    let set = json!({"namespace_prefix": "rag", "settings": {"enforce_percent": 25}});
+    let response = app.put(&app.admin, "/v1/settings", &set).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let entry: Value = response.json().await.unwrap();
+    assert_eq!(entry["settings"]["enforce_percent"], json!(25));
+    let tenant = onceguard_core::TenantId::parse("acme").unwrap();
+    let mut sides = HashMap::new();
+    for i in 0..40 {
+        let key = format!("doc-{i}");
+        let claim = json!({"namespace": "rag/embed", "key": key, "request": {"doc": i}});
+        let (status, acquired) = app.claim(&app.agent, claim.clone()).await;
+        assert_eq!(status, StatusCode::CREATED);
+        let complete = json!({"namespace": "rag/embed", "key": key, "fence": acquired["fence"], "result": [0.1]});
+        assert_eq!(app.fenced("complete", complete).await.0, StatusCode::OK);
+        let scope = onceguard_core::Scope::new(
+            tenant.clone(),
+            onceguard_core::Namespace::parse("rag/embed").unwrap(),
+            onceguard_core::Key::parse(&key).unwrap(),
+        );
+        let side = onceguard_core::control::canary_mode(&scope, 25);
+        let (status, body) = app.claim(&app.agent, claim).await;
+        assert_eq!(status, StatusCode::OK);
+        let expected = if side == onceguard_core::control::Mode::Enforce { "replay" } else { "proceed" };
+        assert_eq!(body["outcome"], json!(expected), "key {key}: {body}");
+        *sides.entry(expected).or_insert(0.0) += 1.0;
+    }
+    let m = metrics(&app).await;
+    let count = |outcome: &str, mode: &str| {
+        m.get(&format!(r#"onceguard_claims_total{{tenant="acme",outcome="{outcome}",mode="{mode}"}}"#)).copied()
+    };
+    assert_eq!(count("replay", "enforce"), sides.get("replay").copied());
+    assert_eq!(count("replay", "observe"), sides.get("proceed").copied());
+    let dashboard: Value = app.get(&app.admin, "/v1/dashboard").await.json().await.unwrap();
+    assert_eq!(
+        dashboard["observed"]["duplicates_not_prevented"],
+        json!(sides.get("proceed").copied().unwrap_or(0.0) as u64)
+    );
+}
