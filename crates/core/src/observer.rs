@@ -32,6 +32,11 @@ pub trait Observer: Send + Sync + 'static {
     /// A recovering attempt completed its key as reconciled, without running the effect again.
     fn reconciled(&self, _scope: &Scope) {}
 
+    /// A fenced call ended an attempt (it took effect): `record` as it now is (completed with a
+    /// success or a permanent failure, released for a retry, or in progress with its outcome
+    /// reported unknown), at `now` by the store's time.
+    fn finished(&self, _record: &crate::record::Record, _now: crate::domain::Timestamp) {}
+
     /// A sealed value of the key was refused: this guard could not open it (see
     /// [`crate::sealing::OpenError`]).
     fn unopened(&self, _scope: &Scope) {}

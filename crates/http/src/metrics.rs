@@ -133,6 +133,22 @@ fn latency_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// The buckets of an effect's duration, seconds: from 50 ms to 10 minutes.
+const EFFECT_BUCKETS: [f64; 14] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0];
+
+fn effect_histogram() -> Histogram {
+    Histogram::new(EFFECT_BUCKETS)
+}
+
+/// `tenant` and `result` (`success`, `failure`, `released`, `unknown`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// The tenant (see [`TenantLabels`]).
+    pub tenant: String,
+    /// How the attempt ended.
+    pub result: &'static str,
+}
+
 /// `tenant` and `decision` (`approved`, `denied`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
@@ -170,6 +186,8 @@ pub struct Metrics {
     observe_cost_not_saved: Family<TenantLabels, Counter>,
     observe_tokens_not_saved: Family<TenantLabels, Counter>,
     recoveries: Family<ReasonLabels, Counter>,
+    effects: Family<ResultLabels, Counter>,
+    effect_duration: LatencyFamily<TenantLabels>,
     stale_calls: Family<StaleLabels, Counter>,
     denials: Family<ReasonLabels, Counter>,
     keys_in_flight: Family<TenantLabels, Gauge>,
@@ -398,6 +416,22 @@ impl Metrics {
              stale_calls)",
             stale_audits_dropped.clone(),
         );
+        let effects = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "effects",
+            "Attempts at an effect that ended, by tenant and how: success (completed), failure (a permanent \
+             failure stored), released (a retryable failure: the key runs again), unknown (the holder reported \
+             the outcome unknown); with onceguard_recoveries_total (attempts whose holder vanished), what the \
+             effect failure rate's SLO counts",
+            effects.clone(),
+        );
+        let effect_duration: LatencyFamily<TenantLabels> = Family::new_with_constructor(effect_histogram);
+        registry.register(
+            "effect_duration_seconds",
+            "From a key's first claim to its completion (success or permanent failure), by tenant, recoveries \
+             included: what the effect latency's SLO counts",
+            effect_duration.clone(),
+        );
         let build = Family::<BuildLabels, Gauge>::default();
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         registry.register("build_info", "The running server's version (always 1)", build);
@@ -409,6 +443,8 @@ impl Metrics {
             observe_cost_not_saved,
             observe_tokens_not_saved,
             recoveries,
+            effects,
+            effect_duration,
             stale_calls,
             denials,
             keys_in_flight,
@@ -492,6 +528,24 @@ impl Metrics {
             ClaimOutcome::InFlight(_) | ClaimOutcome::PendingApproval(_) => {}
         }
         self.live.record_claim(tenant, scope.namespace.as_str(), outcome.answer(), saved);
+    }
+
+    /// An attempt that ended (reported by the guard): counted by how, and a completed key's
+    /// time from its first claim.
+    pub fn observe_finished(&self, record: &onceguard_core::Record, now: Timestamp) {
+        use onceguard_core::{OutcomeKind, RecordState};
+        let result = match (record.state, record.outcome.as_ref().map(|o| o.kind)) {
+            (RecordState::Completed, Some(OutcomeKind::Failure)) => "failure",
+            (RecordState::Completed, _) => "success",
+            (RecordState::Released, _) => "released",
+            (RecordState::InProgress, _) => "unknown",
+        };
+        let tenant = self.tenant_label(record.scope.tenant.as_str());
+        if record.state == RecordState::Completed {
+            let seconds = now.0.saturating_sub(record.created_at.0) as f64 / 1000.0;
+            self.effect_duration.get_or_create(&TenantLabels { tenant: tenant.clone() }).observe(seconds);
+        }
+        self.effects.get_or_create(&ResultLabels { tenant, result }).inc();
     }
 
     /// A fenced call refused as stale (reported by the guard).
@@ -707,6 +761,10 @@ impl onceguard_core::Observer for Metrics {
 
     fn stale(&self, scope: &Scope, op: FencedOp, fence: Fence, reason: StaleReason) {
         self.observe_stale(scope, op, fence.0, reason);
+    }
+
+    fn finished(&self, record: &onceguard_core::Record, now: Timestamp) {
+        self.observe_finished(record, now);
     }
 
     fn stale_audit_dropped(&self, scope: &Scope) {

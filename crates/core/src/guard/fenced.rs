@@ -187,8 +187,11 @@ impl Guard {
         finishes: bool,
         outcome: &FencedOutcome,
     ) -> Result<(), GuardError> {
-        if matches!(outcome, FencedOutcome::Applied(_)) && finishes {
+        if let FencedOutcome::Applied(record) = outcome
+            && finishes
+        {
             self.notifier.notify(scope);
+            self.observer.finished(record, self.clock.now());
         }
         if let FencedOutcome::Stale(reason) = outcome {
             self.observer.stale(scope, op, fence, *reason);

@@ -574,3 +574,41 @@ async fn the_audit_log_is_pruned_under_a_sweep_backlog_that_never_ends() {
     }
     assert_eq!(entries().await, 0, "the entry past its retention is still in the audit log after 5 s");
 }
+
+/// Every attempt that ends is counted by how (`onceguard_effects_total`), and a completed key's
+/// time from its first claim is in `onceguard_effect_duration_seconds`, whose 30 s bucket the
+/// latency alerts read.
+#[tokio::test]
+async fn effects_are_counted_by_how_they_ended_with_their_duration() {
+    let app = spawn_app_with(Backing::Sqlite, |_| {}).await;
+    let claim = |key: &str| json!({"namespace": "fx", "key": key, "request": 1, "lease": "1h"});
+    let fenced = |key: &str, fence: &Value, extra: Value| {
+        let mut body = json!({"namespace": "fx", "key": key, "fence": fence});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let (_, ok) = app.claim(&app.agent, claim("ok")).await;
+    assert_eq!(app.fenced("complete", fenced("ok", &ok["fence"], json!({"result": 1}))).await.0, StatusCode::OK);
+    let (_, bad) = app.claim(&app.agent, claim("bad")).await;
+    let fail = json!({"retryable": false, "error": {"code": "card_declined"}});
+    assert_eq!(app.fenced("fail", fenced("bad", &bad["fence"], fail)).await.0, StatusCode::OK);
+    let (_, retry) = app.claim(&app.agent, claim("retry")).await;
+    let release = json!({"retryable": true, "error": "try again"});
+    assert_eq!(app.fenced("fail", fenced("retry", &retry["fence"], release)).await.0, StatusCode::OK);
+    let (_, unknown) = app.claim(&app.agent, claim("unknown")).await;
+    let report = json!({"detail": "timed out"});
+    assert_eq!(app.fenced("report-unknown", fenced("unknown", &unknown["fence"], report)).await.0, StatusCode::OK);
+    let (_, slow) = app.claim(&app.agent, claim("slow")).await;
+    app.clock.advance(Duration::from_secs(40));
+    assert_eq!(app.fenced("complete", fenced("slow", &slow["fence"], json!({"result": 2}))).await.0, StatusCode::OK);
+    // A stale completion ends nothing.
+    assert_eq!(app.fenced("complete", fenced("ok", &json!(999), json!({"result": 1}))).await.0, StatusCode::CONFLICT);
+
+    let (text, m) = scrape(&app).await;
+    for (result, n) in [("success", 2.0), ("failure", 1.0), ("released", 1.0), ("unknown", 1.0)] {
+        assert_eq!(value(&m, &format!(r#"onceguard_effects_total{{tenant="acme",result="{result}"}}"#)), n, "{result}");
+    }
+    assert_eq!(value(&m, r#"onceguard_effect_duration_seconds_count{tenant="acme"}"#), 3.0);
+    assert_eq!(value(&m, r#"onceguard_effect_duration_seconds_bucket{le="30.0",tenant="acme"}"#), 2.0, "{text}");
+    assert_eq!(value(&m, r#"onceguard_effect_duration_seconds_bucket{le="60.0",tenant="acme"}"#), 3.0);
+}
