@@ -18,13 +18,18 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(workspace().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
-/// An alert as written in the rules file: its name, and the lines up to the next alert.
+/// An alert as written in the rules file: its name, and the lines up to the next rule or group.
 fn alerts(rules: &str) -> Vec<(String, String)> {
     let mut alerts: Vec<(String, String)> = Vec::new();
+    let mut in_alert = false;
     for line in rules.lines() {
-        if let Some(name) = line.trim().strip_prefix("- alert:") {
+        let trimmed = line.trim();
+        if let Some(name) = trimmed.strip_prefix("- alert:") {
             alerts.push((name.trim().to_owned(), String::new()));
-        } else if let Some((_, body)) = alerts.last_mut() {
+            in_alert = true;
+        } else if trimmed.starts_with("- record:") || trimmed.starts_with("- name:") {
+            in_alert = false;
+        } else if let Some((_, body)) = alerts.last_mut().filter(|_| in_alert) {
             body.push_str(line);
             body.push('\n');
         }
@@ -51,17 +56,41 @@ fn anchor(heading: &str) -> String {
         .collect()
 }
 
-/// The `onceguard_*` metric names an expression uses.
+/// The `onceguard_*` metric names an expression uses; a recording rule's name
+/// (`level:onceguard_…:operations`) is not one.
 fn metric_names(expr: &str) -> Vec<String> {
     let mut names = Vec::new();
     let mut rest = expr;
     while let Some(start) = rest.find("onceguard_") {
         let tail = &rest[start..];
         let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
-        names.push(tail[..end].to_owned());
+        let recorded = rest[..start].ends_with(':');
+        if !recorded {
+            names.push(tail[..end].to_owned());
+        }
         rest = &tail[end..];
     }
     names
+}
+
+/// The recording rules of the file, each with the lines up to the next rule: their names and
+/// expressions, whose metrics must be exported too.
+fn recording_rules(rules: &str) -> Vec<(String, String)> {
+    let mut recorded: Vec<(String, String)> = Vec::new();
+    let mut in_rule = false;
+    for line in rules.lines() {
+        let trimmed = line.trim();
+        if let Some(name) = trimmed.strip_prefix("- record:") {
+            recorded.push((name.trim().to_owned(), String::new()));
+            in_rule = true;
+        } else if trimmed.starts_with("- alert:") || trimmed.starts_with("- name:") {
+            in_rule = false;
+        } else if let Some((_, body)) = recorded.last_mut().filter(|_| in_rule) {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    recorded
 }
 
 #[test]
@@ -90,6 +119,23 @@ fn every_alert_uses_exported_metrics_and_links_to_its_runbook_section() {
                     .iter()
                     .any(|suffix| base.strip_suffix(suffix).is_some_and(registered));
             assert!(known, "{name}: {metric} is not a metric the server exports");
+        }
+    }
+    // A recording rule reads exported metrics, and every one an alert reads is defined here.
+    let recorded = recording_rules(&rules);
+    for (name, body) in &recorded {
+        for metric in metric_names(body) {
+            let base = metric.trim_start_matches("onceguard_");
+            let base =
+                ["_total", "_bucket", "_count", "_sum"].iter().find_map(|s| base.strip_suffix(s)).unwrap_or(base);
+            assert!(declared.contains(&format!("\"{base}\"")), "{name}: {metric} is not a metric the server exports");
+        }
+    }
+    for (name, body) in &alerts {
+        for word in body.split(|c: char| c.is_whitespace() || "()".contains(c)) {
+            if word.contains(":onceguard_") {
+                assert!(recorded.iter().any(|(r, _)| r == word), "{name}: {word} is no recording rule of the file");
+            }
         }
     }
     // And every section of the runbook past its introduction belongs to an alert.
