@@ -143,6 +143,19 @@ impl OutcomeDigest {
 }
 
 impl Outcome {
+    /// A successful outcome of JSON `body` (`application/json`), reporting no cost or tokens.
+    pub fn json(body: impl Into<Vec<u8>>) -> Self {
+        Self {
+            kind: OutcomeKind::Success,
+            content_type: "application/json".to_owned(),
+            body: body.into(),
+            cost: None,
+            tokens: None,
+            reconciled: false,
+            compensation: None,
+        }
+    }
+
     /// What is kept of it when it is a digest only ([`DIGEST_CONTENT_TYPE`]); `None` when its
     /// bytes are kept (or the digest is malformed: the guard refuses to store such an outcome).
     pub fn digest(&self) -> Option<OutcomeDigest> {

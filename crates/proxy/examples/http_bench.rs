@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::routing::post;
 use onceguard_core::{
-    Claim, ClaimOutcome, Fingerprint, Guard, Key, MemoryStore, Mutation, Namespace, Outcome, OutcomeKind, Scope, Store,
-    SystemClock, TenantId,
+    Claim, ClaimOutcome, Fingerprint, Guard, Key, MemoryStore, Mutation, Namespace, Outcome, Scope, Store, SystemClock,
+    TenantId,
 };
 use onceguard_server::telemetry::{LogFormat, TraceSettings};
 use onceguard_server::{AppState, Config};
@@ -123,15 +123,7 @@ async fn complete_all(guard: &Guard, requests: usize) {
         let fingerprint = Fingerprint::of_json(&serde_json::json!({ "ticket": i }));
         let req = Claim { lease: Some(Duration::from_secs(60)), ..Claim::new(scope.clone(), fingerprint) };
         let ClaimOutcome::Acquired(a) = guard.claim(req).await.unwrap() else { panic!("acquired") };
-        let outcome = Outcome {
-            kind: OutcomeKind::Success,
-            content_type: "application/json".into(),
-            body: b"{}".to_vec(),
-            cost: None,
-            tokens: None,
-            reconciled: false,
-            compensation: None,
-        };
+        let outcome = Outcome::json(b"{}".to_vec());
         guard.mutate(&scope, a.fence, Mutation::Complete(outcome)).await.unwrap();
     }
 }

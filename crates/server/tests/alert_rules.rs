@@ -18,23 +18,28 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(workspace().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
-/// An alert as written in the rules file: its name, and the lines up to the next rule or group.
-fn alerts(rules: &str) -> Vec<(String, String)> {
-    let mut alerts: Vec<(String, String)> = Vec::new();
-    let mut in_alert = false;
+/// The rules of one kind (`- alert:` or `- record:`) as written in the rules file: each one's
+/// name, and its lines up to the next rule or group.
+fn rules_of(rules: &str, kind: &str) -> Vec<(String, String)> {
+    let mut found: Vec<(String, String)> = Vec::new();
+    let mut inside = false;
     for line in rules.lines() {
         let trimmed = line.trim();
-        if let Some(name) = trimmed.strip_prefix("- alert:") {
-            alerts.push((name.trim().to_owned(), String::new()));
-            in_alert = true;
-        } else if trimmed.starts_with("- record:") || trimmed.starts_with("- name:") {
-            in_alert = false;
-        } else if let Some((_, body)) = alerts.last_mut().filter(|_| in_alert) {
+        if let Some(name) = trimmed.strip_prefix(kind) {
+            found.push((name.trim().to_owned(), String::new()));
+            inside = true;
+        } else if ["- alert:", "- record:", "- name:"].iter().any(|p| trimmed.starts_with(p)) {
+            inside = false;
+        } else if let Some((_, body)) = found.last_mut().filter(|_| inside) {
             body.push_str(line);
             body.push('\n');
         }
     }
-    alerts
+    found
+}
+
+fn alerts(rules: &str) -> Vec<(String, String)> {
+    rules_of(rules, "- alert:")
 }
 
 /// The value of `field: "…"` in an alert's lines.
@@ -73,26 +78,6 @@ fn metric_names(expr: &str) -> Vec<String> {
     names
 }
 
-/// The recording rules of the file, each with the lines up to the next rule: their names and
-/// expressions, whose metrics must be exported too.
-fn recording_rules(rules: &str) -> Vec<(String, String)> {
-    let mut recorded: Vec<(String, String)> = Vec::new();
-    let mut in_rule = false;
-    for line in rules.lines() {
-        let trimmed = line.trim();
-        if let Some(name) = trimmed.strip_prefix("- record:") {
-            recorded.push((name.trim().to_owned(), String::new()));
-            in_rule = true;
-        } else if trimmed.starts_with("- alert:") || trimmed.starts_with("- name:") {
-            in_rule = false;
-        } else if let Some((_, body)) = recorded.last_mut().filter(|_| in_rule) {
-            body.push_str(line);
-            body.push('\n');
-        }
-    }
-    recorded
-}
-
 #[test]
 fn every_alert_uses_exported_metrics_and_links_to_its_runbook_section() {
     let rules = read("deploy/prometheus/onceguard-alerts.yml");
@@ -122,7 +107,7 @@ fn every_alert_uses_exported_metrics_and_links_to_its_runbook_section() {
         }
     }
     // A recording rule reads exported metrics, and every one an alert reads is defined here.
-    let recorded = recording_rules(&rules);
+    let recorded = rules_of(&rules, "- record:");
     for (name, body) in &recorded {
         for metric in metric_names(body) {
             let base = metric.trim_start_matches("onceguard_");

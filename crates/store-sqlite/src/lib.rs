@@ -694,15 +694,7 @@ mod tests {
         let ClaimOutcome::Acquired(held) = store.claim(&in_ns("proxy/bbbb", "2"), now).await.unwrap() else {
             panic!("not acquired")
         };
-        let outcome = onceguard_core::Outcome {
-            kind: onceguard_core::OutcomeKind::Success,
-            content_type: "application/json".into(),
-            body: b"{}".to_vec(),
-            cost: None,
-            tokens: None,
-            reconciled: false,
-            compensation: None,
-        };
+        let outcome = onceguard_core::Outcome::json(b"{}".to_vec());
         let call = onceguard_core::store::FencedCall {
             scope: in_ns("proxy/bbbb", "2").scope,
             fence: held.fence,

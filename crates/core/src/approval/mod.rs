@@ -44,7 +44,7 @@ mod recovery;
 pub(crate) use guard::Ask;
 pub use guard::PENDING_RETRY_AFTER;
 pub use recovery::RecoveryAsk;
-pub(crate) use recovery::Verdict;
+pub use recovery::Verdict;
 
 /// The longest summary a claim may give of what is to be approved.
 pub const MAX_SUMMARY: usize = 1024;

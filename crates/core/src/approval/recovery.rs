@@ -50,9 +50,6 @@ pub struct RecoveryAsk {
     pub last_checkpoint: Option<CheckpointName>,
 }
 
-/// The media type of the failure a person's decision stores.
-const FAILED_CONTENT_TYPE: &str = "application/json";
-
 impl Guard {
     /// Answers a claim the store refused for want of a person's decision on a recovery
     /// ([`Denial::RecoveryNeedsDecision`]); any other answer is returned as it is. `expiry`:
@@ -156,9 +153,10 @@ impl Guard {
         self.decide_as(tenant, id, Verdict::Reconciled(result), by, why).await
     }
 
-    /// Takes a decision on the approval `id` (see [`Guard::decide_approval`]); of a recovery, a
-    /// denial or a reconciliation also writes the attempt's end.
-    pub(crate) async fn decide_as(
+    /// Takes `verdict` on the tenant's pending approval `id` as `by`, saying why (see
+    /// [`Guard::decide_approval`] and [`Guard::reconcile_recovery`]); of a recovery, a denial or
+    /// a reconciliation also writes the attempt's end.
+    pub async fn decide_as(
         &self,
         tenant: &TenantId,
         id: &ApprovalId,
@@ -243,30 +241,22 @@ impl Guard {
         let ClaimOutcome::Acquired(held) = self.store.claim(&take, now).await? else { return Ok(()) };
         let outcome = match &decision.result {
             Some(result) => Outcome {
-                kind: OutcomeKind::Success,
-                content_type: "application/json".to_owned(),
-                body: serde_json::to_vec(result).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-                cost: None,
-                tokens: None,
                 reconciled: true,
-                compensation: None,
+                ..Outcome::json(serde_json::to_vec(result).map_err(|e| StoreError::Corrupt(e.to_string()))?)
             },
             None => Outcome {
                 kind: OutcomeKind::Failure,
-                content_type: FAILED_CONTENT_TYPE.to_owned(),
-                body: serde_json::to_vec(&serde_json::json!({
-                    "error": "recovery_failed",
-                    "detail": format!(
-                        "attempt {} did not finish; {} decided it failed: {}",
-                        recovery.previous_attempt, decision.by, decision.why
-                    ),
-                    "approval": approval.id,
-                }))
-                .map_err(|e| StoreError::Corrupt(e.to_string()))?,
-                cost: None,
-                tokens: None,
-                reconciled: false,
-                compensation: None,
+                ..Outcome::json(
+                    serde_json::to_vec(&serde_json::json!({
+                        "error": "recovery_failed",
+                        "detail": format!(
+                            "attempt {} did not finish; {} decided it failed: {}",
+                            recovery.previous_attempt, decision.by, decision.why
+                        ),
+                        "approval": approval.id,
+                    }))
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                )
             },
         };
         let mutation = match outcome.kind {
@@ -281,8 +271,8 @@ impl Guard {
 }
 
 /// A person's decision on an approval.
-#[derive(Debug, Clone)]
-pub(crate) enum Verdict {
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
     /// Approved: the call (of a recovery: its re-run) may run, once.
     Approved,
     /// Denied: the call is refused (of a recovery: the attempt is stored as failed).

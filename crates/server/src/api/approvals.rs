@@ -1,7 +1,7 @@
 //! Approvals: a claim's pending approval, and an approver's decision (see
 //! `onceguard_core::approval`).
 
-use onceguard_core::approval::{Approval, ApprovalId, ApprovalState, DecideError};
+use onceguard_core::approval::{Approval, ApprovalId, ApprovalState, DecideError, Verdict};
 use onceguard_core::store::ApprovalFilter;
 
 use super::*;
@@ -232,20 +232,21 @@ async fn decide(
     state: &AppState,
     caller: &Caller,
     id: &str,
-    approved: bool,
-    body: DecideBody,
+    tenant: Option<&str>,
+    why: String,
+    verdict: Verdict,
 ) -> ApiResult<Json<ApprovalView>> {
-    let tenant = admin_tenant(state, caller, body.tenant.as_deref())?;
-    let why = body.why;
+    let tenant = admin_tenant(state, caller, tenant)?;
     let Ok(parsed) = ApprovalId::parse(id) else {
         // An id that does not parse names no kept approval: refused as the guard refuses an
         // unknown one, after the reason, which the guard checks first.
         onceguard_core::domain::check_reason("why", &why)?;
         return Err(onceguard_core::GuardError::from(DecideError::NotFound(id.to_owned())).into());
     };
-    let decided = state.guard.decide_approval(&tenant, &parsed, approved, &caller.actor(), why).await?;
-    tracing::info!(%tenant, approval = id, approved, "approval decided");
-    Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
+    let decided = state.guard.decide_as(&tenant, &parsed, verdict, &caller.actor(), why).await?;
+    let state_now = decided.state(state.guard.clock().now());
+    tracing::info!(%tenant, approval = id, decision = state_now.as_str(), "approval decided");
+    Ok(Json(approval_view(&decided, state_now)))
 }
 
 /// Approve a pending approval (admin): the next claim of its key with its fingerprint
@@ -264,7 +265,7 @@ pub async fn approve(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<DecideBody>,
 ) -> ApiResult<Json<ApprovalView>> {
-    decide(&state, &caller, &id, true, body).await
+    decide(&state, &caller, &id, body.tenant.as_deref(), body.why, Verdict::Approved).await
 }
 
 /// Deny a pending approval (admin): every claim of its key with its fingerprint is then refused
@@ -283,7 +284,7 @@ pub async fn deny(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<DecideBody>,
 ) -> ApiResult<Json<ApprovalView>> {
-    decide(&state, &caller, &id, false, body).await
+    decide(&state, &caller, &id, body.tenant.as_deref(), body.why, Verdict::Denied).await
 }
 
 /// A recovery marked done.
@@ -319,12 +320,6 @@ pub async fn reconcile(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<ReconcileBody>,
 ) -> ApiResult<Json<ApprovalView>> {
-    let tenant = admin_tenant(&state, &caller, body.tenant.as_deref())?;
-    let Ok(parsed) = ApprovalId::parse(&id) else {
-        onceguard_core::domain::check_reason("why", &body.why)?;
-        return Err(onceguard_core::GuardError::from(DecideError::NotFound(id)).into());
-    };
-    let decided = state.guard.reconcile_recovery(&tenant, &parsed, &caller.actor(), body.why, body.result).await?;
-    tracing::info!(%tenant, approval = %parsed, "recovery reconciled");
-    Ok(Json(approval_view(&decided, decided.state(state.guard.clock().now()))))
+    let verdict = Verdict::Reconciled(body.result.unwrap_or(serde_json::Value::Null));
+    decide(&state, &caller, &id, body.tenant.as_deref(), body.why, verdict).await
 }

@@ -489,7 +489,7 @@ async fn the_dashboard_shows_a_tenant_its_own_traffic_only() {
 /// the deletions.
 #[tokio::test]
 async fn the_sweep_keeps_up_with_more_expired_records_than_one_run_deletes() {
-    use onceguard_core::record::{Outcome, OutcomeKind};
+    use onceguard_core::record::Outcome;
     use onceguard_core::{
         ClaimOutcome, ClaimRequest, Clock, Fingerprint, Key, ListFilter, Mutation, Namespace, Scope, TenantId,
     };
@@ -521,15 +521,7 @@ async fn the_sweep_keeps_up_with_more_expired_records_than_one_run_deletes() {
         let ClaimOutcome::Acquired(acquired) = app.store.claim(&request, now).await.unwrap() else {
             panic!("a new key is acquired")
         };
-        let outcome = Outcome {
-            kind: OutcomeKind::Success,
-            content_type: "application/json".into(),
-            body: b"{}".to_vec(),
-            cost: None,
-            tokens: None,
-            reconciled: false,
-            compensation: None,
-        };
+        let outcome = Outcome::json(b"{}".to_vec());
         app.store.mutate(&scope, acquired.fence, Mutation::Complete(outcome), now, 16).await.unwrap();
     }
     app.clock.advance(Duration::from_secs(2));
