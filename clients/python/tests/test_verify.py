@@ -305,7 +305,7 @@ def test_under_the_recovery_policy_ask_a_person_decides_and_the_call_runs_at_mos
                 assert runs.count(to) == 2, "re-run once"
             else:
                 decided = admin.reconcile(approval.id, why="the mail log shows it", result="sent to sales (log)")
-                assert decided.state == "reconciled"
+                assert decided.state == "reconciled" and decided.decision is not None and decided.decision.reconciled
                 assert send(to) == "sent to sales (log)"
                 assert runs.count(to) == 1, "never run again"
     finally:

@@ -658,7 +658,7 @@ async function claimKey(client: Client, policy: Policy, key: string, claim: Clai
       wait,
       cost: policy.cost,
       summary: claim.summary ?? undefined,
-      verifyHook: policy.verify !== undefined,
+      verifyHook: typeof policy.verify === "function",
       signal: claim.signal,
     });
   let answer = await ask(policy.wait);

@@ -266,6 +266,10 @@ export interface ApprovalDecision {
   /** Why, in the approver's words. */
   readonly why: string;
   readonly at: Date;
+  /** Of a recovery: marked done (reconciled) rather than failed. */
+  readonly reconciled: boolean;
+  /** Of a recovery marked done: the result its key completed with. */
+  readonly result: unknown;
 }
 
 /**
@@ -337,6 +341,8 @@ export function approvalOf(d: Json): Approval {
             by: String(decision["by"] ?? ""),
             why: String(decision["why"] ?? ""),
             at: parseTime(decision["at"]),
+            reconciled: decision["reconciled"] === true,
+            result: decision["result"] ?? null,
           }
         : null,
     recovery: recoveryAskOf(d["recovery"]),

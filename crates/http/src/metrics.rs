@@ -782,7 +782,7 @@ impl onceguard_core::Observer for Metrics {
     fn approval_decided(&self, approval: &onceguard_core::approval::Approval) {
         let decision = match &approval.decision {
             Some(d) if d.approved => "approved",
-            Some(d) if d.result.is_some() => "reconciled",
+            Some(d) if d.reconciled => "reconciled",
             _ => "denied",
         };
         let labels = DecisionLabels { tenant: self.tenant_label(approval.scope.tenant.as_str()), decision };

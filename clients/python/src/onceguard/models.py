@@ -296,10 +296,21 @@ class Decision:
     by: str
     why: str
     at: datetime
+    #: Of a recovery: marked done (reconciled) rather than failed.
+    reconciled: bool = False
+    #: Of a recovery marked done: the result its key completed with.
+    result: Any = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Decision:
-        return cls(approved=bool(d["approved"]), by=str(d["by"]), why=str(d["why"]), at=parse_time(d["at"]))
+        return cls(
+            approved=bool(d["approved"]),
+            by=str(d["by"]),
+            why=str(d["why"]),
+            at=parse_time(d["at"]),
+            reconciled=bool(d.get("reconciled", False)),
+            result=d.get("result"),
+        )
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ impl Guard {
                 // the person saw: its run, and no more cost.
                 if let Some(released) = record.as_ref().filter(|r| r.state == RecordState::Released)
                     && let Some(approval) = self.store.approval_of(&req.scope, now).await?
-                    && released.approval.as_ref() == Some(&approval.id)
+                    && (released.approval.as_ref() == Some(&approval.id) || approval.recovery.is_some())
                     && !binds(&approval, req)
                 {
                     return Ok(Gate::Answer(ClaimOutcome::Mismatch));
@@ -79,6 +79,9 @@ impl Guard {
             }
             let kept = self.store.approval_of(&req.scope, now).await?;
             match &kept {
+                // An approval of a recovery was of a record that is gone: it lets no new call
+                // run, which needs a person's approval of its own.
+                Some(a) if a.recovery.is_some() => {}
                 Some(a) if !binds(a, req) && a.state(now) != ApprovalState::Expired => {
                     return Ok(Gate::Answer(ClaimOutcome::Mismatch));
                 }
@@ -164,24 +167,6 @@ impl Guard {
         let unused = Approval { used: None, ..reserved.clone() };
         self.store.put_approval(Some(reserved), &unused, None, now).await?;
         Ok(())
-    }
-
-    /// Approves (`approved`) or denies the tenant's pending approval `id` as `by`, saying why;
-    /// audited as `approval.approve` or `approval.deny` in the same atomic write. Answers the
-    /// approval as decided. A decision is taken once, and only before the approval expires. Of
-    /// a recovery ([`crate::approval::RecoveryAsk`]), approving lets one claim re-run the
-    /// attempt, and denying stores the attempt as failed (a permanent failure every later claim
-    /// replays).
-    pub async fn decide_approval(
-        &self,
-        tenant: &TenantId,
-        id: &ApprovalId,
-        approved: bool,
-        by: &str,
-        why: String,
-    ) -> Result<Approval, GuardError> {
-        let verdict = if approved { super::Verdict::Approved } else { super::Verdict::Denied };
-        self.decide_as(tenant, id, verdict, by, why).await
     }
 
     /// Takes the next attempt at the webhook's notice of `approval` (as read, pending) for this

@@ -30,7 +30,8 @@
 //!
 //! This folder is the feature's room: this file holds the types and the pure rules, which the
 //! record and the store hold; `guard.rs` the approvals' part of the guard (the gate in front of
-//! the store's claim, an approver's decision, the webhook's notices), which uses the store.
+//! the store's claim, the webhook's notices), which uses the store; `recovery.rs` the
+//! recoveries a person decides (recovery policy `ask`) and every approver's decision.
 
 use std::time::Duration;
 
@@ -43,8 +44,8 @@ mod recovery;
 
 pub(crate) use guard::Ask;
 pub use guard::PENDING_RETRY_AFTER;
-pub use recovery::RecoveryAsk;
 pub use recovery::Verdict;
+pub use recovery::{RecoveryAsk, RecoveryTerms};
 
 /// The longest summary a claim may give of what is to be approved.
 pub const MAX_SUMMARY: usize = 1024;
@@ -123,7 +124,10 @@ pub struct Decision {
     pub why: String,
     /// When.
     pub at: Timestamp,
-    /// Of a recovery marked done (reconciled): the result the key completes with.
+    /// Of a recovery: marked done (reconciled) rather than failed (`approved` false).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reconciled: bool,
+    /// Of a recovery marked done: the result the key completes with (`None`: JSON `null`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<serde_json::Value>,
 }
@@ -238,7 +242,7 @@ impl Approval {
     pub fn state(&self, now: Timestamp) -> ApprovalState {
         match &self.decision {
             Some(d) if d.approved => ApprovalState::Approved,
-            Some(d) if d.result.is_some() => ApprovalState::Reconciled,
+            Some(d) if d.reconciled => ApprovalState::Reconciled,
             Some(_) => ApprovalState::Denied,
             None if now >= self.expires_at => ApprovalState::Expired,
             None => ApprovalState::Pending,
@@ -295,7 +299,7 @@ mod tests {
     }
 
     fn decision(approved: bool, at: Timestamp) -> Decision {
-        Decision { approved, by: "cli:ops".into(), why: "checked".into(), at, result: None }
+        Decision { approved, by: "cli:ops".into(), why: "checked".into(), at, reconciled: false, result: None }
     }
 
     #[test]

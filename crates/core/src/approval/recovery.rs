@@ -52,90 +52,129 @@ pub struct RecoveryAsk {
 
 impl Guard {
     /// Answers a claim the store refused for want of a person's decision on a recovery
-    /// ([`Denial::RecoveryNeedsDecision`]); any other answer is returned as it is. `expiry`:
-    /// how long a new pending approval waits; in observe mode nothing is recorded (what
-    /// enforcement would have answered is answered).
+    /// ([`Denial::RecoveryNeedsDecision`]); any other answer is returned as it is. `terms`: what a
+    /// new pending approval asks for; in observe mode nothing is recorded (what enforcement
+    /// would have answered is answered).
     pub(crate) async fn recovery_decision(
         &self,
         req: &ClaimRequest,
         outcome: ClaimOutcome,
-        expiry: std::time::Duration,
+        terms: RecoveryTerms,
         mode: Mode,
     ) -> Result<ClaimOutcome, GuardError> {
-        let ClaimOutcome::Denied(Denial::RecoveryNeedsDecision { previous_fence, previous_attempt }) = outcome else {
-            return Ok(outcome);
-        };
-        // Three compare-and-sets lost in a row to other claims and decisions of the key:
-        // something is wrong; nothing was decided.
-        for _ in 0..3 {
-            let now = self.clock.now();
-            let kept = self.store.approval_of(&req.scope, now).await?;
-            let of_this_attempt = kept.as_ref().filter(|a| {
-                a.recovery.as_ref().is_some_and(|r| r.previous_fence == previous_fence)
-                    && a.state(now) != ApprovalState::Expired
-            });
-            if let Some(approval) = of_this_attempt {
-                match approval.state(now) {
-                    ApprovalState::Pending => return Ok(super::guard::pending(approval.clone(), now)),
-                    ApprovalState::Denied | ApprovalState::Reconciled => {
-                        self.write_decided_recovery(approval).await?;
-                        // The attempt's end is written (by this claim or another): its replay.
-                        let again = ClaimRequest { recovery: RecoveryGate::Ask(None), ..req.clone() };
-                        return Ok(self.store.claim(&again, self.clock.now()).await?);
-                    }
-                    ApprovalState::Approved => match approval.used {
-                        Some(at) if now < at.plus(req.lease) => {
-                            let retry_after = now.until(at.plus(req.lease)).min(super::PENDING_RETRY_AFTER);
-                            return Ok(ClaimOutcome::InFlight(InFlight { retry_after, attempt: previous_attempt }));
-                        }
-                        // Not reserved, or reserved by a claim that never acquired (the record
-                        // still holds the attempt's fence): reserved for this claim alone.
-                        _ => {
-                            let reserved = Approval { used: Some(now), ..approval.clone() };
-                            if !self.store.put_approval(kept.as_ref(), &reserved, None, now).await? {
-                                continue;
-                            }
-                            let granted =
-                                ClaimRequest { recovery: RecoveryGate::Ask(Some(previous_fence)), ..req.clone() };
-                            let outcome = self.store.claim(&granted, self.clock.now()).await?;
-                            if !matches!(outcome, ClaimOutcome::Acquired(_)) {
-                                // Nothing ran (a budget refused it, or the attempt's holder
-                                // finished meanwhile): the reservation is given back.
-                                let unused = Approval { used: None, ..reserved.clone() };
-                                self.store.put_approval(Some(&reserved), &unused, None, self.clock.now()).await?;
-                            }
-                            return Ok(outcome);
-                        }
-                    },
-                    ApprovalState::Expired => {}
-                }
-            }
-            let record = self.store.get(&req.scope, now).await?;
-            let Some(record) = record.filter(|r| r.state == RecordState::InProgress && r.fence == previous_fence)
+        let mut outcome = outcome;
+        // Four rounds lost in a row to other claims and decisions of the key: something is
+        // wrong; nothing was decided.
+        for _ in 0..4 {
+            let ClaimOutcome::Denied(Denial::RecoveryNeedsDecision { previous_fence, previous_attempt }) = outcome
             else {
-                // The record moved on since the store refused: claim again.
-                return Ok(self.store.claim(req, self.clock.now()).await?);
+                return Ok(outcome);
             };
-            let retention = self.limits().default_retention.max(req.retention);
-            let mut new = Approval::new(req.scope.clone(), record.fingerprint.clone(), now, expiry, retention);
-            new.run = record.run.clone();
-            new.cost = Some(req.cost);
-            new.recovery = Some(RecoveryAsk {
-                previous_fence,
-                previous_attempt,
-                reason: if record.unknown.is_some() { "reported_unknown" } else { "lease_expired" }.to_owned(),
-                unknown_detail: record.unknown.clone(),
-                last_checkpoint: record.checkpoints.last().map(|c| c.name.clone()),
-            });
-            if mode == Mode::Observe {
-                return Ok(super::guard::pending(new, now));
-            }
-            if self.store.put_approval(kept.as_ref(), &new, None, now).await? {
-                self.observer.approval_requested(&new);
-                return Ok(super::guard::pending(new, now));
+            outcome = self.decide_recovery(req, previous_fence, previous_attempt, terms, mode).await?;
+        }
+        Err(StoreError::Unavailable("the key's recovery changed under four reads in a row".into()).into())
+    }
+
+    /// One round of [`Guard::recovery_decision`] for the stuck attempt holding `previous_fence`:
+    /// its answer, or the store's refusal again when the round lost a compare-and-set.
+    async fn decide_recovery(
+        &self,
+        req: &ClaimRequest,
+        previous_fence: Fence,
+        previous_attempt: u32,
+        terms: RecoveryTerms,
+        mode: Mode,
+    ) -> Result<ClaimOutcome, GuardError> {
+        let again = ClaimOutcome::Denied(Denial::RecoveryNeedsDecision { previous_fence, previous_attempt });
+        let now = self.clock.now();
+        let kept = self.store.approval_of(&req.scope, now).await?;
+        let record = self.store.get(&req.scope, now).await?;
+        let Some(record) = record.filter(|r| r.state == RecordState::InProgress && r.fence == previous_fence) else {
+            // The record moved on since the store refused: claim again.
+            return Ok(self.store.claim(req, self.clock.now()).await?);
+        };
+        if let Some(approval) = kept.as_ref().filter(|a| decides(a, &record, now)) {
+            match approval.state(now) {
+                ApprovalState::Pending => return Ok(super::guard::pending(approval.clone(), now)),
+                ApprovalState::Denied | ApprovalState::Reconciled => {
+                    // The person's end of the attempt, written by this claim if the decider
+                    // has not (or stopped half-way); then its replay.
+                    if let Some(refused) = self.write_decided_recovery(approval, &record).await? {
+                        return Ok(refused);
+                    }
+                    let replay = ClaimRequest { recovery: RecoveryGate::Ask(None), ..req.clone() };
+                    return Ok(self.store.claim(&replay, self.clock.now()).await?);
+                }
+                ApprovalState::Approved => match approval.used {
+                    Some(at) if now < at.plus(req.lease) => {
+                        let retry_after = now.until(at.plus(req.lease)).min(super::PENDING_RETRY_AFTER);
+                        return Ok(ClaimOutcome::InFlight(InFlight { retry_after, attempt: previous_attempt }));
+                    }
+                    // Not reserved, or reserved by a claim that never acquired (the record still
+                    // holds the attempt's fence): reserved for this claim alone.
+                    _ => {
+                        let reserved = Approval { used: Some(now), ..approval.clone() };
+                        if !self.store.put_approval(kept.as_ref(), &reserved, None, now).await? {
+                            return Ok(again);
+                        }
+                        // The record's own fingerprint: the one the person saw.
+                        let granted = ClaimRequest {
+                            fingerprint: approval.fingerprint.clone(),
+                            recovery: RecoveryGate::Ask(Some(previous_fence)),
+                            ..req.clone()
+                        };
+                        let outcome = self.store.claim(&granted, self.clock.now()).await?;
+                        if !matches!(outcome, ClaimOutcome::Acquired(_)) {
+                            // Nothing ran (a budget refused it, or the attempt's holder
+                            // finished meanwhile): the reservation is given back.
+                            let unused = Approval { used: None, ..reserved.clone() };
+                            self.store.put_approval(Some(&reserved), &unused, None, self.clock.now()).await?;
+                        }
+                        return Ok(outcome);
+                    }
+                },
+                ApprovalState::Expired => {}
             }
         }
-        Err(StoreError::Unavailable("the key's approval changed under three reads in a row".into()).into())
+        let mut new = Approval::new(req.scope.clone(), record.fingerprint.clone(), now, terms.expiry, terms.retention);
+        // The run and cost of the call the record is (those of the approval it carries, where
+        // the namespace needs approvals: a retry is bound to what a person approved).
+        let own = kept.as_ref().filter(|a| record.approval.as_ref() == Some(&a.id) && a.recovery.is_none());
+        new.run = own.map_or_else(|| record.run.clone(), |a| a.run.clone());
+        new.cost = own.map_or(Some(req.cost), |a| a.cost);
+        new.summary = own.and_then(|a| a.summary.clone());
+        new.recovery = Some(RecoveryAsk {
+            previous_fence,
+            previous_attempt,
+            reason: if record.unknown.is_some() { "reported_unknown" } else { "lease_expired" }.to_owned(),
+            unknown_detail: record.unknown.clone(),
+            last_checkpoint: record.checkpoints.last().map(|c| c.name.clone()),
+        });
+        if mode == Mode::Observe {
+            return Ok(super::guard::pending(new, now));
+        }
+        if !self.store.put_approval(kept.as_ref(), &new, None, now).await? {
+            return Ok(again);
+        }
+        self.observer.approval_requested(&new);
+        Ok(super::guard::pending(new, now))
+    }
+    /// Approves (`approved`) or denies the tenant's pending approval `id` as `by`, saying why;
+    /// audited as `approval.approve` or `approval.deny` in the same atomic write. Answers the
+    /// approval as decided. A decision is taken once, and only before the approval expires. Of
+    /// a recovery ([`crate::approval::RecoveryAsk`]), approving lets one claim re-run the
+    /// attempt, and denying stores the attempt as failed (a permanent failure every later claim
+    /// replays).
+    pub async fn decide_approval(
+        &self,
+        tenant: &TenantId,
+        id: &ApprovalId,
+        approved: bool,
+        by: &str,
+        why: String,
+    ) -> Result<Approval, GuardError> {
+        let verdict = if approved { Verdict::Approved } else { Verdict::Denied };
+        self.decide_as(tenant, id, verdict, by, why).await
     }
 
     /// Marks the pending approval `id` of a recovery done (reconciled) as `by`, saying why: the
@@ -181,6 +220,7 @@ impl Guard {
                 by: by.to_owned(),
                 why: why.clone(),
                 at: now,
+                reconciled: matches!(verdict, Verdict::Reconciled(_)),
                 result: match &verdict {
                     Verdict::Reconciled(result) => Some(result.clone()),
                     _ => None,
@@ -204,8 +244,15 @@ impl Guard {
             let entry =
                 AuditEntry::new(tenant.clone(), now, by, action, target).why(Some(why.clone())).details(details);
             if self.store.put_approval(Some(&current), &decided, Some(&entry), now).await? {
-                if decided.recovery.is_some() && !decided.decision.as_ref().is_some_and(|d| d.approved) {
-                    self.write_decided_recovery(&decided).await?;
+                if let Some(recovery) =
+                    decided.recovery.as_ref().filter(|_| !decided.decision.as_ref().is_some_and(|d| d.approved))
+                    && let Some(record) = self.store.get(&decided.scope, self.clock.now()).await?
+                    && record.state == RecordState::InProgress
+                    && record.fence == recovery.previous_fence
+                    && let Some(refused) = self.write_decided_recovery(&decided, &record).await?
+                {
+                    // Kept: the claims of the key answer the refusal until it lifts, then write it.
+                    tracing::warn!(approval = %decided.id, refused = refused.name(), "the decided end of a recovery was not written yet");
                 }
                 self.notifier.notify(&decided.scope);
                 self.observer.approval_decided(&decided);
@@ -215,17 +262,18 @@ impl Guard {
         Err(StoreError::Unavailable("the approval changed under three reads in a row".into()).into())
     }
 
-    /// Writes the end a person gave the attempt of `approval` (a recovery denied: a permanent
-    /// failure; reconciled: a completion marked reconciled), if the record still holds that
-    /// attempt's fence: the grant acquires it once, then the outcome is written under the new
-    /// fence. A record that moved on is left as it is.
-    async fn write_decided_recovery(&self, approval: &Approval) -> Result<(), GuardError> {
-        let (Some(recovery), Some(decision)) = (&approval.recovery, &approval.decision) else { return Ok(()) };
-        let now = self.clock.now();
-        let Some(record) = self.store.get(&approval.scope, now).await? else { return Ok(()) };
-        if record.state != RecordState::InProgress || record.fence != recovery.previous_fence {
-            return Ok(());
-        }
+    /// Writes the end a person gave the stuck attempt of `record` under `approval` (a recovery
+    /// denied: a permanent failure; reconciled: a completion marked reconciled): the record is
+    /// taken over with the grant of its fence, carrying the approval's id (so that a claim
+    /// finding it stuck again, its writer gone, knows the decision and writes it), then ended
+    /// under the new fence. Answers the store's refusal of the takeover (a run past its
+    /// deadline), if any; a record already held by another writer is left to it.
+    async fn write_decided_recovery(
+        &self,
+        approval: &Approval,
+        record: &crate::record::Record,
+    ) -> Result<Option<ClaimOutcome>, GuardError> {
+        let Some(decision) = &approval.decision else { return Ok(None) };
         let take = ClaimRequest {
             scope: approval.scope.clone(),
             fingerprint: record.fingerprint.clone(),
@@ -235,39 +283,55 @@ impl Guard {
             cost: 0,
             max_in_flight: None,
             refused_runs: Vec::new(),
-            approval: None,
-            recovery: RecoveryGate::Ask(Some(recovery.previous_fence)),
+            approval: Some(crate::protocol::ApprovalGate::Granted(approval.id.clone())),
+            recovery: RecoveryGate::Ask(Some(record.fence)),
         };
-        let ClaimOutcome::Acquired(held) = self.store.claim(&take, now).await? else { return Ok(()) };
-        let outcome = match &decision.result {
-            Some(result) => Outcome {
-                reconciled: true,
-                ..Outcome::json(serde_json::to_vec(result).map_err(|e| StoreError::Corrupt(e.to_string()))?)
-            },
-            None => Outcome {
-                kind: OutcomeKind::Failure,
-                ..Outcome::json(
-                    serde_json::to_vec(&serde_json::json!({
-                        "error": "recovery_failed",
-                        "detail": format!(
-                            "attempt {} did not finish; {} decided it failed: {}",
-                            recovery.previous_attempt, decision.by, decision.why
-                        ),
-                        "approval": approval.id,
-                    }))
-                    .map_err(|e| StoreError::Corrupt(e.to_string()))?,
-                )
-            },
+        let held = match self.store.claim(&take, self.clock.now()).await? {
+            ClaimOutcome::Acquired(held) => held,
+            refused @ ClaimOutcome::Denied(_) => return Ok(Some(refused)),
+            _ => return Ok(None),
         };
-        let mutation = match outcome.kind {
-            OutcomeKind::Success => Mutation::Complete(outcome),
-            OutcomeKind::Failure => Mutation::Fail { retryable: false, outcome },
+        let previous_attempt = approval.recovery.as_ref().map_or(record.attempt, |r| r.previous_attempt);
+        let mutation = if decision.reconciled {
+            let result = decision.result.clone().unwrap_or(serde_json::Value::Null);
+            let body = serde_json::to_vec(&result).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            Mutation::Complete(Outcome { reconciled: true, ..Outcome::json(body) })
+        } else {
+            let detail = format!(
+                "attempt {previous_attempt} did not finish; {} decided it failed: {}",
+                decision.by, decision.why
+            );
+            let body = serde_json::json!({ "error": "recovery_failed", "detail": detail, "approval": approval.id });
+            let body = serde_json::to_vec(&body).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            Mutation::Fail { retryable: false, outcome: Outcome { kind: OutcomeKind::Failure, ..Outcome::json(body) } }
         };
         // Through the guard's own fenced call: kept as the namespace keeps outcomes, sealed where
         // values are sealed, the key's waiters woken.
         self.mutate_as(&decision.by, &approval.scope, held.fence, mutation).await?;
-        Ok(())
+        Ok(None)
     }
+}
+
+/// Whether `approval` is the decision on the recovery of `record`, stuck: an approval of the
+/// recovery of its attempt (by its fence), or a denial or reconciliation whose writer took the
+/// record over (it carries the approval's id) and stopped before ending it.
+fn decides(approval: &Approval, record: &crate::record::Record, now: crate::domain::Timestamp) -> bool {
+    let Some(recovery) = &approval.recovery else { return false };
+    let state = approval.state(now);
+    state != ApprovalState::Expired
+        && (recovery.previous_fence == record.fence
+            || (record.approval.as_ref() == Some(&approval.id)
+                && matches!(state, ApprovalState::Denied | ApprovalState::Reconciled)))
+}
+
+/// What an approval of a recovery asks for: how long it waits for a decision, and how long a
+/// decision is kept (the namespace's retention in force, at least the claim's own).
+#[derive(Debug, Clone, Copy)]
+pub struct RecoveryTerms {
+    /// How long a pending approval waits for a decision.
+    pub expiry: std::time::Duration,
+    /// How long a decision is kept.
+    pub retention: std::time::Duration,
 }
 
 /// A person's decision on an approval.

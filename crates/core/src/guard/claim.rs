@@ -59,16 +59,18 @@ impl Guard {
     ) -> Result<(ClaimOutcome, Scope, Mode), GuardError> {
         self.check_clock_offset().await?;
         let controls = self.controls().await?;
-        let Prepared { mut req, plain, wait, rate, mut ask, mode: in_force, recovery_expiry } =
+        let Prepared { mut req, plain, wait, rate, mut ask, mode: in_force, recovery_terms } =
             self.request(&controls, claim)?;
         // (An approval's `record` follows the mode in force, `request` sets it: a task, the one
         // claim decided in another mode, asks no approver at all.)
         let mode = match &task {
             // A compensation task is always enforced (it must run once), asks no approver (the
-            // admin who started the rollback approved its compensations), and is kept as long
-            // as the effect it undoes, whatever the settings say by then.
+            // admin who started the rollback approved its compensations), is taken over by its
+            // next worker when its holder vanishes (the task's own recovery, whatever the
+            // namespace's recovery policy), and is kept as long as the effect it undoes,
+            // whatever the settings say by then.
             Some(task) => {
-                (ask, req.approval) = (None, None);
+                (ask, req.approval, req.recovery) = (None, None, RecoveryGate::Open);
                 req.retention = req.retention.max(task.keep);
                 Mode::Enforce
             }
@@ -89,7 +91,7 @@ impl Guard {
                     self.unkeyed_mismatch(&req, &plain, outcome).await?
                 }
             };
-            let outcome = self.recovery_decision(&req, outcome, recovery_expiry, mode).await?;
+            let outcome = self.recovery_decision(&req, outcome, recovery_terms, mode).await?;
             // A key in flight, or one waiting for its approval, is waited for.
             let (retry_after, deadline) = match (&outcome, deadline) {
                 (ClaimOutcome::InFlight(in_flight), Some(deadline)) if Instant::now() < deadline => {
@@ -164,7 +166,10 @@ impl Guard {
             rate: effective.claim_rate,
             ask,
             mode: effective.mode,
-            recovery_expiry: effective.approval_expiry,
+            recovery_terms: crate::approval::RecoveryTerms {
+                expiry: effective.approval_expiry,
+                retention: limits.default_retention.max(retention),
+            },
         })
     }
 
@@ -210,7 +215,7 @@ impl Guard {
         }
         let mut answers: Vec<Option<(Result<ClaimOutcome, GuardError>, Scope)>> = Vec::with_capacity(prepared.len());
         let modes: Vec<Mode> = prepared.iter().map(|p| p.mode).collect();
-        let expiries: Vec<Duration> = prepared.iter().map(|p| p.recovery_expiry).collect();
+        let terms: Vec<crate::approval::RecoveryTerms> = prepared.iter().map(|p| p.recovery_terms).collect();
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
         let mut plains = Vec::new();
         for (i, Prepared { mut req, plain, rate, ask, .. }) in prepared.into_iter().enumerate() {
@@ -220,7 +225,7 @@ impl Guard {
                 None => match &ask {
                     Some(ask) => {
                         let outcome = self.gated_claim(&req, ask).await?;
-                        let outcome = self.recovery_decision(&req, outcome, expiries[i], modes[i]).await?;
+                        let outcome = self.recovery_decision(&req, outcome, terms[i], modes[i]).await?;
                         Some(self.opened_claim(&req.scope, outcome).await)
                     }
                     None => None,
@@ -243,7 +248,7 @@ impl Guard {
             }
             for (((i, req), plain), outcome) in places.into_iter().zip(reqs).zip(plains).zip(outcomes) {
                 let outcome = match self.unkeyed_mismatch(&req, &plain, outcome).await {
-                    Ok(outcome) => match self.recovery_decision(&req, outcome, expiries[i], modes[i]).await {
+                    Ok(outcome) => match self.recovery_decision(&req, outcome, terms[i], modes[i]).await {
                         Ok(outcome) => self.opened_claim(&req.scope, outcome).await,
                         Err(e) => Err(e),
                     },
@@ -274,8 +279,8 @@ struct Prepared {
     rate: Option<Rate>,
     ask: Option<crate::approval::Ask>,
     mode: Mode,
-    /// How long a pending approval of a recovery waits for a decision (recovery policy `ask`).
-    recovery_expiry: Duration,
+    /// What an approval of a recovery asks for (recovery policy `ask`).
+    recovery_terms: crate::approval::RecoveryTerms,
 }
 
 /// What the caller is told in `mode`: in observe mode, an answer that would stop it (anything but

@@ -27,7 +27,9 @@ pub struct DecisionView {
     pub why: String,
     /// When (RFC 3339).
     pub at: String,
-    /// Of a recovery marked done (reconciled): the result the key completed with.
+    /// Of a recovery: `true` if it was marked done (reconciled) rather than failed.
+    pub reconciled: bool,
+    /// Of a recovery marked done: the result the key completed with (absent for `null`).
     #[schema(value_type = Option<Value>)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<serde_json::Value>,
@@ -125,6 +127,7 @@ pub fn approval_view(a: &Approval, state: ApprovalState) -> ApprovalView {
             by: d.by.clone(),
             why: d.why.clone(),
             at: d.at.to_rfc3339(),
+            reconciled: d.reconciled,
             result: d.result.clone(),
         }),
         notice: a.notice.as_ref().map(|n| NoticeView {

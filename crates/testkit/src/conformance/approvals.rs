@@ -240,6 +240,7 @@ pub async fn approvals_are_written_over_the_one_read(store: Subject) {
         let (store, a) = (store.clone(), a.clone());
         tokio::spawn(async move {
             let decision = onceguard_core::approval::Decision {
+                reconciled: false,
                 result: None,
                 approved: i % 2 == 0,
                 by: format!("admin-{i}"),

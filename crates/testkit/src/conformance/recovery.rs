@@ -254,6 +254,18 @@ pub async fn ask_fails_or_reconciles_a_recovery_by_decision(store: Subject) {
     let actions: Vec<_> = page.items.iter().map(|e| e.action.as_str()).collect();
     assert!(actions.contains(&"approval.deny") && actions.contains(&"approval.reconcile"), "{actions:?}");
 
+    // Marked done without a result: reconciled (as the store keeps it), replaying null.
+    let bare = request(&scope("ask-bare"), "ping 3");
+    stuck(&c, &bare).await;
+    let asked = c.pending_recovery(&bare).await;
+    c.guard.reconcile_recovery(&tenant, &asked.id, "admin-key", "it went out".into(), None).await.unwrap();
+    let kept = c.guard.approval(&tenant, &asked.id).await.unwrap().expect("kept");
+    assert_eq!(kept.state(c.clock.now()), ApprovalState::Reconciled, "as the store keeps it: {kept:?}");
+    match c.claim(&bare).await {
+        ClaimOutcome::Replay(r) => assert!(r.outcome.reconciled && r.outcome.body == b"null", "{r:?}"),
+        other => panic!("a recovery reconciled without a result answered {other:?}"),
+    }
+
     // An approval of a call (not of a recovery) cannot be reconciled.
     let entry = SettingsEntry {
         tenant: tenant.clone(),
@@ -268,5 +280,85 @@ pub async fn ask_fails_or_reconciles_a_recovery_by_decision(store: Subject) {
     match c.guard.reconcile_recovery(&tenant, &p.approval.id, "admin-key", "done".into(), None).await {
         Err(GuardError::Invalid(e)) => assert_eq!(e.field, "approval"),
         other => panic!("an approval of a call was reconciled: {other:?}"),
+    }
+}
+
+/// A denial whose writer took the record over and stopped before ending it (its lease passed)
+/// is written by the next claim: the key replays the failure, and no new approval is asked.
+pub async fn a_decided_recovery_is_written_by_the_next_claim_if_its_writer_stopped(store: Subject) {
+    let c = case(store.clone()).await;
+    recovery_policy(&c, RecoveryPolicy::Ask).await;
+    let tenant = TenantId::parse("acme").unwrap();
+    let req = request(&scope("ask-crash"), "email 9");
+    let first = stuck(&c, &req).await;
+    let asked = c.pending_recovery(&req).await;
+    // The writer's takeover, as a decider that stopped right after it would leave it: the
+    // decision written, the record taken over with the grant and the approval's id.
+    let decision = onceguard_core::approval::Decision {
+        approved: false,
+        by: "admin-key".into(),
+        why: "bounced".into(),
+        at: c.clock.now(),
+        reconciled: false,
+        result: None,
+    };
+    let decided = Approval { decision: Some(decision), ..asked.clone() };
+    assert!(store.put_approval(Some(&asked), &decided, None, c.guard.clock().now()).await.unwrap());
+    let take = ClaimRequest {
+        approval: Some(onceguard_core::protocol::ApprovalGate::Granted(asked.id.clone())),
+        recovery: RecoveryGate::Ask(Some(first)),
+        ..req.clone()
+    };
+    let ClaimOutcome::Acquired(taken) = store.claim(&take, c.guard.clock().now()).await.unwrap() else {
+        panic!("the grant did not take the record over")
+    };
+    c.clock.advance(LEASE);
+    match c.claim(&req).await {
+        ClaimOutcome::Replay(r) => {
+            assert_eq!(r.outcome.kind, OutcomeKind::Failure);
+            assert!(r.fence > taken.fence, "written under a fence of its own");
+        }
+        other => panic!("the stopped writer's decision was not written: {other:?}"),
+    }
+    let kept = c.guard.approval(&tenant, &asked.id).await.unwrap().expect("kept");
+    assert_eq!(kept.state(c.clock.now()), ApprovalState::Denied, "no new approval was asked");
+}
+
+/// Where the namespace also needs approvals, an approval of a recovery lets no new call run once
+/// its record is gone: that call needs a person's approval of its own.
+pub async fn an_approval_of_a_recovery_lets_no_new_call_run(store: Subject) {
+    let c = case(store).await;
+    let entry = SettingsEntry {
+        tenant: TenantId::parse("acme").unwrap(),
+        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+        settings: Settings {
+            recovery: Some(RecoveryPolicy::Ask),
+            approval_required: Some(true),
+            ..Settings::default()
+        },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.guard.put_settings(entry, None).await.unwrap();
+    let tenant = TenantId::parse("acme").unwrap();
+    let req = request(&scope("both"), "refund 5");
+    let ClaimOutcome::PendingApproval(call) = c.claim(&req).await else { panic!("the call was not asked") };
+    c.guard.decide_approval(&tenant, &call.approval.id, true, "admin-key", "ok".into()).await.unwrap();
+    let first = c.acquire(&req).await;
+    c.clock.advance(LEASE);
+    let recovery = c.pending_recovery(&req).await;
+    assert!(recovery.recovery.is_some());
+    c.guard.decide_approval(&tenant, &recovery.id, true, "admin-key", "re-run".into()).await.unwrap();
+    // The first attempt's holder finishes after all: the approved re-run is not needed.
+    c.applied(&req.scope, first, Mutation::Complete(success("refunded"))).await;
+    assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)));
+    // Its record's retention passed, the approved (unused) recovery, still kept, lets no new
+    // call run.
+    c.clock.advance(RETENTION);
+    assert!(c.get(&req.scope).await.is_none());
+    assert!(c.guard.approval(&tenant, &recovery.id).await.unwrap().is_some(), "still kept");
+    match c.claim(&req).await {
+        ClaimOutcome::PendingApproval(p) => assert!(p.approval.recovery.is_none() && p.approval.id != recovery.id),
+        other => panic!("an approval of a recovery let a new call run: {other:?}"),
     }
 }

@@ -541,3 +541,25 @@ pub async fn switching_modes_under_load_keeps_each_key_acquired_once(store: Subj
         assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)), "doc-{k} replays");
     }
 }
+
+/// A compensation task whose worker vanished is taken over by the next worker whatever the
+/// namespace's recovery policy (`ask` here, on the prefix the task namespace is in): a task is
+/// the rollback's own, its compensation registered to run once.
+pub async fn a_task_is_recovered_whatever_the_recovery_policy(store: Subject) {
+    let c = case(store).await;
+    let entry = SettingsEntry {
+        tenant: tenant(),
+        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+        settings: Settings { recovery: Some(onceguard_core::control::RecoveryPolicy::Ask), ..Settings::default() },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.guard.put_settings(entry, None).await.unwrap();
+    c.effect("charge-1", undoable("{}", "refund", r#"{"charge":1}"#)).await;
+    c.guard.start_rollback("admin-key", &tenant(), &run_id(), "runaway".into()).await.unwrap();
+    let CompensationClaim::Acquired(crashed) = c.next_task().await else { panic!("no task") };
+    c.clock.advance(Duration::from_secs(11));
+    let CompensationClaim::Acquired(recovered) = c.next_task().await else { panic!("the task was not recovered") };
+    assert_eq!(recovered.task.scope, crashed.task.scope);
+    assert_eq!(recovered.acquired.recovery.map(|r| r.previous_fence), Some(crashed.acquired.fence));
+}
