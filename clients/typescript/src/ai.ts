@@ -13,22 +13,41 @@
  * await generateText({ model, tools, prompt });
  * ```
  *
- * Needs the `ai` package (6 or later).
+ * Needs the `ai` package, 6 or 7. The run id is read from what the SDK hands the tool's
+ * `execute`: with ai 7, the tool's context (`options.context`, which the tool declares with a
+ * `contextSchema` and `generateText` passes as `toolsContext`); with ai 6, the call's
+ * `experimental_context`.
  *
  * @module
  */
 
-import type { Tool, ToolExecutionOptions } from "ai";
+import type { Tool } from "ai";
 import { ToolGuard, type ToolGuardOptions } from "./tools.js";
 
 export type { KeyFn, RunId } from "./tools.js";
 export type { ToolCall } from "./keys.js";
 
 /**
- * The options of {@link guardTool}: the client, the namespace, and the run id, a string or a
- * function of the call's `ToolExecutionOptions` (e.g. reading `experimental_context`).
+ * What the AI SDK hands a tool's `execute` beside its input, in the shape both majors share
+ * (ai 7's `ToolExecutionOptions<CONTEXT>` and ai 6's `ToolExecutionOptions`).
  */
-export type AiToolGuardOptions = ToolGuardOptions<ToolExecutionOptions>;
+export interface AiToolExecution {
+  /** The call's id, new for every call the model emits (never part of a key). */
+  readonly toolCallId: string;
+  /** Aborts the call when the generation is aborted. */
+  readonly abortSignal?: AbortSignal | undefined;
+  /** ai 7: the tool's context, as declared by its `contextSchema` (`toolsContext` of the call). */
+  readonly context?: unknown;
+  /** ai 6: the call's `experimental_context`. */
+  readonly experimental_context?: unknown;
+}
+
+/**
+ * The options of {@link guardTool}: the client, the namespace, and the run id, a string or a
+ * function of the call's {@link AiToolExecution} (e.g. reading `context` with ai 7, or
+ * `experimental_context` with ai 6).
+ */
+export type AiToolGuardOptions = ToolGuardOptions<AiToolExecution>;
 
 async function lastOf<T>(values: AsyncIterable<T>): Promise<T | undefined> {
   let last: T | undefined;
@@ -48,28 +67,24 @@ function isAsyncIterable(value: unknown): value is AsyncIterable<unknown> {
  * final output. Failures follow `once`: the SDK reports them to the model after the guard has
  * released the key (or stored a permanent failure).
  */
-export function guardTool<INPUT, OUTPUT>(
-  tool: Tool<INPUT, OUTPUT>,
-  options: AiToolGuardOptions & { readonly name: string },
-): Tool<INPUT, OUTPUT> {
-  const execute = tool.execute as
-    | ((input: INPUT, options: ToolExecutionOptions) => AsyncIterable<OUTPUT> | PromiseLike<OUTPUT> | OUTPUT)
-    | undefined;
+export function guardTool<TOOL extends Tool>(tool: TOOL, options: AiToolGuardOptions & { readonly name: string }): TOOL {
+  type Execute = (input: unknown, options: AiToolExecution) => AsyncIterable<unknown> | PromiseLike<unknown> | unknown;
+  const execute = (tool as { readonly execute?: Execute }).execute;
   if (execute === undefined) return tool;
-  const guard = new ToolGuard<ToolExecutionOptions>(options);
+  const guard = new ToolGuard<AiToolExecution>(options);
   const name = options.name;
-  const guardedExecute = (input: INPUT, execution: ToolExecutionOptions): Promise<OUTPUT> => {
+  const guardedExecute = (input: unknown, execution: AiToolExecution): Promise<unknown> => {
     const call = guard.call(name, input, execution, execution.toolCallId);
     return guard.run(
       call,
       async () => {
         const value = await execute(input, execution);
-        return (isAsyncIterable(value) ? await lastOf(value) : value) as OUTPUT;
+        return isAsyncIterable(value) ? await lastOf(value) : value;
       },
       execution.abortSignal,
-    ) as Promise<OUTPUT>;
+    );
   };
-  return { ...tool, execute: guardedExecute } as Tool<INPUT, OUTPUT>;
+  return { ...tool, execute: guardedExecute };
 }
 
 /** Every tool of a tool set guarded as {@link guardTool}, each named by its key in the set. */
