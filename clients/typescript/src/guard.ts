@@ -826,13 +826,15 @@ export type OnceOptions<A extends unknown[], R = unknown> = GuardOptions<Awaited
   /** Abort every call (or pass a signal per call with {@link withSignal}). */
   readonly signal?: AbortSignal;
 } & (
+    // The variant with a key comes first: options giving neither are reported against the last
+    // one, whose error names what is missing, `name`.
+    | { readonly name?: string; readonly key: string | ((...args: A) => string | Promise<string>) }
     | {
-        /** Part of derived keys: pin it (bundlers rename functions). */
+        /** Part of derived keys: pin it (bundlers rename functions). Required unless `key` is given. */
         readonly name: string;
         /** A fixed key, or a function of the arguments returning one. Default: derived. */
         readonly key?: string | ((...args: A) => string | Promise<string>);
       }
-    | { readonly name?: string; readonly key: string | ((...args: A) => string | Promise<string>) }
   );
 
 /** The JSON arguments of a call, as `once` makes them for the key and the request. */

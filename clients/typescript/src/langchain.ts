@@ -55,7 +55,10 @@ interface ToolMessageLike {
  * stored as the tool's result. The result is stored as JSON: the tool should return JSON-able
  * values (strings, objects…).
  */
-export function guardTool(tool: StructuredToolInterface, options: LangChainGuardOptions): StructuredToolInterface {
+export function guardTool<SchemaT, SchemaInputT, ToolOutputT>(
+  tool: StructuredToolInterface<SchemaT, SchemaInputT, ToolOutputT>,
+  options: LangChainGuardOptions,
+): StructuredToolInterface<SchemaT, SchemaInputT, ToolOutputT> {
   const guard = new ToolGuard<RunnableConfig>(options);
   const extra = tool as { readonly responseFormat?: string; readonly metadata?: Record<string, unknown> };
   const contentAndArtifact = extra.responseFormat === "content_and_artifact";
@@ -70,7 +73,7 @@ export function guardTool(tool: StructuredToolInterface, options: LangChainGuard
         const message = (await tool.invoke(
           { type: "tool_call", id: callId ?? "onceguard", name: tool.name, args: input as Record<string, unknown> } as never,
           withoutToolCall(config),
-        )) as ToolMessageLike;
+        )) as unknown as ToolMessageLike;
         return [message.content, message.artifact ?? null];
       },
       config.signal,
@@ -84,7 +87,8 @@ export function guardTool(tool: StructuredToolInterface, options: LangChainGuard
     ...(extra.responseFormat ? { responseFormat: extra.responseFormat } : {}),
     ...(extra.metadata ? { metadata: extra.metadata } : {}),
   };
-  return lcTool(run as never, fields as never) as unknown as StructuredToolInterface;
+  // The same schema, input and output types as the tool's: the guard replays what it returned.
+  return lcTool(run as never, fields as never) as unknown as StructuredToolInterface<SchemaT, SchemaInputT, ToolOutputT>;
 }
 
 /**

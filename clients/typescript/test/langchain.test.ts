@@ -32,6 +32,10 @@ describe("LangChain tools", () => {
     );
     const guardedRefund = guardTool(refund, { client: fx.client, namespace, runId: threadId });
     assert.equal(guardedRefund.name, "refund");
+    // The guarded tool keeps the tool's schema type (a compile-time check: the base interface's
+    // schema type is not assignable to the zod object's).
+    const schema: typeof refund.schema = guardedRefund.schema;
+    assert.equal(schema, refund.schema);
     const node = new ToolNode([guardedRefund]);
     const config = { configurable: { thread_id: "thread-7" } };
 
