@@ -139,3 +139,22 @@ def test_custom_key_function(client: onceguard.Client, ns: str) -> None:
     with pytest.raises(onceguard.KeyConflict):
         guarded.invoke({"order": 5, "amount": 2})
     assert payments.refunds == [(5, 1)]
+
+
+def test_a_call_already_running_tells_the_model_when_to_call_again(client: onceguard.Client, ns: str) -> None:
+    """A call whose key another caller holds (still after the guard's wait) does not run; with
+    the tool's ``handle_tool_error``, the model is told in one sentence that the call is already
+    running and when to call again, not a stack of errors."""
+    holder = client.claim(ns, "refund-7", request={"order": 7, "amount": 1}, lease="30s")
+    assert isinstance(holder, onceguard.Acquired)
+    payments = Payments()
+    inner = refund_tool(payments)
+    inner.handle_tool_error = True
+    guarded = guard_tool(inner, client, ns, key_fn=lambda c: "refund-7", wait=None)
+    told = guarded.invoke({"order": 7, "amount": 1})
+    assert isinstance(told, str) and told.startswith("This call is already running"), told
+    assert "call the tool again with the same arguments in" in told and "Error" not in told
+    assert payments.refunds == []
+    strict = guard_tool(refund_tool(payments), client, ns, key_fn=lambda c: "refund-7", wait=None)
+    with pytest.raises(onceguard.InFlightError):
+        strict.invoke({"order": 7, "amount": 1})

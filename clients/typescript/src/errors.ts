@@ -246,7 +246,13 @@ export class InFlightError extends GuardError {
   readonly retryAfter: number;
   readonly attempt: number | null;
   constructor(namespace: string, key: string, retryAfter: number, attempt: number | null) {
-    super(`key ${JSON.stringify(key)} in ${namespace} is in flight; retry after ${retryAfter.toFixed(3)}s`, namespace, key);
+    super(
+      `This call is already running (an earlier call with the same arguments started it), so it was not run again; ` +
+        `call the tool again with the same arguments in ${Math.max(1, Math.round(retryAfter))}s or later to get its ` +
+        `result. (key ${JSON.stringify(key)} in ${namespace}, in flight for ${retryAfter.toFixed(3)}s more)`,
+      namespace,
+      key,
+    );
     this.retryAfter = retryAfter;
     this.attempt = attempt;
   }

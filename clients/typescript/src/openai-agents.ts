@@ -31,7 +31,7 @@
  */
 
 import { tool, type RunContext, type ToolInputParameters, type ToolOptions, type ToolOutputSchema } from "@openai/agents";
-import { ApprovalDeniedError, AwaitingApprovalError } from "./errors.js";
+import { ApprovalDeniedError, AwaitingApprovalError, InFlightError } from "./errors.js";
 import { ToolGuard, type ToolGuardOptions } from "./tools.js";
 
 export type { KeyFn, RunId } from "./tools.js";
@@ -67,7 +67,12 @@ export function guardedTool<
     try {
       return await toolGuard.run(call, () => execute(input, context, details), details?.signal);
     } catch (error) {
-      if (toldToModel && (error instanceof AwaitingApprovalError || error instanceof ApprovalDeniedError)) return error.message;
+      if (
+        toldToModel &&
+        (error instanceof AwaitingApprovalError || error instanceof ApprovalDeniedError || error instanceof InFlightError)
+      ) {
+        return error.message;
+      }
       throw error;
     }
   };

@@ -70,6 +70,30 @@ describe("OpenAI Agents SDK", () => {
     assert.equal(sent, 0);
   });
 
+  it("a call already running reaches the model as one sentence saying when to call again", async () => {
+    const namespace = ns("openai-agents-in-flight");
+    const held = await fx.client.claim(namespace, "invoice-c_9", { request: { customer: "c_9" }, lease: "30s" });
+    assert.equal(held.outcome, "acquired");
+    let sent = 0;
+    const sendInvoice = guardedTool(
+      {
+        name: "send_invoice",
+        description: "Send an invoice",
+        parameters: z.object({ customer: z.string() }),
+        execute: async ({ customer }) => `invoice ${++sent} for ${customer}`,
+      },
+      { client: fx.client, namespace, runId: "agents-in-flight", wait: null, keyFn: (call) => `invoice-${(call.arguments as { customer: string }).customer}` },
+    );
+    const model = new ScriptedModel([[functionCall("send_invoice", { customer: "c_9" }, { callId: "call_9" })], [assistantMessage("later")]]);
+    const result = await runner.run(new Agent({ name: "billing", instructions: "bill", model, tools: [sendInvoice] }), "invoice c_9");
+    const output = result.newItems.find((item) => item.type === "tool_call_output_item") as unknown as { output: unknown };
+    const told = String(output.output);
+    assert.match(told, /^This call is already running/);
+    assert.match(told, /call the tool again with the same arguments in \d+s or later/);
+    assert.doesNotMatch(told, /An error occurred/);
+    assert.equal(sent, 0, "the invoice was not sent again");
+  });
+
   it("a call the model re-emits (another call id) replays the stored result", async () => {
     const namespace = ns("openai-agents");
     const sent: string[] = [];

@@ -256,6 +256,15 @@ class InFlightError(GuardError):
         self.retry_after = retry_after
         self.attempt = attempt
 
+    @property
+    def model_message(self) -> str:
+        """The refusal as a tool's answer to a model: one sentence it can act on."""
+        return (
+            "This call is already running (an earlier call with the same arguments started it), so it was not "
+            f"run again; call the tool again with the same arguments in {max(1, round(self.retry_after))}s or "
+            "later to get its result."
+        )
+
 
 class KeyConflict(GuardError):
     """The key was used before with a different request (fingerprint mismatch). Nothing changed:

@@ -31,9 +31,9 @@ from ._embeddings import OnceTexts, model_name
 from ._tools import KeyFn, Summary, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client
-from .errors import AwaitingApproval
+from .errors import AwaitingApproval, InFlightError
 
-__all__ = ["guard_tool", "OnceEmbeddings", "ToolAwaitingApproval", "ToolCall"]
+__all__ = ["guard_tool", "OnceEmbeddings", "ToolAwaitingApproval", "ToolCall", "ToolInFlight"]
 
 RunId = Union[str, Callable[[RunnableConfig], Optional[str]], None]
 
@@ -47,6 +47,19 @@ class ToolAwaitingApproval(AwaitingApproval, ToolException):
     def __init__(self, awaiting: AwaitingApproval) -> None:
         super().__init__(
             awaiting.approval, namespace=awaiting.namespace, key=awaiting.key, retry_after=awaiting.retry_after
+        )
+        self.args = (self.model_message,)
+
+
+class ToolInFlight(InFlightError, ToolException):
+    """:class:`onceguard.InFlightError` raised by a guarded tool (the call is already running,
+    still after the guard's wait), as a ``ToolException`` too, whose message is the one for the
+    model: the tool's ``handle_tool_error`` turns it into the tool's answer, telling the model
+    the call is already running and when to call again."""
+
+    def __init__(self, in_flight: InFlightError) -> None:
+        super().__init__(
+            namespace=in_flight.namespace, key=in_flight.key, retry_after=in_flight.retry_after, attempt=in_flight.attempt
         )
         self.args = (self.model_message,)
 
@@ -100,6 +113,10 @@ def guard_tool(
       not run and raises :class:`ToolAwaitingApproval`, which the tool's ``handle_tool_error``
       turns into a message telling the model the call awaits a person's approval (its id),
       that nothing was done, and to call again later with the same arguments.
+    - A call already running (another caller holds its key, still after ``wait``; give a
+      ``wait`` up to 30 s to wait out most holders) raises :class:`ToolInFlight`, which the
+      tool's ``handle_tool_error`` turns into one sentence for the model: the call is already
+      running, and when to call again.
     """
     sync_client = client if isinstance(client, Client) else None
     aclient = client if isinstance(client, AsyncClient) else async_client
@@ -138,6 +155,8 @@ def guard_tool(
             )
         except AwaitingApproval as e:
             raise ToolAwaitingApproval(e) from None
+        except InFlightError as e:
+            raise ToolInFlight(e) from None
 
     async def run_async(config: RunnableConfig, callbacks: Callbacks = None, **kwargs: Any) -> Any:
         if aclient is None:
@@ -151,6 +170,8 @@ def guard_tool(
             return await run_guarded_async(aclient, policy, key, call, invoke, summary)
         except AwaitingApproval as e:
             raise ToolAwaitingApproval(e) from None
+        except InFlightError as e:
+            raise ToolInFlight(e) from None
 
     return StructuredTool(
         name=tool.name,

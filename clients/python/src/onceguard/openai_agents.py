@@ -30,7 +30,7 @@ from ._attempts import ExceptionClasses, Policy
 from ._tools import KeyFn, Summary, ToolCall, arguments_of, run_guarded_async, run_guarded_sync, tool_key
 from ._wire import Duration
 from .client import AsyncClient, Client
-from .errors import AwaitingApproval
+from .errors import AwaitingApproval, InFlightError
 
 __all__ = ["guard_function_tool", "ToolCall"]
 
@@ -127,7 +127,7 @@ def guard_function_tool(
                 return asyncio.run_coroutine_threadsafe(invoke(), loop).result()
 
             return await asyncio.to_thread(run_guarded_sync, client, policy, key, call, invoke_in_loop, summary)
-        except AwaitingApproval as e:
+        except (AwaitingApproval, InFlightError) as e:
             if not _answers_the_model(tool, ctx):
                 raise
             return e.model_message
