@@ -22,6 +22,7 @@ import type { RunnableConfig } from "@langchain/core/runnables";
 import { tool as lcTool, type StructuredToolInterface } from "@langchain/core/tools";
 import { getConfig, task } from "@langchain/langgraph";
 import { ToolGuard, type ToolGuardOptions } from "./tools.js";
+import { InFlightError } from "./errors.js";
 
 export type { KeyFn, RunId } from "./tools.js";
 export type { ToolCall } from "./keys.js";
@@ -39,6 +40,16 @@ export function threadId(config: RunnableConfig): string | undefined {
 function withoutToolCall(config: RunnableConfig): RunnableConfig {
   const { toolCall: _toolCall, ...rest } = config as RunnableConfig & { toolCall?: unknown };
   return rest;
+}
+
+/** `job()`'s value, or, for a call already running, its one-sentence answer to the model. */
+async function runTelling(contentAndArtifact: boolean, job: () => Promise<unknown>): Promise<unknown> {
+  try {
+    return await job();
+  } catch (error) {
+    if (!(error instanceof InFlightError)) throw error;
+    return contentAndArtifact ? [error.message, null] : error.message;
+  }
 }
 
 interface ToolMessageLike {
@@ -65,7 +76,9 @@ export function guardTool<SchemaT, SchemaInputT, ToolOutputT>(
   const run = async (input: unknown, config: RunnableConfig): Promise<unknown> => {
     const callId = (config as { toolCall?: { id?: string } }).toolCall?.id;
     const call = guard.call(tool.name, input, config, callId);
-    return guard.run(
+    // A call already running is answered to the model, in one sentence, as the tool's result
+    // (a thrown error would reach it with "Please fix your mistakes" appended).
+    return runTelling(contentAndArtifact, () => guard.run(
       call,
       async () => {
         if (!contentAndArtifact) return tool.invoke(input as never, withoutToolCall(config));
@@ -77,7 +90,7 @@ export function guardTool<SchemaT, SchemaInputT, ToolOutputT>(
         return [message.content, message.artifact ?? null];
       },
       config.signal,
-    );
+    ));
   };
   const fields = {
     name: tool.name,

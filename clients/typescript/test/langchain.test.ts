@@ -95,6 +95,27 @@ describe("LangChain tools", () => {
     assert.match(told, /Call again later with the same arguments/);
   });
 
+  it("a call already running: the ToolNode tells the model when to call again, without an error", async () => {
+    const namespace = ns("langchain-in-flight");
+    const held = await fx.client.claim(namespace, "refund-9", { request: { order: 9 }, lease: "30s" });
+    assert.equal(held.outcome, "acquired");
+    let calls = 0;
+    const refund = tool(
+      async ({ order }: { order: number }) => {
+        calls++;
+        return `refunded ${order}`;
+      },
+      { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
+    );
+    const guarded = guardTool(refund, { client: fx.client, namespace, runId: "held", wait: null, keyFn: () => "refund-9" });
+    const node = new ToolNode([guarded]);
+    const result = (await node.invoke({ messages: [modelTurn("c9", { order: 9 })] })) as { messages: ToolMessage[] };
+    const told = String(result.messages[0]?.content);
+    assert.match(told, /^This call is already running/);
+    assert.doesNotMatch(told, /Please fix your mistakes/);
+    assert.equal(calls, 0, "the refund did not run");
+  });
+
   it("observe mode: a re-emitted call runs again, and an undo is registered with each completion", async () => {
     const namespace = ns("langchain-observe");
     await fx.admin.putSettings({ mode: "observe" }, { namespacePrefix: namespace, why: "test" });
