@@ -173,6 +173,11 @@ pub struct Claim {
     /// What the call does, in words, for an approver where the namespace needs approvals.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub summary: Option<String>,
+    /// `true` if the caller checks, on a recovery, whether the unfinished attempt's effect
+    /// happened before running it again: where the namespace's recovery policy is `verify`, only
+    /// such a claim takes over a key whose last attempt did not finish.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub verify_hook: bool,
 }
 
 fn duration_text<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
@@ -195,6 +200,7 @@ impl Claim {
             cost: None,
             wait: None,
             summary: None,
+            verify_hook: false,
         }
     }
 
@@ -867,6 +873,14 @@ fn batch_items(status: StatusCode, text: &str, sent: usize) -> Result<Vec<BatchI
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_claim_says_it_verifies_only_when_it_does() {
+        let plain = Claim::new("prod/pay", "k", serde_json::json!({"amount": 1}));
+        assert!(serde_json::to_value(&plain).unwrap().get("verify_hook").is_none());
+        let verifying = Claim { verify_hook: true, ..plain };
+        assert_eq!(serde_json::to_value(&verifying).unwrap()["verify_hook"], serde_json::json!(true));
+    }
 
     #[test]
     fn a_proceed_is_taken_only_from_a_well_formed_observe_answer() {
