@@ -22,6 +22,7 @@
  */
 
 import type { Tool } from "ai";
+import { InFlightError } from "./errors.js";
 import { ToolGuard, type ToolGuardOptions } from "./tools.js";
 
 export type { KeyFn, RunId } from "./tools.js";
@@ -73,16 +74,23 @@ export function guardTool<TOOL extends Tool>(tool: TOOL, options: AiToolGuardOpt
   if (execute === undefined) return tool;
   const guard = new ToolGuard<AiToolExecution>(options);
   const name = options.name;
-  const guardedExecute = (input: unknown, execution: AiToolExecution): Promise<unknown> => {
+  const guardedExecute = async (input: unknown, execution: AiToolExecution): Promise<unknown> => {
     const call = guard.call(name, input, execution, execution.toolCallId);
-    return guard.run(
-      call,
-      async () => {
-        const value = await execute(input, execution);
-        return isAsyncIterable(value) ? await lastOf(value) : value;
-      },
-      execution.abortSignal,
-    );
+    try {
+      return await guard.run(
+        call,
+        async () => {
+          const value = await execute(input, execution);
+          return isAsyncIterable(value) ? await lastOf(value) : value;
+        },
+        execution.abortSignal,
+      );
+    } catch (error) {
+      // The SDK hands the model the error's message: for a call already running, one sentence
+      // it can act on.
+      if (error instanceof InFlightError) error.message = error.modelMessage;
+      throw error;
+    }
   };
   return { ...tool, execute: guardedExecute };
 }

@@ -246,15 +246,17 @@ export class InFlightError extends GuardError {
   readonly retryAfter: number;
   readonly attempt: number | null;
   constructor(namespace: string, key: string, retryAfter: number, attempt: number | null) {
-    super(
-      `This call is already running (an earlier call with the same arguments started it), so it was not run again; ` +
-        `call the tool again with the same arguments in ${Math.max(1, Math.round(retryAfter))}s or later to get its ` +
-        `result. (key ${JSON.stringify(key)} in ${namespace}, in flight for ${retryAfter.toFixed(3)}s more)`,
-      namespace,
-      key,
-    );
+    super(`key ${JSON.stringify(key)} in ${namespace} is in flight; retry after ${retryAfter.toFixed(3)}s`, namespace, key);
     this.retryAfter = retryAfter;
     this.attempt = attempt;
+  }
+
+  /** The refusal as a tool's answer to a model: one sentence it can act on. */
+  get modelMessage(): string {
+    return (
+      `This call is already running (an earlier call with the same arguments started it), so it was not run again; ` +
+      `call the tool again with the same arguments in ${Math.max(1, Math.round(this.retryAfter))}s or later to get its result.`
+    );
   }
 }
 

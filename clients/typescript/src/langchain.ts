@@ -42,13 +42,16 @@ function withoutToolCall(config: RunnableConfig): RunnableConfig {
   return rest;
 }
 
-/** `job()`'s value, or, for a call already running, its one-sentence answer to the model. */
-async function runTelling(contentAndArtifact: boolean, job: () => Promise<unknown>): Promise<unknown> {
+/**
+ * `job()`'s value, or, for a call already running made by a model (`toolCall`: a `ToolNode` or
+ * an agent), its one-sentence answer to the model; a direct `invoke` gets the `InFlightError`.
+ */
+async function runTelling(byModel: boolean, contentAndArtifact: boolean, job: () => Promise<unknown>): Promise<unknown> {
   try {
     return await job();
   } catch (error) {
-    if (!(error instanceof InFlightError)) throw error;
-    return contentAndArtifact ? [error.message, null] : error.message;
+    if (!byModel || !(error instanceof InFlightError)) throw error;
+    return contentAndArtifact ? [error.modelMessage, null] : error.modelMessage;
   }
 }
 
@@ -76,9 +79,9 @@ export function guardTool<SchemaT, SchemaInputT, ToolOutputT>(
   const run = async (input: unknown, config: RunnableConfig): Promise<unknown> => {
     const callId = (config as { toolCall?: { id?: string } }).toolCall?.id;
     const call = guard.call(tool.name, input, config, callId);
-    // A call already running is answered to the model, in one sentence, as the tool's result
-    // (a thrown error would reach it with "Please fix your mistakes" appended).
-    return runTelling(contentAndArtifact, () => guard.run(
+    // A call already running that a model made is answered to it, in one sentence, as the
+    // tool's result (a thrown error would reach it with "Please fix your mistakes" appended).
+    return runTelling(callId !== undefined, contentAndArtifact, () => guard.run(
       call,
       async () => {
         if (!contentAndArtifact) return tool.invoke(input as never, withoutToolCall(config));

@@ -67,12 +67,8 @@ export function guardedTool<
     try {
       return await toolGuard.run(call, () => execute(input, context, details), details?.signal);
     } catch (error) {
-      if (
-        toldToModel &&
-        (error instanceof AwaitingApprovalError || error instanceof ApprovalDeniedError || error instanceof InFlightError)
-      ) {
-        return error.message;
-      }
+      if (toldToModel && error instanceof InFlightError) return error.modelMessage;
+      if (toldToModel && (error instanceof AwaitingApprovalError || error instanceof ApprovalDeniedError)) return error.message;
       throw error;
     }
   };

@@ -153,6 +153,24 @@ describe("Vercel AI SDK", () => {
     assert.match(told, /Call again later with the same arguments/);
   });
 
+  it("a call already running reaches the model as one sentence saying when to call again", async () => {
+    const namespace = ns("ai-sdk-in-flight");
+    const held = await fx.client.claim(namespace, "invoice-c_9", { request: { customer: "c_9", amount: 1 }, lease: "30s" });
+    assert.equal(held.outcome, "acquired");
+    const sent: Array<{ customer: string; amount: number }> = [];
+    const tools = guardTools(
+      { sendInvoice: invoiceTool(sent) },
+      { client: fx.client, namespace, runId: "conv-held", wait: null, keyFn: () => "invoice-c_9" },
+    );
+    const model = scripted(toolCall("call_1", "sendInvoice", { customer: "c_9", amount: 1 }), text("later"));
+    const result = await generateText({ model, tools, prompt: "invoice c_9", stopWhen: stepCountIs(3) });
+    assert.equal(sent.length, 0, "the invoice was not sent again");
+    const told = JSON.stringify(model.doGenerateCalls[1]?.prompt.filter((m) => m.role === "tool"));
+    assert.match(told, /This call is already running/);
+    assert.match(told, /call the tool again with the same arguments in \d+s or later/);
+    assert.ok(result.steps[0]?.content.some((part) => part.type === "tool-error"));
+  });
+
   it("observe mode: a re-emitted tool call runs again, and nothing but the first outcome is stored", async () => {
     const namespace = ns("ai-sdk-observe");
     await fx.admin.putSettings({ mode: "observe" }, { namespacePrefix: namespace, why: "test" });

@@ -164,6 +164,7 @@ macro_rules! conformance_tests {
             ask_fails_or_reconciles_a_recovery_by_decision,
             a_decided_recovery_is_written_by_the_next_claim_if_its_writer_stopped,
             an_approval_of_a_recovery_lets_no_new_call_run,
+            another_call_of_a_released_recovered_key_is_a_mismatch,
             a_rolled_back_run_compensates_each_effect_once,
             a_compensation_failing_permanently_is_kept,
             concurrent_rollback_starts_start_once,

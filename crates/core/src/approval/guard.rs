@@ -1,5 +1,6 @@
 //! The approvals' part of the guard (the types and rules are [`crate::approval`]'s): the gate
-//! in front of the store's claim, an approver's decision, and the webhook's notices.
+//! in front of the store's claim and the webhook's notices (an approver's decision is in
+//! `recovery.rs`).
 
 use std::time::Duration;
 
@@ -79,9 +80,10 @@ impl Guard {
             }
             let kept = self.store.approval_of(&req.scope, now).await?;
             match &kept {
-                // An approval of a recovery was of a record that is gone: it lets no new call
-                // run, which needs a person's approval of its own.
-                Some(a) if a.recovery.is_some() => {}
+                // An approval of a recovery whose record is gone lets no new call run: that
+                // needs a person's approval of its own. (With a record of another call there,
+                // the claim is a mismatch below, as for any approval of another call.)
+                Some(a) if a.recovery.is_some() && record.is_none() => {}
                 Some(a) if !binds(a, req) && a.state(now) != ApprovalState::Expired => {
                     return Ok(Gate::Answer(ClaimOutcome::Mismatch));
                 }

@@ -23,6 +23,10 @@
 //!   request keeps its approval). Another call is another fingerprint, another run, or more
 //!   cost declared than the approval shows: a person approves what they saw.
 //!
+//! - an approval of a **recovery** (recovery policy `ask`, [`RecoveryAsk`]) covers that
+//!   recovery only: with the key's record gone, it lets no new call run, which asks a person
+//!   again.
+//!
 //! A decision is taken only while the approval is pending and before its `expires_at`; it is
 //! kept for the namespace's retention from the decision ([`Approval::kept_until`]), then swept.
 //! The store writes an approval only over the one it read (compare and set, with the

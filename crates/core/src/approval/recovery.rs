@@ -61,6 +61,7 @@ impl Guard {
         outcome: ClaimOutcome,
         terms: RecoveryTerms,
         mode: Mode,
+        ask: Option<&super::Ask>,
     ) -> Result<ClaimOutcome, GuardError> {
         let mut outcome = outcome;
         // Four rounds lost in a row to other claims and decisions of the key: something is
@@ -70,9 +71,18 @@ impl Guard {
             else {
                 return Ok(outcome);
             };
-            outcome = self.decide_recovery(req, previous_fence, previous_attempt, terms, mode).await?;
+            outcome = self.decide_recovery(req, previous_fence, previous_attempt, terms, mode, ask).await?;
         }
         Err(StoreError::Unavailable("the key's recovery changed under four reads in a row".into()).into())
+    }
+
+    /// `req` claimed again as the door claims it: behind the approvals' gate where `ask` says
+    /// the namespace needs approvals.
+    async fn claim_again(&self, req: &ClaimRequest, ask: Option<&super::Ask>) -> Result<ClaimOutcome, GuardError> {
+        match ask {
+            Some(ask) => self.gated_claim(req, ask).await,
+            None => Ok(self.store.claim(req, self.clock.now()).await?),
+        }
     }
 
     /// One round of [`Guard::recovery_decision`] for the stuck attempt holding `previous_fence`:
@@ -84,14 +94,16 @@ impl Guard {
         previous_attempt: u32,
         terms: RecoveryTerms,
         mode: Mode,
+        ask: Option<&super::Ask>,
     ) -> Result<ClaimOutcome, GuardError> {
         let again = ClaimOutcome::Denied(Denial::RecoveryNeedsDecision { previous_fence, previous_attempt });
         let now = self.clock.now();
         let kept = self.store.approval_of(&req.scope, now).await?;
         let record = self.store.get(&req.scope, now).await?;
         let Some(record) = record.filter(|r| r.state == RecordState::InProgress && r.fence == previous_fence) else {
-            // The record moved on since the store refused: claim again.
-            return Ok(self.store.claim(req, self.clock.now()).await?);
+            // The record moved on since the store refused: claim again, through the approvals'
+            // gate where the namespace needs approvals.
+            return self.claim_again(req, ask).await;
         };
         if let Some(approval) = kept.as_ref().filter(|a| decides(a, &record, now)) {
             match approval.state(now) {
@@ -102,8 +114,7 @@ impl Guard {
                     if let Some(refused) = self.write_decided_recovery(approval, &record).await? {
                         return Ok(refused);
                     }
-                    let replay = ClaimRequest { recovery: RecoveryGate::Ask(None), ..req.clone() };
-                    return Ok(self.store.claim(&replay, self.clock.now()).await?);
+                    return self.claim_again(req, ask).await;
                 }
                 ApprovalState::Approved => match approval.used {
                     Some(at) if now < at.plus(req.lease) => {
@@ -139,7 +150,10 @@ impl Guard {
         let mut new = Approval::new(req.scope.clone(), record.fingerprint.clone(), now, terms.expiry, terms.retention);
         // The run and cost of the call the record is (those of the approval it carries, where
         // the namespace needs approvals: a retry is bound to what a person approved).
-        let own = kept.as_ref().filter(|a| record.approval.as_ref() == Some(&a.id) && a.recovery.is_none());
+        let own = kept.as_ref().filter(|a| {
+            (record.approval.as_ref() == Some(&a.id) && a.recovery.is_none())
+                || (a.recovery.is_some() && a.fingerprint == record.fingerprint)
+        });
         new.run = own.map_or_else(|| record.run.clone(), |a| a.run.clone());
         new.cost = own.map_or(Some(req.cost), |a| a.cost);
         new.summary = own.and_then(|a| a.summary.clone());

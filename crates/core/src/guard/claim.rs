@@ -91,7 +91,7 @@ impl Guard {
                     self.unkeyed_mismatch(&req, &plain, outcome).await?
                 }
             };
-            let outcome = self.recovery_decision(&req, outcome, recovery_terms, mode).await?;
+            let outcome = self.recovery_decision(&req, outcome, recovery_terms, mode, ask.as_ref()).await?;
             // A key in flight, or one waiting for its approval, is waited for.
             let (retry_after, deadline) = match (&outcome, deadline) {
                 (ClaimOutcome::InFlight(in_flight), Some(deadline)) if Instant::now() < deadline => {
@@ -225,7 +225,7 @@ impl Guard {
                 None => match &ask {
                     Some(ask) => {
                         let outcome = self.gated_claim(&req, ask).await?;
-                        let outcome = self.recovery_decision(&req, outcome, terms[i], modes[i]).await?;
+                        let outcome = self.recovery_decision(&req, outcome, terms[i], modes[i], Some(ask)).await?;
                         Some(self.opened_claim(&req.scope, outcome).await)
                     }
                     None => None,
@@ -248,7 +248,7 @@ impl Guard {
             }
             for (((i, req), plain), outcome) in places.into_iter().zip(reqs).zip(plains).zip(outcomes) {
                 let outcome = match self.unkeyed_mismatch(&req, &plain, outcome).await {
-                    Ok(outcome) => match self.recovery_decision(&req, outcome, terms[i], modes[i]).await {
+                    Ok(outcome) => match self.recovery_decision(&req, outcome, terms[i], modes[i], None).await {
                         Ok(outcome) => self.opened_claim(&req.scope, outcome).await,
                         Err(e) => Err(e),
                     },

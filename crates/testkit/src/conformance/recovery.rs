@@ -362,3 +362,37 @@ pub async fn an_approval_of_a_recovery_lets_no_new_call_run(store: Subject) {
         other => panic!("an approval of a recovery let a new call run: {other:?}"),
     }
 }
+
+/// Where the namespace also needs approvals, another call of a key whose re-run released it
+/// (a retryable failure) is a mismatch, as it is for any approval of another call: the recovery
+/// approval kept for the key does not make room for it.
+pub async fn another_call_of_a_released_recovered_key_is_a_mismatch(store: Subject) {
+    let c = case(store).await;
+    let entry = SettingsEntry {
+        tenant: TenantId::parse("acme").unwrap(),
+        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+        settings: Settings {
+            recovery: Some(RecoveryPolicy::Ask),
+            approval_required: Some(true),
+            ..Settings::default()
+        },
+        updated_by: "test".into(),
+        updated_at: c.clock.now(),
+    };
+    c.guard.put_settings(entry, None).await.unwrap();
+    let tenant = TenantId::parse("acme").unwrap();
+    let req = request(&scope("released"), "refund 6");
+    let ClaimOutcome::PendingApproval(call) = c.claim(&req).await else { panic!("the call was not asked") };
+    c.guard.decide_approval(&tenant, &call.approval.id, true, "admin-key", "ok".into()).await.unwrap();
+    c.acquire(&req).await;
+    c.clock.advance(LEASE);
+    let recovery = c.pending_recovery(&req).await;
+    c.guard.decide_approval(&tenant, &recovery.id, true, "admin-key", "re-run".into()).await.unwrap();
+    let rerun = c.acquire(&req).await;
+    let release = Mutation::Fail { retryable: true, outcome: success("try again") };
+    c.applied(&req.scope, rerun, release).await;
+    let other = request(&req.scope, "refund 600");
+    assert_eq!(c.claim(&other).await, ClaimOutcome::Mismatch, "another call of the released key");
+    let kept = c.guard.approval(&tenant, &recovery.id).await.unwrap().expect("kept");
+    assert_eq!(kept.id, recovery.id, "the recovery's approval is unchanged");
+}
