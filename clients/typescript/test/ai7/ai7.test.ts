@@ -11,29 +11,10 @@ import { generateText, stepCountIs, tool } from "ai";
 import { MockLanguageModelV3 } from "ai/test";
 import { guardTool, guardTools } from "onceguard/ai";
 import { z } from "zod";
+import { text, toolCall } from "./ai-script.js";
 import { ns, useServer } from "./server.js";
 
 const fx = useServer();
-
-type GenerateResult = Awaited<ReturnType<MockLanguageModelV3["doGenerate"]>>;
-
-const usage = {
-  inputTokens: { total: 10, noCache: 10, cacheRead: undefined, cacheWrite: undefined },
-  outputTokens: { total: 5, text: 5, reasoning: undefined },
-};
-
-function toolCall(toolCallId: string, toolName: string, input: unknown): GenerateResult {
-  return {
-    content: [{ type: "tool-call", toolCallId, toolName, input: JSON.stringify(input) }],
-    finishReason: { unified: "tool-calls", raw: "tool_calls" },
-    usage,
-    warnings: [],
-  };
-}
-
-function text(value: string): GenerateResult {
-  return { content: [{ type: "text", text: value }], finishReason: { unified: "stop", raw: "stop" }, usage, warnings: [] };
-}
 
 describe("Vercel AI SDK 7", () => {
   it("a re-emitted tool call runs once per run, the run id read from the tool's context", async () => {

@@ -324,12 +324,13 @@ pub async fn a_decided_recovery_is_written_by_the_next_claim_if_its_writer_stopp
     assert_eq!(kept.state(c.clock.now()), ApprovalState::Denied, "no new approval was asked");
 }
 
-/// Where the namespace also needs approvals, an approval of a recovery lets no new call run once
-/// its record is gone: that call needs a person's approval of its own.
-pub async fn an_approval_of_a_recovery_lets_no_new_call_run(store: Subject) {
-    let c = case(store).await;
+/// In a namespace that needs approvals and asks for recoveries: `req`'s call approved and
+/// acquired, its holder vanished, and the re-run approved. Answers the first attempt's fence
+/// and the approval of its recovery.
+async fn approved_recovery_of_an_approved_call(c: &Case, req: &ClaimRequest) -> (Fence, Approval) {
+    let tenant = TenantId::parse("acme").unwrap();
     let entry = SettingsEntry {
-        tenant: TenantId::parse("acme").unwrap(),
+        tenant: tenant.clone(),
         namespace_prefix: Some(Namespace::parse("prod").unwrap()),
         settings: Settings {
             recovery: Some(RecoveryPolicy::Ask),
@@ -340,15 +341,23 @@ pub async fn an_approval_of_a_recovery_lets_no_new_call_run(store: Subject) {
         updated_at: c.clock.now(),
     };
     c.guard.put_settings(entry, None).await.unwrap();
-    let tenant = TenantId::parse("acme").unwrap();
-    let req = request(&scope("both"), "refund 5");
-    let ClaimOutcome::PendingApproval(call) = c.claim(&req).await else { panic!("the call was not asked") };
+    let ClaimOutcome::PendingApproval(call) = c.claim(req).await else { panic!("the call was not asked") };
     c.guard.decide_approval(&tenant, &call.approval.id, true, "admin-key", "ok".into()).await.unwrap();
-    let first = c.acquire(&req).await;
+    let first = c.acquire(req).await;
     c.clock.advance(LEASE);
-    let recovery = c.pending_recovery(&req).await;
+    let recovery = c.pending_recovery(req).await;
     assert!(recovery.recovery.is_some());
     c.guard.decide_approval(&tenant, &recovery.id, true, "admin-key", "re-run".into()).await.unwrap();
+    (first, recovery)
+}
+
+/// Where the namespace also needs approvals, an approval of a recovery lets no new call run once
+/// its record is gone: that call needs a person's approval of its own.
+pub async fn an_approval_of_a_recovery_lets_no_new_call_run(store: Subject) {
+    let c = case(store).await;
+    let tenant = TenantId::parse("acme").unwrap();
+    let req = request(&scope("both"), "refund 5");
+    let (first, recovery) = approved_recovery_of_an_approved_call(&c, &req).await;
     // The first attempt's holder finishes after all: the approved re-run is not needed.
     c.applied(&req.scope, first, Mutation::Complete(success("refunded"))).await;
     assert!(matches!(c.claim(&req).await, ClaimOutcome::Replay(_)));
@@ -368,26 +377,9 @@ pub async fn an_approval_of_a_recovery_lets_no_new_call_run(store: Subject) {
 /// approval kept for the key does not make room for it.
 pub async fn another_call_of_a_released_recovered_key_is_a_mismatch(store: Subject) {
     let c = case(store).await;
-    let entry = SettingsEntry {
-        tenant: TenantId::parse("acme").unwrap(),
-        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
-        settings: Settings {
-            recovery: Some(RecoveryPolicy::Ask),
-            approval_required: Some(true),
-            ..Settings::default()
-        },
-        updated_by: "test".into(),
-        updated_at: c.clock.now(),
-    };
-    c.guard.put_settings(entry, None).await.unwrap();
     let tenant = TenantId::parse("acme").unwrap();
     let req = request(&scope("released"), "refund 6");
-    let ClaimOutcome::PendingApproval(call) = c.claim(&req).await else { panic!("the call was not asked") };
-    c.guard.decide_approval(&tenant, &call.approval.id, true, "admin-key", "ok".into()).await.unwrap();
-    c.acquire(&req).await;
-    c.clock.advance(LEASE);
-    let recovery = c.pending_recovery(&req).await;
-    c.guard.decide_approval(&tenant, &recovery.id, true, "admin-key", "re-run".into()).await.unwrap();
+    let (_, recovery) = approved_recovery_of_an_approved_call(&c, &req).await;
     let rerun = c.acquire(&req).await;
     let release = Mutation::Fail { retryable: true, outcome: success("try again") };
     c.applied(&req.scope, rerun, release).await;
