@@ -124,3 +124,23 @@ async def test_a_failing_tool_is_not_stored_and_the_model_sees_the_error(aclient
     outputs = [o for inputs in model.inputs for o in _outputs(inputs)]
     assert attempts == [1, 1]  # the error released the key: the repeat ran again
     assert "error" in outputs[0].lower() and outputs[-1] == "ok"
+
+
+async def test_a_call_already_running_is_told_to_the_model_in_one_sentence(
+    aclient: onceguard.AsyncClient, ns: str
+) -> None:
+    """A call whose key another caller holds, still after the guard's wait, does not run: the
+    model reads one sentence saying it is already running and when to call again."""
+    held = await aclient.claim(ns, "invoice-acme", request={"customer": "acme", "amount": 100}, lease="30s")
+    assert isinstance(held, onceguard.Acquired)
+    ledger = Ledger()
+    tool = guard_function_tool(
+        send_invoice_tool(ledger), aclient, ns, run_id="run-held", key_fn=lambda call: "invoice-acme", wait=None
+    )
+    model = ScriptedModel([[tool_call("send_invoice", {"customer": "acme", "amount": 100}, "c1")], [message("later")]])
+    agent = Agent(name="billing", tools=[tool], model=model)
+    await Runner.run(agent, "bill acme", run_config=RunConfig(tracing_disabled=True))
+    (told,) = [o for inputs in model.inputs for o in _outputs(inputs)]
+    assert told.startswith("This call is already running"), told
+    assert "call the tool again with the same arguments in" in told
+    assert ledger.sent == []
