@@ -59,7 +59,7 @@ pub struct Gateway {
     /// The tasks each session (tenant, `Mcp-Session-Id`) started through this instance, by the
     /// upstream's task id: their status notifications on the session's stream are read, and
     /// name the gateway's task id.
-    pub(crate) session_tasks: Mutex<HashMap<(String, String), HashMap<String, SessionTask>>>,
+    pub(crate) session_tasks: Mutex<SessionTasks>,
 }
 
 /// A guarded call awaiting its answer on a resumed stream: where the answer goes, and the tool
@@ -85,38 +85,94 @@ pub(crate) struct SessionTask {
 /// remembered past it, and their notifications pass unread).
 const MAX_SESSION_TASKS: usize = 1_000;
 
-impl Gateway {
-    /// Remembers a task `session` of `tenant` started (for its status notifications).
-    pub(crate) fn remember_task(&self, tenant: &TenantId, session: &str, task: SessionTask) {
-        let Ok(mut sessions) = self.session_tasks.lock() else { return };
-        let known = sessions.entry((tenant.to_string(), session.to_owned())).or_default();
+/// Most sessions whose tasks are remembered: past it, the session touched longest ago is
+/// forgotten (its tasks' notifications then pass unread; their keys settle on a poll or a
+/// recovery as without a session).
+const MAX_SESSIONS: usize = 10_000;
+
+/// The tasks each session (tenant, `Mcp-Session-Id`) started through this instance, bounded
+/// in sessions ([`MAX_SESSIONS`]) and in tasks per session ([`MAX_SESSION_TASKS`]).
+#[derive(Default)]
+pub(crate) struct SessionTasks {
+    sessions: HashMap<(String, String), (u64, HashMap<String, SessionTask>)>,
+    /// A counter of touches: a session's number is its last touch.
+    touches: u64,
+}
+
+impl SessionTasks {
+    fn touch(&mut self) -> u64 {
+        self.touches += 1;
+        self.touches
+    }
+
+    /// Remembers `task` of `session`, forgetting the session touched longest ago to make room
+    /// for a new one.
+    fn remember(&mut self, session: (String, String), task: SessionTask) {
+        let now = self.touch();
+        if !self.sessions.contains_key(&session)
+            && self.sessions.len() >= MAX_SESSIONS
+            && let Some(oldest) = self.sessions.iter().min_by_key(|(_, (touched, _))| *touched).map(|(k, _)| k.clone())
+        {
+            self.sessions.remove(&oldest);
+        }
+        let (touched, known) = self.sessions.entry(session).or_default();
+        *touched = now;
         if known.len() < MAX_SESSION_TASKS || known.contains_key(&task.delegation.task) {
             known.insert(task.delegation.task.clone(), task);
         }
     }
 
+    fn get(&mut self, session: &(String, String), task: &str) -> Option<SessionTask> {
+        let now = self.touch();
+        let (touched, known) = self.sessions.get_mut(session)?;
+        *touched = now;
+        known.get(task).cloned()
+    }
+
+    fn forget_session(&mut self, session: &(String, String)) {
+        self.sessions.remove(session);
+    }
+
+    fn forget_task(&mut self, session: &(String, String), task: &str) {
+        if let Some((_, known)) = self.sessions.get_mut(session) {
+            known.remove(task);
+            if known.is_empty() {
+                self.sessions.remove(session);
+            }
+        }
+    }
+
+    /// How many sessions are remembered.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.sessions.len()
+    }
+}
+
+impl Gateway {
+    /// Remembers a task `session` of `tenant` started (for its status notifications).
+    pub(crate) fn remember_task(&self, tenant: &TenantId, session: &str, task: SessionTask) {
+        if let Ok(mut sessions) = self.session_tasks.lock() {
+            sessions.remember((tenant.to_string(), session.to_owned()), task);
+        }
+    }
+
     /// The task `session` of `tenant` started with the upstream's id `task`, if remembered.
     pub(crate) fn session_task(&self, tenant: &str, session: &str, task: &str) -> Option<SessionTask> {
-        let sessions = self.session_tasks.lock().ok()?;
-        sessions.get(&(tenant.to_owned(), session.to_owned()))?.get(task).cloned()
+        self.session_tasks.lock().ok()?.get(&(tenant.to_owned(), session.to_owned()), task)
     }
 
     /// Forgets the tasks of a session that ended (its `DELETE`).
     pub(crate) fn forget_session(&self, tenant: &TenantId, session: &str) {
         if let Ok(mut sessions) = self.session_tasks.lock() {
-            sessions.remove(&(tenant.to_string(), session.to_owned()));
+            sessions.forget_session(&(tenant.to_string(), session.to_owned()));
         }
     }
 
     /// Forgets a task whose key is settled.
     pub(crate) fn forget_task(&self, tenant: &str, session: &str, task: &str) {
-        if let Ok(mut sessions) = self.session_tasks.lock()
-            && let Some(known) = sessions.get_mut(&(tenant.to_owned(), session.to_owned()))
-        {
-            known.remove(task);
-            if known.is_empty() {
-                sessions.remove(&(tenant.to_owned(), session.to_owned()));
-            }
+        if let Ok(mut sessions) = self.session_tasks.lock() {
+            sessions.forget_task(&(tenant.to_owned(), session.to_owned()), task);
         }
     }
 }
@@ -153,7 +209,7 @@ impl Gateway {
             in_flight: Mutex::new(HashSet::new()),
             ids_in_use: Mutex::new(HashSet::new()),
             awaiting: Mutex::new(HashMap::new()),
-            session_tasks: Mutex::new(HashMap::new()),
+            session_tasks: Mutex::new(SessionTasks::default()),
         }
     }
 
@@ -285,4 +341,57 @@ pub(crate) fn json_response(body: Vec<u8>) -> Response<Body> {
 
 pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
     headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(id: &str) -> SessionTask {
+        let scope = onceguard_core::Scope::new(
+            TenantId::parse("acme").unwrap(),
+            onceguard_core::Namespace::parse("mcp/s/t").unwrap(),
+            onceguard_core::Key::parse("k").unwrap(),
+        );
+        let delegation = tasks::Delegation {
+            task: id.to_owned(),
+            shape: tasks::Shape::Extension,
+            ttl_ms: None,
+            actor: "anonymous".into(),
+            handle: serde_json::value::RawValue::from_string("{}".into()).unwrap(),
+            revision: None,
+            session: None,
+            tool: None,
+        };
+        SessionTask { scope, delegation, id: format!("gw-{id}") }
+    }
+
+    fn session(i: usize) -> (String, String) {
+        ("acme".to_owned(), format!("session-{i}"))
+    }
+
+    #[test]
+    fn the_sessions_remembered_are_bounded_and_the_one_touched_longest_ago_goes_first() {
+        let mut remembered = SessionTasks::default();
+        for i in 0..MAX_SESSIONS {
+            remembered.remember(session(i), task("t"));
+        }
+        assert_eq!(remembered.len(), MAX_SESSIONS);
+        // Session 0 is read again: session 1 is now the one touched longest ago.
+        assert!(remembered.get(&session(0), "t").is_some());
+        remembered.remember(session(MAX_SESSIONS), task("t"));
+        assert_eq!(remembered.len(), MAX_SESSIONS, "bounded");
+        assert!(remembered.get(&session(1), "t").is_none(), "the session touched longest ago is forgotten");
+        assert!(remembered.get(&session(0), "t").is_some());
+        assert!(remembered.get(&session(MAX_SESSIONS), "t").is_some());
+        // A settled task is forgotten, and its session with its last task.
+        remembered.forget_task(&session(0), "t");
+        assert_eq!(remembered.len(), MAX_SESSIONS - 1);
+        // Tasks per session are bounded too.
+        for i in 0..MAX_SESSION_TASKS + 5 {
+            remembered.remember(session(0), task(&format!("t{i}")));
+        }
+        assert!(remembered.get(&session(0), &format!("t{}", MAX_SESSION_TASKS - 1)).is_some());
+        assert!(remembered.get(&session(0), &format!("t{}", MAX_SESSION_TASKS)).is_none());
+    }
 }
