@@ -19,6 +19,19 @@ function modelTurn(id: string, args: Record<string, unknown>): AIMessage {
   return new AIMessage({ content: "", tool_calls: [{ id, name: "refund", args, type: "tool_call" }] });
 }
 
+/** A refund tool counting its runs (`calls()`). */
+function countedRefund() {
+  let calls = 0;
+  const refund = tool(
+    async ({ order }: { order: number }) => {
+      calls++;
+      return `refunded ${order}`;
+    },
+    { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
+  );
+  return { refund, calls: () => calls };
+}
+
 describe("LangChain tools", () => {
   it("a ToolNode re-running the model's call (another id) replays the stored result", async () => {
     const namespace = ns("langchain-tool");
@@ -74,17 +87,10 @@ describe("LangChain tools", () => {
   it("a call that awaits approval: the ToolNode tells the model, and the tool does not run", async () => {
     const namespace = ns("langchain-approval");
     await fx.admin.putSettings({ approvalRequired: true }, { namespacePrefix: namespace, why: "test" });
-    let calls = 0;
-    const refund = tool(
-      async ({ order }: { order: number }) => {
-        calls++;
-        return `refunded ${order}`;
-      },
-      { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
-    );
+    const { refund, calls: refunds } = countedRefund();
     const node = new ToolNode([guardTool(refund, { client: fx.client, namespace, runId: "approval-thread", wait: null })]);
     const answer = (await node.invoke({ messages: [modelTurn("a", { order: 1 })] })) as { messages: ToolMessage[] };
-    assert.equal(calls, 0, "the refund did not run");
+    assert.equal(refunds(), 0, "the refund did not run");
     const told = String(answer.messages[0]?.content);
     const [pending] = (await fx.admin.listApprovals({ state: "pending", limit: 1000 })).approvals.filter((a) => a.namespace === namespace);
     assert.ok(pending, "the call asked for an approval");
@@ -99,21 +105,14 @@ describe("LangChain tools", () => {
     const namespace = ns("langchain-in-flight");
     const held = await fx.client.claim(namespace, "refund-9", { request: { order: 9 }, lease: "30s" });
     assert.equal(held.outcome, "acquired");
-    let calls = 0;
-    const refund = tool(
-      async ({ order }: { order: number }) => {
-        calls++;
-        return `refunded ${order}`;
-      },
-      { name: "refund", description: "Refund", schema: z.object({ order: z.number() }) },
-    );
+    const { refund, calls: refunds } = countedRefund();
     const guarded = guardTool(refund, { client: fx.client, namespace, runId: "held", wait: null, keyFn: () => "refund-9" });
     const node = new ToolNode([guarded]);
     const result = (await node.invoke({ messages: [modelTurn("c9", { order: 9 })] })) as { messages: ToolMessage[] };
     const told = String(result.messages[0]?.content);
     assert.match(told, /^This call is already running/);
     assert.doesNotMatch(told, /Please fix your mistakes/);
-    assert.equal(calls, 0, "the refund did not run");
+    assert.equal(refunds(), 0, "the refund did not run");
   });
 
   it("observe mode: a re-emitted call runs again, and an undo is registered with each completion", async () => {

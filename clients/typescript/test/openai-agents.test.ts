@@ -19,18 +19,23 @@ interface Ctx {
   readonly runId: string;
 }
 
+/** A `send_invoice` tool's options; `sent()` counts each invoice it sends. */
+function invoiceTool(sent: () => number) {
+  return {
+    name: "send_invoice",
+    description: "Send an invoice",
+    parameters: z.object({ customer: z.string() }),
+    execute: async ({ customer }: { customer: string }) => `invoice ${sent()} for ${customer}`,
+  };
+}
+
 describe("OpenAI Agents SDK", () => {
   it("a call that awaits approval reaches the model as the tool's error, and execute does not run", async () => {
     const namespace = ns("openai-agents-approval");
     await fx.admin.putSettings({ approvalRequired: true }, { namespacePrefix: namespace, why: "test" });
     let sent = 0;
     const sendInvoice = guardedTool(
-      {
-        name: "send_invoice",
-        description: "Send an invoice",
-        parameters: z.object({ customer: z.string() }),
-        execute: async ({ customer }) => `invoice ${++sent} for ${customer}`,
-      },
+      invoiceTool(() => ++sent),
       { client: fx.client, namespace, runId: "agents-approval", wait: null },
     );
     const model = new ScriptedModel([[functionCall("send_invoice", { customer: "c_1" }, { callId: "call_1" })], [assistantMessage("waiting")]]);
@@ -50,10 +55,7 @@ describe("OpenAI Agents SDK", () => {
     const errors: unknown[] = [];
     const own = guardedTool(
       {
-        name: "send_invoice",
-        description: "Send an invoice",
-        parameters: z.object({ customer: z.string() }),
-        execute: async ({ customer }) => `invoice ${++sent} for ${customer}`,
+        ...invoiceTool(() => ++sent),
         errorFunction: (_ctx, error) => {
           errors.push(error);
           return "not yet: a person must approve this first";
@@ -76,12 +78,7 @@ describe("OpenAI Agents SDK", () => {
     assert.equal(held.outcome, "acquired");
     let sent = 0;
     const sendInvoice = guardedTool(
-      {
-        name: "send_invoice",
-        description: "Send an invoice",
-        parameters: z.object({ customer: z.string() }),
-        execute: async ({ customer }) => `invoice ${++sent} for ${customer}`,
-      },
+      invoiceTool(() => ++sent),
       { client: fx.client, namespace, runId: "agents-in-flight", wait: null, keyFn: (call) => `invoice-${(call.arguments as { customer: string }).customer}` },
     );
     const model = new ScriptedModel([[functionCall("send_invoice", { customer: "c_9" }, { callId: "call_9" })], [assistantMessage("later")]]);
