@@ -129,9 +129,10 @@ fn backoff(n: u32) -> Duration {
     Duration::from_secs(5).saturating_mul(1 << n.saturating_sub(1).min(10)).min(Duration::from_secs(3600))
 }
 
-/// What a notice says: the approval as the API shows it, and its tenant.
+/// What a notice says: the approval as the API shows it, and its tenant; of a recovery, the
+/// attempt it asks about (`recovery`).
 fn payload(a: &Approval, now: Timestamp) -> serde_json::Value {
-    serde_json::json!({
+    let mut payload = serde_json::json!({
         "type": "approval.pending",
         "timestamp": now.to_rfc3339(),
         "data": {
@@ -146,7 +147,11 @@ fn payload(a: &Approval, now: Timestamp) -> serde_json::Value {
             "requested_at": a.requested_at.to_rfc3339(),
             "expires_at": a.expires_at.to_rfc3339(),
         },
-    })
+    });
+    if let Some(recovery) = &a.recovery {
+        payload["data"]["recovery"] = serde_json::json!(recovery);
+    }
+    payload
 }
 
 /// Sends due notices every `poll` until `stop` says so.
@@ -174,6 +179,33 @@ mod tests {
         let signer = standardwebhooks::Webhook::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         let signature = signer.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, br#"{"test": 2432232314}"#).unwrap();
         assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn a_notice_of_a_recovery_names_the_attempt() {
+        use onceguard_core::{Fingerprint, Key, Namespace, Scope, TenantId};
+        let scope = Scope::new(
+            TenantId::parse("acme").unwrap(),
+            Namespace::parse("prod/pay").unwrap(),
+            Key::parse("k").unwrap(),
+        );
+        let now = Timestamp(1_000);
+        let hour = Duration::from_secs(3600);
+        let call = Approval::new(scope, Fingerprint::sha256(b"x"), now, hour, hour);
+        assert!(payload(&call, now)["data"].get("recovery").is_none());
+        let recovery = onceguard_core::approval::RecoveryAsk {
+            previous_fence: onceguard_core::Fence(7),
+            previous_attempt: 1,
+            reason: "lease_expired".into(),
+            unknown_detail: None,
+            last_checkpoint: None,
+        };
+        let asked = Approval { recovery: Some(recovery), ..call };
+        let data = &payload(&asked, now)["data"];
+        assert_eq!(
+            (&data["recovery"]["previous_fence"], &data["recovery"]["reason"]),
+            (&serde_json::json!(7), &serde_json::json!("lease_expired"))
+        );
     }
 
     #[test]
