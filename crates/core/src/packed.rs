@@ -99,6 +99,17 @@ fn invalid(e: InvalidInput) -> String {
     format!("a packed record: {}: {}", e.field, e.rule)
 }
 
+impl Fence {
+    /// How this fence is spelt in a packed document ([`Record::pack`]): a varint (7 bits a byte,
+    /// least significant first, the high bit set on every byte but the last). A store that draws
+    /// a record's fence in the statement that writes it puts these bytes in place of a
+    /// placeholder fence's.
+    pub fn packed(self) -> Vec<u8> {
+        // Writing one integer into a vector cannot fail.
+        postcard::to_stdvec(&self.0).expect("a fence always packs")
+    }
+}
+
 impl Record {
     /// How the stores keep a record: its packed document (see the module's documentation) and the
     /// outcome's bytes apart. The scope is not in the document: the store keeps it in the key
@@ -316,6 +327,24 @@ mod tests {
             at: Timestamp(1_796_348_955_332),
         }];
         r
+    }
+
+    #[test]
+    fn a_fence_is_in_the_document_as_its_packed_bytes() {
+        // A store that draws the fence while writing (PostgreSQL) replaces one spelling by another.
+        let placeholder = Fence(u64::MAX);
+        let (with_placeholder, _) = Record { fence: placeholder, ..completed() }.pack();
+        assert_eq!(placeholder.packed().len(), 10);
+        // Where the fence starts: the first byte of Fence(0)'s spelling (0) is not the placeholder's.
+        let (zero, _) = Record { fence: Fence(0), ..completed() }.pack();
+        let at = zero.iter().zip(&with_placeholder).take_while(|(a, b)| a == b).count();
+        for fence in [Fence(0), Fence(127), Fence(128), Fence(1_234_567), Fence(i64::MAX as u64)] {
+            assert_eq!(fence.packed().len(), (64 - fence.0.leading_zeros() as usize).div_ceil(7).max(1));
+            let (doc, _) = Record { fence, ..completed() }.pack();
+            let spliced = [&with_placeholder[..at], &fence.packed()[..], &with_placeholder[at + 10..]].concat();
+            assert_eq!(spliced, doc, "fence {}", fence.0);
+        }
+        assert_eq!(Fence(300).packed(), [0xac, 0x02]);
     }
 
     #[test]

@@ -280,10 +280,16 @@ pub(crate) fn is_retryable(e: &BatchError) -> bool {
     matches!(e, BatchError::Pg(e) if e.code().is_some_and(|c| c.code() == "40P01" || c.code() == "40001"))
 }
 
-pub(crate) fn decode_row(row: &Row) -> Result<Record, BatchError> {
-    let doc: String = row.get(0);
-    let body: Option<Vec<u8>> = row.get(1);
-    Record::from_doc(&doc, body).map_err(|e| BatchError::Data(e.to_string()))
+/// The record of `scope` from a row whose first two columns are its `doc` and `body`.
+pub(crate) fn decode_row(scope: Scope, row: &Row) -> Result<Record, BatchError> {
+    let doc: Vec<u8> = row.get(0);
+    Record::unpack(scope, &doc, row.get(1)).map_err(BatchError::Data)
+}
+
+/// The `lease_expires_at` column of a record: its lease, unless its holder reported the outcome
+/// unknown (it then holds none, and its document keeps the time).
+pub(crate) fn lease_column(record: &Record) -> Option<i64> {
+    record.lease_expires_at.filter(|_| record.unknown.is_none()).map(to_i64)
 }
 
 /// Set at the start of a batch's transaction: its statements are planned once per connection,
@@ -317,7 +323,8 @@ pub(crate) const READ_KEYS: &str =
 /// statement (so on the same reads, under the keys' locks). Each key comes with its guess, if
 /// any (`$5` to `$12`: the record to write, and for a fenced call the `doc` and `body` of the
 /// record it guesses the key holds). A guessed claim's record is inserted where the key has no
-/// row, with the fence drawn for it in place of [`GUESSED_FENCE`] (`$13`); a guessed fenced
+/// row, with the fence drawn for it in place of [`GUESSED_FENCE`]'s spelling (`$13`, see
+/// [`Fence::packed`]); a guessed fenced
 /// call's record replaces the row that holds exactly the guessed record; and only a guess dated
 /// (`$14`) within `$16` ms ([`GUESS_TOLERANCE_MS`]) of the store's time (`og_now($15)`, as in
 /// [`READ_KEYS`]) is written at all. Each row says whether its key was written (`w`), and
@@ -327,13 +334,14 @@ pub(crate) const READ_KEYS_WRITING_GUESSES: &str = "WITH cur AS MATERIALIZED (
        SELECT u.*, r.doc, r.body, r.at, CASE WHEN r.doc IS NULL AND u.d THEN nextval(og_fence_of(u.t)) END AS fence,
               og_now($15) AS now, abs(u.g_now - og_now($15)) <= $16::bigint AS on_time
        FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::text[], $7::bigint[],
-                   $8::bigint[], $9::text[], $10::bytea[], $11::text[], $12::bytea[], $14::bigint[]) WITH ORDINALITY
+                   $8::bigint[], $9::bytea[], $10::bytea[], $11::bytea[], $12::bytea[], $14::bigint[]) WITH ORDINALITY
          AS u (t, n, k, d, g_state, g_run, g_lease, g_expires, g_doc, g_body, was_doc, was_body, g_now, i)
        LEFT JOIN LATERAL (SELECT s.doc, s.body, s.ctid AS at FROM og_records s
                           WHERE s.tenant = u.t AND s.namespace = u.n AND s.key = u.k LIMIT 1) r ON true),
      inserted AS (
        INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
-       SELECT t, n, k, g_state, g_run, g_lease, g_expires, replace(g_doc, $13, '\"fence\":' || fence), g_body
+       SELECT t, n, k, g_state, g_run, g_lease, g_expires,
+              overlay(g_doc PLACING og_varint(fence) FROM position($13::bytea IN g_doc) FOR length($13::bytea)), g_body
        FROM cur WHERE g_doc IS NOT NULL AND on_time AND was_doc IS NULL AND doc IS NULL AND fence IS NOT NULL),
      updated AS (
        UPDATE og_records r SET state = c.g_state, run = c.g_run, lease_expires_at = c.g_lease,
@@ -357,7 +365,7 @@ pub(crate) const NEXT_FENCES: &str = "SELECT t, nextval(og_fence_of(t)) FROM unn
 pub(crate) const UPSERT_RECORDS: &str =
     "INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
      SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-                          $8::text[], $9::bytea[])
+                          $8::bytea[], $9::bytea[])
      ON CONFLICT (tenant, namespace, key) DO UPDATE SET
        state = excluded.state, run = excluded.run, lease_expires_at = excluded.lease_expires_at,
        expires_at = excluded.expires_at, doc = excluded.doc, body = excluded.body";
@@ -372,7 +380,7 @@ pub(crate) struct RecordColumns {
     pub(crate) run: Vec<Option<String>>,
     pub(crate) lease: Vec<Option<i64>>,
     pub(crate) expires: Vec<i64>,
-    pub(crate) doc: Vec<String>,
+    pub(crate) doc: Vec<Vec<u8>>,
     pub(crate) body: Vec<Option<Vec<u8>>>,
 }
 
@@ -380,17 +388,16 @@ impl RecordColumns {
     /// Adds a record; answers what [`Known`] keeps of it.
     pub(crate) fn push(&mut self, record: Record) -> Result<Option<Arc<KnownRecord>>, BatchError> {
         let scope = record.scope.clone();
-        let (state, run, lease, expires) =
-            (record.state, record.run.clone(), record.lease_expires_at, record.expires_at);
+        let (state, run, lease, expires) = (record.state, record.run.clone(), lease_column(&record), record.expires_at);
         let kept = (state == RecordState::InProgress).then(|| record.clone());
-        let (doc, body) = record.into_doc().map_err(|e| BatchError::Data(e.to_string()))?;
+        let (doc, body) = record.pack();
         let known = kept.map(|record| Arc::new(KnownRecord { record, doc: doc.clone(), body: body.clone() }));
         self.tenant.push(scope.tenant.to_string());
         self.namespace.push(scope.namespace.to_string());
         self.key.push(scope.key.to_string());
         self.state.push(state.as_str());
         self.run.push(run.map(|r| r.to_string()));
-        self.lease.push(lease.map(to_i64));
+        self.lease.push(lease);
         self.expires.push(to_i64(expires));
         self.doc.push(doc);
         self.body.push(body);
@@ -593,9 +600,9 @@ pub(crate) struct GuessColumns<'a> {
     pub(crate) run: Vec<Option<&'a str>>,
     pub(crate) lease: Vec<Option<i64>>,
     pub(crate) expires: Vec<Option<i64>>,
-    pub(crate) doc: Vec<Option<&'a str>>,
+    pub(crate) doc: Vec<Option<&'a [u8]>>,
     pub(crate) body: Vec<Option<&'a [u8]>>,
-    pub(crate) was_doc: Vec<Option<&'a str>>,
+    pub(crate) was_doc: Vec<Option<&'a [u8]>>,
     pub(crate) was_body: Vec<Option<&'a [u8]>>,
     pub(crate) now: Vec<Option<i64>>,
 }
@@ -607,12 +614,12 @@ impl<'a> GuessColumns<'a> {
             let g = guess.as_ref();
             columns.state.push(g.map(|g| g.record.state.as_str()));
             columns.run.push(g.and_then(|g| g.record.run.as_ref()).map(|r| r.as_str()));
-            columns.lease.push(g.and_then(|g| g.record.lease_expires_at).map(to_i64));
+            columns.lease.push(g.and_then(|g| lease_column(&g.record)));
             columns.expires.push(g.map(|g| to_i64(g.record.expires_at)));
-            columns.doc.push(g.map(|g| g.doc.as_str()));
+            columns.doc.push(g.map(|g| g.doc.as_slice()));
             columns.body.push(g.and_then(|g| g.body.as_deref()));
             let known = g.and_then(|g| g.known.as_ref());
-            columns.was_doc.push(known.map(|k| k.doc.as_str()));
+            columns.was_doc.push(known.map(|k| k.doc.as_slice()));
             columns.was_body.push(known.and_then(|k| k.body.as_deref()));
             columns.now.push(g.map(|g| to_i64(g.now)));
         }
@@ -650,7 +657,7 @@ pub(crate) async fn lock_and_read(
     let namespaces: Vec<&str> = scopes.iter().map(|s| s.namespace.as_str()).collect();
     let names: Vec<&str> = scopes.iter().map(|s| s.key.as_str()).collect();
     let g = GuessColumns::of(guesses);
-    let placeholder = fence_in_doc(GUESSED_FENCE);
+    let placeholder = GUESSED_FENCE.packed();
     let given = clock.given().map(to_i64);
     let lock_params: [&(dyn ToSql + Sync); 1] = [&keys];
     let read_params: [&(dyn ToSql + Sync); 16] = [
@@ -699,15 +706,15 @@ pub(crate) async fn lock_and_read(
         .map_err(|e| BatchError::Data(e.to_string()))?
         .ok_or_else(|| BatchError::Data("the batch's keys were not read".into()))?;
     for row in &rows {
-        let slot = usize::try_from(row.get::<_, i64>(2) - 1)
+        let i = usize::try_from(row.get::<_, i64>(2) - 1)
             .ok()
-            .and_then(|i| reads.get_mut(i))
+            .filter(|&i| i < scopes.len())
             .ok_or_else(|| BatchError::Data("a row was read for no key of the batch".into()))?;
-        let doc: Option<String> = row.get(0);
-        let record = doc.map(|doc| Record::from_doc(&doc, row.get(1))).transpose();
+        let doc: Option<Vec<u8>> = row.get(0);
+        let record = doc.map(|doc| Record::unpack(scopes[i].clone(), &doc, row.get(1))).transpose();
         let fence = row.get::<_, Option<i64>>(3).map(|f| Fence(f as u64));
         let guessed = guessing && row.get::<_, bool>(4);
-        *slot = Some(Read { record: record.map_err(|e| BatchError::Data(e.to_string()))?, fence, guessed });
+        reads[i] = Some(Read { record: record.map_err(BatchError::Data)?, fence, guessed });
     }
     let reads = reads.into_iter().map(|r| r.ok_or_else(|| BatchError::Data("a key of the batch was not read".into())));
     Ok((reads.collect::<Result<_, _>>()?, now))
@@ -886,7 +893,8 @@ pub(crate) async fn decide_batch(
                 let (answer, record) = protocol::claim(None, req, guess.now, || fence);
                 let record = record.ok_or_else(|| BatchError::Data("a guessed claim did not acquire".into()))?;
                 debug_assert_eq!(record, Record { fence, ..guess.record });
-                let doc = guess.doc.replace(&fence_in_doc(GUESSED_FENCE), &fence_in_doc(fence));
+                let doc = with_fence(&guess.doc, GUESSED_FENCE, fence)
+                    .ok_or_else(|| BatchError::Data("a guessed claim's document lost its fence".into()))?;
                 (Answer::Claim(answer), record, doc)
             }
             (Op::Mutate { scope, mutation, .. }, Some(_)) => {

@@ -87,7 +87,7 @@ impl ClaimStore for PgStore {
             .query_opt(&st, &[&scope.tenant.as_str(), &scope.namespace.as_str(), &scope.key.as_str(), &given])
             .await
             .map_err(unavailable)?;
-        row.as_ref().map(decode_row).transpose().map_err(corrupt)
+        row.map(|row| decode_row(scope.clone(), &row)).transpose().map_err(corrupt)
     }
 
     async fn list(&self, tenant: &TenantId, filter: &ListFilter, _caller_now: Timestamp) -> Result<Page, StoreError> {
@@ -98,10 +98,10 @@ impl ClaimStore for PgStore {
         let run = if filter.run.is_some() { "run = $5" } else { "$5::text IS NULL" };
         let st = client
             .prepare_cached(&format!(
-                "SELECT doc, body FROM og_records
+                "SELECT doc, body, namespace, key FROM og_records
                  WHERE tenant = $1 AND {run} AND expires_at > og_now($2)
                    AND ($3::text IS NULL OR state = $3)
-                   AND (NOT $4 OR (state = 'in_progress' AND lease_expires_at <= og_now($2)))
+                   AND (NOT $4 OR (state = 'in_progress' AND (lease_expires_at IS NULL OR lease_expires_at <= og_now($2))))
                    AND ($6::text IS NULL OR namespace = $6 OR starts_with(namespace, $6 || '/'))
                    AND ($7::text IS NULL OR (namespace, key) > ($7::text COLLATE \"C\", $8::text COLLATE \"C\"))
                  ORDER BY namespace, key
@@ -130,7 +130,18 @@ impl ClaimStore for PgStore {
             )
             .await
             .map_err(unavailable)?;
-        let records: Vec<Record> = rows.iter().map(decode_row).collect::<Result<_, _>>().map_err(corrupt)?;
+        let records: Vec<Record> = rows
+            .iter()
+            .map(|row| {
+                let (namespace, key): (&str, &str) = (row.get(2), row.get(3));
+                let scope = Scope::new(
+                    tenant.clone(),
+                    Namespace::parse(namespace).map_err(corrupt)?,
+                    Key::parse(key).map_err(corrupt)?,
+                );
+                decode_row(scope, row).map_err(corrupt)
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Page::from_overfetch(records, limit))
     }
 
@@ -150,7 +161,7 @@ impl ClaimStore for PgStore {
             )
             .await
             .map_err(unavailable)?;
-        let stored = row.as_ref().map(decode_row).transpose().map_err(corrupt)?;
+        let stored = row.map(|row| decode_row(scope.clone(), &row)).transpose().map_err(corrupt)?;
         if stored.as_ref() != Some(old) {
             return Ok(false);
         }

@@ -10,7 +10,7 @@ pub(crate) const KNOWN_MAX: usize = 8_192;
 #[derive(Debug)]
 pub(crate) struct KnownRecord {
     pub(crate) record: Record,
-    pub(crate) doc: String,
+    pub(crate) doc: Vec<u8>,
     pub(crate) body: Option<Vec<u8>>,
 }
 
@@ -58,9 +58,9 @@ impl Known {
 }
 
 /// What [`Known`] keeps of a record written with `doc` and `body`: in-progress records only.
-pub(crate) fn known(record: &Record, doc: &str, body: &Option<Vec<u8>>) -> Option<Arc<KnownRecord>> {
+pub(crate) fn known(record: &Record, doc: &[u8], body: &Option<Vec<u8>>) -> Option<Arc<KnownRecord>> {
     (record.state == RecordState::InProgress)
-        .then(|| Arc::new(KnownRecord { record: record.clone(), doc: doc.to_owned(), body: body.clone() }))
+        .then(|| Arc::new(KnownRecord { record: record.clone(), doc: doc.to_vec(), body: body.clone() }))
 }
 
 /// The fence a guessed claim is decided with, and written with until the statement that
@@ -68,9 +68,13 @@ pub(crate) fn known(record: &Record, doc: &str, body: &Option<Vec<u8>>) -> Optio
 /// `bigint` sequence).
 pub(crate) const GUESSED_FENCE: Fence = Fence(u64::MAX);
 
-/// How a fence appears in a record's `doc`.
-pub(crate) fn fence_in_doc(fence: Fence) -> String {
-    format!("\"fence\":{}", fence.0)
+/// `doc` with its one spelling of `placeholder` (a packed fence, [`Fence::packed`]) replaced by
+/// `fence`'s; `None` unless it holds that spelling exactly once.
+pub(crate) fn with_fence(doc: &[u8], placeholder: Fence, fence: Fence) -> Option<Vec<u8>> {
+    let (from, to) = (placeholder.packed(), fence.packed());
+    let mut found = doc.windows(from.len()).enumerate().filter(|(_, w)| *w == from.as_slice()).map(|(i, _)| i);
+    let (Some(at), None) = (found.next(), found.next()) else { return None };
+    Some([&doc[..at], &to[..], &doc[at + from.len()..]].concat())
 }
 
 /// A job decided before its key is read, on a guess of what the key holds, with the record to
@@ -89,7 +93,7 @@ pub(crate) struct Guess {
     /// The answer if the guess holds (a claim's: with [`GUESSED_FENCE`]).
     pub(crate) answer: Answer,
     pub(crate) record: Record,
-    pub(crate) doc: String,
+    pub(crate) doc: Vec<u8>,
     pub(crate) body: Option<Vec<u8>>,
 }
 
@@ -105,13 +109,12 @@ impl Guess {
                 }
                 let (answer, record) = protocol::claim(None, req, now, || GUESSED_FENCE);
                 let record = record?;
-                let (doc, body) = record.clone().into_doc().ok()?;
+                let (doc, body) = record.clone().pack();
                 // The fence must be in the document once, and nothing else may depend on it,
                 // for the statement to put the drawn fence in its place.
                 let other = Fence(GUESSED_FENCE.0 - 1);
-                let (other_doc, _) = Record { fence: other, ..record.clone() }.into_doc().ok()?;
-                let (placeholder, replaced) = (fence_in_doc(GUESSED_FENCE), fence_in_doc(other));
-                if doc.matches(&placeholder).count() != 1 || doc.replace(&placeholder, &replaced) != other_doc {
+                let (other_doc, _) = Record { fence: other, ..record.clone() }.pack();
+                if with_fence(&doc, GUESSED_FENCE, other)? != other_doc {
                     return None;
                 }
                 Some(Self { known: None, now, answer: Answer::Claim(answer), record, doc, body })
@@ -124,7 +127,7 @@ impl Guess {
                 if onceguard_core::control::reported_cost(mutation) > 0 && record.run.is_some() {
                     return None;
                 }
-                let (doc, body) = record.clone().into_doc().ok()?;
+                let (doc, body) = record.clone().pack();
                 Some(Self { known: Some(known), now, answer: Answer::Mutate(answer), record, doc, body })
             }
         }

@@ -572,13 +572,43 @@ mod tests {
             refused_runs: Vec::new(),
             approval: None,
         };
+        // Rows as the first version wrote them: the document JSON text, the lease in its column.
+        let write_first_version_row = |record: Record, mut doc: serde_json::Value| {
+            let client = &client;
+            async move {
+                doc.as_object_mut().unwrap().remove("charged");
+                let (_, body) = record.clone().into_doc().unwrap();
+                client
+                    .execute(
+                        "INSERT INTO og_records (tenant, namespace, key, state, run, lease_expires_at, expires_at, doc, body)
+                         VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8)",
+                        &[
+                            &record.scope.tenant.as_str(),
+                            &record.scope.namespace.as_str(),
+                            &record.scope.key.as_str(),
+                            &record.state.as_str(),
+                            &record.lease_expires_at.map(to_i64),
+                            &to_i64(record.expires_at),
+                            &doc.to_string(),
+                            &body,
+                        ],
+                    )
+                    .await
+                    .unwrap();
+            }
+        };
+        let json = |record: &Record| serde_json::from_str::<serde_json::Value>(&record.clone().into_doc().unwrap().0).unwrap();
         let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
-        let mut columns = RecordColumns::default();
-        columns.push(record).unwrap();
-        let mut doc: serde_json::Value = serde_json::from_str(&columns.doc[0]).unwrap();
-        doc.as_object_mut().unwrap().remove("charged");
-        columns.doc[0] = doc.to_string();
-        client.execute(UPSERT_RECORDS, &columns.as_sql()).await.unwrap();
+        write_first_version_row(record.clone(), json(&record)).await;
+        // Another tenant's record whose holder reported its outcome unknown: it holds no lease
+        // (the first version's og_lock_leases read that from the document).
+        let reported = Scope { tenant: TenantId::parse("globex").unwrap(), ..scope.clone() };
+        let (_, Some(mut unknown)) = protocol::claim(None, &ClaimRequest { scope: reported.clone(), ..req.clone() }, now, || Fence(6))
+        else {
+            panic!("acquired")
+        };
+        unknown.unknown = Some("the charge timed out".to_owned());
+        write_first_version_row(unknown.clone(), json(&unknown)).await;
 
         let clock = Arc::new(onceguard_core::ManualClock::new(now));
         let options = PgOptions {
@@ -595,6 +625,14 @@ mod tests {
         // Its lease counts against the quota of 1.
         let other = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..scope.clone() }, ..req.clone() };
         assert!(matches!(store.claim(&other, now).await.unwrap(), ClaimOutcome::Denied(_)));
+        // The record reported unknown does not count against its tenant's quota of 1, and is
+        // listed as stuck (it waits for a person).
+        assert_eq!(store.get(&reported, now).await.unwrap().unwrap().unknown.as_deref(), Some("the charge timed out"));
+        let beside = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..reported.clone() }, ..req.clone() };
+        assert!(matches!(store.claim(&beside, now).await.unwrap(), ClaimOutcome::Acquired(_)));
+        let stuck = ListFilter { stuck: true, limit: 10, ..ListFilter::default() };
+        let listed = store.list(&reported.tenant, &stuck, now).await.unwrap();
+        assert_eq!(listed.items.iter().map(|r| r.scope.clone()).collect::<Vec<_>>(), vec![reported.clone()]);
         // Once its lease passed, its recovery draws from the tenant's sequence, which starts
         // above the one sequence of the first version (at 7): the denied claim drew 8.
         clock.advance(Duration::from_secs(19));

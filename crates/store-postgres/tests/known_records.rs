@@ -221,3 +221,39 @@ async fn claims_of_keys_stored_elsewhere_are_decided_on_the_stored_record() {
     drop((a, b));
     common::drop_schema(&schema).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_and_its_completion_by_one_instance_are_one_round_trip_each() {
+    if !common::available("PostgreSQL known-record tests") {
+        return;
+    }
+    let schema = common::schema("og_known_guess");
+    let (a, b, clock) = two_instances(&schema).await;
+    let now = onceguard_core::Clock::now(&*clock);
+    // The claim's record is written with the fence the statement draws, spelt in its packed
+    // document as this instance spells it: the completion's guess (that the key holds exactly
+    // that document) holds, in fences of one to three bytes.
+    for (i, key) in ["guess-1", "guess-2", "guess-3"].into_iter().enumerate() {
+        let before = a.batch_stats();
+        let fence = acquire(&a, &request(key), now).await;
+        assert_eq!(fence.packed().len(), i + 1, "{key}: {fence:?}");
+        let claimed = a.batch_stats();
+        assert_eq!((claimed.one_round_trip - before.one_round_trip, claimed.run_again), (1, 0), "{key}: {claimed:?}");
+        assert!(matches!(a.mutate(&scope(key), fence, done(key), now, 8).await.unwrap(), FencedOutcome::Applied(_)));
+        let completed = a.batch_stats();
+        assert_eq!((completed.one_round_trip - claimed.one_round_trip, completed.run_again), (1, 0), "{key}: {completed:?}");
+        let stored = b.get(&scope(key), now).await.unwrap().expect("stored");
+        assert_eq!((stored.fence, stored.state), (fence, RecordState::Completed));
+        assert_eq!(replayed(b.claim(&request(key), now).await.unwrap()), key.as_bytes());
+        // The next fence takes one more byte: 128 and on take two, 16,384 and on three.
+        let next: i64 = [200, 20_000, 20_001][i];
+        let (client, connection) = tokio_postgres::connect(&common::url(), tokio_postgres::NoTls).await.unwrap();
+        let driver = tokio::spawn(connection);
+        client.batch_execute(&format!("SET search_path = {schema}")).await.unwrap();
+        client.execute("SELECT setval(og_fence_of('acme'), $1)", &[&next]).await.unwrap();
+        drop(client);
+        let _ = driver.await;
+    }
+    drop((a, b));
+    common::drop_schema(&schema).await;
+}
