@@ -127,6 +127,7 @@ impl Guard {
             revoked: 0,
             engaged_by: actor.to_owned(),
             engaged_at: now,
+            tripwire: None,
         };
         // The switch first, so that no claim acquires behind the revocation; this instance's
         // claims (waiting ones included) see it at once. Its audit entry is written with it.

@@ -82,6 +82,12 @@ impl ControlCache {
         Ok(self.offer(Cached { controls, read_at }))
     }
 
+    /// The cached switches and settings, however old (for what decides nothing: counting calls
+    /// for the tripwires).
+    pub(crate) fn latest(&self) -> Option<Arc<Controls>> {
+        self.current.load().as_ref().map(|c| c.controls.clone())
+    }
+
     /// The cached switches and settings, unless they are older than [`CONTROL_MAX_AGE`].
     fn fresh(&self) -> Option<Arc<Controls>> {
         let current = self.current.load();
@@ -148,6 +154,7 @@ mod tests {
             revoked: 0,
             engaged_by: "another instance".into(),
             engaged_at: crate::domain::Timestamp(0),
+            tripwire: None,
         };
         let entry =
             crate::control::AuditEntry::new(switch.tenant.clone(), switch.engaged_at, "test", "switch.engage", "t");
@@ -175,6 +182,7 @@ mod tests {
                 revoked: 0,
                 engaged_by: "ops".into(),
                 engaged_at: crate::domain::Timestamp(0),
+                tripwire: None,
             };
             if engaged.load(Ordering::SeqCst) { vec![ControlDoc::of_switch(&switch)] } else { vec![] }
         };

@@ -37,6 +37,7 @@ pub mod rollback;
 pub mod sealing;
 pub mod stale_audits;
 pub mod store;
+pub mod tripwire;
 pub mod vocabulary;
 
 pub use clock::{Clock, ClockOffset, ManualClock, StoreAligned, StoreClock, SystemClock};

@@ -128,6 +128,8 @@ vocabulary! {
         Approval => "approval",
         /// Rollbacks ([`crate::store::RunStore::insert_rollback`] and its reads).
         Rollback => "rollback",
+        /// Counting a tripwire's symptoms (adding, summing, forgetting).
+        Symptoms => "symptoms",
     }
 }
 

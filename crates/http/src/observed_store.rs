@@ -13,6 +13,7 @@ use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use onceguard_core::rollback::Rollback;
+use onceguard_core::tripwire::Tally;
 use onceguard_core::store::{ApprovalFilter, ApprovalStore, ClaimStore, ControlStore, RunStore, TenantStore};
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
@@ -222,6 +223,31 @@ impl ControlStore for ObservedStore {
         audit: &AuditEntry,
     ) -> Result<bool, StoreError> {
         self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.replace_control(expected, doc, audit)).await
+    }
+
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.create_control(doc, audit)).await
+    }
+
+    async fn count_symptoms(
+        &self,
+        tenant: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: Tally,
+        since: u64,
+    ) -> Result<Tally, StoreError> {
+        let counted = self.inner.count_symptoms(tenant, rule, subject, minute, add, since);
+        self.timed(StoreOp::Symptoms, Some(tenant), counted).await
+    }
+
+    async fn clear_symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError> {
+        self.timed(StoreOp::Symptoms, Some(tenant), self.inner.clear_symptoms(tenant, rule, subject)).await
+    }
+
+    async fn prune_symptoms(&self, minute: u64) -> Result<u64, StoreError> {
+        self.timed(StoreOp::Symptoms, None, self.inner.prune_symptoms(minute)).await
     }
 
     async fn delete_control(

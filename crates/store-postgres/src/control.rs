@@ -161,6 +161,91 @@ impl ControlStore for PgStore {
         Ok(n > 0)
     }
 
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let (t, i, at, actor, action, entry) = audit_params(audit)?;
+        // One statement: the entry is written if and only if the document was created.
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                &format!(
+                    "WITH doc AS (
+                       INSERT INTO og_control (kind, tenant, id, body) VALUES ($1, $2, $3, $4)
+                       ON CONFLICT (kind, tenant, id) DO NOTHING RETURNING 1),
+                     logged AS (
+                       INSERT INTO og_audit ({AUDIT_COLUMNS}) SELECT $5::text, $6::text, $7::bigint, $8::text, $9::text, $10::text FROM doc
+                       ON CONFLICT (tenant, id) DO NOTHING)
+                     SELECT count(*) FROM doc"
+                ),
+                &[&doc.kind.as_str(), &doc.tenant.as_str(), &doc.id, &doc.body, &t, &i, &at, &actor, &action, &entry],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(row.get::<_, i64>(0) > 0)
+    }
+
+    async fn count_symptoms(
+        &self,
+        tenant: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: Tally,
+        since: u64,
+    ) -> Result<Tally, StoreError> {
+        // One statement. The add takes the minute's row lock, so of instances adding at once
+        // each sees the others' adds to it; the earlier minutes are read as the statement began.
+        let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let client = self.client().await?;
+        let st = client
+            .prepare_cached(
+                "WITH added AS (
+                   INSERT INTO og_symptoms (tenant, rule, subject, minute, calls, bad) VALUES ($1, $2, $3, $4, $5, $6)
+                   ON CONFLICT (tenant, rule, subject, minute) DO UPDATE SET
+                     calls = og_symptoms.calls + excluded.calls, bad = og_symptoms.bad + excluded.bad
+                   RETURNING calls, bad),
+                 gone AS (DELETE FROM og_symptoms WHERE tenant = $1 AND rule = $2 AND subject = $3 AND minute < $7),
+                 earlier AS (
+                   SELECT coalesce(sum(calls), 0)::bigint AS calls, coalesce(sum(bad), 0)::bigint AS bad FROM og_symptoms
+                   WHERE tenant = $1 AND rule = $2 AND subject = $3 AND minute >= $7 AND minute < $4)
+                 SELECT a.calls + e.calls, a.bad + e.bad FROM added a, earlier e",
+            )
+            .await
+            .map_err(unavailable)?;
+        let row = client
+            .query_one(
+                &st,
+                &[&tenant.as_str(), &rule, &subject, &int(minute), &int(add.calls), &int(add.bad), &int(since)],
+            )
+            .await
+            .map_err(unavailable)?;
+        let (calls, bad): (i64, i64) = (row.get(0), row.get(1));
+        Ok(Tally { calls: calls.max(0) as u64, bad: bad.max(0) as u64 })
+    }
+
+    async fn clear_symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "DELETE FROM og_symptoms WHERE tenant = $1 AND rule = $2 AND subject = $3",
+                &[&tenant.as_str(), &rule, &subject],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn prune_symptoms(&self, minute: u64) -> Result<u64, StoreError> {
+        let before = i64::try_from(minute).unwrap_or(i64::MAX);
+        let n = self
+            .client()
+            .await?
+            .execute("DELETE FROM og_symptoms WHERE minute < $1", &[&before])
+            .await
+            .map_err(unavailable)?;
+        Ok(n)
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

@@ -124,6 +124,7 @@ use onceguard_core::control::{
     Admission, AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
+use onceguard_core::tripwire::Tally;
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
 use onceguard_core::{
     ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RecordState, RunId, Scope, StoreClock, TenantId,

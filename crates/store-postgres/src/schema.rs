@@ -187,6 +187,19 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         RETURN spelt || set_byte('\x00'::bytea, 0, v::integer);
     END $$;
 "#,
+    // Tripwire counts: per rule, subject and minute (`ControlStore::count_symptoms`).
+    r#"
+    CREATE TABLE og_symptoms (
+        tenant text NOT NULL,
+        rule text NOT NULL,
+        subject text NOT NULL,
+        minute bigint NOT NULL,
+        calls bigint NOT NULL,
+        bad bigint NOT NULL,
+        PRIMARY KEY (tenant, rule, subject, minute)
+    );
+    CREATE INDEX og_symptoms_minute ON og_symptoms (minute);
+"#,
 ];
 
 /// Moves the rollbacks kept as control documents (by earlier versions) to og_rollbacks: run at

@@ -5,6 +5,7 @@ use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 use onceguard_core::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, LEGACY_ROLLBACK_KIND, SwitchTarget};
 use onceguard_core::rollback::Rollback;
+use onceguard_core::tripwire::Tally;
 use onceguard_core::store::{ControlStore, ListFilter, MAX_PAGE, Page, StoreError};
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
@@ -404,6 +405,57 @@ impl ControlStore for RedisStore {
         }
         let script = &SCRIPTS.replace_control;
         self.write_control("replace a control document", script, Some(&expected.body), doc, audit).await
+    }
+
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let script = &SCRIPTS.insert_control;
+        self.write_control("create a control document", script, None, doc, audit).await
+    }
+
+    async fn count_symptoms(
+        &self,
+        tenant: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: Tally,
+        since: u64,
+    ) -> Result<Tally, StoreError> {
+        // Kept until a little after the window: two minutes past its first minute's end.
+        let ttl_ms = minute.saturating_sub(since).saturating_add(3).saturating_mul(60_000);
+        self.bounded("count a tripwire's symptoms", async {
+            let mut conn = self.conn.clone();
+            let (calls, bad): (u64, u64) = SCRIPTS
+                .count_symptoms
+                .key(self.keys.symptoms(tenant, rule, subject))
+                .arg(minute)
+                .arg(add.calls)
+                .arg(add.bad)
+                .arg(since)
+                .arg(ttl_ms)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable("count a tripwire's symptoms"))?;
+            Ok(Tally { calls, bad })
+        })
+        .await
+    }
+
+    async fn clear_symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError> {
+        self.bounded("clear a tripwire's symptoms", async {
+            let mut conn = self.conn.clone();
+            redis::cmd("DEL")
+                .arg(self.keys.symptoms(tenant, rule, subject))
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(unavailable("clear a tripwire's symptoms"))
+        })
+        .await
+    }
+
+    async fn prune_symptoms(&self, _minute: u64) -> Result<u64, StoreError> {
+        // Each subject's counts expire by themselves (COUNT_SYMPTOMS).
+        Ok(0)
     }
 
     async fn delete_control(

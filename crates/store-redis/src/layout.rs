@@ -290,6 +290,12 @@ impl Keys {
         format!("{}t:{{{tenant}}}:audit-entries", self.prefix)
     }
 
+    /// The counts of a tripwire rule's subject: a hash of `c<minute>` and `b<minute>` to the
+    /// minute's calls and bad calls, in the tenant's slot, expiring a little after the window.
+    pub fn symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> String {
+        format!("{}t:{{{tenant}}}:symptoms:{rule}:{subject}", self.prefix)
+    }
+
     /// A tenant's rollbacks: a hash of run id to the rollback as JSON, in the tenant's slot (a
     /// rollback's start and its audit entry are written by one script).
     pub fn rollbacks(&self, tenant: &TenantId) -> String {

@@ -1065,6 +1065,37 @@ end
 return 1
 "#;
 
+/// Stores a control document only if none is kept in its place, with its audit entry in the
+/// outbox (see [`PUT_CONTROL`]); answers 1 if it wrote, 0 if not.
+pub const INSERT_CONTROL: &str = r#"
+-- KEYS: control documents, the audit outbox; ARGV: field, body, entry id, entry
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"#;
+
+/// Adds to a tripwire subject's counts of a minute, forgets its minutes before the window, and
+/// answers the window's sums: `{calls, bad}`. The hash expires a little after the window (so a
+/// subject no longer counted leaves nothing).
+pub const COUNT_SYMPTOMS: &str = r#"
+-- KEYS: the subject's counts; ARGV: minute, calls, bad, since (the window's first minute), ttl ms
+redis.call('HINCRBY', KEYS[1], 'c' .. ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'b' .. ARGV[1], ARGV[3])
+local minute, since = tonumber(ARGV[1]), tonumber(ARGV[4])
+local calls, bad = 0, 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local m = tonumber(string.sub(all[i], 2))
+  if m == nil or m < since then
+    redis.call('HDEL', KEYS[1], all[i])
+  elseif m <= minute then
+    if string.sub(all[i], 1, 1) == 'c' then calls = calls + tonumber(all[i + 1]) else bad = bad + tonumber(all[i + 1]) end
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return { calls, bad }
+"#;
+
 /// Replaces a control document only if it still has the body given, with its audit entry in
 /// the outbox (see [`PUT_CONTROL`]); answers 1 if it wrote, 0 if not.
 pub const REPLACE_CONTROL: &str = r#"
@@ -1207,6 +1238,10 @@ pub struct Scripts {
     pub insert_rollback: Script,
     /// See [`REPLACE_CONTROL`].
     pub replace_control: Script,
+    /// See [`INSERT_CONTROL`].
+    pub insert_control: Script,
+    /// See [`COUNT_SYMPTOMS`].
+    pub count_symptoms: Script,
     /// See [`RETIRE_FENCE_COUNTER`].
     pub retire_fence_counter: Script,
     /// See [`REPLACE_VALUES`].
@@ -1251,6 +1286,8 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         delete_approval: Script::new(DELETE_APPROVAL),
         insert_rollback: Script::new(INSERT_ROLLBACK),
         replace_control: Script::new(REPLACE_CONTROL),
+        insert_control: Script::new(INSERT_CONTROL),
+        count_symptoms: Script::new(COUNT_SYMPTOMS),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),
         delete_control: Script::new(DELETE_CONTROL),

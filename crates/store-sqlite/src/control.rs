@@ -2,6 +2,7 @@
 
 use super::*;
 use onceguard_core::control::LEGACY_ROLLBACK_KIND;
+use onceguard_core::tripwire::Tally;
 
 fn control_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(String, String, String, String)> {
     Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
@@ -29,6 +30,11 @@ pub(crate) fn insert_audit(conn: &Connection, entry: &AuditEntry) -> Result<(), 
     })
     .map_err(unavailable)?;
     Ok(())
+}
+
+/// A count or a minute as SQLite keeps it.
+fn int(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 fn decode_audit(doc: String) -> Result<AuditEntry, StoreError> {
@@ -75,6 +81,83 @@ impl ControlStore for SqliteStore {
                 insert_audit(conn, &audit)?;
             }
             Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let (doc, audit) = (doc.clone(), audit.clone());
+        self.write(move |conn| {
+            let n = conn
+                .prepare_cached(
+                    "INSERT INTO control (kind, tenant, id, body) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (kind, tenant, id) DO NOTHING",
+                )
+                .and_then(|mut st| st.execute(params![doc.kind.as_str(), doc.tenant.as_str(), doc.id, doc.body]))
+                .map_err(unavailable)?;
+            if n > 0 {
+                insert_audit(conn, &audit)?;
+            }
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn count_symptoms(
+        &self,
+        tenant: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: Tally,
+        since: u64,
+    ) -> Result<Tally, StoreError> {
+        let (tenant, rule, subject) = (tenant.clone(), rule.to_owned(), subject.to_owned());
+        // One job of the writer: every instance's add and sum are serialized by it.
+        self.write(move |conn| {
+            let (t, r, s) = (tenant.as_str(), rule.as_str(), subject.as_str());
+            conn.prepare_cached(
+                "INSERT INTO symptoms (tenant, rule, subject, minute, calls, bad) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (tenant, rule, subject, minute) DO UPDATE SET
+                   calls = calls + excluded.calls, bad = bad + excluded.bad",
+            )
+            .and_then(|mut st| st.execute(params![t, r, s, int(minute), int(add.calls), int(add.bad)]))
+            .map_err(unavailable)?;
+            conn.prepare_cached("DELETE FROM symptoms WHERE tenant = ?1 AND rule = ?2 AND subject = ?3 AND minute < ?4")
+                .and_then(|mut st| st.execute(params![t, r, s, int(since)]))
+                .map_err(unavailable)?;
+            let (calls, bad): (i64, i64) = conn
+                .prepare_cached(
+                    "SELECT coalesce(sum(calls), 0), coalesce(sum(bad), 0) FROM symptoms
+                     WHERE tenant = ?1 AND rule = ?2 AND subject = ?3 AND minute BETWEEN ?4 AND ?5",
+                )
+                .and_then(|mut st| {
+                    st.query_row(params![t, r, s, int(since), int(minute)], |row| Ok((row.get(0)?, row.get(1)?)))
+                })
+                .map_err(unavailable)?;
+            Ok(Tally { calls: calls.max(0) as u64, bad: bad.max(0) as u64 })
+        })
+        .await
+    }
+
+    async fn clear_symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError> {
+        let (tenant, rule, subject) = (tenant.clone(), rule.to_owned(), subject.to_owned());
+        self.write(move |conn| {
+            conn.prepare_cached("DELETE FROM symptoms WHERE tenant = ?1 AND rule = ?2 AND subject = ?3")
+                .and_then(|mut st| st.execute(params![tenant.as_str(), rule, subject]))
+                .map_err(unavailable)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn prune_symptoms(&self, minute: u64) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            let n = conn
+                .prepare_cached("DELETE FROM symptoms WHERE minute < ?1")
+                .and_then(|mut st| st.execute(params![int(minute)]))
+                .map_err(unavailable)?;
+            Ok(n as u64)
         })
         .await
     }

@@ -220,6 +220,18 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX records_run ON records (tenant, run, ns, key) WHERE run IS NOT NULL;
     CREATE INDEX records_leases ON records (tenant, lease_expires_at) WHERE state = 'in_progress';
 "#,
+    // Tripwire counts: per rule, subject and minute (`ControlStore::count_symptoms`).
+    r#"
+    CREATE TABLE symptoms (
+        tenant TEXT NOT NULL,
+        rule TEXT NOT NULL,
+        subject TEXT NOT NULL,
+        minute INTEGER NOT NULL,
+        calls INTEGER NOT NULL,
+        bad INTEGER NOT NULL,
+        PRIMARY KEY (tenant, rule, subject, minute)
+    ) WITHOUT ROWID;
+"#,
 ];
 
 /// Moves the rollbacks kept as control documents (by earlier versions) to the table rollbacks:

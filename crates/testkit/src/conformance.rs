@@ -21,11 +21,13 @@ mod approvals;
 mod canary;
 mod recovery;
 mod rollback;
+mod tripwires;
 
 pub use approvals::*;
 pub use canary::*;
 pub use recovery::*;
 pub use rollback::*;
+pub use tripwires::*;
 
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(3_600);
@@ -986,6 +988,7 @@ pub async fn control_documents(store: Subject) {
         revoked: 0,
         engaged_by: "0123456789abcdef".into(),
         engaged_at: Timestamp(5),
+        tripwire: None,
     };
     let audit =
         |doc: &ControlDoc, action: &str| AuditEntry::new(doc.tenant.clone(), Timestamp(5), "ci", action, &doc.id);
@@ -1281,6 +1284,7 @@ pub async fn replace_control_writes_only_over_the_document_expected(store: Subje
         revoked: 0,
         engaged_by: "ops".into(),
         engaged_at: Timestamp(5),
+        tripwire: None,
     };
     let audit = |action: &str| AuditEntry::new(acme.clone(), Timestamp(6), "ci", action, "namespace:pay");
     let engaged = ControlDoc::of_switch(&switch);

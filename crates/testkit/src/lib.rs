@@ -177,6 +177,10 @@ macro_rules! conformance_tests {
             observe_mode_counts_each_would_be_outcome,
             a_canary_enforces_its_share_of_keys,
             switching_modes_under_load_keeps_each_key_acquired_once,
+            a_runaway_run_trips_its_rule_once_across_two_instances,
+            symptom_counts_add_up_across_instances,
+            a_control_document_is_created_once,
+            a_spend_rule_trips_and_releases_itself,
             an_instance_off_the_stores_clock_refuses_claims_past_the_bound
         );
     };

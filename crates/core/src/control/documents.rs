@@ -5,6 +5,7 @@ use crate::domain::{Namespace, RunId, Scope, TenantId};
 use crate::limits::Limits;
 use crate::protocol::ClaimRequest;
 use crate::record::Denial;
+use crate::tripwire::Tripwire;
 
 use super::{Effective, SettingsEntry, Switch, SwitchTarget, effective};
 
@@ -15,6 +16,8 @@ crate::label::vocabulary! {
         Switch => "switch",
         /// A [`SettingsEntry`]; its id is [`SettingsEntry::id`].
         Settings => "settings",
+        /// A [`Tripwire`] rule; its id is its name.
+        Tripwire => "tripwire",
     }
 }
 
@@ -54,6 +57,16 @@ impl ControlDoc {
         }
     }
 
+    /// The document of a tripwire rule.
+    pub fn of_tripwire(rule: &Tripwire) -> Self {
+        Self {
+            kind: ControlKind::Tripwire,
+            tenant: rule.tenant.clone(),
+            id: rule.name.clone(),
+            body: serde_json::to_string(rule).unwrap_or_default(),
+        }
+    }
+
     /// The document of settings.
     pub fn of_settings(entry: &SettingsEntry) -> Self {
         Self {
@@ -65,13 +78,15 @@ impl ControlDoc {
     }
 }
 
-/// Every switch and settings entry, as read from the store at one time.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Every switch, settings entry and tripwire rule, as read from the store at one time.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Controls {
     /// Engaged switches.
     pub switches: Vec<Switch>,
     /// Settings entries.
     pub settings: Vec<SettingsEntry>,
+    /// Tripwire rules.
+    pub tripwires: Vec<Tripwire>,
 }
 
 impl Controls {
@@ -83,6 +98,7 @@ impl Controls {
             match doc.kind {
                 ControlKind::Switch => out.switches.push(serde_json::from_str(&doc.body).map_err(bad)?),
                 ControlKind::Settings => out.settings.push(serde_json::from_str(&doc.body).map_err(bad)?),
+                ControlKind::Tripwire => out.tripwires.push(serde_json::from_str(&doc.body).map_err(bad)?),
             }
         }
         Ok(out)

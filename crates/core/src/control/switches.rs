@@ -72,6 +72,9 @@ pub struct Switch {
     pub engaged_by: String,
     /// When.
     pub engaged_at: Timestamp,
+    /// The tripwire that engaged it and the figures it tripped on; absent for a person's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tripwire: Option<crate::tripwire::Trip>,
 }
 
 impl Switch {

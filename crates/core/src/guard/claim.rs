@@ -47,6 +47,7 @@ impl Guard {
             );
         }
         self.observer.claimed(scope, outcome, mode);
+        self.tally_claimed(scope, outcome);
     }
 
     /// Decides a claim; answers the outcome and the claim's scope (for the observer). In

@@ -191,10 +191,13 @@ impl Guard {
             && finishes
         {
             self.notifier.notify(scope);
-            self.observer.finished(record, self.clock.now());
+            let now = self.clock.now();
+            self.observer.finished(record, now);
+            self.tally_finished(record, now);
         }
         if let FencedOutcome::Stale(reason) = outcome {
             self.observer.stale(scope, op, fence, *reason);
+            self.tally_stale(scope);
             if matches!(op, FencedOp::Complete | FencedOp::Fail) {
                 let per_minute = self.limits.stale_audits_per_minute;
                 if self.stale_audits.admit(&scope.tenant, actor, self.clock.now(), per_minute) {

@@ -168,6 +168,8 @@ pub struct Guard {
     pub(crate) observer: Arc<dyn Observer>,
     stale_audits: Arc<crate::stale_audits::StaleAudits>,
     sealer: Option<Arc<Sealer>>,
+    /// What this instance counted for the tripwires since its last flush.
+    pub(crate) tallies: Arc<crate::tripwire::Tallies>,
 }
 
 impl std::fmt::Debug for Guard {
@@ -193,6 +195,7 @@ impl Guard {
             observer: Arc::new(Unobserved),
             stale_audits: Arc::default(),
             sealer: None,
+            tallies: Arc::default(),
         }
     }
 

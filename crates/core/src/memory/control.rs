@@ -27,6 +27,53 @@ impl ControlStore for MemoryStore {
         Ok(true)
     }
 
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        let key = (doc.kind, doc.tenant.clone(), doc.id.clone());
+        if state.control.contains_key(&key) {
+            return Ok(false);
+        }
+        state.control.insert(key, doc.clone());
+        state.log(Some(audit));
+        Ok(true)
+    }
+
+    async fn count_symptoms(
+        &self,
+        tenant: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: crate::tripwire::Tally,
+        since: u64,
+    ) -> Result<crate::tripwire::Tally, StoreError> {
+        let mut state = self.lock();
+        let at = |m: u64| (tenant.clone(), rule.to_owned(), subject.to_owned(), m);
+        state.symptoms.entry(at(minute)).or_default().add(add);
+        let old: Vec<_> = state.symptoms.range(at(0)..at(since)).map(|(k, _)| k.clone()).collect();
+        for key in old {
+            state.symptoms.remove(&key);
+        }
+        let mut sums = crate::tripwire::Tally::default();
+        for (_, tally) in state.symptoms.range(at(since)..=at(minute)) {
+            sums.add(*tally);
+        }
+        Ok(sums)
+    }
+
+    async fn clear_symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError> {
+        let at = |m: u64| (tenant.clone(), rule.to_owned(), subject.to_owned(), m);
+        self.lock().symptoms.retain(|k, _| !(at(0)..=at(u64::MAX)).contains(k));
+        Ok(())
+    }
+
+    async fn prune_symptoms(&self, minute: u64) -> Result<u64, StoreError> {
+        let mut state = self.lock();
+        let before = state.symptoms.len();
+        state.symptoms.retain(|(_, _, _, m), _| *m >= minute);
+        Ok((before - state.symptoms.len()) as u64)
+    }
+
     async fn delete_control(
         &self,
         kind: ControlKind,

@@ -48,6 +48,8 @@ struct State {
     api_keys: BTreeMap<String, ApiKey>,
     runs: BTreeMap<(TenantId, RunId), Run>,
     control: BTreeMap<(ControlKind, TenantId, String), ControlDoc>,
+    /// Tripwire counts by (tenant, rule, subject, minute).
+    symptoms: BTreeMap<(TenantId, String, String, u64), crate::tripwire::Tally>,
     rollbacks: BTreeMap<(TenantId, RunId), Rollback>,
     rates: BTreeMap<TenantId, u64>,
     audit: BTreeMap<(TenantId, String), AuditEntry>,

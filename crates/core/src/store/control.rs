@@ -5,6 +5,7 @@ use async_trait::async_trait;
 use crate::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, SwitchTarget};
 use crate::domain::{TenantId, Timestamp};
 use crate::store::{Page, StoreError};
+use crate::tripwire::Tally;
 
 /// Switches and settings (small documents every instance caches), revoking leases, the audit
 /// log.
@@ -24,6 +25,32 @@ pub trait ControlStore: Send + Sync + 'static {
         doc: &ControlDoc,
         audit: &AuditEntry,
     ) -> Result<bool, StoreError>;
+
+    /// Stores a control document only if none is kept at its (kind, tenant, id), with `audit`
+    /// in the same atomic write; answers whether it did. Of callers racing on one place, one
+    /// creates it and writes its entry; the others write nothing (a tripwire trips once).
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError>;
+
+    /// Adds `add` to the counts of a tripwire rule's `subject` for `minute` (minutes since the
+    /// epoch) and answers the sums of its minutes from `since` to `minute`, in one atomic step,
+    /// whichever instances add at once: the figures every instance decides the rule on. The
+    /// subject's minutes before `since` may be forgotten.
+    async fn count_symptoms(
+        &self,
+        tenant: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: Tally,
+        since: u64,
+    ) -> Result<Tally, StoreError>;
+
+    /// Forgets every count of a rule's `subject` (once it tripped: counting starts again).
+    async fn clear_symptoms(&self, tenant: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError>;
+
+    /// Forgets the counts of minutes before `minute`, of every rule (every minute, so that a
+    /// subject no longer counted leaves nothing behind); answers how many counts went.
+    async fn prune_symptoms(&self, minute: u64) -> Result<u64, StoreError>;
 
     /// Deletes a control document and appends `audit` in the same atomic write; answers the
     /// document if it existed (and appends nothing if it did not).

@@ -228,6 +228,30 @@ impl ControlStore for BreakableStore {
         self.up()?.replace_control(e, doc, a).await
     }
 
+    async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.up()?.create_control(doc, audit).await
+    }
+
+    async fn count_symptoms(
+        &self,
+        t: &TenantId,
+        rule: &str,
+        subject: &str,
+        minute: u64,
+        add: onceguard_core::tripwire::Tally,
+        since: u64,
+    ) -> Result<onceguard_core::tripwire::Tally, StoreError> {
+        self.up()?.count_symptoms(t, rule, subject, minute, add, since).await
+    }
+
+    async fn clear_symptoms(&self, t: &TenantId, rule: &str, subject: &str) -> Result<(), StoreError> {
+        self.up()?.clear_symptoms(t, rule, subject).await
+    }
+
+    async fn prune_symptoms(&self, minute: u64) -> Result<u64, StoreError> {
+        self.up()?.prune_symptoms(minute).await
+    }
+
     async fn delete_control(
         &self,
         k: ControlKind,

@@ -1,0 +1,291 @@
+//! The tripwires' part of the guard: setting and deleting rules, counting what the door sees,
+//! adding it to the store's counts, tripping, and releasing what is due (see the module
+//! documentation of [`crate::tripwire`]).
+
+use std::time::Duration;
+
+use crate::control::{AuditEntry, ControlDoc, ControlKind, Switch, SwitchTarget};
+use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
+use crate::domain::{Namespace, RunId, Scope, TenantId, Timestamp, check_reason};
+use crate::guard::{Guard, GuardError};
+use crate::record::{ClaimOutcome, Record};
+use crate::store::StoreError;
+
+use super::{Subject, Tally, Trip, Tripwire};
+
+/// How far back the sweep keeps counts: the longest window and a minute.
+const KEPT_MINUTES: u64 = super::MAX_WINDOW.as_secs() / 60 + 1;
+
+/// The actor a rule acts as in the audit log.
+fn actor(rule: &str) -> String {
+    format!("tripwire:{rule}")
+}
+
+fn minute_of(now: Timestamp) -> u64 {
+    now.0 / 60_000
+}
+
+impl Guard {
+    /// Sets a tripwire rule (replacing one of the same name), audited as `tripwire.set`.
+    pub async fn set_tripwire(&self, mut rule: Tripwire, why: Option<String>) -> Result<Tripwire, GuardError> {
+        if let Some(why) = &why {
+            check_reason("why", why)?;
+        }
+        rule.validate()?;
+        rule.set_at = self.clock().now();
+        let details = serde_json::to_value(&rule).unwrap_or_default();
+        let audit = AuditEntry::new(rule.tenant.clone(), rule.set_at, &rule.set_by, "tripwire.set", &rule.name)
+            .why(why)
+            .details(details);
+        self.store().put_control(&ControlDoc::of_tripwire(&rule), &audit).await?;
+        self.refresh_controls().await?;
+        Ok(rule)
+    }
+
+    /// Deletes a tripwire rule, audited as `tripwire.delete`; answers it if there was one. A
+    /// switch it engaged stays until released.
+    pub async fn delete_tripwire(
+        &self,
+        actor: &str,
+        tenant: &TenantId,
+        name: &str,
+        why: Option<String>,
+    ) -> Result<Option<Tripwire>, GuardError> {
+        if let Some(why) = &why {
+            check_reason("why", why)?;
+        }
+        let audit = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "tripwire.delete", name).why(why);
+        let Some(doc) = self.store().delete_control(ControlKind::Tripwire, tenant, name, &audit).await? else {
+            return Ok(None);
+        };
+        let rule: Tripwire = serde_json::from_str(&doc.body).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.refresh_controls().await?;
+        Ok(Some(rule))
+    }
+
+    /// A tenant's tripwire rules, by name, read from the store.
+    pub async fn tripwires(&self, tenant: &TenantId) -> Result<Vec<Tripwire>, GuardError> {
+        let controls = self.refresh_controls().await?;
+        let mut rules: Vec<Tripwire> = controls.tripwires.iter().filter(|r| &r.tenant == tenant).cloned().collect();
+        rules.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(rules)
+    }
+
+    /// Counts, for the tenant's rules, an attempt that finished (the door's fenced calls).
+    pub(crate) fn tally_finished(&self, record: &Record, now: Timestamp) {
+        self.tally(&record.scope.tenant, &record.scope.namespace, record.run.as_ref(), |rule| {
+            rule.on_finished(record, now)
+        });
+    }
+
+    /// Counts, for the tenant's rules, a claim's answer (a mismatch is a symptom; observe
+    /// mode's would-be mismatch too).
+    pub(crate) fn tally_claimed(&self, scope: &Scope, outcome: &ClaimOutcome) {
+        let mismatch = match outcome {
+            ClaimOutcome::Mismatch => true,
+            ClaimOutcome::Proceed(would_have_been) => matches!(**would_have_been, ClaimOutcome::Mismatch),
+            _ => false,
+        };
+        self.tally(&scope.tenant, &scope.namespace, None, |rule| rule.on_claimed(mismatch));
+    }
+
+    /// Counts, for the tenant's rules, a fenced call refused as stale.
+    pub(crate) fn tally_stale(&self, scope: &Scope) {
+        self.tally(&scope.tenant, &scope.namespace, None, Tripwire::on_stale);
+    }
+
+    fn tally(&self, tenant: &TenantId, namespace: &Namespace, run: Option<&RunId>, of: impl Fn(&Tripwire) -> Tally) {
+        // The rules as last read (counting decides nothing; the flush decides on fresh ones).
+        let Some(controls) = self.controls.latest() else { return };
+        if controls.tripwires.is_empty() {
+            return;
+        }
+        self.tallies.add(&controls.tripwires, tenant, namespace, run, of);
+    }
+
+    /// Adds what this instance counted to the store's counts and decides each rule counted on
+    /// the window's sums across instances; trips those that crossed their threshold. Answers
+    /// the switches this instance engaged (it alone tells of them). Counts that could not reach
+    /// the store are kept for the next flush.
+    pub async fn flush_tripwires(&self) -> Result<Vec<Switch>, GuardError> {
+        let counted = self.tallies.take();
+        if counted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let controls = self.controls().await?;
+        let now = self.clock().now();
+        let minute = minute_of(now);
+        let mut tripped = Vec::new();
+        let mut failed = None;
+        for ((tenant, name, subject), tally) in counted {
+            // A rule deleted since drops its counts.
+            let Some(rule) = controls.tripwires.iter().find(|r| r.tenant == tenant && r.name == name) else { continue };
+            let since = minute + 1 - rule.minutes().min(minute + 1);
+            let sums = match self.store().count_symptoms(&tenant, &name, &subject.key(), minute, tally, since).await {
+                Ok(sums) => sums,
+                Err(e) => {
+                    self.tallies.put_back((tenant, name, subject), tally);
+                    failed = Some(e);
+                    continue;
+                }
+            };
+            let Some(why) = rule.crossed(sums) else { continue };
+            match self.trip(rule, &subject, sums, why, now).await {
+                Ok(Some(switch)) => tripped.push(switch),
+                Ok(None) => {}
+                Err(e) => tracing::error!(%tenant, rule = name, error = %e, "tripwire: could not trip"),
+            }
+        }
+        match failed {
+            Some(e) if tripped.is_empty() => Err(e.into()),
+            Some(e) => {
+                tracing::warn!(error = %e, "tripwires: some counts could not be added; kept for the next flush");
+                Ok(tripped)
+            }
+            None => Ok(tripped),
+        }
+    }
+
+    /// Trips `rule` for `subject`: creates its switch if none is engaged on the target (one
+    /// atomic insert-if-absent with its `tripwire.trip` entry). The creator alone clears the
+    /// counts, revokes the covered leases, starts the run's rollback and reports it. Answers
+    /// the switch if this call engaged it.
+    async fn trip(
+        &self,
+        rule: &Tripwire,
+        subject: &Subject,
+        sums: Tally,
+        why: String,
+        now: Timestamp,
+    ) -> Result<Option<Switch>, GuardError> {
+        let (target, run) = match subject {
+            Subject::Run(run) => (SwitchTarget::Run { run: run.clone() }, Some(run.clone())),
+            Subject::Scope => match &rule.prefix {
+                Some(prefix) => (SwitchTarget::Namespace { prefix: prefix.clone() }, None),
+                None => (SwitchTarget::Tenant, None),
+            },
+        };
+        let reason = format!("tripwire {}: {why}", rule.name);
+        let trip = Trip {
+            rule: rule.name.clone(),
+            run: run.clone(),
+            calls: sums.calls,
+            bad: sums.bad,
+            window_secs: rule.window.as_secs(),
+            release_at: rule.auto_release_after.map(|after| now.plus(after)),
+        };
+        let switch = Switch {
+            tenant: rule.tenant.clone(),
+            target,
+            reason,
+            revoke_leases: rule.revoke_leases,
+            revoked: 0,
+            engaged_by: actor(&rule.name),
+            engaged_at: now,
+            tripwire: Some(trip.clone()),
+        };
+        let details = serde_json::json!({ "tripwire": trip, "revoke_leases": rule.revoke_leases, "rollback": rule.rollback });
+        let entry = AuditEntry::new(rule.tenant.clone(), now, &switch.engaged_by, "tripwire.trip", switch.target.id())
+            .why(Some(switch.reason.clone()))
+            .details(details);
+        if !self.store().create_control(&ControlDoc::of_switch(&switch), &entry).await? {
+            // Engaged already: by another instance's trip, an earlier one, or a person.
+            return Ok(None);
+        }
+        tracing::warn!(tenant = %rule.tenant, rule = rule.name, target = %switch.target, reason = switch.reason, "tripwire tripped");
+        self.refresh_controls().await?;
+        self.observer.tripped(&switch);
+        // Counting starts again once the switch is released.
+        if let Err(e) = self.store().clear_symptoms(&rule.tenant, &rule.name, &subject.key()).await {
+            tracing::warn!(tenant = %rule.tenant, rule = rule.name, error = %e, "tripwire: its counts could not be cleared");
+        }
+        if rule.revoke_leases {
+            self.revoke_for_trip(&switch).await;
+        }
+        if let (true, Some(run)) = (rule.rollback, run) {
+            self.start_rollback(&switch.engaged_by, &rule.tenant, &run, switch.reason.clone()).await?;
+        }
+        Ok(Some(switch))
+    }
+
+    /// Revokes the leases a tripped switch covers now, and once more after every instance has
+    /// seen the switch (as [`Guard::engage_switch`] does), in the background.
+    async fn revoke_for_trip(&self, switch: &Switch) {
+        let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
+        let (tenant, target) = (switch.tenant.clone(), switch.target.clone());
+        let first = self.store().revoke_leases(&tenant, &target, &detail, self.clock().now()).await;
+        if let Err(e) = &first {
+            tracing::error!(%tenant, %target, error = %e, "tripwire: could not revoke leases");
+        }
+        let guard = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(CONTROL_MAX_AGE + CONTROL_REFRESH).await;
+            let later = guard.clock().now();
+            let second = guard.store().revoke_leases(&tenant, &target, &detail, later).await;
+            let revoked = first.unwrap_or(0) + second.as_ref().copied().unwrap_or(0);
+            let entry = AuditEntry::new(tenant.clone(), later, "tripwire", "switch.revoke_leases", target.id())
+                .details(serde_json::json!({ "revoked": revoked }));
+            if let Err(e) = guard.audit(entry).await {
+                tracing::warn!(%tenant, %target, error = %e, "tripwire: could not audit the revocation");
+            }
+        });
+    }
+
+    /// Releases the switches tripwires engaged whose `auto_release_after` passed; of instances
+    /// doing so at once, one releases each (and audits it). Answers how many this call released.
+    pub async fn release_due_tripwires(&self) -> Result<usize, GuardError> {
+        let now = self.clock().now();
+        let controls = self.controls().await?;
+        let due: Vec<&Switch> = controls
+            .switches
+            .iter()
+            .filter(|s| s.tripwire.as_ref().and_then(|t| t.release_at).is_some_and(|at| at <= now))
+            .collect();
+        let mut released = 0;
+        for switch in due {
+            let rule = switch.tripwire.as_ref().map_or("", |t| t.rule.as_str());
+            let why = Some(format!("released by tripwire {rule}: auto_release_after passed"));
+            if self.release_switch(&actor(rule), &switch.tenant, &switch.target, why).await?.is_some() {
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Forgets counts older than the longest window (every minute, by [`Guard::tripwire_task`]).
+    pub(crate) async fn prune_tripwire_counts(&self) -> Result<u64, GuardError> {
+        let minute = minute_of(self.clock().now());
+        Ok(self.store().prune_symptoms(minute.saturating_sub(KEPT_MINUTES)).await?)
+    }
+
+    /// The background work of the tripwires: every [`super::FLUSH`], adds this instance's
+    /// counts to the store's and decides the rules, and releases what is due; `tripped` is
+    /// handed each switch this instance engaged (to tell of it: the webhook).
+    pub fn tripwire_task(
+        &self,
+        tripped: impl Fn(Switch) + Send + Sync + 'static,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let guard = self.clone();
+        async move {
+            let mut tick = tokio::time::interval(super::FLUSH);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut pruned_at = tokio::time::Instant::now();
+            loop {
+                tick.tick().await;
+                match guard.flush_tripwires().await {
+                    Ok(switches) => switches.into_iter().for_each(&tripped),
+                    Err(e) => tracing::warn!(error = %e, "tripwires: could not add this instance's counts; will retry"),
+                }
+                if let Err(e) = guard.release_due_tripwires().await {
+                    tracing::warn!(error = %e, "tripwires: could not release a due switch; will retry");
+                }
+                if pruned_at.elapsed() >= Duration::from_secs(60) {
+                    pruned_at = tokio::time::Instant::now();
+                    if let Err(e) = guard.prune_tripwire_counts().await {
+                        tracing::warn!(error = %e, "tripwires: could not forget old counts");
+                    }
+                }
+            }
+        }
+    }
+}

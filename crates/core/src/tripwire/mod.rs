@@ -1,0 +1,324 @@
+//! Tripwires: rules that engage a kill switch by themselves when a symptom crosses a threshold.
+//!
+//! A rule ([`Tripwire`]) belongs to a tenant, watches the keys in a namespace prefix (or the whole
+//! tenant) and counts one [`Symptom`] over a window of whole minutes, per subject ([`Per`]): the
+//! rule's scope as one, or each run apart. Every count comes down to two numbers per minute
+//! ([`Tally`]): the calls seen and the bad ones among them (failed, slow, spent units,
+//! mismatched), so that a rule is decided on sums.
+//!
+//! Where each part lives:
+//!
+//! - the rules are control documents (kind `tripwire`), cached by every instance like switches
+//!   and settings, set and deleted with an audit entry (`tripwire/guard.rs`);
+//! - each instance adds what its guard saw to its own [`Tallies`] (cheap, in memory, on the
+//!   caller's task) and, every [`FLUSH`], adds them to the store's counts of the minute
+//!   ([`crate::store::ControlStore::count_symptoms`], one atomic add-and-sum): the figures a rule
+//!   is decided on are the store's sums across instances, never one instance's view;
+//! - the instance whose add crossed the threshold trips the rule: it creates the switch
+//!   ([`crate::store::ControlStore::create_control`], an insert-if-absent with its audit entry in
+//!   one atomic write), so that of instances tripping at once one switch is engaged, audited
+//!   once, and told once (the creator alone revokes, rolls back, counts and sends the webhook);
+//!   a switch engaged on the same target already (by a person or an earlier trip) is left as it
+//!   is;
+//! - a tripped switch stays until a person releases it, unless the rule says
+//!   `auto_release_after`: then the first instance to see it due releases it (a delete that
+//!   answers the document to one caller only, with its audit entry).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::{InvalidInput, Namespace, RunId, TenantId, Timestamp};
+use crate::record::{OutcomeKind, Record, RecordState};
+
+mod guard;
+mod tally;
+
+pub use tally::{Tallies, Tally};
+
+/// How often an instance adds what it saw to the store's counts and decides its rules.
+pub const FLUSH: Duration = Duration::from_secs(1);
+
+/// The longest window a rule may watch.
+pub const MAX_WINDOW: Duration = Duration::from_secs(24 * 3600);
+
+/// A rule. Its id within the tenant is its `name`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tripwire {
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// Its name: 1 to 64 of `a-z 0-9 - _`.
+    pub name: String,
+    /// The keys it watches: this namespace and below it; the whole tenant if absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<Namespace>,
+    /// What it counts, and the threshold.
+    pub symptom: Symptom,
+    /// Over how long: whole minutes, from 1 minute to 24 hours.
+    #[serde(with = "humantime_serde")]
+    pub window: Duration,
+    /// It never trips on fewer calls than this in the window (at least 1).
+    pub min_calls: u64,
+    /// What one count covers, and what the switch it engages covers.
+    #[serde(default)]
+    pub per: Per,
+    /// Whether the switch revokes the live leases it covers.
+    #[serde(default)]
+    pub revoke_leases: bool,
+    /// Whether tripping also starts the rollback of the offending run (`per = run` only).
+    #[serde(default)]
+    pub rollback: bool,
+    /// Releases the switch it engaged this long after; never if absent (a person releases it).
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub auto_release_after: Option<Duration>,
+    /// Who set it (an API key id, or `cli:<user>`).
+    pub set_by: String,
+    /// When.
+    pub set_at: Timestamp,
+}
+
+/// What a rule counts, with its threshold. Each comes down to a [`Tally`] per minute.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Symptom {
+    /// The share of finished attempts that failed for good, ended with their outcome reported
+    /// unknown, or were recoveries of an attempt that did not finish: trips above `above` (0 to 1).
+    FailureRate {
+        /// The threshold, a share (0.2: one in five).
+        above: f64,
+    },
+    /// The latency of effects, claim to completion: trips when more than `1 - quantile` of the
+    /// completed ones took longer than `above_ms` (p95 above 2 s: `quantile` 0.95, `above_ms`
+    /// 2000).
+    Latency {
+        /// 0.5 to 0.999.
+        quantile: f64,
+        /// Milliseconds.
+        above_ms: u64,
+    },
+    /// Spend: the cost (or tokens) that completed effects reported, per minute over the window:
+    /// trips above `per_minute`.
+    Spend {
+        /// `cost` or `tokens`.
+        unit: SpendUnit,
+        /// The rate, in units a minute.
+        per_minute: u64,
+    },
+    /// Claims refused as a mismatch (a key reused for another request) and fenced calls refused
+    /// as stale (a zombie or duplicated worker), per minute over the window: trips above
+    /// `per_minute`. Counted per namespace only (these answers name no run).
+    Mismatches {
+        /// The rate, in refusals a minute.
+        per_minute: u64,
+    },
+}
+
+crate::label::vocabulary! {
+    /// What [`Symptom::Spend`] adds up.
+    pub enum SpendUnit {
+        /// The cost completions reported.
+        Cost => "cost",
+        /// The tokens completions reported.
+        Tokens => "tokens",
+    }
+}
+
+crate::label::vocabulary! {
+    /// What one count of a rule covers, and what its switch covers.
+    #[derive(Default)]
+    pub enum Per {
+        /// Every watched key together; the switch covers the rule's prefix (or the tenant).
+        #[default]
+        Namespace => "namespace",
+        /// Each run apart (calls of no run are not counted); the switch covers the run whose
+        /// calls crossed the threshold.
+        Run => "run",
+    }
+}
+
+/// What a count is of: the rule's scope, or one run.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Subject {
+    /// The rule's prefix (or tenant) as a whole.
+    Scope,
+    /// One run.
+    Run(RunId),
+}
+
+impl Subject {
+    /// How the store keys it beside the rule's name: `*` or `run:<id>`.
+    pub fn key(&self) -> String {
+        match self {
+            Self::Scope => "*".to_owned(),
+            Self::Run(run) => format!("run:{run}"),
+        }
+    }
+}
+
+/// Why a rule tripped: the figures it was decided on. Kept in the switch it engaged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Trip {
+    /// The rule's name.
+    pub rule: String,
+    /// The run whose calls crossed the threshold (`per = run`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunId>,
+    /// The calls counted in the window, across instances.
+    pub calls: u64,
+    /// The bad ones among them (or the units spent).
+    pub bad: u64,
+    /// The window, in seconds.
+    pub window_secs: u64,
+    /// When the switch is released by itself (`auto_release_after`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_at: Option<Timestamp>,
+}
+
+impl Tripwire {
+    /// Checks a rule as given (by the API, the CLI or a client).
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 64
+            && self.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+        if !name_ok {
+            return Err(InvalidInput::new("name", "must be 1 to 64 of a-z 0-9 - _"));
+        }
+        let minutes = self.window.as_secs() / 60;
+        if self.window.as_secs() % 60 != 0 || self.window.subsec_nanos() != 0 || minutes == 0 || self.window > MAX_WINDOW {
+            return Err(InvalidInput::new("window", "must be whole minutes, from 1m to 24h"));
+        }
+        if self.min_calls == 0 {
+            return Err(InvalidInput::new("min_calls", "must be at least 1"));
+        }
+        match self.symptom {
+            Symptom::FailureRate { above } if !(0.0..1.0).contains(&above) => {
+                return Err(InvalidInput::new("symptom.above", "must be a share from 0 to below 1"));
+            }
+            Symptom::Latency { quantile, above_ms } if !(0.5..=0.999).contains(&quantile) || above_ms == 0 => {
+                return Err(InvalidInput::new("symptom", "quantile must be 0.5 to 0.999 and above_ms at least 1"));
+            }
+            Symptom::Spend { per_minute: 0, .. } | Symptom::Mismatches { per_minute: 0 } => {
+                return Err(InvalidInput::new("symptom.per_minute", "must be at least 1"));
+            }
+            Symptom::Mismatches { .. } if self.per == Per::Run => {
+                return Err(InvalidInput::new("per", "mismatches name no run: count them per namespace"));
+            }
+            _ => {}
+        }
+        if self.rollback && self.per != Per::Run {
+            return Err(InvalidInput::new("rollback", "rolls back the offending run: needs per = run"));
+        }
+        if self.rollback && self.auto_release_after.is_some() {
+            return Err(InvalidInput::new("auto_release_after", "a run rolled back stays switched off"));
+        }
+        if self.auto_release_after.is_some_and(|d| d < Duration::from_secs(1)) {
+            return Err(InvalidInput::new("auto_release_after", "must be at least 1s"));
+        }
+        Ok(())
+    }
+
+    /// The window in whole minutes.
+    pub fn minutes(&self) -> u64 {
+        (self.window.as_secs() / 60).max(1)
+    }
+
+    /// Whether it watches a key in `namespace`.
+    pub fn watches(&self, namespace: &Namespace) -> bool {
+        self.prefix.as_ref().is_none_or(|p| namespace.is_within(p))
+    }
+
+    /// The subject a call of `run` is counted under; `None`: not counted (`per = run`, no run).
+    pub fn subject(&self, run: Option<&RunId>) -> Option<Subject> {
+        match self.per {
+            Per::Namespace => Some(Subject::Scope),
+            Per::Run => run.map(|r| Subject::Run(r.clone())),
+        }
+    }
+
+    /// What a finished attempt adds to its count (see [`crate::observer::Observer::finished`]):
+    /// `record` as it now is, at `now`.
+    pub fn on_finished(&self, record: &Record, now: Timestamp) -> Tally {
+        let completed = record.state == RecordState::Completed;
+        match self.symptom {
+            Symptom::FailureRate { .. } => {
+                let failed = record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Failure && completed);
+                let unknown = record.state == RecordState::InProgress && record.unknown.is_some();
+                // A later attempt finishing is a recovery's.
+                let bad = failed || unknown || record.attempt > 1;
+                Tally { calls: 1, bad: u64::from(bad) }
+            }
+            Symptom::Latency { above_ms, .. } if completed => {
+                let took = now.0.saturating_sub(record.created_at.0);
+                Tally { calls: 1, bad: u64::from(took > above_ms) }
+            }
+            Symptom::Spend { unit, .. } if completed => {
+                let outcome = record.outcome.as_ref();
+                let spent = match unit {
+                    SpendUnit::Cost => outcome.and_then(|o| o.cost),
+                    SpendUnit::Tokens => outcome.and_then(|o| o.tokens),
+                };
+                Tally { calls: 1, bad: spent.unwrap_or(0) }
+            }
+            _ => Tally::default(),
+        }
+    }
+
+    /// What a claim's answer adds (mismatches only): `mismatch` if it was refused as one.
+    pub fn on_claimed(&self, mismatch: bool) -> Tally {
+        match self.symptom {
+            Symptom::Mismatches { .. } => Tally { calls: 1, bad: u64::from(mismatch) },
+            _ => Tally::default(),
+        }
+    }
+
+    /// What a stale fenced call adds (mismatches only).
+    pub fn on_stale(&self) -> Tally {
+        match self.symptom {
+            Symptom::Mismatches { .. } => Tally { calls: 1, bad: 1 },
+            _ => Tally::default(),
+        }
+    }
+
+    /// Whether the window's sums cross the threshold: the sentence that says so, with the
+    /// figures; `None` below it or below `min_calls`.
+    pub fn crossed(&self, sums: Tally) -> Option<String> {
+        if sums.calls < self.min_calls {
+            return None;
+        }
+        let (calls, bad, minutes) = (sums.calls, sums.bad, self.minutes());
+        let window = format!("{minutes} min");
+        match self.symptom {
+            Symptom::FailureRate { above } => {
+                let share = bad as f64 / calls as f64;
+                (share > above).then(|| {
+                    format!("failure rate {share:.2} ({bad} of {calls} attempts) over {window}, above {above}")
+                })
+            }
+            Symptom::Latency { quantile, above_ms } => {
+                let slow = bad as f64 / calls as f64;
+                (slow > 1.0 - quantile).then(|| {
+                    let q = (quantile * 1000.0).round() / 10.0;
+                    format!("p{q} latency above {above_ms} ms ({bad} of {calls} effects slower) over {window}")
+                })
+            }
+            Symptom::Spend { unit, per_minute } => {
+                let rate = bad as f64 / minutes as f64;
+                (rate > per_minute as f64).then(|| {
+                    let unit = unit.as_str();
+                    format!("spend {rate:.1} {unit}/min ({bad} {unit} in {calls} effects) over {window}, above {per_minute}")
+                })
+            }
+            Symptom::Mismatches { per_minute } => {
+                let rate = bad as f64 / minutes as f64;
+                (rate > per_minute as f64).then(|| {
+                    format!("{rate:.1} mismatched or stale calls/min ({bad} of {calls}) over {window}, above {per_minute}")
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

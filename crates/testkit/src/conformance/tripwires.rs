@@ -1,0 +1,233 @@
+//! Conformance cases of the tripwires: the store's counts summed across instances, a rule
+//! tripping once whichever instances cross its threshold at once, and what a trip engages.
+
+use onceguard_core::tripwire::{Per, SpendUnit, Symptom, Tally, Tripwire};
+
+use super::*;
+
+/// A second instance on the same store: its own guard (own tallies, own cache of the rules),
+/// its clock the case's (ahead of a shared store's by the same offset, measured).
+async fn second_instance(c: &Case, subject: &Subject) -> Guard {
+    let store = subject.store.clone();
+    match &subject.clock {
+        None => Guard::new(store, c.clock.clone(), Limits::default()),
+        Some(clock) => {
+            let limits = Limits { max_clock_offset: 2 * INSTANCE_AHEAD, ..Limits::default() };
+            let guard = Guard::new(store, Arc::new(Ahead { of: clock.clone(), by: INSTANCE_AHEAD }), limits);
+            guard.measure_clock_offset().await.expect("the store answers");
+            guard
+        }
+    }
+}
+
+fn runaway_rule(symptom: Symptom, per: Per) -> Tripwire {
+    Tripwire {
+        tenant: TenantId::parse("acme").unwrap(),
+        name: "runaway".into(),
+        prefix: Some(Namespace::parse("prod").unwrap()),
+        symptom,
+        window: Duration::from_secs(120),
+        min_calls: 10,
+        per,
+        revoke_leases: false,
+        rollback: false,
+        auto_release_after: None,
+        set_by: "test".into(),
+        set_at: Timestamp(0),
+    }
+}
+
+fn failure(body: &str) -> Mutation {
+    let mut outcome = success(body);
+    outcome.kind = OutcomeKind::Failure;
+    Mutation::Fail { retryable: false, outcome }
+}
+
+async fn trips_of(store: &Arc<dyn Store>) -> Vec<AuditEntry> {
+    let filter = AuditFilter { action: Some("tripwire.trip".into()), limit: MAX_PAGE, ..AuditFilter::default() };
+    store.list_audit(&TenantId::parse("acme").unwrap(), &filter).await.unwrap().items
+}
+
+/// A run whose effects start failing trips its rule within the window, on two instances that
+/// each see half of its calls: the figures are the store's sums, so the trip comes after the
+/// same number of effects as on one instance; one switch on the run is engaged (and audited)
+/// once, and both instances refuse the run's next claim. Another run with as many failures but
+/// fewer calls than `min_calls` trips nothing.
+pub async fn a_runaway_run_trips_its_rule_once_across_two_instances(store: Subject) {
+    let c = case(store.clone()).await;
+    let other = second_instance(&c, &store).await;
+    let rule = runaway_rule(Symptom::FailureRate { above: 0.5 }, Per::Run);
+    c.guard.set_tripwire(rule, None).await.unwrap();
+    other.refresh_controls().await.unwrap();
+    let instances = [&c.guard, &other];
+
+    // A quiet run: 9 effects, all failing, below min_calls.
+    for i in 0..9 {
+        let guard = instances[i % 2];
+        let req = in_run(&scope(&format!("quiet-{i}")), "pay", "quiet", 0);
+        let ClaimOutcome::Acquired(a) = guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() else {
+            panic!("the quiet run's claim {i} acquires")
+        };
+        guard.mutate(&req.scope, a.fence, failure("declined")).await.unwrap();
+        guard.flush_tripwires().await.unwrap();
+    }
+
+    // The runaway run: 10 effects succeed, then every one fails (the symptom begins at effect
+    // 10). Each instance adds its counts after each effect.
+    let mut tripped = Vec::new();
+    let mut ran = 0;
+    for i in 0..60 {
+        let guard = instances[i % 2];
+        let req = in_run(&scope(&format!("runaway-{i}")), "pay", "runaway", 0);
+        match guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() {
+            ClaimOutcome::Acquired(a) => {
+                ran += 1;
+                let outcome = if i < 10 { Mutation::Complete(success("paid")) } else { failure("declined") };
+                guard.mutate(&req.scope, a.fence, outcome).await.unwrap();
+            }
+            ClaimOutcome::Denied(Denial::SwitchEngaged { target, why }) => {
+                assert_eq!(target, "run:runaway");
+                assert!(why.starts_with("tripwire runaway: failure rate"), "{why}");
+                break;
+            }
+            other => panic!("the runaway run's claim {i} answered {other:?}"),
+        }
+        for instance in instances {
+            tripped.extend(instance.flush_tripwires().await.unwrap());
+        }
+        // Every instance sees a switch within a second; here at once.
+        for instance in instances {
+            instance.refresh_controls().await.unwrap();
+        }
+    }
+    // 10 successes, then failures until more than half of the window's attempts failed: the
+    // 21st effect (11 of 21).
+    assert_eq!(ran, 21, "effects run before the switch refused the run");
+    assert_eq!(tripped.len(), 1, "one instance engaged the switch: {tripped:?}");
+    let trip = tripped[0].tripwire.clone().expect("the switch says which rule");
+    assert_eq!((trip.calls, trip.bad, trip.run.as_ref().map(|r| r.as_str())), (21, 11, Some("runaway")));
+    assert_eq!(trips_of(&store.store).await.len(), 1, "audited once");
+    // Both instances refuse the run; another run of the namespace still runs.
+    for guard in instances {
+        guard.refresh_controls().await.unwrap();
+        let req = in_run(&scope("after"), "pay", "runaway", 0);
+        let refused = guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap();
+        assert!(matches!(refused, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })), "{refused:?}");
+    }
+    let elsewhere = in_run(&scope("elsewhere"), "pay", "quiet", 0);
+    assert!(matches!(c.claim(&elsewhere).await, ClaimOutcome::Acquired(_)), "the quiet run never tripped");
+    // A person releases it; the rule starts counting again from nothing.
+    let target = SwitchTarget::Run { run: RunId::parse("runaway").unwrap() };
+    assert!(c.guard.release_switch("ops", &TenantId::parse("acme").unwrap(), &target, None).await.unwrap().is_some());
+    c.guard.flush_tripwires().await.unwrap();
+    assert!(matches!(c.claim(&in_run(&scope("again"), "pay", "runaway", 0)).await, ClaimOutcome::Acquired(_)));
+}
+
+/// The store's counts are one atomic add-and-sum: 8 instances adding at once lose no count,
+/// minutes before the window are left out and forgotten, and a subject's counts clear.
+pub async fn symptom_counts_add_up_across_instances(store: Subject) {
+    let acme = TenantId::parse("acme").unwrap();
+    let mut adders = Vec::new();
+    for _ in 0..8 {
+        let (store, acme) = (store.store.clone(), acme.clone());
+        adders.push(tokio::spawn(async move {
+            let mut last = Tally::default();
+            for _ in 0..25 {
+                last = store.count_symptoms(&acme, "r", "*", 100, Tally { calls: 2, bad: 1 }, 99).await.unwrap();
+            }
+            last
+        }));
+    }
+    let mut seen = Vec::new();
+    for adder in adders {
+        seen.push(adder.await.unwrap());
+    }
+    let last = store.count_symptoms(&acme, "r", "*", 100, Tally::default(), 99).await.unwrap();
+    assert_eq!(last, Tally { calls: 400, bad: 200 });
+    // The adder that finished last saw everything.
+    assert!(seen.iter().any(|t| *t == last), "{seen:?}");
+    // A minute later, a window of 2 minutes still holds minute 100; one of 1 minute does not.
+    let two = store.count_symptoms(&acme, "r", "*", 101, Tally { calls: 1, bad: 0 }, 100).await.unwrap();
+    assert_eq!(two, Tally { calls: 401, bad: 200 });
+    let one = store.count_symptoms(&acme, "r", "*", 101, Tally::default(), 101).await.unwrap();
+    assert_eq!(one, Tally { calls: 1, bad: 0 });
+    // Other subjects, rules and tenants are apart.
+    let apart = store.count_symptoms(&acme, "r", "run:x", 101, Tally { calls: 1, bad: 1 }, 0).await.unwrap();
+    assert_eq!(apart, Tally { calls: 1, bad: 1 });
+    let globex = TenantId::parse("globex").unwrap();
+    assert_eq!(store.count_symptoms(&globex, "r", "*", 101, Tally::default(), 0).await.unwrap(), Tally::default());
+    store.clear_symptoms(&acme, "r", "*").await.unwrap();
+    assert_eq!(store.count_symptoms(&acme, "r", "*", 101, Tally::default(), 0).await.unwrap(), Tally::default());
+    assert_eq!(store.count_symptoms(&acme, "r", "run:x", 101, Tally::default(), 0).await.unwrap().calls, 1);
+    // Pruning forgets the minutes before the one given (a store whose counts expire by
+    // themselves, Redis, answers 0 and keeps them until then).
+    if store.prune_symptoms(102).await.unwrap() > 0 {
+        assert_eq!(store.count_symptoms(&acme, "r", "run:x", 102, Tally::default(), 0).await.unwrap(), Tally::default());
+    }
+    assert_eq!(store.count_symptoms(&acme, "r", "run:x", 102, Tally::default(), 102).await.unwrap(), Tally::default());
+}
+
+/// Of 8 callers creating the same control document at once, one creates it and its one audit
+/// entry; an existing document is never replaced.
+pub async fn a_control_document_is_created_once(store: Subject) {
+    let acme = TenantId::parse("acme").unwrap();
+    let mut creators = Vec::new();
+    for i in 0..8 {
+        let store = store.store.clone();
+        let doc = ControlDoc { kind: ControlKind::Switch, tenant: acme.clone(), id: "run:r".into(), body: format!("{i}") };
+        let entry = AuditEntry::new(acme.clone(), Timestamp(1_000 + i), "tripwire:t", "tripwire.trip", "run:r");
+        creators.push(tokio::spawn(async move { (store.create_control(&doc, &entry).await.unwrap(), doc) }));
+    }
+    let mut created = Vec::new();
+    for creator in creators {
+        let (won, doc) = creator.await.unwrap();
+        if won {
+            created.push(doc);
+        }
+    }
+    assert_eq!(created.len(), 1, "one creator");
+    assert_eq!(store.list_control().await.unwrap(), created, "the winner's document is kept");
+    assert_eq!(trips_of(&store.store).await.len(), 1, "one audit entry");
+}
+
+/// A spend rule on a namespace trips on the reported cost per minute, engages a switch on its
+/// prefix, and releases it by itself after `auto_release_after`: one release, audited once,
+/// whichever instances see it due.
+pub async fn a_spend_rule_trips_and_releases_itself(store: Subject) {
+    let c = case(store.clone()).await;
+    let other = second_instance(&c, &store).await;
+    let mut rule = runaway_rule(Symptom::Spend { unit: SpendUnit::Cost, per_minute: 100 }, Per::Namespace);
+    (rule.min_calls, rule.auto_release_after) = (3, Some(Duration::from_secs(30)));
+    c.guard.set_tripwire(rule, None).await.unwrap();
+    // 42 a call (`success` reports a cost of 42), two minutes: more than 200 trips on the 5th.
+    let mut tripped = Vec::new();
+    for i in 0..10 {
+        let req = request(&scope(&format!("spend-{i}")), "embed");
+        match c.claim(&req).await {
+            ClaimOutcome::Acquired(a) => {
+                c.applied(&req.scope, a.fence, Mutation::Complete(success("ok"))).await;
+            }
+            ClaimOutcome::Denied(Denial::SwitchEngaged { target, .. }) => {
+                assert_eq!((i, target.as_str()), (5, "namespace:prod"));
+                break;
+            }
+            other => panic!("claim {i} answered {other:?}"),
+        }
+        tripped.extend(c.guard.flush_tripwires().await.unwrap());
+    }
+    assert_eq!(tripped.len(), 1);
+    assert!(tripped[0].reason.contains("spend 105.0 cost/min"), "{}", tripped[0].reason);
+    // Not due yet; then due: one instance releases it.
+    c.clock.advance(Duration::from_secs(29));
+    assert_eq!(c.guard.release_due_tripwires().await.unwrap() + other.release_due_tripwires().await.unwrap(), 0);
+    c.clock.advance(Duration::from_secs(2));
+    other.refresh_controls().await.unwrap();
+    let (a, b) = tokio::join!(c.guard.release_due_tripwires(), other.release_due_tripwires());
+    assert_eq!(a.unwrap() + b.unwrap(), 1, "released once");
+    let filter = AuditFilter { action: Some("switch.release".into()), limit: MAX_PAGE, ..AuditFilter::default() };
+    let released = store.list_audit(&TenantId::parse("acme").unwrap(), &filter).await.unwrap().items;
+    assert_eq!(released.len(), 1);
+    assert_eq!(released[0].actor, "tripwire:runaway");
+    c.guard.refresh_controls().await.unwrap();
+    assert!(matches!(c.claim(&request(&scope("spend-after"), "embed")).await, ClaimOutcome::Acquired(_)));
+}
