@@ -33,6 +33,10 @@ pub(crate) enum OperatorCommand {
     /// Settings of a tenant or a namespace prefix, and the tenant's quotas.
     #[command(subcommand)]
     Settings(SettingsCommand),
+    /// Tripwires: rules that engage a kill switch by themselves when a symptom crosses a
+    /// threshold.
+    #[command(subcommand)]
+    Tripwires(TripwireCommand),
     /// Approvals of keys that need a person's decision: list, show, approve, deny.
     #[command(subcommand)]
     Approvals(ApprovalCommand),
@@ -308,6 +312,83 @@ pub(crate) enum RunCommand {
 }
 
 #[derive(Debug, Subcommand)]
+pub(crate) enum TripwireCommand {
+    /// Set (replace) a rule. Give one symptom: --failure-rate, --latency-above-ms (with
+    /// --quantile), --cost-per-minute, --tokens-per-minute or --mismatches-per-minute.
+    #[command(group(clap::ArgGroup::new("symptom").required(true).multiple(false).args([
+        "failure_rate", "latency_above_ms", "cost_per_minute", "tokens_per_minute", "mismatches_per_minute"
+    ])))]
+    Set {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The rule's name (a-z 0-9 - _).
+        name: String,
+        /// The namespace prefix it watches (default: the whole tenant).
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Trips when more than this share of finished attempts failed for good, reported an
+        /// unknown outcome or were recoveries (0 to below 1).
+        #[arg(long)]
+        failure_rate: Option<f64>,
+        /// Trips when the --quantile latency, claim to completion, is above this many ms.
+        #[arg(long)]
+        latency_above_ms: Option<u64>,
+        /// The latency quantile (0.5 to 0.999).
+        #[arg(long, default_value_t = 0.95)]
+        quantile: f64,
+        /// Trips when completions report more cost than this a minute over the window.
+        #[arg(long)]
+        cost_per_minute: Option<u64>,
+        /// Trips when completions report more tokens than this a minute over the window.
+        #[arg(long)]
+        tokens_per_minute: Option<u64>,
+        /// Trips on more mismatched claims and stale fenced calls than this a minute.
+        #[arg(long)]
+        mismatches_per_minute: Option<u64>,
+        /// The window: whole minutes, 1m to 24h.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+        window: std::time::Duration,
+        /// It never trips on fewer calls than this in the window.
+        #[arg(long, default_value_t = 20)]
+        min_calls: u64,
+        /// Count each run apart and switch off the run that crossed the threshold (default:
+        /// all watched keys together, switching off the prefix).
+        #[arg(long)]
+        per_run: bool,
+        /// Also revoke the live leases the switch covers.
+        #[arg(long)]
+        revoke_leases: bool,
+        /// Also start the rollback of the offending run (with --per-run).
+        #[arg(long)]
+        rollback: bool,
+        /// Release the switch by itself this long after, e.g. 15m (default: a person releases it).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        auto_release_after: Option<std::time::Duration>,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        why: Option<String>,
+    },
+    /// List a tenant's rules.
+    List {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Delete a rule (a switch it engaged stays until released).
+    Delete {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The rule's name.
+        name: String,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        why: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub(crate) enum SettingsCommand {
     /// Set (replace) the settings of a tenant or a namespace prefix.
     Set {
@@ -397,6 +478,7 @@ pub(crate) async fn run(config: &Config, command: OperatorCommand) -> Result<()>
         OperatorCommand::Approvals(command) => approvals(&guard, command).await?,
         OperatorCommand::Runs(command) => runs(&guard, command).await?,
         OperatorCommand::Settings(command) => settings(&guard, command).await?,
+        OperatorCommand::Tripwires(command) => tripwires(&guard, command).await?,
         OperatorCommand::Audit { tenant, action, actor, limit } => {
             let filter = AuditFilter { action, actor, before: None, limit: limit.clamp(1, MAX_PAGE) };
             let page = guard.audit_log(&TenantId::parse(&tenant)?, &filter).await?;
@@ -594,6 +676,65 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
             match guard.delete_settings(&cli_actor(), &tenant, prefix.as_ref(), why).await? {
                 Some(entry) => print_json(&api::settings_view(&entry)),
                 None => bail!("no such settings in tenant {tenant}"),
+            }
+        }
+    }
+}
+
+async fn tripwires(guard: &Guard, command: TripwireCommand) -> Result<()> {
+    use onceguard_core::tripwire::{Per, SpendUnit, Symptom, Tripwire};
+    match command {
+        TripwireCommand::Set {
+            tenant,
+            name,
+            prefix,
+            failure_rate,
+            latency_above_ms,
+            quantile,
+            cost_per_minute,
+            tokens_per_minute,
+            mismatches_per_minute,
+            window,
+            min_calls,
+            per_run,
+            revoke_leases,
+            rollback,
+            auto_release_after,
+            why,
+        } => {
+            // clap lets exactly one of them through.
+            let symptom = match (failure_rate, latency_above_ms, cost_per_minute, tokens_per_minute) {
+                (Some(above), ..) => Symptom::FailureRate { above },
+                (_, Some(above_ms), ..) => Symptom::Latency { quantile, above_ms },
+                (_, _, Some(per_minute), _) => Symptom::Spend { unit: SpendUnit::Cost, per_minute },
+                (_, _, _, Some(per_minute)) => Symptom::Spend { unit: SpendUnit::Tokens, per_minute },
+                _ => Symptom::Mismatches { per_minute: mismatches_per_minute.context("a symptom is needed")? },
+            };
+            let rule = Tripwire {
+                tenant: TenantId::parse(&tenant)?,
+                name,
+                prefix: prefix.as_deref().map(Namespace::parse).transpose()?,
+                symptom,
+                window,
+                min_calls,
+                per: if per_run { Per::Run } else { Per::Namespace },
+                revoke_leases,
+                rollback,
+                auto_release_after,
+                set_by: cli_actor(),
+                set_at: guard.clock().now(),
+            };
+            print_json(&api::tripwire_view(&guard.set_tripwire(rule, why).await?))
+        }
+        TripwireCommand::List { tenant } => {
+            let rules = guard.tripwires(&TenantId::parse(&tenant)?).await?;
+            print_json(&rules.iter().map(api::tripwire_view).collect::<Vec<_>>())
+        }
+        TripwireCommand::Delete { tenant, name, why } => {
+            let tenant = TenantId::parse(&tenant)?;
+            match guard.delete_tripwire(&cli_actor(), &tenant, &name, why).await? {
+                Some(rule) => print_json(&api::tripwire_view(&rule)),
+                None => bail!("no tripwire {name} in tenant {tenant}"),
             }
         }
     }

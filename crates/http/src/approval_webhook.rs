@@ -11,6 +11,12 @@
 //! `webhook-id` (so a receiver that did get it can drop the repeat), the lease doubling from
 //! 5 s up to an hour, at most `approvals.webhook_attempts` attempts. A notice is sent only while
 //! its approval is pending.
+//!
+//! The same webhook is told when a tripwire engages a switch (`type: tripwire.tripped`), by the
+//! one instance that engaged it (see `onceguard_core::tripwire`): up to
+//! `approvals.webhook_attempts` attempts with the same `webhook-id`, 5 s apart and doubling, from
+//! that instance's memory. An instance stopped before delivery loses the notice; the switch, its
+//! audit entry (`tripwire.trip`) and the metric `onceguard_tripwires_tripped_total` remain.
 
 use std::time::Duration;
 
@@ -101,14 +107,41 @@ impl Webhook {
 
     /// One attempt: the signed `POST` of the approval's notice.
     async fn send(&self, approval: &Approval, now: Timestamp) -> Result<(), String> {
-        let body = serde_json::to_vec(&payload(approval, now)).map_err(|e| e.to_string())?;
+        self.post(approval.id.as_str(), &payload(approval, now), now).await
+    }
+}
+
+impl Webhook {
+    /// Tells of a switch a tripwire engaged (see the module documentation): retries until the
+    /// receiver answers 2xx or the attempts run out.
+    pub async fn notify_tripped(&self, switch: &onceguard_core::control::Switch) {
+        let id = format!("tripwire_{}_{}_{}", switch.tenant, switch.target.id().replace(':', "_"), switch.engaged_at.0);
+        for attempt in 1..=self.attempts.max(1) {
+            let now = Timestamp::now();
+            match self.post(&id, &tripped_payload(switch, now), now).await {
+                Ok(()) => {
+                    tracing::info!(tenant = %switch.tenant, target = %switch.target, attempt, "tripwire webhook delivered");
+                    return;
+                }
+                Err(e) => tracing::warn!(tenant = %switch.tenant, target = %switch.target, attempt, error = e, "tripwire webhook failed"),
+            }
+            if attempt < self.attempts {
+                tokio::time::sleep(backoff(attempt)).await;
+            }
+        }
+        tracing::error!(tenant = %switch.tenant, target = %switch.target, "tripwire webhook abandoned");
+    }
+
+    /// One signed `POST` of `payload` as notice `id`.
+    async fn post(&self, id: &str, payload: &serde_json::Value, now: Timestamp) -> Result<(), String> {
+        let body = serde_json::to_vec(payload).map_err(|e| e.to_string())?;
         let timestamp = i64::try_from(now.0 / 1000).unwrap_or(i64::MAX);
-        let signature = self.signer.sign(approval.id.as_str(), timestamp, &body).map_err(|e| e.to_string())?;
+        let signature = self.signer.sign(id, timestamp, &body).map_err(|e| e.to_string())?;
         let response = self
             .client
             .post(self.url.clone())
             .header("content-type", "application/json")
-            .header("webhook-id", approval.id.as_str())
+            .header("webhook-id", id)
             .header("webhook-timestamp", timestamp.to_string())
             .header("webhook-signature", signature)
             .body(body)
@@ -121,6 +154,24 @@ impl Webhook {
             Err(format!("the receiver answered {}", response.status()))
         }
     }
+}
+
+/// What a tripwire's notice says: the switch as `GET /v1/switches` shows it, its tenant, and the
+/// figures the rule tripped on.
+fn tripped_payload(s: &onceguard_core::control::Switch, now: Timestamp) -> serde_json::Value {
+    serde_json::json!({
+        "type": "tripwire.tripped",
+        "timestamp": now.to_rfc3339(),
+        "data": {
+            "tenant": s.tenant.as_str(),
+            "target": s.target.id(),
+            "reason": s.reason,
+            "revoke_leases": s.revoke_leases,
+            "engaged_by": s.engaged_by,
+            "engaged_at": s.engaged_at.to_rfc3339(),
+            "tripwire": s.tripwire,
+        },
+    })
 }
 
 /// How long after attempt `n` (counting from 1) the next may begin, beyond the timeout: 5 s,

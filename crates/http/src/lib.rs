@@ -262,6 +262,14 @@ pub async fn serve_with_background(
             stop_rx.clone(),
         ))
     });
+    // Tripwires: this instance's counts added to the store's every second, the rules decided,
+    // due switches released; a switch this instance engaged told to the webhook.
+    let notices = approval_webhook::Webhook::from_config(&config.approvals)?.map(std::sync::Arc::new);
+    let tripwires = tokio::spawn(guard.tripwire_task(move |switch| {
+        if let Some(webhook) = notices.clone() {
+            tokio::spawn(async move { webhook.notify_tripped(&switch).await });
+        }
+    }));
     let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));
     let grace = config.http.shutdown_grace;
     let mut grace_rx = stop_rx;
@@ -289,6 +297,8 @@ pub async fn serve_with_background(
     };
     sweeper.abort();
     let _ = sweeper.await;
+    tripwires.abort();
+    let _ = tripwires.await;
     if let Some(webhook) = webhook {
         webhook.abort();
         let _ = webhook.await;

@@ -204,6 +204,7 @@ pub struct Metrics {
     approvals_pending: Family<TenantLabels, Gauge>,
     approval_oldest_pending: Family<TenantLabels, Gauge>,
     reconciled: Family<TenantLabels, Counter>,
+    tripwires_tripped: Family<TenantLabels, Counter>,
     sealed_values_refused: Family<TenantLabels, Counter>,
     records_swept: Counter,
     live: Live,
@@ -333,6 +334,13 @@ impl Metrics {
              run again), by tenant",
             reconciled.clone(),
         );
+        let tripwires_tripped = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "tripwires_tripped",
+            "Kill switches a tripwire engaged through this instance (each trip is counted by the one instance \
+             that engaged it: sum across instances), by tenant",
+            tripwires_tripped.clone(),
+        );
         let sealed_values_refused = Family::<TenantLabels, Counter>::default();
         registry.register(
             "sealed_values_refused",
@@ -461,6 +469,7 @@ impl Metrics {
             approvals_pending,
             approval_oldest_pending,
             reconciled,
+            tripwires_tripped,
             sealed_values_refused,
             records_swept,
             live: Live::default(),
@@ -745,6 +754,7 @@ impl Metrics {
         let _ = self.observe_tokens_not_saved.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.approvals_requested.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.reconciled.get_or_create(&TenantLabels { tenant: t() });
+        let _ = self.tripwires_tripped.get_or_create(&TenantLabels { tenant: t() });
         let _ = self.sealed_values_refused.get_or_create(&TenantLabels { tenant: t() });
         for decision in ["approved", "denied"] {
             let _ = self.approval_decisions.get_or_create(&DecisionLabels { tenant: t(), decision });
@@ -788,6 +798,11 @@ impl onceguard_core::Observer for Metrics {
         let labels = DecisionLabels { tenant: self.tenant_label(approval.scope.tenant.as_str()), decision };
         self.approval_decisions.get_or_create(&labels).inc();
         self.live.push_event(approval.scope.tenant.as_str(), Event::new("approval", &approval.scope, None, decision));
+    }
+
+    fn tripped(&self, switch: &onceguard_core::control::Switch) {
+        let labels = TenantLabels { tenant: self.tenant_label(switch.tenant.as_str()) };
+        self.tripwires_tripped.get_or_create(&labels).inc();
     }
 
     fn reconciled(&self, scope: &Scope) {

@@ -99,6 +99,7 @@ mod runs;
 mod settings;
 mod switches;
 mod tenants;
+mod tripwires;
 mod views;
 
 pub use approvals::*;
@@ -113,6 +114,7 @@ pub use runs::*;
 pub use settings::*;
 pub use switches::*;
 pub use tenants::*;
+pub use tripwires::*;
 pub use views::*;
 
 /// Every resource's routes, with their OpenAPI paths.
@@ -127,6 +129,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(rollbacks::routes())
         .merge(switches::routes())
         .merge(settings::routes())
+        .merge(tripwires::routes())
         .merge(audit::routes())
         .merge(approvals::routes())
         .merge(health::routes())

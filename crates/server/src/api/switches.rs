@@ -89,6 +89,25 @@ pub struct SwitchView {
     pub engaged_by: String,
     /// When (RFC 3339).
     pub engaged_at: String,
+    /// The tripwire that engaged it, and the figures it tripped on; absent for a person's.
+    pub tripwire: Option<TripView>,
+}
+
+/// What a tripwire tripped on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TripView {
+    /// The rule's name.
+    pub rule: String,
+    /// The run whose calls crossed the threshold (rules counted per run).
+    pub run: Option<String>,
+    /// The calls counted in the window, across instances.
+    pub calls: u64,
+    /// The bad ones among them (or the units spent).
+    pub bad: u64,
+    /// The window, in seconds.
+    pub window_secs: u64,
+    /// When the switch is released by itself (RFC 3339); absent: by a person.
+    pub release_at: Option<String>,
 }
 
 /// Engaged switches.
@@ -107,6 +126,14 @@ pub fn switch_view(s: &Switch) -> SwitchView {
         revoked: s.revoked,
         engaged_by: s.engaged_by.clone(),
         engaged_at: s.engaged_at.to_rfc3339(),
+        tripwire: s.tripwire.as_ref().map(|t| TripView {
+            rule: t.rule.clone(),
+            run: t.run.as_ref().map(ToString::to_string),
+            calls: t.calls,
+            bad: t.bad,
+            window_secs: t.window_secs,
+            release_at: t.release_at.map(|at| at.to_rfc3339()),
+        }),
     }
 }
 

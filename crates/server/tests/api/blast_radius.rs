@@ -360,3 +360,66 @@ async fn an_agent_key_cannot_fill_the_audit_log_with_stale_completions() {
     app.post(&app.agent, "/v1/claims/complete", &stale(fence + 2_000)).await;
     assert_eq!(audited(&app).await, 7);
 }
+
+/// A tripwire set through the API switches off a run whose effects start failing, by itself:
+/// the server's background task adds the counts and trips the rule; the switch says why, the
+/// audit log and the metric have the trip once, and the next claim of the run is refused (423).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tripwire_switches_off_a_runaway_run_without_a_person() {
+    let app = spawn_app(Backing::Sqlite).await;
+    let rule = json!({
+        "name": "runaway", "prefix": "agents", "symptom": {"kind": "failure_rate", "above": 0.5},
+        "window": "5m", "min_calls": 4, "per": "run", "why": "stop agents that keep failing",
+    });
+    // Checked first: a window of whole minutes, an admin's key.
+    let mut bad = rule.clone();
+    bad["window"] = json!("90s");
+    assert_problem(app.put(&app.admin, "/v1/tripwires", &bad).await, StatusCode::BAD_REQUEST, "invalid-request").await;
+    assert_problem(app.put(&app.agent, "/v1/tripwires", &rule).await, StatusCode::FORBIDDEN, "forbidden").await;
+    let set = ok_json(app.put(&app.admin, "/v1/tripwires", &rule).await, StatusCode::OK).await;
+    assert_eq!((&set["name"], &set["window"], &set["per"]), (&json!("runaway"), &json!("5m"), &json!("run")));
+    assert_eq!(set["set_by"], json!(key_id(&app.admin)));
+
+    // The run's effects fail for good, one after another, until it is switched off.
+    let mut ran = 0;
+    let mut switched_off = false;
+    for i in 0..40 {
+        let key = format!("charge-{i}");
+        let (status, claim) = claim_in(&app, &app.agent, "agents/pay", &key, Some("run-9")).await;
+        if status == StatusCode::LOCKED {
+            assert_eq!(claim["type"].as_str().map(|t| t.ends_with("switch-engaged")), Some(true), "{claim}");
+            assert!(claim["detail"].as_str().unwrap().contains("tripwire runaway"), "{claim}");
+            switched_off = true;
+            break;
+        }
+        assert_eq!(status, StatusCode::CREATED, "{claim}");
+        ran += 1;
+        let fail = json!({"namespace": "agents/pay", "key": key, "fence": claim["fence"], "retryable": false,
+                          "error": {"declined": true}});
+        assert_eq!(app.fenced("fail", fail).await.0, StatusCode::OK);
+        // The background task adds counts every second.
+        if ran >= 4 {
+            tokio::time::sleep(Duration::from_millis(1_300)).await;
+        }
+    }
+    assert!(switched_off, "the run was never switched off");
+    assert!((4..=6).contains(&ran), "{ran} effects ran; the rule trips on the 4th once counted");
+    let switches = ok_json(app.get(&app.agent, "/v1/switches").await, StatusCode::OK).await;
+    let switch = &switches["switches"][0];
+    assert_eq!(switch["target"], json!({"kind": "run", "run": "run-9"}));
+    assert_eq!((&switch["engaged_by"], &switch["tripwire"]["rule"]), (&json!("tripwire:runaway"), &json!("runaway")));
+    assert!(switch["tripwire"]["calls"].as_u64().unwrap() >= 4, "{switch}");
+    // Other runs still flow.
+    assert_eq!(claim_in(&app, &app.agent, "agents/pay", "other", Some("run-10")).await.0, StatusCode::CREATED);
+    let trips = ok_json(app.get(&app.admin, "/v1/audit?action=tripwire.trip").await, StatusCode::OK).await;
+    assert_eq!(trips["entries"].as_array().map(Vec::len), Some(1), "{trips}");
+    let metrics = app.client.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"onceguard_tripwires_tripped_total{tenant="acme"} 1"#), "{metrics}");
+    // The rule is listed and deleted (audited); the switch stays until a person releases it.
+    let listed = ok_json(app.get(&app.admin, "/v1/tripwires").await, StatusCode::OK).await;
+    assert_eq!(listed["tripwires"].as_array().map(Vec::len), Some(1));
+    ok_json(app.delete(&app.admin, "/v1/tripwires?name=runaway&why=done").await, StatusCode::OK).await;
+    let gone = app.delete(&app.admin, "/v1/tripwires?name=runaway").await;
+    assert_problem(gone, StatusCode::NOT_FOUND, "not-found").await;
+    assert_eq!(claim_in(&app, &app.agent, "agents/pay", "after", Some("run-9")).await.0, StatusCode::LOCKED);
+}
