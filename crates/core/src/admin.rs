@@ -138,7 +138,7 @@ impl Guard {
         self.store().put_control(&engaged, &entry).await?;
         self.refresh_controls().await?;
         if revoke_leases {
-            let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
+            let detail = format!("{}{}: {}", crate::control::REVOKED_BY_SWITCH, switch.target, switch.reason);
             switch.revoked = self.store().revoke_leases(tenant, &switch.target, &detail, now).await?;
             // Other instances may acquire covered keys until they see the switch (at most
             // CONTROL_MAX_AGE, after which an instance that could not read it fails closed):

@@ -234,7 +234,7 @@ mod tests {
         check(&StaleKind::ALL, StaleKind::index, StaleKind::as_str);
         check(&FencedOp::ALL, FencedOp::index, FencedOp::as_str);
         check(&StoreOp::ALL, StoreOp::index, StoreOp::as_str);
-        assert_eq!(StoreOp::ALL.len(), 18);
+        assert_eq!(StoreOp::ALL.len(), 19);
     }
 
     #[test]

@@ -229,6 +229,10 @@ impl ControlStore for ObservedStore {
         self.timed(StoreOp::Control, Some(&doc.tenant), self.inner.create_control(doc, audit)).await
     }
 
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Control, Some(&expected.tenant), self.inner.delete_control_if(expected, audit)).await
+    }
+
     async fn count_symptoms(
         &self,
         tenant: &TenantId,

@@ -184,6 +184,39 @@ impl ControlStore for PgStore {
         Ok(row.get::<_, i64>(0) > 0)
     }
 
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let (t, i, at, actor, action, entry) = audit_params(audit)?;
+        // One statement: the entry is written if and only if the document was deleted.
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                &format!(
+                    "WITH gone AS (
+                       DELETE FROM og_control WHERE kind = $1 AND tenant = $2 AND id = $3 AND body = $4 RETURNING 1),
+                     logged AS (
+                       INSERT INTO og_audit ({AUDIT_COLUMNS}) SELECT $5::text, $6::text, $7::bigint, $8::text, $9::text, $10::text FROM gone
+                       ON CONFLICT (tenant, id) DO NOTHING)
+                     SELECT count(*) FROM gone"
+                ),
+                &[
+                    &expected.kind.as_str(),
+                    &expected.tenant.as_str(),
+                    &expected.id,
+                    &expected.body,
+                    &t,
+                    &i,
+                    &at,
+                    &actor,
+                    &action,
+                    &entry,
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(row.get::<_, i64>(0) > 0)
+    }
+
     async fn count_symptoms(
         &self,
         tenant: &TenantId,

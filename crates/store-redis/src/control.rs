@@ -412,6 +412,12 @@ impl ControlStore for RedisStore {
         self.write_control("create a control document", script, None, doc, audit).await
     }
 
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        // The script takes the expected body where INSERT_CONTROL takes the new one.
+        let script = &SCRIPTS.delete_control_if;
+        self.write_control("delete a control document", script, None, expected, audit).await
+    }
+
     async fn count_symptoms(
         &self,
         tenant: &TenantId,

@@ -1074,6 +1074,16 @@ redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 return 1
 "#;
 
+/// Deletes a control document only if it still has the body given, with its audit entry in
+/// the outbox (see [`PUT_CONTROL`]); answers 1 if it deleted, 0 if not.
+pub const DELETE_CONTROL_IF: &str = r#"
+-- KEYS: control documents, the audit outbox; ARGV: field, expected body, entry id, entry
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"#;
+
 /// Adds to a tripwire subject's counts of a minute, forgets its minutes before the window, and
 /// answers the window's sums: `{calls, bad}`. The hash expires a little after the window (so a
 /// subject no longer counted leaves nothing).
@@ -1242,6 +1252,8 @@ pub struct Scripts {
     pub insert_control: Script,
     /// See [`COUNT_SYMPTOMS`].
     pub count_symptoms: Script,
+    /// See [`DELETE_CONTROL_IF`].
+    pub delete_control_if: Script,
     /// See [`RETIRE_FENCE_COUNTER`].
     pub retire_fence_counter: Script,
     /// See [`REPLACE_VALUES`].
@@ -1288,6 +1300,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         replace_control: Script::new(REPLACE_CONTROL),
         insert_control: Script::new(INSERT_CONTROL),
         count_symptoms: Script::new(COUNT_SYMPTOMS),
+        delete_control_if: Script::new(DELETE_CONTROL_IF),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
         replace_values: Script::new(REPLACE_VALUES),
         delete_control: Script::new(DELETE_CONTROL),

@@ -103,6 +103,23 @@ impl ControlStore for SqliteStore {
         .await
     }
 
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let (expected, audit) = (expected.clone(), audit.clone());
+        self.write(move |conn| {
+            let n = conn
+                .prepare_cached("DELETE FROM control WHERE kind = ?1 AND tenant = ?2 AND id = ?3 AND body = ?4")
+                .and_then(|mut st| {
+                    st.execute(params![expected.kind.as_str(), expected.tenant.as_str(), expected.id, expected.body])
+                })
+                .map_err(unavailable)?;
+            if n > 0 {
+                insert_audit(conn, &audit)?;
+            }
+            Ok(n > 0)
+        })
+        .await
+    }
+
     async fn count_symptoms(
         &self,
         tenant: &TenantId,

@@ -181,6 +181,8 @@ macro_rules! conformance_tests {
             symptom_counts_add_up_across_instances,
             a_control_document_is_created_once,
             a_spend_rule_trips_and_releases_itself,
+            a_rule_set_anew_counts_from_nothing,
+            a_tripwire_can_roll_the_offending_run_back,
             an_instance_off_the_stores_clock_refuses_claims_past_the_bound
         );
     };

@@ -84,6 +84,11 @@ impl Switch {
     }
 }
 
+/// How the unknown-outcome report of an attempt a switch revoked begins (then the target and
+/// the switch's reason): a recovery of such an attempt is the switch's doing, which the
+/// tripwires do not count as a failure.
+pub const REVOKED_BY_SWITCH: &str = "leases revoked by the switch on ";
+
 /// Whether [`crate::store::ControlStore::revoke_leases`] revokes `record`: live, in progress (its lease live or
 /// passed: a holder whose lease passed may still complete while nobody took over), covered by
 /// `target`, and not already revoked with the same `detail` (so a second pass counts only what

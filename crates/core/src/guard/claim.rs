@@ -29,15 +29,17 @@ impl Guard {
         claim: Claim,
         task: Option<crate::rollback::TaskTerms>,
     ) -> Result<ClaimOutcome, GuardError> {
+        let run = claim.run.clone();
         let (outcome, scope, mode) = self.decide(claim, task).await?;
         let outcome = self.opened_claim(&scope, outcome).await?;
         tracing::Span::current().record("outcome", outcome.name());
-        self.report_claim(&scope, &outcome, mode);
+        self.report_claim(&scope, run.as_ref(), &outcome, mode);
         Ok(outcome)
     }
 
-    /// Reports a claim's answer to the observer, and logs what observe mode let through.
-    fn report_claim(&self, scope: &Scope, outcome: &ClaimOutcome, mode: Mode) {
+    /// Reports a claim's answer (of a claim for `run`) to the observer and the tripwires, and
+    /// logs what observe mode let through.
+    fn report_claim(&self, scope: &Scope, run: Option<&RunId>, outcome: &ClaimOutcome, mode: Mode) {
         if let ClaimOutcome::Proceed(would_have_been) = outcome {
             tracing::info!(
                 tenant = %scope.tenant,
@@ -47,7 +49,7 @@ impl Guard {
             );
         }
         self.observer.claimed(scope, outcome, mode);
-        self.tally_claimed(scope, outcome);
+        self.tally_claimed(scope, run, outcome);
     }
 
     /// Decides a claim; answers the outcome and the claim's scope (for the observer). In
@@ -214,7 +216,8 @@ impl Guard {
             }
             prepared.push(self.request(&controls, claim).map_err(|e| e.at(i))?);
         }
-        let mut answers: Vec<Option<(Result<ClaimOutcome, GuardError>, Scope)>> = Vec::with_capacity(prepared.len());
+        type Answer = (Result<ClaimOutcome, GuardError>, Scope, Option<RunId>);
+        let mut answers: Vec<Option<Answer>> = Vec::with_capacity(prepared.len());
         let modes: Vec<Mode> = prepared.iter().map(|p| p.mode).collect();
         let terms: Vec<crate::approval::RecoveryTerms> = prepared.iter().map(|p| p.recovery_terms).collect();
         let (mut places, mut reqs) = (Vec::new(), Vec::new());
@@ -233,7 +236,7 @@ impl Guard {
                 },
             };
             match refused {
-                Some(answer) => answers.push(Some((answer, req.scope))),
+                Some(answer) => answers.push(Some((answer, req.scope, req.run))),
                 None => {
                     answers.push(None);
                     places.push(i);
@@ -255,16 +258,16 @@ impl Guard {
                     },
                     Err(e) => Err(e),
                 };
-                answers[i] = Some((outcome, req.scope));
+                answers[i] = Some((outcome, req.scope, req.run));
             }
         }
         Ok(answers
             .into_iter()
             .flatten()
             .zip(modes)
-            .map(|((outcome, scope), mode)| {
+            .map(|((outcome, scope, run), mode)| {
                 let outcome = observed(mode, outcome?);
-                self.report_claim(&scope, &outcome, mode);
+                self.report_claim(&scope, run.as_ref(), &outcome, mode);
                 Ok(outcome)
             })
             .collect())

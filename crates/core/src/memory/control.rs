@@ -38,6 +38,17 @@ impl ControlStore for MemoryStore {
         Ok(true)
     }
 
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        let key = (expected.kind, expected.tenant.clone(), expected.id.clone());
+        if state.control.get(&key) != Some(expected) {
+            return Ok(false);
+        }
+        state.control.remove(&key);
+        state.log(Some(audit));
+        Ok(true)
+    }
+
     async fn count_symptoms(
         &self,
         tenant: &TenantId,

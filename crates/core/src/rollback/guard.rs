@@ -84,9 +84,14 @@ impl Guard {
             return Ok((self.report(existing).await?, false));
         }
         // The run is switched off first, so that the rollback's cut-off (from its start, which
-        // comes after) covers every effect an instance claimed before it saw the switch.
+        // comes after) covers every effect an instance claimed before it saw the switch. A
+        // switch engaged on the run already (a tripwire's, which starts the rollback after it)
+        // is kept as it is.
         let target = SwitchTarget::Run { run: run.clone() };
-        self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
+        let engaged = self.refresh_controls().await?.switches.iter().any(|s| &s.tenant == tenant && s.target == target);
+        if !engaged {
+            self.engage_switch(actor, tenant, target, format!("rolled back: {why}"), false).await?;
+        }
         let now = self.clock().now();
         let rollback =
             Rollback { tenant: tenant.clone(), run: run.clone(), why, started_by: actor.to_owned(), started_at: now };

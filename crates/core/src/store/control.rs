@@ -31,6 +31,11 @@ pub trait ControlStore: Send + Sync + 'static {
     /// creates it and writes its entry; the others write nothing (a tripwire trips once).
     async fn create_control(&self, doc: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError>;
 
+    /// Deletes a control document only if it is still exactly `expected` (same kind, tenant, id
+    /// and body), with `audit` in the same atomic write; answers whether it deleted (a document
+    /// replaced or released meanwhile is left as it is, and nothing is audited).
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError>;
+
     /// Adds `add` to the counts of a tripwire rule's `subject` for `minute` (minutes since the
     /// epoch) and answers the sums of its minutes from `since` to `minute`, in one atomic step,
     /// whichever instances add at once: the figures every instance decides the rule on. The

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::control::{AuditEntry, ControlDoc, ControlKind, Switch, SwitchTarget};
 use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
-use crate::domain::{Namespace, RunId, Scope, TenantId, Timestamp, check_reason};
+use crate::domain::{InvalidInput, Namespace, RunId, Scope, TenantId, Timestamp, check_reason};
 use crate::guard::{Guard, GuardError};
 use crate::record::{ClaimOutcome, Record};
 use crate::store::StoreError;
@@ -32,6 +32,14 @@ impl Guard {
             check_reason("why", why)?;
         }
         rule.validate()?;
+        let controls = self.refresh_controls().await?;
+        let theirs = controls.tripwires.iter().filter(|r| r.tenant == rule.tenant);
+        if theirs.clone().count() >= super::MAX_RULES && !theirs.clone().any(|r| r.name == rule.name) {
+            let most = super::MAX_RULES;
+            return Err(InvalidInput::new("name", format!("a tenant has at most {most} tripwires")).into());
+        }
+        // Counts are kept under the rule's name and this time: a rule set anew starts from
+        // nothing (a threshold of another symptom never reads the old counts).
         rule.set_at = self.clock().now();
         let details = serde_json::to_value(&rule).unwrap_or_default();
         let audit = AuditEntry::new(rule.tenant.clone(), rule.set_at, &rule.set_by, "tripwire.set", &rule.name)
@@ -78,15 +86,10 @@ impl Guard {
         });
     }
 
-    /// Counts, for the tenant's rules, a claim's answer (a mismatch is a symptom; observe
-    /// mode's would-be mismatch too).
-    pub(crate) fn tally_claimed(&self, scope: &Scope, outcome: &ClaimOutcome) {
-        let mismatch = match outcome {
-            ClaimOutcome::Mismatch => true,
-            ClaimOutcome::Proceed(would_have_been) => matches!(**would_have_been, ClaimOutcome::Mismatch),
-            _ => false,
-        };
-        self.tally(&scope.tenant, &scope.namespace, None, |rule| rule.on_claimed(mismatch));
+    /// Counts, for the tenant's rules, a claim's answer (of a claim for `run`): a mismatch
+    /// (observe mode's would-be mismatch too), a recovery.
+    pub(crate) fn tally_claimed(&self, scope: &Scope, run: Option<&RunId>, outcome: &ClaimOutcome) {
+        self.tally(&scope.tenant, &scope.namespace, run, |rule| rule.on_claimed(outcome));
     }
 
     /// Counts, for the tenant's rules, a fenced call refused as stale.
@@ -112,19 +115,33 @@ impl Guard {
         if counted.is_empty() {
             return Ok(Vec::new());
         }
-        let controls = self.controls().await?;
+        let controls = match self.controls().await {
+            Ok(controls) => controls,
+            Err(e) => {
+                for (key, tally) in counted {
+                    self.tallies.put_back(key, tally);
+                }
+                return Err(e);
+            }
+        };
         let now = self.clock().now();
         let minute = minute_of(now);
         let mut tripped = Vec::new();
         let mut failed = None;
-        for ((tenant, name, subject), tally) in counted {
-            // A rule deleted since drops its counts.
-            let Some(rule) = controls.tripwires.iter().find(|r| r.tenant == tenant && r.name == name) else { continue };
+        for ((tenant, counts_key, subject), tally) in counted {
+            // A rule deleted or set anew since drops these counts.
+            let Some(rule) = controls.tripwires.iter().find(|r| r.tenant == tenant && r.counts_key() == counts_key)
+            else {
+                continue;
+            };
             let since = minute + 1 - rule.minutes().min(minute + 1);
-            let sums = match self.store().count_symptoms(&tenant, &name, &subject.key(), minute, tally, since).await {
+            let subject_key = subject.key();
+            // An add whose answer was lost is added again with the next flush: counted twice,
+            // never lost.
+            let sums = match self.store().count_symptoms(&tenant, &counts_key, &subject_key, minute, tally, since).await {
                 Ok(sums) => sums,
                 Err(e) => {
-                    self.tallies.put_back((tenant, name, subject), tally);
+                    self.tallies.put_back((tenant, counts_key, subject), tally);
                     failed = Some(e);
                     continue;
                 }
@@ -133,7 +150,8 @@ impl Guard {
             match self.trip(rule, &subject, sums, why, now).await {
                 Ok(Some(switch)) => tripped.push(switch),
                 Ok(None) => {}
-                Err(e) => tracing::error!(%tenant, rule = name, error = %e, "tripwire: could not trip"),
+                // The counts stay: the next call counted decides again.
+                Err(e) => tracing::error!(%tenant, rule = rule.name, error = %e, "tripwire: could not trip"),
             }
         }
         match failed {
@@ -188,22 +206,31 @@ impl Guard {
         let entry = AuditEntry::new(rule.tenant.clone(), now, &switch.engaged_by, "tripwire.trip", switch.target.id())
             .why(Some(switch.reason.clone()))
             .details(details);
-        if !self.store().create_control(&ControlDoc::of_switch(&switch), &entry).await? {
-            // Engaged already: by another instance's trip, an earlier one, or a person.
+        let created = self.store().create_control(&ControlDoc::of_switch(&switch), &entry).await?;
+        // Engaged now, or already (by another instance's trip, an earlier one, or a person):
+        // either way counting starts again from nothing, once the switch is released.
+        if let Err(e) = self.store().clear_symptoms(&rule.tenant, &rule.counts_key(), &subject.key()).await {
+            tracing::warn!(tenant = %rule.tenant, rule = rule.name, error = %e, "tripwire: its counts could not be cleared");
+        }
+        if !created {
             return Ok(None);
         }
+        // From here on the switch is engaged and audited: what follows is done as far as it
+        // goes (each failure logged), and the switch is reported whatever failed. (An instance
+        // stopped here leaves the switch engaged, without the revocation or rollback: the audit
+        // entry `tripwire.trip` says what the rule asked for.)
         tracing::warn!(tenant = %rule.tenant, rule = rule.name, target = %switch.target, reason = switch.reason, "tripwire tripped");
-        self.refresh_controls().await?;
         self.observer.tripped(&switch);
-        // Counting starts again once the switch is released.
-        if let Err(e) = self.store().clear_symptoms(&rule.tenant, &rule.name, &subject.key()).await {
-            tracing::warn!(tenant = %rule.tenant, rule = rule.name, error = %e, "tripwire: its counts could not be cleared");
+        if let Err(e) = self.refresh_controls().await {
+            tracing::warn!(error = %e, "tripwire: could not read the switches back; other claims see it within a second");
         }
         if rule.revoke_leases {
             self.revoke_for_trip(&switch).await;
         }
         if let (true, Some(run)) = (rule.rollback, run) {
-            self.start_rollback(&switch.engaged_by, &rule.tenant, &run, switch.reason.clone()).await?;
+            if let Err(e) = self.start_rollback(&switch.engaged_by, &rule.tenant, &run, switch.reason.clone()).await {
+                tracing::error!(tenant = %rule.tenant, %run, error = %e, "tripwire: could not start the run's rollback");
+            }
         }
         Ok(Some(switch))
     }
@@ -211,15 +238,22 @@ impl Guard {
     /// Revokes the leases a tripped switch covers now, and once more after every instance has
     /// seen the switch (as [`Guard::engage_switch`] does), in the background.
     async fn revoke_for_trip(&self, switch: &Switch) {
-        let detail = format!("leases revoked by the switch on {}: {}", switch.target, switch.reason);
+        let detail = format!("{}{}: {}", crate::control::REVOKED_BY_SWITCH, switch.target, switch.reason);
         let (tenant, target) = (switch.tenant.clone(), switch.target.clone());
         let first = self.store().revoke_leases(&tenant, &target, &detail, self.clock().now()).await;
         if let Err(e) = &first {
             tracing::error!(%tenant, %target, error = %e, "tripwire: could not revoke leases");
         }
-        let guard = self.clone();
+        let (guard, engaged_at) = (self.clone(), switch.engaged_at);
         tokio::spawn(async move {
             tokio::time::sleep(CONTROL_MAX_AGE + CONTROL_REFRESH).await;
+            // Unless it was released (or engaged anew) meanwhile.
+            let still_engaged = guard.refresh_controls().await.is_ok_and(|controls| {
+                controls.switches.iter().any(|s| s.tenant == tenant && s.target == target && s.engaged_at == engaged_at)
+            });
+            if !still_engaged {
+                return;
+            }
             let later = guard.clock().now();
             let second = guard.store().revoke_leases(&tenant, &target, &detail, later).await;
             let revoked = first.unwrap_or(0) + second.as_ref().copied().unwrap_or(0);
@@ -245,9 +279,15 @@ impl Guard {
         for switch in due {
             let rule = switch.tripwire.as_ref().map_or("", |t| t.rule.as_str());
             let why = Some(format!("released by tripwire {rule}: auto_release_after passed"));
-            if self.release_switch(&actor(rule), &switch.tenant, &switch.target, why).await?.is_some() {
+            let entry = AuditEntry::new(switch.tenant.clone(), now, &actor(rule), "switch.release", switch.target.id()).why(why);
+            // Only the switch read as due: one engaged on the target since (a person's, a new
+            // trip's) stays.
+            if self.store().delete_control_if(&ControlDoc::of_switch(switch), &entry).await? {
                 released += 1;
             }
+        }
+        if released > 0 {
+            self.refresh_controls().await?;
         }
         Ok(released)
     }

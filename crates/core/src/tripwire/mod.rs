@@ -29,7 +29,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId, Timestamp};
-use crate::record::{OutcomeKind, Record, RecordState};
+use crate::record::{Acquired, ClaimOutcome, OutcomeKind, Record, RecordState, RecoveryReason};
 
 mod guard;
 mod tally;
@@ -39,12 +39,21 @@ pub use tally::{Tallies, Tally};
 /// How often an instance adds what it saw to the store's counts and decides its rules.
 pub const FLUSH: Duration = Duration::from_secs(1);
 
+/// The most rules a tenant may have.
+pub const MAX_RULES: usize = 100;
+
+/// The most one flush adds to one count (calls, or units spent): the store's counts stay far
+/// from overflowing, whatever cost a completion reports.
+pub const MAX_ADD: u64 = 1 << 40;
+
 /// The longest window a rule may watch.
 pub const MAX_WINDOW: Duration = Duration::from_secs(24 * 3600);
 
 /// A rule. Its id within the tenant is its `name`.
+///
+/// Stored without `deny_unknown_fields` (nor its parts): a later version's fields are passed
+/// over by this one instead of failing every instance's read of the control documents.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Tripwire {
     /// Its tenant.
     pub tenant: TenantId,
@@ -80,17 +89,19 @@ pub struct Tripwire {
 
 /// What a rule counts, with its threshold. Each comes down to a [`Tally`] per minute.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Symptom {
-    /// The share of finished attempts that failed for good, ended with their outcome reported
-    /// unknown, or were recoveries of an attempt that did not finish: trips above `above` (0 to 1).
+    /// The share of attempts that went wrong: counted are attempts that finished (completed,
+    /// failed, released for a retry, or reported unknown) and recoveries; bad are those that
+    /// failed for good, reported the outcome unknown, or recovered an attempt that did not
+    /// finish (but for one a kill switch revoked). Trips above `above` (0 to below 1).
     FailureRate {
         /// The threshold, a share (0.2: one in five).
         above: f64,
     },
-    /// The latency of effects, claim to completion: trips when more than `1 - quantile` of the
-    /// completed ones took longer than `above_ms` (p95 above 2 s: `quantile` 0.95, `above_ms`
-    /// 2000).
+    /// The latency of effects, claim to completion, of first attempts (a later attempt's record
+    /// keeps no start of its own): trips when more than `1 - quantile` of the completed ones took
+    /// longer than `above_ms` (p95 above 2 s: `quantile` 0.95, `above_ms` 2000).
     Latency {
         /// 0.5 to 0.999.
         quantile: f64,
@@ -158,7 +169,6 @@ impl Subject {
 
 /// Why a rule tripped: the figures it was decided on. Kept in the switch it engaged.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Trip {
     /// The rule's name.
     pub rule: String,
@@ -224,6 +234,12 @@ impl Tripwire {
         (self.window.as_secs() / 60).max(1)
     }
 
+    /// Where the store keeps its counts: its name and when it was set, so that a rule set
+    /// anew (another symptom, another threshold) starts from nothing.
+    pub fn counts_key(&self) -> String {
+        format!("{}@{}", self.name, self.set_at.0)
+    }
+
     /// Whether it watches a key in `namespace`.
     pub fn watches(&self, namespace: &Namespace) -> bool {
         self.prefix.as_ref().is_none_or(|p| namespace.is_within(p))
@@ -245,11 +261,11 @@ impl Tripwire {
             Symptom::FailureRate { .. } => {
                 let failed = record.outcome.as_ref().is_some_and(|o| o.kind == OutcomeKind::Failure && completed);
                 let unknown = record.state == RecordState::InProgress && record.unknown.is_some();
-                // A later attempt finishing is a recovery's.
-                let bad = failed || unknown || record.attempt > 1;
-                Tally { calls: 1, bad: u64::from(bad) }
+                Tally { calls: 1, bad: u64::from(failed || unknown) }
             }
-            Symptom::Latency { above_ms, .. } if completed => {
+            // A recovery's record keeps its first attempt's creation; a retry's is its own, but
+            // nothing tells the two apart here: first attempts only.
+            Symptom::Latency { above_ms, .. } if completed && record.attempt == 1 => {
                 let took = now.0.saturating_sub(record.created_at.0);
                 Tally { calls: 1, bad: u64::from(took > above_ms) }
             }
@@ -259,16 +275,27 @@ impl Tripwire {
                     SpendUnit::Cost => outcome.and_then(|o| o.cost),
                     SpendUnit::Tokens => outcome.and_then(|o| o.tokens),
                 };
-                Tally { calls: 1, bad: spent.unwrap_or(0) }
+                Tally { calls: 1, bad: spent.unwrap_or(0).min(MAX_ADD) }
             }
             _ => Tally::default(),
         }
     }
 
-    /// What a claim's answer adds (mismatches only): `mismatch` if it was refused as one.
-    pub fn on_claimed(&self, mismatch: bool) -> Tally {
-        match self.symptom {
-            Symptom::Mismatches { .. } => Tally { calls: 1, bad: u64::from(mismatch) },
+    /// What a claim's answer adds: to mismatches, a call (bad if it was refused as one); to the
+    /// failure rate, a recovery (bad, unless the attempt it recovers was revoked by a kill
+    /// switch: that is the switch's doing, not the tool's).
+    pub fn on_claimed(&self, outcome: &ClaimOutcome) -> Tally {
+        match (self.symptom, outcome) {
+            (Symptom::Mismatches { .. }, ClaimOutcome::Mismatch) => Tally { calls: 1, bad: 1 },
+            (Symptom::Mismatches { .. }, ClaimOutcome::Proceed(would)) => {
+                Tally { calls: 1, bad: u64::from(matches!(**would, ClaimOutcome::Mismatch)) }
+            }
+            (Symptom::Mismatches { .. }, _) => Tally { calls: 1, bad: 0 },
+            (Symptom::FailureRate { .. }, ClaimOutcome::Acquired(Acquired { recovery: Some(recovery), .. })) => {
+                let revoked = matches!(&recovery.reason, RecoveryReason::ReportedUnknown { detail }
+                    if detail.starts_with(crate::control::REVOKED_BY_SWITCH));
+                Tally { calls: 1, bad: u64::from(!revoked) }
+            }
             _ => Tally::default(),
         }
     }
@@ -292,13 +319,14 @@ impl Tripwire {
         match self.symptom {
             Symptom::FailureRate { above } => {
                 let share = bad as f64 / calls as f64;
-                (share > above).then(|| {
+                (bad as f64 > above * calls as f64).then(|| {
                     format!("failure rate {share:.2} ({bad} of {calls} attempts) over {window}, above {above}")
                 })
             }
             Symptom::Latency { quantile, above_ms } => {
-                let slow = bad as f64 / calls as f64;
-                (slow > 1.0 - quantile).then(|| {
+                // In thousandths, so that p90 at exactly 10 % slow does not trip, as p95 at 5 %.
+                let allowed = 1000 - (quantile * 1000.0).round() as u64;
+                (u128::from(bad) * 1000 > u128::from(allowed) * u128::from(calls)).then(|| {
                     let q = (quantile * 1000.0).round() / 10.0;
                     format!("p{q} latency above {above_ms} ms ({bad} of {calls} effects slower) over {window}")
                 })

@@ -25,6 +25,11 @@ impl Tally {
         self.calls == 0 && self.bad == 0
     }
 
+    /// It with each count at most [`super::MAX_ADD`].
+    pub fn clamped(self) -> Tally {
+        Tally { calls: self.calls.min(super::MAX_ADD), bad: self.bad.min(super::MAX_ADD) }
+    }
+
     /// Adds `other` to it.
     pub fn add(&mut self, other: Tally) {
         self.calls = self.calls.saturating_add(other.calls);
@@ -36,7 +41,7 @@ impl Tally {
 /// subjects wait for the next flush's room and are not counted (a warning says so).
 const MAX_SUBJECTS: usize = 100_000;
 
-/// Where a tally goes: the tenant, the rule's name and the subject.
+/// Where a tally goes: the tenant, the rule's [`Tripwire::counts_key`] and the subject.
 pub(crate) type TallyKey = (TenantId, String, Subject);
 
 /// What this instance saw since its last flush. Adding takes a short lock and never waits on
@@ -61,10 +66,10 @@ impl Tallies {
     ) {
         let mut counts = None;
         for rule in rules.iter().filter(|r| &r.tenant == tenant && r.watches(namespace)) {
-            let tally = of(rule);
+            let tally = of(rule).clamped();
             let Some(subject) = rule.subject(run).filter(|_| !tally.is_empty()) else { continue };
             let counts = counts.get_or_insert_with(|| self.counts());
-            let key = (tenant.clone(), rule.name.clone(), subject);
+            let key = (tenant.clone(), rule.counts_key(), subject);
             if let Some(kept) = counts.get_mut(&key) {
                 kept.add(tally);
             } else if counts.len() < MAX_SUBJECTS {
@@ -84,7 +89,9 @@ impl Tallies {
     pub(crate) fn put_back(&self, key: TallyKey, tally: Tally) {
         let mut counts = self.counts();
         if counts.len() < MAX_SUBJECTS || counts.contains_key(&key) {
-            counts.entry(key).or_default().add(tally);
+            let kept = counts.entry(key).or_default();
+            kept.add(tally);
+            *kept = kept.clamped();
         }
     }
 }

@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::domain::{Fence, Fingerprint, Key, Scope};
-use crate::record::Outcome;
+use crate::record::{ClaimOutcome, Outcome};
 
 fn rule(symptom: Symptom) -> Tripwire {
     Tripwire {
@@ -63,15 +63,33 @@ fn a_failure_rate_trips_above_its_share_and_never_below_the_minimum_calls() {
     assert_eq!(r.crossed(Tally { calls: 20, bad: 4 }), None, "at the threshold, not above");
     let why = r.crossed(Tally { calls: 20, bad: 5 }).expect("above 0.2");
     assert!(why.contains("5 of 20") && why.contains("5 min"), "{why}");
-    // What finished attempts add: a success is a call, a failure, a recovery or an unknown
-    // outcome a bad one.
+    // What finished attempts add: a success (a retry's too) is a call, a failure or an
+    // unknown outcome a bad one.
     let now = Timestamp(1_000);
     assert_eq!(r.on_finished(&record(OutcomeKind::Success, 1, 0, None), now), Tally { calls: 1, bad: 0 });
     assert_eq!(r.on_finished(&record(OutcomeKind::Failure, 1, 0, None), now), Tally { calls: 1, bad: 1 });
-    assert_eq!(r.on_finished(&record(OutcomeKind::Success, 2, 0, None), now), Tally { calls: 1, bad: 1 });
+    assert_eq!(r.on_finished(&record(OutcomeKind::Success, 2, 0, None), now), Tally { calls: 1, bad: 0 }, "a retry");
     let mut unknown = record(OutcomeKind::Success, 1, 0, None);
     (unknown.state, unknown.outcome, unknown.unknown) = (RecordState::InProgress, None, Some("timeout".into()));
     assert_eq!(r.on_finished(&unknown, now), Tally { calls: 1, bad: 1 });
+    // A recovery is a bad call when claimed, unless a switch revoked the attempt it recovers.
+    let recovery = |reason| {
+        ClaimOutcome::Acquired(crate::record::Acquired {
+            fence: Fence(2),
+            attempt: 2,
+            lease_expires_at: Timestamp(9),
+            recovery: Some(crate::record::Recovery {
+                previous_fence: Fence(1),
+                previous_attempt: 1,
+                reason,
+                last_checkpoint: None,
+            }),
+        })
+    };
+    assert_eq!(r.on_claimed(&recovery(RecoveryReason::LeaseExpired)), Tally { calls: 1, bad: 1 });
+    let revoked = format!("{}namespace:agents: runaway", crate::control::REVOKED_BY_SWITCH);
+    assert_eq!(r.on_claimed(&recovery(RecoveryReason::ReportedUnknown { detail: revoked })), Tally { calls: 1, bad: 0 });
+    assert_eq!(r.on_claimed(&ClaimOutcome::Mismatch), Tally::default(), "not this rule's symptom");
 }
 
 #[test]
@@ -80,6 +98,12 @@ fn latency_counts_effects_slower_than_the_bound_against_the_quantile() {
     let fast = r.on_finished(&record(OutcomeKind::Success, 1, 0, None), Timestamp(1_999));
     let slow = r.on_finished(&record(OutcomeKind::Success, 1, 0, None), Timestamp(2_001));
     assert_eq!((fast, slow), (Tally { calls: 1, bad: 0 }, Tally { calls: 1, bad: 1 }));
+    // A later attempt's record keeps the first's creation: not counted.
+    assert!(r.on_finished(&record(OutcomeKind::Success, 2, 0, None), Timestamp(9_000)).is_empty());
+    // p90 at exactly 10 % slow is at the bound, not above it.
+    let p90 = rule(Symptom::Latency { quantile: 0.9, above_ms: 2_000 });
+    assert_eq!(p90.crossed(Tally { calls: 100, bad: 10 }), None);
+    assert!(p90.crossed(Tally { calls: 100, bad: 11 }).is_some());
     assert_eq!(r.crossed(Tally { calls: 100, bad: 5 }), None, "5 % slower: p95 at the bound");
     let why = r.crossed(Tally { calls: 100, bad: 6 }).expect("6 % slower: p95 above 2 s");
     assert!(why.starts_with("p95 latency above 2000 ms"), "{why}");
@@ -92,12 +116,13 @@ fn spend_and_mismatches_are_rates_per_minute_of_the_window() {
     assert_eq!(spend.crossed(Tally { calls: 50, bad: 500 }), None, "100 a minute over 5 minutes");
     assert!(spend.crossed(Tally { calls: 50, bad: 501 }).is_some());
     let mismatches = rule(Symptom::Mismatches { per_minute: 2 });
-    assert_eq!(mismatches.on_claimed(true), Tally { calls: 1, bad: 1 });
-    assert_eq!(mismatches.on_claimed(false), Tally { calls: 1, bad: 0 });
+    assert_eq!(mismatches.on_claimed(&ClaimOutcome::Mismatch), Tally { calls: 1, bad: 1 });
+    let would = ClaimOutcome::Proceed(Box::new(ClaimOutcome::Mismatch));
+    assert_eq!(mismatches.on_claimed(&would), Tally { calls: 1, bad: 1 }, "observe mode's would-be mismatch");
     assert_eq!(mismatches.on_stale(), Tally { calls: 1, bad: 1 });
     assert!(mismatches.crossed(Tally { calls: 40, bad: 11 }).is_some());
     // Other symptoms take nothing from claims and stale calls.
-    assert!(spend.on_claimed(true).is_empty() && spend.on_stale().is_empty());
+    assert!(spend.on_claimed(&ClaimOutcome::Mismatch).is_empty() && spend.on_stale().is_empty());
 }
 
 #[test]
@@ -139,8 +164,8 @@ fn tallies_add_per_rule_and_subject_and_skip_calls_a_rule_does_not_watch() {
     assert_eq!(
         taken,
         vec![
-            ((tenant.clone(), "per-run".into(), Subject::Run(run)), Tally { calls: 1, bad: 1 }),
-            ((tenant, "runaway".into(), Subject::Scope), Tally { calls: 2, bad: 2 }),
+            ((tenant.clone(), "per-run@0".into(), Subject::Run(run)), Tally { calls: 1, bad: 1 }),
+            ((tenant, "runaway@0".into(), Subject::Scope), Tally { calls: 2, bad: 2 }),
         ]
     );
     assert!(tallies.take().is_empty(), "taken once");

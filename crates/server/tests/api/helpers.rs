@@ -232,6 +232,10 @@ impl ControlStore for BreakableStore {
         self.up()?.create_control(doc, audit).await
     }
 
+    async fn delete_control_if(&self, expected: &ControlDoc, audit: &AuditEntry) -> Result<bool, StoreError> {
+        self.up()?.delete_control_if(expected, audit).await
+    }
+
     async fn count_symptoms(
         &self,
         t: &TenantId,

@@ -48,79 +48,139 @@ async fn trips_of(store: &Arc<dyn Store>) -> Vec<AuditEntry> {
     store.list_audit(&TenantId::parse("acme").unwrap(), &filter).await.unwrap().items
 }
 
+/// One effect of `run` through `guard`: claimed, then completed (`ok`) or failed for good.
+/// Answers the claim's refusal by a switch, if it was refused.
+async fn effect(guard: &Guard, key: &str, run: &str, ok: bool) -> Option<String> {
+    let req = in_run(&scope(key), "pay", run, 0);
+    match guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() {
+        ClaimOutcome::Acquired(a) => {
+            let outcome = if ok { Mutation::Complete(success("paid")) } else { failure("declined") };
+            assert!(matches!(guard.mutate(&req.scope, a.fence, outcome).await.unwrap(), FencedOutcome::Applied(_)));
+            None
+        }
+        ClaimOutcome::Denied(Denial::SwitchEngaged { target, why }) => Some(format!("{target}: {why}")),
+        other => panic!("{key} answered {other:?}"),
+    }
+}
+
+/// Both instances add their counts at once, then read the switches (every instance sees a
+/// switch within a second; here at once). Answers the switches they engaged.
+async fn flush_both(a: &Guard, b: &Guard) -> Vec<Switch> {
+    let (x, y) = tokio::join!(a.flush_tripwires(), b.flush_tripwires());
+    a.refresh_controls().await.unwrap();
+    b.refresh_controls().await.unwrap();
+    x.unwrap().into_iter().chain(y.unwrap()).collect()
+}
+
 /// A run whose effects start failing trips its rule within the window, on two instances that
-/// each see half of its calls: the figures are the store's sums, so the trip comes after the
-/// same number of effects as on one instance; one switch on the run is engaged (and audited)
-/// once, and both instances refuse the run's next claim. Another run with as many failures but
-/// fewer calls than `min_calls` trips nothing.
+/// each run half of its effects and add their counts at the same moment: the figures are the
+/// store's sums, so the trip comes after the same number of effects as on one instance, and of
+/// the two instances crossing the threshold at once one engages the switch (audited once).
+/// Both refuse the run's next claim. Another run with failures but fewer calls than
+/// `min_calls` trips nothing; once a person releases the switch, counting starts from nothing.
 pub async fn a_runaway_run_trips_its_rule_once_across_two_instances(store: Subject) {
     let c = case(store.clone()).await;
     let other = second_instance(&c, &store).await;
     let rule = runaway_rule(Symptom::FailureRate { above: 0.5 }, Per::Run);
     c.guard.set_tripwire(rule, None).await.unwrap();
     other.refresh_controls().await.unwrap();
-    let instances = [&c.guard, &other];
 
-    // A quiet run: 9 effects, all failing, below min_calls.
-    for i in 0..9 {
-        let guard = instances[i % 2];
-        let req = in_run(&scope(&format!("quiet-{i}")), "pay", "quiet", 0);
-        let ClaimOutcome::Acquired(a) = guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() else {
-            panic!("the quiet run's claim {i} acquires")
-        };
-        guard.mutate(&req.scope, a.fence, failure("declined")).await.unwrap();
-        guard.flush_tripwires().await.unwrap();
+    // A quiet run: 8 effects, all failing, below min_calls (10).
+    for i in 0..4 {
+        assert_eq!(effect(&c.guard, &format!("quiet-{i}-a"), "quiet", false).await, None);
+        assert_eq!(effect(&other, &format!("quiet-{i}-b"), "quiet", false).await, None);
+        assert!(flush_both(&c.guard, &other).await.is_empty());
     }
 
-    // The runaway run: 10 effects succeed, then every one fails (the symptom begins at effect
-    // 10). Each instance adds its counts after each effect.
+    // The runaway run: its first 10 effects succeed, then every one fails (the symptom begins
+    // at effect 11). Each round, each instance runs one effect, then both add their counts.
     let mut tripped = Vec::new();
     let mut ran = 0;
-    for i in 0..60 {
-        let guard = instances[i % 2];
-        let req = in_run(&scope(&format!("runaway-{i}")), "pay", "runaway", 0);
-        match guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap() {
-            ClaimOutcome::Acquired(a) => {
-                ran += 1;
-                let outcome = if i < 10 { Mutation::Complete(success("paid")) } else { failure("declined") };
-                guard.mutate(&req.scope, a.fence, outcome).await.unwrap();
+    let mut refused = None;
+    for round in 0..30 {
+        for guard in [&c.guard, &other] {
+            match effect(guard, &format!("runaway-{ran}"), "runaway", ran < 10).await {
+                None => ran += 1,
+                Some(why) => refused = refused.or(Some(why)),
             }
-            ClaimOutcome::Denied(Denial::SwitchEngaged { target, why }) => {
-                assert_eq!(target, "run:runaway");
-                assert!(why.starts_with("tripwire runaway: failure rate"), "{why}");
-                break;
-            }
-            other => panic!("the runaway run's claim {i} answered {other:?}"),
         }
-        for instance in instances {
-            tripped.extend(instance.flush_tripwires().await.unwrap());
+        if refused.is_some() {
+            assert!(round > 0);
+            break;
         }
-        // Every instance sees a switch within a second; here at once.
-        for instance in instances {
-            instance.refresh_controls().await.unwrap();
-        }
+        tripped.extend(flush_both(&c.guard, &other).await);
     }
-    // 10 successes, then failures until more than half of the window's attempts failed: the
-    // 21st effect (11 of 21).
-    assert_eq!(ran, 21, "effects run before the switch refused the run");
+    let refused = refused.expect("the run was switched off");
+    assert!(refused.starts_with("run:runaway: tripwire runaway: failure rate"), "{refused}");
+    // 10 successes, then failures until more than half of the window's attempts failed: in
+    // the 11th round (22 effects). The instance whose add came first saw 11 of 21, the other
+    // 12 of 22: either may have engaged the switch, never both.
+    assert_eq!(ran, 22, "effects run before the switch refused the run");
     assert_eq!(tripped.len(), 1, "one instance engaged the switch: {tripped:?}");
     let trip = tripped[0].tripwire.clone().expect("the switch says which rule");
-    assert_eq!((trip.calls, trip.bad, trip.run.as_ref().map(|r| r.as_str())), (21, 11, Some("runaway")));
+    assert!([(21, 11), (22, 12)].contains(&(trip.calls, trip.bad)), "{trip:?}");
+    assert_eq!(trip.run.as_ref().map(|r| r.as_str()), Some("runaway"));
     assert_eq!(trips_of(&store.store).await.len(), 1, "audited once");
-    // Both instances refuse the run; another run of the namespace still runs.
-    for guard in instances {
-        guard.refresh_controls().await.unwrap();
-        let req = in_run(&scope("after"), "pay", "runaway", 0);
-        let refused = guard.claim(crate::through_the_door(&req, Duration::ZERO)).await.unwrap();
-        assert!(matches!(refused, ClaimOutcome::Denied(Denial::SwitchEngaged { .. })), "{refused:?}");
-    }
     let elsewhere = in_run(&scope("elsewhere"), "pay", "quiet", 0);
     assert!(matches!(c.claim(&elsewhere).await, ClaimOutcome::Acquired(_)), "the quiet run never tripped");
-    // A person releases it; the rule starts counting again from nothing.
+    // A person releases it. The counts that tripped it are gone: three more failures (below
+    // min_calls on their own) trip nothing.
     let target = SwitchTarget::Run { run: RunId::parse("runaway").unwrap() };
     assert!(c.guard.release_switch("ops", &TenantId::parse("acme").unwrap(), &target, None).await.unwrap().is_some());
-    c.guard.flush_tripwires().await.unwrap();
-    assert!(matches!(c.claim(&in_run(&scope("again"), "pay", "runaway", 0)).await, ClaimOutcome::Acquired(_)));
+    other.refresh_controls().await.unwrap();
+    for i in 0..3 {
+        assert_eq!(effect(&c.guard, &format!("again-{i}"), "runaway", false).await, None);
+        assert!(flush_both(&c.guard, &other).await.is_empty(), "tripped again on the old counts");
+    }
+}
+
+/// A rule set anew (here: the same rule again) counts from nothing: counts of its earlier
+/// setting never add to the new one's.
+pub async fn a_rule_set_anew_counts_from_nothing(store: Subject) {
+    let c = case(store).await;
+    let mut rule = runaway_rule(Symptom::FailureRate { above: 0.5 }, Per::Namespace);
+    rule.min_calls = 4;
+    c.guard.set_tripwire(rule.clone(), None).await.unwrap();
+    for i in 0..3 {
+        assert_eq!(effect(&c.guard, &format!("before-{i}"), "r", false).await, None);
+        assert!(c.guard.flush_tripwires().await.unwrap().is_empty(), "3 calls, below min_calls");
+    }
+    c.clock.advance(Duration::from_millis(5));
+    c.guard.set_tripwire(rule, None).await.unwrap();
+    assert_eq!(effect(&c.guard, "after-0", "r", false).await, None);
+    assert!(c.guard.flush_tripwires().await.unwrap().is_empty(), "the earlier setting's 3 calls do not count");
+    let mut tripped = Vec::new();
+    for i in 1..4 {
+        assert_eq!(effect(&c.guard, &format!("after-{i}"), "r", false).await, None);
+        tripped.extend(c.guard.flush_tripwires().await.unwrap());
+    }
+    assert_eq!(tripped.len(), 1, "4 calls of the new setting, all failing");
+}
+
+/// A rule that rolls the run back starts its rollback, and the switch stays the tripwire's
+/// (its figures kept; audited once as the trip, not again as an engagement).
+pub async fn a_tripwire_can_roll_the_offending_run_back(store: Subject) {
+    let c = case(store.clone()).await;
+    let mut rule = runaway_rule(Symptom::FailureRate { above: 0.5 }, Per::Run);
+    (rule.min_calls, rule.rollback) = (2, true);
+    c.guard.set_tripwire(rule, None).await.unwrap();
+    let mut tripped = Vec::new();
+    for i in 0..2 {
+        assert_eq!(effect(&c.guard, &format!("undo-{i}"), "bad-plan", false).await, None);
+        tripped.extend(c.guard.flush_tripwires().await.unwrap());
+    }
+    assert_eq!(tripped.len(), 1);
+    let acme = TenantId::parse("acme").unwrap();
+    let run = RunId::parse("bad-plan").unwrap();
+    assert!(c.guard.rollback(&acme, &run).await.unwrap().is_some(), "the run is being rolled back");
+    let switches = c.guard.switches(&acme).await.unwrap();
+    assert_eq!(switches.len(), 1);
+    assert_eq!(switches[0].tripwire.as_ref().map(|t| t.rule.as_str()), Some("runaway"), "{switches:?}");
+    let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
+    let actions: Vec<String> = store.list_audit(&acme, &filter).await.unwrap().items.into_iter().map(|e| e.action).collect();
+    assert_eq!(actions.iter().filter(|a| *a == "tripwire.trip").count(), 1, "{actions:?}");
+    assert_eq!(actions.iter().filter(|a| *a == "switch.engage").count(), 0, "{actions:?}");
+    assert_eq!(actions.iter().filter(|a| *a == "run.rollback").count(), 1, "{actions:?}");
 }
 
 /// The store's counts are one atomic add-and-sum: 8 instances adding at once lose no count,
@@ -230,4 +290,15 @@ pub async fn a_spend_rule_trips_and_releases_itself(store: Subject) {
     assert_eq!(released[0].actor, "tripwire:runaway");
     c.guard.refresh_controls().await.unwrap();
     assert!(matches!(c.claim(&request(&scope("spend-after"), "embed")).await, ClaimOutcome::Acquired(_)));
+    // An instance that still sees the released switch as due never releases one a person
+    // engaged on the target since.
+    let acme = TenantId::parse("acme").unwrap();
+    let prod = SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() };
+    let due = tripped[0].clone();
+    c.guard.engage_switch("ops", &acme, prod.clone(), "by hand".into(), false).await.unwrap();
+    let stale_view = ControlDoc::of_switch(&due);
+    let entry = AuditEntry::new(acme.clone(), c.clock.now(), "tripwire:runaway", "switch.release", prod.id());
+    assert!(!store.delete_control_if(&stale_view, &entry).await.unwrap());
+    assert_eq!(c.guard.switches(&acme).await.unwrap()[0].reason, "by hand");
+    c.guard.release_switch("ops", &acme, &prod, None).await.unwrap();
 }
