@@ -245,3 +245,54 @@ def test_namespace_settings_give_the_default_lease(
         admin.delete_settings(namespace_prefix=ns)
     with pytest.raises(onceguard.NotFound):
         admin.delete_settings(namespace_prefix=ns)
+
+
+def test_a_tripwire_switches_off_a_run_whose_effects_keep_failing(
+    admin: onceguard.Client, client: onceguard.Client, ns: str
+) -> None:
+    import time
+
+    name = f"py-{uuid.uuid4().hex[:10]}"
+    rule = admin.put_tripwire(
+        name,
+        {"kind": "failure_rate", "above": 0.5},
+        window="5m",
+        min_calls=4,
+        prefix=ns,
+        per="run",
+        why="stop runs that keep failing",
+    )
+    assert (rule.name, rule.prefix, rule.per, rule.window, rule.min_calls) == (name, ns, "run", "5m", 4)
+    assert rule.symptom == {"kind": "failure_rate", "above": 0.5}
+    assert name in [r.name for r in admin.list_tripwires()]
+    run = run_id()
+    target = SwitchTarget.run(run)
+    try:
+        ran = 0
+        deadline = time.monotonic() + 30
+        denied = None
+        while time.monotonic() < deadline:
+            answer = client.claim(ns, f"charge-{ran}", request=ran, run=run)
+            if isinstance(answer, Denied):
+                denied = answer
+                break
+            assert isinstance(answer, Acquired)
+            client.fail(ns, f"charge-{ran}", answer.fence, retryable=False, error={"declined": True})
+            ran += 1
+            if ran >= 4:
+                time.sleep(1.3)  # the server adds its counts every second
+        assert denied is not None and denied.kind == "switch", "the run was never switched off"
+        assert 4 <= ran <= 6, ran
+        switch = next(s for s in client.list_switches() if s.target == target)
+        assert switch.engaged_by == f"tripwire:{name}" and switch.tripwire is not None
+        assert switch.tripwire.rule == name and switch.tripwire.run == run and switch.tripwire.calls >= 4
+        # Another run of the namespace still runs.
+        assert isinstance(client.claim(ns, "other", request=0, run=run_id()), Acquired)
+    finally:
+        admin.delete_tripwire(name, why="test done")
+        try:
+            admin.release_switch(target, "test done")
+        except onceguard.NotFound:
+            pass
+    with pytest.raises(onceguard.NotFound):
+        admin.delete_tripwire(name)

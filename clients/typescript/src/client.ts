@@ -40,6 +40,7 @@ import {
   settingsEntryOf,
   switchOf,
   tenantOf,
+  tripwireOf,
   type ApiKey,
   type Approval,
   type ApprovalPage,
@@ -57,7 +58,9 @@ import {
   type SettingsEntry,
   type Switch,
   type SwitchTarget,
+  type Symptom,
   type Tenant,
+  type Tripwire,
 } from "./models.js";
 import { checkCompensation } from "./compensation.js";
 import { NO_RETRY, Retry, notSent, sleep, type RetryOptions } from "./retry.js";
@@ -879,6 +882,55 @@ export class Client {
     const payload = body({ why: options.why, ...extra });
     const call = { method: "POST", path: `${approvalPath(id)}/${decision}`, read, body: payload, idempotent: false };
     return this.#send(call, options.signal);
+  }
+
+  /**
+   * Set (replace) a tripwire rule (admin): it engages a kill switch by itself when `symptom`
+   * crosses its threshold over `window` (whole minutes, e.g. `"5m"`) on at least `minCalls`
+   * calls. `per: "run"` counts each run apart and switches off the offending run.
+   */
+  putTripwire(
+    name: string,
+    symptom: Symptom,
+    options: {
+      readonly window: Duration;
+      readonly minCalls: number;
+      readonly prefix?: string;
+      readonly per?: "namespace" | "run";
+      readonly revokeLeases?: boolean;
+      readonly rollback?: boolean;
+      readonly autoReleaseAfter?: Duration;
+      readonly why?: string;
+    } & TenantOption,
+  ): Promise<Tripwire> {
+    const fields = {
+      name,
+      prefix: options.prefix,
+      symptom,
+      window: formatDuration(options.window),
+      min_calls: options.minCalls,
+      per: options.per ?? "namespace",
+      revoke_leases: options.revokeLeases ?? false,
+      rollback: options.rollback ?? false,
+      auto_release_after: optionalDuration(options.autoReleaseAfter),
+      why: options.why,
+      tenant: options.tenant,
+    };
+    const read = (answer: Answer): Tripwire => tripwireOf(expect(answer, 200));
+    return this.#send({ method: "PUT", path: "/v1/tripwires", read, body: body(fields) }, options.signal);
+  }
+
+  /** The tenant's tripwire rules, by name (admin). */
+  listTripwires(options: TenantOption = {}): Promise<Tripwire[]> {
+    const read = (answer: Answer): Tripwire[] => (expect(answer, 200)["tripwires"] as Json[]).map(tripwireOf);
+    return this.#send({ method: "GET", path: "/v1/tripwires", read, params: { tenant: options.tenant } }, options.signal);
+  }
+
+  /** Delete a tripwire rule (admin); a switch it engaged stays. Throws {@link NotFound} if none. Not retried once sent. */
+  deleteTripwire(name: string, options: { readonly why?: string } & TenantOption = {}): Promise<Tripwire> {
+    const params = { name, why: options.why, tenant: options.tenant };
+    const read = (answer: Answer): Tripwire => tripwireOf(expect(answer, 200));
+    return this.#send({ method: "DELETE", path: "/v1/tripwires", read, params, idempotent: false }, options.signal);
   }
 
   /** The tenant's settings, its own entry first (admin). */

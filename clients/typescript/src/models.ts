@@ -778,9 +778,76 @@ export interface Switch {
   readonly revokeLeases: boolean;
   /** How many live leases were revoked when it was engaged. */
   readonly revoked: number;
-  /** The id of the API key that engaged it. */
+  /** The id of the API key that engaged it (`tripwire:<rule>` for a tripwire's). */
   readonly engagedBy: string | null;
   readonly engagedAt: Date | null;
+  /** The tripwire that engaged it and its figures; `null` for a person's. */
+  readonly tripwire: Trip | null;
+}
+
+/** What a tripwire tripped on: the figures across instances over its window. */
+export interface Trip {
+  readonly rule: string;
+  /** The run whose calls crossed the threshold (a rule counted per run). */
+  readonly run: string | null;
+  readonly calls: number;
+  /** The bad calls among them (or the units spent). */
+  readonly bad: number;
+  readonly windowSecs: number;
+  /** When the switch is released by itself; `null`: by a person. */
+  readonly releaseAt: Date | null;
+}
+
+/** What a tripwire counts, and its threshold (as the API spells it). */
+export type Symptom =
+  | { readonly kind: "failure_rate"; readonly above: number }
+  | { readonly kind: "latency"; readonly quantile: number; readonly above_ms: number }
+  | { readonly kind: "spend"; readonly unit: "cost" | "tokens"; readonly per_minute: number }
+  | { readonly kind: "mismatches"; readonly per_minute: number };
+
+/** A tripwire rule: it engages a kill switch by itself when its symptom crosses the threshold. */
+export interface Tripwire {
+  readonly name: string;
+  /** The namespace prefix it watches; `null`: the whole tenant. */
+  readonly prefix: string | null;
+  readonly symptom: Symptom;
+  readonly window: string;
+  readonly minCalls: number;
+  readonly per: "namespace" | "run";
+  readonly revokeLeases: boolean;
+  readonly rollback: boolean;
+  readonly autoReleaseAfter: string | null;
+  readonly setBy: string | null;
+  readonly setAt: Date | null;
+}
+
+function tripOf(d: unknown): Trip | null {
+  if (d === null || typeof d !== "object") return null;
+  const t = d as Json;
+  return {
+    rule: String(t["rule"] ?? ""),
+    run: optionalString(t["run"]),
+    calls: int(t["calls"] ?? 0),
+    bad: int(t["bad"] ?? 0),
+    windowSecs: int(t["window_secs"] ?? 0),
+    releaseAt: parseOptionalTime(t["release_at"]),
+  };
+}
+
+export function tripwireOf(d: Json): Tripwire {
+  return {
+    name: String(d["name"] ?? ""),
+    prefix: optionalString(d["prefix"]),
+    symptom: (d["symptom"] ?? { kind: "failure_rate", above: 0 }) as Symptom,
+    window: String(d["window"] ?? ""),
+    minCalls: int(d["min_calls"] ?? 0),
+    per: d["per"] === "run" ? "run" : "namespace",
+    revokeLeases: Boolean(d["revoke_leases"]),
+    rollback: Boolean(d["rollback"]),
+    autoReleaseAfter: optionalString(d["auto_release_after"]),
+    setBy: optionalString(d["set_by"]),
+    setAt: parseOptionalTime(d["set_at"]),
+  };
 }
 
 function targetOf(d: unknown): SwitchTarget {
@@ -798,6 +865,7 @@ export function switchOf(d: Json): Switch {
     revoked: int(d["revoked"] ?? 0),
     engagedBy: optionalString(d["engaged_by"]),
     engagedAt: parseOptionalTime(d["engaged_at"]),
+    tripwire: tripOf(d["tripwire"]),
   };
 }
 

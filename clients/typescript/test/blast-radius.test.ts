@@ -2,7 +2,7 @@
 
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
-import { Client, DeniedError, applied, guarded, type Acquired, type Denied } from "onceguard";
+import { Client, DeniedError, NotFound, applied, guarded, type Acquired, type Denied } from "onceguard";
 import { ns, useServer } from "./server.js";
 
 const fx = useServer();
@@ -117,5 +117,51 @@ describe("settings and the audit log", () => {
     assert.equal(denied.outcome, "denied");
     assert.equal((denied as Denied).kind, "quota");
     assert.equal((denied as Denied).reason["quota"], "in_flight");
+  });
+});
+
+describe("tripwires", () => {
+  it("a rule set through the client switches off a run whose effects keep failing", async () => {
+    const namespace = ns("tripwire");
+    const name = `ts-${Math.random().toString(36).slice(2, 10)}`;
+    const run = `tw-${Math.random().toString(36).slice(2, 10)}`;
+    const rule = await fx.admin.putTripwire(name, { kind: "failure_rate", above: 0.5 }, {
+      window: "5m",
+      minCalls: 4,
+      prefix: namespace,
+      per: "run",
+      why: "stop runs that keep failing",
+    });
+    assert.deepEqual([rule.name, rule.prefix, rule.per, rule.window, rule.minCalls], [name, namespace, "run", "5m", 4]);
+    assert.deepEqual(rule.symptom, { kind: "failure_rate", above: 0.5 });
+    assert.ok((await fx.admin.listTripwires()).some((r) => r.name === name));
+    try {
+      let ran = 0;
+      let denied: Denied | undefined;
+      const deadline = Date.now() + 30_000;
+      while (Date.now() < deadline) {
+        const answer = await fx.client.claim(namespace, `charge-${ran}`, { request: ran, run });
+        if (answer.outcome === "denied") {
+          denied = answer as Denied;
+          break;
+        }
+        assert.equal(answer.outcome, "acquired");
+        await fx.client.fail(namespace, `charge-${ran}`, (answer as Acquired).fence, { retryable: false, error: { declined: true } });
+        ran += 1;
+        // The server adds its counts every second.
+        if (ran >= 4) await new Promise((resolve) => setTimeout(resolve, 1_300));
+      }
+      assert.equal(denied?.kind, "switch", "the run was switched off");
+      assert.ok(ran >= 4 && ran <= 6, `${ran} effects ran`);
+      const sw = (await fx.client.listSwitches()).find((s) => s.target.kind === "run" && s.target.run === run);
+      assert.equal(sw?.engagedBy, `tripwire:${name}`);
+      assert.equal(sw?.tripwire?.rule, name);
+      assert.equal(sw?.tripwire?.run, run);
+      assert.ok((sw?.tripwire?.calls ?? 0) >= 4);
+    } finally {
+      await fx.admin.deleteTripwire(name, { why: "test done" });
+      await fx.admin.releaseSwitch({ kind: "run", run }, { why: "test done" }).catch(() => undefined);
+    }
+    await assert.rejects(fx.admin.deleteTripwire(name), (e: unknown) => e instanceof NotFound);
   });
 });

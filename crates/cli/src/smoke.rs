@@ -253,6 +253,70 @@ async fn rolled_back_run(agent: &mut Agent, once: &mut Vec<&str>, never: &mut Ve
     Ok(())
 }
 
+/// Step 13: a tripwire stops a runaway run without a person: the rule (failure rate above half
+/// of at least 4 attempts in 5 minutes, per run) is set; the run's charges start failing; the
+/// server adds its counts every second and switches the run off by itself, and its next charge
+/// is refused (423) with the rule's figures. Another run of the namespace still runs.
+async fn tripped_run(agent: &mut Agent, once: &mut Vec<&str>, never: &mut Vec<&str>) -> Result<()> {
+    let run = format!("{}-runaway", agent.run);
+    let prefix = format!("smoke/tripwire/{}", agent.run);
+    let name = format!("runaway-{}", &agent.run[agent.run.len() - 8..]);
+    let rule = json!({
+        "name": name, "prefix": prefix, "symptom": {"kind": "failure_rate", "above": 0.5},
+        "window": "5m", "min_calls": 4, "per": "run", "why": "smoke: stop runs whose charges keep failing",
+    });
+    agent.api.put_tripwire(&rule).await?;
+    let charge = |i: usize, run: &str| Claim {
+        run: Some(run.to_owned()),
+        ..Claim::new(prefix.clone(), format!("{run}-charge-{i}"), json!({"charge": i}))
+    };
+    let mut failed = 0;
+    let mut refused = None;
+    for i in 0..20 {
+        let claim = charge(i, &run);
+        match agent.api.claim(&claim).await? {
+            ClaimAnswer::Acquired(held) => {
+                // The payment provider declines: a permanent failure, stored and replayed.
+                let done =
+                    agent.api.fail(&claim.target(), held.fence, false, &json!({"declined": true}), Spent::NOTHING).await?;
+                ensure!(matches!(done, Fenced::Applied(_)), "{done:?}");
+                failed += 1;
+                if failed >= 4 {
+                    tokio::time::sleep(Duration::from_millis(1_300)).await; // counts are added every second
+                }
+            }
+            denied @ ClaimAnswer::Denied { kind: DenialKind::Switch, .. } => {
+                refused = Some(denied);
+                break;
+            }
+            other => bail!("charge {i} answered {other:?}"),
+        }
+    }
+    let Some(ClaimAnswer::Denied { reason, .. }) = refused else { bail!("the tripwire never switched the run off") };
+    let why = reason["why"].as_str().unwrap_or_default();
+    ensure!(why.starts_with(&format!("tripwire {name}: failure rate")), "{reason}");
+    ensure!((4..=6).contains(&failed), "{failed} charges ran before the switch");
+    never.push("charge:after-trip");
+    let switches = agent.api.switches().await?;
+    let switch = switches
+        .iter()
+        .find(|s| s["target"] == json!({"kind": "run", "run": run}))
+        .context("the run's switch is listed")?;
+    ensure!(switch["engaged_by"] == format!("tripwire:{name}"), "{switch}");
+    ensure!(switch["tripwire"]["calls"].as_u64().is_some_and(|c| c >= 4), "{switch}");
+    // Another run of the namespace still runs.
+    let other = charge(0, &format!("{}-calm", agent.run));
+    let ClaimAnswer::Acquired(held) = agent.api.claim(&other).await? else { bail!("another run was refused") };
+    ensure!(agent.effect("charge:calm", held.fence).await?);
+    let done = agent.api.complete(&other.target(), held.fence, &json!({"charged": true}), Spent::NOTHING).await?;
+    ensure!(matches!(done, Fenced::Applied(_)), "{done:?}");
+    once.push("charge:calm");
+    agent.api.delete_tripwire(&name, Some("smoke done")).await?;
+    agent.api.release_switch(&json!({"kind": "run", "run": run}), Some("smoke done")).await?;
+    agent.note("13. tripwire, no person", format!("run switched off after {failed} failed charges (423 with the rule's figures)"));
+    Ok(())
+}
+
 fn name(answer: &ClaimAnswer) -> &'static str {
     match answer {
         ClaimAnswer::Acquired(_) => "acquired",
@@ -265,13 +329,16 @@ fn name(answer: &ClaimAnswer) -> &'static str {
     }
 }
 
-/// Starts a server in this process on `config`'s store with a fresh tenant and admin key.
+/// Starts a server in this process on `config`'s store with a fresh tenant and admin key, and
+/// the tripwires' background task.
 async fn local_server(config: &onceguard_server::Config) -> Result<(String, String)> {
     let guard = onceguard_server::open_guard(config).await.context("opening the store")?;
     let tenant = TenantId::parse(&format!("smoke-{:08x}", rand::random::<u32>()))?;
     guard.create_tenant("cli:smoke", &tenant).await?;
     let admin =
         guard.create_api_key("cli:smoke", &tenant, Role::Admin, "smoke").await?.context("the tenant was just made")?;
+    // The tripwires' background work, as every server runs it (step 13).
+    tokio::spawn(guard.tripwire_task(|_| {}));
     let state = onceguard_server::AppState::new(guard, config)?;
     Ok((serve(onceguard_server::router(state, config)).await?, admin.token))
 }
@@ -413,6 +480,7 @@ pub async fn run(args: SmokeArgs, config: &onceguard_server::Config) -> Result<(
     approved_payment(&mut agent, &mut once, &mut never).await?;
     reconciled_recovery(&mut agent, &mut once).await?;
     rolled_back_run(&mut agent, &mut once, &mut never).await?;
+    tripped_run(&mut agent, &mut once, &mut never).await?;
 
     // The report.
     let effects = effects.lock().unwrap_or_else(|e| e.into_inner());

@@ -509,6 +509,26 @@ async fn the_dashboard_shows_what_the_api_says() {
         "the rolled-back run is switched off too"
     );
 
+    // A tripwire set from the dashboard's form is listed at the next refresh, then deleted.
+    browser.type_into("[data-testid=tw-name]", "runaway").await;
+    browser.type_into("[data-testid=tw-prefix]", "prod/pay").await;
+    browser.type_into("[data-testid=tw-threshold]", "0.2").await;
+    browser.type_into("[data-testid=tw-min]", "10").await;
+    browser.click("[data-testid=tw-per-run]").await;
+    browser.click("[data-testid=tw-set]").await;
+    let listed = "return !!document.querySelector('[data-testid=tripwire-runaway]');";
+    browser.wait_for("the tripwire set from the form", listed).await;
+    let row = browser.shown().await["tripwire-runaway"].as_str().unwrap().to_owned();
+    let cells: Vec<&str> = row.split('\t').collect();
+    assert_eq!(cells[..6], ["runaway", "prod/pay", "failure rate > 0.2", "5m", "10", "the run"], "{row}");
+    let rules = api.get("/v1/tripwires").await;
+    assert_eq!(rules["tripwires"][0]["symptom"], json!({"kind": "failure_rate", "above": 0.2}));
+    assert_eq!(rules["tripwires"][0]["per"], "run");
+    browser.click("[data-testid=tripwire-delete-runaway]").await;
+    let gone = "return !document.querySelector('[data-testid=tripwire-runaway]');";
+    browser.wait_for("the tripwire deleted", gone).await;
+    assert_eq!(api.get("/v1/tripwires").await["tripwires"], json!([]));
+
     let to = screenshot_path();
     browser.screenshot(&to).await;
     println!("dashboard screenshot: {}", to.display());

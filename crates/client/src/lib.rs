@@ -672,6 +672,13 @@ impl Client {
         self.expect(Method::POST, "/v1/switches", Some(&body), StatusCode::CREATED).await
     }
 
+    /// The tenant's engaged switches, as `GET /v1/switches` shows them (a tripwire's names the
+    /// rule and its figures in `tripwire`).
+    pub async fn switches(&self) -> Result<Vec<Value>, ClientError> {
+        let list = self.expect(Method::GET, "/v1/switches", None, StatusCode::OK).await?;
+        Ok(list["switches"].as_array().cloned().unwrap_or_default())
+    }
+
     /// Releases a kill switch (admin key).
     pub async fn release_switch(&self, target: &Value, why: Option<&str>) -> Result<Value, ClientError> {
         let body = serde_json::json!({"target": target, "why": why});
@@ -693,6 +700,29 @@ impl Client {
     pub async fn put_settings(&self, namespace_prefix: Option<&str>, settings: &Value) -> Result<Value, ClientError> {
         let body = serde_json::json!({ "namespace_prefix": namespace_prefix, "settings": settings });
         self.expect(Method::PUT, "/v1/settings", Some(&body), StatusCode::OK).await
+    }
+
+    /// Sets (replaces) a tripwire rule (admin key): `rule` as `PUT /v1/tripwires` takes it, e.g.
+    /// `{"name": "runaway", "prefix": "agents", "symptom": {"kind": "failure_rate", "above": 0.2},
+    /// "window": "5m", "min_calls": 20, "per": "run"}`. It engages a kill switch by itself when
+    /// its symptom crosses the threshold (docs/API.md, "Tripwires").
+    pub async fn put_tripwire(&self, rule: &Value) -> Result<Value, ClientError> {
+        self.expect(Method::PUT, "/v1/tripwires", Some(rule), StatusCode::OK).await
+    }
+
+    /// The tenant's tripwire rules, by name (admin key).
+    pub async fn tripwires(&self) -> Result<Vec<Value>, ClientError> {
+        let list = self.expect(Method::GET, "/v1/tripwires", None, StatusCode::OK).await?;
+        Ok(list["tripwires"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Deletes a tripwire rule (admin key); a switch it engaged stays until released.
+    pub async fn delete_tripwire(&self, name: &str, why: Option<&str>) -> Result<Value, ClientError> {
+        let mut path = format!("/v1/tripwires?name={}", encode(name));
+        if let Some(why) = why {
+            path.push_str(&format!("&why={}", encode(why)));
+        }
+        self.expect(Method::DELETE, &path, None, StatusCode::OK).await
     }
 
     /// Deletes the settings of the tenant or of a namespace prefix (admin key); what they set is

@@ -243,8 +243,10 @@ pub struct WaitingApproval {
 pub struct ControlsView {
     /// Engaged switches (as `GET /v1/switches` lists them).
     pub switches: Vec<crate::api::SwitchView>,
-    /// One line for on-call: what is stopped, or that nothing is.
+    /// One line for on-call: what is stopped (and which tripwire stopped it), or that nothing is.
     pub summary: String,
+    /// The tenant's tripwire rules (as `GET /v1/tripwires` lists them).
+    pub tripwires: Vec<crate::api::TripwireView>,
 }
 
 /// Everything the dashboard shows for one tenant.
@@ -457,20 +459,34 @@ async fn approvals_panel(
 /// The tenant's engaged switches, from this instance's cache of what the store holds (when the
 /// store cannot be read, the summary says so).
 async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> ControlsView {
+    let tripwires = match state.guard.tripwires(tenant).await {
+        Ok(rules) => rules.iter().map(crate::api::tripwire_view).collect(),
+        Err(_) => Vec::new(),
+    };
     match state.guard.switches(tenant).await {
-        Ok(switches) if switches.is_empty() => {
-            ControlsView { switches: Vec::new(), summary: "No kill switch is engaged: claims flow.".into() }
-        }
+        Ok(switches) if switches.is_empty() => ControlsView {
+            switches: Vec::new(),
+            summary: "No kill switch is engaged: claims flow.".into(),
+            tripwires,
+        },
         Ok(switches) => {
-            let targets: Vec<String> = switches.iter().map(|s| s.target.id()).collect();
+            let targets: Vec<String> = switches
+                .iter()
+                .map(|s| match &s.tripwire {
+                    Some(_) => format!("{} ({})", s.target.id(), s.reason),
+                    None => s.target.id(),
+                })
+                .collect();
             ControlsView {
                 summary: format!("Claims refused (423) under: {}.", targets.join(", ")),
                 switches: switches.iter().map(crate::api::switch_view).collect(),
+                tripwires,
             }
         }
         Err(error) => ControlsView {
             switches: Vec::new(),
             summary: format!("Switches could not be read ({error}); claims fail closed."),
+            tripwires,
         },
     }
 }

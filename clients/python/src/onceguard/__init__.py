@@ -100,6 +100,8 @@ from .models import (
     StoredOutcome,
     Switch,
     SwitchTarget,
+    Trip,
+    Tripwire,
     Tenant,
     Usage,
 )
@@ -181,6 +183,8 @@ __all__ = [
     "StoredOutcome",
     "Switch",
     "SwitchTarget",
+    "Trip",
+    "Tripwire",
     "Tenant",
     "TransportError",
     "Unauthenticated",

@@ -45,6 +45,7 @@ from .models import (
     SettingsEntry,
     Switch,
     SwitchTarget,
+    Tripwire,
     Tenant,
 )
 
@@ -238,6 +239,15 @@ def read_switches(response: httpx.Response) -> list[Switch]:
     body = _expect(response, 200)
     items = body["switches"] if isinstance(body, dict) else body
     return [Switch.from_json(s) for s in items]
+
+
+def read_tripwire(response: httpx.Response) -> Tripwire:
+    return Tripwire.from_json(_expect(response, 200))
+
+
+def read_tripwires(response: httpx.Response) -> list[Tripwire]:
+    body = _expect(response, 200)
+    return [Tripwire.from_json(t) for t in (body["tripwires"] if isinstance(body, dict) else body)]
 
 
 def read_settings_entry(response: httpx.Response) -> SettingsEntry:
@@ -568,6 +578,46 @@ def delete_settings(
 ) -> Call[SettingsEntry]:
     params = _query(namespace_prefix=namespace_prefix, why=why, tenant=tenant)
     return Call("DELETE", "/v1/settings", read_settings_entry, params=params)
+
+
+def put_tripwire(
+    name: str,
+    symptom: Mapping[str, Any],
+    *,
+    window: Duration,
+    min_calls: int,
+    prefix: str | None = None,
+    per: str = "namespace",
+    revoke_leases: bool = False,
+    rollback: bool = False,
+    auto_release_after: Duration | None = None,
+    why: str | None = None,
+    tenant: str | None = None,
+) -> Call[Tripwire]:
+    fields = {
+        "name": name,
+        "prefix": prefix,
+        "symptom": dict(symptom),
+        "window": _wire.format_duration(window),
+        "min_calls": min_calls,
+        "per": per,
+        "revoke_leases": revoke_leases,
+        "rollback": rollback,
+        "auto_release_after": _opt_duration(auto_release_after),
+        "why": why,
+        "tenant": tenant,
+    }
+    return Call("PUT", "/v1/tripwires", read_tripwire, body=_wire.body(fields))
+
+
+def list_tripwires(tenant: str | None = None) -> Call[list[Tripwire]]:
+    return Call("GET", "/v1/tripwires", read_tripwires, params=_query(tenant=tenant))
+
+
+def delete_tripwire(name: str, *, why: str | None = None, tenant: str | None = None) -> Call[Tripwire]:
+    params = _query(name=name, why=why, tenant=tenant)
+    # Not sent twice: a deletion whose answer was lost would answer 404 the second time.
+    return Call("DELETE", "/v1/tripwires", read_tripwire, params=params, idempotent=False)
 
 
 def list_audit(

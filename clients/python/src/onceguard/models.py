@@ -816,6 +816,32 @@ class SwitchTarget:
 
 
 @dataclass(frozen=True)
+class Trip:
+    """What a tripwire tripped on: the figures across instances over its window."""
+
+    rule: str
+    #: The run whose calls crossed the threshold (a rule counted per run).
+    run: str | None
+    calls: int
+    #: The bad calls among them (or the units spent).
+    bad: int
+    window_secs: int
+    #: When the switch is released by itself; ``None``: by a person.
+    release_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Trip:
+        return cls(
+            rule=str(d.get("rule", "")),
+            run=d.get("run"),
+            calls=int(d.get("calls", 0) or 0),
+            bad=int(d.get("bad", 0) or 0),
+            window_secs=int(d.get("window_secs", 0) or 0),
+            release_at=parse_optional_time(d.get("release_at")),
+        )
+
+
+@dataclass(frozen=True)
 class Switch:
     """An engaged (or just released) kill switch."""
 
@@ -824,12 +850,15 @@ class Switch:
     revoke_leases: bool
     #: How many live leases were revoked when it was engaged.
     revoked: int
-    #: The id of the API key that engaged it.
+    #: The id of the API key that engaged it (``tripwire:<rule>`` for a tripwire's).
     engaged_by: str | None
     engaged_at: datetime | None
+    #: The tripwire that engaged it and its figures; ``None`` for a person's.
+    tripwire: Trip | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Switch:
+        trip = d.get("tripwire")
         return cls(
             target=SwitchTarget.from_json(d.get("target") or {}),
             reason=str(d.get("reason", "")),
@@ -837,6 +866,45 @@ class Switch:
             revoked=int(d.get("revoked", 0) or 0),
             engaged_by=d.get("engaged_by"),
             engaged_at=parse_optional_time(d.get("engaged_at")),
+            tripwire=Trip.from_json(trip) if isinstance(trip, Mapping) else None,
+        )
+
+
+@dataclass(frozen=True)
+class Tripwire:
+    """A tripwire rule: it engages a kill switch by itself when its symptom crosses the
+    threshold over the window (see ``Client.put_tripwire``)."""
+
+    name: str
+    #: The namespace prefix it watches; ``None``: the whole tenant.
+    prefix: str | None
+    #: What it counts and the threshold, as the API spells it, e.g.
+    #: ``{"kind": "failure_rate", "above": 0.2}``.
+    symptom: Mapping[str, Any]
+    window: str
+    min_calls: int
+    #: ``namespace`` or ``run``.
+    per: str
+    revoke_leases: bool
+    rollback: bool
+    auto_release_after: str | None
+    set_by: str | None
+    set_at: datetime | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Tripwire:
+        return cls(
+            name=str(d.get("name", "")),
+            prefix=d.get("prefix"),
+            symptom=dict(d.get("symptom") or {}),
+            window=str(d.get("window", "")),
+            min_calls=int(d.get("min_calls", 0) or 0),
+            per=str(d.get("per", "namespace")),
+            revoke_leases=bool(d.get("revoke_leases", False)),
+            rollback=bool(d.get("rollback", False)),
+            auto_release_after=d.get("auto_release_after"),
+            set_by=d.get("set_by"),
+            set_at=parse_optional_time(d.get("set_at")),
         )
 
 

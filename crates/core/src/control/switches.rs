@@ -74,7 +74,27 @@ pub struct Switch {
     pub engaged_at: Timestamp,
     /// The tripwire that engaged it and the figures it tripped on; absent for a person's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tripwire: Option<crate::tripwire::Trip>,
+    pub tripwire: Option<Trip>,
+}
+
+/// Why a tripwire rule (the `tripwire` module) tripped: the figures it was decided on. Kept in the
+/// switch it engaged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trip {
+    /// The rule's name.
+    pub rule: String,
+    /// The run whose calls crossed the threshold (`per = run`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunId>,
+    /// The calls counted in the window, across instances.
+    pub calls: u64,
+    /// The bad ones among them (or the units spent).
+    pub bad: u64,
+    /// The window, in seconds.
+    pub window_secs: u64,
+    /// When the switch is released by itself (`auto_release_after`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_at: Option<Timestamp>,
 }
 
 impl Switch {

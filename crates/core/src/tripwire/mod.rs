@@ -34,6 +34,7 @@ use crate::record::{Acquired, ClaimOutcome, OutcomeKind, Record, RecordState, Re
 mod guard;
 mod tally;
 
+pub use crate::control::Trip;
 pub use tally::{Tallies, Tally};
 
 /// How often an instance adds what it saw to the store's counts and decides its rules.
@@ -165,25 +166,6 @@ impl Subject {
             Self::Run(run) => format!("run:{run}"),
         }
     }
-}
-
-/// Why a rule tripped: the figures it was decided on. Kept in the switch it engaged.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Trip {
-    /// The rule's name.
-    pub rule: String,
-    /// The run whose calls crossed the threshold (`per = run`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub run: Option<RunId>,
-    /// The calls counted in the window, across instances.
-    pub calls: u64,
-    /// The bad ones among them (or the units spent).
-    pub bad: u64,
-    /// The window, in seconds.
-    pub window_secs: u64,
-    /// When the switch is released by itself (`auto_release_after`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub release_at: Option<Timestamp>,
 }
 
 impl Tripwire {

@@ -67,9 +67,9 @@ async function api(path, params) {
   return body;
 }
 
-async function send(path, body) {
+async function send(path, body, method = "POST") {
   const response = await fetch(path, {
-    method: "POST",
+    method,
     headers: { Authorization: `Bearer ${state.key}`, "Content-Type": "application/json" },
     body: JSON.stringify(body),
     cache: "no-store",
@@ -245,6 +245,7 @@ function render(d) {
     : `${d.store.kind}: does not answer (${d.store.error || "not checked yet"}). Claims fail closed with 503.`) + clockText);
   setText("controls", d.controls.summary);
   $("controls").classList.toggle("alert", d.controls.switches.length > 0);
+  renderTripwires(d.controls.tripwires || []);
 
   const slotSeconds = d.series.slot_seconds;
   const colors = Object.fromEntries(OUTCOMES.map((o) => [o, COLORS[o]]));
@@ -564,3 +565,76 @@ $("inspect").addEventListener("submit", (event) => {
 });
 
 if (state.key) refresh();
+
+// ---------------------------------------------------------------------------------------------
+// Tripwires: rules that engage a kill switch by themselves
+// ---------------------------------------------------------------------------------------------
+
+function symptomText(s) {
+  switch (s.kind) {
+    case "failure_rate": return `failure rate > ${s.above}`;
+    case "latency": return `p${Math.round(s.quantile * 1000) / 10} > ${s.above_ms} ms`;
+    case "spend": return `${s.unit} > ${s.per_minute}/min`;
+    case "mismatches": return `mismatches > ${s.per_minute}/min`;
+    default: return s.kind;
+  }
+}
+
+function renderTripwires(rules) {
+  $("tripwire-empty").hidden = rules.length > 0;
+  const rows = rules.map((r) => {
+    const row = document.createElement("tr");
+    row.dataset.testid = `tripwire-${r.name}`;
+    cell(row, r.name);
+    cell(row, r.prefix || "the tenant");
+    cell(row, symptomText(r.symptom));
+    cell(row, r.window);
+    cell(row, r.min_calls, "num");
+    cell(row, r.per === "run" ? "the run" : (r.prefix || "the tenant"));
+    const actions = document.createElement("td");
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "deny";
+    remove.textContent = "Delete";
+    remove.dataset.testid = `tripwire-delete-${r.name}`;
+    remove.addEventListener("click", async () => {
+      remove.disabled = true;
+      const query = new URLSearchParams({ name: r.name, why: "deleted from the dashboard", tenant: state.tenant });
+      const response = await fetch(`/v1/tripwires?${query}`, { method: "DELETE", headers: { Authorization: `Bearer ${state.key}` } });
+      setText("tw-result", response.ok ? `deleted ${r.name}` : `could not delete ${r.name} (${response.status})`);
+      remove.disabled = false;
+    });
+    actions.appendChild(remove);
+    row.appendChild(actions);
+    return row;
+  });
+  $("tripwire-rows").replaceChildren(...rows);
+}
+
+$("tripwire-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const kind = $("tw-kind").value;
+  const threshold = Number($("tw-threshold").value);
+  const symptom = {
+    failure_rate: { kind, above: threshold },
+    latency: { kind, quantile: 0.95, above_ms: Math.round(threshold) },
+    spend: { kind, unit: "cost", per_minute: Math.round(threshold) },
+    mismatches: { kind, per_minute: Math.round(threshold) },
+  }[kind];
+  const rule = {
+    name: $("tw-name").value.trim(),
+    prefix: $("tw-prefix").value.trim() || undefined,
+    symptom,
+    window: $("tw-window").value.trim(),
+    min_calls: Number($("tw-min").value),
+    per: $("tw-per-run").checked ? "run" : "namespace",
+    why: "set from the dashboard",
+    tenant: state.tenant,
+  };
+  try {
+    const set = await send("/v1/tripwires", rule, "PUT");
+    setText("tw-result", `set ${set.name}`);
+  } catch (e) {
+    setText("tw-result", e.message);
+  }
+});

@@ -36,6 +36,7 @@ from ..models import (
     Switch,
     SwitchTarget,
     Tenant,
+    Tripwire,
 )
 from . import _backend
 
@@ -392,6 +393,51 @@ class Client(ClientBase):
     ) -> SettingsEntry:
         """Delete settings (admin): what they set is inherited again. ``NotFound`` if none."""
         return self.send(_calls.delete_settings(namespace_prefix=namespace_prefix, why=why, tenant=tenant))
+
+    def put_tripwire(
+        self,
+        name: str,
+        symptom: Mapping[str, Any],
+        *,
+        window: Duration,
+        min_calls: int,
+        prefix: str | None = None,
+        per: str = "namespace",
+        revoke_leases: bool = False,
+        rollback: bool = False,
+        auto_release_after: Duration | None = None,
+        why: str | None = None,
+        tenant: str | None = None,
+    ) -> Tripwire:
+        """Set (replace) a tripwire rule (admin): it engages a kill switch by itself when
+        ``symptom`` crosses its threshold over ``window`` on at least ``min_calls`` calls, e.g.
+        ``put_tripwire("runaway", {"kind": "failure_rate", "above": 0.2}, window="5m",
+        min_calls=20, prefix="agents", per="run")``. Symptoms: ``failure_rate`` (``above``),
+        ``latency`` (``quantile``, ``above_ms``), ``spend`` (``unit`` cost or tokens,
+        ``per_minute``), ``mismatches`` (``per_minute``)."""
+        call = _calls.put_tripwire(
+            name,
+            symptom,
+            window=window,
+            min_calls=min_calls,
+            prefix=prefix,
+            per=per,
+            revoke_leases=revoke_leases,
+            rollback=rollback,
+            auto_release_after=auto_release_after,
+            why=why,
+            tenant=tenant,
+        )
+        return self.send(call)
+
+    def list_tripwires(self, *, tenant: str | None = None) -> list[Tripwire]:
+        """The tenant's tripwire rules, by name (admin)."""
+        return self.send(_calls.list_tripwires(tenant))
+
+    def delete_tripwire(self, name: str, *, why: str | None = None, tenant: str | None = None) -> Tripwire:
+        """Delete a tripwire rule (admin); a switch it engaged stays until released. ``NotFound``
+        if there is none."""
+        return self.send(_calls.delete_tripwire(name, why=why, tenant=tenant))
 
     def list_audit(
         self,
