@@ -277,8 +277,10 @@ async fn tripped_run(agent: &mut Agent, once: &mut Vec<&str>, never: &mut Vec<&s
         match agent.api.claim(&claim).await? {
             ClaimAnswer::Acquired(held) => {
                 // The payment provider declines: a permanent failure, stored and replayed.
-                let done =
-                    agent.api.fail(&claim.target(), held.fence, false, &json!({"declined": true}), Spent::NOTHING).await?;
+                let done = agent
+                    .api
+                    .fail(&claim.target(), held.fence, false, &json!({"declined": true}), Spent::NOTHING)
+                    .await?;
                 ensure!(matches!(done, Fenced::Applied(_)), "{done:?}");
                 failed += 1;
                 if failed >= 4 {
@@ -313,7 +315,10 @@ async fn tripped_run(agent: &mut Agent, once: &mut Vec<&str>, never: &mut Vec<&s
     once.push("charge:calm");
     agent.api.delete_tripwire(&name, Some("smoke done")).await?;
     agent.api.release_switch(&json!({"kind": "run", "run": run}), Some("smoke done")).await?;
-    agent.note("13. tripwire, no person", format!("run switched off after {failed} failed charges (423 with the rule's figures)"));
+    agent.note(
+        "13. tripwire, no person",
+        format!("run switched off after {failed} failed charges (423 with the rule's figures)"),
+    );
     Ok(())
 }
 

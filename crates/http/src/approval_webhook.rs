@@ -123,7 +123,9 @@ impl Webhook {
                     tracing::info!(tenant = %switch.tenant, target = %switch.target, attempt, "tripwire webhook delivered");
                     return;
                 }
-                Err(e) => tracing::warn!(tenant = %switch.tenant, target = %switch.target, attempt, error = e, "tripwire webhook failed"),
+                Err(e) => {
+                    tracing::warn!(tenant = %switch.tenant, target = %switch.target, attempt, error = e, "tripwire webhook failed")
+                }
             }
             if attempt < self.attempts {
                 tokio::time::sleep(backoff(attempt)).await;

@@ -13,8 +13,8 @@ use onceguard_core::approval::{Approval, ApprovalId};
 use onceguard_core::auth::{ApiKey, ApiKeyId, Tenant};
 use onceguard_core::control::{AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, SwitchTarget};
 use onceguard_core::rollback::Rollback;
-use onceguard_core::tripwire::Tally;
 use onceguard_core::store::{ApprovalFilter, ApprovalStore, ClaimStore, ControlStore, RunStore, TenantStore};
+use onceguard_core::tripwire::Tally;
 use onceguard_core::{
     ClaimOutcome, ClaimRequest, Fence, FencedOutcome, ListFilter, Mutation, Page, Record, RunId, Scope, Store,
     StoreError, StoreOp, TenantId, Timestamp,

@@ -464,11 +464,9 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
         Err(_) => Vec::new(),
     };
     match state.guard.switches(tenant).await {
-        Ok(switches) if switches.is_empty() => ControlsView {
-            switches: Vec::new(),
-            summary: "No kill switch is engaged: claims flow.".into(),
-            tripwires,
-        },
+        Ok(switches) if switches.is_empty() => {
+            ControlsView { switches: Vec::new(), summary: "No kill switch is engaged: claims flow.".into(), tripwires }
+        }
         Ok(switches) => {
             let targets: Vec<String> = switches
                 .iter()

@@ -124,8 +124,8 @@ use onceguard_core::control::{
     Admission, AuditEntry, AuditFilter, Budget, ControlDoc, ControlKind, Rate, Run, RunUsage, SwitchTarget,
 };
 use onceguard_core::protocol::{self, ClaimRequest, Mutation};
-use onceguard_core::tripwire::Tally;
 use onceguard_core::store::{ClaimStore, ControlStore, ListFilter, MAX_PAGE, Page, RunStore, StoreError, TenantStore};
+use onceguard_core::tripwire::Tally;
 use onceguard_core::{
     ClaimOutcome, Fence, FencedOutcome, Key, Namespace, Record, RecordState, RunId, Scope, StoreClock, TenantId,
     Timestamp,
@@ -598,13 +598,15 @@ mod tests {
                     .unwrap();
             }
         };
-        let json = |record: &Record| serde_json::from_str::<serde_json::Value>(&record.clone().into_doc().unwrap().0).unwrap();
+        let json =
+            |record: &Record| serde_json::from_str::<serde_json::Value>(&record.clone().into_doc().unwrap().0).unwrap();
         let (_, Some(record)) = protocol::claim(None, &req, now, || Fence(7)) else { panic!("acquired") };
         write_first_version_row(record.clone(), json(&record)).await;
         // Another tenant's record whose holder reported its outcome unknown: it holds no lease
         // (the first version's og_lock_leases read that from the document).
         let reported = Scope { tenant: TenantId::parse("globex").unwrap(), ..scope.clone() };
-        let (_, Some(mut unknown)) = protocol::claim(None, &ClaimRequest { scope: reported.clone(), ..req.clone() }, now, || Fence(6))
+        let (_, Some(mut unknown)) =
+            protocol::claim(None, &ClaimRequest { scope: reported.clone(), ..req.clone() }, now, || Fence(6))
         else {
             panic!("acquired")
         };
@@ -629,7 +631,8 @@ mod tests {
         // The record reported unknown does not count against its tenant's quota of 1, and is
         // listed as stuck (it waits for a person).
         assert_eq!(store.get(&reported, now).await.unwrap().unwrap().unknown.as_deref(), Some("the charge timed out"));
-        let beside = ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..reported.clone() }, ..req.clone() };
+        let beside =
+            ClaimRequest { scope: Scope { key: Key::parse("new").unwrap(), ..reported.clone() }, ..req.clone() };
         assert!(matches!(store.claim(&beside, now).await.unwrap(), ClaimOutcome::Acquired(_)));
         let stuck = ListFilter { stuck: true, limit: 10, ..ListFilter::default() };
         let listed = store.list(&reported.tenant, &stuck, now).await.unwrap();

@@ -241,7 +241,11 @@ async fn a_claim_and_its_completion_by_one_instance_are_one_round_trip_each() {
         assert_eq!((claimed.one_round_trip - before.one_round_trip, claimed.run_again), (1, 0), "{key}: {claimed:?}");
         assert!(matches!(a.mutate(&scope(key), fence, done(key), now, 8).await.unwrap(), FencedOutcome::Applied(_)));
         let completed = a.batch_stats();
-        assert_eq!((completed.one_round_trip - claimed.one_round_trip, completed.run_again), (1, 0), "{key}: {completed:?}");
+        assert_eq!(
+            (completed.one_round_trip - claimed.one_round_trip, completed.run_again),
+            (1, 0),
+            "{key}: {completed:?}"
+        );
         let stored = b.get(&scope(key), now).await.unwrap().expect("stored");
         assert_eq!((stored.fence, stored.state), (fence, RecordState::Completed));
         assert_eq!(replayed(b.claim(&request(key), now).await.unwrap()), key.as_bytes());

@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 use onceguard_core::control::{AuditEntry, AuditFilter, ControlDoc, ControlKind, LEGACY_ROLLBACK_KIND, SwitchTarget};
 use onceguard_core::rollback::Rollback;
-use onceguard_core::tripwire::Tally;
 use onceguard_core::store::{ControlStore, ListFilter, MAX_PAGE, Page, StoreError};
+use onceguard_core::tripwire::Tally;
 use onceguard_core::{Fence, Record, RecordState, RunId, TenantId, Timestamp};
 use redis::Value;
 

@@ -140,9 +140,11 @@ impl ControlStore for SqliteStore {
             )
             .and_then(|mut st| st.execute(params![t, r, s, int(minute), int(add.calls), int(add.bad)]))
             .map_err(unavailable)?;
-            conn.prepare_cached("DELETE FROM symptoms WHERE tenant = ?1 AND rule = ?2 AND subject = ?3 AND minute < ?4")
-                .and_then(|mut st| st.execute(params![t, r, s, int(since)]))
-                .map_err(unavailable)?;
+            conn.prepare_cached(
+                "DELETE FROM symptoms WHERE tenant = ?1 AND rule = ?2 AND subject = ?3 AND minute < ?4",
+            )
+            .and_then(|mut st| st.execute(params![t, r, s, int(since)]))
+            .map_err(unavailable)?;
             let (calls, bad): (i64, i64) = conn
                 .prepare_cached(
                     "SELECT coalesce(sum(calls), 0), coalesce(sum(bad), 0) FROM symptoms

@@ -138,7 +138,8 @@ impl Guard {
             let subject_key = subject.key();
             // An add whose answer was lost is added again with the next flush: counted twice,
             // never lost.
-            let sums = match self.store().count_symptoms(&tenant, &counts_key, &subject_key, minute, tally, since).await {
+            let sums = match self.store().count_symptoms(&tenant, &counts_key, &subject_key, minute, tally, since).await
+            {
                 Ok(sums) => sums,
                 Err(e) => {
                     self.tallies.put_back((tenant, counts_key, subject), tally);
@@ -202,7 +203,8 @@ impl Guard {
             engaged_at: now,
             tripwire: Some(trip.clone()),
         };
-        let details = serde_json::json!({ "tripwire": trip, "revoke_leases": rule.revoke_leases, "rollback": rule.rollback });
+        let details =
+            serde_json::json!({ "tripwire": trip, "revoke_leases": rule.revoke_leases, "rollback": rule.rollback });
         let entry = AuditEntry::new(rule.tenant.clone(), now, &switch.engaged_by, "tripwire.trip", switch.target.id())
             .why(Some(switch.reason.clone()))
             .details(details);
@@ -227,10 +229,10 @@ impl Guard {
         if rule.revoke_leases {
             self.revoke_for_trip(&switch).await;
         }
-        if let (true, Some(run)) = (rule.rollback, run) {
-            if let Err(e) = self.start_rollback(&switch.engaged_by, &rule.tenant, &run, switch.reason.clone()).await {
-                tracing::error!(tenant = %rule.tenant, %run, error = %e, "tripwire: could not start the run's rollback");
-            }
+        if let (true, Some(run)) = (rule.rollback, run)
+            && let Err(e) = self.start_rollback(&switch.engaged_by, &rule.tenant, &run, switch.reason.clone()).await
+        {
+            tracing::error!(tenant = %rule.tenant, %run, error = %e, "tripwire: could not start the run's rollback");
         }
         Ok(Some(switch))
     }
@@ -279,7 +281,8 @@ impl Guard {
         for switch in due {
             let rule = switch.tripwire.as_ref().map_or("", |t| t.rule.as_str());
             let why = Some(format!("released by tripwire {rule}: auto_release_after passed"));
-            let entry = AuditEntry::new(switch.tenant.clone(), now, &actor(rule), "switch.release", switch.target.id()).why(why);
+            let entry =
+                AuditEntry::new(switch.tenant.clone(), now, actor(rule), "switch.release", switch.target.id()).why(why);
             // Only the switch read as due: one engaged on the target since (a person's, a new
             // trip's) stays.
             if self.store().delete_control_if(&ControlDoc::of_switch(switch), &entry).await? {

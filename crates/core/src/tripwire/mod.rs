@@ -178,7 +178,11 @@ impl Tripwire {
             return Err(InvalidInput::new("name", "must be 1 to 64 of a-z 0-9 - _"));
         }
         let minutes = self.window.as_secs() / 60;
-        if self.window.as_secs() % 60 != 0 || self.window.subsec_nanos() != 0 || minutes == 0 || self.window > MAX_WINDOW {
+        if !self.window.as_secs().is_multiple_of(60)
+            || self.window.subsec_nanos() != 0
+            || minutes == 0
+            || self.window > MAX_WINDOW
+        {
             return Err(InvalidInput::new("window", "must be whole minutes, from 1m to 24h"));
         }
         if self.min_calls == 0 {
@@ -317,13 +321,17 @@ impl Tripwire {
                 let rate = bad as f64 / minutes as f64;
                 (rate > per_minute as f64).then(|| {
                     let unit = unit.as_str();
-                    format!("spend {rate:.1} {unit}/min ({bad} {unit} in {calls} effects) over {window}, above {per_minute}")
+                    format!(
+                        "spend {rate:.1} {unit}/min ({bad} {unit} in {calls} effects) over {window}, above {per_minute}"
+                    )
                 })
             }
             Symptom::Mismatches { per_minute } => {
                 let rate = bad as f64 / minutes as f64;
                 (rate > per_minute as f64).then(|| {
-                    format!("{rate:.1} mismatched or stale calls/min ({bad} of {calls}) over {window}, above {per_minute}")
+                    format!(
+                        "{rate:.1} mismatched or stale calls/min ({bad} of {calls}) over {window}, above {per_minute}"
+                    )
                 })
             }
         }

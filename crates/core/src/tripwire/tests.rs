@@ -88,7 +88,10 @@ fn a_failure_rate_trips_above_its_share_and_never_below_the_minimum_calls() {
     };
     assert_eq!(r.on_claimed(&recovery(RecoveryReason::LeaseExpired)), Tally { calls: 1, bad: 1 });
     let revoked = format!("{}namespace:agents: runaway", crate::control::REVOKED_BY_SWITCH);
-    assert_eq!(r.on_claimed(&recovery(RecoveryReason::ReportedUnknown { detail: revoked })), Tally { calls: 1, bad: 0 });
+    assert_eq!(
+        r.on_claimed(&recovery(RecoveryReason::ReportedUnknown { detail: revoked })),
+        Tally { calls: 1, bad: 0 }
+    );
     assert_eq!(r.on_claimed(&ClaimOutcome::Mismatch), Tally::default(), "not this rule's symptom");
 }
 

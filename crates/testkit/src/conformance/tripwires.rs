@@ -177,7 +177,8 @@ pub async fn a_tripwire_can_roll_the_offending_run_back(store: Subject) {
     assert_eq!(switches.len(), 1);
     assert_eq!(switches[0].tripwire.as_ref().map(|t| t.rule.as_str()), Some("runaway"), "{switches:?}");
     let filter = AuditFilter { limit: MAX_PAGE, ..AuditFilter::default() };
-    let actions: Vec<String> = store.list_audit(&acme, &filter).await.unwrap().items.into_iter().map(|e| e.action).collect();
+    let actions: Vec<String> =
+        store.list_audit(&acme, &filter).await.unwrap().items.into_iter().map(|e| e.action).collect();
     assert_eq!(actions.iter().filter(|a| *a == "tripwire.trip").count(), 1, "{actions:?}");
     assert_eq!(actions.iter().filter(|a| *a == "switch.engage").count(), 0, "{actions:?}");
     assert_eq!(actions.iter().filter(|a| *a == "run.rollback").count(), 1, "{actions:?}");
@@ -205,7 +206,7 @@ pub async fn symptom_counts_add_up_across_instances(store: Subject) {
     let last = store.count_symptoms(&acme, "r", "*", 100, Tally::default(), 99).await.unwrap();
     assert_eq!(last, Tally { calls: 400, bad: 200 });
     // The adder that finished last saw everything.
-    assert!(seen.iter().any(|t| *t == last), "{seen:?}");
+    assert!(seen.contains(&last), "{seen:?}");
     // A minute later, a window of 2 minutes still holds minute 100; one of 1 minute does not.
     let two = store.count_symptoms(&acme, "r", "*", 101, Tally { calls: 1, bad: 0 }, 100).await.unwrap();
     assert_eq!(two, Tally { calls: 401, bad: 200 });
@@ -222,7 +223,10 @@ pub async fn symptom_counts_add_up_across_instances(store: Subject) {
     // Pruning forgets the minutes before the one given (a store whose counts expire by
     // themselves, Redis, answers 0 and keeps them until then).
     if store.prune_symptoms(102).await.unwrap() > 0 {
-        assert_eq!(store.count_symptoms(&acme, "r", "run:x", 102, Tally::default(), 0).await.unwrap(), Tally::default());
+        assert_eq!(
+            store.count_symptoms(&acme, "r", "run:x", 102, Tally::default(), 0).await.unwrap(),
+            Tally::default()
+        );
     }
     assert_eq!(store.count_symptoms(&acme, "r", "run:x", 102, Tally::default(), 102).await.unwrap(), Tally::default());
 }
@@ -234,7 +238,8 @@ pub async fn a_control_document_is_created_once(store: Subject) {
     let mut creators = Vec::new();
     for i in 0..8 {
         let store = store.store.clone();
-        let doc = ControlDoc { kind: ControlKind::Switch, tenant: acme.clone(), id: "run:r".into(), body: format!("{i}") };
+        let doc =
+            ControlDoc { kind: ControlKind::Switch, tenant: acme.clone(), id: "run:r".into(), body: format!("{i}") };
         let entry = AuditEntry::new(acme.clone(), Timestamp(1_000 + i), "tripwire:t", "tripwire.trip", "run:r");
         creators.push(tokio::spawn(async move { (store.create_control(&doc, &entry).await.unwrap(), doc) }));
     }
