@@ -259,7 +259,7 @@ impl Redis {
         }
         // What every call shares, made once.
         let (tenant, namespace) = (TenantId::parse("bench")?, Namespace::parse("bench")?);
-        let fingerprint: Arc<str> = preloaded_fingerprint().as_str().into();
+        let fingerprint = Arc::new(preloaded_fingerprint());
         let retention_ms = u64::try_from(RETENTION.as_millis())?;
         let mut costs = Vec::new();
         for (v, (name, script, expect)) in variants.into_iter().enumerate() {
@@ -388,42 +388,13 @@ impl Redis {
                         let fence = base + (i - from) as u64 + 1;
                         let record = preloaded_record(i, onceguard_core::Fence(fence), now);
                         let placement = Placement::of(&record.scope);
-                        let outcome = record.outcome.as_ref().expect("a preloaded record is completed");
                         let key = keys.record(&placement);
-                        pipe.cmd("HSET")
+                        pipe.cmd("SET")
                             .arg(&key)
-                            .arg("t")
-                            .arg(record.scope.tenant.as_str())
-                            .arg("n")
-                            .arg(record.scope.namespace.as_str())
-                            .arg("k")
-                            .arg(record.scope.key.as_str())
-                            .arg("st")
-                            .arg(record.state.as_str())
-                            .arg("fp")
-                            .arg(record.fingerprint.as_str())
-                            .arg("fe")
-                            .arg(fence)
-                            .arg("at")
-                            .arg(record.attempt)
-                            .arg("re")
-                            .arg(u64::try_from(RETENTION.as_millis())?)
-                            .arg("ok")
-                            .arg("success")
-                            .arg("oc")
-                            .arg(outcome.content_type.as_str())
-                            .arg("ob")
-                            .arg(outcome.body.as_slice())
-                            .arg("co")
-                            .arg(now.0)
-                            .arg("ca")
-                            .arg(record.created_at.0)
-                            .arg("up")
-                            .arg(record.updated_at.0)
-                            .arg("ex")
-                            .arg(record.expires_at.0)
+                            .arg(onceguard_store_redis::packed_record(&record))
+                            .arg("PX")
+                            .arg(record.expires_at.0 - now.0 + margin)
                             .ignore();
-                        pipe.cmd("PEXPIRE").arg(&key).arg(record.expires_at.0 - now.0 + margin).ignore();
                         indexes.entry(placement.slot).or_default().push((record.expires_at.0, placement.member));
                     }
                     for (slot, members) in &indexes {

@@ -46,6 +46,7 @@ pub use guard::{Claim, Guard, GuardError, Resealed, Swept};
 pub use limits::Limits;
 pub use memory::MemoryStore;
 pub use observer::Observer;
+pub use packed::{media_type_number, numbered_media_type};
 pub use protocol::{ClaimRequest, Mutation};
 pub use record::{
     Acquired, Checkpoint, ClaimOutcome, Compensation, DIGEST_CONTENT_TYPE, Denial, FencedOutcome, InFlight, Outcome,

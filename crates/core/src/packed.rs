@@ -31,6 +31,18 @@ const MEDIA_TYPES: [&str; 4] = [
     "application/vnd.onceguard.not-stored+json",
 ];
 
+/// The number a media type is kept as (1 + its position in the list of media types the front
+/// ends write for nearly every record), or `None` for one spelled out. Stores that keep fields
+/// of their own (Redis) number them the same way.
+pub fn media_type_number(content_type: &str) -> Option<u8> {
+    MEDIA_TYPES.iter().position(|m| *m == content_type).map(|i| i as u8 + 1)
+}
+
+/// The media type kept as `number` ([`media_type_number`]), if this version knows it.
+pub fn numbered_media_type(number: u8) -> Option<&'static str> {
+    MEDIA_TYPES.get(usize::from(number).wrapping_sub(1)).copied()
+}
+
 #[derive(Serialize, Deserialize)]
 struct Packed<'a> {
     state: State,
@@ -138,10 +150,10 @@ impl Record {
             unknown: self.unknown.as_deref().map(Cow::Borrowed),
             retention_ms: millis(self.retention),
             outcome: self.outcome.as_ref().map(|o| {
-                let listed = MEDIA_TYPES.iter().position(|m| *m == o.content_type);
+                let listed = media_type_number(&o.content_type);
                 PackedOutcome {
                     success: o.kind == OutcomeKind::Success,
-                    media: listed.map_or(0, |i| i as u8 + 1),
+                    media: listed.unwrap_or(0),
                     media_type: listed.is_none().then_some(Cow::Borrowed(o.content_type.as_str())),
                     cost: o.cost,
                     tokens: o.tokens,
@@ -235,8 +247,7 @@ fn unpack_v1(scope: Scope, doc: &[u8], body: Option<Vec<u8>>) -> Result<Record, 
 fn unpack_outcome(o: PackedOutcome<'_>, body: Option<Vec<u8>>) -> Result<Outcome, String> {
     let content_type = match (o.media, o.media_type) {
         (0, Some(t)) => t.into_owned(),
-        (n, None) => MEDIA_TYPES
-            .get(usize::from(n).wrapping_sub(1))
+        (n, None) => numbered_media_type(n)
             .ok_or_else(|| format!("a packed record names media type {n}, which this version does not know"))?
             .to_string(),
         _ => return Err("a packed record's media type is both numbered and spelled".to_owned()),

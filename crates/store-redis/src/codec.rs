@@ -54,11 +54,80 @@ fn units(bytes: &[u8], what: &str) -> Result<Option<u64>, StoreError> {
     if bytes.is_empty() { Ok(None) } else { number(bytes, what).map(Some) }
 }
 
+/// A fingerprint as the record keeps it and the claim script compares it: a NUL, the
+/// algorithm, `:`, then the digest's bytes (40 bytes for SHA-256 instead of 71).
+pub(crate) fn fingerprint_field(fingerprint: &Fingerprint) -> Vec<u8> {
+    let (algorithm, digest) = fingerprint.as_str().split_once(':').unwrap_or(("", fingerprint.as_str()));
+    let mut field = Vec::with_capacity(2 + algorithm.len() + digest.len() / 2);
+    field.push(0);
+    field.extend_from_slice(algorithm.as_bytes());
+    field.push(b':');
+    // A parsed fingerprint's digest is lowercase hex of an even length.
+    field.extend(hex::decode(digest).unwrap_or_else(|_| digest.as_bytes().to_vec()));
+    field
+}
+
+/// [`fingerprint_field`] undone.
+fn fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
+    let Some(rest) = bytes.strip_prefix(b"\0") else {
+        return Fingerprint::parse(text(bytes)?).map_err(corrupt);
+    };
+    let colon = rest.iter().position(|&b| b == b':').ok_or_else(|| corrupt("a stored fingerprint lacks its ':'"))?;
+    let text = format!("{}:{}", text(&rest[..colon])?, hex::encode(&rest[colon + 1..]));
+    Fingerprint::parse(&text).map_err(corrupt)
+}
+
+/// A content type as the record keeps it and the fenced-call script compares it: one byte, its
+/// number, for the media types the front ends write for nearly every record
+/// ([`onceguard_core::media_type_number`]); else spelled out, after a NUL if it starts with a
+/// control byte (so that it is never read as a number).
+pub(crate) fn media_field(content_type: &str) -> Vec<u8> {
+    match onceguard_core::media_type_number(content_type) {
+        Some(number) => vec![number],
+        None if content_type.bytes().next().is_some_and(|b| b < 0x20) => {
+            [b"\0".as_slice(), content_type.as_bytes()].concat()
+        }
+        None => content_type.as_bytes().to_vec(),
+    }
+}
+
+/// [`media_field`] undone.
+fn media_type(bytes: &[u8]) -> Result<String, StoreError> {
+    match bytes {
+        [0, spelled @ ..] => Ok(text(spelled)?.to_owned()),
+        &[number] if number < 0x20 => onceguard_core::numbered_media_type(number)
+            .map(str::to_owned)
+            .ok_or_else(|| corrupt(format!("a record names media type {number}, which this version does not know"))),
+        spelled => Ok(text(spelled)?.to_owned()),
+    }
+}
+
 /// The fields of a stored record, by name.
 #[derive(Debug, Default)]
 pub(crate) struct Fields(HashMap<String, Vec<u8>>);
 
 impl Fields {
+    /// The fields of a record as the store keeps it: a MessagePack map of text to text (see
+    /// [`crate::scripts`]).
+    pub(crate) fn from_packed(bytes: &[u8]) -> Result<Self, StoreError> {
+        let mut read = bytes;
+        let unreadable = |e: &dyn std::fmt::Display| corrupt(format!("a record does not decode: {e}"));
+        let len = rmp::decode::read_map_len(&mut read).map_err(|e| unreadable(&e))?;
+        let mut map = HashMap::with_capacity(len as usize);
+        for _ in 0..len {
+            let field = packed_text(&mut read).map_err(|e| unreadable(&e))?;
+            let value = packed_text(&mut read).map_err(|e| unreadable(&e))?;
+            map.insert(
+                String::from_utf8(field.to_vec()).map_err(|_| corrupt("a field name is not UTF-8"))?,
+                value.to_vec(),
+            );
+        }
+        if !read.is_empty() {
+            return Err(corrupt("a record has bytes after its fields"));
+        }
+        Ok(Self(map))
+    }
+
     /// Pairs up `[field, value, field, value, ...]` (as `HGETALL` answers).
     pub(crate) fn from_flat(items: Vec<Vec<u8>>) -> Result<Self, StoreError> {
         if !items.len().is_multiple_of(2) {
@@ -108,7 +177,7 @@ impl Fields {
         let outcome = match self.get("ok") {
             Some(k) => Some(Outcome {
                 kind: kind(k)?,
-                content_type: self.text("oc")?.to_owned(),
+                content_type: media_type(self.need("oc")?)?,
                 body: self.need("ob")?.to_vec(),
                 cost: self.get("ocost").map(|v| units(v, "cost")).transpose()?.flatten(),
                 tokens: self.get("otok").map(|v| units(v, "tokens")).transpose()?.flatten(),
@@ -124,7 +193,7 @@ impl Fields {
         Ok(Record {
             scope,
             state,
-            fingerprint: Fingerprint::parse(self.text("fp")?).map_err(corrupt)?,
+            fingerprint: fingerprint(self.need("fp")?)?,
             fence: Fence(number(self.need("fe")?, "fence")?),
             attempt: number(self.need("at")?, "attempt")?,
             run: self.get("run").map(|r| text(r).and_then(|r| RunId::parse(r).map_err(corrupt))).transpose()?,
@@ -144,6 +213,75 @@ impl Fields {
             expires_at: self.time("ex")?,
         })
     }
+}
+
+/// A field or a value of a packed record: MessagePack text (Redis packs a Lua string as text,
+/// whatever bytes it holds).
+fn packed_text<'a>(read: &mut &'a [u8]) -> Result<&'a [u8], String> {
+    let len = rmp::decode::read_str_len(read).map_err(|e| e.to_string())? as usize;
+    if read.len() < len {
+        return Err("a field runs past the record's end".to_owned());
+    }
+    let (text, rest) = read.split_at(len);
+    *read = rest;
+    Ok(text)
+}
+
+/// A record as the scripts write it ([`crate::scripts`]): what a process that loads records
+/// into the store in bulk writes (with `SET … PX`, and the record's index entries).
+pub fn packed_record(record: &Record) -> Vec<u8> {
+    let mut fields: Vec<(String, Vec<u8>)> = vec![
+        ("t".into(), record.scope.tenant.as_str().into()),
+        ("n".into(), record.scope.namespace.as_str().into()),
+        ("k".into(), record.scope.key.as_str().into()),
+        ("st".into(), record.state.as_str().into()),
+        ("fp".into(), fingerprint_field(&record.fingerprint)),
+        ("fe".into(), record.fence.0.to_string().into()),
+        ("at".into(), record.attempt.to_string().into()),
+        ("re".into(), record.retention.as_millis().to_string().into()),
+        ("ca".into(), record.created_at.0.to_string().into()),
+        ("up".into(), record.updated_at.0.to_string().into()),
+        ("ex".into(), record.expires_at.0.to_string().into()),
+    ];
+    let mut add = |field: &str, value: Option<Vec<u8>>| fields.extend(value.map(|v| (field.to_owned(), v)));
+    add("run", record.run.as_ref().map(|r| r.as_str().into()));
+    add("ch", record.charged.then(|| b"1".to_vec()));
+    add("ap", record.approval.as_ref().map(|a| a.as_str().into()));
+    add("le", record.lease_expires_at.map(|t| t.0.to_string().into()));
+    add("un", record.unknown.as_ref().map(|u| u.as_str().into()));
+    add("co", record.completed_at.map(|t| t.0.to_string().into()));
+    if let Some(o) = &record.outcome {
+        let kind = match o.kind {
+            OutcomeKind::Success => "success",
+            OutcomeKind::Failure => "failure",
+        };
+        add("ok", Some(kind.into()));
+        add("oc", Some(media_field(&o.content_type)));
+        add("ob", Some(o.body.clone()));
+        add("ocost", o.cost.map(|c| c.to_string().into()));
+        add("otok", o.tokens.map(|t| t.to_string().into()));
+        add("orec", o.reconciled.then(|| b"1".to_vec()));
+        add("ocmp", o.compensation.is_some().then(|| compensation_field(o).into()));
+    }
+    if !record.checkpoints.is_empty() {
+        add("c0", Some(b"0".to_vec()));
+        add("cn", Some(record.checkpoints.len().to_string().into()));
+        for (i, c) in record.checkpoints.iter().enumerate() {
+            add(&format!("c.{i}"), Some(format!("{}\n{}\n{}\n{}", c.fence.0, c.at.0, c.name.as_str(), c.data).into()));
+        }
+    }
+    let mut packed = Vec::with_capacity(64 + fields.iter().map(|(f, v)| f.len() + v.len() + 2).sum::<usize>());
+    let write = |packed: &mut Vec<u8>, text: &[u8]| {
+        // Writing into a Vec cannot fail; a field is far below 4 GiB.
+        let _ = rmp::encode::write_str_len(packed, text.len() as u32);
+        packed.extend_from_slice(text);
+    };
+    let _ = rmp::encode::write_map_len(&mut packed, fields.len() as u32);
+    for (field, value) in &fields {
+        write(&mut packed, field.as_bytes());
+        write(&mut packed, value);
+    }
+    packed
 }
 
 /// A checkpoint as stored: `fence \n at \n name \n data`.
@@ -234,7 +372,7 @@ fn claim_outcome<'a>(field: &impl Fn(usize) -> Result<&'a [u8], StoreError>) -> 
             completed_at: Timestamp(number(field(3)?, "completed_at")?),
             outcome: Outcome {
                 kind: kind(field(4)?)?,
-                content_type: text(field(5)?)?.to_owned(),
+                content_type: media_type(field(5)?)?,
                 body: field(6)?.to_vec(),
                 cost: units(field(7)?, "cost")?,
                 tokens: units(field(8)?, "tokens")?,
@@ -361,4 +499,86 @@ fn compensation(value: &[u8]) -> Result<onceguard_core::Compensation, StoreError
 /// The `ocmp` field of an outcome's compensation (`""` if none).
 pub(crate) fn compensation_field(outcome: &onceguard_core::Outcome) -> String {
     outcome.compensation.as_ref().map(|c| serde_json::to_string(c).unwrap_or_default()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use onceguard_core::{Compensation, RecordState};
+
+    fn full() -> Record {
+        Record {
+            scope: Scope::new(
+                TenantId::parse("acme").unwrap(),
+                Namespace::parse("proxy/41cadae16e131edd").unwrap(),
+                Key::parse("w1-abc-1-123456").unwrap(),
+            ),
+            state: RecordState::InProgress,
+            fingerprint: Fingerprint::parse("blake3-x:00ff00ff00ff00ff00ff").unwrap(),
+            fence: Fence(1_234_567),
+            attempt: 3,
+            run: Some(RunId::parse("run-7").unwrap()),
+            charged: true,
+            approval: Some(ApprovalId::parse("apr_00112233445566778899aabb").unwrap()),
+            lease_expires_at: Some(Timestamp(1_796_348_985_331)),
+            unknown: Some("the card network timed out".to_owned()),
+            retention: Duration::from_secs(86_400),
+            outcome: Some(Outcome {
+                kind: OutcomeKind::Failure,
+                content_type: "text/csv; charset=utf-8".to_owned(),
+                body: vec![0, 159, 146, 150, b'\n'],
+                cost: Some(250),
+                tokens: Some(1_024),
+                reconciled: true,
+                compensation: Some(Compensation {
+                    name: CheckpointName::parse("refund").unwrap(),
+                    data: "{\"id\":1}".to_owned(),
+                }),
+            }),
+            completed_at: Some(Timestamp(1_796_348_955_333)),
+            checkpoints: vec![Checkpoint {
+                name: CheckpointName::parse("charged-card").unwrap(),
+                data: "{\"charge\":\"ch_1\"}\nsecond line".to_owned(),
+                fence: Fence(1_234_566),
+                at: Timestamp(1_796_348_955_332),
+            }],
+            created_at: Timestamp(1_796_348_955_331),
+            updated_at: Timestamp(1_796_348_955_333),
+            expires_at: Timestamp(1_796_435_355_333),
+        }
+    }
+
+    #[test]
+    fn a_packed_record_reads_back() {
+        let record = full();
+        assert_eq!(Fields::from_packed(&packed_record(&record)).unwrap().record().unwrap(), record);
+        let mut usual = full();
+        usual.outcome.as_mut().unwrap().content_type = "application/vnd.onceguard.http-response".to_owned();
+        usual.fingerprint = Fingerprint::sha256(b"POST /charge");
+        let packed = packed_record(&usual);
+        assert_eq!(Fields::from_packed(&packed).unwrap().record().unwrap(), usual);
+        assert!(packed_record(&record).len() > packed.len(), "numbered media type, fingerprint as bytes");
+    }
+
+    #[test]
+    fn fingerprints_and_media_types_read_back_in_either_spelling() {
+        let fp = Fingerprint::sha256(b"x");
+        assert_eq!(fingerprint_field(&fp).len(), 1 + "sha256:".len() + 32);
+        assert_eq!(fingerprint(&fingerprint_field(&fp)).unwrap(), fp);
+        assert_eq!(fingerprint(fp.as_str().as_bytes()).unwrap(), fp, "as an earlier version wrote it");
+        for media in
+            ["application/json", "application/vnd.onceguard.http-response", "text/plain", "\u{2}x", "", "\u{0}"]
+        {
+            assert_eq!(media_type(&media_field(media)).unwrap(), media, "{media:?}");
+        }
+        assert_eq!(media_field("application/json"), [1]);
+        assert!(media_type(&[30]).is_err(), "a number this version does not know");
+    }
+
+    #[test]
+    fn what_does_not_decode_is_corrupt() {
+        for bad in [&b"\xc1"[..], b"\x81\xa1t", b"\x81\xa1t\xa1a\x00", b"\x91\xa1t"] {
+            assert!(matches!(Fields::from_packed(bad), Err(StoreError::Corrupt(_))), "{bad:?}");
+        }
+    }
 }

@@ -346,6 +346,8 @@ mod runs;
 pub mod scripts;
 mod tenants;
 
+pub use codec::packed_record;
+
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -877,7 +879,7 @@ impl RedisStore {
             scope: &req.scope,
             placement,
             clock: &clock,
-            fingerprint: req.fingerprint.as_str(),
+            fingerprint: &req.fingerprint,
             lease_ms: ms(req.lease),
             retention_ms: ms(req.retention),
             run: req.run.as_ref().map_or("", |r| r.as_str()),
@@ -1001,7 +1003,7 @@ impl RedisStore {
                 };
                 invocation
                     .arg(kind)
-                    .arg(outcome.content_type.as_str())
+                    .arg(codec::media_field(&outcome.content_type))
                     .arg(outcome.body.as_slice())
                     .arg(outcome.cost.map(|c| c.to_string()).unwrap_or_default())
                     .arg(outcome.tokens.map(|t| t.to_string()).unwrap_or_default())
@@ -1067,14 +1069,14 @@ impl RedisStore {
         placement: &Placement,
     ) -> Result<(Option<Record>, Timestamp), StoreError> {
         let mut pipe = redis::pipe();
-        pipe.cmd("HGETALL").arg(self.keys.record(placement));
+        pipe.ignore_errors().cmd("GET").arg(self.keys.record(placement));
         let (replies, now) = self.query_at(conn, pipe, "read").await?;
-        let flat = replies.into_iter().next().ok_or_else(|| corrupt("a read answered no reply"))?;
-        Ok((self.decode_record(flat, placement)?, now))
+        let reply = replies.into_iter().next().ok_or_else(|| corrupt("a read answered no reply"))?;
+        Ok((self.decode_record(conn.clone(), reply, placement).await?, now))
     }
 
     /// The records at `placements`, in order, each with the store's time when it was read: one
-    /// pipeline of `HGETALL`s per slot (with its node's `TIME`), the slots' pipelines sent
+    /// pipeline of `GET`s per slot (with its node's `TIME`), the slots' pipelines sent
     /// together.
     async fn read_records(&self, placements: &[Placement]) -> Result<Vec<(Option<Record>, Timestamp)>, StoreError> {
         let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
@@ -1083,19 +1085,20 @@ impl RedisStore {
         }
         let reads = by_slot.into_values().map(|places| async move {
             let mut pipe = redis::pipe();
+            pipe.ignore_errors();
             for &i in &places {
-                pipe.cmd("HGETALL").arg(self.keys.record(&placements[i]));
+                pipe.cmd("GET").arg(self.keys.record(&placements[i]));
             }
             let mut conn = self.conn.clone();
-            let (flats, now) = self.query_at(&mut conn, pipe, "read").await?;
-            if flats.len() != places.len() {
+            let (replies, now) = self.query_at(&mut conn, pipe, "read").await?;
+            if replies.len() != places.len() {
                 return Err(corrupt("a pipeline of reads answered another number of replies"));
             }
-            places
-                .into_iter()
-                .zip(flats)
-                .map(|(i, flat)| Ok((i, self.decode_record(flat, &placements[i])?, now)))
-                .collect::<Result<Vec<_>, StoreError>>()
+            let mut read = Vec::with_capacity(places.len());
+            for (i, reply) in places.into_iter().zip(replies) {
+                read.push((i, self.decode_record(conn.clone(), reply, &placements[i]).await?, now));
+            }
+            Ok::<_, StoreError>(read)
         });
         let mut records: Vec<(Option<Record>, Timestamp)> =
             (0..placements.len()).map(|_| (None, Timestamp(0))).collect();
@@ -1105,9 +1108,29 @@ impl RedisStore {
         Ok(records)
     }
 
-    /// The record an `HGETALL` of `placement`'s key answered, if any.
-    fn decode_record(&self, flat: Value, placement: &Placement) -> Result<Option<Record>, StoreError> {
-        let fields = Fields::from_flat(strings(flat)?)?;
+    /// The record a `GET` of `placement`'s key answered, if any. A record of an earlier
+    /// version is a hash (the `GET` answered `WRONGTYPE`): it is read with `HGETALL` (a second
+    /// round trip, judged at the time of the first).
+    async fn decode_record(
+        &self,
+        mut conn: Conn,
+        reply: Value,
+        placement: &Placement,
+    ) -> Result<Option<Record>, StoreError> {
+        let fields = match reply {
+            Value::Nil => return Ok(None),
+            Value::BulkString(packed) => Fields::from_packed(&packed)?,
+            Value::ServerError(error) if error.code() == "WRONGTYPE" => {
+                let flat: Value = redis::cmd("HGETALL")
+                    .arg(self.keys.record(placement))
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(unavailable("read"))?;
+                Fields::from_flat(strings(flat)?)?
+            }
+            Value::ServerError(error) => return Err(unavailable("read")(error.into())),
+            other => return Err(corrupt(format!("a record read answered {other:?}"))),
+        };
         if fields.is_empty() {
             return Ok(None);
         }

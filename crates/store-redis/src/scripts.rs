@@ -15,22 +15,28 @@
 //! Lease expiries, completion times, checkpoint times, a run's created and updated times and
 //! every TTL (`PEXPIRE`, relative to the script's now) derive from that now.
 //!
-//! A record is a hash of text fields:
+//! A record is one string, written with its TTL in one `SET`: a MessagePack map (Redis's
+//! `cmsgpack`) of text fields to text values ([`RECORD`]):
 //!
 //! | field | meaning |
 //! | --- | --- |
 //! | `t` `n` `k` | tenant, namespace, key |
 //! | `st` | `in_progress`, `completed` or `released` |
-//! | `fp` `fe` `at` | fingerprint, fence, attempt |
+//! | `fp` `fe` `at` | fingerprint (a NUL, the algorithm, `:`, the digest's bytes), fence, attempt |
 //! | `run` | the run (absent if none) |
 //! | `ch` | `1` once the key was charged to its run (`Record::charged`; absent if not) |
 //! | `q` | the token of the lease's place in the tenant's in-flight set, when claimed under an in-flight quota (absent if not) |
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
-//! | `ok` `oc` `ob` `ocost` `otok` `orec` `ocmp` | outcome kind, content type, body (bytes), cost, tokens, `1` if reconciled, and the compensation registered (JSON) (each absent if none) |
+//! | `ok` `oc` `ob` `ocost` `otok` `orec` `ocmp` | outcome kind, content type (one byte, its number, for the media types the front ends write for nearly every record: `onceguard_core::media_type_number`; else spelled out, after a NUL if it starts with a control byte), body (bytes), cost, tokens, `1` if reconciled, and the compensation registered (JSON) (each absent if none) |
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
 //! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
+//!
+//! Earlier versions kept a record as a hash of the same fields, with the fingerprint and the
+//! content type spelled out; every script reads one as if this version had written it, and its
+//! next write turns it into a string (an earlier version's script fails on a string record
+//! instead of deciding on it).
 //!
 //! A run is a hash: `t` `r` (tenant, run), `me` `mc` `dl` (its budget: most effects, most cost,
 //! deadline; each absent if not limited), `ue` `uc` (effects and cost spent), `ca` `up`
@@ -73,6 +79,69 @@ end
 local function clock(given) return tonumber(clock_digits(given)) end
 "#;
 
+/// Reading and writing a record (see the module documentation): `load_record(key)` answers the
+/// record's fields as a table, or `nil`; `write_record(key, r, now, margin)` writes them with
+/// the record's TTL. Preceded, in every script, by the table `MEDIA` of the numbered media
+/// types ([`record_chunk`]).
+pub const RECORD: &str = r#"
+-- Timestamp::NEVER: the expiry of a record in progress (see the test below)
+local NEVER = '253402300799999'
+
+-- A record of an earlier version: a hash, its fingerprint and media type spelled out.
+local function load_legacy_record(key)
+  local flat = redis.call('HGETALL', key)
+  if #flat == 0 then return nil end
+  local r = {}
+  for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
+  local colon = string.find(r.fp or '', ':', 1, true)
+  if colon then
+    local digest = string.gsub(string.sub(r.fp, colon + 1), '..', function(h) return string.char(tonumber(h, 16)) end)
+    r.fp = '\0' .. string.sub(r.fp, 1, colon) .. digest
+  end
+  if r.oc ~= nil then
+    local first = string.byte(r.oc, 1)
+    if MEDIA[r.oc] ~= nil then
+      r.oc = MEDIA[r.oc]
+    elseif first ~= nil and first < 32 then
+      r.oc = '\0' .. r.oc
+    end
+  end
+  return r
+end
+
+local function load_record(key)
+  local v = redis.pcall('GET', key)
+  if not v then return nil end
+  -- WRONGTYPE: a hash of an earlier version
+  if type(v) == 'table' then return load_legacy_record(key) end
+  return cmsgpack.unpack(v)
+end
+
+-- Writes the record with its TTL: Redis reclaims it `margin` ms after it expires (relative to
+-- the script's now, the store's clock); the expiry index finds it for the sweep before that. In
+-- progress it never expires: no retention erases an unfinished attempt.
+local function write_record(key, r, now, margin)
+  local v = cmsgpack.pack(r)
+  if r.ex == NEVER then
+    redis.call('SET', key, v)
+  else
+    redis.call('SET', key, v, 'PX', string.format('%.0f', math.max(tonumber(r.ex) - now + margin, 1)))
+  end
+end
+"#;
+
+/// [`RECORD`] preceded by the table of numbered media types it reads records of earlier
+/// versions with (`onceguard_core::media_type_number`).
+pub fn record_chunk() -> String {
+    let mut media = String::from("local MEDIA = {");
+    for number in 1..=u8::MAX {
+        let Some(media_type) = onceguard_core::numbered_media_type(number) else { break };
+        media.push_str(&format!(" [{media_type:?}] = '\\{number}',"));
+    }
+    media.push_str(" }\n");
+    media + RECORD
+}
+
 /// Helpers shared by the scripts.
 pub const PRELUDE: &str = r#"
 local function load(key)
@@ -84,9 +153,6 @@ local function load(key)
 end
 
 local function int(x) return string.format('%.0f', x) end
-
--- Timestamp::NEVER: the expiry of a record in progress (see the test below)
-local NEVER = '253402300799999'
 
 -- Record::is_live
 local function is_live(r, now) return tonumber(r.ex) > now end
@@ -105,47 +171,15 @@ local function flat(r)
   return out
 end
 
--- A change to a loaded record: fields set and fields removed.
-local function change(r) return { r = r, set = {}, unset = {} } end
-local function set(w, f, v)
-  w.r[f] = v
-  w.set[f] = true
-  w.unset[f] = nil
-end
-local function unset(w, f)
-  w.r[f] = nil
-  w.unset[f] = true
-  w.set[f] = nil
-end
--- Runs `command key items...` in batches (Lua's unpack is bounded).
-local function batched(command, key, items, step)
-  for i = 1, #items, step do
-    redis.call(command, key, unpack(items, i, math.min(i + step - 1, #items)))
-  end
-end
+-- A change to a loaded record.
+local function change(r) return { r = r } end
+local function set(w, f, v) w.r[f] = v end
+local function unset(w, f) w.r[f] = nil end
 
-local function save(key, w)
-  local args = {}
-  for f in pairs(w.set) do
-    args[#args + 1] = f
-    args[#args + 1] = w.r[f]
-  end
-  batched('HSET', key, args, 256)
-  local gone = {}
-  for f in pairs(w.unset) do gone[#gone + 1] = f end
-  batched('HDEL', key, gone, 256)
-end
-
--- Redis reclaims the record `margin` ms after it expires (a TTL relative to the script's now,
--- the store's clock); the expiry index finds it for the sweep before that.
-local function keep_until(key, expiry_index, member, ex, now, margin)
-  if ex == NEVER then
-    -- In progress: no retention erases an unfinished attempt.
-    redis.call('PERSIST', key)
-  else
-    redis.call('PEXPIRE', key, int(tonumber(ex) - now + margin))
-  end
-  redis.call('ZADD', expiry_index, ex, member)
+-- Writes the record (write_record) and its entry in the slot's expiry index.
+local function save(key, w, expiry_index, member, now, margin)
+  write_record(key, w.r, now, margin)
+  redis.call('ZADD', expiry_index, w.r.ex, member)
 end
 
 -- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once the tenant's
@@ -322,10 +356,9 @@ if bar ~= nil then
 end
 
 -- existing.filter(|r| r.is_live(now))
-local r = load(KEYS[1])
--- Whether the hash holds fields to clear before the new record is written, and the run it
--- names (its entry in the run listing index goes if the new record names another).
-local stored = r ~= nil
+local r = load_record(KEYS[1])
+-- The run the stored record names (its entry in the run listing index goes if the new record
+-- names another).
 local stored_under = r and r.run
 if r ~= nil and not is_live(r, now) then r = nil end
 
@@ -487,9 +520,7 @@ if quota ~= '' then
   end
 end
 
-if stored then redis.call('DEL', KEYS[1]) end
-batched('HSET', KEYS[1], flat(n), 256)
-keep_until(KEYS[1], KEYS[3], member, n.ex, now, margin)
+save(KEYS[1], change(n), KEYS[3], member, now, margin)
 redis.call('ZADD', KEYS[4], 0, member)
 -- A record's run is set once (prev.run.or(req.run)); one that replaces an expired record may
 -- name another run than it did.
@@ -515,7 +546,7 @@ pub struct ClaimCall<'a> {
     /// `""` for the server's.
     pub clock: &'a str,
     /// The request's fingerprint.
-    pub fingerprint: &'a str,
+    pub fingerprint: &'a onceguard_core::Fingerprint,
     /// The lease and the retention, ms.
     pub lease_ms: u64,
     /// See `lease_ms`.
@@ -542,7 +573,7 @@ impl ClaimCall<'_> {
             .key(self.keys.listing(self.placement.slot))
             .key(self.keys.run_listing(self.placement.slot))
             .arg(self.clock)
-            .arg(self.fingerprint)
+            .arg(crate::codec::fingerprint_field(self.fingerprint))
             .arg(self.lease_ms)
             .arg(self.retention_ms)
             .arg(self.run)
@@ -618,7 +649,7 @@ local reported, given_run, raised_to = ARGV[base + 1] or '0', ARGV[base + 2] or 
 local raised = raised_to ~= ''
 local one_server = #KEYS > 2
 
-local r = load(KEYS[1])
+local r = load_record(KEYS[1])
 if r == nil or not is_live(r, now) then return { 'stale', 'no_record' } end
 if r.fe ~= fence then return { 'stale', 'superseded' } end
 
@@ -704,8 +735,7 @@ if r.q ~= nil and op == 'extend' and not one_server and not raised then
   return { 'need_quota', r.q, w.r.le }
 end
 set(w, 'up', int(now))
-save(KEYS[1], w)
-keep_until(KEYS[1], KEYS[2], member, w.r.ex, now, margin)
+save(KEYS[1], w, KEYS[2], member, now, margin)
 if one_server then
   if r.q ~= nil then
     if op == 'extend' then
@@ -755,8 +785,8 @@ pub const SWEEP_ONE: &str = r#"
 -- KEYS: record, expiry index, listing index, run listing index
 -- ARGV: the store's clock ('' for the server's), member
 local now, member = clock(ARGV[1]), ARGV[2]
-local found = redis.call('HMGET', KEYS[1], 'ex', 'run')
-local ex, run = found[1], found[2]
+local r = load_record(KEYS[1]) or {}
+local ex, run = r.ex, r.run
 if ex and tonumber(ex) > now then
   redis.call('ZADD', KEYS[2], ex, member)
   return 0
@@ -775,8 +805,8 @@ pub const PURGE: &str = r#"
 -- KEYS: record, expiry index, listing index, run listing index[, the tenant's in-flight set
 --       (one server)]
 -- ARGV: member, channel, message
-local found = redis.call('HMGET', KEYS[1], 'q', 'run')
-local token, run = found[1], found[2]
+local r = load_record(KEYS[1]) or {}
+local token, run = r.q, r.run
 local existed = redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
@@ -797,27 +827,24 @@ pub const REPLACE_VALUES: &str = r#"
 -- changes ('1' or '0'), the body before, the body after, whether the compensation changes ('1'
 -- or '0'), its field before, its field after, then for each checkpoint that changes: its place
 -- among the record's checkpoints (from 0), its field before, its field after
-local r = KEYS[1]
-local un = redis.call('HGET', r, 'un')
-if redis.call('HGET', r, 'fe') ~= ARGV[1] or redis.call('HGET', r, 'st') ~= ARGV[2]
-  or redis.call('HGET', r, 'up') ~= ARGV[3] or (redis.call('HGET', r, 'le') or '') ~= ARGV[4]
-  or (un and ('+' .. un) or '') ~= ARGV[5] then
+local r = load_record(KEYS[1])
+if r == nil or r.fe ~= ARGV[1] or r.st ~= ARGV[2] or r.up ~= ARGV[3] or (r.le or '') ~= ARGV[4]
+  or (r.un and ('+' .. r.un) or '') ~= ARGV[5] then
   return 0
 end
-local first = tonumber(redis.call('HGET', r, 'c0') or '0')
-if tonumber(redis.call('HGET', r, 'cn') or '0') - first ~= tonumber(ARGV[6]) then return 0 end
-if ARGV[7] == '1' and redis.call('HGET', r, 'ob') ~= ARGV[8] then return 0 end
-if ARGV[10] == '1' and redis.call('HGET', r, 'ocmp') ~= ARGV[11] then return 0 end
+local first = tonumber(r.c0 or '0')
+if tonumber(r.cn or '0') - first ~= tonumber(ARGV[6]) then return 0 end
+if ARGV[7] == '1' and r.ob ~= ARGV[8] then return 0 end
+if ARGV[10] == '1' and r.ocmp ~= ARGV[11] then return 0 end
 for i = 13, #ARGV, 3 do
-  if redis.call('HGET', r, 'c.' .. string.format('%.0f', first + tonumber(ARGV[i]))) ~= ARGV[i + 1] then
-    return 0
-  end
+  if r['c.' .. string.format('%.0f', first + tonumber(ARGV[i]))] ~= ARGV[i + 1] then return 0 end
 end
-if ARGV[7] == '1' then redis.call('HSET', r, 'ob', ARGV[9]) end
-if ARGV[10] == '1' then redis.call('HSET', r, 'ocmp', ARGV[12]) end
+if ARGV[7] == '1' then r.ob = ARGV[9] end
+if ARGV[10] == '1' then r.ocmp = ARGV[12] end
 for i = 13, #ARGV, 3 do
-  redis.call('HSET', r, 'c.' .. string.format('%.0f', first + tonumber(ARGV[i])), ARGV[i + 2])
+  r['c.' .. string.format('%.0f', first + tonumber(ARGV[i]))] = ARGV[i + 2]
 end
+redis.call('SET', KEYS[1], cmsgpack.pack(r), 'KEEPTTL')
 return 1
 "#;
 
@@ -833,7 +860,7 @@ pub const REVOKE: &str = r#"
 -- ARGV: the store's clock ('' for the server's), fence ('draw' or a number), detail, member,
 --       margin ms, run ('' for any), channel, message
 local now, source, detail, member, margin = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
-local r = load(KEYS[1])
+local r = load_record(KEYS[1])
 if r == nil or not is_live(r, now) or r.st ~= 'in_progress' then return { 'skipped' } end
 if ARGV[6] ~= '' and r.run ~= ARGV[6] then return { 'skipped' } end
 if r.un == detail then return { 'skipped' } end
@@ -860,8 +887,7 @@ if token ~= '' then
   unset(w, 'q')
   if source == 'draw' then redis.call('ZREM', KEYS[5], member .. '\0' .. token) end
 end
-save(KEYS[1], w)
-keep_until(KEYS[1], KEYS[3], member, w.r.ex, now, margin)
+save(KEYS[1], w, KEYS[3], member, now, margin)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
 return { 'revoked', token }
 "#;
@@ -884,7 +910,7 @@ local mark = redis.call('GET', KEYS[1]) or '0'
 if string.sub(mark, 1, 2) ~= 'm:' then redis.call('SET', KEYS[1], 'm:' .. mark) end
 local added = 0
 for i = 3, #KEYS do
-  local run = redis.call('HGET', KEYS[i], 'run')
+  local run = (load_record(KEYS[i]) or {}).run
   if run then added = added + redis.call('ZADD', KEYS[2], 0, run_member(ARGV[i - 2], run)) end
 end
 return added
@@ -896,7 +922,7 @@ return added
 /// A listing of the run that meets such an entry removes it. Answers 1 if it removed it.
 pub const PRUNE_RUN_ENTRY: &str = r#"
 -- KEYS: record, the slot's run listing index; ARGV: the entry, run
-if redis.call('HGET', KEYS[1], 'run') == ARGV[2] then return 0 end
+if (load_record(KEYS[1]) or {}).run == ARGV[2] then return 0 end
 return redis.call('ZREM', KEYS[2], ARGV[1])
 "#;
 
@@ -1270,9 +1296,11 @@ pub struct Scripts {
 
 /// The scripts.
 pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
+    let record = record_chunk();
     let with_clock = |body: &str| Script::new(&format!("{CLOCK}\n{body}"));
-    let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{PRELUDE}\n{body}"));
-    let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{PRELUDE}\n{NUMBERS}\n{body}"));
+    let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{body}"));
+    let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{NUMBERS}\n{body}"));
+    let with_record = |body: &str| format!("{record}\n{body}");
     let with_run_member = |body: &str| format!("{RUN_MEMBER}\n{body}");
     Scripts {
         claim: with_prelude(&with_run_member(CLAIM)),
@@ -1280,10 +1308,10 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),
-        sweep_one: with_clock(&with_run_member(SWEEP_ONE)),
-        purge: Script::new(&with_run_member(PURGE)),
-        index_runs: Script::new(&with_run_member(INDEX_RUNS)),
-        prune_run_entry: Script::new(PRUNE_RUN_ENTRY),
+        sweep_one: with_clock(&with_record(&with_run_member(SWEEP_ONE))),
+        purge: Script::new(&with_record(&with_run_member(PURGE))),
+        index_runs: Script::new(&with_record(&with_run_member(INDEX_RUNS))),
+        prune_run_entry: Script::new(&with_record(PRUNE_RUN_ENTRY)),
         revoke: with_prelude(REVOKE),
         reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
         reserve_run: with_numbers(RESERVE_RUN),
@@ -1302,7 +1330,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         count_symptoms: Script::new(COUNT_SYMPTOMS),
         delete_control_if: Script::new(DELETE_CONTROL_IF),
         retire_fence_counter: Script::new(RETIRE_FENCE_COUNTER),
-        replace_values: Script::new(REPLACE_VALUES),
+        replace_values: Script::new(&with_record(REPLACE_VALUES)),
         delete_control: Script::new(DELETE_CONTROL),
         create_api_key: Script::new(CREATE_API_KEY),
         revoke_api_key: Script::new(REVOKE_API_KEY),
@@ -1318,6 +1346,6 @@ mod tests {
     #[test]
     fn never_is_the_cores() {
         let never = format!("local NEVER = '{}'", onceguard_core::Timestamp::NEVER.0);
-        assert!(PRELUDE.contains(&never), "{never}");
+        assert!(RECORD.contains(&never), "{never}");
     }
 }

@@ -198,7 +198,7 @@ async fn a_fence_below_the_slots_mark_is_refused() {
             scope: &scope,
             placement: &placement,
             clock: "",
-            fingerprint: common::request(&scope).fingerprint.as_str(),
+            fingerprint: &common::request(&scope).fingerprint,
             lease_ms: 10_000,
             retention_ms: 100_000,
             run: "",
@@ -241,12 +241,16 @@ async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
     let req = common::request(&s);
     let first = common::acquire(&store, &s, now).await;
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let mut fields = redis::cmd("HSET");
-    fields.arg(Keys::new(&prefix).unwrap().record(&Placement::of(&s))).arg("c0").arg(0).arg("cn").arg(STEPS);
-    for i in 0..STEPS {
-        fields.arg(format!("c.{i}")).arg(format!("{}\n{}\nstep-{i}\n{i}", first.0, now.0));
-    }
-    fields.query_async::<()>(&mut conn).await.unwrap();
+    let write = redis::Script::new(
+        "local r = cmsgpack.unpack(redis.call('GET', KEYS[1])) \
+         r.c0, r.cn = '0', ARGV[1] \
+         for i = 0, tonumber(ARGV[1]) - 1 do \
+           r['c.' .. i] = ARGV[2] .. '\\n' .. ARGV[3] .. '\\nstep-' .. i .. '\\n' .. i \
+         end \
+         redis.call('SET', KEYS[1], cmsgpack.pack(r))",
+    );
+    let record = Keys::new(&prefix).unwrap().record(&Placement::of(&s));
+    write.key(record).arg(STEPS).arg(first.0).arg(now.0).invoke_async::<()>(&mut conn).await.unwrap();
 
     clock.advance(Duration::from_secs(11));
     let later = clock.now();
@@ -620,7 +624,7 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
         scope: &s,
         placement: &placement,
         clock: &later,
-        fingerprint: common::request(&s).fingerprint.as_str(),
+        fingerprint: &common::request(&s).fingerprint,
         lease_ms: 10_000,
         retention_ms: 100_000,
         run: "",
@@ -633,7 +637,7 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
     invocation.arg(1).arg(0).arg("").arg("token").arg("").arg("").arg("").arg(score);
     let answer: Vec<String> = invocation.invoke_async(&mut conn).await.unwrap();
     assert_eq!(answer[..4], ["acquired", "1", "1", &score.to_string()], "{answer:?}");
-    let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
+    let lease = record_field(&mut conn, &keys.record(&placement), "le").await;
     assert_eq!(lease, score.to_string());
 
     // An extension asks for its place to be raised, then, 5 ms later, ends no later than that.
@@ -655,15 +659,29 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
             .arg("")
             .arg(raised);
         let mut conn = conn.clone();
-        async move { invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap() }
+        // Lossy: an applied answer holds the record's fingerprint as bytes.
+        async move {
+            let answer = invocation.invoke_async::<Vec<Vec<u8>>>(&mut conn).await.unwrap();
+            answer.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect::<Vec<String>>()
+        }
     };
     let asked = extend(t0 + 1_000, "").await;
     let until = (t0 + 21_000).to_string();
     assert_eq!(asked, ["need_quota", "token", until.as_str()]);
     let applied = extend(t0 + 1_005, &until).await;
     assert_eq!(applied[0], "applied");
-    let lease: String = redis::cmd("HGET").arg(keys.record(&placement)).arg("le").query_async(&mut conn).await.unwrap();
+    let lease = record_field(&mut conn, &keys.record(&placement), "le").await;
     assert_eq!(lease, until);
+}
+
+/// One field of the record at `key`, as the scripts read it.
+async fn record_field(conn: &mut redis::aio::MultiplexedConnection, key: &str, field: &str) -> String {
+    redis::Script::new("return cmsgpack.unpack(redis.call('GET', KEYS[1]))[ARGV[1]]")
+        .key(key)
+        .arg(field)
+        .invoke_async(conn)
+        .await
+        .unwrap()
 }
 
 /// A plain connection to the machine's Redis.
@@ -733,4 +751,140 @@ async fn rollbacks_kept_as_control_documents_move_to_their_runs() {
     assert_eq!(listed.items, vec![rollback("run-1", "old"), rollback("run-2", "new")]);
     let left: i64 = redis::cmd("HLEN").arg(&control).query_async(&mut conn).await.unwrap();
     assert_eq!(left, 0, "moved, not copied");
+}
+
+/// Records that an earlier version wrote as hashes, with the fingerprint and the media type
+/// spelled out, are read, replayed, refused on another fingerprint, completed and purged as
+/// this version's; a write turns one into a string (on which an earlier version's script
+/// fails instead of deciding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_earlier_versions_are_read_and_rewritten() {
+    let Some((store, clock, cleanup)) = fresh_store().await else { return };
+    let keys = Keys::new(&cleanup.prefix).unwrap();
+    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let now = clock.now();
+    let fingerprint = common::request(&scope("x")).fingerprint;
+    let legacy = |s: &Scope, state: &str, extra: &[(&str, String)]| {
+        let mut hset = redis::cmd("HSET");
+        hset.arg(keys.record(&Placement::of(s)));
+        let fields = [
+            ("t", "acme".to_owned()),
+            ("n", "prod/agent".to_owned()),
+            ("k", s.key.as_str().to_owned()),
+            ("st", state.to_owned()),
+            ("fp", fingerprint.as_str().to_owned()),
+            ("fe", "7".to_owned()),
+            ("at", "1".to_owned()),
+            ("re", "100000".to_owned()),
+            ("ca", now.0.to_string()),
+            ("up", now.0.to_string()),
+        ];
+        for (field, value) in fields.iter().chain(extra) {
+            hset.arg(*field).arg(value.as_str());
+        }
+        hset
+    };
+    let done = scope("done-before");
+    legacy(
+        &done,
+        "completed",
+        &[
+            ("ok", "success".into()),
+            ("oc", "application/json".into()),
+            ("ob", "{\"paid\":true}".into()),
+            ("co", now.0.to_string()),
+            ("ex", (now.0 + 100_000).to_string()),
+        ],
+    )
+    .query_async::<()>(&mut conn)
+    .await
+    .unwrap();
+    let running = scope("running-before");
+    legacy(&running, "in_progress", &[("le", (now.0 + 10_000).to_string()), ("ex", Timestamp::NEVER.0.to_string())])
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+
+    let read = store.get(&done, now).await.unwrap().expect("the record of an earlier version");
+    assert_eq!((read.fingerprint.as_str(), read.fence.0), (fingerprint.as_str(), 7));
+    assert_eq!(read.outcome.as_ref().map(|o| o.content_type.as_str()), Some("application/json"));
+    let ClaimOutcome::Replay(replay) = store.claim(&common::request(&done), now).await.unwrap() else {
+        panic!("not a replay")
+    };
+    assert_eq!(
+        (replay.outcome.content_type.as_str(), replay.outcome.body.as_slice()),
+        ("application/json", b"{\"paid\":true}".as_slice())
+    );
+    let other = onceguard_core::ClaimRequest {
+        fingerprint: onceguard_core::Fingerprint::sha256(b"another request"),
+        ..common::request(&done)
+    };
+    assert!(matches!(store.claim(&other, now).await.unwrap(), ClaimOutcome::Mismatch));
+    assert!(matches!(store.claim(&common::request(&running), now).await.unwrap(), ClaimOutcome::InFlight(_)));
+
+    // The holder of the earlier version's lease completes it: the record is now a string.
+    let completed = Mutation::Complete(common::outcome());
+    let FencedOutcome::Applied(record) =
+        store.mutate(&running, onceguard_core::Fence(7), completed, now, 8).await.unwrap()
+    else {
+        panic!("not applied")
+    };
+    assert_eq!(record.fingerprint, fingerprint);
+    let kind: String =
+        redis::cmd("TYPE").arg(keys.record(&Placement::of(&running))).query_async(&mut conn).await.unwrap();
+    assert_eq!(kind, "string");
+    let ClaimOutcome::Replay(replay) = store.claim(&common::request(&running), now).await.unwrap() else {
+        panic!("not a replay")
+    };
+    assert_eq!(replay.outcome, common::outcome());
+    assert!(store.purge(&done).await.unwrap());
+    assert_eq!(store.get(&done, now).await.unwrap(), None);
+}
+
+/// A record is one string whose fingerprint and usual media types are kept as bytes, not
+/// spelled out, and the content type of every outcome reads back as written, also one that
+/// starts with a control byte or is one of the numbered types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_one_compact_string() {
+    let Some((store, clock, cleanup)) = fresh_store().await else { return };
+    let keys = Keys::new(&cleanup.prefix).unwrap();
+    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let now = clock.now();
+    for (i, content_type) in
+        ["application/json", "application/vnd.onceguard.http-response", "text/plain", "\u{1}odd", ""]
+            .into_iter()
+            .enumerate()
+    {
+        let s = scope(&format!("compact-{i}"));
+        let fence = common::acquire(&store, &s, now).await;
+        let outcome = onceguard_core::Outcome { content_type: content_type.to_owned(), ..common::outcome() };
+        let FencedOutcome::Applied(_) =
+            store.mutate(&s, fence, Mutation::Complete(outcome.clone()), now, 8).await.unwrap()
+        else {
+            panic!("not applied")
+        };
+        let stored: Vec<u8> =
+            redis::cmd("GET").arg(keys.record(&Placement::of(&s))).query_async(&mut conn).await.unwrap();
+        let spelled = common::request(&s).fingerprint;
+        assert!(
+            !stored.windows(spelled.as_str().len()).any(|w| w == spelled.as_str().as_bytes()),
+            "fingerprint spelled"
+        );
+        if content_type.starts_with("application/") {
+            assert!(
+                !stored.windows(content_type.len()).any(|w| w == content_type.as_bytes()),
+                "{content_type} spelled"
+            );
+        }
+        assert_eq!(store.get(&s, now).await.unwrap().expect("the record").outcome, Some(outcome.clone()));
+        let ClaimOutcome::Replay(replay) = store.claim(&common::request(&s), now).await.unwrap() else {
+            panic!("not a replay")
+        };
+        assert_eq!(replay.outcome.content_type, content_type);
+        // The same completion again is a repeat (compared in the script as stored).
+        assert!(matches!(
+            store.mutate(&s, fence, Mutation::Complete(outcome), now, 8).await.unwrap(),
+            FencedOutcome::Applied(_)
+        ));
+    }
 }

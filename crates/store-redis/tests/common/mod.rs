@@ -857,7 +857,7 @@ pub async fn the_run_listing_index_holds_each_records_run<C>(
     // listing of run a never reads it.
     let (broken, _) = expected.iter().find(|(_, (run, _))| run.as_ref() == Some(&b)).unwrap();
     let broken_key = keys.record(&Placement::of(broken));
-    redis::cmd("HSET").arg(&broken_key).arg("st").arg("unreadable").query_async::<()>(&mut raw.clone()).await.unwrap();
+    redis::cmd("SET").arg(&broken_key).arg(b"\xc1".as_slice()).query_async::<()>(&mut raw.clone()).await.unwrap();
     let every = ListFilter { limit: 1_000, ..ListFilter::default() };
     assert!(matches!(store.list(&tenant, &every, T0).await, Err(StoreError::Corrupt(_))), "the scan reads it");
     let of_a: Vec<&Scope> = expected.iter().filter(|(_, (run, _))| run.as_ref() == Some(&a)).map(|(s, _)| s).collect();
