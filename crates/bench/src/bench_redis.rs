@@ -5,7 +5,7 @@
 //! deletes the keys under every prefix this run used (`SCAN MATCH <prefix>*` on every master,
 //! then `UNLINK`), and nothing else.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,19 +34,17 @@ return 1
 /// A claim of a fresh key in the store's layout reduced to the commands it runs, each step
 /// adding one: what the server spends on each, without the claim script's decisions. The keys
 /// and arguments are the claim script's (see [`Redis::script_costs`]).
-pub const CLAIM_FLOOR: [(&str, &str); 8] = [
-    ("HGETALL record", "redis.call('HGETALL', KEYS[1])"),
+pub const CLAIM_FLOOR: [(&str, &str); 5] = [
+    ("GET record", "redis.call('GET', KEYS[1])"),
     ("+ GET slot fence mark", "redis.call('GET', KEYS[2])"),
-    ("+ INCR fence counter", "local fence = redis.call('INCR', KEYS[5])"),
+    ("+ INCR fence counter", "local fence = redis.call('INCR', KEYS[3])"),
     ("+ SET slot fence mark", "redis.call('SET', KEYS[2], fence)"),
     (
-        "+ HSET record (12 fields)",
-        "redis.call('HSET', KEYS[1], 't', ARGV[6], 'n', ARGV[7], 'k', ARGV[8], 'st', 'in_progress', 'fp', ARGV[2], \
-         'at', '1', 'le', ARGV[1], 're', ARGV[4], 'ca', ARGV[1], 'up', ARGV[1], 'ex', ARGV[1], 'fe', fence)",
+        "+ SET record PX (12 fields packed)",
+        "redis.call('SET', KEYS[1], cmsgpack.pack({t = ARGV[6], n = ARGV[7], k = ARGV[8], st = 'in_progress', \
+         fp = ARGV[2], at = '1', le = ARGV[1], re = ARGV[4], ca = ARGV[1], up = ARGV[1], ex = ARGV[1], fe = fence}), \
+         'PX', ARGV[4])",
     ),
-    ("+ PEXPIRE record", "redis.call('PEXPIRE', KEYS[1], ARGV[4])"),
-    ("+ ZADD expiry index", "redis.call('ZADD', KEYS[3], ARGV[1], ARGV[9])"),
-    ("+ ZADD listing index", "redis.call('ZADD', KEYS[4], 0, ARGV[9])"),
 ];
 
 /// Records per pipeline when preloading.
@@ -383,7 +381,7 @@ impl Redis {
                 let (mut conn, keys) = (conn.clone(), keys.clone());
                 async move {
                     let mut pipe = redis::pipe();
-                    let mut indexes: BTreeMap<u16, Vec<(u64, Vec<u8>)>> = BTreeMap::new();
+                    let mut slots: BTreeSet<u16> = BTreeSet::new();
                     for i in start..end {
                         let fence = base + (i - from) as u64 + 1;
                         let record = preloaded_record(i, onceguard_core::Fence(fence), now);
@@ -395,21 +393,10 @@ impl Redis {
                             .arg("PX")
                             .arg(record.expires_at.0 - now.0 + margin)
                             .ignore();
-                        indexes.entry(placement.slot).or_default().push((record.expires_at.0, placement.member));
-                    }
-                    for (slot, members) in &indexes {
-                        let (mut expiry, mut listing) = (redis::cmd("ZADD"), redis::cmd("ZADD"));
-                        expiry.arg(keys.expiry(*slot));
-                        listing.arg(keys.listing(*slot));
-                        for (ex, member) in members {
-                            expiry.arg(*ex).arg(member.as_slice());
-                            listing.arg(0).arg(member.as_slice());
-                        }
-                        pipe.add_command(expiry).ignore();
-                        pipe.add_command(listing).ignore();
+                        slots.insert(placement.slot);
                     }
                     pipe.query_async::<()>(&mut conn).await?;
-                    Ok::<Vec<u16>, anyhow::Error>(indexes.into_keys().collect())
+                    Ok::<Vec<u16>, anyhow::Error>(slots.into_iter().collect())
                 }
             })
             .buffer_unordered(PRELOAD_PIPELINES)

@@ -37,92 +37,6 @@ fn rounds(scopes: &[&Scope]) -> Vec<Vec<usize>> {
     rounds
 }
 
-impl RedisStore {
-    /// A page of the tenant's records that pass `filter`, each judged at the store's time of
-    /// its read ([`ClaimStore::list`], and the revocation of a switch's leases). With a run,
-    /// from the run listing index (brought up to date with earlier versions' records first,
-    /// [`Self::index_runs`]), else from the listing index: the same merge over the tenant's
-    /// slots, in (namespace, key) order.
-    pub(crate) async fn list_records(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, StoreError> {
-        let limit = filter.limit.clamp(1, MAX_PAGE);
-        if filter.run.is_some() {
-            self.bounded("index a tenant's records by run", self.index_runs(tenant)).await?;
-        }
-        // The entries read are `head namespace NUL key`, where `head` is `tenant NUL` in the
-        // listing index and `tenant NUL run NUL` in the run listing index. Those of the tenant
-        // (or of the run) lie in [head, head with its last NUL raised to \x01); with a namespace
-        // prefix `p`, in [head p NUL, head p '0'), which holds `p` and `p/...` (and a few
-        // neighbours such as `p-x`, which the filter drops).
-        let mut head = tenant.as_str().as_bytes().to_vec();
-        head.push(0);
-        if let Some(run) = &filter.run {
-            head.extend_from_slice(run.as_str().as_bytes());
-            head.push(0);
-        }
-        let mut start = head.clone();
-        let mut end = head;
-        end.pop();
-        end.push(1);
-        if let Some(prefix) = &filter.namespace_prefix {
-            start.extend_from_slice(prefix.as_str().as_bytes());
-            end = start.clone();
-            start.push(0);
-            end.push(b'0');
-        }
-        let mut from = lex(true, &start);
-        if let Some((namespace, key)) = &filter.after {
-            let mut after = member(&Scope::new(tenant.clone(), namespace.clone(), key.clone()));
-            if let Some(run) = &filter.run {
-                after = crate::layout::run_member(&after, run);
-            }
-            if after >= start {
-                from = lex(false, &after);
-            }
-        }
-        let until = lex(false, &end);
-        let chunk = (2 * (limit + 1) / usize::from(SHARDS)).max(16);
-        let mut shards: Vec<Shard> = tenant_slots(tenant)
-            .into_iter()
-            .map(|slot| Shard {
-                index: match filter.run {
-                    None => self.keys.listing(slot),
-                    Some(_) => self.keys.run_listing(slot),
-                },
-                from: from.clone(),
-                seen: None,
-                done: false,
-                found: VecDeque::new(),
-            })
-            .collect();
-        self.bounded("list", async {
-            let mut records = Vec::new();
-            while records.len() <= limit {
-                self.refill(tenant, &mut shards, &until, chunk, filter).await?;
-                // Every shard still being read has been examined up to its last member; the
-                // smallest of those is as far as the merge may go.
-                let frontier = shards.iter().filter(|s| !s.done).filter_map(|s| s.seen.clone()).min();
-                while records.len() <= limit {
-                    let next = shards
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(i, s)| s.found.front().map(|(m, _)| (i, m)))
-                        .min_by(|a, b| a.1.cmp(b.1))
-                        .map(|(i, m)| (i, frontier.as_ref().is_none_or(|f| m <= f)));
-                    match next {
-                        Some((i, true)) => records.extend(shards[i].found.pop_front().map(|(_, r)| r)),
-                        _ => break,
-                    }
-                }
-                if shards.iter().all(|s| s.done && s.found.is_empty()) {
-                    break;
-                }
-            }
-            Ok(Page::from_overfetch(records, limit))
-        })
-        .await
-    }
-}
-
 #[async_trait]
 impl ClaimStore for RedisStore {
     fn kind(&self) -> &'static str {
@@ -323,11 +237,7 @@ impl ClaimStore for RedisStore {
         self.bounded("purge", async {
             let mut conn = self.conn.clone();
             let mut invocation = SCRIPTS.purge.prepare_invoke();
-            invocation
-                .key(self.keys.record(&placement))
-                .key(self.keys.expiry(placement.slot))
-                .key(self.keys.listing(placement.slot))
-                .key(self.keys.run_listing(placement.slot));
+            invocation.key(self.keys.record(&placement));
             if !self.cluster {
                 invocation.key(self.keys.in_flight(&scope.tenant));
             }
@@ -343,29 +253,7 @@ impl ClaimStore for RedisStore {
     }
 
     async fn sweep(&self, _now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        self.bounded("sweep", async {
-            let now = self.now().await?;
-            let mut conn = self.conn.clone();
-            let used: Vec<u16> = redis::cmd("SMEMBERS")
-                .arg(self.keys.used_slots())
-                .query_async(&mut conn)
-                .await
-                .map_err(unavailable("sweep"))?;
-            let mut used: Vec<u16> = used.into_iter().filter(|&s| s < SLOTS).collect();
-            used.sort_unstable();
-            let mut deleted = 0;
-            for slots in used.chunks(512) {
-                deleted += self.sweep_slots(slots, now, batch - deleted).await?;
-                if deleted >= batch {
-                    break;
-                }
-            }
-            Ok(deleted)
-        })
-        .await
+        self.bounded("sweep", self.sweep_expired(batch)).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

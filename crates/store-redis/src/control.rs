@@ -239,8 +239,7 @@ impl RedisStore {
             let mut invocation = SCRIPTS.revoke.prepare_invoke();
             invocation
                 .key(self.keys.record(&placement))
-                .key(self.keys.fence_mark(placement.slot, &record.scope.tenant))
-                .key(self.keys.expiry(placement.slot));
+                .key(self.keys.fence_mark(placement.slot, &record.scope.tenant));
             if !self.cluster {
                 let tenant = &record.scope.tenant;
                 invocation.key(self.keys.fence_counter(tenant)).key(self.keys.in_flight(tenant));

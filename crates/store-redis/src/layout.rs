@@ -7,9 +7,8 @@
 //! - every key that belongs to a slot is named `<prefix><kind>:{<slot tag>}...`, where the slot
 //!   tag is the first decimal number whose CRC16 lands on that slot ([`slot_tag`]); the prefix
 //!   holds no brace, so that tag is the one Redis uses;
-//! - a key's record, its slot's fence mark and its slot's three indexes (expiry, listing, run
-//!   listing) carry the same tag, so a claim, a fenced call, a purge or a sweep's deletion is
-//!   one script on one slot;
+//! - a key's record and its slot's fence mark carry the same tag, so a claim, a fenced call, a
+//!   purge or a sweep's deletion is one script on one slot;
 //! - a tenant's records are spread over [`SHARDS`] slots, [`SHARD_STRIDE`] apart (so over every
 //!   master of a cluster), chosen from digests of the tenant and of the key;
 //! - a run's usage and its pending charges share the slot chosen from a digest of the tenant
@@ -100,9 +99,9 @@ pub fn tenant_slots(tenant: &TenantId) -> Vec<u16> {
     (0..SHARDS).map(|shard| (base + shard * SHARD_STRIDE) % SLOTS).collect()
 }
 
-/// A record's name in its slot's indexes: `tenant NUL namespace NUL key`. Within a tenant,
-/// byte order of these names is (namespace, key) order: no part holds a NUL, and NUL sorts
-/// before every byte a namespace or key may hold.
+/// A record's member, `tenant NUL namespace NUL key`: what its key's digest is taken of, and its
+/// place in a listing. Within a tenant, byte order of these names is (namespace, key) order: no
+/// part holds a NUL, and NUL sorts before every byte a namespace or key may hold.
 pub fn member(scope: &Scope) -> Vec<u8> {
     let mut m = Vec::with_capacity(scope.tenant.as_str().len() + scope.namespace.as_str().len() + 2 + 255);
     m.extend_from_slice(scope.tenant.as_str().as_bytes());
@@ -113,35 +112,12 @@ pub fn member(scope: &Scope) -> Vec<u8> {
     m
 }
 
-/// A record's name in its slot's run listing index, for a record that names `run`:
-/// `tenant NUL run NUL namespace NUL key` (its [`member`] with the run after the tenant; the
-/// scripts build it the same way, [`crate::scripts::RUN_MEMBER`]). Within a tenant and a run,
-/// byte order of these names is (namespace, key) order, as for [`member`]; a run holds no NUL,
-/// so one run's names never interleave with another's.
-pub fn run_member(member: &[u8], run: &RunId) -> Vec<u8> {
-    let cut = member.iter().position(|&b| b == 0).map_or(member.len(), |i| i + 1);
-    let mut m = Vec::with_capacity(member.len() + run.as_str().len() + 1);
-    m.extend_from_slice(&member[..cut]);
-    m.extend_from_slice(run.as_str().as_bytes());
-    m.push(0);
-    m.extend_from_slice(&member[cut..]);
-    m
-}
-
-/// The [`member`] a run listing index entry names ([`run_member`] undone), or `None` if the
-/// entry lacks its parts.
-pub fn member_of_run_member(entry: &[u8]) -> Option<Vec<u8>> {
-    let tenant_end = entry.iter().position(|&b| b == 0)?;
-    let run_end = tenant_end + 1 + entry[tenant_end + 1..].iter().position(|&b| b == 0)?;
-    Some([&entry[..=tenant_end], &entry[run_end + 1..]].concat())
-}
-
 /// Where one key's record lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    /// The hash slot of the record, its fence counter and its indexes.
+    /// The hash slot of the record and its fence mark.
     pub slot: u16,
-    /// The record's name in the slot's indexes (see [`member`]).
+    /// The record's member (see [`member`]).
     pub member: Vec<u8>,
     /// Hex digest of the member: the record key's last part.
     pub digest: String,
@@ -199,7 +175,7 @@ impl Keys {
         &self.prefix
     }
 
-    /// A record: a hash.
+    /// A record: a string (see [`crate::scripts`]; a hash if an earlier version wrote it).
     pub fn record(&self, placement: &Placement) -> String {
         format!("{}r:{{{}}}:{}", self.prefix, slot_tag(placement.slot), placement.digest)
     }
@@ -229,27 +205,26 @@ impl Keys {
         format!("{}f:{{{}}}:{tenant}", self.prefix, slot_tag(slot))
     }
 
-    /// A slot's expiry index: a sorted set of members scored by `expires_at`.
-    pub fn expiry(&self, slot: u16) -> String {
+    /// A slot's expiry index of earlier versions (a sorted set of members scored by
+    /// `expires_at`), deleted by the first connect of this version.
+    pub fn legacy_expiry(&self, slot: u16) -> String {
         format!("{}x:{{{}}}", self.prefix, slot_tag(slot))
     }
 
-    /// A slot's listing index: a sorted set of members, all scored 0, in byte order.
-    pub fn listing(&self, slot: u16) -> String {
+    /// A slot's listing index of earlier versions (members in byte order), deleted as
+    /// [`Keys::legacy_expiry`].
+    pub fn legacy_listing(&self, slot: u16) -> String {
         format!("{}l:{{{}}}", self.prefix, slot_tag(slot))
     }
 
-    /// A slot's run listing index: a sorted set of [`run_member`]s, one for each record on the
-    /// slot that names a run, all scored 0, in byte order.
-    pub fn run_listing(&self, slot: u16) -> String {
+    /// A slot's run listing index of earlier versions, deleted as [`Keys::legacy_expiry`].
+    pub fn legacy_run_listing(&self, slot: u16) -> String {
         format!("{}lr:{{{}}}", self.prefix, slot_tag(slot))
     }
 
-    /// The tenant's slots whose records are all in the run listing index (indexed, and earlier
-    /// versions fenced out, by [`crate::scripts::INDEX_RUNS`]): a set of slot numbers. The
-    /// tenant's runs are listed from the index once it holds all of the tenant's slots.
-    pub fn run_indexed(&self, tenant: &TenantId) -> String {
-        format!("{}t:{{{tenant}}}:run-indexed", self.prefix)
+    /// Set once the indexes of earlier versions were deleted.
+    pub fn layout_mark(&self) -> String {
+        format!("{}layout", self.prefix)
     }
 
     /// The set of slots that ever held a record (so that the sweep visits only those).
@@ -398,9 +373,6 @@ mod tests {
             let slot = key_slot(keys.record(&p).as_bytes());
             assert_eq!(slot, p.slot);
             assert_eq!(key_slot(keys.fence_mark(p.slot, &s.tenant).as_bytes()), slot);
-            assert_eq!(key_slot(keys.expiry(p.slot).as_bytes()), slot);
-            assert_eq!(key_slot(keys.listing(p.slot).as_bytes()), slot);
-            assert_eq!(key_slot(keys.run_listing(p.slot).as_bytes()), slot);
             assert!(tenant_slots(&s.tenant).contains(&slot));
         }
         assert!(Keys::new("og{x}:").is_err());
@@ -415,13 +387,7 @@ mod tests {
         assert_eq!(key_slot(keys.run_pending(&p).as_bytes()), p.slot);
         assert_ne!(RunPlacement::of(&TenantId::parse("other").unwrap(), &RunId::parse("run-{1}").unwrap()), p);
         let slot = key_slot(b"acme");
-        for key in [
-            keys.in_flight(&tenant),
-            keys.rate(&tenant),
-            keys.audit(&tenant),
-            keys.audit_entries(&tenant),
-            keys.run_indexed(&tenant),
-        ] {
+        for key in [keys.in_flight(&tenant), keys.rate(&tenant), keys.audit(&tenant), keys.audit_entries(&tenant)] {
             assert_eq!(key_slot(key.as_bytes()), slot, "{key}");
         }
     }
@@ -444,16 +410,5 @@ mod tests {
         let b = member(&scope("t", "prod/agent", "a"));
         let c = member(&scope("t", "production", "a"));
         assert!(a < b && b < c);
-    }
-
-    #[test]
-    fn run_members_sort_as_namespace_then_key_within_a_run() {
-        let (run, other) = (RunId::parse("r").unwrap(), RunId::parse("r2").unwrap());
-        let members = [member(&scope("t", "prod", "z")), member(&scope("t", "prod/agent", "a"))];
-        let [a, b] = members.clone().map(|m| run_member(&m, &run));
-        assert_eq!(a, b"t\0r\0prod\0z");
-        assert!(a < b && b < run_member(&members[0], &other));
-        assert_eq!(member_of_run_member(&b).as_deref(), Some(members[1].as_slice()));
-        assert_eq!(member_of_run_member(b"t\0r"), None);
     }
 }

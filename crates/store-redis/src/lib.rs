@@ -53,16 +53,13 @@
 //!   at least as long as its lease whatever the two clocks say (the lease may be shorter than
 //!   asked by the time between the two scripts, plus any difference between the clocks).
 //! - **Retention** is checked when read: every script and every read treats a record whose
-//!   `expires_at` is not after the store's now as absent. So that Redis reclaims memory by
-//!   itself, each write also sets the record's TTL to `expires_at - now` plus
-//!   [`RedisOptions::expiry_margin`] (`PEXPIRE` relative to the script's now, which is the
-//!   server's unless the store was given a clock); until then an expired record is still there
-//!   for [`onceguard_core::store::ClaimStore::sweep`], which deletes it in bounded batches and
-//!   answers how many it deleted. (The index entries of a record that Redis reclaimed first are
-//!   skipped by listings, and removed by the sweep without being counted; its run listing entry
-//!   by the next listing of its run, see [Listing](#listing).)
-//! - **Isolation**: every key name is derived from the tenant, namespace and key, and listing
-//!   reads only the tenant's own slots and index entries.
+//!   `expires_at` is not after the store's now as absent. Each write also sets the record's
+//!   TTL to `expires_at - now` (`SET … PX` relative to the script's now, which is the server's
+//!   unless the store was given a clock), so Redis deletes an expired record itself, and
+//!   [`onceguard_core::store::ClaimStore::sweep`] finds nothing to delete (see
+//!   [Listing](#listing)).
+//! - **Isolation**: every key name is derived from the tenant, namespace and key, and a
+//!   listing keeps only the tenant's own records of the keys it scans.
 //! - **Timeouts**: every operation answers [`StoreError::Unavailable`] (retry safe) when Redis
 //!   does not answer within [`RedisOptions::timeout`]; `ping` gives up after at most a second.
 //!   A claim that timed out may still have acquired: the key is then in flight until its lease
@@ -197,46 +194,25 @@
 //!
 //! # Listing
 //!
-//! Each slot keeps two listing indexes, sorted sets whose members are all scored 0, so in byte
-//! order: `P l:{T}` names every record on the slot (`tenant NUL namespace NUL key`), and
-//! `P lr:{T}` every record on the slot that names a run (`tenant NUL run NUL namespace NUL key`,
-//! [`layout::run_member`]). Both are written by the scripts that write and delete records, in
-//! the same step as the record: the claim script adds a record's entries (a record's run is set
-//! once, by the claim that creates the record or takes over one that named none; a claim that
-//! replaces an expired record also removes that record's entry if it named another run), and
-//! the purge and the sweep's deletion remove them. A listing reads the tenant's 64 indexes in
-//! (namespace, key) order a chunk at a time, merging them, and reads the records they name to
-//! filter them; a listing of one run reads the run listing indexes, from the run's entries on,
-//! so it costs the run's records, not the tenant's, and answers the same pages as reading the
-//! listing indexes would.
+//! The claim path writes a key's record and its fence, and nothing else: no index. So a
+//! listing scans. On one server it walks the keyspace with `SCAN … MATCH P r:*` and keeps the
+//! keys of the tenant's 64 slots; on a Cluster it reads each of the tenant's slots on its
+//! master with `CLUSTER GETKEYSINSLOT` (asking for more keys than the slot holds). It reads the records
+//! those keys name (pipelined `GET`s, per slot), keeps those of the tenant that pass the
+//! filter, and answers the first page in (namespace, key) order after the cursor. So every page
+//! costs a read of every record on the tenant's slots (on one server, a walk of every key),
+//! whatever the page's size: a listing of keys in progress (the stuck-keys figures, a switch's
+//! revocation) first asks each key's TTL (`PTTL`: a record in progress has none) and reads only
+//! those. The cost of a listing is stated in docs/OPERATIONS.md.
 //!
-//! - **Records of earlier versions.** Earlier versions kept no run listing index. The first
-//!   listing of one of a tenant's runs (by any instance) brings the tenant's records into it,
-//!   slot by slot ([`scripts::INDEX_RUNS`]): first it fences earlier versions out of the
-//!   tenant's records on the slot, by turning the tenant's fence mark into the text `m:<n>`,
-//!   which this version's scripts read and keep, and on which an earlier version's claim and
-//!   revocation fail before they write (on one server after drawing a fence they never use);
-//!   then it adds the entries of the tenant's records on the slot, read from the listing index
-//!   a chunk at a time. A slot done joins `P t:{<tenant>}:run-indexed`; once that holds all 64,
-//!   the tenant's runs are listed from the index alone (each process remembers it). No record
-//!   is missed: one that an earlier version wrote before the fence is in the listing index when
-//!   the slot is read, and after the fence only this version writes the tenant's records on the
-//!   slot, and keeps their entries. This is done per tenant, when its runs are first listed,
-//!   rather than once on connect, because of that fence: during a rolling upgrade an instance
-//!   of an earlier version keeps writing records, for tenants old and new, until it is fenced
-//!   out (once it is, its claims of the tenant's keys that would acquire, and its revocations,
-//!   fail, retry safe, until it is upgraded; its replays, answered from a read, do not). The
-//!   first listing pays one read of the tenant's listing indexes and one `HGET`
-//!   per record, within the store's timeout; a slot it did not finish is done again, whole, by
-//!   the next. (If `P t:{<tenant>}:run-indexed` and the run listing indexes are deleted by
-//!   hand, processes that remember the tenant as indexed list its runs from what is left until
-//!   they restart.)
-//! - **Entries without their record.** A record that Redis reclaimed (its TTL) before the sweep
-//!   deleted it takes its run with it, so the sweep, which removes its other entries, cannot
-//!   name its run listing entry; nor does an earlier version's purge or sweep remove it. A
-//!   listing of the run skips such an entry and removes it ([`scripts::PRUNE_RUN_ENTRY`], which
-//!   checks on the record's slot that no record names the run under it); until one does, it
-//!   costs memory and, once, a read.
+//! - **Expiry.** Each record carries a Redis TTL that ends when it expires, so Redis deletes it
+//!   itself; the sweep has nothing left to do on the server's clock. With a given clock
+//!   (tests) the sweep scans as a listing does and deletes what expired by that clock.
+//! - **Earlier versions** kept an expiry index and two listing indexes per slot beside the
+//!   records, and each record as a hash. The first connect of this version deletes the indexes
+//!   (once: `P layout` remembers it); their records read as this version's, and a write turns
+//!   one into a string. Instances of earlier versions must be stopped first: their scripts fail
+//!   on a string record, and whatever record they write is not in the indexes they list from.
 //!
 //! # Keys
 //!
@@ -244,15 +220,12 @@
 //!
 //! | key | type | holds |
 //! | --- | --- | --- |
-//! | `P r:{T}:<digest>` | hash | one record (fields in [`scripts`]); the digest is of tenant, namespace and key |
+//! | `P r:{T}:<digest>` | string | one record (MessagePack, fields in [`scripts`]; a hash if an earlier version wrote it); the digest is of tenant, namespace and key |
 //! | `P t:{<tenant>}:fence` | string | the tenant's fence counter |
 //! | `P fence` | string | `floor:<n>`: the one fence counter of earlier versions, retired: the floor of every tenant's |
-//! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot: `<n>`, or `m:<n>` once the tenant's records on the slot are indexed by run |
-//! | `P x:{T}` | sorted set | the slot's records by `expires_at` (for the sweep) |
-//! | `P l:{T}` | sorted set | the slot's records by `tenant NUL namespace NUL key` (for listing) |
-//! | `P lr:{T}` | sorted set | the slot's records that name a run, by `tenant NUL run NUL namespace NUL key` (for listing a run) |
-//! | `P t:{<tenant>}:run-indexed` | set | the tenant's slots whose records are all in `P lr:{T}` |
-//! | `P slots` | set | the slots that ever held a record (for the sweep) |
+//! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot: `<n>`, or `m:<n>` once an earlier version indexed the tenant's records on the slot by run |
+//! | `P slots` | set | the slots that ever held a record (for a Cluster's sweep with a given clock) |
+//! | `P layout` | string | set once the indexes of earlier versions (`P x:{T}`, `P l:{T}`, `P lr:{T}`) were deleted |
 //! | `P a:{auth}:tenants`, `:keys`, `:revoked` | hashes | tenants, API keys (JSON), revocations |
 //! | `P u:{R}:<digest>` | hash | a run's budget and usage; `R` and the digest are of tenant and run |
 //! | `P up:{R}:<digest>` | hash | Cluster: the run's pending charges, by record member |
@@ -269,9 +242,7 @@
 //!
 //! - fenced call, get, purge, and a claim that does not acquire: one round trip, O(size of the
 //!   record). A claim that acquires: one round trip on one server, three on a Cluster. The first
-//!   claim a process makes on a slot also adds the slot to `P slots` (once per process: if that
-//!   set is deleted by hand, the sweep misses those slots until the processes restart, and
-//!   Redis still reclaims their records by TTL).
+//!   claim a process makes on a slot also adds the slot to `P slots` (once per process).
 //! - with a quota or a run: on one server, the same one round trip (two when the record names
 //!   another run than the request; two for a fenced call that reports a cost on a record with a
 //!   run). On a Cluster, a claim that acquires takes four sequential round trips (ask; fence and
@@ -280,19 +251,13 @@
 //!   an extend of a lease with a place two more.
 //! - revoking leases: a listing of the tenant's in-progress records in scope, then one script
 //!   per record (two on a Cluster), 32 at a time.
-//! - list: reads the tenant's 64 listing indexes in (namespace, key) order a chunk at a time,
-//!   merging them, and reads the records it meets to filter them: a page costs a few rounds of
-//!   64 pipelined index reads plus one read per record examined. Cheap when the filter keeps
-//!   most records; proportional to the records skipped when it keeps few (a `state` or `stuck`
-//!   filter over a tenant with many records). With a `run` filter it reads the 64 run listing
-//!   indexes instead, from the run's entries on: the records examined are the run's (within the
-//!   namespace prefix, if any), whatever the tenant's other records; only a `state` or `stuck`
-//!   filter skips any. The first listing of a tenant's runs also indexes the tenant's records of
-//!   earlier versions, once ([Listing](#listing)).
-//! - sweep: one `TIME` (the candidates are the expiry-index entries up to it; each deletion's
-//!   script checks the expiry again by its own now), one read of `P slots`, one expiry-index
-//!   read per used slot (up to 16,384, pipelined, 512 at a time) and one script per deleted
-//!   record.
+//! - list: a scan of the tenant's slots ([Listing](#listing)), whatever the page's size and
+//!   filter: on one server `SCAN` of the whole keyspace (1,000 keys a call) and a `GET` of each
+//!   record key of the tenant's slots; on a Cluster a `CLUSTER GETKEYSINSLOT` per slot of the
+//!   tenant (more for a slot of over 1,024 keys) and a `GET` of each record key on it. With a filter on records in progress (`state` in
+//!   progress, `stuck`), a `PTTL` of each such key instead, and a `GET` only of those in
+//!   progress.
+//! - sweep: nothing on the server's clock; with a given clock, a scan of every record.
 //! - [`onceguard_core::store::ClaimStore::store_time`]: one `TIME` (on a Cluster, at a node the
 //!   client picks at random), or none with a given clock.
 //!
@@ -341,14 +306,14 @@ mod codec;
 mod control;
 mod holds;
 pub mod layout;
-mod run_index;
 mod runs;
+mod scan;
 pub mod scripts;
 mod tenants;
 
 pub use codec::packed_record;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -372,7 +337,7 @@ use tokio::task::JoinHandle;
 
 use crate::codec::{Claimed, Fenced, Fields, corrupt, strings};
 use crate::holds::Holds;
-use crate::layout::{Keys, Placement, RunPlacement, SHARDS, SLOTS, member, member_of_run_member, tenant_slots};
+use crate::layout::{Keys, Placement, RunPlacement, SLOTS, member, tenant_slots};
 use crate::scripts::{ClaimCall, SCRIPTS};
 
 /// Where the store's Redis is. Its `Debug` hides passwords.
@@ -446,7 +411,9 @@ pub struct RedisOptions {
     pub prefix: String,
     /// How long an operation may take before it answers [`StoreError::Unavailable`].
     pub timeout: Duration,
-    /// How long after its `expires_at` Redis itself deletes a record that the sweep did not.
+    /// How long after its lease ended a place stays in a tenant's in-flight set, and a claim
+    /// rate's key after the time it holds (a record itself carries a TTL that ends when it
+    /// expires).
     pub expiry_margin: Duration,
     /// For `rediss://` servers: the certificate authority (PEM) their certificates are checked
     /// against, instead of the system's. Host names are always checked.
@@ -564,8 +531,6 @@ pub struct RedisStore {
     fence_floor: u64,
     /// On one server, with a floor: the tenants whose counters this process raised to it.
     floored: std::sync::Mutex<std::collections::HashSet<TenantId>>,
-    /// The tenants whose records this process found all in the run listing index.
-    run_indexed: std::sync::Mutex<std::collections::HashSet<TenantId>>,
     /// Tells this instance's own messages from others'.
     origin: String,
     changes: broadcast::Sender<Scope>,
@@ -651,28 +616,6 @@ fn check_range(values: &[u64]) -> Result<(), StoreError> {
     }
 }
 
-/// A listing bound for `ZRANGEBYLEX`: `[` (inclusive) or `(` (exclusive) and the member.
-fn lex(inclusive: bool, member: &[u8]) -> Vec<u8> {
-    let mut bound = Vec::with_capacity(member.len() + 1);
-    bound.push(if inclusive { b'[' } else { b'(' });
-    bound.extend_from_slice(member);
-    bound
-}
-
-/// One of a tenant's slots, while a listing merges them.
-struct Shard {
-    /// The index read: the slot's listing index, or its run listing index.
-    index: String,
-    /// Where the next read starts.
-    from: Vec<u8>,
-    /// The last entry read: everything up to it was examined.
-    seen: Option<Vec<u8>>,
-    /// Nothing more to read.
-    done: bool,
-    /// Matching records read but not yet merged, in order, each with its index entry.
-    found: VecDeque<(Vec<u8>, Record)>,
-}
-
 impl RedisStore {
     /// Connects to one Redis server (`redis://host:port/db`), with keys under `prefix`.
     pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
@@ -747,12 +690,12 @@ impl RedisStore {
             registered: SlotSet::new(),
             fence_floor,
             floored: std::sync::Mutex::default(),
-            run_indexed: std::sync::Mutex::default(),
             origin,
             changes,
             listener,
         };
         store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
+        store.bounded("delete the indexes of earlier versions", store.delete_indexes_of_earlier_versions()).await?;
         match ready_rx.await {
             Ok(Ok(())) => Ok(store),
             Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis subscribe: {e}"))),
@@ -972,7 +915,7 @@ impl RedisStore {
         let charges_here = !self.cluster && run.is_some();
         let mut invocation =
             if charges_here { SCRIPTS.mutate_charging.prepare_invoke() } else { SCRIPTS.mutate.prepare_invoke() };
-        invocation.key(self.keys.record(placement)).key(self.keys.expiry(placement.slot));
+        invocation.key(self.keys.record(placement));
         if !self.cluster {
             invocation.key(self.keys.in_flight(&scope.tenant));
             if let Some(run) = run {
@@ -1069,25 +1012,39 @@ impl RedisStore {
         placement: &Placement,
     ) -> Result<(Option<Record>, Timestamp), StoreError> {
         let mut pipe = redis::pipe();
-        pipe.ignore_errors().cmd("GET").arg(self.keys.record(placement));
+        let key = self.keys.record(placement);
+        pipe.ignore_errors().cmd("GET").arg(&key);
         let (replies, now) = self.query_at(conn, pipe, "read").await?;
         let reply = replies.into_iter().next().ok_or_else(|| corrupt("a read answered no reply"))?;
-        Ok((self.decode_record(conn.clone(), reply, placement).await?, now))
+        Ok((self.decode_record(conn.clone(), reply, &key, Some(&placement.member)).await?, now))
     }
 
-    /// The records at `placements`, in order, each with the store's time when it was read: one
-    /// pipeline of `GET`s per slot (with its node's `TIME`), the slots' pipelines sent
-    /// together.
+    /// The records at `placements`, in order, each with the store's time when it was read
+    /// ([`Self::read_keys`]).
     async fn read_records(&self, placements: &[Placement]) -> Result<Vec<(Option<Record>, Timestamp)>, StoreError> {
+        let keys: Vec<String> = placements.iter().map(|p| self.keys.record(p)).collect();
+        let members: Vec<&[u8]> = placements.iter().map(|p| p.member.as_slice()).collect();
+        self.read_keys(&keys, Some(&members)).await
+    }
+
+    /// The records at `keys`, in order, each with the store's time when it was read: one
+    /// pipeline of `GET`s per slot (with its node's `TIME`), the slots' pipelines sent
+    /// together. Each record must be the one of its key: of the member given, or (without
+    /// members, for keys found by a scan) one whose key is that key.
+    async fn read_keys(
+        &self,
+        keys: &[String],
+        members: Option<&[&[u8]]>,
+    ) -> Result<Vec<(Option<Record>, Timestamp)>, StoreError> {
         let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
-        for (i, placement) in placements.iter().enumerate() {
-            by_slot.entry(placement.slot).or_default().push(i);
+        for (i, key) in keys.iter().enumerate() {
+            by_slot.entry(layout::key_slot(key.as_bytes())).or_default().push(i);
         }
         let reads = by_slot.into_values().map(|places| async move {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
             for &i in &places {
-                pipe.cmd("GET").arg(self.keys.record(&placements[i]));
+                pipe.cmd("GET").arg(&keys[i]);
             }
             let mut conn = self.conn.clone();
             let (replies, now) = self.query_at(&mut conn, pipe, "read").await?;
@@ -1096,36 +1053,35 @@ impl RedisStore {
             }
             let mut read = Vec::with_capacity(places.len());
             for (i, reply) in places.into_iter().zip(replies) {
-                read.push((i, self.decode_record(conn.clone(), reply, &placements[i]).await?, now));
+                let member = members.map(|m| m[i]);
+                read.push((i, self.decode_record(conn.clone(), reply, &keys[i], member).await?, now));
             }
             Ok::<_, StoreError>(read)
         });
-        let mut records: Vec<(Option<Record>, Timestamp)> =
-            (0..placements.len()).map(|_| (None, Timestamp(0))).collect();
+        let mut records: Vec<(Option<Record>, Timestamp)> = (0..keys.len()).map(|_| (None, Timestamp(0))).collect();
         for (i, record, now) in try_join_all(reads).await?.into_iter().flatten() {
             records[i] = (record, now);
         }
         Ok(records)
     }
 
-    /// The record a `GET` of `placement`'s key answered, if any. A record of an earlier
-    /// version is a hash (the `GET` answered `WRONGTYPE`): it is read with `HGETALL` (a second
-    /// round trip, judged at the time of the first).
+    /// The record a `GET` of `key` answered, if any: the record of `member`, or (if none is
+    /// given) of a scope whose record key is `key`. A record of an earlier version is a hash
+    /// (the `GET` answered `WRONGTYPE`): it is read with `HGETALL` (a second round trip, judged
+    /// at the time of the first).
     async fn decode_record(
         &self,
         mut conn: Conn,
         reply: Value,
-        placement: &Placement,
+        key: &str,
+        member: Option<&[u8]>,
     ) -> Result<Option<Record>, StoreError> {
         let fields = match reply {
             Value::Nil => return Ok(None),
             Value::BulkString(packed) => Fields::from_packed(&packed)?,
             Value::ServerError(error) if error.code() == "WRONGTYPE" => {
-                let flat: Value = redis::cmd("HGETALL")
-                    .arg(self.keys.record(placement))
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(unavailable("read"))?;
+                let flat: Value =
+                    redis::cmd("HGETALL").arg(key).query_async(&mut conn).await.map_err(unavailable("read"))?;
                 Fields::from_flat(strings(flat)?)?
             }
             Value::ServerError(error) => return Err(unavailable("read")(error.into())),
@@ -1135,137 +1091,15 @@ impl RedisStore {
             return Ok(None);
         }
         let record = fields.record()?;
-        if member(&record.scope) != placement.member {
-            return Err(corrupt(format!("the record at {} is of another key", self.keys.record(placement))));
+        let its_own = match member {
+            Some(member) => layout::member(&record.scope) == member,
+            None => self.keys.record(&Placement::of(&record.scope)) == key,
+        };
+        if !its_own {
+            return Err(corrupt(format!("the record at {key} is of another key")));
         }
         Ok(Some(record))
     }
-
-    /// Reads up to `chunk` index entries from each shard that needs more, and the records
-    /// they name, keeping those that pass the filter at the store's time of their read. Run
-    /// listing entries whose record no longer names the run are removed
-    /// ([`Self::prune_run_entries`]).
-    async fn refill(
-        &self,
-        tenant: &TenantId,
-        shards: &mut [Shard],
-        until: &[u8],
-        chunk: usize,
-        filter: &ListFilter,
-    ) -> Result<(), StoreError> {
-        let wanted: Vec<usize> = (0..shards.len()).filter(|&i| !shards[i].done && shards[i].found.is_empty()).collect();
-        let reads = wanted.iter().map(|&i| {
-            let mut conn = self.conn.clone();
-            let cmd = redis::cmd("ZRANGEBYLEX")
-                .arg(&shards[i].index)
-                .arg(&shards[i].from)
-                .arg(until)
-                .arg("LIMIT")
-                .arg(0)
-                .arg(chunk)
-                .clone();
-            async move { cmd.query_async::<Vec<Vec<u8>>>(&mut conn).await.map_err(unavailable("list")) }
-        });
-        let batches = try_join_all(reads).await?;
-        let mut named = Vec::new();
-        for (&i, entries) in wanted.iter().zip(batches) {
-            let shard = &mut shards[i];
-            shard.done = entries.len() < chunk;
-            if let Some(last) = entries.last() {
-                shard.from = lex(false, last);
-                shard.seen = Some(last.clone());
-            }
-            named.extend(entries.into_iter().map(|e| (i, e)));
-        }
-        let fetches = named.into_iter().map(|(i, entry)| {
-            let mut conn = self.conn.clone();
-            async move {
-                let member = match filter.run {
-                    None => entry.clone(),
-                    Some(_) => {
-                        member_of_run_member(&entry).ok_or_else(|| corrupt("a run listing entry lacks its parts"))?
-                    }
-                };
-                let placement = Placement::of_member(tenant, member);
-                let read = self.read_record(&mut conn, &placement).await?;
-                Ok::<_, StoreError>((i, entry, placement, read))
-            }
-        });
-        let mut stale = Vec::new();
-        for (i, entry, placement, (record, now)) in try_join_all(fetches).await? {
-            if let Some(run) = &filter.run
-                && record.as_ref().is_none_or(|r| r.run.as_ref() != Some(run))
-            {
-                stale.push((placement, entry));
-                continue;
-            }
-            if let Some(record) = record.filter(|r| filter.admits(r, now)) {
-                shards[i].found.push_back((entry, record));
-            }
-        }
-        if let Some(run) = &filter.run
-            && !stale.is_empty()
-        {
-            self.prune_run_entries(run, stale).await;
-        }
-        Ok(())
-    }
-
-    /// Deletes up to `batch` records of `slots` that expired: candidates are the expiry
-    /// indexes' entries up to `now` (the store's time when the sweep began); each is deleted by
-    /// [`scripts::SWEEP_ONE`], which checks its expiry again by the store's clock.
-    async fn sweep_slots(&self, slots: &[u16], now: Timestamp, batch: usize) -> Result<usize, StoreError> {
-        let mut deleted = 0;
-        let mut pending = slots.to_vec();
-        while !pending.is_empty() && deleted < batch {
-            let want = batch - deleted;
-            let reads = pending.iter().map(|&slot| {
-                let mut conn = self.conn.clone();
-                let cmd = redis::cmd("ZRANGEBYSCORE")
-                    .arg(self.keys.expiry(slot))
-                    .arg("-inf")
-                    .arg(now.0)
-                    .arg("LIMIT")
-                    .arg(0)
-                    .arg(want)
-                    .clone();
-                async move {
-                    let found = cmd.query_async::<Vec<Vec<u8>>>(&mut conn).await.map_err(unavailable("sweep"))?;
-                    Ok::<_, StoreError>((slot, found))
-                }
-            });
-            let found = try_join_all(reads).await?;
-            pending = found.iter().filter(|(_, members)| members.len() >= want).map(|(slot, _)| *slot).collect();
-            let candidates: Vec<(u16, Vec<u8>)> =
-                found.into_iter().flat_map(|(slot, members)| members.into_iter().map(move |m| (slot, m))).collect();
-            let mut rest = candidates.as_slice();
-            while !rest.is_empty() && deleted < batch {
-                let (group, tail) = rest.split_at((batch - deleted).min(rest.len()));
-                rest = tail;
-                let deletions = group.iter().map(|(slot, m)| {
-                    let mut conn = self.conn.clone();
-                    let placement = Placement { slot: *slot, member: m.clone(), digest: digest_of(m) };
-                    let mut invocation = SCRIPTS.sweep_one.prepare_invoke();
-                    invocation
-                        .key(self.keys.record(&placement))
-                        .key(self.keys.expiry(*slot))
-                        .key(self.keys.listing(*slot))
-                        .key(self.keys.run_listing(*slot))
-                        .arg(self.clock_arg())
-                        .arg(m.as_slice());
-                    async move { invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("sweep")) }
-                });
-                deleted += try_join_all(deletions).await?.into_iter().filter(|&n| n > 0).count();
-            }
-        }
-        Ok(deleted)
-    }
-}
-
-/// The record key digest of a listing member (as [`Placement::of_member`] computes it).
-fn digest_of(member: &[u8]) -> String {
-    use sha2::{Digest, Sha256};
-    hex::encode(&Sha256::digest(member)[..16])
 }
 
 fn api_key(doc: &str, revoked: Option<u64>) -> Result<ApiKey, StoreError> {

@@ -80,8 +80,8 @@ local function clock(given) return tonumber(clock_digits(given)) end
 "#;
 
 /// Reading and writing a record (see the module documentation): `load_record(key)` answers the
-/// record's fields as a table, or `nil`; `write_record(key, r, now, margin)` writes them with
-/// the record's TTL. Preceded, in every script, by the table `MEDIA` of the numbered media
+/// record's fields as a table, or `nil`; `write_record(key, r, now)` writes them with the
+/// record's TTL. Preceded, in every script, by the table `MEDIA` of the numbered media
 /// types ([`record_chunk`]).
 pub const RECORD: &str = r#"
 -- Timestamp::NEVER: the expiry of a record in progress (see the test below)
@@ -117,15 +117,15 @@ local function load_record(key)
   return cmsgpack.unpack(v)
 end
 
--- Writes the record with its TTL: Redis reclaims it `margin` ms after it expires (relative to
--- the script's now, the store's clock); the expiry index finds it for the sweep before that. In
--- progress it never expires: no retention erases an unfinished attempt.
-local function write_record(key, r, now, margin)
+-- Writes the record with its TTL: Redis reclaims it when it expires (relative to the script's
+-- now, the store's clock). In progress it never expires: no retention erases an unfinished
+-- attempt.
+local function write_record(key, r, now)
   local v = cmsgpack.pack(r)
   if r.ex == NEVER then
     redis.call('SET', key, v)
   else
-    redis.call('SET', key, v, 'PX', string.format('%.0f', math.max(tonumber(r.ex) - now + margin, 1)))
+    redis.call('SET', key, v, 'PX', string.format('%.0f', math.max(tonumber(r.ex) - now, 1)))
   end
 end
 "#;
@@ -176,16 +176,10 @@ local function change(r) return { r = r } end
 local function set(w, f, v) w.r[f] = v end
 local function unset(w, f) w.r[f] = nil end
 
--- Writes the record (write_record) and its entry in the slot's expiry index.
-local function save(key, w, expiry_index, member, now, margin)
-  write_record(key, w.r, now, margin)
-  redis.call('ZADD', expiry_index, w.r.ex, member)
-end
-
--- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once the tenant's
--- records on the slot were indexed by run (INDEX_RUNS), a form an earlier version's scripts
--- fail on before they write a record. Answers the mark and whether it has that form, which a new mark
--- keeps.
+-- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once an earlier
+-- version indexed the tenant's records on the slot by run, a form the versions before it fail
+-- on before they write a record. Answers the mark and whether it has that form, which a new
+-- mark keeps.
 local function read_mark(key)
   local v = redis.call('GET', key) or '0'
   if string.sub(v, 1, 2) == 'm:' then return tonumber(string.sub(v, 3)), true end
@@ -204,16 +198,6 @@ local function clear_checkpoints(w)
   for i = c0, cn - 1 do unset(w, 'c.' .. int(i)) end
   unset(w, 'c0')
   unset(w, 'cn')
-end
-"#;
-
-/// A record's entry in its slot's run listing index, as [`crate::layout::run_member`] builds
-/// it: shared by the scripts that write or delete records, and by [`INDEX_RUNS`].
-pub const RUN_MEMBER: &str = r#"
--- `tenant NUL run NUL namespace NUL key` from the listing member `tenant NUL namespace NUL key`
-local function run_member(member, run)
-  local cut = string.find(member, '\0', 1, true)
-  return string.sub(member, 1, cut) .. run .. string.sub(member, cut)
 end
 "#;
 
@@ -332,9 +316,8 @@ end
 /// call carries no quota, names no run to admit and holds no reservation: the path without
 /// budgets sends what it sent before there were budgets.
 pub const CLAIM: &str = r#"
--- KEYS: record, slot fence mark, expiry index, listing index, run listing index; on one server
---       (fence 'draw') also the fence counter, then the tenant's in-flight set (with a quota),
---       then the run (with a run to admit)
+-- KEYS: record, slot fence mark; on one server (fence 'draw') also the fence counter, then the
+--       tenant's in-flight set (with a quota), then the run (with a run to admit)
 -- ARGV: the store's clock ('' for the server's), fingerprint, lease ms, retention ms, run ('' if
 --       none), tenant, namespace, key,
 --       member, margin ms, fence ('draw', 'peek' or a number), the approval gate ('' none,
@@ -357,9 +340,6 @@ end
 
 -- existing.filter(|r| r.is_live(now))
 local r = load_record(KEYS[1])
--- The run the stored record names (its entry in the run listing index goes if the new record
--- names another).
-local stored_under = r and r.run
 if r ~= nil and not is_live(r, now) then r = nil end
 
 if r ~= nil then
@@ -426,7 +406,7 @@ if source == 'peek' then return { 'need_fence', int(mark), n.run or '', n.ch or 
 -- charged) its effects and cost. On a Cluster by the verdicts of the reservations; what they
 -- do not cover (the record changed since) is asked for with need_fence.
 local quota, cost, admitted = ARGV[13] or '', ARGV[14] or '0', ARGV[15] or ''
-local k = 7
+local k = 4
 local in_flight, run_key, stored_run
 local charges, lacking = false, false
 if quota ~= '' then
@@ -477,10 +457,10 @@ end
 
 local fence
 if one_server then
-  fence = redis.call('INCR', KEYS[6])
+  fence = redis.call('INCR', KEYS[3])
   if fence <= mark then
     fence = mark + 1
-    redis.call('SET', KEYS[6], int(fence))
+    redis.call('SET', KEYS[3], int(fence))
   end
 else
   fence = tonumber(source)
@@ -520,19 +500,12 @@ if quota ~= '' then
   end
 end
 
-save(KEYS[1], change(n), KEYS[3], member, now, margin)
-redis.call('ZADD', KEYS[4], 0, member)
--- A record's run is set once (prev.run.or(req.run)); one that replaces an expired record may
--- name another run than it did.
-if stored_under and stored_under ~= n.run then
-  redis.call('ZREM', KEYS[5], run_member(member, stored_under))
-end
-if n.run ~= nil then redis.call('ZADD', KEYS[5], 0, run_member(member, n.run)) end
+write_record(KEYS[1], n, now)
 return answer
 "#;
 
-/// What every call of [`CLAIM`] starts with: KEYS 1 to 5 (the record, the slot's fence mark,
-/// expiry index, listing index and run listing index) and ARGV 1 to 12. A caller then adds
+/// What every call of [`CLAIM`] starts with: KEYS 1 and 2 (the record and the slot's fence
+/// mark) and ARGV 1 to 12. A caller then adds
 /// what its case needs (on one server the fence counter, and the admission's keys and
 /// arguments).
 pub struct ClaimCall<'a> {
@@ -553,7 +526,8 @@ pub struct ClaimCall<'a> {
     pub retention_ms: u64,
     /// The run named by the claim, `""` if none.
     pub run: &'a str,
-    /// How long after a record's expiry Redis reclaims it, ms.
+    /// How long a place in the tenant's in-flight set outlives its lease, ms
+    /// ([`crate::RedisOptions::expiry_margin`]).
     pub margin_ms: u64,
     /// Where the fence comes from: `draw`, `peek` or a fence drawn beforehand.
     pub source: &'a str,
@@ -569,9 +543,6 @@ impl ClaimCall<'_> {
         invocation
             .key(self.keys.record(self.placement))
             .key(self.keys.fence_mark(self.placement.slot, &self.scope.tenant))
-            .key(self.keys.expiry(self.placement.slot))
-            .key(self.keys.listing(self.placement.slot))
-            .key(self.keys.run_listing(self.placement.slot))
             .arg(self.clock)
             .arg(crate::codec::fingerprint_field(self.fingerprint))
             .arg(self.lease_ms)
@@ -622,8 +593,8 @@ fn gates(
 /// raises an extended one) and adds the reported cost to the run; on a Cluster the store does
 /// both after the script, on their own slots.
 pub const MUTATE: &str = r#"
--- KEYS: record, expiry index; on one server also the tenant's in-flight set, then the run
---       (with a run named below)
+-- KEYS: record; on one server also the tenant's in-flight set, then the run (with a run named
+--       below)
 -- ARGV: the store's clock ('' for the server's), fence, op, max checkpoints, member, margin ms,
 --   channel, message, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none),
@@ -647,7 +618,7 @@ elseif op == 'checkpoint' then
 end
 local reported, given_run, raised_to = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] or ''
 local raised = raised_to ~= ''
-local one_server = #KEYS > 2
+local one_server = #KEYS > 1
 
 local r = load_record(KEYS[1])
 if r == nil or not is_live(r, now) then return { 'stale', 'no_record' } end
@@ -735,16 +706,16 @@ if r.q ~= nil and op == 'extend' and not one_server and not raised then
   return { 'need_quota', r.q, w.r.le }
 end
 set(w, 'up', int(now))
-save(KEYS[1], w, KEYS[2], member, now, margin)
+write_record(KEYS[1], w.r, now)
 if one_server then
   if r.q ~= nil then
     if op == 'extend' then
-      redis.call('ZADD', KEYS[3], 'GT', w.r.le, member .. '\0' .. r.q)
+      redis.call('ZADD', KEYS[2], 'GT', w.r.le, member .. '\0' .. r.q)
     elseif finishes then
-      redis.call('ZREM', KEYS[3], member .. '\0' .. r.q)
+      redis.call('ZREM', KEYS[2], member .. '\0' .. r.q)
     end
   end
-  if costs then add_cost(KEYS[4], r.t, r.run, reported, int(now)) end
+  if costs then add_cost(KEYS[3], r.t, r.run, reported, int(now)) end
 end
 if finishes then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
 local answer = flat(w.r)
@@ -777,41 +748,24 @@ redis.call('SET', KEYS[1], 'floor:' .. string.format('%.0f', floor))
 return string.format('%.0f', floor)
 "#;
 
-/// Deletes one record found in the expiry index, if it expired by the store's clock, with its
-/// index entries. Answers 1 if it deleted a record, 0 if the record was gone already
-/// (reclaimed by Redis: its run, and so its run listing entry, went with it; see
-/// [`PRUNE_RUN_ENTRY`]) or is live.
+/// Deletes one record if it expired by the store's clock. Answers 1 if it deleted it, 0 if it
+/// was gone already (reclaimed by Redis) or is live.
 pub const SWEEP_ONE: &str = r#"
--- KEYS: record, expiry index, listing index, run listing index
--- ARGV: the store's clock ('' for the server's), member
-local now, member = clock(ARGV[1]), ARGV[2]
-local r = load_record(KEYS[1]) or {}
-local ex, run = r.ex, r.run
-if ex and tonumber(ex) > now then
-  redis.call('ZADD', KEYS[2], ex, member)
-  return 0
-end
-local deleted = redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], member)
-redis.call('ZREM', KEYS[3], member)
-if run then redis.call('ZREM', KEYS[4], run_member(member, run)) end
-return deleted
+-- KEYS: record; ARGV: the store's clock ('' for the server's)
+local r = load_record(KEYS[1])
+if r == nil or tonumber(r.ex) > clock(ARGV[1]) then return 0 end
+return redis.call('DEL', KEYS[1])
 "#;
 
-/// Deletes a record whatever its state, with its index entries, and announces it. Answers `{existed, token}`: 1 if it
+/// Deletes a record whatever its state, and announces it. Answers `{existed, token}`: 1 if it
 /// existed, and the token of its place in the tenant's in-flight set (`''` if none), which the
 /// script removes on one server and the store removes after it on a Cluster.
 pub const PURGE: &str = r#"
--- KEYS: record, expiry index, listing index, run listing index[, the tenant's in-flight set
---       (one server)]
+-- KEYS: record[, the tenant's in-flight set (one server)]
 -- ARGV: member, channel, message
-local r = load_record(KEYS[1]) or {}
-local token, run = r.q, r.run
+local token = (load_record(KEYS[1]) or {}).q
 local existed = redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-if run then redis.call('ZREM', KEYS[4], run_member(ARGV[1], run)) end
-if token and KEYS[5] then redis.call('ZREM', KEYS[5], ARGV[1] .. '\0' .. token) end
+if token and KEYS[2] then redis.call('ZREM', KEYS[2], ARGV[1] .. '\0' .. token) end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
 return { existed, token or '' }
 "#;
@@ -855,8 +809,7 @@ return 1
 /// `{'revoked', token}` (the token of its place in the tenant's in-flight set, `''` if none;
 /// removed here on one server), `{'skipped'}`, or `{'need_fence', slot_mark}`.
 pub const REVOKE: &str = r#"
--- KEYS: record, slot fence mark, expiry index[, fence counter, the tenant's in-flight set
---       (one server)]
+-- KEYS: record, slot fence mark[, fence counter, the tenant's in-flight set (one server)]
 -- ARGV: the store's clock ('' for the server's), fence ('draw' or a number), detail, member,
 --       margin ms, run ('' for any), channel, message
 local now, source, detail, member, margin = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
@@ -867,10 +820,10 @@ if r.un == detail then return { 'skipped' } end
 local mark, fenced = read_mark(KEYS[2])
 local fence
 if source == 'draw' then
-  fence = redis.call('INCR', KEYS[4])
+  fence = redis.call('INCR', KEYS[3])
   if fence <= mark then
     fence = mark + 1
-    redis.call('SET', KEYS[4], int(fence))
+    redis.call('SET', KEYS[3], int(fence))
   end
 else
   fence = tonumber(source)
@@ -885,45 +838,11 @@ set(w, 'up', int(now))
 local token = r.q or ''
 if token ~= '' then
   unset(w, 'q')
-  if source == 'draw' then redis.call('ZREM', KEYS[5], member .. '\0' .. token) end
+  if source == 'draw' then redis.call('ZREM', KEYS[4], member .. '\0' .. token) end
 end
-save(KEYS[1], w, KEYS[3], member, now, margin)
+write_record(KEYS[1], w.r, now)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
 return { 'revoked', token }
-"#;
-
-/// Brings a tenant's records on one slot into the run listing index, for a store whose records
-/// were written (in part) by an earlier version, which kept no such index. First it fences
-/// earlier versions out of the tenant's records on the slot: the tenant's fence mark takes the
-/// form `m:<n>`, which every script of this version reads ([`PRELUDE`]'s `read_mark`) and
-/// keeps, and on which an earlier version's claim or revocation fails before it writes a
-/// record (it reads the mark as a number; on one server it has drawn a fence it never uses).
-/// Then it adds the entry of each record given that names a run
-/// (records gone since they were listed are skipped; a record written meanwhile by this
-/// version has its entry already). Called once with no record to fence the slot, then with the
-/// tenant's records on the slot a chunk at a time: whatever an earlier version wrote is in the
-/// listing index before the first chunk is read. Answers how many entries it added.
-pub const INDEX_RUNS: &str = r#"
--- KEYS: the tenant's fence mark on the slot, the slot's run listing index, then records
--- ARGV: the records' listing members, in the order of their keys
-local mark = redis.call('GET', KEYS[1]) or '0'
-if string.sub(mark, 1, 2) ~= 'm:' then redis.call('SET', KEYS[1], 'm:' .. mark) end
-local added = 0
-for i = 3, #KEYS do
-  local run = (load_record(KEYS[i]) or {}).run
-  if run then added = added + redis.call('ZADD', KEYS[2], 0, run_member(ARGV[i - 2], run)) end
-end
-return added
-"#;
-
-/// Removes an entry from a slot's run listing index unless its record (still) names the run:
-/// an entry left by a record that Redis reclaimed before the sweep deleted it (its run went
-/// with it, so the sweep cannot find the entry), or by an earlier version's purge or sweep.
-/// A listing of the run that meets such an entry removes it. Answers 1 if it removed it.
-pub const PRUNE_RUN_ENTRY: &str = r#"
--- KEYS: record, the slot's run listing index; ARGV: the entry, run
-if (load_record(KEYS[1]) or {}).run == ARGV[2] then return 0 end
-return redis.call('ZREM', KEYS[2], ARGV[1])
 "#;
 
 /// Cluster: reserves a place in the tenant's in-flight set for a claim about to acquire, if
@@ -1242,10 +1161,6 @@ pub struct Scripts {
     pub sweep_one: Script,
     /// See [`PURGE`].
     pub purge: Script,
-    /// See [`INDEX_RUNS`].
-    pub index_runs: Script,
-    /// See [`PRUNE_RUN_ENTRY`].
-    pub prune_run_entry: Script,
     /// See [`REVOKE`].
     pub revoke: Script,
     /// See [`RESERVE_IN_FLIGHT`].
@@ -1301,17 +1216,14 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{body}"));
     let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{NUMBERS}\n{body}"));
     let with_record = |body: &str| format!("{record}\n{body}");
-    let with_run_member = |body: &str| format!("{RUN_MEMBER}\n{body}");
     Scripts {
-        claim: with_prelude(&with_run_member(CLAIM)),
-        claim_admitting: with_numbers(&with_run_member(CLAIM)),
+        claim: with_prelude(CLAIM),
+        claim_admitting: with_numbers(CLAIM),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),
-        sweep_one: with_clock(&with_record(&with_run_member(SWEEP_ONE))),
-        purge: Script::new(&with_record(&with_run_member(PURGE))),
-        index_runs: Script::new(&with_record(&with_run_member(INDEX_RUNS))),
-        prune_run_entry: Script::new(&with_record(PRUNE_RUN_ENTRY)),
+        sweep_one: with_clock(&with_record(SWEEP_ONE)),
+        purge: Script::new(&with_record(PURGE)),
         revoke: with_prelude(REVOKE),
         reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),
         reserve_run: with_numbers(RESERVE_RUN),

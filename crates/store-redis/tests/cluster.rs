@@ -35,9 +35,9 @@ async fn record_keys_land_on_the_slot_redis_computes() {
         for key in [
             keys.record(&placement),
             keys.fence_mark(placement.slot, &scope.tenant),
-            keys.expiry(placement.slot),
-            keys.listing(placement.slot),
-            keys.run_listing(placement.slot),
+            keys.legacy_expiry(placement.slot),
+            keys.legacy_listing(placement.slot),
+            keys.legacy_run_listing(placement.slot),
         ] {
             let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key).query_async(&mut conn).await.unwrap();
             assert_eq!((slot, key_slot(key.as_bytes())), (placement.slot, placement.slot), "{key}");
@@ -164,17 +164,18 @@ async fn raw_connection(nodes: &[String]) -> redis::cluster_async::ClusterConnec
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_run_listing_index_holds_each_records_run() {
+async fn listings_scan_each_tenants_records() {
     let Some((store, clock, prefix, nodes)) = fresh_store().await else { return };
-    common::the_run_listing_index_holds_each_records_run(&store, &clock, &prefix, raw_connection(&nodes).await).await;
+    common::listings_scan_each_tenants_records(&store, &clock, &prefix, raw_connection(&nodes).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_of_earlier_versions_are_listed_by_run() {
+async fn indexes_of_earlier_versions_are_deleted_on_connect() {
     let Some(nodes) = tokio::task::spawn_blocking(|| common::cluster().map(common::Cluster::nodes)).await.unwrap()
     else {
         return;
     };
     let raw = raw_connection(&nodes).await;
-    common::records_of_earlier_versions_are_listed_by_run(common::cluster_target(&nodes), &common::prefix(), raw).await;
+    common::indexes_of_earlier_versions_are_deleted_on_connect(common::cluster_target(&nodes), &common::prefix(), raw)
+        .await;
 }

@@ -42,9 +42,9 @@ async fn a_change_made_through_one_instance_reaches_another() {
 }
 
 /// A record in progress carries no Redis TTL (no retention erases an unfinished attempt); a
-/// finished one carries its retention plus the margin, measured from the store's clock (the
-/// server's, here: the caller's `now`, far in the past, changes nothing); fence counters and
-/// indexes carry none, and outlive a purge.
+/// finished one carries its retention, measured from the store's clock (the server's, here:
+/// the caller's `now`, far in the past, changes nothing), so Redis deletes it when it expires
+/// and the sweep finds nothing; fence counters carry none, and outlive a purge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_expire_in_redis_and_fence_counters_never_do() {
     if !common::single_available() {
@@ -55,7 +55,6 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
     let options = RedisOptions { prefix: prefix.clone(), expiry_margin: Duration::from_secs(60), ..Default::default() };
     let store = common::store_with(RedisTarget::Single(url.clone()), options).await;
     let s = scope("ttl");
-    // In a run, so that its slot's run listing index holds it.
     let in_run = onceguard_core::ClaimRequest { run: Some(RunId::parse("ttl-run").unwrap()), ..common::request(&s) };
     let ClaimOutcome::Acquired(acquired) = store.claim(&in_run, Timestamp(1_700_000_000_000)).await.unwrap() else {
         panic!("not acquired")
@@ -70,16 +69,11 @@ async fn records_expire_in_redis_and_fence_counters_never_do() {
     assert_eq!(pttl(keys.record(&placement)).await, -1, "a record in progress must not expire");
     let now = Timestamp(1_700_000_000_000);
     store.mutate(&s, fence, Mutation::Complete(common::outcome()), now, 8).await.unwrap();
-    // retention 100 s + margin 60 s
+    // retention 100 s (the margin is the in-flight places')
     let ttl = pttl(keys.record(&placement)).await;
-    assert!((150_000..=160_000).contains(&ttl), "the completed record's TTL is {ttl} ms");
-    for key in [
-        keys.fence_counter(&s.tenant),
-        keys.fence_mark(placement.slot, &s.tenant),
-        keys.expiry(placement.slot),
-        keys.listing(placement.slot),
-        keys.run_listing(placement.slot),
-    ] {
+    assert!((90_000..=100_000).contains(&ttl), "the completed record's TTL is {ttl} ms");
+    assert_eq!(store.sweep(Timestamp(u64::MAX / 2), 100).await.unwrap(), 0, "Redis deletes it");
+    for key in [keys.fence_counter(&s.tenant), keys.fence_mark(placement.slot, &s.tenant)] {
         assert_eq!(pttl(key.clone()).await, -1, "{key} must not expire");
     }
     assert!(store.purge(&s).await.unwrap());
@@ -645,7 +639,6 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
         let mut invocation = SCRIPTS.mutate.prepare_invoke();
         invocation
             .key(keys.record(&placement))
-            .key(keys.expiry(placement.slot))
             .arg(at)
             .arg(1)
             .arg("extend")
@@ -690,25 +683,25 @@ async fn raw_connection(url: &str) -> redis::aio::MultiplexedConnection {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_run_listing_index_holds_each_records_run() {
+async fn listings_scan_each_tenants_records() {
     if !common::single_available() {
         return;
     }
     let (url, prefix) = (common::redis_url(), common::prefix());
     let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
     let (store, clock) = common::store_on_given_clock(RedisTarget::Single(url.clone()), &prefix).await;
-    common::the_run_listing_index_holds_each_records_run(&store, &clock, &prefix, raw_connection(&url).await).await;
+    common::listings_scan_each_tenants_records(&store, &clock, &prefix, raw_connection(&url).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_of_earlier_versions_are_listed_by_run() {
+async fn indexes_of_earlier_versions_are_deleted_on_connect() {
     if !common::single_available() {
         return;
     }
     let (url, prefix) = (common::redis_url(), common::prefix());
     let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
     let raw = raw_connection(&url).await;
-    common::records_of_earlier_versions_are_listed_by_run(RedisTarget::Single(url), &prefix, raw).await;
+    common::indexes_of_earlier_versions_are_deleted_on_connect(RedisTarget::Single(url), &prefix, raw).await;
 }
 
 /// Rollbacks that earlier versions kept as control documents (fields `rollback NUL tenant NUL

@@ -12,7 +12,7 @@
 // Each test binary uses part of the harness.
 #![allow(dead_code)]
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
@@ -27,7 +27,7 @@ use onceguard_core::{
     ManualClock, Mutation, Namespace, Outcome, OutcomeKind, RecordState, RecoveryReason, RunId, Scope, StoreClock,
     StoreError, TenantId, Timestamp,
 };
-use onceguard_store_redis::layout::{Keys, Placement, member, run_member, tenant_slots};
+use onceguard_store_redis::layout::{Keys, Placement, member, tenant_slots};
 use onceguard_store_redis::{RedisOptions, RedisStore, RedisTarget};
 use onceguard_testkit::TestStore;
 use onceguard_testkit::services;
@@ -685,32 +685,6 @@ pub async fn store_time_is_the_stores(server: &RedisStore, given: &RedisStore, c
 /// (released or completed, so that it expires with its retention).
 type Expected = std::collections::BTreeMap<Scope, (Option<RunId>, bool)>;
 
-/// The run listing entries of `tenant` on its slots, read straight from Redis through `raw`.
-async fn run_entries<C>(raw: &C, keys: &Keys, tenant: &TenantId) -> BTreeSet<Vec<u8>>
-where
-    C: redis::aio::ConnectionLike + Clone + Send,
-{
-    let head = format!("{tenant}\0");
-    let (from, until) = (format!("[{head}"), format!("({tenant}\x01"));
-    let mut entries = BTreeSet::new();
-    for slot in tenant_slots(tenant) {
-        let found: Vec<Vec<u8>> = redis::cmd("ZRANGEBYLEX")
-            .arg(keys.run_listing(slot))
-            .arg(&from)
-            .arg(&until)
-            .query_async(&mut raw.clone())
-            .await
-            .unwrap();
-        entries.extend(found);
-    }
-    entries
-}
-
-/// The run listing entries the records in `expected` should have: one for each that names a run.
-fn entries_of(expected: &Expected) -> BTreeSet<Vec<u8>> {
-    expected.iter().filter_map(|(s, (run, _))| run.as_ref().map(|run| run_member(&member(s), run))).collect()
-}
-
 /// The keys of the records listed.
 fn keys_of(records: &[onceguard_core::Record]) -> Vec<String> {
     records.iter().map(|r| format!("{}/{}", r.scope.namespace, r.scope.key)).collect()
@@ -731,26 +705,48 @@ async fn list_all(store: &RedisStore, tenant: &TenantId, filter: &ListFilter, pa
     }
 }
 
-/// A run's pages, read from the run listing index, hold the records (and in the order) that
-/// the listing of every record, filtered by run in process, holds: with a namespace prefix and
-/// a state or not, a page at a time or all at once.
-async fn pages_of_a_run_are_the_scans(store: &RedisStore, tenant: &TenantId, run: &RunId) {
-    let prefixes = [None, Some(Namespace::parse("prod").unwrap()), Some(Namespace::parse("dev").unwrap())];
-    for namespace_prefix in prefixes {
-        for state in [None, Some(RecordState::InProgress), Some(RecordState::Completed)] {
-            let all = ListFilter { namespace_prefix: namespace_prefix.clone(), state, ..ListFilter::default() };
-            let scanned: Vec<onceguard_core::Record> = store
-                .list(tenant, &ListFilter { limit: 1_000, ..all.clone() }, T0)
-                .await
-                .unwrap()
-                .items
-                .into_iter()
-                .filter(|r| r.run.as_ref() == Some(run))
-                .collect();
-            let by_run = ListFilter { run: Some(run.clone()), ..all };
-            for page in [1, 7, 1_000] {
-                let listed = list_all(store, tenant, &by_run, page).await;
-                assert_eq!(listed, keys_of(&scanned), "{by_run:?}, {page} a page");
+/// The keys `filter` should list of `expected` (judged at `now`), in order.
+fn listed_of(
+    expected: &Expected,
+    records: &BTreeMap<Scope, onceguard_core::Record>,
+    filter: &ListFilter,
+    now: Timestamp,
+) -> Vec<String> {
+    expected
+        .keys()
+        .filter_map(|s| records.get(s))
+        .filter(|r| filter.admits(r, now))
+        .map(|r| format!("{}/{}", r.scope.namespace, r.scope.key))
+        .collect()
+}
+
+/// Every page of every filter (a run or none, a namespace prefix or none, a state or none,
+/// stuck or not, a page at a time of 7 or 1,000) holds the records, and in the order, that the filter keeps
+/// of what the store holds for the tenant.
+async fn pages_are_the_filters(store: &RedisStore, tenant: &TenantId, expected: &Expected, now: Timestamp) {
+    let mut records = BTreeMap::new();
+    for s in expected.keys() {
+        if let Some(record) = store.get(s, T0).await.unwrap() {
+            records.insert(s.clone(), record);
+        }
+    }
+    let runs = [None, Some(RunId::parse("a").unwrap()), Some(RunId::parse("b").unwrap())];
+    let prefixes = [None, Some(Namespace::parse("prod").unwrap())];
+    let states = [(None, false), (Some(RecordState::InProgress), false), (Some(RecordState::Completed), true)];
+    for run in &runs {
+        for namespace_prefix in &prefixes {
+            for (state, stuck) in states {
+                let filter = ListFilter {
+                    run: run.clone(),
+                    namespace_prefix: namespace_prefix.clone(),
+                    state,
+                    stuck,
+                    ..ListFilter::default()
+                };
+                let want = listed_of(expected, &records, &filter, now);
+                for page in [7, 1_000] {
+                    assert_eq!(list_all(store, tenant, &filter, page).await, want, "{filter:?}, {page} a page");
+                }
             }
         }
     }
@@ -777,26 +773,35 @@ async fn claim_a_tenants_records(store: &RedisStore, expected: &mut Expected) {
     }
 }
 
-/// The run listing index holds exactly one entry for each record that names a run, through
-/// claims, takeovers (of a released record that named no run, which then names the claim's;
-/// of an expired record, replaced by one of another run or of none), purges and the sweep;
-/// an entry whose record Redis reclaimed is removed by the first listing of its run that meets
-/// it. Listing a run reads its entries only: a record of another run that cannot be read
-/// fails the listing of every record, not the run's.
-pub async fn the_run_listing_index_holds_each_records_run<C>(
-    store: &RedisStore,
-    clock: &ManualClock,
-    prefix: &str,
-    raw: C,
-) where
+/// The claim path writes a key's record and its fence and nothing else, so listings scan: they
+/// answer each filter's records in order, a page at a time, through claims, takeovers,
+/// replacements of expired records, purges and the sweep (which, on a given clock, deletes what
+/// expired by it), never a record of another tenant on the same slots, nor one Redis reclaimed;
+/// a record that cannot be read fails the tenant's listings.
+pub async fn listings_scan_each_tenants_records<C>(store: &RedisStore, clock: &ManualClock, prefix: &str, raw: C)
+where
     C: redis::aio::ConnectionLike + Clone + Send,
 {
     let (keys, tenant) = (Keys::new(prefix).unwrap(), acme());
     let (a, b) = (RunId::parse("a").unwrap(), RunId::parse("b").unwrap());
     let mut expected = Expected::new();
     claim_a_tenants_records(store, &mut expected).await;
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the claims");
-    pages_of_a_run_are_the_scans(store, &tenant, &a).await;
+    // Another tenant whose records share the acme's slots, with keys of the same names.
+    let other = (0..100_000)
+        .map(|i| TenantId::parse(&format!("other-{i}")).unwrap())
+        .find(|t| tenant_slots(t) == tenant_slots(&tenant))
+        .expect("a tenant on the acme's slots");
+    for (s, _) in expected.clone() {
+        acquire(store, &Scope::new(other.clone(), s.namespace, s.key), T0).await;
+    }
+    // No index beside the records.
+    for slot in tenant_slots(&tenant) {
+        for index in [keys.legacy_expiry(slot), keys.legacy_listing(slot), keys.legacy_run_listing(slot)] {
+            let exists: bool = redis::cmd("EXISTS").arg(&index).query_async(&mut raw.clone()).await.unwrap();
+            assert!(!exists, "{index}");
+        }
+    }
+    pages_are_the_filters(store, &tenant, &expected, clock.now()).await;
 
     // Released records (the odd ones) are taken over by claims of run a: those of no run take
     // it, the others keep theirs. Every other one of them is left released.
@@ -809,7 +814,7 @@ pub async fn the_run_listing_index_holds_each_records_run<C>(
         *entry = (entry.0.clone().or(Some(a.clone())), false);
         assert_eq!(store.get(s, T0).await.unwrap().and_then(|r| r.run), entry.0, "{s:?}");
     }
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the takeovers");
+    pages_are_the_filters(store, &tenant, &expected, clock.now()).await;
 
     // Past their retention, finished records are replaced by claims naming another run (or none).
     clock.advance(Duration::from_secs(101));
@@ -820,7 +825,6 @@ pub async fn the_run_listing_index_holds_each_records_run<C>(
         assert!(matches!(claimed, ClaimOutcome::Acquired(ref a) if a.recovery.is_none()), "{claimed:?}");
         expected.insert(s.clone(), (run, false));
     }
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the replacements");
 
     // Purges, of records of either run and of none.
     let purged: Vec<Scope> = expected.keys().step_by(7).cloned().collect();
@@ -828,103 +832,124 @@ pub async fn the_run_listing_index_holds_each_records_run<C>(
         assert!(store.purge(s).await.unwrap());
         expected.remove(s);
     }
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the purges");
-    pages_of_a_run_are_the_scans(store, &tenant, &a).await;
-    pages_of_a_run_are_the_scans(store, &tenant, &b).await;
+    pages_are_the_filters(store, &tenant, &expected, clock.now()).await;
 
-    // The sweep deletes the expired records, and their entries.
+    // The sweep deletes the expired records (by the given clock), and only those.
     let expired = expected.values().filter(|(_, f)| *f).count();
     assert!(expired > 10, "{expired}");
-    assert_eq!(store.sweep(T0, 1_000).await.unwrap(), expired);
+    assert_eq!(store.sweep(T0, 5).await.unwrap(), 5, "a batch at a time");
+    assert_eq!(store.sweep(T0, 1_000).await.unwrap(), expired - 5);
+    assert_eq!(store.sweep(T0, 1_000).await.unwrap(), 0);
+    for (s, (_, finished)) in &expected {
+        let stored: bool =
+            redis::cmd("EXISTS").arg(keys.record(&Placement::of(s))).query_async(&mut raw.clone()).await.unwrap();
+        assert_eq!(stored, !finished, "{s:?}");
+    }
     expected.retain(|_, (_, finished)| !*finished);
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "after the sweep");
+    pages_are_the_filters(store, &tenant, &expected, clock.now()).await;
 
-    // A record that Redis reclaimed: its entry outlives it until a listing of its run meets it.
+    // A record that Redis reclaimed is not listed.
     let (gone, _) = expected.iter().find(|(_, (run, _))| run.as_ref() == Some(&a)).unwrap();
     let gone = gone.clone();
-    let gone_key = keys.record(&Placement::of(&gone));
-    redis::cmd("DEL").arg(&gone_key).query_async::<()>(&mut raw.clone()).await.unwrap();
-    let left = entries_of(&expected);
+    redis::cmd("DEL").arg(keys.record(&Placement::of(&gone))).query_async::<()>(&mut raw.clone()).await.unwrap();
     expected.remove(&gone);
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, left, "the reclaimed record's entry is left");
-    let by_a = ListFilter { run: Some(a.clone()), ..ListFilter::default() };
-    let listed = list_all(store, &tenant, &by_a, 1_000).await;
-    assert!(!listed.contains(&format!("{}/{}", gone.namespace, gone.key)), "{listed:?}");
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "removed by the listing");
-    pages_of_a_run_are_the_scans(store, &tenant, &a).await;
+    pages_are_the_filters(store, &tenant, &expected, clock.now()).await;
 
-    // A record of run b that cannot be read: the listing of every record fails on it, the
-    // listing of run a never reads it.
+    // A record that cannot be read fails the tenant's listings, whatever their filter.
     let (broken, _) = expected.iter().find(|(_, (run, _))| run.as_ref() == Some(&b)).unwrap();
     let broken_key = keys.record(&Placement::of(broken));
     redis::cmd("SET").arg(&broken_key).arg(b"\xc1".as_slice()).query_async::<()>(&mut raw.clone()).await.unwrap();
-    let every = ListFilter { limit: 1_000, ..ListFilter::default() };
-    assert!(matches!(store.list(&tenant, &every, T0).await, Err(StoreError::Corrupt(_))), "the scan reads it");
-    let of_a: Vec<&Scope> = expected.iter().filter(|(_, (run, _))| run.as_ref() == Some(&a)).map(|(s, _)| s).collect();
-    assert_eq!(list_all(store, &tenant, &by_a, 5).await.len(), of_a.len(), "run a's listing does not");
+    for filter in [ListFilter::default(), ListFilter { run: Some(a.clone()), ..ListFilter::default() }] {
+        assert!(matches!(store.list(&tenant, &filter, T0).await, Err(StoreError::Corrupt(_))), "{filter:?}");
+    }
 }
 
-/// Records written before the run listing index existed (simulated: the index and its record
-/// of indexed slots deleted, as an earlier version leaves a store) are listed by run all the
-/// same: the first listing of one of the tenant's runs, by a process that knows nothing of
-/// the tenant, indexes the tenant's records, slot by slot, after fencing earlier versions out
-/// of each (its fence mark turns `m:<n>`, a form every later write of the mark keeps).
-pub async fn records_of_earlier_versions_are_listed_by_run<C>(target: RedisTarget, prefix: &str, raw: C)
+/// The first connect of this version deletes the indexes that earlier versions kept beside the
+/// records, once, and lists and claims the records an earlier version wrote (hashes); a fence
+/// acquired on a slot whose mark an earlier version turned `m:<n>` keeps that form.
+pub async fn indexes_of_earlier_versions_are_deleted_on_connect<C>(target: RedisTarget, prefix: &str, raw: C)
 where
     C: redis::aio::ConnectionLike + Clone + Send,
 {
     let (keys, tenant) = (Keys::new(prefix).unwrap(), acme());
     let (first, _) = store_on_given_clock(target.clone(), prefix).await;
-    let mut expected = Expected::new();
-    claim_a_tenants_records(&first, &mut expected).await;
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected));
-    for slot in tenant_slots(&tenant) {
-        redis::cmd("DEL").arg(keys.run_listing(slot)).query_async::<()>(&mut raw.clone()).await.unwrap();
-        let mark: Option<String> =
-            redis::cmd("GET").arg(keys.fence_mark(slot, &tenant)).query_async(&mut raw.clone()).await.unwrap();
-        assert!(mark.is_none_or(|m| m.parse::<u64>().is_ok()), "an earlier version's mark is a number");
-    }
-    redis::cmd("DEL").arg(keys.run_indexed(&tenant)).query_async::<()>(&mut raw.clone()).await.unwrap();
-    assert!(run_entries(&raw, &keys, &tenant).await.is_empty());
-
-    let (later, _) = store_on_given_clock(target, prefix).await;
-    let (a, b) = (RunId::parse("a").unwrap(), RunId::parse("b").unwrap());
-    let runs_keys = |run: &RunId| -> Vec<String> {
-        expected
-            .iter()
-            .filter(|(_, (r, _))| r.as_ref() == Some(run))
-            .map(|(s, _)| format!("{}/{}", s.namespace, s.key))
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect()
-    };
-    let by_a = ListFilter { run: Some(a.clone()), ..ListFilter::default() };
-    let mut listed = list_all(&later, &tenant, &by_a, 7).await;
-    listed.sort();
-    assert_eq!(listed, runs_keys(&a), "run a's records of the earlier version");
-    assert_eq!(run_entries(&raw, &keys, &tenant).await, entries_of(&expected), "indexed");
-    let indexed: BTreeSet<u16> =
-        redis::cmd("SMEMBERS").arg(keys.run_indexed(&tenant)).query_async(&mut raw.clone()).await.unwrap();
-    assert_eq!(indexed, tenant_slots(&tenant).into_iter().collect(), "every slot of the tenant");
-    for slot in tenant_slots(&tenant) {
-        let mark: String =
-            redis::cmd("GET").arg(keys.fence_mark(slot, &tenant)).query_async(&mut raw.clone()).await.unwrap();
-        assert!(mark.strip_prefix("m:").is_some_and(|n| n.parse::<u64>().is_ok()), "slot {slot}: {mark}");
-    }
-    pages_of_a_run_are_the_scans(&later, &tenant, &a).await;
-    // The process that wrote the records finds the index complete too.
-    let by_b = ListFilter { run: Some(b.clone()), ..ListFilter::default() };
-    let mut listed = list_all(&first, &tenant, &by_b, 1_000).await;
-    listed.sort();
-    assert_eq!(listed, runs_keys(&b));
-
-    // A fence acquired on a fenced slot keeps the mark's form.
-    let s = Scope::new(tenant.clone(), Namespace::parse("dev").unwrap(), Key::parse("after").unwrap());
-    let fence = acquire(&later, &s, T0).await;
-    let mark: String = redis::cmd("GET")
-        .arg(keys.fence_mark(Placement::of(&s).slot, &tenant))
-        .query_async(&mut raw.clone())
+    let s = Scope::new(tenant.clone(), Namespace::parse("dev").unwrap(), Key::parse("before").unwrap());
+    let fence = acquire(&first, &s, T0).await;
+    let placement = Placement::of(&s);
+    // As an earlier version leaves a store: a record hash, its index entries, a fenced mark.
+    let record = keys.record(&placement);
+    redis::cmd("DEL").arg(&record).query_async::<()>(&mut raw.clone()).await.unwrap();
+    redis::cmd("HSET")
+        .arg(&record)
+        .arg(&[("t", "acme"), ("n", "dev"), ("k", "before"), ("st", "in_progress"), ("at", "1"), ("re", "100000")])
+        .arg("fp")
+        .arg(request(&s).fingerprint.as_str())
+        .arg("fe")
+        .arg(fence.0)
+        .arg("le")
+        .arg(T0.0 + 10_000)
+        .arg("ca")
+        .arg(T0.0)
+        .arg("up")
+        .arg(T0.0)
+        .arg("ex")
+        .arg(Timestamp::NEVER.0)
+        .query_async::<()>(&mut raw.clone())
         .await
         .unwrap();
-    assert_eq!(mark, format!("m:{}", fence.0));
+    let slot = placement.slot;
+    let m = member(&s);
+    for (index, score) in [(keys.legacy_expiry(slot), Timestamp::NEVER.0), (keys.legacy_listing(slot), 0)] {
+        redis::cmd("ZADD").arg(index).arg(score).arg(m.as_slice()).query_async::<()>(&mut raw.clone()).await.unwrap();
+    }
+    redis::cmd("ZADD")
+        .arg(keys.legacy_run_listing(slot))
+        .arg(0)
+        .arg(b"acme\0a\0dev\0before".as_slice())
+        .query_async::<()>(&mut raw.clone())
+        .await
+        .unwrap();
+    redis::cmd("SET")
+        .arg(keys.fence_mark(slot, &tenant))
+        .arg(format!("m:{}", fence.0))
+        .query_async::<()>(&mut raw.clone())
+        .await
+        .unwrap();
+    redis::cmd("DEL").arg(keys.layout_mark()).query_async::<()>(&mut raw.clone()).await.unwrap();
+
+    let (later, later_clock) = store_on_given_clock(target.clone(), prefix).await;
+    for index in [keys.legacy_expiry(slot), keys.legacy_listing(slot), keys.legacy_run_listing(slot)] {
+        let exists: bool = redis::cmd("EXISTS").arg(&index).query_async(&mut raw.clone()).await.unwrap();
+        assert!(!exists, "{index}");
+    }
+    let mark: String = redis::cmd("GET").arg(keys.layout_mark()).query_async(&mut raw.clone()).await.unwrap();
+    assert!(!mark.is_empty());
+    let listed = later.list(&tenant, &ListFilter { limit: 10, ..ListFilter::default() }, T0).await.unwrap();
+    assert_eq!(keys_of(&listed.items), ["dev/before"]);
+    let stuck = ListFilter { state: Some(RecordState::InProgress), limit: 10, ..ListFilter::default() };
+    assert_eq!(keys_of(&later.list(&tenant, &stuck, T0).await.unwrap().items), ["dev/before"], "no TTL: in progress");
+
+    // Its lease passes: a recovery, with a fence that keeps the mark's form.
+    later_clock.advance(Duration::from_secs(11));
+    let recovered = match later.claim(&request(&s), later_clock.now()).await.unwrap() {
+        ClaimOutcome::Acquired(a) => a,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(recovered.recovery.map(|r| r.previous_fence), Some(fence));
+    let mark: String =
+        redis::cmd("GET").arg(keys.fence_mark(slot, &tenant)).query_async(&mut raw.clone()).await.unwrap();
+    assert_eq!(mark, format!("m:{}", recovered.fence.0));
+    let kind: String = redis::cmd("TYPE").arg(&record).query_async(&mut raw.clone()).await.unwrap();
+    assert_eq!(kind, "string", "rewritten by this version");
+    // A later connect finds the mark and leaves what is there.
+    redis::cmd("ZADD")
+        .arg(keys.legacy_listing(slot))
+        .arg(0)
+        .arg("x")
+        .query_async::<()>(&mut raw.clone())
+        .await
+        .unwrap();
+    store_on_given_clock(target, prefix).await;
+    let exists: bool = redis::cmd("EXISTS").arg(keys.legacy_listing(slot)).query_async(&mut raw.clone()).await.unwrap();
+    assert!(exists, "deleted once");
 }
