@@ -355,8 +355,8 @@ impl Redis {
     }
 
     /// Writes preloaded records `from .. to` under `prefix` as the store's claim and complete
-    /// scripts would have left them (one hash per record with its TTL, the slots' expiry and
-    /// listing indexes, the used-slot set), with fences above the store's counter, which it
+    /// scripts would have left them (one string per record with its TTL, the used-slot set),
+    /// with fences above the store's counter, which it
     /// then raises past them (and the touched slots' fence marks with it). Pipelined,
     /// [`PRELOAD_CHUNK`] records per pipeline, [`PRELOAD_PIPELINES`] pipelines in flight. One
     /// server only.
@@ -365,7 +365,6 @@ impl Redis {
         ensure!(self.prefixes.iter().any(|p| p == prefix), "prefix {prefix} was not used by this run");
         let started = Instant::now();
         let keys = Keys::new(prefix).map_err(anyhow::Error::msg)?;
-        let margin = u64::try_from(RedisOptions::default().expiry_margin.as_millis())?;
         let conn = bulk_connection(url).await?;
         // Every preloaded record is of one tenant: its counter and marks are raised past them.
         let tenant = crate::harness::preloaded_scope(from).tenant;
@@ -391,7 +390,7 @@ impl Redis {
                             .arg(&key)
                             .arg(onceguard_store_redis::packed_record(&record))
                             .arg("PX")
-                            .arg(record.expires_at.0 - now.0 + margin)
+                            .arg(record.expires_at.0 - now.0)
                             .ignore();
                         slots.insert(placement.slot);
                     }

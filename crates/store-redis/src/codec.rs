@@ -54,21 +54,30 @@ fn units(bytes: &[u8], what: &str) -> Result<Option<u64>, StoreError> {
     if bytes.is_empty() { Ok(None) } else { number(bytes, what).map(Some) }
 }
 
-/// A fingerprint as the record keeps it and the claim script compares it: a NUL, the
-/// algorithm, `:`, then the digest's bytes (40 bytes for SHA-256 instead of 71).
+/// A fingerprint as the record keeps it and the claim script compares it: for SHA-256, the
+/// byte 1 and the digest's 32 bytes (33 bytes instead of 71); else a NUL, the algorithm, `:`,
+/// then the digest's bytes.
 pub(crate) fn fingerprint_field(fingerprint: &Fingerprint) -> Vec<u8> {
     let (algorithm, digest) = fingerprint.as_str().split_once(':').unwrap_or(("", fingerprint.as_str()));
-    let mut field = Vec::with_capacity(2 + algorithm.len() + digest.len() / 2);
-    field.push(0);
-    field.extend_from_slice(algorithm.as_bytes());
-    field.push(b':');
     // A parsed fingerprint's digest is lowercase hex of an even length.
-    field.extend(hex::decode(digest).unwrap_or_else(|_| digest.as_bytes().to_vec()));
+    let bytes = hex::decode(digest).unwrap_or_else(|_| digest.as_bytes().to_vec());
+    let mut field = Vec::with_capacity(2 + algorithm.len() + bytes.len());
+    if algorithm == "sha256" && bytes.len() == 32 {
+        field.push(1);
+    } else {
+        field.push(0);
+        field.extend_from_slice(algorithm.as_bytes());
+        field.push(b':');
+    }
+    field.extend(bytes);
     field
 }
 
-/// [`fingerprint_field`] undone.
+/// [`fingerprint_field`] undone (or a fingerprint spelled out, as earlier versions kept it).
 fn fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
+    if let Some(digest) = bytes.strip_prefix(b"\x01") {
+        return Fingerprint::parse(&format!("sha256:{}", hex::encode(digest))).map_err(corrupt);
+    }
     let Some(rest) = bytes.strip_prefix(b"\0") else {
         return Fingerprint::parse(text(bytes)?).map_err(corrupt);
     };
@@ -107,20 +116,51 @@ fn media_type(bytes: &[u8]) -> Result<String, StoreError> {
 pub(crate) struct Fields(HashMap<String, Vec<u8>>);
 
 impl Fields {
-    /// The fields of a record as the store keeps it: a MessagePack map of text to text (see
-    /// [`crate::scripts`]).
+    /// The fields of a record as the store keeps it ([`crate::scripts`]): a MessagePack array
+    /// of [`FIELDS`] in order (text; `false` for a field the record lacks; a number for a time
+    /// ([`TIMES`]), the state and the outcome's kind), then the checkpoints (an array of text,
+    /// or `false`).
     pub(crate) fn from_packed(bytes: &[u8]) -> Result<Self, StoreError> {
         let mut read = bytes;
         let unreadable = |e: &dyn std::fmt::Display| corrupt(format!("a record does not decode: {e}"));
-        let len = rmp::decode::read_map_len(&mut read).map_err(|e| unreadable(&e))?;
-        let mut map = HashMap::with_capacity(len as usize);
-        for _ in 0..len {
-            let field = packed_text(&mut read).map_err(|e| unreadable(&e))?;
-            let value = packed_text(&mut read).map_err(|e| unreadable(&e))?;
-            map.insert(
-                String::from_utf8(field.to_vec()).map_err(|_| corrupt("a field name is not UTF-8"))?,
-                value.to_vec(),
-            );
+        let len = rmp::decode::read_array_len(&mut read).map_err(|e| unreadable(&e))? as usize;
+        if len != FIELDS.len() + 1 {
+            return Err(corrupt(format!("a record has {len} parts, not {}", FIELDS.len() + 1)));
+        }
+        let mut map = HashMap::with_capacity(FIELDS.len());
+        for field in FIELDS {
+            let value = match packed_value(&mut read).map_err(|e| unreadable(&e))? {
+                Packed::Absent => continue,
+                Packed::Text(text) => text.to_vec(),
+                Packed::Number(n) => match field {
+                    "st" => RECORD_STATES
+                        .get(n.wrapping_sub(1) as usize)
+                        .ok_or_else(|| unreadable(&"state"))?
+                        .as_bytes()
+                        .to_vec(),
+                    "ok" => OUTCOME_KINDS
+                        .get(n.wrapping_sub(1) as usize)
+                        .ok_or_else(|| unreadable(&"kind"))?
+                        .as_bytes()
+                        .to_vec(),
+                    _ => n.to_string().into_bytes(),
+                },
+                Packed::List(_) => return Err(unreadable(&format!("{field} is a list"))),
+            };
+            map.insert(field.to_owned(), value);
+        }
+        match packed_value(&mut read).map_err(|e| unreadable(&e))? {
+            Packed::Absent => {}
+            Packed::List(n) => {
+                let first: u64 = map.get("c0").map(|v| number(v, "c0")).transpose()?.unwrap_or(0);
+                for i in 0..n as u64 {
+                    let Packed::Text(text) = packed_value(&mut read).map_err(|e| unreadable(&e))? else {
+                        return Err(unreadable(&"a checkpoint is not text"));
+                    };
+                    map.insert(format!("c.{}", first + i), text.to_vec());
+                }
+            }
+            _ => return Err(unreadable(&"the checkpoints are not a list")),
         }
         if !read.is_empty() {
             return Err(corrupt("a record has bytes after its fields"));
@@ -215,35 +255,95 @@ impl Fields {
     }
 }
 
-/// A field or a value of a packed record: MessagePack text (Redis packs a Lua string as text,
-/// whatever bytes it holds).
-fn packed_text<'a>(read: &mut &'a [u8]) -> Result<&'a [u8], String> {
-    let len = rmp::decode::read_str_len(read).map_err(|e| e.to_string())? as usize;
-    if read.len() < len {
-        return Err("a field runs past the record's end".to_owned());
-    }
-    let (text, rest) = read.split_at(len);
-    *read = rest;
-    Ok(text)
+/// The fields of a record, in the order the store keeps them ([`Fields::from_packed`]): never
+/// reordered; a field is only ever appended (before the checkpoints).
+pub const FIELDS: [&str; 27] = [
+    "t", "n", "k", "st", "fp", "fe", "at", "run", "ch", "q", "ap", "le", "un", "re", "ok", "oc", "ob", "ocost", "otok",
+    "orec", "ocmp", "co", "ca", "up", "ex", "c0", "cn",
+];
+
+/// The fields kept as numbers: times and the retention (ms).
+pub const TIMES: [&str; 6] = ["le", "re", "co", "ca", "up", "ex"];
+
+/// The states a record's `st` is kept as the number of (from 1).
+pub const RECORD_STATES: [&str; 3] = ["in_progress", "completed", "released"];
+
+/// The kinds an outcome's `ok` is kept as the number of (from 1).
+pub const OUTCOME_KINDS: [&str; 2] = ["success", "failure"];
+
+/// One part of a packed record.
+enum Packed<'a> {
+    Absent,
+    Text(&'a [u8]),
+    Number(u64),
+    List(u32),
+}
+
+/// The next part of a packed record (a list's items follow it).
+fn packed_value<'a>(read: &mut &'a [u8]) -> Result<Packed<'a>, String> {
+    use rmp::Marker;
+    let marker = rmp::decode::read_marker(read).map_err(|e| format!("{e:?}"))?;
+    let mut take = |n: usize| -> Result<&'a [u8], String> {
+        if read.len() < n {
+            return Err("a part runs past the record's end".to_owned());
+        }
+        let (head, rest) = read.split_at(n);
+        *read = rest;
+        Ok(head)
+    };
+    let be = |bytes: &[u8]| bytes.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
+    Ok(match marker {
+        Marker::False | Marker::Null => Packed::Absent,
+        Marker::FixPos(n) => Packed::Number(u64::from(n)),
+        Marker::U8 => Packed::Number(be(take(1)?)),
+        Marker::U16 => Packed::Number(be(take(2)?)),
+        Marker::U32 => Packed::Number(be(take(4)?)),
+        Marker::U64 => Packed::Number(be(take(8)?)),
+        Marker::FixStr(n) => Packed::Text(take(usize::from(n))?),
+        Marker::Str8 | Marker::Bin8 => {
+            let n = be(take(1)?) as usize;
+            Packed::Text(take(n)?)
+        }
+        Marker::Str16 | Marker::Bin16 => {
+            let n = be(take(2)?) as usize;
+            Packed::Text(take(n)?)
+        }
+        Marker::Str32 | Marker::Bin32 => {
+            let n = be(take(4)?) as usize;
+            Packed::Text(take(n)?)
+        }
+        Marker::FixArray(n) => Packed::List(u32::from(n)),
+        Marker::Array16 => Packed::List(be(take(2)?) as u32),
+        Marker::Array32 => Packed::List(be(take(4)?) as u32),
+        other => return Err(format!("unexpected {other:?}")),
+    })
+}
+
+/// The record a value of the store holds ([`packed_record`] undone).
+pub fn unpacked_record(bytes: &[u8]) -> Result<Record, StoreError> {
+    Fields::from_packed(bytes)?.record()
 }
 
 /// A record as the scripts write it ([`crate::scripts`]): what a process that loads records
 /// into the store in bulk writes (with `SET … PX`, and the record's index entries).
 pub fn packed_record(record: &Record) -> Vec<u8> {
-    let mut fields: Vec<(String, Vec<u8>)> = vec![
-        ("t".into(), record.scope.tenant.as_str().into()),
-        ("n".into(), record.scope.namespace.as_str().into()),
-        ("k".into(), record.scope.key.as_str().into()),
-        ("st".into(), record.state.as_str().into()),
-        ("fp".into(), fingerprint_field(&record.fingerprint)),
-        ("fe".into(), record.fence.0.to_string().into()),
-        ("at".into(), record.attempt.to_string().into()),
-        ("re".into(), record.retention.as_millis().to_string().into()),
-        ("ca".into(), record.created_at.0.to_string().into()),
-        ("up".into(), record.updated_at.0.to_string().into()),
-        ("ex".into(), record.expires_at.0.to_string().into()),
-    ];
-    let mut add = |field: &str, value: Option<Vec<u8>>| fields.extend(value.map(|v| (field.to_owned(), v)));
+    let mut fields: HashMap<&str, Vec<u8>> = HashMap::new();
+    let mut add = |field: &'static str, value: Option<Vec<u8>>| {
+        if let Some(v) = value {
+            fields.insert(field, v);
+        }
+    };
+    add("t", Some(record.scope.tenant.as_str().into()));
+    add("n", Some(record.scope.namespace.as_str().into()));
+    add("k", Some(record.scope.key.as_str().into()));
+    add("st", Some(record.state.as_str().into()));
+    add("fp", Some(fingerprint_field(&record.fingerprint)));
+    add("fe", Some(record.fence.0.to_string().into()));
+    add("at", Some(record.attempt.to_string().into()));
+    add("re", Some(record.retention.as_millis().to_string().into()));
+    add("ca", Some(record.created_at.0.to_string().into()));
+    add("up", Some(record.updated_at.0.to_string().into()));
+    add("ex", Some(record.expires_at.0.to_string().into()));
     add("run", record.run.as_ref().map(|r| r.as_str().into()));
     add("ch", record.charged.then(|| b"1".to_vec()));
     add("ap", record.approval.as_ref().map(|a| a.as_str().into()));
@@ -266,20 +366,40 @@ pub fn packed_record(record: &Record) -> Vec<u8> {
     if !record.checkpoints.is_empty() {
         add("c0", Some(b"0".to_vec()));
         add("cn", Some(record.checkpoints.len().to_string().into()));
-        for (i, c) in record.checkpoints.iter().enumerate() {
-            add(&format!("c.{i}"), Some(format!("{}\n{}\n{}\n{}", c.fence.0, c.at.0, c.name.as_str(), c.data).into()));
-        }
     }
-    let mut packed = Vec::with_capacity(64 + fields.iter().map(|(f, v)| f.len() + v.len() + 2).sum::<usize>());
-    let write = |packed: &mut Vec<u8>, text: &[u8]| {
-        // Writing into a Vec cannot fail; a field is far below 4 GiB.
+    // Writing into a Vec cannot fail; a part is far below 4 GiB.
+    let mut packed = Vec::with_capacity(64 + fields.values().map(|v| v.len() + 2).sum::<usize>());
+    let _ = rmp::encode::write_array_len(&mut packed, FIELDS.len() as u32 + 1);
+    let write_text = |packed: &mut Vec<u8>, text: &[u8]| {
         let _ = rmp::encode::write_str_len(packed, text.len() as u32);
         packed.extend_from_slice(text);
     };
-    let _ = rmp::encode::write_map_len(&mut packed, fields.len() as u32);
-    for (field, value) in &fields {
-        write(&mut packed, field.as_bytes());
-        write(&mut packed, value);
+    for field in FIELDS {
+        let Some(value) = fields.get(field) else {
+            let _ = rmp::encode::write_bool(&mut packed, false);
+            continue;
+        };
+        let code = match field {
+            "st" => RECORD_STATES.iter().position(|s| s.as_bytes() == value.as_slice()).map(|i| i as u64 + 1),
+            "ok" => OUTCOME_KINDS.iter().position(|s| s.as_bytes() == value.as_slice()).map(|i| i as u64 + 1),
+            f if TIMES.contains(&f) => std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()),
+            _ => None,
+        };
+        match code {
+            Some(n) => {
+                let _ = rmp::encode::write_uint(&mut packed, n);
+            }
+            None => write_text(&mut packed, value),
+        }
+    }
+    if record.checkpoints.is_empty() {
+        let _ = rmp::encode::write_bool(&mut packed, false);
+    } else {
+        let _ = rmp::encode::write_array_len(&mut packed, record.checkpoints.len() as u32);
+        for c in &record.checkpoints {
+            let text = format!("{}\n{}\n{}\n{}", c.fence.0, c.at.0, c.name.as_str(), c.data);
+            write_text(&mut packed, text.as_bytes());
+        }
     }
     packed
 }
@@ -563,7 +683,9 @@ mod tests {
     #[test]
     fn fingerprints_and_media_types_read_back_in_either_spelling() {
         let fp = Fingerprint::sha256(b"x");
-        assert_eq!(fingerprint_field(&fp).len(), 1 + "sha256:".len() + 32);
+        assert_eq!(fingerprint_field(&fp).len(), 1 + 32);
+        let other = Fingerprint::parse("blake3-x:00ff00ff00ff00ff00ff").unwrap();
+        assert_eq!(fingerprint(&fingerprint_field(&other)).unwrap(), other);
         assert_eq!(fingerprint(&fingerprint_field(&fp)).unwrap(), fp);
         assert_eq!(fingerprint(fp.as_str().as_bytes()).unwrap(), fp, "as an earlier version wrote it");
         for media in
@@ -577,7 +699,12 @@ mod tests {
 
     #[test]
     fn what_does_not_decode_is_corrupt() {
-        for bad in [&b"\xc1"[..], b"\x81\xa1t", b"\x81\xa1t\xa1a\x00", b"\x91\xa1t"] {
+        let good = packed_record(&full());
+        let mut trailing = good.clone();
+        trailing.push(0xc2);
+        let mut short = good.clone();
+        short.truncate(good.len() - 3);
+        for bad in [&b"\xc1"[..], b"\x81\xa1t\xa1a", b"\x91\xa1t", b"\xdc\x00\x1c\xc3", &trailing, &short] {
             assert!(matches!(Fields::from_packed(bad), Err(StoreError::Corrupt(_))), "{bad:?}");
         }
     }

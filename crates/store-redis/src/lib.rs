@@ -311,7 +311,7 @@ mod scan;
 pub mod scripts;
 mod tenants;
 
-pub use codec::packed_record;
+pub use codec::{packed_record, unpacked_record};
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -15,23 +15,26 @@
 //! Lease expiries, completion times, checkpoint times, a run's created and updated times and
 //! every TTL (`PEXPIRE`, relative to the script's now) derive from that now.
 //!
-//! A record is one string, written with its TTL in one `SET`: a MessagePack map (Redis's
-//! `cmsgpack`) of text fields to text values ([`RECORD`]):
+//! A record is one string, written with its TTL in one `SET`: a MessagePack array (Redis's
+//! `cmsgpack`) of its fields in a fixed order (`false` for a field it lacks), then its
+//! checkpoints ([`RECORD`], [`record_chunk`]). The scripts read it into a table of text fields:
 //!
 //! | field | meaning |
 //! | --- | --- |
 //! | `t` `n` `k` | tenant, namespace, key |
-//! | `st` | `in_progress`, `completed` or `released` |
-//! | `fp` `fe` `at` | fingerprint (a NUL, the algorithm, `:`, the digest's bytes), fence, attempt |
+//! | `st` | `in_progress`, `completed` or `released` (kept as 1, 2 or 3) |
+//! | `fp` `fe` `at` | fingerprint (for SHA-256 the byte 1 and the digest's bytes; else a NUL, the algorithm, `:`, the digest's bytes), fence, attempt |
 //! | `run` | the run (absent if none) |
 //! | `ch` | `1` once the key was charged to its run (`Record::charged`; absent if not) |
 //! | `q` | the token of the lease's place in the tenant's in-flight set, when claimed under an in-flight quota (absent if not) |
 //! | `le` | lease expiry (absent if none) |
 //! | `un` | the detail of a reported-unknown outcome (absent if none) |
 //! | `re` | retention, ms |
-//! | `ok` `oc` `ob` `ocost` `otok` `orec` `ocmp` | outcome kind, content type (one byte, its number, for the media types the front ends write for nearly every record: `onceguard_core::media_type_number`; else spelled out, after a NUL if it starts with a control byte), body (bytes), cost, tokens, `1` if reconciled, and the compensation registered (JSON) (each absent if none) |
+//! | `ok` `oc` `ob` `ocost` `otok` `orec` `ocmp` | outcome kind (`success` or `failure`, kept as 1 or 2), content type (one byte, its number, for the media types the front ends write for nearly every record: `onceguard_core::media_type_number`; else spelled out, after a NUL if it starts with a control byte), body (bytes), cost, tokens, `1` if reconciled, and the compensation registered (JSON) (each absent if none) |
 //! | `co` `ca` `up` `ex` | completed, created, updated, expires at (ms since the epoch) |
-//! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` |
+//! | `c0` `cn`, `c.<i>` | checkpoints `c.<c0>` to `c.<cn - 1>`, each `fence \n at \n name \n data` (kept as the array that ends the record) |
+//!
+//! The times and the retention (`le` `re` `co` `ca` `up` `ex`) are kept as numbers.
 //!
 //! Earlier versions kept a record as a hash of the same fields, with the fingerprint and the
 //! content type spelled out; every script reads one as if this version had written it, and its
@@ -80,12 +83,18 @@ local function clock(given) return tonumber(clock_digits(given)) end
 "#;
 
 /// Reading and writing a record (see the module documentation): `load_record(key)` answers the
-/// record's fields as a table, or `nil`; `write_record(key, r, now)` writes them with the
-/// record's TTL. Preceded, in every script, by the table `MEDIA` of the numbered media
-/// types ([`record_chunk`]).
+/// record's fields as a table of text, or `nil`; `write_record(key, r, now)` writes them with
+/// the record's TTL, `pack_record(r)` packs them. Preceded, in every script, by the tables of
+/// the layout ([`record_chunk`]): `FIELDS` (the fields in the order they are kept), `TIMES`
+/// (the positions of those kept as numbers), `ST` and `OK` (the positions of the state and the
+/// outcome's kind), `STATES` and `KINDS` (the texts those two numbers stand for), and `MEDIA`
+/// (the numbered media types).
 pub const RECORD: &str = r#"
 -- Timestamp::NEVER: the expiry of a record in progress (see the test below)
 local NEVER = '253402300799999'
+local STATE_NUMBER, KIND_NUMBER = {}, {}
+for i, s in ipairs(STATES) do STATE_NUMBER[s] = i end
+for i, k in ipairs(KINDS) do KIND_NUMBER[k] = i end
 
 -- A record of an earlier version: a hash, its fingerprint and media type spelled out.
 local function load_legacy_record(key)
@@ -96,7 +105,11 @@ local function load_legacy_record(key)
   local colon = string.find(r.fp or '', ':', 1, true)
   if colon then
     local digest = string.gsub(string.sub(r.fp, colon + 1), '..', function(h) return string.char(tonumber(h, 16)) end)
-    r.fp = '\0' .. string.sub(r.fp, 1, colon) .. digest
+    if string.sub(r.fp, 1, colon) == 'sha256:' and #digest == 32 then
+      r.fp = '\1' .. digest
+    else
+      r.fp = '\0' .. string.sub(r.fp, 1, colon) .. digest
+    end
   end
   if r.oc ~= nil then
     local first = string.byte(r.oc, 1)
@@ -114,14 +127,47 @@ local function load_record(key)
   if not v then return nil end
   -- WRONGTYPE: a hash of an earlier version
   if type(v) == 'table' then return load_legacy_record(key) end
-  return cmsgpack.unpack(v)
+  local a = cmsgpack.unpack(v)
+  a[ST] = STATES[a[ST]]
+  if a[OK] then a[OK] = KINDS[a[OK]] end
+  for _, i in ipairs(TIMES) do
+    if a[i] then a[i] = string.format('%.0f', a[i]) end
+  end
+  local r = {}
+  for i, f in ipairs(FIELDS) do
+    if a[i] then r[f] = a[i] end
+  end
+  local checkpoints = a[#FIELDS + 1]
+  if checkpoints then
+    local c0 = tonumber(r.c0 or '0')
+    for j, c in ipairs(checkpoints) do r['c.' .. string.format('%.0f', c0 + j - 1)] = c end
+  end
+  return r
+end
+
+local function pack_record(r)
+  local a = {}
+  for i, f in ipairs(FIELDS) do a[i] = r[f] or false end
+  for _, i in ipairs(TIMES) do
+    if a[i] then a[i] = tonumber(a[i]) end
+  end
+  a[ST] = STATE_NUMBER[r.st]
+  if r.ok then a[OK] = KIND_NUMBER[r.ok] end
+  local checkpoints = false
+  local c0, cn = tonumber(r.c0 or '0'), tonumber(r.cn or '0')
+  if cn > c0 then
+    checkpoints = {}
+    for i = c0, cn - 1 do checkpoints[#checkpoints + 1] = r['c.' .. string.format('%.0f', i)] end
+  end
+  a[#FIELDS + 1] = checkpoints
+  return cmsgpack.pack(a)
 end
 
 -- Writes the record with its TTL: Redis reclaims it when it expires (relative to the script's
 -- now, the store's clock). In progress it never expires: no retention erases an unfinished
 -- attempt.
 local function write_record(key, r, now)
-  local v = cmsgpack.pack(r)
+  local v = pack_record(r)
   if r.ex == NEVER then
     redis.call('SET', key, v)
   else
@@ -130,16 +176,29 @@ local function write_record(key, r, now)
 end
 "#;
 
-/// [`RECORD`] preceded by the table of numbered media types it reads records of earlier
-/// versions with (`onceguard_core::media_type_number`).
+/// [`RECORD`] preceded by the tables of the layout it reads and writes records with (from
+/// [`crate::codec`], which reads them back, and `onceguard_core::media_type_number`).
 pub fn record_chunk() -> String {
-    let mut media = String::from("local MEDIA = {");
+    use crate::codec::{FIELDS, OUTCOME_KINDS, RECORD_STATES, TIMES};
+    let quoted = |items: &[&str]| items.iter().map(|i| format!("'{i}'")).collect::<Vec<_>>().join(", ");
+    let position = |field: &str| FIELDS.iter().position(|f| *f == field).map_or(0, |i| i + 1);
+    let times: Vec<String> = TIMES.iter().map(|t| position(t).to_string()).collect();
+    let mut chunk = format!(
+        "local FIELDS = {{ {} }}\nlocal TIMES = {{ {} }}\nlocal ST, OK = {}, {}\nlocal STATES = {{ {} }}\nlocal KINDS = {{ {} }}\n",
+        quoted(&FIELDS),
+        times.join(", "),
+        position("st"),
+        position("ok"),
+        quoted(&RECORD_STATES),
+        quoted(&OUTCOME_KINDS),
+    );
+    chunk.push_str("local MEDIA = {");
     for number in 1..=u8::MAX {
         let Some(media_type) = onceguard_core::numbered_media_type(number) else { break };
-        media.push_str(&format!(" [{media_type:?}] = '\\{number}',"));
+        chunk.push_str(&format!(" [{media_type:?}] = '\\{number}',"));
     }
-    media.push_str(" }\n");
-    media + RECORD
+    chunk.push_str(" }\n");
+    chunk + RECORD
 }
 
 /// Helpers shared by the scripts.
@@ -798,7 +857,7 @@ if ARGV[10] == '1' then r.ocmp = ARGV[12] end
 for i = 13, #ARGV, 3 do
   r['c.' .. string.format('%.0f', first + tonumber(ARGV[i]))] = ARGV[i + 2]
 end
-redis.call('SET', KEYS[1], cmsgpack.pack(r), 'KEEPTTL')
+redis.call('SET', KEYS[1], pack_record(r), 'KEEPTTL')
 return 1
 "#;
 

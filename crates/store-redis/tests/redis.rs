@@ -235,16 +235,22 @@ async fn thousands_of_checkpoints_carry_over_to_a_recovery() {
     let req = common::request(&s);
     let first = common::acquire(&store, &s, now).await;
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let write = redis::Script::new(
-        "local r = cmsgpack.unpack(redis.call('GET', KEYS[1])) \
-         r.c0, r.cn = '0', ARGV[1] \
-         for i = 0, tonumber(ARGV[1]) - 1 do \
-           r['c.' .. i] = ARGV[2] .. '\\n' .. ARGV[3] .. '\\nstep-' .. i .. '\\n' .. i \
-         end \
-         redis.call('SET', KEYS[1], cmsgpack.pack(r))",
-    );
-    let record = Keys::new(&prefix).unwrap().record(&Placement::of(&s));
-    write.key(record).arg(STEPS).arg(first.0).arg(now.0).invoke_async::<()>(&mut conn).await.unwrap();
+    let record_key = Keys::new(&prefix).unwrap().record(&Placement::of(&s));
+    let mut record = store.get(&s, now).await.unwrap().expect("the record");
+    record.checkpoints = (0..STEPS)
+        .map(|i| onceguard_core::Checkpoint {
+            name: onceguard_core::CheckpointName::parse(&format!("step-{i}")).unwrap(),
+            data: i.to_string(),
+            fence: first,
+            at: now,
+        })
+        .collect();
+    redis::cmd("SET")
+        .arg(&record_key)
+        .arg(onceguard_store_redis::packed_record(&record))
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
 
     clock.advance(Duration::from_secs(11));
     let later = clock.now();
@@ -631,7 +637,7 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
     invocation.arg(1).arg(0).arg("").arg("token").arg("").arg("").arg("").arg(score);
     let answer: Vec<String> = invocation.invoke_async(&mut conn).await.unwrap();
     assert_eq!(answer[..4], ["acquired", "1", "1", &score.to_string()], "{answer:?}");
-    let lease = record_field(&mut conn, &keys.record(&placement), "le").await;
+    let lease = record_at(&mut conn, &keys.record(&placement)).await.lease_expires_at.unwrap().0.to_string();
     assert_eq!(lease, score.to_string());
 
     // An extension asks for its place to be raised, then, 5 ms later, ends no later than that.
@@ -663,18 +669,14 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
     assert_eq!(asked, ["need_quota", "token", until.as_str()]);
     let applied = extend(t0 + 1_005, &until).await;
     assert_eq!(applied[0], "applied");
-    let lease = record_field(&mut conn, &keys.record(&placement), "le").await;
+    let lease = record_at(&mut conn, &keys.record(&placement)).await.lease_expires_at.unwrap().0.to_string();
     assert_eq!(lease, until);
 }
 
-/// One field of the record at `key`, as the scripts read it.
-async fn record_field(conn: &mut redis::aio::MultiplexedConnection, key: &str, field: &str) -> String {
-    redis::Script::new("return cmsgpack.unpack(redis.call('GET', KEYS[1]))[ARGV[1]]")
-        .key(key)
-        .arg(field)
-        .invoke_async(conn)
-        .await
-        .unwrap()
+/// The record at `key`, read straight from Redis.
+async fn record_at(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> onceguard_core::Record {
+    let packed: Vec<u8> = redis::cmd("GET").arg(key).query_async(conn).await.unwrap();
+    onceguard_store_redis::unpacked_record(&packed).unwrap()
 }
 
 /// A plain connection to the machine's Redis.
