@@ -1028,17 +1028,19 @@ impl RedisStore {
     }
 
     /// The records at `keys`, in order, each with the store's time when it was read: one
-    /// pipeline of `GET`s per slot (with its node's `TIME`), the slots' pipelines sent
-    /// together. Each record must be the one of its key: of the member given, or (without
+    /// pipeline of `GET`s per slot (with its node's `TIME`; on one server, one pipeline), the
+    /// slots' pipelines sent together. Each record must be the one of its key: of the member given, or (without
     /// members, for keys found by a scan) one whose key is that key.
     async fn read_keys(
         &self,
         keys: &[String],
         members: Option<&[&[u8]]>,
     ) -> Result<Vec<(Option<Record>, Timestamp)>, StoreError> {
+        // On one server every key is read by one pipeline.
         let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
         for (i, key) in keys.iter().enumerate() {
-            by_slot.entry(layout::key_slot(key.as_bytes())).or_default().push(i);
+            let slot = if self.cluster { layout::key_slot(key.as_bytes()) } else { 0 };
+            by_slot.entry(slot).or_default().push(i);
         }
         let reads = by_slot.into_values().map(|places| async move {
             let mut pipe = redis::pipe();

@@ -15,8 +15,11 @@ const SCAN_COUNT: usize = 1_000;
 /// Keys asked of `CLUSTER GETKEYSINSLOT` at first.
 const GETKEYS_FIRST: usize = 1_024;
 
+/// How many store timeouts a listing may take.
+const LIST_TIMEOUTS: u32 = 12;
+
 /// Records read in one round of pipelines.
-const READ_CHUNK: usize = 500;
+const READ_CHUNK: usize = 1_000;
 
 /// The record keys of some slots, a batch at a time.
 struct RecordKeys<'a> {
@@ -96,7 +99,8 @@ impl RedisStore {
     async fn without_ttl(&self, keys: Vec<String>) -> Result<Vec<String>, StoreError> {
         let mut by_slot: HashMap<u16, Vec<String>> = HashMap::new();
         for key in keys {
-            by_slot.entry(layout::key_slot(key.as_bytes())).or_default().push(key);
+            let slot = if self.cluster { layout::key_slot(key.as_bytes()) } else { 0 };
+            by_slot.entry(slot).or_default().push(key);
         }
         let reads = by_slot.into_values().map(|keys| async move {
             let mut pipe = redis::pipe();
@@ -113,7 +117,7 @@ impl RedisStore {
     /// its read, in (namespace, key) order ([`ClaimStore::list`], and the revocation of a
     /// switch's leases). Every page reads every record key of the tenant's slots (a scan), and
     /// the records they name, or only those without a TTL when the filter asks for records in
-    /// progress.
+    /// progress; within [`LIST_TIMEOUTS`] times the store's timeout.
     pub(crate) async fn list_records(&self, tenant: &TenantId, filter: &ListFilter) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let after = filter
@@ -121,7 +125,8 @@ impl RedisStore {
             .as_ref()
             .map(|(namespace, key)| layout::member(&Scope::new(tenant.clone(), namespace.clone(), key.clone())));
         let in_progress_only = filter.stuck || filter.state == Some(onceguard_core::RecordState::InProgress);
-        self.bounded("list", async {
+        // A scan reads every record of the tenant's slots: it may take longer than one command.
+        self.bounded_by(self.options.timeout * LIST_TIMEOUTS, "list", async {
             // The first `limit + 1` records in order, by their listing member.
             let mut first: BTreeMap<Vec<u8>, Record> = BTreeMap::new();
             let mut scan = RecordKeys::new(self, Some(tenant_slots(tenant))).await?;
