@@ -209,7 +209,8 @@ async fn a_postgresql_dump_holds_no_result_or_checkpoint_in_clear() {
     let _ = driver.await;
 }
 
-/// What `DUMP` gives for every key under `prefix` (then deleted).
+/// What Redis holds for every key under `prefix` (then deleted): each value as it is, read by
+/// its type (`DUMP` would compress a long string, and hide what is in it from the search).
 fn dump_and_delete(port: &str, prefix: &str) -> Vec<u8> {
     let cli = |args: &[&str]| {
         let out = std::process::Command::new("redis-cli").args(["-p", port]).args(args).output().unwrap();
@@ -220,7 +221,17 @@ fn dump_and_delete(port: &str, prefix: &str) -> Vec<u8> {
     assert!(!names.is_empty(), "the store wrote keys under {prefix}");
     let mut dumped = Vec::new();
     for name in &names {
-        dumped.extend(cli(&["--no-raw", "DUMP", name]));
+        let kind = String::from_utf8(cli(&["TYPE", name])).unwrap();
+        let read: &[&str] = match kind.trim() {
+            "string" => &["GET"],
+            "hash" => &["HGETALL"],
+            "zset" => &["ZRANGE", "0", "-1", "WITHSCORES"],
+            "set" => &["SMEMBERS"],
+            _ => &["DUMP"],
+        };
+        let mut args = vec!["--no-raw", read[0], name];
+        args.extend_from_slice(&read[1..]);
+        dumped.extend(cli(&args));
     }
     for name in names {
         cli(&["DEL", name]);
