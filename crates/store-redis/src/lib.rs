@@ -1016,7 +1016,7 @@ impl RedisStore {
         pipe.ignore_errors().cmd("GET").arg(&key);
         let (replies, now) = self.query_at(conn, pipe, "read").await?;
         let reply = replies.into_iter().next().ok_or_else(|| corrupt("a read answered no reply"))?;
-        Ok((self.decode_record(conn.clone(), reply, &key, Some(&placement.member)).await?, now))
+        Ok((self.decode_record(conn, reply, &key, Some(&placement.member)).await?, now))
     }
 
     /// The records at `placements`, in order, each with the store's time when it was read
@@ -1056,7 +1056,7 @@ impl RedisStore {
             let mut read = Vec::with_capacity(places.len());
             for (i, reply) in places.into_iter().zip(replies) {
                 let member = members.map(|m| m[i]);
-                read.push((i, self.decode_record(conn.clone(), reply, &keys[i], member).await?, now));
+                read.push((i, self.decode_record(&conn, reply, &keys[i], member).await?, now));
             }
             Ok::<_, StoreError>(read)
         });
@@ -1073,7 +1073,7 @@ impl RedisStore {
     /// at the time of the first).
     async fn decode_record(
         &self,
-        mut conn: Conn,
+        conn: &Conn,
         reply: Value,
         key: &str,
         member: Option<&[u8]>,
@@ -1083,7 +1083,7 @@ impl RedisStore {
             Value::BulkString(packed) => Fields::from_packed(&packed)?,
             Value::ServerError(error) if error.code() == "WRONGTYPE" => {
                 let flat: Value =
-                    redis::cmd("HGETALL").arg(key).query_async(&mut conn).await.map_err(unavailable("read"))?;
+                    redis::cmd("HGETALL").arg(key).query_async(&mut conn.clone()).await.map_err(unavailable("read"))?;
                 Fields::from_flat(strings(flat)?)?
             }
             Value::ServerError(error) => return Err(unavailable("read")(error.into())),

@@ -38,14 +38,7 @@ impl<'a> RecordKeys<'a> {
         let pending = match (&slots, store.cluster) {
             (_, false) => Vec::new(),
             (Some(slots), true) => slots.clone(),
-            (None, true) => {
-                let used: Vec<u16> = redis::cmd("SMEMBERS")
-                    .arg(store.keys.used_slots())
-                    .query_async(&mut store.conn.clone())
-                    .await
-                    .map_err(unavailable("scan"))?;
-                used.into_iter().filter(|&s| s < SLOTS).collect()
-            }
+            (None, true) => store.used_slots().await?,
         };
         Ok(Self { store, slots: slots.map(HashSet::from_iter), cursor: Some(0), pending })
     }
@@ -95,6 +88,16 @@ impl<'a> RecordKeys<'a> {
 }
 
 impl RedisStore {
+    /// The slots that ever held a record (`P slots`).
+    async fn used_slots(&self) -> Result<Vec<u16>, StoreError> {
+        let used: Vec<u16> = redis::cmd("SMEMBERS")
+            .arg(self.keys.used_slots())
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(unavailable("read the used slots"))?;
+        Ok(used.into_iter().filter(|&s| s < SLOTS).collect())
+    }
+
     /// Of `keys`, those without a TTL: records in progress (every other record expires).
     async fn without_ttl(&self, keys: Vec<String>) -> Result<Vec<String>, StoreError> {
         let mut by_slot: HashMap<u16, Vec<String>> = HashMap::new();
@@ -199,12 +202,7 @@ impl RedisStore {
         if done.as_deref() == Some(LAYOUT) {
             return Ok(());
         }
-        let slots: Vec<u16> = redis::cmd("SMEMBERS")
-            .arg(self.keys.used_slots())
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable("read the used slots"))?;
-        let deletions = slots.into_iter().filter(|&s| s < SLOTS).map(|slot| {
+        let deletions = self.used_slots().await?.into_iter().map(|slot| {
             let mut conn = self.conn.clone();
             let cmd = redis::cmd("UNLINK")
                 .arg(self.keys.legacy_expiry(slot))

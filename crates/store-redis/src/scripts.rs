@@ -87,14 +87,12 @@ local function clock(given) return tonumber(clock_digits(given)) end
 /// the record's TTL, `pack_record(r)` packs them. Preceded, in every script, by the tables of
 /// the layout ([`record_chunk`]): `FIELDS` (the fields in the order they are kept), `TIMES`
 /// (the positions of those kept as numbers), `ST` and `OK` (the positions of the state and the
-/// outcome's kind), `STATES` and `KINDS` (the texts those two numbers stand for), and `MEDIA`
-/// (the numbered media types).
+/// outcome's kind), `STATES` and `KINDS` (the texts those two numbers stand for) and
+/// `STATE_NUMBER` and `KIND_NUMBER` (the other way round), and `MEDIA` (the numbered media
+/// types).
 pub const RECORD: &str = r#"
 -- Timestamp::NEVER: the expiry of a record in progress (see the test below)
 local NEVER = '253402300799999'
-local STATE_NUMBER, KIND_NUMBER = {}, {}
-for i, s in ipairs(STATES) do STATE_NUMBER[s] = i end
-for i, k in ipairs(KINDS) do KIND_NUMBER[k] = i end
 
 -- A record of an earlier version: a hash, its fingerprint and media type spelled out.
 local function load_legacy_record(key)
@@ -181,16 +179,22 @@ end
 pub fn record_chunk() -> String {
     use crate::codec::{FIELDS, OUTCOME_KINDS, RECORD_STATES, TIMES};
     let quoted = |items: &[&str]| items.iter().map(|i| format!("'{i}'")).collect::<Vec<_>>().join(", ");
+    let numbered = |items: &[&str]| {
+        items.iter().enumerate().map(|(n, i)| format!("{i} = {}", n + 1)).collect::<Vec<_>>().join(", ")
+    };
     let position = |field: &str| FIELDS.iter().position(|f| *f == field).map_or(0, |i| i + 1);
     let times: Vec<String> = TIMES.iter().map(|t| position(t).to_string()).collect();
     let mut chunk = format!(
-        "local FIELDS = {{ {} }}\nlocal TIMES = {{ {} }}\nlocal ST, OK = {}, {}\nlocal STATES = {{ {} }}\nlocal KINDS = {{ {} }}\n",
+        "local FIELDS = {{ {} }}\nlocal TIMES = {{ {} }}\nlocal ST, OK = {}, {}\nlocal STATES = {{ {} }}\n\
+         local KINDS = {{ {} }}\nlocal STATE_NUMBER = {{ {} }}\nlocal KIND_NUMBER = {{ {} }}\n",
         quoted(&FIELDS),
         times.join(", "),
         position("st"),
         position("ok"),
         quoted(&RECORD_STATES),
         quoted(&OUTCOME_KINDS),
+        numbered(&RECORD_STATES),
+        numbered(&OUTCOME_KINDS),
     );
     chunk.push_str("local MEDIA = {");
     for number in 1..=u8::MAX {

@@ -460,7 +460,7 @@ async fn audit_entries_left_on_the_way_reach_the_log_once() {
     use onceguard_core::store::ControlStore;
     let Some((store, _, cleanup)) = fresh_store().await else { return };
     let keys = Keys::new(&cleanup.prefix).unwrap();
-    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut conn = raw_connection(&cleanup.url).await;
     let tenant = TenantId::parse("acme").unwrap();
     let logged = || {
         let (store, tenant) = (&store, tenant.clone());
@@ -756,7 +756,7 @@ async fn rollbacks_kept_as_control_documents_move_to_their_runs() {
 async fn records_of_earlier_versions_are_read_and_rewritten() {
     let Some((store, clock, cleanup)) = fresh_store().await else { return };
     let keys = Keys::new(&cleanup.prefix).unwrap();
-    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut conn = raw_connection(&cleanup.url).await;
     let now = clock.now();
     let fingerprint = common::request(&scope("x")).fingerprint;
     let legacy = |s: &Scope, state: &str, extra: &[(&str, String)]| {
@@ -843,7 +843,7 @@ async fn records_of_earlier_versions_are_read_and_rewritten() {
 async fn records_are_one_compact_string() {
     let Some((store, clock, cleanup)) = fresh_store().await else { return };
     let keys = Keys::new(&cleanup.prefix).unwrap();
-    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut conn = raw_connection(&cleanup.url).await;
     let now = clock.now();
     for (i, content_type) in
         ["application/json", "application/vnd.onceguard.http-response", "text/plain", "\u{1}odd", ""]
