@@ -126,6 +126,8 @@ local function load_record(key)
   -- WRONGTYPE: a hash of an earlier version
   if type(v) == 'table' then return load_legacy_record(key) end
   local a = cmsgpack.unpack(v)
+  -- A state this version does not know: no script decides on the record (fail closed).
+  if STATES[a[ST]] == nil then error('onceguard: the record at ' .. key .. ' has no state this version knows') end
   a[ST] = STATES[a[ST]]
   if a[OK] then a[OK] = KINDS[a[OK]] end
   for _, i in ipairs(TIMES) do

@@ -883,3 +883,28 @@ async fn records_are_one_compact_string() {
         ));
     }
 }
+
+/// A record whose state the scripts do not know is refused, not taken over: a claim and a
+/// fenced call fail (retry safe), and the record stays as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_of_an_unknown_state_is_never_taken_over() {
+    let Some((store, clock, cleanup)) = fresh_store().await else { return };
+    let key = Keys::new(&cleanup.prefix).unwrap().record(&Placement::of(&scope("odd-state")));
+    let mut conn = raw_connection(&cleanup.url).await;
+    let now = clock.now();
+    let s = scope("odd-state");
+    let fence = common::acquire(&store, &s, now).await;
+    store.mutate(&s, fence, Mutation::Complete(common::outcome()), now, 8).await.unwrap();
+    // The state is the record's fourth part; 9 stands for no state this version knows.
+    redis::Script::new("local a = cmsgpack.unpack(redis.call('GET', KEYS[1])) a[4] = 9 redis.call('SET', KEYS[1], cmsgpack.pack(a), 'KEEPTTL')")
+        .key(&key)
+        .invoke_async::<()>(&mut conn)
+        .await
+        .unwrap();
+    let before: Vec<u8> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.unwrap();
+    assert!(store.claim(&common::request(&s), now).await.is_err(), "a claim must not decide on it");
+    assert!(store.mutate(&s, fence, Mutation::Complete(common::outcome()), now, 8).await.is_err());
+    assert!(matches!(store.get(&s, now).await, Err(StoreError::Corrupt(_))));
+    let after: Vec<u8> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.unwrap();
+    assert_eq!(before, after, "left as it is");
+}
