@@ -296,3 +296,48 @@ def test_a_tripwire_switches_off_a_run_whose_effects_keep_failing(
             pass
     with pytest.raises(onceguard.NotFound):
         admin.delete_tripwire(name)
+
+
+def test_a_tripwire_turns_a_canary_back_to_observe(admin: onceguard.Client, client: onceguard.Client, ns: str) -> None:
+    import time
+
+    admin.put_settings(Settings(enforce_percent=100), namespace_prefix=ns)
+    name = f"py-{uuid.uuid4().hex[:10]}"
+    rule = admin.put_tripwire(
+        name,
+        {"kind": "failure_rate", "above": 0.5},
+        window="5m",
+        min_calls=4,
+        prefix=ns,
+        action="observe",
+        why="back to observe when enforcing breaks the agent",
+    )
+    assert (rule.action, rule.per) == ("observe", "namespace")
+    try:
+        done = client.claim(ns, "done", request=0)
+        assert isinstance(done, Acquired)
+        client.complete(ns, "done", done.fence, result={"sent": True})
+        assert isinstance(client.claim(ns, "done", request=0), Replay), "enforced under the canary"
+        deadline = time.monotonic() + 30
+        ran = 0
+        while time.monotonic() < deadline:
+            entry = next(e for e in admin.list_settings() if e.namespace_prefix == ns)
+            if entry.tripwire is not None:
+                break
+            answer = client.claim(ns, f"failing-{ran}", request=ran)
+            assert isinstance(answer, Acquired)
+            client.fail(ns, f"failing-{ran}", answer.fence, retryable=False, error={"declined": True})
+            ran += 1
+            if ran >= 4:
+                time.sleep(1.3)  # the server adds its counts every second
+        assert entry.tripwire is not None, "the canary was never turned back"
+        assert entry.settings.mode == "observe" and entry.settings.enforce_percent is None
+        assert entry.updated_by == f"tripwire:{name}" and entry.tripwire.trip.rule == name
+        assert entry.tripwire.reason.startswith(f"tripwire {name}: failure rate"), entry.tripwire.reason
+        assert 4 <= ran <= 6, ran
+        time.sleep(1.1)  # every instance reads settings within a second
+        again = client.claim(ns, "done", request=0)
+        assert isinstance(again, onceguard.Proceed) and again.would_have_been == "replay", again
+    finally:
+        admin.delete_tripwire(name, why="test done")
+        admin.delete_settings(namespace_prefix=ns)

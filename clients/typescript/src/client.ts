@@ -887,7 +887,9 @@ export class Client {
   /**
    * Set (replace) a tripwire rule (admin): it engages a kill switch by itself when `symptom`
    * crosses its threshold over `window` (whole minutes, e.g. `"5m"`) on at least `minCalls`
-   * calls. `per: "run"` counts each run apart and switches off the offending run.
+   * calls. `per: "run"` counts each run apart and switches off the offending run. `action:
+   * "observe"` (per namespace) turns the prefix to observe mode instead, over any canary in it,
+   * until a person sets its settings again.
    */
   putTripwire(
     name: string,
@@ -897,6 +899,7 @@ export class Client {
       readonly minCalls: number;
       readonly prefix?: string;
       readonly per?: "namespace" | "run";
+      readonly action?: "switch" | "observe";
       readonly revokeLeases?: boolean;
       readonly rollback?: boolean;
       readonly autoReleaseAfter?: Duration;
@@ -910,6 +913,7 @@ export class Client {
       window: formatDuration(options.window),
       min_calls: options.minCalls,
       per: options.per ?? "namespace",
+      action: options.action ?? "switch",
       revoke_leases: options.revokeLeases ?? false,
       rollback: options.rollback ?? false,
       auto_release_after: optionalDuration(options.autoReleaseAfter),

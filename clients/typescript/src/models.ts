@@ -814,6 +814,8 @@ export interface Tripwire {
   readonly window: string;
   readonly minCalls: number;
   readonly per: "namespace" | "run";
+  /** `switch`: engage a kill switch; `observe`: turn the prefix to observe mode. */
+  readonly action: "switch" | "observe";
   readonly revokeLeases: boolean;
   readonly rollback: boolean;
   readonly autoReleaseAfter: string | null;
@@ -842,6 +844,7 @@ export function tripwireOf(d: Json): Tripwire {
     window: String(d["window"] ?? ""),
     minCalls: int(d["min_calls"] ?? 0),
     per: d["per"] === "run" ? "run" : "namespace",
+    action: d["action"] === "observe" ? "observe" : "switch",
     revokeLeases: Boolean(d["revoke_leases"]),
     rollback: Boolean(d["rollback"]),
     autoReleaseAfter: optionalString(d["auto_release_after"]),
@@ -947,17 +950,32 @@ function settingsOf(d: unknown): Settings {
 export interface SettingsEntry {
   readonly namespacePrefix: string | null;
   readonly settings: Settings;
-  /** Who set them: an API key id, `cli:<user>` or `embedded`. */
+  /** Who set them: an API key id, `cli:<user>`, `embedded` or `tripwire:<rule>`. */
   readonly updatedBy: string | null;
   readonly updatedAt: Date | null;
+  /**
+   * Set by a tripwire whose action is `observe`: why, and the figures it tripped on. Observe
+   * mode then holds for every key under the prefix, over more specific entries, until a person
+   * sets these settings again.
+   */
+  readonly tripwire: ObserveTrip | null;
+}
+
+/** Why a tripwire turned a prefix to observe mode: the sentence and the figures. */
+export interface ObserveTrip {
+  readonly reason: string;
+  readonly trip: Trip;
 }
 
 export function settingsEntryOf(d: Json): SettingsEntry {
+  const trip = tripOf(d["tripwire"]);
+  const reason = (d["tripwire"] as Json | null | undefined)?.["reason"];
   return {
     namespacePrefix: optionalString(d["namespace_prefix"]),
     settings: settingsOf(d["settings"]),
     updatedBy: optionalString(d["updated_by"]),
     updatedAt: parseOptionalTime(d["updated_at"]),
+    tripwire: trip === null ? null : { reason: String(reason ?? ""), trip },
   };
 }
 

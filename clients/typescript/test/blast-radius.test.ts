@@ -2,7 +2,7 @@
 
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
-import { Client, DeniedError, NotFound, applied, guarded, type Acquired, type Denied } from "onceguard";
+import { Client, DeniedError, NotFound, applied, guarded, type Acquired, type Denied, type Proceed } from "onceguard";
 import { ns, useServer } from "./server.js";
 
 const fx = useServer();
@@ -163,5 +163,52 @@ describe("tripwires", () => {
       await fx.admin.releaseSwitch({ kind: "run", run }, { why: "test done" }).catch(() => undefined);
     }
     await assert.rejects(fx.admin.deleteTripwire(name), (e: unknown) => e instanceof NotFound);
+  });
+
+  it("a rule whose action is observe turns a canary back to observe mode", async () => {
+    const namespace = ns("canary");
+    const name = `ts-${Math.random().toString(36).slice(2, 10)}`;
+    await fx.admin.putSettings({ enforcePercent: 100 }, { namespacePrefix: namespace, why: "canary" });
+    const rule = await fx.admin.putTripwire(name, { kind: "failure_rate", above: 0.5 }, {
+      window: "5m",
+      minCalls: 4,
+      prefix: namespace,
+      action: "observe",
+      why: "back to observe when enforcing breaks the agent",
+    });
+    assert.deepEqual([rule.action, rule.per], ["observe", "namespace"]);
+    try {
+      const done = await fx.client.claim(namespace, "done", { request: 0 });
+      assert.equal(done.outcome, "acquired");
+      await fx.client.complete(namespace, "done", (done as Acquired).fence, { sent: true });
+      assert.equal((await fx.client.claim(namespace, "done", { request: 0 })).outcome, "replay");
+      let ran = 0;
+      const deadline = Date.now() + 30_000;
+      const entryOf = async () => (await fx.admin.listSettings()).find((e) => e.namespacePrefix === namespace);
+      let entry = await entryOf();
+      while (Date.now() < deadline && entry?.tripwire == null) {
+        const answer = await fx.client.claim(namespace, `failing-${ran}`, { request: ran });
+        assert.equal(answer.outcome, "acquired");
+        await fx.client.fail(namespace, `failing-${ran}`, (answer as Acquired).fence, { retryable: false, error: { declined: true } });
+        ran += 1;
+        // The server adds its counts every second.
+        if (ran >= 4) await new Promise((resolve) => setTimeout(resolve, 1_300));
+        entry = await entryOf();
+      }
+      assert.ok(entry?.tripwire, "the canary was never turned back");
+      assert.deepEqual([entry.settings.mode, entry.settings.enforcePercent], ["observe", undefined]);
+      assert.equal(entry.updatedBy, `tripwire:${name}`);
+      assert.equal(entry.tripwire.trip.rule, name);
+      assert.ok(entry.tripwire.reason.startsWith(`tripwire ${name}: failure rate`), entry.tripwire.reason);
+      assert.ok(ran >= 4 && ran <= 6, `${ran} effects ran`);
+      // Every instance reads settings within a second.
+      await new Promise((resolve) => setTimeout(resolve, 1_100));
+      const again = await fx.client.claim(namespace, "done", { request: 0 });
+      assert.equal(again.outcome, "proceed");
+      assert.equal((again as Proceed).wouldHaveBeen, "replay");
+    } finally {
+      await fx.admin.deleteTripwire(name, { why: "test done" });
+      await fx.admin.deleteSettings({ namespacePrefix: namespace, why: "test done" });
+    }
   });
 });

@@ -356,6 +356,11 @@ pub(crate) enum TripwireCommand {
         /// all watched keys together, switching off the prefix).
         #[arg(long)]
         per_run: bool,
+        /// Instead of a switch, turn the prefix (or the tenant) to observe mode, over any canary
+        /// in it, until a person sets its settings again (not with --per-run, --revoke-leases,
+        /// --rollback or --auto-release-after).
+        #[arg(long, conflicts_with_all = ["per_run", "revoke_leases", "rollback", "auto_release_after"])]
+        observe: bool,
         /// Also revoke the live leases the switch covers.
         #[arg(long)]
         revoke_leases: bool,
@@ -663,6 +668,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
                 settings,
                 updated_by: cli_actor(),
                 updated_at: guard.clock().now(),
+                tripwire: None,
             };
             print_json(&api::settings_view(&guard.put_settings(entry, why).await?))
         }
@@ -682,7 +688,7 @@ async fn settings(guard: &Guard, command: SettingsCommand) -> Result<()> {
 }
 
 async fn tripwires(guard: &Guard, command: TripwireCommand) -> Result<()> {
-    use onceguard_core::tripwire::{Per, SpendUnit, Symptom, Tripwire};
+    use onceguard_core::tripwire::{Per, SpendUnit, Symptom, TripAction, Tripwire};
     match command {
         TripwireCommand::Set {
             tenant,
@@ -697,6 +703,7 @@ async fn tripwires(guard: &Guard, command: TripwireCommand) -> Result<()> {
             window,
             min_calls,
             per_run,
+            observe,
             revoke_leases,
             rollback,
             auto_release_after,
@@ -718,6 +725,7 @@ async fn tripwires(guard: &Guard, command: TripwireCommand) -> Result<()> {
                 window,
                 min_calls,
                 per: if per_run { Per::Run } else { Per::Namespace },
+                action: if observe { TripAction::Observe } else { TripAction::Switch },
                 revoke_leases,
                 rollback,
                 auto_release_after,

@@ -520,14 +520,33 @@ async fn the_dashboard_shows_what_the_api_says() {
     browser.wait_for("the tripwire set from the form", listed).await;
     let row = browser.shown().await["tripwire-runaway"].as_str().unwrap().to_owned();
     let cells: Vec<&str> = row.split('\t').collect();
-    assert_eq!(cells[..6], ["runaway", "prod/pay", "failure rate > 0.2", "5m", "10", "the run"], "{row}");
+    assert_eq!(cells[..6], ["runaway", "prod/pay", "failure rate > 0.2", "5m", "10", "switch: the run"], "{row}");
     let rules = api.get("/v1/tripwires").await;
     assert_eq!(rules["tripwires"][0]["symptom"], json!({"kind": "failure_rate", "above": 0.2}));
     assert_eq!(rules["tripwires"][0]["per"], "run");
+    assert_eq!(rules["tripwires"][0]["action"], "switch");
     browser.click("[data-testid=tripwire-delete-runaway]").await;
     let gone = "return !document.querySelector('[data-testid=tripwire-runaway]');";
     browser.wait_for("the tripwire deleted", gone).await;
     assert_eq!(api.get("/v1/tripwires").await["tripwires"], json!([]));
+
+    // A rule that turns a canary back to observe mode, set from the same form.
+    browser.type_into("[data-testid=tw-name]", "runaway-canary").await;
+    browser.click("[data-testid=tw-per-run]").await;
+    browser.click("[data-testid=tw-observe]").await;
+    browser.click("[data-testid=tw-set]").await;
+    let listed = "return !!document.querySelector('[data-testid=tripwire-runaway-canary]');";
+    browser.wait_for("the observe rule set from the form", listed).await;
+    let row = browser.shown().await["tripwire-runaway-canary"].as_str().unwrap().to_owned();
+    assert_eq!(row.split('\t').nth(5), Some("observe: prod/pay"), "{row}");
+    let rules = api.get("/v1/tripwires").await;
+    assert_eq!(
+        (&rules["tripwires"][0]["action"], &rules["tripwires"][0]["per"]),
+        (&json!("observe"), &json!("namespace"))
+    );
+    browser.click("[data-testid=tripwire-delete-runaway-canary]").await;
+    let gone = "return !document.querySelector('[data-testid=tripwire-runaway-canary]');";
+    browser.wait_for("the observe rule deleted", gone).await;
 
     let to = screenshot_path();
     browser.screenshot(&to).await;

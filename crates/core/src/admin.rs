@@ -230,6 +230,8 @@ impl Guard {
         check_why(why.as_deref())?;
         entry.validate(self.limits())?;
         entry.updated_at = self.clock().now();
+        // A person's setting ends a tripwire's observe mode.
+        entry.tripwire = None;
         let target = entry.namespace_prefix.as_ref().map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
         let details = serde_json::to_value(&entry.settings).unwrap_or_default();
         let audit = AuditEntry::new(entry.tenant.clone(), entry.updated_at, &entry.updated_by, "settings.set", target)

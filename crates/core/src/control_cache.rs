@@ -120,6 +120,7 @@ mod tests {
             settings: Default::default(),
             updated_by: by.to_owned(),
             updated_at: crate::domain::Timestamp(0),
+            tripwire: None,
         }];
         Arc::new(Controls { settings, ..Controls::default() })
     }

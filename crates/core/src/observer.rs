@@ -41,9 +41,9 @@ pub trait Observer: Send + Sync + 'static {
     /// [`crate::sealing::OpenError`]).
     fn unopened(&self, _scope: &Scope) {}
 
-    /// A tripwire engaged `switch` through this instance (once across instances: see
-    /// [`crate::tripwire`]).
-    fn tripped(&self, _switch: &crate::control::Switch) {}
+    /// A tripwire tripped through this instance (once across instances: see
+    /// [`crate::tripwire`]): it engaged a switch or turned its scope to observe mode.
+    fn tripped(&self, _tripped: &crate::tripwire::Tripped) {}
 
     /// The guard measured how far this instance's clock is from the store's.
     fn clock_offset(&self, _offset: crate::clock::ClockOffset) {}

@@ -12,15 +12,17 @@
 //! 5 s up to an hour, at most `approvals.webhook_attempts` attempts. A notice is sent only while
 //! its approval is pending.
 //!
-//! The same webhook is told when a tripwire engages a switch (`type: tripwire.tripped`), by the
-//! one instance that engaged it (see `onceguard_core::tripwire`): up to
-//! `approvals.webhook_attempts` attempts with the same `webhook-id`, 5 s apart and doubling, from
-//! that instance's memory. An instance stopped before delivery loses the notice; the switch, its
-//! audit entry (`tripwire.trip`) and the metric `onceguard_tripwires_tripped_total` remain.
+//! The same webhook is told when a tripwire trips (`type: tripwire.tripped`; `data.action` says
+//! whether it engaged a switch or turned its scope to observe mode), by the one instance whose
+//! trip wrote it (see `onceguard_core::tripwire`): up to `approvals.webhook_attempts` attempts
+//! with the same `webhook-id`, 5 s apart and doubling, from that instance's memory. An instance
+//! stopped before delivery loses the notice; the switch (or the settings), its audit entry
+//! (`tripwire.trip`) and the metric `onceguard_tripwires_tripped_total` remain.
 
 use std::time::Duration;
 
 use onceguard_core::approval::{Approval, ApprovalState};
+use onceguard_core::tripwire::Tripped;
 use onceguard_core::{Guard, GuardError, Timestamp};
 use tokio::sync::watch;
 
@@ -112,26 +114,28 @@ impl Webhook {
 }
 
 impl Webhook {
-    /// Tells of a switch a tripwire engaged (see the module documentation): retries until the
-    /// receiver answers 2xx or the attempts run out.
-    pub async fn notify_tripped(&self, switch: &onceguard_core::control::Switch) {
-        let id = format!("tripwire_{}_{}_{}", switch.tenant, switch.target.id().replace(':', "_"), switch.engaged_at.0);
+    /// Tells of a tripwire's trip (a switch it engaged, or its scope turned to observe mode; see
+    /// the module documentation): retries until the receiver answers 2xx or the attempts run
+    /// out.
+    pub async fn notify_tripped(&self, tripped: &Tripped) {
+        let (tenant, target) = (tripped.tenant(), tripped.target_id());
+        let id = format!("tripwire_{tenant}_{}_{}", target.replace(':', "_"), tripped.at().0);
         for attempt in 1..=self.attempts.max(1) {
             let now = Timestamp::now();
-            match self.post(&id, &tripped_payload(switch, now), now).await {
+            match self.post(&id, &tripped_payload(tripped, now), now).await {
                 Ok(()) => {
-                    tracing::info!(tenant = %switch.tenant, target = %switch.target, attempt, "tripwire webhook delivered");
+                    tracing::info!(%tenant, %target, attempt, "tripwire webhook delivered");
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(tenant = %switch.tenant, target = %switch.target, attempt, error = e, "tripwire webhook failed")
+                    tracing::warn!(%tenant, %target, attempt, error = e, "tripwire webhook failed")
                 }
             }
             if attempt < self.attempts {
                 tokio::time::sleep(backoff(attempt)).await;
             }
         }
-        tracing::error!(tenant = %switch.tenant, target = %switch.target, "tripwire webhook abandoned");
+        tracing::error!(%tenant, %target, "tripwire webhook abandoned");
     }
 
     /// One signed `POST` of `payload` as notice `id`.
@@ -158,22 +162,30 @@ impl Webhook {
     }
 }
 
-/// What a tripwire's notice says: the switch as `GET /v1/switches` shows it, its tenant, and the
-/// figures the rule tripped on.
-fn tripped_payload(s: &onceguard_core::control::Switch, now: Timestamp) -> serde_json::Value {
-    serde_json::json!({
-        "type": "tripwire.tripped",
-        "timestamp": now.to_rfc3339(),
-        "data": {
-            "tenant": s.tenant.as_str(),
-            "target": s.target.id(),
-            "reason": s.reason,
-            "revoke_leases": s.revoke_leases,
-            "engaged_by": s.engaged_by,
-            "engaged_at": s.engaged_at.to_rfc3339(),
-            "tripwire": s.tripwire,
-        },
-    })
+/// What a tripwire's notice says: its tenant, what it did (`action`), the figures it tripped on;
+/// of a switch, the switch as `GET /v1/switches` shows it; of observe mode, the settings it
+/// wrote.
+fn tripped_payload(tripped: &Tripped, now: Timestamp) -> serde_json::Value {
+    let mut data = serde_json::json!({
+        "tenant": tripped.tenant().as_str(),
+        "target": tripped.target_id(),
+        "reason": tripped.reason(),
+        "engaged_at": tripped.at().to_rfc3339(),
+        "tripwire": tripped.trip(),
+    });
+    match tripped {
+        Tripped::Switch(s) => {
+            data["action"] = "switch".into();
+            data["revoke_leases"] = s.revoke_leases.into();
+            data["engaged_by"] = s.engaged_by.clone().into();
+        }
+        Tripped::Observe(e) => {
+            data["action"] = "observe".into();
+            data["engaged_by"] = e.updated_by.clone().into();
+            data["settings"] = serde_json::to_value(&e.settings).unwrap_or_default();
+        }
+    }
+    serde_json::json!({ "type": "tripwire.tripped", "timestamp": now.to_rfc3339(), "data": data })
 }
 
 /// How long after attempt `n` (counting from 1) the next may begin, beyond the timeout: 5 s,
@@ -232,6 +244,52 @@ mod tests {
         let signer = standardwebhooks::Webhook::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         let signature = signer.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, br#"{"test": 2432232314}"#).unwrap();
         assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn a_tripwire_notice_says_what_the_trip_did() {
+        use onceguard_core::control::{ObserveTrip, Settings, SettingsEntry, Switch, SwitchTarget, Trip};
+        use onceguard_core::{Namespace, TenantId};
+        let acme = TenantId::parse("acme").unwrap();
+        let trip = Trip { rule: "r".into(), run: None, calls: 10, bad: 9, window_secs: 300, release_at: None };
+        let switch = Switch {
+            tenant: acme.clone(),
+            target: SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() },
+            reason: "tripwire r: failure rate 0.90".into(),
+            revoke_leases: true,
+            revoked: 0,
+            engaged_by: "tripwire:r".into(),
+            engaged_at: Timestamp(5_000),
+            tripwire: Some(trip.clone()),
+        };
+        let notice = tripped_payload(&Tripped::Switch(switch), Timestamp(6_000));
+        assert_eq!(notice["type"], "tripwire.tripped");
+        let data = &notice["data"];
+        assert_eq!(
+            (&data["action"], &data["target"], &data["revoke_leases"]),
+            (&"switch".into(), &"namespace:prod".into(), &true.into())
+        );
+        assert_eq!(data["tripwire"]["calls"], 10);
+        let entry = SettingsEntry {
+            tenant: acme,
+            namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+            settings: Settings { mode: Some(onceguard_core::control::Mode::Observe), ..Settings::default() },
+            updated_by: "tripwire:r".into(),
+            updated_at: Timestamp(5_000),
+            tripwire: Some(ObserveTrip { reason: "tripwire r: failure rate 0.90".into(), trip }),
+        };
+        let notice = tripped_payload(&Tripped::Observe(entry), Timestamp(6_000));
+        let data = &notice["data"];
+        assert_eq!(
+            (&data["action"], &data["target"], &data["engaged_by"]),
+            (&"observe".into(), &"namespace:prod".into(), &"tripwire:r".into())
+        );
+        assert_eq!(
+            (&data["reason"], &data["settings"]["mode"]),
+            (&"tripwire r: failure rate 0.90".into(), &"observe".into())
+        );
+        assert_eq!((&data["tripwire"]["rule"], &data["tripwire"]["bad"]), (&"r".into(), &9.into()));
+        assert!(data.get("revoke_leases").is_none());
     }
 
     #[test]

@@ -263,11 +263,11 @@ pub async fn serve_with_background(
         ))
     });
     // Tripwires: this instance's counts added to the store's every second, the rules decided,
-    // due switches released; a switch this instance engaged told to the webhook.
+    // due switches released; what a trip of this instance did told to the webhook.
     let notices = approval_webhook::Webhook::from_config(&config.approvals)?.map(std::sync::Arc::new);
-    let tripwires = tokio::spawn(guard.tripwire_task(move |switch| {
+    let tripwires = tokio::spawn(guard.tripwire_task(move |tripped| {
         if let Some(webhook) = notices.clone() {
-            tokio::spawn(async move { webhook.notify_tripped(&switch).await });
+            tokio::spawn(async move { webhook.notify_tripped(&tripped).await });
         }
     }));
     let sweeper = tokio::spawn(sweep_loop(guard, config.sweep.clone(), stop_rx.clone()));

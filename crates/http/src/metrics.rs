@@ -800,8 +800,8 @@ impl onceguard_core::Observer for Metrics {
         self.live.push_event(approval.scope.tenant.as_str(), Event::new("approval", &approval.scope, None, decision));
     }
 
-    fn tripped(&self, switch: &onceguard_core::control::Switch) {
-        let labels = TenantLabels { tenant: self.tenant_label(switch.tenant.as_str()) };
+    fn tripped(&self, tripped: &onceguard_core::tripwire::Tripped) {
+        let labels = TenantLabels { tenant: self.tenant_label(tripped.tenant().as_str()) };
         self.tripwires_tripped.get_or_create(&labels).inc();
     }
 

@@ -935,6 +935,7 @@ async fn settings_on_a_tool_set_its_retention() {
         settings: Settings { default_retention: Some(Duration::from_secs(1)), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     app.guard.put_settings(entry, None).await.unwrap();
     app.rpc(&call(json!(1), "echo", json!({}), Some("k"))).await;
@@ -960,6 +961,7 @@ async fn a_digest_namespace_answers_replays_that_the_tool_ran_without_its_result
         settings: Settings { outcome_kept: Some(OutcomeKept::Digest), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     app.guard.put_settings(entry, None).await.unwrap();
     let first = app.rpc(&call(json!(1), "echo", json!({"card": "4111"}), Some("k"))).await;
@@ -994,6 +996,7 @@ async fn a_tool_needing_approval_answers_a_tool_error_the_model_can_relay_until_
         settings: Settings { approval_required: Some(true), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     app.guard.put_settings(entry, None).await.unwrap();
     let pending = app.rpc(&call(json!(1), "write", json!({"row": 7}), Some("k"))).await;
@@ -1041,6 +1044,7 @@ async fn observe_mode_forwards_the_calls_enforcement_would_have_stopped() {
         settings: Settings { mode: Some(mode), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     app.guard.put_settings(mode(Mode::Observe), None).await.unwrap();
     let first = app.rpc(&call(json!(1), "write", json!({"row": 7}), Some("k"))).await;

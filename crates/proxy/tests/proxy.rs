@@ -654,6 +654,7 @@ async fn a_digest_namespace_replays_the_status_and_digest_never_the_response() {
         settings: Settings { outcome_kept: Some(OutcomeKept::Digest), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     proxy.guard.put_settings(entry, None).await.unwrap();
     let first = proxy.post("/charge", "d-1", "{}").await;
@@ -705,6 +706,7 @@ async fn a_request_needing_approval_is_forwarded_once_it_is_approved() {
         settings: Settings { approval_required: Some(true), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     proxy.guard.put_settings(entry, None).await.unwrap();
     let mut asked = Vec::new();
@@ -750,6 +752,7 @@ async fn observe_mode_forwards_what_enforcement_would_have_stopped() {
         settings: Settings { mode: Some(mode), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: onceguard_core::Timestamp::now(),
+        tripwire: None,
     };
     proxy.guard.put_settings(mode(Mode::Observe), None).await.unwrap();
     let first = proxy.post("/charge", "o-1", "{}").await;

@@ -247,6 +247,9 @@ pub struct ControlsView {
     pub summary: String,
     /// The tenant's tripwire rules (as `GET /v1/tripwires` lists them).
     pub tripwires: Vec<crate::api::TripwireView>,
+    /// The settings entries a tripwire turned to observe mode (as `GET /v1/settings` lists
+    /// them): claims under them proceed whatever enforcement would answer.
+    pub observing: Vec<crate::api::SettingsView>,
 }
 
 /// Everything the dashboard shows for one tenant.
@@ -463,10 +466,32 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
         Ok(rules) => rules.iter().map(crate::api::tripwire_view).collect(),
         Err(_) => Vec::new(),
     };
+    let tripped: Vec<_> = match state.guard.settings(tenant).await {
+        Ok(entries) => entries.into_iter().filter(|e| e.tripwire.is_some()).collect(),
+        Err(_) => Vec::new(),
+    };
+    // What a tripwire turned to observe mode, in a sentence (after the switches').
+    let observing = tripped
+        .iter()
+        .filter_map(|e| {
+            let scope =
+                e.namespace_prefix.as_ref().map_or_else(|| "the tenant".to_owned(), |p| format!("namespace:{p}"));
+            e.tripwire.as_ref().map(|t| format!("{scope} ({})", t.reason))
+        })
+        .collect::<Vec<_>>();
+    let observing_line = if observing.is_empty() {
+        String::new()
+    } else {
+        format!(" Observe mode, set by a tripwire (claims proceed unguarded) under: {}.", observing.join(", "))
+    };
+    let observing = tripped.iter().map(crate::api::settings_view).collect();
     match state.guard.switches(tenant).await {
-        Ok(switches) if switches.is_empty() => {
-            ControlsView { switches: Vec::new(), summary: "No kill switch is engaged: claims flow.".into(), tripwires }
-        }
+        Ok(switches) if switches.is_empty() => ControlsView {
+            switches: Vec::new(),
+            summary: format!("No kill switch is engaged: claims flow.{observing_line}"),
+            tripwires,
+            observing,
+        },
         Ok(switches) => {
             let targets: Vec<String> = switches
                 .iter()
@@ -476,15 +501,17 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
                 })
                 .collect();
             ControlsView {
-                summary: format!("Claims refused (423) under: {}.", targets.join(", ")),
+                summary: format!("Claims refused (423) under: {}.{observing_line}", targets.join(", ")),
                 switches: switches.iter().map(crate::api::switch_view).collect(),
                 tripwires,
+                observing,
             }
         }
         Err(error) => ControlsView {
             switches: Vec::new(),
             summary: format!("Switches could not be read ({error}); claims fail closed."),
             tripwires,
+            observing,
         },
     }
 }

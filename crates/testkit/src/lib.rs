@@ -183,6 +183,8 @@ macro_rules! conformance_tests {
             a_spend_rule_trips_and_releases_itself,
             a_rule_set_anew_counts_from_nothing,
             a_tripwire_can_roll_the_offending_run_back,
+            a_tripwire_turns_a_canary_back_to_observe_once,
+            eight_instances_turn_a_canary_to_observe_once_a_round,
             an_instance_off_the_stores_clock_refuses_claims_past_the_bound
         );
     };

@@ -890,6 +890,8 @@ class Tripwire:
     auto_release_after: str | None
     set_by: str | None
     set_at: datetime | None
+    #: ``switch`` (engage a kill switch) or ``observe`` (turn the prefix to observe mode).
+    action: str = "switch"
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Tripwire:
@@ -900,6 +902,7 @@ class Tripwire:
             window=str(d.get("window", "")),
             min_calls=int(d.get("min_calls", 0) or 0),
             per=str(d.get("per", "namespace")),
+            action=str(d.get("action", "switch")),
             revoke_leases=bool(d.get("revoke_leases", False)),
             rollback=bool(d.get("rollback", False)),
             auto_release_after=d.get("auto_release_after"),
@@ -996,18 +999,36 @@ class SettingsEntry:
 
     namespace_prefix: str | None
     settings: Settings
-    #: Who set them: an API key id, ``cli:<user>`` or ``embedded``.
+    #: Who set them: an API key id, ``cli:<user>``, ``embedded`` or ``tripwire:<rule>``.
     updated_by: str | None
     updated_at: datetime | None
+    #: Set by a tripwire whose action is ``observe``: why, and the figures it tripped on.
+    #: Observe mode then holds for every key under the prefix, over more specific entries,
+    #: until a person sets these settings again.
+    tripwire: ObserveTrip | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SettingsEntry:
+        trip = d.get("tripwire")
         return cls(
             namespace_prefix=d.get("namespace_prefix"),
             settings=Settings.from_json(d.get("settings")),
             updated_by=d.get("updated_by"),
             updated_at=parse_optional_time(d.get("updated_at")),
+            tripwire=ObserveTrip.from_json(trip) if isinstance(trip, Mapping) else None,
         )
+
+
+@dataclass(frozen=True)
+class ObserveTrip:
+    """Why a tripwire turned a prefix to observe mode: the sentence and the figures."""
+
+    reason: str
+    trip: Trip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ObserveTrip:
+        return cls(reason=str(d.get("reason", "")), trip=Trip.from_json(d))
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,22 @@ pub struct SettingsEntry {
     pub updated_by: String,
     /// When.
     pub updated_at: Timestamp,
+    /// Set by a tripwire whose action is `observe` (then `settings.mode` is observe): while it
+    /// is here, observe mode holds for every key under the entry's prefix (or the tenant's),
+    /// whatever more specific entries say. A person's setting of the entry, or its deletion,
+    /// ends it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tripwire: Option<ObserveTrip>,
+}
+
+/// Why a tripwire turned a scope to observe mode: the sentence and the figures.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObserveTrip {
+    /// The rule, the figures and the window, in a sentence.
+    pub reason: String,
+    /// The figures.
+    #[serde(flatten)]
+    pub trip: super::Trip,
 }
 
 impl SettingsEntry {
@@ -229,6 +245,9 @@ pub fn effective<'a>(
     let mut matching: Vec<&SettingsEntry> =
         entries.into_iter().filter(|e| e.namespace_prefix.as_ref().is_none_or(|p| namespace.is_within(p))).collect();
     matching.sort_by_key(|e| e.namespace_prefix.as_ref().map_or(0, |p| p.as_str().len() + 1));
+    // Once an entry a tripwire turned to observe applies, more specific entries no longer
+    // change the mode.
+    let mut tripped = false;
     let mut out = Effective {
         limits: limits.clone(),
         max_in_flight: None,
@@ -258,11 +277,16 @@ pub fn effective<'a>(
         if let Some(kept) = s.outcome_kept {
             out.outcome_kept = kept;
         }
-        if let Some(mode) = s.mode {
-            (out.mode, out.enforce_percent) = (mode, None);
-        }
-        if let Some(percent) = s.enforce_percent {
-            out.enforce_percent = Some(percent.min(100));
+        if !tripped {
+            if let Some(mode) = s.mode {
+                (out.mode, out.enforce_percent) = (mode, None);
+            }
+            if let Some(percent) = s.enforce_percent {
+                out.enforce_percent = Some(percent.min(100));
+            }
+            if entry.tripwire.is_some() {
+                (out.mode, out.enforce_percent, tripped) = (Mode::Observe, None, true);
+            }
         }
         if let Some(recovery) = s.recovery {
             out.recovery = recovery;
@@ -297,6 +321,7 @@ mod tests {
             settings,
             updated_by: "test".into(),
             updated_at: Timestamp(0),
+            tripwire: None,
         }
     }
 
@@ -324,6 +349,39 @@ mod tests {
             canary_mode(s, 50) != canary_mode(&moved, 50)
         });
         assert!(other.count() > 3_000);
+    }
+
+    #[test]
+    fn observe_mode_a_tripwire_set_holds_over_more_specific_entries() {
+        let limits = Limits::default();
+        let ns = Namespace::parse("prod/pay").unwrap();
+        let canary = Settings { enforce_percent: Some(100), ..Settings::default() };
+        let observe = Settings { mode: Some(Mode::Observe), ..Settings::default() };
+        let mut tripped = entry(Some("prod"), observe.clone());
+        // Set by a person, a more specific entry decides; set by a tripwire, the trip does.
+        let entries = [tripped.clone(), entry(Some("prod/pay"), canary.clone())];
+        assert_eq!(effective(&limits, &entries, &ns).enforce_percent, Some(100));
+        tripped.tripwire = Some(ObserveTrip {
+            reason: "tripwire r: failure rate".into(),
+            trip: crate::control::Trip {
+                rule: "r".into(),
+                run: None,
+                calls: 10,
+                bad: 9,
+                window_secs: 60,
+                release_at: None,
+            },
+        });
+        let enforced = entry(Some("prod/pay"), Settings { mode: Some(Mode::Enforce), ..Settings::default() });
+        for below in [entry(Some("prod/pay"), canary), enforced] {
+            let e = effective(&limits, &[tripped.clone(), below], &ns);
+            assert_eq!((e.mode, e.enforce_percent), (Mode::Observe, None));
+        }
+        // Above the tripped prefix, and beside it, the entries decide as before.
+        let tenant = entry(None, Settings { enforce_percent: Some(100), ..Settings::default() });
+        let e = effective(&limits, &[tenant.clone(), tripped.clone()], &Namespace::parse("staging").unwrap());
+        assert_eq!(e.enforce_percent, Some(100));
+        assert_eq!(effective(&limits, &[tenant, tripped], &ns).mode, Mode::Observe);
     }
 
     #[test]

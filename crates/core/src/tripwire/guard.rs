@@ -4,14 +4,16 @@
 
 use std::time::Duration;
 
-use crate::control::{AuditEntry, ControlDoc, ControlKind, Switch, SwitchTarget};
+use crate::control::{
+    AuditEntry, ControlDoc, ControlKind, Mode, ObserveTrip, Settings, SettingsEntry, Switch, SwitchTarget,
+};
 use crate::control_cache::{CONTROL_MAX_AGE, CONTROL_REFRESH};
 use crate::domain::{InvalidInput, Namespace, RunId, Scope, TenantId, Timestamp, check_reason};
 use crate::guard::{Guard, GuardError};
 use crate::record::{ClaimOutcome, Record};
 use crate::store::StoreError;
 
-use super::{Subject, Tally, Trip, Tripwire};
+use super::{Subject, Tally, Trip, TripAction, Tripped, Tripwire};
 
 /// How far back the sweep keeps counts: the longest window and a minute.
 const KEPT_MINUTES: u64 = super::MAX_WINDOW.as_secs() / 60 + 1;
@@ -108,9 +110,9 @@ impl Guard {
 
     /// Adds what this instance counted to the store's counts and decides each rule counted on
     /// the window's sums across instances; trips those that crossed their threshold. Answers
-    /// the switches this instance engaged (it alone tells of them). Counts that could not reach
-    /// the store are kept for the next flush.
-    pub async fn flush_tripwires(&self) -> Result<Vec<Switch>, GuardError> {
+    /// what this instance's trips did (it alone tells of them). Counts that could not reach the
+    /// store are kept for the next flush.
+    pub async fn flush_tripwires(&self) -> Result<Vec<Tripped>, GuardError> {
         let counted = self.tallies.take();
         if counted.is_empty() {
             return Ok(Vec::new());
@@ -148,8 +150,14 @@ impl Guard {
                 }
             };
             let Some(why) = rule.crossed(sums) else { continue };
-            match self.trip(rule, &subject, sums, why, now).await {
-                Ok(Some(switch)) => tripped.push(switch),
+            let done = match rule.action {
+                TripAction::Switch => self.trip(rule, &subject, sums, why, now).await.map(|s| s.map(Tripped::Switch)),
+                TripAction::Observe => {
+                    self.trip_to_observe(rule, sums, why, now).await.map(|e| e.map(Tripped::Observe))
+                }
+            };
+            match done {
+                Ok(Some(done)) => tripped.push(done),
                 Ok(None) => {}
                 // The counts stay: the next call counted decides again.
                 Err(e) => tracing::error!(%tenant, rule = rule.name, error = %e, "tripwire: could not trip"),
@@ -222,7 +230,7 @@ impl Guard {
         // stopped here leaves the switch engaged, without the revocation or rollback: the audit
         // entry `tripwire.trip` says what the rule asked for.)
         tracing::warn!(tenant = %rule.tenant, rule = rule.name, target = %switch.target, reason = switch.reason, "tripwire tripped");
-        self.observer.tripped(&switch);
+        self.observer.tripped(&Tripped::Switch(switch.clone()));
         if let Err(e) = self.refresh_controls().await {
             tracing::warn!(error = %e, "tripwire: could not read the switches back; other claims see it within a second");
         }
@@ -235,6 +243,79 @@ impl Guard {
             tracing::error!(tenant = %rule.tenant, %run, error = %e, "tripwire: could not start the run's rollback");
         }
         Ok(Some(switch))
+    }
+
+    /// Trips `rule` of action `observe`: writes the settings entry of its scope (its prefix, or
+    /// the tenant) with observe mode and the trip, keeping the entry's other settings, with its
+    /// `tripwire.trip` audit entry in the same atomic write: a replace of the entry exactly as
+    /// read, or a create where there is none, so that of instances tripping at once one writes
+    /// (and tells). An entry a tripwire turned already is left as it is; an entry a person
+    /// changed between the read and the write is read again. Answers the entry if this call
+    /// wrote it.
+    async fn trip_to_observe(
+        &self,
+        rule: &Tripwire,
+        sums: Tally,
+        why: String,
+        now: Timestamp,
+    ) -> Result<Option<SettingsEntry>, GuardError> {
+        let trip = ObserveTrip {
+            reason: format!("tripwire {}: {why}", rule.name),
+            trip: Trip {
+                rule: rule.name.clone(),
+                run: None,
+                calls: sums.calls,
+                bad: sums.bad,
+                window_secs: rule.window.as_secs(),
+                release_at: None,
+            },
+        };
+        let target = match &rule.prefix {
+            Some(prefix) => SwitchTarget::Namespace { prefix: prefix.clone() }.id(),
+            None => SwitchTarget::Tenant.id(),
+        };
+        let mut written = None;
+        for _ in 0..3 {
+            let controls = self.refresh_controls().await?;
+            let current =
+                controls.settings.iter().find(|e| e.tenant == rule.tenant && e.namespace_prefix == rule.prefix);
+            if current.is_some_and(|e| e.tripwire.is_some()) {
+                break;
+            }
+            let mut entry = current.cloned().unwrap_or_else(|| SettingsEntry {
+                tenant: rule.tenant.clone(),
+                namespace_prefix: rule.prefix.clone(),
+                settings: Settings::default(),
+                updated_by: String::new(),
+                updated_at: now,
+                tripwire: None,
+            });
+            (entry.settings.mode, entry.settings.enforce_percent) = (Some(Mode::Observe), None);
+            (entry.updated_by, entry.updated_at, entry.tripwire) = (actor(&rule.name), now, Some(trip.clone()));
+            let details = serde_json::json!({ "tripwire": trip.trip, "action": "observe", "settings": entry.settings });
+            let audit = AuditEntry::new(rule.tenant.clone(), now, &entry.updated_by, "tripwire.trip", &target)
+                .why(Some(trip.reason.clone()))
+                .details(details);
+            let doc = ControlDoc::of_settings(&entry);
+            let wrote = match current {
+                Some(current) => self.store().replace_control(&ControlDoc::of_settings(current), &doc, &audit).await?,
+                None => self.store().create_control(&doc, &audit).await?,
+            };
+            if wrote {
+                written = Some(entry);
+                break;
+            }
+        }
+        if let Err(e) = self.store().clear_symptoms(&rule.tenant, &rule.counts_key(), &Subject::Scope.key()).await {
+            tracing::warn!(tenant = %rule.tenant, rule = rule.name, error = %e, "tripwire: its counts could not be cleared");
+        }
+        let Some(entry) = written else { return Ok(None) };
+        tracing::warn!(tenant = %rule.tenant, rule = rule.name, %target, reason = trip.reason, "tripwire tripped: observe mode");
+        self.observer.tripped(&Tripped::Observe(entry.clone()));
+        if let Err(e) = self.refresh_controls().await {
+            tracing::warn!(error = %e, "tripwire: could not read the settings back; other claims see them within a second");
+        }
+        Ok(Some(entry))
     }
 
     /// Revokes the leases a tripped switch covers now, and once more after every instance has
@@ -303,10 +384,10 @@ impl Guard {
 
     /// The background work of the tripwires: every [`super::FLUSH`], adds this instance's
     /// counts to the store's and decides the rules, and releases what is due; `tripped` is
-    /// handed each switch this instance engaged (to tell of it: the webhook).
+    /// handed what each trip of this instance did (to tell of it: the webhook).
     pub fn tripwire_task(
         &self,
-        tripped: impl Fn(Switch) + Send + Sync + 'static,
+        tripped: impl Fn(Tripped) + Send + Sync + 'static,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let guard = self.clone();
         async move {

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::control::{SettingsEntry, Switch};
 use crate::domain::{InvalidInput, Namespace, RunId, TenantId, Timestamp};
 use crate::record::{Acquired, ClaimOutcome, OutcomeKind, Record, RecordState, RecoveryReason};
 
@@ -73,6 +74,10 @@ pub struct Tripwire {
     /// What one count covers, and what the switch it engages covers.
     #[serde(default)]
     pub per: Per,
+    /// What it does when it trips: engage a switch (the default), or turn its scope to observe
+    /// mode (a canary or an enforced namespace back to observing).
+    #[serde(default)]
+    pub action: TripAction,
     /// Whether the switch revokes the live leases it covers.
     #[serde(default)]
     pub revoke_leases: bool,
@@ -86,6 +91,61 @@ pub struct Tripwire {
     pub set_by: String,
     /// When.
     pub set_at: Timestamp,
+}
+
+/// What a rule did when it tripped, as the instance that did it tells of it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tripped {
+    /// It engaged this switch.
+    Switch(Switch),
+    /// It turned its scope to observe mode: the settings entry as it wrote it.
+    Observe(SettingsEntry),
+}
+
+impl Tripped {
+    /// The tenant of the rule.
+    pub fn tenant(&self) -> &TenantId {
+        match self {
+            Self::Switch(s) => &s.tenant,
+            Self::Observe(e) => &e.tenant,
+        }
+    }
+
+    /// The figures it tripped on.
+    pub fn trip(&self) -> Option<&Trip> {
+        match self {
+            Self::Switch(s) => s.tripwire.as_ref(),
+            Self::Observe(e) => e.tripwire.as_ref().map(|t| &t.trip),
+        }
+    }
+
+    /// What it acted on, as a switch's target is named: `tenant`, `namespace:<prefix>`,
+    /// `run:<run>`.
+    pub fn target_id(&self) -> String {
+        match self {
+            Self::Switch(s) => s.target.id(),
+            Self::Observe(e) => match &e.namespace_prefix {
+                Some(prefix) => crate::control::SwitchTarget::Namespace { prefix: prefix.clone() }.id(),
+                None => crate::control::SwitchTarget::Tenant.id(),
+            },
+        }
+    }
+
+    /// When it tripped.
+    pub fn at(&self) -> Timestamp {
+        match self {
+            Self::Switch(s) => s.engaged_at,
+            Self::Observe(e) => e.updated_at,
+        }
+    }
+
+    /// Why, in a sentence.
+    pub fn reason(&self) -> &str {
+        match self {
+            Self::Switch(s) => &s.reason,
+            Self::Observe(e) => e.tripwire.as_ref().map_or("", |t| t.reason.as_str()),
+        }
+    }
 }
 
 /// What a rule counts, with its threshold. Each comes down to a [`Tally`] per minute.
@@ -133,6 +193,22 @@ crate::label::vocabulary! {
         Cost => "cost",
         /// The tokens completions reported.
         Tokens => "tokens",
+    }
+}
+
+crate::label::vocabulary! {
+    /// What a rule does when it trips.
+    #[derive(Default)]
+    pub enum TripAction {
+        /// Engages a kill switch on its scope (or on the offending run): claims are refused.
+        #[default]
+        Switch => "switch",
+        /// Turns its scope (its prefix, or the tenant) to observe mode: every claim proceeds
+        /// and what enforcement would have answered is counted. It writes the scope's settings
+        /// entry (keeping its other settings) with `mode = observe` and the trip; while the trip
+        /// is there, observe mode holds for every key of the scope, over more specific entries
+        /// (a canary below the prefix too). A person sets the scope's settings again to end it.
+        Observe => "observe",
     }
 }
 
@@ -202,6 +278,22 @@ impl Tripwire {
                 return Err(InvalidInput::new("per", "mismatches name no run: count them per namespace"));
             }
             _ => {}
+        }
+        if self.action == TripAction::Observe {
+            let conflict = if self.per != Per::Namespace {
+                Some(("per", "observe mode is set per namespace prefix: needs per = namespace"))
+            } else if self.revoke_leases {
+                Some(("revoke_leases", "observe mode stops nothing in flight: only a switch revokes leases"))
+            } else if self.rollback {
+                Some(("rollback", "only a switch on a run rolls it back"))
+            } else if self.auto_release_after.is_some() {
+                Some(("auto_release_after", "a person ends observe mode by setting the scope's settings again"))
+            } else {
+                None
+            };
+            if let Some((field, why)) = conflict {
+                return Err(InvalidInput::new(field, why));
+            }
         }
         if self.rollback && self.per != Per::Run {
             return Err(InvalidInput::new("rollback", "rolls back the offending run: needs per = run"));

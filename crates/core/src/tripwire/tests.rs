@@ -13,6 +13,7 @@ fn rule(symptom: Symptom) -> Tripwire {
         window: Duration::from_secs(300),
         min_calls: 20,
         per: Per::Namespace,
+        action: TripAction::Switch,
         revoke_leases: false,
         rollback: false,
         auto_release_after: None,
@@ -147,6 +148,19 @@ fn a_rule_is_checked_before_it_is_kept() {
         bad(|r| (r.per, r.rollback, r.auto_release_after) = (Per::Run, true, Some(Duration::from_secs(60)))),
         "auto_release_after"
     );
+    // A rule that turns its scope to observe: per namespace, and nothing a switch does.
+    let observe = |f: fn(&mut Tripwire)| {
+        let mut r = rule(Symptom::FailureRate { above: 0.2 });
+        r.action = TripAction::Observe;
+        f(&mut r);
+        r.validate().err().map(|e| e.field)
+    };
+    assert_eq!(observe(|_| {}), None);
+    assert_eq!(observe(|r| r.per = Per::Run), Some("per"));
+    assert_eq!(observe(|r| r.revoke_leases = true), Some("revoke_leases"));
+    assert_eq!(observe(|r| (r.per, r.rollback) = (Per::Run, true)), Some("per"));
+    assert_eq!(observe(|r| r.rollback = true), Some("rollback"));
+    assert_eq!(observe(|r| r.auto_release_after = Some(Duration::from_secs(60))), Some("auto_release_after"));
 }
 
 #[test]

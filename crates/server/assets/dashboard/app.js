@@ -244,7 +244,7 @@ function render(d) {
     ? `${d.store.kind}: answered the last check at ${clock(d.store.checked_at)}.`
     : `${d.store.kind}: does not answer (${d.store.error || "not checked yet"}). Claims fail closed with 503.`) + clockText);
   setText("controls", d.controls.summary);
-  $("controls").classList.toggle("alert", d.controls.switches.length > 0);
+  $("controls").classList.toggle("alert", d.controls.switches.length > 0 || (d.controls.observing || []).length > 0);
   renderTripwires(d.controls.tripwires || []);
 
   const slotSeconds = d.series.slot_seconds;
@@ -590,7 +590,8 @@ function renderTripwires(rules) {
     cell(row, symptomText(r.symptom));
     cell(row, r.window);
     cell(row, r.min_calls, "num");
-    cell(row, r.per === "run" ? "the run" : (r.prefix || "the tenant"));
+    const scope = r.per === "run" ? "the run" : (r.prefix || "the tenant");
+    cell(row, r.action === "observe" ? `observe: ${scope}` : `switch: ${scope}`);
     const actions = document.createElement("td");
     const remove = document.createElement("button");
     remove.type = "button";
@@ -628,6 +629,7 @@ $("tripwire-form").addEventListener("submit", async (event) => {
     window: $("tw-window").value.trim(),
     min_calls: Number($("tw-min").value),
     per: $("tw-per-run").checked ? "run" : "namespace",
+    action: $("tw-observe").checked ? "observe" : "switch",
     why: "set from the dashboard",
     tenant: state.tenant,
   };

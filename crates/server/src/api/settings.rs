@@ -221,6 +221,19 @@ pub struct SettingsView {
     pub updated_by: String,
     /// When (RFC 3339).
     pub updated_at: String,
+    /// Set by a tripwire (`action: observe`): observe mode holds for every key under the
+    /// prefix, over more specific entries, until a person sets these settings again.
+    pub tripwire: Option<ObserveTripView>,
+}
+
+/// Why a tripwire turned a scope to observe mode.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ObserveTripView {
+    /// The rule, the figures and the window, in a sentence.
+    pub reason: String,
+    /// The figures.
+    #[serde(flatten)]
+    pub trip: super::switches::TripView,
 }
 
 /// A tenant's settings.
@@ -237,6 +250,10 @@ pub fn settings_view(e: &SettingsEntry) -> SettingsView {
         settings: SettingsBody::of(&e.settings),
         updated_by: e.updated_by.clone(),
         updated_at: e.updated_at.to_rfc3339(),
+        tripwire: e
+            .tripwire
+            .as_ref()
+            .map(|t| ObserveTripView { reason: t.reason.clone(), trip: super::switches::TripView::of(&t.trip) }),
     }
 }
 
@@ -257,6 +274,7 @@ pub async fn put_settings(
         settings: b.settings.parse()?,
         updated_by: caller.actor(),
         updated_at: Timestamp(0),
+        tripwire: None,
     };
     let stored = state.guard.put_settings(entry, b.why).await?;
     Ok(Json(settings_view(&stored)))

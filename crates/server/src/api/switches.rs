@@ -126,14 +126,21 @@ pub fn switch_view(s: &Switch) -> SwitchView {
         revoked: s.revoked,
         engaged_by: s.engaged_by.clone(),
         engaged_at: s.engaged_at.to_rfc3339(),
-        tripwire: s.tripwire.as_ref().map(|t| TripView {
+        tripwire: s.tripwire.as_ref().map(TripView::of),
+    }
+}
+
+impl TripView {
+    /// The API's view of a trip's figures.
+    pub fn of(t: &onceguard_core::control::Trip) -> Self {
+        Self {
             rule: t.rule.clone(),
             run: t.run.as_ref().map(ToString::to_string),
             calls: t.calls,
             bad: t.bad,
             window_secs: t.window_secs,
             release_at: t.release_at.map(|at| at.to_rfc3339()),
-        }),
+        }
     }
 }
 

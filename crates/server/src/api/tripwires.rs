@@ -4,7 +4,7 @@
 //! trip is audited as `tripwire.trip`.
 
 use onceguard_core::domain::parse_duration;
-use onceguard_core::tripwire::{Per, SpendUnit, Symptom, Tripwire};
+use onceguard_core::tripwire::{Per, SpendUnit, Symptom, TripAction, Tripwire};
 
 use super::*;
 
@@ -68,6 +68,34 @@ pub enum PerBody {
     Run,
 }
 
+/// What a rule does when it trips.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionBody {
+    /// Engage a kill switch (default): claims in its scope are refused.
+    #[default]
+    Switch,
+    /// Turn its scope (`per: namespace`) to observe mode, over any canary in it; a person sets
+    /// the scope's settings again to end it.
+    Observe,
+}
+
+impl ActionBody {
+    fn of(action: TripAction) -> Self {
+        match action {
+            TripAction::Switch => Self::Switch,
+            TripAction::Observe => Self::Observe,
+        }
+    }
+
+    fn parse(self) -> TripAction {
+        match self {
+            Self::Switch => TripAction::Switch,
+            Self::Observe => TripAction::Observe,
+        }
+    }
+}
+
 impl SymptomBody {
     fn parse(&self) -> Symptom {
         match *self {
@@ -118,6 +146,9 @@ pub struct PutTripwireBody {
     /// `namespace` (default) or `run`.
     #[serde(default)]
     pub per: PerBody,
+    /// `switch` (default) or `observe`.
+    #[serde(default)]
+    pub action: ActionBody,
     /// Also revoke the live leases the switch covers.
     #[serde(default)]
     pub revoke_leases: bool,
@@ -147,6 +178,8 @@ pub struct TripwireView {
     pub min_calls: u64,
     /// `namespace` or `run`.
     pub per: PerBody,
+    /// `switch` or `observe`.
+    pub action: ActionBody,
     /// Whether the switch revokes the live leases it covers.
     pub revoke_leases: bool,
     /// Whether a trip starts the offending run's rollback.
@@ -179,6 +212,7 @@ pub fn tripwire_view(r: &Tripwire) -> TripwireView {
             Per::Namespace => PerBody::Namespace,
             Per::Run => PerBody::Run,
         },
+        action: ActionBody::of(r.action),
         revoke_leases: r.revoke_leases,
         rollback: r.rollback,
         auto_release_after: r.auto_release_after.map(text),
@@ -188,8 +222,9 @@ pub fn tripwire_view(r: &Tripwire) -> TripwireView {
 }
 
 /// Set a tripwire rule (admin): from the next second, each instance adds what it sees to the
-/// store's counts, and the rule engages a kill switch when its symptom crosses the threshold
-/// over the window (on at least `min_calls` calls).
+/// store's counts, and the rule engages a kill switch (or, with `action: observe`, turns its scope
+/// to observe mode) when its symptom crosses the threshold over the window (on at least
+/// `min_calls` calls).
 #[utoipa::path(put, path = "/v1/tripwires", tag = "blast radius", request_body = PutTripwireBody,
     security(("bearer" = [])),
     responses((status = 200, description = "Set", body = TripwireView)))]
@@ -210,6 +245,7 @@ pub async fn put_tripwire(
             PerBody::Namespace => Per::Namespace,
             PerBody::Run => Per::Run,
         },
+        action: b.action.parse(),
         revoke_leases: b.revoke_leases,
         rollback: b.rollback,
         auto_release_after: parse_duration_field("auto_release_after", b.auto_release_after.as_deref())?,

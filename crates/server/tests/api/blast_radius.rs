@@ -423,3 +423,97 @@ async fn a_tripwire_switches_off_a_runaway_run_without_a_person() {
     assert_problem(gone, StatusCode::NOT_FOUND, "not-found").await;
     assert_eq!(claim_in(&app, &app.agent, "agents/pay", "after", Some("run-9")).await.0, StatusCode::LOCKED);
 }
+
+/// A tripwire whose action is `observe` turns a canary back to observe mode by itself: the
+/// server's background task trips it once; the prefix's settings say why; a duplicate that the
+/// canary replayed now proceeds; the dashboard, the audit log and the metric show it. A rule
+/// asking for what only a switch does is refused, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tripwire_turns_a_canary_back_to_observe_without_a_person() {
+    let app = spawn_app(Backing::Sqlite).await;
+    let canary = json!({"namespace_prefix": "agents", "settings": {"enforce_percent": 100, "default_retention": "2h"}});
+    ok_json(app.put(&app.admin, "/v1/settings", &canary).await, StatusCode::OK).await;
+    let rule = json!({
+        "name": "canary", "prefix": "agents", "symptom": {"kind": "failure_rate", "above": 0.5},
+        "window": "5m", "min_calls": 4, "action": "observe", "why": "observe again if enforcing breaks the agent",
+    });
+    for (field, value) in [("per", json!("run")), ("revoke_leases", json!(true)), ("auto_release_after", json!("5m"))] {
+        let mut bad = rule.clone();
+        bad[field] = value;
+        let body = assert_problem(
+            app.put(&app.admin, "/v1/tripwires", &bad).await,
+            StatusCode::BAD_REQUEST,
+            "invalid-request",
+        )
+        .await;
+        assert!(body["detail"].as_str().unwrap().contains(field), "{body}");
+    }
+    let set = ok_json(app.put(&app.admin, "/v1/tripwires", &rule).await, StatusCode::OK).await;
+    assert_eq!((&set["action"], &set["per"]), (&json!("observe"), &json!("namespace")));
+
+    let (status, done) = claim_in(&app, &app.agent, "agents/mail", "done", None).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(complete(&app, "agents/mail", "done", &done["fence"], 0).await, StatusCode::OK);
+    let (status, replay) = claim_in(&app, &app.agent, "agents/mail", "done", None).await;
+    assert_eq!((status, &replay["outcome"]), (StatusCode::OK, &json!("replay")), "enforced under the canary");
+
+    // The namespace's effects fail for good until the rule trips.
+    let mut ran = 0;
+    let mut entry = Value::Null;
+    for i in 0..40 {
+        let settings = ok_json(app.get(&app.admin, "/v1/settings").await, StatusCode::OK).await;
+        entry = settings["settings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["namespace_prefix"] == "agents")
+            .unwrap()
+            .clone();
+        if !entry["tripwire"].is_null() {
+            break;
+        }
+        let key = format!("send-{i}");
+        let (status, claim) = claim_in(&app, &app.agent, "agents/mail", &key, None).await;
+        assert_eq!(status, StatusCode::CREATED, "{claim}");
+        ran += 1;
+        let fail = json!({"namespace": "agents/mail", "key": key, "fence": claim["fence"], "retryable": false,
+                          "error": {"bounced": true}});
+        assert_eq!(app.fenced("fail", fail).await.0, StatusCode::OK);
+        if ran >= 4 {
+            tokio::time::sleep(Duration::from_millis(1_300)).await;
+        }
+    }
+    assert!(!entry["tripwire"].is_null(), "the canary was never turned back");
+    assert!((4..=6).contains(&ran), "{ran} effects ran; the rule trips on the 4th once counted");
+    let kept =
+        (&entry["settings"]["mode"], &entry["settings"]["enforce_percent"], &entry["settings"]["default_retention"]);
+    assert_eq!(kept, (&json!("observe"), &Value::Null, &json!("2h")), "{entry}");
+    assert_eq!((&entry["updated_by"], &entry["tripwire"]["rule"]), (&json!("tripwire:canary"), &json!("canary")));
+    assert!(entry["tripwire"]["reason"].as_str().unwrap().starts_with("tripwire canary: failure rate"), "{entry}");
+
+    // The duplicate the canary replayed now proceeds (reported as the replay it would have been).
+    let (status, proceed) = claim_in(&app, &app.agent, "agents/mail", "done", None).await;
+    assert_eq!(
+        (status, &proceed["outcome"], &proceed["would_have_been"]),
+        (StatusCode::OK, &json!("proceed"), &json!("replay"))
+    );
+    let trips = ok_json(app.get(&app.admin, "/v1/audit?action=tripwire.trip").await, StatusCode::OK).await;
+    assert_eq!(trips["entries"].as_array().map(Vec::len), Some(1), "{trips}");
+    assert_eq!(trips["entries"][0]["target"], "namespace:agents");
+    let metrics = app.client.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"onceguard_tripwires_tripped_total{tenant="acme"} 1"#), "{metrics}");
+    let dashboard = ok_json(app.get(&app.admin, "/v1/dashboard").await, StatusCode::OK).await;
+    let summary = dashboard["controls"]["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("Observe mode, set by a tripwire") && summary.contains("namespace:agents (tripwire canary"),
+        "{summary}"
+    );
+    assert_eq!(dashboard["controls"]["observing"][0]["namespace_prefix"], "agents");
+
+    // A person sets the canary again: enforced again, and the dashboard no longer says observe.
+    ok_json(app.put(&app.admin, "/v1/settings", &canary).await, StatusCode::OK).await;
+    let (status, replay) = claim_in(&app, &app.agent, "agents/mail", "done", None).await;
+    assert_eq!((status, &replay["outcome"]), (StatusCode::OK, &json!("replay")));
+    let dashboard = ok_json(app.get(&app.admin, "/v1/dashboard").await, StatusCode::OK).await;
+    assert_eq!(dashboard["controls"]["observing"], json!([]));
+}

@@ -20,6 +20,7 @@ async fn needing_approvals(c: &Case) {
         },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(entry, None).await.unwrap();
 }
@@ -473,6 +474,7 @@ pub async fn observe_mode_asks_no_approver(store: Subject) {
         },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(observe, None).await.unwrap();
     let s = scope("refund-observed");

@@ -16,6 +16,7 @@ pub async fn a_canary_enforces_its_share_of_keys(store: Subject) {
         settings: Settings { enforce_percent: Some(30), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(entry, None).await.unwrap();
     let mut enforced = 0;

@@ -21,6 +21,7 @@ async fn recovery_policy(c: &Case, policy: RecoveryPolicy) {
         settings: Settings { recovery: Some(policy), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(entry, None).await.unwrap();
 }
@@ -273,6 +274,7 @@ pub async fn ask_fails_or_reconciles_a_recovery_by_decision(store: Subject) {
         settings: Settings { approval_required: Some(true), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(entry, None).await.unwrap();
     let call = request(&scope_in("acme", "prod/approved", "k"), "refund");
@@ -339,6 +341,7 @@ async fn approved_recovery_of_an_approved_call(c: &Case, req: &ClaimRequest) -> 
         },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(entry, None).await.unwrap();
     let ClaimOutcome::PendingApproval(call) = c.claim(req).await else { panic!("the call was not asked") };

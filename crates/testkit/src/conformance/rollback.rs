@@ -230,6 +230,7 @@ pub async fn a_task_lives_as_long_as_its_effect(store: Subject) {
         },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(lowered, None).await.unwrap();
     let CompensationClaim::Acquired(held) = c.next_task().await else { panic!("no task") };
@@ -283,6 +284,7 @@ pub async fn compensations_ask_no_approver_and_a_refused_task_blocks_none(store:
         settings: Settings { approval_required: Some(true), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.effect("charge-a", undoable("{}", "refund", "{}")).await;
     let other = scope_in("acme", "prod/mail-agent", "mail-b");
@@ -412,6 +414,7 @@ fn mode_of(c: &Case, prefix: &str, mode: Mode) -> SettingsEntry {
         settings: Settings { mode: Some(mode), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     }
 }
 
@@ -553,6 +556,7 @@ pub async fn a_task_is_recovered_whatever_the_recovery_policy(store: Subject) {
         settings: Settings { recovery: Some(onceguard_core::control::RecoveryPolicy::Ask), ..Settings::default() },
         updated_by: "test".into(),
         updated_at: c.clock.now(),
+        tripwire: None,
     };
     c.guard.put_settings(entry, None).await.unwrap();
     c.effect("charge-1", undoable("{}", "refund", r#"{"charge":1}"#)).await;

@@ -1,7 +1,8 @@
 //! Conformance cases of the tripwires: the store's counts summed across instances, a rule
 //! tripping once whichever instances cross its threshold at once, and what a trip engages.
 
-use onceguard_core::tripwire::{Per, SpendUnit, Symptom, Tally, Tripwire};
+use onceguard_core::control::{Mode, Settings, SettingsEntry};
+use onceguard_core::tripwire::{Per, SpendUnit, Symptom, Tally, TripAction, Tripped, Tripwire};
 
 use super::*;
 
@@ -29,6 +30,7 @@ fn runaway_rule(symptom: Symptom, per: Per) -> Tripwire {
         window: Duration::from_secs(120),
         min_calls: 10,
         per,
+        action: TripAction::Switch,
         revoke_leases: false,
         rollback: false,
         auto_release_after: None,
@@ -63,9 +65,18 @@ async fn effect(guard: &Guard, key: &str, run: &str, ok: bool) -> Option<String>
     }
 }
 
-/// Both instances add their counts at once, then read the switches (every instance sees a
-/// switch within a second; here at once). Answers the switches they engaged.
-async fn flush_both(a: &Guard, b: &Guard) -> Vec<Switch> {
+/// The switches of trips.
+fn engaged(tripped: &[Tripped]) -> Vec<Switch> {
+    let switch = |t: &Tripped| match t {
+        Tripped::Switch(s) => s.clone(),
+        other => panic!("not a switch: {other:?}"),
+    };
+    tripped.iter().map(switch).collect()
+}
+
+/// Both instances add their counts at once, then read the controls (every instance sees a
+/// switch or a setting within a second; here at once). Answers what their trips did.
+async fn flush_both(a: &Guard, b: &Guard) -> Vec<Tripped> {
     let (x, y) = tokio::join!(a.flush_tripwires(), b.flush_tripwires());
     a.refresh_controls().await.unwrap();
     b.refresh_controls().await.unwrap();
@@ -117,7 +128,7 @@ pub async fn a_runaway_run_trips_its_rule_once_across_two_instances(store: Subje
     // 12 of 22: either may have engaged the switch, never both.
     assert_eq!(ran, 22, "effects run before the switch refused the run");
     assert_eq!(tripped.len(), 1, "one instance engaged the switch: {tripped:?}");
-    let trip = tripped[0].tripwire.clone().expect("the switch says which rule");
+    let trip = engaged(&tripped)[0].tripwire.clone().expect("the switch says which rule");
     assert!([(21, 11), (22, 12)].contains(&(trip.calls, trip.bad)), "{trip:?}");
     assert_eq!(trip.run.as_ref().map(|r| r.as_str()), Some("runaway"));
     assert_eq!(trips_of(&store.store).await.len(), 1, "audited once");
@@ -281,7 +292,7 @@ pub async fn a_spend_rule_trips_and_releases_itself(store: Subject) {
         tripped.extend(c.guard.flush_tripwires().await.unwrap());
     }
     assert_eq!(tripped.len(), 1);
-    assert!(tripped[0].reason.contains("spend 105.0 cost/min"), "{}", tripped[0].reason);
+    assert!(tripped[0].reason().contains("spend 105.0 cost/min"), "{}", tripped[0].reason());
     // Not due yet; then due: one instance releases it.
     c.clock.advance(Duration::from_secs(29));
     assert_eq!(c.guard.release_due_tripwires().await.unwrap() + other.release_due_tripwires().await.unwrap(), 0);
@@ -299,11 +310,136 @@ pub async fn a_spend_rule_trips_and_releases_itself(store: Subject) {
     // engaged on the target since.
     let acme = TenantId::parse("acme").unwrap();
     let prod = SwitchTarget::Namespace { prefix: Namespace::parse("prod").unwrap() };
-    let due = tripped[0].clone();
+    let due = engaged(&tripped)[0].clone();
     c.guard.engage_switch("ops", &acme, prod.clone(), "by hand".into(), false).await.unwrap();
     let stale_view = ControlDoc::of_switch(&due);
     let entry = AuditEntry::new(acme.clone(), c.clock.now(), "tripwire:runaway", "switch.release", prod.id());
     assert!(!store.delete_control_if(&stale_view, &entry).await.unwrap());
     assert_eq!(c.guard.switches(&acme).await.unwrap()[0].reason, "by hand");
     c.guard.release_switch("ops", &acme, &prod, None).await.unwrap();
+}
+
+/// A rule whose action is `observe` turns a canary back to observe mode when the namespace's
+/// effects start failing: of two instances crossing the threshold at once, one writes the
+/// prefix's settings (audited once, told once), keeping its other settings; from then every key
+/// of the prefix is observed, a more specific canary below it too, on both instances. The rule
+/// trips no more while its settings stand; a person setting them again ends it.
+pub async fn a_tripwire_turns_a_canary_back_to_observe_once(store: Subject) {
+    let c = case(store.clone()).await;
+    let other = second_instance(&c, &store).await;
+    let acme = TenantId::parse("acme").unwrap();
+    let canary = |prefix: &str, percent: u8| SettingsEntry {
+        tenant: acme.clone(),
+        namespace_prefix: Some(Namespace::parse(prefix).unwrap()),
+        settings: Settings {
+            enforce_percent: Some(percent),
+            default_retention: Some(Duration::from_secs(7200)),
+            ..Settings::default()
+        },
+        updated_by: "ops".into(),
+        updated_at: Timestamp(0),
+        tripwire: None,
+    };
+    c.guard.put_settings(canary("prod", 10), None).await.unwrap();
+    // Every key of the effects' namespace is on the enforced side.
+    c.guard.put_settings(canary("prod/payments-agent", 100), None).await.unwrap();
+    let mut rule = runaway_rule(Symptom::FailureRate { above: 0.5 }, Per::Namespace);
+    rule.action = TripAction::Observe;
+    c.guard.set_tripwire(rule, None).await.unwrap();
+    other.refresh_controls().await.unwrap();
+    let duplicate = request(&scope("duplicate"), "send");
+    let fence = c.acquire(&duplicate).await;
+    c.applied(&duplicate.scope, fence, Mutation::Complete(success("sent"))).await;
+    let answer = |guard: &Guard| {
+        let claim = crate::through_the_door(&duplicate, Duration::ZERO);
+        let guard = guard.clone();
+        async move { guard.claim(claim).await.unwrap() }
+    };
+    for guard in [&c.guard, &other] {
+        assert!(matches!(answer(guard).await, ClaimOutcome::Replay(_)), "enforced before the trip");
+    }
+
+    // The namespace's effects fail from now on: each round, each instance runs one.
+    let mut tripped = Vec::new();
+    let mut ran = 0;
+    while tripped.is_empty() && ran < 40 {
+        for guard in [&c.guard, &other] {
+            assert_eq!(effect(guard, &format!("failing-{ran}"), "any", false).await, None, "never refused");
+            ran += 1;
+        }
+        tripped = flush_both(&c.guard, &other).await;
+    }
+    // The completed duplicate and 9 or 10 failures: at least min_calls (10), most of them bad.
+    assert_eq!(ran, 10, "effects run before the trip");
+    assert_eq!(tripped.len(), 1, "one instance wrote the settings: {tripped:?}");
+    let Tripped::Observe(entry) = &tripped[0] else { panic!("not observe mode: {tripped:?}") };
+    assert_eq!((entry.settings.mode, entry.settings.enforce_percent), (Some(Mode::Observe), None));
+    assert_eq!(entry.settings.default_retention, Some(Duration::from_secs(7200)), "other settings kept");
+    assert_eq!(entry.updated_by, "tripwire:runaway");
+    assert!(tripped[0].reason().starts_with("tripwire runaway: failure rate"), "{}", tripped[0].reason());
+    assert_eq!(tripped[0].target_id(), "namespace:prod");
+    let trips = trips_of(&store.store).await;
+    assert_eq!(trips.len(), 1, "audited once");
+    assert_eq!(trips[0].target, "namespace:prod");
+    let stored = c.guard.settings(&acme).await.unwrap();
+    let prod = stored.iter().find(|e| e.namespace_prefix.as_ref().is_some_and(|p| p.as_str() == "prod")).unwrap();
+    assert_eq!(prod, entry, "the entry as written is the one stored");
+
+    // Both instances observe every key of the prefix, under the more specific canary too.
+    for guard in [&c.guard, &other] {
+        match answer(guard).await {
+            ClaimOutcome::Proceed(would) => assert!(matches!(*would, ClaimOutcome::Replay(_)), "{would:?}"),
+            answered => panic!("still enforced after the trip: {answered:?}"),
+        }
+    }
+    // More failures trip nothing more.
+    for i in 0..12 {
+        assert_eq!(effect(&c.guard, &format!("after-{i}"), "any", false).await, None);
+    }
+    assert!(flush_both(&c.guard, &other).await.is_empty(), "tripped again");
+    assert_eq!(trips_of(&store.store).await.len(), 1);
+
+    // A person sets the canary again: enforced again.
+    c.guard.put_settings(canary("prod", 10), None).await.unwrap();
+    other.refresh_controls().await.unwrap();
+    for guard in [&c.guard, &other] {
+        assert!(matches!(answer(guard).await, ClaimOutcome::Replay(_)), "enforced once a person set the canary");
+    }
+}
+
+/// Of 8 instances whose adds cross an observe rule's threshold at once, one writes the
+/// settings and the audit entry, round after round (each round a person sets the canary again).
+pub async fn eight_instances_turn_a_canary_to_observe_once_a_round(store: Subject) {
+    let c = case(store.clone()).await;
+    let mut guards = vec![c.guard.clone()];
+    for _ in 1..8 {
+        guards.push(second_instance(&c, &store).await);
+    }
+    let acme = TenantId::parse("acme").unwrap();
+    let canary = SettingsEntry {
+        tenant: acme.clone(),
+        namespace_prefix: Some(Namespace::parse("prod").unwrap()),
+        settings: Settings { enforce_percent: Some(10), ..Settings::default() },
+        updated_by: "ops".into(),
+        updated_at: Timestamp(0),
+        tripwire: None,
+    };
+    let mut rule = runaway_rule(Symptom::FailureRate { above: 0.5 }, Per::Namespace);
+    rule.action = TripAction::Observe;
+    c.guard.set_tripwire(rule, None).await.unwrap();
+    for round in 0..6 {
+        c.guard.put_settings(canary.clone(), None).await.unwrap();
+        for (n, guard) in guards.iter().enumerate() {
+            guard.refresh_controls().await.unwrap();
+            for i in 0..2 {
+                assert_eq!(effect(guard, &format!("r{round}-{n}-{i}"), "any", false).await, None);
+            }
+        }
+        let flushes = guards.iter().map(|g| g.flush_tripwires());
+        let tripped: Vec<Tripped> =
+            futures::future::join_all(flushes).await.into_iter().flat_map(|t| t.unwrap()).collect();
+        assert_eq!(tripped.len(), 1, "round {round}: {tripped:?}");
+        assert!(matches!(&tripped[0], Tripped::Observe(e) if e.settings.mode == Some(Mode::Observe)));
+        assert_eq!(trips_of(&store.store).await.len(), round + 1, "round {round}: audited once");
+    }
 }

@@ -403,6 +403,7 @@ class Client(ClientBase):
         min_calls: int,
         prefix: str | None = None,
         per: str = "namespace",
+        action: str = "switch",
         revoke_leases: bool = False,
         rollback: bool = False,
         auto_release_after: Duration | None = None,
@@ -414,7 +415,9 @@ class Client(ClientBase):
         ``put_tripwire("runaway", {"kind": "failure_rate", "above": 0.2}, window="5m",
         min_calls=20, prefix="agents", per="run")``. Symptoms: ``failure_rate`` (``above``),
         ``latency`` (``quantile``, ``above_ms``), ``spend`` (``unit`` cost or tokens,
-        ``per_minute``), ``mismatches`` (``per_minute``)."""
+        ``per_minute``), ``mismatches`` (``per_minute``). With ``action="observe"`` (and
+        ``per="namespace"``) it turns its prefix to observe mode instead, over any canary in it,
+        until a person sets the prefix's settings again."""
         call = _calls.put_tripwire(
             name,
             symptom,
@@ -422,6 +425,7 @@ class Client(ClientBase):
             min_calls=min_calls,
             prefix=prefix,
             per=per,
+            action=action,
             revoke_leases=revoke_leases,
             rollback=rollback,
             auto_release_after=auto_release_after,
