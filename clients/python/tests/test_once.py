@@ -226,6 +226,25 @@ def test_in_flight_after_the_bounded_wait(client: onceguard.Client, ns: str) -> 
     assert 0 < e.value.retry_after <= 5 and e.value.attempt == 1
 
 
+def test_a_wait_longer_than_the_servers_outlasts_a_crashed_holders_lease(client: onceguard.Client, ns: str) -> None:
+    # The holder claims with a 31 s lease and crashes: it never completes. One claim waits at
+    # most 30 s on the server, so the call claims again, and recovers the key once its lease passed.
+    holder = client.claim(ns, "outlast", request={}, lease=31)
+    assert isinstance(holder, Acquired)
+    runs = Counter()
+
+    @once(client, ns, key="outlast", wait="45s")
+    def effect() -> str | None:
+        runs.add()
+        recovery = current().recovery
+        return None if recovery is None else recovery.reason
+
+    started = time.monotonic()
+    assert effect() == "lease_expired"
+    assert runs.n == 1
+    assert time.monotonic() - started >= 30
+
+
 def test_guarded_block_runs_once(client: onceguard.Client, ns: str) -> None:
     effects = Counter()
     for _ in range(3):

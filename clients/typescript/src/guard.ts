@@ -67,6 +67,7 @@ import {
 } from "./errors.js";
 import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
 import { applied, type Acquired, type Checkpoint, type ClaimAnswer, type Compensation, type Proceed, type Recovery } from "./models.js";
+import { sleep } from "./retry.js";
 import { registerUndo, type Undo } from "./undo.js";
 import { RawJson, dumps, durationSeconds, type Duration } from "./wire.js";
 
@@ -137,8 +138,10 @@ export interface GuardOptions<R = unknown> {
   /** How long the outcome replays once stored (default: the server's, 24h). */
   readonly retention?: Duration;
   /**
-   * How long a call waits on the server for another caller holding the key (default 10s, at
-   * most 30s); `null` not to wait.
+   * How long a call waits for another caller holding the key (default 10s; `null` not to wait).
+   * The server waits up to 30s on one claim; a longer wait claims again until it has passed, so
+   * that a wait longer than the lease outlasts a holder that crashed (its lease passes, and the
+   * call recovers the key).
    */
   readonly wait?: Duration | null;
   /** Cost units declared to the run's budget with the claim, once per key. */
@@ -186,7 +189,8 @@ export interface Policy {
   readonly namespace: string;
   readonly lease: number;
   readonly retention: Duration | undefined;
-  readonly wait: Duration | undefined;
+  /** Seconds a call waits in all for a key in flight, if it does. */
+  readonly wait: number | undefined;
   readonly cost: number | undefined;
   readonly permanent: ErrorMatcher;
   readonly unknown: ErrorMatcher;
@@ -206,7 +210,7 @@ export function policyOf<R>(namespace: string, options: GuardOptions<R> = {}): P
     namespace,
     lease: durationSeconds(options.lease ?? 30),
     retention: options.retention,
-    wait: options.wait === null ? undefined : (options.wait ?? 10),
+    wait: options.wait === null ? undefined : durationSeconds(options.wait ?? 10),
     cost: options.cost,
     permanent: options.permanent ?? [],
     unknown: options.unknown ?? [],
@@ -643,12 +647,14 @@ export interface ClaimOf {
 }
 
 /**
- * The claim's answer; with `waitForApproval`, a pending approval is claimed again (each claim
- * waiting up to 30s on the server) until it is decided or that time has passed.
+ * The claim's answer. A key in flight is waited for up to `wait` in all, and with
+ * `waitForApproval` a pending approval until it is decided or that time has passed: the server
+ * waits at most 30s on one claim, so a longer wait claims again (each claim waiting the rest, up
+ * to 30s), which outlasts a crashed holder's lease.
  */
 async function claimKey(client: Client, policy: Policy, key: string, claim: ClaimOf): Promise<ClaimAnswer> {
   const started = Date.now();
-  const ask = (wait: Duration | undefined): Promise<ClaimAnswer> =>
+  const ask = (wait: number | undefined): Promise<ClaimAnswer> =>
     client.claim(policy.namespace, key, {
       fingerprint: claim.fingerprint,
       request: claim.fingerprint !== undefined ? undefined : (claim.request ?? null),
@@ -661,15 +667,22 @@ async function claimKey(client: Client, policy: Policy, key: string, claim: Clai
       verifyHook: typeof policy.verify === "function",
       signal: claim.signal,
     });
-  let answer = await ask(policy.wait);
-  if (policy.waitForApproval === undefined) return answer;
-  const deadline = started + policy.waitForApproval * 1000;
-  while (answer.outcome === "pending_approval") {
+  const until = (seconds: number | undefined): number => started + (seconds ?? 0) * 1000;
+  let answer = await ask(policy.wait === undefined ? undefined : Math.min(MAX_CLAIM_WAIT, policy.wait));
+  for (;;) {
+    const deadline =
+      answer.outcome === "in_flight" ? until(policy.wait) : answer.outcome === "pending_approval" ? until(policy.waitForApproval) : started;
     const left = (deadline - Date.now()) / 1000;
-    if (left <= 0) break;
+    if (left <= 0) return answer;
+    const asked = Date.now();
     answer = await ask(Math.min(MAX_CLAIM_WAIT, left));
+    // A server that answered before the wait it was given (one of an earlier version, a
+    // shorter limit) is not asked again at once.
+    const spent = (Date.now() - asked) / 1000;
+    if (answer.outcome === "in_flight" && spent < Math.min(MAX_CLAIM_WAIT, left) / 2) {
+      await sleep(Math.min(1, Math.max(0, (deadline - Date.now()) / 1000)), claim.signal);
+    }
   }
-  return answer;
 }
 
 /** What `verify` said of a recovery: `happened(…)`, or `undefined` (run the function). */

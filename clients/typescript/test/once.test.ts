@@ -268,6 +268,24 @@ describe("heartbeat", () => {
 });
 
 describe("guarded", () => {
+  it("a wait longer than the server's 30s outlasts a crashed holder's lease, and recovers the key once", async () => {
+    const namespace = ns("outlast");
+    // The holder claims with a 31s lease and crashes: it never completes.
+    const held = await fx.client.claim(namespace, "k", { request: 1, lease: 31 });
+    assert.equal(held.outcome, "acquired");
+    let runs = 0;
+    const started = Date.now();
+    const value = await guarded(fx.client, namespace, "k", { request: 1, wait: "45s" }, (attempt) => {
+      runs += 1;
+      return { recovered: attempt.recovery?.reason ?? null };
+    });
+    const waited = (Date.now() - started) / 1000;
+    assert.deepEqual(value, { recovered: "lease_expired" });
+    assert.equal(runs, 1);
+    // One claim waits at most 30s on the server, and the lease ran 31s: the call claimed again.
+    assert.ok(waited >= 30, `waited ${waited}s: longer than one claim's 30s`);
+  });
+
   it("runs the function once per key, passes the attempt, and replays", async () => {
     const namespace = ns("guarded");
     let runs = 0;

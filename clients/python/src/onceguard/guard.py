@@ -250,9 +250,10 @@ def once(
       keys across a rename.
     - ``run``: the run the key is charged to (a string, or a function of the arguments).
     - ``lease`` (default 30s, extended by the heartbeat while the function runs), ``retention``
-      (default: the server's, 24h), ``wait`` (how long a call waits on the server for another
-      caller holding the key, default 10s, at most 30s), ``cost`` (cost units declared to the
-      run's budget).
+      (default: the server's, 24h), ``wait`` (how long a call waits for another caller holding
+      the key, default 10s; the server waits at most 30s on one claim, so a longer wait claims
+      again until it has passed, and outlasts a crashed holder's lease), ``cost`` (cost units
+      declared to the run's budget).
     - ``permanent`` / ``unknown``: exception classes stored as a failure / reported unknown;
       other exceptions release the key.
     - ``ignore``: parameter names left out of the key and the request (e.g. a connection).

@@ -113,8 +113,8 @@ def guard_tool(
       not run and raises :class:`ToolAwaitingApproval`, which the tool's ``handle_tool_error``
       turns into a message telling the model the call awaits a person's approval (its id),
       that nothing was done, and to call again later with the same arguments.
-    - A call already running (another caller holds its key, still after ``wait``; give a
-      ``wait`` up to 30 s to wait out most holders) raises :class:`ToolInFlight`, which the
+    - A call already running (another caller holds its key, still after ``wait``; a ``wait``
+      longer than the lease, e.g. ``"45s"``, outlasts a holder that crashed) raises :class:`ToolInFlight`, which the
       tool's ``handle_tool_error`` turns into one sentence for the model: the call is already
       running, and when to call again.
     """

@@ -27,7 +27,7 @@ from .._attempts import (
     running,
     still_waiting,
 )
-from .._wire import Duration, RawJson
+from .._wire import Duration, RawJson, duration_seconds
 from ..errors import OnceguardError, PermanentFailure, StaleFence
 from ..keys import check_key, jsonable
 from ..models import Acquired, ClaimAnswer, InFlight, PendingApproval, Proceed
@@ -137,13 +137,24 @@ class Guarded:
     def _answer(self) -> ClaimAnswer:
         """The claim's answer. The first claim does not wait: where the namespace requires
         approval, the server would spend that wait on a person's decision, which only
-        ``wait_for_approval`` asks for. A key in flight is claimed again with ``wait``; a call
-        pending approval, with ``wait_for_approval``, claimed again (each claim waiting on the
-        server) until it is decided or the time is up."""
+        ``wait_for_approval`` asks for. A key in flight is claimed again until ``wait`` has
+        passed (the server waits at most 30 s on one claim: a longer ``wait`` outlasts a crashed
+        holder's lease, and the call then recovers the key); a call pending approval, with
+        ``wait_for_approval``, claimed again (each claim waiting on the server) until it is
+        decided or the time is up."""
         p = self._policy
         answer = self._claim(None)
         if isinstance(answer, InFlight) and p.wait:
-            answer = self._claim(p.wait)
+            deadline = time.monotonic() + duration_seconds(p.wait)
+            while isinstance(answer, InFlight):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                asked = time.monotonic()
+                answer = self._claim(min(left, MAX_CLAIM_WAIT))
+                # A server that answered before the wait it was given is not asked again at once.
+                if isinstance(answer, InFlight) and time.monotonic() - asked < min(left, MAX_CLAIM_WAIT) / 2:
+                    _backend.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
         if isinstance(answer, PendingApproval) and p.wait_for_approval:
             deadline = time.monotonic() + p.wait_for_approval
             while still_waiting(answer):
