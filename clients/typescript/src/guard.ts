@@ -65,7 +65,7 @@ import {
   ResultNotKeptError,
   StaleFence,
 } from "./errors.js";
-import { checkKey, checkLabel, deriveKey, toJsonValue } from "./keys.js";
+import { checkKey, checkLabel, deriveKey, toJsonValue, type JsonOf } from "./keys.js";
 import { applied, type Acquired, type Checkpoint, type ClaimAnswer, type Compensation, type Proceed, type Recovery } from "./models.js";
 import { sleep } from "./retry.js";
 import { registerUndo, type Undo } from "./undo.js";
@@ -779,6 +779,15 @@ export async function runAttempt<T>(
 export interface GuardedOptions<T = unknown> extends GuardOptions<Awaited<T>>, ClaimOf {}
 
 /**
+ * What `decode` makes of the stored JSON: the type `once` and `guarded` then answer (without
+ * it, {@link JsonOf} the function's value).
+ */
+export interface Decoded<D> {
+  /** The value every caller gets, from the stored JSON: e.g. a schema's `parse`. */
+  readonly decode?: (value: unknown) => D;
+}
+
+/**
  * Run `fn` once per `key`: the first call claims the key, runs `fn(attempt)` and stores its
  * value; every later call (another task, process or machine) gets the stored value without
  * running `fn`.
@@ -794,21 +803,21 @@ export interface GuardedOptions<T = unknown> extends GuardOptions<Awaited<T>>, C
  * (a stored failure), {@link ResultNotKeptError} (it ran once, in a namespace that keeps only
  * a digest), or {@link StaleFence} if the lease was taken over before the value was stored.
  */
-export function guarded<T>(client: Client, namespace: string, key: string, fn: (attempt: Attempt) => T | Promise<T>): Promise<Awaited<T>>;
-export function guarded<T>(
+export function guarded<T>(client: Client, namespace: string, key: string, fn: (attempt: Attempt) => T | Promise<T>): Promise<JsonOf<Awaited<T>>>;
+export function guarded<T, D = JsonOf<Awaited<T>>>(
   client: Client,
   namespace: string,
   key: string,
-  options: GuardedOptions<T>,
+  options: GuardedOptions<T> & Decoded<D>,
   fn: (attempt: Attempt) => T | Promise<T>,
-): Promise<Awaited<T>>;
+): Promise<D>;
 export function guarded<T>(
   client: Client,
   namespace: string,
   key: string,
   optionsOrFn: GuardedOptions<T> | ((attempt: Attempt) => T | Promise<T>),
   maybeFn?: (attempt: Attempt) => T | Promise<T>,
-): Promise<Awaited<T>> {
+): Promise<unknown> {
   const [options, fn] = typeof optionsOrFn === "function" ? [{}, optionsOrFn] : [optionsOrFn, maybeFn];
   if (fn === undefined) throw new TypeError("guarded() needs the function to run");
   return runGuarded(client, policyOf(namespace, options), key, fn, options);
@@ -881,16 +890,16 @@ export function argumentsOf(args: readonly unknown[], params?: readonly string[]
  * fixed or computed key reused with other arguments throws {@link KeyConflict}. In the
  * function, the {@link Attempt} is `this` (for a `function`) and {@link current}().
  */
-export function once<A extends unknown[], R>(
+export function once<A extends unknown[], R, D = JsonOf<Awaited<R>>>(
   fn: (this: Attempt, ...args: A) => R | Promise<R>,
-  options: OnceOptions<A, R>,
-): (...args: A) => Promise<Awaited<R>> {
+  options: OnceOptions<A, R> & Decoded<D>,
+): (...args: A) => Promise<D> {
   const policy = policyOf(options.namespace, options);
   const version = checkLabel("version", options.version ?? "v1", 32);
   const name = options.name === undefined ? undefined : checkLabel("name", options.name, 128);
   if (name === undefined && options.key === undefined) throw new TypeError("once() needs a name (or a key)");
   if (typeof options.key === "string") checkKey(options.key);
-  const guardedFn = async (signal: AbortSignal | undefined, args: A): Promise<Awaited<R>> => {
+  const guardedFn = async (signal: AbortSignal | undefined, args: A): Promise<D> => {
     const request = argumentsOf(args, options.params, options.ignore);
     let key: string;
     if (options.key === undefined) key = await deriveKey(name as string, version, request);
@@ -898,14 +907,16 @@ export function once<A extends unknown[], R>(
     else key = checkKey(await options.key(...args));
     const run = typeof options.run === "function" ? options.run(...args) : options.run;
     const summary = typeof options.summary === "function" ? options.summary(...args) : options.summary;
-    return runGuarded(options.client, policy, key, (attempt) => fn.apply(attempt, args), {
+    const value = await runGuarded(options.client, policy, key, (attempt) => fn.apply(attempt, args), {
       request,
       run,
       summary,
       signal,
     });
+    // The value decoded from the stored JSON (`decode`, or the JSON itself).
+    return value as unknown as D;
   };
-  const wrapper = (...args: A): Promise<Awaited<R>> => guardedFn(options.signal, args);
+  const wrapper = (...args: A): Promise<D> => guardedFn(options.signal, args);
   SIGNALLED.set(wrapper, guardedFn as (signal: AbortSignal | undefined, args: unknown[]) => Promise<unknown>);
   return wrapper;
 }

@@ -22,6 +22,53 @@ export const MAX_KEY_BYTES = 255;
 /** A JSON value as the canonical form knows it. */
 export type JsonValue = null | boolean | number | string | JsonValue[] | { [member: string]: JsonValue };
 
+/**
+ * The type of a `T` once stored and decoded: what {@link toJsonValue} makes of it, and so what
+ * `once` and `guarded` answer every caller, the first included (a `Date` is its ISO string, a
+ * `Map` an object, a `Set` an array, bytes their base64, a `bigint` a number; a member whose
+ * value may be `undefined` may be missing; a function or a symbol cannot be stored). Give
+ * `decode` to get another type back (e.g. a schema's `parse`).
+ */
+export type JsonOf<T> =
+  // `any` stays `any`, `unknown` stays `unknown`: nothing is known of them.
+  0 extends 1 & T
+    ? any
+    : unknown extends T
+      ? unknown
+      : T extends { toJSON(...args: never[]): infer J }
+        ? JsonOf<J>
+        : T extends string | number | boolean | null
+          ? T
+          : T extends bigint
+            ? number
+            : T extends undefined | void
+              ? null
+              : T extends ArrayBuffer | ArrayBufferView
+                ? string
+                : T extends ReadonlyMap<string | number, infer V>
+                  ? { [member: string]: JsonOf<Exclude<V, undefined>> }
+                  : T extends ReadonlySet<infer V>
+                    ? JsonOf<V>[]
+                    : T extends readonly unknown[]
+                      ? { -readonly [I in keyof T]: JsonOf<T[I]> }
+                      : T extends ((...args: never[]) => unknown) | symbol
+                        ? never
+                        : T extends object
+                          ? JsonObject<T>
+                          : never;
+
+/** The members of `T` a stored value keeps: not functions or symbols, nor symbol-named ones. */
+type StoredKeys<T> = { [K in keyof T]-?: K extends symbol ? never : T[K] extends ((...args: never[]) => unknown) | symbol ? never : K }[keyof T];
+/** The members of `T` whose value may be `undefined`: missing once stored. */
+type MaybeMissing<T> = { [K in keyof T]-?: undefined extends T[K] ? K : never }[keyof T];
+type JsonObject<T> = {
+  -readonly [K in Exclude<StoredKeys<T>, MaybeMissing<T>>]: JsonOf<T[K]>;
+} & {
+  -readonly [K in Extract<StoredKeys<T>, MaybeMissing<T>>]?: JsonOf<Exclude<T[K], undefined>>;
+} extends infer O
+  ? { [K in keyof O]: O[K] }
+  : never;
+
 function isPlainObject(value: object): boolean {
   const proto = Object.getPrototypeOf(value) as unknown;
   return proto === Object.prototype || proto === null;

@@ -267,6 +267,37 @@ describe("heartbeat", () => {
   });
 });
 
+describe("typed results", () => {
+  it("answer the stored JSON's type (a Date as its ISO string), or decode's", async () => {
+    const namespace = ns("typed");
+    const at = new Date("2026-01-02T03:04:05Z");
+    const stamp = once(async (n: number) => ({ n, at, tags: new Set(["b", "a"]), note: undefined as string | undefined }), {
+      client: fx.client,
+      namespace,
+      name: "stamp",
+    });
+    for (const _ of [1, 2]) {
+      const value = await stamp(1);
+      // Checked when compiled: the declared types are the JSON's.
+      const iso: string = value.at;
+      const tags: string[] = value.tags;
+      const note: string | undefined = value.note;
+      // @ts-expect-error a Date comes back as its ISO string
+      const wrong: Date = value.at;
+      assert.deepEqual([value.n, iso, tags, note, typeof wrong], [1, "2026-01-02T03:04:05.000Z", ["a", "b"], undefined, "string"]);
+    }
+    const revived = once(async () => at, { client: fx.client, namespace, name: "revived", decode: (v) => new Date(v as string) });
+    for (const _ of [1, 2]) {
+      const date: Date = await revived();
+      assert.ok(date instanceof Date && date.getTime() === at.getTime());
+    }
+    const big = await guarded(fx.client, namespace, "big", () => ({ n: 5n, bytes: new Uint8Array([1, 2]) }));
+    const n: number = big.n;
+    const bytes: string = big.bytes;
+    assert.deepEqual([n, bytes], [5, "AQI="]);
+  });
+});
+
 describe("guarded", () => {
   it("a wait longer than the server's 30s outlasts a crashed holder's lease, and recovers the key once", async () => {
     const namespace = ns("outlast");
