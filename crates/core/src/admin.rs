@@ -232,7 +232,7 @@ impl Guard {
         entry.updated_at = self.clock().now();
         // A person's setting ends a tripwire's observe mode.
         entry.tripwire = None;
-        let target = entry.namespace_prefix.as_ref().map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
+        let target = SwitchTarget::of_prefix(entry.namespace_prefix.as_ref()).id();
         let details = serde_json::to_value(&entry.settings).unwrap_or_default();
         let audit = AuditEntry::new(entry.tenant.clone(), entry.updated_at, &entry.updated_by, "settings.set", target)
             .why(why)
@@ -253,7 +253,7 @@ impl Guard {
     ) -> Result<Option<SettingsEntry>, GuardError> {
         check_why(why.as_deref())?;
         let id = prefix.map(|p| p.as_str().to_owned()).unwrap_or_default();
-        let target = prefix.map_or_else(|| "tenant".to_owned(), |p| format!("namespace:{p}"));
+        let target = SwitchTarget::of_prefix(prefix).id();
         let audit = AuditEntry::new(tenant.clone(), self.clock().now(), actor, "settings.delete", target).why(why);
         let Some(doc) = self.store().delete_control(ControlKind::Settings, tenant, &id, &audit).await? else {
             return Ok(None);

@@ -474,9 +474,8 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
     let observing = tripped
         .iter()
         .filter_map(|e| {
-            let scope =
-                e.namespace_prefix.as_ref().map_or_else(|| "the tenant".to_owned(), |p| format!("namespace:{p}"));
-            e.tripwire.as_ref().map(|t| format!("{scope} ({})", t.reason))
+            let scope = onceguard_core::control::SwitchTarget::of_prefix(e.namespace_prefix.as_ref());
+            e.tripwire.as_ref().map(|t| format!("{} ({})", scope.id(), t.reason))
         })
         .collect::<Vec<_>>();
     let observing_line = if observing.is_empty() {

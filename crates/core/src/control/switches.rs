@@ -39,6 +39,15 @@ impl SwitchTarget {
         self.covers(&record.scope.namespace, record.run.as_ref())
     }
 
+    /// The target of a namespace prefix, or of the tenant when there is none (as settings and
+    /// observe trips name what they cover).
+    pub fn of_prefix(prefix: Option<&Namespace>) -> Self {
+        match prefix {
+            Some(prefix) => Self::Namespace { prefix: prefix.clone() },
+            None => Self::Tenant,
+        }
+    }
+
     /// A stable id, unique within the tenant: `tenant`, `namespace:<prefix>`, `run:<run>`.
     pub fn id(&self) -> String {
         match self {

@@ -270,10 +270,7 @@ impl Guard {
                 release_at: None,
             },
         };
-        let target = match &rule.prefix {
-            Some(prefix) => SwitchTarget::Namespace { prefix: prefix.clone() }.id(),
-            None => SwitchTarget::Tenant.id(),
-        };
+        let target = SwitchTarget::of_prefix(rule.prefix.as_ref()).id();
         let mut written = None;
         for _ in 0..3 {
             let controls = self.refresh_controls().await?;

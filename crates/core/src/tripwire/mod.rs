@@ -124,10 +124,7 @@ impl Tripped {
     pub fn target_id(&self) -> String {
         match self {
             Self::Switch(s) => s.target.id(),
-            Self::Observe(e) => match &e.namespace_prefix {
-                Some(prefix) => crate::control::SwitchTarget::Namespace { prefix: prefix.clone() }.id(),
-                None => crate::control::SwitchTarget::Tenant.id(),
-            },
+            Self::Observe(e) => crate::control::SwitchTarget::of_prefix(e.namespace_prefix.as_ref()).id(),
         }
     }
 
