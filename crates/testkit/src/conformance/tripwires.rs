@@ -127,6 +127,11 @@ pub async fn a_runaway_run_trips_its_rule_once_across_two_instances(store: Subje
     // the 11th round (22 effects). The instance whose add came first saw 11 of 21, the other
     // 12 of 22: either may have engaged the switch, never both.
     assert_eq!(ran, 22, "effects run before the switch refused the run");
+    println!(
+        "runaway timeline: the symptom began at effect 11 (round 6); the rule tripped after effect {ran} (round 11, two \
+         instances adding at once); {} failing effects ran in between; the next claim was refused",
+        ran - 10
+    );
     assert_eq!(tripped.len(), 1, "one instance engaged the switch: {tripped:?}");
     let trip = engaged(&tripped)[0].tripwire.clone().expect("the switch says which rule");
     assert!([(21, 11), (22, 12)].contains(&(trip.calls, trip.bad)), "{trip:?}");
