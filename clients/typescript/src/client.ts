@@ -913,7 +913,8 @@ export class Client {
       window: formatDuration(options.window),
       min_calls: options.minCalls,
       per: options.per ?? "namespace",
-      action: options.action ?? "switch",
+      // Sent only when given: a server of an earlier version knows no action.
+      action: options.action,
       revoke_leases: options.revokeLeases ?? false,
       rollback: options.rollback ?? false,
       auto_release_after: optionalDuration(options.autoReleaseAfter),

@@ -119,7 +119,10 @@ impl Webhook {
     /// out.
     pub async fn notify_tripped(&self, tripped: &Tripped) {
         let (tenant, target) = (tripped.tenant(), tripped.target_id());
-        let id = format!("tripwire_{tenant}_{}_{}", target.replace(':', "_"), tripped.at().0);
+        // The rule and what it did too: two rules tripping on one target in one flush are two notices.
+        let rule = tripped.trip().map_or("", |t| t.rule.as_str());
+        let action = if matches!(tripped, Tripped::Observe(_)) { "observe" } else { "switch" };
+        let id = format!("tripwire_{tenant}_{}_{rule}_{action}_{}", target.replace(':', "_"), tripped.at().0);
         for attempt in 1..=self.attempts.max(1) {
             let now = Timestamp::now();
             match self.post(&id, &tripped_payload(tripped, now), now).await {

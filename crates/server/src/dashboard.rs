@@ -481,7 +481,10 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
     let observing_line = if observing.is_empty() {
         String::new()
     } else {
-        format!(" Observe mode, set by a tripwire (claims proceed unguarded) under: {}.", observing.join(", "))
+        format!(
+            " Observe mode, set by a tripwire (claims proceed but where a switch refuses) under: {}.",
+            observing.join(", ")
+        )
     };
     let observing = tripped.iter().map(crate::api::settings_view).collect();
     match state.guard.switches(tenant).await {
@@ -508,7 +511,7 @@ async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> C
         }
         Err(error) => ControlsView {
             switches: Vec::new(),
-            summary: format!("Switches could not be read ({error}); claims fail closed."),
+            summary: format!("Switches could not be read ({error}); claims fail closed.{observing_line}"),
             tripwires,
             observing,
         },

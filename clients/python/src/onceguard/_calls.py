@@ -588,7 +588,7 @@ def put_tripwire(
     min_calls: int,
     prefix: str | None = None,
     per: str = "namespace",
-    action: str = "switch",
+    action: str | None = None,
     revoke_leases: bool = False,
     rollback: bool = False,
     auto_release_after: Duration | None = None,
@@ -602,7 +602,7 @@ def put_tripwire(
         "window": _wire.format_duration(window),
         "min_calls": min_calls,
         "per": per,
-        "action": action,
+        "action": action,  # sent only when given: a server of an earlier version knows no action
         "revoke_leases": revoke_leases,
         "rollback": rollback,
         "auto_release_after": _opt_duration(auto_release_after),

@@ -272,11 +272,13 @@ impl Guard {
         };
         let target = SwitchTarget::of_prefix(rule.prefix.as_ref()).id();
         let mut written = None;
+        let mut decided = false;
         for _ in 0..3 {
             let controls = self.refresh_controls().await?;
             let current =
                 controls.settings.iter().find(|e| e.tenant == rule.tenant && e.namespace_prefix == rule.prefix);
             if current.is_some_and(|e| e.tripwire.is_some()) {
+                decided = true;
                 break;
             }
             let mut entry = current.cloned().unwrap_or_else(|| SettingsEntry {
@@ -299,9 +301,17 @@ impl Guard {
                 None => self.store().create_control(&doc, &audit).await?,
             };
             if wrote {
-                written = Some(entry);
+                (written, decided) = (Some(entry), true);
                 break;
             }
+        }
+        if !decided {
+            // Changed under each of three writes: the counts stay, and the next flush decides again.
+            return Err(StoreError::Unavailable(format!(
+                "tripwire {}: the settings of {target} changed under each of 3 writes",
+                rule.name
+            ))
+            .into());
         }
         if let Err(e) = self.store().clear_symptoms(&rule.tenant, &rule.counts_key(), &Subject::Scope.key()).await {
             tracing::warn!(tenant = %rule.tenant, rule = rule.name, error = %e, "tripwire: its counts could not be cleared");

@@ -403,7 +403,7 @@ class Client(ClientBase):
         min_calls: int,
         prefix: str | None = None,
         per: str = "namespace",
-        action: str = "switch",
+        action: str | None = None,
         revoke_leases: bool = False,
         rollback: bool = False,
         auto_release_after: Duration | None = None,
