@@ -459,62 +459,58 @@ async fn approvals_panel(
     })
 }
 
-/// The tenant's engaged switches, from this instance's cache of what the store holds (when the
-/// store cannot be read, the summary says so).
+/// The tenant's engaged switches, tripwire rules and the settings a tripwire turned to observe
+/// mode, from one read of the store's control documents (when it cannot be read, the summary
+/// says so).
 async fn controls_view(state: &AppState, tenant: &onceguard_core::TenantId) -> ControlsView {
-    let tripwires = match state.guard.tripwires(tenant).await {
-        Ok(rules) => rules.iter().map(crate::api::tripwire_view).collect(),
-        Err(_) => Vec::new(),
+    let controls = match state.guard.refresh_controls().await {
+        Ok(controls) => controls,
+        Err(error) => {
+            return ControlsView {
+                switches: Vec::new(),
+                summary: format!("Switches could not be read ({error}); claims fail closed."),
+                tripwires: Vec::new(),
+                observing: Vec::new(),
+            };
+        }
     };
-    let tripped: Vec<_> = match state.guard.settings(tenant).await {
-        Ok(entries) => entries.into_iter().filter(|e| e.tripwire.is_some()).collect(),
-        Err(_) => Vec::new(),
+    let mut rules: Vec<_> = controls.tripwires.iter().filter(|r| &r.tenant == tenant).collect();
+    rules.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut tripped: Vec<_> =
+        controls.settings.iter().filter(|e| &e.tenant == tenant && e.tripwire.is_some()).collect();
+    tripped.sort_by(|a, b| a.namespace_prefix.cmp(&b.namespace_prefix));
+    let switches: Vec<_> = controls.switches.iter().filter(|s| &s.tenant == tenant).collect();
+    // What is refused, then what a tripwire turned to observe mode, in a sentence each.
+    let mut summary = if switches.is_empty() {
+        "No kill switch is engaged: claims flow.".to_owned()
+    } else {
+        let targets: Vec<String> = switches
+            .iter()
+            .map(|s| match &s.tripwire {
+                Some(_) => format!("{} ({})", s.target.id(), s.reason),
+                None => s.target.id(),
+            })
+            .collect();
+        format!("Claims refused (423) under: {}.", targets.join(", "))
     };
-    // What a tripwire turned to observe mode, in a sentence (after the switches').
-    let observing = tripped
+    let observing: Vec<String> = tripped
         .iter()
         .filter_map(|e| {
             let scope = onceguard_core::control::SwitchTarget::of_prefix(e.namespace_prefix.as_ref());
             e.tripwire.as_ref().map(|t| format!("{} ({})", scope.id(), t.reason))
         })
-        .collect::<Vec<_>>();
-    let observing_line = if observing.is_empty() {
-        String::new()
-    } else {
-        format!(
+        .collect();
+    if !observing.is_empty() {
+        summary.push_str(&format!(
             " Observe mode, set by a tripwire (claims proceed but where a switch refuses) under: {}.",
             observing.join(", ")
-        )
-    };
-    let observing = tripped.iter().map(crate::api::settings_view).collect();
-    match state.guard.switches(tenant).await {
-        Ok(switches) if switches.is_empty() => ControlsView {
-            switches: Vec::new(),
-            summary: format!("No kill switch is engaged: claims flow.{observing_line}"),
-            tripwires,
-            observing,
-        },
-        Ok(switches) => {
-            let targets: Vec<String> = switches
-                .iter()
-                .map(|s| match &s.tripwire {
-                    Some(_) => format!("{} ({})", s.target.id(), s.reason),
-                    None => s.target.id(),
-                })
-                .collect();
-            ControlsView {
-                summary: format!("Claims refused (423) under: {}.{observing_line}", targets.join(", ")),
-                switches: switches.iter().map(crate::api::switch_view).collect(),
-                tripwires,
-                observing,
-            }
-        }
-        Err(error) => ControlsView {
-            switches: Vec::new(),
-            summary: format!("Switches could not be read ({error}); claims fail closed.{observing_line}"),
-            tripwires,
-            observing,
-        },
+        ));
+    }
+    ControlsView {
+        switches: switches.into_iter().map(crate::api::switch_view).collect(),
+        summary,
+        tripwires: rules.into_iter().map(crate::api::tripwire_view).collect(),
+        observing: tripped.into_iter().map(crate::api::settings_view).collect(),
     }
 }
 

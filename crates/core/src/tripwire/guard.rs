@@ -271,48 +271,48 @@ impl Guard {
             },
         };
         let target = SwitchTarget::of_prefix(rule.prefix.as_ref()).id();
-        let mut written = None;
-        let mut decided = false;
-        for _ in 0..3 {
-            let controls = self.refresh_controls().await?;
-            let current =
-                controls.settings.iter().find(|e| e.tenant == rule.tenant && e.namespace_prefix == rule.prefix);
-            if current.is_some_and(|e| e.tripwire.is_some()) {
-                decided = true;
-                break;
+        // Some(entry): this call wrote it; None: a tripwire's entry was there already.
+        let written = 'write: {
+            for _ in 0..3 {
+                let controls = self.refresh_controls().await?;
+                let current =
+                    controls.settings.iter().find(|e| e.tenant == rule.tenant && e.namespace_prefix == rule.prefix);
+                if current.is_some_and(|e| e.tripwire.is_some()) {
+                    break 'write None;
+                }
+                let mut entry = current.cloned().unwrap_or_else(|| SettingsEntry {
+                    tenant: rule.tenant.clone(),
+                    namespace_prefix: rule.prefix.clone(),
+                    settings: Settings::default(),
+                    updated_by: String::new(),
+                    updated_at: now,
+                    tripwire: None,
+                });
+                (entry.settings.mode, entry.settings.enforce_percent) = (Some(Mode::Observe), None);
+                (entry.updated_by, entry.updated_at, entry.tripwire) = (actor(&rule.name), now, Some(trip.clone()));
+                let details =
+                    serde_json::json!({ "tripwire": trip.trip, "action": "observe", "settings": entry.settings });
+                let audit = AuditEntry::new(rule.tenant.clone(), now, &entry.updated_by, "tripwire.trip", &target)
+                    .why(Some(trip.reason.clone()))
+                    .details(details);
+                let doc = ControlDoc::of_settings(&entry);
+                let wrote = match current {
+                    Some(current) => {
+                        self.store().replace_control(&ControlDoc::of_settings(current), &doc, &audit).await?
+                    }
+                    None => self.store().create_control(&doc, &audit).await?,
+                };
+                if wrote {
+                    break 'write Some(entry);
+                }
             }
-            let mut entry = current.cloned().unwrap_or_else(|| SettingsEntry {
-                tenant: rule.tenant.clone(),
-                namespace_prefix: rule.prefix.clone(),
-                settings: Settings::default(),
-                updated_by: String::new(),
-                updated_at: now,
-                tripwire: None,
-            });
-            (entry.settings.mode, entry.settings.enforce_percent) = (Some(Mode::Observe), None);
-            (entry.updated_by, entry.updated_at, entry.tripwire) = (actor(&rule.name), now, Some(trip.clone()));
-            let details = serde_json::json!({ "tripwire": trip.trip, "action": "observe", "settings": entry.settings });
-            let audit = AuditEntry::new(rule.tenant.clone(), now, &entry.updated_by, "tripwire.trip", &target)
-                .why(Some(trip.reason.clone()))
-                .details(details);
-            let doc = ControlDoc::of_settings(&entry);
-            let wrote = match current {
-                Some(current) => self.store().replace_control(&ControlDoc::of_settings(current), &doc, &audit).await?,
-                None => self.store().create_control(&doc, &audit).await?,
-            };
-            if wrote {
-                (written, decided) = (Some(entry), true);
-                break;
-            }
-        }
-        if !decided {
             // Changed under each of three writes: the counts stay, and the next flush decides again.
             return Err(StoreError::Unavailable(format!(
                 "tripwire {}: the settings of {target} changed under each of 3 writes",
                 rule.name
             ))
             .into());
-        }
+        };
         if let Err(e) = self.store().clear_symptoms(&rule.tenant, &rule.counts_key(), &Subject::Scope.key()).await {
             tracing::warn!(tenant = %rule.tenant, rule = rule.name, error = %e, "tripwire: its counts could not be cleared");
         }
