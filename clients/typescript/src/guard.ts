@@ -139,7 +139,8 @@ export interface GuardOptions<R = unknown> {
   readonly retention?: Duration;
   /**
    * How long a call waits for another caller holding the key (default 10s; `null` not to wait).
-   * The server waits up to 30s on one claim; a longer wait claims again until it has passed, so
+   * The client asks the server for at most 30s on one claim (its `limits.max_wait`, 30s by
+   * default, must allow that); a longer wait claims again until it has passed, so
    * that a wait longer than the lease outlasts a holder that crashed (its lease passes, and the
    * call recovers the key).
    */
@@ -676,8 +677,7 @@ async function claimKey(client: Client, policy: Policy, key: string, claim: Clai
     if (left <= 0) return answer;
     const asked = Date.now();
     answer = await ask(Math.min(MAX_CLAIM_WAIT, left));
-    // A server that answered before the wait it was given (one of an earlier version, a
-    // shorter limit) is not asked again at once.
+    // Should a server answer before the wait it was given, it is not asked again at once.
     const spent = (Date.now() - asked) / 1000;
     if (answer.outcome === "in_flight" && spent < Math.min(MAX_CLAIM_WAIT, left) / 2) {
       await sleep(Math.min(1, Math.max(0, (deadline - Date.now()) / 1000)), claim.signal);

@@ -150,7 +150,7 @@ class AsyncGuarded:
                     break
                 asked = time.monotonic()
                 answer = await self._claim(min(left, MAX_CLAIM_WAIT))
-                # A server that answered before the wait it was given is not asked again at once.
+                # Should a server answer before the wait it was given, it is not asked again at once.
                 if isinstance(answer, InFlight) and time.monotonic() - asked < min(left, MAX_CLAIM_WAIT) / 2:
                     await _backend.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
         if isinstance(answer, PendingApproval) and p.wait_for_approval:
