@@ -325,8 +325,29 @@ fn count(v: &Value) -> String {
 
 /// Milliseconds as the page shows them: JavaScript's `toFixed(2)` rounds a half up (0.625 →
 /// 0.63) where Rust's `{:.2}` rounds it to even (0.62).
+/// A latency as the page prints it: JavaScript's `toFixed(2)` rounds the float's exact binary value,
+/// a tie going up (4.675 is 4.67499… and shows as "4.67"; rounding `v * 100` would say "4.68").
 fn ms(v: &Value) -> String {
-    v.as_f64().map_or_else(|| "–".to_owned(), |v| format!("{:.2} ms", (v * 100.0).round() / 100.0))
+    v.as_f64().map_or_else(|| "–".to_owned(), |v| format!("{} ms", to_fixed_2(v)))
+}
+
+fn to_fixed_2(v: f64) -> String {
+    assert!(v >= 0.0 && v.is_finite(), "a latency is a finite non-negative number: {v}");
+    // Every f64 has a finite decimal expansion; 1,100 places hold all of it.
+    let exact = format!("{v:.1100}");
+    let (whole, fraction) = exact.split_once('.').unwrap();
+    let digit = |i: usize| u64::from(fraction.as_bytes()[i] - b'0');
+    let hundredths = whole.parse::<u64>().unwrap() * 100 + digit(0) * 10 + digit(1) + u64::from(digit(2) >= 5);
+    format!("{}.{:02}", hundredths / 100, hundredths % 100)
+}
+
+#[test]
+fn latencies_round_as_the_page_rounds_them() {
+    assert_eq!(to_fixed_2(4.675), "4.67", "4.675 is stored just below itself");
+    assert_eq!(to_fixed_2(4.625), "4.63", "4.625 is exact: a tie goes up");
+    assert_eq!(to_fixed_2(0.995), "0.99");
+    assert_eq!(to_fixed_2(9.999), "10.00");
+    assert_eq!(to_fixed_2(0.0), "0.00");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
