@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use onceguard_server::config::{EncryptionOverrides, McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides};
+use onceguard_server::config::{
+    A2aOverrides, EncryptionOverrides, McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides,
+};
 use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides};
 
@@ -105,6 +107,29 @@ enum Command {
         /// What a guarded call without a key does: require (default), derive or pass.
         #[arg(long, value_parser = parse_no_key)]
         no_key: Option<McpNoKey>,
+    },
+    /// Put the guard in front of an A2A server: exactly-once SendMessage, tasks answered for
+    /// the caller that created them, budgets and kill switches (see docs/A2A.md).
+    A2a {
+        /// Address to listen on (default 127.0.0.1:8083).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// The A2A server's JSON-RPC endpoint, e.g. http://127.0.0.1:9999/.
+        #[arg(long)]
+        upstream: Option<String>,
+        /// The upstream's name in namespaces a2a/<name> (default: its host and port).
+        #[arg(long)]
+        upstream_name: Option<String>,
+        /// How long a key may be held without extending, e.g. 2s (default 30s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        lease: Option<std::time::Duration>,
+        /// How long a stored answer replays, e.g. 24h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        retention: Option<std::time::Duration>,
+        /// How long a duplicate of a send in flight waits for its answer (default 10s; 0s:
+        /// answer "in progress" at once).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<std::time::Duration>,
     },
     #[command(flatten)]
     Operator(operator::OperatorCommand),
@@ -216,6 +241,33 @@ async fn mcp(config: Config) -> Result<()> {
     Ok(())
 }
 
+async fn a2a(config: Config) -> Result<()> {
+    if config.a2a.upstream.is_empty() {
+        bail!(
+            "a2a: give the A2A server's JSON-RPC endpoint with --upstream URL (or a2a.upstream in the configuration)"
+        );
+    }
+    let options = onceguard_a2a::options(&config)?;
+    let guard = onceguard_server::open_guard_with(&config, onceguard_a2a::limits(&config))
+        .await
+        .context("opening the store")?;
+    let listener = tokio::net::TcpListener::bind(config.a2a.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.a2a.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(
+        %addr,
+        upstream = %config.a2a.upstream,
+        upstream_name = %options.upstream_name,
+        store = guard.store_kind(),
+        "onceguard a2a is serving; connect A2A clients to http://{addr}{}",
+        options.endpoint
+    );
+    onceguard_a2a::run(&config, guard, listener, shutdown_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
 fn parse_no_key(s: &str) -> Result<McpNoKey, String> {
     match s {
         "require" => Ok(McpNoKey::Require),
@@ -257,9 +309,22 @@ async fn main() -> Result<()> {
                 no_key: *no_key,
             };
         }
+        Command::A2a { listen, upstream, upstream_name, lease, retention, wait } => {
+            overrides.a2a = A2aOverrides {
+                listen: *listen,
+                upstream: upstream.clone(),
+                upstream_name: upstream_name.clone(),
+                lease: *lease,
+                retention: *retention,
+                wait: *wait,
+            };
+        }
         _ => {}
     }
-    let serving = matches!(cli.command, Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. });
+    let serving = matches!(
+        cli.command,
+        Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. } | Command::A2a { .. }
+    );
     // SIGHUP (`systemctl reload`) reads a TLS certificate again when there is one; from the
     // start and without TLS it must not end the process, as its default action would.
     #[cfg(unix)]
@@ -273,6 +338,7 @@ async fn main() -> Result<()> {
         Command::Serve { .. } => serve(config, telemetry.exporting()).await,
         Command::Proxy { .. } => proxy(config).await,
         Command::Mcp { .. } => mcp(config).await,
+        Command::A2a { .. } => a2a(config).await,
         Command::Bench(args) => bench::run(args, &config).await,
         Command::Smoke(args) => smoke::run(args, &config).await,
         Command::Operator(command) => operator::run(&config, command).await,

@@ -37,6 +37,8 @@ pub struct Config {
     pub proxy: ProxyConfig,
     /// `onceguard mcp`: the guard in front of an MCP server's `tools/call`.
     pub mcp: McpConfig,
+    /// `onceguard a2a`: the guard in front of an Agent2Agent server's `SendMessage`.
+    pub a2a: A2aConfig,
     /// TLS on the listener of `serve`, `proxy` and `mcp` (off unless a certificate is given).
     pub tls: TlsConfig,
     /// Encryption at rest of stored outcomes and checkpoint data.
@@ -269,6 +271,65 @@ impl Default for McpConfig {
     }
 }
 
+/// Settings of `onceguard a2a` (the A2A gateway; see `docs/A2A.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct A2aConfig {
+    /// Where the gateway listens.
+    pub listen: SocketAddr,
+    /// The A2A server's JSON-RPC endpoint, e.g. `http://127.0.0.1:9999/`.
+    pub upstream: String,
+    /// The upstream's name in namespaces (`a2a/<name>`); empty: derived from its host and port.
+    pub upstream_name: String,
+    /// How long the gateway may hold a key without extending it (it extends while the upstream
+    /// works on a send, and holds the key for `task_lease` once the send answered with a task).
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// How long a key delegated to a task stays held without a terminal state seen (each
+    /// `GetTask` or stream event through the gateway that finds the task running extends it).
+    #[serde(with = "humantime_serde")]
+    pub task_lease: Duration,
+    /// How long a stored answer replays.
+    #[serde(with = "humantime_serde")]
+    pub retention: Duration,
+    /// How long a duplicate of a send in flight waits for its answer before it is answered
+    /// "in progress" (`0s`: at once).
+    #[serde(with = "humantime_serde")]
+    pub wait: Duration,
+    /// The header carrying the caller's Onceguard API key (its tenant holds the records); the
+    /// gateway removes it before forwarding, so `Authorization` reaches the upstream untouched.
+    pub api_key_header: String,
+    /// Largest request body read from a client, in bytes (413 beyond it).
+    pub max_request_bytes: usize,
+    /// Largest answer stored, in bytes.
+    pub max_result_bytes: usize,
+    /// Longest a send may take upstream (then the key stays in flight until its lease passes).
+    #[serde(with = "humantime_serde")]
+    pub upstream_timeout: Duration,
+    /// Longest any other exchange (an event stream) may last.
+    #[serde(with = "humantime_serde")]
+    pub stream_timeout: Duration,
+}
+
+impl Default for A2aConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8083)),
+            upstream: String::new(),
+            upstream_name: String::new(),
+            lease: Duration::from_secs(30),
+            task_lease: Duration::from_secs(3_600),
+            retention: Duration::from_secs(24 * 3_600),
+            wait: Duration::from_secs(10),
+            api_key_header: "x-onceguard-key".into(),
+            max_request_bytes: 4 * 1024 * 1024,
+            max_result_bytes: 8 * 1024 * 1024,
+            upstream_timeout: Duration::from_secs(300),
+            stream_timeout: Duration::from_secs(24 * 3_600),
+        }
+    }
+}
+
 /// Authentication settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -384,6 +445,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             proxy: ProxyConfig::default(),
             mcp: McpConfig::default(),
+            a2a: A2aConfig::default(),
             tls: TlsConfig::default(),
             encryption: EncryptionConfig::default(),
             approvals: ApprovalsConfig::default(),
@@ -450,6 +512,9 @@ pub struct Overrides {
     /// `onceguard mcp` flags.
     #[serde(skip_serializing_if = "McpOverrides::is_empty")]
     pub mcp: McpOverrides,
+    /// `onceguard a2a` flags.
+    #[serde(skip_serializing_if = "A2aOverrides::is_empty")]
+    pub a2a: A2aOverrides,
     /// `--tls-cert` and `--tls-key`.
     #[serde(skip_serializing_if = "TlsOverrides::is_empty")]
     pub tls: TlsOverrides,
@@ -524,6 +589,40 @@ impl McpOverrides {
             && self.retention.is_none()
             && self.wait.is_none()
             && self.no_key.is_none()
+    }
+}
+
+/// `onceguard a2a` flags, applied over file and environment (only those set).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct A2aOverrides {
+    /// `--listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
+    /// `--upstream`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// `--upstream-name`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_name: Option<String>,
+    /// `--lease`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub lease: Option<Duration>,
+    /// `--retention`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub retention: Option<Duration>,
+    /// `--wait`.
+    #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
+    pub wait: Option<Duration>,
+}
+
+impl A2aOverrides {
+    fn is_empty(&self) -> bool {
+        self.listen.is_none()
+            && self.upstream.is_none()
+            && self.upstream_name.is_none()
+            && self.lease.is_none()
+            && self.retention.is_none()
+            && self.wait.is_none()
     }
 }
 
@@ -701,7 +800,8 @@ impl Config {
             ));
         }
         self.approvals.validate()?;
-        self.mcp.validate()
+        self.mcp.validate()?;
+        self.a2a.validate()
     }
 }
 
@@ -752,6 +852,33 @@ impl McpConfig {
         }
         if self.upstream_name.contains('/') {
             return Err(InvalidInput::new("mcp.upstream_name", "must be one namespace segment (no '/')"));
+        }
+        Ok(())
+    }
+}
+
+impl A2aConfig {
+    /// Checks the `[a2a]` section (the upstream URL is checked when the gateway starts).
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        use onceguard_core::domain::check_bounds;
+        check_bounds("a2a.lease", self.lease, Duration::from_millis(100), Duration::from_secs(3_600))?;
+        check_bounds("a2a.task_lease", self.task_lease, Duration::from_secs(1), Duration::from_secs(7 * 86_400))?;
+        check_bounds("a2a.retention", self.retention, Duration::from_secs(1), Duration::from_secs(365 * 86_400))?;
+        check_bounds("a2a.wait", self.wait, Duration::ZERO, Duration::from_secs(300))?;
+        if self.upstream_timeout.is_zero()
+            || self.stream_timeout.is_zero()
+            || self.max_request_bytes == 0
+            || self.max_result_bytes == 0
+        {
+            return Err(InvalidInput::new("a2a", "the timeouts and byte limits must be more than zero"));
+        }
+        if axum::http::HeaderName::from_bytes(self.api_key_header.as_bytes()).is_err() {
+            return Err(InvalidInput::new("a2a.api_key_header", "is not a header name"));
+        }
+        if !self.upstream_name.is_empty()
+            && (self.upstream_name.contains('/') || onceguard_core::Namespace::parse(&self.upstream_name).is_err())
+        {
+            return Err(InvalidInput::new("a2a.upstream_name", "must be 1 to 64 of A-Z a-z 0-9 . _ - (one segment)"));
         }
         Ok(())
     }
@@ -820,6 +947,7 @@ mod tests {
                 ("ONCEGUARD_METRICS__SCAN_MAX_PAGES", "9"),
                 ("ONCEGUARD_PROXY__IDENTITY_HEADER", "x-caller"),
                 ("ONCEGUARD_MCP__UPSTREAM_NAME", "tools-a"),
+                ("ONCEGUARD_A2A__UPSTREAM_NAME", "agents-a"),
                 ("ONCEGUARD_TLS__RELOAD_INTERVAL", "7s"),
                 ("ONCEGUARD_ENCRYPTION__KEY_FILE", key_file.to_str().unwrap()),
                 ("ONCEGUARD_APPROVALS__WEBHOOK_URL", "https://hooks.example/approvals"),
@@ -839,6 +967,7 @@ mod tests {
                 config.metrics.scan_max_pages.to_string(),
                 config.proxy.identity_header.clone(),
                 config.mcp.upstream_name.clone(),
+                config.a2a.upstream_name.clone(),
                 format!("{}s", config.tls.reload_interval.as_secs()),
                 config.encryption.key_file.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
                 config.approvals.webhook_url.clone(),

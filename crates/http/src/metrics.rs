@@ -122,6 +122,33 @@ pub const MCP_DECISIONS: [&str; 7] = [
     "unclassified_refused",
 ];
 
+/// `tenant`, `upstream`, `method`, `outcome` (the A2A gateway's requests).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct A2aRequestLabels {
+    /// The tenant id (unauthenticated requests are refused first, never counted).
+    pub tenant: String,
+    /// The upstream's name (from the gateway's configuration).
+    pub upstream: String,
+    /// The A2A method, by its v1.0 name (a legacy alias counts as the method it names).
+    pub method: &'static str,
+    /// One of [`A2A_OUTCOMES`].
+    pub outcome: &'static str,
+}
+
+/// What the A2A gateway did with a request.
+pub const A2A_OUTCOMES: [&str; 10] = [
+    "executed",
+    "replayed",
+    "attached",
+    "in_flight",
+    "mismatch",
+    "denied",
+    "pending_approval",
+    "observed",
+    "refused",
+    "forwarded",
+];
+
 /// `version`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
@@ -197,6 +224,7 @@ pub struct Metrics {
     store_latency: LatencyFamily<StoreOpLabels>,
     http_latency: LatencyFamily<HttpLabels>,
     mcp_calls: Family<McpCallLabels, Counter>,
+    a2a_requests: Family<A2aRequestLabels, Counter>,
     unstored_responses: Family<TenantLabels, Counter>,
     stale_audits_dropped: Family<TenantLabels, Counter>,
     approvals_requested: Family<TenantLabels, Counter>,
@@ -408,6 +436,17 @@ impl Metrics {
              cannot be guarded; refused, never forwarded)",
             mcp_calls.clone(),
         );
+        let a2a_requests = Family::<A2aRequestLabels, Counter>::default();
+        registry.register(
+            "a2a_requests",
+            "A2A requests seen by the A2A gateway, by tenant, upstream, method (v1.0 name) and outcome: executed \
+             (a send forwarded once), replayed (a duplicate answered from the store or from the first send's \
+             task), attached (a duplicate stream attached to the first send's task), in_flight, mismatch, denied, \
+             pending_approval, observed (observe mode: forwarded holding nothing), refused (not classified, \
+             another caller's task, or the store did not answer; never forwarded) or forwarded (a task method of \
+             the caller's own task)",
+            a2a_requests.clone(),
+        );
         let unstored_responses = Family::<TenantLabels, Counter>::default();
         registry.register(
             "proxy_responses_not_stored",
@@ -462,6 +501,7 @@ impl Metrics {
             store_latency,
             http_latency,
             mcp_calls,
+            a2a_requests,
             unstored_responses,
             stale_audits_dropped,
             approvals_requested,
@@ -619,6 +659,17 @@ impl Metrics {
         let labels =
             McpCallLabels { tenant: self.tenant_label(tenant.as_str()), upstream: upstream.to_owned(), decision };
         self.mcp_calls.get_or_create(&labels).inc();
+    }
+
+    /// A request seen by the A2A gateway, and what it did with it (one of [`A2A_OUTCOMES`]).
+    pub fn observe_a2a_request(&self, tenant: &TenantId, upstream: &str, method: &'static str, outcome: &'static str) {
+        let labels = A2aRequestLabels {
+            tenant: self.tenant_label(tenant.as_str()),
+            upstream: upstream.to_owned(),
+            method,
+            outcome,
+        };
+        self.a2a_requests.get_or_create(&labels).inc();
     }
 
     /// A response the proxy (or the MCP gateway) passed on without storing its body, too large.

@@ -1,0 +1,1282 @@
+//! The gateway: one axum handler in front of the upstream A2A server.
+//!
+//! - `GET /.well-known/agent-card.json` (and the legacy `agent.json`): the upstream's card, its
+//!   interfaces' URLs that name the upstream made the gateway's; skills untouched.
+//! - Every other request is authenticated (the caller's Onceguard API key names its tenant);
+//!   then a POST of one JSON-RPC request to the endpoint is classified by its method:
+//!   - a send (`SendMessage`, `SendStreamingMessage`, legacy aliases) is claimed, then replayed,
+//!     refused, answered from the first send's task, or forwarded in a task of its own (a
+//!     caller that disconnects never cancels it) whose answer settles the key;
+//!   - a task method is answered for the caller's own task only, and a terminal state it carries
+//!     back completes the send's key;
+//!   - anything else (an unknown method, a notification, a batch, a body that is not strict
+//!     JSON, another path) is refused, never forwarded.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header::{ACCEPT, ACCEPT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, ETAG, HOST};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, Method as HttpMethod, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use futures::channel::{mpsc, oneshot};
+use futures::{SinkExt, StreamExt};
+use onceguard_core::auth::Role;
+use onceguard_core::{
+    CheckpointName, Claim, ClaimOutcome, Fence, FencedOutcome, Guard, Mutation, Namespace, Outcome, OutcomeKind,
+    Record, RecordState, RunId, Scope, TenantId,
+};
+use onceguard_http::AppState;
+use onceguard_http::problem::ApiError;
+use onceguard_mcp::jsonrpc::{self, Posted, ResponseMessage};
+use onceguard_mcp::sse::SseReader;
+use onceguard_proxy::stored::BodyDigest;
+use onceguard_proxy::{TransportFailure, Upstream};
+use serde_json::{Value, json};
+
+use crate::Options;
+use crate::owners::{Owner, OwnerError};
+use crate::send::{self, Answer, Era, Method, Send, TaskView};
+
+/// The checkpoint of a key whose send answered with a task still running: its data names the
+/// task and the send's protocol version. A duplicate is answered with that task; a terminal
+/// state seen through the gateway completes the key.
+pub const DELEGATED: &str = "a2a.task";
+
+/// The media type of the outcome stored for an answer too large to store (its size and digest).
+pub const NOT_STORED: &str = onceguard_mcp::gateway::NOT_STORED;
+
+/// JSON-RPC errors of an upstream that mean the send never ran: parse, invalid request, method
+/// not found, invalid params; A2A's task not found, unsupported operation, content type not
+/// supported, extension support required, version not supported.
+const NEVER_RAN: [i64; 9] = [-32700, -32600, -32601, -32602, -32001, -32004, -32005, -32008, -32009];
+
+/// A2A's "task not found": what a caller is told of another caller's task.
+const TASK_NOT_FOUND: i64 = -32001;
+
+/// Bytes an answer may hold beyond the largest stored one (its envelope), and the most read of
+/// an agent card or a task listing.
+const SLACK: usize = 64 * 1024;
+const MAX_CARD_BYTES: usize = 1024 * 1024;
+
+/// Everything the handler shares.
+pub struct Gateway {
+    pub(crate) state: AppState,
+    pub(crate) options: Options,
+    /// Forwards sends and task reads (bounded by `a2a.upstream_timeout`).
+    calls: Upstream,
+    /// Forwards event streams (bounded by `a2a.stream_timeout`).
+    streams: Upstream,
+    /// Whether the listener serves TLS (the card then names `https://`).
+    tls: bool,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").field("upstream", &self.options.upstream_name).finish_non_exhaustive()
+    }
+}
+
+/// Who calls.
+#[derive(Debug, Clone)]
+pub(crate) struct Caller {
+    pub(crate) tenant: TenantId,
+    /// The API key's id, or `anonymous`.
+    pub(crate) actor: String,
+    /// An admin of the tenant sees every task of it.
+    pub(crate) admin: bool,
+}
+
+impl Gateway {
+    /// A gateway on `state` in front of the upstream of `options`.
+    pub fn new(state: AppState, options: Options, calls: Upstream, streams: Upstream, tls: bool) -> Self {
+        Self { state, options, calls, streams, tls }
+    }
+
+    pub(crate) fn guard(&self) -> &Guard {
+        &self.state.guard
+    }
+
+    async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
+        let wrong = || {
+            ApiError::Unauthenticated(format!(
+                "send '{}: og_…' with a valid, unrevoked Onceguard API key",
+                self.options.api_key_header
+            ))
+        };
+        let Some(value) = headers.get(&self.options.api_key_header) else {
+            let tenant = self.state.anonymous_tenant.clone().ok_or_else(wrong)?;
+            return Ok(Caller { tenant, actor: "anonymous".into(), admin: false });
+        };
+        let token = value.to_str().map_err(|_| wrong())?.trim();
+        let token = token.strip_prefix("Bearer ").unwrap_or(token);
+        match onceguard_http::auth::verified_key(&self.state, token).await? {
+            Some(key) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string(), admin: key.role == Role::Admin }),
+            None => Err(wrong()),
+        }
+    }
+
+    fn observe(&self, tenant: &TenantId, method: Method, outcome: &'static str) {
+        self.state.metrics.observe_a2a_request(tenant, &self.options.upstream_name, method.name(), outcome);
+    }
+
+    fn sends_namespace(&self) -> Namespace {
+        Namespace::parse(&format!("a2a/{}", self.options.upstream_name)).expect("an upstream name is one segment")
+    }
+}
+
+/// The handler of every request.
+pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>) -> Response<Body> {
+    let path = request.uri().path().to_owned();
+    match path.as_str() {
+        "/_onceguard/metrics" => {
+            let headers = request.headers().clone();
+            return onceguard_http::metrics_endpoint(State(gateway.state.clone()), headers).await;
+        }
+        "/_onceguard/healthz" => return (StatusCode::OK, "ok").into_response(),
+        "/.well-known/agent-card.json" | "/.well-known/agent.json" if request.method() == HttpMethod::GET => {
+            return gateway.card(request).await;
+        }
+        _ => {}
+    }
+    let caller = match gateway.authenticate(request.headers()).await {
+        Ok(caller) => caller,
+        Err(e) => return e.into_response(),
+    };
+    let (mut parts, body) = request.into_parts();
+    parts.headers.remove(&gateway.options.api_key_header);
+    if parts.method != HttpMethod::POST || !onceguard_mcp::call::same_path(&path, &gateway.options.endpoint) {
+        return ApiError::NotFound(format!(
+            "the gateway serves A2A's JSON-RPC binding at {} (POST) and the agent card; it does not forward \
+             {} {path}",
+            gateway.options.endpoint, parts.method
+        ))
+        .into_response();
+    }
+    let limit = gateway.options.max_request_bytes;
+    let Ok(body) = axum::body::to_bytes(body, limit).await else {
+        return ApiError::TooLarge(format!("the request body exceeds {limit} bytes")).into_response();
+    };
+    let (id, method, params) = match Posted::parse(&body) {
+        Ok(Posted::Request { id, method, params }) => (id, method, params),
+        Ok(_) => {
+            return refuse(
+                &gateway,
+                &caller,
+                None,
+                -32600,
+                "the gateway takes one JSON-RPC request per POST (no \
+                          notification, batch or response)",
+            );
+        }
+        Err(refused) => {
+            tracing::warn!(
+                detail = refused.detail(),
+                "refused a body posted to the A2A endpoint that could not be classified"
+            );
+            let mut response = json_response(refused.message());
+            *response.status_mut() = StatusCode::BAD_REQUEST;
+            return response;
+        }
+    };
+    let Some((method, era)) = send::Method::parse(&method) else {
+        return refuse(
+            &gateway,
+            &caller,
+            Some(&id),
+            -32601,
+            &format!("method '{method}' is not served through the gateway"),
+        );
+    };
+    let span = request_span(method, &id);
+    let answer = async {
+        match method {
+            Method::Send | Method::SendStreaming => {
+                send_message(&gateway, &caller, parts, id, params, method, era).await
+            }
+            Method::ListTasks => (list_tasks(&gateway, &caller, parts, body).await, "forwarded"),
+            Method::ExtendedCard => {
+                (gateway.calls.forward(Request::from_parts(parts, Body::from(body))).await, "forwarded")
+            }
+            Method::GetTask | Method::CancelTask | Method::Subscribe | Method::PushConfig(_) => {
+                task_method(&gateway, &caller, parts, body, id, params, method, era).await
+            }
+        }
+    };
+    let (response, outcome) = tracing::Instrument::instrument(answer, span.clone()).await;
+    gateway.observe(&caller.tenant, method, outcome);
+    span.record("onceguard.outcome", outcome);
+    let name = match outcome {
+        "executed" | "forwarded" => method.name().to_owned(),
+        other => format!("{} {other}", method.name()),
+    };
+    span.record("otel.name", name);
+    response
+}
+
+/// The span of a request, with A2A's semantic conventions (`a2a.method.name`, and where known
+/// `a2a.message.id`, `a2a.task.id`, `a2a.task.state`); a replay is named apart from an
+/// execution (`SendMessage replayed`). No key goes into an attribute.
+fn request_span(method: Method, id: &Value) -> tracing::Span {
+    tracing::debug_span!(
+        "a2a.request",
+        otel.name = method.name(),
+        otel.kind = "server",
+        a2a.method.name = method.name(),
+        a2a.message.id = tracing::field::Empty,
+        a2a.task.id = tracing::field::Empty,
+        a2a.task.state = tracing::field::Empty,
+        jsonrpc.request.id = %id,
+        onceguard.outcome = tracing::field::Empty,
+    )
+}
+
+fn record_task(task: &TaskView) {
+    let span = tracing::Span::current();
+    span.record("a2a.task.id", task.id.as_str());
+    if let Some(state) = &task.state {
+        span.record("a2a.task.state", state.as_str());
+    }
+}
+
+fn refuse(gateway: &Gateway, caller: &Caller, id: Option<&Value>, code: i64, message: &str) -> Response<Body> {
+    gateway.state.metrics.observe_a2a_request(
+        &caller.tenant,
+        &gateway.options.upstream_name,
+        "unclassified",
+        "refused",
+    );
+    tracing::warn!(code, message, "refused an A2A request");
+    json_response(error_message(id, code, message))
+}
+
+/// A JSON-RPC error of A2A's (or JSON-RPC's) own codes.
+fn error_message(id: Option<&Value>, code: i64, message: &str) -> Vec<u8> {
+    let message = json!({
+        "jsonrpc": "2.0",
+        "id": id.cloned().unwrap_or(Value::Null),
+        "error": { "code": code, "message": message },
+    });
+    serde_json::to_vec(&message).unwrap_or_default()
+}
+
+/// A JSON-RPC error for a refusal of the guard's (the MCP gateway's codes: 40901 in flight,
+/// 42201 mismatch, 42301 switch engaged, 50301 store unavailable, …), its problem in `data`.
+fn rpc_error(id: &Value, error: &ApiError) -> Response<Body> {
+    if let ApiError::Internal(detail) | ApiError::StoreUnavailable(detail) = error {
+        tracing::error!(detail, "an A2A request failed");
+    }
+    json_response(jsonrpc::error_message(Some(id), error))
+}
+
+fn json_response(body: Vec<u8>) -> Response<Body> {
+    let mut response = Response::new(Body::from(body));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// An event stream of one event: the response answering `id` with `result`.
+fn one_event(id: &Value, result: &[u8]) -> Response<Body> {
+    let mut event = b"data: ".to_vec();
+    event.extend_from_slice(&jsonrpc::result_message(id, result));
+    event.extend_from_slice(b"\n\n");
+    let mut response = Response::new(Body::from(event));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    response
+}
+
+/// The answer to a duplicate: `result` to a send, or one event of it to a streaming send.
+fn answer_with(id: &Value, result: &[u8], streaming: bool) -> Response<Body> {
+    if streaming { one_event(id, result) } else { json_response(jsonrpc::result_message(id, result)) }
+}
+
+type Answered = (Response<Body>, &'static str);
+
+/// What the store keeps of a key delegated to a task (the data of its [`DELEGATED`] checkpoint).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Delegation {
+    task: String,
+    era: Era,
+}
+
+impl Delegation {
+    fn to_data(&self) -> String {
+        let version = if self.era == Era::V1 { "1.0" } else { "0.3" };
+        json!({ "task": self.task, "version": version }).to_string()
+    }
+
+    /// The delegation of a record still in flight, from its last checkpoint.
+    fn of(record: &Record) -> Option<Self> {
+        if record.state != RecordState::InProgress {
+            return None;
+        }
+        Self::of_checkpoint(record.last_checkpoint()?)
+    }
+
+    fn of_checkpoint(checkpoint: &onceguard_core::Checkpoint) -> Option<Self> {
+        if checkpoint.name.as_str() != DELEGATED {
+            return None;
+        }
+        let data: Value = serde_json::from_str(&checkpoint.data).ok()?;
+        let task = data.get("task")?.as_str()?.to_owned();
+        let era = if data.get("version").and_then(Value::as_str) == Some("0.3") { Era::V03 } else { Era::V1 };
+        Some(Self { task, era })
+    }
+}
+
+/// A held key and what settles it.
+struct Holder<'a> {
+    guard: &'a Guard,
+    scope: &'a Scope,
+    fence: Fence,
+    actor: &'a str,
+}
+
+impl Holder<'_> {
+    /// Applies one fenced call, retrying a store that does not answer for a few seconds (the
+    /// send may have run: a key left in flight is decided again after its lease). Answers
+    /// whether it took effect.
+    async fn apply(&self, mutation: Mutation) -> bool {
+        let op = mutation.name();
+        for attempt in 0..5u32 {
+            match self.guard.mutate_as(self.actor, self.scope, self.fence, mutation.clone()).await {
+                Ok(FencedOutcome::Applied(_)) => return true,
+                Ok(FencedOutcome::Stale(reason)) => {
+                    tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
+                    return false;
+                }
+                Err(onceguard_core::GuardError::Store(e)) => {
+                    tracing::warn!(error = %e, attempt, op, "the store did not answer; retrying");
+                    tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, op, scope = %self.scope, "a fenced call was refused");
+                    return false;
+                }
+            }
+        }
+        tracing::error!(op, scope = %self.scope, "the store did not answer; the key is decided again after its lease");
+        false
+    }
+
+    async fn complete(&self, answer: Vec<u8>) -> bool {
+        self.apply(Mutation::Complete(json_outcome(OutcomeKind::Success, answer))).await
+    }
+
+    async fn release(&self, why: &str) -> bool {
+        let outcome = Outcome { content_type: "text/plain".into(), ..json_outcome(OutcomeKind::Failure, why.into()) };
+        self.apply(Mutation::Fail { retryable: true, outcome }).await
+    }
+
+    async fn unknown(&self, why: &str) -> bool {
+        self.apply(Mutation::ReportUnknown(why.to_owned())).await
+    }
+
+    /// Delegates the key to `delegation`'s task, and holds it for the task lease.
+    async fn delegate(&self, delegation: &Delegation, task_lease: Duration) -> bool {
+        let name = CheckpointName::parse(DELEGATED).expect("a valid checkpoint name");
+        let recorded = self.apply(Mutation::Checkpoint { name, data: delegation.to_data() }).await;
+        if recorded {
+            self.apply(Mutation::Extend(task_lease)).await;
+        }
+        recorded
+    }
+}
+
+fn json_outcome(kind: OutcomeKind, body: Vec<u8>) -> Outcome {
+    Outcome {
+        kind,
+        content_type: "application/json".into(),
+        body,
+        cost: None,
+        tokens: None,
+        reconciled: false,
+        compensation: None,
+    }
+}
+
+/// A stored answer, as a duplicate gets it: marked replayed, or why it cannot be replayed.
+fn replayed(outcome: &Outcome) -> Result<Vec<u8>, ApiError> {
+    if outcome.content_type == NOT_STORED {
+        let detail = String::from_utf8_lossy(&outcome.body).into_owned();
+        return Err(ApiError::NotStored(format!("the send ran once; its answer was too large to store: {detail}")));
+    }
+    if outcome.content_type == onceguard_core::DIGEST_CONTENT_TYPE {
+        return Err(ApiError::NotStored(
+            "the send ran once; this namespace keeps a digest of answers, never their bytes".into(),
+        ));
+    }
+    match send::mark_replayed(&outcome.body) {
+        Some(value) => Ok(serde_json::to_vec(&value).unwrap_or_default()),
+        None => Err(ApiError::Internal("a stored answer could not be read".into())),
+    }
+}
+
+/// A send (`SendMessage`, `SendStreamingMessage`) through the guard.
+async fn send_message(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    parts: Parts,
+    id: Value,
+    params: Option<Value>,
+    method: Method,
+    era: Era,
+) -> Answered {
+    let streaming = method == Method::SendStreaming;
+    let mut parts = parts;
+    parts.headers.remove(CONTENT_LENGTH);
+    let header_key = parts.headers.get("idempotency-key").map(|v| v.to_str().map(str::to_owned));
+    let header_key = match header_key {
+        Some(Err(_)) => {
+            return (
+                json_response(error_message(Some(&id), -32602, "the Idempotency-Key header is not text")),
+                "refused",
+            );
+        }
+        Some(Ok(key)) => Some(key),
+        None => None,
+    };
+    let send = match Send::parse(params.as_ref(), header_key.as_deref(), &caller.actor, era) {
+        Ok(send) => send,
+        Err(why) => return (json_response(error_message(Some(&id), -32602, &why)), "refused"),
+    };
+    tracing::Span::current().record("a2a.message.id", send.message_id.as_str());
+    let run = match parts.headers.get(onceguard_mcp::call::RUN_HEADER).map(|v| v.to_str().map(RunId::parse)) {
+        None => None,
+        Some(Ok(Ok(run))) => Some(run),
+        Some(_) => {
+            let detail = format!("the {} header is not a valid run id", onceguard_mcp::call::RUN_HEADER);
+            return (rpc_error(&id, &ApiError::Invalid(detail)), "refused");
+        }
+    };
+    let scope = Scope::new(caller.tenant.clone(), gateway.sends_namespace(), send.key.clone());
+    let summary = Some(format!("A2A {} to {}", method.name(), gateway.options.upstream_name));
+    let claim = Claim { run, summary, ..Claim::new(scope, send.fingerprint) };
+    let guard = gateway.guard();
+    // Without waiting first: a key delegated to a task is answered with the task at once; a
+    // duplicate of a send still in flight upstream waits for its answer.
+    let mut outcome = match guard.claim(claim.clone()).await {
+        Ok(outcome) => outcome,
+        Err(e) => return (rpc_error(&id, &e.into()), "refused"),
+    };
+    if matches!(outcome, ClaimOutcome::InFlight(_)) {
+        match delegation_of(guard, &claim.scope).await {
+            Ok(Some(delegation)) => {
+                return from_task(gateway, caller, &parts, &id, &claim.scope, None, &delegation, streaming).await;
+            }
+            Ok(None) if !gateway.options.wait.is_zero() => {
+                let waiting = Claim { wait: Some(gateway.options.wait), ..claim.clone() };
+                outcome = match guard.claim(waiting).await {
+                    Ok(outcome) => outcome,
+                    Err(e) => return (rpc_error(&id, &e.into()), "refused"),
+                };
+                if matches!(outcome, ClaimOutcome::InFlight(_))
+                    && let Ok(Some(delegation)) = delegation_of(guard, &claim.scope).await
+                {
+                    return from_task(gateway, caller, &parts, &id, &claim.scope, None, &delegation, streaming).await;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => return (rpc_error(&id, &e.into()), "refused"),
+        }
+    }
+    match outcome {
+        ClaimOutcome::Replay(replay) => match replayed(&replay.outcome) {
+            Ok(result) => (answer_with(&id, &result, streaming), "replayed"),
+            Err(e @ ApiError::NotStored(_)) => (rpc_error(&id, &e), "replayed"),
+            Err(e) => (rpc_error(&id, &e), "refused"),
+        },
+        ClaimOutcome::InFlight(f) => {
+            (rpc_error(&id, &ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }), "in_flight")
+        }
+        ClaimOutcome::Mismatch => (rpc_error(&id, &ApiError::Mismatch), "mismatch"),
+        ClaimOutcome::Denied(denial) => (rpc_error(&id, &ApiError::Denied(denial)), "denied"),
+        ClaimOutcome::PendingApproval(pending) => {
+            let error = ApiError::PendingApproval {
+                approval: pending.approval.id.to_string(),
+                expires_at: pending.approval.expires_at.to_rfc3339(),
+                retry_after: pending.retry_after,
+            };
+            (rpc_error(&id, &error), "pending_approval")
+        }
+        // Observe mode: the send goes upstream holding nothing, and nothing is stored.
+        ClaimOutcome::Proceed(_) => (
+            gateway
+                .streams
+                .forward(Request::from_parts(parts, Body::from(params_body(&id, method, era, params))))
+                .await,
+            "observed",
+        ),
+        ClaimOutcome::Acquired(acquired) => {
+            // A recovery of a key whose send answered with a task: the task is asked, never
+            // sent again.
+            if let Some(delegation) =
+                acquired.recovery.as_ref().and_then(|r| r.last_checkpoint.as_ref()).and_then(Delegation::of_checkpoint)
+            {
+                return from_task(
+                    gateway,
+                    caller,
+                    &parts,
+                    &id,
+                    &claim.scope,
+                    Some(acquired.fence),
+                    &delegation,
+                    streaming,
+                )
+                .await;
+            }
+            let leg = Leg {
+                gateway: gateway.clone(),
+                scope: claim.scope,
+                fence: acquired.fence,
+                actor: caller.actor.clone(),
+                tenant: caller.tenant.clone(),
+                id: id.clone(),
+                era,
+                headers: forwarded_headers(&parts.headers),
+                lease: guard.clock().now().until(acquired.lease_expires_at),
+            };
+            let body = params_body(&id, method, era, params);
+            (leg.start(Request::from_parts(parts, Body::from(body)), streaming).await, "executed")
+        }
+    }
+}
+
+/// The request's body again, as parsed (what was classified is what is forwarded).
+fn params_body(id: &Value, method: Method, era: Era, params: Option<Value>) -> Vec<u8> {
+    let name = match (method, era) {
+        (Method::Send, Era::V03) => "message/send",
+        (Method::SendStreaming, Era::V03) => "message/stream",
+        (m, _) => m.name(),
+    };
+    let mut message = json!({ "jsonrpc": "2.0", "id": id, "method": name });
+    if let Some(params) = params {
+        message["params"] = params;
+    }
+    serde_json::to_vec(&message).unwrap_or_default()
+}
+
+async fn delegation_of(guard: &Guard, scope: &Scope) -> Result<Option<Delegation>, onceguard_core::GuardError> {
+    Ok(guard.get(scope).await?.as_ref().and_then(Delegation::of))
+}
+
+/// A duplicate (or a recovery, holding `fence`) of a send whose first answer was a task: the
+/// task as the upstream has it now (a terminal state completes the key; a recovery of a task
+/// still running delegates the key again); a streaming duplicate of a task still running
+/// attaches to it (`SubscribeToTask`). A task the upstream no longer knows leaves the outcome
+/// unknown: the send is never made again.
+#[allow(clippy::too_many_arguments)]
+async fn from_task(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    parts: &Parts,
+    id: &Value,
+    scope: &Scope,
+    fence: Option<Fence>,
+    delegation: &Delegation,
+    streaming: bool,
+) -> Answered {
+    let task = gateway.fetch_task(&parts.headers, &delegation.task, delegation.era).await;
+    let Some(task) = task else {
+        if let Some(fence) = fence {
+            let holder = Holder { guard: gateway.guard(), scope, fence, actor: &caller.actor };
+            holder.unknown("the task of the first send is no longer known upstream").await;
+        }
+        let detail = format!(
+            "the first send with this key started task {}, which the upstream does not answer for now; the send is \
+             not made again",
+            delegation.task
+        );
+        return (rpc_error(id, &ApiError::BadGateway(detail)), "refused");
+    };
+    let view = send::task_of(&task).unwrap_or(TaskView { id: delegation.task.clone(), state: None });
+    record_task(&view);
+    let answer = serde_json::to_vec(&send::as_send_answer(task, delegation.era)).unwrap_or_default();
+    if view.is_terminal() {
+        gateway.complete_delegated(&caller.tenant, scope, &delegation.task, &answer, &caller.actor).await;
+    } else if let Some(fence) = fence {
+        let holder = Holder { guard: gateway.guard(), scope, fence, actor: &caller.actor };
+        holder.delegate(delegation, gateway.options.task_lease).await;
+    }
+    if streaming && !view.is_terminal() {
+        let request = subscribe_request(parts, id, &delegation.task, delegation.era);
+        let response = gateway.streams.forward(request).await;
+        return (gateway.read_task_stream(caller, &parts.headers, response), "attached");
+    }
+    let marked = send::mark_replayed(&answer).map_or(answer, |v| serde_json::to_vec(&v).unwrap_or_default());
+    (answer_with(id, &marked, streaming), "replayed")
+}
+
+/// A `SubscribeToTask` (v0.3 `tasks/resubscribe`) of `task` with the caller's headers and id.
+fn subscribe_request(parts: &Parts, id: &Value, task: &str, era: Era) -> Request<Body> {
+    let method = if era == Era::V1 { "SubscribeToTask" } else { "tasks/resubscribe" };
+    let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": { "id": task } });
+    let mut request = Request::new(Body::from(body.to_string()));
+    *request.method_mut() = HttpMethod::POST;
+    *request.uri_mut() = parts.uri.clone();
+    *request.headers_mut() = forwarded_headers(&parts.headers);
+    request.headers_mut().insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
+    request
+}
+
+/// The caller's headers for a request the gateway makes on its behalf: its credentials and
+/// protocol headers, without the body's length, the key or compression.
+fn forwarded_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut headers = headers.clone();
+    for name in [CONTENT_LENGTH, ACCEPT_ENCODING] {
+        headers.remove(name);
+    }
+    headers.remove("idempotency-key");
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers
+}
+
+impl Gateway {
+    /// The task as the upstream answers `GetTask` for it now, with the caller's headers;
+    /// `None` when it does not (an error, not found, not reachable).
+    async fn fetch_task(&self, headers: &HeaderMap, task: &str, era: Era) -> Option<Value> {
+        let method = if era == Era::V1 { "GetTask" } else { "tasks/get" };
+        let id = json!("onceguard-get-task");
+        let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": { "id": task } });
+        let mut request = Request::new(Body::from(body.to_string()));
+        *request.method_mut() = HttpMethod::POST;
+        *request.uri_mut() = self.options.endpoint.parse().ok()?;
+        *request.headers_mut() = forwarded_headers(headers);
+        request.headers_mut().insert(ACCEPT, HeaderValue::from_static("application/json"));
+        let response = self.calls.forward(request).await;
+        if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+            return None;
+        }
+        let bytes = axum::body::to_bytes(response.into_body(), self.options.max_result_bytes + SLACK).await.ok()?;
+        let message = ResponseMessage::answering(&bytes, &id)?;
+        serde_json::from_str(message.result?.get()).ok()
+    }
+
+    /// Completes the send's key delegated to `task` with `answer` (a terminal task, in the
+    /// send's shape), fenced by the attempt that holds it: of several instances seeing the same
+    /// terminal state, one completes it, and a key that is no longer delegated to the task is
+    /// left alone.
+    async fn complete_delegated(&self, tenant: &TenantId, scope: &Scope, task: &str, answer: &[u8], actor: &str) {
+        let record = match self.guard().get(scope).await {
+            Ok(Some(record)) => record,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "the store did not answer; a terminal task did not complete its key yet");
+                return;
+            }
+        };
+        if Delegation::of(&record).is_none_or(|d| d.task != task) {
+            return;
+        }
+        let _ = tenant;
+        let holder = Holder { guard: self.guard(), scope, fence: record.fence, actor };
+        if holder.complete(answer.to_vec()).await {
+            tracing::info!(scope = %scope, task, "a terminal state completed the send's key");
+        }
+    }
+
+    /// A terminal `task` seen in an answer to `caller` (of `GetTask`, `CancelTask`, a stream):
+    /// completes the key of the send that started it, as its owner record names it.
+    async fn settle_terminal(&self, tenant: &TenantId, owner: &Owner, task: Value, actor: &str) {
+        let scope = Scope::new(tenant.clone(), self.sends_namespace(), owner.key.clone());
+        let Some(view) = send::task_of(&task) else { return };
+        let era = match self.guard().get(&scope).await {
+            Ok(Some(record)) => match Delegation::of(&record) {
+                Some(d) if d.task == view.id => d.era,
+                _ => return,
+            },
+            _ => return,
+        };
+        let answer = serde_json::to_vec(&send::as_send_answer(task, era)).unwrap_or_default();
+        self.complete_delegated(tenant, &scope, &view.id, &answer, actor).await;
+    }
+
+    /// Passes a task's event stream (`SubscribeToTask`, an attached duplicate) on as it comes,
+    /// reading it for a terminal state, which completes the send's key.
+    fn read_task_stream(
+        self: &Arc<Self>,
+        caller: &Caller,
+        headers: &HeaderMap,
+        response: Response<Body>,
+    ) -> Response<Body> {
+        if !is_event_stream(response.headers()) {
+            return response;
+        }
+        let (parts, body) = response.into_parts();
+        let (mut tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+        let gateway = self.clone();
+        let (tenant, actor, headers) = (caller.tenant.clone(), caller.actor.clone(), forwarded_headers(headers));
+        tokio::spawn(async move {
+            let mut reader = SseReader::new(gateway.options.max_result_bytes + SLACK);
+            let mut chunks = body.into_data_stream();
+            while let Some(chunk) = chunks.next().await {
+                let chunk = match chunk {
+                    Ok(chunk) => chunk,
+                    Err(e) => {
+                        let _ = tx.send(Err(io::Error::other(e))).await;
+                        return;
+                    }
+                };
+                for block in reader.push(&chunk) {
+                    if let Some(task) = block.data.as_deref().and_then(terminal_in_event) {
+                        gateway.terminal_seen(&tenant, &actor, &headers, &task).await;
+                    }
+                    let _ = tx.send(Ok(block.raw)).await;
+                }
+            }
+            if let Some(rest) = reader.finish() {
+                let _ = tx.send(Ok(rest)).await;
+            }
+        });
+        Response::from_parts(parts, Body::from_stream(rx))
+    }
+
+    /// A terminal state of task `task` seen on a stream: the task as the upstream has it then
+    /// completes the key of the send that started it.
+    async fn terminal_seen(&self, tenant: &TenantId, actor: &str, headers: &HeaderMap, task: &TaskView) {
+        let Ok(Some(owner)) = self.owner_of(tenant, &task.id).await else { return };
+        let scope = Scope::new(tenant.clone(), self.sends_namespace(), owner.key.clone());
+        let era = match self.guard().get(&scope).await {
+            Ok(Some(record)) => Delegation::of(&record).map_or(Era::V1, |d| d.era),
+            _ => Era::V1,
+        };
+        let full = self.fetch_task(headers, &task.id, era).await;
+        let full = full.unwrap_or_else(|| json!({ "id": task.id, "status": { "state": task.state } }));
+        self.settle_terminal(tenant, &owner, full, actor).await;
+    }
+}
+
+/// The task of an event whose state is terminal.
+fn terminal_in_event(data: &[u8]) -> Option<TaskView> {
+    let message: ResponseMessage = serde_json::from_slice(data).ok()?;
+    let result: Value = serde_json::from_str(message.result?.get()).ok()?;
+    match Answer::of(&result) {
+        Answer::Task(task) if task.is_terminal() => Some(task),
+        _ => None,
+    }
+}
+
+/// One send's trip to the upstream, run in a task of its own: a caller that disconnects never
+/// cancels it, and its answer settles the key.
+struct Leg {
+    gateway: Arc<Gateway>,
+    scope: Scope,
+    fence: Fence,
+    actor: String,
+    tenant: TenantId,
+    id: Value,
+    era: Era,
+    /// The caller's headers, for the gateway's own `GetTask` of the send's task.
+    headers: HeaderMap,
+    /// The lease, extended while the upstream works.
+    lease: Duration,
+}
+
+type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
+
+impl Leg {
+    async fn start(self, request: Request<Body>, streaming: bool) -> Response<Body> {
+        let (reply, answer) = oneshot::channel();
+        let id = self.id.clone();
+        tokio::spawn(self.run(request, reply, streaming));
+        match answer.await {
+            Ok(response) => response,
+            Err(_) => rpc_error(&id, &ApiError::Internal("the send's task ended without an answer".into())),
+        }
+    }
+
+    fn holder(&self) -> Holder<'_> {
+        Holder { guard: self.gateway.guard(), scope: &self.scope, fence: self.fence, actor: &self.actor }
+    }
+
+    async fn run(self, mut request: Request<Body>, reply: oneshot::Sender<Response<Body>>, streaming: bool) {
+        let gateway = self.gateway.clone();
+        let extender = tokio::spawn(gateway.guard().clone().keep_alive(self.scope.clone(), self.fence, self.lease));
+        // The answer is read, so it must come as it is: no compression.
+        request.headers_mut().remove(ACCEPT_ENCODING);
+        request.headers_mut().remove(CONTENT_LENGTH);
+        let upstream = if streaming { &gateway.streams } else { &gateway.calls };
+        let response = upstream.forward(request).await;
+        if let Some(failure) = response.extensions().get::<TransportFailure>().copied() {
+            extender.abort();
+            let error = match failure {
+                TransportFailure::NotSent => {
+                    self.holder().release("the upstream could not be reached").await;
+                    ApiError::BadGateway("the upstream could not be reached; the message was not sent".into())
+                }
+                TransportFailure::MaybeSent => ApiError::BadGateway(
+                    "the upstream failed after the message was sent; the key is held until its lease passes".into(),
+                ),
+                TransportFailure::TimedOut => ApiError::GatewayTimeout(
+                    "the upstream did not answer in time; the key is held until its lease passes".into(),
+                ),
+            };
+            let _ = reply.send(rpc_error(&self.id, &error));
+            return;
+        }
+        let status = response.status();
+        if !status.is_success() {
+            extender.abort();
+            if status.is_client_error() {
+                self.holder().release(&format!("the upstream refused the send (HTTP {status})")).await;
+            } else {
+                self.holder().unknown(&format!("the upstream answered HTTP {status}")).await;
+            }
+            let _ = reply.send(response);
+            return;
+        }
+        if is_event_stream(response.headers()) {
+            self.stream(response, extender, reply).await;
+        } else {
+            self.json(response, extender, reply).await;
+        }
+    }
+
+    /// A JSON answer: read whole (up to `a2a.max_result_bytes`), settled, then sent.
+    async fn json(
+        &self,
+        response: Response<Body>,
+        extender: tokio::task::JoinHandle<()>,
+        reply: oneshot::Sender<Response<Body>>,
+    ) {
+        let (parts, body) = response.into_parts();
+        let limit = self.gateway.options.max_result_bytes + SLACK;
+        let mut chunks = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(chunk) if bytes.len() + chunk.len() <= limit => bytes.extend_from_slice(&chunk),
+                Ok(chunk) => {
+                    // Too large to store: it goes to the caller as it comes; once it passed
+                    // whole, the key records its size and digest, so the send is never made again.
+                    let (tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+                    let _ = reply.send(Response::from_parts(parts, Body::from_stream(rx)));
+                    let mut out = tx;
+                    let mut seen = BodyDigest::default();
+                    for part in [Bytes::from(std::mem::take(&mut bytes)), chunk] {
+                        seen.add(&part);
+                        let _ = out.send(Ok(part)).await;
+                    }
+                    let whole = pump(chunks, &mut out, &mut seen).await;
+                    extender.abort();
+                    if whole {
+                        self.not_stored(seen).await;
+                    }
+                    return;
+                }
+                Err(e) => {
+                    extender.abort();
+                    tracing::warn!(error = %e, scope = %self.scope, "the upstream's answer broke off; the key is held until its lease passes");
+                    let error = ApiError::BadGateway(
+                        "the upstream failed after the message was sent; the key is held until its lease passes".into(),
+                    );
+                    let _ = reply.send(rpc_error(&self.id, &error));
+                    return;
+                }
+            }
+        }
+        extender.abort();
+        match ResponseMessage::answering(&bytes, &self.id) {
+            Some(message) => self.settle(&message).await,
+            None => {
+                self.holder().unknown("the upstream's answer was not the send's JSON-RPC response").await;
+            }
+        }
+        let mut parts = parts;
+        parts.headers.remove(CONTENT_LENGTH);
+        let _ = reply.send(Response::from_parts(parts, Body::from(bytes)));
+    }
+
+    async fn not_stored(&self, seen: BodyDigest) {
+        let omitted = seen.finish();
+        tracing::warn!(scope = %self.scope, size = omitted.size, "an answer too large to store went to the caller; its key records the size and digest");
+        self.gateway.state.metrics.observe_unstored_response(&self.scope.tenant);
+        let body = json!({ "size": omitted.size, "sha256": omitted.sha256 }).to_string().into_bytes();
+        let outcome = Outcome { content_type: NOT_STORED.into(), ..json_outcome(OutcomeKind::Success, body) };
+        self.holder().apply(Mutation::Complete(outcome)).await;
+    }
+
+    /// What the send's answer does to the key: a `Message` or a terminal task is stored; a task
+    /// still running is recorded as the caller's and the key delegated to it; an error that
+    /// means the send never ran releases the key; anything else leaves the outcome unknown.
+    async fn settle(&self, message: &ResponseMessage) {
+        match (&message.result, &message.error) {
+            (Some(result), _) => {
+                let value: Value = serde_json::from_str(result.get()).unwrap_or(Value::Null);
+                self.settle_result(&value, result.get().as_bytes()).await;
+            }
+            (None, Some(error)) if NEVER_RAN.contains(&error.code) => {
+                self.holder().release(&format!("the upstream refused the send (JSON-RPC error {})", error.code)).await;
+            }
+            (None, Some(error)) => {
+                self.holder().unknown(&format!("the upstream answered JSON-RPC error {}", error.code)).await;
+            }
+            (None, None) => {
+                self.holder().unknown("the upstream's answer carried no result").await;
+            }
+        }
+    }
+
+    /// Settles a result (of a send, or of a stream's event); answers whether the key is
+    /// decided (stored, delegated or given up on) — a stream's later events are then only
+    /// read for a terminal state.
+    async fn settle_result(&self, value: &Value, raw: &[u8]) -> bool {
+        match Answer::of(value) {
+            Answer::Message => self.store(raw.to_vec()).await,
+            Answer::Task(task) => {
+                record_task(&task);
+                let owner = Owner { caller: self.actor.clone(), key: self.scope.key.clone() };
+                if let Err(e) = self.gateway.record_owner(&self.tenant, &task.id, &owner).await {
+                    tracing::error!(task = %task.id, error = %e, "the task's owner could not be recorded; the caller cannot read the task through the gateway");
+                    if matches!(e, OwnerError::Taken) {
+                        self.holder().unknown("the upstream answered with another caller's task").await;
+                        return true;
+                    }
+                }
+                if task.is_terminal() {
+                    return self.store(raw.to_vec()).await;
+                }
+                let delegation = Delegation { task: task.id, era: self.era };
+                self.holder().delegate(&delegation, self.gateway.options.task_lease).await
+            }
+            Answer::Other => self.holder().unknown("the upstream's result was neither a Task nor a Message").await,
+        }
+    }
+
+    async fn store(&self, answer: Vec<u8>) -> bool {
+        if answer.len() > self.gateway.guard().limits().max_outcome_bytes {
+            let mut seen = BodyDigest::default();
+            seen.add(&answer);
+            self.not_stored(seen).await;
+            return true;
+        }
+        self.holder().complete(answer).await
+    }
+
+    /// An event stream: passed on as it comes; its first task delegates the key, a terminal
+    /// state (or a `Message`) completes it.
+    async fn stream(
+        &self,
+        response: Response<Body>,
+        extender: tokio::task::JoinHandle<()>,
+        reply: oneshot::Sender<Response<Body>>,
+    ) {
+        let (parts, body) = response.into_parts();
+        let (mut out, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+        let _ = reply.send(Response::from_parts(parts, Body::from_stream(rx)));
+        let mut reader = SseReader::new(self.gateway.options.max_result_bytes + SLACK);
+        let mut chunks = body.into_data_stream();
+        let mut delegated: Option<String> = None;
+        let mut settled = false;
+        let mut extender = Some(extender);
+        while let Some(chunk) = chunks.next().await {
+            let chunk = match chunk {
+                Ok(chunk) => chunk,
+                Err(e) => {
+                    let _ = out.send(Err(io::Error::other(e))).await;
+                    break;
+                }
+            };
+            for block in reader.push(&chunk) {
+                if !settled && let Some(data) = block.data.as_deref() {
+                    settled = self.stream_event(data, &mut delegated).await;
+                    if (settled || delegated.is_some())
+                        && let Some(extender) = extender.take()
+                    {
+                        extender.abort();
+                    }
+                }
+                let _ = out.send(Ok(block.raw)).await;
+            }
+        }
+        if let Some(rest) = reader.finish() {
+            let _ = out.send(Ok(rest)).await;
+        }
+        if let Some(extender) = extender {
+            extender.abort();
+        }
+        if !settled && delegated.is_none() {
+            tracing::warn!(scope = %self.scope, "the upstream's event stream ended before its first task or message; the key is held until its lease passes");
+        }
+    }
+
+    /// One event of the send's stream; answers whether the key is settled for good.
+    async fn stream_event(&self, data: &[u8], delegated: &mut Option<String>) -> bool {
+        let Some(message) = ResponseMessage::answering(data, &self.id) else { return false };
+        let Some(result) = &message.result else {
+            if delegated.is_none() {
+                self.settle(&message).await;
+                return true;
+            }
+            return false;
+        };
+        let value: Value = serde_json::from_str(result.get()).unwrap_or(Value::Null);
+        match Answer::of(&value) {
+            Answer::Task(task) if delegated.is_none() && !task.is_terminal() => {
+                if self.settle_result(&value, result.get().as_bytes()).await {
+                    *delegated = Some(task.id);
+                }
+                false
+            }
+            Answer::Task(task) if task.is_terminal() => {
+                if delegated.is_none() {
+                    let owner = Owner { caller: self.actor.clone(), key: self.scope.key.clone() };
+                    let _ = self.gateway.record_owner(&self.tenant, &task.id, &owner).await;
+                }
+                let full = self.gateway.fetch_task(&self.headers, &task.id, self.era).await;
+                let full = full.unwrap_or_else(|| json!({ "id": task.id, "status": { "state": task.state } }));
+                let answer = serde_json::to_vec(&send::as_send_answer(full, self.era)).unwrap_or_default();
+                self.store(answer).await
+            }
+            Answer::Message if delegated.is_none() => self.store(result.get().as_bytes().to_vec()).await,
+            _ => false,
+        }
+    }
+}
+
+/// Sends a body's chunks on until it ends, adding each to `seen`; answers whether it ended
+/// whole. A caller that left does not stop the reading.
+async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, seen: &mut BodyDigest) -> bool {
+    while let Some(chunk) = chunks.next().await {
+        match chunk {
+            Ok(chunk) => {
+                seen.add(&chunk);
+                let _ = out.send(Ok(chunk)).await;
+            }
+            Err(e) => {
+                let _ = out.send(Err(io::Error::other(e))).await;
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// A task method (`GetTask`, `CancelTask`, `SubscribeToTask`, the push notification
+/// configurations): the caller's own task only (a tenant's admin: any of the tenant's); a
+/// terminal state in the answer completes the send's key.
+#[allow(clippy::too_many_arguments)]
+async fn task_method(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    parts: Parts,
+    body: Bytes,
+    id: Value,
+    params: Option<Value>,
+    method: Method,
+    era: Era,
+) -> Answered {
+    let _ = era;
+    let Some(task) = send::task_param(method, params.as_ref()) else {
+        return (json_response(error_message(Some(&id), -32602, "the request names no task (params.id)")), "refused");
+    };
+    tracing::Span::current().record("a2a.task.id", task.as_str());
+    let owner = match gateway.owner_of(&caller.tenant, &task).await {
+        Ok(owner) => owner,
+        Err(OwnerError::Guard(e)) => return (rpc_error(&id, &e.into()), "refused"),
+        Err(e) => return (rpc_error(&id, &ApiError::Internal(e.to_string())), "refused"),
+    };
+    let mine = owner.as_ref().is_some_and(|o| o.caller == caller.actor);
+    if !mine && !caller.admin {
+        tracing::info!(task, "refused a task method for a task the caller did not create through the gateway");
+        return (json_response(error_message(Some(&id), TASK_NOT_FOUND, "task not found")), "refused");
+    }
+    let request = Request::from_parts(parts, Body::from(body));
+    match method {
+        Method::Subscribe => {
+            let headers = request.headers().clone();
+            let response = gateway.streams.forward(request).await;
+            (gateway.read_task_stream(caller, &headers, response), "forwarded")
+        }
+        Method::GetTask | Method::CancelTask => {
+            let mut request = request;
+            request.headers_mut().remove(ACCEPT_ENCODING);
+            let response = gateway.calls.forward(request).await;
+            if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+                return (response, "forwarded");
+            }
+            let (mut parts, body) = response.into_parts();
+            let Ok(bytes) = axum::body::to_bytes(body, gateway.options.max_result_bytes + SLACK).await else {
+                return (
+                    rpc_error(&id, &ApiError::BadGateway("the upstream's answer broke off or was too large".into())),
+                    "refused",
+                );
+            };
+            if let Some(owner) = owner
+                && let Some(result) = ResponseMessage::answering(&bytes, &id).and_then(|m| m.result)
+                && let Ok(task_value) = serde_json::from_str::<Value>(result.get())
+                && let Some(view) = send::task_of(&task_value)
+            {
+                record_task(&view);
+                if view.is_terminal() {
+                    gateway.settle_terminal(&caller.tenant, &owner, task_value, &caller.actor).await;
+                }
+            }
+            parts.headers.remove(CONTENT_LENGTH);
+            (Response::from_parts(parts, Body::from(bytes)), "forwarded")
+        }
+        _ => (gateway.calls.forward(request).await, "forwarded"),
+    }
+}
+
+/// `ListTasks`: the upstream's page, with only the caller's own tasks (an admin's: all).
+async fn list_tasks(gateway: &Arc<Gateway>, caller: &Caller, parts: Parts, body: Bytes) -> Response<Body> {
+    let mut request = Request::from_parts(parts, Body::from(body));
+    request.headers_mut().remove(ACCEPT_ENCODING);
+    let response = gateway.calls.forward(request).await;
+    if caller.admin || !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_CARD_BYTES.max(gateway.options.max_result_bytes)).await else {
+        return json_response(error_message(None, -32603, "the upstream's task listing broke off or was too large"));
+    };
+    let Ok(mut message) = serde_json::from_slice::<Value>(&bytes) else {
+        return json_response(error_message(None, -32603, "the upstream's task listing was not JSON"));
+    };
+    let request_id = message.get("id").cloned().unwrap_or(Value::Null);
+    if let Some(tasks) = message.get_mut("result").and_then(|r| r.get_mut("tasks")).and_then(Value::as_array_mut) {
+        let mut kept = Vec::with_capacity(tasks.len());
+        for task in tasks.drain(..) {
+            let Some(id) = task.get("id").and_then(Value::as_str) else { continue };
+            match gateway.owner_of(&caller.tenant, id).await {
+                Ok(Some(owner)) if owner.caller == caller.actor => kept.push(task),
+                Ok(_) => {}
+                Err(e) => {
+                    let error = match e {
+                        OwnerError::Guard(e) => e.into(),
+                        other => ApiError::Internal(other.to_string()),
+                    };
+                    return rpc_error(&request_id, &error);
+                }
+            }
+        }
+        *tasks = kept;
+        // The upstream's count is of every caller's tasks.
+        if let Some(result) = message.get_mut("result").and_then(Value::as_object_mut) {
+            result.remove("totalSize");
+        }
+    }
+    parts.headers.remove(CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(serde_json::to_vec(&message).unwrap_or_default()))
+}
+
+impl Gateway {
+    /// The upstream's agent card, its interfaces that name the upstream naming the gateway
+    /// (the URL the caller reached it at: its `Host`, `https` where the listener serves TLS).
+    /// Skills and everything else are untouched; a card that is not JSON passes as it is.
+    async fn card(&self, request: Request<Body>) -> Response<Body> {
+        let host = request.headers().get(HOST).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (mut parts, body) = request.into_parts();
+        parts.headers.remove(&self.options.api_key_header);
+        parts.headers.remove(ACCEPT_ENCODING);
+        let response = self.calls.forward(Request::from_parts(parts, body)).await;
+        let Some(host) = host else { return response };
+        if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+            return response;
+        }
+        let (mut parts, body) = response.into_parts();
+        let Ok(bytes) = axum::body::to_bytes(body, MAX_CARD_BYTES).await else {
+            return ApiError::BadGateway("the upstream's agent card broke off or was too large".into()).into_response();
+        };
+        let Ok(mut card) = serde_json::from_slice::<Value>(&bytes) else {
+            return Response::from_parts(parts, Body::from(bytes));
+        };
+        let scheme = if self.tls { "https" } else { "http" };
+        let ours = format!("{scheme}://{host}{}", self.options.endpoint);
+        rewrite_card(&mut card, &self.options.upstream, &ours);
+        parts.headers.remove(CONTENT_LENGTH);
+        parts.headers.remove(ETAG);
+        Response::from_parts(parts, Body::from(serde_json::to_vec(&card).unwrap_or_default()))
+    }
+}
+
+/// Makes the card's interface URLs that name `upstream` (its origin, and a path under it) name
+/// `ours` instead: v1.0 `supportedInterfaces[].url`, v0.3 `url` and `additionalInterfaces[].url`.
+fn rewrite_card(card: &mut Value, upstream: &reqwest::Url, ours: &str) {
+    let base = upstream.as_str().trim_end_matches('/').to_owned();
+    let origin = upstream.origin().ascii_serialization();
+    let rewrite = |url: &mut Value| {
+        let Some(text) = url.as_str() else { return };
+        let trimmed = text.trim_end_matches('/');
+        if trimmed == base || trimmed == origin {
+            *url = Value::String(ours.to_owned());
+        } else if let Some(rest) = text.strip_prefix(&origin).filter(|r| r.starts_with('/')) {
+            let ours_origin = ours.split('/').take(3).collect::<Vec<_>>().join("/");
+            *url = Value::String(format!("{ours_origin}{rest}"));
+        }
+    };
+    if let Some(url) = card.get_mut("url") {
+        rewrite(url);
+    }
+    for list in ["supportedInterfaces", "additionalInterfaces"] {
+        if let Some(interfaces) = card.get_mut(list).and_then(Value::as_array_mut) {
+            for interface in interfaces {
+                if let Some(url) = interface.get_mut("url") {
+                    rewrite(url);
+                }
+            }
+        }
+    }
+}
+
+/// The service for [`axum::Router::fallback_service`].
+pub fn service(gateway: Arc<Gateway>) -> axum::Router {
+    axum::Router::new().fallback(handle).with_state(gateway)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_card_names_the_gateway_where_it_named_the_upstream() {
+        let upstream = reqwest::Url::parse("http://127.0.0.1:9999/").unwrap();
+        let mut card = json!({
+            "name": "agent",
+            "url": "http://127.0.0.1:9999/",
+            "supportedInterfaces": [
+                {"url": "http://127.0.0.1:9999", "protocolBinding": "JSONRPC"},
+                {"url": "http://127.0.0.1:9999/rest", "protocolBinding": "HTTP+JSON"},
+                {"url": "https://elsewhere.example/a2a", "protocolBinding": "JSONRPC"},
+            ],
+            "skills": [{"id": "s", "name": "Skill", "examples": ["http://127.0.0.1:9999/"]}],
+        });
+        let skills = card["skills"].clone();
+        rewrite_card(&mut card, &upstream, "http://gw.local:8083/");
+        assert_eq!(card["url"], "http://gw.local:8083/");
+        assert_eq!(card["supportedInterfaces"][0]["url"], "http://gw.local:8083/");
+        assert_eq!(card["supportedInterfaces"][1]["url"], "http://gw.local:8083/rest");
+        assert_eq!(card["supportedInterfaces"][2]["url"], "https://elsewhere.example/a2a", "another host is kept");
+        assert_eq!(card["skills"], skills, "skills are never rewritten");
+    }
+
+    #[test]
+    fn a_delegation_reads_back_as_written() {
+        let delegation = Delegation { task: "t-1".into(), era: Era::V03 };
+        let checkpoint = onceguard_core::Checkpoint {
+            name: CheckpointName::parse(DELEGATED).unwrap(),
+            data: delegation.to_data(),
+            fence: Fence(1),
+            at: onceguard_core::Timestamp(0),
+        };
+        assert_eq!(Delegation::of_checkpoint(&checkpoint), Some(delegation));
+    }
+
+    #[test]
+    fn the_forwarded_body_is_the_classified_request() {
+        let body = params_body(&json!(7), Method::Send, Era::V03, Some(json!({"message": {"messageId": "m"}})));
+        let value: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            value,
+            json!({"jsonrpc": "2.0", "id": 7, "method": "message/send", "params": {"message": {"messageId": "m"}}})
+        );
+    }
+}
