@@ -123,7 +123,7 @@ impl Gateway {
         self.state.metrics.observe_a2a_request(tenant, &self.options.upstream_name, method.name(), outcome);
     }
 
-    fn sends_namespace(&self) -> Namespace {
+    pub(crate) fn sends_namespace(&self) -> Namespace {
         Namespace::parse(&format!("a2a/{}", self.options.upstream_name)).expect("an upstream name is one segment")
     }
 }
@@ -301,9 +301,9 @@ type Answered = (Response<Body>, &'static str);
 
 /// What the store keeps of a key delegated to a task (the data of its [`DELEGATED`] checkpoint).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Delegation {
-    task: String,
-    era: Era,
+pub(crate) struct Delegation {
+    pub(crate) task: String,
+    pub(crate) era: Era,
 }
 
 impl Delegation {
@@ -313,7 +313,7 @@ impl Delegation {
     }
 
     /// The delegation of a record still in flight, from its last checkpoint.
-    fn of(record: &Record) -> Option<Self> {
+    pub(crate) fn of(record: &Record) -> Option<Self> {
         if record.state != RecordState::InProgress {
             return None;
         }
@@ -448,6 +448,22 @@ async fn send_message(
         Err(why) => return (json_response(error_message(Some(&id), -32602, &why)), "refused"),
     };
     tracing::Span::current().record("a2a.message.id", send.message_id.as_str());
+    // A continuation names a task: the caller's own only (an admin's: any of the tenant's).
+    if let Some(task) = &send.task_id {
+        tracing::Span::current().record("a2a.task.id", task.as_str());
+        match gateway.owner_of(&caller.tenant, task).await {
+            Ok(Some(owner)) if owner.caller == caller.actor || caller.admin => {}
+            Ok(_) => {
+                tracing::info!(
+                    task,
+                    "refused a message continuing a task the caller did not create through the gateway"
+                );
+                return (json_response(error_message(Some(&id), TASK_NOT_FOUND, "task not found")), "refused");
+            }
+            Err(OwnerError::Guard(e)) => return (rpc_error(&id, &e.into()), "refused"),
+            Err(e) => return (rpc_error(&id, &ApiError::Internal(e.to_string())), "refused"),
+        }
+    }
     let run = match parts.headers.get(onceguard_mcp::call::RUN_HEADER).map(|v| v.to_str().map(RunId::parse)) {
         None => None,
         Some(Ok(Ok(run))) => Some(run),
@@ -657,6 +673,35 @@ impl Gateway {
         let bytes = axum::body::to_bytes(response.into_body(), self.options.max_result_bytes + SLACK).await.ok()?;
         let message = ResponseMessage::answering(&bytes, &id)?;
         serde_json::from_str(message.result?.get()).ok()
+    }
+
+    /// Sends `CancelTask` for `delegation`'s task, as the gateway (no caller's credentials);
+    /// answers whether the upstream answered with the task.
+    pub(crate) async fn cancel_task(&self, delegation: &Delegation) -> bool {
+        let (method, version) = if delegation.era == Era::V1 { ("CancelTask", "1.0") } else { ("tasks/cancel", "0.3") };
+        let id = json!("onceguard-cancel-task");
+        let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": { "id": delegation.task } });
+        let mut request = Request::new(Body::from(body.to_string()));
+        *request.method_mut() = HttpMethod::POST;
+        let Ok(uri) = self.options.endpoint.parse() else { return false };
+        *request.uri_mut() = uri;
+        let headers = request.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
+        headers.insert("a2a-version", HeaderValue::from_static(version));
+        let response = self.calls.forward(request).await;
+        if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+            tracing::warn!(task = %delegation.task, status = %response.status(), "the upstream did not cancel a revoked key's task");
+            return false;
+        }
+        let Ok(bytes) = axum::body::to_bytes(response.into_body(), self.options.max_result_bytes + SLACK).await else {
+            return false;
+        };
+        let answered = ResponseMessage::answering(&bytes, &id).is_some_and(|m| m.result.is_some());
+        if !answered {
+            tracing::warn!(task = %delegation.task, "the upstream refused to cancel a revoked key's task");
+        }
+        answered
     }
 
     /// Completes the send's key delegated to `task` with `answer` (a terminal task, in the
@@ -932,21 +977,39 @@ impl Leg {
             Answer::Message => self.store(raw.to_vec()).await,
             Answer::Task(task) => {
                 record_task(&task);
-                let owner = Owner { caller: self.actor.clone(), key: self.scope.key.clone() };
-                if let Err(e) = self.gateway.record_owner(&self.tenant, &task.id, &owner).await {
-                    tracing::error!(task = %task.id, error = %e, "the task's owner could not be recorded; the caller cannot read the task through the gateway");
-                    if matches!(e, OwnerError::Taken) {
-                        self.holder().unknown("the upstream answered with another caller's task").await;
-                        return true;
-                    }
-                }
+                let Some(owner) = self.own_task(&task).await else { return true };
                 if task.is_terminal() {
-                    return self.store(raw.to_vec()).await;
+                    let stored = self.store(raw.to_vec()).await;
+                    // A continuation that ended the task ends the first send's key too.
+                    if owner.key != self.scope.key {
+                        let inner = value.get("task").cloned().unwrap_or_else(|| value.clone());
+                        self.gateway.settle_terminal(&self.tenant, &owner, inner, &self.actor).await;
+                    }
+                    return stored;
                 }
                 let delegation = Delegation { task: task.id, era: self.era };
                 self.holder().delegate(&delegation, self.gateway.options.task_lease).await
             }
             Answer::Other => self.holder().unknown("the upstream's result was neither a Task nor a Message").await,
+        }
+    }
+
+    /// Records the task as the caller's (a new task) or finds it recorded (a continuation);
+    /// answers its owner, or `None` when the key was given up on (the upstream answered with
+    /// another caller's task: the outcome is unknown).
+    async fn own_task(&self, task: &TaskView) -> Option<Owner> {
+        let owner = Owner { caller: self.actor.clone(), key: self.scope.key.clone() };
+        match self.gateway.record_owner(&self.tenant, &task.id, &owner).await {
+            Ok(owner) => Some(owner),
+            Err(OwnerError::Taken) => {
+                tracing::error!(task = %task.id, "the upstream answered a send with another caller's task");
+                self.holder().unknown("the upstream answered with another caller's task").await;
+                None
+            }
+            Err(e) => {
+                tracing::error!(task = %task.id, error = %e, "the task's owner could not be recorded; the caller cannot read the task through the gateway");
+                Some(owner)
+            }
         }
     }
 
@@ -1026,14 +1089,15 @@ impl Leg {
                 false
             }
             Answer::Task(task) if task.is_terminal() => {
-                if delegated.is_none() {
-                    let owner = Owner { caller: self.actor.clone(), key: self.scope.key.clone() };
-                    let _ = self.gateway.record_owner(&self.tenant, &task.id, &owner).await;
-                }
+                let Some(owner) = self.own_task(&task).await else { return true };
                 let full = self.gateway.fetch_task(&self.headers, &task.id, self.era).await;
                 let full = full.unwrap_or_else(|| json!({ "id": task.id, "status": { "state": task.state } }));
-                let answer = serde_json::to_vec(&send::as_send_answer(full, self.era)).unwrap_or_default();
-                self.store(answer).await
+                let answer = serde_json::to_vec(&send::as_send_answer(full.clone(), self.era)).unwrap_or_default();
+                let stored = self.store(answer).await;
+                if owner.key != self.scope.key {
+                    self.gateway.settle_terminal(&self.tenant, &owner, full, &self.actor).await;
+                }
+                stored
             }
             Answer::Message if delegated.is_none() => self.store(result.get().as_bytes().to_vec()).await,
             _ => false,

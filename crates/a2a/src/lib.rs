@@ -25,6 +25,7 @@
 //!   state).
 //! - [`gateway`](mod@gateway): the handler.
 //! - `owners`: who created each task (a record per task in the store).
+//! - `revoked`: the tasks of keys a kill switch revoked, cancelled upstream.
 
 #![forbid(unsafe_code)]
 
@@ -41,6 +42,7 @@ use tokio::net::TcpListener;
 
 pub mod gateway;
 mod owners;
+mod revoked;
 pub mod send;
 
 pub use gateway::Gateway;
@@ -129,7 +131,9 @@ pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, Invalid
     let origin = options.upstream.origin().ascii_serialization();
     let calls = Upstream::new(&origin, config.a2a.upstream_timeout)?;
     let streams = Upstream::new(&origin, config.a2a.stream_timeout)?;
-    Ok(Arc::new(Gateway::new(state, options, calls, streams, config.tls.cert.is_some())))
+    let gateway = Arc::new(Gateway::new(state, options, calls, streams, config.tls.cert.is_some()));
+    revoked::watch(&gateway);
+    Ok(gateway)
 }
 
 /// Serves the gateway on `listener` until `shutdown`, then lets requests in flight finish (at

@@ -77,17 +77,19 @@ impl Gateway {
         Scope::new(tenant.clone(), namespace, key)
     }
 
-    /// Records that `owner` created `task` (again, harmlessly, when it did already). The record
-    /// replays for as long as the send's answer does.
-    pub(crate) async fn record_owner(&self, tenant: &TenantId, task: &str, owner: &Owner) -> Result<(), OwnerError> {
+    /// Records that `owner` created `task`, and answers the task's owner as recorded: `owner`,
+    /// or the first send's when the task was recorded before (a continuation of the task, a
+    /// second instance seeing the same answer). The record is claimed with the fingerprint of
+    /// the caller alone: another caller's claim of it is a mismatch ([`OwnerError::Taken`]).
+    /// It replays for as long as the send's answer does.
+    pub(crate) async fn record_owner(&self, tenant: &TenantId, task: &str, owner: &Owner) -> Result<Owner, OwnerError> {
         let guard = self.guard();
         let scope = self.task_scope(tenant, task);
-        let claim = Claim {
-            retention: Some(self.options.retention),
-            ..Claim::new(scope, Fingerprint::of_json(&owner.to_json()))
-        };
+        let fingerprint = Fingerprint::of_json(&json!({ "caller": owner.caller }));
+        let claim = Claim { retention: Some(self.options.retention), ..Claim::new(scope, fingerprint) };
         match guard.claim(claim.clone()).await? {
-            ClaimOutcome::Replay(_) => Ok(()),
+            ClaimOutcome::Replay(replay) => Owner::from_json(&replay.outcome.body)
+                .ok_or_else(|| OwnerError::Refused("a task's record could not be read".into())),
             ClaimOutcome::Mismatch => Err(OwnerError::Taken),
             ClaimOutcome::Acquired(acquired) => {
                 let outcome = Outcome {
@@ -100,14 +102,14 @@ impl Gateway {
                     compensation: None,
                 };
                 match guard.mutate_as(&owner.caller, &claim.scope, acquired.fence, Mutation::Complete(outcome)).await? {
-                    onceguard_core::FencedOutcome::Applied(_) => Ok(()),
+                    onceguard_core::FencedOutcome::Applied(_) => Ok(owner.clone()),
                     onceguard_core::FencedOutcome::Stale(reason) => {
                         Err(OwnerError::Refused(format!("the task's record was taken over: {reason:?}")))
                     }
                 }
             }
-            // Another instance is writing the same record: it is the same send's.
-            ClaimOutcome::InFlight(_) => Ok(()),
+            // Another instance is writing the same caller's record of it, now.
+            ClaimOutcome::InFlight(_) => Ok(owner.clone()),
             other => Err(OwnerError::Refused(format!("the task's record was not written: {other:?}"))),
         }
     }
