@@ -1,6 +1,6 @@
-"""What the MCP end-to-end suites share (the standard library only, so that each suite's own
-virtualenv can import it): the binary, free ports, the operator CLI, and `onceguard mcp`
-processes.
+"""What the MCP and A2A end-to-end suites share (the standard library only, so that each suite's
+own virtualenv can import it): the binary, free ports, the operator CLI, and gateway processes
+(`onceguard mcp`, `onceguard a2a`).
 """
 
 import json
@@ -43,14 +43,16 @@ def onceguard(store: str, *args: str) -> str:
 
 
 class Gateway:
-    """A running `onceguard mcp` process on `store` in front of `upstream`, with `args` added."""
+    """A running gateway process (`onceguard mcp`, or `command`) on `store` in front of
+    `upstream`, with `args` added; its `url` is the address it logged with `path` (the endpoint)."""
 
-    def __init__(self, store: str, upstream: str, workdir: str, name: str, *args: str) -> None:
-        command = [
-            str(BINARY), "--log-format", "json", "--store", store, "mcp", "--listen", "127.0.0.1:0",
+    def __init__(self, store: str, upstream: str, workdir: str, name: str, *args: str, command: str = "mcp",
+                 path: str = "/mcp") -> None:
+        command_line = [
+            str(BINARY), "--log-format", "json", "--store", store, command, "--listen", "127.0.0.1:0",
             "--upstream", upstream, "--upstream-name", name, *args,
         ]
-        self.process = subprocess.Popen(command, cwd=workdir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.process = subprocess.Popen(command_line, cwd=workdir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.logs: list[str] = []
         found = threading.Event()
         self.url = ""
@@ -63,7 +65,7 @@ class Gateway:
                 except ValueError:
                     continue
                 if "addr" in event and not found.is_set():
-                    self.url = f"http://{event['addr']}/mcp"
+                    self.url = f"http://{event['addr']}{path}"
                     found.set()
 
         threading.Thread(target=read, daemon=True).start()

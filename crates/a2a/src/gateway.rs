@@ -1262,32 +1262,39 @@ impl Gateway {
     }
 }
 
-/// Makes the card's interface URLs that name `upstream` (its origin, and a path under it) name
-/// `ours` instead: v1.0 `supportedInterfaces[].url`, v0.3 `url` and `additionalInterfaces[].url`.
+/// Makes the card name the gateway where it named the upstream: an interface of the upstream's
+/// JSON-RPC endpoint (v1.0 `supportedInterfaces[]`, v0.3 `additionalInterfaces[]`) gets `ours`
+/// as its URL; another interface of the upstream (its HTTP+JSON or gRPC binding, another path),
+/// which the gateway does not serve, is dropped, so that no client picks a way around it or one
+/// that is refused. A v0.3 card's own `url` of the upstream becomes `ours`, its preferred
+/// transport JSON-RPC. Interfaces of other hosts, skills and everything else are kept.
 fn rewrite_card(card: &mut Value, upstream: &reqwest::Url, ours: &str) {
-    let base = upstream.as_str().trim_end_matches('/').to_owned();
+    let endpoint = upstream.as_str().trim_end_matches('/').to_owned();
     let origin = upstream.origin().ascii_serialization();
-    let rewrite = |url: &mut Value| {
-        let Some(text) = url.as_str() else { return };
-        let trimmed = text.trim_end_matches('/');
-        if trimmed == base || trimmed == origin {
-            *url = Value::String(ours.to_owned());
-        } else if let Some(rest) = text.strip_prefix(&origin).filter(|r| r.starts_with('/')) {
-            let ours_origin = ours.split('/').take(3).collect::<Vec<_>>().join("/");
-            *url = Value::String(format!("{ours_origin}{rest}"));
+    let names_upstream = |url: &str| url == origin || url.starts_with(&format!("{origin}/"));
+    let is_endpoint = |url: &str| url.trim_end_matches('/') == endpoint;
+    if let Some(url) = card.get("url").and_then(Value::as_str).map(str::to_owned)
+        && names_upstream(&url)
+    {
+        card["url"] = Value::String(ours.to_owned());
+        if card.get("preferredTransport").and_then(Value::as_str).is_some_and(|t| t != "JSONRPC") {
+            card["preferredTransport"] = Value::String("JSONRPC".into());
         }
-    };
-    if let Some(url) = card.get_mut("url") {
-        rewrite(url);
     }
-    for list in ["supportedInterfaces", "additionalInterfaces"] {
-        if let Some(interfaces) = card.get_mut(list).and_then(Value::as_array_mut) {
-            for interface in interfaces {
-                if let Some(url) = interface.get_mut("url") {
-                    rewrite(url);
-                }
+    for (list, binding) in [("supportedInterfaces", "protocolBinding"), ("additionalInterfaces", "transport")] {
+        let Some(interfaces) = card.get_mut(list).and_then(Value::as_array_mut) else { continue };
+        interfaces.retain_mut(|interface| {
+            let Some(url) = interface.get("url").and_then(Value::as_str).map(str::to_owned) else { return true };
+            if !names_upstream(&url) {
+                return true;
             }
-        }
+            let json_rpc = interface.get(binding).and_then(Value::as_str).is_none_or(|b| b == "JSONRPC");
+            if json_rpc && is_endpoint(&url) {
+                interface["url"] = Value::String(ours.to_owned());
+                return true;
+            }
+            false
+        });
     }
 }
 
@@ -1305,21 +1312,36 @@ mod tests {
         let upstream = reqwest::Url::parse("http://127.0.0.1:9999/").unwrap();
         let mut card = json!({
             "name": "agent",
-            "url": "http://127.0.0.1:9999/",
             "supportedInterfaces": [
                 {"url": "http://127.0.0.1:9999", "protocolBinding": "JSONRPC"},
                 {"url": "http://127.0.0.1:9999/rest", "protocolBinding": "HTTP+JSON"},
+                {"url": "http://127.0.0.1:9999/other", "protocolBinding": "JSONRPC"},
                 {"url": "https://elsewhere.example/a2a", "protocolBinding": "JSONRPC"},
             ],
             "skills": [{"id": "s", "name": "Skill", "examples": ["http://127.0.0.1:9999/"]}],
         });
         let skills = card["skills"].clone();
         rewrite_card(&mut card, &upstream, "http://gw.local:8083/");
-        assert_eq!(card["url"], "http://gw.local:8083/");
-        assert_eq!(card["supportedInterfaces"][0]["url"], "http://gw.local:8083/");
-        assert_eq!(card["supportedInterfaces"][1]["url"], "http://gw.local:8083/rest");
-        assert_eq!(card["supportedInterfaces"][2]["url"], "https://elsewhere.example/a2a", "another host is kept");
+        let urls: Vec<_> = card["supportedInterfaces"].as_array().unwrap().iter().map(|i| i["url"].clone()).collect();
+        assert_eq!(
+            urls,
+            [json!("http://gw.local:8083/"), json!("https://elsewhere.example/a2a")],
+            "the endpoint names the gateway; the upstream's other interfaces are dropped; another host is kept"
+        );
         assert_eq!(card["skills"], skills, "skills are never rewritten");
+
+        let mut legacy = json!({
+            "url": "http://127.0.0.1:9999/rest",
+            "preferredTransport": "HTTP+JSON",
+            "additionalInterfaces": [
+                {"url": "http://127.0.0.1:9999/", "transport": "JSONRPC"},
+                {"url": "http://127.0.0.1:9999/rest", "transport": "HTTP+JSON"},
+            ],
+        });
+        rewrite_card(&mut legacy, &upstream, "http://gw.local:8083/");
+        assert_eq!(legacy["url"], "http://gw.local:8083/");
+        assert_eq!(legacy["preferredTransport"], "JSONRPC");
+        assert_eq!(legacy["additionalInterfaces"], json!([{"url": "http://gw.local:8083/", "transport": "JSONRPC"}]));
     }
 
     #[test]
