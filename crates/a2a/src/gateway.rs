@@ -3,7 +3,8 @@
 //! - `GET /.well-known/agent-card.json` (and the legacy `agent.json`): the upstream's card, its
 //!   interfaces' URLs that name the upstream made the gateway's; skills untouched.
 //! - Every other request is authenticated (the caller's Onceguard API key names its tenant);
-//!   then a POST of one JSON-RPC request to the endpoint is classified by its method:
+//!   then a POST of one JSON-RPC request to the endpoint, or a request of the HTTP+JSON binding
+//!   under its base path (`rest`), is classified by its method:
 //!   - a send (`SendMessage`, `SendStreamingMessage`, legacy aliases) is claimed, then replayed,
 //!     refused, answered from the first send's task, or forwarded in a task of its own (a
 //!     caller that disconnects never cancels it) whose answer settles the key;
@@ -148,10 +149,15 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>)
     };
     let (mut parts, body) = request.into_parts();
     parts.headers.remove(&gateway.options.api_key_header);
-    if parts.method != HttpMethod::POST || !onceguard_mcp::call::same_path(&path, &gateway.options.endpoint) {
+    let json_rpc = parts.method == HttpMethod::POST && onceguard_mcp::call::same_path(&path, &gateway.options.endpoint);
+    let rest_base = gateway.options.rest.as_ref().map(|r| r.path().to_owned());
+    let route =
+        rest_base.as_deref().filter(|_| !json_rpc).and_then(|base| crate::rest::route(&parts.method, &path, base));
+    if !json_rpc && route.is_none() {
+        let rest = rest_base.map(|b| format!(" and its HTTP+JSON binding under {b}")).unwrap_or_default();
         return ApiError::NotFound(format!(
-            "the gateway serves A2A's JSON-RPC binding at {} (POST) and the agent card; it does not forward \
-             {} {path}",
+            "the gateway serves A2A's JSON-RPC binding at {} (POST){rest} and the agent card; it does not \
+             forward {} {path}",
             gateway.options.endpoint, parts.method
         ))
         .into_response();
@@ -160,13 +166,16 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>)
     let Ok(body) = axum::body::to_bytes(body, limit).await else {
         return ApiError::TooLarge(format!("the request body exceeds {limit} bytes")).into_response();
     };
+    if let Some(route) = route {
+        return rest_request(&gateway, &caller, parts, body, route).await;
+    }
     let (id, method, params) = match Posted::parse(&body) {
         Ok(Posted::Request { id, method, params }) => (id, method, params),
         Ok(_) => {
             return refuse(
                 &gateway,
                 &caller,
-                None,
+                &Reply::json_rpc(Value::Null),
                 -32600,
                 "the gateway takes one JSON-RPC request per POST (no \
                           notification, batch or response)",
@@ -186,27 +195,80 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>)
         return refuse(
             &gateway,
             &caller,
-            Some(&id),
+            &Reply::json_rpc(id),
             -32601,
             &format!("method '{method}' is not served through the gateway"),
         );
     };
-    let span = request_span(method, &id);
+    let task = send::task_param(method, params.as_ref());
+    let reply = Reply::json_rpc(id);
+    let call = Call { method, era, params, task };
+    answer(&gateway, &caller, parts, body, reply, call).await
+}
+
+/// A request of the HTTP+JSON binding: its route's method, the body (a send's `params`, with
+/// the tenant of its path).
+async fn rest_request(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    parts: Parts,
+    body: Bytes,
+    route: crate::rest::Route,
+) -> Response<Body> {
+    let reply = Reply::rest();
+    let mut params = None;
+    if matches!(route.method, Method::Send | Method::SendStreaming) {
+        let mut value = match jsonrpc::strict_json(&body) {
+            Ok(Value::Object(value)) => Value::Object(value),
+            Ok(_) => return refuse(gateway, caller, &reply, -32602, "the body is a SendMessageRequest, a JSON object"),
+            Err(e) => return refuse(gateway, caller, &reply, -32700, &format!("the body is not strict JSON: {e}")),
+        };
+        if let Some(tenant) = &route.tenant {
+            value["tenant"] = Value::String(tenant.clone());
+        }
+        params = Some(value);
+    }
+    let call = Call { method: route.method, era: Era::V1, params, task: route.task };
+    answer(gateway, caller, parts, body, reply, call).await
+}
+
+/// What a classified request asks.
+struct Call {
+    method: Method,
+    era: Era,
+    /// A send's params (JSON-RPC's `params`, HTTP+JSON's body).
+    params: Option<Value>,
+    /// The task a task method names.
+    task: Option<String>,
+}
+
+/// The answer to a classified request, in its span, counted.
+async fn answer(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    parts: Parts,
+    body: Bytes,
+    reply: Reply,
+    call: Call,
+) -> Response<Body> {
+    let Call { method, era, params, task } = call;
+    let span = request_span(method, &reply.id);
     let answer = async {
         match method {
             Method::Send | Method::SendStreaming => {
-                send_message(&gateway, &caller, parts, id, params, method, era).await
+                send_message(gateway, caller, parts, &reply, params, method, era).await
             }
-            Method::ListTasks => (list_tasks(&gateway, &caller, parts, body).await, "forwarded"),
+            Method::ListTasks => (list_tasks(gateway, caller, parts, body, &reply).await, "forwarded"),
             Method::ExtendedCard => {
                 (gateway.calls.forward(Request::from_parts(parts, Body::from(body))).await, "forwarded")
             }
             Method::GetTask | Method::CancelTask | Method::Subscribe | Method::PushConfig(_) => {
-                task_method(&gateway, &caller, parts, body, id, params, method, era).await
+                task_method(gateway, caller, parts, body, &reply, task, method).await
             }
         }
     };
     let (response, outcome) = tracing::Instrument::instrument(answer, span.clone()).await;
+
     gateway.observe(&caller.tenant, method, outcome);
     span.record("onceguard.outcome", outcome);
     let name = match outcome {
@@ -242,7 +304,7 @@ fn record_task(task: &TaskView) {
     }
 }
 
-fn refuse(gateway: &Gateway, caller: &Caller, id: Option<&Value>, code: i64, message: &str) -> Response<Body> {
+fn refuse(gateway: &Gateway, caller: &Caller, reply: &Reply, code: i64, message: &str) -> Response<Body> {
     gateway.state.metrics.observe_a2a_request(
         &caller.tenant,
         &gateway.options.upstream_name,
@@ -250,7 +312,7 @@ fn refuse(gateway: &Gateway, caller: &Caller, id: Option<&Value>, code: i64, mes
         "refused",
     );
     tracing::warn!(code, message, "refused an A2A request");
-    json_response(error_message(id, code, message))
+    reply.a2a(code, message)
 }
 
 /// A JSON-RPC error of A2A's (or JSON-RPC's) own codes.
@@ -263,15 +325,6 @@ fn error_message(id: Option<&Value>, code: i64, message: &str) -> Vec<u8> {
     serde_json::to_vec(&message).unwrap_or_default()
 }
 
-/// A JSON-RPC error for a refusal of the guard's (the MCP gateway's codes: 40901 in flight,
-/// 42201 mismatch, 42301 switch engaged, 50301 store unavailable, …), its problem in `data`.
-fn rpc_error(id: &Value, error: &ApiError) -> Response<Body> {
-    if let ApiError::Internal(detail) | ApiError::StoreUnavailable(detail) = error {
-        tracing::error!(detail, "an A2A request failed");
-    }
-    json_response(jsonrpc::error_message(Some(id), error))
-}
-
 fn json_response(body: Vec<u8>) -> Response<Body> {
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -282,19 +335,112 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
     headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
-/// An event stream of one event: the response answering `id` with `result`.
-fn one_event(id: &Value, result: &[u8]) -> Response<Body> {
-    let mut event = b"data: ".to_vec();
-    event.extend_from_slice(&jsonrpc::result_message(id, result));
-    event.extend_from_slice(b"\n\n");
-    let mut response = Response::new(Body::from(event));
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    response
+/// How a request came, and so how it is answered and how the upstream's answer to it reads:
+/// JSON-RPC (with the request's id) or HTTP+JSON.
+#[derive(Debug, Clone)]
+pub(crate) struct Reply {
+    /// Whether the request came by the HTTP+JSON binding.
+    rest: bool,
+    /// The JSON-RPC request's id (null for HTTP+JSON).
+    id: Value,
 }
 
-/// The answer to a duplicate: `result` to a send, or one event of it to a streaming send.
-fn answer_with(id: &Value, result: &[u8], streaming: bool) -> Response<Body> {
-    if streaming { one_event(id, result) } else { json_response(jsonrpc::result_message(id, result)) }
+/// What the upstream answered a request: a result (raw JSON), or an error that means the
+/// request never ran (`Refused`) or one that does not say (`Failed`).
+#[derive(Debug)]
+enum Upstreamed {
+    Result(Vec<u8>),
+    Refused(String),
+    Failed(String),
+}
+
+impl Reply {
+    fn json_rpc(id: Value) -> Self {
+        Self { rest: false, id }
+    }
+
+    fn rest() -> Self {
+        Self { rest: true, id: Value::Null }
+    }
+
+    /// `result` as the answer: JSON-RPC's response message or HTTP+JSON's body; as one event
+    /// of a stream when `streaming`.
+    fn result(&self, result: &[u8], streaming: bool) -> Response<Body> {
+        let body = if self.rest { result.to_vec() } else { jsonrpc::result_message(&self.id, result) };
+        if !streaming {
+            return json_response(body);
+        }
+        let mut event = b"data: ".to_vec();
+        event.extend_from_slice(&body);
+        event.extend_from_slice(b"\n\n");
+        let mut response = Response::new(Body::from(event));
+        response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        response
+    }
+
+    /// A refusal of the guard's: a JSON-RPC error (HTTP 200) whose `data` is the problem (the
+    /// MCP gateway's codes: 40901 in flight, 42201 mismatch, 42301 switch engaged, 50301 store
+    /// unavailable, …), or HTTP+JSON's error body with the problem's status.
+    fn error(&self, error: &ApiError) -> Response<Body> {
+        if let ApiError::Internal(detail) | ApiError::StoreUnavailable(detail) = error {
+            tracing::error!(detail, "an A2A request failed");
+        }
+        if !self.rest {
+            return json_response(jsonrpc::error_message(Some(&self.id), error));
+        }
+        let problem = error.problem();
+        let status = StatusCode::from_u16(problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let problem = serde_json::to_value(&problem).unwrap_or(Value::Null);
+        let body = crate::rest::problem_error(status.as_u16(), &problem);
+        let mut response = json_response(serde_json::to_vec(&body).unwrap_or_default());
+        *response.status_mut() = status;
+        response
+    }
+
+    /// An error of A2A's (or JSON-RPC's) own `code`.
+    fn a2a(&self, code: i64, message: &str) -> Response<Body> {
+        if !self.rest {
+            return json_response(error_message(Some(&self.id), code, message));
+        }
+        let (status, body) = crate::rest::a2a_error(code, message);
+        let mut response = json_response(serde_json::to_vec(&body).unwrap_or_default());
+        *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        response
+    }
+
+    /// What a successful (2xx) answer's body says: JSON-RPC's response message to the request,
+    /// or HTTP+JSON's body itself. `None`: not an answer to the request.
+    fn upstream_answer(&self, bytes: &[u8]) -> Option<Upstreamed> {
+        if self.rest {
+            return serde_json::from_slice::<Value>(bytes).ok().map(|_| Upstreamed::Result(bytes.to_vec()));
+        }
+        let message = ResponseMessage::answering(bytes, &self.id)?;
+        Some(match (message.result, message.error) {
+            (Some(result), _) => Upstreamed::Result(result.get().as_bytes().to_vec()),
+            (None, Some(error)) if NEVER_RAN.contains(&error.code) => {
+                Upstreamed::Refused(format!("the upstream refused the send (JSON-RPC error {})", error.code))
+            }
+            (None, Some(error)) => Upstreamed::Failed(format!("the upstream answered JSON-RPC error {}", error.code)),
+            (None, None) => Upstreamed::Failed("the upstream's answer carried no result".into()),
+        })
+    }
+
+    /// What one event of a stream says (`data`): a JSON-RPC response message to the request,
+    /// or HTTP+JSON's `StreamResponse` (or its `{"error": …}`).
+    fn event(&self, data: &[u8]) -> Option<Upstreamed> {
+        if !self.rest {
+            return self.upstream_answer(data);
+        }
+        let value: Value = serde_json::from_slice(data).ok()?;
+        match value.get("error") {
+            Some(error) => {
+                let status = error.get("code").and_then(Value::as_i64).unwrap_or(500);
+                let why = format!("the upstream's stream answered error {status}");
+                Some(if (400..500).contains(&status) { Upstreamed::Refused(why) } else { Upstreamed::Failed(why) })
+            }
+            None => Some(Upstreamed::Result(data.to_vec())),
+        }
+    }
 }
 
 type Answered = (Response<Body>, &'static str);
@@ -424,7 +570,7 @@ async fn send_message(
     gateway: &Arc<Gateway>,
     caller: &Caller,
     parts: Parts,
-    id: Value,
+    reply: &Reply,
     params: Option<Value>,
     method: Method,
     era: Era,
@@ -435,17 +581,14 @@ async fn send_message(
     let header_key = parts.headers.get("idempotency-key").map(|v| v.to_str().map(str::to_owned));
     let header_key = match header_key {
         Some(Err(_)) => {
-            return (
-                json_response(error_message(Some(&id), -32602, "the Idempotency-Key header is not text")),
-                "refused",
-            );
+            return (reply.a2a(-32602, "the Idempotency-Key header is not text"), "refused");
         }
         Some(Ok(key)) => Some(key),
         None => None,
     };
     let send = match Send::parse(params.as_ref(), header_key.as_deref(), &caller.actor, era) {
         Ok(send) => send,
-        Err(why) => return (json_response(error_message(Some(&id), -32602, &why)), "refused"),
+        Err(why) => return (reply.a2a(-32602, &why), "refused"),
     };
     tracing::Span::current().record("a2a.message.id", send.message_id.as_str());
     // A continuation names a task: the caller's own only (an admin's: any of the tenant's).
@@ -458,10 +601,10 @@ async fn send_message(
                     task,
                     "refused a message continuing a task the caller did not create through the gateway"
                 );
-                return (json_response(error_message(Some(&id), TASK_NOT_FOUND, "task not found")), "refused");
+                return (reply.a2a(TASK_NOT_FOUND, "task not found"), "refused");
             }
-            Err(OwnerError::Guard(e)) => return (rpc_error(&id, &e.into()), "refused"),
-            Err(e) => return (rpc_error(&id, &ApiError::Internal(e.to_string())), "refused"),
+            Err(OwnerError::Guard(e)) => return (reply.error(&e.into()), "refused"),
+            Err(e) => return (reply.error(&ApiError::Internal(e.to_string())), "refused"),
         }
     }
     let run = match parts.headers.get(onceguard_mcp::call::RUN_HEADER).map(|v| v.to_str().map(RunId::parse)) {
@@ -469,7 +612,7 @@ async fn send_message(
         Some(Ok(Ok(run))) => Some(run),
         Some(_) => {
             let detail = format!("the {} header is not a valid run id", onceguard_mcp::call::RUN_HEADER);
-            return (rpc_error(&id, &ApiError::Invalid(detail)), "refused");
+            return (reply.error(&ApiError::Invalid(detail)), "refused");
         }
     };
     let scope = Scope::new(caller.tenant.clone(), gateway.sends_namespace(), send.key.clone());
@@ -480,53 +623,53 @@ async fn send_message(
     // duplicate of a send still in flight upstream waits for its answer.
     let mut outcome = match guard.claim(claim.clone()).await {
         Ok(outcome) => outcome,
-        Err(e) => return (rpc_error(&id, &e.into()), "refused"),
+        Err(e) => return (reply.error(&e.into()), "refused"),
     };
     if matches!(outcome, ClaimOutcome::InFlight(_)) {
         match delegation_of(guard, &claim.scope).await {
             Ok(Some(delegation)) => {
-                return from_task(gateway, caller, &parts, &id, &claim.scope, None, &delegation, streaming).await;
+                return from_task(gateway, caller, &parts, reply, &claim.scope, None, &delegation, streaming).await;
             }
             Ok(None) if !gateway.options.wait.is_zero() => {
                 let waiting = Claim { wait: Some(gateway.options.wait), ..claim.clone() };
                 outcome = match guard.claim(waiting).await {
                     Ok(outcome) => outcome,
-                    Err(e) => return (rpc_error(&id, &e.into()), "refused"),
+                    Err(e) => return (reply.error(&e.into()), "refused"),
                 };
                 if matches!(outcome, ClaimOutcome::InFlight(_))
                     && let Ok(Some(delegation)) = delegation_of(guard, &claim.scope).await
                 {
-                    return from_task(gateway, caller, &parts, &id, &claim.scope, None, &delegation, streaming).await;
+                    return from_task(gateway, caller, &parts, reply, &claim.scope, None, &delegation, streaming).await;
                 }
             }
             Ok(None) => {}
-            Err(e) => return (rpc_error(&id, &e.into()), "refused"),
+            Err(e) => return (reply.error(&e.into()), "refused"),
         }
     }
     match outcome {
         ClaimOutcome::Replay(replay) => match replayed(&replay.outcome) {
-            Ok(result) => (answer_with(&id, &result, streaming), "replayed"),
-            Err(e @ ApiError::NotStored(_)) => (rpc_error(&id, &e), "replayed"),
-            Err(e) => (rpc_error(&id, &e), "refused"),
+            Ok(result) => (reply.result(&result, streaming), "replayed"),
+            Err(e @ ApiError::NotStored(_)) => (reply.error(&e), "replayed"),
+            Err(e) => (reply.error(&e), "refused"),
         },
         ClaimOutcome::InFlight(f) => {
-            (rpc_error(&id, &ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }), "in_flight")
+            (reply.error(&ApiError::InFlight { retry_after: f.retry_after, attempt: f.attempt }), "in_flight")
         }
-        ClaimOutcome::Mismatch => (rpc_error(&id, &ApiError::Mismatch), "mismatch"),
-        ClaimOutcome::Denied(denial) => (rpc_error(&id, &ApiError::Denied(denial)), "denied"),
+        ClaimOutcome::Mismatch => (reply.error(&ApiError::Mismatch), "mismatch"),
+        ClaimOutcome::Denied(denial) => (reply.error(&ApiError::Denied(denial)), "denied"),
         ClaimOutcome::PendingApproval(pending) => {
             let error = ApiError::PendingApproval {
                 approval: pending.approval.id.to_string(),
                 expires_at: pending.approval.expires_at.to_rfc3339(),
                 retry_after: pending.retry_after,
             };
-            (rpc_error(&id, &error), "pending_approval")
+            (reply.error(&error), "pending_approval")
         }
         // Observe mode: the send goes upstream holding nothing, and nothing is stored.
         ClaimOutcome::Proceed(_) => (
             gateway
                 .streams
-                .forward(Request::from_parts(parts, Body::from(params_body(&id, method, era, params))))
+                .forward(Request::from_parts(parts, Body::from(params_body(reply, method, era, params))))
                 .await,
             "observed",
         ),
@@ -540,7 +683,7 @@ async fn send_message(
                     gateway,
                     caller,
                     &parts,
-                    &id,
+                    reply,
                     &claim.scope,
                     Some(acquired.fence),
                     &delegation,
@@ -554,19 +697,23 @@ async fn send_message(
                 fence: acquired.fence,
                 actor: caller.actor.clone(),
                 tenant: caller.tenant.clone(),
-                id: id.clone(),
+                reply: reply.clone(),
                 era,
                 headers: forwarded_headers(&parts.headers),
                 lease: guard.clock().now().until(acquired.lease_expires_at),
             };
-            let body = params_body(&id, method, era, params);
+            let body = params_body(reply, method, era, params);
             (leg.start(Request::from_parts(parts, Body::from(body)), streaming).await, "executed")
         }
     }
 }
 
 /// The request's body again, as parsed (what was classified is what is forwarded).
-fn params_body(id: &Value, method: Method, era: Era, params: Option<Value>) -> Vec<u8> {
+fn params_body(reply: &Reply, method: Method, era: Era, params: Option<Value>) -> Vec<u8> {
+    if reply.rest {
+        return serde_json::to_vec(&params.unwrap_or_else(|| json!({}))).unwrap_or_default();
+    }
+    let id = &reply.id;
     let name = match (method, era) {
         (Method::Send, Era::V03) => "message/send",
         (Method::SendStreaming, Era::V03) => "message/stream",
@@ -593,7 +740,7 @@ async fn from_task(
     gateway: &Arc<Gateway>,
     caller: &Caller,
     parts: &Parts,
-    id: &Value,
+    reply: &Reply,
     scope: &Scope,
     fence: Option<Fence>,
     delegation: &Delegation,
@@ -610,7 +757,7 @@ async fn from_task(
              not made again",
             delegation.task
         );
-        return (rpc_error(id, &ApiError::BadGateway(detail)), "refused");
+        return (reply.error(&ApiError::BadGateway(detail)), "refused");
     };
     let view = send::task_of(&task).unwrap_or(TaskView { id: delegation.task.clone(), state: None });
     record_task(&view);
@@ -622,24 +769,45 @@ async fn from_task(
         holder.delegate(delegation, gateway.options.task_lease).await;
     }
     if streaming && !view.is_terminal() {
-        let request = subscribe_request(parts, id, &delegation.task, delegation.era);
+        let Some(request) = gateway.subscribe_request(parts, reply, &delegation.task, delegation.era) else {
+            return (reply.error(&ApiError::Internal("the task's subscription could not be made".into())), "refused");
+        };
         let response = gateway.streams.forward(request).await;
-        return (gateway.read_task_stream(caller, &parts.headers, response), "attached");
+        return (gateway.read_task_stream(caller, reply, &parts.headers, response), "attached");
     }
     let marked = send::mark_replayed(&answer).map_or(answer, |v| serde_json::to_vec(&v).unwrap_or_default());
-    (answer_with(id, &marked, streaming), "replayed")
+    (reply.result(&marked, streaming), "replayed")
 }
 
-/// A `SubscribeToTask` (v0.3 `tasks/resubscribe`) of `task` with the caller's headers and id.
-fn subscribe_request(parts: &Parts, id: &Value, task: &str, era: Era) -> Request<Body> {
-    let method = if era == Era::V1 { "SubscribeToTask" } else { "tasks/resubscribe" };
-    let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": { "id": task } });
-    let mut request = Request::new(Body::from(body.to_string()));
-    *request.method_mut() = HttpMethod::POST;
-    *request.uri_mut() = parts.uri.clone();
-    *request.headers_mut() = forwarded_headers(&parts.headers);
-    request.headers_mut().insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
-    request
+impl Gateway {
+    /// A `SubscribeToTask` (v0.3 `tasks/resubscribe`) of `task` with the caller's headers, in
+    /// the caller's binding: a JSON-RPC request with its id, or HTTP+JSON's
+    /// `GET …/tasks/{id}:subscribe` (under the tenant the caller's path named).
+    fn subscribe_request(&self, parts: &Parts, reply: &Reply, task: &str, era: Era) -> Option<Request<Body>> {
+        let mut request = if reply.rest {
+            let base = self.options.rest.as_ref()?.path().trim_end_matches('/').to_owned();
+            let route = crate::rest::route(&parts.method, parts.uri.path(), &base)?;
+            let tenant = route.tenant.map(|t| format!("/{}", encode(&t))).unwrap_or_default();
+            let mut request = Request::new(Body::empty());
+            *request.uri_mut() = format!("{base}{tenant}/tasks/{}:subscribe", encode(task)).parse().ok()?;
+            request
+        } else {
+            let method = if era == Era::V1 { "SubscribeToTask" } else { "tasks/resubscribe" };
+            let body = json!({ "jsonrpc": "2.0", "id": reply.id, "method": method, "params": { "id": task } });
+            let mut request = Request::new(Body::from(body.to_string()));
+            *request.method_mut() = HttpMethod::POST;
+            *request.uri_mut() = parts.uri.clone();
+            request
+        };
+        *request.headers_mut() = forwarded_headers(&parts.headers);
+        request.headers_mut().insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        Some(request)
+    }
+}
+
+/// A path segment, percent-encoded.
+fn encode(segment: &str) -> String {
+    percent_encoding::utf8_percent_encode(segment, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
 
 /// The caller's headers for a request the gateway makes on its behalf: its credentials and
@@ -748,6 +916,7 @@ impl Gateway {
     fn read_task_stream(
         self: &Arc<Self>,
         caller: &Caller,
+        reply: &Reply,
         headers: &HeaderMap,
         response: Response<Body>,
     ) -> Response<Body> {
@@ -758,6 +927,7 @@ impl Gateway {
         let (mut tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
         let gateway = self.clone();
         let (tenant, actor, headers) = (caller.tenant.clone(), caller.actor.clone(), forwarded_headers(headers));
+        let reply = reply.clone();
         tokio::spawn(async move {
             let mut reader = SseReader::new(gateway.options.max_result_bytes + SLACK);
             let mut chunks = body.into_data_stream();
@@ -770,7 +940,7 @@ impl Gateway {
                     }
                 };
                 for block in reader.push(&chunk) {
-                    if let Some(task) = block.data.as_deref().and_then(terminal_in_event) {
+                    if let Some(task) = block.data.as_deref().and_then(|d| terminal_in_event(&reply, d)) {
                         gateway.terminal_seen(&tenant, &actor, &headers, &task).await;
                     }
                     let _ = tx.send(Ok(block.raw)).await;
@@ -799,9 +969,13 @@ impl Gateway {
 }
 
 /// The task of an event whose state is terminal.
-fn terminal_in_event(data: &[u8]) -> Option<TaskView> {
-    let message: ResponseMessage = serde_json::from_slice(data).ok()?;
-    let result: Value = serde_json::from_str(message.result?.get()).ok()?;
+fn terminal_in_event(reply: &Reply, data: &[u8]) -> Option<TaskView> {
+    let result: Value = if reply.rest {
+        serde_json::from_slice(data).ok()?
+    } else {
+        let message: ResponseMessage = serde_json::from_slice(data).ok()?;
+        serde_json::from_str(message.result?.get()).ok()?
+    };
     match Answer::of(&result) {
         Answer::Task(task) if task.is_terminal() => Some(task),
         _ => None,
@@ -816,7 +990,7 @@ struct Leg {
     fence: Fence,
     actor: String,
     tenant: TenantId,
-    id: Value,
+    reply: Reply,
     era: Era,
     /// The caller's headers, for the gateway's own `GetTask` of the send's task.
     headers: HeaderMap,
@@ -829,11 +1003,11 @@ type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
 impl Leg {
     async fn start(self, request: Request<Body>, streaming: bool) -> Response<Body> {
         let (reply, answer) = oneshot::channel();
-        let id = self.id.clone();
+        let caller_reply = self.reply.clone();
         tokio::spawn(self.run(request, reply, streaming));
         match answer.await {
             Ok(response) => response,
-            Err(_) => rpc_error(&id, &ApiError::Internal("the send's task ended without an answer".into())),
+            Err(_) => caller_reply.error(&ApiError::Internal("the send's task ended without an answer".into())),
         }
     }
 
@@ -863,7 +1037,7 @@ impl Leg {
                     "the upstream did not answer in time; the key is held until its lease passes".into(),
                 ),
             };
-            let _ = reply.send(rpc_error(&self.id, &error));
+            let _ = reply.send(self.reply.error(&error));
             return;
         }
         let status = response.status();
@@ -922,14 +1096,14 @@ impl Leg {
                     let error = ApiError::BadGateway(
                         "the upstream failed after the message was sent; the key is held until its lease passes".into(),
                     );
-                    let _ = reply.send(rpc_error(&self.id, &error));
+                    let _ = reply.send(self.reply.error(&error));
                     return;
                 }
             }
         }
         extender.abort();
-        match ResponseMessage::answering(&bytes, &self.id) {
-            Some(message) => self.settle(&message).await,
+        match self.reply.upstream_answer(&bytes) {
+            Some(answer) => self.settle(answer).await,
             None => {
                 self.holder().unknown("the upstream's answer was not the send's JSON-RPC response").await;
             }
@@ -951,20 +1125,17 @@ impl Leg {
     /// What the send's answer does to the key: a `Message` or a terminal task is stored; a task
     /// still running is recorded as the caller's and the key delegated to it; an error that
     /// means the send never ran releases the key; anything else leaves the outcome unknown.
-    async fn settle(&self, message: &ResponseMessage) {
-        match (&message.result, &message.error) {
-            (Some(result), _) => {
-                let value: Value = serde_json::from_str(result.get()).unwrap_or(Value::Null);
-                self.settle_result(&value, result.get().as_bytes()).await;
+    async fn settle(&self, answer: Upstreamed) {
+        match answer {
+            Upstreamed::Result(raw) => {
+                let value: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+                self.settle_result(&value, &raw).await;
             }
-            (None, Some(error)) if NEVER_RAN.contains(&error.code) => {
-                self.holder().release(&format!("the upstream refused the send (JSON-RPC error {})", error.code)).await;
+            Upstreamed::Refused(why) => {
+                self.holder().release(&why).await;
             }
-            (None, Some(error)) => {
-                self.holder().unknown(&format!("the upstream answered JSON-RPC error {}", error.code)).await;
-            }
-            (None, None) => {
-                self.holder().unknown("the upstream's answer carried no result").await;
+            Upstreamed::Failed(why) => {
+                self.holder().unknown(&why).await;
             }
         }
     }
@@ -1072,18 +1243,19 @@ impl Leg {
 
     /// One event of the send's stream; answers whether the key is settled for good.
     async fn stream_event(&self, data: &[u8], delegated: &mut Option<String>) -> bool {
-        let Some(message) = ResponseMessage::answering(data, &self.id) else { return false };
-        let Some(result) = &message.result else {
-            if delegated.is_none() {
-                self.settle(&message).await;
+        let Some(answer) = self.reply.event(data) else { return false };
+        let raw = match answer {
+            Upstreamed::Result(raw) => raw,
+            other if delegated.is_none() => {
+                self.settle(other).await;
                 return true;
             }
-            return false;
+            _ => return false,
         };
-        let value: Value = serde_json::from_str(result.get()).unwrap_or(Value::Null);
+        let value: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
         match Answer::of(&value) {
             Answer::Task(task) if delegated.is_none() && !task.is_terminal() => {
-                if self.settle_result(&value, result.get().as_bytes()).await {
+                if self.settle_result(&value, &raw).await {
                     *delegated = Some(task.id);
                 }
                 false
@@ -1099,7 +1271,7 @@ impl Leg {
                 }
                 stored
             }
-            Answer::Message if delegated.is_none() => self.store(result.get().as_bytes().to_vec()).await,
+            Answer::Message if delegated.is_none() => self.store(raw).await,
             _ => false,
         }
     }
@@ -1132,32 +1304,30 @@ async fn task_method(
     caller: &Caller,
     parts: Parts,
     body: Bytes,
-    id: Value,
-    params: Option<Value>,
+    reply: &Reply,
+    task: Option<String>,
     method: Method,
-    era: Era,
 ) -> Answered {
-    let _ = era;
-    let Some(task) = send::task_param(method, params.as_ref()) else {
-        return (json_response(error_message(Some(&id), -32602, "the request names no task (params.id)")), "refused");
+    let Some(task) = task else {
+        return (reply.a2a(-32602, "the request names no task (params.id)"), "refused");
     };
     tracing::Span::current().record("a2a.task.id", task.as_str());
     let owner = match gateway.owner_of(&caller.tenant, &task).await {
         Ok(owner) => owner,
-        Err(OwnerError::Guard(e)) => return (rpc_error(&id, &e.into()), "refused"),
-        Err(e) => return (rpc_error(&id, &ApiError::Internal(e.to_string())), "refused"),
+        Err(OwnerError::Guard(e)) => return (reply.error(&e.into()), "refused"),
+        Err(e) => return (reply.error(&ApiError::Internal(e.to_string())), "refused"),
     };
     let mine = owner.as_ref().is_some_and(|o| o.caller == caller.actor);
     if !mine && !caller.admin {
         tracing::info!(task, "refused a task method for a task the caller did not create through the gateway");
-        return (json_response(error_message(Some(&id), TASK_NOT_FOUND, "task not found")), "refused");
+        return (reply.a2a(TASK_NOT_FOUND, "task not found"), "refused");
     }
     let request = Request::from_parts(parts, Body::from(body));
     match method {
         Method::Subscribe => {
             let headers = request.headers().clone();
             let response = gateway.streams.forward(request).await;
-            (gateway.read_task_stream(caller, &headers, response), "forwarded")
+            (gateway.read_task_stream(caller, reply, &headers, response), "forwarded")
         }
         Method::GetTask | Method::CancelTask => {
             let mut request = request;
@@ -1168,14 +1338,12 @@ async fn task_method(
             }
             let (mut parts, body) = response.into_parts();
             let Ok(bytes) = axum::body::to_bytes(body, gateway.options.max_result_bytes + SLACK).await else {
-                return (
-                    rpc_error(&id, &ApiError::BadGateway("the upstream's answer broke off or was too large".into())),
-                    "refused",
-                );
+                let error = ApiError::BadGateway("the upstream's answer broke off or was too large".into());
+                return (reply.error(&error), "refused");
             };
             if let Some(owner) = owner
-                && let Some(result) = ResponseMessage::answering(&bytes, &id).and_then(|m| m.result)
-                && let Ok(task_value) = serde_json::from_str::<Value>(result.get())
+                && let Some(Upstreamed::Result(raw)) = reply.upstream_answer(&bytes)
+                && let Ok(task_value) = serde_json::from_slice::<Value>(&raw)
                 && let Some(view) = send::task_of(&task_value)
             {
                 record_task(&view);
@@ -1191,7 +1359,13 @@ async fn task_method(
 }
 
 /// `ListTasks`: the upstream's page, with only the caller's own tasks (an admin's: all).
-async fn list_tasks(gateway: &Arc<Gateway>, caller: &Caller, parts: Parts, body: Bytes) -> Response<Body> {
+async fn list_tasks(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    parts: Parts,
+    body: Bytes,
+    reply: &Reply,
+) -> Response<Body> {
     let mut request = Request::from_parts(parts, Body::from(body));
     request.headers_mut().remove(ACCEPT_ENCODING);
     let response = gateway.calls.forward(request).await;
@@ -1200,13 +1374,15 @@ async fn list_tasks(gateway: &Arc<Gateway>, caller: &Caller, parts: Parts, body:
     }
     let (mut parts, body) = response.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_CARD_BYTES.max(gateway.options.max_result_bytes)).await else {
-        return json_response(error_message(None, -32603, "the upstream's task listing broke off or was too large"));
+        return reply.a2a(-32603, "the upstream's task listing broke off or was too large");
     };
     let Ok(mut message) = serde_json::from_slice::<Value>(&bytes) else {
-        return json_response(error_message(None, -32603, "the upstream's task listing was not JSON"));
+        return reply.a2a(-32603, "the upstream's task listing was not JSON");
     };
-    let request_id = message.get("id").cloned().unwrap_or(Value::Null);
-    if let Some(tasks) = message.get_mut("result").and_then(|r| r.get_mut("tasks")).and_then(Value::as_array_mut) {
+    let page = if reply.rest { Some(&mut message) } else { message.get_mut("result") };
+    if let Some(page) = page.and_then(Value::as_object_mut)
+        && let Some(Value::Array(tasks)) = page.get_mut("tasks")
+    {
         let mut kept = Vec::with_capacity(tasks.len());
         for task in tasks.drain(..) {
             let Some(id) = task.get("id").and_then(Value::as_str) else { continue };
@@ -1218,15 +1394,13 @@ async fn list_tasks(gateway: &Arc<Gateway>, caller: &Caller, parts: Parts, body:
                         OwnerError::Guard(e) => e.into(),
                         other => ApiError::Internal(other.to_string()),
                     };
-                    return rpc_error(&request_id, &error);
+                    return reply.error(&error);
                 }
             }
         }
         *tasks = kept;
         // The upstream's count is of every caller's tasks.
-        if let Some(result) = message.get_mut("result").and_then(Value::as_object_mut) {
-            result.remove("totalSize");
-        }
+        page.remove("totalSize");
     }
     parts.headers.remove(CONTENT_LENGTH);
     Response::from_parts(parts, Body::from(serde_json::to_vec(&message).unwrap_or_default()))
@@ -1255,7 +1429,8 @@ impl Gateway {
         };
         let scheme = if self.tls { "https" } else { "http" };
         let ours = format!("{scheme}://{host}{}", self.options.endpoint);
-        rewrite_card(&mut card, &self.options.upstream, &ours);
+        let rest = self.options.rest.as_ref().map(|rest| (rest, format!("{scheme}://{host}{}", rest.path())));
+        rewrite_card(&mut card, &self.options.upstream, &ours, rest.as_ref().map(|(u, o)| (*u, o.as_str())));
         parts.headers.remove(CONTENT_LENGTH);
         parts.headers.remove(ETAG);
         Response::from_parts(parts, Body::from(serde_json::to_vec(&card).unwrap_or_default()))
@@ -1264,11 +1439,12 @@ impl Gateway {
 
 /// Makes the card name the gateway where it named the upstream: an interface of the upstream's
 /// JSON-RPC endpoint (v1.0 `supportedInterfaces[]`, v0.3 `additionalInterfaces[]`) gets `ours`
-/// as its URL; another interface of the upstream (its HTTP+JSON or gRPC binding, another path),
-/// which the gateway does not serve, is dropped, so that no client picks a way around it or one
-/// that is refused. A v0.3 card's own `url` of the upstream becomes `ours`, its preferred
-/// transport JSON-RPC. Interfaces of other hosts, skills and everything else are kept.
-fn rewrite_card(card: &mut Value, upstream: &reqwest::Url, ours: &str) {
+/// as its URL, and one of its HTTP+JSON interface `rest` (when the gateway serves it) the
+/// gateway's URL of it; another interface of the upstream (gRPC, another path), which the
+/// gateway does not serve, is dropped, so that no client picks a way around it or one that is
+/// refused. A v0.3 card's own `url` of the upstream becomes `ours`, its preferred transport
+/// JSON-RPC. Interfaces of other hosts, skills and everything else are kept.
+fn rewrite_card(card: &mut Value, upstream: &reqwest::Url, ours: &str, rest: Option<(&reqwest::Url, &str)>) {
     let endpoint = upstream.as_str().trim_end_matches('/').to_owned();
     let origin = upstream.origin().ascii_serialization();
     let names_upstream = |url: &str| url == origin || url.starts_with(&format!("{origin}/"));
@@ -1288,9 +1464,16 @@ fn rewrite_card(card: &mut Value, upstream: &reqwest::Url, ours: &str) {
             if !names_upstream(&url) {
                 return true;
             }
-            let json_rpc = interface.get(binding).and_then(Value::as_str).is_none_or(|b| b == "JSONRPC");
-            if json_rpc && is_endpoint(&url) {
+            let named = interface.get(binding).and_then(Value::as_str);
+            if named.is_none_or(|b| b == "JSONRPC") && is_endpoint(&url) {
                 interface["url"] = Value::String(ours.to_owned());
+                return true;
+            }
+            if named == Some("HTTP+JSON")
+                && let Some((upstream_rest, ours_rest)) = rest
+                && url.trim_end_matches('/') == upstream_rest.as_str().trim_end_matches('/')
+            {
+                interface["url"] = Value::String(ours_rest.to_owned());
                 return true;
             }
             false
@@ -1321,7 +1504,7 @@ mod tests {
             "skills": [{"id": "s", "name": "Skill", "examples": ["http://127.0.0.1:9999/"]}],
         });
         let skills = card["skills"].clone();
-        rewrite_card(&mut card, &upstream, "http://gw.local:8083/");
+        rewrite_card(&mut card, &upstream, "http://gw.local:8083/", None);
         let urls: Vec<_> = card["supportedInterfaces"].as_array().unwrap().iter().map(|i| i["url"].clone()).collect();
         assert_eq!(
             urls,
@@ -1338,10 +1521,26 @@ mod tests {
                 {"url": "http://127.0.0.1:9999/rest", "transport": "HTTP+JSON"},
             ],
         });
-        rewrite_card(&mut legacy, &upstream, "http://gw.local:8083/");
+        rewrite_card(&mut legacy, &upstream, "http://gw.local:8083/", None);
         assert_eq!(legacy["url"], "http://gw.local:8083/");
         assert_eq!(legacy["preferredTransport"], "JSONRPC");
         assert_eq!(legacy["additionalInterfaces"], json!([{"url": "http://gw.local:8083/", "transport": "JSONRPC"}]));
+
+        let mut served = json!({"supportedInterfaces": [
+            {"url": "http://127.0.0.1:9999/", "protocolBinding": "JSONRPC"},
+            {"url": "http://127.0.0.1:9999/rest", "protocolBinding": "HTTP+JSON"},
+            {"url": "http://127.0.0.1:9999/grpc", "protocolBinding": "GRPC"},
+        ]});
+        let rest = reqwest::Url::parse("http://127.0.0.1:9999/rest").unwrap();
+        rewrite_card(&mut served, &upstream, "http://gw.local:8083/", Some((&rest, "http://gw.local:8083/rest")));
+        assert_eq!(
+            served["supportedInterfaces"],
+            json!([
+                {"url": "http://gw.local:8083/", "protocolBinding": "JSONRPC"},
+                {"url": "http://gw.local:8083/rest", "protocolBinding": "HTTP+JSON"},
+            ]),
+            "the HTTP+JSON interface the gateway serves is kept, naming the gateway"
+        );
     }
 
     #[test]
@@ -1358,7 +1557,12 @@ mod tests {
 
     #[test]
     fn the_forwarded_body_is_the_classified_request() {
-        let body = params_body(&json!(7), Method::Send, Era::V03, Some(json!({"message": {"messageId": "m"}})));
+        let body = params_body(
+            &Reply::json_rpc(json!(7)),
+            Method::Send,
+            Era::V03,
+            Some(json!({"message": {"messageId": "m"}})),
+        );
         let value: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             value,

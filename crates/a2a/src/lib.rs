@@ -1,7 +1,8 @@
 //! Onceguard's A2A gateway: exactly-once `SendMessage` in front of an Agent2Agent server.
 //!
 //! `onceguard a2a --upstream http://host:9999/` listens where clients connect instead of the
-//! server's JSON-RPC endpoint. A `SendMessage` or `SendStreamingMessage` (or its legacy alias
+//! server's JSON-RPC endpoint (and, with `--rest-upstream`, its HTTP+JSON interface). A
+//! `SendMessage` or `SendStreamingMessage` (or its legacy alias
 //! `message/send`, `message/stream`) is claimed in the caller's tenant, under the namespace
 //! `a2a/<upstream>`, keyed by the `Idempotency-Key` header or the message's `messageId`, scoped to
 //! the caller's API key and the request's `tenant`, with the fingerprint of the message's parts,
@@ -23,6 +24,7 @@
 //!
 //! - [`send`]: what a request says (method, key, fingerprint) and what an answer says (task,
 //!   state).
+//! - [`rest`]: the HTTP+JSON binding's routes and error bodies.
 //! - [`gateway`](mod@gateway): the handler.
 //! - `owners`: who created each task (a record per task in the store).
 //! - `revoked`: the tasks of keys a kill switch revoked, cancelled upstream.
@@ -42,6 +44,7 @@ use tokio::net::TcpListener;
 
 pub mod gateway;
 mod owners;
+pub mod rest;
 mod revoked;
 pub mod send;
 
@@ -54,6 +57,9 @@ pub struct Options {
     pub endpoint: String,
     /// The upstream URL as configured (what the agent card's interfaces name).
     pub upstream: reqwest::Url,
+    /// The upstream's HTTP+JSON interface (its path is the binding's base path on the gateway
+    /// too), when the gateway serves that binding.
+    pub rest: Option<reqwest::Url>,
     /// The upstream's name in namespaces.
     pub upstream_name: String,
     /// The lease of a send in flight (extended while the upstream works).
@@ -86,11 +92,25 @@ fn upstream_url(upstream: &str) -> Result<reqwest::Url, InvalidInput> {
 pub fn options(config: &Config) -> Result<Options, InvalidInput> {
     let a = &config.a2a;
     let url = upstream_url(&a.upstream)?;
+    let rest = if a.rest_upstream.is_empty() {
+        None
+    } else {
+        let rest = upstream_url(&a.rest_upstream)
+            .map_err(|e| InvalidInput::new("a2a.rest_upstream", e.rule.replace("a2a.upstream", "a2a.rest_upstream")))?;
+        if rest.origin() != url.origin() {
+            return Err(InvalidInput::new("a2a.rest_upstream", "must have the same origin as a2a.upstream"));
+        }
+        if onceguard_mcp::call::same_path(rest.path(), url.path()) {
+            return Err(InvalidInput::new("a2a.rest_upstream", "must have another path than a2a.upstream"));
+        }
+        Some(rest)
+    };
     let upstream_name =
         if a.upstream_name.is_empty() { onceguard_mcp::call::upstream_name(&url) } else { a.upstream_name.clone() };
     Ok(Options {
         endpoint: url.path().to_owned(),
         upstream: url,
+        rest,
         upstream_name,
         lease: a.lease,
         task_lease: a.task_lease,

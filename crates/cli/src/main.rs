@@ -117,6 +117,10 @@ enum Command {
         /// The A2A server's JSON-RPC endpoint, e.g. http://127.0.0.1:9999/.
         #[arg(long)]
         upstream: Option<String>,
+        /// The A2A server's HTTP+JSON interface, e.g. http://127.0.0.1:9999/rest (default: the
+        /// gateway serves JSON-RPC only).
+        #[arg(long)]
+        rest_upstream: Option<String>,
         /// The upstream's name in namespaces a2a/<name> (default: its host and port).
         #[arg(long)]
         upstream_name: Option<String>,
@@ -309,10 +313,11 @@ async fn main() -> Result<()> {
                 no_key: *no_key,
             };
         }
-        Command::A2a { listen, upstream, upstream_name, lease, retention, wait } => {
+        Command::A2a { listen, upstream, rest_upstream, upstream_name, lease, retention, wait } => {
             overrides.a2a = A2aOverrides {
                 listen: *listen,
                 upstream: upstream.clone(),
+                rest_upstream: rest_upstream.clone(),
                 upstream_name: upstream_name.clone(),
                 lease: *lease,
                 retention: *retention,

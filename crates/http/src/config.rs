@@ -279,6 +279,9 @@ pub struct A2aConfig {
     pub listen: SocketAddr,
     /// The A2A server's JSON-RPC endpoint, e.g. `http://127.0.0.1:9999/`.
     pub upstream: String,
+    /// The A2A server's HTTP+JSON interface, e.g. `http://127.0.0.1:9999/rest` (the same origin
+    /// as `upstream`); empty: the gateway serves the JSON-RPC binding only.
+    pub rest_upstream: String,
     /// The upstream's name in namespaces (`a2a/<name>`); empty: derived from its host and port.
     pub upstream_name: String,
     /// How long the gateway may hold a key without extending it (it extends while the upstream
@@ -316,6 +319,7 @@ impl Default for A2aConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8083)),
             upstream: String::new(),
+            rest_upstream: String::new(),
             upstream_name: String::new(),
             lease: Duration::from_secs(30),
             task_lease: Duration::from_secs(3_600),
@@ -601,6 +605,9 @@ pub struct A2aOverrides {
     /// `--upstream`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
+    /// `--rest-upstream`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rest_upstream: Option<String>,
     /// `--upstream-name`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_name: Option<String>,
@@ -619,6 +626,7 @@ impl A2aOverrides {
     fn is_empty(&self) -> bool {
         self.listen.is_none()
             && self.upstream.is_none()
+            && self.rest_upstream.is_none()
             && self.upstream_name.is_none()
             && self.lease.is_none()
             && self.retention.is_none()
