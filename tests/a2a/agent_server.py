@@ -7,6 +7,7 @@ user's text:
 - `echo <x>`: answers at once with a Message "echo <x>" (no task);
 - `task <x>`: a task that works for 200 ms, then completes with an artifact "done <x>";
 - `slow <x>`: a task that stays `working` for 3 s (CancelTask cancels it), then completes;
+- `long <x>`: the same for 30 s;
 - `ask <x>`: a task that stops at `input-required`; the message that continues it (the same
   taskId) is an execution of its own (step "continue") and completes the task.
 
@@ -32,7 +33,7 @@ from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types.a2a_pb2 import AgentCapabilities, AgentCard, AgentInterface, AgentSkill, TaskState
 from starlette.applications import Starlette
 
-SKILLS = ["echo", "task", "slow", "ask"]
+SKILLS = ["echo", "task", "slow", "long", "ask"]
 
 
 def record(**row) -> None:
@@ -66,9 +67,9 @@ class Agent(AgentExecutor):
             await updater.complete()
         elif skill == "ask":
             await updater.requires_input(updater.new_agent_message([new_text_part(f"more for {rest}?")]))
-        elif skill in ("task", "slow"):
+        elif skill in ("task", "slow", "long"):
             await updater.start_work()
-            await asyncio.sleep(0.2 if skill == "task" else 3.0)
+            await asyncio.sleep({"task": 0.2, "slow": 3.0, "long": 30.0}[skill])
             await updater.add_artifact([new_text_part(f"done {rest}")], name="result")
             await updater.complete()
         else:
