@@ -156,3 +156,27 @@ def test_the_gateway_counts_what_it_did(world):
     }
     print(counted)
     assert counted["executed"] >= 1 and counted["replayed"] >= 1, counted
+
+
+def test_a_stream_cut_before_its_first_event_is_retried_safely(world):
+    """A SendStreamingMessage whose caller hangs up as soon as the answer's head arrives (before
+    any event); the caller sends the same message again: the agent ran once, and the retry gets
+    the first send's task."""
+    text, mid = f"task {unique('c')}", unique("msg")
+    body = {
+        "jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage",
+        "params": {"message": {"messageId": mid, "role": "ROLE_USER", "parts": [{"text": text}]}},
+    }
+    headers = {KEY_HEADER: world.token, "A2A-Version": "1.0", "Accept": "text/event-stream"}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", world.gateway.url, json=body, headers=headers) as cut:
+                assert cut.status_code == 200
+        async with connect(world) as client:
+            return await send(client, message(text, mid))
+
+    retried = run(go())
+    rows = world.rows(text=text)
+    assert world.executions(text=text) == 1
+    assert retried.task.id == rows[0]["task"], (retried, rows)
