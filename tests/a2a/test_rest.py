@@ -180,3 +180,28 @@ def test_a_stream_cut_before_its_first_event_is_retried_safely(world):
     rows = world.rows(text=text)
     assert world.executions(text=text) == 1
     assert retried.task.id == rows[0]["task"], (retried, rows)
+
+
+def test_eight_callers_racing_over_two_gateways_execute_once_a_round(world):
+    """Six rounds; in each, eight sends of one message at once through two gateway instances on
+    one store (five through the first, three through the second), by JSON-RPC and by HTTP+JSON:
+    one execution a round, and every send answers the same task."""
+    other = Gateway(
+        world.store, world.upstream, world.dir, UPSTREAM_NAME, "--lease", "5s", "--wait", "10s",
+        "--rest-upstream", world.upstream + "rest", command="a2a", path="/",
+    )
+
+    async def one_round(i: int):
+        text, mid = f"task {unique(f'race{i}')}", unique("msg")
+        async with connect(world) as a, connect(world, url=other.url) as b, connect_rest(world) as c:
+            clients = [a, b, c, a, b, c, a, b]
+            answers = await asyncio.gather(*(send(client, message(text, mid)) for client in clients))
+        return text, answers
+
+    try:
+        for i in range(6):
+            text, answers = run(one_round(i))
+            assert len({a.task.id for a in answers}) == 1, [a.task.id for a in answers]
+            assert world.executions(text=text) == 1, f"round {i}"
+    finally:
+        other.stop()
