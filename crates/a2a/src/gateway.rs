@@ -139,7 +139,7 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>)
         }
         "/_onceguard/healthz" => return (StatusCode::OK, "ok").into_response(),
         "/.well-known/agent-card.json" | "/.well-known/agent.json" if request.method() == HttpMethod::GET => {
-            return gateway.card(request).await;
+            return gateway.card(request, None).await;
         }
         _ => {}
     }
@@ -200,7 +200,7 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>)
             &format!("method '{method}' is not served through the gateway"),
         );
     };
-    let task = send::task_param(method, params.as_ref());
+    let task = send::task_param(method, era, params.as_ref());
     let reply = Reply::json_rpc(id);
     let call = Call { method, era, params, task };
     answer(&gateway, &caller, parts, body, reply, call).await
@@ -260,10 +260,10 @@ async fn answer(
             }
             Method::ListTasks => (list_tasks(gateway, caller, parts, body, &reply).await, "forwarded"),
             Method::ExtendedCard => {
-                (gateway.calls.forward(Request::from_parts(parts, Body::from(body))).await, "forwarded")
+                (gateway.card(Request::from_parts(parts, Body::from(body)), Some(&reply)).await, "forwarded")
             }
             Method::GetTask | Method::CancelTask | Method::Subscribe | Method::PushConfig(_) => {
-                task_method(gateway, caller, parts, body, &reply, task, method).await
+                task_method(gateway, caller, parts, body, &reply, task, method, era).await
             }
         }
     };
@@ -408,6 +408,19 @@ impl Reply {
         response
     }
 
+    /// An error of A2A's own `code`, as one event of a stream.
+    fn error_event(&self, code: i64, message: &str) -> Bytes {
+        let body = if self.rest {
+            serde_json::to_vec(&crate::rest::a2a_error(code, message).1).unwrap_or_default()
+        } else {
+            error_message(Some(&self.id), code, message)
+        };
+        let mut event = b"data: ".to_vec();
+        event.extend_from_slice(&body);
+        event.extend_from_slice(b"\n\n");
+        Bytes::from(event)
+    }
+
     /// What a successful (2xx) answer's body says: JSON-RPC's response message to the request,
     /// or HTTP+JSON's body itself. `None`: not an answer to the request.
     fn upstream_answer(&self, bytes: &[u8]) -> Option<Upstreamed> {
@@ -450,12 +463,22 @@ type Answered = (Response<Body>, &'static str);
 pub(crate) struct Delegation {
     pub(crate) task: String,
     pub(crate) era: Era,
+    /// The send's A2A `tenant`: the gateway's own requests about the task name it too.
+    pub(crate) tenant: Option<String>,
 }
 
 impl Delegation {
     fn to_data(&self) -> String {
         let version = if self.era == Era::V1 { "1.0" } else { "0.3" };
-        json!({ "task": self.task, "version": version }).to_string()
+        json!({ "task": self.task, "version": version, "tenant": self.tenant }).to_string()
+    }
+
+    /// The params of a task method about the task (`id`, and the send's `tenant`).
+    fn params(&self) -> Value {
+        match &self.tenant {
+            Some(tenant) => json!({ "id": self.task, "tenant": tenant }),
+            None => json!({ "id": self.task }),
+        }
     }
 
     /// The delegation of a record still in flight, from its last checkpoint.
@@ -473,7 +496,8 @@ impl Delegation {
         let data: Value = serde_json::from_str(&checkpoint.data).ok()?;
         let task = data.get("task")?.as_str()?.to_owned();
         let era = if data.get("version").and_then(Value::as_str) == Some("0.3") { Era::V03 } else { Era::V1 };
-        Some(Self { task, era })
+        let tenant = data.get("tenant").and_then(Value::as_str).map(str::to_owned);
+        Some(Self { task, era, tenant })
     }
 }
 
@@ -701,6 +725,10 @@ async fn send_message(
                 era,
                 headers: forwarded_headers(&parts.headers),
                 lease: guard.clock().now().until(acquired.lease_expires_at),
+                continuation: send.task_id.is_some(),
+                admin: caller.admin,
+                a2a_tenant: send.tenant.clone(),
+                foreign: std::sync::atomic::AtomicBool::new(false),
             };
             let body = params_body(reply, method, era, params);
             (leg.start(Request::from_parts(parts, Body::from(body)), streaming).await, "executed")
@@ -746,7 +774,7 @@ async fn from_task(
     delegation: &Delegation,
     streaming: bool,
 ) -> Answered {
-    let task = gateway.fetch_task(&parts.headers, &delegation.task, delegation.era).await;
+    let task = gateway.fetch_task(&parts.headers, delegation).await;
     let Some(task) = task else {
         if let Some(fence) = fence {
             let holder = Holder { guard: gateway.guard(), scope, fence, actor: &caller.actor };
@@ -769,7 +797,7 @@ async fn from_task(
         holder.delegate(delegation, gateway.options.task_lease).await;
     }
     if streaming && !view.is_terminal() {
-        let Some(request) = gateway.subscribe_request(parts, reply, &delegation.task, delegation.era) else {
+        let Some(request) = gateway.subscribe_request(parts, reply, delegation) else {
             return (reply.error(&ApiError::Internal("the task's subscription could not be made".into())), "refused");
         };
         let response = gateway.streams.forward(request).await;
@@ -783,7 +811,8 @@ impl Gateway {
     /// A `SubscribeToTask` (v0.3 `tasks/resubscribe`) of `task` with the caller's headers, in
     /// the caller's binding: a JSON-RPC request with its id, or HTTP+JSON's
     /// `GET …/tasks/{id}:subscribe` (under the tenant the caller's path named).
-    fn subscribe_request(&self, parts: &Parts, reply: &Reply, task: &str, era: Era) -> Option<Request<Body>> {
+    fn subscribe_request(&self, parts: &Parts, reply: &Reply, delegation: &Delegation) -> Option<Request<Body>> {
+        let task = delegation.task.as_str();
         let mut request = if reply.rest {
             let base = self.options.rest.as_ref()?.path().trim_end_matches('/').to_owned();
             let route = crate::rest::route(&parts.method, parts.uri.path(), &base)?;
@@ -792,8 +821,8 @@ impl Gateway {
             *request.uri_mut() = format!("{base}{tenant}/tasks/{}:subscribe", encode(task)).parse().ok()?;
             request
         } else {
-            let method = if era == Era::V1 { "SubscribeToTask" } else { "tasks/resubscribe" };
-            let body = json!({ "jsonrpc": "2.0", "id": reply.id, "method": method, "params": { "id": task } });
+            let method = if delegation.era == Era::V1 { "SubscribeToTask" } else { "tasks/resubscribe" };
+            let body = json!({ "jsonrpc": "2.0", "id": reply.id, "method": method, "params": delegation.params() });
             let mut request = Request::new(Body::from(body.to_string()));
             *request.method_mut() = HttpMethod::POST;
             *request.uri_mut() = parts.uri.clone();
@@ -825,10 +854,10 @@ fn forwarded_headers(headers: &HeaderMap) -> HeaderMap {
 impl Gateway {
     /// The task as the upstream answers `GetTask` for it now, with the caller's headers;
     /// `None` when it does not (an error, not found, not reachable).
-    async fn fetch_task(&self, headers: &HeaderMap, task: &str, era: Era) -> Option<Value> {
-        let method = if era == Era::V1 { "GetTask" } else { "tasks/get" };
+    async fn fetch_task(&self, headers: &HeaderMap, delegation: &Delegation) -> Option<Value> {
+        let method = if delegation.era == Era::V1 { "GetTask" } else { "tasks/get" };
         let id = json!("onceguard-get-task");
-        let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": { "id": task } });
+        let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": delegation.params() });
         let mut request = Request::new(Body::from(body.to_string()));
         *request.method_mut() = HttpMethod::POST;
         *request.uri_mut() = self.options.endpoint.parse().ok()?;
@@ -848,7 +877,7 @@ impl Gateway {
     pub(crate) async fn cancel_task(&self, delegation: &Delegation) -> bool {
         let (method, version) = if delegation.era == Era::V1 { ("CancelTask", "1.0") } else { ("tasks/cancel", "0.3") };
         let id = json!("onceguard-cancel-task");
-        let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": { "id": delegation.task } });
+        let body = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": delegation.params() });
         let mut request = Request::new(Body::from(body.to_string()));
         *request.method_mut() = HttpMethod::POST;
         let Ok(uri) = self.options.endpoint.parse() else { return false };
@@ -897,17 +926,35 @@ impl Gateway {
 
     /// A terminal `task` seen in an answer to `caller` (of `GetTask`, `CancelTask`, a stream):
     /// completes the key of the send that started it, as its owner record names it.
-    async fn settle_terminal(&self, tenant: &TenantId, owner: &Owner, task: Value, actor: &str) {
+    /// The task is in the version it was seen in (`seen`): where the send's differs, it is
+    /// asked again in the send's, so that a replay has the send's shape.
+    async fn settle_terminal(
+        &self,
+        tenant: &TenantId,
+        owner: &Owner,
+        task: Value,
+        seen: Era,
+        headers: &HeaderMap,
+        actor: &str,
+    ) {
         let scope = Scope::new(tenant.clone(), self.sends_namespace(), owner.key.clone());
         let Some(view) = send::task_of(&task) else { return };
-        let era = match self.guard().get(&scope).await {
+        let delegation = match self.guard().get(&scope).await {
             Ok(Some(record)) => match Delegation::of(&record) {
-                Some(d) if d.task == view.id => d.era,
+                Some(d) if d.task == view.id => d,
                 _ => return,
             },
             _ => return,
         };
-        let answer = serde_json::to_vec(&send::as_send_answer(task, era)).unwrap_or_default();
+        let task = if seen == delegation.era {
+            task
+        } else {
+            match self.fetch_task(headers, &delegation).await {
+                Some(task) if send::task_of(&task).is_some_and(|t| t.is_terminal()) => task,
+                _ => return,
+            }
+        };
+        let answer = serde_json::to_vec(&send::as_send_answer(task, delegation.era)).unwrap_or_default();
         self.complete_delegated(tenant, &scope, &view.id, &answer, actor).await;
     }
 
@@ -958,13 +1005,11 @@ impl Gateway {
     async fn terminal_seen(&self, tenant: &TenantId, actor: &str, headers: &HeaderMap, task: &TaskView) {
         let Ok(Some(owner)) = self.owner_of(tenant, &task.id).await else { return };
         let scope = Scope::new(tenant.clone(), self.sends_namespace(), owner.key.clone());
-        let era = match self.guard().get(&scope).await {
-            Ok(Some(record)) => Delegation::of(&record).map_or(Era::V1, |d| d.era),
-            _ => Era::V1,
-        };
-        let full = self.fetch_task(headers, &task.id, era).await;
-        let full = full.unwrap_or_else(|| json!({ "id": task.id, "status": { "state": task.state } }));
-        self.settle_terminal(tenant, &owner, full, actor).await;
+        let Ok(Some(record)) = self.guard().get(&scope).await else { return };
+        let Some(delegation) = Delegation::of(&record).filter(|d| d.task == task.id) else { return };
+        // The whole task, as the upstream has it now; none: the key stays delegated.
+        let Some(full) = self.fetch_task(headers, &delegation).await else { return };
+        self.settle_terminal(tenant, &owner, full, delegation.era, headers, actor).await;
     }
 }
 
@@ -996,6 +1041,15 @@ struct Leg {
     headers: HeaderMap,
     /// The lease, extended while the upstream works.
     lease: Duration,
+    /// Whether the message continues a task (its answer, whatever the task's state, completes
+    /// the key: the step is done).
+    continuation: bool,
+    /// Whether the caller is an admin of the tenant (it may continue any of the tenant's tasks).
+    admin: bool,
+    /// The send's A2A `tenant`.
+    a2a_tenant: Option<String>,
+    /// Set when the upstream answered with another caller's task: the answer is withheld.
+    foreign: std::sync::atomic::AtomicBool,
 }
 
 type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
@@ -1108,9 +1162,21 @@ impl Leg {
                 self.holder().unknown("the upstream's answer was not the send's JSON-RPC response").await;
             }
         }
+        if self.is_foreign() {
+            let _ = reply.send(self.reply.a2a(TASK_NOT_FOUND, "task not found"));
+            return;
+        }
         let mut parts = parts;
         parts.headers.remove(CONTENT_LENGTH);
         let _ = reply.send(Response::from_parts(parts, Body::from(bytes)));
+    }
+
+    fn is_foreign(&self) -> bool {
+        self.foreign.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn delegation(&self, task: &str) -> Delegation {
+        Delegation { task: task.to_owned(), era: self.era, tenant: self.a2a_tenant.clone() }
     }
 
     async fn not_stored(&self, seen: BodyDigest) {
@@ -1149,17 +1215,19 @@ impl Leg {
             Answer::Task(task) => {
                 record_task(&task);
                 let Some(owner) = self.own_task(&task).await else { return true };
-                if task.is_terminal() {
+                // A continuation's step is done once the upstream answered it, whatever the
+                // task's state: its key keeps the answer.
+                if task.is_terminal() || self.continuation {
                     let stored = self.store(raw.to_vec()).await;
                     // A continuation that ended the task ends the first send's key too.
-                    if owner.key != self.scope.key {
-                        let inner = value.get("task").cloned().unwrap_or_else(|| value.clone());
-                        self.gateway.settle_terminal(&self.tenant, &owner, inner, &self.actor).await;
+                    if task.is_terminal() && owner.key != self.scope.key {
+                        let inner = whole_task(value).unwrap_or_else(|| value.clone());
+                        let (tenant, headers) = (&self.tenant, &self.headers);
+                        self.gateway.settle_terminal(tenant, &owner, inner, self.era, headers, &self.actor).await;
                     }
                     return stored;
                 }
-                let delegation = Delegation { task: task.id, era: self.era };
-                self.holder().delegate(&delegation, self.gateway.options.task_lease).await
+                self.holder().delegate(&self.delegation(&task.id), self.gateway.options.task_lease).await
             }
             Answer::Other => self.holder().unknown("the upstream's result was neither a Task nor a Message").await,
         }
@@ -1172,8 +1240,16 @@ impl Leg {
         let owner = Owner { caller: self.actor.clone(), key: self.scope.key.clone() };
         match self.gateway.record_owner(&self.tenant, &task.id, &owner).await {
             Ok(owner) => Some(owner),
+            // An admin's continuation of a task of its tenant's.
+            Err(OwnerError::Taken)
+                if self.admin
+                    && let Ok(Some(existing)) = self.gateway.owner_of(&self.tenant, &task.id).await =>
+            {
+                Some(existing)
+            }
             Err(OwnerError::Taken) => {
-                tracing::error!(task = %task.id, "the upstream answered a send with another caller's task");
+                tracing::error!(task = %task.id, "the upstream answered a send with another caller's task; the answer is withheld");
+                self.foreign.store(true, std::sync::atomic::Ordering::Relaxed);
                 self.holder().unknown("the upstream answered with another caller's task").await;
                 None
             }
@@ -1227,7 +1303,14 @@ impl Leg {
                         extender.abort();
                     }
                 }
+                if self.is_foreign() {
+                    let _ = out.send(Ok(self.reply.error_event(TASK_NOT_FOUND, "task not found"))).await;
+                    break;
+                }
                 let _ = out.send(Ok(block.raw)).await;
+            }
+            if self.is_foreign() {
+                break;
             }
         }
         if let Some(rest) = reader.finish() {
@@ -1261,13 +1344,30 @@ impl Leg {
                 false
             }
             Answer::Task(task) if task.is_terminal() => {
+                if delegated.as_ref().is_some_and(|d| *d != task.id) {
+                    return false;
+                }
                 let Some(owner) = self.own_task(&task).await else { return true };
-                let full = self.gateway.fetch_task(&self.headers, &task.id, self.era).await;
-                let full = full.unwrap_or_else(|| json!({ "id": task.id, "status": { "state": task.state } }));
+                let delegation = self.delegation(&task.id);
+                // The whole task: the event's own when it is one, else as the upstream has it.
+                let full = match whole_task(&value) {
+                    Some(task) => Some(task),
+                    None => self.gateway.fetch_task(&self.headers, &delegation).await,
+                };
+                let Some(full) = full else {
+                    // Never a partial answer stored: the key stays delegated, and the task's
+                    // terminal state seen later (a GetTask, a recovery) completes it.
+                    if delegated.is_none() && self.holder().delegate(&delegation, self.gateway.options.task_lease).await
+                    {
+                        *delegated = Some(task.id);
+                    }
+                    return false;
+                };
                 let answer = serde_json::to_vec(&send::as_send_answer(full.clone(), self.era)).unwrap_or_default();
                 let stored = self.store(answer).await;
                 if owner.key != self.scope.key {
-                    self.gateway.settle_terminal(&self.tenant, &owner, full, &self.actor).await;
+                    let (tenant, headers) = (&self.tenant, &self.headers);
+                    self.gateway.settle_terminal(tenant, &owner, full, self.era, headers, &self.actor).await;
                 }
                 stored
             }
@@ -1275,6 +1375,14 @@ impl Leg {
             _ => false,
         }
     }
+}
+
+/// The whole task an answer or event carries (v1.0 `{"task": …}`, v0.3 a task), not an update.
+fn whole_task(value: &Value) -> Option<Value> {
+    if let Some(task) = value.get("task") {
+        return Some(task.clone());
+    }
+    (value.get("kind").and_then(Value::as_str) == Some("task")).then(|| value.clone())
 }
 
 /// Sends a body's chunks on until it ends, adding each to `seen`; answers whether it ended
@@ -1307,6 +1415,7 @@ async fn task_method(
     reply: &Reply,
     task: Option<String>,
     method: Method,
+    era: Era,
 ) -> Answered {
     let Some(task) = task else {
         return (reply.a2a(-32602, "the request names no task (params.id)"), "refused");
@@ -1317,21 +1426,23 @@ async fn task_method(
         Err(OwnerError::Guard(e)) => return (reply.error(&e.into()), "refused"),
         Err(e) => return (reply.error(&ApiError::Internal(e.to_string())), "refused"),
     };
-    let mine = owner.as_ref().is_some_and(|o| o.caller == caller.actor);
-    if !mine && !caller.admin {
+    // A tenant's admin: any task a send of the tenant's started through the gateway; others:
+    // their own. A task with no record was not started through the gateway by the tenant.
+    let allowed = owner.as_ref().is_some_and(|o| o.caller == caller.actor || caller.admin);
+    if !allowed {
         tracing::info!(task, "refused a task method for a task the caller did not create through the gateway");
         return (reply.a2a(TASK_NOT_FOUND, "task not found"), "refused");
     }
-    let request = Request::from_parts(parts, Body::from(body));
+    let headers = forwarded_headers(&parts.headers);
+    let mut request = Request::from_parts(parts, Body::from(body));
+    // An answer that is read must come as it is: no compression.
+    request.headers_mut().remove(ACCEPT_ENCODING);
     match method {
         Method::Subscribe => {
-            let headers = request.headers().clone();
             let response = gateway.streams.forward(request).await;
             (gateway.read_task_stream(caller, reply, &headers, response), "forwarded")
         }
         Method::GetTask | Method::CancelTask => {
-            let mut request = request;
-            request.headers_mut().remove(ACCEPT_ENCODING);
             let response = gateway.calls.forward(request).await;
             if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
                 return (response, "forwarded");
@@ -1348,7 +1459,8 @@ async fn task_method(
             {
                 record_task(&view);
                 if view.is_terminal() {
-                    gateway.settle_terminal(&caller.tenant, &owner, task_value, &caller.actor).await;
+                    let seen = if reply.rest { Era::V1 } else { era };
+                    gateway.settle_terminal(&caller.tenant, &owner, task_value, seen, &headers, &caller.actor).await;
                 }
             }
             parts.headers.remove(CONTENT_LENGTH);
@@ -1369,7 +1481,7 @@ async fn list_tasks(
     let mut request = Request::from_parts(parts, Body::from(body));
     request.headers_mut().remove(ACCEPT_ENCODING);
     let response = gateway.calls.forward(request).await;
-    if caller.admin || !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
+    if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
         return response;
     }
     let (mut parts, body) = response.into_parts();
@@ -1387,7 +1499,7 @@ async fn list_tasks(
         for task in tasks.drain(..) {
             let Some(id) = task.get("id").and_then(Value::as_str) else { continue };
             match gateway.owner_of(&caller.tenant, id).await {
-                Ok(Some(owner)) if owner.caller == caller.actor => kept.push(task),
+                Ok(Some(owner)) if owner.caller == caller.actor || caller.admin => kept.push(task),
                 Ok(_) => {}
                 Err(e) => {
                     let error = match e {
@@ -1407,33 +1519,48 @@ async fn list_tasks(
 }
 
 impl Gateway {
-    /// The upstream's agent card, its interfaces that name the upstream naming the gateway
-    /// (the URL the caller reached it at: its `Host`, `https` where the listener serves TLS).
-    /// Skills and everything else are untouched; a card that is not JSON passes as it is.
-    async fn card(&self, request: Request<Body>) -> Response<Body> {
-        let host = request.headers().get(HOST).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    /// The upstream's agent card (`extended`: the answer to `GetExtendedAgentCard` in the
+    /// caller's binding, the card in its `result` or body), its interfaces that name the upstream
+    /// naming the gateway: the URL the caller reached it at (its `Host`, or the HTTP/2
+    /// authority; `https` where the listener serves TLS). Skills and everything else are
+    /// untouched. A card that cannot be read is refused, never passed on naming the upstream.
+    async fn card(&self, request: Request<Body>, extended: Option<&Reply>) -> Response<Body> {
+        let host = request
+            .headers()
+            .get(HOST)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| request.uri().authority().map(|a| a.to_string()));
+        let Some(host) = host else {
+            return ApiError::Invalid("the request names no host: the card would not name the gateway".into())
+                .into_response();
+        };
         let (mut parts, body) = request.into_parts();
         parts.headers.remove(&self.options.api_key_header);
         parts.headers.remove(ACCEPT_ENCODING);
         let response = self.calls.forward(Request::from_parts(parts, body)).await;
-        let Some(host) = host else { return response };
         if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
             return response;
         }
         let (mut parts, body) = response.into_parts();
-        let Ok(bytes) = axum::body::to_bytes(body, MAX_CARD_BYTES).await else {
-            return ApiError::BadGateway("the upstream's agent card broke off or was too large".into()).into_response();
-        };
-        let Ok(mut card) = serde_json::from_slice::<Value>(&bytes) else {
-            return Response::from_parts(parts, Body::from(bytes));
+        let unreadable = || ApiError::BadGateway("the upstream's agent card could not be read".into()).into_response();
+        let Ok(bytes) = axum::body::to_bytes(body, MAX_CARD_BYTES).await else { return unreadable() };
+        let Ok(mut answer) = serde_json::from_slice::<Value>(&bytes) else { return unreadable() };
+        let card = match extended {
+            Some(reply) if !reply.rest => match answer.get_mut("result") {
+                Some(card) => card,
+                // An error passes as it is.
+                None => return Response::from_parts(parts, Body::from(bytes)),
+            },
+            _ => &mut answer,
         };
         let scheme = if self.tls { "https" } else { "http" };
         let ours = format!("{scheme}://{host}{}", self.options.endpoint);
         let rest = self.options.rest.as_ref().map(|rest| (rest, format!("{scheme}://{host}{}", rest.path())));
-        rewrite_card(&mut card, &self.options.upstream, &ours, rest.as_ref().map(|(u, o)| (*u, o.as_str())));
+        rewrite_card(card, &self.options.upstream, &ours, rest.as_ref().map(|(u, o)| (*u, o.as_str())));
         parts.headers.remove(CONTENT_LENGTH);
         parts.headers.remove(ETAG);
-        Response::from_parts(parts, Body::from(serde_json::to_vec(&card).unwrap_or_default()))
+        Response::from_parts(parts, Body::from(serde_json::to_vec(&answer).unwrap_or_default()))
     }
 }
 
@@ -1545,7 +1672,7 @@ mod tests {
 
     #[test]
     fn a_delegation_reads_back_as_written() {
-        let delegation = Delegation { task: "t-1".into(), era: Era::V03 };
+        let delegation = Delegation { task: "t-1".into(), era: Era::V03, tenant: Some("eu".into()) };
         let checkpoint = onceguard_core::Checkpoint {
             name: CheckpointName::parse(DELEGATED).unwrap(),
             data: delegation.to_data(),

@@ -40,9 +40,7 @@ pub fn route(http: &HttpMethod, path: &str, base: &str) -> Option<Route> {
     let rest = path.strip_prefix(base)?;
     let rest = rest.strip_prefix('/')?;
     let segments: Vec<String> = rest.split('/').map(percent_decode).collect::<Option<Vec<_>>>()?;
-    let known = |first: &str| {
-        matches!(first, "message:send" | "message:stream" | "tasks" | "extendedAgentCard") || first.starts_with("tasks")
-    };
+    let known = |first: &str| matches!(first, "message:send" | "message:stream" | "tasks" | "extendedAgentCard");
     let (tenant, segments) = match segments.split_first() {
         Some((first, tail)) if !known(first) && !tail.is_empty() => (Some(first.clone()), tail.to_vec()),
         _ => (None, segments),
@@ -164,6 +162,8 @@ mod tests {
 
     #[test]
     fn a_tenant_segment_is_read() {
+        let tenant = at("GET", "/rest/tasks-eu/tasks/t-1").unwrap();
+        assert_eq!((tenant.tenant.as_deref(), tenant.task.as_deref()), (Some("tasks-eu"), Some("t-1")));
         let send = at("POST", "/rest/acme/message:send").unwrap();
         assert_eq!((send.method, send.tenant.as_deref()), (Method::Send, Some("acme")));
         let get = at("GET", "/rest/a%20b/tasks/t%2F1").unwrap();

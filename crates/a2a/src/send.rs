@@ -97,7 +97,13 @@ pub struct Send {
     pub message_id: String,
     /// The task the message continues (`taskId`), if any.
     pub task_id: Option<String>,
+    /// The request's `tenant` (A2A's), if any.
+    pub tenant: Option<String>,
 }
+
+/// The guarded members of a message in another spelling (an upstream that reads proto field
+/// names would read them, the gateway would not): a message that carries one is refused.
+const OTHER_SPELLINGS: [&str; 4] = ["message_id", "task_id", "context_id", "reference_task_ids"];
 
 impl Send {
     /// Reads a send's `params`: `header_key` is the `Idempotency-Key` header's value (it takes
@@ -108,6 +114,9 @@ impl Send {
             .and_then(|p| p.get("message"))
             .and_then(Value::as_object)
             .ok_or("a send carries params.message, an object")?;
+        if let Some(other) = OTHER_SPELLINGS.iter().find(|f| message.contains_key(**f)) {
+            return Err(format!("params.message.{other} is not read by the gateway: spell it in camelCase"));
+        }
         let message_id = match message.get("messageId") {
             Some(Value::String(id)) if !id.is_empty() => id.clone(),
             _ => return Err("params.message.messageId must be a non-empty string".into()),
@@ -149,7 +158,8 @@ impl Send {
             None => message_id.as_str(),
         };
         let key = key_of(caller, &tenant, task_id.as_deref(), callers_key);
-        Ok(Self { key, fingerprint, message_id, task_id })
+        let tenant = (!tenant.is_empty()).then_some(tenant);
+        Ok(Self { key, fingerprint, message_id, task_id, tenant })
     }
 }
 
@@ -162,7 +172,8 @@ pub fn key_of(caller: &str, tenant: &str, task: Option<&str>, key: &str) -> Key 
         Some(task) => format!("{caller}|{tenant}|task:{task}|{key}"),
         None => format!("{caller}|{tenant}|{key}"),
     };
-    let plain = !caller.contains('|') && !tenant.contains('|') && !task.is_some_and(|t| t.contains('|'));
+    let plain =
+        !caller.contains('|') && !tenant.contains('|') && !task.is_some_and(|t| t.contains('|')) && !key.contains('|');
     if plain && let Ok(key) = Key::parse(&readable) {
         return key;
     }
@@ -280,15 +291,29 @@ pub fn as_send_answer(task: Value, era: Era) -> Value {
     }
 }
 
-/// The id of the task a task method names: `id` (v1.0 `GetTask`, `CancelTask`,
-/// `SubscribeToTask`; v0.3 `tasks/*`), or `taskId` (push notification configurations).
-pub fn task_param(method: Method, params: Option<&Value>) -> Option<String> {
+/// The id of the task a task method names, as its version names it: `id` (`GetTask`,
+/// `CancelTask`, `SubscribeToTask`, and v0.3's push notification `get`, `list` and `delete`),
+/// `taskId` (v1.0's push notification methods and v0.3's `set`). `None` (refused) when it names
+/// none, or names one in another member too (`task_id`, or `taskId` beside v0.3's `id`), which
+/// an upstream might read instead.
+pub fn task_param(method: Method, era: Era, params: Option<&Value>) -> Option<String> {
     let params = params?;
     let field = |name: &str| params.get(name).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_owned);
-    match method {
-        Method::PushConfig(_) => field("taskId").or_else(|| field("id")),
+    if params.get("task_id").is_some() {
+        return None;
+    }
+    match (method, era) {
+        (Method::PushConfig("CreateTaskPushNotificationConfig"), Era::V03) | (Method::PushConfig(_), Era::V1) => {
+            field("taskId")
+        }
+        (_, Era::V03) if params.get("taskId").is_some() => None,
         _ => field("id"),
     }
+}
+
+/// The request's `tenant` (A2A's), if it names one.
+pub fn tenant_param(params: Option<&Value>) -> Option<String> {
+    params?.get("tenant").and_then(Value::as_str).filter(|t| !t.is_empty()).map(str::to_owned)
 }
 
 #[cfg(test)]
@@ -322,6 +347,7 @@ mod tests {
 
     #[test]
     fn keys_that_could_be_read_two_ways_are_digests() {
+        assert_ne!(key_of("c", "t", None, "task:T|m"), key_of("c", "t", Some("T"), "m"));
         let a = key_of("c", "t|x", None, "k");
         let b = key_of("c", "t", None, "x|k");
         assert_ne!(a, b);
@@ -357,6 +383,8 @@ mod tests {
             json!({"message": {"messageId": "m", "parts": {}}}),
             json!({"message": {"messageId": "m", "parts": [], "taskId": 3}}),
             json!({"message": {"messageId": "m", "parts": []}, "tenant": 1}),
+            json!({"message": {"messageId": "m", "parts": [], "task_id": "victim"}}),
+            json!({"message": {"messageId": "m", "parts": [], "context_id": "c"}}),
         ] {
             assert!(send(bad.clone(), None).is_err(), "{bad}");
         }
@@ -400,8 +428,17 @@ mod tests {
         assert_eq!(Method::parse("tasks/resubscribe").map(|(m, _)| m.name()), Some("SubscribeToTask"));
         assert_eq!(Method::parse("DoSomethingElse"), None);
         let push = Method::PushConfig("GetTaskPushNotificationConfig");
-        assert_eq!(task_param(push, Some(&json!({"taskId": "t", "id": "c"}))), Some("t".into()));
-        assert_eq!(task_param(Method::GetTask, Some(&json!({"id": "t"}))), Some("t".into()));
-        assert_eq!(task_param(Method::GetTask, Some(&json!({"id": ""}))), None);
+        assert_eq!(task_param(push, Era::V1, Some(&json!({"taskId": "t", "id": "c"}))), Some("t".into()));
+        assert_eq!(task_param(push, Era::V03, Some(&json!({"id": "t"}))), Some("t".into()));
+        assert_eq!(
+            task_param(push, Era::V03, Some(&json!({"id": "victim", "taskId": "mine"}))),
+            None,
+            "two task ids: refused, whichever the upstream would read"
+        );
+        let set = Method::PushConfig("CreateTaskPushNotificationConfig");
+        assert_eq!(task_param(set, Era::V03, Some(&json!({"taskId": "t"}))), Some("t".into()));
+        assert_eq!(task_param(Method::GetTask, Era::V1, Some(&json!({"id": "t"}))), Some("t".into()));
+        assert_eq!(task_param(Method::GetTask, Era::V1, Some(&json!({"id": ""}))), None);
+        assert_eq!(task_param(Method::GetTask, Era::V1, Some(&json!({"id": "t", "task_id": "v"}))), None);
     }
 }
