@@ -28,6 +28,7 @@
 //! - [`gateway`](mod@gateway): the handler.
 //! - `owners`: who created each task (a record per task in the store).
 //! - `revoked`: the tasks of keys a kill switch revoked, cancelled upstream.
+//! - `state`: what the handlers share (the [`Gateway`], the caller).
 
 #![forbid(unsafe_code)]
 
@@ -47,8 +48,9 @@ mod owners;
 pub mod rest;
 mod revoked;
 pub mod send;
+mod state;
 
-pub use gateway::Gateway;
+pub use state::Gateway;
 
 /// What the gateway needs to know, from the `[a2a]` section.
 #[derive(Debug, Clone)]

@@ -14,7 +14,7 @@ use onceguard_core::{
 };
 use serde_json::{Value, json};
 
-use crate::gateway::Gateway;
+use crate::state::Gateway;
 
 /// What the record of a task says.
 #[derive(Debug, Clone, PartialEq, Eq)]

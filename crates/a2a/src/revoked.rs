@@ -15,7 +15,8 @@ use std::time::Duration;
 use onceguard_core::control::{Switch, SwitchTarget};
 use onceguard_core::{ListFilter, RecordState};
 
-use crate::gateway::{Delegation, Gateway};
+use crate::gateway::Delegation;
+use crate::state::Gateway;
 
 /// How often the switches are looked at.
 const EVERY: Duration = Duration::from_secs(1);
