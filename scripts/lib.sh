@@ -75,6 +75,21 @@ og_release_bin() {
 }
 
 # A free TCP port on 127.0.0.1.
+# The TypeScript client's dev dependencies, installed with `npm ci` in the current directory
+# (clients/typescript) when its package-lock.json changed since the last install (a stamp in
+# node_modules/). $1 names the script, for its messages.
+og_npm_ci_stamped() {
+  local stamp="node_modules/.onceguard-package-lock.sha256" want
+  want=$(sha256sum package-lock.json | cut -d' ' -f1)
+  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+  echo "$1: installing the dev dependencies (npm ci)"
+  if ! npm ci --no-audit --no-fund --loglevel=error >/dev/null; then
+    echo "$1: npm ci failed" >&2
+    return 1
+  fi
+  echo "$want" >"$stamp"
+}
+
 og_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # Waits up to 10 s for something to listen on 127.0.0.1:$1; fails naming the caller $2.

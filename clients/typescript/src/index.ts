@@ -11,7 +11,8 @@
  *   functions by name.
  * - The framework helpers live in their own entry points: `onceguard/ai` (Vercel AI SDK),
  *   `onceguard/openai-agents` (OpenAI Agents SDK), `onceguard/langchain` (LangChain.js
- *   tools and LangGraph.js tasks).
+ *   tools and LangGraph.js tasks), `onceguard/a2a` (the A2A JavaScript SDK's sends, keyed
+ *   by run and step for `onceguard a2a`).
  *
  * @module
  */
