@@ -7,7 +7,8 @@ tenant are two callers. Run by scripts/a2a-tests, which makes the virtualenv and
 (found at $CARGO_TARGET_DIR/debug/onceguard, or $ONCEGUARD_BIN).
 
 A per-call header (`Idempotency-Key`) goes through the SDK's `ClientCallContext(service_parameters=
-{...})`, which the JSON-RPC transport sends as HTTP headers of that one request.
+{...})`, which the JSON-RPC transport sends as HTTP headers of that one request. The Python client's
+`onceguard.a2a` (installed into the virtualenv by scripts/a2a-tests) sends its headers that way.
 """
 
 import asyncio
@@ -40,6 +41,7 @@ from a2a.types.a2a_pb2 import (
 )
 from a2a.utils.errors import JSON_RPC_ERROR_CODE_MAP
 from google.protobuf.json_format import MessageToDict
+from onceguard.a2a import OnceA2AClient
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "mcp"))
@@ -313,6 +315,49 @@ def test_the_idempotency_key_header_takes_precedence_over_the_message_id(world):
     assert replayed(second) and not replayed(first)
     assert text_of(second.message.parts) == text_of(first.message.parts)
     assert world.executions(text=text) == 1
+
+
+def test_the_python_client_sends_each_step_of_a_run_once(world):
+    """`onceguard.a2a.OnceA2AClient` keys a send by its run and step (messages without a
+    messageId): the same step of the same run, sent again by a fresh connection and wrapper (as a
+    resumed orchestrator builds them), is answered with the first send's task; another step runs.
+    The run reaches the gateway: a run whose budget allows one effect is refused a second step
+    (42901), and its first step still replays."""
+    run_id, budgeted = unique("run"), unique("run")
+    text = f"task {unique('m')}"
+    allowed_text, refused_text = f"echo {unique('m')}", f"echo {unique('m')}"
+    onceguard(world.store, "runs", "budget", "--tenant", TENANT, budgeted, "--max-effects", "1")
+
+    async def step(run_id: str, text: str, name: str) -> StreamResponse:
+        async with connect(world) as client:
+            orchestrator = OnceA2AClient(client, run_id)
+            answers = [a async for a in orchestrator.send_message(send_request(message(text, "")), step=name)]
+        assert len(answers) == 1, answers
+        return answers[0]
+
+    async def go():
+        first = await step(run_id, text, "research")
+        again = await step(run_id, text, "research")
+        other = await step(run_id, text, "review")
+        allowed = await step(budgeted, allowed_text, "one")
+        with pytest.raises(Exception) as refused:
+            await step(budgeted, refused_text, "two")
+        allowed_again = await step(budgeted, allowed_text, "one")
+        return first, again, other, allowed, refused.value, allowed_again
+
+    first, again, other, allowed, refused, allowed_again = run(go())
+    assert first.HasField("task") and first.task.status.state == COMPLETED, first
+    assert not replayed(first)
+    assert again.HasField("task") and again.task.id == first.task.id, again
+    assert replayed(again) and again.task.status.state == COMPLETED
+    assert other.HasField("task") and other.task.id != first.task.id and not replayed(other), other
+    assert world.executions(text=text) == 2, "one execution per step"
+
+    assert allowed.HasField("message") and not replayed(allowed), allowed
+    assert error_code(refused) == 42901, repr(refused)
+    assert world.executions(text=refused_text) == 0
+    assert allowed_again.HasField("message") and replayed(allowed_again), allowed_again
+    assert world.executions(text=allowed_text) == 1
 
 
 def test_keys_and_tasks_belong_to_their_caller(world):

@@ -10,7 +10,9 @@
   :class:`PendingApproval` (the guards raise :class:`AwaitingApproval`) until an admin calls
   ``approve`` or ``deny`` (:class:`ApprovalDenied`).
 - ``onceguard.langchain.guard_tool`` and ``onceguard.openai_agents.guard_function_tool``: guard
-  the tools of LangChain / LangGraph and of the OpenAI Agents SDK.
+  the tools of LangChain / LangGraph and of the OpenAI Agents SDK;
+  ``onceguard.a2a.OnceA2AClient``: an ``a2a-sdk`` client whose sends through the A2A gateway are
+  keyed by the steps of a run.
 - Observe mode: in a namespace whose settings say ``mode: observe``, a claim that enforcing
   would refuse answers :class:`Proceed` (``would_have_been``, ``reason``) and the guards run
   the function anyway, holding and storing nothing.
