@@ -29,6 +29,11 @@
 //! - `owners`: who created each task (a record per task in the store).
 //! - `revoked`: the tasks of keys a kill switch revoked, cancelled upstream.
 //! - `state`: what the handlers share (the [`Gateway`], the caller).
+//! - `reply`: answers in the request's binding, and how the upstream's answer reads.
+//! - [`settle`]: what the store keeps of a send (its delegation to a task) and the fenced calls
+//!   that settle it.
+//! - `leg`: one send's trip to the upstream, and what its answer does to the key.
+//! - `card`: the agent card, naming the gateway.
 
 #![forbid(unsafe_code)]
 
@@ -43,11 +48,15 @@ use onceguard_http::{AppState, Config, StartError};
 use onceguard_proxy::Upstream;
 use tokio::net::TcpListener;
 
+mod card;
 pub mod gateway;
+mod leg;
 mod owners;
+mod reply;
 pub mod rest;
 mod revoked;
 pub mod send;
+pub mod settle;
 mod state;
 
 pub use state::Gateway;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use onceguard_core::control::{Switch, SwitchTarget};
 use onceguard_core::{ListFilter, RecordState};
 
-use crate::gateway::Delegation;
+use crate::settle::Delegation;
 use crate::state::Gateway;
 
 /// How often the switches are looked at.
