@@ -57,8 +57,6 @@ pub(crate) struct Leg {
     pub(crate) foreign: std::sync::atomic::AtomicBool,
 }
 
-type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
-
 impl Leg {
     pub(crate) async fn start(self, request: Request<Body>, streaming: bool) -> Response<Body> {
         let (reply, answer) = oneshot::channel();
@@ -142,7 +140,7 @@ impl Leg {
                         seen.add(&part);
                         let _ = out.send(Ok(part)).await;
                     }
-                    let whole = pump(chunks, &mut out, &mut seen).await;
+                    let whole = onceguard_mcp::gateway::pump(chunks, &mut out, Some(&mut seen)).await;
                     extender.abort();
                     if whole {
                         self.not_stored(seen).await;
@@ -388,22 +386,4 @@ fn whole_task(value: &Value) -> Option<Value> {
         return Some(task.clone());
     }
     (value.get("kind").and_then(Value::as_str) == Some("task")).then(|| value.clone())
-}
-
-/// Sends a body's chunks on until it ends, adding each to `seen`; answers whether it ended
-/// whole. A caller that left does not stop the reading.
-async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, seen: &mut BodyDigest) -> bool {
-    while let Some(chunk) = chunks.next().await {
-        match chunk {
-            Ok(chunk) => {
-                seen.add(&chunk);
-                let _ = out.send(Ok(chunk)).await;
-            }
-            Err(e) => {
-                let _ = out.send(Err(io::Error::other(e))).await;
-                return false;
-            }
-        }
-    }
-    true
 }

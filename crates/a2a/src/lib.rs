@@ -89,25 +89,14 @@ pub struct Options {
     pub max_result_bytes: usize,
 }
 
-/// The upstream's URL, from `a2a.upstream`.
-fn upstream_url(upstream: &str) -> Result<reqwest::Url, InvalidInput> {
-    let url = reqwest::Url::parse(upstream)
-        .map_err(|e| InvalidInput::new("a2a.upstream", format!("'{upstream}' is not a URL: {e}")))?;
-    if !matches!(url.scheme(), "http" | "https") || url.query().is_some() || url.host_str().is_none() {
-        return Err(InvalidInput::new("a2a.upstream", "must be an http:// or https:// URL without a query"));
-    }
-    Ok(url)
-}
-
 /// The gateway's options from the `[a2a]` section.
 pub fn options(config: &Config) -> Result<Options, InvalidInput> {
     let a = &config.a2a;
-    let url = upstream_url(&a.upstream)?;
+    let url = onceguard_mcp::gateway_upstream("a2a.upstream", &a.upstream)?;
     let rest = if a.rest_upstream.is_empty() {
         None
     } else {
-        let rest = upstream_url(&a.rest_upstream)
-            .map_err(|e| InvalidInput::new("a2a.rest_upstream", e.rule.replace("a2a.upstream", "a2a.rest_upstream")))?;
+        let rest = onceguard_mcp::gateway_upstream("a2a.rest_upstream", &a.rest_upstream)?;
         if rest.origin() != url.origin() {
             return Err(InvalidInput::new("a2a.rest_upstream", "must have the same origin as a2a.upstream"));
         }
@@ -139,16 +128,7 @@ pub fn options(config: &Config) -> Result<Options, InvalidInput> {
 /// override, within bounds), and they, the task lease and the wait are within bounds.
 pub fn limits(config: &Config) -> Limits {
     let a = &config.a2a;
-    let mut limits = config.limits.clone();
-    limits.max_outcome_bytes = limits.max_outcome_bytes.max(a.max_result_bytes);
-    limits.max_lease = limits.max_lease.max(a.lease).max(a.task_lease);
-    limits.min_lease = limits.min_lease.min(a.lease);
-    limits.default_lease = a.lease;
-    limits.max_retention = limits.max_retention.max(a.retention);
-    limits.min_retention = limits.min_retention.min(a.retention);
-    limits.default_retention = a.retention;
-    limits.max_wait = limits.max_wait.max(a.wait);
-    limits
+    onceguard_mcp::gateway_limits(&config.limits, a.max_result_bytes, a.lease, a.task_lease, a.retention, a.wait)
 }
 
 /// The gateway as an axum app on `state` (what [`run`] serves).
@@ -163,7 +143,7 @@ pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, Invalid
     let calls = Upstream::new(&origin, config.a2a.upstream_timeout)?;
     let streams = Upstream::new(&origin, config.a2a.stream_timeout)?;
     let gateway = Arc::new(Gateway::new(state, options, calls, streams, config.tls.cert.is_some()));
-    revoked::watch(&gateway);
+    onceguard_mcp::revoked::watch(&gateway);
     Ok(gateway)
 }
 
@@ -232,5 +212,12 @@ mod tests {
             config.a2a.upstream = upstream.to_owned();
             assert!(options(&config).is_err(), "{upstream}");
         }
+        config.a2a.upstream = "http://127.0.0.1:9999/".into();
+        for rest in ["http://127.0.0.1:9998/rest", "http://127.0.0.1:9999/", "ftp://127.0.0.1:9999/rest"] {
+            config.a2a.rest_upstream = rest.to_owned();
+            assert!(options(&config).is_err(), "{rest}: another origin, the same path, not http");
+        }
+        config.a2a.rest_upstream = "http://127.0.0.1:9999/rest".into();
+        assert_eq!(options(&config).unwrap().rest.map(|r| r.path().to_owned()).as_deref(), Some("/rest"));
     }
 }

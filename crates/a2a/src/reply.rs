@@ -3,7 +3,7 @@
 
 use axum::body::{Body, Bytes};
 use axum::http::header::CONTENT_TYPE;
-use axum::http::{HeaderMap, HeaderValue, Response, StatusCode};
+use axum::http::{HeaderValue, Response, StatusCode};
 use onceguard_http::problem::ApiError;
 use onceguard_mcp::jsonrpc::{self, ResponseMessage};
 use serde_json::{Value, json};
@@ -29,15 +29,7 @@ pub(crate) fn error_message(id: Option<&Value>, code: i64, message: &str) -> Vec
     serde_json::to_vec(&message).unwrap_or_default()
 }
 
-pub(crate) fn json_response(body: Vec<u8>) -> Response<Body> {
-    let mut response = Response::new(Body::from(body));
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
-
-pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
-    headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
-}
+pub(crate) use onceguard_mcp::gateway::{is_event_stream, json_response};
 
 /// How a request came, and so how it is answered and how the upstream's answer to it reads:
 /// JSON-RPC (with the request's id) or HTTP+JSON.

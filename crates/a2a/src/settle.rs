@@ -3,9 +3,7 @@
 
 use std::time::Duration;
 
-use onceguard_core::{
-    CheckpointName, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeKind, Record, RecordState, Scope,
-};
+use onceguard_core::{CheckpointName, Fence, Guard, Mutation, Outcome, OutcomeKind, Record, RecordState, Scope};
 use onceguard_http::problem::ApiError;
 use serde_json::{Value, json};
 
@@ -75,26 +73,7 @@ impl Holder<'_> {
     /// send may have run: a key left in flight is decided again after its lease). Answers
     /// whether it took effect.
     pub(crate) async fn apply(&self, mutation: Mutation) -> bool {
-        let op = mutation.name();
-        for attempt in 0..5u32 {
-            match self.guard.mutate_as(self.actor, self.scope, self.fence, mutation.clone()).await {
-                Ok(FencedOutcome::Applied(_)) => return true,
-                Ok(FencedOutcome::Stale(reason)) => {
-                    tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
-                    return false;
-                }
-                Err(onceguard_core::GuardError::Store(e)) => {
-                    tracing::warn!(error = %e, attempt, op, "the store did not answer; retrying");
-                    tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, op, scope = %self.scope, "a fenced call was refused");
-                    return false;
-                }
-            }
-        }
-        tracing::error!(op, scope = %self.scope, "the store did not answer; the key is decided again after its lease");
-        false
+        onceguard_mcp::gateway::apply_fenced(self.guard, self.actor, self.scope, self.fence, mutation).await
     }
 
     pub(crate) async fn complete(&self, answer: Vec<u8>) -> bool {

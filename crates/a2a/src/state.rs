@@ -2,7 +2,6 @@
 //! authentication) and who calls ([`Caller`]).
 
 use axum::http::HeaderMap;
-use onceguard_core::auth::Role;
 use onceguard_core::{Guard, Namespace, TenantId};
 use onceguard_http::AppState;
 use onceguard_http::problem::ApiError;
@@ -29,15 +28,8 @@ impl std::fmt::Debug for Gateway {
     }
 }
 
-/// Who calls.
-#[derive(Debug, Clone)]
-pub(crate) struct Caller {
-    pub(crate) tenant: TenantId,
-    /// The API key's id, or `anonymous`.
-    pub(crate) actor: String,
-    /// An admin of the tenant sees every task of it.
-    pub(crate) admin: bool,
-}
+/// Who calls: the tenant, the actor (an API key's id, or `anonymous`), whether an admin.
+pub(crate) use onceguard_http::auth::GatewayCaller as Caller;
 
 impl Gateway {
     /// A gateway on `state` in front of the upstream of `options`.
@@ -50,22 +42,7 @@ impl Gateway {
     }
 
     pub(crate) async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
-        let wrong = || {
-            ApiError::Unauthenticated(format!(
-                "send '{}: og_…' with a valid, unrevoked Onceguard API key",
-                self.options.api_key_header
-            ))
-        };
-        let Some(value) = headers.get(&self.options.api_key_header) else {
-            let tenant = self.state.anonymous_tenant.clone().ok_or_else(wrong)?;
-            return Ok(Caller { tenant, actor: "anonymous".into(), admin: false });
-        };
-        let token = value.to_str().map_err(|_| wrong())?.trim();
-        let token = token.strip_prefix("Bearer ").unwrap_or(token);
-        match onceguard_http::auth::verified_key(&self.state, token).await? {
-            Some(key) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string(), admin: key.role == Role::Admin }),
-            None => Err(wrong()),
-        }
+        onceguard_http::auth::gateway_caller(&self.state, &self.options.api_key_header, headers).await
     }
 
     pub(crate) fn observe(&self, tenant: &TenantId, method: Method, outcome: &'static str) {

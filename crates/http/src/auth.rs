@@ -98,6 +98,41 @@ async fn authenticate(parts: &Parts, state: &AppState) -> Result<Caller, ApiErro
     }
 }
 
+/// Who calls a gateway (`onceguard mcp`, `onceguard a2a`): the tenant, the actor the audit log
+/// names (the API key's id, or `anonymous`) and whether it is an admin of its tenant.
+#[derive(Debug, Clone)]
+pub struct GatewayCaller {
+    /// The tenant holding the caller's records.
+    pub tenant: TenantId,
+    /// The API key's id, or `anonymous`.
+    pub actor: String,
+    /// Whether the key is an admin of its tenant.
+    pub admin: bool,
+}
+
+/// Authenticates a gateway's caller by the API key in `header` (`og_…`, or `Bearer og_…`);
+/// without the header, the anonymous tenant where one is configured.
+pub async fn gateway_caller(
+    state: &AppState,
+    header: &axum::http::HeaderName,
+    headers: &axum::http::HeaderMap,
+) -> Result<GatewayCaller, ApiError> {
+    let wrong =
+        || ApiError::Unauthenticated(format!("send '{header}: og_…' with a valid, unrevoked Onceguard API key"));
+    let Some(value) = headers.get(header) else {
+        let tenant = state.anonymous_tenant.clone().ok_or_else(wrong)?;
+        return Ok(GatewayCaller { tenant, actor: "anonymous".into(), admin: false });
+    };
+    let token = value.to_str().map_err(|_| wrong())?.trim();
+    let token = token.strip_prefix("Bearer ").unwrap_or(token);
+    match verified_key(state, token).await? {
+        Some(key) => {
+            Ok(GatewayCaller { tenant: key.tenant, actor: key.id.to_string(), admin: key.role == Role::Admin })
+        }
+        None => Err(wrong()),
+    }
+}
+
 /// The unrevoked API key whose token is `token` (`og_<id>_<secret>`): parsed, looked up
 /// (remembered, or read from the store) and its secret checked. `None` for a malformed token,
 /// an unknown id, a wrong secret or a revoked key alike.

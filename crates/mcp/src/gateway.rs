@@ -38,10 +38,11 @@ use serde_json::Value;
 use crate::call::{self, ToolCall};
 use crate::jsonrpc::{self, Posted, ResponseMessage};
 use crate::settle::{Holder, release_mutation, replayed_result};
-pub use crate::settle::{INPUT_REQUIRED, NOT_STORED, Settlement};
+pub use crate::settle::{INPUT_REQUIRED, NOT_STORED, Settlement, apply_fenced};
 use crate::sse::SseReader;
 pub use crate::state::Gateway;
-use crate::state::{CallToken, Caller, EVENT_SLACK, RunHeader, call_token, is_event_stream, json_response, rpc_error};
+use crate::state::{CallToken, Caller, EVENT_SLACK, RunHeader, call_token, rpc_error};
+pub use crate::state::{is_event_stream, json_response};
 use crate::tasks::{self, Delegation, TaskRef};
 use crate::tools::Treatment;
 
@@ -452,7 +453,8 @@ struct Leg {
     may_start_task: bool,
 }
 
-type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
+/// Where a body's chunks go, for a response whose body is fed as it comes.
+pub type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
 
 /// Where a leg sends the caller's response (whose body it may go on feeding).
 type Reply = oneshot::Sender<Response<Body>>;
@@ -695,7 +697,11 @@ impl Leg {
 
 /// Sends a body's chunks on, until it ends, adding each to `seen` if given; answers whether it
 /// ended whole. A caller that left does not stop the reading.
-async fn pump(mut chunks: axum::body::BodyDataStream, out: &mut BodySender, mut seen: Option<&mut BodyDigest>) -> bool {
+pub async fn pump(
+    mut chunks: axum::body::BodyDataStream,
+    out: &mut BodySender,
+    mut seen: Option<&mut BodyDigest>,
+) -> bool {
     while let Some(chunk) = chunks.next().await {
         match chunk {
             Ok(chunk) => {

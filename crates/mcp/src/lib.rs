@@ -28,7 +28,8 @@
 //! - `state`: what the handlers share (the [`Gateway`], the caller, the gateway's own answers).
 //! - `settle`: what an answer does to a held key, and the fenced calls that apply it.
 //! - `delegated`: keys delegated to tasks (duplicates, `tasks/*`, recoveries).
-//! - `revoked`: the tasks of keys a kill switch revoked, cancelled upstream.
+//! - [`revoked`]: the tasks of keys a kill switch revoked, cancelled upstream (for this gateway
+//!   and the A2A gateway).
 //! - [`gateway`](mod@gateway): the handler.
 //!
 //! A call answered with a task delegates its key to the task: the task's terminal result,
@@ -51,7 +52,7 @@ pub mod call;
 mod delegated;
 pub mod gateway;
 pub mod jsonrpc;
-mod revoked;
+pub mod revoked;
 mod settle;
 pub mod sse;
 mod state;
@@ -86,10 +87,15 @@ pub struct Options {
 
 /// The upstream's origin and endpoint path, from `mcp.upstream`.
 fn upstream_url(upstream: &str) -> Result<reqwest::Url, InvalidInput> {
+    gateway_upstream("mcp.upstream", upstream)
+}
+
+/// A gateway's upstream URL (the setting `field`): `http://` or `https://`, a host, no query.
+pub fn gateway_upstream(field: &'static str, upstream: &str) -> Result<reqwest::Url, InvalidInput> {
     let url = reqwest::Url::parse(upstream)
-        .map_err(|e| InvalidInput::new("mcp.upstream", format!("'{upstream}' is not a URL: {e}")))?;
+        .map_err(|e| InvalidInput::new(field, format!("'{upstream}' is not a URL: {e}")))?;
     if !matches!(url.scheme(), "http" | "https") || url.query().is_some() || url.host_str().is_none() {
-        return Err(InvalidInput::new("mcp.upstream", "must be an http:// or https:// URL without a query"));
+        return Err(InvalidInput::new(field, "must be an http:// or https:// URL without a query"));
     }
     Ok(url)
 }
@@ -118,15 +124,30 @@ pub fn options(config: &Config) -> Result<Options, InvalidInput> {
 /// override, within bounds), and they, the input lease and the wait are within bounds.
 pub fn limits(config: &Config) -> Limits {
     let m = &config.mcp;
-    let mut limits = config.limits.clone();
-    limits.max_outcome_bytes = limits.max_outcome_bytes.max(m.max_result_bytes);
-    limits.max_lease = limits.max_lease.max(m.lease).max(m.input_lease);
-    limits.min_lease = limits.min_lease.min(m.lease);
-    limits.default_lease = m.lease;
-    limits.max_retention = limits.max_retention.max(m.retention);
-    limits.min_retention = limits.min_retention.min(m.retention);
-    limits.default_retention = m.retention;
-    limits.max_wait = limits.max_wait.max(m.wait);
+    gateway_limits(&config.limits, m.max_result_bytes, m.lease, m.input_lease, m.retention, m.wait)
+}
+
+/// A gateway's limits on `base`: answers as large as `max_result_bytes` are stored; `lease` and
+/// `retention` are the defaults (which tenant and namespace settings may override, within
+/// bounds), and they, `longest_lease` (a lease the gateway asks for itself) and `wait` are within
+/// bounds.
+pub fn gateway_limits(
+    base: &Limits,
+    max_result_bytes: usize,
+    lease: Duration,
+    longest_lease: Duration,
+    retention: Duration,
+    wait: Duration,
+) -> Limits {
+    let mut limits = base.clone();
+    limits.max_outcome_bytes = limits.max_outcome_bytes.max(max_result_bytes);
+    limits.max_lease = limits.max_lease.max(lease).max(longest_lease);
+    limits.min_lease = limits.min_lease.min(lease);
+    limits.default_lease = lease;
+    limits.max_retention = limits.max_retention.max(retention);
+    limits.min_retention = limits.min_retention.min(retention);
+    limits.default_retention = retention;
+    limits.max_wait = limits.max_wait.max(wait);
     limits
 }
 

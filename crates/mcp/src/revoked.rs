@@ -11,12 +11,13 @@
 //! runs on; the key stays revoked, never forwarded again).
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, Uri};
 use onceguard_core::control::{Switch, SwitchTarget};
-use onceguard_core::{ListFilter, Namespace, Record, RecordState, RunId, Scope};
+use onceguard_core::{Guard, ListFilter, Namespace, Record, RecordState, RunId, Scope};
 
 use crate::delegated::{ACTOR, Capture, ask, ask_one, own_headers};
 use crate::state::Gateway;
@@ -42,8 +43,20 @@ struct Seen {
     cancelled: HashSet<(String, u64)>,
 }
 
+/// A gateway whose keys delegated to tasks a switch engaged with `revoke_leases` cancels
+/// upstream (the MCP gateway's `tasks/cancel`, the A2A gateway's `CancelTask`).
+pub trait Revocable: Send + Sync + 'static {
+    /// The guard.
+    fn revocation_guard(&self) -> &Guard;
+    /// The namespace the gateway's keys live under (`mcp/<upstream>`, `a2a/<upstream>`).
+    fn keys_namespace(&self) -> Option<Namespace>;
+    /// Cancels the task of `record`'s key when the key is delegated to one; answers whether it
+    /// was.
+    fn cancel_delegated(self: Arc<Self>, record: Record) -> impl Future<Output = bool> + Send;
+}
+
 /// Watches the switches while `gateway` lives (when there is a runtime to watch them in).
-pub(crate) fn watch(gateway: &Arc<Gateway>) {
+pub fn watch<G: Revocable>(gateway: &Arc<G>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
     let weak = Arc::downgrade(gateway);
     runtime.spawn(async move {
@@ -52,7 +65,7 @@ pub(crate) fn watch(gateway: &Arc<Gateway>) {
         loop {
             tick.tick().await;
             let Some(gateway) = weak.upgrade() else { return };
-            let Ok(switches) = gateway.guard().engaged_switches().await else { continue };
+            let Ok(switches) = gateway.revocation_guard().engaged_switches().await else { continue };
             let revoking: Vec<&Switch> = switches.iter().filter(|s| s.revoke_leases).collect();
             let id = |s: &Switch| (s.tenant.to_string(), s.target.id(), s.engaged_at.to_rfc3339());
             seen.retain(|k, _| revoking.iter().any(|s| id(s) == *k));
@@ -70,13 +83,14 @@ pub(crate) fn watch(gateway: &Arc<Gateway>) {
     });
 }
 
-/// Cancels the tasks of the delegated keys of this gateway's upstream that `switch` covers,
-/// but those in `cancelled` (which it adds to); answers whether it went through every page.
-async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch, cancelled: &mut HashSet<(String, u64)>) -> bool {
-    let Ok(upstream) = Namespace::parse(&format!("mcp/{}", crate::call::segment(&gateway.options.upstream_name)))
-    else {
-        return true;
-    };
+/// Cancels the tasks of the delegated keys of the gateway's upstream that `switch` covers, but
+/// those in `cancelled` (which it adds to); answers whether it went through every page.
+async fn cancel_covered<G: Revocable>(
+    gateway: &Arc<G>,
+    switch: &Switch,
+    cancelled: &mut HashSet<(String, u64)>,
+) -> bool {
+    let Some(upstream) = gateway.keys_namespace() else { return true };
     let run = match &switch.target {
         SwitchTarget::Run { run } => Some(run.clone()),
         SwitchTarget::Namespace { prefix } if !prefix.is_within(&upstream) && !upstream.is_within(prefix) => {
@@ -95,12 +109,11 @@ async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch, cancelled: &mut
             after,
             limit: 100,
         };
-        let Ok(page) = gateway.guard().list(&switch.tenant, &filter).await else { return false };
+        let Ok(page) = gateway.revocation_guard().list(&switch.tenant, &filter).await else { return false };
         for record in page.items.iter().filter(|r| switch.target.covers_record(r)) {
-            if let Some(delegation) = Delegation::of(record)
-                && cancelled.insert((record.scope.to_string(), record.fence.0))
-            {
-                cancel(gateway, record, &delegation).await;
+            let key = (record.scope.to_string(), record.fence.0);
+            if !cancelled.contains(&key) && gateway.clone().cancel_delegated(record.clone()).await {
+                cancelled.insert(key);
             }
         }
         match page.next {
@@ -108,7 +121,7 @@ async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch, cancelled: &mut
             None => {
                 let sent = cancelled.len() - before;
                 if sent > 0 {
-                    tracing::info!(tenant = %switch.tenant, target = %switch.target, sent, "sent tasks/cancel for the delegated keys a switch revoked");
+                    tracing::info!(tenant = %switch.tenant, target = %switch.target, sent, "cancelled the tasks of the delegated keys a switch revoked");
                 }
                 return true;
             }
@@ -116,6 +129,22 @@ async fn cancel_covered(gateway: &Arc<Gateway>, switch: &Switch, cancelled: &mut
     }
     tracing::warn!(tenant = %switch.tenant, target = %switch.target, "a switch covers more delegated keys than one pass reads; the rest are cancelled in the next passes");
     false
+}
+
+impl Revocable for Gateway {
+    fn revocation_guard(&self) -> &Guard {
+        self.guard()
+    }
+
+    fn keys_namespace(&self) -> Option<Namespace> {
+        Namespace::parse(&format!("mcp/{}", crate::call::segment(&self.options.upstream_name))).ok()
+    }
+
+    async fn cancel_delegated(self: Arc<Self>, record: Record) -> bool {
+        let Some(delegation) = Delegation::of(&record) else { return false };
+        cancel(&self, &record, &delegation).await;
+        true
+    }
 }
 
 /// Sends `tasks/cancel` for `delegation`'s task when a switch engaged with `revoke_leases`

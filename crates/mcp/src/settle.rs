@@ -6,7 +6,8 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
-    CheckpointName, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Mutation, Outcome, OutcomeDigest, OutcomeKind, Scope,
+    CheckpointName, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Guard, Mutation, Outcome, OutcomeDigest, OutcomeKind,
+    Scope,
 };
 use onceguard_http::problem::ApiError;
 use onceguard_proxy::stored::{BodyDigest, Omitted};
@@ -215,27 +216,7 @@ impl Holder<'_> {
 
     /// Applies one fenced call; answers whether it took effect.
     pub(crate) async fn apply(&self, mutation: Mutation) -> bool {
-        let guard = self.gateway.guard();
-        let op = mutation.name();
-        for attempt in 0..5u32 {
-            match guard.mutate_as(self.actor, self.scope, self.fence, mutation.clone()).await {
-                Ok(FencedOutcome::Applied(_)) => return true,
-                Ok(FencedOutcome::Stale(reason)) => {
-                    tracing::warn!(?reason, op, scope = %self.scope, "the key was taken over (lease passed or revoked); the answer was not stored");
-                    return false;
-                }
-                Err(onceguard_core::GuardError::Store(e)) => {
-                    tracing::warn!(error = %e, attempt, op, "the store did not answer; retrying");
-                    tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, op, scope = %self.scope, "a fenced call was refused");
-                    return false;
-                }
-            }
-        }
-        tracing::error!(op, scope = %self.scope, "the store did not answer; the key runs again after its lease");
-        false
+        apply_fenced(self.gateway.guard(), self.actor, self.scope, self.fence, mutation).await
     }
 
     /// Delegates the key to a task: the [`tasks::DELEGATED`] checkpoint, then a lease of the
@@ -252,4 +233,30 @@ impl Holder<'_> {
         }
         recorded
     }
+}
+
+/// Applies one fenced call as `actor`, retrying a store that does not answer for a few seconds
+/// (the effect may have happened: a key left in flight is decided again after its lease);
+/// answers whether it took effect (not when the key was taken over, nor when refused).
+pub async fn apply_fenced(guard: &Guard, actor: &str, scope: &Scope, fence: Fence, mutation: Mutation) -> bool {
+    let op = mutation.name();
+    for attempt in 0..5u32 {
+        match guard.mutate_as(actor, scope, fence, mutation.clone()).await {
+            Ok(FencedOutcome::Applied(_)) => return true,
+            Ok(FencedOutcome::Stale(reason)) => {
+                tracing::warn!(?reason, op, scope = %scope, "the key was taken over (lease passed or revoked); the answer was not stored");
+                return false;
+            }
+            Err(onceguard_core::GuardError::Store(e)) => {
+                tracing::warn!(error = %e, attempt, op, "the store did not answer; retrying");
+                tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, op, scope = %scope, "a fenced call was refused");
+                return false;
+            }
+        }
+    }
+    tracing::error!(op, scope = %scope, "the store did not answer; the key runs again after its lease");
+    false
 }

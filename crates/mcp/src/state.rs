@@ -297,22 +297,8 @@ impl Gateway {
     /// The caller: its tenant, from the API key in `mcp.api_key_header` (or the anonymous
     /// tenant, when allowed and no key is sent), and who it is for the audit log (the key's id).
     pub(crate) async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
-        let wrong = || {
-            ApiError::Unauthenticated(format!(
-                "send '{}: og_…' with a valid, unrevoked Onceguard API key",
-                self.options.api_key_header
-            ))
-        };
-        let Some(value) = headers.get(&self.options.api_key_header) else {
-            let tenant = self.state.anonymous_tenant.clone().ok_or_else(wrong)?;
-            return Ok(Caller { tenant, actor: "anonymous".into() });
-        };
-        let token = value.to_str().map_err(|_| wrong())?.trim();
-        let token = token.strip_prefix("Bearer ").unwrap_or(token);
-        match onceguard_http::auth::verified_key(&self.state, token).await? {
-            Some(key) => Ok(Caller { tenant: key.tenant, actor: key.id.to_string() }),
-            None => Err(wrong()),
-        }
+        let caller = onceguard_http::auth::gateway_caller(&self.state, &self.options.api_key_header, headers).await?;
+        Ok(Caller { tenant: caller.tenant, actor: caller.actor })
     }
 
     pub(crate) fn observe(&self, tenant: &TenantId, decision: &'static str) {
@@ -333,13 +319,15 @@ pub(crate) fn rpc_error(id: Option<&Value>, error: &ApiError) -> Response<Body> 
     json_response(jsonrpc::error_message(id, error))
 }
 
-pub(crate) fn json_response(body: Vec<u8>) -> Response<Body> {
+/// A JSON answer (`application/json`) of `body`.
+pub fn json_response(body: Vec<u8>) -> Response<Body> {
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }
 
-pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
+/// Whether the headers say the body is an event stream.
+pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
