@@ -33,7 +33,7 @@ use serde_json::{Value, json};
 
 use crate::card::MAX_CARD_BYTES;
 use crate::leg::{Leg, record_task};
-use crate::owners::{Owner, OwnerError};
+use crate::owners::Owner;
 use crate::reply::{Reply, SLACK, TASK_NOT_FOUND, Upstreamed, is_event_stream, json_response};
 use crate::send::{self, Answer, Era, Method, Send, TaskView};
 use crate::settle::{Delegation, Holder, replayed};
@@ -250,7 +250,7 @@ async fn send_message(
     if let Some(task) = &send.task_id {
         tracing::Span::current().record("a2a.task.id", task.as_str());
         match gateway.owner_of(&caller.tenant, task).await {
-            Ok(Some(owner)) if owner.caller == caller.actor || caller.admin => {}
+            Ok(Some(owner)) if owner.admits(caller) => {}
             Ok(_) => {
                 tracing::info!(
                     task,
@@ -258,8 +258,7 @@ async fn send_message(
                 );
                 return (reply.a2a(TASK_NOT_FOUND, "task not found"), "refused");
             }
-            Err(OwnerError::Guard(e)) => return (reply.error(&e.into()), "refused"),
-            Err(e) => return (reply.error(&ApiError::Internal(e.to_string())), "refused"),
+            Err(e) => return (reply.error(&e.into()), "refused"),
         }
     }
     let run = match parts.headers.get(onceguard_mcp::call::RUN_HEADER).map(|v| v.to_str().map(RunId::parse)) {
@@ -422,7 +421,10 @@ async fn from_task(
     record_task(&view);
     let answer = serde_json::to_vec(&send::as_send_answer(task, delegation.era)).unwrap_or_default();
     if view.is_terminal() {
-        gateway.complete_delegated(&caller.tenant, scope, &delegation.task, &answer, &caller.actor).await;
+        match fence {
+            Some(fence) => gateway.complete_fenced(scope, fence, &delegation.task, answer.clone(), &caller.actor).await,
+            None => gateway.complete_delegated(scope, &delegation.task, answer.clone(), &caller.actor).await,
+        }
     } else if let Some(fence) = fence {
         let holder = Holder { guard: gateway.guard(), scope, fence, actor: &caller.actor };
         holder.delegate(delegation, gateway.options.task_lease).await;
@@ -532,25 +534,31 @@ impl Gateway {
         answered
     }
 
+    /// The delegation of the send's key `scope` to `task`, and the fence of the attempt that
+    /// holds it, from one read; `None` when the key is not (or no longer) delegated to it.
+    async fn delegated_to(&self, scope: &Scope, task: &str) -> Option<(Fence, Delegation)> {
+        let record = match self.guard().get(scope).await {
+            Ok(record) => record?,
+            Err(e) => {
+                tracing::warn!(error = %e, "the store did not answer; a terminal task did not complete its key yet");
+                return None;
+            }
+        };
+        Delegation::of(&record).filter(|d| d.task == task).map(|d| (record.fence, d))
+    }
+
     /// Completes the send's key delegated to `task` with `answer` (a terminal task, in the
     /// send's shape), fenced by the attempt that holds it: of several instances seeing the same
     /// terminal state, one completes it, and a key that is no longer delegated to the task is
     /// left alone.
-    async fn complete_delegated(&self, tenant: &TenantId, scope: &Scope, task: &str, answer: &[u8], actor: &str) {
-        let record = match self.guard().get(scope).await {
-            Ok(Some(record)) => record,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "the store did not answer; a terminal task did not complete its key yet");
-                return;
-            }
-        };
-        if Delegation::of(&record).is_none_or(|d| d.task != task) {
-            return;
-        }
-        let _ = tenant;
-        let holder = Holder { guard: self.guard(), scope, fence: record.fence, actor };
-        if holder.complete(answer.to_vec()).await {
+    async fn complete_delegated(&self, scope: &Scope, task: &str, answer: Vec<u8>, actor: &str) {
+        let Some((fence, _)) = self.delegated_to(scope, task).await else { return };
+        self.complete_fenced(scope, fence, task, answer, actor).await;
+    }
+
+    async fn complete_fenced(&self, scope: &Scope, fence: Fence, task: &str, answer: Vec<u8>, actor: &str) {
+        let holder = Holder { guard: self.guard(), scope, fence, actor };
+        if holder.complete(answer).await {
             tracing::info!(scope = %scope, task, "a terminal state completed the send's key");
         }
     }
@@ -570,13 +578,7 @@ impl Gateway {
     ) {
         let scope = Scope::new(tenant.clone(), self.sends_namespace(), owner.key.clone());
         let Some(view) = send::task_of(&task) else { return };
-        let delegation = match self.guard().get(&scope).await {
-            Ok(Some(record)) => match Delegation::of(&record) {
-                Some(d) if d.task == view.id => d,
-                _ => return,
-            },
-            _ => return,
-        };
+        let Some((fence, delegation)) = self.delegated_to(&scope, &view.id).await else { return };
         let task = if seen == delegation.era {
             task
         } else {
@@ -586,7 +588,7 @@ impl Gateway {
             }
         };
         let answer = serde_json::to_vec(&send::as_send_answer(task, delegation.era)).unwrap_or_default();
-        self.complete_delegated(tenant, &scope, &view.id, &answer, actor).await;
+        self.complete_fenced(&scope, fence, &view.id, answer, actor).await;
     }
 
     /// Passes a task's event stream (`SubscribeToTask`, an attached duplicate) on as it comes,
@@ -636,11 +638,14 @@ impl Gateway {
     async fn terminal_seen(&self, tenant: &TenantId, actor: &str, headers: &HeaderMap, task: &TaskView) {
         let Ok(Some(owner)) = self.owner_of(tenant, &task.id).await else { return };
         let scope = Scope::new(tenant.clone(), self.sends_namespace(), owner.key.clone());
-        let Ok(Some(record)) = self.guard().get(&scope).await else { return };
-        let Some(delegation) = Delegation::of(&record).filter(|d| d.task == task.id) else { return };
-        // The whole task, as the upstream has it now; none: the key stays delegated.
+        let Some((fence, delegation)) = self.delegated_to(&scope, &task.id).await else { return };
+        // The whole task, as the upstream has it now, in the send's version; none: the key
+        // stays delegated.
         let Some(full) = self.fetch_task(headers, &delegation).await else { return };
-        self.settle_terminal(tenant, &owner, full, delegation.era, headers, actor).await;
+        if send::task_of(&full).is_some_and(|t| t.is_terminal()) {
+            let answer = serde_json::to_vec(&send::as_send_answer(full, delegation.era)).unwrap_or_default();
+            self.complete_fenced(&scope, fence, &task.id, answer, actor).await;
+        }
     }
 }
 
@@ -678,12 +683,11 @@ async fn task_method(
     tracing::Span::current().record("a2a.task.id", task.as_str());
     let owner = match gateway.owner_of(&caller.tenant, &task).await {
         Ok(owner) => owner,
-        Err(OwnerError::Guard(e)) => return (reply.error(&e.into()), "refused"),
-        Err(e) => return (reply.error(&ApiError::Internal(e.to_string())), "refused"),
+        Err(e) => return (reply.error(&e.into()), "refused"),
     };
     // A tenant's admin: any task a send of the tenant's started through the gateway; others:
     // their own. A task with no record was not started through the gateway by the tenant.
-    let allowed = owner.as_ref().is_some_and(|o| o.caller == caller.actor || caller.admin);
+    let allowed = owner.as_ref().is_some_and(|o| o.admits(caller));
     if !allowed {
         tracing::info!(task, "refused a task method for a task the caller did not create through the gateway");
         return (reply.a2a(TASK_NOT_FOUND, "task not found"), "refused");
@@ -754,15 +758,9 @@ async fn list_tasks(
         for task in tasks.drain(..) {
             let Some(id) = task.get("id").and_then(Value::as_str) else { continue };
             match gateway.owner_of(&caller.tenant, id).await {
-                Ok(Some(owner)) if owner.caller == caller.actor || caller.admin => kept.push(task),
+                Ok(Some(owner)) if owner.admits(caller) => kept.push(task),
                 Ok(_) => {}
-                Err(e) => {
-                    let error = match e {
-                        OwnerError::Guard(e) => e.into(),
-                        other => ApiError::Internal(other.to_string()),
-                    };
-                    return reply.error(&error);
-                }
+                Err(e) => return reply.error(&e.into()),
             }
         }
         *tasks = kept;

@@ -59,6 +59,23 @@ impl std::fmt::Display for OwnerError {
     }
 }
 
+impl From<OwnerError> for onceguard_http::problem::ApiError {
+    fn from(e: OwnerError) -> Self {
+        match e {
+            OwnerError::Guard(e) => e.into(),
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl Owner {
+    /// Whether `caller` may use the task: the caller that created it, or an admin of its tenant
+    /// (the record is in the caller's tenant).
+    pub(crate) fn admits(&self, caller: &crate::state::Caller) -> bool {
+        self.caller == caller.actor || caller.admin
+    }
+}
+
 impl From<onceguard_core::GuardError> for OwnerError {
     fn from(e: onceguard_core::GuardError) -> Self {
         Self::Guard(e)
