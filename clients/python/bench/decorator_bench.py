@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-import httpx
+import urllib3
 
 import onceguard
 from _shared import fmt, percentile, serve
@@ -85,7 +85,7 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
                     latencies[name].append(time.perf_counter() - start)
 
     print(f"onceguard @once benchmark: {n} sequential calls per case, server {url}, store {store}")
-    print(f"python {sys.version.split()[0]}, httpx {httpx.__version__}")
+    print(f"python {sys.version.split()[0]}, urllib3 {urllib3.__version__}")
     print()
     print(f"{'case':42} {'calls/s':>10} {'p50':>10} {'p99':>10}")
     stats = {}

@@ -21,11 +21,11 @@ commandstats`` (outside the timed calls):
   Lambda context registered that reports 30 s left (its in-progress expiry; ``@once`` has a
   30 s lease); first execution (fresh keys) and replay (keys stored beforehand);
 - ``@once`` (defaults, heartbeat on) against the server: first execution and replay;
-- ``@once`` on a client whose HTTP transport is an ``httpx.MockTransport`` answering the server's
+- ``@once`` on a client whose transport is a canned one, answering the server's
   own answers, recorded beforehand: the client's Python work without the network (first
   execution also with ``heartbeat=False``: what starting and joining the heartbeat thread takes);
 - ``GET /healthz`` (the cheapest endpoint: no store, no key) on the same keep-alive client, and
-  through the ``MockTransport``: their difference, less the server's own time for it, is what
+  through the canned transport: their difference, less the server's own time for it, is what
   one HTTP exchange over loopback adds (sockets, HTTP parsing on both sides); the same for the
   replay's ``POST /v1/claims`` sent by ``client.claim``, whose exchange (a JSON body, a longer
   answer) is the one counted in the breakdown;
@@ -40,6 +40,7 @@ where the client figures are medians. Traffic goes to 127.0.0.1 only.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import shutil
@@ -53,9 +54,11 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import httpx
+import urllib3
 
 import onceguard
 from _shared import find_binary, fmt, percentile, serve
+from onceguard._http import Response
 
 try:
     import redis
@@ -147,45 +150,47 @@ class Tally:
 # ------------------------------------------------------------------------------------------------
 
 
-class Recorder(httpx.BaseTransport):
-    """Passes requests on, keeping the last answer of each kind ("POST /v1/claims 201", …)."""
+class Recorder:
+    """A client's transport, passing requests on and keeping the last answer of each kind
+    ("POST /v1/claims 201", …)."""
 
-    def __init__(self) -> None:
-        self.inner = httpx.HTTPTransport()
-        self.answers: dict[str, tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.answers: dict[str, Response] = {}
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = self.inner.handle_request(request)
-        content = response.read()
-        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in (b"transfer-encoding", b"connection")]
-        self.answers[f"{request.method} {request.url.path} {response.status_code}"] = (
-            response.status_code,
-            headers,
-            content,
-        )
-        return httpx.Response(response.status_code, headers=headers, content=content)
+    def send(self, method: str, path: str, *rest: Any) -> Response:
+        response: Response = self.inner.send(method, path, *rest)
+        self.answers[f"{method} {path} {response.status_code}"] = response
+        return response
 
     def close(self) -> None:
         self.inner.close()
 
 
-def with_transport(client: onceguard.Client, transport: httpx.BaseTransport) -> onceguard.Client:
-    """``client`` with its connection pool replaced by ``transport`` (same URL, headers, timeout)."""
-    old = client._http
-    client._http = httpx.Client(base_url=old.base_url, headers=old.headers, timeout=old.timeout, transport=transport)
-    old.close()
+class Canned:
+    """A transport answering ``METHOD PATH`` with the recorded answer of that request, without
+    the network."""
+
+    def __init__(self, answers: dict[str, Response]) -> None:
+        self.by_request = {" ".join(kind.split()[:2]): answer for kind, answer in answers.items()}
+
+    def send(self, method: str, path: str, *rest: Any) -> Response:
+        return self.by_request[f"{method} {path}"]
+
+    def close(self) -> None:
+        pass
+
+
+def with_transport(client: onceguard.Client, transport: Any) -> onceguard.Client:
+    """``client`` sending through ``transport`` instead of its own (which has no connection
+    yet, or which ``transport`` wraps)."""
+    client._transport = transport
     return client
 
 
-def canned(answers: dict[str, tuple[int, list[tuple[bytes, bytes]], bytes]]) -> httpx.MockTransport:
-    """A transport answering ``METHOD PATH`` with the recorded answer of that request."""
-    by_request = {" ".join(kind.split()[:2]): answer for kind, answer in answers.items()}
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        status, headers, content = by_request[f"{request.method} {request.url.path}"]
-        return httpx.Response(status, headers=headers, content=content)
-
-    return httpx.MockTransport(handle)
+def healthz(client: onceguard.Client) -> Response:
+    """``GET /healthz`` through the client's transport (no store, no key: the cheapest request)."""
+    return client._transport.send("GET", "/healthz", None, None, None, client.timeout)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,13 +267,14 @@ def run(url: str, api_key: str, r: redis.Redis, prefix: str, n: int, binary: Pat
 
     pt_first, pt_replayed = powertools("first"), powertools("replayed")
 
-    # -- @once: recording the server's answers for the MockTransport -------------------------------
-    recorder = Recorder()
-    with with_transport(onceguard.Client(url, api_key), recorder) as rec:
+    # -- @once: recording the server's answers for the canned transport -------------------------------
+    rec = onceguard.Client(url, api_key)
+    recorder = Recorder(rec._transport)
+    with with_transport(rec, recorder):
         recorded = onceguard.once(rec, namespace, name="recorded")(plain)
         recorded(0, 25)  # claim (201) + complete
         recorded(0, 25)  # claim (200: replay)
-        rec._http.get("/healthz")
+        healthz(rec)
     answers = recorder.answers
     first_answers = {k: v for k, v in answers.items() if k in ("POST /v1/claims 201", "POST /v1/claims/complete 200")}
     replay_answers = {k: v for k, v in answers.items() if k in ("POST /v1/claims 200", "GET /healthz 200")}
@@ -276,17 +282,31 @@ def run(url: str, api_key: str, r: redis.Redis, prefix: str, n: int, binary: Pat
 
     with (
         onceguard.Client(url, api_key) as client,
-        with_transport(onceguard.Client(url, api_key), canned(first_answers)) as mock_first,
-        with_transport(onceguard.Client(url, api_key), canned(replay_answers)) as mock_replay,
+        with_transport(onceguard.Client(url, api_key), Canned(first_answers)) as mock_first,
+        with_transport(onceguard.Client(url, api_key), Canned(replay_answers)) as mock_replay,
         httpx.Client(base_url=url) as scraper,
     ):
         first = onceguard.once(client, namespace, name="refund")(plain)
         replayed = onceguard.once(client, namespace, name="refund-replayed")(plain)
+        # The async client, each call run to its end on one event loop (the loop's own step is
+        # timed apart, as "event loop step").
+        loop = asyncio.new_event_loop()
+        aclient = onceguard.AsyncClient(url, api_key)
+
+        async def aplain(order: int, amount: int) -> dict[str, Any]:
+            return plain(order, amount)
+
+        async def noop() -> None:
+            pass
+
+        afirst = onceguard.once(aclient, namespace, name="refund-async")(aplain)
+        areplayed = onceguard.once(aclient, namespace, name="refund-async-replayed")(aplain)
         first_mock = onceguard.once(mock_first, namespace, name="refund")(plain)
         first_mock_nohb = onceguard.once(mock_first, namespace, name="refund", heartbeat=False)(plain)
         replay_mock = onceguard.once(mock_replay, namespace, name="refund-replayed")(plain)
         for i in range(n):  # the keys the replay cases read: stored beforehand, not timed
             replayed(i, 25)
+            loop.run_until_complete(areplayed(i, 25))
             pt_replayed(order={"order": i, "amount": 25})
 
         def claim_replay(c: onceguard.Client) -> Callable[[int], Any]:
@@ -304,13 +324,16 @@ def run(url: str, api_key: str, r: redis.Redis, prefix: str, n: int, binary: Pat
             "Powertools replay": lambda i: pt_replayed(order={"order": i, "amount": 25}),
             "@once first execution": lambda i: first(i, 25),
             "@once replay": lambda i: replayed(i, 25),
-            "@once first, MockTransport": lambda i: first_mock(i, 25),
+            "async @once first execution": lambda i: loop.run_until_complete(afirst(i, 25)),
+            "async @once replay": lambda i: loop.run_until_complete(areplayed(i, 25)),
+            "event loop step": lambda i: loop.run_until_complete(noop()),
+            "@once first, canned transport": lambda i: first_mock(i, 25),
             "@once first, no heartbeat, Mock": lambda i: first_mock_nohb(i, 25),
-            "@once replay, MockTransport": lambda i: replay_mock(i, 25),
+            "@once replay, canned transport": lambda i: replay_mock(i, 25),
             "client.claim replay (one POST)": claim_replay(client),
             "client.claim replay, Mock": claim_replay(mock_replay),
-            "GET /healthz": lambda i: client._http.get("/healthz"),
-            "GET /healthz, MockTransport": lambda i: mock_replay._http.get("/healthz"),
+            "GET /healthz": lambda i: healthz(client),
+            "GET /healthz, canned transport": lambda i: healthz(mock_replay),
         }
         for j in range(50):  # warm-up: connections, server, caches (keys apart from the timed ones)
             for case in cases.values():
@@ -332,6 +355,8 @@ def run(url: str, api_key: str, r: redis.Redis, prefix: str, n: int, binary: Pat
                     lat.append(time.perf_counter() - start)
                 r1, s1 = redis_snapshot(r), server_snapshot(scraper)
                 tallies[name].add(hi - lo, s0, s1, r0, r1)
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
 
     report(n, url, binary, redis_url, r, latencies, tallies)
 
@@ -348,7 +373,7 @@ def report(
     print(f"@once vs Powertools @idempotent_function: {n} sequential calls per case, interleaved in rounds of {CHUNK}")
     print(f"server {url} ({binary}), store and Powertools on {redis_url} (Redis {r.info('server')['redis_version']})")
     print(
-        f"python {sys.version.split()[0]}, httpx {httpx.__version__}, aws-lambda-powertools {powertools_version}, "
+        f"python {sys.version.split()[0]}, urllib3 {urllib3.__version__}, aws-lambda-powertools {powertools_version}, "
         f"redis-py {redis.__version__}; load average {os.getloadavg()[0]:.2f} at the end (cores: {os.cpu_count()})"
     )
     print()
@@ -368,6 +393,11 @@ def report(
     for kind in ("first execution", "replay"):
         ratio = stats[f"@once {kind}"][0] / stats[f"Powertools {kind}"][0]
         print(f"  {kind:18} {ratio:6.2f}x")
+    step = stats["event loop step"][3]
+    for kind in ("first execution", "replay"):
+        mean = stats[f"async @once {kind}"][3]
+        ratio = stats[f"Powertools {kind}"][3] / mean
+        print(f"  async, {kind:11} {ratio:6.2f}x ({stats[f'Powertools {kind}'][3] / (mean - step):.2f}x less the loop's step)")
 
     # -- the server's own figures ----------------------------------------------------------------
     print()
@@ -384,20 +414,20 @@ def report(
     # -- where the time of one call goes ---------------------------------------------------------
     p50 = {name: v[1] for name, v in stats.items()}
     health_server = tallies["GET /healthz"].per_call("http")[0]
-    exchange = p50["GET /healthz"] - p50["GET /healthz, MockTransport"] - health_server
+    exchange = p50["GET /healthz"] - p50["GET /healthz, canned transport"] - health_server
     claim_server = tallies["client.claim replay (one POST)"].per_call("http")[0]
     post_exchange = p50["client.claim replay (one POST)"] - p50["client.claim replay, Mock"] - claim_server
     print()
     print(
-        f"GET /healthz: {fmt(p50['GET /healthz'])} on the keep-alive client, {fmt(p50['GET /healthz, MockTransport'])} "
-        f"through the MockTransport, {fmt(health_server)} in the server:"
+        f"GET /healthz: {fmt(p50['GET /healthz'])} on the keep-alive client, {fmt(p50['GET /healthz, canned transport'])} "
+        f"through the canned transport, {fmt(health_server)} in the server:"
     )
     print(f"  one HTTP exchange over loopback adds {fmt(exchange)} (sockets, HTTP on both sides)")
     print(
         f"POST /v1/claims (replay): {fmt(p50['client.claim replay (one POST)'])}, "
-        f"{fmt(p50['client.claim replay, Mock'])} through the MockTransport, {fmt(claim_server)} in the server:"
+        f"{fmt(p50['client.claim replay, Mock'])} through the canned transport, {fmt(claim_server)} in the server:"
     )
-    print(f"  its exchange adds {fmt(post_exchange)} (headers and body go out in two writes)")
+    print(f"  its exchange adds {fmt(post_exchange)} (a body both ways, longer headers)")
     print()
     print("where the time of one @once call goes (µs; client parts are medians, server parts means):")
     print(f"  {'':36} {'first execution':>16} {'replay':>10}")
@@ -407,11 +437,11 @@ def report(
         server, requests = t.per_call("http")
         store, _ = t.per_call("store")
         _, redis_time, _ = t.redis_per_call()
-        client = p50[f"@once {kind}, MockTransport"]
+        client = p50[f"@once {kind}, canned transport"]
         heartbeat = client - p50["@once first, no heartbeat, Mock"] if kind == "first" else 0.0
         measured = p50["@once first execution" if kind == "first" else "@once replay"]
         total = client + requests * post_exchange + server
-        rows["client Python (MockTransport)"].append(client)
+        rows["client Python (canned transport)"].append(client)
         rows["  of which the heartbeat thread"].append(heartbeat)
         rows["HTTP + loopback (as POST /v1/claims)"].append(requests * post_exchange)
         rows["  of which as GET /healthz"].append(requests * exchange)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-import httpx
 import pytest
 
 import onceguard
@@ -55,19 +54,30 @@ def pending(answer: onceguard.ClaimAnswer) -> PendingApproval:
     return answer
 
 
+def on_send(c: onceguard.Client | onceguard.AsyncClient, note: Callable[[str, bytes | None], None]) -> None:
+    """Calls ``note(path, body)`` as ``c`` sends each request from now on, before it is sent."""
+    inner = c._transport.send
+
+    if isinstance(c, onceguard.AsyncClient):
+
+        async def asend(method: str, path: str, *rest: Any) -> Any:
+            note(path, rest[1])
+            return await inner(method, path, *rest)
+
+        c._transport.send = asend  # type: ignore[method-assign]
+    else:
+
+        def send(method: str, path: str, *rest: Any) -> Any:
+            note(path, rest[1])
+            return inner(method, path, *rest)
+
+        c._transport.send = send  # type: ignore[method-assign]
+
+
 def claim_bodies(c: onceguard.Client | onceguard.AsyncClient) -> list[dict[str, Any]]:
     """The bodies of the claims ``c`` sends from now on, as they are sent."""
     sent: list[dict[str, Any]] = []
-
-    def note(request: httpx.Request) -> None:
-        if request.url.path == "/v1/claims":
-            sent.append(json.loads(request.content))
-
-    async def anote(request: httpx.Request) -> None:
-        note(request)
-
-    hooks: dict[str, list[Any]] = {"request": [anote if isinstance(c, onceguard.AsyncClient) else note]}
-    c._http.event_hooks = hooks
+    on_send(c, lambda path, body: sent.append(json.loads(body or b"")) if path == "/v1/claims" else None)
     return sent
 
 
@@ -242,9 +252,7 @@ def test_wait_for_approval_runs_once_after_an_approval_given_while_it_waits(
     with onceguard.Client(server.url, agent_key) as c:
         sent = claim_bodies(c)
         waiting = threading.Event()
-        c._http.event_hooks["request"].append(
-            lambda request: waiting.set() if b'"wait"' in request.content else None
-        )
+        on_send(c, lambda path, body: waiting.set() if b'"wait"' in (body or b"") else None)
 
         @once(c, gated, key="deploy-42", wait_for_approval="5m", summary="deploy build 42")
         def deploy(build: int) -> str:
@@ -330,11 +338,7 @@ async def test_async_once_waits_for_an_approval_from_another_task(
     sent = claim_bodies(aclient)
     waiting = asyncio.Event()
 
-    async def note(request: httpx.Request) -> None:
-        if b'"wait"' in request.content:
-            waiting.set()
-
-    aclient._http.event_hooks["request"].append(note)
+    on_send(aclient, lambda path, body: waiting.set() if b'"wait"' in (body or b"") else None)
 
     @once(aclient, gated, key="async-deploy", wait_for_approval="2m")
     async def deploy(build: int) -> str:

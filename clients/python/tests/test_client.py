@@ -243,16 +243,15 @@ async def test_an_async_batch_answers_as_the_sync_one(aclient: onceguard.AsyncCl
 
 
 def test_a_batch_answer_with_another_number_of_items_is_refused() -> None:
-    import httpx
-
     from onceguard import ClaimItem, CompleteItem, _calls
+    from onceguard._http import Response
 
     claims = _calls.claim_batch([ClaimItem("ns", "a", request=1), ClaimItem("ns", "b", request=1)])
     one = b'{"results":[{"status":201,"body":{"outcome":"acquired","fence":1,"attempt":1,"lease_expires_at":"2026-12-01T00:00:00Z","recovery":null}}]}'
     with pytest.raises(onceguard.UnexpectedResponse):
-        claims.read(httpx.Response(200, content=one))
+        claims.read(Response(200, content=one))
     with pytest.raises(onceguard.UnexpectedResponse):
-        claims.read(httpx.Response(200, content=b'{"results":[{"body":{}},{"body":{}}]}'))
+        claims.read(Response(200, content=b'{"results":[{"body":{}},{"body":{}}]}'))
     completions = _calls.complete_batch([CompleteItem("ns", "a", 1, 1)])
     with pytest.raises(onceguard.UnexpectedResponse):
-        completions.read(httpx.Response(200, content=b'{"results":[]}'))
+        completions.read(Response(200, content=b'{"results":[]}'))

@@ -8,11 +8,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import aiohttp
 import pytest
+import urllib3
 
 import onceguard
 from onceguard import Acquired, Replay, Retry
+from onceguard._http import Response
 
 from .conftest import Server, free_port
 
@@ -31,8 +33,8 @@ def test_a_closed_port_is_a_transport_error_after_the_retries() -> None:
     with onceguard.Client(f"http://127.0.0.1:{free_port()}", "og_x_y", retry=Retry(attempts=3, initial=0.01)) as c:
         with pytest.raises(onceguard.TransportError) as e:
             c.claim("t/a", "k", request=1)
-    assert e.value.attempts == 3
-    assert isinstance(e.value.__cause__, httpx.ConnectError)
+    assert e.value.attempts == 3 and not e.value.maybe_sent
+    assert isinstance(e.value.__cause__, urllib3.exceptions.NewConnectionError)
     with onceguard.Client(f"http://127.0.0.1:{free_port()}") as down:
         assert not down.ready()
 
@@ -41,7 +43,24 @@ async def test_async_closed_port_is_a_transport_error() -> None:
     async with onceguard.AsyncClient(f"http://127.0.0.1:{free_port()}", retry=Retry(attempts=2, initial=0.01)) as c:
         with pytest.raises(onceguard.TransportError) as e:
             await c.get_record("t/a", "k")
-    assert e.value.attempts == 2
+    assert e.value.attempts == 2 and not e.value.maybe_sent
+    assert isinstance(e.value.__cause__, aiohttp.ClientConnectorError)
+
+
+def test_a_closed_client_refuses_to_send(server: Server) -> None:
+    c = onceguard.Client(server.url, server.admin_key)
+    assert c.ready()
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.ready()
+
+
+async def test_a_closed_async_client_refuses_to_send(server: Server) -> None:
+    c = onceguard.AsyncClient(server.url, server.admin_key)
+    assert await c.ready()
+    await c.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await c.ready()
 
 
 @pytest.fixture
@@ -102,7 +121,7 @@ def test_records_survive_a_restart_on_sqlite(sqlite_server: Server) -> None:
 
 def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Server) -> None:
     own_server = memory_server
-    timeout = httpx.Timeout(0.3, connect=1.0)
+    timeout = onceguard.Timeout(read=0.3, connect=1.0)
     with onceguard.Client(own_server.url, own_server.admin_key, retry=FAST, timeout=timeout) as c:
         a = c.claim("pause/test", "k", request=1)
         assert isinstance(a, Acquired)
@@ -120,11 +139,12 @@ def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Serv
                 c.create_api_key("agent", "not retried")  # not idempotent: one try
         finally:
             resume.join()
-        assert e.value.attempts == 1 and isinstance(e.value.__cause__, httpx.ReadTimeout)
+        assert e.value.attempts == 1 and e.value.maybe_sent
+        assert isinstance(e.value.__cause__, urllib3.exceptions.ReadTimeoutError)
 
 
-def _batch_answer(*items: str) -> httpx.Response:
-    return httpx.Response(200, text='{"results":[' + ",".join(items) + "]}")
+def _batch_answer(*items: str) -> Response:
+    return Response(200, content=('{"results":[' + ",".join(items) + "]}").encode())
 
 
 REPLAY = '{{"status":200,"body":{{"outcome":"replay","fence":{f},"attempt":1,"completed_at":"2026-12-01T00:00:00Z","status":"success","content_type":"application/json","result":{r}}}}}'

@@ -29,7 +29,7 @@
 from ._calls import ClaimItem, CompleteItem
 from ._undo import register_undo, undo_handlers, undo_name
 from ._wire import RawJson
-from .client import NO_RETRY, AsyncClient, Client, Retry
+from .client import NO_RETRY, AsyncClient, Client, Retry, Timeout
 from .errors import (
     ApprovalClosed,
     ApprovalDenied,
@@ -190,6 +190,7 @@ __all__ = [
     "Trip",
     "Tripwire",
     "Tenant",
+    "Timeout",
     "TransportError",
     "Unauthenticated",
     "UnexpectedResponse",

@@ -13,9 +13,9 @@ from datetime import datetime
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote
 
-import httpx
 
 from . import _wire
+from ._http import Response
 from ._wire import Duration, RawJson
 from .errors import OnceguardError, ProblemError, StaleFence, UnexpectedResponse, problem_error
 from .models import (
@@ -61,7 +61,7 @@ class Call(Generic[T]):
 
     method: str
     path: str
-    read: Callable[[httpx.Response], T]
+    read: Callable[[Response], T]
     params: Mapping[str, str] | None = None
     body: bytes | None = None
     #: Whether sending it twice is harmless, so that a request that may have been sent (a read
@@ -77,11 +77,11 @@ class Call(Generic[T]):
 # ------------------------------------------------------------------------------------------------
 
 
-def _text(response: httpx.Response) -> str:
+def _text(response: Response) -> str:
     return response.content.decode("utf-8", errors="replace")
 
 
-def problem_of(response: httpx.Response) -> dict[str, Any] | None:
+def problem_of(response: Response) -> dict[str, Any] | None:
     """The problem body of an error answer, or ``None`` if it is not one."""
     media = response.headers.get("content-type", "").split(";")[0].strip().lower()
     if media not in ("application/problem+json", "application/json"):
@@ -93,7 +93,7 @@ def problem_of(response: httpx.Response) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and "type" in body else None
 
 
-def error_of(response: httpx.Response) -> OnceguardError:
+def error_of(response: Response) -> OnceguardError:
     """The exception for an answer that is not the call's success."""
     problem = problem_of(response)
     if problem is None:
@@ -101,13 +101,13 @@ def error_of(response: httpx.Response) -> OnceguardError:
     return problem_error(problem, response.status_code)
 
 
-def _expect(response: httpx.Response, *ok: int) -> Any:
+def _expect(response: Response, *ok: int) -> Any:
     if response.status_code in ok:
         return response.json()
     raise error_of(response)
 
 
-def _retry_after(response: httpx.Response, problem: Mapping[str, Any]) -> float | None:
+def _retry_after(response: Response, problem: Mapping[str, Any]) -> float | None:
     ms = problem.get("retry_after_ms")
     if isinstance(ms, (int, float)):
         return ms / 1000
@@ -120,7 +120,7 @@ def _retry_after(response: httpx.Response, problem: Mapping[str, Any]) -> float 
     return None
 
 
-def read_claim(response: httpx.Response) -> ClaimAnswer:
+def read_claim(response: Response) -> ClaimAnswer:
     """A claim's answer: one of the six, by status for the successes and by problem type."""
     status = response.status_code
     if status == 202:
@@ -181,11 +181,11 @@ def claim_answer(status: int, body: Any, raw: bytes | None, retry_after: float |
     raise error
 
 
-def read_record(response: httpx.Response) -> Record:
+def read_record(response: Response) -> Record:
     return Record.from_json(_expect(response, 200))
 
 
-def read_optional_record(response: httpx.Response) -> Record | None:
+def read_optional_record(response: Response) -> Record | None:
     if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
         return None
     body = _expect(response, 200)
@@ -193,32 +193,32 @@ def read_optional_record(response: httpx.Response) -> Record | None:
     return Record.from_json(body, raw)
 
 
-def read_page(response: httpx.Response) -> RecordPage:
+def read_page(response: Response) -> RecordPage:
     body = _expect(response, 200)
     return RecordPage(records=tuple(Record.from_json(r) for r in body["records"]), next=body.get("next"))
 
 
-def read_run(response: httpx.Response) -> Run:
+def read_run(response: Response) -> Run:
     return Run.from_json(_expect(response, 200, 201))
 
 
-def read_optional_run(response: httpx.Response) -> Run | None:
+def read_optional_run(response: Response) -> Run | None:
     if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
         return None
     return read_run(response)
 
 
-def read_rollback(response: httpx.Response) -> Rollback:
+def read_rollback(response: Response) -> Rollback:
     return Rollback.from_json(_expect(response, 200, 201))
 
 
-def read_optional_rollback(response: httpx.Response) -> Rollback | None:
+def read_optional_rollback(response: Response) -> Rollback | None:
     if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
         return None
     return read_rollback(response)
 
 
-def read_compensation_claim(response: httpx.Response) -> CompensationClaim:
+def read_compensation_claim(response: Response) -> CompensationClaim:
     """A compensation claim's answer: a task (201), ``busy`` or ``done`` (200)."""
     body = _expect(response, 200, 201)
     if response.status_code == 201:
@@ -231,80 +231,80 @@ def read_compensation_claim(response: httpx.Response) -> CompensationClaim:
     raise UnexpectedResponse(response.status_code, _text(response))
 
 
-def read_switch(response: httpx.Response) -> Switch:
+def read_switch(response: Response) -> Switch:
     return Switch.from_json(_expect(response, 200, 201))
 
 
-def read_switches(response: httpx.Response) -> list[Switch]:
+def read_switches(response: Response) -> list[Switch]:
     body = _expect(response, 200)
     items = body["switches"] if isinstance(body, dict) else body
     return [Switch.from_json(s) for s in items]
 
 
-def read_tripwire(response: httpx.Response) -> Tripwire:
+def read_tripwire(response: Response) -> Tripwire:
     return Tripwire.from_json(_expect(response, 200))
 
 
-def read_tripwires(response: httpx.Response) -> list[Tripwire]:
+def read_tripwires(response: Response) -> list[Tripwire]:
     body = _expect(response, 200)
     return [Tripwire.from_json(t) for t in (body["tripwires"] if isinstance(body, dict) else body)]
 
 
-def read_settings_entry(response: httpx.Response) -> SettingsEntry:
+def read_settings_entry(response: Response) -> SettingsEntry:
     return SettingsEntry.from_json(_expect(response, 200, 201))
 
 
-def read_settings_list(response: httpx.Response) -> list[SettingsEntry]:
+def read_settings_list(response: Response) -> list[SettingsEntry]:
     body = _expect(response, 200)
     return [SettingsEntry.from_json(e) for e in (body["settings"] if isinstance(body, dict) else body)]
 
 
-def read_audit(response: httpx.Response) -> AuditPage:
+def read_audit(response: Response) -> AuditPage:
     body = _expect(response, 200)
     return AuditPage(entries=tuple(AuditEntry.from_json(e) for e in body["entries"]), next=body.get("next"))
 
 
-def read_approval(response: httpx.Response) -> Approval:
+def read_approval(response: Response) -> Approval:
     return Approval.from_json(_expect(response, 200))
 
 
-def read_optional_approval(response: httpx.Response) -> Approval | None:
+def read_optional_approval(response: Response) -> Approval | None:
     if response.status_code == 404 and (problem_of(response) or {}).get("type", "").endswith("/not-found"):
         return None
     return read_approval(response)
 
 
-def read_approvals(response: httpx.Response) -> ApprovalPage:
+def read_approvals(response: Response) -> ApprovalPage:
     body = _expect(response, 200)
     return ApprovalPage(approvals=tuple(Approval.from_json(a) for a in body["approvals"]), next=body.get("next"))
 
 
-def read_api_key(response: httpx.Response) -> ApiKey:
+def read_api_key(response: Response) -> ApiKey:
     return ApiKey.from_json(_expect(response, 200, 201))
 
 
-def read_api_keys(response: httpx.Response) -> list[ApiKey]:
+def read_api_keys(response: Response) -> list[ApiKey]:
     return [ApiKey.from_json(k) for k in _expect(response, 200)]
 
 
-def read_tenant(response: httpx.Response) -> Tenant:
+def read_tenant(response: Response) -> Tenant:
     return Tenant.from_json(_expect(response, 200, 201))
 
 
-def read_tenants(response: httpx.Response) -> list[Tenant]:
+def read_tenants(response: Response) -> list[Tenant]:
     return [Tenant.from_json(t) for t in _expect(response, 200)]
 
 
-def read_purged(response: httpx.Response) -> bool:
+def read_purged(response: Response) -> bool:
     return bool(_expect(response, 200)["purged"])
 
 
-def read_nothing(response: httpx.Response) -> None:
+def read_nothing(response: Response) -> None:
     if response.status_code not in (200, 204):
         raise error_of(response)
 
 
-def read_ready(response: httpx.Response) -> bool:
+def read_ready(response: Response) -> bool:
     return response.status_code == 200
 
 
@@ -716,7 +716,7 @@ class CompleteItem:
     compensation: Compensation | tuple[str, Any] | None = None
 
 
-def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple[int, Any]]]:
+def _batch_results(response: Response, sent: int) -> tuple[str, list[tuple[int, Any]]]:
     """The text of a batch's answer and each of its ``sent`` items' status and body, or the
     error that refused it. An answer of another shape or with another number of items is
     :class:`UnexpectedResponse`, never read as the answers of other items."""
@@ -733,7 +733,7 @@ def _batch_results(response: httpx.Response, sent: int) -> tuple[str, list[tuple
     return text, items
 
 
-def _read_claim_batch(response: httpx.Response, sent: int) -> list[ClaimAnswer]:
+def _read_claim_batch(response: Response, sent: int) -> list[ClaimAnswer]:
     """Each claim's answer, read from its status and body; a replay's result is cut out of the
     answer's text, where the server wrote its stored bytes."""
     text, items = _batch_results(response, sent)
@@ -790,7 +790,7 @@ def _search_results(text: str, items: list[tuple[int, Any]], wanted: list[bool])
     return raws
 
 
-def _read_complete_batch(response: httpx.Response, sent: int) -> list[Record | StaleFence]:
+def _read_complete_batch(response: Response, sent: int) -> list[Record | StaleFence]:
     _, items = _batch_results(response, sent)
     answers: list[Record | StaleFence] = []
     for status, body in items:

@@ -1,24 +1,64 @@
-"""What the sync and async clients share: their settings, headers and timeouts, and the retry
-policy with its rules (which failures may be sent again). No I/O: see :mod:`onceguard.client`."""
+"""What the sync and async clients share: their settings, headers and timeouts, an answer as
+the transports give it (:class:`Response`), the two kinds of transport failure, and the retry
+policy with its rules (which failures may be sent again). No I/O: each flavour's transport is in
+its ``_backend.py`` (urllib3 for the sync client, aiohttp for the async one); see
+:mod:`onceguard.client`."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass
 from typing import Any, Mapping
-
-import httpx
-
-from ._calls import Call
+from urllib.parse import quote, urlencode
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 USER_AGENT = "onceguard-python/0.1.0"
+#: The header of a request with a body (every body is JSON).
+JSON_BODY: Mapping[str, str] = {"content-type": "application/json"}
 
-#: Failures before the request left the client: always safe to send again.
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-#: Failures after the request may have been sent: safe again only for idempotent calls.
-_MAYBE_SENT = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+@dataclass(frozen=True)
+class Timeout:
+    """Seconds a request may take: to connect, and for each read of its answer (a claim that
+    waits gets its ``wait`` on top of ``read``). ``None`` waits without a limit."""
+
+    read: float | None = 10.0
+    connect: float | None = 5.0
+
+
+class Response:
+    """An answer: its status, its headers (names in any case) and its body's bytes."""
+
+    __slots__ = ("status_code", "headers", "content")
+
+    def __init__(self, status_code: int, headers: Mapping[str, str] | None = None, content: bytes = b"") -> None:
+        self.status_code = status_code
+        self.headers: Mapping[str, str] = headers if headers is not None else {}
+        self.content = content
+
+    def json(self) -> Any:
+        """The body read as JSON (``ValueError`` if it is not)."""
+        return json.loads(self.content)
+
+    def __repr__(self) -> str:
+        return f"Response({self.status_code}, {len(self.content)} bytes)"
+
+
+class NotSent(Exception):
+    """The request never left the client (connect refused or timed out): always safe to send
+    again. A transport raises it from the HTTP library's error."""
+
+
+class MaybeSent(Exception):
+    """The request may have reached the server (read timeout, dropped connection): safe to send
+    again only if the call is idempotent. A transport raises it from the HTTP library's error."""
+
+
+def target(path: str, params: Mapping[str, str] | None) -> str:
+    """A call's path with its query (values percent-encoded)."""
+    return f"{path}?{urlencode(params, quote_via=quote)}" if params else path
 
 
 @dataclass(frozen=True)
@@ -50,12 +90,12 @@ class Retry:
 NO_RETRY = Retry(attempts=1)
 
 
-def may_retry(error: httpx.TransportError, call: Call[Any]) -> bool:
-    """Whether ``call`` may be sent again after ``error``."""
-    return isinstance(error, _NOT_SENT) or (call.idempotent and isinstance(error, _MAYBE_SENT))
+def may_retry(error: NotSent | MaybeSent, idempotent: bool) -> bool:
+    """Whether a call (``idempotent`` or not) may be sent again after ``error``."""
+    return isinstance(error, NotSent) or idempotent
 
 
-def retry_after_header(response: httpx.Response) -> float | None:
+def retry_after_header(response: Response) -> float | None:
     """The seconds of the answer's ``Retry-After``, if it has one."""
     try:
         return float(response.headers["retry-after"])
@@ -63,18 +103,19 @@ def retry_after_header(response: httpx.Response) -> float | None:
         return None
 
 
-def timeout_of(timeout: float | httpx.Timeout) -> httpx.Timeout:
-    """The ``httpx.Timeout`` of a client's ``timeout`` argument."""
-    if isinstance(timeout, httpx.Timeout):
+def timeout_of(timeout: float | Timeout) -> Timeout:
+    """The :class:`Timeout` of a client's ``timeout`` argument: a number is the read timeout,
+    and the connect timeout too up to 5 s."""
+    if isinstance(timeout, Timeout):
         return timeout
-    return httpx.Timeout(timeout, connect=min(5.0, timeout))
+    return Timeout(read=timeout, connect=min(5.0, timeout))
 
 
-def with_extra(timeout: httpx.Timeout, extra: float) -> httpx.Timeout:
+def with_extra(timeout: Timeout, extra: float) -> Timeout:
     """``timeout`` with ``extra`` seconds more to read the answer (a claim's ``wait``)."""
     if not extra or timeout.read is None:
         return timeout
-    return httpx.Timeout(connect=timeout.connect, read=timeout.read + extra, write=timeout.write, pool=timeout.pool)
+    return Timeout(read=timeout.read + extra, connect=timeout.connect)
 
 
 def headers_of(api_key: str | None, headers: Mapping[str, str] | None) -> dict[str, str]:
@@ -93,7 +134,7 @@ class ClientBase:
         self,
         base_url: str | None,
         api_key: str | None,
-        timeout: float | httpx.Timeout,
+        timeout: float | Timeout,
         retry: Retry,
     ) -> None:
         self.base_url = (base_url or os.environ.get("ONCEGUARD_URL") or DEFAULT_URL).rstrip("/")

@@ -43,14 +43,17 @@ class OnceguardError(Exception):
 class TransportError(OnceguardError):
     """The server could not be reached or did not answer, after the client's retries.
 
-    The cause (an ``httpx`` error) is chained as ``__cause__``. Whether the request took effect
-    is unknown when the request was sent (a read timeout); every call is idempotent by key and
-    fence, so sending it again is safe.
+    The cause (the HTTP library's error: urllib3's in the sync client, aiohttp's in the async
+    one) is chained as ``__cause__``. ``maybe_sent`` says whether the last try may have reached
+    the server (a read timeout, a dropped connection), so that whether it took effect is
+    unknown; claims and fenced calls are idempotent by key and fence, so sending them again is
+    safe.
     """
 
-    def __init__(self, message: str, *, attempts: int) -> None:
+    def __init__(self, message: str, *, attempts: int, maybe_sent: bool = False) -> None:
         super().__init__(message)
         self.attempts = attempts
+        self.maybe_sent = maybe_sent
 
 
 class UnexpectedResponse(OnceguardError):

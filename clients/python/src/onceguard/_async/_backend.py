@@ -1,5 +1,5 @@
-"""What the async flavour does its own way: sleeping, the heartbeat's asyncio task, and
-calling a ``verify`` hook (awaited when it is a coroutine function).
+"""What the async flavour does its own way: its transport (aiohttp), sleeping, the heartbeat's
+asyncio task, and calling a ``verify`` hook (awaited when it is a coroutine function).
 
 ``_sync/_backend.py`` has the same names for the sync flavour (a thread); the other modules of
 ``_async`` are turned into those of ``_sync`` by ``scripts/unasync.py``.
@@ -9,10 +9,71 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Awaitable, Callable, Sequence
+import ssl
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+import aiohttp
+import yarl
+
+from .._http import MaybeSent, NotSent, Response, Timeout, target
 
 #: A function run under a guard: here a coroutine function, called and awaited.
 Job = Callable[[], Awaitable[Any]]
+
+
+class Transport:
+    """Sends requests to one server over an aiohttp session's pool of keep-alive connections,
+    without redirects: the client retries. The session is made on the first request, in the
+    running event loop."""
+
+    def __init__(
+        self, base_url: str, headers: Mapping[str, str], *, max_connections: int, verify: bool | str
+    ) -> None:
+        self._base = base_url.rstrip("/")
+        self._headers = dict(headers)
+        self._max_connections = max_connections
+        self._ssl: ssl.SSLContext | bool = True
+        if verify is False:
+            self._ssl = False
+        elif isinstance(verify, str):
+            self._ssl = ssl.create_default_context(cafile=verify)
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, ssl=self._ssl)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, auto_decompress=False, skip_auto_headers=("accept-encoding",)
+            )
+        return self._session
+
+    async def send(
+        self, method: str, path: str, params: Mapping[str, str] | None, body: bytes | None,
+        headers: Mapping[str, str] | None, timeout: Timeout,
+    ) -> Response:
+        """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from aiohttp's error."""
+        # The target as built (percent-encoded once), not normalized again.
+        url = yarl.URL(self._base + target(path, params), encoded=True)
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout.connect, sock_read=timeout.read)
+        try:
+            async with self._open().request(
+                method, url, data=body, headers=headers, timeout=limits, allow_redirects=False
+            ) as answer:
+                return Response(answer.status, answer.headers, await answer.read())
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # refused, unreachable
+            raise NotSent(str(e)) from e
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # a read timeout, a dropped connection
+            raise MaybeSent(str(e) or type(e).__name__) from e
+
+    async def close(self) -> None:
+        """Close the session and its connections."""
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 async def sleep(seconds: float) -> None:

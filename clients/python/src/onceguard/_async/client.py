@@ -9,11 +9,21 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, AsyncIterator, Mapping, Sequence, TypeVar
 
-import httpx
-
 from .. import _calls
 from .._calls import MISSING, Call, ClaimItem, CompleteItem
-from .._http import NO_RETRY, ClientBase, Retry, headers_of, may_retry, retry_after_header, with_extra
+from .._http import (
+    JSON_BODY,
+    NO_RETRY,
+    ClientBase,
+    MaybeSent,
+    NotSent,
+    Retry,
+    Timeout,
+    headers_of,
+    may_retry,
+    retry_after_header,
+    with_extra,
+)
 from .._wire import Duration
 from ..errors import StaleFence, TransportError
 from ..models import (
@@ -48,8 +58,10 @@ class AsyncClient(ClientBase):
     """The async client (asyncio). Use it as an async context manager, or call :meth:`aclose`.
 
     ``base_url`` defaults to ``$ONCEGUARD_URL`` (else ``http://127.0.0.1:8080``), ``api_key`` to
-    ``$ONCEGUARD_API_KEY``. ``timeout`` is seconds per request (a claim that waits gets its
-    ``wait`` on top) or an ``httpx.Timeout``.
+    ``$ONCEGUARD_API_KEY``. ``timeout`` is seconds per read of an answer (a claim that waits
+    gets its ``wait`` on top; connecting takes at most 5 s of it) or a :class:`Timeout`.
+    ``max_connections`` bounds the keep-alive connections to the server; ``verify`` is whether
+    to check an ``https`` server's certificate, or the file of the CA that signed it.
     """
 
     def __init__(
@@ -57,19 +69,15 @@ class AsyncClient(ClientBase):
         base_url: str | None = None,
         api_key: str | None = None,
         *,
-        timeout: float | httpx.Timeout = 10.0,
+        timeout: float | Timeout = 10.0,
         retry: Retry = Retry(),
         headers: Mapping[str, str] | None = None,
-        limits: httpx.Limits | None = None,
+        max_connections: int = 100,
         verify: bool | str = True,
     ) -> None:
         super().__init__(base_url, api_key, timeout, retry)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers_of(self.api_key, headers),
-            timeout=self.timeout,
-            limits=limits or httpx.Limits(max_connections=100, max_keepalive_connections=20),
-            verify=verify,
+        self._transport = _backend.Transport(
+            self.base_url, headers_of(self.api_key, headers), max_connections=max_connections, verify=verify
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -82,29 +90,29 @@ class AsyncClient(ClientBase):
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self._http.aclose()
+        await self._transport.close()
 
     async def send(self, call: Call[T], *, retry: Retry | None = None) -> T:
         """Send one call, retrying as the client's :class:`Retry` (or ``retry``) allows."""
         policy = retry or self.retry
         timeout = with_extra(self.timeout, call.extra_time)
-        headers = {"content-type": "application/json"} if call.body is not None else None
+        headers = JSON_BODY if call.body is not None else None
         tries = 0
         while True:
             tries += 1
             try:
-                response = await self._http.request(
-                    call.method, call.path, params=call.params, content=call.body, headers=headers, timeout=timeout
-                )
-            except httpx.TransportError as e:
-                if tries < policy.attempts and may_retry(e, call):
+                response = await self._transport.send(call.method, call.path, call.params, call.body, headers, timeout)
+            except (NotSent, MaybeSent) as e:
+                if tries < policy.attempts and may_retry(e, call.idempotent):
                     delay = policy.delay(tries)
                     log.debug("onceguard: %s %s failed (%r); retry %d in %.2fs", call.method, call.path, e, tries, delay)
                     await _backend.sleep(delay)
                     continue
                 raise TransportError(
-                    f"{call.method} {self.base_url}{call.path} failed after {tries} tries: {e!r}", attempts=tries
-                ) from e
+                    f"{call.method} {self.base_url}{call.path} failed after {tries} tries: {e!r}",
+                    attempts=tries,
+                    maybe_sent=isinstance(e, MaybeSent),
+                ) from e.__cause__
             if response.status_code == 503 and tries < policy.attempts:
                 delay = policy.delay(tries, retry_after_header(response))
                 log.debug("onceguard: %s %s answered 503; retry %d in %.2fs", call.method, call.path, tries, delay)

@@ -1,5 +1,5 @@
-"""What the sync flavour does its own way: sleeping, the heartbeats' threads, and calling a
-``verify`` hook (a plain function).
+"""What the sync flavour does its own way: its transport (urllib3), sleeping, the heartbeats'
+threads, and calling a ``verify`` hook (a plain function).
 
 Written by hand, with the names of ``_async/_backend.py`` (which uses asyncio); the other
 modules of ``_sync`` are generated from ``_async`` by ``scripts/unasync.py``.
@@ -19,9 +19,63 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import urllib3
+from urllib3.exceptions import ClosedPoolError, ConnectTimeoutError, HTTPError, NewConnectionError
+
+from .._http import MaybeSent, NotSent, Response, Timeout, target
 
 log = logging.getLogger("onceguard")
+
+
+class Transport:
+    """Sends requests to one server over urllib3's pool of keep-alive connections (safe to
+    share between threads), without urllib3's own retries or redirects: the client retries."""
+
+    def __init__(
+        self, base_url: str, headers: Mapping[str, str], *, max_connections: int, verify: bool | str
+    ) -> None:
+        url = urllib3.util.parse_url(base_url)
+        self._prefix = (url.path or "").rstrip("/")
+        self._headers = dict(headers)
+        tls: dict[str, Any] = {}
+        if url.scheme == "https":
+            tls = {"cert_reqs": "CERT_REQUIRED" if verify else "CERT_NONE"}
+            if isinstance(verify, str):
+                tls["ca_certs"] = verify
+        # Without a path: the pool is the origin's; each request names its path.
+        origin = f"{url.scheme}://{url.netloc}"
+        self._pool = urllib3.connection_from_url(origin, maxsize=max_connections, block=False, **tls)
+
+    def send(
+        self, method: str, path: str, params: Mapping[str, str] | None, body: bytes | None,
+        headers: Mapping[str, str] | None, timeout: Timeout,
+    ) -> Response:
+        """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from urllib3's error."""
+        sent = {**self._headers, **headers} if headers else self._headers
+        try:
+            answer = self._pool.urlopen(
+                method,
+                self._prefix + target(path, params),
+                body=body,
+                headers=sent,
+                retries=False,
+                redirect=False,
+                assert_same_host=False,
+                timeout=urllib3.Timeout(connect=timeout.connect, read=timeout.read),
+            )
+        except ClosedPoolError as e:
+            raise RuntimeError("the client is closed") from e
+        except (NewConnectionError, ConnectTimeoutError) as e:  # a refused or unreachable server
+            raise NotSent(str(e)) from e
+        except HTTPError as e:  # a read timeout, a dropped connection, a broken answer
+            raise MaybeSent(str(e)) from e
+        return Response(answer.status, answer.headers, answer.data)
+
+    def close(self) -> None:
+        """Close every connection of the pool."""
+        self._pool.close()
 
 #: A function run under a guard: here a plain function, called.
 Job = Callable[[], Any]
