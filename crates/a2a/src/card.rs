@@ -34,7 +34,7 @@ impl Gateway {
         let (mut parts, body) = request.into_parts();
         parts.headers.remove(&self.options.api_key_header);
         parts.headers.remove(ACCEPT_ENCODING);
-        let response = self.calls.forward(Request::from_parts(parts, body)).await;
+        let response = self.call(Request::from_parts(parts, body)).await;
         if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
             return response;
         }
@@ -51,8 +51,9 @@ impl Gateway {
             _ => &mut answer,
         };
         let scheme = if self.tls { "https" } else { "http" };
-        let ours = format!("{scheme}://{host}{}", self.options.endpoint);
-        let rest = self.options.rest.as_ref().map(|rest| (rest, format!("{scheme}://{host}{}", rest.path())));
+        let mount = &self.options.mount;
+        let ours = format!("{scheme}://{host}{mount}{}", self.options.endpoint);
+        let rest = self.options.rest.as_ref().map(|rest| (rest, format!("{scheme}://{host}{mount}{}", rest.path())));
         rewrite_card(card, &self.options.upstream, &ours, rest.as_ref().map(|(u, o)| (*u, o.as_str())));
         parts.headers.remove(CONTENT_LENGTH);
         parts.headers.remove(ETAG);

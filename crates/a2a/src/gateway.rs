@@ -163,7 +163,7 @@ async fn answer(
     call: Call,
 ) -> Response<Body> {
     let Call { method, era, params, task } = call;
-    let span = request_span(method, &reply.id);
+    let span = request_span(method, &reply.id, &parts.headers);
     let answer = async {
         match method {
             Method::Send | Method::SendStreaming => {
@@ -186,15 +186,19 @@ async fn answer(
         "executed" | "forwarded" => method.name().to_owned(),
         other => format!("{} {other}", method.name()),
     };
-    span.record("otel.name", name);
+    // The exported span started when the request entered it: its name is changed on the span
+    // itself (recording `otel.name` now would not reach it).
+    opentelemetry::trace::TraceContextExt::span(&tracing_opentelemetry::OpenTelemetrySpanExt::context(&span))
+        .update_name(name);
     response
 }
 
 /// The span of a request, with A2A's semantic conventions (`a2a.method.name`, and where known
-/// `a2a.message.id`, `a2a.task.id`, `a2a.task.state`); a replay is named apart from an
-/// execution (`SendMessage replayed`). No key goes into an attribute.
-fn request_span(method: Method, id: &Value) -> tracing::Span {
-    tracing::debug_span!(
+/// `a2a.message.id`, `a2a.task.id`, `a2a.task.state`), continuing the trace context of the
+/// request's headers (`traceparent`, `tracestate`); a replay is named apart from an execution
+/// (`SendMessage replayed`). No key goes into an attribute.
+fn request_span(method: Method, id: &Value, headers: &HeaderMap) -> tracing::Span {
+    let span = tracing::debug_span!(
         "a2a.request",
         otel.name = method.name(),
         otel.kind = "server",
@@ -204,7 +208,17 @@ fn request_span(method: Method, id: &Value) -> tracing::Span {
         a2a.task.state = tracing::field::Empty,
         jsonrpc.request.id = %id,
         onceguard.outcome = tracing::field::Empty,
-    )
+    );
+    // A span nothing records (debug logs and traces both off) has no parent to continue.
+    if !span.is_disabled() {
+        let carrier: std::collections::HashMap<String, String> = ["traceparent", "tracestate"]
+            .into_iter()
+            .filter_map(|k| headers.get(k).and_then(|v| v.to_str().ok()).map(|v| (k.to_owned(), v.to_owned())))
+            .collect();
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&carrier));
+        let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
+    }
+    span
 }
 
 fn refuse(gateway: &Gateway, caller: &Caller, reply: &Reply, code: i64, message: &str) -> Response<Body> {
@@ -302,7 +316,16 @@ async fn send_message(
     }
     match outcome {
         ClaimOutcome::Replay(replay) => match replayed(&replay.outcome) {
-            Ok(result) => (reply.result(&result, streaming), "replayed"),
+            Ok(result) => {
+                // The stored task's id and state go on the span (read again only when traced).
+                if !tracing::Span::current().is_disabled()
+                    && let Ok(value) = serde_json::from_slice::<Value>(&result)
+                    && let Answer::Task(view) = Answer::of(&value)
+                {
+                    record_task(&view);
+                }
+                (reply.result(&result, streaming), "replayed")
+            }
             Err(e @ ApiError::NotStored(_)) => (reply.error(&e), "replayed"),
             Err(e) => (reply.error(&e), "refused"),
         },
@@ -321,10 +344,7 @@ async fn send_message(
         }
         // Observe mode: the send goes upstream holding nothing, and nothing is stored.
         ClaimOutcome::Proceed(_) => (
-            gateway
-                .streams
-                .forward(Request::from_parts(parts, Body::from(params_body(reply, method, era, params))))
-                .await,
+            gateway.stream(Request::from_parts(parts, Body::from(params_body(reply, method, era, params)))).await,
             "observed",
         ),
         ClaimOutcome::Acquired(acquired) => {
@@ -433,7 +453,7 @@ async fn from_task(
         let Some(request) = gateway.subscribe_request(parts, reply, delegation) else {
             return (reply.error(&ApiError::Internal("the task's subscription could not be made".into())), "refused");
         };
-        let response = gateway.streams.forward(request).await;
+        let response = gateway.stream(request).await;
         return (gateway.read_task_stream(caller, reply, &parts.headers, response), "attached");
     }
     let marked = send::mark_replayed(&answer).map_or(answer, |v| serde_json::to_vec(&v).unwrap_or_default());
@@ -496,7 +516,7 @@ impl Gateway {
         *request.uri_mut() = self.options.endpoint.parse().ok()?;
         *request.headers_mut() = forwarded_headers(headers);
         request.headers_mut().insert(ACCEPT, HeaderValue::from_static("application/json"));
-        let response = self.calls.forward(request).await;
+        let response = self.call(request).await;
         if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
             return None;
         }
@@ -519,7 +539,7 @@ impl Gateway {
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
         headers.insert("a2a-version", HeaderValue::from_static(version));
-        let response = self.calls.forward(request).await;
+        let response = self.call(request).await;
         if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
             tracing::warn!(task = %delegation.task, status = %response.status(), "the upstream did not cancel a revoked key's task");
             return false;
@@ -698,11 +718,11 @@ async fn task_method(
     request.headers_mut().remove(ACCEPT_ENCODING);
     match method {
         Method::Subscribe => {
-            let response = gateway.streams.forward(request).await;
+            let response = gateway.stream(request).await;
             (gateway.read_task_stream(caller, reply, &headers, response), "forwarded")
         }
         Method::GetTask | Method::CancelTask => {
-            let response = gateway.calls.forward(request).await;
+            let response = gateway.call(request).await;
             if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
                 return (response, "forwarded");
             }
@@ -725,7 +745,7 @@ async fn task_method(
             parts.headers.remove(CONTENT_LENGTH);
             (Response::from_parts(parts, Body::from(bytes)), "forwarded")
         }
-        _ => (gateway.calls.forward(request).await, "forwarded"),
+        _ => (gateway.call(request).await, "forwarded"),
     }
 }
 
@@ -739,7 +759,7 @@ async fn list_tasks(
 ) -> Response<Body> {
     let mut request = Request::from_parts(parts, Body::from(body));
     request.headers_mut().remove(ACCEPT_ENCODING);
-    let response = gateway.calls.forward(request).await;
+    let response = gateway.call(request).await;
     if !response.status().is_success() || response.extensions().get::<TransportFailure>().is_some() {
         return response;
     }
@@ -774,6 +794,29 @@ async fn list_tasks(
 /// The service for [`axum::Router::fallback_service`].
 pub fn service(gateway: Arc<Gateway>) -> axum::Router {
     axum::Router::new().fallback(handle).with_state(gateway)
+}
+
+/// The root of a gateway that serves agents under their mounts only: its metrics and health,
+/// and for anything else a 404 naming where the agents are (nothing is forwarded).
+pub fn index(state: onceguard_http::AppState, mounts: Vec<String>) -> axum::Router {
+    let mounts = Arc::new(mounts);
+    axum::Router::new().fallback(move |request: Request<Body>| {
+        let (state, mounts) = (state.clone(), mounts.clone());
+        async move {
+            match request.uri().path() {
+                "/_onceguard/metrics" => {
+                    onceguard_http::metrics_endpoint(State(state), request.headers().clone()).await
+                }
+                "/_onceguard/healthz" => (StatusCode::OK, "ok").into_response(),
+                path => ApiError::NotFound(format!(
+                    "the gateway serves its A2A agents under {}/; it does not forward {} {path}",
+                    mounts.join("/, "),
+                    request.method()
+                ))
+                .into_response(),
+            }
+        }
+    })
 }
 
 #[cfg(test)]

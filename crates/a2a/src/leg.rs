@@ -61,7 +61,9 @@ impl Leg {
     pub(crate) async fn start(self, request: Request<Body>, streaming: bool) -> Response<Body> {
         let (reply, answer) = oneshot::channel();
         let caller_reply = self.reply.clone();
-        tokio::spawn(self.run(request, reply, streaming));
+        // In the request's span: the task's id and state, and the store's calls, are the
+        // request's.
+        tokio::spawn(tracing::Instrument::in_current_span(self.run(request, reply, streaming)));
         match answer.await {
             Ok(response) => response,
             Err(_) => caller_reply.error(&ApiError::Internal("the send's task ended without an answer".into())),
@@ -78,8 +80,7 @@ impl Leg {
         // The answer is read, so it must come as it is: no compression.
         request.headers_mut().remove(ACCEPT_ENCODING);
         request.headers_mut().remove(CONTENT_LENGTH);
-        let upstream = if streaming { &gateway.streams } else { &gateway.calls };
-        let response = upstream.forward(request).await;
+        let response = if streaming { gateway.stream(request).await } else { gateway.call(request).await };
         if let Some(failure) = response.extensions().get::<TransportFailure>().copied() {
             extender.abort();
             let error = match failure {

@@ -22,6 +22,11 @@
 //! the send's key. Whatever else reaches the endpoint is refused, never forwarded unguarded.
 //! `docs/A2A.md` has the whole contract.
 //!
+//! One gateway serves several A2A servers: `a2a.upstream` at its root, and each of
+//! `[a2a.agents.<name>]` under `/<name>/` (its endpoint, HTTP+JSON interface and card), with
+//! keys and owner records of its own. [`A2aLayer`] puts the same gateway in front of an A2A
+//! server's own tower service in the same process.
+//!
 //! - [`send`]: what a request says (method, key, fingerprint) and what an answer says (task,
 //!   state).
 //! - [`rest`]: the HTTP+JSON binding's routes and error bodies.
@@ -37,16 +42,20 @@
 
 #![forbid(unsafe_code)]
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::http::HeaderName;
+use axum::body::Body;
+use axum::http::{HeaderName, Request, Response};
 use onceguard_core::{Guard, InvalidInput, Limits};
 use onceguard_http::{AppState, Config, StartError};
-use onceguard_proxy::Upstream;
+use onceguard_proxy::{TransportFailure, Upstream};
 use tokio::net::TcpListener;
+use tower::util::BoxCloneSyncService;
+use tower::{Layer, Service, ServiceExt};
 
 mod card;
 pub mod gateway;
@@ -59,11 +68,14 @@ pub mod send;
 pub mod settle;
 mod state;
 
-pub use state::Gateway;
+pub use state::{Forward, Gateway, forward_to};
 
 /// What the gateway needs to know, from the `[a2a]` section.
 #[derive(Debug, Clone)]
 pub struct Options {
+    /// Where the gateway of this server is mounted: empty at the root, `/<name>` for an agent
+    /// of `[a2a.agents.<name>]` (the card names the gateway's URLs with it).
+    pub mount: String,
     /// The path of the JSON-RPC endpoint (the upstream URL's path, e.g. `/`).
     pub endpoint: String,
     /// The upstream URL as configured (what the agent card's interfaces name).
@@ -89,25 +101,76 @@ pub struct Options {
     pub max_result_bytes: usize,
 }
 
-/// The gateway's options from the `[a2a]` section.
+/// The gateway's options from the `[a2a]` section, for the server of `a2a.upstream`.
 pub fn options(config: &Config) -> Result<Options, InvalidInput> {
     let a = &config.a2a;
-    let url = onceguard_mcp::gateway_upstream("a2a.upstream", &a.upstream)?;
-    let rest = if a.rest_upstream.is_empty() {
+    let name = (!a.upstream_name.is_empty()).then_some(a.upstream_name.as_str());
+    options_for(config, &a.upstream, &a.rest_upstream, name, None)
+}
+
+/// The options of every A2A server the section names: `a2a.upstream` (when set) first, then
+/// each of `[a2a.agents.<name>]`, mounted under `/<name>`. A server's paths must not reach
+/// into another's mount.
+pub fn served(config: &Config) -> Result<Vec<Options>, InvalidInput> {
+    let a = &config.a2a;
+    let mut served = Vec::with_capacity(a.agents.len() + 1);
+    if !a.upstream.is_empty() || a.agents.is_empty() {
+        served.push(options(config)?);
+    }
+    for (name, agent) in &a.agents {
+        served.push(options_for(config, &agent.upstream, &agent.rest_upstream, Some(name), Some(name))?);
+    }
+    if let Some(root) = served.first().filter(|o| o.mount.is_empty()) {
+        let first_segment = |path: &str| path.trim_start_matches('/').split('/').next().unwrap_or_default().to_owned();
+        let paths = std::iter::once(root.endpoint.clone()).chain(root.rest.iter().map(|r| r.path().to_owned()));
+        for segment in paths.map(|p| first_segment(&p)) {
+            if a.agents.contains_key(&segment) {
+                return Err(InvalidInput::new(
+                    "a2a.upstream",
+                    format!(
+                        "its paths start with /{segment}/, where the agent '{segment}' is served: rename the agent"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(served)
+}
+
+/// The options of one server: its JSON-RPC endpoint `upstream` and HTTP+JSON interface `rest`,
+/// named `name` (default: its host and port); `agent`: the agent of `[a2a.agents.<agent>]` it is,
+/// mounted under `/<agent>`.
+fn options_for(
+    config: &Config,
+    upstream: &str,
+    rest: &str,
+    name: Option<&str>,
+    agent: Option<&str>,
+) -> Result<Options, InvalidInput> {
+    let a = &config.a2a;
+    // An error names the setting: a2a.upstream, or the agent's a2a.agents.<name>.upstream.
+    let named = |e: InvalidInput| match (agent, e.field) {
+        (Some(agent), field) => InvalidInput::new("a2a.agents", format!("{agent}.{field}: {}", e.rule)),
+        (None, "upstream") => InvalidInput::new("a2a.upstream", e.rule),
+        (None, _) => InvalidInput::new("a2a.rest_upstream", e.rule),
+    };
+    let url = onceguard_mcp::gateway_upstream("upstream", upstream).map_err(named)?;
+    let rest = if rest.is_empty() {
         None
     } else {
-        let rest = onceguard_mcp::gateway_upstream("a2a.rest_upstream", &a.rest_upstream)?;
+        let rest = onceguard_mcp::gateway_upstream("rest_upstream", rest).map_err(named)?;
         if rest.origin() != url.origin() {
-            return Err(InvalidInput::new("a2a.rest_upstream", "must have the same origin as a2a.upstream"));
+            return Err(named(InvalidInput::new("rest_upstream", "must have the same origin as upstream")));
         }
         if onceguard_mcp::call::same_path(rest.path(), url.path()) {
-            return Err(InvalidInput::new("a2a.rest_upstream", "must have another path than a2a.upstream"));
+            return Err(named(InvalidInput::new("rest_upstream", "must have another path than upstream")));
         }
         Some(rest)
     };
-    let upstream_name =
-        if a.upstream_name.is_empty() { onceguard_mcp::call::upstream_name(&url) } else { a.upstream_name.clone() };
+    let mount = agent.map(|agent| format!("/{agent}")).unwrap_or_default();
+    let upstream_name = name.map_or_else(|| onceguard_mcp::call::upstream_name(&url), str::to_owned);
     Ok(Options {
+        mount,
         endpoint: url.path().to_owned(),
         upstream: url,
         rest,
@@ -131,20 +194,100 @@ pub fn limits(config: &Config) -> Limits {
     onceguard_mcp::gateway_limits(&config.limits, a.max_result_bytes, a.lease, a.task_lease, a.retention, a.wait)
 }
 
-/// The gateway as an axum app on `state` (what [`run`] serves).
+/// The gateway as an axum app on `state` (what [`run`] serves): the server of `a2a.upstream` at
+/// the root, each of `[a2a.agents.<name>]` under `/<name>`.
 pub fn app(config: &Config, state: AppState) -> Result<Router, InvalidInput> {
-    Ok(gateway::service(gateway(config, state)?))
+    let tls = config.tls.cert.is_some();
+    let served = served(config)?;
+    let mut router = match served.first().filter(|o| o.mount.is_empty()) {
+        Some(_) => Router::new(),
+        None => gateway::index(state.clone(), served.iter().map(|o| o.mount.clone()).collect()),
+    };
+    for options in served {
+        let calls =
+            forward_to(Upstream::new(&options.upstream.origin().ascii_serialization(), config.a2a.upstream_timeout)?);
+        let streams =
+            forward_to(Upstream::new(&options.upstream.origin().ascii_serialization(), config.a2a.stream_timeout)?);
+        let mount = options.mount.clone();
+        let gateway = Arc::new(Gateway::new(state.clone(), options, calls, streams, tls));
+        onceguard_mcp::revoked::watch(&gateway);
+        router = if mount.is_empty() {
+            router.fallback_service(gateway::service(gateway))
+        } else {
+            router.nest_service(&mount, gateway::service(gateway))
+        };
+    }
+    Ok(router)
 }
 
-/// The gateway itself (for embedding and tests).
+/// The gateway of `a2a.upstream` alone (for embedding and tests).
 pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, InvalidInput> {
     let options = options(config)?;
     let origin = options.upstream.origin().ascii_serialization();
-    let calls = Upstream::new(&origin, config.a2a.upstream_timeout)?;
-    let streams = Upstream::new(&origin, config.a2a.stream_timeout)?;
+    let calls = forward_to(Upstream::new(&origin, config.a2a.upstream_timeout)?);
+    let streams = forward_to(Upstream::new(&origin, config.a2a.stream_timeout)?);
     let gateway = Arc::new(Gateway::new(state, options, calls, streams, config.tls.cert.is_some()));
     onceguard_mcp::revoked::watch(&gateway);
     Ok(gateway)
+}
+
+/// The gateway as a tower layer around an A2A server's own service in the same process (an
+/// axum `Router` of the SDK's routes, say), like the proxy's [`onceguard_proxy::IdempotencyLayer`]:
+/// every request reaches the gateway first, and what it forwards goes to the inner service with
+/// the path it came with, its response's head awaited at most `a2a.upstream_timeout` (then the
+/// send is in doubt: 504, the key held until its lease passes). `a2a.upstream` is the URL the
+/// server's agent card names for its JSON-RPC endpoint (nothing is sent there; the card is made
+/// to name the gateway where it names that URL), and its path is the endpoint's. An inner
+/// service that failed in transport may say so with a [`TransportFailure`] extension, as the
+/// proxy's does. Make it in a Tokio runtime: the watch of revoking switches runs as a task.
+#[derive(Clone)]
+pub struct A2aLayer {
+    state: AppState,
+    options: Options,
+    timeout: Duration,
+    tls: bool,
+}
+
+impl std::fmt::Debug for A2aLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("A2aLayer").field("upstream", &self.options.upstream_name).finish_non_exhaustive()
+    }
+}
+
+impl A2aLayer {
+    /// The layer of `config`'s `[a2a]` section, on `state` (its guard, auth and metrics).
+    pub fn new(config: &Config, state: AppState) -> Result<Self, InvalidInput> {
+        let options = options(config)?;
+        Ok(Self { state, options, timeout: config.a2a.upstream_timeout, tls: config.tls.cert.is_some() })
+    }
+}
+
+impl<S> Layer<S> for A2aLayer
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
+{
+    type Service = Router;
+
+    fn layer(&self, inner: S) -> Router {
+        let timeout = self.timeout;
+        let forward: Forward = BoxCloneSyncService::new(tower::service_fn(move |request: Request<Body>| {
+            let inner = inner.clone();
+            async move {
+                Ok::<_, Infallible>(match tokio::time::timeout(timeout, inner.oneshot(request)).await {
+                    Ok(Ok(response)) => response,
+                    Ok(Err(never)) => match never {},
+                    Err(_) => {
+                        onceguard_proxy::failure(TransportFailure::TimedOut, &"no answer within a2a.upstream_timeout")
+                    }
+                })
+            }
+        }));
+        let gateway =
+            Arc::new(Gateway::new(self.state.clone(), self.options.clone(), forward.clone(), forward, self.tls));
+        onceguard_mcp::revoked::watch(&gateway);
+        gateway::service(gateway)
+    }
 }
 
 /// Serves the gateway on `listener` until `shutdown`, then lets requests in flight finish (at

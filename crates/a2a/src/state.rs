@@ -1,23 +1,41 @@
-//! What the handlers share: the [`Gateway`] (its state, the upstream, the caller's
+//! What the handlers share: the [`Gateway`] (its state, where it forwards, the caller's
 //! authentication) and who calls ([`Caller`]).
 
-use axum::http::HeaderMap;
+use std::convert::Infallible;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, Response};
 use onceguard_core::{Guard, Namespace, TenantId};
 use onceguard_http::AppState;
 use onceguard_http::problem::ApiError;
 use onceguard_proxy::Upstream;
+use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
 
 use crate::Options;
 use crate::send::Method;
+
+/// Where the gateway forwards: the upstream over HTTP ([`Upstream`], whose transport failures
+/// answer 502/504 with a [`onceguard_proxy::TransportFailure`] extension), or the A2A server's
+/// own tower service in the same process ([`crate::A2aLayer`]).
+pub type Forward = BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
+
+/// The upstream over HTTP as a [`Forward`].
+pub fn forward_to(upstream: Upstream) -> Forward {
+    BoxCloneSyncService::new(tower::service_fn(move |request: Request<Body>| {
+        let upstream = upstream.clone();
+        async move { Ok::<_, Infallible>(upstream.forward(request).await) }
+    }))
+}
 
 /// Everything the handler shares.
 pub struct Gateway {
     pub(crate) state: AppState,
     pub(crate) options: Options,
-    /// Forwards sends and task reads (bounded by `a2a.upstream_timeout`).
-    pub(crate) calls: Upstream,
-    /// Forwards event streams (bounded by `a2a.stream_timeout`).
-    pub(crate) streams: Upstream,
+    /// Forwards sends and task reads (over HTTP: bounded by `a2a.upstream_timeout`).
+    calls: Forward,
+    /// Forwards event streams (over HTTP: bounded by `a2a.stream_timeout`).
+    streams: Forward,
     /// Whether the listener serves TLS (the card then names `https://`).
     pub(crate) tls: bool,
 }
@@ -32,9 +50,26 @@ impl std::fmt::Debug for Gateway {
 pub(crate) use onceguard_http::auth::GatewayCaller as Caller;
 
 impl Gateway {
-    /// A gateway on `state` in front of the upstream of `options`.
-    pub fn new(state: AppState, options: Options, calls: Upstream, streams: Upstream, tls: bool) -> Self {
+    /// A gateway on `state` in front of the A2A server of `options`, reached through `calls`
+    /// (sends, task methods, the card) and `streams` (event streams).
+    pub fn new(state: AppState, options: Options, calls: Forward, streams: Forward, tls: bool) -> Self {
         Self { state, options, calls, streams, tls }
+    }
+
+    /// Forwards a request that is answered at once (a send, a task method, the card).
+    pub(crate) async fn call(&self, request: Request<Body>) -> Response<Body> {
+        match self.calls.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        }
+    }
+
+    /// Forwards a request answered by an event stream, or one that may be.
+    pub(crate) async fn stream(&self, request: Request<Body>) -> Response<Body> {
+        match self.streams.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        }
     }
 
     pub(crate) fn guard(&self) -> &Guard {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use onceguard_server::config::{
-    A2aOverrides, EncryptionOverrides, McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides,
+    A2aAgentOverride, A2aOverrides, EncryptionOverrides, McpNoKey, McpOverrides, ProxyOverrides, TlsOverrides,
 };
 use onceguard_server::telemetry::{self, LogFormat, Telemetry, TraceSettings};
 use onceguard_server::{Config, Overrides};
@@ -124,6 +124,10 @@ enum Command {
         /// The upstream's name in namespaces a2a/<name> (default: its host and port).
         #[arg(long)]
         upstream_name: Option<String>,
+        /// One more A2A server, served under /NAME/ and named NAME in namespaces:
+        /// NAME=URL of its JSON-RPC endpoint (repeat for each).
+        #[arg(long = "agent", value_name = "NAME=URL", value_parser = parse_agent)]
+        agents: Vec<(String, String)>,
         /// How long a key may be held without extending, e.g. 2s (default 30s).
         #[arg(long, value_parser = humantime::parse_duration)]
         lease: Option<std::time::Duration>,
@@ -246,12 +250,13 @@ async fn mcp(config: Config) -> Result<()> {
 }
 
 async fn a2a(config: Config) -> Result<()> {
-    if config.a2a.upstream.is_empty() {
+    if config.a2a.upstream.is_empty() && config.a2a.agents.is_empty() {
         bail!(
-            "a2a: give the A2A server's JSON-RPC endpoint with --upstream URL (or a2a.upstream in the configuration)"
+            "a2a: give the A2A server's JSON-RPC endpoint with --upstream URL, or name servers with --agent NAME=URL \
+             (or a2a.upstream, [a2a.agents.NAME] in the configuration)"
         );
     }
-    let options = onceguard_a2a::options(&config)?;
+    let served = onceguard_a2a::served(&config)?;
     let guard = onceguard_server::open_guard_with(&config, onceguard_a2a::limits(&config))
         .await
         .context("opening the store")?;
@@ -259,17 +264,28 @@ async fn a2a(config: Config) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", config.a2a.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(
-        %addr,
-        upstream = %config.a2a.upstream,
-        upstream_name = %options.upstream_name,
-        store = guard.store_kind(),
-        "onceguard a2a is serving; connect A2A clients to http://{addr}{}",
-        options.endpoint
-    );
+    for options in &served {
+        tracing::info!(
+            %addr,
+            upstream = %options.upstream,
+            upstream_name = %options.upstream_name,
+            store = guard.store_kind(),
+            "onceguard a2a is serving; connect A2A clients to http://{addr}{}{}",
+            options.mount,
+            options.endpoint
+        );
+    }
     onceguard_a2a::run(&config, guard, listener, shutdown_signal()).await?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// `NAME=URL` of `--agent`.
+fn parse_agent(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, url)) if !name.is_empty() && !url.is_empty() => Ok((name.to_owned(), url.to_owned())),
+        _ => Err(format!("'{s}': give NAME=URL, e.g. billing=http://127.0.0.1:9001/")),
+    }
 }
 
 fn parse_no_key(s: &str) -> Result<McpNoKey, String> {
@@ -313,12 +329,16 @@ async fn main() -> Result<()> {
                 no_key: *no_key,
             };
         }
-        Command::A2a { listen, upstream, rest_upstream, upstream_name, lease, retention, wait } => {
+        Command::A2a { listen, upstream, rest_upstream, upstream_name, agents, lease, retention, wait } => {
             overrides.a2a = A2aOverrides {
                 listen: *listen,
                 upstream: upstream.clone(),
                 rest_upstream: rest_upstream.clone(),
                 upstream_name: upstream_name.clone(),
+                agents: agents
+                    .iter()
+                    .map(|(name, url)| (name.clone(), A2aAgentOverride { upstream: url.clone() }))
+                    .collect(),
                 lease: *lease,
                 retention: *retention,
                 wait: *wait,

@@ -287,3 +287,80 @@ async fn mcp_tool_calls_are_execute_tool_spans_without_keys() {
     collector.abort();
     upstream.abort();
 }
+
+/// A tiny A2A agent: `SendMessage` answers a completed task.
+async fn a2a_upstream(body: Bytes) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let message: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let task = json!({"id": "task-7", "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"}});
+    let answer = json!({"jsonrpc": "2.0", "id": message["id"], "result": {"task": task}});
+    ([("content-type", "application/json")], answer.to_string()).into_response()
+}
+
+/// The A2A gateway's spans follow A2A's conventions (`a2a.method.name`, `a2a.message.id`,
+/// `a2a.task.id`, `a2a.task.state`), continue the caller's `traceparent` header, keep a replay
+/// apart from an execution in name and `onceguard.outcome`, and carry no idempotency key; an
+/// agent served under its mount (`--agent NAME=URL`) is traced the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a2a_sends_are_spans_with_a2a_attributes_and_replays_named_apart() {
+    let received: Received = Arc::default();
+    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", collector.local_addr().unwrap());
+    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
+    let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let agent = format!("billing=http://{}/", upstream.local_addr().unwrap());
+    let upstream = tokio::spawn(async move {
+        axum::serve(upstream, axum::Router::new().route("/", post(a2a_upstream))).await.unwrap()
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("ONCEGUARD_AUTH__ALLOW_ANONYMOUS", "true"),
+    ];
+    let args = ["a2a", "--listen", "127.0.0.1:0", "--agent", &agent, "--store", "memory://"];
+    let gateway = common::spawn(dir.path(), &args, &env);
+    let client = reqwest::Client::new();
+    let key = "idem-SeCrEt-a2a-key-42";
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    for id in [1, 2] {
+        let send = json!({"jsonrpc": "2.0", "id": id, "method": "SendMessage",
+                          "params": {"message": {"messageId": "msg-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}}});
+        let answer: serde_json::Value = client
+            .post(format!("{}/billing/", gateway.base))
+            .header("traceparent", format!("00-{trace}-{caller_span}-01"))
+            .header("idempotency-key", key)
+            .json(&send)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(answer["result"]["task"]["id"], "task-7", "{answer}");
+    }
+
+    let (_, executed) = span(&received, trace, "SendMessage").await;
+    let (_, replayed) = span(&received, trace, "SendMessage replayed").await;
+    for (s, outcome, request) in [(&executed, "executed", "1"), (&replayed, "replayed", "2")] {
+        assert_eq!(hex(&s.parent_span_id), caller_span, "the caller's traceparent is the parent");
+        for (name, want) in [
+            ("a2a.method.name", "SendMessage"),
+            ("a2a.message.id", "msg-1"),
+            ("a2a.task.id", "task-7"),
+            ("jsonrpc.request.id", request),
+            ("onceguard.outcome", outcome),
+        ] {
+            assert_eq!(attr(&s.attributes, name).as_deref(), Some(want), "{outcome}: {name}");
+        }
+    }
+    assert_eq!(attr(&executed.attributes, "a2a.task.state").as_deref(), Some("completed"));
+    let everything = format!("{:?}", received.lock().unwrap());
+    assert!(!everything.contains(key), "the idempotency key is in no span");
+    drop(gateway);
+    collector.abort();
+    upstream.abort();
+}

@@ -284,6 +284,10 @@ pub struct A2aConfig {
     pub rest_upstream: String,
     /// The upstream's name in namespaces (`a2a/<name>`); empty: derived from its host and port.
     pub upstream_name: String,
+    /// More A2A servers, each served under `/<name>/` (its JSON-RPC endpoint, HTTP+JSON
+    /// interface and agent card under that prefix) and named `<name>` in namespaces
+    /// (`[a2a.agents.<name>]`). The other settings of the section apply to each.
+    pub agents: BTreeMap<String, A2aAgentConfig>,
     /// How long the gateway may hold a key without extending it (it extends while the upstream
     /// works on a send, and holds the key for `task_lease` once the send answered with a task).
     #[serde(with = "humantime_serde")]
@@ -314,6 +318,16 @@ pub struct A2aConfig {
     pub stream_timeout: Duration,
 }
 
+/// One more A2A server of the gateway (`[a2a.agents.<name>]`), served under `/<name>/`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct A2aAgentConfig {
+    /// Its JSON-RPC endpoint, e.g. `http://127.0.0.1:9001/`.
+    pub upstream: String,
+    /// Its HTTP+JSON interface (the same origin as `upstream`); empty: JSON-RPC only.
+    pub rest_upstream: String,
+}
+
 impl Default for A2aConfig {
     fn default() -> Self {
         Self {
@@ -321,6 +335,7 @@ impl Default for A2aConfig {
             upstream: String::new(),
             rest_upstream: String::new(),
             upstream_name: String::new(),
+            agents: BTreeMap::new(),
             lease: Duration::from_secs(30),
             task_lease: Duration::from_secs(3_600),
             retention: Duration::from_secs(24 * 3_600),
@@ -611,6 +626,9 @@ pub struct A2aOverrides {
     /// `--upstream-name`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_name: Option<String>,
+    /// `--agent NAME=URL`: the JSON-RPC endpoint of each agent named (over the file's).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub agents: BTreeMap<String, A2aAgentOverride>,
     /// `--lease`.
     #[serde(skip_serializing_if = "Option::is_none", with = "humantime_serde::option")]
     pub lease: Option<Duration>,
@@ -622,12 +640,20 @@ pub struct A2aOverrides {
     pub wait: Option<Duration>,
 }
 
+/// `--agent NAME=URL`: an agent's JSON-RPC endpoint.
+#[derive(Debug, Clone, Serialize)]
+pub struct A2aAgentOverride {
+    /// The URL.
+    pub upstream: String,
+}
+
 impl A2aOverrides {
     fn is_empty(&self) -> bool {
         self.listen.is_none()
             && self.upstream.is_none()
             && self.rest_upstream.is_none()
             && self.upstream_name.is_none()
+            && self.agents.is_empty()
             && self.lease.is_none()
             && self.retention.is_none()
             && self.wait.is_none()
@@ -883,10 +909,19 @@ impl A2aConfig {
         if axum::http::HeaderName::from_bytes(self.api_key_header.as_bytes()).is_err() {
             return Err(InvalidInput::new("a2a.api_key_header", "is not a header name"));
         }
-        if !self.upstream_name.is_empty()
-            && (self.upstream_name.contains('/') || onceguard_core::Namespace::parse(&self.upstream_name).is_err())
-        {
+        let one_segment = |name: &str| !name.contains('/') && onceguard_core::Namespace::parse(name).is_ok();
+        if !self.upstream_name.is_empty() && !one_segment(&self.upstream_name) {
             return Err(InvalidInput::new("a2a.upstream_name", "must be 1 to 64 of A-Z a-z 0-9 . _ - (one segment)"));
+        }
+        for name in self.agents.keys() {
+            if !one_segment(name) || name.starts_with('.') || name.starts_with('_') {
+                return Err(InvalidInput::new(
+                    "a2a.agents",
+                    format!(
+                        "'{name}': a name must be 1 to 64 of A-Z a-z 0-9 . _ - (one segment), not starting with . or _"
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -916,6 +951,38 @@ mod tests {
             assert!(Config::load(None, &Overrides::default()).is_ok());
             jail.set_env("ONCEGUARD_LIMITS__NO_SUCH_FIELD", "1");
             assert!(matches!(Config::load(None, &Overrides::default()), Err(ConfigError::Load(_))));
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
+    fn a2a_agents_come_from_the_file_the_environment_and_the_flags() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "onceguard.toml",
+                "[a2a.agents.billing]\nupstream = \"http://127.0.0.1:9001/\"\nrest_upstream = \"http://127.0.0.1:9001/rest\"\n",
+            )?;
+            jail.set_env("ONCEGUARD_A2A__AGENTS__SEARCH__UPSTREAM", "http://127.0.0.1:9002/a2a");
+            let mut overrides = Overrides::default();
+            overrides.a2a.agents.insert("billing".into(), A2aAgentOverride { upstream: "http://127.0.0.1:9003/".into() });
+            let config = Config::load(Some(Path::new("onceguard.toml")), &overrides).expect("valid");
+            let agents: Vec<(&str, &str, &str)> = config
+                .a2a
+                .agents
+                .iter()
+                .map(|(name, a)| (name.as_str(), a.upstream.as_str(), a.rest_upstream.as_str()))
+                .collect();
+            assert_eq!(
+                agents,
+                [
+                    // The flag's URL over the file's; the file's HTTP+JSON interface kept.
+                    ("billing", "http://127.0.0.1:9003/", "http://127.0.0.1:9001/rest"),
+                    ("search", "http://127.0.0.1:9002/a2a", ""),
+                ]
+            );
+            jail.set_env("ONCEGUARD_A2A__AGENTS__SEARCH__NO_SUCH_FIELD", "1");
+            assert!(Config::load(None, &Overrides::default()).is_err(), "an agent's unknown setting is refused");
             Ok(())
         });
     }

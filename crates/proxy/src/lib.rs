@@ -202,7 +202,9 @@ fn end_to_end(headers: &HeaderMap, also_drop: &[HeaderName]) -> HeaderMap {
     out
 }
 
-fn failure(kind: TransportFailure, error: &dyn std::fmt::Display) -> Response<Body> {
+/// The answer of a failed upstream call: a 502 (504 when it timed out) problem carrying `kind` as
+/// a [`TransportFailure`] extension, which the layer (and the gateways) act on.
+pub fn failure(kind: TransportFailure, error: &dyn std::fmt::Display) -> Response<Body> {
     tracing::warn!(error = %error, ?kind, "upstream call failed");
     let problem = match kind {
         TransportFailure::TimedOut => ApiError::GatewayTimeout("the upstream did not answer in time".into()),

@@ -1,0 +1,277 @@
+//! The A2A gateway in front of agents the test serves (a small JSON-RPC agent that counts its
+//! executions): as a tower layer around the agent's own router in the same process, and as one
+//! gateway in front of several agents, each under its own mount with keys of its own.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use onceguard_core::MemoryStore;
+use onceguard_http::Config;
+use onceguard_http::config::A2aAgentConfig;
+use onceguard_testkit::TestStore;
+use onceguard_testkit::harness::Harness;
+use serde_json::{Value, json};
+use tower::Layer;
+
+/// What an agent ran: the message ids of its executions, in order.
+#[derive(Clone, Default)]
+struct Agent {
+    name: &'static str,
+    ran: Arc<Mutex<Vec<String>>>,
+    tasks: Arc<AtomicUsize>,
+}
+
+impl Agent {
+    fn named(name: &'static str) -> Self {
+        Self { name, ..Self::default() }
+    }
+
+    fn executions(&self) -> Vec<String> {
+        self.ran.lock().unwrap().clone()
+    }
+
+    /// The agent's routes: its JSON-RPC endpoint at `endpoint` and its card, which names
+    /// `url` (where the agent believes it is served).
+    fn router(&self, endpoint: &str, url: String) -> Router {
+        let card = json!({
+            "name": self.name,
+            "description": "counts its executions",
+            "version": "1",
+            "supportedInterfaces": [{"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}],
+            "capabilities": {"streaming": false},
+            "skills": [{"id": "echo", "name": "echo", "description": "answers", "tags": []}],
+        });
+        Router::new()
+            .route(endpoint, post(rpc))
+            .route("/.well-known/agent-card.json", get(move || std::future::ready(axum::Json(card.clone()))))
+            .with_state(self.clone())
+    }
+}
+
+/// `SendMessage` completes a task of its own at once; `GetTask` answers it; the rest is -32601.
+async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Response {
+    let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let id = request["id"].clone();
+    let result = match request["method"].as_str() {
+        Some("SendMessage") => {
+            let message_id = request["params"]["message"]["messageId"].as_str().unwrap_or_default().to_owned();
+            agent.ran.lock().unwrap().push(message_id);
+            let n = agent.tasks.fetch_add(1, Ordering::SeqCst) + 1;
+            json!({"task": {"id": format!("{}-task-{n}", agent.name), "contextId": "ctx",
+                            "status": {"state": "TASK_STATE_COMPLETED"},
+                            "artifacts": [{"artifactId": "a", "parts": [{"text": agent.name}]}]}})
+        }
+        Some("GetTask") => json!({"id": request["params"]["id"], "status": {"state": "TASK_STATE_COMPLETED"}}),
+        _ => {
+            let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "unknown"}});
+            return ([("content-type", "application/json")], error.to_string()).into_response();
+        }
+    };
+    let answer = json!({"jsonrpc": "2.0", "id": id, "result": result});
+    ([("content-type", "application/json")], answer.to_string()).into_response()
+}
+
+fn send(id: u64, message_id: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "SendMessage",
+           "params": {"message": {"messageId": message_id, "role": "ROLE_USER", "parts": [{"text": "refund 42"}]}}})
+}
+
+/// Posts `body` to `url` as an anonymous caller; answers the JSON body.
+async fn post_json(h: &Harness, url: &str, body: &Value) -> Value {
+    let response = h.http.post(url).json(body).send().await.unwrap();
+    let status = response.status();
+    let answer: Value = response.json().await.unwrap();
+    assert!(status.is_success(), "{url}: {status} {answer}");
+    answer
+}
+
+fn replayed(answer: &Value) -> bool {
+    answer["result"]["task"]["metadata"]["dev.onceguard/replayed"] == json!(true)
+}
+
+/// Anonymous callers in one tenant, duplicates answered at once.
+fn config() -> Config {
+    let mut config = Config::default();
+    config.auth.allow_anonymous = true;
+    config.auth.anonymous_tenant = "anon".into();
+    config.a2a.wait = std::time::Duration::ZERO;
+    config
+}
+
+async fn serve(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_guards_an_agent_in_the_same_process() {
+    let agent = Agent::named("inproc");
+    let mut config = config();
+    // The URL the agent's card names: the gateway never sends there.
+    config.a2a.upstream = "http://agent.internal:9999/rpc".into();
+    let inner = agent.router("/rpc", config.a2a.upstream.clone());
+    let limits = onceguard_a2a::limits(&config);
+    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
+        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
+    })
+    .await;
+
+    let first = post_json(&h, &h.url("/rpc"), &send(1, "m-1")).await;
+    let again = post_json(&h, &h.url("/rpc"), &send(2, "m-1")).await;
+    assert_eq!(agent.executions(), ["m-1"], "a duplicate send ran once");
+    assert_eq!(first["result"]["task"]["id"], "inproc-task-1");
+    assert_eq!(again["result"]["task"]["id"], "inproc-task-1", "the duplicate got the first send's task");
+    assert!(!replayed(&first) && replayed(&again), "{first} {again}");
+    assert_eq!(again["id"], 2, "the replay answers the duplicate's own request id");
+
+    // Another message runs; a key reused for another message is refused, never forwarded.
+    post_json(&h, &h.url("/rpc"), &send(3, "m-2")).await;
+    let mut reused = send(4, "m-2");
+    reused["params"]["message"]["parts"] = json!([{"text": "refund 43"}]);
+    let refused = post_json(&h, &h.url("/rpc"), &reused).await;
+    assert_eq!(refused["error"]["code"], 42201, "{refused}");
+    assert_eq!(agent.executions(), ["m-1", "m-2"]);
+
+    // The card comes from the inner service, naming the gateway where it named the agent.
+    let card: Value = h.http.get(h.url("/.well-known/agent-card.json")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(card["supportedInterfaces"][0]["url"], h.url("/rpc"), "{card}");
+    assert_eq!(card["skills"][0]["id"], "echo", "skills are untouched");
+
+    // What the gateway does not serve is refused, not handed to the inner service.
+    let other = h.http.post(h.url("/admin")).json(&json!({})).send().await.unwrap();
+    assert_eq!(other.status(), 404);
+    assert_eq!(agent.executions().len(), 2);
+
+    // Rounds of 8 racing duplicates: one execution a round, every other answer its task or
+    // "in flight".
+    for round in 0..10 {
+        let message = format!("race-{round}");
+        let racers = (0..8).map(|i| {
+            let (http, url, body) = (h.http.clone(), h.url("/rpc"), send(100 + i, &message));
+            tokio::spawn(async move { http.post(url).json(&body).send().await.unwrap().json::<Value>().await.unwrap() })
+        });
+        for answer in futures::future::join_all(racers).await {
+            let answer = answer.unwrap();
+            let task = answer["result"]["task"]["id"].as_str();
+            assert!(task.is_some() || answer["error"]["code"] == 40901, "round {round}: {answer}");
+        }
+        let ran = agent.executions().iter().filter(|m| **m == message).count();
+        assert_eq!(ran, 1, "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gateway_serves_several_agents_each_under_its_mount_with_keys_of_its_own() {
+    let (billing, search, root) = (Agent::named("billing"), Agent::named("search"), Agent::named("root"));
+    let mut config = config();
+    let billing_url = {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/", listener.local_addr().unwrap());
+        let router = billing.router("/", url.clone());
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        url
+    };
+    let search_base = serve(search.router("/a2a", "http://search.example/a2a".into())).await;
+    let root_base = serve(root.router("/rpc", "http://root.example/rpc".into())).await;
+    config.a2a.upstream = format!("{root_base}/rpc");
+    config.a2a.agents = BTreeMap::from([
+        ("billing".to_owned(), A2aAgentConfig { upstream: billing_url.clone(), rest_upstream: String::new() }),
+        ("search".to_owned(), A2aAgentConfig { upstream: format!("{search_base}/a2a"), rest_upstream: String::new() }),
+    ]);
+    let limits = onceguard_a2a::limits(&config);
+    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_a2a::app).await;
+
+    // The same messageId to each agent: one execution each, never a replay of another agent's.
+    for round in 0..2 {
+        let b = post_json(&h, &h.url("/billing/"), &send(1, "same")).await;
+        let s = post_json(&h, &h.url("/search/a2a"), &send(2, "same")).await;
+        let r = post_json(&h, &h.url("/rpc"), &send(3, "same")).await;
+        assert_eq!(b["result"]["task"]["id"], "billing-task-1");
+        assert_eq!(s["result"]["task"]["id"], "search-task-1");
+        assert_eq!(r["result"]["task"]["id"], "root-task-1");
+        assert_eq!([replayed(&b), replayed(&s), replayed(&r)], [round == 1; 3], "round {round}");
+    }
+    for agent in [&billing, &search, &root] {
+        assert_eq!(agent.executions(), ["same"], "{}", agent.name);
+    }
+    // Each agent's requests are counted under its name.
+    let metrics = h.http.get(h.url("/_onceguard/metrics")).send().await.unwrap().text().await.unwrap();
+    for name in ["billing", "search"] {
+        assert!(metrics.contains(&format!(r#"upstream="{name}""#)), "{name} in {metrics}");
+    }
+
+    // Each card names the gateway under the agent's mount.
+    let card: Value =
+        h.http.get(h.url("/billing/.well-known/agent-card.json")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(card["supportedInterfaces"][0]["url"], h.url("/billing/"), "{card}");
+    assert_eq!(card["name"], "billing");
+
+    // A path under no agent goes to the root's gateway, which refuses what it does not serve.
+    let other = h.http.post(h.url("/payroll/")).json(&send(4, "x")).send().await.unwrap();
+    assert_eq!(other.status(), 404);
+    assert_eq!(h.http.get(h.url("/_onceguard/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(root.executions().len() + billing.executions().len() + search.executions().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_alone_leave_the_root_to_metrics_and_health() {
+    let billing = Agent::named("billing");
+    let base = serve(billing.router("/", "http://billing.example/".into())).await;
+    let mut config = config();
+    config.a2a.agents =
+        BTreeMap::from([("billing".to_owned(), A2aAgentConfig { upstream: format!("{base}/"), ..Default::default() })]);
+    let limits = onceguard_a2a::limits(&config);
+    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), onceguard_a2a::app).await;
+
+    post_json(&h, &h.url("/billing/"), &send(1, "m")).await;
+    assert_eq!(billing.executions(), ["m"]);
+    let root = h.http.post(h.url("/")).json(&send(2, "m")).send().await.unwrap();
+    assert_eq!(root.status(), 404);
+    let problem: Value = root.json().await.unwrap();
+    assert!(problem["detail"].as_str().unwrap().contains("/billing/"), "{problem}");
+    assert_eq!(h.http.get(h.url("/_onceguard/healthz")).send().await.unwrap().status(), 200);
+    let metrics = h.http.get(h.url("/_onceguard/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"upstream="billing""#), "the agent's requests are counted under its name");
+    assert_eq!(billing.executions(), ["m"], "nothing reached the agent from the root");
+}
+
+#[test]
+fn agents_are_checked() {
+    let mut config = Config::default();
+    config.a2a.agents = BTreeMap::from([("billing".to_owned(), A2aAgentConfig::default())]);
+    let error = onceguard_a2a::served(&config).unwrap_err();
+    assert!(error.to_string().contains("billing.upstream"), "{error}");
+
+    config.a2a.agents = BTreeMap::from([(
+        "billing".to_owned(),
+        A2aAgentConfig { upstream: "http://127.0.0.1:1/".into(), rest_upstream: "http://127.0.0.1:2/rest".into() },
+    )]);
+    let error = onceguard_a2a::served(&config).unwrap_err();
+    assert!(error.to_string().contains("same origin"), "{error}");
+
+    // The root's endpoint may not reach into an agent's mount.
+    config.a2a.agents = BTreeMap::from([(
+        "billing".to_owned(),
+        A2aAgentConfig { upstream: "http://127.0.0.1:1/".into(), ..Default::default() },
+    )]);
+    config.a2a.upstream = "http://127.0.0.1:3/billing/rpc".into();
+    let error = onceguard_a2a::served(&config).unwrap_err();
+    assert!(error.to_string().contains("rename the agent"), "{error}");
+    config.a2a.upstream = "http://127.0.0.1:3/rpc".into();
+    let served = onceguard_a2a::served(&config).unwrap();
+    let mounts: Vec<(&str, &str)> = served.iter().map(|o| (o.mount.as_str(), o.upstream_name.as_str())).collect();
+    assert_eq!(mounts, [("", "127.0.0.1-3"), ("/billing", "billing")]);
+
+    for bad in ["_onceguard", ".well-known", "a/b", ""] {
+        config.a2a.agents = BTreeMap::from([(bad.to_owned(), A2aAgentConfig::default())]);
+        assert!(config.a2a.validate().is_err(), "{bad}");
+    }
+}
