@@ -68,6 +68,14 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
                             "artifacts": [{"artifactId": "a", "parts": [{"text": agent.name}]}]}})
         }
         Some("GetTask") => json!({"id": request["params"]["id"], "status": {"state": "TASK_STATE_COMPLETED"}}),
+        // v0.3: the task itself, its kind and states in that version's spelling.
+        Some("message/send") => {
+            let message_id = request["params"]["message"]["messageId"].as_str().unwrap_or_default().to_owned();
+            agent.ran.lock().unwrap().push(message_id);
+            let n = agent.tasks.fetch_add(1, Ordering::SeqCst) + 1;
+            json!({"kind": "task", "id": format!("{}-task-{n}", agent.name), "contextId": "ctx",
+                   "status": {"state": "completed"}})
+        }
         _ => {
             let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "unknown"}});
             return ([("content-type", "application/json")], error.to_string()).into_response();
@@ -166,6 +174,35 @@ async fn the_layer_guards_an_agent_in_the_same_process() {
         let ran = agent.executions().iter().filter(|m| **m == message).count();
         assert_eq!(ran, 1, "round {round}");
     }
+}
+
+/// The v0.3 alias of a send is keyed, stored and replayed as the v1.0 method is, answered in
+/// v0.3's form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_v03_send_alias_runs_once_and_replays_in_its_own_form() {
+    let agent = Agent::named("legacy");
+    let mut config = config();
+    config.a2a.upstream = "http://legacy.internal/".into();
+    let inner = agent.router("/", config.a2a.upstream.clone());
+    let limits = onceguard_a2a::limits(&config);
+    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
+        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
+    })
+    .await;
+    let send = |id: u64, text: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "message/send",
+               "params": {"message": {"kind": "message", "messageId": "old-1", "role": "user",
+                                      "parts": [{"kind": "text", "text": text}]}}})
+    };
+    let first = post_json(&h, &h.url("/"), &send(1, "refund 42")).await;
+    let again = post_json(&h, &h.url("/"), &send(2, "refund 42")).await;
+    assert_eq!(agent.executions(), ["old-1"]);
+    assert_eq!(first["result"]["kind"], "task", "{first}");
+    assert_eq!(again["result"]["id"], "legacy-task-1", "{again}");
+    assert_eq!(again["result"]["metadata"]["dev.onceguard/replayed"], true, "{again}");
+    let other = post_json(&h, &h.url("/"), &send(3, "refund 43")).await;
+    assert_eq!(other["error"]["code"], 42201, "{other}");
+    assert_eq!(agent.executions(), ["old-1"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

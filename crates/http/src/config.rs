@@ -965,7 +965,10 @@ mod tests {
             )?;
             jail.set_env("ONCEGUARD_A2A__AGENTS__SEARCH__UPSTREAM", "http://127.0.0.1:9002/a2a");
             let mut overrides = Overrides::default();
-            overrides.a2a.agents.insert("billing".into(), A2aAgentOverride { upstream: "http://127.0.0.1:9003/".into() });
+            overrides
+                .a2a
+                .agents
+                .insert("billing".into(), A2aAgentOverride { upstream: "http://127.0.0.1:9003/".into() });
             let config = Config::load(Some(Path::new("onceguard.toml")), &overrides).expect("valid");
             let agents: Vec<(&str, &str, &str)> = config
                 .a2a
