@@ -60,18 +60,32 @@ pub async fn handle(State(gateway): State<Arc<Gateway>>, request: Request<Body>)
     };
     let (mut parts, body) = request.into_parts();
     parts.headers.remove(&gateway.options.api_key_header);
-    let json_rpc = parts.method == HttpMethod::POST && onceguard_mcp::call::same_path(&path, &gateway.options.endpoint);
+    let mount = &gateway.options.mount;
+    // A path that could be read two ways (dot segments, an encoded slash, dot or backslash) is
+    // never classified: what is checked must be what is forwarded.
+    let plain = !ambiguous_path(&path);
+    let json_rpc =
+        plain && parts.method == HttpMethod::POST && onceguard_mcp::call::same_path(&path, &gateway.options.endpoint);
     let rest_base = gateway.options.rest.as_ref().map(|r| r.path().to_owned());
-    let route =
-        rest_base.as_deref().filter(|_| !json_rpc).and_then(|base| crate::rest::route(&parts.method, &path, base));
+    let route = rest_base
+        .as_deref()
+        .filter(|_| plain && !json_rpc)
+        .and_then(|base| crate::rest::route(&parts.method, &path, base));
     if !json_rpc && route.is_none() {
-        let rest = rest_base.map(|b| format!(" and its HTTP+JSON binding under {b}")).unwrap_or_default();
+        let rest = rest_base.map(|b| format!(" and its HTTP+JSON binding under {mount}{b}")).unwrap_or_default();
         return ApiError::NotFound(format!(
-            "the gateway serves A2A's JSON-RPC binding at {} (POST){rest} and the agent card; it does not \
-             forward {} {path}",
+            "the gateway serves A2A's JSON-RPC binding at {mount}{} (POST){rest} and the agent card; it does not \
+             forward {} {mount}{path}",
             gateway.options.endpoint, parts.method
         ))
         .into_response();
+    }
+    if json_rpc {
+        // Forwarded to the endpoint as configured, whatever spelling of it the caller used.
+        match gateway.options.endpoint.parse() {
+            Ok(uri) => parts.uri = uri,
+            Err(_) => return ApiError::Internal("the endpoint's path is not a URI".into()).into_response(),
+        }
     }
     let limit = gateway.options.max_request_bytes;
     let Ok(body) = axum::body::to_bytes(body, limit).await else {
@@ -791,6 +805,15 @@ async fn list_tasks(
     Response::from_parts(parts, Body::from(serde_json::to_vec(&message).unwrap_or_default()))
 }
 
+/// Whether a request's path could be read two ways: a `.` or `..` segment, or an encoded `/`,
+/// `.` or `\` (which a server may decode before or after it splits the path).
+fn ambiguous_path(path: &str) -> bool {
+    let lower = path.to_ascii_lowercase();
+    ["%2f", "%2e", "%5c"].iter().any(|encoded| lower.contains(encoded))
+        || path.contains('\\')
+        || path.split('/').any(|segment| segment == "." || segment == "..")
+}
+
 /// The service for [`axum::Router::fallback_service`].
 pub fn service(gateway: Arc<Gateway>) -> axum::Router {
     axum::Router::new().fallback(handle).with_state(gateway)
@@ -822,6 +845,16 @@ pub fn index(state: onceguard_http::AppState, mounts: Vec<String>) -> axum::Rout
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_that_read_two_ways_are_ambiguous() {
+        for path in ["/a/../b", "/./a2a", "/a%2Fb", "/a%2e%2e/b", "/a%5cb", "/a\\b", "/.."] {
+            assert!(ambiguous_path(path), "{path}");
+        }
+        for path in ["/", "/a2a", "/rest/tasks/t-1:cancel", "/a.b/c..d", "/%41"] {
+            assert!(!ambiguous_path(path), "{path}");
+        }
+    }
 
     #[test]
     fn the_forwarded_body_is_the_classified_request() {

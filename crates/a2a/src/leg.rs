@@ -32,6 +32,23 @@ pub(crate) fn record_task(task: &TaskView) {
     }
 }
 
+/// The task that extends a send's lease while the upstream works: stopped when the send is
+/// settled, and when the leg ends in any other way (a panic included), so that a leg that is
+/// gone never holds its key beyond the lease.
+pub(crate) struct Extending(tokio::task::JoinHandle<()>);
+
+impl Extending {
+    pub(crate) fn abort(&self) {
+        self.0.abort();
+    }
+}
+
+impl Drop for Extending {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// One send's trip to the upstream, run in a task of its own: a caller that disconnects never
 /// cancels it, and its answer settles the key.
 pub(crate) struct Leg {
@@ -76,7 +93,8 @@ impl Leg {
 
     async fn run(self, mut request: Request<Body>, reply: oneshot::Sender<Response<Body>>, streaming: bool) {
         let gateway = self.gateway.clone();
-        let extender = tokio::spawn(gateway.guard().clone().keep_alive(self.scope.clone(), self.fence, self.lease));
+        let extender =
+            Extending(tokio::spawn(gateway.guard().clone().keep_alive(self.scope.clone(), self.fence, self.lease)));
         // The answer is read, so it must come as it is: no compression.
         request.headers_mut().remove(ACCEPT_ENCODING);
         request.headers_mut().remove(CONTENT_LENGTH);
@@ -117,12 +135,7 @@ impl Leg {
     }
 
     /// A JSON answer: read whole (up to `a2a.max_result_bytes`), settled, then sent.
-    async fn json(
-        &self,
-        response: Response<Body>,
-        extender: tokio::task::JoinHandle<()>,
-        reply: oneshot::Sender<Response<Body>>,
-    ) {
+    async fn json(&self, response: Response<Body>, extender: Extending, reply: oneshot::Sender<Response<Body>>) {
         let (parts, body) = response.into_parts();
         let limit = self.gateway.options.max_result_bytes + SLACK;
         let mut chunks = body.into_data_stream();
@@ -276,12 +289,7 @@ impl Leg {
 
     /// An event stream: passed on as it comes; its first task delegates the key, a terminal
     /// state (or a `Message`) completes it.
-    async fn stream(
-        &self,
-        response: Response<Body>,
-        extender: tokio::task::JoinHandle<()>,
-        reply: oneshot::Sender<Response<Body>>,
-    ) {
+    async fn stream(&self, response: Response<Body>, extender: Extending, reply: oneshot::Sender<Response<Body>>) {
         let (parts, body) = response.into_parts();
         let (mut out, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
         let _ = reply.send(Response::from_parts(parts, Body::from_stream(rx)));

@@ -113,25 +113,52 @@ pub fn options(config: &Config) -> Result<Options, InvalidInput> {
 /// into another's mount.
 pub fn served(config: &Config) -> Result<Vec<Options>, InvalidInput> {
     let a = &config.a2a;
+    a.validate()?;
     let mut served = Vec::with_capacity(a.agents.len() + 1);
     if !a.upstream.is_empty() || a.agents.is_empty() {
         served.push(options(config)?);
+    } else if !a.rest_upstream.is_empty() || !a.upstream_name.is_empty() {
+        return Err(InvalidInput::new(
+            "a2a.upstream",
+            "a2a.rest_upstream and a2a.upstream_name are the root server's: set a2a.upstream, or move them to an agent",
+        ));
     }
     for (name, agent) in &a.agents {
         served.push(options_for(config, &agent.upstream, &agent.rest_upstream, Some(name), Some(name))?);
     }
-    if let Some(root) = served.first().filter(|o| o.mount.is_empty()) {
+    if let Some(root) = served.first().filter(|o| o.mount.is_empty() && !a.agents.is_empty()) {
         let first_segment = |path: &str| path.trim_start_matches('/').split('/').next().unwrap_or_default().to_owned();
+        if let Some(rest) = &root.rest
+            && first_segment(rest.path()).is_empty()
+        {
+            // Its routes would start with a tenant segment, which an agent's mount could be.
+            return Err(InvalidInput::new(
+                "a2a.rest_upstream",
+                "beside agents, the root server's HTTP+JSON interface needs a path of its own (e.g. /rest)",
+            ));
+        }
         let paths = std::iter::once(root.endpoint.clone()).chain(root.rest.iter().map(|r| r.path().to_owned()));
         for segment in paths.map(|p| first_segment(&p)) {
             if a.agents.contains_key(&segment) {
                 return Err(InvalidInput::new(
                     "a2a.upstream",
-                    format!(
-                        "its paths start with /{segment}/, where the agent '{segment}' is served: rename the agent"
-                    ),
+                    format!("its paths are under /{segment}, where the agent '{segment}' is served: rename the agent"),
                 ));
             }
+        }
+    }
+    // Each server keeps its keys, owner records and metrics under its name: no two may share one.
+    let mut names = std::collections::HashSet::new();
+    for options in &served {
+        if !names.insert(options.upstream_name.as_str()) {
+            return Err(InvalidInput::new(
+                "a2a.agents",
+                format!(
+                    "'{}' names two A2A servers (an agent's name is its namespace, and the root's is a2a.upstream_name \
+                     or its host and port): set another a2a.upstream_name or rename the agent",
+                    options.upstream_name
+                ),
+            ));
         }
     }
     Ok(served)
@@ -234,17 +261,20 @@ pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, Invalid
 /// The gateway as a tower layer around an A2A server's own service in the same process (an
 /// axum `Router` of the SDK's routes, say), like the proxy's [`onceguard_proxy::IdempotencyLayer`]:
 /// every request reaches the gateway first, and what it forwards goes to the inner service with
-/// the path it came with, its response's head awaited at most `a2a.upstream_timeout` (then the
-/// send is in doubt: 504, the key held until its lease passes). `a2a.upstream` is the URL the
-/// server's agent card names for its JSON-RPC endpoint (nothing is sent there; the card is made
-/// to name the gateway where it names that URL), and its path is the endpoint's. An inner
-/// service that failed in transport may say so with a [`TransportFailure`] extension, as the
-/// proxy's does. Make it in a Tokio runtime: the watch of revoking switches runs as a task.
+/// the path it came with. A send's answer must end within `a2a.upstream_timeout`, an event
+/// stream within `a2a.stream_timeout`, its head and its body alike (then the send is in doubt:
+/// 504 or a cut answer, the key held until its lease passes); an inner service that panics is a
+/// send in doubt too (502). `a2a.upstream` is the URL the server's agent card names for its
+/// JSON-RPC endpoint (nothing is sent there; the card is made to name the gateway where it
+/// names that URL), and its path is the endpoint's. An inner service that failed in transport
+/// may say so with a [`TransportFailure`] extension, as the proxy's does. The watch of revoking
+/// switches runs as a task: make the service ([`Layer::layer`]) in a Tokio runtime.
 #[derive(Clone)]
 pub struct A2aLayer {
     state: AppState,
     options: Options,
-    timeout: Duration,
+    upstream_timeout: Duration,
+    stream_timeout: Duration,
     tls: bool,
 }
 
@@ -255,10 +285,23 @@ impl std::fmt::Debug for A2aLayer {
 }
 
 impl A2aLayer {
-    /// The layer of `config`'s `[a2a]` section, on `state` (its guard, auth and metrics).
+    /// The layer of `config`'s `[a2a]` section, on `state` (its guard, auth and metrics). It
+    /// guards the one service it wraps: `a2a.agents` is refused.
     pub fn new(config: &Config, state: AppState) -> Result<Self, InvalidInput> {
-        let options = options(config)?;
-        Ok(Self { state, options, timeout: config.a2a.upstream_timeout, tls: config.tls.cert.is_some() })
+        if !config.a2a.agents.is_empty() {
+            return Err(InvalidInput::new(
+                "a2a.agents",
+                "the layer guards the one service it wraps; agents are served by `onceguard a2a`",
+            ));
+        }
+        config.a2a.validate()?;
+        Ok(Self {
+            state,
+            options: options(config)?,
+            upstream_timeout: config.a2a.upstream_timeout,
+            stream_timeout: config.a2a.stream_timeout,
+            tls: config.tls.cert.is_some(),
+        })
     }
 }
 
@@ -270,24 +313,43 @@ where
     type Service = Router;
 
     fn layer(&self, inner: S) -> Router {
-        let timeout = self.timeout;
-        let forward: Forward = BoxCloneSyncService::new(tower::service_fn(move |request: Request<Body>| {
-            let inner = inner.clone();
-            async move {
-                Ok::<_, Infallible>(match tokio::time::timeout(timeout, inner.oneshot(request)).await {
-                    Ok(Ok(response)) => response,
-                    Ok(Err(never)) => match never {},
-                    Err(_) => {
-                        onceguard_proxy::failure(TransportFailure::TimedOut, &"no answer within a2a.upstream_timeout")
-                    }
-                })
-            }
-        }));
-        let gateway =
-            Arc::new(Gateway::new(self.state.clone(), self.options.clone(), forward.clone(), forward, self.tls));
+        let calls = bounded(inner.clone(), self.upstream_timeout);
+        let streams = bounded(inner, self.stream_timeout);
+        let gateway = Arc::new(Gateway::new(self.state.clone(), self.options.clone(), calls, streams, self.tls));
         onceguard_mcp::revoked::watch(&gateway);
         gateway::service(gateway)
     }
+}
+
+/// `inner` as a [`Forward`] whose answers, head and body, end within `timeout`, and whose panic
+/// is a failure after the request may have been acted on.
+fn bounded<S>(inner: S, timeout: Duration) -> Forward
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
+{
+    BoxCloneSyncService::new(tower::service_fn(move |request: Request<Body>| {
+        let inner = inner.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            let called = std::panic::AssertUnwindSafe(inner.oneshot(request));
+            Ok::<_, Infallible>(
+                match tokio::time::timeout_at(deadline, futures::FutureExt::catch_unwind(called)).await {
+                    Ok(Ok(Ok(response))) => {
+                        let (parts, body) = response.into_parts();
+                        Response::from_parts(parts, onceguard_proxy::ending_by(body, deadline))
+                    }
+                    Ok(Ok(Err(never))) => match never {},
+                    Ok(Err(_)) => {
+                        onceguard_proxy::failure(TransportFailure::MaybeSent, &"the A2A server's service panicked")
+                    }
+                    Err(_) => {
+                        onceguard_proxy::failure(TransportFailure::TimedOut, &"no answer within the upstream timeout")
+                    }
+                },
+            )
+        }
+    }))
 }
 
 /// Serves the gateway on `listener` until `shutdown`, then lets requests in flight finish (at

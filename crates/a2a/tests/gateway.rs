@@ -43,14 +43,26 @@ impl Agent {
             "name": self.name,
             "description": "counts its executions",
             "version": "1",
-            "supportedInterfaces": [{"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}],
+            "supportedInterfaces": [
+                {"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"},
+                {"url": format!("{}/rest", url.trim_end_matches('/')), "protocolBinding": "HTTP+JSON", "protocolVersion": "1.0"},
+            ],
             "capabilities": {"streaming": false},
             "skills": [{"id": "echo", "name": "echo", "description": "answers", "tags": []}],
         });
         Router::new()
             .route(endpoint, post(rpc))
+            .route("/rest/message:send", post(rest_send))
             .route("/.well-known/agent-card.json", get(move || std::future::ready(axum::Json(card.clone()))))
             .with_state(self.clone())
+    }
+
+    /// A `SendMessage` run: its message id noted, its task's id.
+    fn run(&self, request: &Value) -> String {
+        let message_id = request["message"]["messageId"].as_str().unwrap_or_default().to_owned();
+        self.ran.lock().unwrap().push(message_id);
+        let n = self.tasks.fetch_add(1, Ordering::SeqCst) + 1;
+        format!("{}-task-{n}", self.name)
     }
 }
 
@@ -60,21 +72,21 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
     let id = request["id"].clone();
     let result = match request["method"].as_str() {
         Some("SendMessage") => {
-            let message_id = request["params"]["message"]["messageId"].as_str().unwrap_or_default().to_owned();
-            agent.ran.lock().unwrap().push(message_id);
-            let n = agent.tasks.fetch_add(1, Ordering::SeqCst) + 1;
-            json!({"task": {"id": format!("{}-task-{n}", agent.name), "contextId": "ctx",
-                            "status": {"state": "TASK_STATE_COMPLETED"},
+            let message_id = request["params"]["message"]["messageId"].as_str().unwrap_or_default();
+            if message_id == "panic" {
+                panic!("the agent's handler failed");
+            }
+            if message_id.starts_with("slow") {
+                tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+            }
+            let task = agent.run(&request["params"]);
+            json!({"task": {"id": task, "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"},
                             "artifacts": [{"artifactId": "a", "parts": [{"text": agent.name}]}]}})
         }
         Some("GetTask") => json!({"id": request["params"]["id"], "status": {"state": "TASK_STATE_COMPLETED"}}),
         // v0.3: the task itself, its kind and states in that version's spelling.
         Some("message/send") => {
-            let message_id = request["params"]["message"]["messageId"].as_str().unwrap_or_default().to_owned();
-            agent.ran.lock().unwrap().push(message_id);
-            let n = agent.tasks.fetch_add(1, Ordering::SeqCst) + 1;
-            json!({"kind": "task", "id": format!("{}-task-{n}", agent.name), "contextId": "ctx",
-                   "status": {"state": "completed"}})
+            json!({"kind": "task", "id": agent.run(&request["params"]), "contextId": "ctx", "status": {"state": "completed"}})
         }
         _ => {
             let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "unknown"}});
@@ -82,6 +94,14 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
         }
     };
     let answer = json!({"jsonrpc": "2.0", "id": id, "result": result});
+    ([("content-type", "application/json")], answer.to_string()).into_response()
+}
+
+/// The HTTP+JSON binding's `SendMessage`: the request's body is its params, the answer bare.
+async fn rest_send(State(agent): State<Agent>, body: Bytes) -> axum::response::Response {
+    let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let task = agent.run(&request);
+    let answer = json!({"task": {"id": task, "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"}}});
     ([("content-type", "application/json")], answer.to_string()).into_response()
 }
 
@@ -97,6 +117,23 @@ async fn post_json(h: &Harness, url: &str, body: &Value) -> Value {
     let answer: Value = response.json().await.unwrap();
     assert!(status.is_success(), "{url}: {status} {answer}");
     answer
+}
+
+/// POSTs `body` to `path` exactly as written (no client normalising its dot segments); answers
+/// the status.
+async fn raw_post(h: &Harness, path: &str, body: &Value) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = h.base.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    answer.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0)
 }
 
 fn replayed(answer: &Value) -> bool {
@@ -176,6 +213,40 @@ async fn the_layer_guards_an_agent_in_the_same_process() {
     }
 }
 
+/// Through the layer, a send whose answer does not come in time, or whose handler panics, is
+/// in doubt: answered with an error at once (never a hang), its key held until its lease passes
+/// and no longer (nothing keeps extending it), never run again meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_answers_a_late_or_panicking_agent_and_lets_the_lease_pass() {
+    let agent = Agent::named("frail");
+    let mut config = config();
+    config.a2a.upstream = "http://frail.internal/".into();
+    config.a2a.upstream_timeout = std::time::Duration::from_millis(500);
+    config.a2a.lease = std::time::Duration::from_millis(300);
+    let inner = agent.router("/", config.a2a.upstream.clone());
+    let limits = onceguard_a2a::limits(&config);
+    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
+        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
+    })
+    .await;
+
+    for message in ["slow-1", "panic"] {
+        let started = std::time::Instant::now();
+        let answer = post_json(&h, &h.url("/"), &send(1, message)).await;
+        assert!(answer["error"].is_object(), "{message}: {answer}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2), "{message}: answered in time");
+        let again = post_json(&h, &h.url("/"), &send(2, message)).await;
+        assert_eq!(again["error"]["code"], 40901, "{message}: held while its lease lives: {again}");
+        // Long enough for an extender, had one outlived the send, to extend the lease again.
+        tokio::time::sleep(std::time::Duration::from_millis(350)).await;
+        h.clock.advance(std::time::Duration::from_secs(10));
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let later = post_json(&h, &h.url("/"), &send(3, message)).await;
+        assert_ne!(later["error"]["code"], 40901, "{message}: the lease passed: {later}");
+    }
+    assert!(agent.executions().is_empty(), "neither send finished in the agent: {:?}", agent.executions());
+}
+
 /// The v0.3 alias of a send is keyed, stored and replayed as the v1.0 method is, answered in
 /// v0.3's form.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,7 +291,10 @@ async fn one_gateway_serves_several_agents_each_under_its_mount_with_keys_of_its
     let root_base = serve(root.router("/rpc", "http://root.example/rpc".into())).await;
     config.a2a.upstream = format!("{root_base}/rpc");
     config.a2a.agents = BTreeMap::from([
-        ("billing".to_owned(), A2aAgentConfig { upstream: billing_url.clone(), rest_upstream: String::new() }),
+        (
+            "billing".to_owned(),
+            A2aAgentConfig { upstream: billing_url.clone(), rest_upstream: format!("{billing_url}rest") },
+        ),
         ("search".to_owned(), A2aAgentConfig { upstream: format!("{search_base}/a2a"), rest_upstream: String::new() }),
     ]);
     let limits = onceguard_a2a::limits(&config);
@@ -245,17 +319,33 @@ async fn one_gateway_serves_several_agents_each_under_its_mount_with_keys_of_its
         assert!(metrics.contains(&format!(r#"upstream="{name}""#)), "{name} in {metrics}");
     }
 
-    // Each card names the gateway under the agent's mount.
+    // Each card names the gateway under the agent's mount, both bindings.
     let card: Value =
         h.http.get(h.url("/billing/.well-known/agent-card.json")).send().await.unwrap().json().await.unwrap();
     assert_eq!(card["supportedInterfaces"][0]["url"], h.url("/billing/"), "{card}");
+    assert_eq!(card["supportedInterfaces"][1]["url"], h.url("/billing/rest"), "{card}");
     assert_eq!(card["name"], "billing");
+
+    // The HTTP+JSON binding under the mount shares the agent's keys: the same message replays.
+    let rest = h.http.post(h.url("/billing/rest/message:send")).json(&send(5, "same")["params"]).send().await.unwrap();
+    assert_eq!(rest.status(), 200);
+    let rest: Value = rest.json().await.unwrap();
+    assert_eq!(rest["task"]["id"], "billing-task-1", "{rest}");
+    assert_eq!(rest["task"]["metadata"]["dev.onceguard/replayed"], true, "{rest}");
+
+    // A path that reads two ways is refused, never forwarded, under a mount too.
+    for path in ["/billing/..", "/search/x/..%2Fa2a", "/search/%2e%2e/a2a", "/billing/./", "/search/x/../a2a"] {
+        assert_eq!(raw_post(&h, path, &send(6, "dots")).await, 404, "{path}");
+    }
+    assert_eq!(raw_post(&h, "/search/a2a", &send(7, "plain")).await, 200, "the same request, plainly written");
 
     // A path under no agent goes to the root's gateway, which refuses what it does not serve.
     let other = h.http.post(h.url("/payroll/")).json(&send(4, "x")).send().await.unwrap();
     assert_eq!(other.status(), 404);
     assert_eq!(h.http.get(h.url("/_onceguard/healthz")).send().await.unwrap().status(), 200);
-    assert_eq!(root.executions().len() + billing.executions().len() + search.executions().len(), 3);
+    assert_eq!(root.executions().len() + billing.executions().len(), 2);
+    assert!(!billing.executions().contains(&"dots".to_owned()) && !search.executions().contains(&"dots".to_owned()));
+    assert_eq!(search.executions(), ["same", "plain"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,8 +397,34 @@ fn agents_are_checked() {
     let mounts: Vec<(&str, &str)> = served.iter().map(|o| (o.mount.as_str(), o.upstream_name.as_str())).collect();
     assert_eq!(mounts, [("", "127.0.0.1-3"), ("/billing", "billing")]);
 
-    for bad in ["_onceguard", ".well-known", "a/b", ""] {
+    for bad in ["_onceguard", ".well-known", "a/b", "", "a b"] {
         config.a2a.agents = BTreeMap::from([(bad.to_owned(), A2aAgentConfig::default())]);
         assert!(config.a2a.validate().is_err(), "{bad}");
+        assert!(onceguard_a2a::served(&config).is_err(), "{bad}: served() checks names itself");
     }
+    config.a2a.agents = BTreeMap::from([("billing-v2.eu_1".to_owned(), A2aAgentConfig::default())]);
+    assert!(config.a2a.validate().is_ok(), "a valid name");
+
+    // No two servers share a name: the root's (set, or its host and port) and an agent's.
+    let agent = |url: &str| A2aAgentConfig { upstream: url.into(), ..Default::default() };
+    config.a2a.agents = BTreeMap::from([("billing".to_owned(), agent("http://127.0.0.1:1/"))]);
+    config.a2a.upstream = "http://billing/rpc".into();
+    let error = onceguard_a2a::served(&config).unwrap_err();
+    assert!(error.to_string().contains("names two A2A servers"), "{error}");
+    config.a2a.upstream = "http://127.0.0.1:3/rpc".into();
+    config.a2a.upstream_name = "billing".into();
+    assert!(onceguard_a2a::served(&config).is_err(), "an upstream_name taken by an agent");
+    config.a2a.upstream_name = String::new();
+
+    // Beside agents, the root's HTTP+JSON interface has a path of its own.
+    config.a2a.rest_upstream = "http://127.0.0.1:3/".into();
+    let error = onceguard_a2a::served(&config).unwrap_err();
+    assert!(error.to_string().contains("path of its own"), "{error}");
+    config.a2a.rest_upstream = "http://127.0.0.1:3/rest".into();
+    assert!(onceguard_a2a::served(&config).is_ok());
+
+    // The root's settings without a root are not ignored.
+    config.a2a.upstream = String::new();
+    let error = onceguard_a2a::served(&config).unwrap_err();
+    assert!(error.to_string().contains("root server's"), "{error}");
 }

@@ -330,6 +330,11 @@ async fn main() -> Result<()> {
             };
         }
         Command::A2a { listen, upstream, rest_upstream, upstream_name, agents, lease, retention, wait } => {
+            if let Some((name, _)) =
+                agents.iter().enumerate().find_map(|(i, a)| agents[..i].iter().find(|b| b.0 == a.0))
+            {
+                bail!("a2a: --agent {name} is given twice");
+            }
             overrides.a2a = A2aOverrides {
                 listen: *listen,
                 upstream: upstream.clone(),

@@ -968,7 +968,7 @@ mod tests {
             overrides
                 .a2a
                 .agents
-                .insert("billing".into(), A2aAgentOverride { upstream: "http://127.0.0.1:9003/".into() });
+                .insert("billing".into(), A2aAgentOverride { upstream: "http://127.0.0.1:9001/v2".into() });
             let config = Config::load(Some(Path::new("onceguard.toml")), &overrides).expect("valid");
             let agents: Vec<(&str, &str, &str)> = config
                 .a2a
@@ -980,7 +980,7 @@ mod tests {
                 agents,
                 [
                     // The flag's URL over the file's; the file's HTTP+JSON interface kept.
-                    ("billing", "http://127.0.0.1:9003/", "http://127.0.0.1:9001/rest"),
+                    ("billing", "http://127.0.0.1:9001/v2", "http://127.0.0.1:9001/rest"),
                     ("search", "http://127.0.0.1:9002/a2a", ""),
                 ]
             );

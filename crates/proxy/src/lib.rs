@@ -152,22 +152,7 @@ impl Upstream {
                 parts.extensions = axum::http::Extensions::new();
                 // The response's body ends by the same deadline as its head: a body still
                 // arriving then ends in an error (the caller's answer is cut, the key held).
-                let frames = http_body_util::BodyExt::into_data_stream(body).map_err(std::io::Error::other);
-                let timed = futures::stream::unfold(Some(frames), move |frames| async move {
-                    let mut frames = frames?;
-                    match tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut frames)).await {
-                        Ok(Some(frame)) => Some((frame, Some(frames))),
-                        Ok(None) => None,
-                        Err(_) => Some((
-                            Err(std::io::Error::new(
-                                std::io::ErrorKind::TimedOut,
-                                "the upstream's body did not end within the upstream timeout",
-                            )),
-                            None,
-                        )),
-                    }
-                });
-                Response::from_parts(parts, Body::from_stream(timed))
+                Response::from_parts(parts, ending_by(body, deadline))
             }
             Ok(Err(e)) if e.is_connect() => failure(TransportFailure::NotSent, &e),
             Ok(Err(e)) => failure(TransportFailure::MaybeSent, &e),
@@ -200,6 +185,30 @@ fn end_to_end(headers: &HeaderMap, also_drop: &[HeaderName]) -> HeaderMap {
         }
     }
     out
+}
+
+/// `body`, ended by `deadline`: a body still arriving then ends in an error.
+pub fn ending_by<B>(body: B, deadline: tokio::time::Instant) -> Body
+where
+    B: axum::body::HttpBody<Data = bytes::Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let frames = http_body_util::BodyExt::into_data_stream(body).map_err(|e| std::io::Error::other(e.into()));
+    let timed = futures::stream::unfold(Some(frames), move |frames| async move {
+        let mut frames = frames?;
+        match tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut frames)).await {
+            Ok(Some(frame)) => Some((frame, Some(frames))),
+            Ok(None) => None,
+            Err(_) => Some((
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the upstream's body did not end within the upstream timeout",
+                )),
+                None,
+            )),
+        }
+    });
+    Body::from_stream(timed)
 }
 
 /// The answer of a failed upstream call: a 502 (504 when it timed out) problem carrying `kind` as
