@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, Request, Response};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use onceguard_core::{Guard, Namespace, TenantId};
 use onceguard_http::AppState;
 use onceguard_http::problem::ApiError;
@@ -26,6 +26,29 @@ pub fn forward_to(upstream: Upstream) -> Forward {
         let upstream = upstream.clone();
         async move { Ok::<_, Infallible>(upstream.forward(request).await) }
     }))
+}
+
+/// `request` carrying the current span as its trace context (`traceparent`, `tracestate`), so
+/// that the upstream's span is the gateway's child; when nothing is traced, its headers as the
+/// caller sent them.
+fn traced(mut request: Request<Body>) -> Request<Body> {
+    use opentelemetry::trace::TraceContextExt;
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return request;
+    }
+    let context = tracing_opentelemetry::OpenTelemetrySpanExt::context(&span);
+    if !context.span().span_context().is_valid() {
+        return request;
+    }
+    let mut carrier = std::collections::HashMap::new();
+    opentelemetry::global::get_text_map_propagator(|propagator| propagator.inject_context(&context, &mut carrier));
+    for (name, value) in carrier {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(&value)) {
+            request.headers_mut().insert(name, value);
+        }
+    }
+    request
 }
 
 /// Everything the handler shares.
@@ -58,7 +81,7 @@ impl Gateway {
 
     /// Forwards a request that is answered at once (a send, a task method, the card).
     pub(crate) async fn call(&self, request: Request<Body>) -> Response<Body> {
-        match self.calls.clone().oneshot(request).await {
+        match self.calls.clone().oneshot(traced(request)).await {
             Ok(response) => response,
             Err(never) => match never {},
         }
@@ -66,7 +89,7 @@ impl Gateway {
 
     /// Forwards a request answered by an event stream, or one that may be.
     pub(crate) async fn stream(&self, request: Request<Body>) -> Response<Body> {
-        match self.streams.clone().oneshot(request).await {
+        match self.streams.clone().oneshot(traced(request)).await {
             Ok(response) => response,
             Err(never) => match never {},
         }

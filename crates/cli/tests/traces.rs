@@ -288,9 +288,17 @@ async fn mcp_tool_calls_are_execute_tool_spans_without_keys() {
     upstream.abort();
 }
 
-/// A tiny A2A agent: `SendMessage` answers a completed task.
-async fn a2a_upstream(body: Bytes) -> axum::response::Response {
+/// A tiny A2A agent: `SendMessage` answers a completed task; the `traceparent` it was sent is
+/// kept.
+async fn a2a_upstream(
+    State(seen): State<Arc<Mutex<Vec<String>>>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
     use axum::response::IntoResponse;
+    if let Some(parent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        seen.lock().unwrap().push(parent.to_owned());
+    }
     let message: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let task = json!({"id": "task-7", "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"}});
     let answer = json!({"jsonrpc": "2.0", "id": message["id"], "result": {"task": task}});
@@ -310,9 +318,9 @@ async fn a2a_sends_are_spans_with_a2a_attributes_and_replays_named_apart() {
     let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
     let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let agent = format!("billing=http://{}/", upstream.local_addr().unwrap());
-    let upstream = tokio::spawn(async move {
-        axum::serve(upstream, axum::Router::new().route("/", post(a2a_upstream))).await.unwrap()
-    });
+    let upstream_saw: Arc<Mutex<Vec<String>>> = Arc::default();
+    let agent_app = axum::Router::new().route("/", post(a2a_upstream)).with_state(upstream_saw.clone());
+    let upstream = tokio::spawn(async move { axum::serve(upstream, agent_app).await.unwrap() });
 
     let dir = tempfile::tempdir().unwrap();
     let env = [
@@ -358,6 +366,11 @@ async fn a2a_sends_are_spans_with_a2a_attributes_and_replays_named_apart() {
         }
     }
     assert_eq!(attr(&executed.attributes, "a2a.task.state").as_deref(), Some("completed"));
+    assert_eq!(attr(&replayed.attributes, "a2a.task.state").as_deref(), Some("completed"));
+    // The agent was sent the gateway's span as its parent, in the caller's trace (once: the
+    // duplicate was replayed).
+    let sent = upstream_saw.lock().unwrap().clone();
+    assert_eq!(sent, [format!("00-{trace}-{}-01", hex(&executed.span_id))], "the agent's parent is the gateway's span");
     let everything = format!("{:?}", received.lock().unwrap());
     assert!(!everything.contains(key), "the idempotency key is in no span");
     drop(gateway);
