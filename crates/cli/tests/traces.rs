@@ -52,6 +52,24 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// An OTLP/HTTP receiver on a port of its own: what it received, its endpoint, its task.
+async fn collector() -> (Received, String, tokio::task::JoinHandle<()>) {
+    let received: Received = Arc::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
+    (received, endpoint, tokio::spawn(async move { axum::serve(listener, app).await.unwrap() }))
+}
+
+/// A gateway's environment: spans exported to `endpoint` at once, anonymous callers.
+fn gateway_env(endpoint: &str) -> [(&'static str, &str); 3] {
+    [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("ONCEGUARD_AUTH__ALLOW_ANONYMOUS", "true"),
+    ]
+}
+
 /// Waits until a span named `name` in trace `trace` (hex) has arrived; answers it.
 async fn span(received: &Received, trace: &str, name: &str) -> (String, Span) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -80,11 +98,7 @@ async fn spans_arrive_over_otlp_whatever_the_log_level() {
 /// Sends a claim and a completion to a server exporting traces, with `log` as `ONCEGUARD_LOG`
 /// (or none), and checks the spans that arrive and the logs it wrote.
 async fn spans_arrive(log: Option<&str>) {
-    let received: Received = Arc::default();
-    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", collector.local_addr().unwrap());
-    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
-    let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
+    let (received, endpoint, collector) = collector().await;
 
     let dir = tempfile::tempdir().unwrap();
     let mut env = vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
@@ -190,13 +204,17 @@ async fn spans_arrive(log: Option<&str>) {
     collector.abort();
 }
 
+/// The JSON-RPC answer to the request in `body`: `result`, under the request's id.
+fn json_rpc_result(body: &Bytes, result: serde_json::Value) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let message: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let answer = json!({"jsonrpc": "2.0", "id": message["id"], "result": result});
+    ([("content-type", "application/json")], answer.to_string()).into_response()
+}
+
 /// A tiny MCP server: `tools/call` of any tool answers a text result.
 async fn mcp_upstream(body: Bytes) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    let message: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let answer =
-        json!({"jsonrpc": "2.0", "id": message["id"], "result": {"content": [{"type": "text", "text": "sent"}]}});
-    ([("content-type", "application/json")], answer.to_string()).into_response()
+    json_rpc_result(&body, json!({"content": [{"type": "text", "text": "sent"}]}))
 }
 
 /// The MCP gateway's spans follow the OpenTelemetry conventions for MCP and tool execution,
@@ -204,11 +222,7 @@ async fn mcp_upstream(body: Bytes) -> axum::response::Response {
 /// (`onceguard.outcome`: a replay is never an execution), and carry no idempotency key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_tool_calls_are_execute_tool_spans_without_keys() {
-    let received: Received = Arc::default();
-    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", collector.local_addr().unwrap());
-    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
-    let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
+    let (received, endpoint, collector) = collector().await;
     let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_url = format!("http://{}/mcp", upstream.local_addr().unwrap());
     let upstream = tokio::spawn(async move {
@@ -216,11 +230,7 @@ async fn mcp_tool_calls_are_execute_tool_spans_without_keys() {
     });
 
     let dir = tempfile::tempdir().unwrap();
-    let env = [
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
-        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ("ONCEGUARD_AUTH__ALLOW_ANONYMOUS", "true"),
-    ];
+    let env = gateway_env(&endpoint);
     let args = ["mcp", "--listen", "127.0.0.1:0", "--upstream", &upstream_url, "--store", "memory://"];
     let gateway = common::spawn(dir.path(), &args, &env);
     let client = reqwest::Client::new();
@@ -295,14 +305,11 @@ async fn a2a_upstream(
     headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse;
     if let Some(parent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
         seen.lock().unwrap().push(parent.to_owned());
     }
-    let message: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let task = json!({"id": "task-7", "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"}});
-    let answer = json!({"jsonrpc": "2.0", "id": message["id"], "result": {"task": task}});
-    ([("content-type", "application/json")], answer.to_string()).into_response()
+    json_rpc_result(&body, json!({ "task": task }))
 }
 
 /// The A2A gateway's spans follow A2A's conventions (`a2a.method.name`, `a2a.message.id`,
@@ -311,11 +318,7 @@ async fn a2a_upstream(
 /// agent served under its mount (`--agent NAME=URL`) is traced the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a2a_sends_are_spans_with_a2a_attributes_and_replays_named_apart() {
-    let received: Received = Arc::default();
-    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", collector.local_addr().unwrap());
-    let app = axum::Router::new().route("/v1/traces", post(receive)).with_state(received.clone());
-    let collector = tokio::spawn(async move { axum::serve(collector, app).await.unwrap() });
+    let (received, endpoint, collector) = collector().await;
     let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let agent = format!("billing=http://{}/", upstream.local_addr().unwrap());
     let upstream_saw: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -323,11 +326,7 @@ async fn a2a_sends_are_spans_with_a2a_attributes_and_replays_named_apart() {
     let upstream = tokio::spawn(async move { axum::serve(upstream, agent_app).await.unwrap() });
 
     let dir = tempfile::tempdir().unwrap();
-    let env = [
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
-        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ("ONCEGUARD_AUTH__ALLOW_ANONYMOUS", "true"),
-    ];
+    let env = gateway_env(&endpoint);
     let args = ["a2a", "--listen", "127.0.0.1:0", "--agent", &agent, "--store", "memory://"];
     let gateway = common::spawn(dir.path(), &args, &env);
     let client = reqwest::Client::new();
