@@ -63,6 +63,35 @@ async def test_a_closed_async_client_refuses_to_send(server: Server) -> None:
         await c.ready()
 
 
+def test_the_environment_s_proxy_is_used_unless_no_proxy_exempts_the_host(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server answers a request in absolute form as a forward proxy would pass it on: a client
+    # of a host that does not resolve reaches it only through the proxy.
+    unresolvable = "http://onceguard.invalid:9"
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    with onceguard.Client(unresolvable, server.admin_key, retry=onceguard.NO_RETRY) as c:
+        assert c.ready(), "through the proxy"
+    monkeypatch.setenv("NO_PROXY", "onceguard.invalid")
+    with onceguard.Client(unresolvable, server.admin_key, retry=onceguard.NO_RETRY) as c:
+        assert not c.ready(), "exempt: sent directly, to a host that does not resolve"
+
+
+async def test_the_async_client_uses_the_environment_s_proxy(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    unresolvable = "http://onceguard.invalid:9"
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    async with onceguard.AsyncClient(unresolvable, server.admin_key, retry=onceguard.NO_RETRY) as c:
+        assert await c.ready(), "through the proxy"
+    monkeypatch.setenv("NO_PROXY", "onceguard.invalid")
+    async with onceguard.AsyncClient(unresolvable, server.admin_key, retry=onceguard.NO_RETRY) as c:
+        assert not await c.ready()
+
+
 @pytest.fixture
 def sqlite_server(binary: Path, tmp_path: Path) -> Iterator[Server]:
     """A server of this test's own, on SQLite, so that its records survive a restart."""

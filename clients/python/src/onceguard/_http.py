@@ -11,7 +11,8 @@ import os
 import random
 from dataclasses import dataclass
 from typing import Any, Mapping
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
+from urllib.request import getproxies, proxy_bypass
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 USER_AGENT = "onceguard-python/0.1.0"
@@ -54,6 +55,16 @@ class NotSent(Exception):
 class MaybeSent(Exception):
     """The request may have reached the server (read timeout, dropped connection): safe to send
     again only if the call is idempotent. A transport raises it from the HTTP library's error."""
+
+
+def proxy_for(base_url: str) -> str | None:
+    """The proxy the environment names for the server's scheme (``HTTP_PROXY``, ``HTTPS_PROXY``),
+    unless ``NO_PROXY`` exempts its host: read once, when the client is made."""
+    parts = urlsplit(base_url)
+    proxy = getproxies().get(parts.scheme)
+    if not proxy or proxy_bypass(parts.hostname or ""):
+        return None
+    return proxy
 
 
 def target(path: str, params: Mapping[str, str] | None) -> str:

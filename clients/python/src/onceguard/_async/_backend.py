@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import aiohttp
 import yarl
 
-from .._http import MaybeSent, NotSent, Response, Timeout, target
+from .._http import MaybeSent, NotSent, Response, Timeout, proxy_for, target
 
 #: A function run under a guard: here a coroutine function, called and awaited.
 Job = Callable[[], Awaitable[Any]]
@@ -24,7 +24,8 @@ Job = Callable[[], Awaitable[Any]]
 class Transport:
     """Sends requests to one server over an aiohttp session's pool of keep-alive connections,
     without redirects: the client retries. The session is made on the first request, in the
-    running event loop."""
+    running event loop. Through the proxy the environment names for the server, if any
+    (:func:`proxy_for`: read once, not per request as aiohttp's ``trust_env`` would)."""
 
     def __init__(
         self, base_url: str, headers: Mapping[str, str], *, max_connections: int, verify: bool | str
@@ -37,6 +38,7 @@ class Transport:
             self._ssl = False
         elif isinstance(verify, str):
             self._ssl = ssl.create_default_context(cafile=verify)
+        self._proxy = proxy_for(base_url)
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
 
@@ -60,7 +62,7 @@ class Transport:
         limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout.connect, sock_read=timeout.read)
         try:
             async with self._open().request(
-                method, url, data=body, headers=headers, timeout=limits, allow_redirects=False
+                method, url, data=body, headers=headers, timeout=limits, allow_redirects=False, proxy=self._proxy
             ) as answer:
                 return Response(answer.status, answer.headers, await answer.read())
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # refused, unreachable

@@ -22,16 +22,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import urllib3
-from urllib3.exceptions import ClosedPoolError, ConnectTimeoutError, HTTPError, NewConnectionError
+from urllib3.exceptions import ConnectTimeoutError, HTTPError, NewConnectionError
 
-from .._http import MaybeSent, NotSent, Response, Timeout, target
+from .._http import MaybeSent, NotSent, Response, Timeout, proxy_for, target
 
 log = logging.getLogger("onceguard")
 
 
 class Transport:
     """Sends requests to one server over urllib3's pool of keep-alive connections (safe to
-    share between threads), without urllib3's own retries or redirects: the client retries."""
+    share between threads), without urllib3's own retries or redirects: the client retries.
+    Through the proxy the environment names for the server, if any (:func:`proxy_for`)."""
 
     def __init__(
         self, base_url: str, headers: Mapping[str, str], *, max_connections: int, verify: bool | str
@@ -44,20 +45,31 @@ class Transport:
             tls = {"cert_reqs": "CERT_REQUIRED" if verify else "CERT_NONE"}
             if isinstance(verify, str):
                 tls["ca_certs"] = verify
-        # Without a path: the pool is the origin's; each request names its path.
+        self._closed = False
         origin = f"{url.scheme}://{url.netloc}"
-        self._pool = urllib3.connection_from_url(origin, maxsize=max_connections, block=False, **tls)
+        proxy = proxy_for(base_url)
+        self._pool: urllib3.HTTPConnectionPool | urllib3.ProxyManager
+        if proxy is None:
+            # Without a path: the pool is the origin's; each request names its path.
+            self._pool = urllib3.connection_from_url(origin, maxsize=max_connections, block=False, **tls)
+            self._origin = ""
+        else:
+            # Through the environment's proxy, each request names the whole URL.
+            self._pool = urllib3.ProxyManager(proxy, num_pools=1, maxsize=max_connections, block=False, **tls)
+            self._origin = origin
 
     def send(
         self, method: str, path: str, params: Mapping[str, str] | None, body: bytes | None,
         headers: Mapping[str, str] | None, timeout: Timeout,
     ) -> Response:
         """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from urllib3's error."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
         sent = {**self._headers, **headers} if headers else self._headers
         try:
             answer = self._pool.urlopen(
                 method,
-                self._prefix + target(path, params),
+                self._origin + self._prefix + target(path, params),
                 body=body,
                 headers=sent,
                 retries=False,
@@ -65,8 +77,6 @@ class Transport:
                 assert_same_host=False,
                 timeout=urllib3.Timeout(connect=timeout.connect, read=timeout.read),
             )
-        except ClosedPoolError as e:
-            raise RuntimeError("the client is closed") from e
         except (NewConnectionError, ConnectTimeoutError) as e:  # a refused or unreachable server
             raise NotSent(str(e)) from e
         except HTTPError as e:  # a read timeout, a dropped connection, a broken answer
@@ -74,8 +84,12 @@ class Transport:
         return Response(answer.status, answer.headers, answer.data)
 
     def close(self) -> None:
-        """Close every connection of the pool."""
-        self._pool.close()
+        """Close every connection of the pool; the transport sends nothing more."""
+        self._closed = True
+        if isinstance(self._pool, urllib3.ProxyManager):
+            self._pool.clear()
+        else:
+            self._pool.close()
 
 #: A function run under a guard: here a plain function, called.
 Job = Callable[[], Any]
