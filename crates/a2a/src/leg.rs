@@ -10,7 +10,7 @@ use axum::http::header::{ACCEPT_ENCODING, CONTENT_LENGTH};
 use axum::http::{HeaderMap, Request, Response};
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
-use onceguard_core::{Fence, Mutation, Outcome, OutcomeKind, Scope, TenantId};
+use onceguard_core::{Fence, KeptAlive, Mutation, Outcome, OutcomeKind, Scope, TenantId};
 use onceguard_http::problem::ApiError;
 use onceguard_mcp::sse::SseReader;
 use onceguard_proxy::TransportFailure;
@@ -29,23 +29,6 @@ pub(crate) fn record_task(task: &TaskView) {
     span.record("a2a.task.id", task.id.as_str());
     if let Some(state) = &task.state {
         span.record("a2a.task.state", state.as_str());
-    }
-}
-
-/// The task that extends a send's lease while the upstream works: stopped when the send is
-/// settled, and when the leg ends in any other way (a panic included), so that a leg that is
-/// gone never holds its key beyond the lease.
-pub(crate) struct Extending(tokio::task::JoinHandle<()>);
-
-impl Extending {
-    pub(crate) fn abort(&self) {
-        self.0.abort();
-    }
-}
-
-impl Drop for Extending {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
@@ -93,8 +76,7 @@ impl Leg {
 
     async fn run(self, mut request: Request<Body>, reply: oneshot::Sender<Response<Body>>, streaming: bool) {
         let gateway = self.gateway.clone();
-        let extender =
-            Extending(tokio::spawn(gateway.guard().clone().keep_alive(self.scope.clone(), self.fence, self.lease)));
+        let extender = gateway.guard().keep_alive_while(self.scope.clone(), self.fence, self.lease);
         // The answer is read, so it must come as it is: no compression.
         request.headers_mut().remove(ACCEPT_ENCODING);
         request.headers_mut().remove(CONTENT_LENGTH);
@@ -135,7 +117,7 @@ impl Leg {
     }
 
     /// A JSON answer: read whole (up to `a2a.max_result_bytes`), settled, then sent.
-    async fn json(&self, response: Response<Body>, extender: Extending, reply: oneshot::Sender<Response<Body>>) {
+    async fn json(&self, response: Response<Body>, extender: KeptAlive, reply: oneshot::Sender<Response<Body>>) {
         let (parts, body) = response.into_parts();
         let limit = self.gateway.options.max_result_bytes + SLACK;
         let mut chunks = body.into_data_stream();
@@ -289,7 +271,7 @@ impl Leg {
 
     /// An event stream: passed on as it comes; its first task delegates the key, a terminal
     /// state (or a `Message`) completes it.
-    async fn stream(&self, response: Response<Body>, extender: Extending, reply: oneshot::Sender<Response<Body>>) {
+    async fn stream(&self, response: Response<Body>, extender: KeptAlive, reply: oneshot::Sender<Response<Body>>) {
         let (parts, body) = response.into_parts();
         let (mut out, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
         let _ = reply.send(Response::from_parts(parts, Body::from_stream(rx)));

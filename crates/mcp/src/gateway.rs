@@ -28,7 +28,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use axum::response::IntoResponse;
 use futures::channel::{mpsc, oneshot};
 use futures::{SinkExt, StreamExt};
-use onceguard_core::{Claim, ClaimOutcome, Denial, Fence, FencedOutcome, RecordState, Scope};
+use onceguard_core::{Claim, ClaimOutcome, Denial, Fence, FencedOutcome, KeptAlive, RecordState, Scope};
 use onceguard_http::config::McpNoKey;
 use onceguard_http::problem::ApiError;
 use onceguard_proxy::TransportFailure;
@@ -480,7 +480,7 @@ impl Leg {
     async fn run(self, mut request: Request<Body>, reply: Reply) {
         let gateway = self.gateway.clone();
         let lease = self.lease;
-        let extender = tokio::spawn(gateway.guard().clone().keep_alive(self.scope.clone(), self.fence, lease));
+        let extender = gateway.guard().keep_alive_while(self.scope.clone(), self.fence, lease);
         // The answer is read, so it must come as it is: no compression.
         request.headers_mut().remove(ACCEPT_ENCODING);
         let response = gateway.calls.forward(request).await;
@@ -526,7 +526,7 @@ impl Leg {
     /// An SSE answer: every event goes to the caller as it arrives, except the response, which
     /// goes once the key is settled (so that a caller who has the result and retries finds it
     /// stored).
-    async fn stream(&self, body: Body, extender: tokio::task::JoinHandle<()>, out: &mut BodySender) {
+    async fn stream(&self, body: Body, extender: KeptAlive, out: &mut BodySender) {
         let max_event = self.gateway.options.max_result_bytes + EVENT_SLACK;
         let mut reader = SseReader::new(max_event);
         let mut chunks = body.into_data_stream();
@@ -603,7 +603,7 @@ impl Leg {
     }
 
     /// A JSON answer: read whole (up to `mcp.max_result_bytes`), settled, then sent.
-    async fn json(&self, parts: Parts, body: Body, extender: tokio::task::JoinHandle<()>, reply: Reply) {
+    async fn json(&self, parts: Parts, body: Body, extender: KeptAlive, reply: Reply) {
         let limit = self.gateway.options.max_result_bytes + EVENT_SLACK;
         let mut chunks = body.into_data_stream();
         let mut bytes = Vec::new();

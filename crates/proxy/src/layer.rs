@@ -15,8 +15,8 @@ use bytes::{Bytes, BytesMut};
 use futures::{SinkExt, StreamExt};
 use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
-    Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, Mutation,
-    Namespace, Outcome, OutcomeKind, Scope, TenantId,
+    Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, KeptAlive, Key,
+    Mutation, Namespace, Outcome, OutcomeKind, Scope, TenantId,
 };
 use onceguard_http::Metrics;
 use onceguard_http::problem::ApiError;
@@ -295,7 +295,7 @@ impl Held {
     {
         let guard = &self.shared.guard;
         let options = &self.shared.options;
-        let extender = tokio::spawn(guard.clone().keep_alive(self.scope.clone(), self.fence, options.lease));
+        let extender = guard.keep_alive_while(self.scope.clone(), self.fence, options.lease);
         let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
         let failure = response.extensions().get::<TransportFailure>().copied();
         let (parts, body) = response.into_parts();
@@ -375,7 +375,7 @@ impl Held {
         parts: axum::http::response::Parts,
         head: Bytes,
         mut rest: BodyStream,
-        extender: tokio::task::JoinHandle<()>,
+        extender: KeptAlive,
     ) -> Response<Body> {
         let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let (status, headers) = (parts.status, parts.headers.clone());
@@ -481,6 +481,45 @@ mod tests {
             map.append(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_bytes(value).unwrap());
         }
         map
+    }
+
+    /// A service that panics while it holds a key leaves the key held until its lease passes,
+    /// and no longer: nothing keeps extending the lease of work that is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_service_holds_its_key_no_longer_than_its_lease() {
+        use onceguard_core::{Clock, ManualClock, MemoryStore, Timestamp};
+        let clock = Arc::new(ManualClock::new(Timestamp::now()));
+        let guard = Guard::new(Arc::new(MemoryStore::new()), clock.clone(), onceguard_core::Limits::default());
+        let options = IdempotencyOptions {
+            lease: Duration::from_millis(300),
+            ..IdempotencyOptions::new(TenantId::parse("t").unwrap())
+        };
+        let service = IdempotencyLayer::new(guard, options).layer(tower::service_fn(|_: Request<Body>| async {
+            if true {
+                panic!("the service failed");
+            }
+            Ok::<_, Infallible>(Response::new(Body::empty()))
+        }));
+        let post = || {
+            Request::post("/charge")
+                .header("idempotency-key", "k-1")
+                .header("authorization", "Bearer caller")
+                .body(Body::from("{}"))
+                .unwrap()
+        };
+        let first = service.clone().oneshot(post()).await.unwrap();
+        assert_eq!(first.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            service.clone().oneshot(post()).await.unwrap().status(),
+            StatusCode::CONFLICT,
+            "held while its lease lives"
+        );
+        // Long enough for an extender that outlived the work to extend the lease again.
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        clock.advance(Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let later = service.clone().oneshot(post()).await.unwrap();
+        assert_ne!(later.status(), StatusCode::CONFLICT, "the lease passed at {:?}", clock.now());
     }
 
     #[test]

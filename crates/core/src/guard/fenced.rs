@@ -47,10 +47,17 @@ impl Guard {
         Ok(answers)
     }
 
+    /// Keeps a lease alive beside the holder's work, in a task of its own ([`Self::keep_alive`]),
+    /// until the answer is dropped or [`KeptAlive::abort`]ed: a holder whose work ends in any
+    /// way (a panic, a cancelled task included) never holds its key beyond the lease. The proxy
+    /// and the gateways run one beside every upstream call. Call it in a Tokio runtime.
+    pub fn keep_alive_while(&self, scope: Scope, fence: Fence, lease: Duration) -> KeptAlive {
+        KeptAlive(tokio::spawn(self.clone().keep_alive(scope, fence, lease)))
+    }
+
     /// Keeps a lease alive for a holder that works longer than it: extends it (by `lease`) every
-    /// third of `lease`, until the future is dropped (abort its task when the work is done) or
-    /// the fence is no longer the holder's. A store that does not answer is tried again at the
-    /// next third. The proxy and the MCP gateway run it beside every upstream call.
+    /// third of `lease`, until the future is dropped or the fence is no longer the holder's. A
+    /// store that does not answer is tried again at the next third.
     pub async fn keep_alive(self, scope: Scope, fence: Fence, lease: Duration) {
         loop {
             tokio::time::sleep(lease / 3).await;
@@ -226,5 +233,22 @@ impl Guard {
 
     fn check_size(&self, what: &'static str, size: usize, limit: usize) -> Result<(), GuardError> {
         if size > limit { Err(GuardError::TooLarge { what, size, limit }) } else { Ok(()) }
+    }
+}
+
+/// A lease kept alive ([`Guard::keep_alive_while`]) until this is dropped or aborted.
+#[derive(Debug)]
+pub struct KeptAlive(tokio::task::JoinHandle<()>);
+
+impl KeptAlive {
+    /// Stops extending the lease (the work is done, or its outcome is in doubt).
+    pub fn abort(&self) {
+        self.0.abort();
+    }
+}
+
+impl Drop for KeptAlive {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
