@@ -224,20 +224,14 @@ pub fn limits(config: &Config) -> Limits {
 /// The gateway as an axum app on `state` (what [`run`] serves): the server of `a2a.upstream` at
 /// the root, each of `[a2a.agents.<name>]` under `/<name>`.
 pub fn app(config: &Config, state: AppState) -> Result<Router, InvalidInput> {
-    let tls = config.tls.cert.is_some();
     let served = served(config)?;
     let mut router = match served.first().filter(|o| o.mount.is_empty()) {
         Some(_) => Router::new(),
         None => gateway::index(state.clone(), served.iter().map(|o| o.mount.clone()).collect()),
     };
     for options in served {
-        let calls =
-            forward_to(Upstream::new(&options.upstream.origin().ascii_serialization(), config.a2a.upstream_timeout)?);
-        let streams =
-            forward_to(Upstream::new(&options.upstream.origin().ascii_serialization(), config.a2a.stream_timeout)?);
         let mount = options.mount.clone();
-        let gateway = Arc::new(Gateway::new(state.clone(), options, calls, streams, tls));
-        onceguard_mcp::revoked::watch(&gateway);
+        let gateway = over_http(config, state.clone(), options)?;
         router = if mount.is_empty() {
             router.fallback_service(gateway::service(gateway))
         } else {
@@ -249,13 +243,22 @@ pub fn app(config: &Config, state: AppState) -> Result<Router, InvalidInput> {
 
 /// The gateway of `a2a.upstream` alone (for embedding and tests).
 pub fn gateway(config: &Config, state: AppState) -> Result<Arc<Gateway>, InvalidInput> {
-    let options = options(config)?;
+    over_http(config, state, options(config)?)
+}
+
+/// The gateway of the server of `options`, reached over HTTP.
+fn over_http(config: &Config, state: AppState, options: Options) -> Result<Arc<Gateway>, InvalidInput> {
     let origin = options.upstream.origin().ascii_serialization();
     let calls = forward_to(Upstream::new(&origin, config.a2a.upstream_timeout)?);
     let streams = forward_to(Upstream::new(&origin, config.a2a.stream_timeout)?);
-    let gateway = Arc::new(Gateway::new(state, options, calls, streams, config.tls.cert.is_some()));
+    Ok(started(Gateway::new(state, options, calls, streams, config.tls.cert.is_some())))
+}
+
+/// `gateway`, shared, with its watch of revoking switches started.
+fn started(gateway: Gateway) -> Arc<Gateway> {
+    let gateway = Arc::new(gateway);
     onceguard_mcp::revoked::watch(&gateway);
-    Ok(gateway)
+    gateway
 }
 
 /// The gateway as a tower layer around an A2A server's own service in the same process (an
@@ -315,9 +318,7 @@ where
     fn layer(&self, inner: S) -> Router {
         let calls = bounded(inner.clone(), self.upstream_timeout);
         let streams = bounded(inner, self.stream_timeout);
-        let gateway = Arc::new(Gateway::new(self.state.clone(), self.options.clone(), calls, streams, self.tls));
-        onceguard_mcp::revoked::watch(&gateway);
-        gateway::service(gateway)
+        gateway::service(started(Gateway::new(self.state.clone(), self.options.clone(), calls, streams, self.tls)))
     }
 }
 
