@@ -47,6 +47,9 @@ pub const CLAIM_FLOOR: [(&str, &str); 5] = [
     ),
 ];
 
+/// The place of the short script (`CLAIM_NEW`) among [`Redis::script_costs`]'s variants.
+const NEW_KEY_VARIANT: usize = 2;
+
 /// Records per pipeline when preloading.
 const PRELOAD_CHUNK: usize = 2_000;
 
@@ -234,7 +237,9 @@ impl Redis {
 
     /// What a claim of a fresh key costs the server itself, in microseconds per call (from
     /// `INFO commandstats`, so other `EVALSHA` traffic on the server skews it): the raw claim,
-    /// the store's claim script, and each step of [`CLAIM_FLOOR`]. Each runs `ops` calls from
+    /// the store's claim script, the short script by which the store acquires a key that had no
+    /// record when read (`CLAIM_NEW`, given the record the store packed), and each step of
+    /// [`CLAIM_FLOOR`]. Each runs `ops` calls from
     /// 16 tasks on one multiplexed connection, on fresh keys of one tenant spread over its
     /// slots, with the claim script's keys and arguments. One server only.
     pub async fn script_costs(&mut self, ops: usize) -> Result<Vec<(String, f64)>> {
@@ -242,13 +247,11 @@ impl Redis {
         let conn = bulk_connection(url).await?;
         let prefix = self.new_prefix();
         let keys = Arc::new(Keys::new(&prefix).map_err(anyhow::Error::msg)?);
+        let scripts = &onceguard_store_redis::scripts::SCRIPTS;
         let mut variants = vec![
             ("raw claim (EXISTS, HSET)".to_owned(), Script::new(RAW_CLAIM), None),
-            (
-                "Onceguard's claim script".to_owned(),
-                onceguard_store_redis::scripts::SCRIPTS.claim.clone(),
-                Some("acquired"),
-            ),
+            ("Onceguard's claim script".to_owned(), scripts.claim.clone(), Some("acquired")),
+            ("Onceguard's claim of a new key (CLAIM_NEW)".to_owned(), scripts.claim_new.clone(), Some("acquired")),
         ];
         for i in 0..CLAIM_FLOOR.len() {
             let body: Vec<&str> = CLAIM_FLOOR[..=i].iter().map(|(_, line)| *line).collect();
@@ -275,22 +278,52 @@ impl Redis {
                     let scope = scope?;
                     let placement = Placement::of(&scope);
                     let mut invocation = script.prepare_invoke();
-                    ClaimCall {
-                        keys: &keys,
-                        scope: &scope,
-                        placement: &placement,
-                        clock: "",
-                        fingerprint: &fingerprint,
-                        lease_ms: 60_000,
-                        retention_ms,
-                        run: "",
-                        margin_ms: 60_000,
-                        source: "draw",
-                        approval: None,
-                        recovery: &onceguard_core::protocol::RecoveryGate::Open,
+                    if v == NEW_KEY_VARIANT {
+                        // As the store sends it: the record decided and packed here, at the
+                        // time of this machine (Redis's own, within the script's tolerance).
+                        let now = Timestamp::now();
+                        let req = onceguard_core::ClaimRequest {
+                            recovery: Default::default(),
+                            scope: scope.clone(),
+                            fingerprint: (*fingerprint).clone(),
+                            lease: Duration::from_secs(60),
+                            retention: RETENTION,
+                            run: None,
+                            cost: 0,
+                            max_in_flight: None,
+                            refused_runs: Vec::new(),
+                            approval: None,
+                        };
+                        let (_, record) = onceguard_core::protocol::claim(None, &req, now, || onceguard_core::Fence(0));
+                        let record = record.context("a key with no record is acquired")?;
+                        let (packed, fence_at) = onceguard_store_redis::packed_with_fence_at(&record);
+                        invocation
+                            .key(keys.record(&placement))
+                            .key(keys.fence_mark(placement.slot, &scope.tenant))
+                            .key(keys.fence_counter(&scope.tenant))
+                            .arg("")
+                            .arg(now.0)
+                            .arg(1_000)
+                            .arg(packed)
+                            .arg(fence_at);
+                    } else {
+                        ClaimCall {
+                            keys: &keys,
+                            scope: &scope,
+                            placement: &placement,
+                            clock: "",
+                            fingerprint: &fingerprint,
+                            lease_ms: 60_000,
+                            retention_ms,
+                            run: "",
+                            margin_ms: 60_000,
+                            source: "draw",
+                            approval: None,
+                            recovery: &onceguard_core::protocol::RecoveryGate::Open,
+                        }
+                        .add_to(&mut invocation);
+                        invocation.key(keys.fence_counter(&scope.tenant));
                     }
-                    .add_to(&mut invocation);
-                    invocation.key(keys.fence_counter(&scope.tenant));
                     let answer: redis::Value = invocation.invoke_async(&mut conn).await?;
                     if let Some(expect) = expect {
                         let first = match &answer {

@@ -51,11 +51,17 @@ impl ClaimStore for RedisStore {
         self.bounded("claim", async {
             let mut conn = self.conn.clone();
             // A claim that writes nothing (a replay, a holder in flight, a mismatch) is answered
-            // from one HGETALL (pipelined with the server's TIME, by which it is judged): it
+            // from one GET (pipelined with the server's TIME, by which it is judged): it
             // costs Redis a few microseconds where the claim script costs several times that.
             // Only a claim that acquires runs the script.
             let (existing, now) = self.read_record(&mut conn, &placement).await?;
+            let absent = existing.is_none();
             if let Some(answer) = onceguard_core::protocol::answer_without_write(existing, req, now) {
+                return Ok(answer);
+            }
+            // A key with no record is acquired by a short script that writes the record
+            // decided here, unless the key changed meanwhile.
+            if absent && let Some(answer) = self.claim_new(&mut conn, req, &placement, now).await? {
                 return Ok(answer);
             }
             self.claim_writing(&mut conn, req, &placement).await

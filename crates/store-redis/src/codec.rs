@@ -327,6 +327,13 @@ pub fn unpacked_record(bytes: &[u8]) -> Result<Record, StoreError> {
 /// A record as the scripts write it ([`crate::scripts`]): what a process that loads records
 /// into the store in bulk writes (with `SET … PX`, and the record's index entries).
 pub fn packed_record(record: &Record) -> Vec<u8> {
+    packed_with_fence_at(record).0
+}
+
+/// [`packed_record`], and where its fence is: the offset of the fence's MessagePack string
+/// (its one-byte header, then its decimal digits), which [`crate::scripts::CLAIM_NEW`] spells
+/// again with the fence it draws.
+pub fn packed_with_fence_at(record: &Record) -> (Vec<u8>, usize) {
     let mut fields: HashMap<&str, Vec<u8>> = HashMap::new();
     let mut add = |field: &'static str, value: Option<Vec<u8>>| {
         if let Some(v) = value {
@@ -374,7 +381,11 @@ pub fn packed_record(record: &Record) -> Vec<u8> {
         let _ = rmp::encode::write_str_len(packed, text.len() as u32);
         packed.extend_from_slice(text);
     };
+    let mut fence_at = 0;
     for field in FIELDS {
+        if field == "fe" {
+            fence_at = packed.len();
+        }
         let Some(value) = fields.get(field) else {
             let _ = rmp::encode::write_bool(&mut packed, false);
             continue;
@@ -401,7 +412,7 @@ pub fn packed_record(record: &Record) -> Vec<u8> {
             write_text(&mut packed, text.as_bytes());
         }
     }
-    packed
+    (packed, fence_at)
 }
 
 /// A checkpoint as stored: `fence \n at \n name \n data`.

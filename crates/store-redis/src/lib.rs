@@ -9,10 +9,17 @@
 //!   claim and fenced-call scripts are translations of `protocol::claim` and `protocol::apply`,
 //!   held to them by the same conformance suite and property test as every store. They are sent
 //!   by digest (`EVALSHA`), and in full (`EVAL`) only when the server does not know them yet.
-//!   A claim first reads the record (`HGETALL`, itself atomic, with the server's `TIME` in the
+//!   A claim first reads the record (`GET`, itself atomic, with the server's `TIME` in the
 //!   same pipeline): if it would write nothing (a replay, a holder in flight, a mismatch:
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
-//!   within the call; only a claim that acquires runs the script.
+//!   within the call; only a claim that acquires runs the script. On one server, a claim of a
+//!   key that had no record when read, carrying no quota, naming no run and needing no
+//!   approval, is decided in Rust as `protocol::claim` decides with no record (it acquires), at
+//!   the read's time, and written by a short script ([`scripts::CLAIM_NEW`]) that checks, in
+//!   the same step, that the key still has no record and that the store's time is within
+//!   [`GUESS_TOLERANCE_MS`] of the read's; it draws the fence as the claim script does and spells
+//!   it into the record the store packed. Otherwise (the key changed meanwhile) it writes
+//!   nothing and the claim script decides, on what the key holds.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
@@ -311,7 +318,7 @@ mod scan;
 pub mod scripts;
 mod tenants;
 
-pub use codec::{packed_record, unpacked_record};
+pub use codec::{packed_record, packed_with_fence_at, unpacked_record};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -456,6 +463,13 @@ const MAX_DRAWS: usize = 16;
 /// How many times a call on one server is asked again for the keys of another run (the key's
 /// record names a run the caller did not know of; it changes only if the record is replaced).
 const MAX_RUN_CHANGES: usize = 4;
+
+/// How far the store's time may be from the time a claim of a new key was decided at (its
+/// read's) for [`scripts::CLAIM_NEW`] to write it: the times it writes (lease end, creation)
+/// are that time's, and stay this close to the store's when the record is written. Its
+/// decision does not depend on the time (a key with no record is acquired). Further off (the
+/// claim waited longer), the claim script decides on the store's time. As PostgreSQL's guesses.
+const GUESS_TOLERANCE_MS: u64 = 1_000;
 
 /// The longest `ping` waits.
 const PING_TIMEOUT: Duration = Duration::from_secs(1);
@@ -872,6 +886,51 @@ impl RedisStore {
             self.claim_on_cluster(conn, req, placement).await
         } else {
             self.claim_on_one_server(conn, req, placement).await
+        }
+    }
+
+    /// A claim of a key that had no record when read (at the store's time `now`), on one
+    /// server, carrying no quota, naming no run and needing no approval: decided here as
+    /// `protocol::claim` decides with no record, and written by [`scripts::CLAIM_NEW`] if the key
+    /// still has none and the store's time is within [`GUESS_TOLERANCE_MS`] of `now`. `None`
+    /// where that does not hold, or the claim is not such a claim: the claim script decides it.
+    async fn claim_new(
+        &self,
+        conn: &mut Conn,
+        req: &ClaimRequest,
+        placement: &Placement,
+        now: Timestamp,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        if self.cluster || req.max_in_flight.is_some() || req.run.is_some() || req.approval.is_some() {
+            return Ok(None);
+        }
+        let (ClaimOutcome::Acquired(acquired), Some(record)) =
+            onceguard_core::protocol::claim(None, req, now, || Fence(0))
+        else {
+            return Ok(None);
+        };
+        self.register_slot(conn, placement.slot).await?;
+        self.floor_fences(conn, &req.scope.tenant).await?;
+        let (packed, fence_at) = codec::packed_with_fence_at(&record);
+        let mut invocation = SCRIPTS.claim_new.prepare_invoke();
+        invocation
+            .key(self.keys.record(placement))
+            .key(self.keys.fence_mark(placement.slot, &req.scope.tenant))
+            .key(self.keys.fence_counter(&req.scope.tenant))
+            .arg(self.clock_arg())
+            .arg(now.0)
+            .arg(GUESS_TOLERANCE_MS)
+            .arg(packed)
+            .arg(fence_at);
+        let answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
+        match answer.as_slice() {
+            [tag, fence] if tag.as_slice() == b"acquired" => {
+                let fence = std::str::from_utf8(fence).ok().and_then(|f| f.parse().ok()).map(Fence);
+                let fence = fence.ok_or_else(|| corrupt("the claim answered a fence that is not a number"))?;
+                Ok(Some(ClaimOutcome::Acquired(onceguard_core::Acquired { fence, ..acquired })))
+            }
+            [tag] if tag.as_slice() == b"exists" || tag.as_slice() == b"late" => Ok(None),
+            _ => Err(corrupt("the claim of a new key answered something else")),
         }
     }
 

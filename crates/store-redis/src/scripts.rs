@@ -569,6 +569,43 @@ write_record(KEYS[1], n, now)
 return answer
 "#;
 
+/// A claim of a key that had no record when it was read, on one server, carrying no quota,
+/// naming no run and needing no approval: the store decided it as `protocol::claim` decides
+/// with no record (it acquires) and packed the record it writes ([`crate::codec::packed_record`],
+/// with any fence), at the store's time of its read. The script writes that record only if the
+/// key still has none and the store's time now is within the tolerance given of the time the
+/// record was decided at; it then draws the fence as [`CLAIM`] does on one server (the counter,
+/// kept above the slot's mark, and the mark) and spells it into the record in place of the one
+/// packed. So a fresh key costs Redis these few commands, not the claim script's decoding,
+/// deciding and packing. Answers `{'acquired', fence}`, or, writing nothing, `{'exists'}` (the
+/// key has a record now, live or not) or `{'late'}`: the caller then runs [`CLAIM`], which
+/// decides on what the key holds.
+pub const CLAIM_NEW: &str = r#"
+-- KEYS: record, slot fence mark, fence counter
+-- ARGV: the store's clock ('' for the server's), the store's time the record was decided at,
+--       how far the store's time now may be from it (ms), the packed record, where its fence is
+--       (the offset of its MessagePack string, whose one-byte header gives its length)
+local now = clock(ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 1 then return { 'exists' } end
+if math.abs(now - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return { 'late' } end
+local mark = redis.call('GET', KEYS[2]) or '0'
+local fenced = string.sub(mark, 1, 2) == 'm:'
+if fenced then mark = string.sub(mark, 3) end
+mark = tonumber(mark)
+local fence = redis.call('INCR', KEYS[3])
+if fence <= mark then
+  fence = mark + 1
+  redis.call('SET', KEYS[3], string.format('%.0f', fence))
+end
+fence = string.format('%.0f', fence)
+if fenced then redis.call('SET', KEYS[2], 'm:' .. fence) else redis.call('SET', KEYS[2], fence) end
+-- A record in progress never expires: no TTL, as write_record writes it.
+local packed, at = ARGV[4], tonumber(ARGV[5])
+local spelt = string.byte(packed, at + 1) - 160
+redis.call('SET', KEYS[1], string.sub(packed, 1, at) .. string.char(160 + #fence) .. fence .. string.sub(packed, at + 2 + spelt))
+return { 'acquired', fence }
+"#;
+
 /// What every call of [`CLAIM`] starts with: KEYS 1 and 2 (the record and the slot's fence
 /// mark) and ARGV 1 to 12. A caller then adds
 /// what its case needs (on one server the fence counter, and the admission's keys and
@@ -1214,6 +1251,8 @@ pub struct Scripts {
     pub claim: Script,
     /// [`CLAIM`] with [`NUMBERS`]: claims on one server that carry a quota or name a run.
     pub claim_admitting: Script,
+    /// See [`CLAIM_NEW`].
+    pub claim_new: Script,
     /// See [`DRAW_FENCE`].
     pub draw_fence: Script,
     /// [`MUTATE`], without [`NUMBERS`]: on a Cluster, and on one server for calls that do
@@ -1284,6 +1323,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     Scripts {
         claim: with_prelude(CLAIM),
         claim_admitting: with_numbers(CLAIM),
+        claim_new: with_clock(CLAIM_NEW),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),

@@ -908,3 +908,128 @@ async fn a_record_of_an_unknown_state_is_never_taken_over() {
     let after: Vec<u8> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.unwrap();
     assert_eq!(before, after, "left as it is");
 }
+
+/// The short script that acquires a key with no record (`CLAIM_NEW`): it writes the record it
+/// was given with the fence it draws spelled in (above the slot's mark, keeping the mark's
+/// form), and writes nothing where the key has a record or the store's time is too far from
+/// the record's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let keys = Keys::new(&prefix).unwrap();
+    let mut conn = raw_connection(&url).await;
+    let script_conn = conn.clone();
+    let t0 = common::T0;
+    let claim_new = |key: &str, decided_at: Timestamp, store_now: Timestamp| {
+        let s = scope(key);
+        let placement = Placement::of(&s);
+        let (_, record) =
+            onceguard_core::protocol::claim(None, &common::request(&s), decided_at, || onceguard_core::Fence(0));
+        let record = record.expect("a key with no record is acquired");
+        let mut invocation = SCRIPTS.claim_new.prepare_invoke();
+        invocation
+            .key(keys.record(&placement))
+            .key(keys.fence_mark(placement.slot, &s.tenant))
+            .key(keys.fence_counter(&s.tenant))
+            .arg(store_now.0)
+            .arg(decided_at.0)
+            .arg(1_000)
+            .arg(onceguard_store_redis::packed_record(&record))
+            .arg(packed_fence_at(&record));
+        let (mut conn, at) = (script_conn.clone(), keys.record(&placement));
+        async move { (invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap(), record, at) }
+    };
+    // A slot's mark above the counter (as a Cluster's draws leave it), in the form that keeps
+    // earlier versions off: the fence is the mark's next, and the mark keeps its form.
+    let s = scope("new-1");
+    let mark = keys.fence_mark(Placement::of(&s).slot, &s.tenant);
+    let _: () = redis::cmd("SET").arg(&mark).arg("m:41").query_async(&mut conn).await.unwrap();
+    let (answer, mut expected, at) = claim_new("new-1", t0, Timestamp(t0.0 + 999)).await;
+    assert_eq!(answer, ["acquired", "42"]);
+    expected.fence = onceguard_core::Fence(42);
+    assert_eq!(record_at(&mut conn, &at).await, expected);
+    let kept: String = redis::cmd("GET").arg(&mark).query_async(&mut conn).await.unwrap();
+    assert_eq!(kept, "m:42");
+    // Fences of one to twenty digits are spelled in place of the one packed.
+    for (i, next) in [9u64, 99_999, 1 << 52].into_iter().enumerate() {
+        let _: () =
+            redis::cmd("SET").arg(keys.fence_counter(&s.tenant)).arg(next).query_async(&mut conn).await.unwrap();
+        let (answer, mut expected, at) = claim_new(&format!("new-{}", i + 2), t0, t0).await;
+        assert_eq!(answer, ["acquired", (next + 1).to_string().as_str()]);
+        expected.fence = onceguard_core::Fence(next + 1);
+        assert_eq!(record_at(&mut conn, &at).await, expected);
+    }
+    // A key with a record: nothing written, whatever it holds.
+    let before: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
+    let (answer, _, _) = claim_new("new-1", t0, t0).await;
+    assert_eq!(answer, ["exists"]);
+    let after: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
+    assert_eq!(before, after);
+    // Decided more than the tolerance before (or after) the store's time: nothing written.
+    for store_now in [Timestamp(t0.0 + 1_001), Timestamp(t0.0 - 1_001)] {
+        let (answer, _, at) = claim_new("late", t0, store_now).await;
+        assert_eq!(answer, ["late"]);
+        let exists: bool = redis::cmd("EXISTS").arg(&at).query_async(&mut conn).await.unwrap();
+        assert!(!exists);
+    }
+}
+
+/// Where `record`'s fence is in its packed form: the one place where two packings with fences
+/// of the same length differ, less the fence's digits before it and its header.
+fn packed_fence_at(record: &onceguard_core::Record) -> usize {
+    let with = |fence: u64| {
+        onceguard_store_redis::packed_record(&onceguard_core::Record {
+            fence: onceguard_core::Fence(fence),
+            ..record.clone()
+        })
+    };
+    let (a, b) = (with(10), with(11));
+    let last_digit = a.iter().zip(&b).position(|(x, y)| x != y).expect("the fence is packed");
+    let at = last_digit - 2;
+    assert_eq!(a[at], 0xa2, "a two-digit string's header");
+    let zero = with(0);
+    assert_eq!(zero[at..at + 2], [0xa1, b'0']);
+    assert_eq!(onceguard_store_redis::packed_with_fence_at(record), (with(record.fence.0), at));
+    at
+}
+
+fn at_of(keys: &Keys, key: &str) -> String {
+    keys.record(&Placement::of(&scope(key)))
+}
+
+/// Eight claims at once of a key with no record, round after round, each key new: each round
+/// acquires its key exactly once (the short script checks that the key still has no record in
+/// the step that writes it), every other claim finds it in flight, and fences only grow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_claims_of_a_new_key_acquire_it_once() {
+    let Some((store, clock, _cleanup)) = fresh_store().await else { return };
+    let store = Arc::new(store);
+    let mut last = 0;
+    for round in 0..40 {
+        let now = clock.now();
+        let s = scope(&format!("fresh-{round}"));
+        let claims = (0..8).map(|_| {
+            let (store, s) = (store.clone(), s.clone());
+            tokio::spawn(async move { store.claim(&common::request(&s), now).await.expect("the store answers") })
+        });
+        let outcomes: Vec<ClaimOutcome> =
+            futures::future::join_all(claims).await.into_iter().map(|j| j.expect("the claim ends")).collect();
+        let acquired: Vec<u64> = outcomes
+            .iter()
+            .filter_map(|o| if let ClaimOutcome::Acquired(a) = o { Some(a.fence.0) } else { None })
+            .collect();
+        assert_eq!(acquired.len(), 1, "round {round}: {outcomes:?}");
+        assert!(
+            outcomes.iter().all(|o| matches!(o, ClaimOutcome::Acquired(_) | ClaimOutcome::InFlight(_))),
+            "{outcomes:?}"
+        );
+        assert!(acquired[0] > last, "round {round}: fence {} after {last}", acquired[0]);
+        last = acquired[0];
+        let stored = store.get(&s, now).await.unwrap().expect("the record");
+        assert_eq!((stored.fence.0, stored.attempt), (last, 1));
+    }
+}
