@@ -12,8 +12,8 @@
 //!   A claim first reads the record (`GET`, itself atomic, with the server's `TIME` in the
 //!   same pipeline): if it would write nothing (a replay, a holder in flight, a mismatch:
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
-//!   within the call; only a claim that acquires runs the script. On one server, a claim of a
-//!   key that had no record when read, carrying no quota, naming no run and needing no
+//!   within the call; only a claim that acquires runs the script. On one server, a claim (not
+//!   of a batch call) of a key that had no record when read, carrying no quota, naming no run and needing no
 //!   approval, is decided in Rust as `protocol::claim` decides with no record (it acquires), at
 //!   the read's time, and written by a short script ([`scripts::CLAIM_NEW`]) that checks, in
 //!   the same step, that the key still has no record and that the store's time is within
