@@ -60,7 +60,7 @@ impl ClaimStore for RedisStore {
                 return Ok(answer);
             }
             // A key with no record is acquired by a short script that writes the record
-            // decided here, unless the key changed meanwhile.
+            // decided here, unless the key changed meanwhile or the claim waited too long.
             if absent && let Some(answer) = self.claim_new(&mut conn, req, &placement, now).await? {
                 return Ok(answer);
             }

@@ -16,10 +16,12 @@
 //!   of a batch call) of a key that had no record when read, carrying no quota, naming no run and needing no
 //!   approval, is decided in Rust as `protocol::claim` decides with no record (it acquires), at
 //!   the read's time, and written by a short script ([`scripts::CLAIM_NEW`]) that checks, in
-//!   the same step, that the key still has no record and that the store's time is within
-//!   [`GUESS_TOLERANCE_MS`] of the read's; it draws the fence as the claim script does and spells
-//!   it into the record the store packed. Otherwise (the key changed meanwhile) it writes
-//!   nothing and the claim script decides, on what the key holds.
+//!   the same step, that the key still has no record and that the store's time is within a
+//!   tenth of the lease (at most 1 s) of the read's; it draws the fence as the claim script does
+//!   and spells it into the record the store packed. Otherwise (the key changed meanwhile, or
+//!   the claim waited longer) it writes nothing and the claim script decides, on what the key
+//!   holds and at the store's time then. The claim script's own path for a new key still serves
+//!   batch calls, claims with a quota, a run or an approval, and a Cluster.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
@@ -468,8 +470,12 @@ const MAX_RUN_CHANGES: usize = 4;
 /// read's) for [`scripts::CLAIM_NEW`] to write it: the times it writes (lease end, creation)
 /// are that time's, and stay this close to the store's when the record is written. Its
 /// decision does not depend on the time (a key with no record is acquired). Further off (the
-/// claim waited longer), the claim script decides on the store's time. As PostgreSQL's guesses.
-const GUESS_TOLERANCE_MS: u64 = 1_000;
+/// claim waited longer), the claim script decides on the store's time. At most 1 s, as
+/// PostgreSQL's guesses, and a tenth of the lease, so that the lease written is never more than
+/// a tenth shorter (or longer) than the claim script would write.
+fn guess_tolerance_ms(lease: Duration) -> u64 {
+    (ms(lease) / 10).min(1_000)
+}
 
 /// The longest `ping` waits.
 const PING_TIMEOUT: Duration = Duration::from_secs(1);
@@ -549,6 +555,8 @@ pub struct RedisStore {
     origin: String,
     changes: broadcast::Sender<Scope>,
     listener: JoinHandle<()>,
+    /// Claims of a new key that the short script acquired ([`RedisStore::new_keys_acquired`]).
+    new_keys: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -707,6 +715,7 @@ impl RedisStore {
             origin,
             changes,
             listener,
+            new_keys: AtomicU64::new(0),
         };
         store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
         store.bounded("delete the indexes of earlier versions", store.delete_indexes_of_earlier_versions()).await?;
@@ -892,8 +901,9 @@ impl RedisStore {
     /// A claim of a key that had no record when read (at the store's time `now`), on one
     /// server, carrying no quota, naming no run and needing no approval: decided here as
     /// `protocol::claim` decides with no record, and written by [`scripts::CLAIM_NEW`] if the key
-    /// still has none and the store's time is within [`GUESS_TOLERANCE_MS`] of `now`. `None`
-    /// where that does not hold, or the claim is not such a claim: the claim script decides it.
+    /// still has none and the store's time is within [`guess_tolerance_ms`] of `now`. `None`
+    /// where that does not hold (the key changed, or the claim waited too long), or the claim is
+    /// not such a claim: the claim script decides it.
     async fn claim_new(
         &self,
         conn: &mut Conn,
@@ -919,7 +929,7 @@ impl RedisStore {
             .key(self.keys.fence_counter(&req.scope.tenant))
             .arg(self.clock_arg())
             .arg(now.0)
-            .arg(GUESS_TOLERANCE_MS)
+            .arg(guess_tolerance_ms(req.lease))
             .arg(packed)
             .arg(fence_at);
         let answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
@@ -927,11 +937,18 @@ impl RedisStore {
             [tag, fence] if tag.as_slice() == b"acquired" => {
                 let fence = std::str::from_utf8(fence).ok().and_then(|f| f.parse().ok()).map(Fence);
                 let fence = fence.ok_or_else(|| corrupt("the claim answered a fence that is not a number"))?;
+                self.new_keys.fetch_add(1, Ordering::Relaxed);
                 Ok(Some(ClaimOutcome::Acquired(onceguard_core::Acquired { fence, ..acquired })))
             }
             [tag] if tag.as_slice() == b"exists" || tag.as_slice() == b"late" => Ok(None),
             _ => Err(corrupt("the claim of a new key answered something else")),
         }
+    }
+
+    /// How many claims of a new key this instance acquired with the short script
+    /// ([`scripts::CLAIM_NEW`]) rather than the claim script.
+    pub fn new_keys_acquired(&self) -> u64 {
+        self.new_keys.load(Ordering::Relaxed)
     }
 
     async fn claim_on_one_server(
@@ -1172,6 +1189,13 @@ fn api_key(doc: &str, revoked: Option<u64>) -> Result<ApiKey, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_keys_record_may_be_written_a_tenth_of_its_lease_late_at_most_one_second() {
+        assert_eq!(guess_tolerance_ms(Duration::from_millis(100)), 10);
+        assert_eq!(guess_tolerance_ms(Duration::from_secs(5)), 500);
+        assert_eq!(guess_tolerance_ms(Duration::from_secs(30)), 1_000);
+    }
 
     #[test]
     fn store_urls_parse() {

@@ -573,10 +573,10 @@ return answer
 /// naming no run and needing no approval: the store decided it as `protocol::claim` decides
 /// with no record (it acquires) and packed the record it writes ([`crate::codec::packed_record`],
 /// with any fence), at the store's time of its read. The script writes that record only if the
-/// key still has none and the store's time now is within the tolerance given of the time the
-/// record was decided at; it then draws the fence as [`CLAIM`] does on one server (the counter,
-/// kept above the slot's mark, and the mark) and spells it into the record in place of the one
-/// packed. So a fresh key costs Redis these few commands, not the claim script's decoding,
+/// key still has none and the store's time now is within the tolerance given (a tenth of the
+/// lease, at most 1 s) of the time the record was decided at; it then draws the fence as
+/// [`CLAIM`] does on one server (the counter, kept above the slot's mark, and the mark) and
+/// spells it into the record in place of the one packed. So a fresh key costs Redis these few commands, not the claim script's decoding,
 /// deciding and packing. Answers `{'acquired', fence}`, or, writing nothing, `{'exists'}` (the
 /// key has a record now, live or not) or `{'late'}`: the caller then runs [`CLAIM`], which
 /// decides on what the key holds.

@@ -943,6 +943,14 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
         let (mut conn, at) = (script_conn.clone(), keys.record(&placement));
         async move { (invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap(), record, at) }
     };
+    // A tenant's first claim: fence 1, and the record kept without a TTL (in progress, it never
+    // expires).
+    let (answer, mut expected, at) = claim_new("new-0", t0, t0).await;
+    assert_eq!(answer, ["acquired", "1"]);
+    expected.fence = onceguard_core::Fence(1);
+    assert_eq!(record_at(&mut conn, &at).await, expected);
+    let ttl: i64 = redis::cmd("PTTL").arg(&at).query_async(&mut conn).await.unwrap();
+    assert_eq!(ttl, -1);
     // A slot's mark above the counter (as a Cluster's draws leave it), in the form that keeps
     // earlier versions off: the fence is the mark's next, and the mark keeps its form.
     let s = scope("new-1");
@@ -954,7 +962,7 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
     assert_eq!(record_at(&mut conn, &at).await, expected);
     let kept: String = redis::cmd("GET").arg(&mark).query_async(&mut conn).await.unwrap();
     assert_eq!(kept, "m:42");
-    // Fences of one to twenty digits are spelled in place of the one packed.
+    // Fences of two to sixteen digits (2^52 and on) are spelled in place of the one packed.
     for (i, next) in [9u64, 99_999, 1 << 52].into_iter().enumerate() {
         let _: () =
             redis::cmd("SET").arg(keys.fence_counter(&s.tenant)).arg(next).query_async(&mut conn).await.unwrap();
@@ -963,18 +971,30 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
         expected.fence = onceguard_core::Fence(next + 1);
         assert_eq!(record_at(&mut conn, &at).await, expected);
     }
-    // A key with a record: nothing written, whatever it holds.
+    // A key with a record: nothing written, whatever it holds; neither the counter nor the mark
+    // moves.
+    let counter = keys.fence_counter(&s.tenant);
+    let drawn = |mut conn: redis::aio::MultiplexedConnection| {
+        let (counter, mark) = (counter.clone(), mark.clone());
+        async move {
+            let values: Vec<String> = redis::cmd("MGET").arg(&counter).arg(&mark).query_async(&mut conn).await.unwrap();
+            values
+        }
+    };
+    let fences = drawn(conn.clone()).await;
     let before: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
     let (answer, _, _) = claim_new("new-1", t0, t0).await;
     assert_eq!(answer, ["exists"]);
     let after: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
     assert_eq!(before, after);
+    assert_eq!(drawn(conn.clone()).await, fences);
     // Decided more than the tolerance before (or after) the store's time: nothing written.
     for store_now in [Timestamp(t0.0 + 1_001), Timestamp(t0.0 - 1_001)] {
         let (answer, _, at) = claim_new("late", t0, store_now).await;
         assert_eq!(answer, ["late"]);
         let exists: bool = redis::cmd("EXISTS").arg(&at).query_async(&mut conn).await.unwrap();
         assert!(!exists);
+        assert_eq!(drawn(conn.clone()).await, fences);
     }
 }
 
@@ -1002,14 +1022,15 @@ fn at_of(keys: &Keys, key: &str) -> String {
 }
 
 /// Eight claims at once of a key with no record, round after round, each key new: each round
-/// acquires its key exactly once (the short script checks that the key still has no record in
-/// the step that writes it), every other claim finds it in flight, and fences only grow.
+/// acquires its key exactly once, by the short script (which checks that the key still has no
+/// record in the step that writes it), every other claim finds it in flight, and fences only
+/// grow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_claims_of_a_new_key_acquire_it_once() {
     let Some((store, clock, _cleanup)) = fresh_store().await else { return };
     let store = Arc::new(store);
     let mut last = 0;
-    for round in 0..40 {
+    for round in 0..40u64 {
         let now = clock.now();
         let s = scope(&format!("fresh-{round}"));
         let claims = (0..8).map(|_| {
@@ -1031,5 +1052,6 @@ async fn racing_claims_of_a_new_key_acquire_it_once() {
         last = acquired[0];
         let stored = store.get(&s, now).await.unwrap().expect("the record");
         assert_eq!((stored.fence.0, stored.attempt), (last, 1));
+        assert_eq!(store.new_keys_acquired(), round + 1, "round {round}: acquired by the short script");
     }
 }
