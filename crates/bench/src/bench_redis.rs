@@ -239,9 +239,9 @@ impl Redis {
     /// `INFO commandstats`, so other `EVALSHA` traffic on the server skews it): the raw claim,
     /// the store's claim script, the short script by which the store acquires a key that had no
     /// record when read (`CLAIM_NEW`, given the record the store packed), and each step of
-    /// [`CLAIM_FLOOR`]. Each runs `ops` calls from
-    /// 16 tasks on one multiplexed connection, on fresh keys of one tenant spread over its
-    /// slots, with the claim script's keys and arguments. One server only.
+    /// [`CLAIM_FLOOR`]. Each runs `ops` calls from 16 tasks on one multiplexed connection, on
+    /// fresh keys of one tenant spread over its slots, with the keys and arguments the store
+    /// gives that script. One server only.
     pub async fn script_costs(&mut self, ops: usize) -> Result<Vec<(String, f64)>> {
         let RedisTarget::Single(url) = &self.target else { bail!("measured on one server only") };
         let conn = bulk_connection(url).await?;

@@ -13,15 +13,15 @@
 //!   same pipeline): if it would write nothing (a replay, a holder in flight, a mismatch:
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
 //!   within the call; only a claim that acquires runs the script. On one server, a claim (not
-//!   of a batch call) of a key that had no record when read, carrying no quota, naming no run and needing no
-//!   approval, is decided in Rust as `protocol::claim` decides with no record (it acquires), at
-//!   the read's time, and written by a short script ([`scripts::CLAIM_NEW`]) that checks, in
-//!   the same step, that the key still has no record and that the store's time is within a
-//!   tenth of the lease (at most 1 s) of the read's; it draws the fence as the claim script does
-//!   and spells it into the record the store packed. Otherwise (the key changed meanwhile, or
-//!   the claim waited longer) it writes nothing and the claim script decides, on what the key
-//!   holds and at the store's time then. The claim script's own path for a new key still serves
-//!   batch calls, claims with a quota, a run or an approval, and a Cluster.
+//!   of a batch call) of a key that had no record when read, carrying no quota, naming no run
+//!   and needing no approval, is decided in Rust as `protocol::claim` decides with no record (it
+//!   acquires), at the read's time, and written by a short script ([`scripts::CLAIM_NEW`]) that
+//!   checks, in the same step, that the key still has no record and that the store's time is
+//!   within a tenth of the lease (at most 1 s) of the read's; it draws the fence as the claim
+//!   script does and spells it into the record the store packed. Otherwise (the key changed
+//!   meanwhile, or the claim waited longer) it writes nothing and the claim script decides, on
+//!   what the key holds and at the store's time then. The claim script's own path for a new key
+//!   still serves batch calls, claims with a quota, a run or an approval, and a Cluster.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
