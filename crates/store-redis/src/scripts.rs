@@ -207,6 +207,35 @@ pub fn record_chunk() -> String {
     chunk + RECORD
 }
 
+/// A tenant's fence mark on a slot and the draw from its counter, shared by the scripts that
+/// give a key a fence ([`CLAIM`], [`CLAIM_NEW`], [`REVOKE`]).
+pub const FENCES: &str = r#"
+-- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once an earlier
+-- version indexed the tenant's records on the slot by run, a form the versions before it fail
+-- on before they write a record. Answers the mark and whether it has that form, which a new
+-- mark keeps.
+local function read_mark(key)
+  local v = redis.call('GET', key) or '0'
+  if string.sub(v, 1, 2) == 'm:' then return tonumber(string.sub(v, 3)), true end
+  return tonumber(v), false
+end
+local function write_mark(key, fence, fenced)
+  local spelt = string.format('%.0f', fence)
+  if fenced then spelt = 'm:' .. spelt end
+  redis.call('SET', key, spelt)
+end
+-- The tenant's next fence from its counter (one server), above the slot's mark: a counter set
+-- back (after a failover) catches up with the mark.
+local function draw_above(counter, mark)
+  local fence = redis.call('INCR', counter)
+  if fence <= mark then
+    fence = mark + 1
+    redis.call('SET', counter, string.format('%.0f', fence))
+  end
+  return fence
+end
+"#;
+
 /// Helpers shared by the scripts.
 pub const PRELUDE: &str = r#"
 local function load(key)
@@ -240,23 +269,6 @@ end
 local function change(r) return { r = r } end
 local function set(w, f, v) w.r[f] = v end
 local function unset(w, f) w.r[f] = nil end
-
--- A tenant's fence mark on a slot (Keys::fence_mark): a number, or 'm:<n>' once an earlier
--- version indexed the tenant's records on the slot by run, a form the versions before it fail
--- on before they write a record. Answers the mark and whether it has that form, which a new
--- mark keeps.
-local function read_mark(key)
-  local v = redis.call('GET', key) or '0'
-  if string.sub(v, 1, 2) == 'm:' then return tonumber(string.sub(v, 3)), true end
-  return tonumber(v), false
-end
-local function write_mark(key, fence, fenced)
-  if fenced then
-    redis.call('SET', key, 'm:' .. int(fence))
-  else
-    redis.call('SET', key, int(fence))
-  end
-end
 
 local function clear_checkpoints(w)
   local c0, cn = tonumber(w.r.c0 or '0'), tonumber(w.r.cn or '0')
@@ -522,11 +534,7 @@ end
 
 local fence
 if one_server then
-  fence = redis.call('INCR', KEYS[3])
-  if fence <= mark then
-    fence = mark + 1
-    redis.call('SET', KEYS[3], int(fence))
-  end
+  fence = draw_above(KEYS[3], mark)
 else
   fence = tonumber(source)
   if fence <= mark then lacking = true end
@@ -575,9 +583,9 @@ return answer
 /// with any fence), at the store's time of its read. The script writes that record only if the
 /// key still has none and the store's time now is within the tolerance given (a tenth of the
 /// lease, at most 1 s) of the time the record was decided at; it then draws the fence as
-/// [`CLAIM`] does on one server (the counter, kept above the slot's mark, and the mark) and
-/// spells it into the record in place of the one packed. So a fresh key costs Redis these few commands, not the claim script's decoding,
-/// deciding and packing. Answers `{'acquired', fence}`, or, writing nothing, `{'exists'}` (the
+/// [`CLAIM`] does on one server ([`FENCES`]: the counter, kept above the slot's mark, and the
+/// mark) and spells it into the record in place of the one packed. So a fresh key costs Redis
+/// these few commands, not the claim script's decoding, deciding and packing. Answers `{'acquired', fence}`, or, writing nothing, `{'exists'}` (the
 /// key has a record now, live or not) or `{'late'}`: the caller then runs [`CLAIM`], which
 /// decides on what the key holds.
 pub const CLAIM_NEW: &str = r#"
@@ -588,17 +596,10 @@ pub const CLAIM_NEW: &str = r#"
 local now = clock(ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return { 'exists' } end
 if math.abs(now - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return { 'late' } end
-local mark = redis.call('GET', KEYS[2]) or '0'
-local fenced = string.sub(mark, 1, 2) == 'm:'
-if fenced then mark = string.sub(mark, 3) end
-mark = tonumber(mark)
-local fence = redis.call('INCR', KEYS[3])
-if fence <= mark then
-  fence = mark + 1
-  redis.call('SET', KEYS[3], string.format('%.0f', fence))
-end
+local mark, fenced = read_mark(KEYS[2])
+local fence = draw_above(KEYS[3], mark)
+write_mark(KEYS[2], fence, fenced)
 fence = string.format('%.0f', fence)
-if fenced then redis.call('SET', KEYS[2], 'm:' .. fence) else redis.call('SET', KEYS[2], fence) end
 -- A record in progress never expires: no TTL, as write_record writes it.
 local packed, at = ARGV[4], tonumber(ARGV[5])
 local spelt = string.byte(packed, at + 1) - 160
@@ -922,11 +923,7 @@ if r.un == detail then return { 'skipped' } end
 local mark, fenced = read_mark(KEYS[2])
 local fence
 if source == 'draw' then
-  fence = redis.call('INCR', KEYS[3])
-  if fence <= mark then
-    fence = mark + 1
-    redis.call('SET', KEYS[3], int(fence))
-  end
+  fence = draw_above(KEYS[3], mark)
 else
   fence = tonumber(source)
   if fence <= mark then return { 'need_fence', int(mark) } end
@@ -1317,13 +1314,13 @@ pub struct Scripts {
 pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let record = record_chunk();
     let with_clock = |body: &str| Script::new(&format!("{CLOCK}\n{body}"));
-    let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{body}"));
-    let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{NUMBERS}\n{body}"));
+    let with_prelude = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{FENCES}\n{body}"));
+    let with_numbers = |body: &str| Script::new(&format!("{CLOCK}\n{record}\n{PRELUDE}\n{FENCES}\n{NUMBERS}\n{body}"));
     let with_record = |body: &str| format!("{record}\n{body}");
     Scripts {
         claim: with_prelude(CLAIM),
         claim_admitting: with_numbers(CLAIM),
-        claim_new: with_clock(CLAIM_NEW),
+        claim_new: with_clock(&format!("{FENCES}\n{CLAIM_NEW}")),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),
