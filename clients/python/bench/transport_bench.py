@@ -1,6 +1,7 @@
 """What one HTTP exchange with the server costs the caller, per HTTP client: the replay's claim
-(``POST /v1/claims`` of a stored key) sent through httpx, urllib3, ``http.client`` and aiohttp,
-and through the client's own ``claim`` (sync and async), against the same server in one run.
+(``POST /v1/claims`` of a stored key) sent through httpx, urllib3, ``http.client``, pycurl and
+aiohttp, and through the client's own ``claim`` (sync on each of its transports, and async),
+against the same server in one run.
 
     python bench/transport_bench.py --serve -n 3000     # starts onceguard serve (memory store)
 
@@ -25,9 +26,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
+import pycurl
 import urllib3
 
 import onceguard
+from onceguard._http import headers_of
+from onceguard._sync import _backend
 from _shared import fmt, percentile, serve
 
 ROUND = 100
@@ -65,6 +69,13 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
         conn = http.client.HTTPConnection(parts.hostname, parts.port)
         ahx = httpx.AsyncClient(base_url=url, headers=headers)
         aclient = onceguard.AsyncClient(url, api_key)
+        with_urllib3 = onceguard.Client(url, api_key)
+        with_urllib3._transport.close()
+        with_urllib3._transport = _backend.Urllib3Transport(
+            with_urllib3.base_url, headers_of(api_key, None), max_connections=4, verify=True
+        )
+        curl = pycurl.Curl()
+        curl_headers = [f"{name}: {value}" for name, value in headers.items()] + ["Expect:"]
 
         async def session() -> aiohttp.ClientSession:
             return aiohttp.ClientSession(url, headers=headers)
@@ -75,6 +86,15 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
             conn.request("POST", "/v1/claims", body=body, headers=headers)
             return conn.getresponse().read()
 
+        def via_pycurl(i: int) -> bytes:
+            chunks: list[bytes] = []
+            curl.setopt(pycurl.URL, url + "/v1/claims")
+            curl.setopt(pycurl.POSTFIELDS, body)
+            curl.setopt(pycurl.HTTPHEADER, curl_headers)
+            curl.setopt(pycurl.WRITEFUNCTION, chunks.append)
+            curl.perform()
+            return b"".join(chunks)
+
         async def via_aiohttp() -> bytes:
             async with aio.post("/v1/claims", data=body) as answer:
                 return await answer.read()
@@ -83,7 +103,9 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
             "httpx Client": lambda i: hx.post("/v1/claims", content=body).read(),
             "urllib3 HTTPConnectionPool": lambda i: pool.urlopen("POST", "/v1/claims", body=body, headers=headers).data,
             "http.client (no pool)": via_http_client,
+            "pycurl (one handle)": via_pycurl,
             "onceguard Client.claim": lambda i: client.claim(namespace, key, request=request),
+            "Client.claim on urllib3": lambda i: with_urllib3.claim(namespace, key, request=request),
             "httpx AsyncClient": lambda i: loop.run_until_complete(ahx.post("/v1/claims", content=body)),
             "aiohttp ClientSession": lambda i: loop.run_until_complete(via_aiohttp()),
             "onceguard AsyncClient.claim": lambda i: loop.run_until_complete(
@@ -111,6 +133,8 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
         hx.close()
         pool.close()
         conn.close()
+        curl.close()
+        with_urllib3.close()
         loop.run_until_complete(ahx.aclose())
         loop.run_until_complete(aio.close())
         loop.run_until_complete(aclient.aclose())
@@ -119,7 +143,8 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
     print(f"one replay claim per call: {n} sequential calls per case, server {url}, store {store}")
     print(
         f"python {sys.version.split()[0]}, httpx {httpx.__version__}, urllib3 {urllib3.__version__}, "
-        f"aiohttp {aiohttp.__version__} (async cases: each call run to its end on one event loop)"
+        f"{pycurl.version.split()[0]} ({pycurl.version.split()[1]}), aiohttp {aiohttp.__version__} "
+        "(async cases: each call run to its end on one event loop)"
     )
     print()
     print(f"{'case':30} {'p50':>10} {'p99':>10} {'CPU/call':>10}")
@@ -130,7 +155,11 @@ def run(url: str, api_key: str, n: int, store: str) -> None:
     print()
     per_call = {name: cpu[name] / len(latencies[name]) for name in cases}
     print("the client's claim over its transport, CPU per call:")
-    print(f"  sync:  {fmt(per_call['onceguard Client.claim'] - per_call['urllib3 HTTPConnectionPool'])} over urllib3 alone")
+    print(f"  sync:  {fmt(per_call['onceguard Client.claim'] - per_call['pycurl (one handle)'])} over pycurl alone")
+    print(
+        f"  sync on urllib3: {fmt(per_call['Client.claim on urllib3'] - per_call['urllib3 HTTPConnectionPool'])}"
+        " over urllib3 alone"
+    )
     print(f"  async: {fmt(per_call['onceguard AsyncClient.claim'] - per_call['aiohttp ClientSession'])} over aiohttp alone")
 
 

@@ -60,18 +60,24 @@ class Server:
     """One ``onceguard serve`` process on 127.0.0.1 in its own working directory."""
 
     def __init__(
-        self, binary: Path, store: str = "memory://", port: int | None = None, env: dict[str, str] | None = None
+        self,
+        binary: Path,
+        store: str = "memory://",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         self.binary = binary
         self.store = store
         self.extra_env = env or {}
+        self.tls = tls  # the certificate chain and key it serves https with
         self.port = port or free_port()
         self.workdir = Path(tempfile.mkdtemp(prefix="onceguard-py-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def admin_key(self) -> str:
@@ -81,8 +87,10 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ONCEGUARD_")}
         env.update(self.extra_env)
         log = open(self.workdir / "serve.log", "ab")
+        tls = ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])] if self.tls else []
         self.proc = subprocess.Popen(
-            [str(self.binary), "serve", "--store", self.store, "--listen", f"127.0.0.1:{self.port}", "--log-format", "json"],
+            [str(self.binary), "serve", "--store", self.store, "--listen", f"127.0.0.1:{self.port}", "--log-format", "json"]
+            + tls,
             cwd=self.workdir,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -95,7 +103,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"onceguard serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/readyz", timeout=1.0, verify=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

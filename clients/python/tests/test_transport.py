@@ -1,24 +1,66 @@
 """Retries of the client's own transport failures, against real processes: a closed port, a
-server restarted mid-test, a server that stops answering for a while."""
+server restarted mid-test, a server that stops answering for a while; and https. The sync
+client's cases run on each of its transports (libcurl's and urllib3's)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import pycurl
 import pytest
+import trustme
 import urllib3
 
 import onceguard
 from onceguard import Acquired, Replay, Retry
+from onceguard._curl import CurlTransport
 from onceguard._http import Response
+from onceguard._sync import _backend
 
 from .conftest import Server, free_port
 
 FAST = Retry(attempts=40, initial=0.05, max_delay=0.25)
+
+#: The sync client's transports, and the error each one's failure carries as its cause: a refused
+#: connection, a read timeout.
+TRANSPORTS = {
+    "curl": (CurlTransport, lambda e: isinstance(e, pycurl.error) and e.args[0] == pycurl.E_COULDNT_CONNECT,
+             lambda e: isinstance(e, pycurl.error) and e.args[0] == pycurl.E_OPERATION_TIMEDOUT),
+    "urllib3": (_backend.Urllib3Transport, lambda e: isinstance(e, urllib3.exceptions.NewConnectionError),
+                lambda e: isinstance(e, urllib3.exceptions.ReadTimeoutError)),
+}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The sync client's transport for this test (each in turn)."""
+    monkeypatch.setattr(_backend, "Transport", TRANSPORTS[request.param][0])
+    return str(request.param)
+
+
+def test_the_sync_client_sends_through_libcurl_where_pycurl_is_installed() -> None:
+    assert _backend.Transport is CurlTransport
+    with onceguard.Client("http://127.0.0.1:9") as c:
+        assert isinstance(c._transport, CurlTransport)
+
+
+def test_without_pycurl_the_sync_client_sends_through_urllib3() -> None:
+    # A process of its own, where importing pycurl fails as it does where it is not installed.
+    check = (
+        "import sys; sys.modules['pycurl'] = None\n"
+        "import onceguard\n"
+        "from onceguard._sync import _backend\n"
+        "with onceguard.Client('http://127.0.0.1:9') as c:\n"
+        "    assert type(c._transport) is _backend.Urllib3Transport, c._transport\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_backoff_is_bounded() -> None:
@@ -29,12 +71,12 @@ def test_backoff_is_bounded() -> None:
     assert all(0.2 <= jittered.delay(2) <= 0.8 for _ in range(50))
 
 
-def test_a_closed_port_is_a_transport_error_after_the_retries() -> None:
+def test_a_closed_port_is_a_transport_error_after_the_retries(transport: str) -> None:
     with onceguard.Client(f"http://127.0.0.1:{free_port()}", "og_x_y", retry=Retry(attempts=3, initial=0.01)) as c:
         with pytest.raises(onceguard.TransportError) as e:
             c.claim("t/a", "k", request=1)
     assert e.value.attempts == 3 and not e.value.maybe_sent
-    assert isinstance(e.value.__cause__, urllib3.exceptions.NewConnectionError)
+    assert TRANSPORTS[transport][1](e.value.__cause__), e.value.__cause__
     with onceguard.Client(f"http://127.0.0.1:{free_port()}") as down:
         assert not down.ready()
 
@@ -47,7 +89,7 @@ async def test_async_closed_port_is_a_transport_error() -> None:
     assert isinstance(e.value.__cause__, aiohttp.ClientConnectorError)
 
 
-def test_a_closed_client_refuses_to_send(server: Server) -> None:
+def test_a_closed_client_refuses_to_send(server: Server, transport: str) -> None:
     c = onceguard.Client(server.url, server.admin_key)
     assert c.ready()
     c.close()
@@ -64,7 +106,7 @@ async def test_a_closed_async_client_refuses_to_send(server: Server) -> None:
 
 
 def test_the_environment_s_proxy_is_used_unless_no_proxy_exempts_the_host(
-    server: Server, monkeypatch: pytest.MonkeyPatch
+    server: Server, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
     # The server answers a request in absolute form as a forward proxy would pass it on: a client
     # of a host that does not resolve reaches it only through the proxy.
@@ -110,7 +152,58 @@ def memory_server(binary: Path) -> Iterator[Server]:
     srv.cleanup()
 
 
-def test_calls_ride_out_a_server_restart(binary: Path) -> None:
+@pytest.fixture(scope="module")
+def tls_server(binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    """A server of this module's own serving https with a certificate for 127.0.0.1 of a CA
+    made for the test, and the file of that CA."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    files = tmp_path_factory.mktemp("tls")
+    chain, key, ca_file = files / "chain.pem", files / "key.pem", files / "ca.pem"
+    chain.write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    srv = Server(binary, tls=(chain, key))
+    srv.start()
+    yield srv, ca_file
+    srv.cleanup()
+
+
+def test_https_with_the_server_s_ca_and_without_a_check(tls_server: tuple[Server, Path], transport: str) -> None:
+    srv, ca_file = tls_server
+    with onceguard.Client(srv.url, srv.admin_key, verify=str(ca_file)) as c:
+        assert c.ready()
+        held = c.claim("tls/test", f"k-{transport}", request=1)
+        assert isinstance(held, Acquired)
+        c.complete("tls/test", f"k-{transport}", held.fence, {"over": "tls"})
+        again = c.claim("tls/test", f"k-{transport}", request=1)
+        assert isinstance(again, Replay) and again.result == {"over": "tls"}
+    with onceguard.Client(srv.url, srv.admin_key, verify=False) as unchecked:
+        assert unchecked.ready()
+
+
+def test_https_refuses_a_certificate_of_an_authority_it_does_not_trust(
+    tls_server: tuple[Server, Path], transport: str
+) -> None:
+    srv, _ = tls_server
+    with onceguard.Client(srv.url, srv.admin_key, retry=onceguard.NO_RETRY) as c:  # the system's authorities
+        assert not c.ready()
+        with pytest.raises(onceguard.TransportError) as e:
+            c.claim("tls/test", "refused", request=1)
+    assert "certificate" in str(e.value).lower()
+    if transport == "curl":  # the handshake failed: no byte of the request left
+        assert not e.value.maybe_sent
+
+
+async def test_async_https_with_the_server_s_ca(tls_server: tuple[Server, Path]) -> None:
+    srv, ca_file = tls_server
+    async with onceguard.AsyncClient(srv.url, srv.admin_key, verify=str(ca_file)) as c:
+        assert await c.ready()
+    async with onceguard.AsyncClient(srv.url, srv.admin_key, retry=onceguard.NO_RETRY) as untrusted:
+        assert not await untrusted.ready()
+
+
+def test_calls_ride_out_a_server_restart(binary: Path, transport: str) -> None:
     # Anonymous access, so that the restarted process (a new memory store) accepts the same caller.
     srv = Server(binary, env={"ONCEGUARD_AUTH__ALLOW_ANONYMOUS": "true"})
     srv.start()
@@ -130,7 +223,7 @@ def test_calls_ride_out_a_server_restart(binary: Path) -> None:
         srv.cleanup()
 
 
-def test_records_survive_a_restart_on_sqlite(sqlite_server: Server) -> None:
+def test_records_survive_a_restart_on_sqlite(sqlite_server: Server, transport: str) -> None:
     own_server = sqlite_server
     with onceguard.Client(own_server.url, own_server.admin_key, retry=FAST) as c:
         a = c.claim("restart/test", "k", request={"n": 1})
@@ -148,7 +241,7 @@ def test_records_survive_a_restart_on_sqlite(sqlite_server: Server) -> None:
         assert isinstance(replay, Replay) and replay.result == {"done": True}
 
 
-def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Server) -> None:
+def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Server, transport: str) -> None:
     own_server = memory_server
     timeout = onceguard.Timeout(read=0.3, connect=1.0)
     with onceguard.Client(own_server.url, own_server.admin_key, retry=FAST, timeout=timeout) as c:
@@ -169,7 +262,7 @@ def test_a_read_timeout_is_retried_for_idempotent_calls_only(memory_server: Serv
         finally:
             resume.join()
         assert e.value.attempts == 1 and e.value.maybe_sent
-        assert isinstance(e.value.__cause__, urllib3.exceptions.ReadTimeoutError)
+        assert TRANSPORTS[transport][2](e.value.__cause__), e.value.__cause__
 
 
 def _batch_answer(*items: str) -> Response:

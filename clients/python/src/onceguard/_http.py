@@ -1,7 +1,7 @@
 """What the sync and async clients share: their settings, headers and timeouts, an answer as
 the transports give it (:class:`Response`), the two kinds of transport failure, and the retry
 policy with its rules (which failures may be sent again). No I/O: each flavour's transport is in
-its ``_backend.py`` (urllib3 for the sync client, aiohttp for the async one); see
+its ``_backend.py`` (libcurl or urllib3 for the sync client, aiohttp for the async one); see
 :mod:`onceguard.client`."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class Timeout:
 
 
 class Response:
-    """An answer: its status, its headers (names in any case) and its body's bytes."""
+    """An answer: its status, its headers (looked up by names in lower case) and its body's
+    bytes."""
 
     __slots__ = ("status_code", "headers", "content")
 

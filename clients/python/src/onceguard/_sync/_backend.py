@@ -1,5 +1,6 @@
-"""What the sync flavour does its own way: its transport (urllib3), sleeping, the heartbeats'
-threads, and calling a ``verify`` hook (a plain function).
+"""What the sync flavour does its own way: its transport (libcurl through pycurl where the
+``curl`` extra is installed, urllib3 otherwise), sleeping, the heartbeats' threads, and calling a
+``verify`` hook (a plain function).
 
 Written by hand, with the names of ``_async/_backend.py`` (which uses asyncio); the other
 modules of ``_sync`` are generated from ``_async`` by ``scripts/unasync.py``.
@@ -26,10 +27,17 @@ from urllib3.exceptions import ConnectTimeoutError, HTTPError, NewConnectionErro
 
 from .._http import MaybeSent, NotSent, Response, Timeout, proxy_for, target
 
+try:
+    from .._curl import CurlTransport
+
+    _CURL = True
+except ImportError:  # the `curl` extra (pycurl) is not installed
+    _CURL = False
+
 log = logging.getLogger("onceguard")
 
 
-class Transport:
+class Urllib3Transport:
     """Sends requests to one server over urllib3's pool of keep-alive connections (safe to
     share between threads), without urllib3's own retries or redirects: the client retries.
     Through the proxy the environment names for the server, if any (:func:`proxy_for`)."""
@@ -90,6 +98,11 @@ class Transport:
             self._pool.clear()
         else:
             self._pool.close()
+
+
+#: The sync client's transport: libcurl's where pycurl is installed (about a quarter of urllib3's
+#: CPU per exchange), urllib3's otherwise. Both send, answer and fail alike.
+Transport: type[CurlTransport] | type[Urllib3Transport] = CurlTransport if _CURL else Urllib3Transport
 
 #: A function run under a guard: here a plain function, called.
 Job = Callable[[], Any]
