@@ -297,6 +297,7 @@ impl Redis {
                         let (_, record) = onceguard_core::protocol::claim(None, &req, now, || onceguard_core::Fence(0));
                         let record = record.context("a key with no record is acquired")?;
                         let (packed, fence_at) = onceguard_store_redis::packed_with_fence_at(&record);
+                        let (before, after) = onceguard_store_redis::around_fence(&packed, fence_at);
                         invocation
                             .key(keys.record(&placement))
                             .key(keys.fence_mark(placement.slot, &scope.tenant))
@@ -304,8 +305,8 @@ impl Redis {
                             .arg("")
                             .arg(now.0)
                             .arg(1_000)
-                            .arg(packed)
-                            .arg(fence_at);
+                            .arg(before)
+                            .arg(after);
                     } else {
                         ClaimCall {
                             keys: &keys,

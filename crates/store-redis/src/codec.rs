@@ -330,6 +330,14 @@ pub fn packed_record(record: &Record) -> Vec<u8> {
     packed_with_fence_at(record).0
 }
 
+/// A record packed by [`packed_with_fence_at`], cut around its fence's MessagePack string (the
+/// one-byte header of a string of up to 31 bytes, then the digits): what comes before it and
+/// what comes after it, the two parts [`crate::scripts::CLAIM_NEW`] writes a drawn fence between.
+pub fn around_fence(packed: &[u8], fence_at: usize) -> (&[u8], &[u8]) {
+    let digits = usize::from(packed[fence_at] - 0xa0);
+    (&packed[..fence_at], &packed[fence_at + 1 + digits..])
+}
+
 /// [`packed_record`], and where its fence is: the offset of the fence's MessagePack string
 /// (its one-byte header, then its decimal digits), which [`crate::scripts::CLAIM_NEW`] spells
 /// again with the fence it draws.

@@ -320,7 +320,7 @@ mod scan;
 pub mod scripts;
 mod tenants;
 
-pub use codec::{packed_record, packed_with_fence_at, unpacked_record};
+pub use codec::{around_fence, packed_record, packed_with_fence_at, unpacked_record};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -922,6 +922,7 @@ impl RedisStore {
         self.register_slot(conn, placement.slot).await?;
         self.floor_fences(conn, &req.scope.tenant).await?;
         let (packed, fence_at) = codec::packed_with_fence_at(&record);
+        let (before, after) = codec::around_fence(&packed, fence_at);
         let mut invocation = SCRIPTS.claim_new.prepare_invoke();
         invocation
             .key(self.keys.record(placement))
@@ -930,8 +931,8 @@ impl RedisStore {
             .arg(self.clock_arg())
             .arg(now.0)
             .arg(guess_tolerance_ms(req.lease))
-            .arg(packed)
-            .arg(fence_at);
+            .arg(before)
+            .arg(after);
         let answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
         match answer.as_slice() {
             [tag, fence] if tag.as_slice() == b"acquired" => {

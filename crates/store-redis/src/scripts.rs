@@ -79,7 +79,11 @@ local function clock_digits(given)
   return string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
 -- The same as a number.
-local function clock(given) return tonumber(clock_digits(given)) end
+local function clock(given)
+  if given ~= nil and given ~= '' then return tonumber(given) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 "#;
 
 /// Reading and writing a record (see the module documentation): `load_record(key)` answers the
@@ -214,11 +218,11 @@ pub const FENCES: &str = r#"
 -- version indexed the tenant's records on the slot by run, a form the versions before it fail
 -- on before they write a record. Answers the mark and whether it has that form, which a new
 -- mark keeps.
-local function read_mark(key)
-  local v = redis.call('GET', key) or '0'
+local function parse_mark(v)
   if string.sub(v, 1, 2) == 'm:' then return tonumber(string.sub(v, 3)), true end
   return tonumber(v), false
 end
+local function read_mark(key) return parse_mark(redis.call('GET', key) or '0') end
 local function write_mark(key, fence, fenced)
   local spelt = string.format('%.0f', fence)
   if fenced then spelt = 'm:' .. spelt end
@@ -580,31 +584,45 @@ return answer
 /// A claim of a key that had no record when it was read, on one server, carrying no quota,
 /// naming no run and needing no approval: the store decided it as `protocol::claim` decides
 /// with no record (it acquires) and packed the record it writes ([`crate::codec::packed_record`],
-/// with any fence), at the store's time of its read. The script writes that record only if the
-/// key still has none and the store's time now is within the tolerance given (a tenth of the
-/// lease, at most 1 s) of the time the record was decided at; it then draws the fence as
-/// [`CLAIM`] does on one server ([`FENCES`]: the counter, kept above the slot's mark, and the
-/// mark) and spells it into the record in place of the one packed. So a fresh key costs Redis
-/// these few commands, not the claim script's decoding, deciding and packing. Answers `{'acquired', fence}`, or, writing nothing, `{'exists'}` (the
-/// key has a record now, live or not) or `{'late'}`: the caller then runs [`CLAIM`], which
-/// decides on what the key holds.
+/// with any fence), at the store's time of its read, and gives it in two parts, before and after
+/// the fence's MessagePack string ([`crate::codec::around_fence`]). If the store's time now is
+/// within the tolerance given (a tenth of the lease, at most 1 s) of the time the record was
+/// decided at, the script draws the fence as [`CLAIM`] does on one server ([`FENCES`]: the
+/// counter, kept above the slot's mark, and the mark, swapped in one `SET … GET`), spells it
+/// between the two parts and writes the record with `SET … NX`: only if the key still has none.
+/// So a fresh key costs Redis these few commands, not the claim script's decoding, deciding and
+/// packing. Answers `{'acquired', fence}`, or, writing no record, `{'exists'}` (the key has a
+/// record now, live or not; the fence drawn is given to nobody) or `{'late'}` (nothing drawn):
+/// the caller then runs [`CLAIM`], which decides on what the key holds.
 pub const CLAIM_NEW: &str = r#"
 -- KEYS: record, slot fence mark, fence counter
 -- ARGV: the store's clock ('' for the server's), the store's time the record was decided at,
---       how far the store's time now may be from it (ms), the packed record, where its fence is
---       (the offset of its MessagePack string, whose one-byte header gives its length)
+--       how far the store's time now may be from it (ms), the packed record before its fence's
+--       MessagePack string, and after it
 local now = clock(ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 1 then return { 'exists' } end
 if math.abs(now - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return { 'late' } end
-local mark, fenced = read_mark(KEYS[2])
-local fence = draw_above(KEYS[3], mark)
-write_mark(KEYS[2], fence, fenced)
-fence = string.format('%.0f', fence)
--- A record in progress never expires: no TTL, as write_record writes it.
-local packed, at = ARGV[4], tonumber(ARGV[5])
-local spelt = string.byte(packed, at + 1) - 160
-redis.call('SET', KEYS[1], string.sub(packed, 1, at) .. string.char(160 + #fence) .. fence .. string.sub(packed, at + 2 + spelt))
-return { 'acquired', fence }
+-- draw_above and write_mark in fewer commands: the mark swapped for the counter's next fence,
+-- and set again only where it was at or above it, or kept the form of earlier versions.
+local fence = redis.call('INCR', KEYS[3])
+local spelt = string.format('%.0f', fence)
+local was = redis.call('SET', KEYS[2], spelt, 'GET')
+if was then
+  local mark, fenced = parse_mark(was)
+  if mark >= fence then
+    fence = mark + 1
+    spelt = string.format('%.0f', fence)
+    redis.call('SET', KEYS[3], spelt)
+    write_mark(KEYS[2], fence, fenced)
+  elseif fenced then
+    write_mark(KEYS[2], fence, fenced)
+  end
+end
+-- A record in progress never expires: no TTL, as write_record writes it. A key that has a record
+-- now is left as it is (the fence drawn is given to nobody: fences only grow).
+if not redis.call('SET', KEYS[1], ARGV[4] .. string.char(160 + #spelt) .. spelt .. ARGV[5], 'NX') then
+  return { 'exists' }
+end
+return { 'acquired', spelt }
 "#;
 
 /// What every call of [`CLAIM`] starts with: KEYS 1 and 2 (the record and the slot's fence

@@ -930,6 +930,8 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
         let (_, record) =
             onceguard_core::protocol::claim(None, &common::request(&s), decided_at, || onceguard_core::Fence(0));
         let record = record.expect("a key with no record is acquired");
+        let packed = onceguard_store_redis::packed_record(&record);
+        let (before, after) = onceguard_store_redis::around_fence(&packed, packed_fence_at(&record));
         let mut invocation = SCRIPTS.claim_new.prepare_invoke();
         invocation
             .key(keys.record(&placement))
@@ -938,8 +940,8 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
             .arg(store_now.0)
             .arg(decided_at.0)
             .arg(1_000)
-            .arg(onceguard_store_redis::packed_record(&record))
-            .arg(packed_fence_at(&record));
+            .arg(before)
+            .arg(after);
         let (mut conn, at) = (script_conn.clone(), keys.record(&placement));
         async move { (invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap(), record, at) }
     };
@@ -971,8 +973,8 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
         expected.fence = onceguard_core::Fence(next + 1);
         assert_eq!(record_at(&mut conn, &at).await, expected);
     }
-    // A key with a record: nothing written, whatever it holds; neither the counter nor the mark
-    // moves.
+    // A key with a record: no record written, whatever it holds. The fence drawn meanwhile is
+    // given to nobody: the next claim's is above it, and the mark (in its form) with it.
     let counter = keys.fence_counter(&s.tenant);
     let drawn = |mut conn: redis::aio::MultiplexedConnection| {
         let (counter, mark) = (counter.clone(), mark.clone());
@@ -981,14 +983,27 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
             values
         }
     };
-    let fences = drawn(conn.clone()).await;
     let before: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
     let (answer, _, _) = claim_new("new-1", t0, t0).await;
     assert_eq!(answer, ["exists"]);
     let after: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
     assert_eq!(before, after);
-    assert_eq!(drawn(conn.clone()).await, fences);
-    // Decided more than the tolerance before (or after) the store's time: nothing written.
+    let given_to_nobody = (1u64 << 52) + 2;
+    assert_eq!(drawn(conn.clone()).await, [given_to_nobody.to_string(), format!("m:{given_to_nobody}")]);
+    let (answer, _, _) = claim_new("new-after", t0, t0).await;
+    assert_eq!(answer, ["acquired", (given_to_nobody + 1).to_string().as_str()]);
+    // A plain mark above the counter: the fence is the mark's next, and mark and counter become it.
+    let plain = scope("new-plain");
+    let plain_mark = keys.fence_mark(Placement::of(&plain).slot, &plain.tenant);
+    let above = given_to_nobody + 50;
+    let _: () = redis::cmd("SET").arg(&plain_mark).arg(above).query_async(&mut conn).await.unwrap();
+    let (answer, _, _) = claim_new("new-plain", t0, t0).await;
+    assert_eq!(answer, ["acquired", (above + 1).to_string().as_str()]);
+    let values: Vec<String> = redis::cmd("MGET").arg(&counter).arg(&plain_mark).query_async(&mut conn).await.unwrap();
+    assert_eq!(values, [(above + 1).to_string(), (above + 1).to_string()]);
+    let fences = drawn(conn.clone()).await;
+    // Decided more than the tolerance before (or after) the store's time: nothing written, and
+    // nothing drawn.
     for store_now in [Timestamp(t0.0 + 1_001), Timestamp(t0.0 - 1_001)] {
         let (answer, _, at) = claim_new("late", t0, store_now).await;
         assert_eq!(answer, ["late"]);
