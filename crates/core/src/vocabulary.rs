@@ -114,6 +114,8 @@ vocabulary! {
         Ping => "ping",
         /// [`crate::store::ClaimStore::store_time`].
         StoreTime => "store_time",
+        /// [`crate::store::ClaimStore::watch`].
+        Watch => "watch",
         /// Tenants and API keys.
         Auth => "auth",
         /// Runs, budgets, switches and settings.
@@ -234,7 +236,7 @@ mod tests {
         check(&StaleKind::ALL, StaleKind::index, StaleKind::as_str);
         check(&FencedOp::ALL, FencedOp::index, FencedOp::as_str);
         check(&StoreOp::ALL, StoreOp::index, StoreOp::as_str);
-        assert_eq!(StoreOp::ALL.len(), 19);
+        assert_eq!(StoreOp::ALL.len(), 20);
     }
 
     #[test]

@@ -163,6 +163,11 @@ impl ClaimStore for ObservedStore {
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
         self.inner.changes()
     }
+
+    #[tracing::instrument(level = "debug", name = "store.watch", skip_all, fields(store = self.kind, error))]
+    async fn watch(&self, scope: &Scope, wait: std::time::Duration) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Watch, None, self.inner.watch(scope, wait)).await
+    }
 }
 
 #[async_trait]

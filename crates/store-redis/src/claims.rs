@@ -279,4 +279,18 @@ impl ClaimStore for RedisStore {
     fn changes(&self) -> Option<broadcast::Receiver<Scope>> {
         Some(self.changes.subscribe())
     }
+
+    /// Marks the key watched for the wait and [`WATCH_MARGIN`] more ([`scripts::WATCH`]): a
+    /// finishing call announces only a watched key.
+    async fn watch(&self, scope: &Scope, wait: Duration) -> Result<bool, StoreError> {
+        let placement = Placement::of(scope);
+        self.bounded("watch", async {
+            let mut conn = self.conn.clone();
+            let mut invocation = SCRIPTS.watch.prepare_invoke();
+            invocation.key(self.keys.watched(&placement)).arg(ms(wait + WATCH_MARGIN));
+            invocation.invoke_async::<i64>(&mut conn).await.map_err(unavailable("watch"))?;
+            Ok(true)
+        })
+        .await
+    }
 }

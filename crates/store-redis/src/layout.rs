@@ -180,6 +180,13 @@ impl Keys {
         format!("{}r:{{{}}}:{}", self.prefix, slot_tag(placement.slot), placement.digest)
     }
 
+    /// That a claim of a record's key waits for its holder (another instance's, maybe): while it
+    /// exists, the key's finish is announced on [`Self::changes`]. In the record's slot; it
+    /// expires with the longest such wait.
+    pub fn watched(&self, placement: &Placement) -> String {
+        format!("{}w:{{{}}}:{}", self.prefix, slot_tag(placement.slot), placement.digest)
+    }
+
     /// A tenant's fence counter, in the tenant's slot: never deleted, never expires.
     pub fn fence_counter(&self, tenant: &TenantId) -> String {
         format!("{}t:{{{tenant}}}:fence", self.prefix)

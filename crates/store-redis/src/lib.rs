@@ -230,6 +230,7 @@
 //! | key | type | holds |
 //! | --- | --- | --- |
 //! | `P r:{T}:<digest>` | string | one record (MessagePack, fields in [`scripts`]; a hash if an earlier version wrote it); the digest is of tenant, namespace and key |
+//! | `P w:{T}:<digest>` | string | that a claim waits for the key's holder, until it expires: the key's finish is announced on `P changes` (the longest wait's) |
 //! | `P t:{<tenant>}:fence` | string | the tenant's fence counter |
 //! | `P fence` | string | `floor:<n>`: the one fence counter of earlier versions, retired: the floor of every tenant's |
 //! | `P f:{T}:<tenant>` | string | the tenant's fence mark on the slot: `<n>`, or `m:<n>` once an earlier version indexed the tenant's records on the slot by run |
@@ -245,7 +246,7 @@
 //! | `P c:{control}` | hash | every tenant's switches and settings, by `kind NUL tenant NUL id` |
 //! | `P c:{control}:audit-outbox` | hash | audit entries of control changes not yet in their tenant's log, by id |
 //! | `P a:{auth}:audit-outbox` | hash | the same for tenants and API keys |
-//! | `P changes` | channel | finished and purged keys |
+//! | `P changes` | channel | finished keys that a claim watches (`P w:…`), and purged keys |
 //!
 //! # Costs
 //!
@@ -272,8 +273,15 @@
 //!
 //! # Waits across instances
 //!
-//! Every finishing call (complete, fail, report-unknown) that changed a record, and every purge,
-//! publishes the key on the channel `P changes`, from inside its script. Each store subscribes
+//! Every finishing call (complete, fail, report-unknown) that changed a record of a key that a
+//! claim watches, and every purge, publishes the key on the channel `P changes`, from inside its
+//! script. A claim about to wait for a key's holder watches it first (`ClaimStore::watch`: the
+//! mark `P w:{T}:<digest>`, expiring with its wait, which the finishing call reads in its
+//! script) and then claims again, so a finish before the mark is seen by that claim and one after
+//! it is announced; a finish nobody waits for costs no message (each instance would otherwise
+//! hear every finish of every other). During a rolling upgrade, a claim waiting on an instance
+//! of an earlier version does not watch: it finds a finish made through a newer instance by its
+//! polling (`limits.wait_poll`). Each store subscribes
 //! to that channel (on a Cluster, at one node: every node hears every message) and hands the
 //! keys finished through *other* store instances to [`onceguard_core::store::ClaimStore::changes`], so that a server can
 //! wake its waiters at once. Pub/sub delivers at most once: a message published while the
@@ -479,6 +487,10 @@ fn guess_tolerance_ms(lease: Duration) -> u64 {
 
 /// The longest `ping` waits.
 const PING_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How much longer than its wait a claim's watch of a key lasts (`ClaimStore::watch`): the time
+/// its next claim and the store's clock may take.
+const WATCH_MARGIN: Duration = Duration::from_secs(1);
 
 /// Keys finished elsewhere that may wait to be read before older ones are dropped.
 const CHANGES_CAPACITY: usize = 1_024;
@@ -992,7 +1004,7 @@ impl RedisStore {
         let charges_here = !self.cluster && run.is_some();
         let mut invocation =
             if charges_here { SCRIPTS.mutate_charging.prepare_invoke() } else { SCRIPTS.mutate.prepare_invoke() };
-        invocation.key(self.keys.record(placement));
+        invocation.key(self.keys.record(placement)).key(self.keys.watched(placement));
         if !self.cluster {
             invocation.key(self.keys.in_flight(&scope.tenant));
             if let Some(run) = run {

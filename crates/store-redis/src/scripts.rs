@@ -712,10 +712,11 @@ fn gates(
 ///
 /// On one server the script also removes a finished lease from the tenant's in-flight set (or
 /// raises an extended one) and adds the reported cost to the run; on a Cluster the store does
-/// both after the script, on their own slots.
+/// both after the script, on their own slots. A call that finishes the record announces the key
+/// on the change channel if a claim watches it (`Keys::watched`).
 pub const MUTATE: &str = r#"
--- KEYS: record; on one server also the tenant's in-flight set, then the run (with a run named
---       below)
+-- KEYS: record, whether it is watched; on one server also the tenant's in-flight set, then the
+--       run (with a run named below)
 -- ARGV: the store's clock ('' for the server's), fence, op, max checkpoints, member, margin ms,
 --   channel, message, then by op:
 --   complete, fail: kind, content type, body, cost ('' if none), tokens ('' if none),
@@ -739,7 +740,7 @@ elseif op == 'checkpoint' then
 end
 local reported, given_run, raised_to = ARGV[base + 1] or '0', ARGV[base + 2] or '', ARGV[base + 3] or ''
 local raised = raised_to ~= ''
-local one_server = #KEYS > 1
+local one_server = #KEYS > 2
 
 local r = load_record(KEYS[1])
 if r == nil or not is_live(r, now) then return { 'stale', 'no_record' } end
@@ -831,14 +832,14 @@ write_record(KEYS[1], w.r, now)
 if one_server then
   if r.q ~= nil then
     if op == 'extend' then
-      redis.call('ZADD', KEYS[2], 'GT', w.r.le, member .. '\0' .. r.q)
+      redis.call('ZADD', KEYS[3], 'GT', w.r.le, member .. '\0' .. r.q)
     elseif finishes then
-      redis.call('ZREM', KEYS[2], member .. '\0' .. r.q)
+      redis.call('ZREM', KEYS[3], member .. '\0' .. r.q)
     end
   end
-  if costs then add_cost(KEYS[3], r.t, r.run, reported, int(now)) end
+  if costs then add_cost(KEYS[4], r.t, r.run, reported, int(now)) end
 end
-if finishes then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
+if finishes and redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
 local answer = flat(w.r)
 table.insert(answer, 1, 'applied')
 return answer
@@ -876,6 +877,15 @@ pub const SWEEP_ONE: &str = r#"
 local r = load_record(KEYS[1])
 if r == nil or tonumber(r.ex) > clock(ARGV[1]) then return 0 end
 return redis.call('DEL', KEYS[1])
+"#;
+
+/// `ClaimStore::watch`: marks a record's key as waited for (`Keys::watched`) for at least the
+/// given time, so that a call that finishes it announces it ([`MUTATE`]). A mark that lasts
+/// longer (a longer wait's) is kept.
+pub const WATCH: &str = r#"
+-- KEYS: the key's mark; ARGV: how long the wait lasts at most, ms
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], '1', 'PX', ARGV[1]) end
+return 1
 "#;
 
 /// Deletes a record whatever its state, and announces it. Answers `{existed, token}`: 1 if it
@@ -1278,6 +1288,8 @@ pub struct Scripts {
     pub mutate_charging: Script,
     /// See [`SWEEP_ONE`].
     pub sweep_one: Script,
+    /// See [`WATCH`].
+    pub watch: Script,
     /// See [`PURGE`].
     pub purge: Script,
     /// See [`REVOKE`].
@@ -1343,6 +1355,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),
         sweep_one: with_clock(&with_record(SWEEP_ONE)),
+        watch: Script::new(WATCH),
         purge: Script::new(&with_record(PURGE)),
         revoke: with_prelude(REVOKE),
         reserve_in_flight: with_numbers(RESERVE_IN_FLIGHT),

@@ -41,6 +41,50 @@ async fn a_change_made_through_one_instance_reaches_another() {
     common::changes_reach_other_instances(&a, &b, &elsewhere).await;
 }
 
+/// A claim waiting for a key held through another instance is woken by the holder's completion,
+/// though the store announces only the finishes of watched keys: the waiter watches the key
+/// before it waits. Its polling (every 30 s here) would not find the completion within its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_a_completion_through_another_instance() {
+    if !common::single_available() {
+        return;
+    }
+    let (url, prefix) = (common::redis_url(), common::prefix());
+    let _cleanup = common::DeletePrefix { url: url.clone(), prefix: prefix.clone() };
+    let limits = onceguard_core::Limits { wait_poll: Duration::from_secs(30), ..Default::default() };
+    let guard = |store: RedisStore| {
+        onceguard_core::Guard::new(Arc::new(store), Arc::new(onceguard_core::SystemClock), limits.clone())
+    };
+    let holder = guard(RedisStore::connect(&url, &prefix).await.unwrap());
+    let waiter = guard(RedisStore::connect(&url, &prefix).await.unwrap());
+    let forwarding = tokio::spawn(waiter.forward_changes().expect("a change feed"));
+    for round in 0..8 {
+        let s = scope(&format!("woken-{round}"));
+        let req = common::request(&s);
+        let claim = |wait| onceguard_testkit::through_the_door(&req, wait);
+        let ClaimOutcome::Acquired(held) = holder.claim(claim(Duration::ZERO)).await.unwrap() else {
+            panic!("round {round}: not acquired")
+        };
+        let waiting = {
+            let (waiter, claim) = (waiter.clone(), claim(Duration::from_secs(10)));
+            tokio::spawn(async move { (waiter.claim(claim).await.unwrap(), std::time::Instant::now()) })
+        };
+        // Sooner or later in the waiter's first pass (whose claim may come before or after it).
+        tokio::time::sleep(Duration::from_millis(25 * round)).await;
+        let done = holder.mutate(&s, held.fence, Mutation::Complete(common::outcome())).await.unwrap();
+        assert!(matches!(done, FencedOutcome::Applied(_)), "round {round}: {done:?}");
+        let completed = std::time::Instant::now();
+        let (answer, at) = waiting.await.unwrap();
+        assert!(matches!(answer, ClaimOutcome::Replay(_)), "round {round}: {answer:?}");
+        assert!(
+            at.saturating_duration_since(completed) < Duration::from_secs(3),
+            "round {round}: woken {:?} after the completion",
+            at.saturating_duration_since(completed)
+        );
+    }
+    forwarding.abort();
+}
+
 /// A record in progress carries no Redis TTL (no retention erases an unfinished attempt); a
 /// finished one carries its retention, measured from the store's clock (the server's, here:
 /// the caller's `now`, far in the past, changes nothing), so Redis deletes it when it expires
@@ -645,6 +689,7 @@ async fn a_lease_never_outlasts_its_place_in_flight() {
         let mut invocation = SCRIPTS.mutate.prepare_invoke();
         invocation
             .key(keys.record(&placement))
+            .key(keys.watched(&placement))
             .arg(at)
             .arg(1)
             .arg("extend")

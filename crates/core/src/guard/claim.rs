@@ -85,6 +85,7 @@ impl Guard {
         }
         // Only a claim that may wait has a deadline.
         let deadline = (!wait.is_zero()).then(|| Instant::now() + wait);
+        let mut watched = false;
         loop {
             let mut changes = deadline.map(|_| self.notifier.subscribe(&req.scope));
             let outcome = match &ask {
@@ -105,6 +106,17 @@ impl Guard {
                 }
                 _ => return Ok((observed(mode, outcome), req.scope, mode)),
             };
+            // Before its first wait, the store is told that the key is watched; a store that
+            // announces only watched keys' finishes has the key claimed again at once.
+            if !watched {
+                watched = true;
+                match self.store.watch(&req.scope, deadline.saturating_duration_since(Instant::now())).await {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    // Its waiter still polls (every wait_poll at most): slower, never wrong.
+                    Err(error) => tracing::warn!(%error, "could not watch a key in flight; its waiter polls"),
+                }
+            }
             // Wake on a change, when the holder's lease should have passed, at the poll interval,
             // or at the deadline, whichever comes first; then claim again.
             let nap = retry_after.min(self.limits.wait_poll).max(Duration::from_millis(1));

@@ -153,7 +153,19 @@ pub trait ClaimStore: Send + Sync + 'static {
     /// Keys finished (completed, failed, reported unknown) or purged through *other* processes
     /// sharing this store, so that this process can wake its waiters at once. `None` when the
     /// store offers no such feed; waiters then rely on polling, which they always do as well.
+    /// A store may announce a key's finish only while some process watches it ([`Self::watch`]).
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Scope>> {
         None
+    }
+
+    /// Says that a claim of `scope` is about to wait for its holder, for at most `wait`: until
+    /// then, the key's finish through any process is announced on [`Self::changes`]. Answers
+    /// whether the store announces only the finishes of watched keys: a waiter then claims again
+    /// before it waits (a finish before the watch is seen by that claim, one after it is
+    /// announced). `false`, doing nothing, for a store that announces every finish (the
+    /// default) or has no feed.
+    async fn watch(&self, scope: &Scope, wait: std::time::Duration) -> Result<bool, StoreError> {
+        let _ = (scope, wait);
+        Ok(false)
     }
 }

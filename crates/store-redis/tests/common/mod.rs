@@ -269,8 +269,25 @@ pub async fn changes_reach_other_instances(a: &RedisStore, b: &RedisStore, elsew
         compensation: None,
     };
 
-    // A checkpoint announces nothing; a completion and a purge do.
+    // A completion of a key that no claim watches announces nothing; a purge does.
+    let unwatched = scope("unwatched");
+    let fence = acquire(a, &unwatched, now).await;
+    assert!(matches!(
+        a.mutate(&unwatched, fence, Mutation::Complete(outcome.clone()), now, 8).await.unwrap(),
+        FencedOutcome::Applied(_)
+    ));
+    assert!(a.purge(&unwatched).await.unwrap());
+    let heard = tokio::time::timeout(Duration::from_secs(10), at_b.recv()).await;
+    assert_eq!(
+        heard.expect("the purge was not heard within 10 s").unwrap(),
+        unwatched,
+        "the purge, not the completion"
+    );
+
+    // Watched (through either instance): a checkpoint announces nothing; a completion and a
+    // purge do.
     let fence = acquire(a, &s, now).await;
+    assert!(b.watch(&s, Duration::from_secs(5)).await.unwrap(), "the store announces only watched keys");
     let cp = Mutation::Checkpoint { name: CheckpointName::parse("step").unwrap(), data: "{}".into() };
     assert!(matches!(a.mutate(&s, fence, cp, now, 8).await.unwrap(), FencedOutcome::Applied(_)));
     assert!(matches!(
