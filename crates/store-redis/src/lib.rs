@@ -21,7 +21,12 @@
 //!   script does and spells it into the record the store packed. Otherwise (the key changed
 //!   meanwhile, or the claim waited longer) it writes nothing and the claim script decides, on
 //!   what the key holds and at the store's time then. The claim script's own path for a new key
-//!   still serves batch calls, claims with a quota, a run or an approval, and a Cluster.
+//!   still serves batch calls, claims with a quota, a run or an approval, and a Cluster. The
+//!   store keeps each record it wrote so, as written, until a call on its key: a completion or
+//!   failure of it is decided in Rust (`protocol::apply`, at the caller's time plus the offset
+//!   the last claim's read measured) and written by another short script
+//!   ([`scripts::FINISH_KNOWN`]) only if the key holds exactly those bytes and the store's time
+//!   is within 1 s of that estimate; otherwise the fenced-call script decides.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
@@ -332,7 +337,8 @@ pub use codec::{around_fence, packed_record, packed_with_fence_at, unpacked_reco
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -569,7 +575,29 @@ pub struct RedisStore {
     listener: JoinHandle<()>,
     /// Claims of a new key that the short script acquired ([`RedisStore::new_keys_acquired`]).
     new_keys: AtomicU64,
+    /// The records the short claim script wrote, as written, until a call on their key.
+    known: std::sync::Mutex<HashMap<Scope, Arc<KnownRecord>>>,
+    /// The store's time less the caller's, as the last claim's read measured it (ms): what
+    /// dates a call decided before its key is read ([`RedisStore::finish_known`]).
+    offset_ms: AtomicI64,
+    /// Calls that finished a known record by the short script ([`RedisStore::known_finished`]).
+    known_finished: AtomicU64,
 }
+
+/// A record as this instance wrote it with [`scripts::CLAIM_NEW`]: the record and its bytes.
+struct KnownRecord {
+    record: Record,
+    packed: Vec<u8>,
+}
+
+/// The most records [`RedisStore`] keeps as written; past it, it forgets them all.
+const KNOWN_MAX: usize = 8_192;
+
+/// How far the store's time may be from a call's estimate of it for [`scripts::FINISH_KNOWN`]
+/// to write what was decided at the estimate: the times it writes (completion, update, expiry)
+/// are the estimate's, and stay this close to the store's. Its decision does not depend on the
+/// time (a fenced call on a record in progress that it knows unchanged). As PostgreSQL's guesses.
+const FINISH_TOLERANCE_MS: u64 = 1_000;
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -728,6 +756,9 @@ impl RedisStore {
             changes,
             listener,
             new_keys: AtomicU64::new(0),
+            known: std::sync::Mutex::default(),
+            offset_ms: AtomicI64::new(0),
+            known_finished: AtomicU64::new(0),
         };
         store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
         store.bounded("delete the indexes of earlier versions", store.delete_indexes_of_earlier_versions()).await?;
@@ -947,10 +978,14 @@ impl RedisStore {
             .arg(after);
         let answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
         match answer.as_slice() {
-            [tag, fence] if tag.as_slice() == b"acquired" => {
-                let fence = std::str::from_utf8(fence).ok().and_then(|f| f.parse().ok()).map(Fence);
+            [tag, spelt] if tag.as_slice() == b"acquired" => {
+                let fence = std::str::from_utf8(spelt).ok().and_then(|f| f.parse().ok()).map(Fence);
                 let fence = fence.ok_or_else(|| corrupt("the claim answered a fence that is not a number"))?;
                 self.new_keys.fetch_add(1, Ordering::Relaxed);
+                let header = u8::try_from(spelt.len()).ok().filter(|n| *n < 32).map(|n| 0xa0 | n);
+                let header = header.ok_or_else(|| corrupt("the claim answered a fence too long"))?;
+                let packed = [before, &[header], spelt.as_slice(), after].concat();
+                self.remember(&req.scope, KnownRecord { record: Record { fence, ..record }, packed });
                 Ok(Some(ClaimOutcome::Acquired(onceguard_core::Acquired { fence, ..acquired })))
             }
             [tag] if tag.as_slice() == b"exists" || tag.as_slice() == b"late" => Ok(None),
@@ -962,6 +997,93 @@ impl RedisStore {
     /// ([`scripts::CLAIM_NEW`]) rather than the claim script.
     pub fn new_keys_acquired(&self) -> u64 {
         self.new_keys.load(Ordering::Relaxed)
+    }
+
+    /// How many calls this instance finished with [`scripts::FINISH_KNOWN`] rather than the
+    /// fenced-call script.
+    pub fn known_finished(&self) -> u64 {
+        self.known_finished.load(Ordering::Relaxed)
+    }
+
+    fn known_records(&self) -> std::sync::MutexGuard<'_, HashMap<Scope, Arc<KnownRecord>>> {
+        self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn remember(&self, scope: &Scope, known: KnownRecord) {
+        let mut records = self.known_records();
+        if records.len() >= KNOWN_MAX {
+            records.clear();
+        }
+        records.insert(scope.clone(), Arc::new(known));
+    }
+
+    /// The record this instance wrote for `scope`, forgotten: a call on the key changes it.
+    fn take_known(&self, scope: &Scope) -> Option<Arc<KnownRecord>> {
+        self.known_records().remove(scope)
+    }
+
+    /// Notes the store's time `store_now` read when the caller's time was `now`.
+    fn note_offset(&self, store_now: Timestamp, now: Timestamp) {
+        let offset = i64::try_from(i128::from(store_now.0) - i128::from(now.0)).unwrap_or(0);
+        self.offset_ms.store(offset, Ordering::Relaxed);
+    }
+
+    /// A call that finishes (completes or fails) the record `known`, which this instance wrote
+    /// with the short claim script: decided here as `protocol::apply` decides on that record,
+    /// at this instance's estimate of the store's time (the caller's `now` plus the offset the
+    /// last claim measured), and written by [`scripts::FINISH_KNOWN`] only if the key still
+    /// holds exactly that record and the store's time is within [`FINISH_TOLERANCE_MS`] of the
+    /// estimate. `None` where that does not hold, or the call is not such a call: the
+    /// fenced-call script decides.
+    #[allow(clippy::too_many_arguments)]
+    async fn finish_known(
+        &self,
+        conn: &mut Conn,
+        scope: &Scope,
+        placement: &Placement,
+        known: &KnownRecord,
+        fence: Fence,
+        mutation: &Mutation,
+        now: Timestamp,
+        max_checkpoints: usize,
+    ) -> Result<Option<FencedOutcome>, StoreError> {
+        if !matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. }) || known.record.fence != fence {
+            return Ok(None);
+        }
+        let estimate = Timestamp(now.0.saturating_add_signed(self.offset_ms.load(Ordering::Relaxed)));
+        let (outcome, Some(record)) = onceguard_core::protocol::apply(
+            Some(known.record.clone()),
+            fence,
+            mutation.clone(),
+            estimate,
+            max_checkpoints,
+        ) else {
+            return Ok(None);
+        };
+        if record.state == onceguard_core::RecordState::InProgress {
+            return Ok(None);
+        }
+        let mut invocation = SCRIPTS.finish_known.prepare_invoke();
+        invocation
+            .key(self.keys.record(placement))
+            .key(self.keys.watched(placement))
+            .arg(self.clock_arg())
+            .arg(estimate.0)
+            .arg(FINISH_TOLERANCE_MS)
+            .arg(known.packed.as_slice())
+            .arg(codec::packed_record(&record))
+            .arg(record.expires_at.0)
+            .arg(self.keys.changes())
+            .arg(self.message(scope));
+        let answer: String = invocation.invoke_async(conn).await.map_err(unavailable("fenced call"))?;
+        match answer.as_str() {
+            "done" => {
+                self.known_finished.fetch_add(1, Ordering::Relaxed);
+                Ok(Some(outcome))
+            }
+            "changed" | "late" => Ok(None),
+            _ => Err(corrupt("the call on a known record answered something else")),
+        }
     }
 
     async fn claim_on_one_server(

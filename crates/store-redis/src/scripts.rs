@@ -625,6 +625,28 @@ end
 return { 'acquired', spelt }
 "#;
 
+/// A call that finishes a record this instance wrote with [`CLAIM_NEW`] and has not seen change
+/// since: the store decided it as `protocol::apply` decides on that record (at its estimate of
+/// the store's time) and packed the record it writes. The script writes it (with its TTL, from
+/// the store's time now) only if the key holds exactly the record this instance wrote and the
+/// store's time is within the tolerance given of the estimate, and announces the key if a claim
+/// watches it ([`MUTATE`]'s rule). So a first execution's completion costs Redis a comparison
+/// and a `SET`, not the fenced-call script's decoding, deciding and packing. Answers `'done'`,
+/// or, writing nothing, `'changed'` (the key holds another record, or none) or `'late'`: the
+/// caller then runs [`MUTATE`], which decides on what the key holds.
+pub const FINISH_KNOWN: &str = r#"
+-- KEYS: record, whether it is watched
+-- ARGV: the store's clock ('' for the server's), the store's time the call was decided at, how
+--       far the store's time now may be from it (ms), the record as this instance wrote it, the
+--       record to write, its expiry (ms since the epoch), channel, message
+local now = clock(ARGV[1])
+if math.abs(now - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return 'late' end
+if redis.call('GET', KEYS[1]) ~= ARGV[4] then return 'changed' end
+redis.call('SET', KEYS[1], ARGV[5], 'PX', string.format('%.0f', math.max(tonumber(ARGV[6]) - now, 1)))
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
+return 'done'
+"#;
+
 /// What every call of [`CLAIM`] starts with: KEYS 1 and 2 (the record and the slot's fence
 /// mark) and ARGV 1 to 12. A caller then adds
 /// what its case needs (on one server the fence counter, and the admission's keys and
@@ -1278,6 +1300,8 @@ pub struct Scripts {
     pub claim_admitting: Script,
     /// See [`CLAIM_NEW`].
     pub claim_new: Script,
+    /// See [`FINISH_KNOWN`].
+    pub finish_known: Script,
     /// See [`DRAW_FENCE`].
     pub draw_fence: Script,
     /// [`MUTATE`], without [`NUMBERS`]: on a Cluster, and on one server for calls that do
@@ -1351,6 +1375,7 @@ pub static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         claim: with_prelude(CLAIM),
         claim_admitting: with_numbers(CLAIM),
         claim_new: with_clock(&format!("{FENCES}\n{CLAIM_NEW}")),
+        finish_known: with_clock(FINISH_KNOWN),
         draw_fence: Script::new(DRAW_FENCE),
         mutate: with_prelude(MUTATE),
         mutate_charging: with_numbers(MUTATE),

@@ -320,6 +320,123 @@ async fn fresh_store() -> Option<(RedisStore, Arc<ManualClock>, common::DeletePr
     Some((store, clock, common::DeletePrefix { url, prefix }))
 }
 
+/// A call that finishes a record this instance wrote with the short claim script is decided
+/// here and written by a short script, only if the key still holds that record and the store's
+/// time is close to this instance's estimate: a key taken over through another instance, or an
+/// estimate a second off, goes to the fenced-call script, which decides on what the key holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_record_is_finished_by_the_short_script_only_while_it_is_unchanged() {
+    let Some((a, clock, cleanup)) = fresh_store().await else { return };
+    let options = RedisOptions {
+        prefix: cleanup.prefix.clone(),
+        clock: StoreClock::Given(clock.clone()),
+        ..RedisOptions::default()
+    };
+    let b = common::store_with(RedisTarget::Single(cleanup.url.clone()), options).await;
+    async fn acquire(store: &RedisStore, s: &Scope, now: Timestamp) -> onceguard_core::Fence {
+        match store.claim(&common::request(s), now).await.unwrap() {
+            ClaimOutcome::Acquired(a) => a.fence,
+            other => panic!("not acquired: {other:?}"),
+        }
+    }
+    let complete = Mutation::Complete(common::outcome());
+
+    // Completed by the short script: the record as the fenced-call script would leave it, with
+    // the retention's TTL; a repeat is the fenced-call script's.
+    let s = scope("known");
+    let fence = acquire(&a, &s, clock.now()).await;
+    let done = a.mutate(&s, fence, complete.clone(), clock.now(), 8).await.unwrap();
+    let FencedOutcome::Applied(applied) = done else { panic!("not applied: {done:?}") };
+    assert_eq!(a.known_finished(), 1);
+    let stored = a.get(&s, clock.now()).await.unwrap().expect("the record");
+    assert_eq!(stored, *applied);
+    assert_eq!((stored.state, stored.completed_at), (onceguard_core::RecordState::Completed, Some(clock.now())));
+    let mut conn = redis::Client::open(cleanup.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let key = Keys::new(&cleanup.prefix).unwrap().record(&Placement::of(&s));
+    let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+    assert!((99_000..=100_000).contains(&ttl), "the completed record's TTL is {ttl} ms");
+    clock.advance(Duration::from_millis(5));
+    let again = a.mutate(&s, fence, complete.clone(), clock.now(), 8).await.unwrap();
+    assert_eq!(again, FencedOutcome::Applied(Box::new(stored)), "a repeat changes nothing");
+    assert_eq!(a.known_finished(), 1);
+
+    // Taken over through another instance once the lease passed: the holder's completion is
+    // stale, and the new holder's record is left as it is.
+    let s = scope("taken-over");
+    let old = acquire(&a, &s, clock.now()).await;
+    clock.advance(Duration::from_secs(11));
+    let new = acquire(&b, &s, clock.now()).await;
+    assert!(new > old);
+    let before = b.get(&s, clock.now()).await.unwrap();
+    let stale = a.mutate(&s, old, complete.clone(), clock.now(), 8).await.unwrap();
+    assert!(matches!(stale, FencedOutcome::Stale(onceguard_core::StaleReason::Superseded)), "{stale:?}");
+    assert_eq!(b.get(&s, clock.now()).await.unwrap(), before);
+    assert_eq!(a.known_finished(), 1);
+
+    // An estimate of the store's time more than a second off: the fenced-call script completes it.
+    let s = scope("estimated-off");
+    let fence = acquire(&a, &s, clock.now()).await;
+    let off = Timestamp(clock.now().0 + 1_001);
+    let done = a.mutate(&s, fence, complete, off, 8).await.unwrap();
+    let FencedOutcome::Applied(applied) = done else { panic!("not applied: {done:?}") };
+    assert_eq!(applied.completed_at, Some(clock.now()), "the store's time decides");
+    assert_eq!(a.known_finished(), 1);
+}
+
+/// A holder's completion by the short script racing 8 claims through other instances once its
+/// lease passed: either the completion takes effect and every claim replays it, or one claim
+/// takes the key over and the completion is stale; never both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_completion_racing_a_takeover_has_one_winner() {
+    let Some((a, clock, cleanup)) = fresh_store().await else { return };
+    let options = RedisOptions {
+        prefix: cleanup.prefix.clone(),
+        clock: StoreClock::Given(clock.clone()),
+        ..RedisOptions::default()
+    };
+    let others = Arc::new(common::store_with(RedisTarget::Single(cleanup.url.clone()), options).await);
+    let a = Arc::new(a);
+    let (mut completions, mut takeovers) = (0, 0);
+    for round in 0..30 {
+        let s = scope(&format!("race-{round}"));
+        let ClaimOutcome::Acquired(held) = a.claim(&common::request(&s), clock.now()).await.unwrap() else {
+            panic!("round {round}: not acquired")
+        };
+        clock.advance(Duration::from_secs(11));
+        let now = clock.now();
+        let completion = {
+            let (a, s) = (a.clone(), s.clone());
+            tokio::spawn(async move { a.mutate(&s, held.fence, Mutation::Complete(common::outcome()), now, 8).await })
+        };
+        let claims: Vec<_> = (0..8)
+            .map(|_| {
+                let (others, s) = (others.clone(), s.clone());
+                tokio::spawn(async move { others.claim(&common::request(&s), now).await })
+            })
+            .collect();
+        let completed = matches!(completion.await.unwrap().unwrap(), FencedOutcome::Applied(_));
+        let mut acquired = 0;
+        for claim in claims {
+            match claim.await.unwrap().unwrap() {
+                ClaimOutcome::Acquired(_) => acquired += 1,
+                ClaimOutcome::Replay(_) => assert!(completed, "round {round}: a replay of a completion that was stale"),
+                ClaimOutcome::InFlight(_) => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        let stored = a.get(&s, now).await.unwrap().expect("the record");
+        if completed {
+            assert_eq!((acquired, stored.state), (0, onceguard_core::RecordState::Completed), "round {round}");
+            completions += 1;
+        } else {
+            assert_eq!((acquired, stored.attempt), (1, 2), "round {round}");
+            takeovers += 1;
+        }
+    }
+    assert_eq!(completions + takeovers, 30);
+    assert!(a.known_finished() > 0, "the short script took part: {completions} completions, {takeovers} takeovers");
+}
+
 /// On one server the claim script admits exactly: 10 keys of the 16 raced for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_duplicates_under_a_budget() {
