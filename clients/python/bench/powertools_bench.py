@@ -158,8 +158,8 @@ class Recorder:
         self.inner = inner
         self.answers: dict[str, Response] = {}
 
-    def send(self, method: str, path: str, *rest: Any) -> Response:
-        response: Response = self.inner.send(method, path, *rest)
+    def send(self, method: str, path: str, *rest: Any, **named: Any) -> Response:
+        response: Response = self.inner.send(method, path, *rest, **named)
         self.answers[f"{method} {path} {response.status_code}"] = response
         return response
 
@@ -174,7 +174,7 @@ class Canned:
     def __init__(self, answers: dict[str, Response]) -> None:
         self.by_request = {" ".join(kind.split()[:2]): answer for kind, answer in answers.items()}
 
-    def send(self, method: str, path: str, *rest: Any) -> Response:
+    def send(self, method: str, path: str, *rest: Any, **named: Any) -> Response:
         return self.by_request[f"{method} {path}"]
 
     def close(self) -> None:
@@ -190,7 +190,7 @@ def with_transport(client: onceguard.Client, transport: Any) -> onceguard.Client
 
 def healthz(client: onceguard.Client) -> Response:
     """``GET /healthz`` through the client's transport (no store, no key: the cheapest request)."""
-    return client._transport.send("GET", "/healthz", None, None, None, client.timeout)
+    return client._transport.send("GET", "/healthz", None, None, None, client.timeout, idempotent=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -60,16 +60,16 @@ def on_send(c: onceguard.Client | onceguard.AsyncClient, note: Callable[[str, by
 
     if isinstance(c, onceguard.AsyncClient):
 
-        async def asend(method: str, path: str, *rest: Any) -> Any:
+        async def asend(method: str, path: str, *rest: Any, **named: Any) -> Any:
             note(path, rest[1])
-            return await inner(method, path, *rest)
+            return await inner(method, path, *rest, **named)
 
         c._transport.send = asend  # type: ignore[method-assign]
     else:
 
-        def send(method: str, path: str, *rest: Any) -> Any:
+        def send(method: str, path: str, *rest: Any, **named: Any) -> Any:
             note(path, rest[1])
-            return inner(method, path, *rest)
+            return inner(method, path, *rest, **named)
 
         c._transport.send = send  # type: ignore[method-assign]
 

@@ -4,6 +4,8 @@ client's cases run on each of its transports (libcurl's and urllib3's)."""
 
 from __future__ import annotations
 
+import http.server
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ import urllib3
 import onceguard
 from onceguard import Acquired, Replay, Retry
 from onceguard._curl import CurlTransport
-from onceguard._http import Response
+from onceguard._http import MaybeSent, Response
 from onceguard._sync import _backend
 
 from .conftest import Server, free_port
@@ -111,15 +113,24 @@ def test_the_environment_s_proxy_is_used_unless_no_proxy_exempts_the_host(
     # The server answers a request in absolute form as a forward proxy would pass it on: a client
     # of a host that does not resolve reaches it only through the proxy.
     unresolvable = "http://onceguard.invalid:9"
-    monkeypatch.setenv("HTTP_PROXY", server.url)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
-    monkeypatch.delenv("http_proxy", raising=False)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, server.url)
     with onceguard.Client(unresolvable, server.admin_key, retry=onceguard.NO_RETRY) as c:
         assert c.ready(), "through the proxy"
-    monkeypatch.setenv("NO_PROXY", "onceguard.invalid")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, "onceguard.invalid")
     with onceguard.Client(unresolvable, server.admin_key, retry=onceguard.NO_RETRY) as c:
         assert not c.ready(), "exempt: sent directly, to a host that does not resolve"
+    # The environment is read once, when the client is made: a proxy named after that (here one
+    # that refuses connections) is not used.
+    for name in ("NO_PROXY", "no_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with onceguard.Client(server.url, server.admin_key, retry=onceguard.NO_RETRY) as c:
+        for name in ("HTTP_PROXY", "http_proxy"):
+            monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")
+        assert c.ready(), "sent directly, as decided when the client was made"
 
 
 async def test_the_async_client_uses_the_environment_s_proxy(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,6 +191,15 @@ def test_https_with_the_server_s_ca_and_without_a_check(tls_server: tuple[Server
         assert isinstance(again, Replay) and again.result == {"over": "tls"}
     with onceguard.Client(srv.url, srv.admin_key, verify=False) as unchecked:
         assert unchecked.ready()
+
+
+def test_https_checks_against_the_authorities_python_trusts_by_default(
+    tls_server: tuple[Server, Path], transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv, ca_file = tls_server
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))  # Python's ssl then trusts the test's CA
+    with onceguard.Client(srv.url, srv.admin_key, retry=onceguard.NO_RETRY) as c:
+        assert c.ready()
 
 
 def test_https_refuses_a_certificate_of_an_authority_it_does_not_trust(
@@ -292,3 +312,114 @@ def test_a_batch_with_an_acquisition_whose_checkpoint_names_a_result_gives_each_
     answers = _read_claim_batch(_batch_answer(acquired, in_flight, REPLAY.format(f=3, r="1.0")), 3)
     assert isinstance(answers[0], Acquired)
     assert isinstance(answers[2], Replay) and answers[2].raw == b"1.0", "the replay's own bytes, not the checkpoint's"
+
+
+class _Recording(http.server.BaseHTTPRequestHandler):
+    """Answers every request `200 ok` (with a header given twice) on a kept connection, and
+    notes what it was sent."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else b""
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        self.server.seen.append((self.command, self.path, body, headers))  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.send_header("x-twice", "a")
+        self.send_header("x-twice", "b")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", list(TRANSPORTS))
+def test_one_kept_connection_sends_each_request_as_given(kind: str) -> None:
+    # Methods with and without bodies in turn on one connection: nothing of a request (its
+    # method, body or headers) carries over to the next.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recording)
+    server.seen = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    json_body = {"content-type": "application/json"}
+    sent: list[tuple[str, str, bytes | None, dict[str, str] | None]] = [
+        ("POST", "/a", b'{"x":1}', json_body),
+        ("GET", "/b", None, None),
+        ("PUT", "/c", b"[2]", json_body),
+        ("DELETE", "/d", None, None),
+        ("POST", "/e", b"", None),
+        ("GET", "/f", None, None),
+    ]
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/base"
+        transport = TRANSPORTS[kind][0](base, {"x-user": "José", "x-empty": ""}, max_connections=1, verify=True)
+        for method, path, body, headers in sent:
+            params = {"q": "a b"} if path == "/f" else None
+            answer = transport.send(method, path, params, body, headers, onceguard.Timeout(), idempotent=True)
+            assert (answer.status_code, answer.content, answer.headers["x-twice"]) == (200, b"ok", "a, b")
+        transport.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    seen = server.seen  # type: ignore[attr-defined]
+    assert [(m, p, b) for m, p, b, _ in seen] == [
+        ("POST", "/base/a", b'{"x":1}'),
+        ("GET", "/base/b", b""),
+        ("PUT", "/base/c", b"[2]"),
+        ("DELETE", "/base/d", b""),
+        ("POST", "/base/e", b""),
+        ("GET", "/base/f?q=a%20b", b""),
+    ]
+    for (method, path, body, headers), (_, _, given, _) in zip(seen, sent):
+        assert (headers["x-user"], headers["x-empty"]) == ("José", ""), headers  # latin-1, as urllib3
+        assert ("content-type" in headers) == (path in ("/base/a", "/base/c")), (path, headers)
+        assert int(headers.get("content-length", "0")) == len(given or b""), (method, path, headers)
+        assert "expect" not in headers
+
+
+@pytest.mark.parametrize("kind", list(TRANSPORTS))
+def test_a_call_that_is_not_idempotent_reaches_the_server_once_when_its_connection_drops(kind: str) -> None:
+    # The server reads the first `POST /once` whole and closes the connection without answering;
+    # it answers every other request. A transport that sent it again would get that answer.
+    paths: list[str] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        dropped = False
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, conn.makefile("rb") as reader:
+                while line := reader.readline():
+                    path, length = line.split()[1].decode(), 0
+                    while (header := reader.readline()) not in (b"\r\n", b""):
+                        if header.lower().startswith(b"content-length:"):
+                            length = int(header.split(b":")[1])
+                    reader.read(length)
+                    paths.append(path)
+                    if path == "/once" and not dropped:
+                        dropped = True
+                        break
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        transport = TRANSPORTS[kind][0](base, {}, max_connections=1, verify=True)
+        timeout = onceguard.Timeout(read=5.0, connect=1.0)
+        kept = transport.send("POST", "/first", None, b"{}", None, timeout, idempotent=True)
+        assert kept.status_code == 200
+        with pytest.raises(MaybeSent):
+            transport.send("POST", "/once", None, b"{}", None, timeout, idempotent=False)
+        after = transport.send("GET", "/after", None, None, None, timeout, idempotent=True)
+        assert after.status_code == 200
+        transport.close()
+    finally:
+        listener.close()
+    assert paths.count("/once") == 1, paths

@@ -6,6 +6,11 @@ A libcurl easy handle keeps its connection alive between the requests it perform
 before reusing it that the server has not closed it. The transport keeps up to
 ``max_connections`` idle handles; a thread takes one for a request (or makes one when none is
 idle) and gives it back after, so no handle is used by two threads at once.
+
+libcurl sends a request again, on a new connection, when the kept connection it was sent on
+closes before any byte of the answer: the server may have processed the first. So a call that is
+not idempotent is sent on a connection of its own (``FRESH_CONNECT``), which libcurl never sends
+again; a failure of it is :class:`MaybeSent` as through urllib3.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class CurlTransport:
         parts = urlsplit(base_url)
         self._base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         # No `Expect: 100-continue` on a large body: one request, one answer.
-        self._headers = [f"{name}: {value}" for name, value in headers.items()] + ["Expect:"]
+        self._headers = _header_lines(headers) + [b"Expect:"]
+        self._typed = any(name.lower() == "content-type" for name in headers)
         self._proxy = proxy_for(base_url) or ""
         self._https = parts.scheme == "https"
         self._verify = verify
@@ -41,10 +47,11 @@ class CurlTransport:
 
     def send(
         self, method: str, path: str, params: Mapping[str, str] | None, body: bytes | None,
-        headers: Mapping[str, str] | None, timeout: Timeout,
+        headers: Mapping[str, str] | None, timeout: Timeout, *, idempotent: bool,
     ) -> Response:
         """One try: the answer, or :class:`NotSent` (no byte of the request was sent) /
-        :class:`MaybeSent` from libcurl's error."""
+        :class:`MaybeSent` from libcurl's error. A call that is not ``idempotent`` goes on a new
+        connection, so that libcurl never sends it twice (see the module's documentation)."""
         if self._closed:
             raise RuntimeError("the client is closed")
         handle, new = self._take()
@@ -57,9 +64,12 @@ class CurlTransport:
             else:
                 handle.setopt(pycurl.POSTFIELDS, body)
             handle.setopt(pycurl.CUSTOMREQUEST, method)
+            handle.setopt(pycurl.FRESH_CONNECT, 0 if idempotent else 1)
             sent = self._headers
             if headers:
-                sent = sent + [f"{name}: {value}" for name, value in headers.items()]
+                sent = sent + _header_lines(headers)
+            if body is not None and not (self._typed or any(name.lower() == "content-type" for name in headers or ())):
+                sent = sent + [b"Content-Type:"]  # not libcurl's form type: none, as urllib3 sends
             handle.setopt(pycurl.HTTPHEADER, sent)
             handle.setopt(pycurl.CONNECTTIMEOUT_MS, _ms(timeout.connect))
             # libcurl bounds the whole exchange; on a kept connection that is the read.
@@ -79,6 +89,11 @@ class CurlTransport:
         except BaseException:
             handle.close()
             raise
+        # An idle handle keeps neither this request's body nor this answer alive.
+        handle.setopt(pycurl.WRITEFUNCTION, _drop)
+        handle.setopt(pycurl.HEADERFUNCTION, _drop)
+        if body is not None:
+            handle.setopt(pycurl.POSTFIELDS, b"")
         self._give_back(handle)
         return Response(status, _headers(head), b"".join(chunks))
 
@@ -121,10 +136,24 @@ class CurlTransport:
         return handle
 
 
+#: The longest timeout libcurl takes (ms, a C long's 2^31 - 1 on every platform): ``None``'s, as
+#: close to no limit as it gets (libcurl's own "none" for a connect is 300 s).
+_NO_LIMIT_MS = 2**31 - 1
+
+
 def _ms(seconds: float | None) -> int:
-    """libcurl's milliseconds of a timeout; 0 (libcurl's "none") for ``None``, at least 1 ms
-    otherwise."""
-    return 0 if seconds is None else max(1, round(seconds * 1000))
+    """libcurl's milliseconds of a timeout, at least 1 ms; :data:`_NO_LIMIT_MS` for ``None``."""
+    return _NO_LIMIT_MS if seconds is None else min(_NO_LIMIT_MS, max(1, round(seconds * 1000)))
+
+
+def _drop(_: bytes) -> None:
+    """A handle's callbacks between requests."""
+
+
+def _header_lines(headers: Mapping[str, str]) -> list[bytes]:
+    """``headers`` as libcurl's header lines, in latin-1 as urllib3 sends them; ``name;`` for an
+    empty value (libcurl leaves out a ``name:`` line)."""
+    return [(f"{name}: {value}" if value else f"{name};").encode("latin-1") for name, value in headers.items()]
 
 
 def _trust_what_python_trusts(handle: pycurl.Curl) -> None:
@@ -147,5 +176,6 @@ def _headers(lines: list[bytes]) -> dict[str, str]:
             continue
         name, colon, value = line.partition(b":")
         if colon:
-            out[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+            key, text = name.strip().lower().decode("latin-1"), value.strip().decode("latin-1")
+            out[key] = f"{out[key]}, {text}" if key in out else text  # repeated: joined, as urllib3 does
     return out

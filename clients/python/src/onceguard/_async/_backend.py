@@ -54,9 +54,10 @@ class Transport:
 
     async def send(
         self, method: str, path: str, params: Mapping[str, str] | None, body: bytes | None,
-        headers: Mapping[str, str] | None, timeout: Timeout,
+        headers: Mapping[str, str] | None, timeout: Timeout, *, idempotent: bool,
     ) -> Response:
-        """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from aiohttp's error."""
+        """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from aiohttp's error.
+        aiohttp sends each request once, whatever ``idempotent`` says."""
         # The target as built (percent-encoded once), not normalized again.
         url = yarl.URL(self._base + target(path, params), encoded=True)
         limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout.connect, sock_read=timeout.read)

@@ -101,7 +101,9 @@ class AsyncClient(ClientBase):
         while True:
             tries += 1
             try:
-                response = await self._transport.send(call.method, call.path, call.params, call.body, headers, timeout)
+                response = await self._transport.send(
+                    call.method, call.path, call.params, call.body, headers, timeout, idempotent=call.idempotent
+                )
             except (NotSent, MaybeSent) as e:
                 if tries < policy.attempts and may_retry(e, call.idempotent):
                     delay = policy.delay(tries)

@@ -68,9 +68,10 @@ class Urllib3Transport:
 
     def send(
         self, method: str, path: str, params: Mapping[str, str] | None, body: bytes | None,
-        headers: Mapping[str, str] | None, timeout: Timeout,
+        headers: Mapping[str, str] | None, timeout: Timeout, *, idempotent: bool,
     ) -> Response:
-        """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from urllib3's error."""
+        """One try: the answer, or :class:`NotSent` / :class:`MaybeSent` from urllib3's error.
+        urllib3 sends each request once (its retries are off), whatever ``idempotent`` says."""
         if self._closed:
             raise RuntimeError("the client is closed")
         sent = {**self._headers, **headers} if headers else self._headers

@@ -103,7 +103,9 @@ class Client(ClientBase):
         while True:
             tries += 1
             try:
-                response = self._transport.send(call.method, call.path, call.params, call.body, headers, timeout)
+                response = self._transport.send(
+                    call.method, call.path, call.params, call.body, headers, timeout, idempotent=call.idempotent
+                )
             except (NotSent, MaybeSent) as e:
                 if tries < policy.attempts and may_retry(e, call.idempotent):
                     delay = policy.delay(tries)
