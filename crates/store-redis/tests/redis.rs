@@ -326,13 +326,7 @@ async fn fresh_store() -> Option<(RedisStore, Arc<ManualClock>, common::DeletePr
 /// estimate a second off, goes to the fenced-call script, which decides on what the key holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_known_record_is_finished_by_the_short_script_only_while_it_is_unchanged() {
-    let Some((a, clock, cleanup)) = fresh_store().await else { return };
-    let options = RedisOptions {
-        prefix: cleanup.prefix.clone(),
-        clock: StoreClock::Given(clock.clone()),
-        ..RedisOptions::default()
-    };
-    let b = common::store_with(RedisTarget::Single(cleanup.url.clone()), options).await;
+    let Some((a, b, clock, cleanup)) = two_instances().await else { return };
     async fn acquire(store: &RedisStore, s: &Scope, now: Timestamp) -> onceguard_core::Fence {
         match store.claim(&common::request(s), now).await.unwrap() {
             ClaimOutcome::Acquired(a) => a.fence,
@@ -388,13 +382,8 @@ async fn a_known_record_is_finished_by_the_short_script_only_while_it_is_unchang
 /// takes the key over and the completion is stale; never both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_known_completion_racing_a_takeover_has_one_winner() {
-    let Some((a, clock, cleanup)) = fresh_store().await else { return };
-    let options = RedisOptions {
-        prefix: cleanup.prefix.clone(),
-        clock: StoreClock::Given(clock.clone()),
-        ..RedisOptions::default()
-    };
-    let others = Arc::new(common::store_with(RedisTarget::Single(cleanup.url.clone()), options).await);
+    let Some((a, others, clock, _cleanup)) = two_instances().await else { return };
+    let others = Arc::new(others);
     let a = Arc::new(a);
     let (mut completions, mut takeovers) = (0, 0);
     for round in 0..30 {
@@ -435,6 +424,18 @@ async fn a_known_completion_racing_a_takeover_has_one_winner() {
     }
     assert_eq!(completions + takeovers, 30);
     assert!(a.known_finished() > 0, "the short script took part: {completions} completions, {takeovers} takeovers");
+}
+
+/// Two instances of a fresh store on one prefix and one given clock.
+async fn two_instances() -> Option<(RedisStore, RedisStore, Arc<ManualClock>, common::DeletePrefix)> {
+    let (a, clock, cleanup) = fresh_store().await?;
+    let options = RedisOptions {
+        prefix: cleanup.prefix.clone(),
+        clock: StoreClock::Given(clock.clone()),
+        ..RedisOptions::default()
+    };
+    let b = common::store_with(RedisTarget::Single(cleanup.url.clone()), options).await;
+    Some((a, b, clock, cleanup))
 }
 
 /// On one server the claim script admits exactly: 10 keys of the 16 raced for.
