@@ -44,10 +44,8 @@ impl ClaimStore for RedisStore {
     }
 
     /// The caller's `now` decides nothing: the store's clock does ([`RedisOptions::clock`]).
-    /// Compared with the store's time of the read, it gives the offset by which a later call
-    /// estimates the store's time ([`RedisStore::finish_known`]).
     #[tracing::instrument(level = "debug", name = "redis.claim", skip_all)]
-    async fn claim(&self, req: &ClaimRequest, caller_now: Timestamp) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, req: &ClaimRequest, _now: Timestamp) -> Result<ClaimOutcome, StoreError> {
         check_range(&[ms(req.lease), ms(req.retention)])?;
         let placement = Placement::of(&req.scope);
         self.bounded("claim", async {
@@ -57,7 +55,6 @@ impl ClaimStore for RedisStore {
             // costs Redis a few microseconds where the claim script costs several times that.
             // Only a claim that acquires runs the script.
             let (existing, now) = self.read_record(&mut conn, &placement).await?;
-            self.note_offset(now, caller_now);
             let absent = existing.is_none();
             if let Some(answer) = onceguard_core::protocol::answer_without_write(existing, req, now) {
                 return Ok(answer);
@@ -78,7 +75,7 @@ impl ClaimStore for RedisStore {
         scope: &Scope,
         fence: Fence,
         mutation: Mutation,
-        now: Timestamp,
+        _now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
         if let Mutation::Extend(lease) = &mutation {
@@ -88,12 +85,11 @@ impl ClaimStore for RedisStore {
         let cost = reported_cost(&mutation);
         let finishes = mutation.finishes();
         // A record this instance wrote with the short claim script: any call changes it.
-        let known = self.take_known(scope);
+        let known = self.take_known(scope, fence);
         self.bounded("fenced call", async {
             let mut conn = self.conn.clone();
             if let Some(known) = known {
-                let finished =
-                    self.finish_known(&mut conn, scope, &placement, &known, fence, &mutation, now, max_checkpoints);
+                let finished = self.finish_known(&mut conn, scope, &placement, &known, &mutation, max_checkpoints);
                 if let Some(outcome) = finished.await? {
                     return Ok(outcome);
                 }

@@ -342,6 +342,49 @@ pub fn around_fence(packed: &[u8], fence_at: usize) -> (&[u8], &[u8]) {
 /// (its one-byte header, then its decimal digits), which [`crate::scripts::CLAIM_NEW`] spells
 /// again with the fence it draws.
 pub fn packed_with_fence_at(record: &Record) -> (Vec<u8>, usize) {
+    let (packed, at) = packed_marked(record, false);
+    (packed, at.fence)
+}
+
+/// Where a record packed by [`packed_with_times_at`] keeps what [`crate::scripts::FINISH_KNOWN`]
+/// writes from the store's time: the offsets of the 8 big-endian bytes of its completion time
+/// (if it has one), its update time and its expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimesAt {
+    /// The completion time's bytes, if the record has one.
+    pub completed: Option<usize>,
+    /// The update time's bytes.
+    pub updated: usize,
+    /// The expiry's bytes.
+    pub expires: usize,
+}
+
+/// [`packed_record`], except that the completion time, the update time and the expiry are each
+/// a MessagePack `uint 64` (its marker, then 8 bytes) whatever their value, and where their
+/// bytes are: a script writes its own time there ([`crate::scripts::FINISH_KNOWN`]). Readers
+/// take any width of a number.
+pub(crate) fn packed_with_times_at(record: &Record) -> (Vec<u8>, TimesAt) {
+    let (packed, at) = packed_marked(record, true);
+    let times = TimesAt {
+        completed: at.completed,
+        updated: at.updated.expect("a record has an update time"),
+        expires: at.expires.expect("a record has an expiry"),
+    };
+    (packed, times)
+}
+
+/// Where [`packed_marked`] wrote the fence's string and the wide times' bytes.
+#[derive(Default)]
+struct Marks {
+    fence: usize,
+    completed: Option<usize>,
+    updated: Option<usize>,
+    expires: Option<usize>,
+}
+
+/// A record packed, and where its fence is; with `wide_times`, its completion, update and
+/// expiry times written 8 bytes wide and where they are.
+fn packed_marked(record: &Record, wide_times: bool) -> (Vec<u8>, Marks) {
     let mut fields: HashMap<&str, Vec<u8>> = HashMap::new();
     let mut add = |field: &'static str, value: Option<Vec<u8>>| {
         if let Some(v) = value {
@@ -389,15 +432,27 @@ pub fn packed_with_fence_at(record: &Record) -> (Vec<u8>, usize) {
         let _ = rmp::encode::write_str_len(packed, text.len() as u32);
         packed.extend_from_slice(text);
     };
-    let mut fence_at = 0;
+    let mut marks = Marks::default();
     for field in FIELDS {
         if field == "fe" {
-            fence_at = packed.len();
+            marks.fence = packed.len();
         }
         let Some(value) = fields.get(field) else {
             let _ = rmp::encode::write_bool(&mut packed, false);
             continue;
         };
+        let wide = match field {
+            "co" => Some(&mut marks.completed),
+            "up" => Some(&mut marks.updated),
+            "ex" => Some(&mut marks.expires),
+            _ => None,
+        };
+        if let (true, Some(mark)) = (wide_times, wide) {
+            let time = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()).unwrap_or_default();
+            let _ = rmp::encode::write_u64(&mut packed, time);
+            *mark = Some(packed.len() - 8);
+            continue;
+        }
         let code = match field {
             "st" => RECORD_STATES.iter().position(|s| s.as_bytes() == value.as_slice()).map(|i| i as u64 + 1),
             "ok" => OUTCOME_KINDS.iter().position(|s| s.as_bytes() == value.as_slice()).map(|i| i as u64 + 1),
@@ -420,7 +475,7 @@ pub fn packed_with_fence_at(record: &Record) -> (Vec<u8>, usize) {
             write_text(&mut packed, text.as_bytes());
         }
     }
-    (packed, fence_at)
+    (packed, marks)
 }
 
 /// A checkpoint as stored: `fence \n at \n name \n data`.
@@ -697,6 +752,24 @@ mod tests {
         let packed = packed_record(&usual);
         assert_eq!(Fields::from_packed(&packed).unwrap().record().unwrap(), usual);
         assert!(packed_record(&record).len() > packed.len(), "numbered media type, fingerprint as bytes");
+    }
+
+    #[test]
+    fn wide_times_read_back_and_are_where_the_marks_say() {
+        let mut small = full();
+        (small.updated_at, small.expires_at) = (Timestamp(3), Timestamp(70_000));
+        for record in [full(), small] {
+            let (packed, at) = packed_with_times_at(&record);
+            assert_eq!(Fields::from_packed(&packed).unwrap().record().unwrap(), record);
+            let time = |offset: usize| {
+                assert_eq!(packed[offset - 1], 0xcf, "a uint 64's marker");
+                u64::from_be_bytes(packed[offset..offset + 8].try_into().unwrap())
+            };
+            assert_eq!(at.completed.map(time), record.completed_at.map(|t| t.0));
+            assert_eq!((time(at.updated), time(at.expires)), (record.updated_at.0, record.expires_at.0));
+        }
+        let released = Record { completed_at: None, ..full() };
+        assert_eq!(packed_with_times_at(&released).1.completed, None);
     }
 
     #[test]

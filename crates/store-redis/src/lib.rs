@@ -23,10 +23,11 @@
 //!   what the key holds and at the store's time then. The claim script's own path for a new key
 //!   still serves batch calls, claims with a quota, a run or an approval, and a Cluster. The
 //!   store keeps each record it wrote so, as written, until a call on its key: a completion or
-//!   failure of it is decided in Rust (`protocol::apply`, at the caller's time plus the offset
-//!   the last claim's read measured) and written by another short script
-//!   ([`scripts::FINISH_KNOWN`]) only if the key holds exactly those bytes and the store's time
-//!   is within 1 s of that estimate; otherwise the fenced-call script decides.
+//!   failure of it is decided in Rust (`protocol::apply`, whose decision on a record the key
+//!   still holds depends on no time) and written by another short script
+//!   ([`scripts::FINISH_KNOWN`]) only if the key holds exactly those bytes, with the store's
+//!   time of that script as its completion, update and retention's start (the script writes
+//!   them into the packed record); otherwise the fenced-call script decides.
 //! - **One slot per script**: Redis Cluster runs a script only on keys of one hash slot. A key's
 //!   record, its slot's fence mark and its slot's three indexes carry the same hash tag, taken
 //!   from a table that names one tag per slot ([`layout`]). A tenant's records are spread over
@@ -338,7 +339,7 @@ pub use codec::{around_fence, packed_record, packed_with_fence_at, unpacked_reco
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -577,9 +578,6 @@ pub struct RedisStore {
     new_keys: AtomicU64,
     /// The records the short claim script wrote, as written, until a call on their key.
     known: std::sync::Mutex<HashMap<Scope, Arc<KnownRecord>>>,
-    /// The store's time less the caller's, as the last claim's read measured it (ms): what
-    /// dates a call decided before its key is read ([`RedisStore::finish_known`]).
-    offset_ms: AtomicI64,
     /// Calls that finished a known record by the short script ([`RedisStore::known_finished`]).
     known_finished: AtomicU64,
 }
@@ -588,16 +586,14 @@ pub struct RedisStore {
 struct KnownRecord {
     record: Record,
     packed: Vec<u8>,
+    /// The how-manieth claim of a new key this instance acquired it by: which are older.
+    order: u64,
 }
 
-/// The most records [`RedisStore`] keeps as written; past it, it forgets them all.
-const KNOWN_MAX: usize = 8_192;
-
-/// How far the store's time may be from a call's estimate of it for [`scripts::FINISH_KNOWN`]
-/// to write what was decided at the estimate: the times it writes (completion, update, expiry)
-/// are the estimate's, and stay this close to the store's. Its decision does not depend on the
-/// time (a fenced call on a record in progress that it knows unchanged). As PostgreSQL's guesses.
-const FINISH_TOLERANCE_MS: u64 = 1_000;
+/// The most records a [`RedisStore`] keeps as it wrote them with the short claim script, for
+/// their holders' completions ([`RedisStore::known_finished`]); past it, it forgets the records
+/// whose lease passed, then the older half by claim.
+pub const KNOWN_RECORDS_KEPT: usize = 8_192;
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -757,7 +753,6 @@ impl RedisStore {
             listener,
             new_keys: AtomicU64::new(0),
             known: std::sync::Mutex::default(),
-            offset_ms: AtomicI64::new(0),
             known_finished: AtomicU64::new(0),
         };
         store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
@@ -981,11 +976,11 @@ impl RedisStore {
             [tag, spelt] if tag.as_slice() == b"acquired" => {
                 let fence = std::str::from_utf8(spelt).ok().and_then(|f| f.parse().ok()).map(Fence);
                 let fence = fence.ok_or_else(|| corrupt("the claim answered a fence that is not a number"))?;
-                self.new_keys.fetch_add(1, Ordering::Relaxed);
+                let order = self.new_keys.fetch_add(1, Ordering::Relaxed);
                 let header = u8::try_from(spelt.len()).ok().filter(|n| *n < 32).map(|n| 0xa0 | n);
                 let header = header.ok_or_else(|| corrupt("the claim answered a fence too long"))?;
                 let packed = [before, &[header], spelt.as_slice(), after].concat();
-                self.remember(&req.scope, KnownRecord { record: Record { fence, ..record }, packed });
+                self.remember(&req.scope, KnownRecord { record: Record { fence, ..record }, packed, order }, now);
                 Ok(Some(ClaimOutcome::Acquired(onceguard_core::Acquired { fence, ..acquired })))
             }
             [tag] if tag.as_slice() == b"exists" || tag.as_slice() == b"late" => Ok(None),
@@ -1009,53 +1004,63 @@ impl RedisStore {
         self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn remember(&self, scope: &Scope, known: KnownRecord) {
+    /// Keeps `known` for its key's next call. Past [`KNOWN_RECORDS_KEPT`], it forgets the
+    /// records whose lease passed at `now`, then the older half by claim: a holder calls soon
+    /// after its claim or not at all, and a forgotten record only costs its call the fenced-call
+    /// script.
+    fn remember(&self, scope: &Scope, known: KnownRecord, now: Timestamp) {
         let mut records = self.known_records();
-        if records.len() >= KNOWN_MAX {
-            records.clear();
+        if records.len() >= KNOWN_RECORDS_KEPT {
+            let lease = |k: &KnownRecord| k.record.lease_expires_at.unwrap_or(Timestamp(0));
+            records.retain(|_, k| lease(k) > now);
+            if records.len() >= KNOWN_RECORDS_KEPT / 2 {
+                let mut orders: Vec<u64> = records.values().map(|k| k.order).collect();
+                let middle = orders.len() / 2;
+                let cut = *orders.select_nth_unstable(middle).1;
+                records.retain(|_, k| k.order >= cut);
+            }
         }
         records.insert(scope.clone(), Arc::new(known));
     }
 
-    /// The record this instance wrote for `scope`, forgotten: a call on the key changes it.
-    fn take_known(&self, scope: &Scope) -> Option<Arc<KnownRecord>> {
-        self.known_records().remove(scope)
-    }
-
-    /// Notes the store's time `store_now` read when the caller's time was `now`.
-    fn note_offset(&self, store_now: Timestamp, now: Timestamp) {
-        let offset = i64::try_from(i128::from(store_now.0) - i128::from(now.0)).unwrap_or(0);
-        self.offset_ms.store(offset, Ordering::Relaxed);
+    /// The record this instance wrote for `scope`, if a call with `fence` may finish it:
+    /// forgotten then, since the call changes it. A call with another fence (a holder whose
+    /// key was taken over) leaves it for the record's holder.
+    fn take_known(&self, scope: &Scope, fence: Fence) -> Option<Arc<KnownRecord>> {
+        let mut records = self.known_records();
+        if records.get(scope)?.record.fence != fence {
+            return None;
+        }
+        records.remove(scope)
     }
 
     /// A call that finishes (completes or fails) the record `known`, which this instance wrote
-    /// with the short claim script: decided here as `protocol::apply` decides on that record,
-    /// at this instance's estimate of the store's time (the caller's `now` plus the offset the
-    /// last claim measured), and written by [`scripts::FINISH_KNOWN`] only if the key still
-    /// holds exactly that record and the store's time is within [`FINISH_TOLERANCE_MS`] of the
-    /// estimate. `None` where that does not hold, or the call is not such a call: the
-    /// fenced-call script decides.
-    #[allow(clippy::too_many_arguments)]
+    /// with the short claim script: decided here as `protocol::apply` decides on that record
+    /// (its decision depends on no time while the key holds the record), and written by
+    /// [`scripts::FINISH_KNOWN`] only if the key still holds exactly that record, with the
+    /// store's time of the write as its completion and update time and the start of its
+    /// retention. `None` where the key holds something else, or the call is not such a call:
+    /// the fenced-call script decides.
     async fn finish_known(
         &self,
         conn: &mut Conn,
         scope: &Scope,
         placement: &Placement,
         known: &KnownRecord,
-        fence: Fence,
         mutation: &Mutation,
-        now: Timestamp,
         max_checkpoints: usize,
     ) -> Result<Option<FencedOutcome>, StoreError> {
-        if !matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. }) || known.record.fence != fence {
+        if !matches!(mutation, Mutation::Complete(_) | Mutation::Fail { .. }) {
             return Ok(None);
         }
-        let estimate = Timestamp(now.0.saturating_add_signed(self.offset_ms.load(Ordering::Relaxed)));
-        let (outcome, Some(record)) = onceguard_core::protocol::apply(
+        // Any time at which the record is live decides as the store would: the times written
+        // are the store's, filled in by the script.
+        let decided_at = known.record.updated_at;
+        let (FencedOutcome::Applied(mut applied), Some(record)) = onceguard_core::protocol::apply(
             Some(known.record.clone()),
-            fence,
+            known.record.fence,
             mutation.clone(),
-            estimate,
+            decided_at,
             max_checkpoints,
         ) else {
             return Ok(None);
@@ -1063,27 +1068,29 @@ impl RedisStore {
         if record.state == onceguard_core::RecordState::InProgress {
             return Ok(None);
         }
+        let (packed, at) = codec::packed_with_times_at(&record);
+        let place = |offset: Option<usize>| offset.map_or(0, |o| o + 1);
         let mut invocation = SCRIPTS.finish_known.prepare_invoke();
         invocation
             .key(self.keys.record(placement))
             .key(self.keys.watched(placement))
             .arg(self.clock_arg())
-            .arg(estimate.0)
-            .arg(FINISH_TOLERANCE_MS)
             .arg(known.packed.as_slice())
-            .arg(codec::packed_record(&record))
-            .arg(record.expires_at.0)
+            .arg(packed)
+            .arg(ms(record.retention))
             .arg(self.keys.changes())
-            .arg(self.message(scope));
-        let answer: String = invocation.invoke_async(conn).await.map_err(unavailable("fenced call"))?;
-        match answer.as_str() {
-            "done" => {
-                self.known_finished.fetch_add(1, Ordering::Relaxed);
-                Ok(Some(outcome))
-            }
-            "changed" | "late" => Ok(None),
-            _ => Err(corrupt("the call on a known record answered something else")),
-        }
+            .arg(self.message(scope))
+            .arg(place(at.completed))
+            .arg(place(Some(at.updated)))
+            .arg(place(Some(at.expires)));
+        let written: Option<u64> = invocation.invoke_async(conn).await.map_err(unavailable("fenced call"))?;
+        let Some(now) = written else { return Ok(None) };
+        let now = Timestamp(now);
+        applied.updated_at = now;
+        applied.completed_at = applied.completed_at.map(|_| now);
+        applied.expires_at = now.plus(applied.retention);
+        self.known_finished.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(FencedOutcome::Applied(applied)))
     }
 
     async fn claim_on_one_server(

@@ -367,14 +367,70 @@ async fn a_known_record_is_finished_by_the_short_script_only_while_it_is_unchang
     assert_eq!(b.get(&s, clock.now()).await.unwrap(), before);
     assert_eq!(a.known_finished(), 1);
 
-    // An estimate of the store's time more than a second off: the fenced-call script completes it.
-    let s = scope("estimated-off");
+    // The caller's clock far from the store's, either way: the times written are the store's
+    // time of the write, and the TTL is the retention.
+    for (i, off) in [900i64, -900, 3_600_000, -3_600_000].into_iter().enumerate() {
+        let s = scope(&format!("caller-clock-{i}"));
+        let fence = acquire(&a, &s, clock.now()).await;
+        clock.advance(Duration::from_millis(7));
+        let callers = Timestamp(clock.now().0.saturating_add_signed(off));
+        let done = a.mutate(&s, fence, complete.clone(), callers, 8).await.unwrap();
+        let FencedOutcome::Applied(applied) = done else { panic!("{off}: not applied: {done:?}") };
+        assert_eq!(a.known_finished(), 2 + i as u64, "{off}: by the short script");
+        let now = clock.now();
+        assert_eq!((applied.completed_at, applied.updated_at), (Some(now), now), "{off}: the store's time");
+        assert_eq!(applied.expires_at, Timestamp(now.0 + 100_000), "{off}");
+        assert_eq!(a.get(&s, now).await.unwrap().as_ref(), Some(&*applied), "{off}: as stored");
+        let key = Keys::new(&cleanup.prefix).unwrap().record(&Placement::of(&s));
+        let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+        assert!((99_000..=100_000).contains(&ttl), "{off}: the completed record's TTL is {ttl} ms");
+    }
+
+    // A retryable failure releases the key: no completion time, the store's update time.
+    let s = scope("released");
     let fence = acquire(&a, &s, clock.now()).await;
-    let off = Timestamp(clock.now().0 + 1_001);
-    let done = a.mutate(&s, fence, complete, off, 8).await.unwrap();
+    let release = Mutation::Fail { retryable: true, outcome: common::outcome() };
+    let done = a.mutate(&s, fence, release, Timestamp(clock.now().0 + 5_000), 8).await.unwrap();
     let FencedOutcome::Applied(applied) = done else { panic!("not applied: {done:?}") };
-    assert_eq!(applied.completed_at, Some(clock.now()), "the store's time decides");
-    assert_eq!(a.known_finished(), 1);
+    assert_eq!(a.known_finished(), 6);
+    assert_eq!((applied.state, applied.completed_at), (onceguard_core::RecordState::Released, None));
+    assert_eq!(applied.updated_at, clock.now());
+    assert_eq!(a.get(&s, clock.now()).await.unwrap().as_ref(), Some(&*applied));
+
+    // A call with a fence the record does not have is stale, and leaves the record known for
+    // its holder, whose completion the short script still writes.
+    let s = scope("wrong-fence");
+    let fence = acquire(&a, &s, clock.now()).await;
+    let wrong = a.mutate(&s, onceguard_core::Fence(fence.0 + 1), complete.clone(), clock.now(), 8).await.unwrap();
+    assert!(matches!(wrong, FencedOutcome::Stale(onceguard_core::StaleReason::Superseded)), "{wrong:?}");
+    let done = a.mutate(&s, fence, complete, clock.now(), 8).await.unwrap();
+    assert!(matches!(done, FencedOutcome::Applied(_)), "{done:?}");
+    assert_eq!(a.known_finished(), 7);
+}
+
+/// The records an instance keeps as written are bounded; past the bound it forgets the older
+/// ones, and the latest claims' completions still go by the short script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_records_kept_the_latest_claims_stay_known() {
+    let Some((a, _b, clock, _cleanup)) = two_instances().await else { return };
+    let kept = onceguard_store_redis::KNOWN_RECORDS_KEPT;
+    let mut fences = Vec::with_capacity(kept + 1);
+    for i in 0..=kept {
+        let s = scope(&format!("many-{i}"));
+        let ClaimOutcome::Acquired(held) = a.claim(&common::request(&s), clock.now()).await.unwrap() else {
+            panic!("{i}: not acquired")
+        };
+        fences.push((s, held.fence));
+    }
+    for (s, fence) in &fences[kept - 1..] {
+        let done = a.mutate(s, *fence, Mutation::Complete(common::outcome()), clock.now(), 8).await.unwrap();
+        assert!(matches!(done, FencedOutcome::Applied(_)), "{done:?}");
+    }
+    assert_eq!(a.known_finished(), 2, "the last two claims' records were kept");
+    let (s, fence) = &fences[0];
+    let done = a.mutate(s, *fence, Mutation::Complete(common::outcome()), clock.now(), 8).await.unwrap();
+    assert!(matches!(done, FencedOutcome::Applied(_)), "the fenced-call script completes a forgotten one: {done:?}");
+    assert_eq!(a.known_finished(), 2);
 }
 
 /// A holder's completion by the short script racing 8 claims through other instances once its
