@@ -1069,20 +1069,21 @@ impl RedisStore {
             return Ok(None);
         }
         let (packed, at) = codec::packed_with_times_at(&record);
-        let place = |offset: Option<usize>| offset.map_or(0, |o| o + 1);
         let mut invocation = SCRIPTS.finish_known.prepare_invoke();
         invocation
             .key(self.keys.record(placement))
             .key(self.keys.watched(placement))
             .arg(self.clock_arg())
             .arg(known.packed.as_slice())
-            .arg(packed)
             .arg(ms(record.retention))
             .arg(self.keys.changes())
-            .arg(self.message(scope))
-            .arg(place(at.completed))
-            .arg(place(Some(at.updated)))
-            .arg(place(Some(at.expires)));
+            .arg(self.message(scope));
+        let mut from = 0;
+        for time in [at.completed, Some(at.updated), Some(at.expires)].into_iter().flatten() {
+            invocation.arg(&packed[from..time]);
+            from = time + 8;
+        }
+        invocation.arg(&packed[from..]);
         let written: Option<u64> = invocation.invoke_async(conn).await.map_err(unavailable("fenced call"))?;
         let Some(now) = written else { return Ok(None) };
         let now = Timestamp(now);

@@ -628,9 +628,10 @@ return { 'acquired', spelt }
 /// A call that finishes a record this instance wrote with [`CLAIM_NEW`] and has not seen change
 /// since: the store decided it as `protocol::apply` decides on that record and packed the
 /// record it writes, its completion time, update time and expiry each 8 bytes wide
-/// ([`crate::codec::packed_with_times_at`]). The script writes it only if the key holds exactly
-/// the record this instance wrote, with the store's time now in those places (the expiry the
-/// retention later, the TTL the retention), and announces the key if a claim watches it
+/// ([`crate::codec::packed_with_times_at`]), and sends it cut around them. The script writes it
+/// only if the key holds exactly the record this instance wrote, with the store's time now in
+/// those places (`struct.pack`, the expiry the retention later, the TTL the retention), and
+/// announces the key if a claim watches it
 /// ([`MUTATE`]'s rule). The decision depends on no time: the key holds the record (so it has
 /// not expired), and the call's fence is the record's. So a first execution's completion costs
 /// Redis a comparison and a `SET`, not the fenced-call script's decoding, deciding and packing.
@@ -638,30 +639,21 @@ return { 'acquired', spelt }
 /// record, or none): the caller then runs [`MUTATE`], which decides on what the key holds.
 pub const FINISH_KNOWN: &str = r#"
 -- KEYS: record, whether it is watched
--- ARGV: the store's clock ('' for the server's), the record as this instance wrote it, the
---       record to write, its retention (ms), channel, message, then where the record to write
---       keeps the 8 bytes of its completion time (0 if it has none), update time and expiry
+-- ARGV: the store's clock ('' for the server's), the record as this instance wrote it, its
+--       retention (ms), channel, message, then the record to write cut where its times go:
+--       with a completion time 4 parts (completion, update and expiry between them), else 3
 local now = clock(ARGV[1])
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return false end
-local retention = tonumber(ARGV[4])
-local function wide(n)
-  local b = {}
-  for i = 8, 1, -1 do b[i] = n % 256; n = (n - b[i]) / 256 end
-  return string.char(unpack(b))
+local retention = tonumber(ARGV[3])
+local at, ex = struct.pack('>I8', now), struct.pack('>I8', now + retention)
+local record
+if ARGV[9] then
+  record = ARGV[6] .. at .. ARGV[7] .. at .. ARGV[8] .. ex .. ARGV[9]
+else
+  record = ARGV[6] .. at .. ARGV[7] .. ex .. ARGV[8]
 end
-local at, ex = wide(now), wide(now + retention)
-local r, parts, from = ARGV[3], {}, 1
-for i, value in ipairs({ at, at, ex }) do
-  local place = tonumber(ARGV[6 + i])
-  if place > 0 then
-    parts[#parts + 1] = string.sub(r, from, place - 1)
-    parts[#parts + 1] = value
-    from = place + 8
-  end
-end
-parts[#parts + 1] = string.sub(r, from)
-redis.call('SET', KEYS[1], table.concat(parts), 'PX', string.format('%.0f', math.max(retention, 1)))
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
+redis.call('SET', KEYS[1], record, 'PX', string.format('%.0f', math.max(retention, 1)))
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 return now
 "#;
 
