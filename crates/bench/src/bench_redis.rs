@@ -237,8 +237,8 @@ impl Redis {
 
     /// What a claim of a fresh key costs the server itself, in microseconds per call (from
     /// `INFO commandstats`, so other `EVALSHA` traffic on the server skews it): the raw claim,
-    /// the store's claim script, the short script by which the store acquires a key that had no
-    /// record when read (`CLAIM_NEW`, given the record the store packed), and each step of
+    /// the store's claim script, the short script by which the store reads a key and acquires
+    /// it if it has no record (`CLAIM_NEW`, given the record the store packed), and each step of
     /// [`CLAIM_FLOOR`]. Each runs `ops` calls from 16 tasks on one multiplexed connection, on
     /// fresh keys of one tenant spread over its slots, with the keys and arguments the store
     /// gives that script. One server only.
@@ -279,9 +279,8 @@ impl Redis {
                     let placement = Placement::of(&scope);
                     let mut invocation = script.prepare_invoke();
                     if v == NEW_KEY_VARIANT {
-                        // As the store sends it: the record decided and packed here, at the
-                        // time of this machine (Redis's own, within the script's tolerance).
-                        let now = Timestamp::now();
+                        // As the store sends it: the record decided and packed here, cut
+                        // where the script writes the fence it draws and the store's time.
                         let req = onceguard_core::ClaimRequest {
                             recovery: Default::default(),
                             scope: scope.clone(),
@@ -294,19 +293,19 @@ impl Redis {
                             refused_runs: Vec::new(),
                             approval: None,
                         };
-                        let (_, record) = onceguard_core::protocol::claim(None, &req, now, || onceguard_core::Fence(0));
+                        let (_, record) =
+                            onceguard_core::protocol::claim(None, &req, Timestamp::now(), || onceguard_core::Fence(0));
                         let record = record.context("a key with no record is acquired")?;
-                        let (packed, fence_at) = onceguard_store_redis::packed_with_fence_at(&record);
-                        let (before, after) = onceguard_store_redis::around_fence(&packed, fence_at);
+                        let new = onceguard_store_redis::NewRecord::of(&record).context("a lease")?;
                         invocation
                             .key(keys.record(&placement))
                             .key(keys.fence_mark(placement.slot, &scope.tenant))
                             .key(keys.fence_counter(&scope.tenant))
                             .arg("")
-                            .arg(now.0)
-                            .arg(1_000)
-                            .arg(before)
-                            .arg(after);
+                            .arg(60_000);
+                        for part in new.parts() {
+                            invocation.arg(part);
+                        }
                     } else {
                         ClaimCall {
                             keys: &keys,

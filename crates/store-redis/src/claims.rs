@@ -50,18 +50,25 @@ impl ClaimStore for RedisStore {
         let placement = Placement::of(&req.scope);
         self.bounded("claim", async {
             let mut conn = self.conn.clone();
+            // On one server a claim without a quota, a run or an approval of a key this instance
+            // did not see hold a record lately goes to a short script that acquires a key with
+            // no record, or answers the record the key holds. Otherwise (and for a record of
+            // earlier versions) the record is read with one GET, pipelined with the server's TIME.
+            let tried = if self.has_seen(&placement) {
+                First::NotTried
+            } else {
+                self.claim_new(&mut conn, req, &placement).await?
+            };
+            let (existing, now) = match tried {
+                First::Answered(answer) => return Ok(answer),
+                First::Read(existing, now) => (existing, now),
+                First::NotTried => self.read_record(&mut conn, &placement).await?,
+            };
             // A claim that writes nothing (a replay, a holder in flight, a mismatch) is answered
-            // from one GET (pipelined with the server's TIME, by which it is judged): it
-            // costs Redis a few microseconds where the claim script costs several times that.
-            // Only a claim that acquires runs the script.
-            let (existing, now) = self.read_record(&mut conn, &placement).await?;
-            let absent = existing.is_none();
+            // from that read, judged at its time. Only a claim that writes runs the claim
+            // script, which decides on what the key holds then.
             if let Some(answer) = onceguard_core::protocol::answer_without_write(existing, req, now) {
-                return Ok(answer);
-            }
-            // A key with no record is acquired by a short script that writes the record
-            // decided here, unless the key changed meanwhile or the claim waited too long.
-            if absent && let Some(answer) = self.claim_new(&mut conn, req, &placement, now).await? {
+                self.saw(&placement);
                 return Ok(answer);
             }
             self.claim_writing(&mut conn, req, &placement).await
@@ -82,6 +89,8 @@ impl ClaimStore for RedisStore {
             check_range(&[ms(*lease)])?;
         }
         let placement = Placement::of(scope);
+        // The key holds a record: a claim of it next is likely a replay.
+        self.saw(&placement);
         let cost = reported_cost(&mutation);
         let finishes = mutation.finishes();
         // A record this instance wrote with the short claim script: any call changes it.

@@ -327,63 +327,91 @@ pub fn unpacked_record(bytes: &[u8]) -> Result<Record, StoreError> {
 /// A record as the scripts write it ([`crate::scripts`]): what a process that loads records
 /// into the store in bulk writes (with `SET … PX`, and the record's index entries).
 pub fn packed_record(record: &Record) -> Vec<u8> {
-    packed_with_fence_at(record).0
+    packed_marked(record, false).0
 }
 
-/// A record packed by [`packed_with_fence_at`], cut around its fence's MessagePack string (the
-/// one-byte header of a string of up to 31 bytes, then the digits): what comes before it and
-/// what comes after it, the two parts [`crate::scripts::CLAIM_NEW`] writes a drawn fence between.
-pub fn around_fence(packed: &[u8], fence_at: usize) -> (&[u8], &[u8]) {
-    let digits = usize::from(packed[fence_at] - 0xa0);
-    (&packed[..fence_at], &packed[fence_at + 1 + digits..])
-}
-
-/// [`packed_record`], and where its fence is: the offset of the fence's MessagePack string
-/// (its one-byte header, then its decimal digits), which [`crate::scripts::CLAIM_NEW`] spells
-/// again with the fence it draws.
-pub fn packed_with_fence_at(record: &Record) -> (Vec<u8>, usize) {
-    let (packed, at) = packed_marked(record, false);
-    (packed, at.fence)
-}
-
-/// Where a record packed by [`packed_with_times_at`] keeps what [`crate::scripts::FINISH_KNOWN`]
-/// writes from the store's time: the offsets of the 8 big-endian bytes of its completion time
-/// (if it has one), its update time and its expiry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a record packed by [`packed_with_times_at`] keeps its times: the offsets of the 8
+/// big-endian bytes of each (`None` for a time the record lacks), which a script writes its own
+/// time over ([`crate::scripts::CLAIM_NEW`], [`crate::scripts::FINISH_KNOWN`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TimesAt {
-    /// The completion time's bytes, if the record has one.
+    /// The lease's end.
+    pub lease: Option<usize>,
+    /// The completion time.
     pub completed: Option<usize>,
-    /// The update time's bytes.
-    pub updated: usize,
-    /// The expiry's bytes.
-    pub expires: usize,
+    /// The creation time.
+    pub created: Option<usize>,
+    /// The update time.
+    pub updated: Option<usize>,
+    /// The expiry.
+    pub expires: Option<usize>,
 }
 
-/// [`packed_record`], except that the completion time, the update time and the expiry are each
-/// a MessagePack `uint 64` (its marker, then 8 bytes) whatever their value, and where their
-/// bytes are: a script writes its own time there ([`crate::scripts::FINISH_KNOWN`]). Readers
-/// take any width of a number.
-pub(crate) fn packed_with_times_at(record: &Record) -> (Vec<u8>, TimesAt) {
-    let (packed, at) = packed_marked(record, true);
-    let times = TimesAt {
-        completed: at.completed,
-        updated: at.updated.expect("a record has an update time"),
-        expires: at.expires.expect("a record has an expiry"),
-    };
-    (packed, times)
+/// [`packed_record`], except that every time (lease end, completion, creation, update, expiry)
+/// is a MessagePack `uint 64` (its marker, then 8 bytes) whatever its value, and where each
+/// time's bytes are: a script writes its own time there. Readers take any width of a number.
+/// Also where the fence's MessagePack string is (its one-byte header, then its digits).
+pub(crate) fn packed_with_times_at(record: &Record) -> (Vec<u8>, usize, TimesAt) {
+    let (packed, marks) = packed_marked(record, true);
+    (packed, marks.fence, marks.times)
+}
+
+/// `packed` cut where the times `at` (those present, in the record's order) are: the parts
+/// before, between and after their 8 bytes each.
+pub(crate) fn cut_at_times<'a>(packed: &'a [u8], at: &[usize]) -> Vec<&'a [u8]> {
+    let mut parts = Vec::with_capacity(at.len() + 1);
+    let mut from = 0;
+    for &time in at {
+        parts.push(&packed[from..time]);
+        from = time + 8;
+    }
+    parts.push(&packed[from..]);
+    parts
+}
+
+/// A record in progress packed for [`crate::scripts::CLAIM_NEW`]: cut where its fence's
+/// MessagePack string, its lease's end, its creation and its update times go, which the script
+/// writes in.
+pub struct NewRecord {
+    packed: Vec<u8>,
+    cuts: [std::ops::Range<usize>; 5],
+}
+
+impl NewRecord {
+    /// `record` ([`packed_with_times_at`]) cut so; `None` if it lacks a lease.
+    pub fn of(record: &Record) -> Option<NewRecord> {
+        let (packed, fence_at, at) = packed_with_times_at(record);
+        let after_fence = fence_at + 1 + usize::from(packed[fence_at] - 0xa0);
+        let (lease, created, updated) = (at.lease?, at.created?, at.updated?);
+        let cuts =
+            [0..fence_at, after_fence..lease, lease + 8..created, created + 8..updated, updated + 8..packed.len()];
+        Some(NewRecord { packed, cuts })
+    }
+
+    /// The five parts, in order.
+    pub fn parts(&self) -> [&[u8]; 5] {
+        self.cuts.clone().map(|cut| &self.packed[cut])
+    }
+
+    /// The record as the script writes it with `fence` (as spelt) and the store's time `now`
+    /// (the lease ending at `lease_end`).
+    pub fn written(&self, spelt: &[u8], lease_end: Timestamp, now: Timestamp) -> Option<Vec<u8>> {
+        let header = u8::try_from(spelt.len()).ok().filter(|n| *n < 32).map(|n| 0xa0 | n)?;
+        let [p0, p1, p2, p3, p4] = self.parts();
+        let (lease_end, now) = (lease_end.0.to_be_bytes(), now.0.to_be_bytes());
+        Some([p0, &[header], spelt, p1, &lease_end, p2, &now, p3, &now, p4].concat())
+    }
 }
 
 /// Where [`packed_marked`] wrote the fence's string and the wide times' bytes.
 #[derive(Default)]
 struct Marks {
     fence: usize,
-    completed: Option<usize>,
-    updated: Option<usize>,
-    expires: Option<usize>,
+    times: TimesAt,
 }
 
-/// A record packed, and where its fence is; with `wide_times`, its completion, update and
-/// expiry times written 8 bytes wide and where they are.
+/// A record packed, and where its fence is; with `wide_times`, its times written 8 bytes wide
+/// and where they are.
 fn packed_marked(record: &Record, wide_times: bool) -> (Vec<u8>, Marks) {
     let mut fields: HashMap<&str, Vec<u8>> = HashMap::new();
     let mut add = |field: &'static str, value: Option<Vec<u8>>| {
@@ -442,9 +470,11 @@ fn packed_marked(record: &Record, wide_times: bool) -> (Vec<u8>, Marks) {
             continue;
         };
         let wide = match field {
-            "co" => Some(&mut marks.completed),
-            "up" => Some(&mut marks.updated),
-            "ex" => Some(&mut marks.expires),
+            "le" => Some(&mut marks.times.lease),
+            "co" => Some(&mut marks.times.completed),
+            "ca" => Some(&mut marks.times.created),
+            "up" => Some(&mut marks.times.updated),
+            "ex" => Some(&mut marks.times.expires),
             _ => None,
         };
         if let (true, Some(mark)) = (wide_times, wide) {
@@ -759,17 +789,29 @@ mod tests {
         let mut small = full();
         (small.updated_at, small.expires_at) = (Timestamp(3), Timestamp(70_000));
         for record in [full(), small] {
-            let (packed, at) = packed_with_times_at(&record);
+            let (packed, fence_at, at) = packed_with_times_at(&record);
             assert_eq!(Fields::from_packed(&packed).unwrap().record().unwrap(), record);
+            assert_eq!(packed[fence_at], 0xa0 + record.fence.0.to_string().len() as u8, "the fence's string");
             let time = |offset: usize| {
                 assert_eq!(packed[offset - 1], 0xcf, "a uint 64's marker");
                 u64::from_be_bytes(packed[offset..offset + 8].try_into().unwrap())
             };
+            assert_eq!(at.lease.map(time), record.lease_expires_at.map(|t| t.0));
             assert_eq!(at.completed.map(time), record.completed_at.map(|t| t.0));
-            assert_eq!((time(at.updated), time(at.expires)), (record.updated_at.0, record.expires_at.0));
+            assert_eq!(at.created.map(time), Some(record.created_at.0));
+            assert_eq!(
+                (at.updated.map(time), at.expires.map(time)),
+                (Some(record.updated_at.0), Some(record.expires_at.0))
+            );
+            let places = [at.lease, at.completed, at.created, at.updated, at.expires];
+            let places: Vec<usize> = places.into_iter().flatten().collect();
+            let parts = cut_at_times(&packed, &places);
+            assert_eq!(parts.concat().len(), packed.len() - 8 * places.len());
+            assert_eq!(parts[0], &packed[..places[0]]);
         }
-        let released = Record { completed_at: None, ..full() };
-        assert_eq!(packed_with_times_at(&released).1.completed, None);
+        let released = Record { completed_at: None, lease_expires_at: None, ..full() };
+        let (_, _, at) = packed_with_times_at(&released);
+        assert_eq!((at.completed, at.lease), (None, None));
     }
 
     #[test]

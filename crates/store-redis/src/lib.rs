@@ -13,15 +13,17 @@
 //!   same pipeline): if it would write nothing (a replay, a holder in flight, a mismatch:
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
 //!   within the call; only a claim that acquires runs the script. On one server, a claim (not
-//!   of a batch call) of a key that had no record when read, carrying no quota, naming no run
-//!   and needing no approval, is decided in Rust as `protocol::claim` decides with no record (it
-//!   acquires), at the read's time, and written by a short script ([`scripts::CLAIM_NEW`]) that
-//!   checks, in the same step, that the key still has no record and that the store's time is
-//!   within a tenth of the lease (at most 1 s) of the read's; it draws the fence as the claim
-//!   script does and spells it into the record the store packed. Otherwise (the key changed
-//!   meanwhile, or the claim waited longer) it writes nothing and the claim script decides, on
-//!   what the key holds and at the store's time then. The claim script's own path for a new key
-//!   still serves batch calls, claims with a quota, a run or an approval, and a Cluster. The
+//!   of a batch call) carrying no quota, naming no run and needing no approval, of a key this
+//!   instance did not see hold a record lately (a small table of recent keys: a key it read a
+//!   record of, or made a fenced call on), goes instead to a short script
+//!   ([`scripts::CLAIM_NEW`]) that reads and, in the same step, acquires a key with no record:
+//!   decided in Rust as `protocol::claim` decides with no record (it acquires), packed with its
+//!   times 8 bytes wide, and written with the fence the script draws as the claim script does
+//!   and the store's time of the script in its times. A key that holds a record is answered
+//!   with it and the store's time, and decided on as any read. So a first execution costs one
+//!   round trip to Redis less; a replay, which the table sends to the plain read, does not pay
+//!   for a script. The claim script's own path for a new key still serves batch calls, claims
+//!   with a quota, a run or an approval, and a Cluster. The
 //!   store keeps each record it wrote so, as written, until a call on its key: a completion or
 //!   failure of it is decided in Rust (`protocol::apply`, whose decision on a record the key
 //!   still holds depends on no time) and written by another short script
@@ -334,7 +336,7 @@ mod scan;
 pub mod scripts;
 mod tenants;
 
-pub use codec::{around_fence, packed_record, packed_with_fence_at, unpacked_record};
+pub use codec::{NewRecord, packed_record, unpacked_record};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -481,17 +483,6 @@ const MAX_DRAWS: usize = 16;
 /// record names a run the caller did not know of; it changes only if the record is replaced).
 const MAX_RUN_CHANGES: usize = 4;
 
-/// How far the store's time may be from the time a claim of a new key was decided at (its
-/// read's) for [`scripts::CLAIM_NEW`] to write it: the times it writes (lease end, creation)
-/// are that time's, and stay this close to the store's when the record is written. Its
-/// decision does not depend on the time (a key with no record is acquired). Further off (the
-/// claim waited longer), the claim script decides on the store's time. At most 1 s, as
-/// PostgreSQL's guesses, and a tenth of the lease, so that the lease written is never more than
-/// a tenth shorter (or longer) than the claim script would write.
-fn guess_tolerance_ms(lease: Duration) -> u64 {
-    (ms(lease) / 10).min(1_000)
-}
-
 /// The longest `ping` waits.
 const PING_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -580,6 +571,31 @@ pub struct RedisStore {
     known: std::sync::Mutex<HashMap<Scope, Arc<KnownRecord>>>,
     /// Calls that finished a known record by the short script ([`RedisStore::known_finished`]).
     known_finished: AtomicU64,
+    /// The keys this instance saw holding a record lately ([`RedisStore::saw`]).
+    seen: Box<[AtomicU64]>,
+}
+
+/// How many keys [`RedisStore::saw`] remembers at most (each in 8 bytes; a key may push out
+/// another of the same place).
+const SEEN_PLACES: usize = 1 << 16;
+
+/// A key's number for [`RedisStore::saw`] (never 0): the first 64 bits of its digest.
+fn seen_id(placement: &Placement) -> u64 {
+    let digest = placement.digest.get(..16).unwrap_or_default();
+    u64::from_str_radix(digest, 16).unwrap_or_default() | 1
+}
+
+/// What [`RedisStore::claim_new`] found. Returned once and taken apart at once: boxing the
+/// record would cost every replay an allocation.
+#[allow(clippy::large_enum_variant)]
+enum First {
+    /// The claim's answer: it acquired the key.
+    Answered(ClaimOutcome),
+    /// The key's record (or none: a record of earlier versions) and the store's time it was
+    /// read at.
+    Read(Option<Record>, Timestamp),
+    /// Not such a claim, or the key holds what the script does not read: a read decides.
+    NotTried,
 }
 
 /// A record as this instance wrote it with [`scripts::CLAIM_NEW`]: the record and its bytes.
@@ -754,6 +770,7 @@ impl RedisStore {
             new_keys: AtomicU64::new(0),
             known: std::sync::Mutex::default(),
             known_finished: AtomicU64::new(0),
+            seen: (0..SEEN_PLACES).map(|_| AtomicU64::new(0)).collect(),
         };
         store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
         store.bounded("delete the indexes of earlier versions", store.delete_indexes_of_earlier_versions()).await?;
@@ -936,56 +953,79 @@ impl RedisStore {
         }
     }
 
-    /// A claim of a key that had no record when read (at the store's time `now`), on one
-    /// server, carrying no quota, naming no run and needing no approval: decided here as
-    /// `protocol::claim` decides with no record, and written by [`scripts::CLAIM_NEW`] if the key
-    /// still has none and the store's time is within [`guess_tolerance_ms`] of `now`. `None`
-    /// where that does not hold (the key changed, or the claim waited too long), or the claim is
-    /// not such a claim: the claim script decides it.
-    async fn claim_new(
-        &self,
-        conn: &mut Conn,
-        req: &ClaimRequest,
-        placement: &Placement,
-        now: Timestamp,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
+    /// A claim on one server carrying no quota, naming no run and needing no approval, by the
+    /// short script ([`scripts::CLAIM_NEW`]): decided here as `protocol::claim` decides with no
+    /// record (it acquires), and written by the script if the key has no record, with the fence
+    /// it draws and the store's time of the write; a record the key holds is answered instead,
+    /// with the store's time it was read at, for the caller to decide on as on any read.
+    async fn claim_new(&self, conn: &mut Conn, req: &ClaimRequest, placement: &Placement) -> Result<First, StoreError> {
         if self.cluster || req.max_in_flight.is_some() || req.run.is_some() || req.approval.is_some() {
-            return Ok(None);
+            return Ok(First::NotTried);
         }
-        let (ClaimOutcome::Acquired(acquired), Some(record)) =
-            onceguard_core::protocol::claim(None, req, now, || Fence(0))
-        else {
-            return Ok(None);
+        // Decided at any time: the script writes its own in the record's times.
+        let decide = |now: Timestamp, fence: Fence| match onceguard_core::protocol::claim(None, req, now, || fence) {
+            (ClaimOutcome::Acquired(acquired), Some(record)) => Some((acquired, record)),
+            _ => None,
         };
+        let Some((_, record)) = decide(Timestamp(0), Fence(0)) else { return Ok(First::NotTried) };
         self.register_slot(conn, placement.slot).await?;
         self.floor_fences(conn, &req.scope.tenant).await?;
-        let (packed, fence_at) = codec::packed_with_fence_at(&record);
-        let (before, after) = codec::around_fence(&packed, fence_at);
+        let new = NewRecord::of(&record).ok_or_else(|| corrupt("a new record lacks a lease"))?;
+        let key = self.keys.record(placement);
         let mut invocation = SCRIPTS.claim_new.prepare_invoke();
         invocation
-            .key(self.keys.record(placement))
+            .key(&key)
             .key(self.keys.fence_mark(placement.slot, &req.scope.tenant))
             .key(self.keys.fence_counter(&req.scope.tenant))
             .arg(self.clock_arg())
-            .arg(now.0)
-            .arg(guess_tolerance_ms(req.lease))
-            .arg(before)
-            .arg(after);
+            .arg(ms(req.lease));
+        for part in new.parts() {
+            invocation.arg(part);
+        }
         let answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
+        let number = |n: &[u8], what: &str| {
+            std::str::from_utf8(n)
+                .ok()
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| corrupt(format!("the claim answered a {what} that is not a number")))
+        };
         match answer.as_slice() {
-            [tag, spelt] if tag.as_slice() == b"acquired" => {
-                let fence = std::str::from_utf8(spelt).ok().and_then(|f| f.parse().ok()).map(Fence);
-                let fence = fence.ok_or_else(|| corrupt("the claim answered a fence that is not a number"))?;
+            [tag, spelt, now] if tag.as_slice() == b"acquired" => {
+                let (fence, now) = (Fence(number(spelt, "fence")?), Timestamp(number(now, "time")?));
+                let (acquired, record) = decide(now, fence).ok_or_else(|| corrupt("a new key was not acquired"))?;
+                let lease_end = record.lease_expires_at.unwrap_or(now);
+                let written = new.written(spelt, lease_end, now);
+                let written = written.ok_or_else(|| corrupt("the claim answered a fence too long"))?;
                 let order = self.new_keys.fetch_add(1, Ordering::Relaxed);
-                let header = u8::try_from(spelt.len()).ok().filter(|n| *n < 32).map(|n| 0xa0 | n);
-                let header = header.ok_or_else(|| corrupt("the claim answered a fence too long"))?;
-                let packed = [before, &[header], spelt.as_slice(), after].concat();
-                self.remember(&req.scope, KnownRecord { record: Record { fence, ..record }, packed, order }, now);
-                Ok(Some(ClaimOutcome::Acquired(onceguard_core::Acquired { fence, ..acquired })))
+                let known = KnownRecord { record, packed: written, order };
+                self.remember(&req.scope, known, now);
+                Ok(First::Answered(ClaimOutcome::Acquired(acquired)))
             }
-            [tag] if tag.as_slice() == b"exists" || tag.as_slice() == b"late" => Ok(None),
+            [tag, held, now] if tag.as_slice() == b"exists" => {
+                let now = Timestamp(number(now, "time")?);
+                let existing =
+                    self.decode_record(conn, Value::BulkString(held.clone()), &key, Some(&placement.member)).await?;
+                Ok(First::Read(existing, now))
+            }
+            [tag] if tag.as_slice() == b"other" => Ok(First::NotTried),
             _ => Err(corrupt("the claim of a new key answered something else")),
         }
+    }
+
+    /// Notes that the key at `placement` holds a record (a claim read one, or a call finished
+    /// it): its next claim is likely a replay, answered from a read ([`Self::has_seen`]).
+    fn saw(&self, placement: &Placement) {
+        let id = seen_id(placement);
+        self.seen[id as usize % SEEN_PLACES].store(id, Ordering::Relaxed);
+    }
+
+    /// Whether this instance saw the key at `placement` hold a record lately: then its claim
+    /// reads the record with a `GET` (a replay costs Redis a few microseconds) rather than
+    /// running [`scripts::CLAIM_NEW`], which acquires a key with no record in one step but
+    /// costs a replay about twice as much. Either way decides the same.
+    fn has_seen(&self, placement: &Placement) -> bool {
+        let id = seen_id(placement);
+        self.seen[id as usize % SEEN_PLACES].load(Ordering::Relaxed) == id
     }
 
     /// How many claims of a new key this instance acquired with the short script
@@ -1068,7 +1108,7 @@ impl RedisStore {
         if record.state == onceguard_core::RecordState::InProgress {
             return Ok(None);
         }
-        let (packed, at) = codec::packed_with_times_at(&record);
+        let (packed, _, at) = codec::packed_with_times_at(&record);
         let mut invocation = SCRIPTS.finish_known.prepare_invoke();
         invocation
             .key(self.keys.record(placement))
@@ -1078,12 +1118,10 @@ impl RedisStore {
             .arg(ms(record.retention))
             .arg(self.keys.changes())
             .arg(self.message(scope));
-        let mut from = 0;
-        for time in [at.completed, Some(at.updated), Some(at.expires)].into_iter().flatten() {
-            invocation.arg(&packed[from..time]);
-            from = time + 8;
+        let places: Vec<usize> = [at.completed, at.updated, at.expires].into_iter().flatten().collect();
+        for part in codec::cut_at_times(&packed, &places) {
+            invocation.arg(part);
         }
-        invocation.arg(&packed[from..]);
         let written: Option<u64> = invocation.invoke_async(conn).await.map_err(unavailable("fenced call"))?;
         let Some(now) = written else { return Ok(None) };
         let now = Timestamp(now);
@@ -1332,13 +1370,6 @@ fn api_key(doc: &str, revoked: Option<u64>) -> Result<ApiKey, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_new_keys_record_may_be_written_a_tenth_of_its_lease_late_at_most_one_second() {
-        assert_eq!(guess_tolerance_ms(Duration::from_millis(100)), 10);
-        assert_eq!(guess_tolerance_ms(Duration::from_secs(5)), 500);
-        assert_eq!(guess_tolerance_ms(Duration::from_secs(30)), 1_000);
-    }
 
     #[test]
     fn store_urls_parse() {

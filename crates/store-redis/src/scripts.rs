@@ -581,26 +581,27 @@ write_record(KEYS[1], n, now)
 return answer
 "#;
 
-/// A claim of a key that had no record when it was read, on one server, carrying no quota,
-/// naming no run and needing no approval: the store decided it as `protocol::claim` decides
-/// with no record (it acquires) and packed the record it writes ([`crate::codec::packed_record`],
-/// with any fence), at the store's time of its read, and gives it in two parts, before and after
-/// the fence's MessagePack string ([`crate::codec::around_fence`]). If the store's time now is
-/// within the tolerance given (a tenth of the lease, at most 1 s) of the time the record was
-/// decided at, the script draws the fence as [`CLAIM`] does on one server ([`FENCES`]: the
-/// counter, kept above the slot's mark, and the mark, swapped in one `SET … GET`), spells it
-/// between the two parts and writes the record with `SET … NX`: only if the key still has none.
-/// So a fresh key costs Redis these few commands, not the claim script's decoding, deciding and
-/// packing. Answers `{'acquired', fence}`, or, writing no record, `{'exists'}` (the key has a
-/// record now, live or not; the fence drawn is given to nobody) or `{'late'}` (nothing drawn):
-/// the caller then runs [`CLAIM`], which decides on what the key holds.
+/// A claim on one server carrying no quota, naming no run and needing no approval: the store
+/// decided it as `protocol::claim` decides with no record (it acquires) and packed the record
+/// it writes ([`crate::codec::packed_with_times_at`], with any fence and its times 8 bytes
+/// wide), and gives it cut where the fence's MessagePack string, the lease's end, the creation
+/// and the update times go. If the key has no record, the script draws the fence as [`CLAIM`]
+/// does on one server ([`FENCES`]: the counter, kept above the slot's mark, and the mark,
+/// swapped in one `SET … GET`), spells it in, puts the store's time now (and the lease's end
+/// from it) in the times' places (`struct.pack`) and writes the record. So a fresh key costs
+/// Redis one script of a few commands, not a read and the claim script's decoding, deciding
+/// and packing, and nothing the instance estimated is written. Answers
+/// `{'acquired', fence, now}`; or, writing nothing, `{'exists', record, now}` (the key's
+/// packed record, read at the store's time now: the caller decides on it as on any read) or
+/// `{'other'}` (the key holds a record of earlier versions, a hash: the caller reads it).
 pub const CLAIM_NEW: &str = r#"
 -- KEYS: record, slot fence mark, fence counter
--- ARGV: the store's clock ('' for the server's), the store's time the record was decided at,
---       how far the store's time now may be from it (ms), the packed record before its fence's
---       MessagePack string, and after it
+-- ARGV: the store's clock ('' for the server's), the lease (ms), then the packed record cut
+--       where its fence, lease end, creation and update times go (5 parts)
 local now = clock(ARGV[1])
-if math.abs(now - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return { 'late' } end
+local held = redis.pcall('GET', KEYS[1])
+if type(held) == 'table' then return { 'other' } end
+if held then return { 'exists', held, string.format('%.0f', now) } end
 -- draw_above and write_mark in fewer commands: the mark swapped for the counter's next fence,
 -- and set again only where it was at or above it, or kept the form of earlier versions.
 local fence = redis.call('INCR', KEYS[3])
@@ -617,12 +618,11 @@ if was then
     write_mark(KEYS[2], fence, fenced)
   end
 end
--- A record in progress never expires: no TTL, as write_record writes it. A key that has a record
--- now is left as it is (the fence drawn is given to nobody: fences only grow).
-if not redis.call('SET', KEYS[1], ARGV[4] .. string.char(160 + #spelt) .. spelt .. ARGV[5], 'NX') then
-  return { 'exists' }
-end
-return { 'acquired', spelt }
+-- A record in progress never expires: no TTL, as write_record writes it.
+local at = struct.pack('>I8', now)
+redis.call('SET', KEYS[1], ARGV[3] .. string.char(160 + #spelt) .. spelt .. ARGV[4]
+  .. struct.pack('>I8', now + tonumber(ARGV[2])) .. ARGV[5] .. at .. ARGV[6] .. at .. ARGV[7])
+return { 'acquired', spelt, string.format('%.0f', now) }
 "#;
 
 /// A call that finishes a record this instance wrote with [`CLAIM_NEW`] and has not seen change

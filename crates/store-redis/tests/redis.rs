@@ -1130,8 +1130,8 @@ async fn a_record_of_an_unknown_state_is_never_taken_over() {
 
 /// The short script that acquires a key with no record (`CLAIM_NEW`): it writes the record it
 /// was given with the fence it draws spelled in (above the slot's mark, keeping the mark's
-/// form), and writes nothing where the key has a record or the store's time is too far from
-/// the record's.
+/// form) and the store's time in its times, and where the key has a record it writes and draws
+/// nothing and answers the record, with the store's time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
     if !common::single_available() {
@@ -1143,57 +1143,76 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
     let mut conn = raw_connection(&url).await;
     let script_conn = conn.clone();
     let t0 = common::T0;
-    let claim_new = |key: &str, decided_at: Timestamp, store_now: Timestamp| {
+    let claim_new = |key: &str, store_now: Timestamp| {
         let s = scope(key);
         let placement = Placement::of(&s);
-        let (_, record) =
-            onceguard_core::protocol::claim(None, &common::request(&s), decided_at, || onceguard_core::Fence(0));
-        let record = record.expect("a key with no record is acquired");
-        let packed = onceguard_store_redis::packed_record(&record);
-        let (before, after) = onceguard_store_redis::around_fence(&packed, packed_fence_at(&record));
+        let req = common::request(&s);
+        let decided = |now| onceguard_core::protocol::claim(None, &req, now, || onceguard_core::Fence(0)).1;
+        // Packed at a time of its own: the script writes the store's.
+        let new = onceguard_store_redis::NewRecord::of(&decided(Timestamp(5)).expect("acquired")).expect("a lease");
+        let expected = decided(store_now).expect("acquired");
         let mut invocation = SCRIPTS.claim_new.prepare_invoke();
         invocation
             .key(keys.record(&placement))
             .key(keys.fence_mark(placement.slot, &s.tenant))
             .key(keys.fence_counter(&s.tenant))
             .arg(store_now.0)
-            .arg(decided_at.0)
-            .arg(1_000)
-            .arg(before)
-            .arg(after);
+            .arg(10_000);
+        for part in new.parts() {
+            invocation.arg(part);
+        }
         let (mut conn, at) = (script_conn.clone(), keys.record(&placement));
-        async move { (invocation.invoke_async::<Vec<String>>(&mut conn).await.unwrap(), record, at) }
+        async move {
+            let answer: Vec<Vec<u8>> = invocation.invoke_async(&mut conn).await.unwrap();
+            let written = match answer.as_slice() {
+                [tag, spelt, now] if tag == b"acquired" => {
+                    let now = Timestamp(std::str::from_utf8(now).unwrap().parse().unwrap());
+                    new.written(spelt, Timestamp(now.0 + 10_000), now)
+                }
+                _ => None,
+            };
+            (answer, expected, at, written)
+        }
     };
-    // A tenant's first claim: fence 1, and the record kept without a TTL (in progress, it never
-    // expires).
-    let (answer, mut expected, at) = claim_new("new-0", t0, t0).await;
-    assert_eq!(answer, ["acquired", "1"]);
+    let text = |answer: &[Vec<u8>]| answer.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect::<Vec<_>>();
+    // A tenant's first claim: fence 1, the store's time, and the record kept without a TTL (in
+    // progress, it never expires); the bytes are those the store keeps as written.
+    let (answer, mut expected, at, written) = claim_new("new-0", t0).await;
+    assert_eq!(text(&answer), ["acquired", "1", &t0.0.to_string()]);
     expected.fence = onceguard_core::Fence(1);
     assert_eq!(record_at(&mut conn, &at).await, expected);
+    let raw: Vec<u8> = redis::cmd("GET").arg(&at).query_async(&mut conn).await.unwrap();
+    assert_eq!(Some(raw), written);
     let ttl: i64 = redis::cmd("PTTL").arg(&at).query_async(&mut conn).await.unwrap();
     assert_eq!(ttl, -1);
     // A slot's mark above the counter (as a Cluster's draws leave it), in the form that keeps
-    // earlier versions off: the fence is the mark's next, and the mark keeps its form.
+    // earlier versions off: the fence is the mark's next, and the mark keeps its form. Another
+    // store time, written as is.
     let s = scope("new-1");
     let mark = keys.fence_mark(Placement::of(&s).slot, &s.tenant);
     let _: () = redis::cmd("SET").arg(&mark).arg("m:41").query_async(&mut conn).await.unwrap();
-    let (answer, mut expected, at) = claim_new("new-1", t0, Timestamp(t0.0 + 999)).await;
-    assert_eq!(answer, ["acquired", "42"]);
+    let later = Timestamp(t0.0 + 3_600_999);
+    let (answer, mut expected, at, _) = claim_new("new-1", later).await;
+    assert_eq!(text(&answer), ["acquired", "42", &later.0.to_string()]);
     expected.fence = onceguard_core::Fence(42);
-    assert_eq!(record_at(&mut conn, &at).await, expected);
+    let stored = record_at(&mut conn, &at).await;
+    assert_eq!(stored, expected);
+    assert_eq!((stored.created_at, stored.lease_expires_at), (later, Some(Timestamp(later.0 + 10_000))));
     let kept: String = redis::cmd("GET").arg(&mark).query_async(&mut conn).await.unwrap();
     assert_eq!(kept, "m:42");
     // Fences of two to sixteen digits (2^52 and on) are spelled in place of the one packed.
     for (i, next) in [9u64, 99_999, 1 << 52].into_iter().enumerate() {
         let _: () =
             redis::cmd("SET").arg(keys.fence_counter(&s.tenant)).arg(next).query_async(&mut conn).await.unwrap();
-        let (answer, mut expected, at) = claim_new(&format!("new-{}", i + 2), t0, t0).await;
-        assert_eq!(answer, ["acquired", (next + 1).to_string().as_str()]);
+        let (answer, mut expected, at, written) = claim_new(&format!("new-{}", i + 2), t0).await;
+        assert_eq!(text(&answer)[..2], ["acquired".to_owned(), (next + 1).to_string()]);
         expected.fence = onceguard_core::Fence(next + 1);
         assert_eq!(record_at(&mut conn, &at).await, expected);
+        let raw: Vec<u8> = redis::cmd("GET").arg(&at).query_async(&mut conn).await.unwrap();
+        assert_eq!(Some(raw), written);
     }
-    // A key with a record: no record written, whatever it holds. The fence drawn meanwhile is
-    // given to nobody: the next claim's is above it, and the mark (in its form) with it.
+    // A key with a record: the record answered with the store's time, nothing written, no
+    // fence drawn.
     let counter = keys.fence_counter(&s.tenant);
     let drawn = |mut conn: redis::aio::MultiplexedConnection| {
         let (counter, mark) = (counter.clone(), mark.clone());
@@ -1202,53 +1221,29 @@ async fn a_new_key_is_written_by_the_short_script_with_the_fence_it_draws() {
             values
         }
     };
+    let fences = drawn(conn.clone()).await;
     let before: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
-    let (answer, _, _) = claim_new("new-1", t0, t0).await;
-    assert_eq!(answer, ["exists"]);
+    let (answer, _, _, _) = claim_new("new-1", later).await;
+    assert_eq!(answer, [b"exists".to_vec(), before.clone(), later.0.to_string().into_bytes()]);
     let after: Vec<u8> = redis::cmd("GET").arg(at_of(&keys, "new-1")).query_async(&mut conn).await.unwrap();
     assert_eq!(before, after);
-    let given_to_nobody = (1u64 << 52) + 2;
-    assert_eq!(drawn(conn.clone()).await, [given_to_nobody.to_string(), format!("m:{given_to_nobody}")]);
-    let (answer, _, _) = claim_new("new-after", t0, t0).await;
-    assert_eq!(answer, ["acquired", (given_to_nobody + 1).to_string().as_str()]);
+    assert_eq!(drawn(conn.clone()).await, fences);
     // A plain mark above the counter: the fence is the mark's next, and mark and counter become it.
     let plain = scope("new-plain");
     let plain_mark = keys.fence_mark(Placement::of(&plain).slot, &plain.tenant);
-    let above = given_to_nobody + 50;
+    let above = (1u64 << 52) + 50;
     let _: () = redis::cmd("SET").arg(&plain_mark).arg(above).query_async(&mut conn).await.unwrap();
-    let (answer, _, _) = claim_new("new-plain", t0, t0).await;
-    assert_eq!(answer, ["acquired", (above + 1).to_string().as_str()]);
+    let (answer, _, _, _) = claim_new("new-plain", t0).await;
+    assert_eq!(text(&answer)[..2], ["acquired".to_owned(), (above + 1).to_string()]);
     let values: Vec<String> = redis::cmd("MGET").arg(&counter).arg(&plain_mark).query_async(&mut conn).await.unwrap();
     assert_eq!(values, [(above + 1).to_string(), (above + 1).to_string()]);
+    // A record of earlier versions (a hash): nothing written or drawn, the caller reads it.
+    let old = at_of(&keys, "new-old");
+    let _: () = redis::cmd("HSET").arg(&old).arg("t").arg("acme").query_async(&mut conn).await.unwrap();
     let fences = drawn(conn.clone()).await;
-    // Decided more than the tolerance before (or after) the store's time: nothing written, and
-    // nothing drawn.
-    for store_now in [Timestamp(t0.0 + 1_001), Timestamp(t0.0 - 1_001)] {
-        let (answer, _, at) = claim_new("late", t0, store_now).await;
-        assert_eq!(answer, ["late"]);
-        let exists: bool = redis::cmd("EXISTS").arg(&at).query_async(&mut conn).await.unwrap();
-        assert!(!exists);
-        assert_eq!(drawn(conn.clone()).await, fences);
-    }
-}
-
-/// Where `record`'s fence is in its packed form: the one place where two packings with fences
-/// of the same length differ, less the fence's digits before it and its header.
-fn packed_fence_at(record: &onceguard_core::Record) -> usize {
-    let with = |fence: u64| {
-        onceguard_store_redis::packed_record(&onceguard_core::Record {
-            fence: onceguard_core::Fence(fence),
-            ..record.clone()
-        })
-    };
-    let (a, b) = (with(10), with(11));
-    let last_digit = a.iter().zip(&b).position(|(x, y)| x != y).expect("the fence is packed");
-    let at = last_digit - 2;
-    assert_eq!(a[at], 0xa2, "a two-digit string's header");
-    let zero = with(0);
-    assert_eq!(zero[at..at + 2], [0xa1, b'0']);
-    assert_eq!(onceguard_store_redis::packed_with_fence_at(record), (with(record.fence.0), at));
-    at
+    let (answer, _, _, _) = claim_new("new-old", t0).await;
+    assert_eq!(text(&answer), ["other"]);
+    assert_eq!(drawn(conn.clone()).await, fences);
 }
 
 fn at_of(keys: &Keys, key: &str) -> String {
