@@ -572,17 +572,39 @@ pub struct RedisStore {
     /// Calls that finished a known record by the short script ([`RedisStore::known_finished`]).
     known_finished: AtomicU64,
     /// The keys this instance saw holding a record lately ([`RedisStore::saw`]).
-    seen: Box<[AtomicU64]>,
+    seen: Seen,
 }
 
 /// How many keys [`RedisStore::saw`] remembers at most (each in 8 bytes; a key may push out
 /// another of the same place).
 const SEEN_PLACES: usize = 1 << 16;
 
-/// A key's number for [`RedisStore::saw`] (never 0): the first 64 bits of its digest.
-fn seen_id(placement: &Placement) -> u64 {
-    let digest = placement.digest.get(..16).unwrap_or_default();
-    u64::from_str_radix(digest, 16).unwrap_or_default() | 1
+/// The keys an instance saw holding a record lately: a key's number (never 0, the first 64 bits
+/// of its digest with the lowest set) in the place its upper bits choose, so that every place
+/// is used. A hint only: a key pushed out, or never seen, is claimed by the short script, which
+/// decides the same.
+struct Seen(Box<[AtomicU64]>);
+
+impl Seen {
+    fn new() -> Self {
+        Self((0..SEEN_PLACES).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn place(placement: &Placement) -> (usize, u64) {
+        let digest = placement.digest.get(..16).unwrap_or_default();
+        let bits = u64::from_str_radix(digest, 16).unwrap_or_default();
+        ((bits >> 32) as usize % SEEN_PLACES, bits | 1)
+    }
+
+    fn note(&self, placement: &Placement) {
+        let (place, id) = Self::place(placement);
+        self.0[place].store(id, Ordering::Relaxed);
+    }
+
+    fn holds(&self, placement: &Placement) -> bool {
+        let (place, id) = Self::place(placement);
+        self.0[place].load(Ordering::Relaxed) == id
+    }
 }
 
 /// What [`RedisStore::claim_new`] found. Returned once and taken apart at once: boxing the
@@ -770,7 +792,7 @@ impl RedisStore {
             new_keys: AtomicU64::new(0),
             known: std::sync::Mutex::default(),
             known_finished: AtomicU64::new(0),
-            seen: (0..SEEN_PLACES).map(|_| AtomicU64::new(0)).collect(),
+            seen: Seen::new(),
         };
         store.bounded("move the rollbacks of earlier versions", store.move_legacy_rollbacks()).await?;
         store.bounded("delete the indexes of earlier versions", store.delete_indexes_of_earlier_versions()).await?;
@@ -1015,8 +1037,7 @@ impl RedisStore {
     /// Notes that the key at `placement` holds a record (a claim read one, or a call finished
     /// it): its next claim is likely a replay, answered from a read ([`Self::has_seen`]).
     fn saw(&self, placement: &Placement) {
-        let id = seen_id(placement);
-        self.seen[id as usize % SEEN_PLACES].store(id, Ordering::Relaxed);
+        self.seen.note(placement);
     }
 
     /// Whether this instance saw the key at `placement` hold a record lately: then its claim
@@ -1024,8 +1045,7 @@ impl RedisStore {
     /// running [`scripts::CLAIM_NEW`], which acquires a key with no record in one step but
     /// costs a replay about twice as much. Either way decides the same.
     fn has_seen(&self, placement: &Placement) -> bool {
-        let id = seen_id(placement);
-        self.seen[id as usize % SEEN_PLACES].load(Ordering::Relaxed) == id
+        self.seen.holds(placement)
     }
 
     /// How many claims of a new key this instance acquired with the short script
@@ -1387,6 +1407,25 @@ mod tests {
         );
         assert_eq!(RedisTarget::parse("redis+cluster://"), None);
         assert_eq!(RedisTarget::parse("sqlite://x.db"), None);
+    }
+
+    #[test]
+    fn the_seen_table_uses_every_place() {
+        use onceguard_core::domain::{Key, Namespace};
+        let seen = Seen::new();
+        let placements: Vec<Placement> = (0..20_000)
+            .map(|i| {
+                let key = Key::parse(&format!("k{i}")).unwrap();
+                Placement::of(&Scope::new(TenantId::parse("t").unwrap(), Namespace::parse("n").unwrap(), key))
+            })
+            .collect();
+        placements.iter().for_each(|p| seen.note(p));
+        let held = placements.iter().filter(|p| seen.holds(p)).count();
+        // 20,000 keys in 65,536 places keep about 17,240 (one of each pair sharing a place is
+        // pushed out); in half the places, about 14,970.
+        assert!(held > 16_500, "{held} of 20,000 keys held");
+        let even = placements.iter().filter(|p| Seen::place(p).0 % 2 == 0).count();
+        assert!(even > 9_000 && even < 11_000, "{even} keys in even places");
     }
 
     #[test]
