@@ -807,7 +807,15 @@ mod tests {
             let places: Vec<usize> = places.into_iter().flatten().collect();
             let parts = cut_at_times(&packed, &places);
             assert_eq!(parts.concat().len(), packed.len() - 8 * places.len());
-            assert_eq!(parts[0], &packed[..places[0]]);
+            assert_eq!(parts.len(), places.len() + 1);
+            let mut joined = Vec::new();
+            for (i, part) in parts.iter().enumerate() {
+                joined.extend_from_slice(part);
+                if let Some(&place) = places.get(i) {
+                    joined.extend_from_slice(&packed[place..place + 8]);
+                }
+            }
+            assert_eq!(joined, packed, "the parts are the bytes between the times, in order");
         }
         let released = Record { completed_at: None, lease_expires_at: None, ..full() };
         let (_, _, at) = packed_with_times_at(&released);

@@ -14,15 +14,16 @@
 //!   `protocol::answer_without_write`, at that time) that read is its answer, as of a moment
 //!   within the call; only a claim that acquires runs the script. On one server, a claim (not
 //!   of a batch call) carrying no quota, naming no run and needing no approval, of a key this
-//!   instance did not see hold a record lately (a small table of recent keys: a key it read a
-//!   record of, or made a fenced call on), goes instead to a short script
+//!   instance did not see hold a record lately (a small table of recent keys: a key whose
+//!   claim it answered from a read, or that it made a fenced call on), goes instead to a short script
 //!   ([`scripts::CLAIM_NEW`]) that reads and, in the same step, acquires a key with no record:
 //!   decided in Rust as `protocol::claim` decides with no record (it acquires), packed with its
 //!   times 8 bytes wide, and written with the fence the script draws as the claim script does
 //!   and the store's time of the script in its times. A key that holds a record is answered
 //!   with it and the store's time, and decided on as any read. So a first execution costs one
-//!   round trip to Redis less; a replay, which the table sends to the plain read, does not pay
-//!   for a script. The claim script's own path for a new key still serves batch calls, claims
+//!   round trip to Redis less; a replay of a key in the table goes to the plain read and does
+//!   not pay for a script (a key another instance finished, one pushed out of the table, or any
+//!   key after a restart pays for the script once, then is in the table). The claim script's own path for a new key still serves batch calls, claims
 //!   with a quota, a run or an approval, and a Cluster. The
 //!   store keeps each record it wrote so, as written, until a call on its key: a completion or
 //!   failure of it is decided in Rust (`protocol::apply`, whose decision on a record the key
@@ -613,8 +614,8 @@ impl Seen {
 enum First {
     /// The claim's answer: it acquired the key.
     Answered(ClaimOutcome),
-    /// The key's record (or none: a record of earlier versions) and the store's time it was
-    /// read at.
+    /// The key's record and the store's time it was read at (a hash record of earlier versions
+    /// is left to the read: [`First::NotTried`]).
     Read(Option<Record>, Timestamp),
     /// Not such a claim, or the key holds what the script does not read: a read decides.
     NotTried,
@@ -1004,14 +1005,14 @@ impl RedisStore {
         for part in new.parts() {
             invocation.arg(part);
         }
-        let answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
+        let mut answer = strings(invocation.invoke_async(conn).await.map_err(unavailable("claim"))?)?;
         let number = |n: &[u8], what: &str| {
             std::str::from_utf8(n)
                 .ok()
                 .and_then(|n| n.parse().ok())
                 .ok_or_else(|| corrupt(format!("the claim answered a {what} that is not a number")))
         };
-        match answer.as_slice() {
+        match answer.as_mut_slice() {
             [tag, spelt, now] if tag.as_slice() == b"acquired" => {
                 let (fence, now) = (Fence(number(spelt, "fence")?), Timestamp(number(now, "time")?));
                 let (acquired, record) = decide(now, fence).ok_or_else(|| corrupt("a new key was not acquired"))?;
@@ -1025,8 +1026,8 @@ impl RedisStore {
             }
             [tag, held, now] if tag.as_slice() == b"exists" => {
                 let now = Timestamp(number(now, "time")?);
-                let existing =
-                    self.decode_record(conn, Value::BulkString(held.clone()), &key, Some(&placement.member)).await?;
+                let held = Value::BulkString(std::mem::take(held));
+                let existing = self.decode_record(conn, held, &key, Some(&placement.member)).await?;
                 Ok(First::Read(existing, now))
             }
             [tag] if tag.as_slice() == b"other" => Ok(First::NotTried),

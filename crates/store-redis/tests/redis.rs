@@ -321,9 +321,9 @@ async fn fresh_store() -> Option<(RedisStore, Arc<ManualClock>, common::DeletePr
 }
 
 /// A call that finishes a record this instance wrote with the short claim script is decided
-/// here and written by a short script, only if the key still holds that record and the store's
-/// time is close to this instance's estimate: a key taken over through another instance, or an
-/// estimate a second off, goes to the fenced-call script, which decides on what the key holds.
+/// here and written by a short script, only if the key still holds that record: a key taken
+/// over through another instance goes to the fenced-call script, which decides on what the key
+/// holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_known_record_is_finished_by_the_short_script_only_while_it_is_unchanged() {
     let Some((a, b, clock, cleanup)) = two_instances().await else { return };
@@ -428,6 +428,35 @@ async fn past_the_records_kept_the_latest_claims_stay_known() {
     }
     assert_eq!(a.known_finished(), 2, "the last two claims' records were kept");
     let (s, fence) = &fences[0];
+    let done = a.mutate(s, *fence, Mutation::Complete(common::outcome()), clock.now(), 8).await.unwrap();
+    assert!(matches!(done, FencedOutcome::Applied(_)), "the fenced-call script completes a forgotten one: {done:?}");
+    assert_eq!(a.known_finished(), 2);
+}
+
+/// Past the records kept, those whose lease passed are forgotten first: the records of claims
+/// still held stay known, the oldest of them too (a cut by age alone would forget it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_records_kept_those_whose_lease_passed_go_first() {
+    let Some((a, _b, clock, _cleanup)) = two_instances().await else { return };
+    let kept = onceguard_store_redis::KNOWN_RECORDS_KEPT;
+    let passed = kept - kept / 4;
+    let mut fences = Vec::with_capacity(kept + 1);
+    for i in 0..=kept {
+        if i == passed {
+            clock.advance(Duration::from_secs(11)); // past the lease of every claim so far
+        }
+        let s = scope(&format!("leases-{i}"));
+        let ClaimOutcome::Acquired(held) = a.claim(&common::request(&s), clock.now()).await.unwrap() else {
+            panic!("{i}: not acquired")
+        };
+        fences.push((s, held.fence));
+    }
+    for (s, fence) in [&fences[passed], &fences[kept]] {
+        let done = a.mutate(s, *fence, Mutation::Complete(common::outcome()), clock.now(), 8).await.unwrap();
+        assert!(matches!(done, FencedOutcome::Applied(_)), "{done:?}");
+    }
+    assert_eq!(a.known_finished(), 2, "the oldest claim still held and the last one were kept");
+    let (s, fence) = &fences[passed - 1];
     let done = a.mutate(s, *fence, Mutation::Complete(common::outcome()), clock.now(), 8).await.unwrap();
     assert!(matches!(done, FencedOutcome::Applied(_)), "the fenced-call script completes a forgotten one: {done:?}");
     assert_eq!(a.known_finished(), 2);
