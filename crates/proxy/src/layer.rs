@@ -236,7 +236,7 @@ where
         ..Claim::new(Scope::new(options.tenant.clone(), namespace, key), fingerprint(&parts.method, path, &body))
     };
     let scope = claim.scope.clone();
-    match shared.guard.claim(claim).await? {
+    match Box::pin(shared.guard.claim(claim)).await? {
         ClaimOutcome::Replay(replay) if replay.outcome.content_type == DIGEST_CONTENT_TYPE => {
             let digest =
                 replay.outcome.digest().ok_or_else(|| ApiError::Internal("a stored digest is malformed".into()))?;
@@ -263,7 +263,7 @@ where
             // Observe mode: the request goes upstream holding nothing, and nothing is stored;
             // the caller is told what enforcement would have answered.
             let request = Request::from_parts(parts, Body::from(body));
-            let mut response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
+            let mut response = Box::pin(inner.oneshot(request)).await.unwrap_or_else(|never| match never {});
             response.headers_mut().insert(WOULD_HAVE_BEEN, HeaderValue::from_static(would_have_been.name()));
             Ok(response)
         }
@@ -272,7 +272,8 @@ where
             // The upstream call and the storing of its outcome run in a task of their own: a
             // caller that disconnects never cancels them, and its retry gets the replay.
             let held = Held { shared: shared.clone(), scope, fence: acquired.fence };
-            let task = tokio::spawn(held.execute(inner, request));
+            // Boxed before it is spawned: the task then moves a pointer, not the future.
+            let task = tokio::spawn(Box::pin(held.execute(inner, request)));
             task.await.map_err(|e| ApiError::Internal(format!("the request task failed: {e}")))?
         }
     }

@@ -54,10 +54,12 @@ impl ClaimStore for RedisStore {
             // did not see hold a record lately goes to a short script that acquires a key with
             // no record, or answers the record the key holds. Otherwise (and for a record of
             // earlier versions) the record is read with one GET, pipelined with the server's TIME.
+            // The paths that write are boxed: a replay's future (moved whole at each await
+            // and into its box) then holds only the read's state.
             let tried = if self.has_seen(&placement) {
                 First::NotTried
             } else {
-                self.claim_new(&mut conn, req, &placement).await?
+                Box::pin(self.claim_new(&mut conn, req, &placement)).await?
             };
             let (existing, now) = match tried {
                 First::Answered(answer) => return Ok(answer),
@@ -71,7 +73,7 @@ impl ClaimStore for RedisStore {
                 self.saw(&placement);
                 return Ok(answer);
             }
-            self.claim_writing(&mut conn, req, &placement).await
+            Box::pin(self.claim_writing(&mut conn, req, &placement)).await
         })
         .await
     }

@@ -1,7 +1,6 @@
 //! Reading the scripts' answers and stored records back into the core's types. Anything that
 //! does not parse is [`StoreError::Corrupt`]: the store never guesses.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use onceguard_core::approval::ApprovalId;
@@ -111,9 +110,18 @@ fn media_type(bytes: &[u8]) -> Result<String, StoreError> {
     }
 }
 
-/// The fields of a stored record, by name.
+/// The fields of a stored record, by name: those of [`FIELDS`] in their order (no hashing of
+/// names for a record read), the checkpoints' (`c.<n>`) and any other apart.
 #[derive(Debug, Default)]
-pub(crate) struct Fields(HashMap<String, Vec<u8>>);
+pub(crate) struct Fields {
+    known: [Option<Vec<u8>>; FIELDS.len()],
+    other: Vec<(String, Vec<u8>)>,
+}
+
+/// The place of `field` in [`FIELDS`].
+fn slot(field: &str) -> Option<usize> {
+    FIELDS.iter().position(|f| *f == field)
+}
 
 impl Fields {
     /// The fields of a record as the store keeps it ([`crate::scripts`]): a MessagePack array
@@ -127,12 +135,12 @@ impl Fields {
         if len != FIELDS.len() + 1 {
             return Err(corrupt(format!("a record has {len} parts, not {}", FIELDS.len() + 1)));
         }
-        let mut map = HashMap::with_capacity(FIELDS.len());
-        for field in FIELDS {
+        let mut fields = Self::default();
+        for (place, field) in FIELDS.iter().enumerate() {
             let value = match packed_value(&mut read).map_err(|e| unreadable(&e))? {
                 Packed::Absent => continue,
                 Packed::Text(text) => text.to_vec(),
-                Packed::Number(n) => match field {
+                Packed::Number(n) => match *field {
                     "st" => RECORD_STATES
                         .get(n.wrapping_sub(1) as usize)
                         .ok_or_else(|| unreadable(&"state"))?
@@ -147,17 +155,17 @@ impl Fields {
                 },
                 Packed::List(_) => return Err(unreadable(&format!("{field} is a list"))),
             };
-            map.insert(field.to_owned(), value);
+            fields.known[place] = Some(value);
         }
         match packed_value(&mut read).map_err(|e| unreadable(&e))? {
             Packed::Absent => {}
             Packed::List(n) => {
-                let first: u64 = map.get("c0").map(|v| number(v, "c0")).transpose()?.unwrap_or(0);
+                let first: u64 = fields.get("c0").map(|v| number(v, "c0")).transpose()?.unwrap_or(0);
                 for i in 0..n as u64 {
                     let Packed::Text(text) = packed_value(&mut read).map_err(|e| unreadable(&e))? else {
                         return Err(unreadable(&"a checkpoint is not text"));
                     };
-                    map.insert(format!("c.{}", first + i), text.to_vec());
+                    fields.other.push((format!("c.{}", first + i), text.to_vec()));
                 }
             }
             _ => return Err(unreadable(&"the checkpoints are not a list")),
@@ -165,7 +173,7 @@ impl Fields {
         if !read.is_empty() {
             return Err(corrupt("a record has bytes after its fields"));
         }
-        Ok(Self(map))
+        Ok(fields)
     }
 
     /// Pairs up `[field, value, field, value, ...]` (as `HGETALL` answers).
@@ -173,21 +181,31 @@ impl Fields {
         if !items.len().is_multiple_of(2) {
             return Err(corrupt("a record has a field without a value"));
         }
-        let mut map = HashMap::with_capacity(items.len() / 2);
+        let mut fields = Self::default();
         let mut items = items.into_iter();
         while let (Some(field), Some(value)) = (items.next(), items.next()) {
-            map.insert(String::from_utf8(field).map_err(|_| corrupt("a field name is not UTF-8"))?, value);
+            let field = String::from_utf8(field).map_err(|_| corrupt("a field name is not UTF-8"))?;
+            match slot(&field) {
+                Some(place) => fields.known[place] = Some(value),
+                None => match fields.other.iter_mut().find(|(name, _)| *name == field) {
+                    Some((_, kept)) => *kept = value,
+                    None => fields.other.push((field, value)),
+                },
+            }
         }
-        Ok(Self(map))
+        Ok(fields)
     }
 
     /// Whether the record exists (has any field).
     pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.known.iter().all(Option::is_none) && self.other.is_empty()
     }
 
     fn get(&self, field: &str) -> Option<&[u8]> {
-        self.0.get(field).map(Vec::as_slice)
+        match slot(field) {
+            Some(place) => self.known[place].as_deref(),
+            None => self.other.iter().find(|(name, _)| name == field).map(|(_, value)| value.as_slice()),
+        }
     }
 
     fn need(&self, field: &str) -> Result<&[u8], StoreError> {
@@ -413,10 +431,10 @@ struct Marks {
 /// A record packed, and where its fence is; with `wide_times`, its times written 8 bytes wide
 /// and where they are.
 fn packed_marked(record: &Record, wide_times: bool) -> (Vec<u8>, Marks) {
-    let mut fields: HashMap<&str, Vec<u8>> = HashMap::new();
+    let mut fields: [Option<Vec<u8>>; FIELDS.len()] = Default::default();
     let mut add = |field: &'static str, value: Option<Vec<u8>>| {
-        if let Some(v) = value {
-            fields.insert(field, v);
+        if let (Some(place), Some(v)) = (slot(field), value) {
+            fields[place] = Some(v);
         }
     };
     add("t", Some(record.scope.tenant.as_str().into()));
@@ -454,18 +472,18 @@ fn packed_marked(record: &Record, wide_times: bool) -> (Vec<u8>, Marks) {
         add("cn", Some(record.checkpoints.len().to_string().into()));
     }
     // Writing into a Vec cannot fail; a part is far below 4 GiB.
-    let mut packed = Vec::with_capacity(64 + fields.values().map(|v| v.len() + 2).sum::<usize>());
+    let mut packed = Vec::with_capacity(64 + fields.iter().flatten().map(|v| v.len() + 2).sum::<usize>());
     let _ = rmp::encode::write_array_len(&mut packed, FIELDS.len() as u32 + 1);
     let write_text = |packed: &mut Vec<u8>, text: &[u8]| {
         let _ = rmp::encode::write_str_len(packed, text.len() as u32);
         packed.extend_from_slice(text);
     };
     let mut marks = Marks::default();
-    for field in FIELDS {
+    for (field, value) in FIELDS.into_iter().zip(&fields) {
         if field == "fe" {
             marks.fence = packed.len();
         }
-        let Some(value) = fields.get(field) else {
+        let Some(value) = value else {
             let _ = rmp::encode::write_bool(&mut packed, false);
             continue;
         };

@@ -61,7 +61,9 @@ impl Guard {
     pub async fn keep_alive(self, scope: Scope, fence: Fence, lease: Duration) {
         loop {
             tokio::time::sleep(lease / 3).await;
-            if let Ok(FencedOutcome::Stale(_)) = self.mutate(&scope, fence, Mutation::Extend(lease)).await {
+            // Boxed: the task's future, moved whole when it is spawned, holds only the sleep.
+            let extended = Box::pin(self.mutate(&scope, fence, Mutation::Extend(lease))).await;
+            if let Ok(FencedOutcome::Stale(_)) = extended {
                 return;
             }
         }
