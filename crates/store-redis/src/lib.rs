@@ -1425,7 +1425,7 @@ mod tests {
         // 20,000 keys in 65,536 places keep about 17,240 (one of each pair sharing a place is
         // pushed out); in half the places, about 14,970.
         assert!(held > 16_500, "{held} of 20,000 keys held");
-        let even = placements.iter().filter(|p| Seen::place(p).0 % 2 == 0).count();
+        let even = placements.iter().filter(|p| Seen::place(p).0.is_multiple_of(2)).count();
         assert!(even > 9_000 && even < 11_000, "{even} keys in even places");
     }
 
