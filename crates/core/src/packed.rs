@@ -16,7 +16,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::approval::ApprovalId;
-use crate::domain::{CheckpointName, Fence, Fingerprint, InvalidInput, RunId, Scope, Timestamp};
+use crate::domain::{CheckpointName, Fence, Fingerprint, InvalidInput, RunId, Scope, Timestamp, lower_hex};
 use crate::record::{Checkpoint, Compensation, DIGEST_CONTENT_TYPE, Outcome, OutcomeKind, Record, RecordState};
 
 /// The first byte of a packed document (a JSON document starts with `{`).
@@ -204,7 +204,7 @@ fn unpack_v1(scope: Scope, doc: &[u8], body: Option<Vec<u8>>) -> Result<Record, 
         return Err("a packed record has bytes after its end".to_owned());
     }
     let fingerprint =
-        Fingerprint::parse(&format!("{}:{}", p.fingerprint_algorithm, hex::encode(&p.fingerprint))).map_err(invalid)?;
+        Fingerprint::parse(&format!("{}:{}", p.fingerprint_algorithm, lower_hex(&p.fingerprint))).map_err(invalid)?;
     let created = p.created_at;
     let outcome = p.outcome.map(|o| unpack_outcome(o, body)).transpose()?;
     let checkpoints = p

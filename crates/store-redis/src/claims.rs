@@ -56,7 +56,7 @@ impl ClaimStore for RedisStore {
             // earlier versions) the record is read with one GET, pipelined with the server's TIME.
             // The paths that write are boxed: a replay's future (moved whole at each await
             // and into its box) then holds only the read's state.
-            let tried = if self.has_seen(&placement) {
+            let tried = if self.has_seen(&placement) || !self.takes_short_claim(req) {
                 First::NotTried
             } else {
                 Box::pin(self.claim_new(&mut conn, req, &placement)).await?

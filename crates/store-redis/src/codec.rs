@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use onceguard_core::approval::ApprovalId;
 use onceguard_core::control::{Budget, IN_FLIGHT_RETRY_AFTER, Run, RunUsage};
+use onceguard_core::domain::lower_hex;
 use onceguard_core::store::StoreError;
 use onceguard_core::{
     Acquired, Checkpoint, CheckpointName, ClaimOutcome, Denial, Fence, FencedOutcome, Fingerprint, InFlight, Key,
@@ -75,13 +76,13 @@ pub(crate) fn fingerprint_field(fingerprint: &Fingerprint) -> Vec<u8> {
 /// [`fingerprint_field`] undone (or a fingerprint spelled out, as earlier versions kept it).
 fn fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
     if let Some(digest) = bytes.strip_prefix(b"\x01") {
-        return Fingerprint::parse(&format!("sha256:{}", hex::encode(digest))).map_err(corrupt);
+        return Fingerprint::parse(&format!("sha256:{}", lower_hex(digest))).map_err(corrupt);
     }
     let Some(rest) = bytes.strip_prefix(b"\0") else {
         return Fingerprint::parse(text(bytes)?).map_err(corrupt);
     };
     let colon = rest.iter().position(|&b| b == b':').ok_or_else(|| corrupt("a stored fingerprint lacks its ':'"))?;
-    let text = format!("{}:{}", text(&rest[..colon])?, hex::encode(&rest[colon + 1..]));
+    let text = format!("{}:{}", text(&rest[..colon])?, lower_hex(&rest[colon + 1..]));
     Fingerprint::parse(&text).map_err(corrupt)
 }
 
@@ -112,15 +113,50 @@ fn media_type(bytes: &[u8]) -> Result<String, StoreError> {
 
 /// The fields of a stored record, by name: those of [`FIELDS`] in their order (no hashing of
 /// names for a record read), the checkpoints' (`c.<n>`) and any other apart.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Fields {
     known: [Option<Vec<u8>>; FIELDS.len()],
     other: Vec<(String, Vec<u8>)>,
 }
 
+impl Default for Fields {
+    fn default() -> Self {
+        Self { known: std::array::from_fn(|_| None), other: Vec::new() }
+    }
+}
+
 /// The place of `field` in [`FIELDS`].
 fn slot(field: &str) -> Option<usize> {
-    FIELDS.iter().position(|f| *f == field)
+    Some(match field {
+        "t" => 0,
+        "n" => 1,
+        "k" => 2,
+        "st" => 3,
+        "fp" => 4,
+        "fe" => 5,
+        "at" => 6,
+        "run" => 7,
+        "ch" => 8,
+        "q" => 9,
+        "ap" => 10,
+        "le" => 11,
+        "un" => 12,
+        "re" => 13,
+        "ok" => 14,
+        "oc" => 15,
+        "ob" => 16,
+        "ocost" => 17,
+        "otok" => 18,
+        "orec" => 19,
+        "ocmp" => 20,
+        "co" => 21,
+        "ca" => 22,
+        "up" => 23,
+        "ex" => 24,
+        "c0" => 25,
+        "cn" => 26,
+        _ => return None,
+    })
 }
 
 impl Fields {
@@ -431,7 +467,7 @@ struct Marks {
 /// A record packed, and where its fence is; with `wide_times`, its times written 8 bytes wide
 /// and where they are.
 fn packed_marked(record: &Record, wide_times: bool) -> (Vec<u8>, Marks) {
-    let mut fields: [Option<Vec<u8>>; FIELDS.len()] = Default::default();
+    let mut fields: [Option<Vec<u8>>; FIELDS.len()] = std::array::from_fn(|_| None);
     let mut add = |field: &'static str, value: Option<Vec<u8>>| {
         if let (Some(place), Some(v)) = (slot(field), value) {
             fields[place] = Some(v);
@@ -800,6 +836,14 @@ mod tests {
         let packed = packed_record(&usual);
         assert_eq!(Fields::from_packed(&packed).unwrap().record().unwrap(), usual);
         assert!(packed_record(&record).len() > packed.len(), "numbered media type, fingerprint as bytes");
+    }
+
+    #[test]
+    fn every_field_has_its_place() {
+        for (place, field) in FIELDS.iter().enumerate() {
+            assert_eq!(slot(field), Some(place), "{field}");
+        }
+        assert_eq!(slot("c.0"), None);
     }
 
     #[test]

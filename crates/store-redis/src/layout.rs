@@ -24,6 +24,7 @@
 
 use std::sync::LazyLock;
 
+use onceguard_core::domain::lower_hex;
 use onceguard_core::{RunId, Scope, TenantId};
 use sha2::{Digest, Sha256};
 
@@ -134,7 +135,7 @@ impl Placement {
         let d = sha256(&[&member]);
         let shard = u16::from_be_bytes([d[0], d[1]]) % SHARDS;
         let slot = (tenant_base(tenant) + shard * SHARD_STRIDE) % SLOTS;
-        Self { slot, member, digest: hex::encode(&d[..16]) }
+        Self { slot, member, digest: lower_hex(&d[..16]) }
     }
 }
 
@@ -151,7 +152,7 @@ impl RunPlacement {
     /// Where the run `run` of `tenant` lives.
     pub fn of(tenant: &TenantId, run: &RunId) -> Self {
         let d = sha256(&[b"onceguard-run\0", tenant.as_str().as_bytes(), b"\0", run.as_str().as_bytes()]);
-        Self { slot: u16::from_be_bytes([d[0], d[1]]) % SLOTS, digest: hex::encode(&d[..16]) }
+        Self { slot: u16::from_be_bytes([d[0], d[1]]) % SLOTS, digest: lower_hex(&d[..16]) }
     }
 }
 

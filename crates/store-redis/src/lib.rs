@@ -982,7 +982,7 @@ impl RedisStore {
     /// it draws and the store's time of the write; a record the key holds is answered instead,
     /// with the store's time it was read at, for the caller to decide on as on any read.
     async fn claim_new(&self, conn: &mut Conn, req: &ClaimRequest, placement: &Placement) -> Result<First, StoreError> {
-        if self.cluster || req.max_in_flight.is_some() || req.run.is_some() || req.approval.is_some() {
+        if !self.takes_short_claim(req) {
             return Ok(First::NotTried);
         }
         // Decided at any time: the script writes its own in the record's times.
@@ -1033,6 +1033,12 @@ impl RedisStore {
             [tag] if tag.as_slice() == b"other" => Ok(First::NotTried),
             _ => Err(corrupt("the claim of a new key answered something else")),
         }
+    }
+
+    /// Whether a claim may go to the short script ([`Self::claim_new`]): on one server, with no
+    /// quota, no run and no approval.
+    fn takes_short_claim(&self, req: &ClaimRequest) -> bool {
+        !self.cluster && req.max_in_flight.is_none() && req.run.is_none() && req.approval.is_none()
     }
 
     /// Notes that the key at `placement` holds a record (a claim read one, or a call finished

@@ -434,7 +434,8 @@ async fn past_the_records_kept_the_latest_claims_stay_known() {
 }
 
 /// Past the records kept, those whose lease passed are forgotten first: the records of claims
-/// still held stay known, the oldest of them too (a cut by age alone would forget it).
+/// still held stay known, and one whose lease passed is forgotten though it is younger than
+/// half of them (a cut by age alone would keep it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_records_kept_those_whose_lease_passed_go_first() {
     let Some((a, _b, clock, _cleanup)) = two_instances().await else { return };
