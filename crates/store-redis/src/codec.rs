@@ -1,6 +1,7 @@
 //! Reading the scripts' answers and stored records back into the core's types. Anything that
 //! does not parse is [`StoreError::Corrupt`]: the store never guesses.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use onceguard_core::approval::ApprovalId;
@@ -112,16 +113,16 @@ fn media_type(bytes: &[u8]) -> Result<String, StoreError> {
 }
 
 /// The fields of a stored record, by name: those of [`FIELDS`] in their order (no hashing of
-/// names for a record read), the checkpoints' (`c.<n>`) and any other apart.
+/// names for a record read), the checkpoints' (`c.<n>`) and any other by name.
 #[derive(Debug)]
 pub(crate) struct Fields {
     known: [Option<Vec<u8>>; FIELDS.len()],
-    other: Vec<(String, Vec<u8>)>,
+    other: HashMap<String, Vec<u8>>,
 }
 
 impl Default for Fields {
     fn default() -> Self {
-        Self { known: std::array::from_fn(|_| None), other: Vec::new() }
+        Self { known: std::array::from_fn(|_| None), other: HashMap::new() }
     }
 }
 
@@ -201,7 +202,7 @@ impl Fields {
                     let Packed::Text(text) = packed_value(&mut read).map_err(|e| unreadable(&e))? else {
                         return Err(unreadable(&"a checkpoint is not text"));
                     };
-                    fields.other.push((format!("c.{}", first + i), text.to_vec()));
+                    fields.other.insert(format!("c.{}", first + i), text.to_vec());
                 }
             }
             _ => return Err(unreadable(&"the checkpoints are not a list")),
@@ -223,10 +224,9 @@ impl Fields {
             let field = String::from_utf8(field).map_err(|_| corrupt("a field name is not UTF-8"))?;
             match slot(&field) {
                 Some(place) => fields.known[place] = Some(value),
-                None => match fields.other.iter_mut().find(|(name, _)| *name == field) {
-                    Some((_, kept)) => *kept = value,
-                    None => fields.other.push((field, value)),
-                },
+                None => {
+                    fields.other.insert(field, value);
+                }
             }
         }
         Ok(fields)
@@ -240,7 +240,7 @@ impl Fields {
     fn get(&self, field: &str) -> Option<&[u8]> {
         match slot(field) {
             Some(place) => self.known[place].as_deref(),
-            None => self.other.iter().find(|(name, _)| name == field).map(|(_, value)| value.as_slice()),
+            None => self.other.get(field).map(Vec::as_slice),
         }
     }
 

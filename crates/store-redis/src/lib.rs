@@ -981,10 +981,8 @@ impl RedisStore {
     /// record (it acquires), and written by the script if the key has no record, with the fence
     /// it draws and the store's time of the write; a record the key holds is answered instead,
     /// with the store's time it was read at, for the caller to decide on as on any read.
+    /// The caller sends only claims that [`Self::takes_short_claim`].
     async fn claim_new(&self, conn: &mut Conn, req: &ClaimRequest, placement: &Placement) -> Result<First, StoreError> {
-        if !self.takes_short_claim(req) {
-            return Ok(First::NotTried);
-        }
         // Decided at any time: the script writes its own in the record's times.
         let decide = |now: Timestamp, fence: Fence| match onceguard_core::protocol::claim(None, req, now, || fence) {
             (ClaimOutcome::Acquired(acquired), Some(record)) => Some((acquired, record)),

@@ -61,7 +61,8 @@ impl Guard {
     pub async fn keep_alive(self, scope: Scope, fence: Fence, lease: Duration) {
         loop {
             tokio::time::sleep(lease / 3).await;
-            // Boxed: the task's future, moved whole when it is spawned, holds only the sleep.
+            // Boxed: the task's future, moved whole when it is spawned, holds the sleep and a
+            // pointer, not the fenced call's state.
             let extended = Box::pin(self.mutate(&scope, fence, Mutation::Extend(lease))).await;
             if let Ok(FencedOutcome::Stale(_)) = extended {
                 return;
