@@ -351,14 +351,25 @@ impl SqliteStore {
         &self.path
     }
 
-    /// Runs `f` on the writer, in the next group commit, and answers once it is durable.
+    /// Runs `f` on the writer, in a savepoint of the next group commit, and answers once it is
+    /// durable.
     async fn write<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.write_unguarded(move |conn| in_savepoint(conn, f)).await
+    }
+
+    /// Runs `f` on the writer, in the next group commit, and answers once it is durable. `f`
+    /// must leave nothing behind when it fails: it opens a savepoint ([`in_savepoint`]) before
+    /// it writes.
+    async fn write_unguarded<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let job: Job = Box::new(move |conn| {
-            let result = in_savepoint(conn, f);
+            let result = f(conn);
             Box::new(move |commit_error| {
                 let _ = reply.send(match commit_error {
                     Some(e) => Err(clone_error(e)),
