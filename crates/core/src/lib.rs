@@ -42,7 +42,7 @@ pub mod vocabulary;
 
 pub use clock::{Clock, ClockOffset, ManualClock, StoreAligned, StoreClock, SystemClock};
 pub use domain::{CheckpointName, Fence, Fingerprint, InvalidInput, Key, Namespace, RunId, Scope, TenantId, Timestamp};
-pub use guard::{Claim, Guard, GuardError, KeptAlive, Resealed, Swept};
+pub use guard::{Claim, Guard, GuardError, KeptAlive, LeaseKeeper, Resealed, Swept};
 pub use limits::Limits;
 pub use memory::MemoryStore;
 pub use observer::Observer;

@@ -15,7 +15,7 @@ use bytes::{Bytes, BytesMut};
 use futures::{SinkExt, StreamExt};
 use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
-    Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, KeptAlive, Key,
+    Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, LeaseKeeper,
     Mutation, Namespace, Outcome, OutcomeKind, Scope, TenantId,
 };
 use onceguard_http::Metrics;
@@ -294,33 +294,44 @@ impl Held {
     where
         S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
     {
-        let guard = &self.shared.guard;
         let options = &self.shared.options;
-        let extender = guard.keep_alive_while(self.scope.clone(), self.fence, options.lease);
-        let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
-        let failure = response.extensions().get::<TransportFailure>().copied();
-        let (parts, body) = response.into_parts();
-        if let Some(failure) = failure {
-            extender.abort();
-            return Err(self.transport_failed(failure).await);
-        }
-        let mut chunks = body.into_data_stream();
-        let mut bytes = BytesMut::new();
-        while let Some(chunk) = chunks.next().await {
-            match chunk {
-                Ok(chunk) if bytes.len() + chunk.len() <= options.max_response_bytes => bytes.extend_from_slice(&chunk),
-                Ok(chunk) => {
-                    bytes.extend_from_slice(&chunk);
-                    return Ok(self.pass_unstored(parts, bytes.freeze(), chunks, extender));
+        // The lease is kept alive in this task, beside the upstream call and the reading of
+        // its answer: no task of its own to spawn and to stop for every request.
+        let mut keeper = self.shared.guard.lease_keeper(self.scope.clone(), self.fence, options.lease);
+        let read = keeper
+            .beside(async {
+                let response = inner.oneshot(request).await.unwrap_or_else(|never| match never {});
+                if let Some(failure) = response.extensions().get::<TransportFailure>().copied() {
+                    return Upstream::Failed(failure);
                 }
-                Err(_) => {
-                    extender.abort();
-                    return Err(self.transport_failed(TransportFailure::MaybeSent).await);
+                let (parts, body) = response.into_parts();
+                let mut chunks = body.into_data_stream();
+                let mut bytes = BytesMut::new();
+                while let Some(chunk) = chunks.next().await {
+                    match chunk {
+                        Ok(chunk) if bytes.len() + chunk.len() <= options.max_response_bytes => {
+                            bytes.extend_from_slice(&chunk)
+                        }
+                        Ok(chunk) => {
+                            bytes.extend_from_slice(&chunk);
+                            return Upstream::TooLarge(parts, bytes.freeze(), chunks);
+                        }
+                        Err(_) => return Upstream::Failed(TransportFailure::MaybeSent),
+                    }
                 }
+                Upstream::Whole(parts, bytes.freeze())
+            })
+            .await;
+        let (parts, bytes) = match read {
+            Upstream::Failed(failure) => {
+                drop(keeper);
+                return Err(self.transport_failed(failure).await);
             }
-        }
-        extender.abort();
-        let stored = StoredResponse::from_parts(parts.status, &parts.headers, bytes.freeze());
+            Upstream::TooLarge(parts, head, rest) => return Ok(self.pass_unstored(parts, head, rest, keeper)),
+            Upstream::Whole(parts, bytes) => (parts, bytes),
+        };
+        drop(keeper);
+        let stored = StoredResponse::from_parts(parts.status, &parts.headers, bytes);
         self.settle(&stored).await;
         let mut response = Response::from_parts(parts, Body::from(stored.body));
         response.headers_mut().remove(header::TRANSFER_ENCODING);
@@ -376,30 +387,35 @@ impl Held {
         parts: axum::http::response::Parts,
         head: Bytes,
         mut rest: BodyStream,
-        extender: KeptAlive,
+        mut keeper: LeaseKeeper,
     ) -> Response<Body> {
         let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let (status, headers) = (parts.status, parts.headers.clone());
         tokio::spawn(async move {
             let mut digest = BodyDigest::default();
             digest.add(&head);
-            // A caller that left does not stop the reading.
-            let _ = tx.send(Ok(head)).await;
-            while let Some(chunk) = rest.next().await {
-                match chunk {
-                    Ok(chunk) => {
-                        digest.add(&chunk);
-                        let _ = tx.send(Ok(chunk)).await;
+            let passed = keeper
+                .beside(async {
+                    // A caller that left does not stop the reading.
+                    let _ = tx.send(Ok(head)).await;
+                    while let Some(chunk) = rest.next().await {
+                        match chunk {
+                            Ok(chunk) => {
+                                digest.add(&chunk);
+                                let _ = tx.send(Ok(chunk)).await;
+                            }
+                            Err(e) => return Err(e),
+                        }
                     }
-                    Err(e) => {
-                        extender.abort();
-                        tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
-                        let _ = tx.send(Err(std::io::Error::other(e))).await;
-                        return;
-                    }
-                }
+                    Ok(())
+                })
+                .await;
+            drop(keeper);
+            if let Err(e) = passed {
+                tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
+                let _ = tx.send(Err(std::io::Error::other(e))).await;
+                return;
             }
-            extender.abort();
             let (limit, omitted) = (self.shared.options.max_response_bytes, digest.finish());
             tracing::warn!(
                 scope = %self.scope, status = status.as_u16(), size = omitted.size, limit,
@@ -417,6 +433,16 @@ impl Held {
 }
 
 type BodyStream = axum::body::BodyDataStream;
+
+/// What the upstream answered, as [`Held::execute`] read it.
+enum Upstream {
+    /// No answer, or one that broke off.
+    Failed(TransportFailure),
+    /// The whole answer, within the size the store takes.
+    Whole(axum::http::response::Parts, Bytes),
+    /// An answer past that size: what was read, and the rest to pass on.
+    TooLarge(axum::http::response::Parts, Bytes, BodyStream),
+}
 
 /// 5xx (unless stored), 408 and 429 are not stored: the key is released and a retry runs again.
 fn releases_key(status: StatusCode, store_5xx: bool) -> bool {
@@ -521,6 +547,79 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let later = service.clone().oneshot(post()).await.unwrap();
         assert_ne!(later.status(), StatusCode::CONFLICT, "the lease passed at {:?}", clock.now());
+    }
+
+    /// An upstream call that outlasts its lease keeps its key: the lease is extended beside it,
+    /// so a retry long after the first lease would have passed is still told the key is in
+    /// flight, and the request runs once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_upstream_call_keeps_its_lease() {
+        use onceguard_core::store::{ClaimStore, ListFilter};
+        use onceguard_core::{Clock, ManualClock, MemoryStore, Timestamp};
+        let clock = Arc::new(ManualClock::new(Timestamp::now()));
+        let store = Arc::new(MemoryStore::new());
+        let guard = Guard::new(store.clone(), clock.clone(), onceguard_core::Limits::default());
+        let tenant = TenantId::parse("t").unwrap();
+        let options =
+            IdempotencyOptions { lease: Duration::from_millis(300), ..IdempotencyOptions::new(tenant.clone()) };
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (finish, finished) = tokio::sync::watch::channel(false);
+        let upstream = {
+            let runs = runs.clone();
+            tower::service_fn(move |_: Request<Body>| {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut finished = finished.clone();
+                async move {
+                    let _ = finished.wait_for(|done| *done).await;
+                    Ok::<_, Infallible>(Response::new(Body::from("done")))
+                }
+            })
+        };
+        let service = IdempotencyLayer::new(guard, options).layer(upstream);
+        let post = || {
+            Request::post("/charge")
+                .header("idempotency-key", "k-long")
+                .header("authorization", "Bearer caller")
+                .body(Body::from("{}"))
+                .unwrap()
+        };
+        let lease_ends = || {
+            let (store, tenant, clock) = (store.clone(), tenant.clone(), clock.clone());
+            async move {
+                let filter = ListFilter { limit: 10, ..ListFilter::default() };
+                let page = store.list(&tenant, &filter, clock.now()).await.unwrap();
+                page.items.first().and_then(|r| r.lease_expires_at)
+            }
+        };
+        let first = tokio::spawn(service.clone().oneshot(post()));
+        // Four leases pass on the store's clock, 200 ms at a time, each step once the keeper
+        // extended the lease again (every third of it).
+        let mut seen = None;
+        for step in 0..6 {
+            let extended = tokio::time::timeout(Duration::from_secs(5), async {
+                loop {
+                    let ends = lease_ends().await;
+                    if ends.is_some() && ends != seen {
+                        return ends;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+            seen = extended.unwrap_or_else(|_| panic!("the lease was not extended before step {step}"));
+            clock.advance(Duration::from_millis(200));
+        }
+        let retry = tokio::time::timeout(Duration::from_secs(5), service.clone().oneshot(post()))
+            .await
+            .expect("the retry was not answered: it ran the request again")
+            .unwrap();
+        assert_eq!(retry.status(), StatusCode::CONFLICT, "the key is still held at {:?}", clock.now());
+        finish.send(true).unwrap();
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        let replay = service.clone().oneshot(post()).await.unwrap();
+        assert_eq!(replay.headers().get("idempotent-replayed").map(|v| v.as_bytes()), Some(&b"true"[..]));
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "the request ran once");
     }
 
     #[test]

@@ -49,10 +49,21 @@ impl Guard {
 
     /// Keeps a lease alive beside the holder's work, in a task of its own ([`Self::keep_alive`]),
     /// until the answer is dropped or [`KeptAlive::abort`]ed: a holder whose work ends in any
-    /// way (a panic, a cancelled task included) never holds its key beyond the lease. The proxy
-    /// and the gateways run one beside every upstream call. Call it in a Tokio runtime.
+    /// way (a panic, a cancelled task included) never holds its key beyond the lease. The
+    /// gateways run one beside every upstream call; the proxy keeps its leases in the request's
+    /// own task ([`Self::lease_keeper`]). Call it in a Tokio runtime.
     pub fn keep_alive_while(&self, scope: Scope, fence: Fence, lease: Duration) -> KeptAlive {
         KeptAlive(tokio::spawn(self.clone().keep_alive(scope, fence, lease)))
+    }
+
+    /// Keeps a lease alive beside the holder's work in the holder's own task: the work is
+    /// awaited through [`LeaseKeeper::beside`], which extends the lease as
+    /// [`Self::keep_alive`] does for as long as the work runs. Unlike
+    /// [`Self::keep_alive_while`], no task is spawned and none is stopped afterwards (on a
+    /// proxy's first execution, a task to schedule and one to cancel per request); a keeper
+    /// dropped, or not being awaited, extends nothing.
+    pub fn lease_keeper(&self, scope: Scope, fence: Fence, lease: Duration) -> LeaseKeeper {
+        LeaseKeeper(Some(Box::pin(self.clone().keep_alive(scope, fence, lease))))
     }
 
     /// Keeps a lease alive for a holder that works longer than it: extends it (by `lease`) every
@@ -236,6 +247,34 @@ impl Guard {
 
     fn check_size(&self, what: &'static str, size: usize, limit: usize) -> Result<(), GuardError> {
         if size > limit { Err(GuardError::TooLarge { what, size, limit }) } else { Ok(()) }
+    }
+}
+
+/// A lease kept alive beside the holder's work, in its task ([`Guard::lease_keeper`]).
+pub struct LeaseKeeper(Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>);
+
+impl LeaseKeeper {
+    /// Awaits `work` and extends the lease meanwhile, every third of it; once the fence is no
+    /// longer the holder's, the work goes on alone. The keeper can run beside further work
+    /// afterwards (a body streamed on), or be dropped.
+    pub async fn beside<T>(&mut self, work: impl Future<Output = T>) -> T {
+        let mut work = std::pin::pin!(work);
+        std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(out) = work.as_mut().poll(cx) {
+                return std::task::Poll::Ready(out);
+            }
+            if self.0.as_mut().is_some_and(|keeper| keeper.as_mut().poll(cx).is_ready()) {
+                self.0 = None;
+            }
+            std::task::Poll::Pending
+        })
+        .await
+    }
+}
+
+impl std::fmt::Debug for LeaseKeeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseKeeper").field("keeping", &self.0.is_some()).finish()
     }
 }
 

@@ -52,7 +52,7 @@ mod offset;
 mod records;
 mod seal;
 
-pub use fenced::KeptAlive;
+pub use fenced::{KeptAlive, LeaseKeeper};
 pub use maintenance::Swept;
 pub use offset::{CLOCK_CHECK, CLOCK_CHECK_MAX_AGE};
 pub use seal::Resealed;
