@@ -9,9 +9,10 @@
 //!   processes write the same file (they wait on the lock).
 //! - **Durability with group commit**: `journal_mode=WAL` and `synchronous=FULL`, so a commit is
 //!   on disk when it returns. To stay fast without weakening that, the writer takes every job
-//!   that is waiting (up to [`MAX_BATCH`]) into one transaction, each job in its own savepoint
-//!   (a failing job is rolled back alone), commits once, and only then answers the callers. An
-//!   answer is never sent for a write that is not durable.
+//!   that is waiting (up to [`MAX_BATCH`]) into one transaction, each job that writes more than
+//!   one statement in its own savepoint (a failing job is rolled back alone; a single statement
+//!   writes whole or not at all), commits once, and only then answers the callers. An answer is
+//!   never sent for a write that is not durable.
 //! - **Fences** come from one counter row per tenant (`fences`) that only grows and is never
 //!   deleted, so a key's fence keeps growing after its record expired and was swept, and a
 //!   tenant's fences tell nothing of another's claims. Each starts above `meta.fence_floor`,
@@ -303,7 +304,7 @@ fn connect(path: &Path, cache_kib: i64) -> Result<Connection, StoreError> {
     // a system call each.
     conn.pragma_update(None, "cache_size", -cache_kib).map_err(unavailable)?;
     conn.pragma_update(None, "mmap_size", 2_000_000_000_i64).map_err(unavailable)?;
-    // Each job runs in a savepoint: the first change
+    // A job that writes runs in a savepoint (most do): the first change
     // of a page under a savepoint copies the page to a statement journal, a temporary file by
     // default. Kept in memory, it costs a copy instead of a write; it is never needed after a
     // crash (the WAL is what makes a commit durable).
@@ -361,8 +362,8 @@ impl SqliteStore {
     }
 
     /// Runs `f` on the writer, in the next group commit, and answers once it is durable. `f`
-    /// must leave nothing behind when it fails: it opens a savepoint ([`in_savepoint`]) before
-    /// it writes.
+    /// must leave nothing behind when it fails: it writes one statement at most, or opens a
+    /// savepoint ([`in_savepoint`]) before it writes more.
     async fn write_unguarded<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,

@@ -61,7 +61,10 @@ impl Guard {
     /// [`Self::keep_alive`] does for as long as the work runs. Unlike
     /// [`Self::keep_alive_while`], no task is spawned and none is stopped afterwards (on a
     /// proxy's first execution, a task to schedule and one to cancel per request); a keeper
-    /// dropped, or not being awaited, extends nothing.
+    /// dropped, or not being awaited, extends nothing. Hold a keeper only across `beside` and
+    /// the moves between them, never across other waits: a keeper awaited again after its
+    /// timer ran out extends at once, and an extension of a lease that passed revives it while
+    /// nobody took the key over.
     pub fn lease_keeper(&self, scope: Scope, fence: Fence, lease: Duration) -> LeaseKeeper {
         LeaseKeeper(Some(Box::pin(self.clone().keep_alive(scope, fence, lease))))
     }
@@ -260,13 +263,12 @@ impl LeaseKeeper {
     pub async fn beside<T>(&mut self, work: impl Future<Output = T>) -> T {
         let mut work = std::pin::pin!(work);
         std::future::poll_fn(|cx| {
-            if let std::task::Poll::Ready(out) = work.as_mut().poll(cx) {
-                return std::task::Poll::Ready(out);
-            }
+            // The keeper first: work that spends the task's budget on every poll never starves
+            // the keeper's timer.
             if self.0.as_mut().is_some_and(|keeper| keeper.as_mut().poll(cx).is_ready()) {
                 self.0 = None;
             }
-            std::task::Poll::Pending
+            work.as_mut().poll(cx)
         })
         .await
     }
