@@ -4,7 +4,6 @@
 
 use std::collections::{HashMap, HashSet};
 
-use onceguard_core::control::FencedWrite;
 use onceguard_core::protocol::answer_without_write;
 use onceguard_core::store::{ClaimSection, FencedCall, claim_in};
 
@@ -64,8 +63,10 @@ fn claim_batch_in(conn: &Connection, reqs: &[ClaimRequest], now: Timestamp) -> R
     Ok(outcomes)
 }
 
-/// A fenced call in the caller's job: [`onceguard_core::control::apply_fenced`], its write and
-/// the reported cost added to the record's run.
+/// A fenced call: [`onceguard_core::control::apply_fenced`], its write and the reported cost
+/// added to the record's run. The record alone, written over the one read (so its namespace is
+/// there), is one statement, which writes whole or not at all; a write of more statements goes
+/// in a savepoint, so that a call that fails leaves nothing behind.
 fn mutate_in(
     conn: &Connection,
     scope: &Scope,
@@ -75,21 +76,21 @@ fn mutate_in(
     max_checkpoints: usize,
 ) -> Result<FencedOutcome, StoreError> {
     let existing = load(conn, scope)?;
+    let had_record = existing.is_some();
     let (outcome, write) = onceguard_core::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
-    if let Some(write) = write {
-        write_fenced(conn, scope, write, now)?;
+    match write {
+        None => {}
+        Some(write) if had_record && write.charge.is_none() => save(conn, write.record)?,
+        Some(write) => in_savepoint(conn, |conn| {
+            if let Some((id, cost)) = &write.charge {
+                let mut run = run_or_new(conn, &scope.tenant, id, now)?;
+                run.add_cost(*cost, now);
+                save_run(conn, &run)?;
+            }
+            save(conn, write.record)
+        })?,
     }
     Ok(outcome)
-}
-
-/// What a fenced call writes: the record, and the cost it reported added to its run.
-fn write_fenced(conn: &Connection, scope: &Scope, write: FencedWrite, now: Timestamp) -> Result<(), StoreError> {
-    if let Some((id, cost)) = &write.charge {
-        let mut run = run_or_new(conn, &scope.tenant, id, now)?;
-        run.add_cost(*cost, now);
-        save_run(conn, &run)?;
-    }
-    save(conn, write.record)
 }
 
 impl ClaimSection for Section<'_> {
@@ -196,21 +197,7 @@ impl ClaimStore for SqliteStore {
         max_checkpoints: usize,
     ) -> Result<FencedOutcome, StoreError> {
         let scope = scope.clone();
-        self.write_unguarded(move |conn| {
-            let existing = load(conn, &scope)?;
-            let had_record = existing.is_some();
-            let (outcome, write) =
-                onceguard_core::control::apply_fenced(existing, fence, mutation, now, max_checkpoints);
-            match write {
-                None => {}
-                // The record alone, over the one read (so its namespace is there): one
-                // statement, which writes whole or not at all, needs no savepoint.
-                Some(write) if had_record && write.charge.is_none() => save(conn, write.record)?,
-                Some(write) => in_savepoint(conn, |conn| write_fenced(conn, &scope, write, now))?,
-            }
-            Ok(outcome)
-        })
-        .await
+        self.write_unguarded(move |conn| mutate_in(conn, &scope, fence, mutation, now, max_checkpoints)).await
     }
 
     /// The claims that write nothing (a replay, a holder in flight, a mismatch;
