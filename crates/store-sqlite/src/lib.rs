@@ -12,7 +12,8 @@
 //!   that is waiting (up to [`MAX_BATCH`]) into one transaction, each job that writes more than
 //!   one statement in its own savepoint (a failing job is rolled back alone; a single statement
 //!   writes whole or not at all), commits once, and only then answers the callers. An answer is
-//!   never sent for a write that is not durable.
+//!   never sent for a write that is not durable. If SQLite rolls the whole transaction back under
+//!   a job, the jobs after it are left for the next transaction, not run in autocommit.
 //! - **Fences** come from one counter row per tenant (`fences`) that only grows and is never
 //!   deleted, so a key's fence keeps growing after its record expired and was swept, and a
 //!   tenant's fences tell nothing of another's claims. Each starts above `meta.fence_floor`,
@@ -51,6 +52,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -426,12 +428,17 @@ fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> Result<T, S
 }
 
 fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    while let Some(first) = jobs.blocking_recv() {
-        batch.push(first);
+    let mut batch = VecDeque::with_capacity(MAX_BATCH);
+    loop {
+        if batch.is_empty() {
+            match jobs.blocking_recv() {
+                Some(first) => batch.push_back(first),
+                None => return,
+            }
+        }
         while batch.len() < MAX_BATCH {
             match jobs.try_recv() {
-                Ok(job) => batch.push(job),
+                Ok(job) => batch.push_back(job),
                 Err(_) => break,
             }
         }
@@ -441,11 +448,27 @@ fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
             batch.clear();
             continue;
         }
-        let delivers: Vec<Deliver> = batch.drain(..).map(|job| job(&conn)).collect();
-        let committed = run(&conn, "COMMIT");
-        if let Err(e) = &committed {
-            tracing::error!(error = %e, "sqlite: commit failed; the batch is rolled back");
-            let _ = run(&conn, "ROLLBACK");
+        let mut delivers: Vec<Deliver> = Vec::with_capacity(batch.len());
+        let mut committed = Ok(());
+        while let Some(job) = batch.pop_front() {
+            delivers.push(job(&conn));
+            if conn.is_autocommit() {
+                // SQLite rolled the whole transaction back under this job (an interrupted
+                // write, and at its choice a full disk or an I/O error): every job of it so far
+                // is undone. The jobs after it stay queued for the next transaction; run now,
+                // each would commit on its own and then be answered the failed COMMIT.
+                tracing::error!("sqlite: the transaction was rolled back after an error; its writes are undone");
+                committed =
+                    Err(unavailable("the transaction was rolled back after an error; nothing of it was written"));
+                break;
+            }
+        }
+        if committed.is_ok() {
+            committed = run(&conn, "COMMIT");
+            if let Err(e) = &committed {
+                tracing::error!(error = %e, "sqlite: commit failed; the batch is rolled back");
+                let _ = run(&conn, "ROLLBACK");
+            }
         }
         for deliver in delivers {
             deliver(committed.as_ref().err());
@@ -894,6 +917,78 @@ mod tests {
         assert_eq!(store.list_rollbacks(&tenant, None, 10).await.unwrap().items, vec![rollback]);
         let left: i64 = store
             .read(|c| c.query_row("SELECT count(*) FROM control", [], |r| r.get(0)).map_err(unavailable))
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
+    }
+
+    /// A job after which SQLite has rolled the whole transaction back (as an interrupted write
+    /// does, and as a full disk or an I/O error may) takes the rest of its batch with it: the
+    /// jobs after it run in the next transaction, never in autocommit, so every answer says
+    /// what is durable.
+    #[tokio::test]
+    async fn a_transaction_sqlite_rolled_back_answers_every_later_job_truly() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SqliteStore::open(dir.path().join("og.db")).unwrap());
+        let now = Timestamp(1_000);
+        let jobs = store.jobs.clone().unwrap();
+        // The writer held by a job of its own, so that the next two are taken as one batch.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = oneshot::channel();
+        let hold: Job = Box::new(move |_| {
+            let _ = started_tx.send(());
+            held.recv().unwrap();
+            Box::new(|_| ())
+        });
+        jobs.send(hold).await.unwrap();
+        started.await.unwrap();
+        // A write interrupted while it runs: SQLite rolls back the whole transaction.
+        let (failed_tx, failed) = oneshot::channel();
+        let interrupted: Job = Box::new(move |conn| {
+            let handle = conn.get_interrupt_handle();
+            let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let interrupter = std::thread::spawn({
+                let done = done.clone();
+                move || {
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        handle.interrupt();
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            });
+            let wrote = conn.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n)
+                 INSERT INTO meta (name, value) SELECT 'interrupted-' || i, i FROM n",
+                [],
+            );
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            interrupter.join().unwrap();
+            let rolled_back = conn.is_autocommit();
+            Box::new(move |commit: Option<&StoreError>| {
+                let _ = failed_tx.send((wrote.is_err(), rolled_back, commit.is_some()));
+            })
+        });
+        jobs.send(interrupted).await.unwrap();
+        // A claim queued behind it.
+        let claim = tokio::spawn({
+            let store = store.clone();
+            async move { store.claim(&request("after"), now).await }
+        });
+        while jobs.max_capacity() - jobs.capacity() < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        release.send(()).unwrap();
+        assert_eq!(failed.await.unwrap(), (true, true, true), "write failed, transaction rolled back, answered so");
+        // The claim's answer and the store agree.
+        let answer = claim.await.unwrap();
+        let stored = store.get(&scope("after"), now).await.unwrap();
+        assert!(matches!(answer, Ok(ClaimOutcome::Acquired(_))), "{answer:?}");
+        assert!(stored.is_some(), "the acquired claim is durable");
+        let left: i64 = store
+            .read(|c| {
+                c.query_row("SELECT count(*) FROM meta WHERE name LIKE 'interrupted-%'", [], |r| r.get(0))
+                    .map_err(unavailable)
+            })
             .await
             .unwrap();
         assert_eq!(left, 0);
