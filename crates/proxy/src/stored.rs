@@ -2,12 +2,16 @@
 //! or, for a body too large to store, its status, headers, size and SHA-256, replayed as a
 //! plain statement that the body was not kept.
 //!
-//! Encoding: the byte 1, the head in [postcard](https://docs.rs/postcard) (the status, the
-//! headers as names and value bytes, what is known of a body not kept), then the body as it is.
-//! The head of a usual response (`server`, `date`, `content-type`) takes 90 bytes, not 156.
-//! Earlier versions wrote a 4-byte big-endian length (so a first byte 0), that many bytes of JSON
-//! (`{"status":201,"headers":[["name","base64 value"],…]}`, with `"omitted":{"size":…,
-//! "sha256":"…"}`), then the body; those still read.
+//! Encoding: the byte 2, the head in [postcard](https://docs.rs/postcard) (the status, the
+//! headers, what is known of a body not kept), then the body as it is. A header's name is its
+//! number in [`NAMES`] where it is one of those, else its text; its value is its number in
+//! [`VALUES`], an HTTP date as its seconds (where that spells it again byte for byte), else its
+//! bytes. The head of a usual response (`server`, `date`, `content-type`) takes 33 bytes.
+//!
+//! Earlier versions still read: the byte 1 and the same head with every name and value spelled
+//! out (90 bytes for the usual head); before that, a 4-byte big-endian length (so a first byte
+//! 0), that many bytes of JSON (`{"status":201,"headers":[["name","base64 value"],…]}`, with
+//! `"omitted":{"size":…,"sha256":"…"}`), then the body (156 bytes for the usual head).
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
@@ -100,9 +104,159 @@ pub struct Omitted {
     pub sha256: String,
 }
 
-/// The first byte of a packed response (a response of an earlier version starts with 0).
+/// The first byte of a response packed with every name and value spelled out (version 1).
 const PACKED: u8 = 1;
 
+/// The first byte of a response packed with the usual names and values as numbers (version 2,
+/// what [`StoredResponse::encode`] writes).
+const PACKED_NUMBERED: u8 = 2;
+
+/// Header names a stored response keeps as their number here. Append only: a name's number is
+/// part of what the store holds.
+const NAMES: &[&str] = &[
+    "content-type",
+    "date",
+    "server",
+    "cache-control",
+    "etag",
+    "last-modified",
+    "expires",
+    "vary",
+    "location",
+    "content-encoding",
+    "content-language",
+    "content-disposition",
+    "x-request-id",
+    "request-id",
+    "x-correlation-id",
+    "x-content-type-options",
+    "x-frame-options",
+    "strict-transport-security",
+    "content-security-policy",
+    "referrer-policy",
+    "access-control-allow-origin",
+    "access-control-allow-credentials",
+    "access-control-expose-headers",
+    "age",
+    "via",
+    "link",
+    "retry-after",
+    "accept-ranges",
+    "x-powered-by",
+    "pragma",
+];
+
+/// Header values a stored response keeps as their number here, whatever the header. Append
+/// only, as [`NAMES`].
+const VALUES: &[&str] = &[
+    "application/json",
+    "application/json; charset=utf-8",
+    "application/problem+json",
+    "text/plain",
+    "text/plain; charset=utf-8",
+    "text/html",
+    "text/html; charset=utf-8",
+    "application/octet-stream",
+    "text/event-stream",
+    "no-cache",
+    "no-store",
+    "private",
+    "nosniff",
+    "DENY",
+    "SAMEORIGIN",
+    "*",
+    "Accept-Encoding",
+    "Origin",
+    "bytes",
+    "gzip",
+    "true",
+];
+
+#[derive(Serialize, Deserialize)]
+struct NumberedHead<'a> {
+    status: u16,
+    #[serde(borrow)]
+    headers: Vec<NumberedHeader<'a>>,
+    omitted: Option<Omitted>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct NumberedHeader<'a> {
+    #[serde(borrow)]
+    name: Name<'a>,
+    #[serde(borrow)]
+    value: Value<'a>,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Name<'a> {
+    /// Its number in [`NAMES`].
+    Numbered(u8),
+    Text(#[serde(borrow)] std::borrow::Cow<'a, str>),
+}
+
+#[derive(Serialize, Deserialize)]
+enum Value<'a> {
+    /// Its number in [`VALUES`].
+    Numbered(u8),
+    /// An HTTP date (IMF-fixdate), as its seconds since the Unix epoch.
+    Date(u64),
+    Bytes(#[serde(borrow, with = "serde_bytes")] std::borrow::Cow<'a, [u8]>),
+}
+
+impl<'a> Name<'a> {
+    fn of(name: &'a str) -> Self {
+        match NAMES.iter().position(|n| *n == name) {
+            Some(i) => Name::Numbered(u8::try_from(i).expect("fewer than 256 names")),
+            None => Name::Text(std::borrow::Cow::Borrowed(name)),
+        }
+    }
+
+    fn into_text(self) -> Result<String, String> {
+        match self {
+            Name::Numbered(i) => {
+                NAMES.get(usize::from(i)).map(|n| (*n).to_owned()).ok_or(format!("no header name {i}"))
+            }
+            Name::Text(text) => Ok(text.into_owned()),
+        }
+    }
+}
+
+impl<'a> Value<'a> {
+    fn of(value: &'a [u8]) -> Self {
+        if let Some(i) = VALUES.iter().position(|v| v.as_bytes() == value) {
+            return Value::Numbered(u8::try_from(i).expect("fewer than 256 values"));
+        }
+        let date = std::str::from_utf8(value).ok().and_then(|text| {
+            let at = httpdate::parse_http_date(text).ok()?;
+            let seconds = at.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs();
+            // Only where the date spells it again as it came: a replay is byte for byte.
+            (httpdate::fmt_http_date(at) == text).then_some(seconds)
+        });
+        match date {
+            Some(seconds) => Value::Date(seconds),
+            None => Value::Bytes(std::borrow::Cow::Borrowed(value)),
+        }
+    }
+
+    fn into_bytes(self) -> Result<Vec<u8>, String> {
+        match self {
+            Value::Numbered(i) => {
+                VALUES.get(usize::from(i)).map(|v| v.as_bytes().to_vec()).ok_or(format!("no header value {i}"))
+            }
+            // The last second an HTTP date spells (9999-12-31T23:59:59Z); later ones are not
+            // written, and formatting one would fail.
+            Value::Date(seconds @ 0..=253_402_300_799) => {
+                Ok(httpdate::fmt_http_date(std::time::UNIX_EPOCH + std::time::Duration::from_secs(seconds))
+                    .into_bytes())
+            }
+            Value::Date(seconds) => Err(format!("no HTTP date is {seconds} s after 1970")),
+            Value::Bytes(bytes) => Ok(bytes.into_owned()),
+        }
+    }
+}
+
+/// The head of version 1.
 #[derive(Serialize, Deserialize)]
 struct PackedHead<'a> {
     status: u16,
@@ -173,17 +327,17 @@ impl StoredResponse {
 
     /// The bytes kept in the store.
     pub fn encode(&self) -> Vec<u8> {
-        let head = PackedHead {
+        let head = NumberedHead {
             status: self.status.as_u16(),
             headers: self
                 .headers
                 .iter()
-                .map(|(n, v)| PackedHeader { name: std::borrow::Cow::Borrowed(n), value: v.clone() })
+                .map(|(n, v)| NumberedHeader { name: Name::of(n), value: Value::of(v) })
                 .collect(),
             omitted: self.omitted.clone(),
         };
-        let mut out = Vec::with_capacity(16 + self.headers.iter().map(|(n, v)| 2 + n.len() + v.len()).sum::<usize>());
-        out.push(PACKED);
+        let mut out = Vec::with_capacity(16 + self.headers.iter().map(|(n, v)| 4 + n.len() + v.len()).sum::<usize>());
+        out.push(PACKED_NUMBERED);
         // Writing a head into a vector cannot fail.
         let mut out = postcard::to_extend(&head, out).expect("a head always packs");
         out.extend_from_slice(&self.body);
@@ -261,6 +415,20 @@ fn omitted_problem(status: StatusCode, omitted: &Omitted, detail: String) -> Vec
 /// Reads what [`StoredResponse::encode`] wrote, or what earlier versions wrote.
 pub fn decode(bytes: &[u8]) -> Result<StoredResponse, String> {
     match bytes.first() {
+        Some(&PACKED_NUMBERED) => {
+            let (head, body): (NumberedHead<'_>, _) =
+                postcard::take_from_bytes(&bytes[1..]).map_err(|e| e.to_string())?;
+            Ok(StoredResponse {
+                status: StatusCode::from_u16(head.status).map_err(|e| e.to_string())?,
+                headers: head
+                    .headers
+                    .into_iter()
+                    .map(|h| Ok((h.name.into_text()?, h.value.into_bytes()?)))
+                    .collect::<Result<_, String>>()?,
+                body: Bytes::copy_from_slice(body),
+                omitted: head.omitted,
+            })
+        }
         Some(&PACKED) => {
             let (head, body): (PackedHead<'_>, _) =
                 postcard::take_from_bytes(&bytes[1..]).map_err(|e| e.to_string())?;
@@ -319,7 +487,7 @@ mod tests {
             assert!(decode(&encoded[..cut]).is_err(), "a head cut at {cut} is an error");
         }
         assert!(decode(b"").is_err());
-        assert!(decode(b"\x02").unwrap_err().contains("unknown version"));
+        assert!(decode(b"\x03").unwrap_err().contains("unknown version"));
         let kept = stored.clone().without_per_caller_headers();
         assert_eq!(kept.headers, vec![("x-id".to_owned(), b"1".to_vec())]);
     }
@@ -374,9 +542,88 @@ mod tests {
         headers.append("content-length", HeaderValue::from_static("11"));
         let stored = StoredResponse::from_parts(StatusCode::CREATED, &headers, Bytes::from_static(b"{\"ok\":true}"));
         let encoded = stored.encode();
-        // The version 1, the status 2, the count 1, the three headers with their lengths 85, no
-        // omitted body 1, the body 11 (the encoding of earlier versions took 167 bytes).
-        assert_eq!(encoded.len(), 101, "{encoded:?}");
+        // The version 1, the status 2, the count 1; `server` as its number (2) and its value
+        // (14), `date` as its number (2) and its seconds (6), `content-type` and its value as
+        // numbers (4); no omitted body 1; the body 11. Version 1 took 101 bytes, the JSON head of
+        // earlier versions 167.
+        assert_eq!(encoded.len(), 44, "{encoded:?}");
         assert_eq!(decode(&encoded).unwrap(), stored);
+    }
+
+    #[test]
+    fn numbered_names_values_and_dates_replay_byte_for_byte() {
+        let cases: &[(&str, &[u8])] = &[
+            ("date", b"Sun, 06 Nov 1994 08:49:37 GMT"),
+            ("date", b"Thu, 01 Jan 1970 00:00:00 GMT"),
+            ("date", b"Fri, 31 Dec 9999 23:59:59 GMT"),
+            // Dates that do not spell again as they came are kept as their bytes.
+            ("date", b"Sunday, 06-Nov-94 08:49:37 GMT"),
+            ("date", b"Sun Nov  6 08:49:37 1994"),
+            ("date", b"sun, 06 nov 1994 08:49:37 gmt"),
+            ("date", b"Mon, 06 Nov 1994 08:49:37 GMT"),
+            ("last-modified", b"Sun, 06 Nov 1994 08:49:37 GMT"),
+            ("x-when", b"Sun, 06 Nov 1994 08:49:37 GMT"),
+            ("content-type", b"application/json"),
+            ("content-type", b"Application/JSON"),
+            ("content-type", b"application/json "),
+            ("x-frame-options", b"DENY"),
+            ("x-custom", b"application/json"),
+            ("x-raw", &[0xff, 0x80, b'a']),
+            ("etag", b""),
+        ];
+        let mut headers = HeaderMap::new();
+        for (name, value) in cases {
+            headers.append(HeaderName::from_static(name), HeaderValue::from_bytes(value).unwrap());
+        }
+        let stored = StoredResponse::from_parts(StatusCode::OK, &headers, Bytes::from_static(b"x"));
+        let decoded = decode(&stored.encode()).unwrap();
+        assert_eq!(decoded, stored);
+        let expected: Vec<(String, Vec<u8>)> = cases.iter().map(|(n, v)| ((*n).to_owned(), v.to_vec())).collect();
+        assert_eq!(decoded.headers, expected);
+        // A number no table holds, and a date past what HTTP spells, are errors, not panics.
+        let head = |name: Name<'_>, value: Value<'_>| {
+            let head = NumberedHead { status: 200, headers: vec![NumberedHeader { name, value }], omitted: None };
+            postcard::to_extend(&head, vec![PACKED_NUMBERED]).unwrap()
+        };
+        assert!(decode(&head(Name::Numbered(255), Value::Numbered(0))).unwrap_err().contains("no header name"));
+        assert!(decode(&head(Name::Numbered(0), Value::Numbered(255))).unwrap_err().contains("no header value"));
+        assert!(decode(&head(Name::Numbered(1), Value::Date(253_402_300_800))).unwrap_err().contains("no HTTP date"));
+        assert!(decode(&head(Name::Numbered(1), Value::Date(u64::MAX))).is_err());
+        assert_eq!(
+            decode(&head(Name::Numbered(1), Value::Date(0))).unwrap().headers[0].1,
+            b"Thu, 01 Jan 1970 00:00:00 GMT"
+        );
+    }
+
+    #[test]
+    fn responses_packed_by_version_1_still_replay() {
+        let head = PackedHead {
+            status: 201,
+            headers: vec![
+                PackedHeader { name: "date".into(), value: b"Fri, 04 Dec 2026 01:49:15 GMT".to_vec() },
+                PackedHeader { name: "x-raw".into(), value: vec![0xff] },
+            ],
+            omitted: Some(Omitted { size: 9, sha256: "ab".repeat(32) }),
+        };
+        let mut bytes = postcard::to_extend(&head, vec![PACKED]).unwrap();
+        bytes.extend_from_slice(b"body");
+        let decoded = decode(&bytes).unwrap();
+        assert_eq!(decoded.status, StatusCode::CREATED);
+        assert_eq!(
+            decoded.headers,
+            vec![("date".to_owned(), b"Fri, 04 Dec 2026 01:49:15 GMT".to_vec()), ("x-raw".to_owned(), vec![0xff])]
+        );
+        assert_eq!(decoded.body, Bytes::from_static(b"body"));
+        assert_eq!(decoded.omitted, Some(Omitted { size: 9, sha256: "ab".repeat(32) }));
+    }
+
+    #[test]
+    fn the_tables_hold_each_entry_once() {
+        for table in [NAMES, VALUES] {
+            let unique: std::collections::HashSet<_> = table.iter().collect();
+            assert_eq!(unique.len(), table.len());
+            assert!(table.len() < 256);
+        }
+        assert!(NAMES.iter().all(|n| HeaderName::from_static(n).as_str() == *n), "names are lower case");
     }
 }
