@@ -215,7 +215,7 @@ impl<'a> Name<'a> {
     fn into_text(self) -> Result<String, String> {
         match self {
             Name::Numbered(i) => {
-                NAMES.get(usize::from(i)).map(|n| (*n).to_owned()).ok_or(format!("no header name {i}"))
+                NAMES.get(usize::from(i)).map(|n| (*n).to_owned()).ok_or_else(|| format!("no header name {i}"))
             }
             Name::Text(text) => Ok(text.into_owned()),
         }
@@ -242,7 +242,7 @@ impl<'a> Value<'a> {
     fn into_bytes(self) -> Result<Vec<u8>, String> {
         match self {
             Value::Numbered(i) => {
-                VALUES.get(usize::from(i)).map(|v| v.as_bytes().to_vec()).ok_or(format!("no header value {i}"))
+                VALUES.get(usize::from(i)).map(|v| v.as_bytes().to_vec()).ok_or_else(|| format!("no header value {i}"))
             }
             // The last second an HTTP date spells (9999-12-31T23:59:59Z); later ones are not
             // written, and formatting one would fail.
