@@ -13,7 +13,9 @@
 //!   one statement in its own savepoint (a failing job is rolled back alone; a single statement
 //!   writes whole or not at all), commits once, and only then answers the callers. An answer is
 //!   never sent for a write that is not durable. If SQLite rolls the whole transaction back under
-//!   a job, the jobs after it are left for the next transaction, not run in autocommit.
+//!   a job (an interrupted write; a full disk, an I/O error or a failed allocation at its choice),
+//!   the jobs run so far are answered that nothing was written and the jobs after it are left for
+//!   the next transaction, never run in autocommit.
 //! - **Fences** come from one counter row per tenant (`fences`) that only grows and is never
 //!   deleted, so a key's fence keeps growing after its record expired and was swept, and a
 //!   tenant's fences tell nothing of another's claims. Each starts above `meta.fence_floor`,
@@ -365,14 +367,15 @@ impl SqliteStore {
 
     /// Runs `f` on the writer, in the next group commit, and answers once it is durable. `f`
     /// must leave nothing behind when it fails: it writes one statement at most, or opens a
-    /// savepoint ([`in_savepoint`]) before it writes more.
+    /// savepoint ([`in_savepoint`]) before it writes more; and it stops at its first error
+    /// (after one, SQLite may have rolled the whole transaction back).
     async fn write_unguarded<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let job: Job = Box::new(move |conn| {
-            let result = f(conn);
+            let result = refuse_autocommit(conn).and_then(|()| f(conn));
             Box::new(move |commit_error| {
                 let _ = reply.send(match commit_error {
                     Some(e) => Err(clone_error(e)),
@@ -413,11 +416,23 @@ impl Drop for SqliteStore {
 /// Runs one statement without parameters, prepared once per connection (the writer runs the
 /// transaction and savepoint statements thousands of times a second: parsing them each time
 /// cost about a tenth of its time).
+/// An error outside the writer's transaction: a write there would commit on its own (a
+/// savepoint opened there would start a transaction of its own). The writer never runs a job
+/// there; a job that goes on after an error that made SQLite roll the transaction back stops
+/// here.
+fn refuse_autocommit(conn: &Connection) -> Result<(), StoreError> {
+    if conn.is_autocommit() {
+        return Err(unavailable("the transaction was rolled back after an error; nothing of it was written"));
+    }
+    Ok(())
+}
+
 fn run(conn: &Connection, sql: &str) -> Result<(), StoreError> {
     conn.prepare_cached(sql).and_then(|mut st| st.execute([])).map(drop).map_err(unavailable)
 }
 
 fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    refuse_autocommit(conn)?;
     run(conn, "SAVEPOINT job")?;
     let result = f(conn);
     if result.is_err() {
@@ -945,6 +960,14 @@ mod tests {
         // A write interrupted while it runs: SQLite rolls back the whole transaction.
         let (failed_tx, failed) = oneshot::channel();
         let interrupted: Job = Box::new(move |conn| {
+            // Prepared before the interrupts start: an interrupt while it is prepared would fail
+            // it before it writes, and roll nothing back.
+            let mut insert = conn
+                .prepare(
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n)
+                     INSERT INTO meta (name, value) SELECT 'interrupted-' || i, i FROM n",
+                )
+                .unwrap();
             let handle = conn.get_interrupt_handle();
             let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let interrupter = std::thread::spawn({
@@ -956,11 +979,8 @@ mod tests {
                     }
                 }
             });
-            let wrote = conn.execute(
-                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n)
-                 INSERT INTO meta (name, value) SELECT 'interrupted-' || i, i FROM n",
-                [],
-            );
+            let wrote = insert.execute([]);
+            drop(insert);
             done.store(true, std::sync::atomic::Ordering::Relaxed);
             interrupter.join().unwrap();
             let rolled_back = conn.is_autocommit();
@@ -968,22 +988,34 @@ mod tests {
                 let _ = failed_tx.send((wrote.is_err(), rolled_back, commit.is_some()));
             })
         });
-        jobs.send(interrupted).await.unwrap();
-        // A claim queued behind it.
-        let claim = tokio::spawn({
+        let queued = |n: usize| {
+            let jobs = jobs.clone();
+            async move {
+                while jobs.max_capacity() - jobs.capacity() < n {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
+        let claim = |key: &'static str| {
             let store = store.clone();
-            async move { store.claim(&request("after"), now).await }
-        });
-        while jobs.max_capacity() - jobs.capacity() < 2 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+            tokio::spawn(async move { store.claim(&request(key), now).await })
+        };
+        // A claim queued before it, the interrupted write, and a claim queued behind it.
+        let before = claim("before");
+        queued(1).await;
+        jobs.send(interrupted).await.unwrap();
+        let after = claim("after");
+        queued(3).await;
         release.send(()).unwrap();
         assert_eq!(failed.await.unwrap(), (true, true, true), "write failed, transaction rolled back, answered so");
-        // The claim's answer and the store agree.
-        let answer = claim.await.unwrap();
-        let stored = store.get(&scope("after"), now).await.unwrap();
+        // Each claim's answer and the store agree: the one before was rolled back with the
+        // transaction and is answered so; the one after ran in the next and is durable.
+        let answer = before.await.unwrap();
+        assert!(matches!(answer, Err(StoreError::Unavailable(_))), "{answer:?}");
+        assert!(store.get(&scope("before"), now).await.unwrap().is_none(), "nothing of it was written");
+        let answer = after.await.unwrap();
         assert!(matches!(answer, Ok(ClaimOutcome::Acquired(_))), "{answer:?}");
-        assert!(stored.is_some(), "the acquired claim is durable");
+        assert!(store.get(&scope("after"), now).await.unwrap().is_some(), "the acquired claim is durable");
         let left: i64 = store
             .read(|c| {
                 c.query_row("SELECT count(*) FROM meta WHERE name LIKE 'interrupted-%'", [], |r| r.get(0))
