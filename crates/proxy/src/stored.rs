@@ -112,7 +112,8 @@ const PACKED: u8 = 1;
 const PACKED_NUMBERED: u8 = 2;
 
 /// Header names a stored response keeps as their number here. Append only: a name's number is
-/// part of what the store holds.
+/// part of what the store holds. A build with a shorter table cannot read a response that uses
+/// a later number (it answers its replay 500, as for a version it does not know).
 const NAMES: &[&str] = &[
     "content-type",
     "date",
@@ -172,6 +173,8 @@ const VALUES: &[&str] = &[
     "true",
 ];
 
+// The order of the fields, and of each enum's variants, is the stored format (postcard writes a
+// variant as its index): append only.
 #[derive(Serialize, Deserialize)]
 struct NumberedHead<'a> {
     status: u16,
@@ -245,7 +248,7 @@ impl<'a> Value<'a> {
                 VALUES.get(usize::from(i)).map(|v| v.as_bytes().to_vec()).ok_or_else(|| format!("no header value {i}"))
             }
             // The last second an HTTP date spells (9999-12-31T23:59:59Z); later ones are not
-            // written, and formatting one would fail.
+            // written, and formatting one would panic.
             Value::Date(seconds @ 0..=253_402_300_799) => {
                 Ok(httpdate::fmt_http_date(std::time::UNIX_EPOCH + std::time::Duration::from_secs(seconds))
                     .into_bytes())
@@ -542,11 +545,22 @@ mod tests {
         headers.append("content-length", HeaderValue::from_static("11"));
         let stored = StoredResponse::from_parts(StatusCode::CREATED, &headers, Bytes::from_static(b"{\"ok\":true}"));
         let encoded = stored.encode();
-        // The version 1, the status 2, the count 1; `server` as its number (2) and its value
-        // (14), `date` as its number (2) and its seconds (6), `content-type` and its value as
-        // numbers (4); no omitted body 1; the body 11. Version 1 took 101 bytes, the JSON head of
-        // earlier versions 167.
-        assert_eq!(encoded.len(), 44, "{encoded:?}");
+        // The version byte (1), the status (2), the count (1); `server` as its number (2) and
+        // its value (14), `date` as its number (2) and its seconds (6), `content-type` and its
+        // value as numbers (4); no omitted body (1); the body (11). Version 1 took 101 bytes, the
+        // JSON head of earlier versions 167. These bytes are the stored format: they never change.
+        let expected: &[u8] = &[
+            2, // version
+            0xc9, 0x01, // status 201
+            3,    // headers
+            0, 2, 2, 12, b'n', b'g', b'i', b'n', b'x', b'/', b'1', b'.', b'2', b'2', b'.',
+            b'1', // server (name 2)
+            0, 1, 1, 0x9b, 0xb8, 0xc8, 0xd8, 0x06, // date (name 1) as its seconds, 1,796,348,955
+            0, 0, 0, 0, // content-type (name 0), application/json (value 0)
+            0, // no omitted body
+            b'{', b'"', b'o', b'k', b'"', b':', b't', b'r', b'u', b'e', b'}',
+        ];
+        assert_eq!(encoded, expected, "{encoded:?}");
         assert_eq!(decode(&encoded).unwrap(), stored);
     }
 
@@ -615,6 +629,17 @@ mod tests {
         );
         assert_eq!(decoded.body, Bytes::from_static(b"body"));
         assert_eq!(decoded.omitted, Some(Omitted { size: 9, sha256: "ab".repeat(32) }));
+        // The bytes of version 1 as it wrote them: the version byte, the status 201, one header
+        // (its name and value, each with its length), no omitted body, the body.
+        let mut written = vec![1, 0xc9, 0x01, 1, 4, b'd', b'a', b't', b'e', 29];
+        written.extend_from_slice(b"Fri, 04 Dec 2026 01:49:15 GMT");
+        written.extend_from_slice(&[0, b'h', b'i']);
+        let decoded = decode(&written).unwrap();
+        assert_eq!(decoded.headers, vec![("date".to_owned(), b"Fri, 04 Dec 2026 01:49:15 GMT".to_vec())]);
+        assert_eq!(
+            (decoded.status, decoded.body, decoded.omitted),
+            (StatusCode::CREATED, Bytes::from_static(b"hi"), None)
+        );
     }
 
     #[test]
