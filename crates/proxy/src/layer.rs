@@ -381,9 +381,7 @@ impl Held {
     /// A response whose body passed the limit: the caller gets it whole, streamed (`head` is
     /// what was read, `rest` the remainder); once it has passed, the key is completed with the
     /// status, headers, size and SHA-256 (never the body), so no retry sends the request again.
-    /// A body that breaks off leaves the key in flight until its lease passes. A caller that
-    /// takes no part of it for as long as the lease is cut off (its body ends in an error) and
-    /// the rest is read and recorded without it: a caller that stops reading never holds the key.
+    /// A body that breaks off leaves the key in flight until its lease passes.
     fn pass_unstored(
         self,
         parts: axum::http::response::Parts,
@@ -391,22 +389,20 @@ impl Held {
         mut rest: BodyStream,
         mut keeper: LeaseKeeper,
     ) -> Response<Body> {
-        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-        let mut caller = Caller { tx: Some(tx), stall: self.shared.options.lease, cut_off: Default::default() };
-        let body = caller.body(rx);
+        let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let (status, headers) = (parts.status, parts.headers.clone());
         tokio::spawn(async move {
             let mut digest = BodyDigest::default();
             digest.add(&head);
             let passed = keeper
                 .beside(async {
-                    // A caller that left, or was cut off, does not stop the reading.
-                    caller.pass(Ok(head), &self.scope).await;
+                    // A caller that left does not stop the reading.
+                    let _ = tx.send(Ok(head)).await;
                     while let Some(chunk) = rest.next().await {
                         match chunk {
                             Ok(chunk) => {
                                 digest.add(&chunk);
-                                caller.pass(Ok(chunk), &self.scope).await;
+                                let _ = tx.send(Ok(chunk)).await;
                             }
                             Err(e) => return Err(e),
                         }
@@ -417,7 +413,7 @@ impl Held {
             drop(keeper);
             if let Err(e) = passed {
                 tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
-                caller.pass(Err(std::io::Error::other(e)), &self.scope).await;
+                let _ = tx.send(Err(std::io::Error::other(e))).await;
                 return;
             }
             let (limit, omitted) = (self.shared.options.max_response_bytes, digest.finish());
@@ -429,57 +425,10 @@ impl Held {
                 metrics.observe_unstored_response(&self.scope.tenant);
             }
             self.settle(&StoredResponse::omitted(status, &headers, omitted)).await;
-            // The caller's body ends here: once it has read it whole, a retry replays.
-            drop(caller);
         });
-        let mut response = Response::from_parts(parts, body);
+        let mut response = Response::from_parts(parts, Body::from_stream(rx));
         response.headers_mut().remove(header::TRANSFER_ENCODING);
         response
-    }
-}
-
-/// The caller of a large answer passed on as it is read: cut off once it takes nothing for
-/// `stall`, so that its reading never holds up the upstream's.
-struct Caller {
-    tx: Option<futures::channel::mpsc::Sender<Result<Bytes, std::io::Error>>>,
-    stall: Duration,
-    cut_off: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Caller {
-    /// The caller's body: what `rx` brings, then an error if the caller was cut off (so that it
-    /// never takes a cut answer for a whole one).
-    fn body(&self, rx: futures::channel::mpsc::Receiver<Result<Bytes, std::io::Error>>) -> Body {
-        let cut_off = self.cut_off.clone();
-        let then = futures::stream::once(async move { cut_off.load(std::sync::atomic::Ordering::Acquire) }).filter_map(
-            |cut| async move {
-                cut.then(|| {
-                    Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "the caller took no part of the answer for as long as the lease and was cut off",
-                    ))
-                })
-            },
-        );
-        Body::from_stream(rx.chain(then))
-    }
-
-    /// Passes `item` on, unless the caller left or was cut off; cuts it off if it takes nothing
-    /// for `stall`.
-    async fn pass(&mut self, item: Result<Bytes, std::io::Error>, scope: &Scope) {
-        let Some(tx) = self.tx.as_mut() else { return };
-        match tokio::time::timeout(self.stall, tx.send(item)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => self.tx = None, // the caller left
-            Err(_) => {
-                tracing::warn!(
-                    scope = %scope,
-                    "the caller took no part of a large answer for as long as the lease; it is cut off and the answer is read to its end without it"
-                );
-                self.cut_off.store(true, std::sync::atomic::Ordering::Release);
-                self.tx = None;
-            }
-        }
     }
 }
 
