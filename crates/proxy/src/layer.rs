@@ -390,6 +390,8 @@ impl Held {
         mut keeper: LeaseKeeper,
     ) -> Response<Body> {
         let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        let whole = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let body = passed_body(rx, whole.clone());
         let (status, headers) = (parts.status, parts.headers.clone());
         tokio::spawn(async move {
             let mut digest = BodyDigest::default();
@@ -425,14 +427,29 @@ impl Held {
                 metrics.observe_unstored_response(&self.scope.tenant);
             }
             self.settle(&StoredResponse::omitted(status, &headers, omitted)).await;
+            // The caller's body ends cleanly with this task, and only here (see passed_body).
+            whole.store(true, std::sync::atomic::Ordering::Release);
         });
-        let mut response = Response::from_parts(parts, Body::from_stream(rx));
+        let mut response = Response::from_parts(parts, body);
         response.headers_mut().remove(header::TRANSFER_ENCODING);
         response
     }
 }
 
 type BodyStream = axum::body::BodyDataStream;
+
+/// The body of an answer passed on as it is read (`rx`): it ends cleanly only if `whole` was set
+/// before its sender went; a sender dropped otherwise (its task ended early: a panic, a runtime
+/// shutting down) ends it in an error, so a caller never takes a cut answer for a whole one.
+fn passed_body(
+    rx: futures::channel::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+    whole: Arc<std::sync::atomic::AtomicBool>,
+) -> Body {
+    let end = futures::stream::once(async move { whole.load(std::sync::atomic::Ordering::Acquire) }).filter_map(
+        |whole| async move { (!whole).then(|| Err(std::io::Error::other("the answer broke off before its end"))) },
+    );
+    Body::from_stream(rx.chain(end))
+}
 
 /// What the upstream answered, as [`Held::execute`] read it.
 enum Upstream {
@@ -501,6 +518,26 @@ async fn complete(guard: &Guard, scope: &Scope, fence: Fence, outcome: Outcome) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_passed_answer_ends_cleanly_only_once_marked_whole() {
+        for whole in [false, true] {
+            let (mut tx, rx) = futures::channel::mpsc::channel(4);
+            let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let body = passed_body(rx, flag.clone());
+            tx.send(Ok(Bytes::from_static(b"part"))).await.unwrap();
+            flag.store(whole, std::sync::atomic::Ordering::Release);
+            drop(tx);
+            let collected = http_body_util::BodyExt::collect(body).await;
+            match collected {
+                Ok(collected) => {
+                    assert!(whole, "a body whose task ended early ended cleanly");
+                    assert_eq!(collected.to_bytes(), Bytes::from_static(b"part"));
+                }
+                Err(e) => assert!(!whole, "a whole body ended in an error: {e}"),
+            }
+        }
+    }
 
     fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
         let mut map = HeaderMap::new();
