@@ -375,7 +375,7 @@ impl SqliteStore {
     ) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let job: Job = Box::new(move |conn| {
-            let result = refuse_autocommit(conn).and_then(|()| f(conn));
+            let result = f(conn);
             Box::new(move |commit_error| {
                 let _ = reply.send(match commit_error {
                     Some(e) => Err(clone_error(e)),
@@ -416,23 +416,23 @@ impl Drop for SqliteStore {
 /// Runs one statement without parameters, prepared once per connection (the writer runs the
 /// transaction and savepoint statements thousands of times a second: parsing them each time
 /// cost about a tenth of its time).
-/// An error outside the writer's transaction: a write there would commit on its own (a
-/// savepoint opened there would start a transaction of its own). The writer never runs a job
-/// there; a job that goes on after an error that made SQLite roll the transaction back stops
-/// here.
-fn refuse_autocommit(conn: &Connection) -> Result<(), StoreError> {
-    if conn.is_autocommit() {
-        return Err(unavailable("the transaction was rolled back after an error; nothing of it was written"));
-    }
-    Ok(())
-}
-
 fn run(conn: &Connection, sql: &str) -> Result<(), StoreError> {
     conn.prepare_cached(sql).and_then(|mut st| st.execute([])).map(drop).map_err(unavailable)
 }
 
+/// What a job is answered when SQLite rolled the writer's transaction back under it or before it.
+fn rolled_back() -> StoreError {
+    unavailable("the transaction was rolled back after an error; nothing of it was written")
+}
+
+/// Runs `f` in a savepoint: a failing `f` leaves nothing behind. Refused outside the writer's
+/// transaction, where the savepoint would be a transaction of its own and commit: the writer
+/// never starts a job there, so only a job that goes on after an error that made SQLite roll the
+/// transaction back gets here.
 fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
-    refuse_autocommit(conn)?;
+    if conn.is_autocommit() {
+        return Err(rolled_back());
+    }
     run(conn, "SAVEPOINT job")?;
     let result = f(conn);
     if result.is_err() {
@@ -473,8 +473,7 @@ fn write_loop(conn: Connection, mut jobs: mpsc::Receiver<Job>) {
                 // is undone. The jobs after it stay queued for the next transaction; run now,
                 // each would commit on its own and then be answered the failed COMMIT.
                 tracing::error!("sqlite: the transaction was rolled back after an error; its writes are undone");
-                committed =
-                    Err(unavailable("the transaction was rolled back after an error; nothing of it was written"));
+                committed = Err(rolled_back());
                 break;
             }
         }
