@@ -297,8 +297,7 @@ fn parse_no_key(s: &str) -> Result<McpNoKey, String> {
     }
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     let cli = Cli::parse();
     let mut overrides = Overrides {
         store: cli.global.store.clone(),
@@ -351,6 +350,19 @@ async fn main() -> Result<()> {
         }
         _ => {}
     }
+    let config = Config::load(cli.global.config.as_deref(), &overrides)?;
+    // The store URL is checked with the rest of the configuration, before anything starts.
+    onceguard_server::StoreUrl::parse(&config.store)?;
+    // The runtime is built once the configuration has said how many workers it has.
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.http.worker_threads())
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run(cli, config))
+}
+
+async fn run(cli: Cli, config: Config) -> Result<()> {
     let serving = matches!(
         cli.command,
         Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. } | Command::A2a { .. }
@@ -361,9 +373,9 @@ async fn main() -> Result<()> {
     let _hangup =
         serving.then(|| tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())).transpose()?;
     let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
-    let config = Config::load(cli.global.config.as_deref(), &overrides)?;
-    // The store URL is checked with the rest of the configuration, before anything starts.
-    onceguard_server::StoreUrl::parse(&config.store)?;
+    if serving {
+        tracing::debug!(workers = config.http.worker_threads(), "the async runtime's workers");
+    }
     let result = match cli.command {
         Command::Serve { .. } => serve(config, telemetry.exporting()).await,
         Command::Proxy { .. } => proxy(config).await,

@@ -220,3 +220,25 @@ fn sighup_without_tls_leaves_the_server_serving() {
     assert_eq!(health.status(), 200);
     assert!(server.child.try_wait().unwrap().is_none(), "the server is still running");
 }
+
+/// `http.workers` sets the async runtime's workers of the process: as many `tokio-rt-worker`
+/// threads as it says, one per core where it is 0, and it serves with one.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_process_runs_the_workers_it_is_given() {
+    let workers = |server: &common::Server| {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", server.child.id())).unwrap();
+        tasks
+            .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
+            .filter(|name| name.trim() == "tokio-rt-worker")
+            .count()
+    };
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    for (setting, expected) in [("3", 3), ("1", 1), ("0", cores)] {
+        let dir = tempfile::tempdir().unwrap();
+        let server = common::start_with(dir.path(), &["--store", "memory://"], &[("ONCEGUARD_HTTP__WORKERS", setting)]);
+        assert_eq!(workers(&server), expected, "http.workers = {setting}");
+        let health = reqwest::blocking::get(format!("{}/healthz", server.base)).unwrap();
+        assert_eq!(health.status(), 200, "it serves with http.workers = {setting}");
+    }
+}

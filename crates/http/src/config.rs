@@ -384,6 +384,23 @@ pub struct HttpConfig {
     /// Longest graceful shutdown waits for requests in flight.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// Threads that run requests (the async runtime's workers); `0`: one per core. Fewer
+    /// workers than cores cost less CPU per request where the callers and the tools share the
+    /// cores (see docs/PERFORMANCE.md); each worker is one core's worth of requests at most.
+    pub workers: usize,
+}
+
+/// The most [`HttpConfig::workers`] a configuration may ask for.
+pub const MAX_WORKERS: usize = 1024;
+
+impl HttpConfig {
+    /// The async runtime's workers: [`HttpConfig::workers`], or one per core where it is `0`.
+    pub fn worker_threads(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        }
+    }
 }
 
 /// The background sweep of expired records.
@@ -490,6 +507,7 @@ impl Default for HttpConfig {
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
+            workers: 0,
         }
     }
 }
@@ -799,6 +817,9 @@ impl Config {
         if self.http.request_timeout <= self.limits.max_wait {
             return Err(InvalidInput::new("http.request_timeout", "must be longer than limits.max_wait"));
         }
+        if self.http.workers > MAX_WORKERS {
+            return Err(InvalidInput::new("http.workers", format!("must be at most {MAX_WORKERS} (0: one per core)")));
+        }
         if self.sweep.interval.is_zero() || self.sweep.batch == 0 || self.sweep.max_batches == 0 {
             return Err(InvalidInput::new("sweep", "interval, batch and max_batches must be more than zero"));
         }
@@ -1004,6 +1025,32 @@ mod tests {
             Ok(())
         });
         assert_eq!(Config::default().auth.key_cache_ttl, Duration::from_secs(1));
+    }
+
+    /// The runtime's workers: `0` is one per core, a number is that many, and a number past
+    /// [`MAX_WORKERS`] stops the start, naming the field.
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
+    fn the_workers_are_one_per_core_or_the_number_given() {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        assert_eq!(Config::default().http.workers, 0);
+        assert_eq!(Config::default().http.worker_threads(), cores);
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("onceguard.toml", "[http]\nworkers = 3\n")?;
+            let config = Config::load(Some(Path::new("onceguard.toml")), &Overrides::default()).expect("valid");
+            assert_eq!(config.http.worker_threads(), 3);
+            jail.set_env("ONCEGUARD_HTTP__WORKERS", "1");
+            let config = Config::load(Some(Path::new("onceguard.toml")), &Overrides::default()).expect("valid");
+            assert_eq!(config.http.worker_threads(), 1);
+            jail.set_env("ONCEGUARD_HTTP__WORKERS", (MAX_WORKERS + 1).to_string());
+            let Err(ConfigError::Invalid(e)) = Config::load(None, &Overrides::default()) else {
+                panic!("{} workers were accepted", MAX_WORKERS + 1)
+            };
+            assert!(e.to_string().contains("http.workers"), "{e}");
+            jail.set_env("ONCEGUARD_HTTP__WORKERS", "-1");
+            assert!(matches!(Config::load(None, &Overrides::default()), Err(ConfigError::Load(_))));
+            Ok(())
+        });
     }
 
     /// Every section is settable from the environment: one variable of each takes effect (the
