@@ -353,13 +353,13 @@ fn main() -> Result<()> {
     let config = Config::load(cli.global.config.as_deref(), &overrides)?;
     // The store URL is checked with the rest of the configuration, before anything starts.
     onceguard_server::StoreUrl::parse(&config.store)?;
-    // The runtime is built once the configuration has said how many workers it has.
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(config.http.worker_threads())
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?
-        .block_on(run(cli, config))
+    // The runtime is built once the configuration has said how many workers it has; with
+    // http.workers = 0 it keeps its default (one per core, or TOKIO_WORKER_THREADS).
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if config.http.workers > 0 {
+        runtime.worker_threads(config.http.workers);
+    }
+    runtime.enable_all().build().context("starting the async runtime")?.block_on(run(cli, config))
 }
 
 async fn run(cli: Cli, config: Config) -> Result<()> {
@@ -368,13 +368,15 @@ async fn run(cli: Cli, config: Config) -> Result<()> {
         Command::Serve { .. } | Command::Proxy { .. } | Command::Mcp { .. } | Command::A2a { .. }
     );
     // SIGHUP (`systemctl reload`) reads a TLS certificate again when there is one; from the
-    // start and without TLS it must not end the process, as its default action would.
+    // start and without TLS it must not end the process, as its default action would. It is
+    // registered as soon as the runtime runs, before the store opens.
     #[cfg(unix)]
     let _hangup =
         serving.then(|| tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())).transpose()?;
     let telemetry = init_telemetry(cli.global.log_format.as_deref(), serving)?;
     if serving {
-        tracing::debug!(workers = config.http.worker_threads(), "the async runtime's workers");
+        let workers = tokio::runtime::Handle::current().metrics().num_workers();
+        tracing::debug!(workers, "the async runtime's workers");
     }
     let result = match cli.command {
         Command::Serve { .. } => serve(config, telemetry.exporting()).await,

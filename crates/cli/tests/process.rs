@@ -222,7 +222,9 @@ fn sighup_without_tls_leaves_the_server_serving() {
 }
 
 /// `http.workers` sets the async runtime's workers of the process: as many `tokio-rt-worker`
-/// threads as it says, one per core where it is 0, and it serves with one.
+/// threads as it says; at 0 the runtime's default, one per core or `TOKIO_WORKER_THREADS`,
+/// which a number in `http.workers` overrides. It serves with each. (The runtime's blocking
+/// threads have the same name; `serve` on the memory store starts none before it listens.)
 #[cfg(target_os = "linux")]
 #[test]
 fn the_process_runs_the_workers_it_is_given() {
@@ -234,11 +236,23 @@ fn the_process_runs_the_workers_it_is_given() {
             .count()
     };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    for (setting, expected) in [("3", 3), ("1", 1), ("0", cores)] {
+    let cases: [(&[(&str, &str)], usize); 5] = [
+        (&[("ONCEGUARD_HTTP__WORKERS", "3")], 3),
+        (&[("ONCEGUARD_HTTP__WORKERS", "1")], 1),
+        (&[("ONCEGUARD_HTTP__WORKERS", "0")], cores),
+        (&[("ONCEGUARD_HTTP__WORKERS", "0"), ("TOKIO_WORKER_THREADS", "5")], 5),
+        (&[("ONCEGUARD_HTTP__WORKERS", "2"), ("TOKIO_WORKER_THREADS", "5")], 2),
+    ];
+    for (env, expected) in cases {
         let dir = tempfile::tempdir().unwrap();
-        let server = common::start_with(dir.path(), &["--store", "memory://"], &[("ONCEGUARD_HTTP__WORKERS", setting)]);
-        assert_eq!(workers(&server), expected, "http.workers = {setting}");
+        let server = common::start_with(dir.path(), &["--store", "memory://"], env);
+        // A thread names itself once it runs: wait for the count, a while at most.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while workers(&server) != expected && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(workers(&server), expected, "{env:?}");
         let health = reqwest::blocking::get(format!("{}/healthz", server.base)).unwrap();
-        assert_eq!(health.status(), 200, "it serves with http.workers = {setting}");
+        assert_eq!(health.status(), 200, "it serves with {env:?}");
     }
 }

@@ -384,24 +384,16 @@ pub struct HttpConfig {
     /// Longest graceful shutdown waits for requests in flight.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
-    /// Threads that run requests (the async runtime's workers); `0`: one per core. Fewer
-    /// workers than cores cost less CPU per request where the callers and the tools share the
-    /// cores (see docs/PERFORMANCE.md); each worker is one core's worth of requests at most.
+    /// Threads that run requests (the async runtime's workers, of every command); `0`: the
+    /// runtime's default, one per core (or `TOKIO_WORKER_THREADS` where the environment sets
+    /// it). On cores shared with the callers and the tools, fewer workers cost less CPU per
+    /// request on the memory and Redis stores and more per first execution on SQLite (see
+    /// docs/PERFORMANCE.md#workers); each worker is one core's worth of requests at most.
     pub workers: usize,
 }
 
 /// The most [`HttpConfig::workers`] a configuration may ask for.
 pub const MAX_WORKERS: usize = 1024;
-
-impl HttpConfig {
-    /// The async runtime's workers: [`HttpConfig::workers`], or one per core where it is `0`.
-    pub fn worker_threads(&self) -> usize {
-        match self.workers {
-            0 => std::thread::available_parallelism().map_or(1, usize::from),
-            n => n,
-        }
-    }
-}
 
 /// The background sweep of expired records.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -1027,21 +1019,20 @@ mod tests {
         assert_eq!(Config::default().auth.key_cache_ttl, Duration::from_secs(1));
     }
 
-    /// The runtime's workers: `0` is one per core, a number is that many, and a number past
-    /// [`MAX_WORKERS`] stops the start, naming the field.
+    /// The runtime's workers come from the file and the environment, and a number past
+    /// [`MAX_WORKERS`] stops the start, naming the field (the process test
+    /// `the_process_runs_the_workers_it_is_given` counts the threads they make).
     #[test]
     #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
     fn the_workers_are_one_per_core_or_the_number_given() {
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
         assert_eq!(Config::default().http.workers, 0);
-        assert_eq!(Config::default().http.worker_threads(), cores);
         figment::Jail::expect_with(|jail| {
             jail.create_file("onceguard.toml", "[http]\nworkers = 3\n")?;
             let config = Config::load(Some(Path::new("onceguard.toml")), &Overrides::default()).expect("valid");
-            assert_eq!(config.http.worker_threads(), 3);
+            assert_eq!(config.http.workers, 3);
             jail.set_env("ONCEGUARD_HTTP__WORKERS", "1");
             let config = Config::load(Some(Path::new("onceguard.toml")), &Overrides::default()).expect("valid");
-            assert_eq!(config.http.worker_threads(), 1);
+            assert_eq!(config.http.workers, 1);
             jail.set_env("ONCEGUARD_HTTP__WORKERS", (MAX_WORKERS + 1).to_string());
             let Err(ConfigError::Invalid(e)) = Config::load(None, &Overrides::default()) else {
                 panic!("{} workers were accepted", MAX_WORKERS + 1)

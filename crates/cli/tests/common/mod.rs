@@ -64,6 +64,7 @@ pub fn spawn_under(wrapper: &[&str], dir: &Path, args: &[&str], env: &[(&str, &s
         .args(args)
         .current_dir(dir)
         .env_remove("ONCEGUARD_STORE")
+        .env_remove("TOKIO_WORKER_THREADS")
         .stderr(Stdio::piped())
         .stdout(Stdio::null());
     for (name, value) in env {
