@@ -354,10 +354,12 @@ fn main() -> Result<()> {
     // The store URL is checked with the rest of the configuration, before anything starts.
     onceguard_server::StoreUrl::parse(&config.store)?;
     // The runtime is built once the configuration has said how many workers it has; with
-    // http.workers = 0 it keeps its default (one per core, or TOKIO_WORKER_THREADS).
+    // http.workers = 0 it keeps its default (one per core, or TOKIO_WORKER_THREADS, read here
+    // so that a value it cannot take stops the start with a message instead of a panic).
+    let workers = config.http.runtime_workers(std::env::var_os("TOKIO_WORKER_THREADS").as_deref())?;
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if config.http.workers > 0 {
-        runtime.worker_threads(config.http.workers);
+    if let Some(workers) = workers {
+        runtime.worker_threads(workers);
     }
     runtime.enable_all().build().context("starting the async runtime")?.block_on(run(cli, config))
 }

@@ -236,12 +236,13 @@ fn the_process_runs_the_workers_it_is_given() {
             .count()
     };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let more = (cores + 3).to_string();
     let cases: [(&[(&str, &str)], usize); 5] = [
         (&[("ONCEGUARD_HTTP__WORKERS", "3")], 3),
         (&[("ONCEGUARD_HTTP__WORKERS", "1")], 1),
         (&[("ONCEGUARD_HTTP__WORKERS", "0")], cores),
-        (&[("ONCEGUARD_HTTP__WORKERS", "0"), ("TOKIO_WORKER_THREADS", "5")], 5),
-        (&[("ONCEGUARD_HTTP__WORKERS", "2"), ("TOKIO_WORKER_THREADS", "5")], 2),
+        (&[("ONCEGUARD_HTTP__WORKERS", "0"), ("TOKIO_WORKER_THREADS", &more)], cores + 3),
+        (&[("ONCEGUARD_HTTP__WORKERS", "2"), ("TOKIO_WORKER_THREADS", &more)], 2),
     ];
     for (env, expected) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -255,4 +256,21 @@ fn the_process_runs_the_workers_it_is_given() {
         let health = reqwest::blocking::get(format!("{}/healthz", server.base)).unwrap();
         assert_eq!(health.status(), 200, "it serves with {env:?}");
     }
+}
+
+/// A `TOKIO_WORKER_THREADS` the runtime cannot take stops the start with a message naming it,
+/// not a panic.
+#[test]
+fn a_worker_count_the_runtime_cannot_take_stops_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_onceguard"))
+        .args(["--store", "memory://", "serve", "--listen", "127.0.0.1:0"])
+        .current_dir(dir.path())
+        .env("TOKIO_WORKER_THREADS", "many")
+        .env_remove("ONCEGUARD_HTTP__WORKERS")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("TOKIO_WORKER_THREADS") && !err.contains("panicked"), "{err}");
 }

@@ -395,6 +395,28 @@ pub struct HttpConfig {
 /// The most [`HttpConfig::workers`] a configuration may ask for.
 pub const MAX_WORKERS: usize = 1024;
 
+impl HttpConfig {
+    /// The workers to build the async runtime with: [`HttpConfig::workers`] where it is set;
+    /// else `TOKIO_WORKER_THREADS` (`tokio_var`, the environment's), held to the same bounds
+    /// (the runtime would panic on a value it cannot read); else `None`, the runtime's default
+    /// of one per core.
+    pub fn runtime_workers(&self, tokio_var: Option<&std::ffi::OsStr>) -> Result<Option<usize>, InvalidInput> {
+        if self.workers > 0 {
+            return Ok(Some(self.workers));
+        }
+        let Some(value) = tokio_var else { return Ok(None) };
+        match value.to_str().and_then(|v| v.trim().parse::<usize>().ok()) {
+            Some(n @ 1..=MAX_WORKERS) => Ok(Some(n)),
+            _ => Err(InvalidInput::new(
+                "TOKIO_WORKER_THREADS",
+                format!(
+                    "must be a whole number from 1 to {MAX_WORKERS} (or unset); http.workers, where set, takes its place"
+                ),
+            )),
+        }
+    }
+}
+
 /// The background sweep of expired records.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -1042,6 +1064,28 @@ mod tests {
             assert!(matches!(Config::load(None, &Overrides::default()), Err(ConfigError::Load(_))));
             Ok(())
         });
+    }
+
+    /// The runtime's workers: `http.workers` where set, over `TOKIO_WORKER_THREADS`; the
+    /// variable where it is not, refused with the field named when the runtime could not read
+    /// it or it passes the bound; neither: the runtime's default.
+    #[test]
+    fn the_runtime_takes_its_workers_from_the_setting_then_the_variable() {
+        let var = |v: &str| Some(std::ffi::OsString::from(v));
+        let http = |workers| HttpConfig { workers, ..HttpConfig::default() };
+        assert_eq!(http(3).runtime_workers(var("5").as_deref()).unwrap(), Some(3));
+        assert_eq!(http(0).runtime_workers(var("5").as_deref()).unwrap(), Some(5));
+        assert_eq!(http(0).runtime_workers(None).unwrap(), None);
+        for bad in ["0", "abc", "-1", "", &(MAX_WORKERS + 1).to_string()] {
+            let e = http(0).runtime_workers(var(bad).as_deref()).unwrap_err();
+            assert!(e.to_string().contains("TOKIO_WORKER_THREADS"), "{bad:?}: {e}");
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStrExt;
+            let not_unicode = std::ffi::OsStr::from_bytes(&[0xff]);
+            assert!(http(0).runtime_workers(Some(not_unicode)).is_err());
+        }
     }
 
     /// Every section is settable from the environment: one variable of each takes effect (the
