@@ -832,7 +832,10 @@ impl Config {
             return Err(InvalidInput::new("http.request_timeout", "must be longer than limits.max_wait"));
         }
         if self.http.workers > MAX_WORKERS {
-            return Err(InvalidInput::new("http.workers", format!("must be at most {MAX_WORKERS} (0: one per core)")));
+            return Err(InvalidInput::new(
+                "http.workers",
+                format!("must be at most {MAX_WORKERS} (0: the runtime's default, one per core)"),
+            ));
         }
         if self.sweep.interval.is_zero() || self.sweep.batch == 0 || self.sweep.max_batches == 0 {
             return Err(InvalidInput::new("sweep", "interval, batch and max_batches must be more than zero"));
@@ -1046,7 +1049,7 @@ mod tests {
     /// `the_process_runs_the_workers_it_is_given` counts the threads they make).
     #[test]
     #[allow(clippy::result_large_err)] // figment's own error type, in its test jail
-    fn the_workers_are_one_per_core_or_the_number_given() {
+    fn the_workers_are_read_and_bounded() {
         assert_eq!(Config::default().http.workers, 0);
         figment::Jail::expect_with(|jail| {
             jail.create_file("onceguard.toml", "[http]\nworkers = 3\n")?;
