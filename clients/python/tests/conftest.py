@@ -50,6 +50,15 @@ def find_binary() -> Path:
     )
 
 
+def thread_stopped(stat: Path) -> bool:
+    """Whether the thread of this ``/proc/<pid>/task/<tid>/stat`` is stopped (or gone)."""
+    try:
+        text = stat.read_text()
+    except OSError:  # the thread has exited
+        return True
+    return text[text.rindex(")") + 2] in "Tt"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,8 +134,20 @@ class Server:
         self.proc = None
 
     def pause(self) -> None:
+        """Stop the process (SIGSTOP): it accepts connections but answers nothing. Returns once
+        every thread of it is stopped: the kernel stops a process's threads one by one, after the
+        signal is sent, and until then the others go on answering."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        if not tasks.is_dir():  # no /proc here: a short wait in its place
+            time.sleep(0.1)
+            return
+        deadline = time.monotonic() + 5.0
+        while not all(thread_stopped(stat) for stat in tasks.glob("*/stat")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("onceguard serve did not stop within 5 s of SIGSTOP")
+            time.sleep(0.002)
 
     def resume(self) -> None:
         assert self.proc is not None

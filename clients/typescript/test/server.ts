@@ -8,7 +8,7 @@
  */
 
 import { spawn, type ChildProcess } from "node:child_process";
-import { existsSync, mkdtempSync, openSync, readFileSync, rmSync, closeSync } from "node:fs";
+import { closeSync, existsSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
@@ -95,20 +95,25 @@ export class Server {
     throw new Error(`onceguard serve was not ready within ${timeoutSeconds}s:\n${this.logTail()}`);
   }
 
-  /** Pause the process (SIGSTOP): it accepts connections but answers nothing. Returns once it is stopped. */
+  /**
+   * Pause the process (SIGSTOP): it accepts connections but answers nothing. Returns once every
+   * thread of it is stopped: the kernel stops a process's threads one by one, after the signal is
+   * sent, and until then the others go on answering.
+   */
   async pause(): Promise<void> {
     const pid = this.#proc?.pid;
     if (pid === undefined) throw new Error("the server is not running");
     this.#proc?.kill("SIGSTOP");
-    // The signal is delivered asynchronously: wait until the kernel shows the process stopped.
-    const stat = `/proc/${pid}/stat`;
-    if (!existsSync(stat)) return;
-    for (let i = 0; i < 200; i++) {
-      const state = readFileSync(stat, "utf8").replace(/^.*\) /s, "")[0];
-      if (state === "T" || state === "t") return;
+    const tasks = `/proc/${pid}/task`;
+    if (!existsSync(tasks)) {
+      await new Promise((r) => setTimeout(r, 100)); // no /proc here: a short wait in its place
+      return;
+    }
+    for (let i = 0; i < 1000; i++) {
+      if (readdirSync(tasks).every((tid) => threadStopped(join(tasks, tid, "stat")))) return;
       await new Promise((r) => setTimeout(r, 5));
     }
-    throw new Error("the server did not stop");
+    throw new Error("the server did not stop within 5 s of SIGSTOP");
   }
 
   resume(): void {
@@ -196,4 +201,16 @@ export function acquired(answer: ClaimAnswer): Acquired {
 export function replay(answer: ClaimAnswer): Replay {
   assert.equal(answer.outcome, "replay", JSON.stringify(answer));
   return answer as Replay;
+}
+
+/** Whether the thread of this `/proc/<pid>/task/<tid>/stat` is stopped (or gone). */
+function threadStopped(stat: string): boolean {
+  let text: string;
+  try {
+    text = readFileSync(stat, "utf8");
+  } catch {
+    return true; // the thread has exited
+  }
+  const state = text[text.lastIndexOf(")") + 2];
+  return state === "T" || state === "t";
 }

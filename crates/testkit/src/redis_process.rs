@@ -152,10 +152,32 @@ impl RedisProcess {
         self.child.id()
     }
 
-    /// Sends a signal (`STOP`, `CONT`, `TERM`) to the server, by PID.
+    /// Sends a signal (`STOP`, `CONT`, `TERM`) to the server, by PID. After `STOP`, returns once
+    /// every thread of the server is stopped: the kernel stops a process's threads one by one,
+    /// after the signal is sent, and until then the others go on answering.
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill").arg(format!("-{signal}")).arg(self.pid().to_string()).status();
         assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {}", self.pid());
+        if signal == "STOP" {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !self.stopped() {
+                assert!(Instant::now() < deadline, "redis-server {} did not stop within 5 s of SIGSTOP", self.pid());
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Whether every thread of the server shows stopped in `/proc` (a thread gone counts as
+    /// stopped).
+    fn stopped(&self) -> bool {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).expect("/proc lists the server's threads");
+        tasks.flatten().all(|task| match std::fs::read_to_string(task.path().join("stat")) {
+            Ok(stat) => stat
+                .rfind(')')
+                .and_then(|end| stat[end..].chars().nth(2))
+                .is_some_and(|state| matches!(state, 'T' | 't')),
+            Err(_) => true,
+        })
     }
 
     /// Stops the server and waits for it to exit.
