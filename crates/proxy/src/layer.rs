@@ -381,7 +381,9 @@ impl Held {
     /// A response whose body passed the limit: the caller gets it whole, streamed (`head` is
     /// what was read, `rest` the remainder); once it has passed, the key is completed with the
     /// status, headers, size and SHA-256 (never the body), so no retry sends the request again.
-    /// A body that breaks off leaves the key in flight until its lease passes.
+    /// A body that breaks off leaves the key in flight until its lease passes. A caller that holds
+    /// the reading back for a lease's time in all is let go ([`pass`]): the key never waits on
+    /// it for longer.
     fn pass_unstored(
         self,
         parts: axum::http::response::Parts,
@@ -389,22 +391,25 @@ impl Held {
         mut rest: BodyStream,
         mut keeper: LeaseKeeper,
     ) -> Response<Body> {
-        let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let whole = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let body = passed_body(rx, whole.clone());
         let (status, headers) = (parts.status, parts.headers.clone());
+        // How long, in all, the caller may hold the reading back: a lease's time.
+        let patience = self.shared.options.lease;
         tokio::spawn(async move {
             let mut digest = BodyDigest::default();
             digest.add(&head);
+            // The caller's end, until it leaves or is let go.
+            let mut caller = Some(Caller { tx, patience });
             let passed = keeper
                 .beside(async {
-                    // A caller that left does not stop the reading.
-                    let _ = tx.send(Ok(head)).await;
+                    pass(&mut caller, head, &self.scope).await;
                     while let Some(chunk) = rest.next().await {
                         match chunk {
                             Ok(chunk) => {
                                 digest.add(&chunk);
-                                let _ = tx.send(Ok(chunk)).await;
+                                pass(&mut caller, chunk, &self.scope).await;
                             }
                             Err(e) => return Err(e),
                         }
@@ -415,7 +420,10 @@ impl Held {
             drop(keeper);
             if let Err(e) = passed {
                 tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
-                let _ = tx.send(Err(std::io::Error::other(e))).await;
+                // Never waits: where the caller's queue is full, its body ends in an error anyway.
+                if let Some(mut caller) = caller {
+                    let _ = caller.tx.try_send(Err(std::io::Error::other(e)));
+                }
                 return;
             }
             let (limit, omitted) = (self.shared.options.max_response_bytes, digest.finish());
@@ -427,8 +435,11 @@ impl Held {
                 metrics.observe_unstored_response(&self.scope.tenant);
             }
             self.settle(&StoredResponse::omitted(status, &headers, omitted)).await;
-            // The caller's body ends cleanly with this task, and only here (see passed_body).
-            whole.store(true, std::sync::atomic::Ordering::Release);
+            // The caller's body ends cleanly with this task, and only here, for a caller that
+            // was given every byte (see passed_body): one let go ends in an error.
+            if caller.is_some() {
+                whole.store(true, std::sync::atomic::Ordering::Release);
+            }
         });
         let mut response = Response::from_parts(parts, body);
         response.headers_mut().remove(header::TRANSFER_ENCODING);
@@ -438,9 +449,38 @@ impl Held {
 
 type BodyStream = axum::body::BodyDataStream;
 
+/// The caller's end of an answer passed on as it is read: its queue, and how much longer the
+/// reading may wait for room in it (`patience`).
+struct Caller {
+    tx: futures::channel::mpsc::Sender<Result<Bytes, std::io::Error>>,
+    patience: Duration,
+}
+
+/// Queues `chunk` for the caller, waiting for room while the caller's patience lasts: a caller
+/// that has held the reading back for a lease's time in all (one that stopped reading, or reads
+/// far slower than the upstream sends) is let go, its body ending in an error after what was
+/// queued, so that it cannot hold the key, and the answer is read to its end and recorded. One
+/// that left is forgotten.
+async fn pass(caller: &mut Option<Caller>, chunk: Bytes, scope: &Scope) {
+    let Some(c) = caller else { return };
+    let started = tokio::time::Instant::now();
+    match tokio::time::timeout(c.patience, c.tx.send(Ok(chunk))).await {
+        Ok(Ok(())) => c.patience = c.patience.saturating_sub(started.elapsed()),
+        Ok(Err(_)) => *caller = None, // the caller left
+        Err(_) => {
+            tracing::warn!(
+                %scope,
+                "the caller of a large answer held its reading back for a lease's time: it is let go, and the answer is read to its end and recorded"
+            );
+            *caller = None;
+        }
+    }
+}
+
 /// The body of an answer passed on as it is read (`rx`): it ends cleanly only if `whole` was set
-/// before its sender went; a sender dropped otherwise (its task ended early: a panic, a runtime
-/// shutting down) ends it in an error, so a caller never takes a cut answer for a whole one.
+/// before its sender went; a sender dropped otherwise (the caller was let go, or the task ended
+/// early: a panic, a runtime shutting down) ends it in an error, so a caller never takes a cut
+/// answer for a whole one.
 fn passed_body(
     rx: futures::channel::mpsc::Receiver<Result<Bytes, std::io::Error>>,
     whole: Arc<std::sync::atomic::AtomicBool>,

@@ -592,6 +592,38 @@ async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
     assert!(metrics.contains(r#"onceguard_proxy_responses_not_stored_total{tenant="proxy"} 1"#), "{metrics}");
 }
 
+/// A caller that stops reading an answer too large to store does not hold its key: once it has
+/// held the proxy's reading back for a lease's time (2 s here) it is let go, the proxy reads the
+/// answer to its end and completes the key, and a retry gets the replay while the stalled caller
+/// is still connected. The stalled caller, reading again, gets a cut answer, never a whole one.
+#[tokio::test]
+async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
+    const SIZE: usize = 32 * 1024 * 1024; // past what the loopback's socket buffers hold
+    let (upstream, counts) = start_upstream().await;
+    let proxy = start_proxy(&upstream, |c| {
+        c.proxy.max_response_bytes = 64 * 1024;
+        c.proxy.upstream_timeout = Duration::from_secs(20); // longer than the lease, as by default
+    })
+    .await;
+    // The caller takes the answer's head, then reads nothing more: its connection's buffers
+    // fill, and the proxy can pass it no more bytes.
+    let stalled = proxy.request(Method::POST, "/large?mib=32", Some("stalled")).send().await.unwrap();
+    assert_eq!(stalled.status(), 200);
+
+    // A retry is told the key is in flight until the answer has been read, then replays it.
+    let retry = proxy.settled(Method::POST, "/large?mib=32", "stalled").await;
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let problem: serde_json::Value = retry.json().await.unwrap();
+    assert_eq!(problem["type"], "https://onceguard.dev/problems/response-not-stored");
+    assert_eq!(problem["reason"]["size"], SIZE, "the answer was read to its end");
+    assert_eq!(executed(&counts, "large"), 1, "the upstream ran the request once");
+
+    // Reading again, the stalled caller gets what was queued for it, then an error: never an
+    // answer it could take for whole.
+    let rest = tokio::time::timeout(Duration::from_secs(30), stalled.bytes()).await.expect("the cut answer ends");
+    assert!(rest.is_err(), "a cut answer ends in an error, not as {} bytes", rest.map(|b| b.len()).unwrap_or(0));
+}
+
 /// A guarded request without the identity header is refused and never forwarded, so callers
 /// without one never share keys; an operator's shared scope lets them in, and what it stores
 /// keeps no per-caller header (`Set-Cookie`), so none is replayed to another caller.
