@@ -51,12 +51,14 @@ def find_binary() -> Path:
 
 
 def thread_stopped(stat: Path) -> bool:
-    """Whether the thread of this ``/proc/<pid>/task/<tid>/stat`` is stopped (or gone)."""
+    """Whether the thread of this ``/proc/<pid>/task/<tid>/stat`` is stopped (or gone: exited,
+    a zombie, dead)."""
     try:
         text = stat.read_text()
     except OSError:  # the thread has exited
         return True
-    return text[text.rindex(")") + 2] in "Tt"
+    end = text.rfind(")")
+    return end < 0 or text[end + 2 : end + 3] in ("T", "t", "Z", "X", "")
 
 
 def free_port() -> int:

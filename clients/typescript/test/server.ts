@@ -203,7 +203,7 @@ export function replay(answer: ClaimAnswer): Replay {
   return answer as Replay;
 }
 
-/** Whether the thread of this `/proc/<pid>/task/<tid>/stat` is stopped (or gone). */
+/** Whether the thread of this `/proc/<pid>/task/<tid>/stat` is stopped (or gone: exited, a zombie, dead). */
 function threadStopped(stat: string): boolean {
   let text: string;
   try {
@@ -211,6 +211,6 @@ function threadStopped(stat: string): boolean {
   } catch {
     return true; // the thread has exited
   }
-  const state = text[text.lastIndexOf(")") + 2];
-  return state === "T" || state === "t";
+  const end = text.lastIndexOf(")");
+  return end < 0 || ["T", "t", "Z", "X", ""].includes(text.slice(end + 2, end + 3));
 }

@@ -128,9 +128,8 @@ impl Leg {
                 Ok(chunk) => {
                     // Too large to store: it goes to the caller as it comes; once it passed
                     // whole, the key records its size and digest, so the send is never made again.
-                    let (tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
-                    let _ = reply.send(Response::from_parts(parts, Body::from_stream(rx)));
-                    let mut out = tx;
+                    let (response, mut out) = onceguard_mcp::gateway::streamed(parts, self.lease);
+                    let _ = reply.send(response);
                     let mut seen = BodyDigest::default();
                     for part in [Bytes::from(std::mem::take(&mut bytes)), chunk] {
                         seen.add(&part);

@@ -8,6 +8,7 @@
 //!   [`live`]: the recent window the dashboard draws; [`observed_store`]: every store
 //!   operation measured and traced.
 //! - [`auth`]: who is calling (API keys, cached).
+//! - [`caller`]: the caller's end of an answer passed on as it is read, which never holds a key.
 //! - [`AppState`]: what handlers share; [`serve_with_background`]: serving an app with the
 //!   guard's background tasks; [`metrics_endpoint`]: `/metrics`.
 //!
@@ -29,6 +30,7 @@ use tokio::sync::watch;
 
 pub mod approval_webhook;
 pub mod auth;
+pub mod caller;
 pub mod config;
 pub mod live;
 pub mod metrics;

@@ -453,16 +453,19 @@ struct Leg {
     may_start_task: bool,
 }
 
-/// Where a body's chunks go, for a response whose body is fed as it comes.
-pub type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
+/// Where a body's chunks go, for a response whose body is fed as it comes while a key is held:
+/// a caller that holds the feeding back for a lease's time in all is let go
+/// ([`onceguard_http::caller`]), so that a caller that stops reading never holds the key.
+pub type BodySender = onceguard_http::caller::CallerQueue;
 
 /// Where a leg sends the caller's response (whose body it may go on feeding).
 type Reply = oneshot::Sender<Response<Body>>;
 
-/// A response with `parts` whose body is fed through the sender answered with it.
-fn streamed(parts: Parts) -> (Response<Body>, BodySender) {
-    let (tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
-    (Response::from_parts(parts, Body::from_stream(rx)), tx)
+/// A response with `parts` whose body is fed through the sender answered with it, which waits
+/// for the caller `patience` at most in all.
+pub fn streamed(parts: Parts, patience: Duration) -> (Response<Body>, BodySender) {
+    let (tx, body) = onceguard_http::caller::caller_queue(patience);
+    (Response::from_parts(parts, Body::from_stream(body)), tx)
 }
 
 impl Leg {
@@ -507,12 +510,12 @@ impl Leg {
             None if !parts.status.is_success() => {
                 extender.abort();
                 self.settle(Settlement::of_status(parts.status)).await;
-                let (response, mut out) = streamed(parts);
+                let (response, mut out) = streamed(parts, self.lease);
                 let _ = reply.send(response);
                 pump(body.into_data_stream(), &mut out, None).await;
             }
             None if is_event_stream(&parts.headers) => {
-                let (response, mut out) = streamed(parts);
+                let (response, mut out) = streamed(parts, self.lease);
                 let _ = reply.send(response);
                 self.stream(body, extender, &mut out).await;
             }
@@ -613,7 +616,7 @@ impl Leg {
                 Ok(chunk) => {
                     // Too large to store: it goes to the caller as it comes; once it passed
                     // whole, the key records its size and digest, so the call never runs again.
-                    let (response, mut out) = streamed(parts);
+                    let (response, mut out) = streamed(parts, self.lease);
                     let _ = reply.send(response);
                     let mut seen = BodyDigest::default();
                     for part in [Bytes::from(bytes), chunk] {

@@ -174,6 +174,10 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
                     let n = ran(&seen, &name);
                     json_answer(&id, json!({"content":[{"type":"text","text":"x".repeat(100_000)}],"n":n}))
                 }
+                "huge" => {
+                    let n = ran(&seen, &name);
+                    json_answer(&id, json!({"content":[{"type":"text","text":"x".repeat(HUGE)}],"n":n}))
+                }
                 "stream" => {
                     let n = ran(&seen, &name);
                     let token = message["params"]["_meta"]["progressToken"].clone();
@@ -871,6 +875,35 @@ async fn a_result_too_large_to_store_passes_through_and_never_runs_again() {
     assert_eq!(again["error"]["code"], 41001, "{again}");
     assert_eq!(again["error"]["data"]["type"], "https://onceguard.dev/problems/response-not-stored");
     assert_eq!(runs(&app.seen, "big"), 1, "the tool ran once");
+}
+
+/// The size of the `huge` tool's text: past what the loopback's socket buffers hold.
+const HUGE: usize = 32 * 1024 * 1024;
+
+/// A caller that stops reading a result too large to store does not hold its key: once it has
+/// held the gateway's reading back for a lease's time (2 s here) it is let go, the result is read
+/// to its end and the key completed with its size and digest, while the stalled caller is still
+/// connected; reading again, it gets a cut answer, never a whole one.
+#[tokio::test]
+async fn a_caller_that_stops_reading_a_large_result_does_not_hold_its_key() {
+    let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
+    let stalled = app.post(&call(json!(1), "huge", json!({}), Some("k"))).await;
+    assert_eq!(stalled.status(), 200, "the caller takes the answer's head, then nothing more");
+    let completed = async {
+        loop {
+            let record = app.guard.get(&app.scope("huge", "k")).await.unwrap().unwrap();
+            if record.state == RecordState::Completed {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let record = tokio::time::timeout(Duration::from_secs(30), completed).await.expect("the key was completed");
+    let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
+    assert!(stored["size"].as_u64().unwrap() > HUGE as u64, "the result was read to its end: {stored}");
+    assert_eq!(runs(&app.seen, "huge"), 1);
+    let rest = tokio::time::timeout(Duration::from_secs(30), stalled.bytes()).await.expect("the cut answer ends");
+    assert!(rest.is_err(), "a cut answer ends in an error, not as {} bytes", rest.map(|b| b.len()).unwrap_or(0));
 }
 
 /// What the gateway cannot classify, posted to its endpoint under any spelling of the path,

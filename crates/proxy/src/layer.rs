@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use axum::response::IntoResponse;
 use bytes::{Bytes, BytesMut};
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use onceguard_core::control::OutcomeKept;
 use onceguard_core::{
     Claim, ClaimOutcome, DIGEST_CONTENT_TYPE, Fence, FencedOutcome, Fingerprint, Guard, InvalidInput, Key, LeaseKeeper,
@@ -382,8 +382,8 @@ impl Held {
     /// what was read, `rest` the remainder); once it has passed, the key is completed with the
     /// status, headers, size and SHA-256 (never the body), so no retry sends the request again.
     /// A body that breaks off leaves the key in flight until its lease passes. A caller that holds
-    /// the reading back for a lease's time in all is let go ([`pass`]): the key never waits on
-    /// it for longer.
+    /// the reading back for a lease's time in all is let go ([`onceguard_http::caller`]): the key
+    /// never waits on it for longer.
     fn pass_unstored(
         self,
         parts: axum::http::response::Parts,
@@ -391,25 +391,23 @@ impl Held {
         mut rest: BodyStream,
         mut keeper: LeaseKeeper,
     ) -> Response<Body> {
-        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        // The caller may hold the reading back for a lease's time in all (see caller_queue).
+        let (mut caller, queued) = onceguard_http::caller::caller_queue(self.shared.options.lease);
         let whole = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let body = passed_body(rx, whole.clone());
+        let body = passed_body(queued, whole.clone());
         let (status, headers) = (parts.status, parts.headers.clone());
-        // How long, in all, the caller may hold the reading back: a lease's time.
-        let patience = self.shared.options.lease;
         tokio::spawn(async move {
             let mut digest = BodyDigest::default();
             digest.add(&head);
-            // The caller's end, until it leaves or is let go.
-            let mut caller = Some(Caller { tx, patience });
             let passed = keeper
                 .beside(async {
-                    pass(&mut caller, head, &self.scope).await;
+                    // A caller that left or was let go does not stop the reading.
+                    let _ = caller.send(Ok(head)).await;
                     while let Some(chunk) = rest.next().await {
                         match chunk {
                             Ok(chunk) => {
                                 digest.add(&chunk);
-                                pass(&mut caller, chunk, &self.scope).await;
+                                let _ = caller.send(Ok(chunk)).await;
                             }
                             Err(e) => return Err(e),
                         }
@@ -421,9 +419,7 @@ impl Held {
             if let Err(e) = passed {
                 tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
                 // Never waits: where the caller's queue is full, its body ends in an error anyway.
-                if let Some(mut caller) = caller {
-                    let _ = caller.tx.try_send(Err(std::io::Error::other(e)));
-                }
+                caller.try_send(Err(std::io::Error::other(e)));
                 return;
             }
             let (limit, omitted) = (self.shared.options.max_response_bytes, digest.finish());
@@ -437,7 +433,7 @@ impl Held {
             self.settle(&StoredResponse::omitted(status, &headers, omitted)).await;
             // The caller's body ends cleanly with this task, and only here, for a caller that
             // was given every byte (see passed_body): one let go ends in an error.
-            if caller.is_some() {
+            if caller.is_connected() {
                 whole.store(true, std::sync::atomic::Ordering::Release);
             }
         });
@@ -449,40 +445,12 @@ impl Held {
 
 type BodyStream = axum::body::BodyDataStream;
 
-/// The caller's end of an answer passed on as it is read: its queue, and how much longer the
-/// reading may wait for room in it (`patience`).
-struct Caller {
-    tx: futures::channel::mpsc::Sender<Result<Bytes, std::io::Error>>,
-    patience: Duration,
-}
-
-/// Queues `chunk` for the caller, waiting for room while the caller's patience lasts: a caller
-/// that has held the reading back for a lease's time in all (one that stopped reading, or reads
-/// far slower than the upstream sends) is let go, its body ending in an error after what was
-/// queued, so that it cannot hold the key, and the answer is read to its end and recorded. One
-/// that left is forgotten.
-async fn pass(caller: &mut Option<Caller>, chunk: Bytes, scope: &Scope) {
-    let Some(c) = caller else { return };
-    let started = tokio::time::Instant::now();
-    match tokio::time::timeout(c.patience, c.tx.send(Ok(chunk))).await {
-        Ok(Ok(())) => c.patience = c.patience.saturating_sub(started.elapsed()),
-        Ok(Err(_)) => *caller = None, // the caller left
-        Err(_) => {
-            tracing::warn!(
-                %scope,
-                "the caller of a large answer held its reading back for a lease's time: it is let go, and the answer is read to its end and recorded"
-            );
-            *caller = None;
-        }
-    }
-}
-
 /// The body of an answer passed on as it is read (`rx`): it ends cleanly only if `whole` was set
 /// before its sender went; a sender dropped otherwise (the caller was let go, or the task ended
 /// early: a panic, a runtime shutting down) ends it in an error, so a caller never takes a cut
 /// answer for a whole one.
 fn passed_body(
-    rx: futures::channel::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+    rx: impl futures::Stream<Item = onceguard_http::caller::Chunk> + Send + 'static,
     whole: Arc<std::sync::atomic::AtomicBool>,
 ) -> Body {
     let end = futures::stream::once(async move { whole.load(std::sync::atomic::Ordering::Acquire) }).filter_map(
@@ -557,6 +525,8 @@ async fn complete(guard: &Guard, scope: &Scope, fence: Fence, outcome: Outcome) 
 
 #[cfg(test)]
 mod tests {
+    use futures::SinkExt;
+
     use super::*;
 
     #[tokio::test]

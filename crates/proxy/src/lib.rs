@@ -16,7 +16,7 @@
 //! | upstream unreachable (connection refused) | 502, the key released |
 //! | upstream reset or broken after the request was sent | 502, the key stays in flight until its lease passes |
 //! | upstream timeout | 504, the key stays in flight until its lease passes |
-//! | a response body over `max_response_bytes` | passed on whole; recorded by status, headers, size and SHA-256; replays say so (`response-not-stored`) and nothing is forwarded again; a caller that holds its reading back for a lease's time in all is cut off, the answer still read to its end and recorded |
+//! | a response body over `max_response_bytes` | passed on whole; recorded by status, headers, size and SHA-256; replays say so (`response-not-stored`) and nothing is forwarded again; a caller whose reading falls behind the upstream's by a lease's time in all is cut off, the answer still read to its end and recorded |
 //! | POST/PATCH without the identity header | 401, nothing forwarded (unless a shared scope is configured) |
 //! | the store cannot answer | 503, nothing forwarded |
 //!

@@ -167,15 +167,15 @@ impl RedisProcess {
         }
     }
 
-    /// Whether every thread of the server shows stopped in `/proc` (a thread gone counts as
-    /// stopped).
+    /// Whether every thread of the server shows stopped in `/proc` (a thread gone, a zombie or
+    /// dead, counts as stopped).
     fn stopped(&self) -> bool {
         let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).expect("/proc lists the server's threads");
         tasks.flatten().all(|task| match std::fs::read_to_string(task.path().join("stat")) {
             Ok(stat) => stat
                 .rfind(')')
                 .and_then(|end| stat[end..].chars().nth(2))
-                .is_some_and(|state| matches!(state, 'T' | 't')),
+                .is_none_or(|state| matches!(state, 'T' | 't' | 'Z' | 'X')),
             Err(_) => true,
         })
     }
