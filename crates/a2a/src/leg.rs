@@ -8,8 +8,8 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::http::header::{ACCEPT_ENCODING, CONTENT_LENGTH};
 use axum::http::{HeaderMap, Request, Response};
-use futures::channel::{mpsc, oneshot};
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
+use futures::channel::oneshot;
 use onceguard_core::{Fence, KeptAlive, Mutation, Outcome, OutcomeKind, Scope, TenantId};
 use onceguard_http::problem::ApiError;
 use onceguard_mcp::sse::SseReader;
@@ -272,8 +272,9 @@ impl Leg {
     /// state (or a `Message`) completes it.
     async fn stream(&self, response: Response<Body>, extender: KeptAlive, reply: oneshot::Sender<Response<Body>>) {
         let (parts, body) = response.into_parts();
-        let (mut out, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
-        let _ = reply.send(Response::from_parts(parts, Body::from_stream(rx)));
+        // A caller that stops reading is let go after a lease's time in all: it cannot hold the key.
+        let (answer, mut out) = onceguard_mcp::gateway::streamed(parts, self.lease);
+        let _ = reply.send(answer);
         let mut reader = SseReader::new(self.gateway.options.max_result_bytes + SLACK);
         let mut chunks = body.into_data_stream();
         let mut delegated: Option<String> = None;

@@ -80,8 +80,10 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
                 tokio::time::sleep(std::time::Duration::from_secs(3)).await;
             }
             let task = agent.run(&request["params"]);
+            // A message id starting "huge" is answered with an artifact of HUGE bytes.
+            let text = if message_id.starts_with("huge") { "x".repeat(HUGE) } else { agent.name.to_owned() };
             json!({"task": {"id": task, "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"},
-                            "artifacts": [{"artifactId": "a", "parts": [{"text": agent.name}]}]}})
+                            "artifacts": [{"artifactId": "a", "parts": [{"text": text}]}]}})
         }
         Some("GetTask") => json!({"id": request["params"]["id"], "status": {"state": "TASK_STATE_COMPLETED"}}),
         // v0.3: the task itself, its kind and states in that version's spelling.
@@ -93,8 +95,17 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
             return ([("content-type", "application/json")], error.to_string()).into_response();
         }
     };
-    let answer = json!({"jsonrpc": "2.0", "id": id, "result": result});
-    ([("content-type", "application/json")], answer.to_string()).into_response()
+    let answer = json!({"jsonrpc": "2.0", "id": id, "result": result}).to_string();
+    if answer.len() >= HUGE {
+        // Sent in chunks of 64 KiB, as an answer read from a socket comes.
+        let answer = Bytes::from(answer);
+        let chunks = (0..answer.len())
+            .step_by(1 << 16)
+            .map(move |at| Ok::<_, std::io::Error>(answer.slice(at..(at + (1 << 16)).min(answer.len()))));
+        let body = axum::body::Body::from_stream(futures::stream::iter(chunks.collect::<Vec<_>>()));
+        return ([("content-type", "application/json")], body).into_response();
+    }
+    ([("content-type", "application/json")], answer).into_response()
 }
 
 /// The HTTP+JSON binding's `SendMessage`: the request's body is its params, the answer bare.
@@ -211,6 +222,69 @@ async fn the_layer_guards_an_agent_in_the_same_process() {
         let ran = agent.executions().iter().filter(|m| **m == message).count();
         assert_eq!(ran, 1, "round {round}");
     }
+}
+
+/// The size of a `huge` send's artifact: past what the loopback's socket buffers hold.
+const HUGE: usize = 32 * 1024 * 1024;
+
+/// A caller that stops reading an answer too large to store does not hold its key: once it has
+/// held the gateway's reading back for a lease's time (2 s here) it is let go, the answer is read
+/// to its end and the key completed with its size and digest, so a duplicate is told so while
+/// the stalled caller is still connected; reading again, that caller gets a cut answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let agent = Agent::named("huge");
+    let mut config = config();
+    config.a2a.upstream = "http://agent.internal:9999/rpc".into();
+    config.a2a.max_result_bytes = 1_000;
+    config.a2a.lease = std::time::Duration::from_secs(2);
+    let inner = agent.router("/rpc", config.a2a.upstream.clone());
+    let limits = onceguard_a2a::limits(&config);
+    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
+        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
+    })
+    .await;
+    // The caller's socket takes 64 KiB at most (a buffer set before connecting is not grown by
+    // the kernel): it reads the answer's head, then nothing more.
+    let addr = h.base.trim_start_matches("http://").to_owned();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    let mut stalled = socket.connect(addr.parse().unwrap()).await.unwrap();
+    let body = send(1, "huge-1").to_string();
+    let request = format!(
+        "POST /rpc HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stalled.write_all(request.as_bytes()).await.unwrap();
+    let mut head = vec![0; 4096];
+    let n = stalled.read(&mut head).await.unwrap();
+    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head[..n.min(200)]));
+
+    // A duplicate is told the send is in flight until the answer has been read, then that it
+    // ran and was too large to store.
+    let settled = async {
+        loop {
+            let answer = post_json(&h, &h.url("/rpc"), &send(2, "huge-1")).await;
+            if answer["error"]["code"] != 40901 {
+                return answer;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(30), settled).await.expect("the key settled");
+    assert_eq!(answer["error"]["code"], 41001, "{answer}");
+    assert_eq!(agent.executions(), ["huge-1"], "the send ran once");
+
+    let mut got = n;
+    let drained = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        let mut buf = vec![0; 1 << 16];
+        while let Ok(k @ 1..) = stalled.read(&mut buf).await {
+            got += k;
+        }
+    });
+    drained.await.expect("the cut answer ends");
+    assert!(got < HUGE, "the stalled caller got {got} bytes of an answer of {HUGE}: a cut one");
 }
 
 /// Through the layer, a send whose answer does not come in time, or whose handler panics, is

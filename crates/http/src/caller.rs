@@ -82,8 +82,9 @@ impl CallerQueue {
         }
     }
 
-    /// Queues `chunk` if there is room, never waiting (an error to end the caller's body with:
-    /// where the queue is full, the body ends in an error all the same once its sender is gone).
+    /// Queues `chunk` if there is room, never waiting (an error to end the caller's body with;
+    /// where the queue is full, the chunk is dropped: a body that must then end in an error
+    /// needs more than this queue, as the proxy's `whole` flag).
     pub fn try_send(&mut self, chunk: Chunk) {
         if let Some(tx) = self.tx.as_mut() {
             let _ = tx.try_send(chunk);
@@ -176,5 +177,39 @@ mod tests {
         drop(body);
         assert_eq!(queue.send(Ok(Bytes::from_static(b"x"))).await, Err(Gone::Left));
         assert!(!queue.is_connected());
+    }
+
+    /// A caller that leaves while the feeding waits for room is told apart at once, not after
+    /// the patience; a patience used up lets go only a caller whose queue is full; a queue closed
+    /// on purpose ends the body cleanly.
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_leaving_meanwhile_no_patience_left_and_a_closed_queue() {
+        let (mut queue, body) = caller_queue(Duration::from_secs(60));
+        for _ in 0..HELD {
+            queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
+        }
+        let leaves = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            drop(body);
+        });
+        let started = tokio::time::Instant::now();
+        assert_eq!(queue.send(Ok(Bytes::from_static(b"y"))).await, Err(Gone::Left));
+        assert_eq!(started.elapsed(), Duration::from_secs(1), "told when it left");
+        leaves.await.unwrap();
+
+        let (mut queue, body) = caller_queue(Duration::ZERO);
+        assert_eq!(queue.send(Ok(Bytes::from_static(b"x"))).await, Ok(()), "room: no wait needed");
+        for _ in 1..HELD {
+            queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
+        }
+        assert_eq!(queue.send(Ok(Bytes::from_static(b"y"))).await, Err(Gone::LetGo), "full, and no patience left");
+        drop(body);
+
+        let (mut queue, body) = caller_queue(Duration::from_secs(2));
+        queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
+        queue.close_channel();
+        let got: Vec<Chunk> = body.collect().await;
+        assert_eq!(got.len(), 1);
+        assert!(got[0].is_ok(), "closed on purpose: the body ends cleanly");
     }
 }
