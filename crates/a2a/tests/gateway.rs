@@ -233,7 +233,6 @@ const HUGE: usize = 32 * 1024 * 1024;
 /// the stalled caller is still connected; reading again, that caller gets a cut answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let agent = Agent::named("huge");
     let mut config = config();
     config.a2a.upstream = "http://agent.internal:9999/rpc".into();
@@ -245,21 +244,14 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
         Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
     })
     .await;
-    // The caller's socket takes 64 KiB at most (a buffer set before connecting is not grown by
-    // the kernel): it reads the answer's head, then nothing more.
-    let addr = h.base.trim_start_matches("http://").to_owned();
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(64 * 1024).unwrap();
-    let mut stalled = socket.connect(addr.parse().unwrap()).await.unwrap();
+    // The caller reads the answer's head, then nothing more.
     let body = send(1, "huge-1").to_string();
     let request = format!(
-        "POST /rpc HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /rpc HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    stalled.write_all(request.as_bytes()).await.unwrap();
-    let mut head = vec![0; 4096];
-    let n = stalled.read(&mut head).await.unwrap();
-    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head[..n.min(200)]));
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&h.base, &request).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
 
     // A duplicate is told the send is in flight until the answer has been read, then that it
     // ran and was too large to store.
@@ -276,14 +268,7 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
     assert_eq!(answer["error"]["code"], 41001, "{answer}");
     assert_eq!(agent.executions(), ["huge-1"], "the send ran once");
 
-    let mut got = n;
-    let drained = tokio::time::timeout(std::time::Duration::from_secs(30), async {
-        let mut buf = vec![0; 1 << 16];
-        while let Ok(k @ 1..) = stalled.read(&mut buf).await {
-            got += k;
-        }
-    });
-    drained.await.expect("the cut answer ends");
+    let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
     assert!(got < HUGE, "the stalled caller got {got} bytes of an answer of {HUGE}: a cut one");
 }
 

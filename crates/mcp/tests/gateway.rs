@@ -886,24 +886,15 @@ const HUGE: usize = 32 * 1024 * 1024;
 /// connected; reading again, it gets a cut answer, never a whole one.
 #[tokio::test]
 async fn a_caller_that_stops_reading_a_large_result_does_not_hold_its_key() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
-    // The caller's socket takes 64 KiB at most (a buffer set before connecting is not grown by
-    // the kernel), far less than the result: it reads the answer's head, then nothing more.
-    let addr = app.base.trim_start_matches("http://").to_owned();
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(64 * 1024).unwrap();
-    let mut stalled = socket.connect(addr.parse().unwrap()).await.unwrap();
     let body = call(json!(1), "huge", json!({}), Some("k")).to_string();
     let request = format!(
-        "POST /mcp HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+        "POST /mcp HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
          accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    stalled.write_all(request.as_bytes()).await.unwrap();
-    let mut head = vec![0; 4096];
-    let n = stalled.read(&mut head).await.unwrap();
-    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head[..n.min(200)]));
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&app.base, &request).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
     let completed = async {
         loop {
             let record = app.guard.get(&app.scope("huge", "k")).await.unwrap().unwrap();
@@ -919,14 +910,7 @@ async fn a_caller_that_stops_reading_a_large_result_does_not_hold_its_key() {
     assert_eq!(runs(&app.seen, "huge"), 1);
     // Reading again, the stalled caller gets what was queued for it, then the connection ends:
     // never the whole answer.
-    let mut got = n;
-    let drained = tokio::time::timeout(Duration::from_secs(30), async {
-        let mut buf = vec![0; 1 << 16];
-        while let Ok(k @ 1..) = stalled.read(&mut buf).await {
-            got += k;
-        }
-    });
-    drained.await.expect("the cut answer ends");
+    let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
     assert!(got < HUGE, "the stalled caller got {got} bytes of a result of {HUGE}: a cut one");
 }
 

@@ -598,7 +598,6 @@ async fn a_response_too_large_to_store_is_recorded_and_never_forwarded_again() {
 /// is still connected. The stalled caller, reading again, gets a cut answer, never a whole one.
 #[tokio::test]
 async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     const SIZE: usize = 32 * 1024 * 1024;
     let (upstream, counts) = start_upstream().await;
     let proxy = start_proxy(&upstream, |c| {
@@ -606,19 +605,10 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
         c.proxy.upstream_timeout = Duration::from_secs(20); // longer than the lease, as by default
     })
     .await;
-    // The caller's socket takes 64 KiB at most (a buffer set before connecting is not grown by
-    // the kernel), far less than the answer: it reads the answer's head, then nothing more.
-    let addr = proxy.base.trim_start_matches("http://").to_owned();
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(64 * 1024).unwrap();
-    let mut stalled = socket.connect(addr.parse().unwrap()).await.unwrap();
-    let request = format!(
-        "POST /large?mib=32 HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer caller-a\r\nidempotency-key: stalled\r\ncontent-length: 0\r\n\r\n"
-    );
-    stalled.write_all(request.as_bytes()).await.unwrap();
-    let mut head = vec![0; 4096];
-    let n = stalled.read(&mut head).await.unwrap();
-    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head[..n.min(200)]));
+    let request = "POST /large?mib=32 HTTP/1.1\r\nhost: proxy\r\nauthorization: Bearer caller-a\r\n\
+                   idempotency-key: stalled\r\ncontent-length: 0\r\n\r\n";
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&proxy.base, request).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
 
     // A retry is told the key is in flight until the answer has been read, then replays it.
     let retry = proxy.settled(Method::POST, "/large?mib=32", "stalled").await;
@@ -630,14 +620,7 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
 
     // Reading again, the stalled caller gets what was queued for it, then the connection ends:
     // never the whole answer.
-    let mut got = n;
-    let drained = tokio::time::timeout(Duration::from_secs(30), async {
-        let mut buf = vec![0; 1 << 16];
-        while let Ok(k @ 1..) = stalled.read(&mut buf).await {
-            got += k;
-        }
-    });
-    drained.await.expect("the cut answer ends");
+    let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
     assert!(got < SIZE, "the stalled caller got {got} bytes of a {SIZE}-byte answer: a cut one");
 }
 

@@ -97,3 +97,35 @@ impl Drop for Harness {
         }
     }
 }
+
+/// A caller that stops reading: it sends `request` (a whole HTTP/1.1 request) to the server at
+/// `base` (`http://host:port`) from a socket whose receive buffer is 64 KiB (set before
+/// connecting, so the kernel does not grow it), reads the first bytes of the answer, and then
+/// nothing more. Answers the socket and those bytes.
+pub async fn stalled_caller(base: &str, request: &str) -> (tokio::net::TcpStream, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = base.trim_start_matches("http://").parse().expect("an http://host:port base");
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket.set_recv_buffer_size(64 * 1024).expect("a receive buffer of 64 KiB");
+    let mut stream = socket.connect(addr).await.expect("the server accepts");
+    stream.write_all(request.as_bytes()).await.expect("the request is sent");
+    let mut head = vec![0; 4096];
+    let n = stream.read(&mut head).await.expect("the answer's first bytes");
+    head.truncate(n);
+    (stream, head)
+}
+
+/// Reads what is left of an answer until its connection ends; answers the bytes read. Panics if
+/// it has not ended within 30 s.
+pub async fn drain(stream: &mut tokio::net::TcpStream) -> usize {
+    use tokio::io::AsyncReadExt;
+    let mut got = 0;
+    let read = async {
+        let mut buf = vec![0; 1 << 16];
+        while let Ok(k @ 1..) = stream.read(&mut buf).await {
+            got += k;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read).await.expect("the connection ended");
+    got
+}
