@@ -160,6 +160,17 @@ fn config() -> Config {
     config
 }
 
+/// The gateway as a layer around `agent` in the same process (its endpoint at `endpoint`), on
+/// a fresh memory store.
+async fn layered(agent: &Agent, endpoint: &str, config: Config) -> Harness {
+    let inner = agent.router(endpoint, config.a2a.upstream.clone());
+    let limits = onceguard_a2a::limits(&config);
+    Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
+        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
+    })
+    .await
+}
+
 async fn serve(router: Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -173,12 +184,7 @@ async fn the_layer_guards_an_agent_in_the_same_process() {
     let mut config = config();
     // The URL the agent's card names: the gateway never sends there.
     config.a2a.upstream = "http://agent.internal:9999/rpc".into();
-    let inner = agent.router("/rpc", config.a2a.upstream.clone());
-    let limits = onceguard_a2a::limits(&config);
-    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
-        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
-    })
-    .await;
+    let h = layered(&agent, "/rpc", config).await;
 
     let first = post_json(&h, &h.url("/rpc"), &send(1, "m-1")).await;
     let again = post_json(&h, &h.url("/rpc"), &send(2, "m-1")).await;
@@ -238,12 +244,7 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
     config.a2a.upstream = "http://agent.internal:9999/rpc".into();
     config.a2a.max_result_bytes = 1_000;
     config.a2a.lease = std::time::Duration::from_secs(2);
-    let inner = agent.router("/rpc", config.a2a.upstream.clone());
-    let limits = onceguard_a2a::limits(&config);
-    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
-        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
-    })
-    .await;
+    let h = layered(&agent, "/rpc", config).await;
     // The caller reads the answer's head, then nothing more.
     let body = send(1, "huge-1").to_string();
     let request = format!(
@@ -282,12 +283,7 @@ async fn the_layer_answers_a_late_or_panicking_agent_and_lets_the_lease_pass() {
     config.a2a.upstream = "http://frail.internal/".into();
     config.a2a.upstream_timeout = std::time::Duration::from_millis(500);
     config.a2a.lease = std::time::Duration::from_millis(300);
-    let inner = agent.router("/", config.a2a.upstream.clone());
-    let limits = onceguard_a2a::limits(&config);
-    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
-        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
-    })
-    .await;
+    let h = layered(&agent, "/", config).await;
 
     for message in ["slow-1", "panic"] {
         let started = std::time::Instant::now();
@@ -313,12 +309,7 @@ async fn the_v03_send_alias_runs_once_and_replays_in_its_own_form() {
     let agent = Agent::named("legacy");
     let mut config = config();
     config.a2a.upstream = "http://legacy.internal/".into();
-    let inner = agent.router("/", config.a2a.upstream.clone());
-    let limits = onceguard_a2a::limits(&config);
-    let h = Harness::start(config, limits, TestStore::new(MemoryStore::new()), move |config, state| {
-        Ok(onceguard_a2a::A2aLayer::new(config, state)?.layer(inner))
-    })
-    .await;
+    let h = layered(&agent, "/", config).await;
     let send = |id: u64, text: &str| {
         json!({"jsonrpc": "2.0", "id": id, "method": "message/send",
                "params": {"message": {"kind": "message", "messageId": "old-1", "role": "user",
