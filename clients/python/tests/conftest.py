@@ -137,8 +137,8 @@ class Server:
 
     def pause(self) -> None:
         """Stop the process (SIGSTOP): it accepts connections but answers nothing. Returns once
-        every thread of it is stopped: the kernel stops a process's threads one by one, after the
-        signal is sent, and until then the others go on answering."""
+        every thread of it is stopped: one thread takes the signal and stops the others when it next
+        runs, after the signal is sent, and until then they go on answering."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
         tasks = Path(f"/proc/{self.proc.pid}/task")

@@ -97,8 +97,8 @@ export class Server {
 
   /**
    * Pause the process (SIGSTOP): it accepts connections but answers nothing. Returns once every
-   * thread of it is stopped: the kernel stops a process's threads one by one, after the signal is
-   * sent, and until then the others go on answering.
+   * thread of it is stopped: one thread takes the signal and stops the others when it next runs,
+   * after the signal is sent, and until then they go on answering.
    */
   async pause(): Promise<void> {
     const pid = this.#proc?.pid;

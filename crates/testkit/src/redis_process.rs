@@ -153,8 +153,8 @@ impl RedisProcess {
     }
 
     /// Sends a signal (`STOP`, `CONT`, `TERM`) to the server, by PID. After `STOP`, returns once
-    /// every thread of the server is stopped: the kernel stops a process's threads one by one,
-    /// after the signal is sent, and until then the others go on answering.
+    /// every thread of the server is stopped: one thread takes the signal and stops the others when
+    /// it next runs, after the signal is sent, and until then they go on answering.
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill").arg(format!("-{signal}")).arg(self.pid().to_string()).status();
         assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {}", self.pid());
