@@ -139,6 +139,7 @@ impl Leg {
                     extender.abort();
                     if whole {
                         self.not_stored(seen).await;
+                        out.finish();
                     }
                     return;
                 }
@@ -280,11 +281,13 @@ impl Leg {
         let mut delegated: Option<String> = None;
         let mut settled = false;
         let mut extender = Some(extender);
+        let mut broken = false;
         while let Some(chunk) = chunks.next().await {
             let chunk = match chunk {
                 Ok(chunk) => chunk,
                 Err(e) => {
                     let _ = out.send(Err(io::Error::other(e))).await;
+                    broken = true;
                     break;
                 }
             };
@@ -315,6 +318,10 @@ impl Leg {
         }
         if !settled && delegated.is_none() {
             tracing::warn!(scope = %self.scope, "the upstream's event stream ended before its first task or message; the key is held until its lease passes");
+        }
+        // A stream that broke off ends the caller's in an error (dropped unfinished).
+        if !broken {
+            out.finish();
         }
     }
 

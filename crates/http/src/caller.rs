@@ -9,9 +9,13 @@
 //! at most, in all (the key's lease); a caller that used it up is let go: its body ends in an
 //! error after what was queued (never as if it were whole), and the feeding goes on without it,
 //! so that the answer is read to its end and the key settled.
+//!
+//! A body ends cleanly only when its feeding says so ([`CallerQueue::finish`]). A queue dropped
+//! without it (the answer broke off, the feeding task panicked or was dropped with its runtime)
+//! ends the body in an error, so a caller never takes a cut answer for a whole one.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -24,11 +28,16 @@ pub type Chunk = Result<Bytes, std::io::Error>;
 /// Chunks a queue holds before the feeding waits for the caller.
 const QUEUED_CHUNKS: usize = 16;
 
+/// How a body ends: in an error unless its feeding finished it ([`CallerQueue::finish`]).
+const OPEN: u8 = 0;
+const FINISHED: u8 = 1;
+const LET_GO: u8 = 2;
+
 /// The feeding end of a caller's body ([`caller_queue`]).
 pub struct CallerQueue {
     tx: Option<mpsc::Sender<Chunk>>,
     patience: Duration,
-    cut: Arc<AtomicBool>,
+    end: Arc<AtomicU8>,
 }
 
 /// Why a chunk did not go to the caller.
@@ -41,15 +50,19 @@ pub enum Gone {
 }
 
 /// A caller's queue, which waits for the caller `patience` at most in all, and the stream its
-/// body is made of: the queued chunks, then an error if the caller was let go.
+/// body is made of: the queued chunks, then an error unless the queue was finished.
 pub fn caller_queue(patience: Duration) -> (CallerQueue, impl Stream<Item = Chunk> + Send + 'static) {
     let (tx, rx) = mpsc::channel::<Chunk>(QUEUED_CHUNKS);
-    let cut = Arc::new(AtomicBool::new(false));
-    let ended = cut.clone();
-    let end = futures::stream::once(async move { ended.load(Ordering::Acquire) }).filter_map(|cut| async move {
-        cut.then(|| Err(std::io::Error::other("the caller took too long to read the answer and was let go")))
+    let end = Arc::new(AtomicU8::new(OPEN));
+    let ended = end.clone();
+    let last = futures::stream::once(async move { ended.load(Ordering::Acquire) }).filter_map(|end| async move {
+        match end {
+            FINISHED => None,
+            LET_GO => Some(Err(std::io::Error::other("the caller took too long to read the answer and was let go"))),
+            _ => Some(Err(std::io::Error::other("the answer broke off before its end"))),
+        }
     });
-    (CallerQueue { tx: Some(tx), patience, cut }, rx.chain(end))
+    (CallerQueue { tx: Some(tx), patience, end }, rx.chain(last))
 }
 
 impl CallerQueue {
@@ -57,7 +70,7 @@ impl CallerQueue {
     /// has left or been let go (this time or before): the chunk is dropped, and so is every later one.
     pub async fn send(&mut self, chunk: Chunk) -> Result<(), Gone> {
         let Some(tx) = self.tx.as_mut() else {
-            return Err(if self.cut.load(Ordering::Acquire) { Gone::LetGo } else { Gone::Left });
+            return Err(if self.end.load(Ordering::Acquire) == LET_GO { Gone::LetGo } else { Gone::Left });
         };
         let started = tokio::time::Instant::now();
         // Waits for room, then queues: never waits after queuing, as `SinkExt::send` would.
@@ -75,7 +88,7 @@ impl CallerQueue {
                 tracing::warn!(
                     "a caller held the reading of its answer back for a lease's time: it is let go, and the answer is read to its end"
                 );
-                self.cut.store(true, Ordering::Release);
+                self.end.store(LET_GO, Ordering::Release);
                 self.tx = None;
                 Err(Gone::LetGo)
             }
@@ -83,16 +96,19 @@ impl CallerQueue {
     }
 
     /// Queues `chunk` if there is room, never waiting (an error to end the caller's body with;
-    /// where the queue is full, the chunk is dropped: a body that must then end in an error
-    /// needs more than this queue, as the proxy's `whole` flag).
+    /// where the queue is full, the chunk is dropped, and the body still ends in an error when
+    /// the queue is dropped unfinished).
     pub fn try_send(&mut self, chunk: Chunk) {
         if let Some(tx) = self.tx.as_mut() {
             let _ = tx.try_send(chunk);
         }
     }
 
-    /// Ends the caller's body after what is queued, as it is.
-    pub fn close_channel(&mut self) {
+    /// Ends the caller's body cleanly after what is queued: the answer was passed on whole (or,
+    /// for an event stream, is to be resumed elsewhere). A caller already let go still gets the
+    /// error it was let go with.
+    pub fn finish(mut self) {
+        let _ = self.end.compare_exchange(OPEN, FINISHED, Ordering::AcqRel, Ordering::Acquire);
         if let Some(tx) = self.tx.as_mut() {
             tx.close_channel();
         }
@@ -168,7 +184,7 @@ mod tests {
         for _ in 0..100 {
             queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
         }
-        drop(queue);
+        queue.finish();
         let got = reader.await.unwrap();
         assert_eq!(got.len(), 100);
         assert!(got.iter().all(Result::is_ok));
@@ -207,9 +223,37 @@ mod tests {
 
         let (mut queue, body) = caller_queue(Duration::from_secs(2));
         queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
-        queue.close_channel();
+        queue.finish();
         let got: Vec<Chunk> = body.collect().await;
         assert_eq!(got.len(), 1);
-        assert!(got[0].is_ok(), "closed on purpose: the body ends cleanly");
+        assert!(got[0].is_ok(), "finished: the body ends cleanly");
+    }
+
+    /// A queue dropped unfinished (the answer broke off, or its feeding task panicked) ends the
+    /// body in an error after what was queued; one let go keeps its own error when finished.
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_dropped_unfinished_ends_the_body_in_an_error() {
+        let (mut queue, body) = caller_queue(Duration::from_secs(2));
+        queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
+        let feeding = tokio::spawn(async move {
+            let _queue = queue;
+            panic!("the feeding task fails");
+        });
+        assert!(feeding.await.is_err());
+        let got: Vec<Chunk> = body.collect().await;
+        assert_eq!(got.len(), 2);
+        assert!(got[0].is_ok());
+        let error = got[1].as_ref().expect_err("never as if it were whole");
+        assert!(error.to_string().contains("broke off"), "{error}");
+
+        let (mut queue, body) = caller_queue(Duration::ZERO);
+        for _ in 0..HELD {
+            queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
+        }
+        assert_eq!(queue.send(Ok(Bytes::from_static(b"y"))).await, Err(Gone::LetGo));
+        queue.finish();
+        let got: Vec<Chunk> = body.collect().await;
+        let error = got[HELD].as_ref().expect_err("let go, then finished: still an error");
+        assert!(error.to_string().contains("let go"), "{error}");
     }
 }

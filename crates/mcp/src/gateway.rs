@@ -512,12 +512,14 @@ impl Leg {
                 self.settle(Settlement::of_status(parts.status)).await;
                 let (response, mut out) = streamed(parts, self.lease);
                 let _ = reply.send(response);
-                pump(body.into_data_stream(), &mut out, None).await;
+                if pump(body.into_data_stream(), &mut out, None).await {
+                    out.finish();
+                }
             }
             None if is_event_stream(&parts.headers) => {
-                let (response, mut out) = streamed(parts, self.lease);
+                let (response, out) = streamed(parts, self.lease);
                 let _ = reply.send(response);
-                self.stream(body, extender, &mut out).await;
+                self.stream(body, extender, out).await;
             }
             None => self.json(parts, body, extender, reply).await,
         }
@@ -529,7 +531,7 @@ impl Leg {
     /// An SSE answer: every event goes to the caller as it arrives, except the response, which
     /// goes once the key is settled (so that a caller who has the result and retries finds it
     /// stored).
-    async fn stream(&self, body: Body, extender: KeptAlive, out: &mut BodySender) {
+    async fn stream(&self, body: Body, extender: KeptAlive, mut out: BodySender) {
         let max_event = self.gateway.options.max_result_bytes + EVENT_SLACK;
         let mut reader = SseReader::new(max_event);
         let mut chunks = body.into_data_stream();
@@ -563,21 +565,22 @@ impl Leg {
         if let Some(rest) = reader.finish() {
             let _ = out.send(Ok(rest)).await;
         }
-        if !settled {
-            if reader.overflowed() && !broken {
-                extender.abort();
-                // The answer went to the caller, too large to read: the call ran, and its key
-                // records the stream's size and digest so that it never runs again.
-                self.settle(Settlement::NotStored(seen.finish())).await;
-            } else if let Some(message) = self.resumed_answer(out).await {
-                extender.abort();
-                self.settle(Settlement::of(&message, self.may_start_task)).await;
-            } else {
-                extender.abort();
-                // No answer seen: the upstream may still act. The key stays in flight until its
-                // lease passes, then the next call is a recovery.
-                tracing::warn!(scope = %self.scope, "the upstream's event stream ended without the call's answer; the key is held until its lease passes");
-            }
+        if settled {
+            out.finish();
+        } else if reader.overflowed() && !broken {
+            extender.abort();
+            // The answer went to the caller, too large to read: the call ran, and its key
+            // records the stream's size and digest so that it never runs again.
+            self.settle(Settlement::NotStored(seen.finish())).await;
+            out.finish();
+        } else if let Some(message) = self.resumed_answer(out).await {
+            extender.abort();
+            self.settle(Settlement::of(&message, self.may_start_task)).await;
+        } else {
+            extender.abort();
+            // No answer seen: the upstream may still act. The key stays in flight until its
+            // lease passes, then the next call is a recovery.
+            tracing::warn!(scope = %self.scope, "the upstream's event stream ended without the call's answer; the key is held until its lease passes");
         }
     }
 
@@ -586,15 +589,16 @@ impl Leg {
     /// `Last-Event-ID`): awaited for one lease (the key's lease kept alive meanwhile), after the
     /// caller's stream is closed so that it resumes. `None` without a session, or when no answer
     /// came.
-    async fn resumed_answer(&self, out: &mut BodySender) -> Option<ResponseMessage> {
+    async fn resumed_answer(&self, out: BodySender) -> Option<ResponseMessage> {
         if self.token.1.is_empty() {
+            out.finish();
             return None;
         }
         let (leg, answer) = oneshot::channel();
         let awaiting =
             crate::state::Awaiting { leg, tool: self.call.name.clone(), key: self.scope.key.as_str().to_owned() };
         self.gateway.awaiting.lock().ok()?.insert(self.token.clone(), awaiting);
-        out.close_channel();
+        out.finish();
         let answer = tokio::time::timeout(self.lease, answer).await.ok().and_then(Result::ok);
         if let Ok(mut awaiting) = self.gateway.awaiting.lock() {
             awaiting.remove(&self.token);
@@ -627,6 +631,7 @@ impl Leg {
                     extender.abort();
                     if whole {
                         self.settle(Settlement::NotStored(seen.finish())).await;
+                        out.finish();
                     } else {
                         tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
                     }
@@ -699,7 +704,9 @@ impl Leg {
 }
 
 /// Sends a body's chunks on, until it ends, adding each to `seen` if given; answers whether it
-/// ended whole. A caller that left does not stop the reading.
+/// ended whole (then the caller's body is finished by whoever called this, once the key is
+/// settled; one that broke off ends the caller's body in an error). A caller that left does not
+/// stop the reading.
 pub async fn pump(
     mut chunks: axum::body::BodyDataStream,
     out: &mut BodySender,

@@ -392,9 +392,9 @@ impl Held {
         mut keeper: LeaseKeeper,
     ) -> Response<Body> {
         // The caller may hold the reading back for a lease's time in all (see caller_queue).
+        // Its body ends in an error unless the answer passed whole (CallerQueue::finish).
         let (mut caller, queued) = onceguard_http::caller::caller_queue(self.shared.options.lease);
-        let whole = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let body = passed_body(queued, whole.clone());
+        let body = Body::from_stream(queued);
         let (status, headers) = (parts.status, parts.headers.clone());
         tokio::spawn(async move {
             let mut digest = BodyDigest::default();
@@ -431,11 +431,9 @@ impl Held {
                 metrics.observe_unstored_response(&self.scope.tenant);
             }
             self.settle(&StoredResponse::omitted(status, &headers, omitted)).await;
-            // The caller's body ends cleanly with this task, and only here, for a caller that
-            // was given every byte (see passed_body): one let go ends in an error.
-            if caller.is_connected() {
-                whole.store(true, std::sync::atomic::Ordering::Release);
-            }
+            // The caller's body ends cleanly here only, once the key is settled: one let go
+            // still ends in an error.
+            caller.finish();
         });
         let mut response = Response::from_parts(parts, body);
         response.headers_mut().remove(header::TRANSFER_ENCODING);
@@ -444,20 +442,6 @@ impl Held {
 }
 
 type BodyStream = axum::body::BodyDataStream;
-
-/// The body of an answer passed on as it is read (`rx`): it ends cleanly only if `whole` was set
-/// before its sender went; a sender dropped otherwise (the caller was let go, or the task ended
-/// early: a panic, a runtime shutting down) ends it in an error, so a caller never takes a cut
-/// answer for a whole one.
-fn passed_body(
-    rx: impl futures::Stream<Item = onceguard_http::caller::Chunk> + Send + 'static,
-    whole: Arc<std::sync::atomic::AtomicBool>,
-) -> Body {
-    let end = futures::stream::once(async move { whole.load(std::sync::atomic::Ordering::Acquire) }).filter_map(
-        |whole| async move { (!whole).then(|| Err(std::io::Error::other("the answer broke off before its end"))) },
-    );
-    Body::from_stream(rx.chain(end))
-}
 
 /// What the upstream answered, as [`Held::execute`] read it.
 enum Upstream {
@@ -525,29 +509,7 @@ async fn complete(guard: &Guard, scope: &Scope, fence: Fence, outcome: Outcome) 
 
 #[cfg(test)]
 mod tests {
-    use futures::SinkExt;
-
     use super::*;
-
-    #[tokio::test]
-    async fn a_passed_answer_ends_cleanly_only_once_marked_whole() {
-        for whole in [false, true] {
-            let (mut tx, rx) = futures::channel::mpsc::channel(4);
-            let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let body = passed_body(rx, flag.clone());
-            tx.send(Ok(Bytes::from_static(b"part"))).await.unwrap();
-            flag.store(whole, std::sync::atomic::Ordering::Release);
-            drop(tx);
-            let collected = http_body_util::BodyExt::collect(body).await;
-            match collected {
-                Ok(collected) => {
-                    assert!(whole, "a body whose task ended early ended cleanly");
-                    assert_eq!(collected.to_bytes(), Bytes::from_static(b"part"));
-                }
-                Err(e) => assert!(!whole, "a whole body ended in an error: {e}"),
-            }
-        }
-    }
 
     fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
         let mut map = HeaderMap::new();
