@@ -23,6 +23,7 @@ use onceguard_http::problem::ApiError;
 use sha2::{Digest, Sha256};
 use tower::{Layer, Service, ServiceExt};
 
+use crate::callers::CallerNamespaces;
 use crate::stored::{self, BodyDigest, StoredResponse};
 
 /// How the inner service says that the upstream call failed in transport, as an extension of
@@ -93,19 +94,20 @@ struct Shared {
     guard: Guard,
     options: IdempotencyOptions,
     metrics: Option<Arc<Metrics>>,
+    callers: Arc<CallerNamespaces>,
 }
 
 impl IdempotencyLayer {
     /// A layer storing in `guard`'s store.
     pub fn new(guard: Guard, options: IdempotencyOptions) -> Self {
-        Self { shared: Arc::new(Shared { guard, options, metrics: None }) }
+        Self { shared: Arc::new(Shared { guard, options, metrics: None, callers: Arc::default() }) }
     }
 
     /// The same layer, counting what only it knows (responses too large to store) in `metrics`.
     /// Claims are counted by the guard's observer.
     pub fn with_metrics(self, metrics: Arc<Metrics>) -> Self {
-        let Shared { guard, options, .. } = Arc::unwrap_or_clone(self.shared);
-        Self { shared: Arc::new(Shared { guard, options, metrics: Some(metrics) }) }
+        let Shared { guard, options, callers, .. } = Arc::unwrap_or_clone(self.shared);
+        Self { shared: Arc::new(Shared { guard, options, metrics: Some(metrics), callers }) }
     }
 }
 
@@ -174,16 +176,14 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<Key, ApiError> {
 }
 
 /// The namespace of a caller: `proxy/` and the first 32 hex digits of the SHA-256 of its
-/// identity header; `proxy/shared/<name>` for a caller without one when the operator set a
-/// shared scope. A caller without one is refused otherwise: two callers never share a key by
-/// accident.
-fn caller_namespace(headers: &HeaderMap, options: &IdempotencyOptions) -> Result<Namespace, ApiError> {
+/// identity header (kept per caller: [`CallerNamespaces`]); `proxy/shared/<name>` for a caller
+/// without one when the operator set a shared scope. A caller without one is refused otherwise:
+/// two callers never share a key by accident.
+fn caller_namespace(headers: &HeaderMap, shared: &Shared) -> Result<Namespace, ApiError> {
+    let options = &shared.options;
     let identity = &options.identity_header;
     match headers.get(identity).map(HeaderValue::as_bytes).filter(|v| !v.is_empty()) {
-        Some(value) => {
-            let digest = onceguard_core::domain::lower_hex(&Sha256::digest(value));
-            Ok(Namespace::parse(&format!("proxy/{}", &digest[..32])).expect("a hex digest is a valid segment"))
-        }
+        Some(value) => Ok(shared.callers.of(value)),
         None => options.shared_scope.clone().ok_or_else(|| {
             ApiError::Unauthenticated(format!(
                 "POST and PATCH through the proxy need the '{identity}' header, which scopes their idempotency keys \
@@ -220,7 +220,7 @@ where
 {
     let options = &shared.options;
     let key = idempotency_key(request.headers())?;
-    let namespace = caller_namespace(request.headers(), options)?;
+    let namespace = caller_namespace(request.headers(), &shared)?;
     let (parts, body) = request.into_parts();
     let body = axum::body::to_bytes(body, options.max_request_bytes)
         .await

@@ -63,6 +63,7 @@ use onceguard_http::{AppState, Config, StartError};
 use tokio::net::TcpListener;
 use tower::Layer;
 
+mod callers;
 mod layer;
 pub mod stored;
 
