@@ -128,7 +128,7 @@ impl Leg {
                 Ok(chunk) => {
                     // Too large to store: it goes to the caller as it comes; once it passed
                     // whole, the key records its size and digest, so the send is never made again.
-                    let (response, mut out) = onceguard_mcp::gateway::streamed(parts, self.lease);
+                    let (response, mut out) = onceguard_mcp::gateway::streamed(parts, self.lease, &self.scope);
                     let _ = reply.send(response);
                     let mut seen = BodyDigest::default();
                     for part in [Bytes::from(std::mem::take(&mut bytes)), chunk] {
@@ -274,7 +274,7 @@ impl Leg {
     async fn stream(&self, response: Response<Body>, extender: KeptAlive, reply: oneshot::Sender<Response<Body>>) {
         let (parts, body) = response.into_parts();
         // A caller that stops reading is let go after a lease's time in all: it cannot hold the key.
-        let (answer, mut out) = onceguard_mcp::gateway::streamed(parts, self.lease);
+        let (answer, mut out) = onceguard_mcp::gateway::streamed(parts, self.lease, &self.scope);
         let _ = reply.send(answer);
         let mut reader = SseReader::new(self.gateway.options.max_result_bytes + SLACK);
         let mut chunks = body.into_data_stream();

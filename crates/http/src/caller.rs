@@ -21,6 +21,7 @@ use std::time::Duration;
 use axum::body::Bytes;
 use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
+use onceguard_core::Scope;
 
 /// A chunk of the caller's body, or the error it ends in.
 pub type Chunk = Result<Bytes, std::io::Error>;
@@ -38,6 +39,8 @@ pub struct CallerQueue {
     tx: Option<mpsc::Sender<Chunk>>,
     patience: Duration,
     end: Arc<AtomicU8>,
+    /// The key whose answer this is, named in the warning when the caller is let go.
+    scope: Option<Scope>,
 }
 
 /// Why a chunk did not go to the caller.
@@ -62,10 +65,16 @@ pub fn caller_queue(patience: Duration) -> (CallerQueue, impl Stream<Item = Chun
             _ => Some(Err(std::io::Error::other("the answer broke off before its end"))),
         }
     });
-    (CallerQueue { tx: Some(tx), patience, end }, rx.chain(last))
+    (CallerQueue { tx: Some(tx), patience, end, scope: None }, rx.chain(last))
 }
 
 impl CallerQueue {
+    /// The same queue, naming `scope` in the warning logged when its caller is let go.
+    pub fn for_key(mut self, scope: &Scope) -> Self {
+        self.scope = Some(scope.clone());
+        self
+    }
+
     /// Queues `chunk`, waiting for room while the caller's patience lasts. `Err` once the caller
     /// has left or been let go (this time or before): the chunk is dropped, and so is every later one.
     pub async fn send(&mut self, chunk: Chunk) -> Result<(), Gone> {
@@ -85,7 +94,9 @@ impl CallerQueue {
                 Err(Gone::Left)
             }
             Err(_) => {
+                let scope = self.scope.as_ref().map(ToString::to_string).unwrap_or_default();
                 tracing::warn!(
+                    %scope,
                     "a caller held the reading of its answer back for a lease's time: it is let go, and the answer is read to its end"
                 );
                 self.end.store(LET_GO, Ordering::Release);
@@ -227,6 +238,39 @@ mod tests {
         let got: Vec<Chunk> = body.collect().await;
         assert_eq!(got.len(), 1);
         assert!(got[0].is_ok(), "finished: the body ends cleanly");
+    }
+
+    /// The warning logged when a caller is let go names the key whose answer it was.
+    #[tokio::test(start_paused = true)]
+    async fn letting_a_caller_go_names_its_key() {
+        #[derive(Clone, Default)]
+        struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Logs {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let _default = tracing::subscriber::set_default(subscriber);
+        let scope = Scope::new(
+            onceguard_core::TenantId::parse("t1").unwrap(),
+            onceguard_core::Namespace::parse("proxy/abc").unwrap(),
+            onceguard_core::Key::parse("k-7").unwrap(),
+        );
+        let (queue, _body) = caller_queue(Duration::ZERO);
+        let mut queue = queue.for_key(&scope);
+        for _ in 0..HELD {
+            queue.send(Ok(Bytes::from_static(b"x"))).await.unwrap();
+        }
+        assert_eq!(queue.send(Ok(Bytes::from_static(b"y"))).await, Err(Gone::LetGo));
+        let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("let go") && logged.contains(&scope.to_string()), "{logged}");
     }
 
     /// A queue dropped unfinished (the answer broke off, or its feeding task panicked) ends the

@@ -461,11 +461,11 @@ pub type BodySender = onceguard_http::caller::CallerQueue;
 /// Where a leg sends the caller's response (whose body it may go on feeding).
 type Reply = oneshot::Sender<Response<Body>>;
 
-/// A response with `parts` whose body is fed through the sender answered with it, which waits
-/// for the caller `patience` at most in all.
-pub fn streamed(parts: Parts, patience: Duration) -> (Response<Body>, BodySender) {
+/// A response with `parts` whose body, the answer of `scope`'s key, is fed through the sender
+/// answered with it, which waits for the caller `patience` at most in all.
+pub fn streamed(parts: Parts, patience: Duration, scope: &Scope) -> (Response<Body>, BodySender) {
     let (tx, body) = onceguard_http::caller::caller_queue(patience);
-    (Response::from_parts(parts, Body::from_stream(body)), tx)
+    (Response::from_parts(parts, Body::from_stream(body)), tx.for_key(scope))
 }
 
 impl Leg {
@@ -510,14 +510,14 @@ impl Leg {
             None if !parts.status.is_success() => {
                 extender.abort();
                 self.settle(Settlement::of_status(parts.status)).await;
-                let (response, mut out) = streamed(parts, self.lease);
+                let (response, mut out) = streamed(parts, self.lease, &self.scope);
                 let _ = reply.send(response);
                 if pump(body.into_data_stream(), &mut out, None).await {
                     out.finish();
                 }
             }
             None if is_event_stream(&parts.headers) => {
-                let (response, out) = streamed(parts, self.lease);
+                let (response, out) = streamed(parts, self.lease, &self.scope);
                 let _ = reply.send(response);
                 self.stream(body, extender, out).await;
             }
@@ -620,7 +620,7 @@ impl Leg {
                 Ok(chunk) => {
                     // Too large to store: it goes to the caller as it comes; once it passed
                     // whole, the key records its size and digest, so the call never runs again.
-                    let (response, mut out) = streamed(parts, self.lease);
+                    let (response, mut out) = streamed(parts, self.lease, &self.scope);
                     let _ = reply.send(response);
                     let mut seen = BodyDigest::default();
                     for part in [Bytes::from(bytes), chunk] {

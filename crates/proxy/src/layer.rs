@@ -393,7 +393,8 @@ impl Held {
     ) -> Response<Body> {
         // The caller may hold the reading back for a lease's time in all (see caller_queue).
         // Its body ends in an error unless the answer passed whole (CallerQueue::finish).
-        let (mut caller, queued) = onceguard_http::caller::caller_queue(self.shared.options.lease);
+        let (caller, queued) = onceguard_http::caller::caller_queue(self.shared.options.lease);
+        let mut caller = caller.for_key(&self.scope);
         let body = Body::from_stream(queued);
         let (status, headers) = (parts.status, parts.headers.clone());
         tokio::spawn(async move {
