@@ -5,10 +5,12 @@
 //! instructions per replay on the memory store (docs/PERFORMANCE.md). A proxy's callers are few
 //! and come back, so their namespaces are kept, by the whole value (never a shorter hash of it:
 //! two callers must never share a namespace), up to [`MAX_CALLERS`] values; past that, the kept
-//! ones are forgotten and kept anew.
+//! ones are forgotten and kept anew. The values are often secrets (the default identity header is
+//! `authorization`): they stay in the process's memory only, and `Debug` shows how many there are,
+//! never what they are.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::RwLock;
 
 use onceguard_core::Namespace;
 use sha2::{Digest, Sha256};
@@ -20,9 +22,15 @@ pub(crate) const MAX_CALLERS: usize = 4096;
 const MAX_KEPT_VALUE: usize = 256;
 
 /// The kept namespaces ([`CallerNamespaces::of`]).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct CallerNamespaces {
-    kept: Mutex<HashMap<Box<[u8]>, Namespace>>,
+    kept: RwLock<HashMap<Box<[u8]>, Namespace>>,
+}
+
+impl std::fmt::Debug for CallerNamespaces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallerNamespaces").field("kept", &self.len()).finish()
+    }
 }
 
 impl CallerNamespaces {
@@ -31,11 +39,11 @@ impl CallerNamespaces {
         if value.len() > MAX_KEPT_VALUE {
             return namespace_of(value);
         }
-        if let Some(namespace) = self.kept.lock().unwrap_or_else(|e| e.into_inner()).get(value) {
+        if let Some(namespace) = self.kept.read().unwrap_or_else(|e| e.into_inner()).get(value) {
             return namespace.clone();
         }
         let namespace = namespace_of(value);
-        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = self.kept.write().unwrap_or_else(|e| e.into_inner());
         if kept.len() >= MAX_CALLERS {
             kept.clear();
         }
@@ -43,9 +51,9 @@ impl CallerNamespaces {
         namespace
     }
 
-    #[cfg(test)]
+    /// How many values are kept.
     fn len(&self) -> usize {
-        self.kept.lock().unwrap().len()
+        self.kept.read().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
 
@@ -66,15 +74,20 @@ mod tests {
         let callers = CallerNamespaces::default();
         let first = callers.of(b"caller-a");
         assert_eq!(first.as_str(), "proxy/1bb2f624760cce059070bbf91a6c734f", "SHA-256 of caller-a");
+        assert_eq!(callers.len(), 1, "kept");
         assert_eq!(callers.of(b"caller-a"), first, "the kept one");
+        assert_eq!(callers.len(), 1, "kept once");
         assert_ne!(callers.of(b"caller-b"), first);
+        assert_eq!(callers.len(), 2);
+        assert_eq!(format!("{callers:?}"), "CallerNamespaces { kept: 2 }", "never the values");
         for i in 0..MAX_CALLERS + 10 {
             let value = format!("caller-{i}");
             assert_eq!(callers.of(value.as_bytes()), namespace_of(value.as_bytes()));
             assert!(callers.len() <= MAX_CALLERS);
         }
+        let kept = callers.len();
         let long = vec![b'x'; MAX_KEPT_VALUE + 1];
         assert_eq!(callers.of(&long), namespace_of(&long));
-        assert!(callers.len() <= MAX_CALLERS);
+        assert_eq!(callers.len(), kept, "a value too long is not kept");
     }
 }
