@@ -573,7 +573,7 @@ impl Leg {
             // records the stream's size and digest so that it never runs again.
             self.settle(Settlement::NotStored(seen.finish())).await;
             out.finish();
-        } else if let Some(message) = self.resumed_answer(out).await {
+        } else if let Some(message) = self.resumed_answer(out, broken).await {
             extender.abort();
             self.settle(Settlement::of(&message, self.may_start_task)).await;
         } else {
@@ -588,15 +588,18 @@ impl Leg {
     /// delivers it on a resumed stream (legacy resumability: the client GETs with
     /// `Last-Event-ID`): awaited for one lease (the key's lease kept alive meanwhile), after the
     /// caller's stream is closed so that it resumes. `None` without a session, or when no answer
-    /// came.
-    async fn resumed_answer(&self, out: BodySender) -> Option<ResponseMessage> {
+    /// came; then a stream that `broken` off ends the caller's in an error (nothing can resume it).
+    async fn resumed_answer(&self, out: BodySender, broken: bool) -> Option<ResponseMessage> {
         if self.token.1.is_empty() {
-            out.finish();
+            if !broken {
+                out.finish();
+            }
             return None;
         }
         let (leg, answer) = oneshot::channel();
         let awaiting =
             crate::state::Awaiting { leg, tool: self.call.name.clone(), key: self.scope.key.as_str().to_owned() };
+        // A poisoned lock (a failure of the gateway's own) ends the caller's stream in an error.
         self.gateway.awaiting.lock().ok()?.insert(self.token.clone(), awaiting);
         out.finish();
         let answer = tokio::time::timeout(self.lease, answer).await.ok().and_then(Result::ok);

@@ -11,6 +11,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
+use futures::StreamExt;
 use onceguard_core::approval::ApprovalId;
 use onceguard_core::auth::Role;
 use onceguard_core::control::{Budget, Settings, SettingsEntry, SwitchTarget};
@@ -165,6 +166,18 @@ async fn mcp(State(seen): State<Upstream>, headers: HeaderMap, method: axum::htt
                     &id,
                     json!({"resultType":"input_required","inputRequests":{"ok":{"method":"elicitation/create"}},"requestState":"st"}),
                 ),
+                "broken" => {
+                    ran(&seen, &name);
+                    let progress = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}});
+                    let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+                    tokio::spawn(async move {
+                        let _ = tx.unbounded_send(Ok(Bytes::from(format!("data: {progress}\n\n"))));
+                        // Later, so that the event has passed each hop before the break.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let _ = tx.unbounded_send(Err(std::io::Error::other("the upstream broke off")));
+                    });
+                    ([("content-type", "text/event-stream")], Body::from_stream(rx)).into_response()
+                }
                 "lost" => {
                     ran(&seen, &name);
                     let progress = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}});
@@ -778,6 +791,31 @@ async fn switches_on_a_run_and_on_the_tenant_refuse() {
     assert_eq!(refused["error"]["code"], 42301);
     assert_eq!(refused["error"]["data"]["reason"]["target"], "tenant");
     assert_eq!(runs(&app.seen, "echo"), 1);
+}
+
+/// An event stream that breaks off before the answer, in no session (nothing to resume): the
+/// caller's stream ends in an error after what came, never as if it had ended; the key is held.
+#[tokio::test]
+async fn an_event_stream_that_breaks_off_ends_the_callers_in_an_error() {
+    let app = spawn_app(|_| {}).await;
+    let response = app.post(&call(json!(1), "broken", json!({}), Some("k"))).await;
+    let mut body = response.bytes_stream();
+    let mut seen = Vec::new();
+    let mut ended_in_error = false;
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(chunk) => seen.extend_from_slice(&chunk),
+            Err(_) => {
+                ended_in_error = true;
+                break;
+            }
+        }
+    }
+    assert!(String::from_utf8_lossy(&seen).contains("notifications/progress"), "what came went on");
+    assert!(ended_in_error, "a stream cut short never ends as if whole");
+    let held = app.rpc(&call(json!(2), "broken", json!({}), Some("k"))).await;
+    assert_eq!(held["error"]["code"], 40901, "the upstream may have acted: held");
+    assert_eq!(runs(&app.seen, "broken"), 1);
 }
 
 #[tokio::test]
