@@ -22,8 +22,7 @@ use axum::http::header::{ACCEPT, ACCEPT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method as HttpMethod, Request, Response, StatusCode};
 use axum::response::IntoResponse;
-use futures::channel::mpsc;
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use onceguard_core::{Claim, ClaimOutcome, Fence, Guard, RunId, Scope, TenantId};
 use onceguard_http::problem::ApiError;
 use onceguard_mcp::jsonrpc::{self, Posted, ResponseMessage};
@@ -626,7 +625,10 @@ impl Gateway {
     }
 
     /// Passes a task's event stream (`SubscribeToTask`, an attached duplicate) on as it comes,
-    /// reading it for a terminal state, which completes the send's key.
+    /// reading it for a terminal state, which completes the send's key. A caller that holds the
+    /// reading back for a lease in all is let go ([`onceguard_http::caller`]) and the stream is
+    /// read on, so that its terminal state still completes the key; a stream that breaks off
+    /// ends the caller's in an error.
     fn read_task_stream(
         self: &Arc<Self>,
         caller: &Caller,
@@ -638,7 +640,7 @@ impl Gateway {
             return response;
         }
         let (parts, body) = response.into_parts();
-        let (mut tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(16);
+        let (mut tx, rx) = onceguard_http::caller::caller_queue(self.options.lease);
         let gateway = self.clone();
         let (tenant, actor, headers) = (caller.tenant.clone(), caller.actor.clone(), forwarded_headers(headers));
         let reply = reply.clone();
@@ -663,6 +665,7 @@ impl Gateway {
             if let Some(rest) = reader.finish() {
                 let _ = tx.send(Ok(rest)).await;
             }
+            tx.finish();
         });
         Response::from_parts(parts, Body::from_stream(rx))
     }

@@ -11,7 +11,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use onceguard_core::MemoryStore;
+use onceguard_core::{MemoryStore, RecordState};
 use onceguard_http::Config;
 use onceguard_http::config::A2aAgentConfig;
 use onceguard_testkit::TestStore;
@@ -25,6 +25,9 @@ struct Agent {
     name: &'static str,
     ran: Arc<Mutex<Vec<String>>>,
     tasks: Arc<AtomicUsize>,
+    /// Whether a task's event stream reached its last event (till then, the `sub` agent's tasks
+    /// are working).
+    streamed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Agent {
@@ -80,12 +83,40 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
                 tokio::time::sleep(std::time::Duration::from_secs(3)).await;
             }
             let task = agent.run(&request["params"]);
-            // A message id starting "huge" is answered with an artifact of HUGE bytes.
-            let text = if message_id.starts_with("huge") { "x".repeat(HUGE) } else { agent.name.to_owned() };
-            json!({"task": {"id": task, "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"},
+            // A message id starting "working" is answered with its task still working.
+            if message_id.starts_with("working") {
+                json!({"task": {"id": task, "contextId": "ctx", "status": {"state": "TASK_STATE_WORKING"}}})
+            } else {
+                // A message id starting "huge" is answered with an artifact of HUGE bytes.
+                let text = if message_id.starts_with("huge") { "x".repeat(HUGE) } else { agent.name.to_owned() };
+                json!({"task": {"id": task, "contextId": "ctx", "status": {"state": "TASK_STATE_COMPLETED"},
                             "artifacts": [{"artifactId": "a", "parts": [{"text": text}]}]}})
+            }
         }
-        Some("GetTask") => json!({"id": request["params"]["id"], "status": {"state": "TASK_STATE_COMPLETED"}}),
+        // HUGE bytes of status updates (the task working), then its completion.
+        Some("SubscribeToTask") => {
+            let task = request["params"]["id"].clone();
+            let update = |state: &str, pad: &str| {
+                let update = json!({"statusUpdate": {"taskId": task, "contextId": "ctx", "status": {"state": state},
+                                                     "metadata": {"pad": pad}}});
+                format!("data: {}\n\n", json!({"jsonrpc": "2.0", "id": id, "result": update}))
+            };
+            let working = update("TASK_STATE_WORKING", &"x".repeat(16 * 1024));
+            let events = working.repeat(HUGE / working.len() + 1);
+            // The task ends as its last event is sent.
+            let (streamed, completed) = (agent.streamed.clone(), update("TASK_STATE_COMPLETED", ""));
+            let end = futures::stream::once(async move {
+                streamed.store(true, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(Bytes::from(completed))
+            });
+            let body = axum::body::Body::from_stream(futures::StreamExt::chain(chunked(Bytes::from(events)), end));
+            return ([("content-type", "text/event-stream")], body).into_response();
+        }
+        Some("GetTask") => {
+            let working = agent.name == "sub" && !agent.streamed.load(Ordering::SeqCst);
+            let state = if working { "TASK_STATE_WORKING" } else { "TASK_STATE_COMPLETED" };
+            json!({"id": request["params"]["id"], "contextId": "ctx", "status": {"state": state}})
+        }
         // v0.3: the task itself, its kind and states in that version's spelling.
         Some("message/send") => {
             json!({"kind": "task", "id": agent.run(&request["params"]), "contextId": "ctx", "status": {"state": "completed"}})
@@ -97,15 +128,20 @@ async fn rpc(State(agent): State<Agent>, body: Bytes) -> axum::response::Respons
     };
     let answer = json!({"jsonrpc": "2.0", "id": id, "result": result}).to_string();
     if answer.len() >= HUGE {
-        // Sent in chunks of 64 KiB, as an answer read from a socket comes.
-        let answer = Bytes::from(answer);
-        let chunks = (0..answer.len())
-            .step_by(1 << 16)
-            .map(move |at| Ok::<_, std::io::Error>(answer.slice(at..(at + (1 << 16)).min(answer.len()))));
-        let body = axum::body::Body::from_stream(futures::stream::iter(chunks.collect::<Vec<_>>()));
-        return ([("content-type", "application/json")], body).into_response();
+        return ([("content-type", "application/json")], in_chunks(Bytes::from(answer))).into_response();
     }
     ([("content-type", "application/json")], answer).into_response()
+}
+
+/// `bytes` as a body sent in chunks of 64 KiB, as an answer read from a socket comes.
+fn in_chunks(bytes: Bytes) -> axum::body::Body {
+    axum::body::Body::from_stream(chunked(bytes))
+}
+
+fn chunked(bytes: Bytes) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    let chunks =
+        (0..bytes.len()).step_by(1 << 16).map(move |at| Ok(bytes.slice(at..(at + (1 << 16)).min(bytes.len()))));
+    futures::stream::iter(chunks.collect::<Vec<_>>())
 }
 
 /// The HTTP+JSON binding's `SendMessage`: the request's body is its params, the answer bare.
@@ -271,6 +307,52 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
 
     let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
     assert!(got < HUGE, "the stalled caller got {got} bytes of an answer of {HUGE}: a cut one");
+}
+
+/// A caller that subscribes to its task and stops reading the event stream cannot keep the
+/// task's end from completing the send's key: once it has held the gateway's reading back for a
+/// lease (2 s here) in all it is let go, and the stream is read on to the task's completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_stops_reading_its_tasks_stream_cannot_keep_it_from_completing_the_key() {
+    let agent = Agent::named("sub");
+    let mut config = config();
+    config.a2a.upstream = "http://agent.internal:9999/rpc".into();
+    config.a2a.lease = std::time::Duration::from_secs(2);
+    let h = layered(&agent, "/rpc", config).await;
+    let first = post_json(&h, &h.url("/rpc"), &send(1, "working-1")).await;
+    let task = first["result"]["task"]["id"].as_str().expect("a task").to_owned();
+    let tenant = onceguard_core::TenantId::parse("anon").unwrap();
+    let record = || async {
+        let filter = onceguard_core::ListFilter {
+            namespace_prefix: Some(onceguard_core::Namespace::parse("a2a").unwrap()),
+            limit: 10,
+            ..Default::default()
+        };
+        let page = h.guard.list(&tenant, &filter).await.unwrap();
+        assert_eq!(page.items.len(), 1, "the send's key");
+        page.items[0].clone()
+    };
+    assert_eq!(record().await.state, RecordState::InProgress, "delegated to the working task");
+
+    let body = json!({"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask", "params": {"id": task}}).to_string();
+    let request = format!(
+        "POST /rpc HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&h.base, &request).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    let completed = async {
+        loop {
+            if record().await.state == RecordState::Completed {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), completed).await.expect("the key was completed");
+    assert_eq!(agent.executions(), ["working-1"], "the send ran once");
+    let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
+    assert!(got < HUGE, "the stalled caller got {got} bytes of a stream of {HUGE}: a cut one");
 }
 
 /// Through the layer, a send whose answer does not come in time, or whose handler panics, is

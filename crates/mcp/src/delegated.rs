@@ -22,8 +22,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use futures::channel::mpsc;
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use onceguard_core::{
     Acquired, CheckpointName, Fence, Key, ListFilter, Mutation, Namespace, OutcomeKind, RecordState, Scope,
 };
@@ -520,7 +519,9 @@ async fn state_of(
 
 /// An event-stream answer about a task: every event goes to the caller as it comes (a server's
 /// requests for input on 2025-11-25's `tasks/result` included), with the gateway's task id; the
-/// answer settles the key first.
+/// answer settles the key first. A caller that holds the reading back for a lease in all is let
+/// go ([`onceguard_http::caller`]) and the stream is read on, so that its answer still settles
+/// the key; a stream that breaks off ends the caller's in an error.
 fn stream_answer(
     response: Response<Body>,
     capture: Capture,
@@ -532,13 +533,18 @@ fn stream_answer(
 ) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     parts.headers.remove(CONTENT_LENGTH);
-    let (mut out, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let (out, rx) = onceguard_http::caller::caller_queue(capture.gateway.options.lease);
+    let mut out = out.for_key(&capture.scope);
     let limit = capture.gateway.options.max_result_bytes + SLACK;
     tokio::spawn(async move {
         let mut reader = SseReader::new(limit);
         let mut chunks = body.into_data_stream();
+        let mut broken = false;
         while let Some(chunk) = chunks.next().await {
-            let Ok(chunk) = chunk else { break };
+            let Ok(chunk) = chunk else {
+                broken = true;
+                break;
+            };
             for block in reader.push(&chunk) {
                 let Some(data) = &block.data else {
                     let _ = out.send(Ok(block.raw)).await;
@@ -561,6 +567,9 @@ fn stream_answer(
         }
         if let Some(rest) = reader.finish() {
             let _ = out.send(Ok(rest)).await;
+        }
+        if !broken {
+            out.finish();
         }
     });
     Response::from_parts(parts, Body::from_stream(rx))

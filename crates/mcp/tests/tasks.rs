@@ -42,7 +42,13 @@ struct Upstream {
     asked: Vec<String>,
     /// Whether the next `tasks/get` waits for a permit of [`GET_GATE`].
     hold_next_get: bool,
+    /// Whether `tasks/result` of an ended task answers as an event stream of [`STREAMED`]
+    /// bytes of progress notifications before the result.
+    stream_results: bool,
 }
+
+/// The bytes of progress notifications before a streamed result.
+const STREAMED: usize = 32 * 1024 * 1024;
 
 type Shared = Arc<Mutex<Upstream>>;
 
@@ -158,6 +164,16 @@ async fn mcp(State(up): State<Shared>, method: axum::http::Method, body: Bytes) 
             Some(Task { result: Some(result), .. }) => {
                 let mut result = result.clone();
                 result["_meta"] = json!({"io.modelcontextprotocol/related-task": {"taskId": task_id}});
+                if up.stream_results {
+                    let padding = "x".repeat(16 * 1024);
+                    let progress = json!({"jsonrpc":"2.0","method":"notifications/progress",
+                        "params":{"progress":1,"message":padding}});
+                    let event = format!("event: message\ndata: {progress}\n\n");
+                    let mut events = event.repeat(STREAMED / event.len() + 1);
+                    let done = json!({"jsonrpc":"2.0","id":id,"result":result});
+                    events.push_str(&format!("event: message\ndata: {done}\n\n"));
+                    return ([("content-type", "text/event-stream")], events).into_response();
+                }
                 answer(&id, result)
             }
             _ => not_found(),
@@ -329,6 +345,41 @@ async fn a_duplicate_gets_the_same_task_and_the_result_outlives_the_servers_ttl(
         }
         assert_eq!(app.runs(), n + 1, "{shape:?}: the tool ran once");
     }
+}
+
+/// A caller that asks for a task's result, gets it as an event stream and stops reading cannot
+/// keep the answer from settling the key: once it has held the stream back for a lease (2 s
+/// here) in all it is let go, the stream is read to its end and its result completes the key.
+/// The caller's socket takes 64 KiB, so it stalls on any host.
+#[tokio::test]
+async fn a_caller_that_stops_reading_a_tasks_result_stream_cannot_keep_it_from_settling() {
+    let app = spawn_app(|_| {}).await;
+    let id = task_id(&app.rpc(&call(1, Shape::Core, "k-s")).await);
+    app.finish("up-1");
+    app.up.lock().unwrap().stream_results = true;
+    let body = task_request(2, "tasks/result", &id).to_string();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&app.base, &request).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    let completed = async {
+        loop {
+            let record = app.guard.get(&app.scope("k-s")).await.unwrap().unwrap();
+            if record.state == RecordState::Completed {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let record = tokio::time::timeout(Duration::from_secs(30), completed).await.expect("the key was completed");
+    let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
+    assert_eq!(stored["content"][0]["text"], "job done", "{stored}");
+    assert_eq!(app.runs(), 1);
+    let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
+    assert!(got < STREAMED, "the stalled caller got {got} bytes of a stream of {STREAMED}: a cut one");
 }
 
 #[tokio::test]
