@@ -283,12 +283,7 @@ async fn a_caller_that_stops_reading_a_large_answer_does_not_hold_its_key() {
     let h = layered(&agent, "/rpc", config).await;
     // The caller reads the answer's head, then nothing more.
     let body = send(1, "huge-1").to_string();
-    let request = format!(
-        "POST /rpc HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&h.base, &request).await;
-    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&h.base, "/rpc", &body).await;
 
     // A duplicate is told the send is in flight until the answer has been read, then that it
     // ran and was too large to store.
@@ -335,12 +330,7 @@ async fn a_caller_that_stops_reading_its_tasks_stream_cannot_keep_it_from_comple
     assert_eq!(record().await.state, RecordState::InProgress, "delegated to the working task");
 
     let body = json!({"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask", "params": {"id": task}}).to_string();
-    let request = format!(
-        "POST /rpc HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&h.base, &request).await;
-    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&h.base, "/rpc", &body).await;
     let completed = async {
         loop {
             if record().await.state == RecordState::Completed {

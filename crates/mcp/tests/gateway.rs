@@ -946,13 +946,7 @@ const HUGE: usize = 32 * 1024 * 1024;
 async fn a_caller_that_stops_reading_a_large_result_does_not_hold_its_key() {
     let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
     let body = call(json!(1), "huge", json!({}), Some("k")).to_string();
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
-         accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&app.base, &request).await;
-    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&app.base, "/mcp", &body).await;
     let completed = async {
         loop {
             let record = app.guard.get(&app.scope("huge", "k")).await.unwrap().unwrap();

@@ -358,13 +358,7 @@ async fn a_caller_that_stops_reading_a_tasks_result_stream_cannot_keep_it_from_s
     app.finish("up-1");
     app.up.lock().unwrap().stream_results = true;
     let body = task_request(2, "tasks/result", &id).to_string();
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
-         accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let (mut stalled, head) = onceguard_testkit::harness::stalled_caller(&app.base, &request).await;
-    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&app.base, "/mcp", &body).await;
     let completed = async {
         loop {
             let record = app.guard.get(&app.scope("k-s")).await.unwrap().unwrap();

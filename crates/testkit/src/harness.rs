@@ -115,6 +115,19 @@ pub async fn stalled_caller(base: &str, request: &str) -> (tokio::net::TcpStream
     (stream, head)
 }
 
+/// [`stalled_caller`] for a POST of the JSON `body` to `path`, accepting JSON or an event
+/// stream; checks that the answer is a 200 and answers the socket and the bytes read of it.
+pub async fn stalled_post(base: &str, path: &str, body: &str) -> (tokio::net::TcpStream, Vec<u8>) {
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (stream, head) = stalled_caller(base, &request).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    (stream, head)
+}
+
 /// Reads what is left of an answer until its connection ends; answers the bytes read. Panics if
 /// it has not ended within 30 s.
 pub async fn drain(stream: &mut tokio::net::TcpStream) -> usize {
