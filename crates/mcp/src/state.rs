@@ -5,11 +5,11 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, HeaderValue, Response};
-use futures::StreamExt;
 use futures::channel::oneshot;
+use futures::{SinkExt, StreamExt};
 use onceguard_core::{Guard, TenantId};
 use onceguard_http::AppState;
 use onceguard_http::problem::ApiError;
@@ -217,10 +217,7 @@ impl Gateway {
     /// read as it passes, event by event: each response message in it goes to the guarded call of
     /// the caller's tenant and session that awaits it, and every other message to `notified`,
     /// which may answer it rewritten. The events pass unchanged, but for a task's handle and what
-    /// `notified` rewrites, which name the gateway's task id. A caller that holds the reading back
-    /// for a lease (`mcp.lease`) in all is let go: its stream ends in an error and the upstream's
-    /// is closed (a session's stream may never end by itself); one cut short by the upstream ends
-    /// in an error too.
+    /// `notified` rewrites, which name the gateway's task id.
     pub(crate) fn read_session_stream(
         self: &Arc<Self>,
         tenant: &TenantId,
@@ -231,11 +228,11 @@ impl Gateway {
         let (parts, body) = response.into_parts();
         let (gateway, tenant) = (self.clone(), tenant.to_string());
         let mut reader = SseReader::new(self.options.max_result_bytes + EVENT_SLACK);
-        let (mut out, rx) = onceguard_http::caller::caller_queue(self.options.lease);
+        let (mut out, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         tokio::spawn(async move {
             let mut chunks = body.into_data_stream();
             while let Some(chunk) = chunks.next().await {
-                let Ok(chunk) = chunk else { return };
+                let Ok(chunk) = chunk else { break };
                 for block in reader.push(&chunk) {
                     let rewritten = block.data.as_deref().and_then(|d| {
                         gateway.deliver_resumed(&tenant, &session, d).or_else(|| notified(&tenant, &session, d))
@@ -249,7 +246,6 @@ impl Gateway {
             if let Some(rest) = reader.finish() {
                 let _ = out.send(Ok(rest)).await;
             }
-            out.finish();
         });
         Response::from_parts(parts, Body::from_stream(rx))
     }
