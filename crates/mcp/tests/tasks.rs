@@ -350,7 +350,8 @@ async fn a_duplicate_gets_the_same_task_and_the_result_outlives_the_servers_ttl(
 /// A caller that asks for a task's result, gets it as an event stream and stops reading cannot
 /// keep the answer from settling the key: once it has held the stream back for a lease (2 s
 /// here) in all it is let go, the stream is read to its end and its result completes the key.
-/// The caller's socket takes 64 KiB, so it stalls on any host.
+/// The caller's socket takes 64 KiB and the stream is 32 MiB, more than the gateway's socket buffers
+/// hold by default, so the caller stalls.
 #[tokio::test]
 async fn a_caller_that_stops_reading_a_tasks_result_stream_cannot_keep_it_from_settling() {
     let app = spawn_app(|_| {}).await;
