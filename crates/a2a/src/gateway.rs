@@ -13,7 +13,6 @@
 //!   - anything else (an unknown method, a notification, a batch, a body that is not strict
 //!     JSON, another path) is refused, never forwarded.
 
-use std::io;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -651,7 +650,8 @@ impl Gateway {
                 let chunk = match chunk {
                     Ok(chunk) => chunk,
                     Err(e) => {
-                        let _ = tx.send(Err(io::Error::other(e))).await;
+                        // The caller's stream ends in an error: `tx` is dropped unfinished.
+                        tracing::debug!(error = %e, "a task's event stream broke off");
                         return;
                     }
                 };

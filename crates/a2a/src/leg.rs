@@ -1,7 +1,6 @@
 //! One send's trip to the upstream ([`Leg`]), in a task of its own: what its answer (JSON, or an
 //! event stream) does to the key.
 
-use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -286,7 +285,7 @@ impl Leg {
             let chunk = match chunk {
                 Ok(chunk) => chunk,
                 Err(e) => {
-                    let _ = out.send(Err(io::Error::other(e))).await;
+                    tracing::debug!(error = %e, scope = %self.scope, "the upstream's event stream broke off");
                     broken = true;
                     break;
                 }

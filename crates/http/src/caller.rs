@@ -106,15 +106,6 @@ impl CallerQueue {
         }
     }
 
-    /// Queues `chunk` if there is room, never waiting (an error to end the caller's body with;
-    /// where the queue is full, the chunk is dropped, and the body still ends in an error when
-    /// the queue is dropped unfinished).
-    pub fn try_send(&mut self, chunk: Chunk) {
-        if let Some(tx) = self.tx.as_mut() {
-            let _ = tx.try_send(chunk);
-        }
-    }
-
     /// Ends the caller's body cleanly after what is queued: the answer was passed on whole (or,
     /// for an event stream, is to be resumed elsewhere). A caller already let go still gets the
     /// error it was let go with.

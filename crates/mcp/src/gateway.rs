@@ -724,7 +724,8 @@ pub async fn pump(
                 let _ = out.send(Ok(chunk)).await;
             }
             Err(e) => {
-                let _ = out.send(Err(io::Error::other(e))).await;
+                // The caller's body ends in an error once `out` is dropped unfinished.
+                tracing::debug!(error = %e, "an upstream's answer broke off while passed on");
                 return false;
             }
         }

@@ -418,9 +418,8 @@ impl Held {
                 .await;
             drop(keeper);
             if let Err(e) = passed {
-                tracing::warn!(scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
-                // Never waits: where the caller's queue is full, its body ends in an error anyway.
-                caller.try_send(Err(std::io::Error::other(e)));
+                // The caller's body ends in an error: its queue is dropped unfinished.
+                tracing::warn!(error = %e, scope = %self.scope, "the upstream's large answer broke off; the key is held until its lease passes");
                 return;
             }
             let (limit, omitted) = (self.shared.options.max_response_bytes, digest.finish());
