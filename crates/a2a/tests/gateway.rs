@@ -316,30 +316,19 @@ async fn a_caller_that_stops_reading_its_tasks_stream_cannot_keep_it_from_comple
     let h = layered(&agent, "/rpc", config).await;
     let first = post_json(&h, &h.url("/rpc"), &send(1, "working-1")).await;
     let task = first["result"]["task"]["id"].as_str().expect("a task").to_owned();
-    let tenant = onceguard_core::TenantId::parse("anon").unwrap();
-    let record = || async {
-        let filter = onceguard_core::ListFilter {
-            namespace_prefix: Some(onceguard_core::Namespace::parse("a2a").unwrap()),
-            limit: 10,
-            ..Default::default()
-        };
-        let page = h.guard.list(&tenant, &filter).await.unwrap();
-        assert_eq!(page.items.len(), 1, "the send's key");
-        page.items[0].clone()
+    let filter = onceguard_core::ListFilter {
+        namespace_prefix: Some(onceguard_core::Namespace::parse("a2a").unwrap()),
+        limit: 10,
+        ..Default::default()
     };
-    assert_eq!(record().await.state, RecordState::InProgress, "delegated to the working task");
+    let page = h.guard.list(&onceguard_core::TenantId::parse("anon").unwrap(), &filter).await.unwrap();
+    assert_eq!(page.items.len(), 1, "the send's key");
+    let key = &page.items[0];
+    assert_eq!(key.state, RecordState::InProgress, "delegated to the working task");
 
     let body = json!({"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask", "params": {"id": task}}).to_string();
     let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&h.base, "/rpc", &body).await;
-    let completed = async {
-        loop {
-            if record().await.state == RecordState::Completed {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(std::time::Duration::from_secs(30), completed).await.expect("the key was completed");
+    onceguard_testkit::harness::completed(&h.guard, &key.scope).await;
     assert_eq!(agent.executions(), ["working-1"], "the send ran once");
     let got = head.len() + onceguard_testkit::harness::drain(&mut stalled).await;
     assert!(got < HUGE, "the stalled caller got {got} bytes of a stream of {HUGE}: a cut one");

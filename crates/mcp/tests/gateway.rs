@@ -850,15 +850,8 @@ async fn an_answer_delivered_on_a_resumed_stream_settles_the_key() {
     let resumed = in_session(app.http.get(&url)).header("last-event-id", "lost-41").send().await.unwrap();
     let text = resumed.text().await.unwrap();
     assert!(text.contains(r#""id":41,"result":{"content":[{"type":"text","text":"lost 1"}]}"#), "{text}");
-    let mut state = None;
-    for _ in 0..100 {
-        state = app.guard.get(&app.scope("lost", "k")).await.unwrap().map(|r| r.state);
-        if state == Some(RecordState::Completed) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(state, Some(RecordState::Completed), "the resumed answer completed the key");
+    // The resumed answer completes the key.
+    onceguard_testkit::harness::completed(&app.guard, &app.scope("lost", "k")).await;
     let replay = app.rpc(&call(json!(42), "lost", json!({}), Some("k"))).await;
     assert_eq!(replay["result"]["content"][0]["text"], "lost 1", "{replay}");
     assert_eq!(replay["result"]["_meta"]["dev.onceguard/replayed"], true);
@@ -927,16 +920,7 @@ async fn a_caller_that_stops_reading_a_large_result_does_not_hold_its_key() {
     let app = spawn_app(|c| c.mcp.max_result_bytes = 1_000).await;
     let body = call(json!(1), "huge", json!({}), Some("k")).to_string();
     let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&app.base, "/mcp", &body).await;
-    let completed = async {
-        loop {
-            let record = app.guard.get(&app.scope("huge", "k")).await.unwrap().unwrap();
-            if record.state == RecordState::Completed {
-                return record;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    let record = tokio::time::timeout(Duration::from_secs(30), completed).await.expect("the key was completed");
+    let record = onceguard_testkit::harness::completed(&app.guard, &app.scope("huge", "k")).await;
     let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
     assert!(stored["size"].as_u64().unwrap() > HUGE as u64, "the result was read to its end: {stored}");
     assert_eq!(runs(&app.seen, "huge"), 1);

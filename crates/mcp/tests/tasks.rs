@@ -360,16 +360,7 @@ async fn a_caller_that_stops_reading_a_tasks_result_stream_cannot_keep_it_from_s
     app.up.lock().unwrap().stream_results = true;
     let body = task_request(2, "tasks/result", &id).to_string();
     let (mut stalled, head) = onceguard_testkit::harness::stalled_post(&app.base, "/mcp", &body).await;
-    let completed = async {
-        loop {
-            let record = app.guard.get(&app.scope("k-s")).await.unwrap().unwrap();
-            if record.state == RecordState::Completed {
-                return record;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    let record = tokio::time::timeout(Duration::from_secs(30), completed).await.expect("the key was completed");
+    let record = onceguard_testkit::harness::completed(&app.guard, &app.scope("k-s")).await;
     let stored: Value = serde_json::from_slice(&record.outcome.unwrap().body).unwrap();
     assert_eq!(stored["content"][0]["text"], "job done", "{stored}");
     assert_eq!(app.runs(), 1);
@@ -799,15 +790,8 @@ async fn a_terminal_status_on_the_sessions_stream_settles_the_key() {
     // The client only listens on its session's stream; it never asks the task.
     let stream = in_session(app.http.get(&url)).send().await.unwrap().text().await.unwrap();
     assert!(stream.contains(&format!(r#""taskId":"{id}""#)) && !stream.contains("up-1"), "{stream}");
-    let mut state = None;
-    for _ in 0..200 {
-        state = app.guard.get(&app.scope("n")).await.unwrap().map(|r| r.state);
-        if state == Some(RecordState::Completed) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(state, Some(RecordState::Completed), "the gateway asked tasks/result itself");
+    // The gateway asked tasks/result itself, and completed the key.
+    onceguard_testkit::harness::completed(&app.guard, &app.scope("n")).await;
     assert_eq!(app.up.lock().unwrap().asked, vec!["up-1".to_owned()], "one tasks/result, the gateway's");
     let replay = app.rpc(&plain_call(2, "n")).await;
     assert_eq!(replay["result"]["content"][0]["text"], "job done", "{replay}");

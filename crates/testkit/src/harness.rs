@@ -142,3 +142,20 @@ pub async fn drain(stream: &mut tokio::net::TcpStream) -> usize {
     tokio::time::timeout(Duration::from_secs(30), read).await.expect("the connection ended");
     got
 }
+
+/// Waits (at most 30 s) until the key of `scope` holds a completed record; answers it.
+pub async fn completed(guard: &Guard, scope: &onceguard_core::Scope) -> onceguard_core::Record {
+    let completed = async {
+        loop {
+            if let Some(record) = guard.get(scope).await.expect("the store answers")
+                && record.state == onceguard_core::RecordState::Completed
+            {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), completed)
+        .await
+        .unwrap_or_else(|_| panic!("the key {scope} was not completed within 30 s"))
+}
