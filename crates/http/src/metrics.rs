@@ -6,8 +6,9 @@
 //! draws. Labels are bounded: tenants (created by operators), outcomes, reasons, operations,
 //! routes and status codes; never keys, namespaces, fingerprints or run ids.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use onceguard_core::control::Mode;
@@ -204,6 +205,39 @@ pub struct KeyScan {
 
 type LatencyFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// A tenant's counters of claims and ended attempts, each found in its family once, the first
+/// time it is counted, and then counted through this handle (a counter's handle shares its
+/// family's value). Finding one hashes its label set under the family's lock: done on every
+/// claim, three lookups were a tenth of a replay's instructions.
+#[derive(Default)]
+struct TenantCounters {
+    /// The tenant's label value ([`Metrics::tenant_label`]).
+    label: String,
+    /// `claims`, by [`Mode`] and [`AnswerKind`] (their indexes).
+    claims: [[OnceLock<Counter>; AnswerKind::ALL.len()]; Mode::ALL.len()],
+    replay_cost_saved: OnceLock<Counter>,
+    replay_tokens_saved: OnceLock<Counter>,
+    /// `effects`, by [`EFFECT_RESULTS`] (their place).
+    effects: [OnceLock<Counter>; EFFECT_RESULTS.len()],
+    effect_duration: OnceLock<Histogram>,
+}
+
+/// How an attempt ended, the `result` label of `effects`.
+const EFFECT_RESULTS: [&str; 4] = ["success", "failure", "released", "unknown"];
+
+/// `store_operation_duration_seconds`' histograms of one store, by [`StoreOp`] and result (its
+/// place in [`STORE_RESULTS`]), each found in its family once (see [`TenantCounters`]).
+struct StoreHistograms {
+    store: &'static str,
+    by_op: [[OnceLock<Histogram>; STORE_RESULTS.len()]; StoreOp::ALL.len()],
+}
+
+/// A method, a status and the handle of their histogram (of a route: see `Metrics::http`).
+type HttpHistogram = (&'static str, u16, Histogram);
+
+/// A store operation's `result` label.
+const STORE_RESULTS: [&str; 3] = ["ok", "unavailable", "corrupt"];
+
 /// The server's metrics: the Prometheus registry, its families and the dashboard's window.
 pub struct Metrics {
     registry: Registry,
@@ -235,6 +269,14 @@ pub struct Metrics {
     tripwires_tripped: Family<TenantLabels, Counter>,
     sealed_values_refused: Family<TenantLabels, Counter>,
     records_swept: Counter,
+    /// Handles of each tenant's counters, by tenant id (tenants are created by operators: a
+    /// bounded set, whose label sets the families keep anyway).
+    tenants: RwLock<HashMap<String, Arc<TenantCounters>>>,
+    /// Handles of the store's histograms, per store kind (one, but for tests).
+    stores: RwLock<Vec<Arc<StoreHistograms>>>,
+    /// Handles of `http_request_duration_seconds`' histograms: by route (a route template,
+    /// or [`UNMATCHED`]), then by method and status (a bounded set, kept by the family anyway).
+    http: RwLock<HashMap<String, Vec<HttpHistogram>>>,
     live: Live,
     scan: tokio::sync::Mutex<(Option<Instant>, KeyScan)>,
     started_at: Timestamp,
@@ -512,6 +554,9 @@ impl Metrics {
             tripwires_tripped,
             sealed_values_refused,
             records_swept,
+            tenants: RwLock::default(),
+            stores: RwLock::default(),
+            http: RwLock::default(),
             live: Live::default(),
             scan: tokio::sync::Mutex::new((None, KeyScan::default())),
             started_at: Timestamp::now(),
@@ -537,13 +582,28 @@ impl Metrics {
         text
     }
 
+    /// The handles of `tenant`'s counters, made the first time it is counted.
+    fn counters(&self, tenant: &str) -> Arc<TenantCounters> {
+        if let Some(counters) = self.tenants.read().unwrap_or_else(PoisonError::into_inner).get(tenant) {
+            return counters.clone();
+        }
+        let mut tenants = self.tenants.write().unwrap_or_else(PoisonError::into_inner);
+        let made = || Arc::new(TenantCounters { label: self.tenant_label(tenant), ..TenantCounters::default() });
+        tenants.entry(tenant.to_owned()).or_insert_with(made).clone()
+    }
+
     /// A claim's answer (reported by the guard: see the [`onceguard_core::Observer`] below).
     pub fn observe_claim(&self, scope: &Scope, outcome: &ClaimOutcome, mode: Mode) {
-        let name = scope.tenant.to_string();
-        let enforced = outcome.enforced().answer().as_str();
-        let labels = ClaimLabels { tenant: self.tenant_label(&name), outcome: enforced, mode: mode.as_str() };
-        self.claims.get_or_create(&labels).inc();
-        let (tenant, label) = (&name, &labels.tenant);
+        let tenant = scope.tenant.as_str();
+        let counters = self.counters(tenant);
+        let label = &counters.label;
+        let enforced = outcome.enforced().answer();
+        counters.claims[mode.index()][enforced.index()]
+            .get_or_init(|| {
+                let labels = ClaimLabels { tenant: label.clone(), outcome: enforced.as_str(), mode: mode.as_str() };
+                self.claims.get_or_create(&labels).clone()
+            })
+            .inc();
         let mut saved = Saved::default();
         match outcome {
             ClaimOutcome::Proceed(would_have_been) => {
@@ -556,9 +616,11 @@ impl Metrics {
             }
             ClaimOutcome::Replay(replay) => {
                 saved = Saved { cost: replay.outcome.cost.unwrap_or(0), tokens: replay.outcome.tokens.unwrap_or(0) };
-                let labels = TenantLabels { tenant: label.clone() };
-                self.replay_cost_saved.get_or_create(&labels).inc_by(saved.cost);
-                self.replay_tokens_saved.get_or_create(&labels).inc_by(saved.tokens);
+                let handle = |family: &Family<TenantLabels, Counter>| {
+                    family.get_or_create(&TenantLabels { tenant: label.clone() }).clone()
+                };
+                counters.replay_cost_saved.get_or_init(|| handle(&self.replay_cost_saved)).inc_by(saved.cost);
+                counters.replay_tokens_saved.get_or_init(|| handle(&self.replay_tokens_saved)).inc_by(saved.tokens);
             }
             ClaimOutcome::Acquired(acquired) => {
                 if let Some(recovery) = &acquired.recovery {
@@ -584,17 +646,24 @@ impl Metrics {
     pub fn observe_finished(&self, record: &onceguard_core::Record, now: Timestamp) {
         use onceguard_core::{OutcomeKind, RecordState};
         let result = match (record.state, record.outcome.as_ref().map(|o| o.kind)) {
-            (RecordState::Completed, Some(OutcomeKind::Failure)) => "failure",
-            (RecordState::Completed, _) => "success",
-            (RecordState::Released, _) => "released",
-            (RecordState::InProgress, _) => "unknown",
+            (RecordState::Completed, Some(OutcomeKind::Failure)) => 1,
+            (RecordState::Completed, _) => 0,
+            (RecordState::Released, _) => 2,
+            (RecordState::InProgress, _) => 3,
         };
-        let tenant = self.tenant_label(record.scope.tenant.as_str());
+        let counters = self.counters(record.scope.tenant.as_str());
+        let tenant = &counters.label;
         if record.state == RecordState::Completed {
             let seconds = now.0.saturating_sub(record.created_at.0) as f64 / 1000.0;
-            self.effect_duration.get_or_create(&TenantLabels { tenant: tenant.clone() }).observe(seconds);
+            let made = || self.effect_duration.get_or_create(&TenantLabels { tenant: tenant.clone() }).clone();
+            counters.effect_duration.get_or_init(made).observe(seconds);
         }
-        self.effects.get_or_create(&ResultLabels { tenant, result }).inc();
+        counters.effects[result]
+            .get_or_init(|| {
+                let labels = ResultLabels { tenant: tenant.clone(), result: EFFECT_RESULTS[result] };
+                self.effects.get_or_create(&labels).clone()
+            })
+            .inc();
     }
 
     /// A fenced call refused as stale (reported by the guard).
@@ -607,6 +676,21 @@ impl Metrics {
         }
     }
 
+    /// The handles of `store`'s histograms, made the first time it is observed.
+    fn store_histograms(&self, store: &'static str) -> Arc<StoreHistograms> {
+        let find = |stores: &[Arc<StoreHistograms>]| stores.iter().find(|s| s.store == store).cloned();
+        if let Some(found) = find(&self.stores.read().unwrap_or_else(PoisonError::into_inner)) {
+            return found;
+        }
+        let mut stores = self.stores.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = find(&stores) {
+            return found;
+        }
+        let made = Arc::new(StoreHistograms { store, by_op: Default::default() });
+        stores.push(made.clone());
+        made
+    }
+
     /// One store operation, of `tenant` (`None`: of no tenant).
     pub fn observe_store(
         &self,
@@ -617,12 +701,17 @@ impl Metrics {
         error: Option<&StoreError>,
     ) {
         let result = match error {
-            None => "ok",
-            Some(StoreError::Unavailable(_)) => "unavailable",
-            Some(StoreError::Corrupt(_)) => "corrupt",
+            None => 0,
+            Some(StoreError::Unavailable(_)) => 1,
+            Some(StoreError::Corrupt(_)) => 2,
         };
-        let labels = StoreOpLabels { store, op: op.as_str(), result };
-        self.store_latency.get_or_create(&labels).observe(took.as_secs_f64());
+        let histograms = self.store_histograms(store);
+        histograms.by_op[op.index()][result]
+            .get_or_init(|| {
+                let labels = StoreOpLabels { store, op: op.as_str(), result: STORE_RESULTS[result] };
+                self.store_latency.get_or_create(&labels).clone()
+            })
+            .observe(took.as_secs_f64());
         self.live.record_store_op(tenant.map(TenantId::as_str), op, took, error.is_none());
     }
 
@@ -649,8 +738,28 @@ impl Metrics {
         if route.starts_with("/v1/claims") {
             self.live.record_claim_latency(tenant.map(TenantId::as_str), took);
         }
-        let labels = HttpLabels { method, route: route.to_owned(), status };
-        self.http_latency.get_or_create(&labels).observe(took.as_secs_f64());
+        self.http_histogram(method, route, status).observe(took.as_secs_f64());
+    }
+
+    /// The handle of the histogram of (`method`, `route`, `status`), found in its family the
+    /// first time (see [`TenantCounters`]).
+    fn http_histogram(&self, method: &'static str, route: &str, status: u16) -> Histogram {
+        let find = |of_route: &[HttpHistogram]| {
+            of_route.iter().find(|(m, s, _)| *m == method && *s == status).map(|(_, _, h)| h.clone())
+        };
+        let known = self.http.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = known.get(route).and_then(|of_route| find(of_route)) {
+            return found;
+        }
+        drop(known);
+        let mut known = self.http.write().unwrap_or_else(PoisonError::into_inner);
+        let of_route = known.entry(route.to_owned()).or_default();
+        if let Some(found) = find(of_route) {
+            return found;
+        }
+        let made = self.http_latency.get_or_create(&HttpLabels { method, route: route.to_owned(), status }).clone();
+        of_route.push((method, status, made.clone()));
+        made
     }
 
     /// A `tools/call` seen by the MCP gateway, and what it did with it (one of
@@ -895,4 +1004,86 @@ pub struct Totals {
     pub stale_calls: u64,
     /// Denials by reason, in the order of [`DenialReason::ALL`].
     pub denials: [u64; DenialReason::ALL.len()],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use onceguard_core::record::{Outcome, Replay};
+    use onceguard_core::{Fence, Key, Namespace};
+
+    fn scope(tenant: &str) -> Scope {
+        Scope::new(TenantId::parse(tenant).unwrap(), Namespace::parse("ns").unwrap(), Key::parse("k").unwrap())
+    }
+
+    fn replay(cost: u64) -> ClaimOutcome {
+        let outcome = Outcome { cost: Some(cost), ..Outcome::json(b"{}".to_vec()) };
+        ClaimOutcome::Replay(Replay { outcome, fence: Fence(1), attempt: 1, completed_at: Timestamp(0) })
+    }
+
+    /// The line of `name` with `labels` in the exposition, and its value.
+    fn value(text: &str, name: &str, labels: &str) -> Option<f64> {
+        let start = format!("{name}{{{labels}}} ");
+        text.lines().find_map(|line| line.strip_prefix(&start)).map(|v| v.parse().unwrap())
+    }
+
+    /// What is counted through the kept handles is what the families export, per tenant, per
+    /// label set, in either way of labelling tenants.
+    #[test]
+    fn counts_through_kept_handles_are_the_exported_ones() {
+        for mode in [TenantLabelMode::Name, TenantLabelMode::Digest] {
+            let metrics = Metrics::with_tenant_labels(mode);
+            for _ in 0..3 {
+                metrics.observe_claim(&scope("acme"), &replay(5), Mode::Enforce);
+            }
+            metrics.observe_claim(&scope("acme"), &ClaimOutcome::Mismatch, Mode::Observe);
+            metrics.observe_claim(&scope("other"), &replay(7), Mode::Enforce);
+            let text = metrics.encode();
+            let (acme, other) = (metrics.tenant_label("acme"), metrics.tenant_label("other"));
+            assert_ne!(acme, other);
+            let claims = |tenant: &str, outcome: &str, mode: &str| {
+                value(
+                    &text,
+                    "onceguard_claims_total",
+                    &format!("tenant=\"{tenant}\",outcome=\"{outcome}\",mode=\"{mode}\""),
+                )
+            };
+            assert_eq!(claims(&acme, "replay", "enforce"), Some(3.0), "{text}");
+            assert_eq!(claims(&acme, "mismatch", "observe"), Some(1.0));
+            assert_eq!(claims(&other, "replay", "enforce"), Some(1.0));
+            assert_eq!(claims(&acme, "mismatch", "enforce"), None, "a label set never counted is not made");
+            let saved =
+                |tenant: &str| value(&text, "onceguard_replay_cost_saved_total", &format!("tenant=\"{tenant}\""));
+            assert_eq!((saved(&acme), saved(&other)), (Some(15.0), Some(7.0)));
+        }
+    }
+
+    #[test]
+    fn store_and_http_observations_count_through_kept_handles() {
+        let metrics = Metrics::new();
+        let unavailable = StoreError::Unavailable("down".into());
+        for _ in 0..2 {
+            metrics.observe_store("sqlite", StoreOp::Claim, None, Duration::from_millis(1), None);
+            metrics.observe_http("POST", Some("/v1/claims"), None, 201, Duration::from_millis(1));
+        }
+        metrics.observe_store("sqlite", StoreOp::Claim, None, Duration::from_millis(1), Some(&unavailable));
+        metrics.observe_store("redis", StoreOp::Claim, None, Duration::from_millis(1), None);
+        metrics.observe_http("POST", Some("/v1/claims"), None, 200, Duration::from_millis(1));
+        metrics.observe_http("BREW", None, None, 404, Duration::from_millis(1));
+        let text = metrics.encode();
+        let store = |store: &str, result: &str| {
+            let labels = format!("store=\"{store}\",op=\"{}\",result=\"{result}\"", StoreOp::Claim.as_str());
+            value(&text, "onceguard_store_operation_duration_seconds_count", &labels)
+        };
+        assert_eq!(store("sqlite", "ok"), Some(2.0), "{text}");
+        assert_eq!(store("sqlite", "unavailable"), Some(1.0));
+        assert_eq!(store("redis", "ok"), Some(1.0));
+        let http = |method: &str, route: &str, status: u16| {
+            let labels = format!("method=\"{method}\",route=\"{route}\",status=\"{status}\"");
+            value(&text, "onceguard_http_request_duration_seconds_count", &labels)
+        };
+        assert_eq!(http("POST", "/v1/claims", 201), Some(2.0), "{text}");
+        assert_eq!(http("POST", "/v1/claims", 200), Some(1.0));
+        assert_eq!(http("other", UNMATCHED, 404), Some(1.0));
+    }
 }
