@@ -213,6 +213,24 @@ fn fingerprint(method: &Method, path_and_query: &str, body: &[u8]) -> Fingerprin
     Fingerprint::of_sha256_digest(&hasher.finalize().into())
 }
 
+/// What an approver sees, where the namespace needs approvals: the method and the path, never
+/// the query string (it may carry secrets) or the body; its first 256 characters (a quarter of
+/// [`onceguard_core::approval::MAX_SUMMARY`] bytes, however wide its characters).
+fn summary(method: &Method, path: &str) -> String {
+    const CHARS: usize = onceguard_core::approval::MAX_SUMMARY / 4;
+    let mut text = String::with_capacity(method.as_str().len() + 1 + path.len());
+    text.push_str(method.as_str());
+    text.push(' ');
+    text.push_str(path);
+    // Fewer bytes than the limit are fewer characters too: only a longer one is counted.
+    if text.len() > CHARS
+        && let Some((end, _)) = text.char_indices().nth(CHARS)
+    {
+        text.truncate(end);
+    }
+    text
+}
+
 async fn guarded<S>(shared: Arc<Shared>, inner: S, request: Request<Body>) -> Result<Response<Body>, ApiError>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
@@ -226,13 +244,10 @@ where
         .await
         .map_err(|_| ApiError::TooLarge(format!("the request body exceeds {} bytes", options.max_request_bytes)))?;
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    // What an approver sees, where the namespace needs approvals: the method and the path,
-    // never the query string (it may carry secrets) or the body.
-    let summary = format!("{} {}", parts.method, parts.uri.path());
     let claim = Claim {
         lease: Some(options.lease),
         retention: Some(options.retention),
-        summary: Some(summary.chars().take(onceguard_core::approval::MAX_SUMMARY / 4).collect()),
+        summary: Some(summary(&parts.method, parts.uri.path())),
         ..Claim::new(Scope::new(options.tenant.clone(), namespace, key), fingerprint(&parts.method, path, &body))
     };
     let scope = claim.scope.clone();
@@ -517,6 +532,19 @@ mod tests {
             map.append(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_bytes(value).unwrap());
         }
         map
+    }
+
+    #[test]
+    fn a_summary_is_the_method_and_path_cut_at_256_characters() {
+        assert_eq!(summary(&Method::POST, "/charge"), "POST /charge");
+        let long = format!("/{}", "é".repeat(300));
+        let cut = summary(&Method::PATCH, &long);
+        assert_eq!(cut.chars().count(), 256, "characters counted, not bytes");
+        assert_eq!(cut, format!("PATCH /{}", "é".repeat(249)));
+        assert!(cut.len() <= onceguard_core::approval::MAX_SUMMARY);
+        let ascii = format!("/{}", "a".repeat(250));
+        assert_eq!(summary(&Method::POST, &ascii), format!("POST {ascii}"), "exactly 256: kept whole");
+        assert_eq!(summary(&Method::POST, &format!("{ascii}b")), format!("POST {ascii}"), "257: cut");
     }
 
     /// A service that panics while it holds a key leaves the key held until its lease passes,
