@@ -222,7 +222,7 @@ fn summary(method: &Method, path: &str) -> String {
     text.push_str(method.as_str());
     text.push(' ');
     text.push_str(path);
-    // Fewer bytes than the limit are fewer characters too: only a longer one is counted.
+    // No more bytes than the limit is no more characters either: only a longer one is counted.
     if text.len() > CHARS
         && let Some((end, _)) = text.char_indices().nth(CHARS)
     {
