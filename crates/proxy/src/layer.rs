@@ -260,9 +260,8 @@ where
             Ok(response)
         }
         ClaimOutcome::Replay(replay) => {
-            let stored = stored::decode(&replay.outcome.body)
+            let mut response = stored::replay(replay.outcome.body)
                 .map_err(|e| ApiError::Internal(format!("a stored response could not be read: {e}")))?;
-            let mut response = stored.into_response();
             response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(response)
         }

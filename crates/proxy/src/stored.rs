@@ -207,11 +207,32 @@ enum Value<'a> {
     Bytes(#[serde(borrow, with = "serde_bytes")] std::borrow::Cow<'a, [u8]>),
 }
 
+/// [`NAMES`] as header names, made once.
+static HEADER_NAMES: std::sync::LazyLock<Vec<HeaderName>> = std::sync::LazyLock::new(|| {
+    NAMES.iter().map(|n| HeaderName::from_bytes(n.as_bytes()).expect("the table holds header names")).collect()
+});
+
+/// [`VALUES`] as header values, made once.
+static HEADER_VALUES: std::sync::LazyLock<Vec<HeaderValue>> =
+    std::sync::LazyLock::new(|| VALUES.iter().map(|v| HeaderValue::from_static(v)).collect());
+
 impl<'a> Name<'a> {
     fn of(name: &'a str) -> Self {
         match NAMES.iter().position(|n| *n == name) {
             Some(i) => Name::Numbered(u8::try_from(i).expect("fewer than 256 names")),
             None => Name::Text(std::borrow::Cow::Borrowed(name)),
+        }
+    }
+
+    /// The header name: `Ok(None)` for a text that is not one (skipped by a replay, as
+    /// [`StoredResponse::into_response`] skips it), an error for a number this build does not
+    /// know.
+    fn header_name(&self) -> Result<Option<HeaderName>, String> {
+        match self {
+            Name::Numbered(i) => {
+                HEADER_NAMES.get(usize::from(*i)).cloned().map(Some).ok_or_else(|| format!("no header name {i}"))
+            }
+            Name::Text(text) => Ok(HeaderName::from_bytes(text.as_bytes()).ok()),
         }
     }
 
@@ -239,6 +260,17 @@ impl<'a> Value<'a> {
         match date {
             Some(seconds) => Value::Date(seconds),
             None => Value::Bytes(std::borrow::Cow::Borrowed(value)),
+        }
+    }
+
+    /// The header value, as [`Name::header_name`] answers a name.
+    fn header_value(self) -> Result<Option<HeaderValue>, String> {
+        match self {
+            Value::Numbered(i) => {
+                HEADER_VALUES.get(usize::from(i)).cloned().map(Some).ok_or_else(|| format!("no header value {i}"))
+            }
+            Value::Bytes(bytes) => Ok(HeaderValue::from_bytes(&bytes).ok()),
+            date @ Value::Date(_) => Ok(HeaderValue::from_bytes(&date.into_bytes()?).ok()),
         }
     }
 
@@ -415,6 +447,31 @@ fn omitted_problem(status: StatusCode, omitted: &Omitted, detail: String) -> Vec
     serde_json::to_vec(&problem).expect("a problem always serializes")
 }
 
+/// The replay of `stored`: what `decode(&stored)?.into_response()` answers, made without
+/// spelling the usual names and values out and parsing them again, and with the body taken
+/// from `stored` rather than copied, for a response of this version whose body was kept.
+pub fn replay(stored: Vec<u8>) -> Result<Response<Body>, String> {
+    if stored.first() != Some(&PACKED_NUMBERED) {
+        return decode(&stored).map(StoredResponse::into_response);
+    }
+    let (head, body): (NumberedHead<'_>, _) = postcard::take_from_bytes(&stored[1..]).map_err(|e| e.to_string())?;
+    if head.omitted.is_some() {
+        return decode(&stored).map(StoredResponse::into_response);
+    }
+    let mut response = Response::new(Body::empty());
+    *response.status_mut() = StatusCode::from_u16(head.status).map_err(|e| e.to_string())?;
+    let headers = response.headers_mut();
+    for header in head.headers {
+        let name = header.name.header_name()?;
+        if let (Some(name), Some(value)) = (name, header.value.header_value()?) {
+            headers.append(name, value);
+        }
+    }
+    let start = stored.len() - body.len();
+    *response.body_mut() = Body::from(Bytes::from(stored).slice(start..));
+    Ok(response)
+}
+
 /// Reads what [`StoredResponse::encode`] wrote, or what earlier versions wrote.
 pub fn decode(bytes: &[u8]) -> Result<StoredResponse, String> {
     match bytes.first() {
@@ -493,6 +550,77 @@ mod tests {
         assert!(decode(b"\x03").unwrap_err().contains("unknown version"));
         let kept = stored.clone().without_per_caller_headers();
         assert_eq!(kept.headers, vec![("x-id".to_owned(), b"1".to_vec())]);
+    }
+
+    /// The headers of `response`, in order, and its body.
+    async fn parts(response: Response<Body>) -> (StatusCode, Vec<(String, Vec<u8>)>, Bytes) {
+        let (parts, body) = response.into_parts();
+        let headers = parts.headers.iter().map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec())).collect();
+        (parts.status, headers, axum::body::to_bytes(body, usize::MAX).await.unwrap())
+    }
+
+    /// A replay made from the stored bytes answers what decoding them and answering the
+    /// decoded response does: every kind of name and value, a header that is no longer valid,
+    /// a body not kept, earlier versions; and fails where decoding fails.
+    #[tokio::test]
+    async fn a_replay_answers_what_the_decoded_response_answers() {
+        let header = |name: Name<'static>, value: Value<'static>| NumberedHeader { name, value };
+        let text = |t: &'static str| Name::Text(std::borrow::Cow::Borrowed(t));
+        let bytes = |b: &'static [u8]| Value::Bytes(std::borrow::Cow::Borrowed(b));
+        let packed = |headers: Vec<NumberedHeader<'static>>, omitted: Option<Omitted>, body: &[u8]| {
+            let head = NumberedHead { status: 201, headers, omitted };
+            let mut out = postcard::to_extend(&head, vec![PACKED_NUMBERED]).unwrap();
+            out.extend_from_slice(body);
+            out
+        };
+        let usual = vec![
+            header(Name::Numbered(0), Value::Numbered(0)),
+            header(Name::Numbered(1), Value::Date(1_767_225_600)),
+            header(text("x-id"), bytes(b"7")),
+            header(text("set-cookie"), bytes(b"a=1")),
+            header(text("set-cookie"), Value::Numbered(1)),
+            header(text("bad name"), bytes(b"skipped")),
+            header(text("x-bad-value"), bytes(b"line\nbreak")),
+        ];
+        let mut cases = vec![
+            packed(usual, None, b"{\"ok\":true}"),
+            packed(vec![header(text("x-id"), bytes(b"1"))], None, b""),
+            packed(
+                vec![header(Name::Numbered(0), Value::Numbered(7)), header(text("etag"), bytes(b"\"v1\""))],
+                Some(Omitted { size: 9, sha256: "ab".repeat(32) }),
+                b"",
+            ),
+        ];
+        let mut headers = HeaderMap::new();
+        headers.append("content-type", HeaderValue::from_static("text/plain"));
+        let stored = StoredResponse::from_parts(StatusCode::OK, &headers, Bytes::from_static(b"hi"));
+        let earlier = serde_json::to_vec(&serde_json::json!({"status": 200, "headers": [["x", "eQ=="]]})).unwrap();
+        let mut v0 = u32::try_from(earlier.len()).unwrap().to_be_bytes().to_vec();
+        v0.extend_from_slice(&earlier);
+        v0.extend_from_slice(b"old");
+        cases.extend([stored.encode(), v0]);
+        for case in cases {
+            let want = parts(decode(&case).unwrap().into_response()).await;
+            assert_eq!(parts(replay(case.clone()).unwrap()).await, want, "{case:?}");
+        }
+        let (status, headers, body) = parts(
+            replay(packed(vec![header(text("x-id"), bytes(b"7")), header(text("bad name"), bytes(b"x"))], None, b"{}"))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!((status, headers, body), (StatusCode::CREATED, vec![("x-id".into(), b"7".to_vec())], "{}".into()));
+        let unknown = |name, value| packed(vec![header(name, value)], None, b"");
+        for bad in [
+            unknown(Name::Numbered(u8::MAX), Value::Numbered(0)),
+            unknown(text("x"), Value::Numbered(u8::MAX)),
+            unknown(text("x"), Value::Date(u64::MAX)),
+            vec![PACKED_NUMBERED, 0xff],
+            vec![9],
+            Vec::new(),
+        ] {
+            assert!(decode(&bad).is_err());
+            assert!(replay(bad).is_err(), "a replay fails where decoding fails");
+        }
     }
 
     #[test]
