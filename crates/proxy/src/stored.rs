@@ -212,9 +212,10 @@ static HEADER_NAMES: std::sync::LazyLock<Vec<HeaderName>> = std::sync::LazyLock:
     NAMES.iter().map(|n| HeaderName::from_bytes(n.as_bytes()).expect("the table holds header names")).collect()
 });
 
-/// [`VALUES`] as header values, made once.
-static HEADER_VALUES: std::sync::LazyLock<Vec<HeaderValue>> =
-    std::sync::LazyLock::new(|| VALUES.iter().map(|v| HeaderValue::from_static(v)).collect());
+/// [`VALUES`] as header values, made once (by the rule `decode` and `into_response` follow).
+static HEADER_VALUES: std::sync::LazyLock<Vec<HeaderValue>> = std::sync::LazyLock::new(|| {
+    VALUES.iter().map(|v| HeaderValue::from_bytes(v.as_bytes()).expect("the table holds header values")).collect()
+});
 
 impl<'a> Name<'a> {
     fn of(name: &'a str) -> Self {
@@ -581,9 +582,25 @@ mod tests {
             header(text("set-cookie"), Value::Numbered(1)),
             header(text("bad name"), bytes(b"skipped")),
             header(text("x-bad-value"), bytes(b"line\nbreak")),
+            header(text("x-latin"), bytes(b"caf\xe9")),
+            header(text("x-last-date"), Value::Date(253_402_300_799)),
         ];
+        // Every name and value of the tables.
+        let every = (0..NAMES.len())
+            .map(|i| header(Name::Numbered(u8::try_from(i).unwrap()), Value::Numbered(0)))
+            .chain((0..VALUES.len()).map(|i| header(text("x-v"), Value::Numbered(u8::try_from(i).unwrap()))))
+            .collect();
+        let version_1 = PackedHead {
+            status: 200,
+            headers: vec![PackedHeader { name: "x-raw".into(), value: vec![0xff] }],
+            omitted: None,
+        };
+        let mut v1 = postcard::to_extend(&version_1, vec![PACKED]).unwrap();
+        v1.extend_from_slice(b"one");
         let mut cases = vec![
             packed(usual, None, b"{\"ok\":true}"),
+            packed(every, None, b"all"),
+            v1,
             packed(vec![header(text("x-id"), bytes(b"1"))], None, b""),
             packed(
                 vec![header(Name::Numbered(0), Value::Numbered(7)), header(text("etag"), bytes(b"\"v1\""))],
@@ -610,16 +627,26 @@ mod tests {
         .await;
         assert_eq!((status, headers, body), (StatusCode::CREATED, vec![("x-id".into(), b"7".to_vec())], "{}".into()));
         let unknown = |name, value| packed(vec![header(name, value)], None, b"");
+        let past_names = u8::try_from(NAMES.len()).unwrap();
+        let past_values = u8::try_from(VALUES.len()).unwrap();
+        let mut bad_status = packed(Vec::new(), None, b"");
+        bad_status.splice(1..3, postcard::to_stdvec(&1000u16).unwrap()); // 201 takes two bytes, as 1000 does
+        assert!(decode(&bad_status).unwrap_err().contains("status"), "the status, not the head, is what fails");
         for bad in [
+            unknown(Name::Numbered(past_names), Value::Numbered(0)),
             unknown(Name::Numbered(u8::MAX), Value::Numbered(0)),
-            unknown(text("x"), Value::Numbered(u8::MAX)),
-            unknown(text("x"), Value::Date(u64::MAX)),
+            unknown(text("x"), Value::Numbered(past_values)),
+            unknown(text("x"), Value::Date(253_402_300_800)),
+            unknown(text("bad name"), Value::Date(u64::MAX)),
+            packed(vec![header(text("x"), bytes(b"1")), header(Name::Numbered(past_names), bytes(b"2"))], None, b""),
+            bad_status,
             vec![PACKED_NUMBERED, 0xff],
             vec![9],
             Vec::new(),
         ] {
-            assert!(decode(&bad).is_err());
-            assert!(replay(bad).is_err(), "a replay fails where decoding fails");
+            let want = decode(&bad).err();
+            assert!(want.is_some(), "{bad:?} does not decode");
+            assert_eq!(replay(bad.clone()).err(), want, "a replay fails where decoding fails, as it fails: {bad:?}");
         }
     }
 
