@@ -457,7 +457,7 @@ pub fn replay(stored: Vec<u8>) -> Result<Response<Body>, String> {
     }
     let (head, body): (NumberedHead<'_>, _) = postcard::take_from_bytes(&stored[1..]).map_err(|e| e.to_string())?;
     if head.omitted.is_some() {
-        return decode(&stored).map(StoredResponse::into_response);
+        return from_numbered(head, body).map(StoredResponse::into_response);
     }
     let mut response = Response::new(Body::empty());
     *response.status_mut() = StatusCode::from_u16(head.status).map_err(|e| e.to_string())?;
@@ -473,22 +473,27 @@ pub fn replay(stored: Vec<u8>) -> Result<Response<Body>, String> {
     Ok(response)
 }
 
+/// The response of a head of this version and the `body` after it.
+fn from_numbered(head: NumberedHead<'_>, body: &[u8]) -> Result<StoredResponse, String> {
+    Ok(StoredResponse {
+        status: StatusCode::from_u16(head.status).map_err(|e| e.to_string())?,
+        headers: head
+            .headers
+            .into_iter()
+            .map(|h| Ok((h.name.into_text()?, h.value.into_bytes()?)))
+            .collect::<Result<_, String>>()?,
+        body: Bytes::copy_from_slice(body),
+        omitted: head.omitted,
+    })
+}
+
 /// Reads what [`StoredResponse::encode`] wrote, or what earlier versions wrote.
 pub fn decode(bytes: &[u8]) -> Result<StoredResponse, String> {
     match bytes.first() {
         Some(&PACKED_NUMBERED) => {
             let (head, body): (NumberedHead<'_>, _) =
                 postcard::take_from_bytes(&bytes[1..]).map_err(|e| e.to_string())?;
-            Ok(StoredResponse {
-                status: StatusCode::from_u16(head.status).map_err(|e| e.to_string())?,
-                headers: head
-                    .headers
-                    .into_iter()
-                    .map(|h| Ok((h.name.into_text()?, h.value.into_bytes()?)))
-                    .collect::<Result<_, String>>()?,
-                body: Bytes::copy_from_slice(body),
-                omitted: head.omitted,
-            })
+            from_numbered(head, body)
         }
         Some(&PACKED) => {
             let (head, body): (PackedHead<'_>, _) =
